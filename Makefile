@@ -1,0 +1,34 @@
+# Two entry points (see README): `make demo` and `make test`.
+# Both create .venv when missing and install everything the project needs.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.kvxfer-installed
+# The CPU build that lies on this kind of machine; override for another torch.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test install clean bench
+
+$(STAMP): pyproject.toml setup.py
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV) $$( $(PYTHON) -c 'import torch' 2>/dev/null && echo --system-site-packages )
+	@# Keep an existing torch (system site or venv); otherwise take the CPU build.
+	@$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q "setuptools>=64" wheel "triton>=3.0" "numpy>=1.24" "msgpack>=1.0" "ucxx-cu12>=0.46" \
+	    "pytest>=8" "pytest-asyncio>=0.23" "pytest-timeout>=2.2"
+	@# No build isolation: the native RMA extension compiles against the libucx headers installed above.
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	@touch $@
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m kvxfer demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) -m kvxfer bench transfer
+
+clean:
+	rm -rf $(VENV) build *.egg-info kvxfer/transport/*.so

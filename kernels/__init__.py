@@ -1,0 +1,1 @@
+"""Triton kernels used by the pools, each with a plain-torch reference."""

@@ -1,0 +1,2 @@
+"""kvxfer: KV-cache transfer for disaggregated LLM serving."""
+__version__ = "0.1.0"

@@ -1,0 +1,5 @@
+import sys
+
+from kvxfer.cli import main
+
+sys.exit(main())

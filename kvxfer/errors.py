@@ -1,0 +1,51 @@
+"""Every exception kvxfer raises on purpose, in one hierarchy rooted at KvxferError.
+
+Pool and kernel errors are defined at the lowest layer (``kernels.errors``) and re-exported
+here, so ``from kvxfer.errors import ...`` is the one place users need.
+"""
+from kernels.errors import (  # noqa: F401
+    BackingError,
+    DoubleFree,
+    IndexOutOfRange,
+    InvalidArgument,
+    KvxferError,
+    OutOfMemory,
+    ShapeMismatch,
+    UnsupportedOperation,
+)
+
+
+class TransportError(KvxferError):
+    """UCX reported a failure (status string and code in the message)."""
+
+
+class PeerClosed(TransportError, ConnectionError):
+    """The peer closed, died or became unreachable."""
+
+
+class TransferTimeout(TransportError, TimeoutError):
+    """A network wait ran past its deadline."""
+
+
+class AuthenticationFailed(TransportError):
+    """The peer failed the shared-secret challenge (or we did)."""
+
+
+class IncompatiblePeer(TransportError):
+    """The peer's protocol version or registered layout does not match ours."""
+
+
+class ProtocolError(KvxferError):
+    """A wire message is malformed, of an unknown type/version, or out of order."""
+
+
+class UnknownGroup(InvalidArgument):
+    """A descriptor group name that was never registered."""
+
+
+class TransferAborted(KvxferError):
+    """The transfer (or request) was aborted by either side."""
+
+
+class Closed(KvxferError):
+    """The engine, manager or handle has been closed."""

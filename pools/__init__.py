@@ -1,0 +1,1 @@
+"""KV-cache and Mamba-state memory pools, allocators and post-capture backing."""
