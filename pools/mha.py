@@ -1,0 +1,197 @@
+"""``MHATokenToKVPool``: one K and one V buffer per layer.
+
+Layouts (constructor argument ``layout``):
+
+* ``"nhd"`` (default) -- ``[size + page_size, H, D]`` per layer: token ``t`` is row ``t``.
+* ``"hnd"`` -- ``[num_pages, H, page_size, D]`` per layer: a page is one contiguous block, a
+  token is ``H`` separate ``D``-element pieces. Needs ``size % page_size == 0``.
+
+Registration: ``2 * layer_num`` entries, ``k0..k{L-1}`` then ``v0..v{L-1}``; ``lens`` =
+``final_span_bytes(size)``, ``item_lens`` = one page of that buffer (``page_size * H * D *
+itemsize``) -- for both layouts, since a page is contiguous in both.
+
+Writes and moves go through the kernels (``kernels.store``, ``kernels.store_paged``,
+``kernels.copy``): one launch per layer for a store, one launch for a move of all layers.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from kernels.copy import KvCopyTable
+from kernels.errors import InvalidArgument, ShapeMismatch
+from kernels.store import store_kv, store_kv_prefix_valid
+from kernels.store_paged import store_kv_paged
+from pools.base import KVCache
+from pools.cpu_copy import TokenBuffer
+from pools.layout import KvBufferDesc, num_pages_for, per_layer_descs
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MHATokenToKVPool"]
+
+_LAYOUTS = ("nhd", "hnd")
+
+
+class MHATokenToKVPool(KVCache):
+    """Per-layer K/V pool (see module docstring)."""
+
+    kind = "mha"
+
+    def __init__(self, size: int, page_size: int, dtype: torch.dtype, head_num: int,
+                 head_dim: int, layer_num: int, device="cpu", *, v_head_dim: Optional[int] = None,
+                 start_layer: Optional[int] = None, end_layer: Optional[int] = None,
+                 layout: str = "nhd", kernel_backend: str = "auto",
+                 cpu_copy_chunk_tokens: int = 8192):
+        super().__init__(size, page_size, dtype, layer_num, device, start_layer=start_layer,
+                         end_layer=end_layer, kernel_backend=kernel_backend,
+                         cpu_copy_chunk_tokens=cpu_copy_chunk_tokens)
+        for name, value in (("head_num", head_num), ("head_dim", head_dim),
+                            ("v_head_dim", head_dim if v_head_dim is None else v_head_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
+        self.head_num = head_num
+        self.head_dim = head_dim
+        self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        self._set_layout(layout)
+        self._create_buffers()
+        copy_buffers = self._copy_buffers()
+        self._copy_table = KvCopyTable(copy_buffers) if copy_buffers else None
+        logger.debug("created %r (%d bytes)", self, self.get_kv_size_bytes())
+
+    # -- construction (overridden by the page-major pool) ------------------------------------
+    def _set_layout(self, layout: str) -> None:
+        if layout not in _LAYOUTS:
+            raise InvalidArgument(f"layout must be one of {_LAYOUTS}, got {layout!r}")
+        self.layout = layout
+        if layout == "hnd":
+            self.num_pages = num_pages_for(self.size, self.page_size)
+
+    def _buffer_shapes(self) -> tuple[tuple, tuple]:
+        H, ps = self.head_num, self.page_size
+        if self.layout == "hnd":
+            P = self.num_pages
+            return (P, H, ps, self.head_dim), (P, H, ps, self.v_head_dim)
+        return (self.num_slots, H, self.head_dim), (self.num_slots, H, self.v_head_dim)
+
+    def _create_buffers(self) -> None:
+        k_shape, v_shape = self._buffer_shapes()
+        kw = dict(dtype=self.store_dtype, device=self.device)
+        # zeros: unwritten slots (the padding page included) read as zero.
+        self.k_buffer = [torch.zeros(k_shape, **kw) for _ in range(self.layer_num)]
+        self.v_buffer = [torch.zeros(v_shape, **kw) for _ in range(self.layer_num)]
+
+    def _rows_contiguous(self) -> bool:
+        """True when a layer buffer is ``[num_slots, ...]`` with token ``t`` at row ``t``."""
+        return self.layout == "nhd"
+
+    def _paged_views(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """HND buffer -> one 4-D ``[pages, page_size, 1, D]`` view per head (rows contiguous)."""
+        return [buf[:, h].unsqueeze(2) for h in range(self.head_num)]
+
+    def _copy_buffers(self) -> list[torch.Tensor]:
+        bufs = self.k_buffer + self.v_buffer
+        if self.layout == "hnd":
+            return [view for b in bufs for view in self._paged_views(b)]
+        return bufs
+
+    # -- KVCache plumbing ---------------------------------------------------------------------
+    def _registered(self) -> list[tuple[torch.Tensor, KvBufferDesc]]:
+        k_shape, v_shape = self._buffer_shapes()
+        tpr = self.page_size if self.layout == "hnd" else 1
+        isz = self.store_dtype.itemsize
+        descs = (per_layer_descs("k", self.layer_num, k_shape, isz, tpr)
+                 + per_layer_descs("v", self.layer_num, v_shape, isz, tpr))
+        return list(zip(self.k_buffer + self.v_buffer, descs))
+
+    def _token_buffers(self) -> list[TokenBuffer]:
+        indexing = "hnd" if self.layout == "hnd" else "rows"
+        return [TokenBuffer(b, indexing) for b in self.k_buffer + self.v_buffer]
+
+    # -- getters ------------------------------------------------------------------------------
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        idx = self.layer_index(layer_id)
+        self._wait_layer(idx)
+        return self._as_logical(self.k_buffer[idx])
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        idx = self.layer_index(layer_id)
+        self._wait_layer(idx)
+        return self._as_logical(self.v_buffer[idx])
+
+    # -- writes -------------------------------------------------------------------------------
+    def _prepare(self, loc, k, v, k_scale, v_scale):
+        loc = self._as_loc(loc)
+        k = self._to_store(k, k_scale)
+        v = self._to_store(v, v_scale)
+        n = loc.shape[0]
+        self._check_rows("k", k, n, (self.head_num, self.head_dim))
+        self._check_rows("v", v, n, (self.head_num, self.v_head_dim))
+        return loc, k, v
+
+    def set_kv_buffer(self, layer, loc, k: torch.Tensor, v: torch.Tensor, *,
+                      mask: Optional[torch.Tensor] = None, k_scale: Optional[float] = None,
+                      v_scale: Optional[float] = None) -> None:
+        """Write ``k [N, H, D]`` / ``v [N, H, Dv]`` of ``layer`` at token ids ``loc [N]``;
+        with ``mask`` (bool ``[N]``) only rows where it is True are written."""
+        idx = self.layer_index(layer)
+        loc, k, v = self._prepare(loc, k, v, k_scale, v_scale)
+        if mask is not None:
+            mask = self._as_mask(mask, loc.shape[0])
+        self._store_layer(idx, loc, k, v, mask)
+
+    def _as_mask(self, mask, n: int) -> torch.Tensor:
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+            raise InvalidArgument(f"mask must be a bool tensor, got {mask!r:.80}")
+        if tuple(mask.shape) != (n,):
+            raise ShapeMismatch(f"mask has shape {tuple(mask.shape)}, expected {(n,)}")
+        return mask.to(self.device)
+
+    def _store_layer(self, idx: int, loc, k, v, mask) -> None:
+        """Physical write into layer ``idx`` (inputs already in store dtype and checked)."""
+        if self._rows_contiguous():
+            store_kv(self.k_buffer[idx], self.v_buffer[idx], loc, k, v, mask=mask,
+                     backend=self.kernel_backend)
+            return
+        if mask is not None:  # paged stores have no mask: select rows (syncs on GPU)
+            keep = mask.nonzero().flatten()
+            loc, k, v = loc[keep], k[keep], v[keep]
+        self._store_paged(idx, loc, k, v)
+
+    def _store_paged(self, idx: int, loc, k, v) -> None:
+        """HND: one paged store per head (a head's token row is contiguous)."""
+        kv_views = zip(self._paged_views(self.k_buffer[idx]), self._paged_views(self.v_buffer[idx]))
+        for h, (kh, vh) in enumerate(kv_views):
+            store_kv_paged(kh, vh, loc, k[:, h:h + 1], v[:, h:h + 1],
+                           backend=self.kernel_backend)
+
+    def set_kv_buffer_prefix_valid(self, layer, loc_2d, commit_lens, k: torch.Tensor,
+                                   v: torch.Tensor, *, k_scale: Optional[float] = None,
+                                   v_scale: Optional[float] = None) -> None:
+        """Write row ``(b, t)`` of ``k/v [B*T, ...]`` at ``loc_2d[b, t]`` only when
+        ``t < commit_lens[b]`` (speculative decoding commits a prefix of each draft)."""
+        idx = self.layer_index(layer)
+        if not isinstance(loc_2d, torch.Tensor) or loc_2d.dim() != 2:
+            raise ShapeMismatch(f"loc_2d must be a 2-D tensor, got {getattr(loc_2d, 'shape', loc_2d)}")
+        if not isinstance(commit_lens, torch.Tensor) or tuple(commit_lens.shape) != (loc_2d.shape[0],):
+            raise ShapeMismatch(f"commit_lens must have shape {(loc_2d.shape[0],)}, got "
+                                f"{tuple(getattr(commit_lens, 'shape', ()))}")
+        B, T = loc_2d.shape
+        flat, k, v = self._prepare(loc_2d.reshape(-1), k, v, k_scale, v_scale)
+        commit_lens = commit_lens.to(self.device)
+        if self._rows_contiguous():
+            store_kv_prefix_valid(self.k_buffer[idx], self.v_buffer[idx], flat.view(B, T),
+                                  commit_lens, k, v, backend=self.kernel_backend)
+            return
+        keep = torch.arange(T, device=self.device)[None, :] < commit_lens.to(torch.int64)[:, None]
+        self._store_layer(idx, flat, k, v, keep.reshape(-1))
+
+    # -- moves --------------------------------------------------------------------------------
+    def move_kv_cache(self, tgt_loc, src_loc) -> None:
+        """Copy token rows ``src_loc -> tgt_loc`` in every layer's K and V, one launch."""
+        tgt, src = self._move_locs(tgt_loc, src_loc)
+        if self._copy_table is None or tgt.numel() == 0:
+            return
+        self._copy_table.move(tgt, src, backend=self.kernel_backend)

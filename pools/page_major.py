@@ -1,0 +1,78 @@
+"""``PageMajorMHATokenToKVPool``: every layer's K and V in ONE raw byte buffer, page-major.
+
+A page holds all layers, layer-major within the page (for layer ``l``: K rows ``[page_size, H,
+D]`` then V rows ``[page_size, H, Dv]``); the byte map is :class:`pools.layout.PageMajorGeometry`.
+Per-layer K/V are 4-D strided views ``[num_pages, page_size, H, D]`` of that buffer (each token
+row contiguous, pages strided by ``page_bytes``), so attention backends index them like any
+paged cache.
+
+Because one page of all layers is one contiguous byte range, registration is exactly ONE
+descriptor entry covering the whole buffer with ``item_len = page_bytes``: a transfer of a run
+of pages is one RMA operation instead of ``2 * layer_num``. Move, prefix-valid store and host
+copy/restore are all supported (through the 4-D views). Needs ``size % page_size == 0``.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kernels.errors import InvalidArgument
+from kernels.store_paged import store_kv_paged
+from pools.cpu_copy import TokenBuffer
+from pools.layout import KvBufferDesc, PageMajorGeometry
+from pools.mha import MHATokenToKVPool
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PageMajorMHATokenToKVPool"]
+
+
+class PageMajorMHATokenToKVPool(MHATokenToKVPool):
+    """Page-major MHA pool (see module docstring). Same constructor as
+    :class:`MHATokenToKVPool`; ``layout`` may only be ``"page_major"``."""
+
+    kind = "mha_page_major"
+
+    def __init__(self, *args, layout: str = "page_major", **kwargs):
+        super().__init__(*args, layout=layout, **kwargs)
+
+    def _set_layout(self, layout: str) -> None:
+        if layout != "page_major":
+            raise InvalidArgument(f"PageMajorMHATokenToKVPool has layout 'page_major', got {layout!r}")
+        self.layout = "page_major"
+        self.geometry = PageMajorGeometry.for_pool(
+            size=self.size, page_size=self.page_size, layer_num=max(self.layer_num, 1),
+            head_num=self.head_num, head_dim=self.head_dim, v_head_dim=self.v_head_dim,
+            itemsize=self.store_dtype.itemsize)
+        self.num_pages = self.geometry.num_pages
+
+    def _create_buffers(self) -> None:
+        g = self.geometry
+        nbytes = g.total_bytes if self.layer_num else 0
+        # zeros: unwritten slots read as zero, as in the per-layer pool.
+        self.raw = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        flat = self.raw.view(self.store_dtype)
+        self.k_buffer, self.v_buffer = [], []
+        for layer in range(self.layer_num):
+            for kind, out in (("k", self.k_buffer), ("v", self.v_buffer)):
+                spec = g.view_spec(kind, layer)
+                out.append(flat.as_strided(spec.shape, spec.strides, spec.offset))
+
+    def _copy_buffers(self) -> list[torch.Tensor]:
+        return self.k_buffer + self.v_buffer
+
+    def _registered(self) -> list[tuple[torch.Tensor, KvBufferDesc]]:
+        if not self.layer_num:
+            return []
+        return [(self.raw, self.geometry.buffer_desc("kv"))]
+
+    def _token_buffers(self) -> list[TokenBuffer]:
+        return [TokenBuffer(b, "paged") for b in self.k_buffer + self.v_buffer]
+
+    def _rows_contiguous(self) -> bool:
+        return False
+
+    def _store_paged(self, idx: int, loc, k, v) -> None:
+        store_kv_paged(self.k_buffer[idx], self.v_buffer[idx], loc, k, v,
+                       backend=self.kernel_backend)
