@@ -1,0 +1,260 @@
+"""``kvxfer bench kernels``: bandwidth of the Triton kernels against ``torch`` ``copy_``.
+
+For every kernel and token count it times, in the same run:
+
+* the Triton kernel (``backend="triton"``);
+* the plain-torch reference (``backend="torch"``), i.e. what the fallback path costs;
+* ``dst.copy_(src)`` between two contiguous buffers holding exactly the bytes the kernel
+  moves (the baseline).
+
+Bandwidth counts bytes read + bytes written (payload only; index tensors are ignored).
+The ratio is ``copy_ time / kernel time`` for the same bytes (1.0 = as fast as copy_;
+target >= 0.8). On CUDA each figure is the median of ``triton.testing.do_bench`` (L2
+flushed between repetitions). On CPU only the torch reference and copy_ run, at tiny
+sizes, best of a few runs (Triton on CPU means the interpreter, whose timings are meaningless).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from kernels import copy as kcopy
+from kernels import mla, store, store_paged
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.uint8}
+KERNELS = ("store", "store_masked", "store_prefix", "store_paged", "move", "move_paged",
+           "mla_store", "mla_gather")
+TARGET = 0.8
+
+
+def _time_cuda(fn: Callable[[], object], rep_ms: int) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms,
+                                         return_mode="median")) * 1e-3
+
+
+def _time_cpu(fn: Callable[[], object], rep_ms: int) -> float:
+    fn()
+    times, deadline = [], time.perf_counter() + rep_ms * 1e-3
+    while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 50):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)  # best of N: the least disturbed run on a shared CPU
+
+
+class _Case:
+    """One benchmark case: a Triton call, a torch call and the payload bytes they move."""
+
+    def __init__(self, name: str, tokens: int, payload: int, triton_fn, torch_fn):
+        self.name, self.tokens, self.payload = name, tokens, payload
+        self.triton_fn, self.torch_fn = triton_fn, torch_fn
+
+
+def _paged_locs(n: int, capacity: int, page_size: int, gen: torch.Generator, device):
+    """Token ids of ``n`` tokens on randomly chosen whole pages, plus disjoint ones (for moves)."""
+    pages = torch.randperm(capacity // page_size, generator=gen)
+    need = -(-n // page_size)
+    offs = torch.arange(page_size)
+    first = (pages[:need, None] * page_size + offs).reshape(-1)[:n]
+    second = (pages[need:2 * need, None] * page_size + offs).reshape(-1)[:n]
+    return first.to(device), second.to(device)
+
+
+def _page_major(layers, num_pages, ps, heads, dim, dtype, device):
+    row = heads * dim
+    page_elems = layers * ps * 2 * row
+    raw = torch.empty(num_pages * page_elems, dtype=dtype, device=device)
+    ks = [raw.as_strided((num_pages, ps, heads, dim), (page_elems, row, dim, 1), 2 * l * ps * row)
+          for l in range(layers)]
+    vs = [raw.as_strided((num_pages, ps, heads, dim), (page_elems, row, dim, 1),
+                         (2 * l + 1) * ps * row) for l in range(layers)]
+    return raw, ks, vs
+
+
+def _build(kind: str, n: int, a, device) -> _Case:
+    dt, H, D, L, ps = DTYPES[a.dtype], a.heads, a.head_dim, a.layers, a.page_size
+    gen = torch.Generator().manual_seed(n)
+    cap = 2 * n + 2 * ps
+    cap -= cap % ps
+    isz = torch.empty(0, dtype=dt).element_size()
+    row = H * D * isz
+    if kind in ("store", "store_masked", "store_prefix"):
+        kc = torch.empty(cap, H, D, dtype=dt, device=device)
+        vc = torch.empty(cap, H, D, dtype=dt, device=device)
+        k = torch.empty(n, H, D, dtype=dt, device=device)
+        v = torch.empty(n, H, D, dtype=dt, device=device)
+        loc, _ = _paged_locs(n, cap, ps, gen, device)
+        if kind == "store":
+            return _Case(kind, n, 2 * n * row,
+                         lambda: store.store_kv(kc, vc, loc, k, v, backend="triton"),
+                         lambda: store.store_kv(kc, vc, loc, k, v, backend="torch"))
+        if kind == "store_masked":
+            mask = (torch.rand(n, generator=gen) < 0.5).to(device)
+            written = int(mask.sum())
+            return _Case(kind, n, 2 * written * row,
+                         lambda: store.store_kv(kc, vc, loc, k, v, mask=mask, backend="triton"),
+                         lambda: store.store_kv(kc, vc, loc, k, v, mask=mask, backend="torch"))
+        T = 8
+        B = n // T
+        loc_2d = loc[:B * T].view(B, T)
+        commit = torch.randint(1, T + 1, (B,), generator=gen).to(device)
+        kk, vv = k[:B * T], v[:B * T]
+        return _Case(kind, n, 2 * int(commit.sum()) * row,
+                     lambda: store.store_kv_prefix_valid(kc, vc, loc_2d, commit, kk, vv,
+                                                         backend="triton"),
+                     lambda: store.store_kv_prefix_valid(kc, vc, loc_2d, commit, kk, vv,
+                                                         backend="torch"))
+    if kind in ("store_paged", "move_paged"):
+        _, ks, vs = _page_major(L, cap // ps, ps, H, D, dt, device)
+        if kind == "store_paged":
+            k = torch.empty(n, H, D, dtype=dt, device=device)
+            v = torch.empty(n, H, D, dtype=dt, device=device)
+            loc, _ = _paged_locs(n, cap, ps, gen, device)
+            mid = L // 2
+            return _Case(kind, n, 2 * n * row,
+                         lambda: store_paged.store_kv_paged(ks[mid], vs[mid], loc, k, v,
+                                                            backend="triton"),
+                         lambda: store_paged.store_kv_paged(ks[mid], vs[mid], loc, k, v,
+                                                            backend="torch"))
+        table = kcopy.KvCopyTable(ks + vs)
+        tgt, src = _paged_locs(n, cap, ps, gen, device)
+        return _Case(kind, n, 2 * L * n * row,
+                     lambda: table.move(tgt, src, backend="triton"),
+                     lambda: table.move(tgt, src, backend="torch"))
+    if kind == "move":
+        bufs = [torch.empty(cap, H, D, dtype=dt, device=device) for _ in range(2 * L)]
+        table = kcopy.KvCopyTable(bufs)
+        tgt, src = _paged_locs(n, cap, ps, gen, device)
+        return _Case(kind, n, 2 * L * n * row,
+                     lambda: table.move(tgt, src, backend="triton"),
+                     lambda: table.move(tgt, src, backend="torch"))
+    dn, dr = a.mla_nope, a.mla_rope
+    cache = torch.empty(cap, 1, dn + dr, dtype=dt, device=device)
+    loc, _ = _paged_locs(n, cap, ps, gen, device)
+    mla_row = (dn + dr) * isz
+    if kind == "mla_store":
+        nope = torch.empty(n, 1, dn, dtype=dt, device=device)
+        rope = torch.empty(n, 1, dr, dtype=dt, device=device)
+        return _Case(kind, n, n * mla_row,
+                     lambda: mla.store_mla(cache, loc, nope, rope, backend="triton"),
+                     lambda: mla.store_mla(cache, loc, nope, rope, backend="torch"))
+    return _Case(kind, n, n * mla_row,
+                 lambda: mla.gather_mla(cache, loc, dn, backend="triton"),
+                 lambda: mla.gather_mla(cache, loc, dn, backend="torch"))
+
+
+def _measure(case: _Case, device, rep_ms: int, use_triton: bool) -> dict:
+    timer = _time_cuda if device.type == "cuda" else _time_cpu
+    src = torch.empty(case.payload, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t_copy = timer(lambda: dst.copy_(src), rep_ms)
+    del src, dst
+    t_triton = timer(case.triton_fn, rep_ms) if use_triton else None
+    t_torch = timer(case.torch_fn, rep_ms)
+    moved = 2 * case.payload  # read + written
+    return {
+        "kernel": case.name, "tokens": case.tokens, "bytes": moved,
+        "triton_s": t_triton, "torch_s": t_torch, "copy_s": t_copy,
+        "triton_gbps": moved / t_triton / 1e9 if t_triton else None,
+        "torch_gbps": moved / t_torch / 1e9,
+        "copy_gbps": moved / t_copy / 1e9,
+        "ratio": t_copy / t_triton if t_triton else None,
+        "torch_ratio": t_copy / t_torch,
+    }
+
+
+def _fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def _table(rows: list[dict]) -> str:
+    out = ["| kernel | tokens | MB moved | Triton us | Triton GB/s | torch ref GB/s "
+           "| copy_ GB/s | Triton / copy_ |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        out.append(
+            f"| {r['kernel']} | {r['tokens']} | {r['bytes'] / 1e6:.1f} "
+            f"| {_fmt(r['triton_s'] and r['triton_s'] * 1e6, '.1f')} "
+            f"| {_fmt(r['triton_gbps'], '.0f')} | {r['torch_gbps']:.0f} | {r['copy_gbps']:.0f} "
+            f"| {_fmt(r['ratio'], '.2f')} |")
+    return "\n".join(out)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvxfer bench kernels", description=__doc__.split("\n")[0])
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--tokens", default=None,
+                   help="comma-separated token counts (default: 4096,16384,65536 on CUDA, "
+                        "256,1024 on CPU)")
+    p.add_argument("--kernels", default=",".join(KERNELS), help=f"subset of {','.join(KERNELS)}")
+    p.add_argument("--layers", type=int, default=None, help="layers (default 32 CUDA, 2 CPU)")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--mla-nope", type=int, default=512)
+    p.add_argument("--mla-rope", type=int, default=64)
+    p.add_argument("--rep-ms", type=int, default=100, help="timing budget per measurement")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_cuda = device.type == "cuda"
+    default_tokens = "4096,16384,65536" if on_cuda else "256,1024"
+    tokens = [int(t) for t in (a.tokens or default_tokens).split(",") if t]
+    a.layers = a.layers or (32 if on_cuda else 2)
+    kinds = [k for k in a.kernels.split(",") if k]
+    unknown = sorted(set(kinds) - set(KERNELS))
+    if unknown:
+        print(f"unknown kernels {unknown}; choose from {KERNELS}", file=sys.stderr)
+        return 2
+    if on_cuda:
+        where = f"{torch.cuda.get_device_name(device)}"
+    else:
+        where = "CPU"
+    print(f"# Kernel bandwidth on {where}\n")
+    print(f"torch {torch.__version__}; dtype {a.dtype}; {a.layers} layers x {a.heads} heads x "
+          f"{a.head_dim} dim (K and V); page_size {a.page_size}; MLA {a.mla_nope}+{a.mla_rope}.")
+    print("GB/s counts bytes read + written; ratio = copy_ time / Triton time for the same "
+          f"bytes (target >= {TARGET}).")
+    if not on_cuda:
+        print("\n**CPU run: torch reference and copy_ only, at tiny sizes; the Triton kernels "
+              "are benchmarked on a CUDA device.**")
+    print()
+    rows = []
+    for kind in kinds:
+        for n in tokens:
+            case = _build(kind, n, a, device)
+            rows.append(_measure(case, device, a.rep_ms, use_triton=on_cuda))
+            del case
+            if on_cuda:
+                torch.cuda.empty_cache()
+    print(_table(rows))
+    if on_cuda:
+        ratios = [r["ratio"] for r in rows]
+        worst = min(rows, key=lambda r: r["ratio"])
+        print(f"\nworst ratio {worst['ratio']:.2f} ({worst['kernel']}, {worst['tokens']} tokens); "
+              f"median {statistics.median(ratios):.2f}; "
+              f"{sum(r >= TARGET for r in ratios)}/{len(ratios)} cases >= {TARGET}")
+    if a.json:
+        meta = {"device": where, "torch": torch.__version__, "dtype": a.dtype,
+                "layers": a.layers, "heads": a.heads, "head_dim": a.head_dim,
+                "page_size": a.page_size, "target": TARGET}
+        with open(a.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

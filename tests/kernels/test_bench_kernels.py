@@ -1,0 +1,34 @@
+"""Smoke test of `kvxfer bench kernels` at toy sizes (the real run is on the GPU)."""
+import json
+
+import pytest
+
+from _kernels_testlib import DEVICE, ON_CUDA
+from kvxfer.bench import kernels as bench
+from kvxfer.bench import main as bench_main
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_bench_kernels_reports_every_kernel(tmp_path, capsys):
+    out = tmp_path / "k.json"
+    rc = bench.main(["--device", DEVICE.type, "--tokens", "32", "--layers", "2", "--heads", "1",
+                     "--head-dim", "8", "--mla-nope", "8", "--mla-rope", "4", "--rep-ms", "1",
+                     "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "| kernel | tokens |" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["kernel"] for r in rows] == list(bench.KERNELS)
+    for r in rows:
+        assert r["bytes"] > 0 and r["copy_gbps"] > 0 and r["torch_gbps"] > 0
+        assert (r["ratio"] is not None) == ON_CUDA
+    if not ON_CUDA:
+        assert "CPU run" in text
+
+
+def test_bench_dispatch_errors(capsys):
+    assert bench_main(["nosuch"]) == 2
+    assert "unknown benchmark" in capsys.readouterr().err
+    assert bench_main([]) == 0
+    assert "kernels" in capsys.readouterr().out

@@ -1,0 +1,40 @@
+"""Checks shared by the FP4 / DSA / MiniMax pool tests (imported by name; pytest puts this
+folder on sys.path). The device comes from KVXFER_TEST_DEVICE (default cpu)."""
+from __future__ import annotations
+
+import os
+
+import msgpack
+import torch
+
+DEVICE = torch.device(os.environ.get("KVXFER_TEST_DEVICE", "cpu"))
+REQUIRED_KEYS = {"kind", "dtype", "page_size", "layer_num", "head_num", "head_dim",
+                 "v_head_dim", "layout", "item_lens"}
+
+
+def loc(values) -> torch.Tensor:
+    return torch.as_tensor(values, dtype=torch.int64, device=DEVICE)
+
+
+def check_registration(pool) -> list[torch.Tensor]:
+    """Descriptor invariants of the contract; returns the item views."""
+    ptrs, lens, items = pool.get_contiguous_buf_infos()
+    assert len(ptrs) == len(lens) == len(items) > 0
+    views = pool.get_item_views()
+    assert len(views) == len(ptrs)
+    for v, p, n, it in zip(views, ptrs, lens, items):
+        assert n % it == 0
+        assert v.dtype == torch.uint8 and tuple(v.shape) == (n // it, it)
+        assert v.data_ptr() == p and v.is_contiguous()
+    d = pool.describe()
+    assert REQUIRED_KEYS <= set(d) and d["item_lens"] == items
+    assert msgpack.unpackb(msgpack.packb(d)) == d  # plain values only
+    return views
+
+
+def views_snapshot(views) -> list[torch.Tensor]:
+    return [v.clone() for v in views]
+
+
+def item_rows(view: torch.Tensor, page: int) -> torch.Tensor:
+    return view[page]
