@@ -23,6 +23,11 @@ Registration
     ``item_lens[i]`` = one page of that buffer. ``get_item_views()`` gives the same bytes as
     ``uint8 [lens[i] // item_lens[i], item_lens[i]]`` tensors: row ``p`` is page ``p``.
     ``describe()`` is the plain-dict layout fingerprint two peers compare.
+
+Post-capture backing
+    Pools built with ``post_capture_active=True`` reserve their buffers and back them later
+    (:mod:`pools.post_capture`): valid ids are then ``[0, token_limit)`` and ``lens[i]`` is the
+    *backed* span of buffer ``i``. For an ordinary pool ``token_limit == num_slots``.
 """
 from __future__ import annotations
 
@@ -35,6 +40,8 @@ import torch
 from kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
 from pools.cpu_copy import KvCpuCopy, TokenBuffer, copy_to_host, load_from_host
 from pools.layout import KvBufferDesc
+from pools.post_capture import PostCaptureMixin
+from pools.write_loc import KVWriteLoc
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +77,7 @@ def byte_rows_view(t: torch.Tensor, nrows: int, row_bytes: int) -> torch.Tensor:
     return out
 
 
-class KVCache(abc.ABC):
+class KVCache(PostCaptureMixin, abc.ABC):
     """Abstract KV pool. Subclasses set ``kind``/``layout`` and the head geometry attributes
     used by :meth:`describe`, create their buffers, and implement the abstract methods."""
 
@@ -109,6 +116,8 @@ class KVCache(abc.ABC):
 
     def layer_index(self, layer: Any) -> int:
         """Buffer index of ``layer`` (a global layer id or an object with ``.layer_id``)."""
+        if self._closed:
+            self._check_open()
         layer_id = getattr(layer, "layer_id", layer)
         if isinstance(layer_id, bool) or not isinstance(layer_id, int):
             raise InvalidArgument(f"layer must be an int id or have .layer_id, got {layer!r}")
@@ -148,7 +157,11 @@ class KVCache(abc.ABC):
         return buf.view(self.dtype) if self.store_dtype != self.dtype else buf
 
     def _as_loc(self, loc, name: str = "loc") -> torch.Tensor:
-        """``loc`` as a 1-D int32/int64 tensor on the pool device (no copy when it already is)."""
+        """``loc`` as a 1-D int32/int64 tensor on the pool device (no copy when it already is).
+
+        A :class:`~pools.write_loc.KVWriteLoc` contributes its generic ``loc``."""
+        if isinstance(loc, KVWriteLoc):
+            loc = loc.loc
         if not isinstance(loc, torch.Tensor):
             loc = torch.as_tensor(loc, dtype=torch.int64)
         if loc.dtype not in (torch.int32, torch.int64):
@@ -162,6 +175,7 @@ class KVCache(abc.ABC):
         return loc
 
     def _move_locs(self, tgt_loc, src_loc) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check_open()
         tgt = self._as_loc(tgt_loc, "tgt_loc")
         src = self._as_loc(src_loc, "src_loc")
         if tgt.shape != src.shape:
@@ -202,8 +216,8 @@ class KVCache(abc.ABC):
     # -- registration ---------------------------------------------------------------------------
     def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
         regs = self._registered()
+        lens = self._span_lens(regs)
         ptrs = [int(t.data_ptr()) for t, _ in regs]
-        lens = [d.final_span_bytes(self.size, self.page_size) for _, d in regs]
         items = [d.item_len_bytes(self.page_size) for _, d in regs]
         return ptrs, lens, items
 
@@ -212,11 +226,11 @@ class KVCache(abc.ABC):
 
     def get_item_views(self) -> list[torch.Tensor]:
         """``uint8 [lens[i] // item_lens[i], item_lens[i]]`` views of the registered bytes."""
+        regs = self._registered()
         views = []
-        for t, d in self._registered():
+        for (t, d), span in zip(regs, self._span_lens(regs)):
             item = d.item_len_bytes(self.page_size)
-            views.append(byte_rows_view(t, d.final_span_bytes(self.size, self.page_size) // item,
-                                        item))
+            views.append(byte_rows_view(t, span // item, item))
         return views
 
     def describe(self) -> dict:
@@ -234,15 +248,17 @@ class KVCache(abc.ABC):
         }
 
     def get_kv_size_bytes(self) -> int:
-        """Bytes held by the registered buffers (the whole allocation)."""
-        return sum(d.final_span_bytes(self.size, self.page_size) for _, d in self._registered())
+        """Bytes held by the registered buffers (the whole allocation; for a post-capture pool
+        the backed spans)."""
+        return sum(self._span_lens(self._registered()))
 
     # -- host copies (retract / restore) -------------------------------------------------------
     def get_cpu_copy(self, indices, *, chunk_tokens: Optional[int] = None,
                      pin_memory: Optional[bool] = None) -> KvCpuCopy:
         """Copy the token rows at ``indices`` of every layer to host memory."""
+        self._check_open()
         return copy_to_host(self._token_buffers(), indices, page_size=self.page_size,
-                            limit=self.num_slots, store_dtype=self.store_dtype,
+                            limit=self.token_limit, store_dtype=self.store_dtype,
                             chunk_tokens=chunk_tokens or self.cpu_copy_chunk_tokens,
                             pin_memory=self.device.type == "cuda" if pin_memory is None
                             else pin_memory)
@@ -251,8 +267,9 @@ class KVCache(abc.ABC):
                       ) -> None:
         """Write a copy back at ``indices`` (any ids, as many as were copied). Validates the
         copy against this pool first; on any mismatch raises and writes nothing."""
+        self._check_open()
         load_from_host(copy, self._token_buffers(), indices, page_size=self.page_size,
-                       limit=self.num_slots, store_dtype=self.store_dtype,
+                       limit=self.token_limit, store_dtype=self.store_dtype,
                        chunk_tokens=chunk_tokens or self.cpu_copy_chunk_tokens)
 
     def __repr__(self) -> str:

@@ -15,6 +15,11 @@ mamba_indices)`` → :class:`HybridCpuCopy`; ``load_cpu_copy`` validates the Mam
 loads the KV part (which validates itself before writing), then the Mamba part — so a bad
 copy or bad indices raise before anything is written.
 
+Post-capture backing (:mod:`pools.post_capture`) is the inner KV pool's: build it with
+``post_capture_active=True``; ``finalize_backing`` / ``release_beyond`` / ``close`` /
+``post_capture_backed_bytes`` / ``token_limit`` delegate to it (the Mamba state pool is sized
+before capture and never resized). ``post_capture_active`` given here must agree with it.
+
 ``HybridReqToTokenPool`` (request → mamba slot bookkeeping) is re-exported from here.
 """
 from __future__ import annotations
@@ -58,6 +63,7 @@ class HybridLinearKVPool(KVCache):
         full_attention_layer_ids: Sequence[int],
         *,
         start_layer: int = 0,
+        post_capture_active: Optional[bool] = None,
     ):
         if not isinstance(kv_pool, KVCache):
             raise InvalidArgument(f"kv_pool must be a KVCache, got {type(kv_pool).__name__}")
@@ -70,6 +76,11 @@ class HybridLinearKVPool(KVCache):
             raise InvalidArgument(
                 f"{len(ids)} full-attention layer ids but the KV pool has {kv_pool.layer_num} layers"
             )
+        inner_pc = bool(getattr(kv_pool, "post_capture_active", False))
+        if post_capture_active is not None and post_capture_active != inner_pc:
+            raise InvalidArgument(
+                f"post_capture_active={post_capture_active} but the inner KV pool was built with "
+                f"post_capture_active={inner_pc} (the backing is the inner pool's)")
         overlap = set(ids) & set(mamba_pool.spec.layer_ids)
         if overlap:
             raise InvalidArgument(f"layer ids {sorted(overlap)} are both full-attention and mamba layers")
@@ -157,6 +168,41 @@ class HybridLinearKVPool(KVCache):
     def move_kv_cache(self, tgt_loc, src_loc) -> None:
         """Moves KV rows only (Mamba state is per request: see ``MambaPool.copy_from``)."""
         self.kv_pool.move_kv_cache(tgt_loc, src_loc)
+
+    # ------------------------------------------------------------------ post-capture backing
+    @property
+    def post_capture_active(self) -> bool:
+        return bool(getattr(self.kv_pool, "post_capture_active", False))
+
+    @property
+    def backing(self):
+        return self.kv_pool.backing
+
+    @property
+    def closed(self) -> bool:
+        return self.kv_pool.closed
+
+    @property
+    def token_limit(self) -> int:
+        return self.kv_pool.token_limit
+
+    @property
+    def post_capture_backed_bytes(self) -> int:
+        return self.kv_pool.post_capture_backed_bytes
+
+    def finalize_backing(self, max_total_num_tokens) -> None:
+        """Finalize the inner KV pool's backing (Mamba state is fixed before capture)."""
+        self.kv_pool.finalize_backing(max_total_num_tokens)
+        self.size = self.kv_pool.size
+
+    def release_beyond(self, num_tokens) -> int:
+        freed = self.kv_pool.release_beyond(num_tokens)
+        self.size = self.kv_pool.size
+        return freed
+
+    def close(self) -> None:
+        """Close the inner KV pool's backing (idempotent; the Mamba pool is ordinary memory)."""
+        self.kv_pool.close()
 
     # ------------------------------------------------------------------ mamba access
     def mamba_layer_cache(self, layer_id: int) -> MambaLayerCache:

@@ -12,11 +12,15 @@ itemsize``) -- for both layouts, since a page is contiguous in both.
 
 Writes and moves go through the kernels (``kernels.store``, ``kernels.store_paged``,
 ``kernels.copy``): one launch per layer for a store, one launch for a move of all layers.
+
+``post_capture_active=True`` reserves the buffers and backs page 0 only until
+``finalize_backing(n)`` (see :mod:`pools.post_capture`); ``backing_options`` passes
+``max_extent_bytes`` / ``handle_types`` / ``one_range`` / ``provider`` to the backing.
 """
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -27,6 +31,7 @@ from kernels.store_paged import store_kv_paged
 from pools.base import KVCache
 from pools.cpu_copy import TokenBuffer
 from pools.layout import KvBufferDesc, num_pages_for, per_layer_descs
+from pools.post_capture import page_align_up
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +49,10 @@ class MHATokenToKVPool(KVCache):
                  head_dim: int, layer_num: int, device="cpu", *, v_head_dim: Optional[int] = None,
                  start_layer: Optional[int] = None, end_layer: Optional[int] = None,
                  layout: str = "nhd", kernel_backend: str = "auto",
-                 cpu_copy_chunk_tokens: int = 8192):
+                 cpu_copy_chunk_tokens: int = 8192, post_capture_active: bool = False,
+                 backing_options: Optional[Mapping[str, Any]] = None):
+        if post_capture_active is True:   # reserved upper bound: whole pages
+            size = page_align_up(size, page_size)
         super().__init__(size, page_size, dtype, layer_num, device, start_layer=start_layer,
                          end_layer=end_layer, kernel_backend=kernel_backend,
                          cpu_copy_chunk_tokens=cpu_copy_chunk_tokens)
@@ -56,9 +64,16 @@ class MHATokenToKVPool(KVCache):
         self.head_dim = head_dim
         self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
         self._set_layout(layout)
+        self._init_post_capture(post_capture_active, backing_options)
         self._create_buffers()
+        self._check_post_capture_built()
         copy_buffers = self._copy_buffers()
         self._copy_table = KvCopyTable(copy_buffers) if copy_buffers else None
+        # captured CUDA graphs keep the full table (see pools.post_capture); eager calls
+        # use tables and views narrowed to the backed span
+        self._copy_table_full = (self._copy_table if self._backing is not None
+                                 and self.device.type == "cuda" else None)
+        self._refresh_kernel_views()
         logger.debug("created %r (%d bytes)", self, self.get_kv_size_bytes())
 
     # -- construction (overridden by the page-major pool) ------------------------------------
@@ -76,7 +91,20 @@ class MHATokenToKVPool(KVCache):
             return (P, H, ps, self.head_dim), (P, H, ps, self.v_head_dim)
         return (self.num_slots, H, self.head_dim), (self.num_slots, H, self.v_head_dim)
 
+    def _buffer_descs(self) -> list[KvBufferDesc]:
+        """``k0..k{L-1}`` then ``v0..v{L-1}`` (registration order)."""
+        k_shape, v_shape = self._buffer_shapes()
+        tpr = self.page_size if self.layout == "hnd" else 1
+        isz = self.store_dtype.itemsize
+        return (per_layer_descs("k", self.layer_num, k_shape, isz, tpr)
+                + per_layer_descs("v", self.layer_num, v_shape, isz, tpr))
+
     def _create_buffers(self) -> None:
+        if self.post_capture_active:
+            tensors = self._reserve_backing(self._buffer_descs(), self.store_dtype)
+            self.k_buffer = tensors[: self.layer_num]
+            self.v_buffer = tensors[self.layer_num:]
+            return
         k_shape, v_shape = self._buffer_shapes()
         kw = dict(dtype=self.store_dtype, device=self.device)
         # zeros: unwritten slots (the padding page included) read as zero.
@@ -97,14 +125,32 @@ class MHATokenToKVPool(KVCache):
             return [view for b in bufs for view in self._paged_views(b)]
         return bufs
 
+    # -- post-capture hooks (pools.post_capture) ----------------------------------------------
+    def _refresh_kernel_views(self) -> None:
+        if self._backing is None:
+            return
+        self._k_live = [self._narrow(b) for b in self.k_buffer]
+        self._v_live = [self._narrow(b) for b in self.v_buffer]
+        copy_buffers = [self._narrow(b) for b in self._copy_buffers()]
+        self._copy_table = KvCopyTable(copy_buffers) if copy_buffers else None
+
+    def _drop_buffers(self) -> None:
+        self.k_buffer, self.v_buffer, self._k_live, self._v_live = [], [], [], []
+        self._copy_table = self._copy_table_full = None
+
+    def _kernel_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The K/V buffers the kernels index: narrowed to the backed span for a post-capture
+        pool (their row limit), the full buffers otherwise and during graph capture."""
+        if self._backing is None or self._capturing():
+            return self.k_buffer, self.v_buffer
+        return self._k_live, self._v_live
+
+    def _kernel_copy_table(self) -> Optional[KvCopyTable]:
+        return self._copy_table_full if self._capturing() else self._copy_table
+
     # -- KVCache plumbing ---------------------------------------------------------------------
     def _registered(self) -> list[tuple[torch.Tensor, KvBufferDesc]]:
-        k_shape, v_shape = self._buffer_shapes()
-        tpr = self.page_size if self.layout == "hnd" else 1
-        isz = self.store_dtype.itemsize
-        descs = (per_layer_descs("k", self.layer_num, k_shape, isz, tpr)
-                 + per_layer_descs("v", self.layer_num, v_shape, isz, tpr))
-        return list(zip(self.k_buffer + self.v_buffer, descs))
+        return list(zip(self.k_buffer + self.v_buffer, self._buffer_descs()))
 
     def _token_buffers(self) -> list[TokenBuffer]:
         indexing = "hnd" if self.layout == "hnd" else "rows"
@@ -151,18 +197,19 @@ class MHATokenToKVPool(KVCache):
 
     def _store_layer(self, idx: int, loc, k, v, mask) -> None:
         """Physical write into layer ``idx`` (inputs already in store dtype and checked)."""
+        k_bufs, v_bufs = self._kernel_buffers()
         if self._rows_contiguous():
-            store_kv(self.k_buffer[idx], self.v_buffer[idx], loc, k, v, mask=mask,
+            store_kv(k_bufs[idx], v_bufs[idx], loc, k, v, mask=mask,
                      backend=self.kernel_backend)
             return
         if mask is not None:  # paged stores have no mask: select rows (syncs on GPU)
             keep = mask.nonzero().flatten()
             loc, k, v = loc[keep], k[keep], v[keep]
-        self._store_paged(idx, loc, k, v)
+        self._store_paged(k_bufs[idx], v_bufs[idx], loc, k, v)
 
-    def _store_paged(self, idx: int, loc, k, v) -> None:
+    def _store_paged(self, k_buf: torch.Tensor, v_buf: torch.Tensor, loc, k, v) -> None:
         """HND: one paged store per head (a head's token row is contiguous)."""
-        kv_views = zip(self._paged_views(self.k_buffer[idx]), self._paged_views(self.v_buffer[idx]))
+        kv_views = zip(self._paged_views(k_buf), self._paged_views(v_buf))
         for h, (kh, vh) in enumerate(kv_views):
             store_kv_paged(kh, vh, loc, k[:, h:h + 1], v[:, h:h + 1],
                            backend=self.kernel_backend)
@@ -182,7 +229,8 @@ class MHATokenToKVPool(KVCache):
         flat, k, v = self._prepare(loc_2d.reshape(-1), k, v, k_scale, v_scale)
         commit_lens = commit_lens.to(self.device)
         if self._rows_contiguous():
-            store_kv_prefix_valid(self.k_buffer[idx], self.v_buffer[idx], flat.view(B, T),
+            k_bufs, v_bufs = self._kernel_buffers()
+            store_kv_prefix_valid(k_bufs[idx], v_bufs[idx], flat.view(B, T),
                                   commit_lens, k, v, backend=self.kernel_backend)
             return
         keep = torch.arange(T, device=self.device)[None, :] < commit_lens.to(torch.int64)[:, None]
@@ -192,6 +240,7 @@ class MHATokenToKVPool(KVCache):
     def move_kv_cache(self, tgt_loc, src_loc) -> None:
         """Copy token rows ``src_loc -> tgt_loc`` in every layer's K and V, one launch."""
         tgt, src = self._move_locs(tgt_loc, src_loc)
-        if self._copy_table is None or tgt.numel() == 0:
+        table = self._kernel_copy_table()
+        if table is None or tgt.numel() == 0:
             return
-        self._copy_table.move(tgt, src, backend=self.kernel_backend)
+        table.move(tgt, src, backend=self.kernel_backend)

@@ -5,11 +5,14 @@ followed by the decoupled rope key (``qk_rope_head_dim = Dr`` elements). The key
 whole row; the value buffer is the latent prefix ``[..., :R]`` (a view).
 
 Registration: ``layer_num`` entries ``kv0..kv{L-1}``; ``item_lens`` = one page of rows.
+
+``post_capture_active=True`` reserves the buffers and backs page 0 only until
+``finalize_backing(n)`` (see :mod:`pools.post_capture`).
 """
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -20,6 +23,7 @@ from kernels.store import store_kv
 from pools.base import KVCache
 from pools.cpu_copy import TokenBuffer
 from pools.layout import KvBufferDesc, per_layer_descs
+from pools.post_capture import page_align_up
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +40,11 @@ class MLATokenToKVPool(KVCache):
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, kv_lora_rank: int,
                  qk_rope_head_dim: int, layer_num: int, device="cpu", *,
                  start_layer: Optional[int] = None, end_layer: Optional[int] = None,
-                 kernel_backend: str = "auto", cpu_copy_chunk_tokens: int = 8192):
+                 kernel_backend: str = "auto", cpu_copy_chunk_tokens: int = 8192,
+                 post_capture_active: bool = False,
+                 backing_options: Optional[Mapping[str, Any]] = None):
+        if post_capture_active is True:   # reserved upper bound: whole pages
+            size = page_align_up(size, page_size)
         super().__init__(size, page_size, dtype, layer_num, device, start_layer=start_layer,
                          end_layer=end_layer, kernel_backend=kernel_backend,
                          cpu_copy_chunk_tokens=cpu_copy_chunk_tokens)
@@ -48,18 +56,46 @@ class MLATokenToKVPool(KVCache):
         self.kv_cache_dim = kv_lora_rank + qk_rope_head_dim
         self.head_dim = self.kv_cache_dim
         self.v_head_dim = kv_lora_rank
-        self.kv_buffer = [
-            torch.zeros((self.num_slots, 1, self.kv_cache_dim), dtype=self.store_dtype,
-                        device=self.device)
-            for _ in range(self.layer_num)
-        ]
+        self._init_post_capture(post_capture_active, backing_options)
+        if post_capture_active:
+            self.kv_buffer = self._reserve_backing(self._buffer_descs(), self.store_dtype)
+        else:
+            self.kv_buffer = [
+                torch.zeros((self.num_slots, 1, self.kv_cache_dim), dtype=self.store_dtype,
+                            device=self.device)
+                for _ in range(self.layer_num)
+            ]
         self._copy_table = KvCopyTable(self.kv_buffer) if self.layer_num else None
+        # captured CUDA graphs keep the full buffers/table (see pools.post_capture)
+        self._copy_table_full = (self._copy_table if self._backing is not None
+                                 and self.device.type == "cuda" else None)
+        self._refresh_kernel_views()
+
+    def _buffer_descs(self) -> list[KvBufferDesc]:
+        return per_layer_descs("kv", self.layer_num, (self.num_slots, 1, self.kv_cache_dim),
+                               self.store_dtype.itemsize, 1)
+
+    # -- post-capture hooks (pools.post_capture) ----------------------------------------------
+    def _refresh_kernel_views(self) -> None:
+        if self._backing is None:
+            return
+        self._kv_live = [self._narrow(b) for b in self.kv_buffer]
+        self._copy_table = KvCopyTable(self._kv_live)
+
+    def _drop_buffers(self) -> None:
+        self.kv_buffer, self._kv_live = [], []
+        self._copy_table = self._copy_table_full = None
+
+    def _kernel_kv(self) -> list[torch.Tensor]:
+        """Buffers the kernels index: narrowed to the backed span for a post-capture pool,
+        the full buffers otherwise and during graph capture."""
+        if self._backing is None or self._capturing():
+            return self.kv_buffer
+        return self._kv_live
 
     # -- KVCache plumbing ---------------------------------------------------------------------
     def _registered(self) -> list[tuple[torch.Tensor, KvBufferDesc]]:
-        descs = per_layer_descs("kv", self.layer_num, (self.num_slots, 1, self.kv_cache_dim),
-                                self.store_dtype.itemsize, 1)
-        return list(zip(self.kv_buffer, descs))
+        return list(zip(self.kv_buffer, self._buffer_descs()))
 
     def _token_buffers(self) -> list[TokenBuffer]:
         return [TokenBuffer(b, "rows") for b in self.kv_buffer]
@@ -87,7 +123,8 @@ class MLATokenToKVPool(KVCache):
         self._check_rows("k", k, loc.shape[0], (1, self.kv_cache_dim))
         if mask is not None:
             mask = mask.to(self.device)
-        store_kv(self.kv_buffer[idx], None, loc, k, None, mask=mask, backend=self.kernel_backend)
+        store_kv(self._kernel_kv()[idx], None, loc, k, None, mask=mask,
+                 backend=self.kernel_backend)
 
     def set_mla_kv_buffer(self, layer, loc, k_nope: torch.Tensor, k_rope: torch.Tensor) -> None:
         """Write ``k_nope [N, 1, R]`` and ``k_rope [N, 1, Dr]`` into one row per token."""
@@ -97,7 +134,7 @@ class MLATokenToKVPool(KVCache):
         nope, rope = self._to_store(k_nope), self._to_store(k_rope)
         self._check_rows("k_nope", nope, n, (1, self.kv_lora_rank))
         self._check_rows("k_rope", rope, n, (1, self.qk_rope_head_dim))
-        store_mla(self.kv_buffer[idx], loc, nope, rope, backend=self.kernel_backend)
+        store_mla(self._kernel_kv()[idx], loc, nope, rope, backend=self.kernel_backend)
 
     def get_mla_kv_buffer(self, layer, loc, dst_dtype: Optional[torch.dtype] = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +143,7 @@ class MLATokenToKVPool(KVCache):
         idx = self.layer_index(layer)
         self._wait_layer(idx)
         loc = self._as_loc(loc)
-        nope, rope = gather_mla(self.kv_buffer[idx], loc, self.kv_lora_rank,
+        nope, rope = gather_mla(self._kernel_kv()[idx], loc, self.kv_lora_rank,
                                 backend=self.kernel_backend)
         nope, rope = self._as_logical(nope), self._as_logical(rope)
         if dst_dtype is not None and dst_dtype != self.dtype:
@@ -116,6 +153,7 @@ class MLATokenToKVPool(KVCache):
     def move_kv_cache(self, tgt_loc, src_loc) -> None:
         """Copy rows ``src_loc -> tgt_loc`` in every layer, one launch."""
         tgt, src = self._move_locs(tgt_loc, src_loc)
-        if self._copy_table is None or tgt.numel() == 0:
+        table = self._copy_table_full if self._capturing() else self._copy_table
+        if table is None or tgt.numel() == 0:
             return
-        self._copy_table.move(tgt, src, backend=self.kernel_backend)
+        table.move(tgt, src, backend=self.kernel_backend)

@@ -10,6 +10,9 @@ Because one page of all layers is one contiguous byte range, registration is exa
 descriptor entry covering the whole buffer with ``item_len = page_bytes``: a transfer of a run
 of pages is one RMA operation instead of ``2 * layer_num``. Move, prefix-valid store and host
 copy/restore are all supported (through the 4-D views). Needs ``size % page_size == 0``.
+
+With ``post_capture_active=True`` the raw buffer is reserved (one descriptor, store dtype
+``uint8``) and backed page by page of all layers (see :mod:`pools.post_capture`).
 """
 from __future__ import annotations
 
@@ -49,9 +52,13 @@ class PageMajorMHATokenToKVPool(MHATokenToKVPool):
 
     def _create_buffers(self) -> None:
         g = self.geometry
-        nbytes = g.total_bytes if self.layer_num else 0
-        # zeros: unwritten slots read as zero, as in the per-layer pool.
-        self.raw = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        if self.post_capture_active:
+            descs = [g.buffer_desc("kv")] if self.layer_num else []
+            self.raw = self._reserve_backing(descs, torch.uint8)[0]
+        else:
+            nbytes = g.total_bytes if self.layer_num else 0
+            # zeros: unwritten slots read as zero, as in the per-layer pool.
+            self.raw = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         flat = self.raw.view(self.store_dtype)
         self.k_buffer, self.v_buffer = [], []
         for layer in range(self.layer_num):
@@ -73,6 +80,9 @@ class PageMajorMHATokenToKVPool(MHATokenToKVPool):
     def _rows_contiguous(self) -> bool:
         return False
 
-    def _store_paged(self, idx: int, loc, k, v) -> None:
-        store_kv_paged(self.k_buffer[idx], self.v_buffer[idx], loc, k, v,
-                       backend=self.kernel_backend)
+    def _store_paged(self, k_buf: torch.Tensor, v_buf: torch.Tensor, loc, k, v) -> None:
+        store_kv_paged(k_buf, v_buf, loc, k, v, backend=self.kernel_backend)
+
+    def _drop_buffers(self) -> None:
+        super()._drop_buffers()
+        self.raw = None
