@@ -13,7 +13,9 @@ Invariants the helpers establish for the kernels:
 """
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -40,7 +42,10 @@ def next_pow2(n: int) -> int:
 
 
 def rows_contiguous(t: torch.Tensor, lead: int) -> bool:
-    """True when the dims ``t.shape[lead:]`` of every row form one contiguous block."""
+    """True when the dims ``t.shape[lead:]`` of every row form one contiguous block (always
+    True for a tensor without elements: there are no bytes to address)."""
+    if t.is_contiguous():  # the common case, answered in C (launchers call this per call)
+        return True
     expected = 1
     for size, stride in zip(reversed(t.shape[lead:]), reversed(t.stride()[lead:])):
         if size != 1 and stride != expected:
@@ -87,15 +92,24 @@ def byte_strides(t: torch.Tensor, lead: int) -> list[int]:
 
 
 def pick_unit(values: Iterable[int]) -> int:
-    """Largest power-of-two unit (<= MAX_UNIT bytes) dividing every value."""
-    unit = MAX_UNIT
-    for v in values:
-        while unit > 1 and v % unit:
-            unit //= 2
-    return unit
+    """Largest power-of-two unit (<= MAX_UNIT bytes) dividing every value.
+
+    That is the lowest set bit of ``MAX_UNIT | v0 | v1 | ...`` (MAX_UNIT is a power of two;
+    values are non-negative): one pass of integer ORs, no per-value division loop.
+    """
+    acc = functools.reduce(operator.or_, values, MAX_UNIT)
+    return acc & -acc
 
 
 def pick_tile(row_units: int, unit: int, n: int) -> tuple[int, int, int]:
+    """See :func:`_pick_tile`; memoised (launchers call it on every launch). ``n`` only
+    matters up to ``TILE_BYTES`` (a power of two >= any ``TOK``), so it is clamped there to
+    keep the memo small."""
+    return _pick_tile(row_units, unit, min(n, TILE_BYTES))
+
+
+@functools.lru_cache(maxsize=1024)
+def _pick_tile(row_units: int, unit: int, n: int) -> tuple[int, int, int]:
     """``(TOK, BLOCK, num_warps)``: a program copies ``TOK`` rows x ``BLOCK`` units.
 
     ``BLOCK`` is a power of two covering the row in as few column tiles as possible, halved

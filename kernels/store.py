@@ -66,7 +66,12 @@ def _store_rows_kernel(
 
 
 def _launch(k_cache, v_cache, loc, k, v, sel, mode: int, seq_len: int = 1) -> None:
-    """Launch the kernel on validated arguments (no host-side bounds check)."""
+    """Launch the kernel on validated arguments (no host-side bounds check).
+
+    Hot path (one call per layer per forward step): no host sync, no allocation, no
+    per-call lists - scalars only, the tile choice is memoised in :func:`C.pick_tile`.
+    Sources have the cache's element size (``_validate`` guarantees it).
+    """
     n = k.shape[0]
     if n == 0:
         return
@@ -74,17 +79,21 @@ def _launch(k_cache, v_cache, loc, k, v, sel, mode: int, seq_len: int = 1) -> No
     has_v = v_cache is not None
     if not has_v:
         v_cache, v = k_cache, k
-    tensors = (k, v, k_cache, v_cache)
-    strides = [t.stride(0) * t.element_size() for t in tensors]
+    ek, ev = k_cache.element_size(), v_cache.element_size()
+    k_src, v_src = k.stride(0) * ek, v.stride(0) * ev
+    k_dst, v_dst = k_cache.stride(0) * ek, v_cache.stride(0) * ev
     k_row, v_row = C.row_bytes(k_cache, 1), C.row_bytes(v_cache, 1)
-    unit = C.pick_unit([t.data_ptr() for t in tensors] + strides + [k_row, v_row])
+    unit = C.pick_unit((k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                        k_src, v_src, k_dst, v_dst, k_row, v_row))
     k_units, v_units = k_row // unit, v_row // unit
-    tok, block, warps = C.pick_tile(max(k_units, v_units), unit, n)
-    grid = (C.cdiv(n, tok), C.cdiv(max(k_units, v_units), block))
+    row_units = max(k_units, v_units)
+    tok, block, warps = C.pick_tile(row_units, unit, n)
+    grid = (C.cdiv(n, tok), C.cdiv(row_units, block))
     with dispatch.launch_context(k_cache.device):
         _store_rows_kernel[grid](
-            *(C.kernel_arg(t) for t in tensors), loc, sel if sel is not None else loc,
-            n, k_cache.shape[0], seq_len, *(s // unit for s in strides), k_units, v_units,
+            C.kernel_arg(k), C.kernel_arg(v), C.kernel_arg(k_cache), C.kernel_arg(v_cache),
+            loc, loc if sel is None else sel, n, k_cache.shape[0], seq_len,
+            k_src // unit, v_src // unit, k_dst // unit, v_dst // unit, k_units, v_units,
             UNIT=unit, HAS_V=has_v, MODE=mode, TOK=tok, BLOCK=block, num_warps=warps,
         )
 

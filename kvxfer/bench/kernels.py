@@ -9,9 +9,20 @@ For every kernel and token count it times, in the same run:
 
 Bandwidth counts bytes read + bytes written (payload only; index tensors are ignored).
 The ratio is ``copy_ time / kernel time`` for the same bytes (1.0 = as fast as copy_;
-target >= 0.8). On CUDA each figure is the median of ``triton.testing.do_bench`` (L2
-flushed between repetitions). On CPU only the torch reference and copy_ run, at tiny
-sizes, best of a few runs (Triton on CPU means the interpreter, whose timings are meaningless).
+target >= 0.8). Every case is ONE launch against ONE ``copy_`` (the ``move`` cases move
+all layers in one launch and copy_ the same total bytes). On CUDA each figure is the median
+of ``triton.testing.do_bench`` (L2 flushed between repetitions); the Triton call is run once
+(JIT compile) before anything of its case is timed, so no compile-time idle gap precedes a
+measurement. Two diagnostic columns help read small-N results:
+
+* ``graph us`` - the same Triton call captured in a CUDA graph and replayed (device time
+  without the Python launch path; ``-`` if the call cannot be captured);
+* ``host us`` - CPU time per eager call (launcher checks + Triton dispatch), measured over
+  a burst of calls without synchronising.
+
+If ``Triton us`` is well above ``graph us`` the gap is launch-side, not kernel time.
+On CPU only the torch reference and copy_ run, at tiny sizes, best of a few runs (Triton on
+CPU means the interpreter, whose timings are meaningless).
 """
 from __future__ import annotations
 
@@ -38,6 +49,39 @@ def _time_cuda(fn: Callable[[], object], rep_ms: int) -> float:
 
     return float(triton.testing.do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms,
                                          return_mode="median")) * 1e-3
+
+
+def _time_cuda_graph(fn: Callable[[], object], rep_ms: int) -> float | None:
+    """Median device time of ``fn`` captured once in a CUDA graph and replayed; None when
+    ``fn`` cannot be captured (e.g. it synchronises with the host)."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as e:  # noqa: BLE001 - a diagnostic column; report and go on
+        print(f"(graph capture failed: {type(e).__name__}: {e})", file=sys.stderr)
+        torch.cuda.synchronize()
+        return None
+    t = _time_cuda(graph.replay, rep_ms)
+    del graph
+    return t
+
+
+def _host_time(fn: Callable[[], object], calls: int = 200) -> float:
+    """CPU seconds per call of ``fn`` over a burst of ``calls`` without synchronising (few
+    enough that the launch queue never fills, so the device does not throttle the host)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls
 
 
 def _time_cpu(fn: Callable[[], object], rep_ms: int) -> float:
@@ -152,17 +196,24 @@ def _build(kind: str, n: int, a, device) -> _Case:
 
 
 def _measure(case: _Case, device, rep_ms: int, use_triton: bool) -> dict:
-    timer = _time_cuda if device.type == "cuda" else _time_cpu
+    on_cuda = device.type == "cuda"
+    timer = _time_cuda if on_cuda else _time_cpu
+    if use_triton:  # JIT-compile first: no compile gap right before any timed run
+        case.triton_fn()
+        torch.cuda.synchronize(device)
     src = torch.empty(case.payload, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     t_copy = timer(lambda: dst.copy_(src), rep_ms)
     del src, dst
     t_triton = timer(case.triton_fn, rep_ms) if use_triton else None
+    t_graph = _time_cuda_graph(case.triton_fn, rep_ms) if use_triton and on_cuda else None
+    t_host = _host_time(case.triton_fn) if use_triton and on_cuda else None
     t_torch = timer(case.torch_fn, rep_ms)
     moved = 2 * case.payload  # read + written
     return {
         "kernel": case.name, "tokens": case.tokens, "bytes": moved,
         "triton_s": t_triton, "torch_s": t_torch, "copy_s": t_copy,
+        "graph_s": t_graph, "host_s": t_host,
         "triton_gbps": moved / t_triton / 1e9 if t_triton else None,
         "torch_gbps": moved / t_torch / 1e9,
         "copy_gbps": moved / t_copy / 1e9,
@@ -177,14 +228,18 @@ def _fmt(x, spec):
 
 def _table(rows: list[dict]) -> str:
     out = ["| kernel | tokens | MB moved | Triton us | Triton GB/s | torch ref GB/s "
-           "| copy_ GB/s | Triton / copy_ |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+           "| copy_ GB/s | Triton / copy_ | graph us | host us |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def us(x):
+        return _fmt(x and x * 1e6, ".1f")
+
     for r in rows:
         out.append(
             f"| {r['kernel']} | {r['tokens']} | {r['bytes'] / 1e6:.1f} "
-            f"| {_fmt(r['triton_s'] and r['triton_s'] * 1e6, '.1f')} "
+            f"| {us(r['triton_s'])} "
             f"| {_fmt(r['triton_gbps'], '.0f')} | {r['torch_gbps']:.0f} | {r['copy_gbps']:.0f} "
-            f"| {_fmt(r['ratio'], '.2f')} |")
+            f"| {_fmt(r['ratio'], '.2f')} | {us(r.get('graph_s'))} | {us(r.get('host_s'))} |")
     return "\n".join(out)
 
 
@@ -247,6 +302,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nworst ratio {worst['ratio']:.2f} ({worst['kernel']}, {worst['tokens']} tokens); "
               f"median {statistics.median(ratios):.2f}; "
               f"{sum(r >= TARGET for r in ratios)}/{len(ratios)} cases >= {TARGET}")
+        gaps = [f"{r['kernel']}@{r['tokens']} ({r['triton_s'] * 1e6:.1f} vs "
+                f"{r['graph_s'] * 1e6:.1f} us)" for r in rows
+                if r["graph_s"] and r["triton_s"] > 1.25 * r["graph_s"]]
+        if gaps:
+            print("eager Triton time > 1.25x the graph-replayed time (launch-side, not kernel "
+                  "time): " + ", ".join(gaps))
     if a.json:
         meta = {"device": where, "torch": torch.__version__, "dtype": a.dtype,
                 "layers": a.layers, "heads": a.heads, "head_dim": a.head_dim,

@@ -73,27 +73,27 @@ def test_forced_handle_type_is_used(handle_type):
         p.close()
 
 
-def test_vmm_lifecycle_matches_driver_accounting():
-    """backed_bytes equals what the device actually lost, at every step."""
+def _vmm_lifecycle(check_use):
+    """Reserve -> finalize -> write -> release_beyond -> close on 8 per-layer buffers;
+    ``check_use(expected)`` is called wherever the device should have lost ``expected`` bytes."""
     layers, H, D = 4, 8, 128                      # bf16 rows of 2 KiB
     rows = 64 * 1024 + PS                         # 128 MiB per buffer, 1 GiB reserved
     descs = (per_layer_descs("k", layers, (rows, H, D), 2, 1)
              + per_layer_descs("v", layers, (rows, H, D), 2, 1))
-    base = _free()
     owner = BackedBuffers(descs, store_dtype=torch.bfloat16, device=DEV, page_size=PS,
                           reserved_num_tokens=rows - PS, max_extent_bytes=32 * MiB)
     try:
         g = owner.provider.granularity
         assert owner.reserved_bytes >= 8 * rows * H * D * 2
         assert owner.backed_bytes == 8 * g
-        _assert_device_use(base, owner.backed_bytes)
+        check_use(owner.backed_bytes)
         ptrs = [t.data_ptr() for t in owner.tensors]
         n = 40_000 - 3
         owner.finalize(n)
         spans = [d.final_span_bytes(n, PS) for d in descs]
         assert owner.requested_bytes == sum(spans)
         assert owner.backed_bytes == sum(round_up(s, g) for s in spans)
-        _assert_device_use(base, owner.backed_bytes)
+        check_use(owner.backed_bytes)
         print(f"requested {owner.requested_bytes} backed {owner.backed_bytes} "
               f"reserved {owner.reserved_bytes} granularity {g}")
         assert [t.data_ptr() for t in owner.tensors] == ptrs
@@ -105,12 +105,30 @@ def test_vmm_lifecycle_matches_driver_accounting():
             assert bool((t[: n + PS] == i + 1).all())
         freed = owner.release_beyond(1000)
         assert freed > 0
-        _assert_device_use(base, owner.backed_bytes)
+        check_use(owner.backed_bytes)
         for i, t in enumerate(owner.tensors):
             assert bool((t[: 1000 + PS] == i + 1).all())
     finally:
         owner.close()
-    _assert_device_use(base, 0)
+    check_use(0)
+
+
+def test_vmm_lifecycle_matches_driver_accounting():
+    """backed_bytes equals what the device actually lost, at every step.
+
+    The first pass is a warm-up: it pays for everything that is initialised lazily and kept
+    for the life of the process (the VMM provider, torch's and the driver's lazily loaded
+    kernel modules, the context's local-memory pool grown by the first kernels, cuda-bindings'
+    handles) - about 100 MiB on an H200, which a baseline taken before it would count as
+    "used by the owner". The second, identical pass is measured against a baseline taken
+    after the warm-up, with the same few MiB of slack as before."""
+    cold = _free()
+    lazy = []
+    _vmm_lifecycle(lambda expected: lazy.append(cold - _free() - expected))
+    print(f"warm-up pass: lazily initialised device memory {max(lazy) / MiB:.1f} MiB "
+          f"(per step: {[round(x / MiB, 1) for x in lazy]})")
+    base = _free()
+    _vmm_lifecycle(lambda expected: _assert_device_use(base, expected))
 
 
 def _ops(kind):

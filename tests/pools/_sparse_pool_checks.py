@@ -8,6 +8,10 @@ import msgpack
 import torch
 
 DEVICE = torch.device(os.environ.get("KVXFER_TEST_DEVICE", "cpu"))
+# Out-of-range indices: off CUDA they raise IndexOutOfRange before anything is written; on
+# CUDA (no host sync) the kernels never write those rows and the other rows are written as
+# usual, and reads of out-of-range positions return zeros. Tests branch on this flag.
+ON_CUDA = DEVICE.type == "cuda"
 REQUIRED_KEYS = {"kind", "dtype", "page_size", "layer_num", "head_num", "head_dim",
                  "v_head_dim", "layout", "item_lens"}
 
@@ -34,6 +38,13 @@ def check_registration(pool) -> list[torch.Tensor]:
 
 def views_snapshot(views) -> list[torch.Tensor]:
     return [v.clone() for v in views]
+
+
+def assert_same_views(got, want) -> None:
+    """Every byte of every item view in ``got`` equals ``want`` (lists of views/snapshots)."""
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"item view {i} differs"
 
 
 def item_rows(view: torch.Tensor, page: int) -> torch.Tensor:

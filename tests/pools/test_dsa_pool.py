@@ -4,7 +4,8 @@ after a retract), and the indexer as a state descriptor group."""
 import pytest
 import torch
 
-from _sparse_pool_checks import DEVICE, check_registration, loc, views_snapshot
+from _sparse_pool_checks import (DEVICE, ON_CUDA, assert_same_views, check_registration, loc,
+                                 views_snapshot)
 from kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
 from pools.dsa import DSATokenToKVPool
 from pools.write_loc import KVWriteLoc
@@ -67,14 +68,23 @@ def test_single_and_fused_gets():
         gk, gs = p.get_index_k_scale_buffer(0, lens, table, seq_len_sum=total, max_seq_len=6)
         assert torch.equal(gk, kb[want]) and torch.equal(gs, sb[want])
     assert torch.equal(p.get_index_k_scale_fp32(0, loc([4, 19])), s[[0, 15]])
-    with pytest.raises(ShapeMismatch, match="page column"):
-        p.get_index_k_continuous(0, 9, loc([3, 1]))
-    with pytest.raises(IndexOutOfRange, match=str(PAGES)):
-        p.get_index_k_continuous(0, 2, loc([PAGES]))
+    if ON_CUDA:  # no sync: positions past the table / on out-of-range pages read as zeros
+        zero = torch.zeros(1, DI, dtype=torch.uint8, device=DEVICE)
+        past = p.get_index_k_continuous(0, 9, loc([3, 1]))
+        assert torch.equal(past, torch.cat((kb[want_a], kb[2:4], zero)))
+        assert torch.equal(p.get_index_k_continuous(0, 2, loc([PAGES])), zero.expand(2, DI))
+        assert torch.equal(p.get_index_k_scale_continuous(0, 2, loc([PAGES])),
+                           torch.zeros(2, 4, dtype=torch.uint8, device=DEVICE))
+    else:
+        with pytest.raises(ShapeMismatch, match="page column"):
+            p.get_index_k_continuous(0, 9, loc([3, 1]))
+        with pytest.raises(IndexOutOfRange, match=str(PAGES)):
+            p.get_index_k_continuous(0, 2, loc([PAGES]))
     with pytest.raises(ShapeMismatch):
         p.get_index_k_scale_buffer(0, loc([1]), table)
-    with pytest.raises(InvalidArgument, match="seq_len_sum"):
-        p.get_index_k_scale_buffer(0, lens, table, seq_len_sum=8)
+    if not ON_CUDA:  # the lengths are only validated off CUDA (validating them would sync)
+        with pytest.raises(InvalidArgument, match="seq_len_sum"):
+            p.get_index_k_scale_buffer(0, lens, table, seq_len_sum=8)
 
 
 def test_set_index_accepts_raw_scale_bytes_and_rejects_bad_input():
@@ -84,9 +94,15 @@ def test_set_index_accepts_raw_scale_bytes_and_rejects_bad_input():
     b.set_index_k_scale_buffer(0, loc([1, 2, 3]), k.view(torch.uint8),
                                s.contiguous().view(torch.uint8))          # raw bytes
     assert torch.equal(a.index_k_with_scale_buffer[0], b.index_k_with_scale_buffer[0])
-    before = a.index_k_with_scale_buffer[0].clone()
-    with pytest.raises(IndexOutOfRange, match=str(SIZE + PS)):
+    if ON_CUDA:  # no raise, no sync: tokens 1 and 2 are written, the out-of-range one nowhere
         a.set_index_k_scale_buffer(0, loc([1, SIZE + PS, 2]), k, s)
+        b.set_index_k_scale_buffer(0, loc([1, 2]), k.view(torch.uint8)[[0, 2]], s[[0, 2]])
+        assert_same_views(a.get_state_item_views() + a.get_item_views(),
+                          b.get_state_item_views() + b.get_item_views())
+    before = a.index_k_with_scale_buffer[0].clone()
+    if not ON_CUDA:
+        with pytest.raises(IndexOutOfRange, match=str(SIZE + PS)):
+            a.set_index_k_scale_buffer(0, loc([1, SIZE + PS, 2]), k, s)
     with pytest.raises(InvalidArgument, match="1-byte"):
         a.set_index_k_scale_buffer(0, loc([1, 2, 3]), k.view(torch.uint8).float(), s)
     with pytest.raises(ShapeMismatch):

@@ -4,7 +4,8 @@ one-launch moves over all of them, host copy -> restore into other slots, and KV
 import pytest
 import torch
 
-from _sparse_pool_checks import DEVICE, check_registration, loc, views_snapshot
+from _sparse_pool_checks import (DEVICE, ON_CUDA, assert_same_views, check_registration, loc,
+                                 views_snapshot)
 from kernels.dispatch import force_backend
 from kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
 from pools.minimax import MiniMaxSparseKVPool
@@ -96,10 +97,17 @@ def test_fused_store_equals_separate_stores(backend):
 
 def test_fused_store_bounds_write_nothing():
     p = make()
-    before = views_snapshot(p.get_item_views())
     k, v, ik, iv = inputs(2, 30)
-    with pytest.raises(IndexOutOfRange, match=str(SIZE + PS)):
+    if ON_CUDA:  # no raise, no sync: row 1 is written everywhere, the out-of-range row nowhere
         p.set_fused_kv_index_buffer(1, loc([1, SIZE + PS]), k, v, ik, iv)
+        twin = make()
+        twin.set_fused_kv_index_buffer(1, loc([1]), k[:1], v[:1], ik[:1], iv[:1])
+        assert_same_views(p.get_item_views(), twin.get_item_views())
+        assert any(bool(x.any()) for x in twin.get_item_views())  # row 1 landed
+    before = views_snapshot(p.get_item_views())
+    if not ON_CUDA:
+        with pytest.raises(IndexOutOfRange, match=str(SIZE + PS)):
+            p.set_fused_kv_index_buffer(1, loc([1, SIZE + PS]), k, v, ik, iv)
     with pytest.raises(ShapeMismatch):
         p.set_fused_kv_index_buffer(1, loc([1, 2]), k, v, ik[:, :, :2], iv)
     assert all(torch.equal(a, b) for a, b in zip(before, p.get_item_views()))
