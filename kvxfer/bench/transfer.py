@@ -1,0 +1,236 @@
+"""``kvxfer bench transfer``: KV transfer bandwidth over UCX against raw UCX and memcpy.
+
+Two spawned processes on this host: a target holding the destination pools and an
+initiator with two engines (``error_mode="peer"`` and ``"none"``: the lane configurations)
+connected to it. For each lane config × layout (per-layer: 2·L descriptors; page-major: one)
+× request size (pages, random page ids on both sides) it times, in the same run:
+
+* ``Peer.write`` of the pages (validate → plan → one native batch → flush), end to end,
+  for random page ids on both sides (about one run per page) and for contiguous ones (one
+  run: the ops equal the descriptors);
+* a raw single PUT of the same number of bytes from one contiguous buffer into one
+  contiguous remote buffer over the same endpoint (1 op);
+* single-thread memcpy of the same bytes in the initiator (numpy ``copyto``; on CUDA a
+  device-to-device ``copy_``).
+
+The raw PUT and the item write alternate within one loop (same machine conditions); GB/s =
+bytes / best time of ``--iters`` (after a warm-up; medians are in the JSON), 1 GB = 1e9 B.
+The time of a write runs until the flush completed (bytes visible at the target).
+Targets (issue 5): ≥ 0.95× raw for requests ≥ 64 MiB on the same lanes; ops per request =
+runs × descriptors (page-major 2·L× fewer than per-layer).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import time
+
+from kvxfer.testing import Child, EngineNode, serve
+
+SECRET = b"kvxfer-bench"
+
+
+class BenchNode(EngineNode):
+    """EngineNode plus timing loops run inside the engine's event loop."""
+
+    def cmd_bench_pair(self, key, peer_id, group, src, dst, raw_group, nbytes, iters,
+                       timeout=300.0):
+        """Alternate (raw 1-op PUT of ``nbytes``, item write) ``iters`` times after a warm-up,
+        so both see the same machine conditions; returns the best and median of each."""
+        from kvxfer.engine import ItemWrite, RawWrite
+
+        sync = self.engines[key]
+        peer = sync.peers()[peer_id]._peer
+        items = [ItemWrite(group, src, dst)]
+        raw = [RawWrite(raw_group, 0, 0, nbytes)]
+
+        async def loop():
+            t_raw, t_items, stats = [], [], None
+            for i in range(iters + 1):
+                t0 = time.perf_counter()
+                await peer.write(raw)
+                t1 = time.perf_counter()
+                stats = await peer.write(items)
+                t2 = time.perf_counter()
+                if i:
+                    t_raw.append(t1 - t0)
+                    t_items.append(t2 - t1)
+            return t_raw, t_items, stats
+
+        t_raw, t_items, st = sync._run(loop(), timeout)
+        return {"items_best": min(t_items), "items_med": statistics.median(t_items),
+                "raw_best": min(t_raw), "raw_med": statistics.median(t_raw),
+                "ops": st.ops, "bytes": st.bytes, "lanes": st.lanes, "post_s": st.post_s}
+
+    def cmd_bench_memcpy(self, nbytes, iters, device):
+        times = []  # best of iters (after a warm-up)
+        if device == "cpu":
+            np = self.np
+            a, b = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+            for _ in range(iters + 1):
+                t0 = time.perf_counter()
+                np.copyto(b, a)
+                times.append(time.perf_counter() - t0)
+        else:
+            import torch
+
+            a = torch.ones(nbytes, dtype=torch.uint8, device=device)
+            b = torch.zeros_like(a)
+            for _ in range(iters + 1):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                b.copy_(a)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+        return min(times[1:])
+
+
+def bench_node(inbox, outbox, spec):
+    node = BenchNode(spec)
+    outbox.put(("ok", node.ports))
+    try:
+        serve(inbox, outbox, node.handlers())
+    finally:
+        node.close()
+
+
+def _groups(layers, page, pages):
+    return {"kv": {"item_lens": [page] * (2 * layers), "items": pages, "contiguous": True},
+            "pm": {"item_lens": [2 * layers * page], "items": pages}}
+
+
+def run(args) -> dict:
+    import numpy as np
+
+    page = args.page_kib << 10
+    groups = _groups(args.layers, page, args.pages)
+    cfg = dict(secret=SECRET, transfer_timeout_s=120.0, warn_slow_lanes=False)
+    target = Child(bench_node, {"engines": {"t": {
+        "config": dict(cfg, name="target"), "groups": groups, "device": args.device}}},
+        name="target")
+    init = Child(bench_node, {"engines": {m: {
+        "config": dict(cfg, name=f"init-{m}", error_mode=m), "groups": groups,
+        "device": args.device} for m in args.modes}}, name="initiator")
+    rows: list = []
+    report = {"args": vars(args), "rows": rows}
+    try:
+        port = target.start(120)["t"]
+        init.start(120)
+        peers = {}
+        for m in args.modes:
+            res = init.call("connect", m, "127.0.0.1", port)
+            if "ok" not in res:
+                raise RuntimeError(f"connect ({m}): {res}")
+            peers[m] = res["ok"]
+            init.call("fill", m, "kv", 1)
+            init.call("fill", m, "pm", 2)
+        rng = np.random.default_rng(0)
+        for n in args.sizes:
+            if n > args.pages:
+                continue
+            sets = {"random": (rng.choice(args.pages, n, replace=False).tolist(),
+                               rng.choice(args.pages, n, replace=False).tolist()),
+                    "contiguous": (list(range(n)), list(range(args.pages - n, args.pages)))}
+            nbytes = n * 2 * args.layers * page
+            memcpy_s = init.call("bench_memcpy", nbytes, args.iters, args.device, timeout=300)
+            for m in args.modes:
+                for (layout, group), pset in itertools.product(
+                        (("per-layer", "kv"), ("page-major", "pm")), args.pagesets):
+                    src, dst = sets[pset]
+                    r = init.call("bench_pair", m, peers[m], group, src, dst, "pm", nbytes,
+                                  args.iters, timeout=600)
+                    assert r["bytes"] == nbytes
+                    rows.append({
+                        "mode": m, "lanes": ",".join(r["lanes"]), "layout": layout,
+                        "pageset": pset, "pages": n, "MiB": nbytes / 2**20, "ops": r["ops"],
+                        "GBps": nbytes / r["items_best"] / 1e9,
+                        "GBps_median": nbytes / r["items_med"] / 1e9,
+                        "raw_GBps": nbytes / r["raw_best"] / 1e9,
+                        "raw_GBps_median": nbytes / r["raw_med"] / 1e9,
+                        "memcpy_GBps": nbytes / memcpy_s / 1e9,
+                        "vs_raw": r["raw_best"] / r["items_best"],
+                        "vs_memcpy": memcpy_s / r["items_best"],
+                        "post_ms": r["post_s"] * 1e3})
+                    print(_row(rows[-1]), flush=True)
+    finally:
+        init.stop()
+        target.stop()
+    return report
+
+
+_HEAD = ("| lanes (mode) | layout | page ids | pages | MiB | ops/req | GB/s | raw 1-PUT GB/s | memcpy GB/s "
+         "| × raw | × memcpy | post ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def _row(r) -> str:
+    return (f"| {r['lanes']} ({r['mode']}) | {r['layout']} | {r['pageset']} | {r['pages']} | {r['MiB']:.1f} | "
+            f"{r['ops']} | {r['GBps']:.2f} | {r['raw_GBps']:.2f} | {r['memcpy_GBps']:.2f} | "
+            f"{r['vs_raw']:.2f} | {r['vs_memcpy']:.2f} | {r['post_ms']:.2f} |")
+
+
+def _plot(report, path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4))
+    keys = sorted({(r["mode"], r["layout"]) for r in report["rows"]})
+    for mode, layout in keys:
+        rs = [r for r in report["rows"] if r["mode"] == mode and r["layout"] == layout
+              and r["pageset"] == "random"]
+        ax.plot([r["MiB"] for r in rs], [r["GBps"] for r in rs], marker="o",
+                label=f"{layout}, {mode} ({rs[0]['lanes']})")
+    for mode in sorted({k[0] for k in keys}):
+        rs = [r for r in report["rows"] if r["mode"] == mode and r["layout"] == "page-major"
+              and r["pageset"] == "random"]
+        ax.plot([r["MiB"] for r in rs], [r["raw_GBps"] for r in rs], ls="--",
+                label=f"raw 1 PUT, {mode}")
+    ax.set_xscale("log")
+    ax.set_xlabel("request MiB")
+    ax.set_ylabel("GB/s")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="kvxfer bench transfer", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu", help="cpu | cuda (torch device of the pools)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--page-kib", type=int, default=16, help="bytes per page per K or V, KiB")
+    ap.add_argument("--pages", type=int, default=1024, help="pages in each pool")
+    ap.add_argument("--sizes", default="8,64,512,1024", help="request sizes in pages")
+    ap.add_argument("--modes", default="peer,none", help="error modes (lane configurations)")
+    ap.add_argument("--pagesets", default="random,contiguous",
+                    help="page ids: random (runs ~ pages) and/or contiguous (one run)")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--json", default="transfer.json")
+    ap.add_argument("--plot", default="transfer.png")
+    args = ap.parse_args(argv)
+    args.sizes = [int(x) for x in args.sizes.split(",")]
+    args.modes = [m.strip() for m in args.modes.split(",")]
+    args.pagesets = [p.strip() for p in args.pagesets.split(",")]
+    print(f"kvxfer bench transfer: device={args.device} layers={args.layers} "
+          f"page={args.page_kib} KiB/desc pool={args.pages} pages, best of {args.iters}")
+    print(_HEAD, flush=True)
+    report = run(args)
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\nJSON: {args.json}")
+    if _plot(report, args.plot):
+        print(f"plot: {args.plot}")
+    else:
+        print("plot: skipped (matplotlib not installed)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Every tunable of the transfer engine, in one place.
+
+Environment variables are read here and nowhere else, once per process
+(:func:`env_defaults`), and only as *defaults*: a value passed to :class:`EngineConfig`
+always wins.
+
+- ``KVXFER_ERROR_MODE`` = ``peer`` | ``none`` — default of :attr:`EngineConfig.error_mode`.
+- ``KVXFER_CONNECT_TIMEOUT_S``, ``KVXFER_TRANSFER_TIMEOUT_S`` — default deadlines.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+from kvxfer.errors import InvalidArgument
+
+#: ``peer``: every endpoint uses UCX peer error handling; host memory then moves over tcp
+#: (UCX excludes shared-memory lanes from error-handled endpoints), CUDA memory keeps cuda_ipc.
+#: ``none``: control messages still run on error-handled endpoints, but RMA goes over a second
+#: endpoint with error handling off plus an error handler (made by the native extension),
+#: which keeps shared-memory (cma) lanes for host memory, about 2x on host. A peer dying
+#: mid-transfer is reported as PeerClosed in both modes (measured, see docs/engine.md).
+ERROR_MODES = ("peer", "none")
+
+
+@functools.lru_cache(maxsize=1)
+def env_defaults() -> dict:
+    """The environment's defaults, read once."""
+    env = os.environ
+    out = {}
+    if env.get("KVXFER_ERROR_MODE"):
+        out["error_mode"] = env["KVXFER_ERROR_MODE"].strip().lower()
+    for key, name in (("connect_timeout_s", "KVXFER_CONNECT_TIMEOUT_S"),
+                      ("transfer_timeout_s", "KVXFER_TRANSFER_TIMEOUT_S")):
+        if env.get(name):
+            try:
+                out[key] = float(env[name])
+            except ValueError:
+                raise InvalidArgument(f"{name}={env[name]!r} is not a number") from None
+    return out
+
+
+@dataclass
+class EngineConfig:
+    """Configuration of one :class:`kvxfer.engine.TransferEngine`.
+
+    ``secret`` is shared by every engine allowed to talk to this one (HMAC challenge-response
+    in both directions before any memory key is exchanged). ``port=0`` picks a free port.
+    Timeouts are in seconds and bound every network wait of the engine.
+    """
+
+    secret: bytes
+    host: str = "127.0.0.1"
+    port: int = 0
+    error_mode: Optional[str] = None          # None -> env KVXFER_ERROR_MODE or "peer"
+    connect_timeout_s: Optional[float] = None  # None -> env or 10.0
+    transfer_timeout_s: Optional[float] = None  # None -> env or 30.0
+    name: str = ""
+    #: grace for closing endpoints and sending the goodbye message on close()
+    close_timeout_s: float = 2.0
+    #: merge descriptors that merely touch into one registration (host memory always;
+    #: CUDA memory only when they come from one allocation, see engine.groups)
+    merge_adjacent: bool = True
+    #: log a warning when bulk data to a same-host peer goes over tcp
+    warn_slow_lanes: bool = True
+    #: UCX options passed to ucxx.init() when this engine is the first UCX user in the
+    #: process (e.g. {"TLS": "tcp"}); ignored, with a warning, if UCX is already initialised
+    ucx_options: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        env = env_defaults()
+        if self.error_mode is None:
+            self.error_mode = env.get("error_mode", "peer")
+        if self.connect_timeout_s is None:
+            self.connect_timeout_s = env.get("connect_timeout_s", 10.0)
+        if self.transfer_timeout_s is None:
+            self.transfer_timeout_s = env.get("transfer_timeout_s", 30.0)
+        if not isinstance(self.secret, (bytes, bytearray)) or len(self.secret) == 0:
+            raise InvalidArgument("EngineConfig.secret must be non-empty bytes")
+        self.secret = bytes(self.secret)
+        if self.error_mode not in ERROR_MODES:
+            raise InvalidArgument(
+                f"EngineConfig.error_mode={self.error_mode!r}; expected one of {ERROR_MODES}")
+        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise InvalidArgument(f"EngineConfig.port={self.port!r} is not a TCP port")
+        for name in ("connect_timeout_s", "transfer_timeout_s", "close_timeout_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or v <= 0:
+                raise InvalidArgument(f"EngineConfig.{name}={v!r} must be > 0")

@@ -1,0 +1,235 @@
+"""TransferEngine: registration, listener, peers, handshake, handlers, close.
+
+Lifecycle: ``register()`` groups → ``await start()`` (UCX registrations + listener) →
+``connect()`` / accept peers → ``write`` / ``send`` on peers → ``await close()``, which
+closes every peer (keys and endpoints), then the listener and completion queue, then the
+memory registrations, in that order; idempotent.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import socket
+import uuid
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from kvxfer.config import EngineConfig
+from kvxfer.engine import handshake
+from kvxfer.engine.groups import LocalGroups
+from kvxfer.engine.peer import Peer
+from kvxfer.errors import Closed, InvalidArgument, KvxferError
+from kvxfer.transport.base import Channel, Transport
+
+log = logging.getLogger(__name__)
+
+#: lanes that mean "same host, fast": shared memory or CUDA IPC
+FAST_LOCAL_LANES = ("cma", "knem", "xpmem", "posix", "sysv", "cuda_ipc")
+
+MessageHandler = Callable[[Peer, bytes], object]
+ClosedHandler = Callable[[Peer, Exception], None]
+PeerHandler = Callable[[Peer], object]
+
+
+class TransferEngine:
+    """Asyncio transfer engine; see the package docstring for the API."""
+
+    def __init__(self, config: EngineConfig, transport: Optional[Transport] = None):
+        if not isinstance(config, EngineConfig):
+            raise InvalidArgument(f"expected EngineConfig, got {type(config).__name__}")
+        self.config = config
+        self.id = uuid.uuid4().hex
+        self.address: Optional[Tuple[str, int]] = None
+        self._transport = transport
+        self._groups = LocalGroups()
+        self._peers: Dict[str, Peer] = {}
+        self._msg_handlers: List[MessageHandler] = []
+        self._closed_handlers: List[ClosedHandler] = []
+        self._peer_handlers: List[PeerHandler] = []
+        self._pending: set = set()
+        self._background: set = set()
+        self._state = "new"  # new -> started -> closed
+
+    def __repr__(self):
+        return (f"TransferEngine({self.config.name or self.id[:8]}, {self.address}, "
+                f"{self.config.error_mode}, {self._state}, peers={len(self._peers)})")
+
+    # ---------------------------------------------------------- registration
+    def register(self, name: str, ptrs: Sequence[int], lens: Sequence[int],
+                 item_lens: Sequence[int]) -> None:
+        """Add a named descriptor group (before :meth:`start`). Item ``i`` is
+        ``[ptrs[d] + i*item_lens[d], +item_lens[d])`` in every descriptor ``d``."""
+        if self._state != "new":
+            raise Closed("register() must come before start()")
+        self._groups.add(name, ptrs, lens, item_lens)
+
+    @property
+    def groups(self) -> Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]]:
+        return {n: (g.lens, g.item_lens) for n, g in self._groups.groups.items()}
+
+    @property
+    def registrations(self) -> int:
+        """Number of UCX memory registrations (after merging)."""
+        return len(self._groups.regions)
+
+    # -------------------------------------------------------------- handlers
+    def on_message(self, handler: MessageHandler) -> None:
+        """``handler(peer, payload)`` (may return an awaitable) for every app message and
+        write notification, in arrival order per peer."""
+        self._msg_handlers.append(handler)
+
+    def on_peer_closed(self, handler: ClosedHandler) -> None:
+        """``handler(peer, exc)``, once per peer, whatever ended it (``exc`` says why)."""
+        self._closed_handlers.append(handler)
+
+    def on_peer(self, handler: PeerHandler) -> None:
+        """``handler(peer)`` for every peer that connected to us (after its handshake)."""
+        self._peer_handlers.append(handler)
+
+    @property
+    def peers(self) -> Dict[str, Peer]:
+        return dict(self._peers)
+
+    # -------------------------------------------------------------- lifecycle
+    async def start(self) -> Tuple[str, int]:
+        if self._state != "new":
+            raise Closed(f"engine already {self._state}")
+        self._state = "started"
+        if self._transport is None:
+            from kvxfer.transport.ucx import UcxTransport
+
+            self._transport = UcxTransport(self.config.ucx_options)
+        self._groups.freeze(self._transport, self.config.merge_adjacent)
+        try:
+            self.address = await self._transport.listen(self.config.host, self.config.port,
+                                                        self._accept)
+        except BaseException:
+            self._groups.release()
+            raise
+        log.info("%r listening", self)
+        return self.address
+
+    def _check_started(self) -> None:
+        if self._state != "started":
+            raise Closed(f"engine is {self._state}")
+
+    async def connect(self, host: str, port: int, timeout: Optional[float] = None) -> Peer:
+        """Connect, authenticate and exchange layouts; returns the ready :class:`Peer`."""
+        self._check_started()
+        timeout = self.config.connect_timeout_s if timeout is None else timeout
+        ch = await self._transport.connect(host, port, timeout)
+        return await self._establish(ch, handshake.connect_side, timeout)
+
+    async def _accept(self, ch: Channel) -> None:
+        if self._state != "started":
+            await ch.close(self.config.close_timeout_s)
+            return
+        task = asyncio.current_task()
+        self._pending.add(task)
+        try:
+            peer = await self._establish(ch, handshake.accept_side, self.config.connect_timeout_s)
+        except asyncio.CancelledError:
+            return
+        except KvxferError as exc:
+            log.warning("%r: incoming connection rejected: %s: %s", self, type(exc).__name__, exc)
+            return
+        finally:
+            self._pending.discard(task)
+        for h in self._peer_handlers:
+            await self._call(h, peer)
+
+    async def _establish(self, ch: Channel, side, timeout: float) -> Peer:
+        cfg = self.config
+        rma = None
+        try:
+            res = await side(ch, self._groups, cfg.secret, self.id, cfg.name,
+                             self._transport.local_address(), timeout)
+            bulk_addr = res.remote.address if cfg.error_mode == "none" else None
+            rma = await self._transport.rma_endpoint(ch, bulk_addr, timeout)
+            rma.add_remote_regions(res.remote.bases, res.remote.lens, res.remote.keys)
+            peer = Peer(self, ch, rma, res.engine_id, res.name, res.hostname, res.remote)
+        except BaseException:
+            if rma is not None:
+                await rma.close(cfg.close_timeout_s)
+            await ch.close(cfg.close_timeout_s)
+            raise
+        if self._state != "started":
+            await peer.close()
+            raise Closed("engine closed during the handshake")
+        old = self._peers.get(peer.id)
+        if old is not None:
+            log.warning("%r: second connection with engine %s; the new one replaces it",
+                        self, peer.id)
+        self._peers[peer.id] = peer
+        peer._start()
+        self._check_lanes(peer)
+        log.info("%r: peer %s ready, lanes %s", self, peer.name or peer.id, peer.lanes)
+        return peer
+
+    def _check_lanes(self, peer: Peer) -> None:
+        if not self.config.warn_slow_lanes or peer.hostname != socket.gethostname():
+            return
+        if any(lane.startswith(FAST_LOCAL_LANES) for lane in peer.lanes):
+            if "cuda" in self._groups.mem_types and not any(
+                    lane.startswith("cuda_ipc") for lane in peer.lanes):
+                log.warning("%r: CUDA memory registered but no cuda_ipc lane to same-host "
+                            "peer %s (lanes %s): device data will be staged or emulated",
+                            self, peer.name or peer.id, peer.lanes)
+            return
+        hint = (" error_mode='peer' excludes shared-memory lanes for host memory; "
+                "error_mode='none' keeps them (see docs/engine.md)"
+                if self.config.error_mode == "peer" else "")
+        log.warning("%r: bulk data to same-host peer %s goes over %s although shared memory "
+                    "or CUDA IPC was possible.%s", self, peer.name or peer.id,
+                    ",".join(peer.lanes) or "unknown lanes", hint)
+
+    # --------------------------------------------------------------- events
+    async def _call(self, handler, *args) -> None:
+        try:
+            res = handler(*args)
+            if inspect.isawaitable(res):
+                await res
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("%r: handler %r failed", self, handler)
+
+    async def _dispatch(self, peer: Peer, payload: bytes) -> None:
+        for h in self._msg_handlers:
+            await self._call(h, peer, payload)
+
+    def _spawn(self, coro) -> None:
+        """Run a background coroutine owned by the engine (awaited by close())."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _peer_gone(self, peer: Peer, exc: Exception) -> None:
+        if self._peers.get(peer.id) is peer:
+            del self._peers[peer.id]
+        for h in self._closed_handlers:
+            try:
+                h(peer, exc)
+            except Exception:
+                log.exception("%r: peer-closed handler failed", self)
+
+    async def close(self) -> None:
+        """Close peers (keys, endpoints), then the listener, then registrations."""
+        if self._state == "closed":
+            return
+        started = self._state == "started"
+        self._state = "closed"
+        for t in list(self._pending):
+            t.cancel()
+        if started:
+            await asyncio.gather(*(p.close() for p in list(self._peers.values())),
+                                 *list(self._background), return_exceptions=True)
+            await self._transport.close()
+        self._groups.release()
+        log.info("%r closed", self)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()

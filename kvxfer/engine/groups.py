@@ -1,0 +1,168 @@
+"""Named descriptor groups and their UCX registrations (local side), and the validated
+remote view of a peer's groups.
+
+Local invariants
+- Groups are added before the engine starts, then frozen; every descriptor lies in exactly
+  one registration (a merged span), and ``desc_region[g][d]`` is its index.
+- Overlapping descriptors always share a registration. Descriptors that merely touch share
+  one for host memory; for device memory a registration may not span two allocations
+  (CUDA IPC exports one allocation), so a merged span of device memory joined by adjacency
+  is kept only when the CUDA driver confirms one allocation holds it; otherwise it is
+  registered again piece by piece (overlaps only).
+- Release unmaps every registration once; after it the registry is empty.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from kvxfer import plan
+from kvxfer.errors import Closed, InvalidArgument, ProtocolError
+from kvxfer.transport.base import Region, Transport
+
+log = logging.getLogger(__name__)
+_U64 = np.uint64
+
+
+def _one_allocation(span: plan.Span, groups) -> bool:
+    """True when the CUDA driver says the whole span lies in one device allocation."""
+    from kvxfer.transport.ucx import cuda_alloc_range
+
+    rng = cuda_alloc_range(span.start)
+    return rng is not None and rng[0] <= span.start and span.end <= rng[0] + rng[1]
+
+
+class LocalGroups:
+    def __init__(self):
+        self.groups: Dict[str, plan.GroupLayout] = {}
+        self.regions: List[Region] = []
+        self.desc_region: Dict[str, np.ndarray] = {}
+        self.desc_memh: Dict[str, np.ndarray] = {}
+        self.frozen = False
+
+    def add(self, name, ptrs, lens, item_lens) -> plan.GroupLayout:
+        if self.frozen:
+            raise Closed("groups are registered before start(); the engine already started")
+        if name in self.groups:
+            raise InvalidArgument(f"group {name!r} is already registered")
+        g = plan.make_group(name, ptrs, lens, item_lens)
+        self.groups[name] = g
+        return g
+
+    def freeze(self, transport: Transport, merge_adjacent: bool = True) -> None:
+        """Register every span with the transport (once)."""
+        assert not self.frozen
+        self.frozen = True
+        member_region: Dict[Tuple[str, int], int] = {}
+        try:
+            for span in plan.merge_spans(list(self.groups.values()), merge_adjacent):
+                region = transport.register(span.start, span.length)
+                if span.adjacent_only and region.mem_type != "host" and \
+                        not _one_allocation(span, self.groups):
+                    region.release()
+                    ranges = [(self.groups[g].ptrs[i], self.groups[g].ptrs[i] +
+                               self.groups[g].lens[i], (g, i)) for g, i in span.members]
+                    pieces = plan.merge_ranges(ranges, merge_adjacent=False)
+                    log.debug("%s span [%#x, +%d) split into %d registrations",
+                              region.mem_type, span.start, span.length, len(pieces))
+                else:
+                    self.regions.append(region)
+                    for mem in span.members:
+                        member_region[mem] = len(self.regions) - 1
+                    continue
+                for piece in pieces:
+                    self.regions.append(transport.register(piece.start, piece.length))
+                    for m in piece.members:
+                        member_region[m] = len(self.regions) - 1
+        except BaseException:
+            self.release()
+            raise
+        for name, g in self.groups.items():
+            idx = np.array([member_region[(name, i)] for i in range(g.count)], dtype=_U64)
+            self.desc_region[name] = idx
+            self.desc_memh[name] = np.array([self.regions[int(r)].handle for r in idx], _U64)
+        log.info("registered %d group(s), %d descriptor(s) in %d registration(s) (%s)",
+                 len(self.groups), sum(g.count for g in self.groups.values()),
+                 len(self.regions), ",".join(sorted({r.mem_type for r in self.regions})))
+
+    @property
+    def mem_types(self) -> set:
+        return {r.mem_type for r in self.regions}
+
+    def wire_groups(self) -> dict:
+        return {name: {"ptrs": list(g.ptrs), "lens": list(g.lens),
+                       "item_lens": list(g.item_lens),
+                       "regions": [int(r) for r in self.desc_region[name]]}
+                for name, g in self.groups.items()}
+
+    def region_table(self):
+        return ([r.addr for r in self.regions], [r.length for r in self.regions],
+                [r.packed_key() for r in self.regions], [r.mem_type for r in self.regions])
+
+    def release(self) -> None:
+        regions, self.regions = self.regions, []
+        for r in regions:
+            try:
+                r.release()
+            except Exception as exc:  # keep releasing the rest
+                log.warning("releasing %r: %s", r, exc)
+        self.desc_region.clear()
+        self.desc_memh.clear()
+
+
+@dataclass
+class RemoteGroups:
+    """A peer's groups and region table, validated (see :func:`parse_remote`)."""
+
+    groups: Dict[str, plan.GroupLayout]
+    desc_region: Dict[str, np.ndarray]
+    bases: List[int]
+    lens: List[int]
+    keys: List[bytes]
+    types: List[str]
+    address: Optional[bytes]
+
+
+def _int_list(v, where: str) -> List[int]:
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool)
+                                          and 0 <= x < 1 << 64 for x in v):
+        raise ProtocolError(f"{where}: expected a list of unsigned 64-bit ints")
+    return v
+
+
+def parse_remote(msg) -> RemoteGroups:
+    """Validate a received Layout before anything is derived from it: region table
+    consistent, every group well formed, every descriptor inside its region."""
+    n = len(msg.region_bases)
+    if not (len(msg.region_lens) == len(msg.region_keys) == len(msg.region_types) == n):
+        raise ProtocolError("layout: region table columns differ in length")
+    bases = _int_list(msg.region_bases, "layout.region_bases")
+    lens = _int_list(msg.region_lens, "layout.region_lens")
+    for i, (b, ln, k) in enumerate(zip(bases, lens, msg.region_keys)):
+        if ln == 0 or b + ln > 1 << 64 or not k:
+            raise ProtocolError(f"layout: region {i} is empty, overflows or has no key")
+    groups, desc_region = {}, {}
+    if not all(isinstance(k, str) for k in msg.groups):
+        raise ProtocolError("layout: group names must be strings")
+    for name, body in msg.groups.items():
+        if not isinstance(body, dict) or set(body) != {"ptrs", "lens", "item_lens", "regions"}:
+            raise ProtocolError(f"layout: group {name!r} is malformed")
+        cols = {k: _int_list(body[k], f"layout.{name}.{k}") for k in body}
+        try:
+            g = plan.make_group(name, cols["ptrs"], cols["lens"], cols["item_lens"])
+        except InvalidArgument as exc:
+            raise ProtocolError(f"layout: {exc}") from None
+        if len(cols["regions"]) != g.count:
+            raise ProtocolError(f"layout: group {name!r} region column length")
+        try:
+            plan.check_inside(g.ptrs, g.lens, bases, lens, cols["regions"],
+                              f"layout group {name!r}")
+        except InvalidArgument as exc:
+            raise ProtocolError(str(exc)) from None
+        groups[name] = g
+        desc_region[name] = np.asarray(cols["regions"], dtype=_U64)
+    return RemoteGroups(groups, desc_region, bases, lens, list(msg.region_keys),
+                        list(msg.region_types), msg.address)

@@ -1,0 +1,175 @@
+"""The per-peer handshake (see :mod:`kvxfer.engine.messages` for the message order).
+
+Guarantees
+- The whole exchange runs under one deadline (``TransferTimeout`` when it passes).
+- Protocol version first: a peer speaking another version fails with ``IncompatiblePeer``.
+- Mutual authentication by HMAC-SHA256 challenge-response over fresh nonces; neither side
+  sends its region table (addresses, remote keys) before the other proved the secret.
+- Every group present on both sides must agree on descriptor count and item sizes,
+  otherwise ``IncompatiblePeer`` naming the group and the field; the side that notices
+  tells the other with a Reject so both fail the same way.
+- Everything received is validated (:func:`kvxfer.wire.decode`, :func:`groups.parse_remote`).
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+import msgpack
+
+from kvxfer import plan, wire
+from kvxfer.engine import messages as m
+from kvxfer.engine.groups import LocalGroups, RemoteGroups, parse_remote
+from kvxfer.errors import (AuthenticationFailed, IncompatiblePeer, KvxferError, PeerClosed,
+                           ProtocolError, TransferTimeout)
+from kvxfer.transport.base import Channel
+
+NONCE_BYTES = 32
+
+
+@dataclass
+class HandshakeResult:
+    engine_id: str
+    name: str
+    hostname: str
+    remote: RemoteGroups
+
+
+def _proof(secret: bytes, role: bytes, id_c: str, id_s: str, nonce_c: bytes,
+           nonce_s: bytes) -> bytes:
+    msg = b"kvxfer-v%d|" % wire.PROTOCOL_VERSION + role + b"|" + id_c.encode() + b"|" + \
+        id_s.encode() + b"|" + nonce_c + b"|" + nonce_s
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+class _Deadline:
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise TransferTimeout(f"handshake not finished within {self.seconds:.3g} s")
+        return left
+
+
+def _decode(raw: bytes) -> wire.Message:
+    """Decode, turning a foreign protocol version into IncompatiblePeer."""
+    try:
+        body = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception:
+        body = None
+    if isinstance(body, dict) and "v" in body and body["v"] != wire.PROTOCOL_VERSION:
+        raise IncompatiblePeer(
+            f"peer speaks protocol version {body['v']!r}, this side {wire.PROTOCOL_VERSION}")
+    return wire.decode(raw)
+
+
+async def _recv(ch: Channel, dl: _Deadline, expected):
+    msg = _decode(await ch.recv(dl.left()))
+    if isinstance(msg, m.Reject):
+        cls = {"auth": AuthenticationFailed, "incompatible": IncompatiblePeer}.get(
+            msg.kind, ProtocolError)
+        raise cls(f"peer rejected the handshake: {msg.reason}")
+    return wire.expect(msg, expected)
+
+
+async def _reject(ch: Channel, dl: _Deadline, exc: KvxferError) -> None:
+    kind = ("auth" if isinstance(exc, AuthenticationFailed) else
+            "incompatible" if isinstance(exc, IncompatiblePeer) else "protocol")
+    try:
+        await ch.send(m.Reject(kind=kind, reason=str(exc)[:500]).encode(), min(dl.left(), 1.0))
+    except KvxferError:
+        pass  # the peer may already be gone; our own error is what matters
+
+
+def check_groups(local: LocalGroups, remote: RemoteGroups) -> None:
+    for name in sorted(set(local.groups) & set(remote.groups)):
+        try:
+            plan.check_compatible(local.groups[name], remote.groups[name])
+        except plan.IncompatibleLayout as exc:
+            raise IncompatiblePeer(str(exc)) from None
+
+
+def _layout(local: LocalGroups, address: bytes) -> bytes:
+    bases, lens, keys, types = local.region_table()
+    return m.Layout(groups=local.wire_groups(), region_bases=bases, region_lens=lens,
+                    region_keys=keys, region_types=types, address=address).encode()
+
+
+async def _guarded(ch: Channel, dl: _Deadline, coro):
+    """Run one step; a locally detected auth/compat/protocol failure is sent to the peer."""
+    try:
+        return await coro
+    except (AuthenticationFailed, IncompatiblePeer, ProtocolError) as exc:
+        if "peer rejected" not in str(exc):
+            await _reject(ch, dl, exc)
+        raise
+
+
+async def connect_side(ch: Channel, local: LocalGroups, secret: bytes, engine_id: str,
+                       name: str, address: bytes, timeout: float) -> HandshakeResult:
+    dl = _Deadline(timeout)
+    nonce_c = os.urandom(NONCE_BYTES)
+    await ch.send(m.Hello(engine_id=engine_id, name=name, nonce=nonce_c,
+                          hostname=socket.gethostname()).encode(), dl.left())
+
+    async def steps():
+        ack = await _recv(ch, dl, m.HelloAck)
+        if len(ack.nonce) != NONCE_BYTES:
+            raise ProtocolError("hello_ack: bad nonce length")
+        want = _proof(secret, b"S", engine_id, ack.engine_id, nonce_c, ack.nonce)
+        if not hmac.compare_digest(want, ack.proof):
+            raise AuthenticationFailed(
+                f"peer {ack.name or ack.engine_id} failed the challenge (wrong secret?)")
+        await ch.send(m.Proof(proof=_proof(secret, b"C", engine_id, ack.engine_id, nonce_c,
+                                           ack.nonce)).encode(), dl.left())
+        remote = parse_remote(await _recv(ch, dl, m.Layout))
+        check_groups(local, remote)
+        await ch.send(_layout(local, address), dl.left())
+        await _recv(ch, dl, m.Ready)
+        return HandshakeResult(ack.engine_id, ack.name, ack.hostname, remote)
+
+    return await _with_timeout(_guarded(ch, dl, steps()), dl)
+
+
+async def accept_side(ch: Channel, local: LocalGroups, secret: bytes, engine_id: str,
+                      name: str, address: bytes, timeout: float) -> HandshakeResult:
+    dl = _Deadline(timeout)
+
+    async def steps():
+        hello = await _recv(ch, dl, m.Hello)
+        if len(hello.nonce) != NONCE_BYTES:
+            raise ProtocolError("hello: bad nonce length")
+        nonce_s = os.urandom(NONCE_BYTES)
+        await ch.send(m.HelloAck(
+            engine_id=engine_id, name=name, nonce=nonce_s, hostname=socket.gethostname(),
+            proof=_proof(secret, b"S", hello.engine_id, engine_id, hello.nonce, nonce_s),
+        ).encode(), dl.left())
+        proof = await _recv(ch, dl, m.Proof)
+        want = _proof(secret, b"C", hello.engine_id, engine_id, hello.nonce, nonce_s)
+        if not hmac.compare_digest(want, proof.proof):
+            raise AuthenticationFailed(
+                f"peer {hello.name or hello.engine_id} failed the challenge (wrong secret?)")
+        await ch.send(_layout(local, address), dl.left())
+        remote = parse_remote(await _recv(ch, dl, m.Layout))
+        check_groups(local, remote)
+        await ch.send(m.Ready().encode(), dl.left())
+        return HandshakeResult(hello.engine_id, hello.name, hello.hostname, remote)
+
+    return await _with_timeout(_guarded(ch, dl, steps()), dl)
+
+
+async def _with_timeout(coro, dl: _Deadline):
+    try:
+        return await asyncio.wait_for(coro, dl.seconds)
+    except asyncio.TimeoutError:
+        raise TransferTimeout(f"handshake not finished within {dl.seconds:.3g} s") from None
+    except PeerClosed as exc:
+        raise PeerClosed(f"peer went away during the handshake: {exc}") from None

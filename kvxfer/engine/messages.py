@@ -1,0 +1,96 @@
+"""Engine wire messages (msgpack via :mod:`kvxfer.wire`; tagged, versioned, validated).
+
+Handshake, in order (C = connecting side, S = listening side)::
+
+    C -> S  Hello(engine_id, nonce_c)
+    S -> C  HelloAck(engine_id, nonce_s, proof_s)       proof_s = HMAC(secret, "S"|ids|nonces)
+    C -> S  Proof(proof_c)        (or Reject)           proof_c = HMAC(secret, "C"|ids|nonces)
+    S -> C  Layout                (or Reject)           only after proof_c verified
+    C -> S  Layout                (or Reject)           only after proof_s verified
+    S -> C  Ready                 (or Reject)
+
+After it, both directions carry :class:`AppMessage` (application payloads, including the
+completion ``notify`` of a write) and finally :class:`Bye`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from kvxfer import wire
+
+
+@wire.register
+@dataclass
+class Hello(wire.Message):
+    TAG = "kx.hello"
+    engine_id: str
+    name: str
+    nonce: bytes
+    hostname: str
+
+
+@wire.register
+@dataclass
+class HelloAck(wire.Message):
+    TAG = "kx.hello_ack"
+    engine_id: str
+    name: str
+    nonce: bytes
+    proof: bytes
+    hostname: str
+
+
+@wire.register
+@dataclass
+class Proof(wire.Message):
+    TAG = "kx.proof"
+    proof: bytes
+
+
+@wire.register
+@dataclass
+class Reject(wire.Message):
+    """``kind``: "auth" | "incompatible" | "protocol"."""
+
+    TAG = "kx.reject"
+    kind: str
+    reason: str
+
+
+@wire.register
+@dataclass
+class Layout(wire.Message):
+    """Registered groups and the region table they live in.
+
+    ``groups`` maps name -> {"ptrs": [int], "lens": [int], "item_lens": [int],
+    "regions": [int]} (region index per descriptor). ``address`` is the worker address for
+    a separate bulk endpoint (sent by every side; used by peers in error_mode "none")."""
+
+    TAG = "kx.layout"
+    groups: dict
+    region_bases: List[int]
+    region_lens: List[int]
+    region_keys: List[bytes]
+    region_types: List[str]
+    address: Optional[bytes] = None
+
+
+@wire.register
+@dataclass
+class Ready(wire.Message):
+    TAG = "kx.ready"
+
+
+@wire.register
+@dataclass
+class AppMessage(wire.Message):
+    TAG = "kx.app"
+    payload: bytes
+
+
+@wire.register
+@dataclass
+class Bye(wire.Message):
+    TAG = "kx.bye"
+    reason: str = field(default="")

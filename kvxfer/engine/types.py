@@ -1,0 +1,48 @@
+"""Small value types of the engine API."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List
+
+
+@dataclass(frozen=True)
+class ItemWrite:
+    """Copy items ``src_items[k]`` of local group ``group`` to items ``dst_items[k]`` of the
+    peer's group of the same name. Ids: sequences or 1-D int arrays/CPU tensors, same length."""
+
+    group: str
+    src_items: Any
+    dst_items: Any
+
+
+@dataclass(frozen=True)
+class RawWrite:
+    """Byte ranges: ``[src_off, src_off+nbytes)`` of local descriptor ``desc`` of ``group``
+    to ``[dst_off, dst_off+nbytes)`` of the peer's descriptor ``desc``. Scalars or arrays."""
+
+    group: str
+    src_off: Any
+    dst_off: Any
+    nbytes: Any
+    desc: Any = 0
+
+
+@dataclass
+class TransferStats:
+    """What one ``Peer.write`` did. ``post_s``: time spent posting the native batch;
+    ``complete_s``: from the end of posting until the flush completed (bytes visible at the
+    target) and the notification was handed to UCX. ``lanes``: UCX transports carrying RMA."""
+
+    bytes: int = 0
+    ops: int = 0
+    post_s: float = 0.0
+    complete_s: float = 0.0
+    lanes: List[str] = field(default_factory=list)
+
+    @property
+    def total_s(self) -> float:
+        return self.post_s + self.complete_s
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.total_s / 1e9 if self.total_s > 0 else 0.0

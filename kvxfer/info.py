@@ -1,0 +1,64 @@
+"""``kvxfer info``: versions, UCX transports, native extension and configuration facts.
+
+Every probe is guarded: a missing optional part is reported, never fatal.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import sys
+
+
+def _version(mod: str) -> str:
+    try:
+        m = importlib.import_module(mod)
+    except Exception as exc:  # ImportError, or a broken install
+        return f"missing ({type(exc).__name__}: {exc})"
+    return str(getattr(m, "__version__", "present"))
+
+
+def collect() -> dict:
+    import kvxfer
+    from kvxfer.config import env_defaults
+
+    out = {"python": platform.python_version(), "platform": platform.platform(),
+           "kvxfer": kvxfer.__version__}
+    for mod in ("numpy", "msgpack", "torch", "triton", "ucxx", "libucx"):
+        out[mod] = _version(mod)
+    try:
+        import torch
+
+        out["cuda"] = (f"{torch.version.cuda}, {torch.cuda.device_count()} device(s)"
+                       if torch.cuda.is_available() else "not available")
+    except Exception:
+        out["cuda"] = "unknown (no torch)"
+    try:
+        from kvxfer.transport.ucx import load_ucx
+
+        ucxx, rma = load_ucx()
+        out["native_extension"] = f"built ({rma.__file__})"
+        out["ucx"] = ".".join(map(str, rma.ucx_version()))
+        out["ucx_transports"] = sorted(ucxx.get_active_transports())
+    except Exception as exc:
+        out["native_extension"] = f"unavailable: {exc}"
+    out["env_defaults"] = env_defaults()
+    out["RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY"] = os.environ.get(
+        "RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY", "<unset> (wheel libucx: no verbs/rdmacm)")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="kvxfer info", description=__doc__)
+    ap.add_argument("--json", action="store_true", help="print JSON")
+    args = ap.parse_args(argv)
+    info = collect()
+    if args.json:
+        json.dump(info, sys.stdout, indent=1)
+        print()
+        return 0
+    for k, v in info.items():
+        print(f"{k:38s} {', '.join(v) if isinstance(v, list) else v}")
+    return 0

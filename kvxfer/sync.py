@@ -1,0 +1,163 @@
+"""SyncEngine: the asyncio engine driven from a background event-loop thread, for
+schedulers that are not async.
+
+Every method is thread-safe and bounded: blocking calls wait at most their timeout (plus a
+small margin); ``write_async`` returns a :class:`Pending` whose ``poll()`` never blocks.
+Message handlers registered here run on the engine's loop thread; alternatively
+``poll_messages()`` drains the messages received so far (non-blocking).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import threading
+from typing import Callable, List, Optional, Sequence, Tuple
+
+from kvxfer.config import EngineConfig
+from kvxfer.engine import ItemWrite, Peer, RawWrite, TransferEngine, TransferStats
+from kvxfer.errors import Closed, TransferTimeout
+
+__all__ = ["SyncEngine", "SyncPeer", "Pending", "ItemWrite", "RawWrite", "TransferStats"]
+
+_MARGIN_S = 5.0
+
+
+class Pending:
+    """A write in flight. ``poll()`` → True once finished; ``result()`` returns the
+    :class:`TransferStats` or raises the write's error."""
+
+    def __init__(self, fut: concurrent.futures.Future, timeout: float):
+        self._fut, self._timeout = fut, timeout
+
+    def poll(self) -> bool:
+        return self._fut.done()
+
+    def result(self, timeout: Optional[float] = None) -> TransferStats:
+        try:
+            return self._fut.result(self._timeout + _MARGIN_S if timeout is None else timeout)
+        except concurrent.futures.TimeoutError:
+            raise TransferTimeout("write did not finish in time") from None
+
+
+class SyncPeer:
+    def __init__(self, owner: "SyncEngine", peer: Peer):
+        self._owner, self._peer = owner, peer
+        self.id, self.name = peer.id, peer.name
+
+    @property
+    def remote_groups(self):
+        return self._peer.remote_groups
+
+    @property
+    def lanes(self) -> List[str]:
+        return list(self._peer.lanes)
+
+    @property
+    def closed(self) -> bool:
+        return self._peer.closed
+
+    def write_async(self, writes: Sequence, notify: Optional[bytes] = None,
+                    timeout: Optional[float] = None) -> Pending:
+        t = self._owner.engine.config.transfer_timeout_s if timeout is None else timeout
+        return Pending(self._owner._submit(self._peer.write(list(writes), notify, t)), t)
+
+    def write(self, writes: Sequence, notify: Optional[bytes] = None,
+              timeout: Optional[float] = None) -> TransferStats:
+        return self.write_async(writes, notify, timeout).result()
+
+    def send(self, payload: bytes, timeout: Optional[float] = None) -> None:
+        t = self._owner.engine.config.transfer_timeout_s if timeout is None else timeout
+        self._owner._run(self._peer.send(payload, t), t)
+
+    def close(self) -> None:
+        self._owner._run(self._peer.close(), self._owner.engine.config.close_timeout_s * 4)
+
+
+class SyncEngine:
+    """Owns a thread running an event loop with one :class:`TransferEngine`."""
+
+    def __init__(self, config: EngineConfig):
+        self.engine = TransferEngine(config)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever,
+                                        name=f"kvxfer-{config.name or 'engine'}", daemon=True)
+        self._thread.start()
+        self._messages: collections.deque = collections.deque()
+        self._closed = False
+        self._wrap: dict = {}
+        self.engine.on_message(lambda peer, payload: self._messages.append((peer.id, payload)))
+
+    # -- plumbing
+    def _submit(self, coro) -> concurrent.futures.Future:
+        if self._closed:
+            coro.close()
+            raise Closed("SyncEngine closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _run(self, coro, timeout: float):
+        fut = self._submit(coro)
+        try:
+            return fut.result(timeout + _MARGIN_S)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TransferTimeout(f"engine call did not finish in {timeout + _MARGIN_S:.3g} s") \
+                from None
+
+    def _sync_peer(self, peer: Peer) -> SyncPeer:
+        sp = self._wrap.get(id(peer))
+        if sp is None or sp._peer is not peer:
+            sp = self._wrap[id(peer)] = SyncPeer(self, peer)
+        return sp
+
+    # -- API
+    def register(self, name: str, ptrs, lens, item_lens) -> None:
+        self.engine.register(name, ptrs, lens, item_lens)
+
+    def start(self) -> Tuple[str, int]:
+        return self._run(self.engine.start(), self.engine.config.connect_timeout_s)
+
+    @property
+    def address(self):
+        return self.engine.address
+
+    def connect(self, host: str, port: int, timeout: Optional[float] = None) -> SyncPeer:
+        t = self.engine.config.connect_timeout_s if timeout is None else timeout
+        return self._sync_peer(self._run(self.engine.connect(host, port, t), t))
+
+    def peers(self) -> dict:
+        return {pid: self._sync_peer(p) for pid, p in self.engine.peers.items()}
+
+    def on_message(self, handler: Callable) -> None:
+        """``handler(peer_id, payload)`` on the loop thread (keep it short)."""
+        self.engine.on_message(lambda peer, payload: handler(peer.id, payload))
+
+    def on_peer_closed(self, handler: Callable) -> None:
+        """``handler(peer_id, exc)`` on the loop thread."""
+        self.engine.on_peer_closed(lambda peer, exc: handler(peer.id, exc))
+
+    def poll_messages(self) -> List[Tuple[str, bytes]]:
+        """Messages received since the last call, as ``(peer_id, payload)``; never blocks."""
+        out = []
+        while self._messages:
+            out.append(self._messages.popleft())
+        return out
+
+    def close(self) -> None:
+        """Close the engine and stop the loop thread; idempotent."""
+        if self._closed:
+            return
+        try:
+            self._run(self.engine.close(), self.engine.config.close_timeout_s * 4)
+        finally:
+            self._closed = True
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

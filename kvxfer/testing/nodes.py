@@ -1,0 +1,225 @@
+"""Engine command servers for multi-process tests and benchmarks (spawned children).
+
+:func:`engine_node` hosts one or more engines (each a :class:`kvxfer.sync.SyncEngine`) over
+numpy host buffers or torch device buffers; the parent drives it with
+``Child.call(command, *args)``; every ``cmd_*`` method of :class:`EngineNode` is a command.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict
+
+from kvxfer.testing.process import serve
+
+
+def engine_node(inbox, outbox, spec: dict) -> None:
+    """Command server with engines over host buffers (see tests/engine for the commands).
+
+    ``spec``: ``{"engines": {key: {"config": {...EngineConfig kwargs},
+    "groups": {name: {"item_lens": [...], "items": N, "contiguous": bool}}}}}``. With
+    ``contiguous`` the group's descriptors are carved back to back out of one buffer
+    (exercises registration merging); an engine's optional ``"device"`` ("cpu" default,
+    or e.g. "cuda") puts its buffers in torch device memory. Reports ``{key: port}``.
+    """
+    node = EngineNode(spec)
+    outbox.put(("ok", node.ports))
+    try:
+        serve(inbox, outbox, node.handlers())
+    finally:
+        node.close()
+
+
+def _result(fn, *args):
+    """Run ``fn``; a kvxfer error becomes ``{"error": type name, "msg": text}``."""
+    from kvxfer.errors import KvxferError
+
+    try:
+        return {"ok": fn(*args)}
+    except KvxferError as exc:
+        return {"error": type(exc).__name__, "msg": str(exc)}
+
+
+async def _set_device(device):
+    import torch
+
+    torch.cuda.set_device(torch.device(device))
+    torch.zeros(1, device=device)
+
+
+class EngineNode:
+    """Engines over numpy host buffers, driven through :class:`kvxfer.sync.SyncEngine`."""
+
+    def __init__(self, spec: dict):
+        import threading
+
+        import numpy as np
+
+        from kvxfer.config import EngineConfig
+        from kvxfer.sync import SyncEngine
+
+        self.np = np
+        self.engines: Dict[str, Any] = {}
+        self.buffers: Dict[str, Dict[str, list]] = {}
+        self.closed: Dict[str, list] = {}
+        self.streams: Dict[str, dict] = {}
+        self.items: Dict[str, Dict[str, int]] = {}
+        self._inbox: Dict[str, list] = {}
+        self._threading = threading
+        self.ports = {}
+        for key, e in spec["engines"].items():
+            eng = SyncEngine(EngineConfig(**e["config"]))
+            if str(e.get("device", "cpu")).startswith("cuda"):  # make its context current there
+                eng._run(_set_device(e["device"]), 30.0)
+            self.buffers[key] = {}
+            self.items[key] = {g: spec_g["items"] for g, spec_g in e["groups"].items()}
+            device = e.get("device", "cpu")
+            for gname, g in e["groups"].items():
+                bufs = self._alloc(g, device)
+                self.buffers[key][gname] = bufs
+                eng.register(gname, [self._ptr(b) for b in bufs],
+                             [int(b.numel()) if device != "cpu" else b.nbytes for b in bufs],
+                             list(g["item_lens"]))
+            self.closed[key] = []
+            eng.on_peer_closed(lambda pid, exc, k=key: self.closed[k].append(
+                (pid, type(exc).__name__)))
+            self.ports[key] = eng.start()[1]
+            self.engines[key] = eng
+
+    def _alloc(self, g, device):
+        """Zeroed uint8 buffers, one per descriptor: numpy on "cpu", torch elsewhere."""
+        n, ils = g["items"], list(g["item_lens"])
+        if device == "cpu":
+            zeros = lambda k: self.np.zeros(k, dtype=self.np.uint8)  # noqa: E731
+        else:
+            import torch
+
+            zeros = lambda k: torch.zeros(k, dtype=torch.uint8, device=device)  # noqa: E731
+        if g.get("contiguous"):
+            whole = zeros(n * sum(ils))
+            out, off = [], 0
+            for il in ils:
+                out.append(whole[off:off + n * il])
+                off += n * il
+            return out
+        return [zeros(n * il) for il in ils]
+
+    @staticmethod
+    def _ptr(b) -> int:
+        return b.ctypes.data if hasattr(b, "ctypes") else b.data_ptr()
+
+    def _host(self, b):
+        return b if hasattr(b, "ctypes") else b.cpu().numpy()
+
+    def handlers(self):
+        return {name[4:]: getattr(self, name) for name in dir(self) if name.startswith("cmd_")}
+
+    def _peer(self, key, peer_id):
+        return self.engines[key].peers()[peer_id]
+
+    # -- commands
+    def cmd_connect(self, key, host, port, timeout=None):
+        return _result(lambda: self.engines[key].connect(host, port, timeout).id)
+
+    def cmd_fill(self, key, group, seed):
+        rng = self.np.random.default_rng(seed)
+        for i, b in enumerate(self.buffers[key][group]):
+            if hasattr(b, "ctypes"):
+                b[:] = rng.integers(0, 256, len(b), dtype=self.np.uint8)
+            else:  # device memory: generate there (fast for GiB pools)
+                import torch
+
+                gen = torch.Generator(device=b.device).manual_seed(seed * 1000 + i)
+                b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, device=b.device,
+                                      generator=gen))
+
+    def cmd_zero(self, key, group):
+        for b in self.buffers[key][group]:
+            b[:] = 0
+
+    def cmd_items(self, key, group, ids):
+        """Bytes of the given items across every descriptor (descriptor-major)."""
+        n = self.items[key][group]
+        idx = self.np.asarray(ids, dtype=self.np.int64)
+        return b"".join(self._host(b).reshape(n, -1)[idx].tobytes()
+                        for b in self.buffers[key][group])
+
+    def cmd_bytes(self, key, group, desc, off, n):
+        return self._host(self.buffers[key][group][desc])[off:off + n].tobytes()
+
+    def cmd_checksum(self, key, group):
+        return [int(self._host(b).sum(dtype=self.np.uint64)) for b in self.buffers[key][group]]
+
+    def _writes(self, parts):
+        """``(group, src_ids, dst_ids)`` → ItemWrite; ``(group, src_off, dst_off, nbytes,
+        desc)`` → RawWrite."""
+        from kvxfer.engine import ItemWrite, RawWrite
+
+        return [ItemWrite(*p) if len(p) == 3 else RawWrite(*p) for p in parts]
+
+    def cmd_write(self, key, peer_id, parts, notify=None, timeout=None):
+        def go():
+            st = self._peer(key, peer_id).write(self._writes(parts), notify, timeout)
+            return {"bytes": st.bytes, "ops": st.ops, "lanes": st.lanes,
+                    "post_s": st.post_s, "complete_s": st.complete_s}
+        return _result(go)
+
+    def cmd_write_many(self, key, peer_id, batches, timeout=None):
+        """Submit every batch before waiting for any: ``batches`` = [(parts, notify)]."""
+        peer = self._peer(key, peer_id)
+        pend = [peer.write_async(self._writes(parts), notify, timeout) for parts, notify in batches]
+        return [_result(lambda p=p: p.result().bytes) for p in pend]
+
+    def cmd_send(self, key, peer_id, payload):
+        return _result(lambda: self._peer(key, peer_id).send(payload))
+
+    def cmd_messages(self, key, n, timeout):
+        """Wait (bounded) for ``n`` messages; returns [(peer_id, payload)] received so far."""
+        got = self._inbox.setdefault(key, [])
+        deadline = time.monotonic() + timeout
+        while len(got) < n and time.monotonic() < deadline:
+            got.extend(self.engines[key].poll_messages())
+            time.sleep(0.005)
+        got.extend(self.engines[key].poll_messages())
+        out = list(got)
+        got.clear()
+        return out
+
+    def cmd_peers(self, key):
+        return sorted(self.engines[key].peers())
+
+    def cmd_closed(self, key):
+        return list(self.closed[key])
+
+    def cmd_registrations(self, key):
+        return self.engines[key].engine.registrations
+
+    def cmd_stream_start(self, key, peer_id, group, n_items, timeout):
+        """Write items 0..n-1 to the same ids on the peer, over and over, in a thread."""
+        st = self.streams[key] = {"count": 0, "error": None, "stop": False, "t_end": None}
+        ids = list(range(n_items))
+
+        def loop():
+            try:
+                while not st["stop"]:
+                    self._peer(key, peer_id).write(self._writes([(group, ids, ids)]), None, timeout)
+                    st["count"] += 1
+            except Exception as exc:  # reported to the parent
+                st["error"] = (type(exc).__name__, str(exc))
+            st["t_end"] = time.monotonic()
+
+        st["thread"] = self._threading.Thread(target=loop, daemon=True)
+        st["thread"].start()
+
+    def cmd_stream_status(self, key):
+        st = self.streams[key]
+        return {"count": st["count"], "error": st["error"], "t_end": st["t_end"]}
+
+    def cmd_stream_stop(self, key, timeout):
+        st = self.streams[key]
+        st["stop"] = True
+        st["thread"].join(timeout)
+        return {"count": st["count"], "error": st["error"], "alive": st["thread"].is_alive()}
+
+    def close(self):
+        for eng in self.engines.values():
+            eng.close()

@@ -1,0 +1,149 @@
+"""Transport checks run inside one spawned process (listener and connector on the same UCX
+worker, real loopback endpoints); ``tests/transport`` drives them through :func:`transport_node`.
+"""
+from __future__ import annotations
+
+from kvxfer.testing.process import serve
+
+
+def transport_node(inbox, outbox) -> None:
+    """Command server exercising :mod:`kvxfer.transport.ucx` inside one process (listener
+    and connector on the same UCX worker, real loopback endpoints)."""
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    outbox.put(("ok", "ready"))
+    try:
+        serve(inbox, outbox, {"run": lambda name, *a: loop.run_until_complete(
+            getattr(_TransportChecks, name)(*a))})
+    finally:
+        loop.close()
+
+
+class _TransportChecks:
+    @staticmethod
+    async def _pair(error_mode="peer"):
+        import asyncio
+
+        from kvxfer.transport.ucx import UcxTransport
+
+        t = UcxTransport()
+        accepted = asyncio.get_running_loop().create_future()
+
+        async def on_accept(ch):
+            accepted.set_result(ch)
+
+        _, port = await t.listen("127.0.0.1", 0, on_accept)
+        client = await t.connect("127.0.0.1", port, 10.0)
+        await client.send(b"hello", 5.0)
+        server = await asyncio.wait_for(accepted, 10.0)
+        assert await server.recv(5.0) == b"hello"
+        addr = t.local_address() if error_mode == "none" else None
+        rma = await t.rma_endpoint(client, addr, 10.0)
+        return t, client, server, rma
+
+    @staticmethod
+    async def put_and_bounds(error_mode):
+        import numpy as np
+
+        from kvxfer.errors import IndexOutOfRange
+
+        t, client, server, rma = await _TransportChecks._pair(error_mode)
+        src = np.arange(4096, dtype=np.uint8) % 251
+        dst = np.zeros(8192, dtype=np.uint8)
+        rs, rd = t.register(src.ctypes.data, src.nbytes), t.register(dst.ctypes.data, dst.nbytes)
+        rma.add_remote_regions([rd.addr], [rd.length], [rd.packed_key()])
+        u = np.uint64
+        a = lambda *v: np.array(v, dtype=u)  # noqa: E731
+        out = {"mem_types": [rs.mem_type, rd.mem_type], "lanes": rma.lanes()}
+        # one good op + one op ending 1 byte past the region: nothing may be posted
+        try:
+            rma.put(a(src.ctypes.data, src.ctypes.data), a(rd.addr, rd.addr + 8192 - 15),
+                    a(16, 16), a(rs.handle, rs.handle), a(0, 0))
+            out["bounds"] = "not raised"
+        except IndexOutOfRange as exc:
+            out["bounds"] = str(exc)
+        await rma.flush(5.0)
+        out["untouched_after_reject"] = int(dst.sum()) == 0
+        try:
+            rma.put(a(src.ctypes.data), a(rd.addr), a(16), a(0), a(1))  # region 1 of 1
+            out["bad_region"] = "not raised"
+        except IndexOutOfRange as exc:
+            out["bad_region"] = str(exc)
+        for bad, name in (((np.zeros(1, np.float64),) + (a(1),) * 4, "float"),
+                          ((a(1, 2),) + (a(1),) * 4, "length")):
+            try:
+                rma.put(*bad)
+                out[name] = "not raised"
+            except (TypeError, ValueError) as exc:
+                out[name] = type(exc).__name__
+        n = rma.put(a(src.ctypes.data, src.ctypes.data + 100), a(rd.addr + 1000, rd.addr + 8192 - 50),
+                    a(100, 50), a(rs.handle, 0), a(0, 0))
+        await rma.flush(5.0)
+        out["posted"] = n
+        out["exact"] = (bytes(dst[1000:1100]) == bytes(src[:100])
+                        and bytes(dst[8142:]) == bytes(src[100:150])
+                        and int(dst[:1000].sum()) == 0 and int(dst[1100:8142].sum()) == 0)
+        await t.flush_worker(5.0)
+        await rma.close(1.0)
+        await rma.close(1.0)  # idempotent
+        await client.close(1.0)
+        await server.close(1.0)
+        rs.release(), rd.release(), rd.release()
+        await t.close()
+        await t.close()
+        try:
+            await t.flush_worker(1.0)
+            out["after_close"] = "not raised"
+        except Exception as exc:  # Closed
+            out["after_close"] = type(exc).__name__
+        return out
+
+    @staticmethod
+    async def peer_close_seen():
+        import asyncio
+
+        t, client, server, rma = await _TransportChecks._pair()
+        seen = asyncio.get_running_loop().create_future()
+        server.on_closed(lambda exc: seen.done() or seen.set_result(type(exc).__name__))
+        await client.close(1.0)
+        kind = await asyncio.wait_for(seen, 10.0)
+        try:
+            await server.send(b"x", 1.0)
+            after = "not raised"
+        except Exception as exc:
+            after = type(exc).__name__
+        await rma.close(1.0)
+        await server.close(1.0)
+        await t.close()
+        return {"kind": kind, "send_after": after}
+
+    @staticmethod
+    async def completion_queue():
+        import asyncio
+
+        from kvxfer.transport.ucx import load_ucx
+
+        ucxx, rma = load_ucx()
+        from ucxx import core
+
+        worker = core._get_ctx().worker.handle
+        cq = rma.CompletionQueue()
+        st = cq.worker_flush(worker, 7)
+        got = []
+        if st is None:  # pending: wait for the eventfd
+            loop = asyncio.get_running_loop()
+            ev = asyncio.Event()
+            loop.add_reader(cq.fileno(), ev.set)
+            await asyncio.wait_for(ev.wait(), 5.0)
+            loop.remove_reader(cq.fileno())
+            got = cq.drain()
+        pending = cq.pending
+        cq.close()
+        cq.close()
+        try:
+            cq.drain()
+            closed = "not raised"
+        except ValueError:
+            closed = "ValueError"
+        return {"status": st, "drained": got, "pending": pending, "closed": closed}

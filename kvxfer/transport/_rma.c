@@ -1,0 +1,788 @@
+/*
+ * kvxfer.transport._rma — one-sided RMA over libucp for the kvxfer transfer engine.
+ *
+ * UCXX (the Python UCX binding we use for context, worker, listener, endpoints and
+ * messages) exposes no RMA; this module adds it on UCXX's raw handles
+ * (ucp_context_h / ucp_worker_h / ucp_ep_h passed as Python ints). `import ucxx` must
+ * happen first so that the libucp already loaded by the libucx wheel is the one we link.
+ *
+ * Contents
+ *   mem_map / mem_unmap       ucp_mem_map + ucp_mem_query (memory type: host, cuda, ...)
+ *   rkey_pack / rkey_unpack / rkey_destroy
+ *   put_batch                 one C loop of ucp_put_nbx over arrays; every op is bounds-checked
+ *                             against its remote region BEFORE any is posted; GIL released
+ *                             while posting
+ *   CompletionQueue           ep/worker flush whose completion (token, status) is queued and
+ *                             signalled on an eventfd that asyncio watches (loop.add_reader).
+ *                             Callbacks run on whatever thread progresses the worker (UCXX's
+ *                             progress thread); they never touch Python objects.
+ *   ep_info                   ucp_ep_print_info captured as a string (lanes / transports)
+ *   CompletionQueue.ep_create bulk endpoint (error mode NONE + error handler, see there)
+ *
+ * Invariants
+ *   - Every call into libucp releases the GIL: UCXX's progress thread holds the worker lock
+ *     while it runs Python callbacks (which need the GIL), so holding the GIL while waiting
+ *     for the worker lock would deadlock.
+ *   - A CompletionQueue's shared core lives until the Python object is gone AND every flush
+ *     it started has called back (reference count), so a callback arriving after close()
+ *     or after a Python-side timeout is harmless.
+ *   - put_batch either rejects the whole batch before posting anything (bad bounds) or
+ *     raises UcxError(status, message, posted) after `posted` ops went out.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <ucp/api/ucp.h>
+
+static PyObject *UcxError; /* args: (status:int, message:str, posted:int) */
+
+static PyObject *raise_ucx(ucs_status_t st, const char *what, Py_ssize_t posted)
+{
+    PyObject *args = Py_BuildValue("(iNn)", (int)st,
+                                   PyUnicode_FromFormat("%s: %s", what, ucs_status_string(st)),
+                                   posted);
+    if (args != NULL) {
+        PyErr_SetObject(UcxError, args);
+        Py_DECREF(args);
+    }
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ handles */
+
+static int get_handle(PyObject *o, void **out, const char *what)
+{
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    if (v == 0) {
+        PyErr_Format(PyExc_ValueError, "%s handle is NULL", what);
+        return -1;
+    }
+    *out = (void *)(uintptr_t)v;
+    return 0;
+}
+
+static PyObject *py_mem_map(PyObject *self, PyObject *args)
+{
+    PyObject *ctx_o;
+    unsigned long long addr, length;
+    ucp_context_h ctx;
+    ucp_mem_map_params_t p;
+    ucp_mem_attr_t attr;
+    ucp_mem_h memh;
+    ucs_status_t st;
+
+    if (!PyArg_ParseTuple(args, "OKK", &ctx_o, &addr, &length))
+        return NULL;
+    if (get_handle(ctx_o, (void **)&ctx, "context") < 0)
+        return NULL;
+    if (length == 0) {
+        PyErr_SetString(PyExc_ValueError, "cannot register a zero-length region");
+        return NULL;
+    }
+    memset(&p, 0, sizeof(p));
+    p.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+    p.address    = (void *)(uintptr_t)addr;
+    p.length     = (size_t)length;
+    Py_BEGIN_ALLOW_THREADS
+    st = ucp_mem_map(ctx, &p, &memh);
+    Py_END_ALLOW_THREADS
+    if (st != UCS_OK)
+        return raise_ucx(st, "ucp_mem_map", 0);
+    attr.field_mask = UCP_MEM_ATTR_FIELD_MEM_TYPE;
+    Py_BEGIN_ALLOW_THREADS
+    st = ucp_mem_query(memh, &attr);
+    Py_END_ALLOW_THREADS
+    if (st != UCS_OK) {
+        ucp_mem_unmap(ctx, memh);
+        return raise_ucx(st, "ucp_mem_query", 0);
+    }
+    return Py_BuildValue("(Ks)", (unsigned long long)(uintptr_t)memh,
+                         attr.mem_type < UCS_MEMORY_TYPE_LAST
+                             ? ucs_memory_type_names[attr.mem_type]
+                             : "unknown");
+}
+
+static PyObject *py_mem_unmap(PyObject *self, PyObject *args)
+{
+    PyObject *ctx_o, *memh_o;
+    ucp_context_h ctx;
+    ucp_mem_h memh;
+    ucs_status_t st;
+    if (!PyArg_ParseTuple(args, "OO", &ctx_o, &memh_o))
+        return NULL;
+    if (get_handle(ctx_o, (void **)&ctx, "context") < 0 ||
+        get_handle(memh_o, (void **)&memh, "memory") < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    st = ucp_mem_unmap(ctx, memh);
+    Py_END_ALLOW_THREADS
+    if (st != UCS_OK)
+        return raise_ucx(st, "ucp_mem_unmap", 0);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_rkey_pack(PyObject *self, PyObject *args)
+{
+    PyObject *ctx_o, *memh_o, *out;
+    ucp_context_h ctx;
+    ucp_mem_h memh;
+    void *buf;
+    size_t len;
+    ucs_status_t st;
+    if (!PyArg_ParseTuple(args, "OO", &ctx_o, &memh_o))
+        return NULL;
+    if (get_handle(ctx_o, (void **)&ctx, "context") < 0 ||
+        get_handle(memh_o, (void **)&memh, "memory") < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    st = ucp_rkey_pack(ctx, memh, &buf, &len);
+    Py_END_ALLOW_THREADS
+    if (st != UCS_OK)
+        return raise_ucx(st, "ucp_rkey_pack", 0);
+    out = PyBytes_FromStringAndSize((const char *)buf, (Py_ssize_t)len);
+    ucp_rkey_buffer_release(buf);
+    return out;
+}
+
+static PyObject *py_rkey_unpack(PyObject *self, PyObject *args)
+{
+    PyObject *ep_o;
+    Py_buffer packed;
+    ucp_ep_h ep;
+    ucp_rkey_h rkey;
+    ucs_status_t st;
+    if (!PyArg_ParseTuple(args, "Oy*", &ep_o, &packed))
+        return NULL;
+    if (get_handle(ep_o, (void **)&ep, "endpoint") < 0) {
+        PyBuffer_Release(&packed);
+        return NULL;
+    }
+    if (packed.len == 0) {
+        PyBuffer_Release(&packed);
+        PyErr_SetString(PyExc_ValueError, "empty packed rkey");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    st = ucp_ep_rkey_unpack(ep, packed.buf, &rkey);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&packed);
+    if (st != UCS_OK)
+        return raise_ucx(st, "ucp_ep_rkey_unpack", 0);
+    return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)rkey);
+}
+
+static PyObject *py_rkey_destroy(PyObject *self, PyObject *args)
+{
+    PyObject *rkey_o;
+    ucp_rkey_h rkey;
+    if (!PyArg_ParseTuple(args, "O", &rkey_o))
+        return NULL;
+    if (get_handle(rkey_o, (void **)&rkey, "rkey") < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    ucp_rkey_destroy(rkey);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* ---------------------------------------------------------------- put_batch */
+
+static int get_u64_array(PyObject *o, Py_buffer *b, const char *name)
+{
+    if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    if (b->itemsize != 8 || b->ndim > 1 || b->format == NULL ||
+        strchr("QLKqlk", b->format[strlen(b->format) - 1]) == NULL) {
+        PyErr_Format(PyExc_TypeError, "%s must be a 1-D array of 64-bit integers (format %s)",
+                     name, b->format ? b->format : "?");
+        PyBuffer_Release(b);
+        return -1;
+    }
+    return 0;
+}
+
+/*
+ * put_batch(ep, laddr, raddr, nbytes, lmemh, ridx, rbase, rlen, rkeys) -> ops posted
+ *
+ * Per op i: PUT nbytes[i] bytes from local laddr[i] (registration lmemh[i], 0 = let UCX
+ * find it) to remote raddr[i] inside remote region ridx[i], whose extent is
+ * [rbase[r], rbase[r] + rlen[r]) and key rkeys[r]. All ops are checked first.
+ */
+static PyObject *py_put_batch(PyObject *self, PyObject *args)
+{
+    PyObject *ep_o, *objs[8];
+    const char *names[8] = {"laddr", "raddr", "nbytes", "lmemh", "ridx", "rbase", "rlen", "rkeys"};
+    Py_buffer b[8];
+    int nb = 0, i;
+    ucp_ep_h ep;
+    Py_ssize_t n, m, k, posted = 0;
+    ucs_status_t st = UCS_OK;
+    PyObject *result = NULL;
+
+    if (!PyArg_ParseTuple(args, "OOOOOOOOO", &ep_o, &objs[0], &objs[1], &objs[2], &objs[3],
+                          &objs[4], &objs[5], &objs[6], &objs[7]))
+        return NULL;
+    if (get_handle(ep_o, (void **)&ep, "endpoint") < 0)
+        return NULL;
+    for (i = 0; i < 8; i++, nb++)
+        if (get_u64_array(objs[i], &b[i], names[i]) < 0)
+            goto out;
+    n = b[0].len / 8;
+    m = b[5].len / 8;
+    for (i = 1; i < 5; i++)
+        if (b[i].len / 8 != n) {
+            PyErr_Format(PyExc_ValueError, "%s has %zd entries, laddr has %zd", names[i],
+                         b[i].len / 8, n);
+            goto out;
+        }
+    if (b[6].len / 8 != m || b[7].len / 8 != m) {
+        PyErr_SetString(PyExc_ValueError, "rbase, rlen and rkeys differ in length");
+        goto out;
+    }
+    {
+        const uint64_t *laddr = b[0].buf, *raddr = b[1].buf, *len = b[2].buf;
+        const uint64_t *lmemh = b[3].buf, *ridx = b[4].buf;
+        const uint64_t *rbase = b[5].buf, *rlen = b[6].buf, *rkeys = b[7].buf;
+
+        /* second, cheap bounds check: nothing is posted unless every op fits */
+        for (k = 0; k < n; k++) {
+            uint64_t r = ridx[k];
+            if (r >= (uint64_t)m || rkeys[r] == 0) {
+                PyErr_Format(PyExc_IndexError, "op %zd: remote region %llu of %zd", k,
+                             (unsigned long long)r, m);
+                goto out;
+            }
+            if (len[k] == 0 || raddr[k] < rbase[r] || raddr[k] - rbase[r] > rlen[r] ||
+                len[k] > rlen[r] - (raddr[k] - rbase[r]) || laddr[k] + len[k] < laddr[k]) {
+                PyErr_Format(PyExc_IndexError,
+                             "op %zd: remote [%p, +%llu) outside region %llu [%p, +%llu)", k,
+                             (void *)(uintptr_t)raddr[k], (unsigned long long)len[k],
+                             (unsigned long long)r, (void *)(uintptr_t)rbase[r],
+                             (unsigned long long)rlen[r]);
+                goto out;
+            }
+        }
+        Py_BEGIN_ALLOW_THREADS
+        for (k = 0; k < n; k++) {
+            ucp_request_param_t p;
+            ucs_status_ptr_t sp;
+            p.op_attr_mask = lmemh[k] ? UCP_OP_ATTR_FIELD_MEMH : 0;
+            p.memh         = (ucp_mem_h)(uintptr_t)lmemh[k];
+            sp = ucp_put_nbx(ep, (void *)(uintptr_t)laddr[k], (size_t)len[k], raddr[k],
+                             (ucp_rkey_h)(uintptr_t)rkeys[ridx[k]], &p);
+            if (UCS_PTR_IS_ERR(sp)) {
+                st = UCS_PTR_STATUS(sp);
+                break;
+            }
+            if (sp != NULL)
+                ucp_request_free(sp); /* completes in the background; tracked by flush */
+            posted++;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    if (st != UCS_OK) {
+        raise_ucx(st, "ucp_put_nbx", posted);
+        goto out;
+    }
+    result = PyLong_FromSsize_t(posted);
+out:
+    for (i = 0; i < nb; i++)
+        PyBuffer_Release(&b[i]);
+    return result;
+}
+
+/* ------------------------------------------------------------ ep_info etc. */
+
+static PyObject *py_ep_info(PyObject *self, PyObject *args)
+{
+    PyObject *ep_o, *out;
+    ucp_ep_h ep;
+    char *buf  = NULL;
+    size_t len = 0;
+    FILE *f;
+    if (!PyArg_ParseTuple(args, "O", &ep_o))
+        return NULL;
+    if (get_handle(ep_o, (void **)&ep, "endpoint") < 0)
+        return NULL;
+    f = open_memstream(&buf, &len);
+    if (f == NULL)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    Py_BEGIN_ALLOW_THREADS
+    ucp_ep_print_info(ep, f);
+    Py_END_ALLOW_THREADS
+    fclose(f);
+    out = PyUnicode_DecodeUTF8(buf, (Py_ssize_t)len, "replace");
+    free(buf);
+    return out;
+}
+
+static PyObject *py_status_string(PyObject *self, PyObject *args)
+{
+    int st;
+    if (!PyArg_ParseTuple(args, "i", &st))
+        return NULL;
+    return PyUnicode_FromString(ucs_status_string((ucs_status_t)st));
+}
+
+static PyObject *py_ucx_version(PyObject *self, PyObject *noargs)
+{
+    unsigned major, minor, release;
+    ucp_get_version(&major, &minor, &release);
+    return Py_BuildValue("(III)", major, minor, release);
+}
+
+/* ----------------------------------------------------------- completions */
+
+typedef struct {
+    uint64_t token;
+    int status;
+} cq_item_t;
+
+typedef struct {
+    pthread_mutex_t mu;
+    int fd;       /* eventfd, -1 once closed */
+    int refs;     /* Python object + in-flight requests */
+    cq_item_t *items;
+    size_t n, cap;
+} cq_core_t;
+
+typedef struct {
+    cq_core_t *core;
+    uint64_t token;
+} cq_req_t;
+
+static void cq_core_unref_locked(cq_core_t *c, int *free_it)
+{
+    *free_it = (--c->refs == 0);
+}
+
+static void cq_core_free(cq_core_t *c)
+{
+    pthread_mutex_destroy(&c->mu);
+    free(c->items);
+    free(c);
+}
+
+/* Queue (token, status) and signal the eventfd; caller holds c->mu. */
+static void cq_push_locked(cq_core_t *c, uint64_t token, ucs_status_t status)
+{
+    uint64_t one = 1;
+    if (c->fd < 0)
+        return;
+    if (c->n == c->cap) {
+        size_t cap     = c->cap ? 2 * c->cap : 16;
+        cq_item_t *tmp = realloc(c->items, cap * sizeof(*tmp));
+        if (tmp != NULL) {
+            c->items = tmp;
+            c->cap   = cap;
+        }
+    }
+    if (c->n < c->cap) {
+        c->items[c->n].token  = token;
+        c->items[c->n].status = (int)status;
+        c->n++;
+    }
+    if (write(c->fd, &one, sizeof(one)) < 0) { /* counter overflow only: ignore */
+    }
+}
+
+/* Called by UCX (any thread); never touches Python. */
+static void cq_callback(void *request, ucs_status_t status, void *user)
+{
+    cq_req_t *r   = (cq_req_t *)user;
+    cq_core_t *c  = r->core;
+    int free_it   = 0;
+    pthread_mutex_lock(&c->mu);
+    cq_push_locked(c, r->token, status);
+    cq_core_unref_locked(c, &free_it);
+    pthread_mutex_unlock(&c->mu);
+    if (free_it)
+        cq_core_free(c);
+    free(r);
+    ucp_request_free(request);
+}
+
+typedef struct {
+    PyObject_HEAD
+    cq_core_t *core;
+} CompletionQueue;
+
+static int cq_init(CompletionQueue *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {NULL};
+    cq_core_t *c;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "", kwlist))
+        return -1;
+    if (self->core != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "CompletionQueue already initialised");
+        return -1;
+    }
+    c = calloc(1, sizeof(*c));
+    if (c == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    c->fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (c->fd < 0) {
+        free(c);
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    pthread_mutex_init(&c->mu, NULL);
+    c->refs    = 1;
+    self->core = c;
+    return 0;
+}
+
+static void cq_release(CompletionQueue *self)
+{
+    cq_core_t *c = self->core;
+    int free_it  = 0;
+    if (c == NULL)
+        return;
+    self->core = NULL;
+    pthread_mutex_lock(&c->mu);
+    if (c->fd >= 0) {
+        close(c->fd);
+        c->fd = -1;
+    }
+    cq_core_unref_locked(c, &free_it);
+    pthread_mutex_unlock(&c->mu);
+    if (free_it)
+        cq_core_free(c);
+}
+
+static void cq_dealloc(CompletionQueue *self)
+{
+    cq_release(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static cq_core_t *cq_core(CompletionQueue *self)
+{
+    if (self->core == NULL)
+        PyErr_SetString(PyExc_ValueError, "CompletionQueue is closed");
+    return self->core;
+}
+
+/* Start a flush; returns None when pending (token will be drained), else the status. */
+static PyObject *cq_flush(CompletionQueue *self, PyObject *args, int worker)
+{
+    PyObject *h_o;
+    unsigned long long token;
+    void *h;
+    cq_core_t *c = cq_core(self);
+    cq_req_t *r;
+    ucp_request_param_t p;
+    ucs_status_ptr_t sp;
+    if (c == NULL || !PyArg_ParseTuple(args, "OK", &h_o, &token))
+        return NULL;
+    if (get_handle(h_o, &h, worker ? "worker" : "endpoint") < 0)
+        return NULL;
+    r = malloc(sizeof(*r));
+    if (r == NULL)
+        return PyErr_NoMemory();
+    r->core  = c;
+    r->token = token;
+    pthread_mutex_lock(&c->mu);
+    c->refs++; /* held by the request until its callback */
+    pthread_mutex_unlock(&c->mu);
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.send      = cq_callback;
+    p.user_data    = r;
+    Py_BEGIN_ALLOW_THREADS
+    sp = worker ? ucp_worker_flush_nbx((ucp_worker_h)h, &p) : ucp_ep_flush_nbx((ucp_ep_h)h, &p);
+    Py_END_ALLOW_THREADS
+    if (sp != NULL && !UCS_PTR_IS_ERR(sp))
+        Py_RETURN_NONE; /* the callback owns r and one core reference */
+    {
+        int free_it = 0;
+        pthread_mutex_lock(&c->mu);
+        cq_core_unref_locked(c, &free_it);
+        pthread_mutex_unlock(&c->mu);
+        assert(!free_it); /* the Python object still holds a reference */
+        free(r);
+    }
+    return PyLong_FromLong(sp == NULL ? UCS_OK : (long)UCS_PTR_STATUS(sp));
+}
+
+static PyObject *cq_ep_flush(CompletionQueue *self, PyObject *args) { return cq_flush(self, args, 0); }
+
+static PyObject *cq_worker_flush(CompletionQueue *self, PyObject *args) { return cq_flush(self, args, 1); }
+
+/*
+ * Bulk endpoints (error_mode "none"): created here from the peer's worker address with
+ * UCP_ERR_HANDLING_MODE_NONE, which keeps shared-memory (cma) lanes, AND an error handler.
+ * Measured with libucx 1.21: with a handler installed, a peer that dies mid-PUT is reported
+ * (the handler runs with "Connection reset by remote peer") instead of UCX aborting the
+ * process, which is what happens to NONE-mode endpoints without a handler (UCXX creates its
+ * error-handling-off endpoints without one). The handler queues (err_token, status).
+ */
+typedef struct {
+    cq_core_t *core;
+    uint64_t err_token;
+} ep_ctx_t;
+
+static void ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
+{
+    ep_ctx_t *x = (ep_ctx_t *)arg;
+    pthread_mutex_lock(&x->core->mu);
+    cq_push_locked(x->core, x->err_token, status);
+    pthread_mutex_unlock(&x->core->mu);
+}
+
+/* ep_create(worker, address, err_token) -> (ep, ctx) */
+static PyObject *cq_ep_create(CompletionQueue *self, PyObject *args)
+{
+    PyObject *w_o;
+    Py_buffer addr;
+    unsigned long long token;
+    void *worker;
+    ucp_ep_params_t p;
+    ucp_ep_h ep;
+    ucs_status_t st;
+    ep_ctx_t *x;
+    cq_core_t *c = cq_core(self);
+    if (c == NULL || !PyArg_ParseTuple(args, "Oy*K", &w_o, &addr, &token))
+        return NULL;
+    if (get_handle(w_o, &worker, "worker") < 0) {
+        PyBuffer_Release(&addr);
+        return NULL;
+    }
+    x = malloc(sizeof(*x));
+    if (x == NULL) {
+        PyBuffer_Release(&addr);
+        return PyErr_NoMemory();
+    }
+    x->core      = c;
+    x->err_token = token;
+    pthread_mutex_lock(&c->mu);
+    c->refs++; /* held by the endpoint context until ep_ctx_free */
+    pthread_mutex_unlock(&c->mu);
+    memset(&p, 0, sizeof(p));
+    p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    p.address         = (const ucp_address_t *)addr.buf;
+    p.err_mode        = UCP_ERR_HANDLING_MODE_NONE;
+    p.err_handler.cb  = ep_err_cb;
+    p.err_handler.arg = x;
+    Py_BEGIN_ALLOW_THREADS
+    st = ucp_ep_create((ucp_worker_h)worker, &p, &ep);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&addr);
+    if (st != UCS_OK) {
+        int free_it = 0;
+        pthread_mutex_lock(&c->mu);
+        cq_core_unref_locked(c, &free_it);
+        pthread_mutex_unlock(&c->mu);
+        free(x);
+        return raise_ucx(st, "ucp_ep_create", 0);
+    }
+    return Py_BuildValue("(KK)", (unsigned long long)(uintptr_t)ep,
+                         (unsigned long long)(uintptr_t)x);
+}
+
+/* ep_close(ep, token, force) -> None if pending (token is drained later), else status */
+static PyObject *cq_ep_close(CompletionQueue *self, PyObject *args)
+{
+    PyObject *ep_o;
+    unsigned long long token;
+    int force;
+    void *ep;
+    cq_core_t *c = cq_core(self);
+    cq_req_t *r;
+    ucp_request_param_t p;
+    ucs_status_ptr_t sp;
+    if (c == NULL || !PyArg_ParseTuple(args, "OKp", &ep_o, &token, &force))
+        return NULL;
+    if (get_handle(ep_o, &ep, "endpoint") < 0)
+        return NULL;
+    r = malloc(sizeof(*r));
+    if (r == NULL)
+        return PyErr_NoMemory();
+    r->core  = c;
+    r->token = token;
+    pthread_mutex_lock(&c->mu);
+    c->refs++;
+    pthread_mutex_unlock(&c->mu);
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                     UCP_OP_ATTR_FIELD_FLAGS;
+    p.cb.send      = cq_callback;
+    p.user_data    = r;
+    p.flags        = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    Py_BEGIN_ALLOW_THREADS
+    sp = ucp_ep_close_nbx((ucp_ep_h)ep, &p);
+    Py_END_ALLOW_THREADS
+    if (sp != NULL && !UCS_PTR_IS_ERR(sp))
+        Py_RETURN_NONE;
+    {
+        int free_it = 0;
+        pthread_mutex_lock(&c->mu);
+        cq_core_unref_locked(c, &free_it);
+        pthread_mutex_unlock(&c->mu);
+        free(r);
+    }
+    return PyLong_FromLong(sp == NULL ? UCS_OK : (long)UCS_PTR_STATUS(sp));
+}
+
+/* ep_ctx_free(ctx): only once the endpoint is closed (no more error callbacks) */
+static PyObject *py_ep_ctx_free(PyObject *self, PyObject *args)
+{
+    PyObject *x_o;
+    ep_ctx_t *x;
+    int free_it = 0;
+    if (!PyArg_ParseTuple(args, "O", &x_o))
+        return NULL;
+    if (get_handle(x_o, (void **)&x, "endpoint context") < 0)
+        return NULL;
+    pthread_mutex_lock(&x->core->mu);
+    cq_core_unref_locked(x->core, &free_it);
+    pthread_mutex_unlock(&x->core->mu);
+    if (free_it)
+        cq_core_free(x->core);
+    free(x);
+    Py_RETURN_NONE;
+}
+
+static PyObject *cq_drain(CompletionQueue *self, PyObject *noargs)
+{
+    cq_core_t *c = cq_core(self);
+    cq_item_t *items;
+    size_t n, i;
+    uint64_t v;
+    PyObject *out;
+    if (c == NULL)
+        return NULL;
+    pthread_mutex_lock(&c->mu);
+    if (read(c->fd, &v, sizeof(v)) < 0) { /* EAGAIN: nothing signalled yet */
+    }
+    items    = c->items;
+    n        = c->n;
+    c->items = NULL;
+    c->n = c->cap = 0;
+    pthread_mutex_unlock(&c->mu);
+    out = PyList_New((Py_ssize_t)n);
+    for (i = 0; out != NULL && i < n; i++) {
+        PyObject *t = Py_BuildValue("(Ki)", (unsigned long long)items[i].token, items[i].status);
+        if (t == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, (Py_ssize_t)i, t);
+    }
+    free(items);
+    return out;
+}
+
+static PyObject *cq_fileno(CompletionQueue *self, PyObject *noargs)
+{
+    cq_core_t *c = cq_core(self);
+    return c == NULL ? NULL : PyLong_FromLong(c->fd);
+}
+
+static PyObject *cq_close(CompletionQueue *self, PyObject *noargs)
+{
+    cq_release(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *cq_pending(CompletionQueue *self, void *closure)
+{
+    long n = 0;
+    if (self->core != NULL) {
+        pthread_mutex_lock(&self->core->mu);
+        n = self->core->refs - 1;
+        pthread_mutex_unlock(&self->core->mu);
+    }
+    return PyLong_FromLong(n);
+}
+
+static PyMethodDef cq_methods[] = {
+    {"ep_flush", (PyCFunction)cq_ep_flush, METH_VARARGS,
+     "ep_flush(ep, token) -> None if pending (token appears in drain()), else ucs status"},
+    {"worker_flush", (PyCFunction)cq_worker_flush, METH_VARARGS,
+     "worker_flush(worker, token) -> None if pending, else ucs status"},
+    {"ep_create", (PyCFunction)cq_ep_create, METH_VARARGS,
+     "ep_create(worker, address, err_token) -> (ep, ctx): bulk endpoint, error mode NONE "
+     "with an error handler that queues (err_token, status)"},
+    {"ep_close", (PyCFunction)cq_ep_close, METH_VARARGS,
+     "ep_close(ep, token, force) -> None if pending, else ucs status"},
+    {"drain", (PyCFunction)cq_drain, METH_NOARGS,
+     "drain() -> [(token, status)] completed since the last drain; clears the eventfd"},
+    {"fileno", (PyCFunction)cq_fileno, METH_NOARGS, "the eventfd to watch for readability"},
+    {"close", (PyCFunction)cq_close, METH_NOARGS,
+     "close the eventfd; late callbacks are dropped safely"},
+    {NULL}};
+
+static PyGetSetDef cq_getset[] = {
+    {"pending", (getter)cq_pending, NULL,
+     "requests whose callback has not fired + endpoints not yet freed", NULL},
+    {NULL}};
+
+static PyTypeObject CompletionQueueType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvxfer.transport._rma.CompletionQueue",
+    .tp_basicsize = sizeof(CompletionQueue),
+    .tp_flags     = Py_TPFLAGS_DEFAULT,
+    .tp_doc       = "Flush completions delivered through an eventfd (see module doc).",
+    .tp_new       = PyType_GenericNew,
+    .tp_init      = (initproc)cq_init,
+    .tp_dealloc   = (destructor)cq_dealloc,
+    .tp_methods   = cq_methods,
+    .tp_getset    = cq_getset,
+};
+
+/* ------------------------------------------------------------------ module */
+
+static PyMethodDef methods[] = {
+    {"mem_map", py_mem_map, METH_VARARGS,
+     "mem_map(context, addr, length) -> (memh, memory_type_name)"},
+    {"mem_unmap", py_mem_unmap, METH_VARARGS, "mem_unmap(context, memh)"},
+    {"rkey_pack", py_rkey_pack, METH_VARARGS, "rkey_pack(context, memh) -> bytes"},
+    {"rkey_unpack", py_rkey_unpack, METH_VARARGS, "rkey_unpack(ep, packed) -> rkey handle"},
+    {"rkey_destroy", py_rkey_destroy, METH_VARARGS, "rkey_destroy(rkey)"},
+    {"put_batch", py_put_batch, METH_VARARGS,
+     "put_batch(ep, laddr, raddr, nbytes, lmemh, ridx, rbase, rlen, rkeys) -> ops posted\n"
+     "All arrays are 1-D 64-bit integer buffers; every op is bounds-checked first."},
+    {"ep_ctx_free", py_ep_ctx_free, METH_VARARGS,
+     "ep_ctx_free(ctx): release an ep_create context after its endpoint closed"},
+    {"ep_info", py_ep_info, METH_VARARGS, "ep_info(ep) -> ucp_ep_print_info text"},
+    {"status_string", py_status_string, METH_VARARGS, "status_string(code) -> str"},
+    {"ucx_version", py_ucx_version, METH_NOARGS, "libucp version (major, minor, release)"},
+    {NULL}};
+
+static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_rma",
+                                    "One-sided RMA over libucp for kvxfer (see _rma.c).", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__rma(void)
+{
+    PyObject *m;
+    if (PyType_Ready(&CompletionQueueType) < 0)
+        return NULL;
+    m = PyModule_Create(&moddef);
+    if (m == NULL)
+        return NULL;
+    UcxError = PyErr_NewException("kvxfer.transport._rma.UcxError", PyExc_RuntimeError, NULL);
+    Py_INCREF(UcxError);
+    PyModule_AddObject(m, "UcxError", UcxError);
+    Py_INCREF(&CompletionQueueType);
+    PyModule_AddObject(m, "CompletionQueue", (PyObject *)&CompletionQueueType);
+    PyModule_AddIntConstant(m, "UCS_OK", UCS_OK);
+    PyModule_AddIntConstant(m, "UCS_ERR_CANCELED", UCS_ERR_CANCELED);
+    PyModule_AddIntConstant(m, "UCS_ERR_CONNECTION_RESET", UCS_ERR_CONNECTION_RESET);
+    PyModule_AddIntConstant(m, "UCS_ERR_ENDPOINT_TIMEOUT", UCS_ERR_ENDPOINT_TIMEOUT);
+    PyModule_AddIntConstant(m, "UCS_ERR_UNREACHABLE", UCS_ERR_UNREACHABLE);
+    PyModule_AddIntConstant(m, "UCS_ERR_NOT_CONNECTED", UCS_ERR_NOT_CONNECTED);
+    return m;
+}

@@ -1,0 +1,125 @@
+"""The transport contract the engine is written against.
+
+A transport provides four things, all asyncio-native with a deadline on every wait:
+
+- :class:`Channel` — an ordered, reliable message channel to one peer (control plane:
+  handshake, application messages, completion notifications). It reports the peer's death
+  or departure exactly once through ``on_closed``.
+- :class:`Region` — a local memory registration (host or device memory) whose packed remote
+  key can be handed to an authenticated peer.
+- :class:`RmaEndpoint` — the data plane to one peer: unpack the peer's keys, post a batch of
+  one-sided PUTs (bounds-checked), flush (the bytes are visible at the target when the
+  flush completes), and say which lanes/transports carry the data.
+- :class:`Transport` — the process-side factory: listener, outgoing connections, RMA
+  endpoints and registrations, released by ``close()``.
+
+The only implementation is :mod:`kvxfer.transport.ucx` (UCXX + the ``_rma`` extension); the
+tests run it for real over loopback.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Awaitable, Callable, List, Optional, Sequence, Tuple
+
+
+class Region(abc.ABC):
+    """A registered local memory range ``[addr, addr+length)``."""
+
+    addr: int
+    length: int
+    mem_type: str  # "host", "cuda", ... as reported by the transport
+    handle: int    # opaque registration handle passed back in put batches (0 = none)
+
+    @abc.abstractmethod
+    def packed_key(self) -> bytes:
+        """The remote key to give an authenticated peer."""
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Deregister; idempotent. Callers release only after every endpoint using it."""
+
+
+class Channel(abc.ABC):
+    """Ordered message channel to one peer."""
+
+    @abc.abstractmethod
+    async def send(self, payload: bytes, timeout: float) -> None:
+        """Send one message; raises PeerClosed / TransferTimeout."""
+
+    @abc.abstractmethod
+    async def recv(self, timeout: Optional[float]) -> bytes:
+        """Next message; raises PeerClosed / TransferTimeout (``None``: no deadline)."""
+
+    @abc.abstractmethod
+    def on_closed(self, callback: Callable[[Exception], None]) -> None:
+        """Call ``callback(exc)`` once, in the event loop, when the peer goes away."""
+
+    @property
+    @abc.abstractmethod
+    def closed(self) -> bool: ...
+
+    @abc.abstractmethod
+    async def close(self, timeout: float) -> None:
+        """Close the channel; idempotent."""
+
+
+class RmaEndpoint(abc.ABC):
+    """Data plane to one peer."""
+
+    @abc.abstractmethod
+    def add_remote_regions(self, bases: Sequence[int], lengths: Sequence[int],
+                           keys: Sequence[bytes]) -> None:
+        """Unpack the peer's keys; regions are then addressed by index in ``put``."""
+
+    @abc.abstractmethod
+    def put(self, laddr, raddr, nbytes, lmemh, ridx) -> int:
+        """Post PUTs (parallel uint64 arrays) in one native call; every op is checked
+        against its remote region first. Returns the number of ops posted."""
+
+    @abc.abstractmethod
+    async def flush(self, timeout: float) -> None:
+        """Complete when every PUT posted so far is visible at the target."""
+
+    @abc.abstractmethod
+    def lanes(self) -> List[str]:
+        """Transports carrying RMA, e.g. ``["cma/memory"]`` or ``["tcp/lo"]``."""
+
+    def on_failed(self, callback: Callable[[Exception], None]) -> None:
+        """Call ``callback(exc)`` (in the event loop) if a data-plane endpoint of its own
+        fails. Endpoints that share the channel's connection never call it (the channel
+        reports)."""
+
+    @abc.abstractmethod
+    async def close(self, timeout: float) -> None:
+        """Destroy remote keys, then the endpoint if it owns one; idempotent."""
+
+
+AcceptCallback = Callable[[Channel], Awaitable[None]]
+
+
+class Transport(abc.ABC):
+    """Process-side factory for channels, RMA endpoints and registrations."""
+
+    @abc.abstractmethod
+    async def listen(self, host: str, port: int, on_accept: AcceptCallback) -> Tuple[str, int]:
+        """Start accepting; ``on_accept(channel)`` runs as a task per incoming peer."""
+
+    @abc.abstractmethod
+    async def connect(self, host: str, port: int, timeout: float) -> Channel: ...
+
+    @abc.abstractmethod
+    def local_address(self) -> bytes:
+        """Opaque address a peer passes to :meth:`rma_endpoint` (sent only after auth)."""
+
+    @abc.abstractmethod
+    async def rma_endpoint(self, channel: Channel, peer_address: Optional[bytes],
+                           timeout: float) -> RmaEndpoint:
+        """RMA over ``channel``'s own connection (``peer_address`` None) or over a separate
+        connection to ``peer_address`` (implementation-defined trade-offs)."""
+
+    @abc.abstractmethod
+    def register(self, addr: int, length: int) -> Region: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop listening and release transport resources; idempotent."""

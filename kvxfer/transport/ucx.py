@@ -1,0 +1,279 @@
+"""UCX implementation of the transport contract: UCXX for context, worker, listener,
+endpoints and active messages; the native ``_rma`` extension for registrations, keys,
+batched PUTs and flushes.
+
+Facts this module relies on (measured, see docs/engine.md):
+- UCXX runs one UCP context/worker per process in ``UCS_THREAD_MODE_MULTI`` with a progress
+  *thread* by default; that thread also progresses the target side of RMA (needed over
+  tcp), so nothing here polls.
+- Flush completions arrive on that progress thread; ``_rma.CompletionQueue`` queues them and
+  signals an eventfd that the event loop watches (``loop.add_reader``).
+- Endpoints with peer error handling lose shared-memory lanes for host memory; a second
+  endpoint built from the peer's worker address with error mode NONE keeps them
+  (``error_mode="none"``, see :meth:`UcxTransport.rma_endpoint`). UCXX builds such endpoints
+  without an error handler, and then UCX aborts the process when the peer dies mid-PUT; ours
+  (``_rma.CompletionQueue.ep_create``) installs one, and the death is reported instead.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from typing import Callable, Dict, List, Optional
+
+from kvxfer.errors import Closed, PeerClosed, TransferTimeout
+from kvxfer.transport.base import AcceptCallback, Channel, Region, RmaEndpoint, Transport
+from kvxfer.transport.ucx_rma import (UcxRegion, UcxRma, _ucx_error_types,  # noqa: F401
+                                      cuda_alloc_range, load_ucx, parse_rma_lanes,
+                                      status_error)
+
+log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------- channels
+
+
+class UcxChannel(Channel):
+    """Active messages over one UCXX endpoint (peer error handling on)."""
+
+    def __init__(self, ep, loop: asyncio.AbstractEventLoop, ucxx):
+        self._ep, self._loop, self._ucxx = ep, loop, ucxx
+        self._callbacks: List[Callable[[Exception], None]] = []
+        self._exc: Optional[Exception] = None
+        self._closing = False
+        ep.set_close_callback(self._on_ucx_close)
+
+    @property
+    def ucx_endpoint(self):
+        return self._ep
+
+    def _on_ucx_close(self, *args):  # any thread (UCXX progress thread)
+        try:
+            self._loop.call_soon_threadsafe(
+                self._fire, PeerClosed("UCX endpoint closed (peer died or disconnected)"))
+        except RuntimeError:  # loop already closed: nobody left to tell
+            pass
+
+    def _fire(self, exc: Exception) -> None:
+        if self._exc is not None:
+            return
+        self._exc = exc
+        for cb in self._callbacks:
+            try:
+                cb(exc)
+            except Exception:  # a handler's bug must not break the transport
+                log.exception("channel close callback failed")
+
+    def on_closed(self, callback):
+        self._callbacks.append(callback)
+        if self._exc is not None:
+            self._loop.call_soon(callback, self._exc)
+
+    @property
+    def closed(self) -> bool:
+        return self._exc is not None or self._closing or self._ep.closed
+
+    def _check(self):
+        if self._exc is not None:
+            raise PeerClosed(str(self._exc))
+        if self._closing:
+            raise Closed("channel closed")
+
+    async def send(self, payload: bytes, timeout: float) -> None:
+        self._check()
+        try:
+            await asyncio.wait_for(self._ep.am_send(payload), timeout)
+        except asyncio.TimeoutError:
+            raise TransferTimeout(f"message send not done after {timeout:.3g} s") from None
+        except _ucx_error_types(self._ucxx) as exc:
+            raise PeerClosed(f"send failed: {exc}") from None
+
+    async def recv(self, timeout: Optional[float]) -> bytes:
+        self._check()
+        try:
+            buf = await asyncio.wait_for(self._ep.am_recv(), timeout)
+        except asyncio.TimeoutError:
+            raise TransferTimeout(f"no message within {timeout:.3g} s") from None
+        except _ucx_error_types(self._ucxx) as exc:
+            raise PeerClosed(f"receive failed: {exc}") from None
+        return bytes(memoryview(buf).cast("B"))
+
+    async def close(self, timeout: float) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            self._ep.abort(period=int(timeout * 1e9), max_attempts=1)
+        except Exception as exc:  # already gone
+            log.debug("endpoint abort: %s", exc)
+        self._fire(Closed("channel closed locally"))
+
+
+# ---------------------------------------------------------------- transport
+
+
+class UcxTransport(Transport):
+    """One per engine; all engines of a process share UCXX's context and worker."""
+
+    def __init__(self, ucx_options: Optional[dict] = None):
+        self.ucxx, self.rma = load_ucx()
+        from ucxx import core as _core
+
+        if _core._ctx is None:
+            self.ucxx.init(options=dict(ucx_options or {}))
+        elif ucx_options:
+            log.warning("UCX already initialised in this process; ignoring ucx_options=%r",
+                        ucx_options)
+        self._app = _core._get_ctx()
+        self.context_handle = self._app.context.handle
+        self.worker_handle = self._app.worker.handle
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._cq = None
+        self._tokens = itertools.count(1)
+        self._waiters: Dict[int, asyncio.Future] = {}
+        self._watch: Dict[int, Callable[[int], None]] = {}  # endpoint error tokens
+        self._listener = None
+        self._closed = False
+
+    # -- event-loop side of flush completions
+    def _bind_loop(self):
+        if self._closed:
+            raise Closed("transport closed")
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+            self._cq = self.rma.CompletionQueue()
+            loop.add_reader(self._cq.fileno(), self._on_completions)
+        elif self._loop is not loop:
+            raise TransportError("a transport is bound to the event loop that started it")
+        return loop
+
+    def _on_completions(self):
+        for token, status in self._cq.drain():
+            fut = self._waiters.pop(token, None)
+            if fut is not None:
+                if not fut.done():
+                    fut.set_result(status)
+                continue
+            watcher = self._watch.get(token)
+            if watcher is not None:
+                watcher(status)
+
+    async def _start_and_wait(self, start, args, timeout: float, what: str) -> int:
+        """Start a native request completing through the queue; returns its status."""
+        loop = self._bind_loop()
+        token = next(self._tokens)
+        fut = loop.create_future()
+        self._waiters[token] = fut
+        try:
+            status = start(*args, token)
+        except ValueError as exc:  # NULL handle
+            self._waiters.pop(token, None)
+            raise PeerClosed(str(exc)) from None
+        if status is not None:
+            self._waiters.pop(token, None)
+            return status
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise TransferTimeout(f"{what} not complete after {timeout:.3g} s") from None
+        finally:
+            self._waiters.pop(token, None)
+
+    async def flush_ep(self, ep_handle: int, timeout: float) -> None:
+        self._bind_loop()
+        status = await self._start_and_wait(self._cq.ep_flush, (ep_handle,), timeout,
+                                            "ucp_ep_flush")
+        if status != self.rma.UCS_OK:
+            raise status_error(self.rma, status, "ucp_ep_flush")
+
+    async def flush_worker(self, timeout: float) -> None:
+        self._bind_loop()
+        status = await self._start_and_wait(self._cq.worker_flush, (self.worker_handle,),
+                                            timeout, "ucp_worker_flush")
+        if status != self.rma.UCS_OK:
+            raise status_error(self.rma, status, "ucp_worker_flush")
+
+    async def close_bulk(self, ep: int, ctx: int, err_token: int, force: bool,
+                         timeout: float) -> None:
+        """Close an endpoint made by :meth:`rma_endpoint`; its context is freed once UCX
+        confirms the close (on timeout it is leaked rather than risk a late callback)."""
+        if self._closed:  # the queue is gone: nothing can confirm; leak the context
+            return
+        try:
+            status = await self._start_and_wait(self._cq.ep_close, (ep, force), timeout,
+                                                "ucp_ep_close")
+        except (TransferTimeout, PeerClosed) as exc:
+            log.debug("bulk endpoint close: %s", exc)
+            return
+        finally:
+            self._watch.pop(err_token, None)
+        if status != self.rma.UCS_OK:
+            log.debug("bulk endpoint close: %s", self.rma.status_string(status))
+        self.rma.ep_ctx_free(ctx)
+
+    # -- contract
+    async def listen(self, host: str, port: int, on_accept: AcceptCallback):
+        loop = self._bind_loop()
+
+        async def _handler(ep):
+            await on_accept(UcxChannel(ep, loop, self.ucxx))
+
+        self._listener = self.ucxx.create_listener(_handler, port=port,
+                                                   endpoint_error_handling=True)
+        return host, self._listener.port
+
+    async def connect(self, host: str, port: int, timeout: float) -> Channel:
+        loop = self._bind_loop()
+        try:
+            ep = await asyncio.wait_for(
+                self.ucxx.create_endpoint(host, port, endpoint_error_handling=True,
+                                          connect_timeout=timeout), timeout)
+        except asyncio.TimeoutError:
+            raise TransferTimeout(f"connecting to {host}:{port}: no answer in {timeout:.3g} s") \
+                from None
+        except _ucx_error_types(self.ucxx) as exc:
+            raise PeerClosed(f"connecting to {host}:{port}: {exc}") from None
+        return UcxChannel(ep, loop, self.ucxx)
+
+    def local_address(self) -> bytes:
+        return bytes(self.ucxx.get_worker_address())
+
+    async def rma_endpoint(self, channel: Channel, peer_address: Optional[bytes],
+                           timeout: float) -> RmaEndpoint:
+        """``peer_address`` None: RMA over the channel's own (error-handled) endpoint.
+        Otherwise a bulk endpoint to the peer's worker address, error mode NONE with an
+        error handler (keeps shared-memory lanes; a dead peer is reported, not fatal)."""
+        self._bind_loop()
+        if peer_address is None:
+            return UcxRma(self, ep=channel.ucx_endpoint)
+        token = next(self._tokens)
+        try:
+            ep, ctx = self._cq.ep_create(self.worker_handle, peer_address, token)
+        except self.rma.UcxError as exc:
+            raise PeerClosed(f"bulk endpoint: {exc.args[1]}") from None
+        rma = UcxRma(self, raw=(ep, ctx), err_token=token)
+        self._watch[token] = rma._on_error
+        return rma
+
+    def register(self, addr: int, length: int) -> Region:
+        if self._closed:
+            raise Closed("transport closed")
+        return UcxRegion(self.rma, self.context_handle, addr, length)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.set_exception(Closed("transport closed"))
+        self._waiters.clear()
+        if self._cq is not None:
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(self._cq.fileno())
+            self._cq.close()  # late callbacks are dropped safely by the native side
+            self._cq = None

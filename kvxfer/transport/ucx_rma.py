@@ -1,0 +1,220 @@
+"""UCX building blocks below the transport: loading UCXX + the native ``_rma`` extension,
+memory registrations (:class:`UcxRegion`) and the RMA endpoint (:class:`UcxRma`: remote keys,
+batched PUTs, flush, lanes). :mod:`kvxfer.transport.ucx` assembles them into the transport.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from kvxfer.errors import Closed, IndexOutOfRange, PeerClosed, TransportError
+from kvxfer.transport.base import Region, RmaEndpoint
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvxfer.transport.ucx import UcxTransport
+
+log = logging.getLogger(__name__)
+
+_U64 = np.uint64
+
+
+def load_ucx():
+    """Import ucxx (which loads libucp from the libucx wheel) and then our extension, so
+    both use the same libucp. Returns ``(ucxx, _rma)``."""
+    import ucxx  # noqa: F401  (must come first)
+
+    try:
+        from kvxfer.transport import _rma
+    except ImportError as exc:  # pragma: no cover - build guidance
+        raise TransportError(
+            "the native RMA extension kvxfer.transport._rma is not built; run "
+            "`python setup.py build_ext --inplace` or `pip install --no-build-isolation -e .`"
+        ) from exc
+    return ucxx, _rma
+
+
+def status_error(rma, status: int, what: str) -> TransportError:
+    text = rma.status_string(status)
+    peerish = {rma.UCS_ERR_CONNECTION_RESET, rma.UCS_ERR_ENDPOINT_TIMEOUT,
+               rma.UCS_ERR_UNREACHABLE, rma.UCS_ERR_NOT_CONNECTED, rma.UCS_ERR_CANCELED}
+    cls = PeerClosed if status in peerish else TransportError
+    return cls(f"{what}: {text} ({status})")
+
+
+def _ucx_error_types(ucxx):
+    return (ucxx.exceptions.UCXError,)
+
+
+# ------------------------------------------------------------------ regions
+
+
+_CUDA_DRIVER = []  # [ctypes function] once looked up ([None] when there is no driver)
+
+
+def cuda_alloc_range(addr: int) -> Optional[Tuple[int, int]]:
+    """``(base, size)`` of the CUDA allocation holding ``addr`` (cuPointerGetAttribute,
+    which needs no current context), or None for non-device memory / no driver. Looked up
+    lazily, only when a device registration needs it."""
+    import ctypes
+
+    if not _CUDA_DRIVER:
+        try:
+            fn = ctypes.CDLL("libcuda.so.1").cuPointerGetAttribute
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_ulonglong]
+            fn.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            fn = None
+        _CUDA_DRIVER.append(fn)
+    fn = _CUDA_DRIVER[0]
+    if fn is None:
+        return None
+    base, size = ctypes.c_ulonglong(0), ctypes.c_ulonglong(0)
+    if fn(ctypes.byref(base), 11, addr) != 0 or fn(ctypes.byref(size), 12, addr) != 0:
+        return None  # 11/12: CU_POINTER_ATTRIBUTE_RANGE_START_ADDR / _RANGE_SIZE
+    return (base.value, size.value) if size.value else None
+
+
+
+class UcxRegion(Region):
+    def __init__(self, rma, ctx_handle: int, addr: int, length: int):
+        self._rma, self._ctx = rma, ctx_handle
+        self.addr, self.length = addr, length
+        try:
+            self.handle, self.mem_type = rma.mem_map(ctx_handle, addr, length)
+        except rma.UcxError as exc:
+            raise TransportError(f"registering [{addr:#x}, +{length}): {exc.args[1]}") from None
+
+    def packed_key(self) -> bytes:
+        if not self.handle:
+            raise Closed("region released")
+        return self._rma.rkey_pack(self._ctx, self.handle)
+
+    def release(self) -> None:
+        if self.handle:
+            h, self.handle = self.handle, 0
+            self._rma.mem_unmap(self._ctx, h)
+
+    def __repr__(self):
+        return (f"UcxRegion({self.addr:#x}, {self.length}, {self.mem_type}, "
+                f"{'live' if self.handle else 'released'})")
+
+
+# ------------------------------------------------------------- rma endpoint
+
+
+class UcxRma(RmaEndpoint):
+    """PUTs over a UCP endpoint: either the channel's UCXX endpoint, borrowed
+    (``error_mode="peer"``), or an owned bulk endpoint ``raw=(ep, ctx)`` made by
+    ``CompletionQueue.ep_create`` (``error_mode="none"``: shared-memory lanes, failures
+    reported through ``err_token`` instead of aborting the process)."""
+
+    def __init__(self, transport: "UcxTransport", ep=None, raw=None, err_token: int = 0):
+        self._t, self._ep, self._raw, self._err_token = transport, ep, raw, err_token
+        self._rkeys: List[int] = []
+        self._rbase = np.zeros(0, _U64)
+        self._rlen = np.zeros(0, _U64)
+        self._rkey_arr = np.zeros(0, _U64)
+        self._closed = False
+        self._failed: Optional[Exception] = None
+        self._fail_cbs: list = []
+        self._lanes: Optional[List[str]] = None
+
+    def _handle(self) -> int:
+        if self._closed:
+            raise Closed("RMA endpoint closed")
+        if self._failed is not None:
+            raise PeerClosed(str(self._failed))
+        if self._raw is not None:
+            return self._raw[0]
+        h = self._ep.ucp_endpoint if self._ep is not None else 0
+        if not h:
+            raise PeerClosed("UCX endpoint is gone (peer died or disconnected)")
+        return h
+
+    def on_failed(self, callback) -> None:
+        """``callback(exc)`` once when the (owned) endpoint reports a failure."""
+        self._fail_cbs.append(callback)
+
+    def _on_error(self, status: int) -> None:  # event loop, via the transport
+        if self._failed is not None:
+            return
+        self._failed = status_error(self._t.rma, status, "bulk endpoint failed")
+        if not isinstance(self._failed, PeerClosed):
+            self._failed = PeerClosed(str(self._failed))
+        for cb in self._fail_cbs:
+            try:
+                cb(self._failed)
+            except Exception:
+                log.exception("RMA failure callback failed")
+
+    def add_remote_regions(self, bases, lengths, keys):
+        rma = self._t.rma
+        h = self._handle()
+        for key in keys:
+            try:
+                self._rkeys.append(rma.rkey_unpack(h, key))
+            except rma.UcxError as exc:
+                raise TransportError(f"unpacking a remote key: {exc.args[1]}") from None
+        self._rbase = np.concatenate([self._rbase, np.asarray(bases, _U64)])
+        self._rlen = np.concatenate([self._rlen, np.asarray(lengths, _U64)])
+        self._rkey_arr = np.asarray(self._rkeys, dtype=_U64)
+
+    def put(self, laddr, raddr, nbytes, lmemh, ridx) -> int:
+        rma = self._t.rma
+        try:
+            return rma.put_batch(self._handle(), laddr, raddr, nbytes, lmemh, ridx,
+                                 self._rbase, self._rlen, self._rkey_arr)
+        except IndexError as exc:
+            raise IndexOutOfRange(f"native bounds check: {exc}") from None
+        except rma.UcxError as exc:
+            status, text, posted = exc.args
+            err = status_error(rma, status, text)
+            err.posted = posted
+            raise err from None
+
+    async def flush(self, timeout: float) -> None:
+        await self._t.flush_ep(self._handle(), timeout)
+
+    def info(self) -> str:
+        return self._t.rma.ep_info(self._handle())
+
+    def lanes(self) -> List[str]:
+        """Transports of the RMA bandwidth lanes (``ucp_ep_print_info``), cached."""
+        if self._lanes is None:
+            try:
+                self._lanes = parse_rma_lanes(self.info())
+            except (PeerClosed, Closed):
+                return []
+        return list(self._lanes)
+
+    async def close(self, timeout: float) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        rkeys, self._rkeys = self._rkeys, []
+        self._rkey_arr = np.zeros(0, _U64)
+        for rk in rkeys:
+            self._t.rma.rkey_destroy(rk)
+        if self._raw is not None:
+            ep, ctx = self._raw
+            self._raw = None
+            await self._t.close_bulk(ep, ctx, self._err_token, self._failed is not None, timeout)
+
+
+def parse_rma_lanes(info: str) -> List[str]:
+    """``transport/device`` names of the lanes ``ucp_ep_print_info`` marks ``rma_bw``
+    (falling back to ``rma`` lanes)."""
+    found: Dict[str, List[str]] = {"rma_bw": [], "rma": []}
+    for line in info.splitlines():
+        if "lane[" not in line:
+            continue
+        m = re.search(r"\b([A-Za-z0-9_]+/[A-Za-z0-9_.:\-]+)", line)
+        if not m:
+            continue
+        for kind in ("rma_bw", "rma"):
+            if re.search(rf"\b{kind}#?\d*\b", line) and m.group(1) not in found[kind]:
+                found[kind].append(m.group(1))
+    return found["rma_bw"] or found["rma"]

@@ -1,0 +1,73 @@
+"""Handshake and layout validation pieces that need no UCX (pure functions)."""
+import msgpack
+import numpy as np
+import pytest
+
+from kvxfer import wire
+from kvxfer.engine import handshake
+from kvxfer.engine import messages as m
+from kvxfer.engine.groups import LocalGroups, parse_remote
+from kvxfer.errors import IncompatiblePeer, ProtocolError
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def layout(**over):
+    body = dict(groups={"kv": {"ptrs": [0x1000, 0x2000], "lens": [256, 256],
+                               "item_lens": [32, 32], "regions": [0, 0]}},
+                region_bases=[0x1000], region_lens=[0x1100], region_keys=[b"k"],
+                region_types=["host"], address=None)
+    body.update(over)
+    return m.Layout(**body)
+
+
+def test_parse_remote_ok():
+    r = parse_remote(wire.decode(layout().encode()))
+    assert r.groups["kv"].num_items == 8 and r.desc_region["kv"].tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("over,msg", [
+    ({"region_lens": [0x100]}, "outside region"),
+    ({"region_keys": [b""]}, "no key"),
+    ({"region_types": []}, "differ in length"),
+    ({"groups": {"kv": {"ptrs": [1]}}}, "malformed"),
+    ({"groups": {"kv": {"ptrs": [0x1000], "lens": [250], "item_lens": [32], "regions": [0]}}},
+     "multiple"),
+    ({"groups": {"kv": {"ptrs": [0x1000], "lens": [256], "item_lens": [32], "regions": [3]}}},
+     "region 3"),
+    ({"groups": {"kv": {"ptrs": [-5], "lens": [256], "item_lens": [32], "regions": [0]}}},
+     "unsigned"),
+])
+def test_parse_remote_rejects(over, msg):
+    with pytest.raises(ProtocolError, match=msg):
+        parse_remote(layout(**over))
+
+
+def test_foreign_protocol_version_is_incompatible():
+    raw = msgpack.packb({"t": "kx.hello", "v": wire.PROTOCOL_VERSION + 1}, use_bin_type=True)
+    with pytest.raises(IncompatiblePeer, match="protocol version"):
+        handshake._decode(raw)
+    with pytest.raises(ProtocolError):
+        handshake._decode(b"\xc1garbage")
+
+
+def test_proofs_bind_role_ids_and_nonces():
+    p = handshake._proof(b"s", b"C", "a", "b", b"1" * 32, b"2" * 32)
+    assert p == handshake._proof(b"s", b"C", "a", "b", b"1" * 32, b"2" * 32)
+    for args in ((b"t", b"C", "a", "b"), (b"s", b"S", "a", "b"), (b"s", b"C", "b", "a")):
+        assert p != handshake._proof(*args, b"1" * 32, b"2" * 32)
+    assert p != handshake._proof(b"s", b"C", "a", "b", b"2" * 32, b"1" * 32)
+
+
+def test_check_groups_names_group_and_field():
+    local = LocalGroups()
+    local.add("kv", [0x1000, 0x2000], [256, 256], [32, 32])
+    local.add("state", [0x9000], [64], [8])
+    remote = parse_remote(layout(groups={
+        "kv": {"ptrs": [0x1000, 0x2000], "lens": [512, 512], "item_lens": [64, 64],
+               "regions": [0, 0]}}, region_lens=[0x1200]))
+    with pytest.raises(IncompatiblePeer, match=r"'kv'.*item_lens"):
+        handshake.check_groups(local, remote)
+    ok = parse_remote(layout())  # same item sizes, other item count, no "state": fine
+    handshake.check_groups(local, ok)
+    assert np.array_equal(ok.desc_region["kv"], [0, 0])
