@@ -42,8 +42,10 @@ def _result(fn, *args):
 async def _set_device(device):
     import torch
 
-    torch.cuda.set_device(torch.device(device))
-    torch.zeros(1, device=device)
+    dev = torch.device(device)
+    # set_device needs an explicit index on some torch releases ("cuda" alone is refused).
+    torch.cuda.set_device(dev.index if dev.index is not None else 0)
+    torch.zeros(1, device=dev)
 
 
 class EngineNode:

@@ -77,13 +77,15 @@ class Child:
         return self.get(timeout)
 
     def kill(self) -> None:
+        if self.proc.pid is None:  # never started (e.g. a sibling failed first)
+            return
         if self.proc.is_alive():
             os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.join(10)
 
     def stop(self, timeout: float = 20.0) -> None:
         """Ask a :func:`serve` child to exit; kill it if it does not in time."""
-        if self.proc.is_alive():
+        if self.proc.pid is not None and self.proc.is_alive():
             try:
                 self.call("exit", timeout=timeout)
             except (ChildError, TimeoutError):

@@ -1,0 +1,341 @@
+"""Offload manager: retract a request's KV pages and state slots to host memory and bring
+them back later, usually into different pages and slots.
+
+Works over ANY pool through its descriptor views: ``pool.get_item_views()`` (uint8
+``[num_pages, item_len]`` per KV buffer; row p = page p) and, where the pool has recurrent
+state, ``pool.get_state_item_views()`` (row s = slot s). Per-layer MHA, page-major, MLA and
+hybrid pools are therefore handled by the same code; page-major pools simply have one view.
+
+Copies (:mod:`pools.offload.copier`): the pairing device id -> host id is split into runs
+contiguous on both sides; each run is ONE ``copy_`` per buffer. Requests broken into many
+short runs instead go through a bounded device staging buffer (gather, then one large copy
+per buffer and batch; allocated once at construction: ``staging_bytes``, default 64 MiB per
+direction on CUDA, none on CPU). On CUDA, offloads run on
+a dedicated device-to-host stream and restores on a host-to-device stream; each first waits
+(stream-side) for the work already queued on the caller's current stream, and records an
+event that the handle exposes. Nothing on this path synchronises the device. On CPU the
+copies are plain synchronous copies, chunked the same way.
+
+Memory: host memory comes from a bounded :class:`~pools.offload.host_pool.HostPool`;
+``discard``/``abort`` and ``restore`` return it at once. Restore frees the host block at
+submission and leaves its event as a *fence*: later offloads (the only writers of host
+memory) wait for it on their stream before writing, so reuse never races a pending read.
+
+Validation happens before any copy or allocation: ids must be 1-D integers inside the pool
+(page 0 and slot 0 are reserved), unique, and a restore must match the handle's page and
+slot counts and the source pool's geometry; violations raise typed errors and write nothing.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kernels.errors import InvalidArgument, ShapeMismatch
+
+from .handle import OffloadHandle, OffloadState
+from .host_pool import HostPool
+from .copier import Copier
+from .runs import as_id_array, check_ids, expand_extents
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["OffloadManager", "pool_views", "pool_geometry"]
+
+# describe() keys that depend on capacity, not on the byte layout of one page/slot.
+_SIZE_KEYS = frozenset({"size", "num_pages", "num_slots", "capacity", "lens", "ptrs", "device",
+                        "max_size"})
+
+
+def _check_view(v: torch.Tensor, what: str) -> None:
+    if v.dtype != torch.uint8 or v.dim() != 2 or v.stride(1) != 1 or v.stride(0) != v.shape[1]:
+        raise InvalidArgument(
+            f"{what} must be a row-contiguous uint8 [items, item_len] view, got "
+            f"{v.dtype} shape {tuple(v.shape)} strides {v.stride()}"
+        )
+
+
+def pool_views(pool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``(kv item views, state item views)`` of a pool; either list may be empty."""
+    kv = list(pool.get_item_views()) if hasattr(pool, "get_item_views") else []
+    st = list(pool.get_state_item_views()) if hasattr(pool, "get_state_item_views") else []
+    for i, v in enumerate(kv):
+        _check_view(v, f"item view {i}")
+    for i, v in enumerate(st):
+        _check_view(v, f"state item view {i}")
+    if not kv and not st:
+        raise InvalidArgument(f"{type(pool).__name__} exposes no item views to offload")
+    return kv, st
+
+
+def _layout_only(value):
+    """``describe()`` output without capacity-dependent keys (recursively), canonical order."""
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _layout_only(v)) for k, v in value.items()
+                            if k not in _SIZE_KEYS))
+    if isinstance(value, (list, tuple)):
+        return tuple(_layout_only(v) for v in value)
+    return value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
+
+
+def pool_geometry(pool, kv: Sequence[torch.Tensor], st: Sequence[torch.Tensor]) -> tuple:
+    """A hashable fingerprint of what one page / slot of this pool means, byte for byte:
+    the item lengths of every view plus ``describe()`` minus capacity-dependent keys."""
+    desc = pool.describe() if hasattr(pool, "describe") else {}
+    return (
+        tuple(int(v.shape[1]) for v in kv),
+        tuple(int(v.shape[1]) for v in st),
+        _layout_only(desc),
+    )
+
+
+class OffloadManager:
+    """Offload/restore of requests of one device pool through one bounded host pool.
+
+    ``host_pool``: an existing :class:`HostPool` with the pool's item geometry, or ``None``
+    to build one from ``num_host_pages`` / ``host_capacity_bytes`` and ``num_host_slots``
+    (pinned when the pool lives on CUDA unless ``pin_memory`` says otherwise).
+    ``staging_bytes`` (per direction) and ``min_chunk_bytes`` steer the staged path for
+    fragmented requests (see :mod:`pools.offload.copier`); ``staging_bytes=0`` disables it.
+
+    Not thread-safe: one scheduler thread drives a manager (handles may be awaited from
+    an event loop on that thread).
+    """
+
+    def __init__(
+        self,
+        pool,
+        host_pool: HostPool | None = None,
+        *,
+        num_host_pages: int | None = None,
+        host_capacity_bytes: int | None = None,
+        num_host_slots: int = 0,
+        pin_memory: bool | None = None,
+        staging_bytes: int | None = None,
+        min_chunk_bytes: int = 2 << 20,
+    ) -> None:
+        self.pool = pool
+        kv, st = self._views = pool_views(pool)
+        self.geometry = pool_geometry(pool, kv, st)
+        self.device = (kv or st)[0].device
+        self._cuda = self.device.type == "cuda"
+        if host_pool is None:
+            host_pool = HostPool.for_views(
+                kv, st, num_pages=num_host_pages, num_slots=num_host_slots,
+                capacity_bytes=host_capacity_bytes,
+                pin_memory=self._cuda if pin_memory is None else pin_memory,
+            )
+            self._owns_host = True
+        else:
+            if num_host_pages is not None or host_capacity_bytes is not None or num_host_slots:
+                raise InvalidArgument("give either host_pool or its sizes, not both")
+            self._owns_host = False
+        if (host_pool.kv_item_lens, host_pool.state_item_lens) != self.geometry[:2]:
+            raise ShapeMismatch(
+                f"host pool item lens {host_pool.kv_item_lens}/{host_pool.state_item_lens} "
+                f"do not match the pool's {self.geometry[0]}/{self.geometry[1]}"
+            )
+        self.host = host_pool
+        if self._cuda:
+            self._d2h = torch.cuda.Stream(device=self.device)
+            self._h2d = torch.cuda.Stream(device=self.device)
+        if staging_bytes is None:
+            staging_bytes = (64 << 20) if self._cuda else 0
+        if int(staging_bytes) != staging_bytes or staging_bytes < 0:
+            raise InvalidArgument(f"staging_bytes must be an integer >= 0, got {staging_bytes!r}")
+        kw = dict(staging_bytes=int(staging_bytes), min_chunk_bytes=min_chunk_bytes)
+        self._out = Copier(self.device, True, **kw)
+        self._in = Copier(self.device, False, **kw)
+        self._live: dict[int, OffloadHandle] = {}
+        self.stats = {"offloads": 0, "restores": 0, "discards": 0, "chunks": 0, "bytes": 0,
+                      "staged": 0}
+
+    # -- helpers ---------------------------------------------------------------------
+    def refresh_views(self) -> None:
+        """Re-read the pool's item views (after its backing grew). Called automatically
+        when an id lies past the cached views; the geometry must not change."""
+        kv, st = pool_views(self.pool)
+        if pool_geometry(self.pool, kv, st) != self.geometry:
+            raise ShapeMismatch(f"{type(self.pool).__name__} changed its item geometry")
+        self._views = (kv, st)
+
+    def _target_views(self, pages: np.ndarray, slots: np.ndarray):
+        """This pool's cached views, refreshed once if an id lies past them."""
+        kv, st = self._views
+        if (pages.size and kv and pages.max() >= kv[0].shape[0]) or (
+                slots.size and st and slots.max() >= st[0].shape[0]):
+            self.refresh_views()
+            kv, st = self._views
+        return kv, st
+
+    @staticmethod
+    def _ids(arr: np.ndarray, views, what: str) -> np.ndarray:
+        if arr.size and not views:
+            raise InvalidArgument(f"{what} given but the pool has no such buffers")
+        rows = min((int(v.shape[0]) for v in views), default=0)
+        check_ids(arr, 1, rows, what)  # id 0 is the reserved padding page / dummy slot
+        return arr
+
+    def _issue(self, copier: Copier, kv, st, pages, host_pages, slots, host_slots,
+               handle: OffloadHandle) -> int:
+        n_kv, staged = copier.copy(kv, self.host.page_views, pages, host_pages)
+        n_st, _ = copier.copy(st, self.host.slot_views, slots, host_slots)
+        handle.staged = staged
+        self.stats["staged"] += int(staged)
+        return n_kv + n_st
+
+    def _own(self, handle: OffloadHandle) -> None:
+        if not isinstance(handle, OffloadHandle) or handle._owner is not self:
+            raise InvalidArgument(f"{handle!r} does not belong to this offload manager")
+
+    # -- API -------------------------------------------------------------------------
+    def offload(self, pages, state_slots=()) -> OffloadHandle:
+        """Copy ``pages`` (KV page ids) and ``state_slots`` to host memory; returns a handle.
+
+        The device pages/slots may be reused once ``handle.done()`` (or after
+        ``handle.order_before(stream)`` for work on ``stream``). Raises ``OutOfMemory``
+        (nothing taken) when the host pool cannot hold the request.
+        """
+        pages_a = as_id_array(pages, "pages")
+        slots_a = as_id_array(state_slots, "state_slots")
+        kv, st = self._target_views(pages_a, slots_a)
+        self._ids(pages_a, kv, "pages")
+        self._ids(slots_a, st, "state_slots")
+        if pages_a.size == 0 and slots_a.size == 0:
+            raise InvalidArgument("offload of nothing: no pages and no state slots")
+        block = self.host.alloc(int(pages_a.size), int(slots_a.size))
+        host_pages = expand_extents(block.pages)
+        host_slots = expand_extents(block.slots)
+        nbytes = pages_a.size * self.host.page_bytes + slots_a.size * self.host.slot_bytes
+        handle = OffloadHandle(self, pages_a, slots_a, block, self.geometry, int(nbytes))
+        try:
+            if self._cuda:
+                cur = torch.cuda.current_stream(self.device)
+                with torch.cuda.stream(self._d2h):
+                    self._d2h.wait_stream(cur)
+                    for fence in self.host.live_fences():
+                        self._d2h.wait_event(fence)
+                    chunks = self._issue(self._out, kv, st, pages_a, host_pages, slots_a,
+                                         host_slots, handle)
+                    ev = torch.cuda.Event()
+                    ev.record(self._d2h)
+                handle._event = handle._offload_event = ev
+            else:
+                chunks = self._issue(self._out, kv, st, pages_a, host_pages, slots_a,
+                                     host_slots, handle)
+                handle._state = OffloadState.OFFLOADED
+        except BaseException:
+            # a failed launch must not leak host memory; copies already queued still write
+            # into the block, so later writers are fenced behind everything queued so far
+            fence = None
+            if self._cuda:
+                fence = torch.cuda.Event()
+                fence.record(self._d2h)
+            self.host.free(block, fence=fence)
+            raise
+        handle.num_chunks = chunks
+        self._live[handle.id] = handle
+        self.stats["offloads"] += 1
+        self.stats["chunks"] += chunks
+        self.stats["bytes"] += handle.nbytes
+        return handle
+
+    def restore(self, handle: OffloadHandle, new_pages, new_slots=(), *,
+                pool=None) -> OffloadHandle:
+        """Copy an offloaded request back into ``new_pages`` / ``new_slots`` (same counts as
+        offloaded, in the same order) of ``pool`` (default: this manager's pool; another
+        pool must have the same geometry). Host memory is returned at once; the data is in
+        place when ``handle.done()`` or after ``handle.order_before(stream)``."""
+        self._own(handle)
+        handle._require(OffloadState.OFFLOADING, OffloadState.OFFLOADED, what="restore")
+        target = self.pool if pool is None else pool
+        pages_a = as_id_array(new_pages, "new_pages")
+        slots_a = as_id_array(new_slots, "new_slots")
+        if target is self.pool:
+            kv, st = self._target_views(pages_a, slots_a)
+        else:
+            kv, st = pool_views(target)
+            geo = pool_geometry(target, kv, st)
+            if geo != handle.geometry:
+                raise ShapeMismatch(
+                    f"cannot restore into {type(target).__name__}: geometry {geo} differs "
+                    f"from the offloaded pool's {handle.geometry}"
+                )
+            if (kv or st)[0].device != self.device:
+                raise ShapeMismatch(
+                    f"target pool is on {(kv or st)[0].device}, manager on {self.device}")
+        self._ids(pages_a, kv, "new_pages")
+        self._ids(slots_a, st, "new_slots")
+        if pages_a.size != handle.num_pages or slots_a.size != handle.num_slots:
+            raise ShapeMismatch(
+                f"handle {handle.id} holds {handle.num_pages} pages and {handle.num_slots} "
+                f"slots; restore got {pages_a.size} pages and {slots_a.size} slots"
+            )
+        block = handle.block
+        host_pages = expand_extents(block.pages)
+        host_slots = expand_extents(block.slots)
+        if self._cuda:
+            cur = torch.cuda.current_stream(self.device)
+            with torch.cuda.stream(self._h2d):
+                self._h2d.wait_stream(cur)
+                off_ev = handle._offload_event
+                if off_ev is not None and not off_ev.query():
+                    self._h2d.wait_event(off_ev)
+                chunks = self._issue(self._in, kv, st, pages_a, host_pages, slots_a,
+                                     host_slots, handle)
+                ev = torch.cuda.Event()
+                ev.record(self._h2d)
+            handle._event = ev
+            handle._state = OffloadState.RESTORING
+            self.host.free(block, fence=ev)
+        else:
+            chunks = self._issue(self._in, kv, st, pages_a, host_pages, slots_a, host_slots,
+                                 handle)
+            handle._event = None
+            handle._state = OffloadState.RESTORED
+            self.host.free(block)
+        handle._offload_event = None
+        handle.num_chunks = chunks
+        del self._live[handle.id]
+        self.stats["restores"] += 1
+        self.stats["chunks"] += chunks
+        return handle
+
+    def discard(self, handle: OffloadHandle) -> None:
+        """Drop an offloaded request (also while its offload is in flight): its host memory
+        is free at once. Idempotent; a no-op after restore."""
+        self._own(handle)
+        st = handle.poll()
+        if st in (OffloadState.DISCARDED, OffloadState.RESTORING, OffloadState.RESTORED):
+            return
+        self.host.free(handle.block, fence=handle._event)  # in-flight D2H still writes it
+        handle._state = OffloadState.DISCARDED
+        handle._event = handle._offload_event = None
+        del self._live[handle.id]
+        self.stats["discards"] += 1
+
+    abort = discard
+
+    @property
+    def live_handles(self) -> list[OffloadHandle]:
+        """Handles that still hold host memory."""
+        return list(self._live.values())
+
+    def close(self) -> None:
+        """Discard every live handle; close the host pool if this manager built it."""
+        for h in list(self._live.values()):
+            self.discard(h)
+        if self._owns_host:
+            self.host.close()
+
+    def __enter__(self) -> "OffloadManager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"OffloadManager({type(self.pool).__name__} on {self.device}, "
+                f"{len(self._live)} live, {self.host!r})")
