@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: demo test install clean bench
 
-$(STAMP): pyproject.toml setup.py
+$(STAMP): pyproject.toml setup.py kvxfer/transport/_rma.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) $$( $(PYTHON) -c 'import torch' 2>/dev/null && echo --system-site-packages )
 	@# Keep an existing torch (system site or venv); otherwise take the CPU build.
 	@$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)

@@ -6,6 +6,8 @@ always wins.
 
 - ``KVXFER_ERROR_MODE`` = ``peer`` | ``none`` — default of :attr:`EngineConfig.error_mode`.
 - ``KVXFER_CONNECT_TIMEOUT_S``, ``KVXFER_TRANSFER_TIMEOUT_S`` — default deadlines.
+- ``KVXFER_PROGRESS_MODE`` = ``thread`` | ``thread-polling`` — default of
+  :attr:`EngineConfig.progress_mode`.
 """
 from __future__ import annotations
 
@@ -24,6 +26,11 @@ from kvxfer.errors import InvalidArgument
 #: mid-transfer is reported as PeerClosed in both modes (measured, see docs/engine.md).
 ERROR_MODES = ("peer", "none")
 
+#: How UCXX's progress thread waits. ``thread``: it sleeps on the worker's event fd (no idle CPU;
+#: transports that do not signal the fd, such as cuda_ipc completions, are noticed late).
+#: ``thread-polling``: it spins (one busy core per process; lowest completion latency).
+PROGRESS_MODES = ("thread", "thread-polling")
+
 
 @functools.lru_cache(maxsize=1)
 def env_defaults() -> dict:
@@ -32,6 +39,8 @@ def env_defaults() -> dict:
     out = {}
     if env.get("KVXFER_ERROR_MODE"):
         out["error_mode"] = env["KVXFER_ERROR_MODE"].strip().lower()
+    if env.get("KVXFER_PROGRESS_MODE"):
+        out["progress_mode"] = env["KVXFER_PROGRESS_MODE"].strip().lower()
     for key, name in (("connect_timeout_s", "KVXFER_CONNECT_TIMEOUT_S"),
                       ("transfer_timeout_s", "KVXFER_TRANSFER_TIMEOUT_S")):
         if env.get(name):
@@ -68,11 +77,19 @@ class EngineConfig:
     #: UCX options passed to ucxx.init() when this engine is the first UCX user in the
     #: process (e.g. {"TLS": "tcp"}); ignored, with a warning, if UCX is already initialised
     ucx_options: dict = field(default_factory=dict)
+    #: UCXX progress mode (see PROGRESS_MODES); like ucx_options it takes effect only for the
+    #: first UCX user in the process. None -> env KVXFER_PROGRESS_MODE or "thread".
+    progress_mode: Optional[str] = None
 
     def __post_init__(self):
         env = env_defaults()
         if self.error_mode is None:
             self.error_mode = env.get("error_mode", "peer")
+        if self.progress_mode is None:
+            self.progress_mode = env.get("progress_mode", "thread")
+        if self.progress_mode not in PROGRESS_MODES:
+            raise InvalidArgument(
+                f"EngineConfig.progress_mode={self.progress_mode!r}; expected one of {PROGRESS_MODES}")
         if self.connect_timeout_s is None:
             self.connect_timeout_s = env.get("connect_timeout_s", 10.0)
         if self.transfer_timeout_s is None:

@@ -33,6 +33,11 @@ timeout 420 python3 -m kvxfer bench transfer --device cuda --layers $LAYERS --pa
     --pages $POOL --sizes "$SIZES" --iters "$ITERS" --json "$OUT/transfer.json" --plot "$OUT/transfer.png" 2>&1 \
     | grep -v "UCX  WARN" || rc=1
 echo
+echo "## same, UCXX progress thread polling (KVXFER_PROGRESS_MODE=thread-polling)"
+KVXFER_PROGRESS_MODE=thread-polling timeout 300 python3 -m kvxfer bench transfer --device cuda --layers $LAYERS \
+    --page-kib $PAGE_KIB --pages $POOL --sizes "${POLL_SIZES:-16,512,2048}" --iters "$ITERS" \
+    --json "$OUT/transfer_polling.json" 2>&1 | grep -v "UCX  WARN" || rc=1
+echo
 echo "## ucx_perftest ucp_put_bw cuda->cuda (same host, same sizes, default lanes)"
 SP=$(python3 -c 'import libucx, os; print(os.path.dirname(libucx.__file__))')
 PT=$SP/bin/ucx_perftest

@@ -98,7 +98,7 @@ class TransferEngine:
         if self._transport is None:
             from kvxfer.transport.ucx import UcxTransport
 
-            self._transport = UcxTransport(self.config.ucx_options)
+            self._transport = UcxTransport(self.config.ucx_options, self.config.progress_mode)
         self._groups.freeze(self._transport, self.config.merge_adjacent)
         try:
             self.address = await self._transport.listen(self.config.host, self.config.port,

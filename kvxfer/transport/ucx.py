@@ -115,12 +115,12 @@ class UcxChannel(Channel):
 class UcxTransport(Transport):
     """One per engine; all engines of a process share UCXX's context and worker."""
 
-    def __init__(self, ucx_options: Optional[dict] = None):
+    def __init__(self, ucx_options: Optional[dict] = None, progress_mode: str = "thread"):
         self.ucxx, self.rma = load_ucx()
         from ucxx import core as _core
 
         if _core._ctx is None:
-            self.ucxx.init(options=dict(ucx_options or {}))
+            self.ucxx.init(options=dict(ucx_options or {}), progress_mode=progress_mode)
         elif ucx_options:
             log.warning("UCX already initialised in this process; ignoring ucx_options=%r",
                         ucx_options)
