@@ -8,6 +8,11 @@ For every (layout, request size, page pattern) it times, in the same run and int
   buffer and one pinned host buffer (each direction). On a CPU-only run the "device" is the
   CPU and the baseline is memcpy (``copy_`` of one contiguous buffer).
 
+The ``path`` column says how the manager moved the request (offload / restore):
+``fused`` (one Triton launch over every piece, straight into the mapped host pool),
+``direct`` (one ``copy_`` per piece) or ``staged`` (through the device staging buffer);
+``chunks`` counts the pieces (fused) or bus copies. ``--fused on|off`` forces the choice.
+
 Each figure is the median over ``--repeat`` timed repetitions (after one warm-up), wall time
 from submission to completion (Python submission overhead included, as the caller pays it),
 reported as GB/s (1e9 bytes/s) and as a ratio to the baseline (the median of the per-round
@@ -107,6 +112,7 @@ def bench_one(layout, pages, pattern, args, device) -> dict:
     dst = page_pattern(pattern, pages, 1 + side, rng)
     slots_src, slots_dst = ([1], [2]) if has_state else ([], [])
     extra = {} if args.staging_mib is None else {"staging_bytes": int(args.staging_mib * 2**20)}
+    extra["fused"] = {"auto": None, "on": True, "off": False}[args.fused]
     mgr = OffloadManager(pool, num_host_pages=pages, num_host_slots=len(slots_src), **extra)
     for v in pool.get_item_views() + (pool.get_state_item_views() if has_state else []):
         v.random_(0, 256)  # real bytes everywhere (untouched memory would read as zero pages)
@@ -120,11 +126,15 @@ def bench_one(layout, pages, pattern, args, device) -> dict:
     def offload():
         mgr.offload(src, slots_src).wait().discard()
 
+    restore_path = []
+
     def restore():
         h = mgr.offload(src, slots_src).wait()
         t0 = time.perf_counter()
         mgr.restore(h, dst, slots_dst).wait()
-        return time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        restore_path[:] = [h.path]
+        return dt
 
     t_off, t_d2h, t_res, t_h2d = [], [], [], []
     for _ in range(args.repeat + 1):  # the first round is a warm-up
@@ -134,14 +144,14 @@ def bench_one(layout, pages, pattern, args, device) -> dict:
         sync()
         t_res.append(restore())
     h = mgr.offload(src, slots_src).wait()
-    chunks, staged = h.num_chunks, h.staged
+    chunks, path = h.num_chunks, f"{h.path} / {restore_path[0]}"
     h.discard()
     assert mgr.host.is_empty
     mgr.close()
     med = lambda xs: statistics.median(xs[1:])  # noqa: E731
     gbs = lambda t: nbytes / t / 1e9  # noqa: E731
     r = dict(layout=layout, pages=pages, pattern=pattern, mib=nbytes / 2**20,
-             chunks=f"{chunks}{' staged' if staged else ''}",
+             chunks=chunks, path=path,
              off=gbs(med(t_off)), d2h=gbs(med(t_d2h)), res=gbs(med(t_res)), h2d=gbs(med(t_h2d)))
     # ratios: median of per-round ratios (each round times both back to back, so a noisy
     # neighbour slows both sides of the same ratio)
@@ -165,6 +175,8 @@ def _parse(argv):
     p.add_argument("--repeat", type=int, default=None)
     p.add_argument("--staging-mib", type=float, default=None,
                    help="offload staging buffer per direction (default: the manager's)")
+    p.add_argument("--fused", default="auto", choices=("auto", "on", "off"),
+                   help="the one-launch fused path: the manager's choice, always, never")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (CPU copies); default: torch's own choice")
     p.add_argument("--out", default=None, help="also write the markdown report here")
@@ -192,12 +204,12 @@ def main(argv=None) -> int:
         f"device: {args.device} ({name}, {os.cpu_count()} CPUs, load average {load:.1f} at "
         f"start), torch {torch.__version__}; model: {args.layers} layers, "
         f"{args.heads} kv heads x {args.head_dim}, {args.dtype}, page_size {args.page_size}; "
-        f"median of {args.repeat}; torch threads {torch.get_num_threads()}; GB/s = 1e9 B/s; "
+        f"median of {args.repeat}; fused path: {args.fused}; torch threads {torch.get_num_threads()}; GB/s = 1e9 B/s; "
         f"baseline = one {base} of the same bytes.",
         "",
-        "| layout | pages | pattern | MiB | chunks | offload GB/s | D2H base | ratio "
+        "| layout | pages | pattern | MiB | path | chunks | offload GB/s | D2H base | ratio "
         "| restore GB/s | H2D base | ratio |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     print("\n".join(lines), flush=True)
     rows = []
@@ -210,7 +222,8 @@ def main(argv=None) -> int:
                     print(f"| {layout} | skipped: {exc} |", flush=True)
                     break
                 rows.append(r)
-                line = (f"| {layout} | {pages} | {pattern} | {r['mib']:.1f} | {r['chunks']} | "
+                line = (f"| {layout} | {pages} | {pattern} | {r['mib']:.1f} | {r['path']} | "
+                        f"{r['chunks']} | "
                         f"{r['off']:.2f} | {r['d2h']:.2f} | {r['off_ratio']:.2f} | "
                         f"{r['res']:.2f} | {r['h2d']:.2f} | {r['res_ratio']:.2f} |")
                 lines.append(line)

@@ -11,9 +11,12 @@ Typical use in a decode scheduler (any pool kind: per-layer MHA, page-major, MLA
     h.order_before()                                # next forward sees the restored KV
     # or: await h / h.wait() / h.done() / h.poll();  mgr.discard(h) on abort
 
-Modules: ``runs`` and ``extents`` (torch-free arithmetic), ``host_pool`` (the bounded,
-page-granular host arena), ``copier`` (direct and staged copies), ``handle`` (state
-machine), ``manager`` (validation, streams, events, accounting).
+Modules: ``runs``, ``extents`` and ``pieces`` (torch-free arithmetic), ``host_pool`` (the
+bounded, page-granular host arena, device-mapped when pinned), ``cuda_host`` (the driver
+query for mapped host memory), ``copier`` (direct and staged copy_ paths), ``fused`` (one
+Triton launch over every piece of a request, :mod:`kernels.piece_copy`), ``handle`` (state
+machine), ``views`` (a pool's item views and geometry), ``manager`` (validation, path
+choice, streams, events, accounting).
 """
 from .handle import OffloadHandle, OffloadState
 from .host_pool import HostBlock, HostPool

@@ -51,8 +51,11 @@ class OffloadHandle:
         self.block = block
         self.geometry = geometry
         self.nbytes = nbytes
-        self.num_chunks = 0  # bus copies (copy_ calls) issued by the latest operation
+        # pieces (fused path) or bus copies (copy_ paths) of the latest operation
+        self.num_chunks = 0
         self.staged = False  # whether the latest operation went through the staging buffer
+        self.path = ""  # path of the latest operation: "fused", "direct" or "staged"
+        self.num_launches = 0  # kernel launches of the latest operation (fused path)
         self._state = OffloadState.OFFLOADING
         self._event = None  # completion object of the latest operation (None: complete)
         self._offload_event = None  # kept so a restore can be ordered after the offload
@@ -135,5 +138,6 @@ class OffloadHandle:
     def __repr__(self) -> str:
         return (
             f"OffloadHandle(id={self.id}, state={self._state.value}, pages={self.num_pages}, "
-            f"slots={self.num_slots}, bytes={self.nbytes}, chunks={self.num_chunks})"
+            f"slots={self.num_slots}, bytes={self.nbytes}, chunks={self.num_chunks}, "
+            f"path={self.path or '-'})"
         )

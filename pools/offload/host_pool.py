@@ -8,9 +8,12 @@ and consecutive host pages are adjacent in every view, so a device run copies to
 run as one chunk per buffer.
 
 When ``pin_memory`` is set (the manager sets it for CUDA pools) the allocation is
-page-locked with ``cudaHostRegister`` (portable) at its exact size (torch's pinned caching allocator
-would round it up to a power of two); where registration is refused it falls back to
-torch's pinned allocator.
+page-locked with ``cudaHostRegister`` (portable + mapped) at its exact size (torch's pinned
+caching allocator would round it up to a power of two); where registration is refused it
+falls back to torch's pinned allocator. Either way the pool asks the driver for the
+memory's device pointer: ``device_delta`` (device address minus host address, 0 under UVA)
+lets kernels load/store the pool directly (the fused offload path); it is ``None`` when the
+memory is not mapped or not pinned.
 
 Invariants: ``used_pages + free_pages == num_pages`` (same for slots); memory is allocated
 once and reused across requests; asking for more than is free raises
@@ -29,6 +32,7 @@ import torch
 
 from kernels.errors import InvalidArgument, OutOfMemory, UnsupportedOperation
 
+from . import cuda_host
 from .extents import ExtentAllocator
 
 logger = logging.getLogger(__name__)
@@ -88,6 +92,14 @@ class HostPool:
         self._registered_ptr: int | None = None
         self._buffer = self._allocate(self.capacity_bytes, bool(pin_memory))
         self.pinned = bool(pin_memory)
+        self.device_delta: int | None = None
+        if self.pinned and self.capacity_bytes:
+            dev = cuda_host.device_pointer(self._buffer.data_ptr())
+            if dev is not None:
+                self.device_delta = dev - self._buffer.data_ptr()
+            else:
+                logger.info("host pool memory is not mapped for device access; the fused "
+                            "offload path is unavailable")
         self.page_views: list[torch.Tensor] = []
         self.slot_views: list[torch.Tensor] = []
         off = 0
@@ -144,7 +156,8 @@ class HostPool:
         skip = -raw.data_ptr() % page
         buf = raw[skip : skip + nbytes]
         try:
-            rc = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), span, 1))
+            rc = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), span,
+                                                         cuda_host.REGISTER_FLAGS))
         except Exception as exc:  # no usable CUDA runtime
             rc = -1
             logger.debug("cudaHostRegister unavailable: %s", exc)
@@ -233,5 +246,5 @@ class HostPool:
         return (
             f"HostPool(pages {self.used_pages}/{self.num_pages} x {self.page_bytes} B, "
             f"slots {self.used_slots}/{self.num_slots} x {self.slot_bytes} B, "
-            f"pinned={self.pinned})"
+            f"pinned={self.pinned}, mapped={self.device_delta is not None})"
         )

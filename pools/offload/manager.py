@@ -6,11 +6,22 @@ Works over ANY pool through its descriptor views: ``pool.get_item_views()`` (uin
 state, ``pool.get_state_item_views()`` (row s = slot s). Per-layer MHA, page-major, MLA and
 hybrid pools are therefore handled by the same code; page-major pools simply have one view.
 
-Copies (:mod:`pools.offload.copier`): the pairing device id -> host id is split into runs
-contiguous on both sides; each run is ONE ``copy_`` per buffer. Requests broken into many
-short runs instead go through a bounded device staging buffer (gather, then one large copy
-per buffer and batch; allocated once at construction: ``staging_bytes``, default 64 MiB per
-direction on CUDA, none on CPU). On CUDA, offloads run on
+Copies: the pairing device id -> host id is split into runs contiguous on both sides;
+every (buffer, run) pair is a *piece*. Three paths move them:
+
+* **fused** (:mod:`pools.offload.fused`, CUDA with a device-mapped pinned host pool): ONE
+  Triton kernel launch moves every piece of the request (KV and state together) straight
+  between the device buffers and the host pool. Chosen automatically when the request
+  has at least ``fused_min_pieces`` pieces averaging at most ``fused_max_piece_bytes``
+  (large contiguous pieces keep the copy engines); ``fused=True`` forces it for every
+  request (also on CPU under the Triton interpreter, for tests), ``fused=False`` disables it.
+* **direct** (:mod:`pools.offload.copier`): each piece is ONE ``copy_``.
+* **staged**: requests broken into many short runs go through a bounded device staging
+  buffer (gather, then one large copy per buffer and batch; allocated once at
+  construction: ``staging_bytes``, default 64 MiB per direction on CUDA when the fused path
+  is unavailable, none otherwise and on CPU).
+
+The path taken is recorded on the handle (``handle.path``). On CUDA, offloads run on
 a dedicated device-to-host stream and restores on a host-to-device stream; each first waits
 (stream-side) for the work already queued on the caller's current stream, and records an
 event that the handle exposes. Nothing on this path synchronises the device. On CPU the
@@ -28,67 +39,24 @@ slot counts and the source pool's geometry; violations raise typed errors and wr
 from __future__ import annotations
 
 import logging
-from typing import Sequence
 
 import numpy as np
 import torch
 
-from kernels.errors import InvalidArgument, ShapeMismatch
+from kernels.errors import InvalidArgument, ShapeMismatch, UnsupportedOperation
+from kernels.piece_copy import kernel_runnable
 
 from .handle import OffloadHandle, OffloadState
 from .host_pool import HostPool
 from .copier import Copier
-from .runs import as_id_array, check_ids, expand_extents
+from .fused import FusedCopier
+from .pieces import wants_fused
+from .runs import as_id_array, check_ids, contiguous_runs, expand_extents
+from .views import pool_geometry, pool_views
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["OffloadManager", "pool_views", "pool_geometry"]
-
-# describe() keys that depend on capacity, not on the byte layout of one page/slot.
-_SIZE_KEYS = frozenset({"size", "num_pages", "num_slots", "capacity", "lens", "ptrs", "device",
-                        "max_size"})
-
-
-def _check_view(v: torch.Tensor, what: str) -> None:
-    if v.dtype != torch.uint8 or v.dim() != 2 or v.stride(1) != 1 or v.stride(0) != v.shape[1]:
-        raise InvalidArgument(
-            f"{what} must be a row-contiguous uint8 [items, item_len] view, got "
-            f"{v.dtype} shape {tuple(v.shape)} strides {v.stride()}"
-        )
-
-
-def pool_views(pool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """``(kv item views, state item views)`` of a pool; either list may be empty."""
-    kv = list(pool.get_item_views()) if hasattr(pool, "get_item_views") else []
-    st = list(pool.get_state_item_views()) if hasattr(pool, "get_state_item_views") else []
-    for i, v in enumerate(kv):
-        _check_view(v, f"item view {i}")
-    for i, v in enumerate(st):
-        _check_view(v, f"state item view {i}")
-    if not kv and not st:
-        raise InvalidArgument(f"{type(pool).__name__} exposes no item views to offload")
-    return kv, st
-
-
-def _layout_only(value):
-    """``describe()`` output without capacity-dependent keys (recursively), canonical order."""
-    if isinstance(value, dict):
-        return tuple(sorted((str(k), _layout_only(v)) for k, v in value.items()
-                            if k not in _SIZE_KEYS))
-    if isinstance(value, (list, tuple)):
-        return tuple(_layout_only(v) for v in value)
-    return value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
-
-
-def pool_geometry(pool, kv: Sequence[torch.Tensor], st: Sequence[torch.Tensor]) -> tuple:
-    """A hashable fingerprint of what one page / slot of this pool means, byte for byte:
-    the item lengths of every view plus ``describe()`` minus capacity-dependent keys."""
-    desc = pool.describe() if hasattr(pool, "describe") else {}
-    return (
-        tuple(int(v.shape[1]) for v in kv),
-        tuple(int(v.shape[1]) for v in st),
-        _layout_only(desc),
-    )
 
 
 class OffloadManager:
@@ -99,6 +67,11 @@ class OffloadManager:
     (pinned when the pool lives on CUDA unless ``pin_memory`` says otherwise).
     ``staging_bytes`` (per direction) and ``min_chunk_bytes`` steer the staged path for
     fragmented requests (see :mod:`pools.offload.copier`); ``staging_bytes=0`` disables it.
+    ``fused`` (``None``: automatic on CUDA, ``True``: always, ``False``: never),
+    ``fused_min_pieces``, ``fused_max_piece_bytes`` and ``fused_tile_bytes`` steer the
+    one-launch path (see the module docstring); ``fused=True`` where it cannot run (host
+    pool not device-mapped; CPU without the Triton interpreter) raises
+    ``UnsupportedOperation``.
 
     Not thread-safe: one scheduler thread drives a manager (handles may be awaited from
     an event loop on that thread).
@@ -115,6 +88,10 @@ class OffloadManager:
         pin_memory: bool | None = None,
         staging_bytes: int | None = None,
         min_chunk_bytes: int = 2 << 20,
+        fused: bool | None = None,
+        fused_min_pieces: int = 4,
+        fused_max_piece_bytes: int = 4 << 20,
+        fused_tile_bytes: int | None = None,
     ) -> None:
         self.pool = pool
         kv, st = self._views = pool_views(pool)
@@ -141,8 +118,9 @@ class OffloadManager:
         if self._cuda:
             self._d2h = torch.cuda.Stream(device=self.device)
             self._h2d = torch.cuda.Stream(device=self.device)
+        self._setup_fused(fused, fused_min_pieces, fused_max_piece_bytes, fused_tile_bytes)
         if staging_bytes is None:
-            staging_bytes = (64 << 20) if self._cuda else 0
+            staging_bytes = (64 << 20) if self._cuda and self._fused_out is None else 0
         if int(staging_bytes) != staging_bytes or staging_bytes < 0:
             raise InvalidArgument(f"staging_bytes must be an integer >= 0, got {staging_bytes!r}")
         kw = dict(staging_bytes=int(staging_bytes), min_chunk_bytes=min_chunk_bytes)
@@ -150,7 +128,46 @@ class OffloadManager:
         self._in = Copier(self.device, False, **kw)
         self._live: dict[int, OffloadHandle] = {}
         self.stats = {"offloads": 0, "restores": 0, "discards": 0, "chunks": 0, "bytes": 0,
-                      "staged": 0}
+                      "staged": 0, "fused": 0}
+
+    def _setup_fused(self, fused, min_pieces, max_piece_bytes, tile_bytes) -> None:
+        if fused not in (None, True, False):
+            raise InvalidArgument(f"fused must be None, True or False, got {fused!r}")
+        for name, v in (("fused_min_pieces", min_pieces),
+                        ("fused_max_piece_bytes", max_piece_bytes)):
+            if int(v) != v or v < 1:
+                raise InvalidArgument(f"{name} must be an integer >= 1, got {v!r}")
+        if tile_bytes is not None and (int(tile_bytes) != tile_bytes or tile_bytes <= 0
+                                       or tile_bytes % 16):
+            raise InvalidArgument(
+                f"fused_tile_bytes must be a positive multiple of 16, got {tile_bytes!r}")
+        self.fused_mode = fused
+        self.fused_min_pieces = int(min_pieces)
+        self.fused_max_piece_bytes = int(max_piece_bytes)
+        self._fused_out = self._fused_in = None
+        if fused is False:
+            return
+        if self._cuda:
+            delta, why = self.host.device_delta, "the host pool is not mapped for device access"
+            if not self.host.pinned:
+                delta, why = None, "the host pool is not pinned"
+        elif fused and kernel_runnable(self.device):  # CPU: only on request (interpreter)
+            delta, why = 0, ""
+        else:
+            delta, why = None, f"the kernel cannot run on {self.device.type}"
+        if delta is None:
+            if fused:
+                raise UnsupportedOperation(f"fused offload path unavailable: {why}")
+            logger.info("fused offload path unavailable (%s); using copy_", why)
+            return
+        tb = None if tile_bytes is None else int(tile_bytes)
+        self._fused_out = FusedCopier(self.device, True, delta, tile_bytes=tb)
+        self._fused_in = FusedCopier(self.device, False, delta, tile_bytes=tb)
+
+    @property
+    def fused_available(self) -> bool:
+        """Whether this manager can take the one-launch fused path."""
+        return self._fused_out is not None
 
     # -- helpers ---------------------------------------------------------------------
     def refresh_views(self) -> None:
@@ -178,11 +195,34 @@ class OffloadManager:
         check_ids(arr, 1, rows, what)  # id 0 is the reserved padding page / dummy slot
         return arr
 
-    def _issue(self, copier: Copier, kv, st, pages, host_pages, slots, host_slots,
+    def _use_fused(self, pieces: int, nbytes: int) -> bool:
+        return bool(self.fused_mode) or wants_fused(
+            pieces, nbytes, min_pieces=self.fused_min_pieces,
+            max_piece_bytes=self.fused_max_piece_bytes)
+
+    def _issue(self, to_host: bool, kv, st, pages, host_pages, slots, host_slots,
                handle: OffloadHandle) -> int:
+        """Issue the copies of one operation on the current stream; returns the pieces
+        (fused) or bus copies (copy_ paths) and records the path on the handle."""
+        fused = self._fused_out if to_host else self._fused_in
+        if fused is not None:
+            parts, pieces = [], 0
+            for views, hviews, ids, hids in ((kv, self.host.page_views, pages, host_pages),
+                                             (st, self.host.slot_views, slots, host_slots)):
+                if ids.size and views:
+                    runs = contiguous_runs(ids, hids)
+                    parts.append((views, hviews, runs))
+                    pieces += runs.shape[0] * len(views)
+            if pieces and self._use_fused(pieces, handle.nbytes):
+                handle.num_launches = fused.copy(parts)
+                handle.staged, handle.path = False, "fused"
+                self.stats["fused"] += 1
+                return pieces
+        copier = self._out if to_host else self._in
         n_kv, staged = copier.copy(kv, self.host.page_views, pages, host_pages)
         n_st, _ = copier.copy(st, self.host.slot_views, slots, host_slots)
-        handle.staged = staged
+        handle.staged, handle.path = staged, ("staged" if staged else "direct")
+        handle.num_launches = 0
         self.stats["staged"] += int(staged)
         return n_kv + n_st
 
@@ -217,13 +257,13 @@ class OffloadManager:
                     self._d2h.wait_stream(cur)
                     for fence in self.host.live_fences():
                         self._d2h.wait_event(fence)
-                    chunks = self._issue(self._out, kv, st, pages_a, host_pages, slots_a,
+                    chunks = self._issue(True, kv, st, pages_a, host_pages, slots_a,
                                          host_slots, handle)
                     ev = torch.cuda.Event()
                     ev.record(self._d2h)
                 handle._event = handle._offload_event = ev
             else:
-                chunks = self._issue(self._out, kv, st, pages_a, host_pages, slots_a,
+                chunks = self._issue(True, kv, st, pages_a, host_pages, slots_a,
                                      host_slots, handle)
                 handle._state = OffloadState.OFFLOADED
         except BaseException:
@@ -283,7 +323,7 @@ class OffloadManager:
                 off_ev = handle._offload_event
                 if off_ev is not None and not off_ev.query():
                     self._h2d.wait_event(off_ev)
-                chunks = self._issue(self._in, kv, st, pages_a, host_pages, slots_a,
+                chunks = self._issue(False, kv, st, pages_a, host_pages, slots_a,
                                      host_slots, handle)
                 ev = torch.cuda.Event()
                 ev.record(self._h2d)
@@ -291,7 +331,7 @@ class OffloadManager:
             handle._state = OffloadState.RESTORING
             self.host.free(block, fence=ev)
         else:
-            chunks = self._issue(self._in, kv, st, pages_a, host_pages, slots_a, host_slots,
+            chunks = self._issue(False, kv, st, pages_a, host_pages, slots_a, host_slots,
                                  handle)
             handle._event = None
             handle._state = OffloadState.RESTORED

@@ -106,9 +106,6 @@ def is_page_locked(t: torch.Tensor) -> bool:
     releases; memory page-locked with ``cudaHostRegister`` is asked about through the runtime."""
     if t.is_pinned():
         return True
-    try:
-        from cuda.bindings import runtime
-    except ImportError:  # older cuda-python layout
-        from cuda import cudart as runtime
-    err, attr = runtime.cudaPointerGetAttributes(t.data_ptr())
-    return int(err) == 0 and attr.type == runtime.cudaMemoryType.cudaMemoryTypeHost
+    from pools.offload import cuda_host  # the driver query, through ctypes (no cuda-python)
+
+    return cuda_host.memory_type(t.data_ptr()) == cuda_host.CU_MEMORYTYPE_HOST

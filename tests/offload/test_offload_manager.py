@@ -95,7 +95,7 @@ def test_chunking_one_copy_per_run_per_buffer(kind):
     if kind == "page_major":
         assert nbuf_kv == 1  # one chunk per page run across all layers
     with OffloadManager(pool, num_host_pages=12, num_host_slots=2 if _has_state(kind) else 0,
-                        staging_bytes=0) as mgr:
+                        staging_bytes=0, fused=False) as mgr:  # counts copy_ calls
         # one device run into one host extent: one chunk per buffer
         h1 = mgr.offload(list(range(10, 16)))
         assert h1.num_chunks == nbuf_kv and h1.block.pages == [(0, 6)]
@@ -254,7 +254,7 @@ def test_staged_path_for_fragmented_requests(kind):
     row = sum(int(v.shape[1]) for v in nviews[:nkv])
     st = _has_state(kind)
     mgr = OffloadManager(pool, num_host_pages=12, num_host_slots=2 if st else 0,
-                         staging_bytes=3 * row + 5, min_chunk_bytes=1 << 30)
+                         staging_bytes=3 * row + 5, min_chunk_bytes=1 << 30, fused=False)
     hold = mgr.offload([1, 2])  # host [0, 2)
     filler = mgr.offload([3])  # host [2, 3)
     mgr.discard(hold)  # free host: [0, 2) and [3, 12): the next 10-page request splits
@@ -282,7 +282,7 @@ def test_failed_copy_launch_leaks_no_host_memory(monkeypatch):
     from pools.offload import copier
 
     pool = make_pool("mha")
-    mgr = OffloadManager(pool, num_host_pages=4)
+    mgr = OffloadManager(pool, num_host_pages=4, fused=False)  # the copy_ path fails
 
     def boom(*a, **k):
         raise RuntimeError("launch failed")

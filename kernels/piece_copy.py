@@ -1,0 +1,142 @@
+"""Copy many (buffer, item-run) pieces between two address spaces in ONE launch.
+
+The offload manager moves a retracted request's pages between device buffers and a
+page-locked, device-mapped host pool. With per-layer pools that is ``runs x buffers``
+pieces; issuing one ``copy_`` per piece costs a driver call each and leaves the bus idle
+between them. Here every piece is described by a row of a small int64 *task table*
+``[T, 3] = (src address, dst address, nbytes)`` (built on the host by
+:func:`pools.offload.pieces.plan_tasks`, pieces split into tiles so that many programs
+share the work) and one kernel launch copies them all, each program moving one tile with
+16-byte vector loads and stores. The addresses are whatever the *kernel* can dereference:
+device pointers, and for mapped host memory its device pointer (identical to the host
+pointer under UVA). On CPU (Triton interpreter) both sides are plain CPU addresses.
+
+Invariants:
+
+* every address and size in a table handed to a launch with ``align=A`` is a multiple of
+  ``A`` (a power of two <= 16): :func:`copy_tasks` checks it on the host copy of the table;
+* pieces never overlap each other's destinations and a source is never also a destination
+  (offload/restore move between distinct memories), so tiles may run in any order;
+* the kernel copies raw bytes; ``T == 0`` is a no-op.
+
+:func:`copy_item_runs_reference` is the plain-torch oracle at the item level: for every
+buffer ``b`` and run ``(s0, d0, n)``, ``dst_views[b][d0:d0+n] = src_views[b][s0:s0+n]``.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from kernels import dispatch
+from kernels.errors import InvalidArgument, ShapeMismatch
+
+__all__ = ["BLOCK_BYTES", "NUM_WARPS", "copy_tasks", "copy_item_runs_reference",
+           "ALIGNMENTS", "check_alignment", "kernel_runnable"]
+
+# Bytes one program moves per loop iteration: 128 threads x 2 x 16-byte vectors.
+BLOCK_BYTES = 4096
+NUM_WARPS = 4
+ALIGNMENTS = (1, 2, 4, 8, 16)
+
+
+@triton.jit
+def _copy_tasks_kernel(tasks, ALIGN: tl.constexpr, BLOCK: tl.constexpr):
+    """Program i copies task i: ``nbytes`` bytes from ``src`` to ``dst`` (table row i)."""
+    row = tasks + tl.program_id(0).to(tl.int64) * 3
+    src_addr = tl.load(row)
+    dst_addr = tl.load(row + 1)
+    nbytes = tl.load(row + 2)
+    # cast inline (a multiple_of hint on a helper's result is lost on Triton 3.6)
+    src = src_addr.to(tl.pointer_type(tl.int8))
+    dst = dst_addr.to(tl.pointer_type(tl.int8))
+    if ALIGN > 1:
+        src = tl.multiple_of(src, ALIGN)
+        dst = tl.multiple_of(dst, ALIGN)
+        nbytes = tl.multiple_of(nbytes, ALIGN)
+    offs = tl.arange(0, BLOCK)
+    # iterate over a count (not over byte offsets): ``i * BLOCK`` keeps its divisibility,
+    # so the mask below stays constant over each ALIGN-byte vector
+    for i in range(0, tl.cdiv(nbytes, BLOCK)):
+        o = i * BLOCK + offs
+        m = o < nbytes
+        x = tl.load(src + o, mask=m)
+        tl.store(dst + o, x, mask=m)
+
+
+def kernel_runnable(device: torch.device) -> bool:
+    """Whether the Triton kernel can run for tables on ``device`` (CUDA, or the interpreter)."""
+    return device.type == "cuda" or dispatch.is_interpreted(_copy_tasks_kernel)
+
+
+def _check_table(tasks: torch.Tensor) -> None:
+    if not isinstance(tasks, torch.Tensor):
+        raise InvalidArgument(f"tasks must be a torch.Tensor, got {type(tasks).__name__}")
+    if tasks.dtype != torch.int64 or tasks.dim() != 2 or tasks.shape[1] != 3:
+        raise ShapeMismatch(f"tasks must be int64 [T, 3], got {tasks.dtype} "
+                            f"{tuple(tasks.shape)}")
+    if not tasks.is_contiguous():
+        raise InvalidArgument(f"tasks must be contiguous, strides {tasks.stride()}")
+
+
+def check_alignment(host_tasks: np.ndarray, align: int) -> None:
+    """Raise unless every address and size of ``host_tasks`` is a multiple of ``align``."""
+    if align not in ALIGNMENTS:
+        raise InvalidArgument(f"align must be one of {ALIGNMENTS}, got {align!r}")
+    if host_tasks.size and align > 1 and int(np.bitwise_or.reduce(host_tasks, axis=None)) & (
+            align - 1):  # one OR pass on the hot path; locate the offender only on failure
+        bad = np.flatnonzero((host_tasks % align).any(axis=1))
+        if bad.size:
+            raise InvalidArgument(
+                f"task {int(bad[0])} = {host_tasks[bad[0]].tolist()} is not {align}-byte "
+                f"aligned")
+    if host_tasks.size and (host_tasks[:, 2] < 0).any():
+        raise InvalidArgument("task sizes must be >= 0")
+
+
+def copy_tasks(tasks: torch.Tensor, align: int, *, host_tasks: np.ndarray | None = None) -> int:
+    """Launch the copy of every row of ``tasks`` (on the current stream). Returns the number
+    of programs launched (``T``).
+
+    ``tasks``: int64 ``[T, 3]`` on the device that runs the kernel (a CPU tensor under the
+    Triton interpreter). ``host_tasks``: the same table as numpy, when the caller has it, to
+    check alignment without reading ``tasks`` back (a device read-back would synchronise).
+    """
+    _check_table(tasks)
+    if host_tasks is None:
+        if tasks.device.type != "cpu":
+            raise InvalidArgument("copy_tasks on a device table needs host_tasks to check it")
+        host_tasks = tasks.numpy()
+    if host_tasks.shape != tuple(tasks.shape):
+        raise ShapeMismatch(f"host_tasks {host_tasks.shape} != tasks {tuple(tasks.shape)}")
+    check_alignment(host_tasks, align)
+    t = int(tasks.shape[0])
+    if t:
+        dispatch.require_runnable(_copy_tasks_kernel, tasks.device)
+        with dispatch.launch_context(tasks.device):
+            _copy_tasks_kernel[(t,)](tasks, ALIGN=align, BLOCK=BLOCK_BYTES, num_warps=NUM_WARPS)
+    return t
+
+
+def copy_item_runs_reference(src_views: Sequence[torch.Tensor],
+                             dst_views: Sequence[torch.Tensor], runs) -> None:
+    """Torch oracle: copy item rows of every buffer along ``runs`` ``[R, 3]`` of
+    ``(src_start, dst_start, length)`` (vectorised: one gather/scatter per buffer)."""
+    if len(src_views) != len(dst_views):
+        raise ShapeMismatch(f"{len(src_views)} source views vs {len(dst_views)} destinations")
+    runs = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
+    if runs.shape[0] == 0:
+        return
+    lengths = runs[:, 2]
+    pos = np.arange(int(lengths.sum()), dtype=np.int64)
+    first = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    src = torch.from_numpy(np.repeat(runs[:, 0], lengths) + pos - first)
+    dst = torch.from_numpy(np.repeat(runs[:, 1], lengths) + pos - first)
+    for b, (s, d) in enumerate(zip(src_views, dst_views)):
+        if s.shape[1:] != d.shape[1:] or s.dtype != d.dtype:
+            raise ShapeMismatch(f"buffer {b}: source {s.dtype} {tuple(s.shape)} vs "
+                                f"destination {d.dtype} {tuple(d.shape)}")
+        d.index_copy_(0, dst.to(d.device), s.index_select(0, src.to(s.device)).to(d.device))

@@ -1,0 +1,102 @@
+"""Fused offload/restore copies: every (buffer, page-run) piece of a request in one launch.
+
+The copy_-based :class:`~pools.offload.copier.Copier` issues one bus copy per run and
+buffer; a per-layer pool with 64 buffers pays 64+ driver calls per request, and short runs
+leave the bus idle between them. :class:`FusedCopier` instead builds a task table on the
+host (pointer table per buffer: device base, host base as the *device* sees it, item
+length; see :mod:`pools.offload.pieces`), uploads it with one small asynchronous copy and
+launches :mod:`kernels.piece_copy` once per alignment class (once for every pool whose
+buffers are 16-byte aligned): the kernel's programs load from the device buffers and store
+straight into the mapped host pool (offload), or the reverse (restore), 16 bytes per
+vector, with many programs in flight.
+
+Everything is issued on the caller's current stream (the manager's copy streams) and
+nothing synchronises. The table's pinned host copy is owned by torch's pinned caching
+allocator, which keeps it alive until the upload has run; the device copy is freed in
+stream order. On CPU (tests, Triton interpreter) "device" and "host" are both CPU memory
+and ``device_delta`` is 0.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kernels.piece_copy import copy_tasks
+
+from .pieces import MAX_ALIGN, PieceTable, pick_tile_bytes, plan_tasks, split_by_alignment
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FusedCopier", "Part"]
+
+# (device item views, host item views, runs [R, 3] of (device start, host start, length))
+Part = tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], np.ndarray]
+
+
+class FusedCopier:
+    """One-launch copies between device item views and a device-mapped host pool.
+
+    ``device_delta``: device address minus host address of the host pool's memory (0 under
+    UVA and on CPU). ``tile_bytes``: bytes per kernel program (``None``: chosen per request
+    by :func:`~pools.offload.pieces.pick_tile_bytes`).
+    """
+
+    def __init__(self, device: torch.device, to_host: bool, device_delta: int, *,
+                 tile_bytes: int | None = None) -> None:
+        self.device = device
+        self.to_host = bool(to_host)
+        self.device_delta = int(device_delta)
+        self.tile_bytes = tile_bytes
+        self.launches = 0  # kernel launches issued so far (all requests)
+        # pointer tables per (device views list, host views list): the manager passes the
+        # same cached lists every call; the entries hold the lists so ids stay unique
+        self._tables: dict[tuple[int, int], tuple] = {}
+
+    def _table(self, dev_views, host_views) -> PieceTable:
+        key = (id(dev_views), id(host_views))
+        hit = self._tables.get(key)
+        if hit is not None and hit[0] is dev_views and hit[1] is host_views:
+            return hit[2]
+        table = PieceTable([v.data_ptr() for v in dev_views],
+                           [h.data_ptr() + self.device_delta for h in host_views],
+                           [int(v.shape[1]) for v in dev_views])
+        if len(self._tables) >= 8:  # other target pools: keep the cache small
+            self._tables.pop(next(iter(self._tables)))
+        self._tables[key] = (dev_views, host_views, table)
+        return table
+
+    def plan(self, parts: Sequence[Part]) -> tuple[np.ndarray, int]:
+        """The task table ``[T, 3]`` (src, dst, nbytes) for these parts (host side only)
+        and an alignment every task has (the tables' common alignment)."""
+        live = [(dv, hv, r) for dv, hv, r in parts if len(dv) and r.shape[0]]
+        if not live:
+            return np.zeros((0, 3), dtype=np.int64), MAX_ALIGN
+        tables = [self._table(dv, hv) for dv, hv, _ in live]
+        total = sum(int(r[:, 2].sum()) * int(t.lens.sum()) for t, (_, _, r) in zip(tables, live))
+        tile = self.tile_bytes or pick_tile_bytes(total)
+        chunks = []
+        for table, (_, _, runs) in zip(tables, live):
+            tasks = plan_tasks(table, runs, tile)  # (device addr, host addr, nbytes)
+            if not self.to_host:
+                tasks[:, [0, 1]] = tasks[:, [1, 0]]
+            chunks.append(tasks)
+        tasks = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+        return tasks, min(t.align for t in tables)
+
+    def copy(self, parts: Sequence[Part]) -> int:
+        """Issue the copies of ``parts`` on the current stream; returns kernel launches."""
+        tasks, align = self.plan(parts)
+        # tables aligned to 16 bytes (every real pool) give one launch without per-task work
+        groups = [(align, tasks)] if align == MAX_ALIGN else split_by_alignment(tasks)
+        launches = 0
+        for align, group in groups:
+            table = torch.from_numpy(group)
+            if self.device.type == "cuda":
+                table = table.pin_memory().to(self.device, non_blocking=True)
+            copy_tasks(table, align, host_tasks=group)
+            launches += 1
+        self.launches += launches
+        return launches
