@@ -23,5 +23,8 @@ done
 echo '```'
 echo
 timeout 300 python3 -m kvxfer bench offload --device cuda 2>&1 || rc=1
+echo
+echo "## same sweep with the fused path off (copy_ per run per buffer), for comparison"
+timeout 200 python3 -m kvxfer bench offload --device cuda --fused off 2>&1 | tail -50 || rc=1
 exit $rc
 } | tee "$OUT/offload.md"
