@@ -1,0 +1,280 @@
+"""Decode-side protocol: find prefill, connect once per prefill rank, send metadata, and
+accept a room only when its completion message arrived *and* its aux row names it.
+
+Pages of a room that failed after its metadata went out are released only once prefill has
+confirmed that no write for it is in flight (AbortAck, or prefill's own Abort, or Done), or
+the peer is gone, or ``abort_ack_s`` passed — so a late RMA write never lands in pages the
+scheduler already reused.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Dict
+
+from kvxfer.disagg import bootstrap
+from kvxfer.disagg import errors as derr
+from kvxfer.disagg import messages as m
+from kvxfer.disagg.kv_args import check_compatible
+from kvxfer.disagg.poll import KVPoll, is_terminal
+from kvxfer.disagg.rooms import Room
+from kvxfer import errors as kerr
+from kvxfer.errors import (Closed, KvxferError, PeerClosed, ProtocolError, ShapeMismatch,
+                           TransferAborted, TransferTimeout, UnsupportedOperation)
+
+log = logging.getLogger(__name__)
+
+_KINDS = {c.__name__: c for c in (
+    kerr.TransferAborted, kerr.TransferTimeout, kerr.ShapeMismatch, kerr.IndexOutOfRange,
+    kerr.InvalidArgument, kerr.PeerClosed, kerr.Closed, kerr.IncompatiblePeer,
+    kerr.ProtocolError, kerr.UnknownGroup, derr.DuplicateRoom, derr.UnknownRoom,
+    derr.LayoutMismatch)}
+
+
+def remote_error(kind: str, reason: str, who: str) -> KvxferError:
+    """Rebuild the peer's typed error (unknown kinds become TransferAborted)."""
+    return _KINDS.get(kind, TransferAborted)(f"{who}: {reason}")
+
+
+class DecodeSide:
+    def __init__(self, mgr) -> None:
+        self.mgr = mgr
+        self._links: Dict[str, asyncio.Future] = {}     # bootstrap addr -> Future[Link]
+        self._hello: Dict[str, asyncio.Future] = {}     # peer id -> Future[HelloAck]
+
+    async def started(self) -> None:
+        pass
+
+    async def closing(self) -> None:
+        for fut in self._links.values():
+            if not fut.done():
+                fut.cancel()
+
+    # ------------------------------------------------------------------ handle entry points
+    def new_room(self, room: int, role: str, on_done) -> Room:
+        r = Room(room, "receiver", on_done)
+        self.mgr.rooms.insert(r)
+        self.mgr.call(self.mgr.arm, r)
+        return r
+
+    def init(self, r: Room, addr: str) -> None:
+        if is_terminal(r.state) or r.inited:
+            return
+        r.inited = True
+        r.bootstrap_addr = addr
+        self._link_future(addr).add_done_callback(lambda f: self._linked(r, f))
+
+    def send_metadata(self, r: Room, dst_kv, dst_state, aux: int) -> None:
+        if is_terminal(r.state):
+            return
+        r.pending_meta = (dst_kv, dst_state, aux)
+        r.dst_aux_row, r.expect_pages = aux, len(dst_kv)
+        if r.link is not None:
+            self._send_meta(r)
+
+    def _send_meta(self, r: Room) -> None:
+        dst_kv, dst_state, aux = r.pending_meta
+        r.pending_meta = None
+        r.meta_sent = True
+        self.mgr.send_msg(r.link, m.TransferInfo(room=r.room, dst_kv=m.ids_to_bytes(dst_kv),
+                                                 dst_state=m.ids_to_bytes(dst_state),
+                                                 dst_aux=aux))
+        self.mgr.arm(r)          # WaitingForInput now counts prefill's queueing + compute
+
+    # ------------------------------------------------------------------ connection
+    def _link_future(self, addr: str) -> asyncio.Future:
+        fut = self._links.get(addr)
+        if fut is not None and (not fut.done() or (not fut.cancelled() and fut.exception() is None
+                                                   and not fut.result().dead)):
+            return fut
+        fut = self.mgr.loop.create_future()
+        self._links[addr] = fut
+        self.mgr.spawn(self._connect(addr, fut))
+        return fut
+
+    def link_lost(self, link) -> None:
+        fut = self._links.get(link.key)
+        if fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None \
+                and fut.result() is link:
+            del self._links[link.key]
+
+    async def _connect(self, addr: str, fut: asyncio.Future) -> None:
+        try:
+            link = await asyncio.wait_for(self._establish(addr), self.mgr.t.bootstrap_s)
+        except asyncio.TimeoutError:
+            exc: BaseException = TransferTimeout(
+                f"decode {self.mgr.name}: no usable prefill at bootstrap {addr} within "
+                f"{self.mgr.t.bootstrap_s:g}s")
+        except (KvxferError, OSError) as e:
+            exc = e
+        else:
+            if not fut.done():
+                fut.set_result(link)
+            return
+        if self._links.get(addr) is fut:
+            del self._links[addr]
+        if not fut.done():
+            fut.set_exception(exc)
+
+    async def _pick(self, addr: str) -> dict:
+        mgr, a = self.mgr, self.mgr.args
+        delay = 0.02
+        while True:
+            entries = await bootstrap.lookup(addr, a.dp_rank, 5.0)
+            if entries:
+                sizes = {e["tp_size"] for e in entries}
+                if sizes != {a.tp_size}:
+                    raise UnsupportedOperation(
+                        f"heterogeneous TP: prefill tp_size {sorted(sizes)}, decode "
+                        f"{mgr.name} tp_size {a.tp_size}")
+                for e in entries:
+                    if e["tp_rank"] == a.tp_rank and e["pp_rank"] == a.pp_rank:
+                        return e
+            await asyncio.sleep(delay)            # prefill not registered yet: retry
+            delay = min(delay * 2, 0.5)
+
+    async def _establish(self, addr: str):
+        from kvxfer.disagg.manager import Link
+        mgr = self.mgr
+        entry = await self._pick(addr)
+        check_compatible(mgr.fingerprint, entry["fingerprint"], us=f"decode {mgr.name}",
+                         them=f"prefill {entry['name']}")
+        peer = await mgr.engine.connect(entry["host"], entry["port"])
+        link = Link(addr, peer, entry["name"])
+        mgr.links[peer.id] = link
+        ack_fut = mgr.loop.create_future()
+        self._hello[peer.id] = ack_fut
+        try:
+            await peer.send(m.Hello(name=mgr.name, tp_rank=mgr.args.tp_rank,
+                                    fingerprint=mgr.fingerprint).encode())
+            ack = await ack_fut
+        except BaseException:
+            mgr.links.pop(peer.id, None)
+            link.dead = True
+            await _quiet_close(peer)
+            raise
+        finally:
+            self._hello.pop(peer.id, None)
+        if not ack.ok:
+            mgr.links.pop(peer.id, None)
+            link.dead = True
+            await _quiet_close(peer)
+            raise derr.LayoutMismatch(f"prefill {entry['name']} refused: {ack.error}")
+        return link
+
+    def _linked(self, r: Room, f: asyncio.Future) -> None:
+        mgr = self.mgr
+        if f.cancelled():
+            mgr.fail(r, Closed(f"room {r.room}: manager closed while bootstrapping"),
+                     notify=False, peer_gone=True)
+            return
+        if f.exception() is not None:
+            mgr.fail(r, f.exception(), notify=False, peer_gone=True)
+            return
+        link = f.result()
+        if link.dead:
+            mgr.fail(r, PeerClosed(f"room {r.room}: prefill {link.name} closed"),
+                     notify=False, peer_gone=True)
+            return
+        if is_terminal(r.state):                 # aborted while bootstrapping: tell prefill
+            mgr.send_msg(link, m.Abort(room=r.room, reason=str(r.exc), kind=type(r.exc).__name__))
+            return
+        r.link = link
+        link.rooms.add(r)
+        mgr.advance(r, KVPoll.WaitingForInput)
+        if r.pending_meta is not None:
+            self._send_meta(r)
+
+    # ------------------------------------------------------------------ failure
+    def after_fail(self, r: Room, *, notify: bool, peer_gone: bool) -> None:
+        mgr, link = self.mgr, r.link
+        if link is None and notify and not peer_gone and not r.inited and r.bootstrap_addr:
+            # aborted before init(): reach prefill anyway (its KVSender may be waiting)
+            r.inited = True
+            self._link_future(r.bootstrap_addr).add_done_callback(lambda f: self._linked(r, f))
+        if link is None or link.dead or peer_gone or r.peer_aborted:
+            mgr.release(r)
+            return
+        if notify:
+            mgr.send_msg(link, m.Abort(room=r.room, reason=str(r.exc), kind=type(r.exc).__name__))
+        if r.meta_sent:
+            r.await_ack = True
+            mgr.arm(r, mgr.t.abort_ack_s)
+        else:
+            mgr.release(r)
+
+    # ------------------------------------------------------------------ messages
+    def _room_of(self, link, room: int, tag: str):
+        r = self.mgr.rooms.get(room)
+        if r is None or r.role != "receiver" or r.link is not link:
+            lvl = logging.DEBUG if self.mgr.rooms.tombstone(room) else logging.WARNING
+            log.log(lvl, "%s: %s for unknown room %d from %s", self.mgr.name, tag, room,
+                    link.name if link else "?")
+            return None
+        return r
+
+    def on_message(self, peer, link, msg) -> None:
+        mgr = self.mgr
+        if isinstance(msg, m.HelloAck):
+            fut = self._hello.get(peer.id)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+            return
+        if link is None:
+            raise ProtocolError(f"{msg.TAG} from unknown peer {peer.id}")
+        if isinstance(msg, m.AbortAck):
+            r = mgr.rooms.get(msg.room)
+            if r is not None and r.await_ack and r.link is link:
+                mgr.release(r)
+            return
+        r = self._room_of(link, getattr(msg, "room", -1), msg.TAG)
+        if r is None:
+            return
+        if isinstance(msg, m.Abort):
+            r.peer_aborted = True                    # prefill has no write in flight
+            if is_terminal(r.state):
+                mgr.release(r)
+            else:
+                mgr.fail(r, remote_error(msg.kind, msg.reason, f"prefill {link.name}"),
+                         notify=False)
+        elif isinstance(msg, m.Chunk):
+            if is_terminal(r.state):
+                return
+            if msg.pages_done > r.expect_pages:
+                mgr.fail(r, ProtocolError(f"room {r.room}: prefill reports {msg.pages_done} "
+                                          f"pages done of {r.expect_pages}"))
+            elif r.state == KVPoll.Transferring:
+                mgr.arm(r)                           # lease renewed by progress
+            else:
+                mgr.advance(r, KVPoll.Transferring)
+        elif isinstance(msg, m.Done):
+            self._on_done(r, msg)
+        else:
+            raise ProtocolError(f"unexpected {msg.TAG} on a decode manager")
+
+    def _on_done(self, r: Room, msg: m.Done) -> None:
+        mgr = self.mgr
+        r.peer_aborted = True                        # final: nothing more is in flight
+        if is_terminal(r.state):
+            mgr.release(r)
+            return
+        if msg.pages != r.expect_pages:
+            mgr.fail(r, ShapeMismatch(f"room {r.room}: prefill sent {msg.pages} pages, decode "
+                                      f"expected {r.expect_pages}"), notify=False)
+            return
+        got = mgr.aux.read_room(r.dst_aux_row)
+        if got != r.room:
+            mgr.fail(r, derr.RoomMismatch(
+                f"room {r.room}: metadata row {r.dst_aux_row} carries "
+                f"{'no valid room stamp' if got is None else f'room {got}'}; data rejected"),
+                notify=False)
+            return
+        mgr.advance(r, KVPoll.Success)
+        mgr.release(r)
+
+
+async def _quiet_close(peer) -> None:
+    try:
+        await peer.close()
+    except KvxferError:
+        pass

@@ -1,0 +1,24 @@
+"""Protocol-level errors of the prefill/decode layer.
+
+They extend the one hierarchy (:mod:`kvxfer.errors`); every message names the offending
+value (room id, index, field) so a scheduler log line is enough to find the culprit.
+"""
+from __future__ import annotations
+
+from kvxfer.errors import IncompatiblePeer, InvalidArgument, KvxferError
+
+
+class DuplicateRoom(InvalidArgument):
+    """A room id that is already in flight (or was just used) on this manager or peer."""
+
+
+class UnknownRoom(InvalidArgument):
+    """A room id this manager does not know (never created, or already cleared)."""
+
+
+class LayoutMismatch(IncompatiblePeer):
+    """Prefill and decode disagree on page size, dtype, descriptor geometry or layout."""
+
+
+class RoomMismatch(KvxferError):
+    """The metadata row delivered to a room carries another room's id: data rejected."""

@@ -1,0 +1,114 @@
+"""Common part of KVSender / KVReceiver: poll, wait, abort, index validation."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from typing import Callable, Optional
+
+import numpy as np
+
+from kvxfer.disagg.poll import KVPoll, is_terminal
+from kvxfer.errors import IndexOutOfRange, InvalidArgument, TransferAborted, TransferTimeout
+
+#: ``on_done(state: KVPoll, exc: Exception | None)``: called once, on the manager's loop, when
+#: the room is terminal AND no transfer can touch its pages any more — release them there.
+OnDone = Callable[[KVPoll, Optional[BaseException]], None]
+
+
+def as_ids(x, what: str, limit: int, *, unique: bool = True) -> np.ndarray:
+    """Validate a 1-D sequence/array/tensor of item ids in ``[0, limit)`` -> int64 ndarray."""
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    a = np.asarray(x)
+    if a.ndim != 1:
+        raise InvalidArgument(f"{what} must be 1-D, got shape {tuple(a.shape)}")
+    if a.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if a.dtype.kind not in "iu":
+        raise InvalidArgument(f"{what} must hold integers, got dtype {a.dtype}")
+    a = a.astype(np.int64, copy=False)
+    bad = a[(a < 0) | (a >= limit)]
+    if bad.size:
+        raise IndexOutOfRange(f"{what}: {int(bad[0])} not in [0, {limit})")
+    if unique and a.size > 1:
+        s = np.sort(a)
+        dup = s[1:][s[1:] == s[:-1]]
+        if dup.size:
+            raise InvalidArgument(f"{what}: id {int(dup[0])} appears more than once")
+    return a
+
+
+class RoomHandle:
+    _role = ""
+
+    def __init__(self, mgr, room, on_done: Optional[OnDone]) -> None:
+        self.mgr = mgr
+        self._r = mgr.new_room(room, self._role, on_done)
+        self._r.handle = self
+
+    @property
+    def room(self) -> int:
+        return self._r.room
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(room={self.room}, {KVPoll(self._r.state).name})"
+
+    def poll(self) -> KVPoll:
+        """Current state; non-blocking, callable from any thread."""
+        return KVPoll(self._r.state)
+
+    def failure_exception(self) -> Optional[BaseException]:
+        """Why the room failed (a typed KvxferError), or None."""
+        return self._r.exc if self._r.state == KVPoll.Failed else None
+
+    def abort(self) -> None:
+        """Fail the room (sticky) and tell the peer; pages are released via ``on_done``."""
+        r = self._r
+        if is_terminal(r.state):
+            return
+        self.mgr.call(self._abort)
+
+    def _abort(self) -> None:
+        self.mgr.fail(self._r, TransferAborted(
+            f"room {self._r.room} aborted by {self._role} {self.mgr.name}"))
+
+    def _add_waiter(self, w) -> None:
+        if is_terminal(self._r.state):
+            if not w.done():
+                w.set_result(self._r.state)
+        else:
+            self._r.waiters.append(w)
+
+    async def wait(self, timeout: Optional[float] = None) -> KVPoll:
+        """Await a terminal state (Success or Failed) from any event loop."""
+        r = self._r
+        if is_terminal(r.state):
+            return KVPoll(r.state)
+        loop = asyncio.get_running_loop()
+        if loop is self.mgr.loop:
+            fut = loop.create_future()
+            self._add_waiter(fut)
+        else:
+            cf: concurrent.futures.Future = concurrent.futures.Future()
+            self.mgr.call(self._add_waiter, cf)
+            fut = asyncio.wrap_future(cf)
+        try:
+            return KVPoll(await asyncio.wait_for(fut, timeout))
+        except asyncio.TimeoutError:
+            raise TransferTimeout(f"room {r.room}: still {KVPoll(r.state).name} after "
+                                  f"{timeout}s") from None
+
+    def wait_blocking(self, timeout: Optional[float] = None) -> KVPoll:
+        """Block a (non-loop) thread until the room is terminal."""
+        if self.mgr.in_loop():
+            raise InvalidArgument("wait_blocking() on the manager's own loop would deadlock")
+        r = self._r
+        if is_terminal(r.state):
+            return KVPoll(r.state)
+        cf: concurrent.futures.Future = concurrent.futures.Future()
+        self.mgr.call(self._add_waiter, cf)
+        try:
+            return KVPoll(cf.result(timeout))
+        except concurrent.futures.TimeoutError:
+            raise TransferTimeout(f"room {r.room}: still {KVPoll(r.state).name} after "
+                                  f"{timeout}s") from None

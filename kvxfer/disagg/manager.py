@@ -1,0 +1,406 @@
+"""KVManager: owns one rank's transfer engine, its peers, its rooms and their deadlines.
+
+One manager per rank and mode (prefill or decode). Everything that changes state runs on the
+manager's event loop: either the caller's (``await mgr.start()``) or a private background
+thread (``mgr.start_background()``) for schedulers that are not async. ``KVSender`` /
+``KVReceiver`` calls made from another thread validate their arguments synchronously (typed
+errors, nothing sent) and hand the rest to the loop without blocking; ``poll()`` reads a
+plain attribute and is safe from any thread.
+
+Reliability: one timer handle per room (deadline of its current state), one heartbeat task
+per manager pinging every peer; a peer that closes, dies or stays silent past
+``heartbeat_timeout_s`` fails all its rooms at once. Role-specific protocol lives in
+:mod:`kvxfer.disagg.prefill_side` and :mod:`kvxfer.disagg.decode_side`.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import enum
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional
+
+from kvxfer import wire
+from kvxfer.disagg import messages as m
+from kvxfer.disagg.aux import AuxRows, check_room
+from kvxfer.disagg.kv_args import KVArgs
+from kvxfer.disagg.poll import KVPoll, can_advance, is_terminal
+from kvxfer.disagg.rooms import Room, RoomTable
+from kvxfer.errors import Closed, InvalidArgument, KvxferError, PeerClosed, ProtocolError, TransferTimeout
+
+log = logging.getLogger(__name__)
+
+
+class DisaggMode(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass
+class Timeouts:
+    """Seconds. Each state of a room has a deadline; a Transferring room's deadline is a lease
+    renewed by every chunk that completes."""
+    bootstrap_s: float = 30.0       # Bootstrapping: lookup+connect (decode), decode's metadata (prefill)
+    waiting_s: float = 300.0        # WaitingForInput: scheduler/prefill compute until data flows
+    transfer_s: float = 60.0        # Transferring: per chunk (lease)
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 10.0
+    abort_ack_s: float = 10.0       # decode waits this long for prefill to confirm no write in flight
+    #: decode's WaitingForInput/Transferring deadlines run this much longer than prefill's
+    #: (and, once its metadata went out, also cover prefill's Bootstrapping), so the side that
+    #: knows what went wrong - prefill - normally reports it first
+    decode_grace_s: float = 1.0
+    register_s: float = 30.0        # prefill: keep trying to register at bootstrap this long
+
+
+class Link:
+    """One connected peer engine, shared by all rooms that go through it."""
+
+    __slots__ = ("key", "peer", "name", "rooms", "last_heard", "dead", "remote_items")
+
+    def __init__(self, key, peer, name: str = "") -> None:
+        self.key, self.peer, self.name = key, peer, name
+        self.rooms: set = set()
+        self.last_heard = time.monotonic()
+        self.dead = False
+        self.remote_items: Dict[str, int] = {}
+        groups = getattr(peer, "remote_groups", None) or {}
+        for g, (lens, item_lens) in groups.items():
+            self.remote_items[g] = min((int(n) // int(i) for n, i in zip(lens, item_lens)),
+                                       default=0)
+
+    def __repr__(self) -> str:
+        return f"Link({self.name or self.key}, rooms={len(self.rooms)}, dead={self.dead})"
+
+
+class KVManager:
+    """Transfer manager of one rank. See module docstring for threading and reliability."""
+
+    def __init__(self, args: KVArgs, mode, *, bootstrap_addr: Optional[str] = None,
+                 secret: bytes = b"kvxfer", host: str = "127.0.0.1", port: int = 0,
+                 error_mode: str = "peer", timeouts: Optional[Timeouts] = None,
+                 name: Optional[str] = None, engine_factory: Optional[Callable] = None,
+                 max_tombstones: int = 65536) -> None:
+        if not isinstance(args, KVArgs):
+            raise InvalidArgument(f"args must be KVArgs, got {type(args).__name__}")
+        try:
+            self.mode = DisaggMode(getattr(mode, "value", mode))
+        except ValueError:
+            raise InvalidArgument(f"mode {mode!r} is not 'prefill' or 'decode'") from None
+        if self.mode is DisaggMode.PREFILL and bootstrap_addr is None:
+            raise InvalidArgument("a prefill KVManager needs bootstrap_addr to register at")
+        self.args = args
+        self.bootstrap_addr = bootstrap_addr
+        self.t = timeouts or Timeouts()
+        self.name = name or f"{self.mode.value}-dp{args.dp_rank}-tp{args.tp_rank}"
+        self._engine_kw = dict(secret=secret, host=host, port=port, error_mode=error_mode,
+                               connect_timeout_s=min(10.0, self.t.bootstrap_s),
+                               transfer_timeout_s=self.t.transfer_s, name=self.name)
+        self._engine_factory = engine_factory
+        self.fingerprint = args.fingerprint()
+        self.items = {g: args.num_items(g) for g in ("kv", "state", "aux")}
+        self.aux = AuxRows(args.aux_data_ptrs[0], args.aux_data_lens[0], args.aux_item_lens[0])
+        self.rooms = RoomTable(max_tombstones)
+        self.links: Dict[str, Link] = {}          # peer.id -> Link
+        self.engine = None
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self._loop_tid: Optional[int] = None
+        self._thread: Optional[threading.Thread] = None
+        self._tasks: set = set()
+        self._closed = False
+        self.stats: Dict[str, Any] = {"succeeded": 0, "failed": 0, "bytes": 0, "ops": 0,
+                                      "writes": 0, "lanes": set()}
+        if self.mode is DisaggMode.PREFILL:
+            from kvxfer.disagg.prefill_side import PrefillSide
+            self.side = PrefillSide(self)
+        else:
+            from kvxfer.disagg.decode_side import DecodeSide
+            self.side = DecodeSide(self)
+
+    def __repr__(self) -> str:
+        return f"KVManager({self.name}, rooms={len(self.rooms)}, peers={len(self.links)})"
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def address(self):
+        return None if self.engine is None else self.engine.address
+
+    async def start(self) -> "KVManager":
+        """Start the engine on the running loop (and register with bootstrap, prefill)."""
+        if self.engine is not None:
+            return self
+        self.loop = asyncio.get_running_loop()
+        self._loop_tid = threading.get_ident()
+        self.engine = self._make_engine()
+        a = self.args
+        self.engine.register("kv", a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens)
+        if a.state_data_ptrs:
+            self.engine.register("state", a.state_data_ptrs, a.state_data_lens, a.state_item_lens)
+        self.engine.register("aux", a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens)
+        self.engine.on_message(self._on_message)
+        self.engine.on_peer_closed(self._on_peer_closed)
+        await self.engine.start()
+        self.spawn(self._heartbeat())
+        try:
+            await self.side.started()
+        except BaseException:
+            await self.close()               # nothing half-started stays behind
+            raise
+        log.info("%s started on %s", self.name, self.address)
+        return self
+
+    def _make_engine(self):
+        if self._engine_factory is not None:
+            return self._engine_factory(**self._engine_kw)
+        from kvxfer.engine import EngineConfig, TransferEngine
+        return TransferEngine(EngineConfig(**self._engine_kw))
+
+    def start_background(self, timeout: float = 60.0) -> "KVManager":
+        """Run the manager on a private event-loop thread; returns once started."""
+        cf: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(self.start())
+            except BaseException as exc:
+                cf.set_exception(exc)
+                loop.close()
+                return
+            cf.set_result(None)
+            loop.run_forever()
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name=f"kvxfer-{self.name}", daemon=True)
+        self._thread.start()
+        cf.result(timeout)
+        return self
+
+    async def close(self) -> None:
+        """Fail every live room (Closed), release them, close peers and the engine. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for r in self.rooms.rooms():
+            self.fail(r, Closed(f"manager {self.name} closed"), notify=False, peer_gone=True)
+        await self.side.closing()
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.engine is not None:
+            await self.engine.close()
+
+    def close_background(self, timeout: float = 30.0) -> None:
+        if self._thread is None or self.loop is None:
+            return
+        asyncio.run_coroutine_threadsafe(self.close(), self.loop).result(timeout)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout)
+        self._thread = None
+
+    # ------------------------------------------------------------------ loop helpers
+    def in_loop(self) -> bool:
+        return threading.get_ident() == self._loop_tid
+
+    def _check_open(self) -> None:
+        if self.loop is None:
+            raise Closed(f"manager {self.name} is not started")
+        if self._closed:
+            raise Closed(f"manager {self.name} is closed")
+
+    def call(self, fn: Callable, *args) -> None:
+        """Run ``fn(*args)`` on the loop: now if we are on it, else soon (non-blocking)."""
+        self._check_open()
+        if self.in_loop():
+            fn(*args)
+        else:
+            self.loop.call_soon_threadsafe(fn, *args)
+
+    def call_wait(self, fn: Callable, *args, timeout: float = 30.0):
+        """Run ``fn(*args)`` on the loop and return its result (blocks a foreign thread)."""
+        self._check_open()
+        if self.in_loop():
+            return fn(*args)
+        cf: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                cf.set_result(fn(*args))
+            except BaseException as exc:
+                cf.set_exception(exc)
+
+        self.loop.call_soon_threadsafe(run)
+        return cf.result(timeout)
+
+    def spawn(self, coro) -> asyncio.Task:
+        task = self.loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s: background task failed", self.name, exc_info=task.exception())
+
+    def send_msg(self, link: Link, msg: wire.Message) -> None:
+        """Fire-and-forget app message; a failure fails the link (and its rooms)."""
+        if not link.dead:
+            self.spawn(self._send(link, msg.encode()))
+
+    async def _send(self, link: Link, payload: bytes) -> None:
+        try:
+            await link.peer.send(payload)
+        except (KvxferError, OSError) as exc:
+            self.link_failed(link, exc if isinstance(exc, KvxferError) else PeerClosed(str(exc)))
+
+    # ------------------------------------------------------------------ rooms
+    def new_room(self, room, role: str, on_done) -> Room:
+        """Create a room record (any thread, non-blocking; DuplicateRoom raised here)."""
+        room = check_room(room)
+        self._check_open()
+        return self.side.new_room(room, role, on_done)
+
+    def advance(self, r: Room, state: KVPoll, exc: Optional[BaseException] = None) -> bool:
+        """Move ``r`` forward (or to Failed), re-arm its deadline, wake waiters on terminal."""
+        if not can_advance(r.state, state):
+            return False
+        r.state = KVPoll(state)
+        if exc is not None:
+            r.exc = exc
+        self.arm(r)
+        if is_terminal(state):
+            self.stats["succeeded" if state == KVPoll.Success else "failed"] += 1
+            waiters, r.waiters = r.waiters, []
+            for w in waiters:
+                if not w.done():
+                    w.set_result(r.state)
+        return True
+
+    def arm(self, r: Room, seconds: Optional[float] = None) -> None:
+        """(Re)start the deadline of ``r``'s current state; terminal rooms have none unless
+        ``seconds`` is given (waiting for an abort ack)."""
+        if r.timer is not None:
+            r.timer.cancel()
+            r.timer = None
+        if seconds is None:
+            if is_terminal(r.state):
+                return
+            t = self.t
+            seconds = {KVPoll.Bootstrapping: t.bootstrap_s, KVPoll.WaitingForInput: t.waiting_s,
+                       KVPoll.Transferring: t.transfer_s}[r.state]
+            if r.role == "receiver" and r.state != KVPoll.Bootstrapping:
+                seconds += t.decode_grace_s + (t.bootstrap_s if r.meta_sent and
+                                               r.state == KVPoll.WaitingForInput else 0.0)
+        r.timer = self.loop.call_later(seconds, self._expired, r, r.state, seconds)
+
+    def _expired(self, r: Room, state: KVPoll, seconds: float) -> None:
+        r.timer = None
+        if r.released or r.superseded:
+            return
+        if is_terminal(r.state):
+            log.warning("%s: room %d: no abort ack within %.1fs; releasing", self.name, r.room,
+                        seconds)
+            self.release(r)
+            return
+        self.fail(r, TransferTimeout(
+            f"room {r.room}: {state.name} for more than {seconds:g}s on {self.name}"))
+
+    def fail(self, r: Room, exc: BaseException, *, notify: bool = True,
+             peer_gone: bool = False) -> None:
+        """Fail ``r`` (sticky) and release it once no write can touch its pages any more."""
+        if is_terminal(r.state):
+            if peer_gone and not r.released:
+                self.release(r)
+            return
+        log.info("%s: room %d failed: %s", self.name, r.room, exc)
+        self.advance(r, KVPoll.Failed, exc)
+        self.side.after_fail(r, notify=notify, peer_gone=peer_gone)
+
+    def release(self, r: Room) -> None:
+        """Terminal and safe: drop the room, run the scheduler's ``on_done`` exactly once."""
+        if r.released:
+            return
+        r.released = True
+        if r.timer is not None:
+            r.timer.cancel()
+            r.timer = None
+        if r.link is not None:
+            r.link.rooms.discard(r)
+        self.rooms.remove(r, "aborted" if r.state == KVPoll.Failed else "done")
+        if r.on_done is not None:
+            try:
+                r.on_done(r.state, r.exc)
+            except Exception:
+                log.exception("%s: on_done callback of room %d raised", self.name, r.room)
+
+    # ------------------------------------------------------------------ peers
+    def _on_message(self, peer, payload: bytes) -> None:
+        try:
+            msg = wire.decode(payload)
+        except ProtocolError as exc:
+            log.warning("%s: dropped malformed message from %s: %s", self.name, peer.id, exc)
+            return
+        link = self.links.get(peer.id)
+        if link is not None:
+            link.last_heard = time.monotonic()
+        if isinstance(msg, m.Ping):
+            return
+        try:
+            self.side.on_message(peer, link, msg)
+        except KvxferError as exc:
+            log.warning("%s: rejected %s from %s: %s", self.name, msg.TAG, peer.id, exc)
+
+    def _on_peer_closed(self, peer, exc) -> None:
+        link = self.links.get(peer.id)
+        if link is not None:
+            self.link_failed(link, exc if isinstance(exc, KvxferError)
+                             else PeerClosed(f"peer {link.name or peer.id} closed: {exc}"))
+
+    def link_failed(self, link: Link, exc: BaseException) -> None:
+        if link.dead:
+            return
+        link.dead = True
+        self.links.pop(getattr(link.peer, "id", None), None)
+        self.side.link_lost(link)
+        log.log(logging.WARNING if link.rooms and not self._closed else logging.INFO,
+                "%s: lost peer %s (%d rooms): %s", self.name, link.name, len(link.rooms), exc)
+        for r in list(link.rooms):
+            self.fail(r, exc, notify=False, peer_gone=True)
+
+    async def _heartbeat(self) -> None:
+        """Ping every peer each interval; fail a peer silent for ``heartbeat_timeout_s``.
+        Time during which this loop itself was stalled (a busy or starved process) is not
+        held against peers: their messages may be sitting unread in our own queue."""
+        seq = 0
+        interval = self.t.heartbeat_interval_s
+        prev = time.monotonic()
+        while True:
+            await asyncio.sleep(interval)
+            seq += 1
+            now = time.monotonic()
+            stall = now - prev - interval
+            prev = now
+            if stall > interval:
+                for link in self.links.values():
+                    link.last_heard += stall
+                continue
+            ping = m.Ping(seq=seq)
+            for link in list(self.links.values()):
+                if now - link.last_heard > self.t.heartbeat_timeout_s:
+                    self.link_failed(link, TransferTimeout(
+                        f"peer {link.name}: silent for {now - link.last_heard:.1f}s"))
+                    self.spawn(self._close_peer(link))
+                else:
+                    self.send_msg(link, ping)
+
+    async def _close_peer(self, link: Link) -> None:
+        try:
+            await link.peer.close()
+        except KvxferError:
+            pass

@@ -1,0 +1,54 @@
+"""KVReceiver: the decode end of one room.
+
+Usage (scheduler): ``r = KVReceiver(mgr, prefill_bootstrap_addr, room, on_done=release)``;
+``r.init()`` (lookup + connect, shared per prefill rank); allocate pages, state slot and an
+aux row; ``r.send_metadata(page_ids, aux_row, state_slots)``; poll until ``Success`` (bytes
+visible and the aux row's room stamp checked) or ``Failed``. ``on_done`` runs once the
+room's pages are safe to release (on failure) or hand to the scheduler (on success).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from kvxfer.disagg.bootstrap import parse_addr
+from kvxfer.disagg.handle import OnDone, RoomHandle, as_ids
+from kvxfer.disagg.manager import DisaggMode
+from kvxfer.errors import InvalidArgument
+
+
+class KVReceiver(RoomHandle):
+    _role = "decode"
+
+    def __init__(self, mgr, bootstrap_addr: str, room: int, *,
+                 on_done: Optional[OnDone] = None) -> None:
+        if mgr.mode is not DisaggMode.DECODE:
+            raise InvalidArgument(f"KVReceiver needs a decode manager, {mgr.name} is {mgr.mode.value}")
+        host, port = parse_addr(bootstrap_addr)
+        self.bootstrap_addr = f"{host}:{port}"
+        self._inited = False
+        self._meta = False
+        super().__init__(mgr, room, on_done)
+        self._r.bootstrap_addr = self.bootstrap_addr   # read on the loop only after init/abort
+
+    def init(self) -> None:
+        """Start looking up and connecting to the prefill rank (non-blocking)."""
+        if self._inited:
+            return
+        self._inited = True
+        self.mgr.call(self.mgr.side.init, self._r, self.bootstrap_addr)
+
+    def send_metadata(self, kv_indices, aux_index: int, state_indices=None) -> None:
+        """Tell prefill where this room's bytes go. Validated here (ids in range of our
+        registered buffers, no duplicates); a bad call raises and sends nothing."""
+        if not self._inited:
+            raise InvalidArgument(f"room {self.room}: send_metadata() before init()")
+        if self._meta:
+            raise InvalidArgument(f"room {self.room}: send_metadata() called twice")
+        items = self.mgr.items
+        kv = as_ids(kv_indices, f"room {self.room}: kv_indices", items["kv"])
+        aux = int(as_ids([aux_index], f"room {self.room}: aux_index", items["aux"])[0])
+        st = as_ids([] if state_indices is None else state_indices,
+                    f"room {self.room}: state_indices", items["state"])
+        self._meta = True
+        self.mgr.aux.clear(aux)          # a stale stamp in a reused row can never validate
+        self.mgr.call(self.mgr.side.send_metadata, self._r, kv, st, aux)

@@ -1,0 +1,418 @@
+"""Multi-process test harness for the PD protocol: worker processes (spawn) each host one or
+more *nodes* — a real pool + real allocators + a KVManager on real UCX loopback — driven by
+RPC over a pipe. Child exceptions come back with their traceback (raised as RemoteError).
+
+Content is deterministic: page ``k`` of room ``R``, descriptor ``e`` holds
+``(R*31 + k*7 + e*13 + byte) % 251``; state slot ``j`` of a room uses ``k = 1000 + j``; the
+aux row carries first token ``R % 1000003``. Decode verifies every byte of every page/slot.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+import time
+import traceback
+from typing import Dict, Optional
+
+CTX = mp.get_context("spawn")
+
+KINDS = ("mha", "page_major", "mla", "hybrid_per_layer", "hybrid_envelope")
+
+FAST = dict(bootstrap_s=10.0, waiting_s=20.0, transfer_s=20.0, heartbeat_interval_s=0.2,
+            heartbeat_timeout_s=10.0, abort_ack_s=5.0)
+TINY = dict(bootstrap_s=1.5, waiting_s=1.5, transfer_s=1.5, heartbeat_interval_s=0.2,
+            heartbeat_timeout_s=5.0, abort_ack_s=2.0)
+
+
+class RemoteError(Exception):
+    def __init__(self, kind: str, msg: str, tb: str) -> None:
+        super().__init__(f"{kind}: {msg}\n--- child traceback ---\n{tb}")
+        self.kind, self.msg, self.tb = kind, msg, tb
+
+
+# ====================================================================== child side
+def _build_pool(kind: str, size: int, page_size: int, device: str = "cpu"):
+    import torch
+    from pools import MHATokenToKVPool, MLATokenToKVPool, PageMajorMHATokenToKVPool
+    bf = torch.bfloat16
+    if kind in ("mha", "mismatch", "many"):
+        if kind == "many":
+            return MHATokenToKVPool(size, page_size, bf, 1, 8, 1, device), None
+        return MHATokenToKVPool(size, page_size, bf, 2, 8, 2, device), None
+    if kind == "page_major":
+        return PageMajorMHATokenToKVPool(size, page_size, bf, 2, 8, 2, device), None
+    if kind == "mla":
+        return MLATokenToKVPool(size, page_size, bf, 16, 8, 2, device), None
+    if kind.startswith("hybrid_"):
+        from pools.hybrid import HybridLinearKVPool
+        from pools.mamba import MambaPool
+        from pools.mamba_spec import MambaStateSpec
+        spec = MambaStateSpec(conv_shapes=((4, 3),), temporal_shape=(2, 4, 4), conv_dtype=bf,
+                              temporal_dtype=torch.float32, layer_ids=(1, 3))
+        layout = "per_layer" if kind == "hybrid_per_layer" else "envelope"
+        kv_cls = MHATokenToKVPool if layout == "per_layer" else PageMajorMHATokenToKVPool
+        mamba = MambaPool(64, spec, device, layout=layout)
+        return HybridLinearKVPool(kv_cls(size, page_size, bf, 2, 8, 2, device), mamba, [0, 2]), mamba
+    raise ValueError(kind)
+
+
+def pattern(room: int, ks, e: int, n: int):
+    import torch
+    ks = torch.as_tensor(ks, dtype=torch.int64)
+    return ((room * 31 + e * 13 + 7 * ks[:, None] + torch.arange(n)[None, :]) % 251).to(torch.uint8)
+
+
+def first_token(room: int) -> int:
+    return room % 1000003
+
+
+class Node:
+    """One pool + allocators + KVManager (background loop) in a worker process."""
+
+    def __init__(self, kind: str, role: str, bootstrap: Optional[str], timeouts: dict,
+                 error_mode: str = "peer", size: int = 1024, page_size: int = 4,
+                 aux_rows: int = 256, name: str = "", device: str = "cpu") -> None:
+        from kvxfer.disagg import KVArgs, KVManager, MetadataBuffer, Timeouts
+        from pools.allocator import PagedTokenToKVPoolAllocator
+        from pools.mamba_alloc import MambaSlotAllocator
+        if kind == "mismatch":
+            page_size = 8
+        self.kind, self.role, self.bootstrap = kind, role, bootstrap
+        self.pool, mamba = _build_pool(kind, size, page_size, device)
+        self.lock = threading.Lock()
+        self.pages = PagedTokenToKVPoolAllocator(size, page_size)
+        self.slots = MambaSlotAllocator(mamba.size) if mamba is not None else None
+        self.aux = MetadataBuffer(aux_rows, 64)
+        args = KVArgs.from_pools(self.pool, aux=self.aux,
+                                 state_pool=self.pool if mamba is not None else None)
+        self.views = self.pool.get_item_views()
+        self.state_views = self.pool.get_state_item_views() if mamba is not None else []
+        self.base = self._counts()
+        self.mgr = KVManager(args, role, bootstrap_addr=bootstrap if role == "prefill" else None,
+                             timeouts=Timeouts(**timeouts), error_mode=error_mode,
+                             name=f"{role}-{name or kind}").start_background()
+        self.rooms: Dict[int, dict] = {}
+
+    def _counts(self):
+        return {"pages": self.pages.available_size(),
+                "slots": self.slots.available_size() if self.slots else 0,
+                "aux": self.aux.available()}
+
+    # -- resources --
+    def _alloc(self, room: int, n: int, state: bool) -> dict:
+        with self.lock:
+            pages = self.pages.alloc_pages(n) if n else None
+            if n and pages is None:
+                raise MemoryError(f"{self.kind}: no {n} pages")
+            slot = None
+            if state and self.slots is not None:
+                got = self.slots.alloc(1)
+                if got is None:
+                    raise MemoryError("no mamba slot")
+                slot = got[0]
+            row = self.aux.alloc()
+        import torch
+        return {"pages": pages if pages is not None else torch.zeros(0, dtype=torch.int64),
+                "slot": slot, "row": row, "n": n, "done": threading.Event(), "result": None}
+
+    def _free(self, rec: dict) -> None:
+        with self.lock:
+            if rec["n"]:
+                self.pages.free_pages(rec["pages"])
+            if rec["slot"] is not None:
+                self.slots.free([rec["slot"]])
+            self.aux.free(rec["row"])
+
+    def _on_done(self, room: int):
+        def cb(state, exc):
+            rec = self.rooms[room]
+            rec["result"] = {"state": state.name, "exc": type(exc).__name__ if exc else None,
+                             "msg": str(exc) if exc else ""}
+            if self.role == "prefill" or state.name != "Success":
+                self._free(rec)
+                rec["freed"] = True
+            rec["done"].set()
+        return cb
+
+    # -- prefill --
+    def p_open(self, room: int, n: int, state: bool = True, init: bool = True) -> None:
+        from kvxfer.disagg import KVSender
+        rec = self._alloc(room, n, state)
+        ks = list(range(n))
+        for e, v in enumerate(self.views):
+            if n:
+                v[rec["pages"].to(v.device)] = pattern(room, ks, e, v.shape[1]).to(v.device)
+        if rec["slot"] is not None:
+            for e, v in enumerate(self.state_views):
+                v[rec["slot"]] = pattern(room, [1000], e, v.shape[1])[0].to(v.device)
+        self.aux.set_output(rec["row"], first_token(room))
+        self.rooms[room] = rec
+        rec["h"] = KVSender(self.mgr, self.bootstrap, room, on_done=self._on_done(room))
+        if init:
+            self.p_init(room)
+
+    def p_init(self, room: int) -> None:
+        rec = self.rooms[room]
+        rec["h"].init(rec["n"], rec["row"])
+
+    def p_send(self, room: int, lo: int, hi: int, stamp_room: Optional[int] = None) -> None:
+        rec = self.rooms[room]
+        st = [rec["slot"]] if hi == rec["n"] and rec["slot"] is not None else None
+        if stamp_room is not None:                 # simulate a scheduler bug: wrong aux stamp
+            aux, real = self.mgr.aux, self.mgr.aux.stamp
+            aux.stamp = lambda row, _room: (real(row, stamp_room), delattr(aux, "stamp"))
+        rec["h"].send(rec["pages"][lo:hi], st)
+
+    def p_send_raw(self, room: int, kv, state=None) -> None:
+        self.rooms[room]["h"].send(kv, state)
+
+    # -- decode --
+    def d_open(self, room: int, n: int, state: bool = True, meta: bool = True,
+               addr: Optional[str] = None, init: bool = True) -> None:
+        from kvxfer.disagg import KVReceiver
+        rec = self._alloc(room, n, state)
+        self.rooms[room] = rec
+        rec["h"] = KVReceiver(self.mgr, addr or self.bootstrap, room, on_done=self._on_done(room))
+        if init:
+            rec["h"].init()
+        if meta:
+            self.d_meta(room)
+
+    def d_meta(self, room: int) -> None:
+        rec = self.rooms[room]
+        rec["h"].send_metadata(rec["pages"], rec["row"],
+                               [rec["slot"]] if rec["slot"] is not None else None)
+
+    def d_meta_raw(self, room: int, kv, aux, state=None) -> None:
+        self.rooms[room]["h"].send_metadata(kv, aux, state)
+
+    def verify(self, room: int) -> int:
+        """Bad items of a successful room (0 = byte-exact); frees its resources."""
+        rec = self.rooms[room]
+        import torch
+        bad = 0
+        ks = list(range(rec["n"]))
+        for e, v in enumerate(self.views):
+            if rec["n"]:
+                got = v[rec["pages"].to(v.device)].cpu()
+                bad += int((got != pattern(room, ks, e, v.shape[1])).any(dim=1).sum())
+        if rec["slot"] is not None:
+            for e, v in enumerate(self.state_views):
+                bad += int(not torch.equal(v[rec["slot"]].cpu(),
+                                           pattern(room, [1000], e, v.shape[1])[0]))
+        bad += int(self.aux.first_token(rec["row"]) != first_token(room))
+        if not rec.get("freed"):
+            self._free(rec)
+            rec["freed"] = True
+        return bad
+
+    # -- both --
+    def ids(self, room: int) -> dict:
+        rec = self.rooms[room]
+        return {"pages": [int(x) for x in rec["pages"]], "slot": rec["slot"], "row": rec["row"]}
+
+    def geometry(self) -> dict:
+        return {"kv_entries": len(self.views), "state_entries": len(self.state_views)}
+
+    def new_handle(self, room: int) -> None:
+        """A second handle for an existing room id (must raise DuplicateRoom)."""
+        from kvxfer.disagg import KVReceiver, KVSender
+        cls = KVSender if self.role == "prefill" else KVReceiver
+        cls(self.mgr, self.bootstrap, room)
+
+    def poll(self, room: int) -> str:
+        return self.rooms[room]["h"].poll().name
+
+    def poll_until(self, room: int, states, timeout: float = 10.0) -> str:
+        """What a scheduler does: poll() each iteration until one of ``states``."""
+        h = self.rooms[room]["h"]
+        end = time.monotonic() + timeout
+        while True:
+            s = h.poll().name
+            if s in states or time.monotonic() > end:
+                return s
+            time.sleep(0.0005)
+
+    def abort(self, room: int) -> None:
+        self.rooms[room]["h"].abort()
+
+    def wait(self, room: int, timeout: float = 20.0) -> Optional[dict]:
+        """Block until the room was released (on_done ran); returns its final result."""
+        rec = self.rooms[room]
+        if not rec["done"].wait(timeout):
+            return None
+        r = dict(rec["result"])
+        r["failure"] = repr(rec["h"].failure_exception())
+        return r
+
+    def leaks(self) -> dict:
+        with self.lock:
+            now = self._counts()
+        out = {k: self.base[k] - now[k] for k in now}
+        out["rooms"] = len(self.mgr.rooms)
+        return out
+
+    def api_waits(self, rooms) -> dict:
+        """The blocking / foreign-loop / in-loop ways to wait, from this (non-loop) thread."""
+        import asyncio
+        from kvxfer.errors import InvalidArgument
+        hs = [self.rooms[r]["h"] for r in rooms]
+        out = {"blocking": [h.wait_blocking(20).name for h in hs],
+               "foreign_loop": [asyncio.run(h.wait(20)).name for h in hs[:2]]}
+        try:
+            self.mgr.call_wait(hs[0].wait_blocking)
+        except InvalidArgument as exc:
+            out["in_loop_blocking"] = str(exc)
+        return out
+
+    def debug_links(self) -> list:
+        return [(repr(l), [repr(r) for r in list(l.rooms)[:3]]) for l in self.mgr.links.values()]
+
+    def stats(self) -> dict:
+        s = dict(self.mgr.stats)
+        s["lanes"] = sorted(s["lanes"])
+        return s
+
+    # -- batches (thousands of rooms without thousands of RPCs) --
+    def batch(self, calls) -> list:
+        return [getattr(self, name)(*args) for name, *args in calls]
+
+    def wait_all(self, rooms, timeout: float = 60.0) -> dict:
+        end = time.monotonic() + timeout
+        out: Dict[str, int] = {}
+        for room in rooms:
+            ok = self.rooms[room]["done"].wait(max(0.0, end - time.monotonic()))
+            res = self.rooms[room]["result"] if ok else {"state": "Timeout", "exc": None}
+            s = res["state"] if res["state"] == "Success" else f"{res['state']}: {res['exc']}"
+            out[s] = out.get(s, 0) + 1
+            if res["state"] != "Success" and "first_failure" not in out:
+                out["first_failure"] = res.get("msg", "")
+        return out
+
+    def close(self) -> None:
+        self.mgr.close_background()
+
+
+def worker_main(conn, nodes_spec: dict) -> None:
+    """Child entry point: build the nodes, then serve RPCs until 'exit' or EOF."""
+    import logging
+
+    import torch
+    torch.set_num_threads(1)     # no OpenMP spinning threads starving the managers' loops
+    logging.basicConfig(level=os.environ.get("KVXFER_TEST_LOG", "WARNING"))
+    nodes: Dict[str, Node] = {}
+    try:
+        for name, kw in nodes_spec.items():
+            nodes[name] = Node(**kw)
+    except BaseException as exc:
+        conn.send(("err", type(exc).__name__, str(exc), traceback.format_exc()))
+        return
+    conn.send(("ok", {n: node.mgr.address for n, node in nodes.items()}))
+    while True:
+        try:
+            req = conn.recv()
+        except EOFError:
+            break
+        if req[0] == "exit":
+            for node in nodes.values():
+                try:
+                    node.close()
+                except Exception:
+                    pass
+            conn.send(("ok", None))
+            conn.close()
+            os._exit(0)          # managers are closed; skip the slow interpreter teardown
+        node_name, method, args, kwargs = req
+        try:
+            conn.send(("ok", getattr(nodes[node_name], method)(*args, **kwargs)))
+        except BaseException as exc:
+            conn.send(("err", type(exc).__name__, str(exc), traceback.format_exc()))
+
+
+def _child_call(conn, fn) -> None:
+    try:
+        fn()
+        conn.send(("ok", None))
+    except BaseException as exc:
+        conn.send(("err", type(exc).__name__, str(exc), traceback.format_exc()))
+
+
+def run_in_child(fn, timeout: float = 90.0) -> None:
+    """Run ``fn`` (a picklable module-level function) in a fresh spawned process: UCX
+    stays out of the pytest process. Child failures are re-raised with their traceback."""
+    conn, child = CTX.Pipe()
+    proc = CTX.Process(target=_child_call, args=(child, fn), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        if not conn.poll(timeout):
+            raise TimeoutError(f"child {fn.__name__} did not finish in {timeout}s")
+        msg = conn.recv()
+        if msg[0] == "err":
+            raise RemoteError(*msg[1:])
+    except EOFError:
+        raise RuntimeError(f"child {fn.__name__} died (exitcode {proc.exitcode})") from None
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+
+
+# ====================================================================== parent side
+class Worker:
+    """A spawned worker process hosting ``nodes_spec`` ({name: Node kwargs})."""
+
+    def __init__(self, nodes_spec: dict) -> None:
+        self.conn, child = CTX.Pipe()
+        self.proc = CTX.Process(target=worker_main, args=(child, nodes_spec), daemon=True)
+        self.proc.start()
+        child.close()
+        self.addresses = None
+
+    def ready(self, timeout: float = 120.0) -> "Worker":
+        if self.addresses is None:
+            self.addresses = self._reply(timeout, "startup")
+        return self
+
+    def _reply(self, timeout: float, what: str):
+        if not self.conn.poll(timeout):
+            self.proc.kill()               # its late answer would desynchronise later calls
+            raise TimeoutError(f"worker pid {self.proc.pid}: no answer to {what} in {timeout}s "
+                               f"(alive={self.proc.is_alive()}, exitcode={self.proc.exitcode})")
+        try:
+            msg = self.conn.recv()
+        except EOFError:
+            self.proc.join(5)
+            raise RuntimeError(f"worker died during {what} (exitcode {self.proc.exitcode})")
+        if msg[0] == "err":
+            raise RemoteError(*msg[1:])
+        return msg[1]
+
+    def __call__(self, node: str, method: str, *args, timeout: float = 60.0, **kwargs):
+        self.conn.send((node, method, args, kwargs))
+        return self._reply(timeout, f"{node}.{method}")
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(10)
+
+    def request_exit(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("exit",))
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.request_exit()
+                self._reply(30, "exit")
+            except Exception:
+                pass
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(5)

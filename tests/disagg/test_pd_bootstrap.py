@@ -1,0 +1,106 @@
+"""BootstrapServer over real asyncio TCP (in-process, port 0) and as `kvxfer bootstrap`."""
+import asyncio
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from kvxfer.disagg import bootstrap, messages as m
+from kvxfer.disagg.bootstrap import BootstrapServer, parse_addr
+from kvxfer.errors import InvalidArgument, PeerClosed, ProtocolError
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _reg(name, tp_rank, port, tp_size=2, dp_rank=0):
+    return m.BsRegister(name=name, host="127.0.0.1", port=port, tp_rank=tp_rank,
+                        tp_size=tp_size, dp_rank=dp_rank, pp_rank=0,
+                        fingerprint={"page_size": 4})
+
+
+async def test_register_lookup_replace_unregister():
+    srv = BootstrapServer(port=0)
+    await srv.start()
+    try:
+        addr = srv.address
+        assert await bootstrap.lookup(addr, 0, 5) == []
+        await bootstrap.request(addr, _reg("p0", 0, 1000), 5)
+        await bootstrap.request(addr, _reg("p1", 1, 1001), 5)
+        await bootstrap.request(addr, _reg("q0", 0, 2000, dp_rank=1), 5)
+        got = await bootstrap.lookup(addr, 0, 5)
+        assert [(e["name"], e["port"]) for e in got] == [("p0", 1000), ("p1", 1001)]
+        await bootstrap.request(addr, _reg("p0-restarted", 0, 1002), 5)   # restart replaces
+        got = await bootstrap.lookup(addr, 0, 5)
+        assert [(e["name"], e["port"]) for e in got] == [("p0-restarted", 1002), ("p1", 1001)]
+        await bootstrap.request(addr, m.BsUnregister(name="p0", dp_rank=0, tp_rank=0,
+                                                     pp_rank=0), 5)   # stale name: no effect
+        assert len(await bootstrap.lookup(addr, 0, 5)) == 2
+        await bootstrap.request(addr, m.BsUnregister(name="p1", dp_rank=0, tp_rank=1,
+                                                     pp_rank=0), 5)
+        assert [e["name"] for e in await bootstrap.lookup(addr, 0, 5)] == ["p0-restarted"]
+        with pytest.raises(ProtocolError, match="tp_rank 3"):
+            await bootstrap.request(addr, _reg("bad", 3, 1), 5)
+    finally:
+        await srv.close()
+
+
+async def test_garbage_is_refused_and_server_survives():
+    srv = BootstrapServer(port=0)
+    await srv.start()
+    try:
+        r, w = await asyncio.open_connection("127.0.0.1", srv.port)
+        w.write(struct.pack(">I", 5) + b"\xc1junk")
+        await w.drain()
+        (n,) = struct.unpack(">I", await r.readexactly(4))
+        from kvxfer import wire
+        reply = wire.decode(await r.readexactly(n))
+        assert not reply.ok and "ProtocolError" in reply.error
+        w.close()
+        r, w = await asyncio.open_connection("127.0.0.1", srv.port)
+        w.write(struct.pack(">I", 1 << 30))              # oversized frame: refused unread
+        await w.drain()
+        (n,) = struct.unpack(">I", await r.readexactly(4))
+        reply = wire.decode(await r.readexactly(n))
+        assert not reply.ok and "exceeds" not in reply.error and str(1 << 30) in reply.error
+        w.close()
+        assert await bootstrap.lookup(srv.address, 0, 5) == []
+    finally:
+        await srv.close()
+    with pytest.raises(PeerClosed):
+        await bootstrap.lookup(srv.address, 0, 2)
+
+
+def test_parse_addr():
+    assert parse_addr("127.0.0.1:80") == ("127.0.0.1", 80)
+    assert parse_addr(("h", 1)) == ("h", 1)
+    assert parse_addr("[::1]:9") == ("::1", 9)
+    for bad in ("nohost", "h:0", "h:x", ":5", 5):
+        with pytest.raises(InvalidArgument):
+            parse_addr(bad)
+
+
+def test_in_thread_server():
+    srv = BootstrapServer(port=0).start_in_thread()
+    try:
+        asyncio.run(bootstrap.request(srv.address, _reg("p", 0, 7, tp_size=1), 5))
+        assert [e["name"] for e in srv.entries()] == ["p"]
+    finally:
+        srv.stop_thread()
+
+
+def test_cli_bootstrap():
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    p = subprocess.Popen([sys.executable, "-m", "kvxfer", "bootstrap", "--host", "127.0.0.1",
+                          "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env)
+    try:
+        line = p.stdout.readline()
+        assert "listening on" in line, (line, p.stderr.read() if p.poll() is not None else "")
+        addr = line.split()[-1]
+        asyncio.run(bootstrap.request(addr, _reg("p", 0, 7, tp_size=1), 5))
+        assert [e["port"] for e in asyncio.run(bootstrap.lookup(addr, 0, 5))] == [7]
+    finally:
+        p.terminate()
+        p.wait(10)
