@@ -1,11 +1,11 @@
-"""`kvxfer demo`: for now, a pools demo (the prefill/decode worker-pair demo will replace
-:func:`main`; :func:`pools_summary` stays reusable).
+"""`kvxfer demo`: the prefill/decode worker-pair demo (:mod:`kvxfer.pd_demo`) by default;
+``kvxfer demo --pools`` runs the pools demo below (:func:`pools_summary` stays reusable).
 
-For every KV pool kind it builds a small pool, writes K/V rows through the kernels, moves a
-page of rows, copies two pages to host memory and restores them into *different* pages, and
-checks every step against what was written. It then prints the registration descriptor table
-(entries, registered bytes, bytes of one item = one page) -- the numbers the transfer engine
-registers -- and which checks passed.
+The pools demo: for every KV pool kind it builds a small pool, writes K/V rows through the
+kernels, moves a page of rows, copies two pages to host memory and restores them into
+*different* pages, and checks every step against what was written. It then prints the
+registration descriptor table (entries, registered bytes, bytes of one item = one page) -- the
+numbers the transfer engine registers -- and which checks passed.
 """
 from __future__ import annotations
 
@@ -13,22 +13,18 @@ import argparse
 import sys
 import time
 
-import torch
-
 from kvxfer.errors import UnsupportedOperation
-from pools import (
-    MHATokenToKOnlyPool,
-    MHATokenToKVPool,
-    MLATokenToKVPool,
-    NoOpMHATokenToKVPool,
-    PageMajorMHATokenToKVPool,
-)
 
-__all__ = ["main", "pools_summary"]
+__all__ = ["main", "pools_main", "pools_summary"]
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-if hasattr(torch, "float8_e4m3fn"):
-    _DTYPES["float8_e4m3fn"] = torch.float8_e4m3fn
+#: dtype names of the pools demo; torch (and the pools) load only when the pools demo runs, so
+#: the default worker-pair demo's parent process stays light
+_DTYPE_NAMES = ("bfloat16", "float16", "float32", "float8_e4m3fn")
+
+
+def _dtype(name: str):
+    import torch
+    return getattr(torch, name)
 
 
 class DemoCheckFailed(RuntimeError):
@@ -50,11 +46,15 @@ def _check(ok: bool, what: str) -> str:
 
 
 def _rows(shape, dtype, gen, device):
+    import torch
     return torch.randn(shape, generator=gen).to(dtype).to(device)
 
 
 def _exercise(pool, device) -> list[str]:
     """Write / read, move, host copy -> restore into new pages. Returns the checks passed."""
+    import torch
+
+    from pools import MHATokenToKOnlyPool, MLATokenToKVPool
     ps, gen = pool.page_size, torch.Generator().manual_seed(0)
     first = torch.arange(ps, 3 * ps, device=device)          # pages 1-2
     moved = torch.arange(3 * ps, 4 * ps, device=device)      # page 3
@@ -104,6 +104,7 @@ def _exercise(pool, device) -> list[str]:
 
 
 def _refuses_writes(pool, device) -> bool:
+    import torch
     k = torch.zeros((1, pool.head_num, pool.head_dim), dtype=pool.dtype, device=device)
     try:
         pool.set_kv_buffer(pool.start_layer, torch.tensor([1], device=device), k, k)
@@ -113,6 +114,8 @@ def _refuses_writes(pool, device) -> bool:
 
 
 def _build(size, page_size, dtype, layers, heads, head_dim, device):
+    from pools import (MHATokenToKOnlyPool, MHATokenToKVPool, MLATokenToKVPool,
+                       NoOpMHATokenToKVPool, PageMajorMHATokenToKVPool)
     common = (size, page_size, dtype)
     return [
         ("MHA per-layer", MHATokenToKVPool(*common, heads, head_dim, layers, device)),
@@ -125,10 +128,13 @@ def _build(size, page_size, dtype, layers, heads, head_dim, device):
     ]
 
 
-def pools_summary(*, device: str = "cpu", dtype: torch.dtype = torch.bfloat16, size: int = 64,
+def pools_summary(*, device: str = "cpu", dtype=None, size: int = 64,
                   page_size: int = 16, layers: int = 4, heads: int = 2, head_dim: int = 8) -> str:
-    """Run the pools demo and return its printable summary. Raises :class:`DemoCheckFailed`
-    if any check sees bytes different from what was written."""
+    """Run the pools demo and return its printable summary (``dtype``: a torch dtype,
+    default bfloat16). Raises :class:`DemoCheckFailed` if any check sees bytes different
+    from what was written."""
+    from pools import NoOpMHATokenToKVPool
+    dtype = _dtype("bfloat16") if dtype is None else dtype
     t0 = time.perf_counter()
     lines = [
         f"KV pools  device={device}  dtype={str(dtype).replace('torch.', '')}  size={size} tokens"
@@ -157,17 +163,30 @@ def pools_summary(*, device: str = "cpu", dtype: torch.dtype = torch.bfloat16, s
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvxfer demo", description=__doc__.splitlines()[0])
+def pools_main(argv: list[str] | None = None) -> int:
+    """``kvxfer demo --pools``: print :func:`pools_summary`; 1 when a check failed."""
+    parser = argparse.ArgumentParser(prog="kvxfer demo --pools",
+                                     description="KV pools demo: write/move/copy checks and "
+                                                 "the registration descriptor table")
     parser.add_argument("--device", default="cpu", help="torch device for the pools (cpu, cuda)")
-    parser.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
+    parser.add_argument("--dtype", default="bfloat16", choices=_DTYPE_NAMES)
     args = parser.parse_args(argv)
     try:
-        print(pools_summary(device=args.device, dtype=_DTYPES[args.dtype]))
+        print(pools_summary(device=args.device, dtype=_dtype(args.dtype)))
     except DemoCheckFailed as exc:
         print(f"demo check failed: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``kvxfer demo [--pools] ...``: the worker-pair demo, or with ``--pools`` the pools demo."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--pools" in argv:
+        argv.remove("--pools")
+        return pools_main(argv)
+    from kvxfer.pd_demo import main as pd_main
+    return pd_main(argv)
 
 
 if __name__ == "__main__":

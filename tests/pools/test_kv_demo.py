@@ -16,5 +16,5 @@ def test_pools_summary_runs_every_check():
 
 
 def test_main_prints_and_returns_zero(capsys):
-    assert demo.main(["--dtype", "float16"]) == 0
+    assert demo.main(["--pools", "--dtype", "float16"]) == 0
     assert "MLA latent" in capsys.readouterr().out

@@ -1,0 +1,263 @@
+"""PD benchmark on the demo's workers (``python -m kvxfer.pd_demo.bench``; written to be
+``kvxfer bench pd``): the prefill/decode protocol end to end, against the raw engine.
+
+One prefill and one decode process (the demo's workers, :mod:`kvxfer.pd_demo.worker`) with
+the demo's synthetic hybrid model (page-major KV + Mamba envelope state + aux row; every
+request moves its pages, one state slot and one aux row), on UCX loopback, for each engine
+error mode (lane configuration). Three measurements per mode:
+
+* **latency**: 1-page requests one at a time; decode has announced the room (metadata sent)
+  and prefill's ``KVSender`` sees ``WaitingForInput``; latency = decode's ``Success`` (bytes
+  visible, completion received, aux stamp checked) minus prefill's ``send()``, both on
+  CLOCK_MONOTONIC. p50 / p99 over ``--latency-requests``; next to it the prefill-side p50
+  (``send()`` to prefill's own ``Success``: write flushed) and the engine alone: the same
+  bytes (page, state slot, aux row) by a raw ``Peer.write`` + flush, one at a time.
+* **throughput**: ``--throughput-requests`` 1-page requests announced by decode, all senders
+  ``WaitingForInput``, then prefill sends them back to back; requests/s = requests / (last
+  decode ``Success`` - first ``send()``).
+* **bandwidth**: ``--large-pages``-page requests, one at a time; each is followed in the
+  same loop by the *raw* engine transfer of the same bytes (``Peer.write`` of the same kv
+  pages, state slot and aux row to the same destinations, no protocol) over the same
+  connection. PD time = decode's ``Success`` - prefill's ``send()``; raw time = the write
+  until its flush completed (bytes visible). GB/s (1 GB = 1e9 B) from the best and the median
+  of ``--iters`` (after a warm-up); ratio = raw time / PD time.
+
+Nothing here writes or verifies content (the demo and tests/disagg do): the numbers are the
+protocol and the transfer, not the synthetic compute.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from typing import List
+
+from kvxfer.pd_demo.run import Pair, percentile
+from kvxfer.pd_demo.spec import ModelSpec
+from kvxfer.pd_demo.worker import PDWorker
+
+WORKER = "kvxfer.pd_demo.bench:BenchWorker"
+
+
+class BenchWorker(PDWorker):
+    """PDWorker plus the benchmark's timing loops (run in the worker's scheduler thread)."""
+
+    # ------------------------------------------------------------------ decode
+    def cmd_announce(self, rooms: List[int], n_pages: int) -> List[dict]:
+        """Allocate and send metadata for ``rooms`` (no verification); returns their ids."""
+        self._begin()
+        out = []
+        for room in rooms:
+            res = self.model.alloc(n_pages)
+            if res is None:
+                raise RuntimeError(f"decode pool too small for {len(rooms)} x {n_pages} pages")
+            self.open[room] = {"res": res, "length": n_pages * self.model.ps, "verify": False}
+            self.open[room]["h"] = self._open_receiver(room, res)
+            out.append({"pages": [int(p) for p in res["pages"]], "slot": res["slot"],
+                        "row": res["row"]})
+        return out
+
+    def cmd_settle(self) -> dict:
+        return self._finish()
+
+    # ------------------------------------------------------------------ prefill
+    def _senders(self, rooms: List[int], n_pages: int) -> list:
+        from kvxfer.disagg import KVPoll
+        hs = []
+        for room in rooms:
+            res = self._alloc(n_pages)
+            h = self._open_sender(room, n_pages * self.model.ps, res)
+            self.open[room] = {"res": res, "length": n_pages * self.model.ps, "h": h}
+            hs.append((room, h, res))
+        end = time.monotonic() + self.deadline_s
+        for _, h, _ in hs:                   # a scheduler loop polling its rooms
+            while h.poll() != KVPoll.WaitingForInput:
+                if h.poll() == KVPoll.Failed or time.monotonic() > end:
+                    raise RuntimeError(f"{h!r}: {h.failure_exception()}")
+                time.sleep(0.0002)
+        return hs
+
+    def _send(self, room: int, h, res: dict) -> None:
+        self.open[room]["t_send"] = time.monotonic()
+        h.send(res["pages"], None if res["slot"] is None else [res["slot"]])
+
+    def cmd_latency(self, rooms: List[int]) -> dict:
+        """One 1-page request at a time (the next starts when prefill released the last)."""
+        self._begin()
+        for room in rooms:
+            (_, h, res), = self._senders([room], 1)
+            self._send(room, h, res)
+            self._settle(self._next_done(True))
+        return self._finish()
+
+    def cmd_throughput(self, rooms: List[int]) -> dict:
+        self._begin()
+        hs = self._senders(rooms, 1)
+        for room, h, res in hs:
+            self._send(room, h, res)
+        return self._finish()
+
+    def _raw_write(self, res: dict, dst: dict) -> tuple:
+        """The engine alone: the request's kv pages, state slot and aux row written to
+        decode's ``dst`` ids over the manager's connection (no protocol). Returns
+        (seconds until the flush completed, TransferStats)."""
+        from kvxfer.engine import ItemWrite
+        items = [ItemWrite("kv", res["pages"], dst["pages"])]
+        if res["slot"] is not None:
+            items.append(ItemWrite("state", [res["slot"]], [dst["slot"]]))
+        items.append(ItemWrite("aux", [res["row"]], [dst["row"]]))
+        peer = next(iter(self.mgr.links.values())).peer
+        t0 = time.monotonic()
+        stats = asyncio.run_coroutine_threadsafe(
+            peer.write(items, timeout=self.mgr.t.transfer_s), self.mgr.loop).result(120)
+        return time.monotonic() - t0, stats
+
+    def cmd_large(self, room: int, n_pages: int, dst: dict) -> dict:
+        """One PD request of ``n_pages`` then the raw engine write of the same bytes to the
+        same destinations; returns the send time (PD) and the raw write's duration."""
+        self._begin()
+        (_, h, res), = self._senders([room], n_pages)
+        self._send(room, h, res)
+        self._settle(self._next_done(True))
+        raw_s, stats = self._raw_write(res, dst)
+        out = self._finish()
+        out.update(raw_s=raw_s, raw_bytes=int(stats.bytes), raw_ops=int(stats.ops))
+        return out
+
+    def cmd_raw_small(self, room: int, dst: dict, n: int) -> dict:
+        """``n`` raw engine writes of a 1-page request's bytes (one at a time), then the PD
+        request itself (so decode's announced room completes)."""
+        self._begin()
+        (_, h, res), = self._senders([room], 1)
+        times = [self._raw_write(res, dst)[0] for _ in range(n)]
+        self._send(room, h, res)
+        self._settle(self._next_done(True))
+        out = self._finish()
+        out["raw_times"] = times
+        return out
+
+
+def _ids(start: int, n: int) -> List[int]:
+    return list(range(start, start + n))
+
+
+def bench_mode(args, mode: str) -> dict:
+    spec = ModelSpec(pool_tokens=max(4096, 2 * args.large_pages + 64) * 16,
+                     mamba_slots=args.throughput_requests + 8,
+                     aux_rows=args.throughput_requests + 8, device=args.device)
+    pair = Pair(spec, {"error_mode": mode, "deadline_s": 120.0, "max_inflight": 1 << 30},
+                worker=WORKER)
+    info = pair.info
+    out = {"mode": mode, "page_bytes": info["page_bytes"],
+           "request_bytes_1page": info["page_bytes"] + info["slot_bytes"] + info["aux_bytes"]}
+    try:
+        # warm-up: connect, and run the code paths once
+        warm = _ids(1, 20)
+        pair.d.call("announce", warm, 1)
+        pair.both(("latency", warm), ("settle",))
+        # latency: decode announces a batch ahead of prefill (prefill holds announced rooms
+        # only bootstrap_s before its KVSender must exist), prefill sends one at a time
+        rooms = _ids(1000, args.latency_requests)
+        p_rooms, d_rooms, ops = {}, {}, 0
+        for lo in range(0, len(rooms), 50):
+            batch = rooms[lo:lo + 50]
+            pair.d.call("announce", batch, 1)
+            p, d = pair.both(("latency", batch), ("settle",))
+            p_rooms.update(p["rooms"])
+            d_rooms.update(d["rooms"])
+            ops += p["stats"]["ops"]
+        ok = [r for r in rooms if d_rooms[r]["state"] == "Success"]
+        lat = [(d_rooms[r]["t_done"] - p_rooms[r]["t_send"]) * 1e6 for r in ok]
+        p_lat = [(p_rooms[r]["t_done"] - p_rooms[r]["t_send"]) * 1e6 for r in ok]
+        out.update(lat_ok=len(lat), lat_n=len(rooms), p50_us=percentile(lat, 50),
+                   p99_us=percentile(lat, 99), prefill_p50_us=percentile(p_lat, 50),
+                   ops_1page=ops / len(rooms), lanes=p["stats"]["lanes"])
+        dst = pair.d.call("announce", [999], 1)[0]
+        p, _ = pair.both(("raw_small", 999, dst, args.latency_requests), ("settle",))
+        raw = [t * 1e6 for t in p["raw_times"]]
+        out.update(raw_p50_us=percentile(raw, 50), raw_p99_us=percentile(raw, 99))
+        # throughput
+        rooms = _ids(100000, args.throughput_requests)
+        pair.d.call("announce", rooms, 1)
+        p, d = pair.both(("throughput", rooms), ("settle",))
+        ok = [r for r in rooms if d["rooms"][r]["state"] == "Success"]
+        span = max(d["rooms"][r]["t_done"] for r in ok) - min(p["rooms"][r]["t_send"] for r in ok)
+        out.update(tput_ok=len(ok), tput_n=len(rooms), req_per_s=len(ok) / span)
+        # bandwidth vs raw
+        pd_s, pf_s, raw_s, nbytes, ops = [], [], [], 0, 0
+        for i in range(args.iters + 1):
+            room = 10**6 + i
+            dst = pair.d.call("announce", [room], args.large_pages)[0]
+            p, d = pair.both(("large", room, args.large_pages, dst), ("settle",))
+            if d["rooms"][room]["state"] != "Success":
+                raise RuntimeError(f"large request failed: {d['rooms'][room]}")
+            nbytes, ops = p["stats"]["bytes"], p["stats"]["ops"]
+            if p["raw_bytes"] != nbytes:
+                raise RuntimeError(f"raw write moved {p['raw_bytes']} B, PD {nbytes} B")
+            if i:                                              # i == 0: warm-up
+                pd_s.append(d["rooms"][room]["t_done"] - p["rooms"][room]["t_send"])
+                pf_s.append(p["rooms"][room]["t_done"] - p["rooms"][room]["t_send"])
+                raw_s.append(p["raw_s"])
+        out.update(large_pages=args.large_pages, large_bytes=nbytes, large_ops=ops,
+                   pd_gbps_best=nbytes / min(pd_s) / 1e9,
+                   pd_gbps_median=nbytes / statistics.median(pd_s) / 1e9,
+                   pd_prefill_gbps_median=nbytes / statistics.median(pf_s) / 1e9,
+                   raw_gbps_best=nbytes / min(raw_s) / 1e9,
+                   raw_gbps_median=nbytes / statistics.median(raw_s) / 1e9,
+                   ratio_best=min(raw_s) / min(pd_s),
+                   ratio_median=statistics.median(raw_s) / statistics.median(pd_s))
+    finally:
+        pair.close()
+    return out
+
+
+def format_rows(rows: List[dict]) -> str:
+    lines = ["| lanes (mode) | 1-page p50 µs | p99 µs | prefill-side p50 µs "
+             "| raw 1-page write p50 µs (p99) | req/s | ops/req "
+             "| large MiB | ops | PD GB/s best (median) | PD prefill-side GB/s (median) "
+             "| raw GB/s best (median) | × raw best (median) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {','.join(r['lanes'])} ({r['mode']}) | {r['p50_us']:.0f} | {r['p99_us']:.0f} | "
+            f"{r['prefill_p50_us']:.0f} | {r['raw_p50_us']:.0f} ({r['raw_p99_us']:.0f}) | "
+            f"{r['req_per_s']:.0f} | {r['ops_1page']:.0f} | "
+            f"{r['large_bytes'] / 2**20:.1f} | "
+            f"{r['large_ops']} | {r['pd_gbps_best']:.2f} ({r['pd_gbps_median']:.2f}) | "
+            f"{r['pd_prefill_gbps_median']:.2f} | "
+            f"{r['raw_gbps_best']:.2f} ({r['raw_gbps_median']:.2f}) | "
+            f"{r['ratio_best']:.2f} ({r['ratio_median']:.2f}) |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="kvxfer bench pd", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu", help="torch device of the pools (cpu, cuda)")
+    ap.add_argument("--modes", default="none,peer", help="engine error modes (lane configs)")
+    ap.add_argument("--latency-requests", type=int, default=300)
+    ap.add_argument("--throughput-requests", type=int, default=1000)
+    ap.add_argument("--large-pages", type=int, default=1024,
+                    help="pages of a large request (32 KiB each with the default model)")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--json", default="", help="also write the rows to this JSON file")
+    a = ap.parse_args(argv)
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    print(f"PD bench: device={a.device}, demo model (page-major KV + Mamba envelope), "
+          f"{a.latency_requests} sequential + {a.throughput_requests} concurrent 1-page "
+          f"requests, {a.large_pages}-page requests best/median of {a.iters}", flush=True)
+    t0 = time.perf_counter()
+    rows = [bench_mode(a, m) for m in modes]
+    print(format_rows(rows))
+    print(f"\n(total {time.perf_counter() - t0:.1f} s)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": vars(a), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""One prefill or decode worker process of the demo (and of ``kvxfer bench pd``).
+
+A worker owns a :class:`~kvxfer.pd_demo.model.DemoModel` (pools, allocators, aux rows) and a
+:class:`~kvxfer.disagg.KVManager` running on its private event-loop thread; its main thread
+acts as the scheduler: it allocates with the real allocators, drives ``KVSender`` /
+``KVReceiver`` handles, and frees every page, slot and row when the room's ``on_done`` has
+fired (``on_done`` only queues the event; all allocator calls stay on the main thread).
+
+The parent drives workers with :class:`kvxfer.testing.Child` commands (``cmd_*`` methods);
+a worker's traceback comes back to the parent as :class:`kvxfer.testing.ChildError`.
+Timestamps are ``time.monotonic()`` (CLOCK_MONOTONIC: one clock for every process of the
+host), so decode's completion time minus prefill's send time is an end-to-end latency.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import queue
+import time
+from typing import Dict, List, Optional, Tuple
+
+from kvxfer.pd_demo.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+Request = Tuple[int, int]          # (room id, prompt length in tokens)
+
+
+class SchedulerError(RuntimeError):
+    """The demo scheduler could not make progress (a request larger than the pool, or no
+    room finished within the deadline)."""
+
+
+class PDWorker:
+    """Scheduler of one side (``role`` = ``"prefill"`` or ``"decode"``)."""
+
+    def __init__(self, role: str, spec: dict, bootstrap: str, opts: dict) -> None:
+        from kvxfer.disagg import KVManager, Timeouts
+        from kvxfer.pd_demo.model import DemoModel      # torch: in the worker process only
+        self.role, self.bootstrap, self.opts = role, bootstrap, opts
+        self.model = DemoModel(ModelSpec(**spec))
+        self.deadline_s = float(opts.get("deadline_s", 120.0))
+        self.max_inflight = int(opts.get("max_inflight", 16))
+        self.mgr = KVManager(self.model.kv_args, role,
+                             bootstrap_addr=bootstrap if role == "prefill" else None,
+                             error_mode=opts.get("error_mode", "peer"),
+                             timeouts=Timeouts(**opts.get("timeouts", {})),
+                             name=f"demo-{role}").start_background()
+        self.done_q: "queue.SimpleQueue" = queue.SimpleQueue()
+        self.open: Dict[int, dict] = {}
+        self.finished: Dict[int, dict] = {}
+
+    # ------------------------------------------------------------------ plumbing
+    def handlers(self) -> dict:
+        return {n[4:]: getattr(self, n) for n in dir(self) if n.startswith("cmd_")}
+
+    def _on_done(self, room: int):
+        q = self.done_q
+
+        def cb(state, exc) -> None:            # manager loop thread: record and hand over
+            q.put((room, int(state), None if exc is None else f"{type(exc).__name__}: {exc}",
+                   time.monotonic()))
+        return cb
+
+    def _next_done(self, block: bool) -> Optional[tuple]:
+        try:
+            return self.done_q.get(timeout=self.deadline_s) if block else self.done_q.get_nowait()
+        except queue.Empty:
+            if block:
+                raise SchedulerError(f"{self.role}: no room finished within {self.deadline_s}s "
+                                     f"({len(self.open)} open)") from None
+            return None
+
+    def _settle(self, item: tuple) -> None:
+        """A room is terminal and released by the manager: verify (decode), then free."""
+        from kvxfer.disagg import KVPoll
+        room, state, exc, t = item
+        rec = self.open.pop(room)
+        rec.update(state=KVPoll(state).name, exc=exc, t_done=t)
+        if self.role == "decode" and state == KVPoll.Success and rec.get("verify", True):
+            rec["problems"] = self.model.verify(room, rec["res"], rec["length"])
+        self.model.free(rec["res"])
+        rec.pop("res")
+        rec.pop("h", None)
+        self.finished[room] = rec
+
+    def _drain(self) -> None:
+        while (item := self._next_done(False)) is not None:
+            self._settle(item)
+
+    def _alloc(self, n_pages: int) -> dict:
+        """Allocate, settling finished rooms until it fits and fewer than ``max_inflight``
+        rooms are open (the scheduler's admission: decode announces a bounded window ahead
+        of prefill, which holds announced rooms only ``bootstrap_s`` before their KVSender)."""
+        while True:
+            if len(self.open) < self.max_inflight:
+                res = self.model.alloc(n_pages)
+                if res is not None:
+                    return res
+            if not self.open:
+                raise SchedulerError(f"{self.role}: a request of {n_pages} pages does not fit "
+                                     f"an empty pool ({self.model.pages.num_pages} pages)")
+            self._settle(self._next_done(True))
+
+    def _begin(self) -> None:
+        self.finished = {}
+        self._stats0 = {k: v for k, v in self.mgr.stats.items() if k != "lanes"}
+
+    def _finish(self) -> dict:
+        """Settle every open room; stats are this command's (deltas of the manager's)."""
+        while self.open:
+            self._settle(self._next_done(True))
+        st = {k: v - self._stats0.get(k, 0) for k, v in self.mgr.stats.items() if k != "lanes"}
+        st["lanes"] = sorted(self.mgr.stats["lanes"])
+        return {"rooms": self.finished, "stats": st, "leaks": self.model.leaks(),
+                "live_rooms": len(self.mgr.rooms)}
+
+    # ------------------------------------------------------------------ prefill
+    def _open_sender(self, room: int, length: int, res: dict):
+        from kvxfer.disagg import KVSender
+        h = KVSender(self.mgr, self.bootstrap, room, on_done=self._on_done(room))
+        h.init(int(res["pages"].numel()), res["row"])
+        return h
+
+    def cmd_prefill(self, requests: List[Request], chunk_tokens: int) -> dict:
+        """Compute and send every request in order, chunk by chunk (chunked prefill)."""
+        m, ps = self.model, self.model.ps
+        self._begin()
+        for room, length in requests:
+            n = m.pages_for(length)
+            res = self._alloc(n)
+            self._drain()
+            m.write_aux(room, res["row"])
+            h = self._open_sender(room, length, res)
+            rec = self.open[room] = {"res": res, "length": length, "h": h, "chunks": 0}
+            n_tok = n * ps
+            for lo in range(0, n_tok, chunk_tokens):
+                hi = min(lo + chunk_tokens, n_tok)
+                m.write_tokens(room, res["pages"], lo, hi, length)
+                last = hi == n_tok
+                state = None
+                if last and res["slot"] is not None:
+                    m.write_state(room, res["slot"])
+                    state = [res["slot"]]
+                m.ready()
+                rec["t_send"] = time.monotonic()
+                rec["chunks"] += 1
+                h.send(res["pages"][lo // ps:hi // ps], state)
+        return self._finish()
+
+    # ------------------------------------------------------------------ decode
+    def _open_receiver(self, room: int, res: dict):
+        from kvxfer.disagg import KVReceiver
+        h = KVReceiver(self.mgr, self.bootstrap, room, on_done=self._on_done(room))
+        h.init()
+        h.send_metadata(res["pages"], res["row"],
+                        None if res["slot"] is None else [res["slot"]])
+        return h
+
+    def cmd_decode(self, requests: List[Request], verify: bool = True) -> dict:
+        """Pre-allocate and announce every request in order; verify and free each one that
+        finishes. Returns per-room results and the allocator / room-table leak counts."""
+        m = self.model
+        self._begin()
+        for room, length in requests:
+            res = self._alloc(m.pages_for(length))
+            self._drain()
+            self.open[room] = {"res": res, "length": length, "verify": verify}
+            self.open[room]["h"] = self._open_receiver(room, res)
+        return self._finish()
+
+    def cmd_info(self) -> dict:
+        m = self.model
+        return {"page_bytes": m.page_bytes(), "slot_bytes": m.slot_bytes(),
+                "aux_bytes": m.kv_args.aux_item_lens[0], "num_pages": m.pages.num_pages,
+                "kv_entries": len(m.kv_args.kv_data_ptrs),
+                "state_entries": len(m.kv_args.state_data_ptrs)}
+
+    def close(self) -> None:
+        self.mgr.close_background()
+
+
+def _resolve(path: str):
+    mod, _, name = path.partition(":")
+    return getattr(importlib.import_module(mod), name)
+
+
+def worker_entry(inbox, outbox, cls_path: str, role: str, spec: dict, bootstrap: str,
+                 opts: dict) -> None:
+    """Child process entry (spawn): build the worker, report ready, serve commands."""
+    import os
+    import sys
+
+    import torch
+
+    from kvxfer.testing import serve
+    torch.set_num_threads(1)     # no OpenMP threads starving the manager's event loop
+    # the scheduler thread computes while the manager's loop thread moves data: hand the GIL
+    # over often so a completion is not held up by a 5 ms switch interval
+    sys.setswitchinterval(float(opts.get("switch_interval_s", 0.0005)))
+    logging.basicConfig(level=opts.get("log_level", "WARNING"))
+    worker = _resolve(cls_path)(role, spec, bootstrap, opts)
+    outbox.put(("ok", worker.cmd_info()))
+    try:
+        serve(inbox, outbox, worker.handlers())
+    finally:
+        worker.close()
+        outbox.close()
+        outbox.join_thread()     # the reply to 'exit' is on its way before we go
+    os._exit(0)                  # manager closed; skip the slow interpreter teardown
