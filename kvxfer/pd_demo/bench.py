@@ -1,5 +1,4 @@
-"""PD benchmark on the demo's workers (``python -m kvxfer.pd_demo.bench``; written to be
-``kvxfer bench pd``): the prefill/decode protocol end to end, against the raw engine.
+"""``kvxfer bench pd``, on the demo's workers: the prefill/decode protocol end to end, against the raw engine.
 
 One prefill and one decode process (the demo's workers, :mod:`kvxfer.pd_demo.worker`) with
 the demo's synthetic hybrid model (page-major KV + Mamba envelope state + aux row; every
