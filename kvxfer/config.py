@@ -80,6 +80,24 @@ class EngineConfig:
     #: UCXX progress mode (see PROGRESS_MODES); like ucx_options it takes effect only for the
     #: first UCX user in the process. None -> env KVXFER_PROGRESS_MODE or "thread".
     progress_mode: Optional[str] = None
+    #: staged path (see kvxfer.engine.staging): an ItemWrite part that would need more than
+    #: this many PUTs is gathered into a registered staging slot, PUT as one op per chunk into
+    #: the peer's landing ring and scattered there before the notification; 0 disables staging
+    #: (then no staging/landing memory is allocated). About 11 us per PUT over cuda_ipc and a
+    #: syscall per PUT over cma make scattered pages op-bound above a few hundred ops.
+    stage_min_ops: int = 256
+    #: bytes of one staging / landing slot (capped at the group's size); a staged part larger
+    #: than a slot moves in several chunks, pipelined over the slots granted by the peer
+    stage_slot_bytes: int = 64 << 20
+    #: landing slots per group on this engine (the ring advertised to peers)
+    stage_slots: int = 8
+    #: landing slots granted to each peer (at most ``stage_slots`` peers' worth are handed
+    #: out; a peer granted none writes unstaged); also the local staging slots per group
+    stage_peer_slots: int = 2
+    #: stage host-memory groups too. Off by default: measured on a 2-core host (cma), the
+    #: gather and scatter memcpys cost more than the per-PUT syscalls they save (see
+    #: docs/engine.md); CUDA groups are where the staged path pays (~11 us per PUT saved)
+    stage_host_memory: bool = False
 
     def __post_init__(self):
         env = env_defaults()
@@ -106,3 +124,14 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v <= 0:
                 raise InvalidArgument(f"EngineConfig.{name}={v!r} must be > 0")
+        for name, low in (("stage_min_ops", 0), ("stage_slot_bytes", 1), ("stage_slots", 1),
+                          ("stage_peer_slots", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise InvalidArgument(f"EngineConfig.{name}={v!r} must be an int >= {low}")
+        if not isinstance(self.stage_host_memory, bool):
+            raise InvalidArgument(
+                f"EngineConfig.stage_host_memory={self.stage_host_memory!r} must be a bool")
+        if self.stage_peer_slots > self.stage_slots:
+            raise InvalidArgument(f"EngineConfig.stage_peer_slots={self.stage_peer_slots} "
+                                  f"exceeds stage_slots={self.stage_slots}")

@@ -4,7 +4,8 @@
 # PYTHONPATH=/tmp/site). Builds the native extension, runs the engine/transport tests on CUDA,
 # then `kvxfer bench transfer --device cuda` (per-layer vs page-major, error modes peer/none,
 # ratio to a raw 1-op PUT and to a torch device-to-device copy_ in the same run) and
-# ucx_perftest ucp_put_bw cuda->cuda at the same sizes. Writes $OUT/transfer.md (+ .json, .png).
+# ucx_perftest ucp_put_bw cuda->cuda at the same sizes. Each lane config runs with a direct-only
+# engine and a staged-path engine (--paths direct,staged; the "path" column says which ran). Writes $OUT/transfer.md (+ .json, .png).
 # Budget: ~4-6 min. Env: SIZES (pages, default 16,128,512,2048), ITERS (5).
 set -o pipefail
 OUT=${OUT:-/tmp/gpu_out}
@@ -74,12 +75,12 @@ for ln in open(sys.argv[2]):
     c = [x.strip() for x in ln.strip().strip("|").split("|")]
     if c and c[0].isdigit() and c[2] != "-":
         pt[int(c[0])] = float(c[2])
-print("| mode (lanes) | layout | page ids | MiB | ops | GB/s | raw 1-PUT GB/s | perftest GB/s | x perftest | raw x perftest | D2D copy_ GB/s | x D2D |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+print("| mode (lanes) | layout | page ids | MiB | path | ops | GB/s | raw 1-PUT GB/s | perftest GB/s | x perftest | raw x perftest | D2D copy_ GB/s | x D2D |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     b = int(round(r["MiB"] * 2**20)); p = pt.get(b)
     f = lambda v: f"{v:.2f}" if isinstance(v, float) else "-"
-    print(f"| {r['mode']} ({r['lanes']}) | {r['layout']} | {r['pageset']} | {r['MiB']:.0f} | {r['ops']} | {r['GBps']:.1f} | {r['raw_GBps']:.1f} | "
+    print(f"| {r['mode']} ({r['lanes']}) | {r['layout']} | {r['pageset']} | {r['MiB']:.0f} | {r.get('path', 'direct')} | {r['ops']} | {r['GBps']:.1f} | {r['raw_GBps']:.1f} | "
           f"{f(p)} | {f(r['GBps'] / p) if p else '-'} | {f(r['raw_GBps'] / p) if p else '-'} | {r['memcpy_GBps']:.1f} | {r['vs_memcpy']:.3f} |")
 PY
 echo

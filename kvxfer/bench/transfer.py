@@ -13,6 +13,12 @@ connected to it. For each lane config × layout (per-layer: 2·L descriptors; pa
 * single-thread memcpy of the same bytes in the initiator (numpy ``copyto``; on CUDA a
   device-to-device ``copy_``).
 
+Each lane config runs twice when ``--paths direct,staged``: an engine that never stages and
+one with the staged path (parts needing more than ``--stage-min-ops`` PUTs are gathered into
+a staging slot, PUT as one op per landing slot and scattered at the target before the
+completion); the ``path`` column says which path a row took and ``ops/req`` then shows the
+PUTs posted (and, in parentheses, what the direct path would have needed).
+
 The raw PUT and the item write alternate within one loop (same machine conditions); GB/s =
 bytes / best time of ``--iters`` (after a warm-up; medians are in the JSON), 1 GB = 1e9 B.
 The time of a write runs until the flush completed (bytes visible at the target).
@@ -28,6 +34,7 @@ import statistics
 import sys
 import time
 
+from kvxfer.config import EngineConfig
 from kvxfer.testing import Child, EngineNode, serve
 
 SECRET = b"kvxfer-bench"
@@ -63,7 +70,8 @@ class BenchNode(EngineNode):
         t_raw, t_items, st = sync._run(loop(), timeout)
         return {"items_best": min(t_items), "items_med": statistics.median(t_items),
                 "raw_best": min(t_raw), "raw_med": statistics.median(t_raw),
-                "ops": st.ops, "bytes": st.bytes, "lanes": st.lanes, "post_s": st.post_s}
+                "ops": st.ops, "bytes": st.bytes, "lanes": st.lanes, "post_s": st.post_s,
+                "staged": st.staged, "direct_ops": st.staged_direct_ops or st.ops}
 
     def cmd_bench_memcpy(self, nbytes, iters, device):
         times = []  # best of iters (after a warm-up)
@@ -109,24 +117,34 @@ def run(args) -> dict:
     groups = _groups(args.layers, page, args.pages)
     cfg = dict(secret=SECRET, transfer_timeout_s=120.0, warn_slow_lanes=False)
     target = Child(bench_node, {"engines": {"t": {
-        "config": dict(cfg, name="target"), "groups": groups, "device": args.device}}},
+        "config": dict(cfg, name="target", stage_slot_bytes=args.stage_slot_mib << 20,
+                       stage_host_memory=True,
+                       stage_slots=max(8, 4 * len(args.modes))),
+        "groups": groups, "device": args.device}}},
         name="target")
-    init = Child(bench_node, {"engines": {m: {
-        "config": dict(cfg, name=f"init-{m}", error_mode=m), "groups": groups,
-        "device": args.device} for m in args.modes}}, name="initiator")
+    # one initiator engine per (lane config, path config): "direct" never stages
+    # (stage_min_ops=0), "staged" stages parts above --stage-min-ops PUTs
+    keys = [(m, p) for m in args.modes for p in args.paths]
+    init = Child(bench_node, {"engines": {f"{m}/{p}": {
+        "config": dict(cfg, name=f"init-{m}-{p}", error_mode=m,
+                       stage_min_ops=0 if p == "direct" else args.stage_min_ops,
+                       stage_host_memory=True,
+                       stage_slot_bytes=args.stage_slot_mib << 20),
+        "groups": groups, "device": args.device} for m, p in keys}}, name="initiator")
     rows: list = []
     report = {"args": vars(args), "rows": rows}
     try:
         port = target.start(120)["t"]
         init.start(120)
         peers = {}
-        for m in args.modes:
-            res = init.call("connect", m, "127.0.0.1", port)
+        for m, p in keys:
+            k = f"{m}/{p}"
+            res = init.call("connect", k, "127.0.0.1", port)
             if "ok" not in res:
-                raise RuntimeError(f"connect ({m}): {res}")
-            peers[m] = res["ok"]
-            init.call("fill", m, "kv", 1)
-            init.call("fill", m, "pm", 2)
+                raise RuntimeError(f"connect ({k}): {res}")
+            peers[k] = res["ok"]
+            init.call("fill", k, "kv", 1)
+            init.call("fill", k, "pm", 2)
         rng = np.random.default_rng(0)
         for n in args.sizes:
             if n > args.pages:
@@ -136,15 +154,18 @@ def run(args) -> dict:
                     "contiguous": (list(range(n)), list(range(args.pages - n, args.pages)))}
             nbytes = n * 2 * args.layers * page
             memcpy_s = init.call("bench_memcpy", nbytes, args.iters, args.device, timeout=300)
-            for m in args.modes:
+            for m, p in keys:
+                k = f"{m}/{p}"
                 for (layout, group), pset in itertools.product(
                         (("per-layer", "kv"), ("page-major", "pm")), args.pagesets):
                     src, dst = sets[pset]
-                    r = init.call("bench_pair", m, peers[m], group, src, dst, "pm", nbytes,
+                    r = init.call("bench_pair", k, peers[k], group, src, dst, "pm", nbytes,
                                   args.iters, timeout=600)
                     assert r["bytes"] == nbytes
                     rows.append({
                         "mode": m, "lanes": ",".join(r["lanes"]), "layout": layout,
+                        "config": p, "path": "staged" if r["staged"] else "direct",
+                        "direct_ops": r["direct_ops"],
                         "pageset": pset, "pages": n, "MiB": nbytes / 2**20, "ops": r["ops"],
                         "GBps": nbytes / r["items_best"] / 1e9,
                         "GBps_median": nbytes / r["items_med"] / 1e9,
@@ -161,13 +182,14 @@ def run(args) -> dict:
     return report
 
 
-_HEAD = ("| lanes (mode) | layout | page ids | pages | MiB | ops/req | GB/s | raw 1-PUT GB/s | memcpy GB/s "
-         "| × raw | × memcpy | post ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+_HEAD = ("| lanes (mode) | layout | page ids | pages | MiB | path | ops/req | GB/s | raw 1-PUT GB/s "
+         "| memcpy GB/s | × raw | × memcpy | post ms |\n"
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def _row(r) -> str:
     return (f"| {r['lanes']} ({r['mode']}) | {r['layout']} | {r['pageset']} | {r['pages']} | {r['MiB']:.1f} | "
-            f"{r['ops']} | {r['GBps']:.2f} | {r['raw_GBps']:.2f} | {r['memcpy_GBps']:.2f} | "
+            f"{r['path']} | {r['ops']}{'' if r['path'] == 'direct' else ' (%d)' % r['direct_ops']} | {r['GBps']:.2f} | {r['raw_GBps']:.2f} | {r['memcpy_GBps']:.2f} | "
             f"{r['vs_raw']:.2f} | {r['vs_memcpy']:.2f} | {r['post_ms']:.2f} |")
 
 
@@ -180,15 +202,18 @@ def _plot(report, path) -> bool:
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(7, 4))
-    keys = sorted({(r["mode"], r["layout"]) for r in report["rows"]})
-    for mode, layout in keys:
+    keys = sorted({(r["mode"], r["layout"], r.get("config", "direct")) for r in report["rows"]})
+    for mode, layout, cfg in keys:
         rs = [r for r in report["rows"] if r["mode"] == mode and r["layout"] == layout
-              and r["pageset"] == "random"]
+              and r["pageset"] == "random" and r.get("config", "direct") == cfg]
+        if not rs:
+            continue
         ax.plot([r["MiB"] for r in rs], [r["GBps"] for r in rs], marker="o",
-                label=f"{layout}, {mode} ({rs[0]['lanes']})")
+                ls="-" if cfg == "direct" else ":",
+                label=f"{layout}, {mode} ({rs[0]['lanes']}), {cfg}")
     for mode in sorted({k[0] for k in keys}):
         rs = [r for r in report["rows"] if r["mode"] == mode and r["layout"] == "page-major"
-              and r["pageset"] == "random"]
+              and r["pageset"] == "random" and r.get("config", "direct") == keys[0][2]]
         ax.plot([r["MiB"] for r in rs], [r["raw_GBps"] for r in rs], ls="--",
                 label=f"raw 1 PUT, {mode}")
     ax.set_xscale("log")
@@ -211,6 +236,13 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="peer,none", help="error modes (lane configurations)")
     ap.add_argument("--pagesets", default="random,contiguous",
                     help="page ids: random (runs ~ pages) and/or contiguous (one run)")
+    ap.add_argument("--paths", default="direct,staged",
+                    help="engine configs: direct (stage_min_ops=0) and/or staged "
+                         "(--stage-min-ops); the path column says which one ran")
+    ap.add_argument("--stage-min-ops", type=int, default=EngineConfig.stage_min_ops,
+                    help="staged config: stage parts needing more PUTs than this")
+    ap.add_argument("--stage-slot-mib", type=int, default=EngineConfig.stage_slot_bytes >> 20,
+                    help="staging/landing slot size, MiB")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--json", default="transfer.json")
     ap.add_argument("--plot", default="transfer.png")
@@ -218,6 +250,9 @@ def main(argv=None) -> int:
     args.sizes = [int(x) for x in args.sizes.split(",")]
     args.modes = [m.strip() for m in args.modes.split(",")]
     args.pagesets = [p.strip() for p in args.pagesets.split(",")]
+    args.paths = [p.strip() for p in args.paths.split(",")]
+    if not set(args.paths) <= {"direct", "staged"}:
+        ap.error(f"--paths {args.paths}: expected direct and/or staged")
     print(f"kvxfer bench transfer: device={args.device} layers={args.layers} "
           f"page={args.page_kib} KiB/desc pool={args.pages} pages, best of {args.iters}")
     print(_HEAD, flush=True)

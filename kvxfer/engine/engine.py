@@ -69,8 +69,9 @@ class TransferEngine:
 
     @property
     def registrations(self) -> int:
-        """Number of UCX memory registrations (after merging)."""
-        return len(self._groups.regions)
+        """Number of UCX memory registrations of the groups (after merging; the staged
+        path's staging and landing rings are not counted)."""
+        return self._groups.group_regions
 
     # -------------------------------------------------------------- handlers
     def on_message(self, handler: MessageHandler) -> None:
@@ -99,7 +100,11 @@ class TransferEngine:
             from kvxfer.transport.ucx import UcxTransport
 
             self._transport = UcxTransport(self.config.ucx_options, self.config.progress_mode)
-        self._groups.freeze(self._transport, self.config.merge_adjacent)
+        cfg = self.config
+        stage = ((cfg.stage_slot_bytes, cfg.stage_slots, cfg.stage_peer_slots,
+                  cfg.stage_host_memory)
+                 if cfg.stage_min_ops > 0 else None)
+        self._groups.freeze(self._transport, cfg.merge_adjacent, stage)
         try:
             self.address = await self._transport.listen(self.config.host, self.config.port,
                                                         self._accept)
@@ -140,15 +145,17 @@ class TransferEngine:
 
     async def _establish(self, ch: Channel, side, timeout: float) -> Peer:
         cfg = self.config
-        rma = None
+        rma = res = None
         try:
             res = await side(ch, self._groups, cfg.secret, self.id, cfg.name,
                              self._transport.local_address(), timeout)
             bulk_addr = res.remote.address if cfg.error_mode == "none" else None
             rma = await self._transport.rma_endpoint(ch, bulk_addr, timeout)
             rma.add_remote_regions(res.remote.bases, res.remote.lens, res.remote.keys)
-            peer = Peer(self, ch, rma, res.engine_id, res.name, res.hostname, res.remote)
+            peer = Peer(self, ch, rma, res.engine_id, res.name, res.hostname, res.remote,
+                        res.granted)
         except BaseException:
+            self._groups.release_landing(getattr(res, "granted", None) if res else None)
             if rma is not None:
                 await rma.close(cfg.close_timeout_s)
             await ch.close(cfg.close_timeout_s)

@@ -41,6 +41,9 @@ class LocalGroups:
         self.regions: List[Region] = []
         self.desc_region: Dict[str, np.ndarray] = {}
         self.desc_memh: Dict[str, np.ndarray] = {}
+        self.stages: Dict[str, "GroupStage"] = {}  # staged path (kvxfer.engine.staging)
+        self.peer_slots = 0
+        self.group_regions = 0  # registrations of the groups (the regions before the landings)
         self.frozen = False
 
     def add(self, name, ptrs, lens, item_lens) -> plan.GroupLayout:
@@ -52,8 +55,10 @@ class LocalGroups:
         self.groups[name] = g
         return g
 
-    def freeze(self, transport: Transport, merge_adjacent: bool = True) -> None:
-        """Register every span with the transport (once)."""
+    def freeze(self, transport: Transport, merge_adjacent: bool = True, stage=None) -> None:
+        """Register every span with the transport (once). ``stage``: ``(slot_bytes,
+        landing_slots, peer_slots, stage_host_memory)`` to allocate and register the staged path's rings for
+        every group on a supported device (their landing regions join the region table)."""
         assert not self.frozen
         self.frozen = True
         member_region: Dict[Tuple[str, int], int] = {}
@@ -84,6 +89,22 @@ class LocalGroups:
             idx = np.array([member_region[(name, i)] for i in range(g.count)], dtype=_U64)
             self.desc_region[name] = idx
             self.desc_memh[name] = np.array([self.regions[int(r)].handle for r in idx], _U64)
+        self.group_regions = len(self.regions)
+        if stage is not None:
+            from kvxfer.engine.staging import build_stages
+
+            slot_bytes, landing_slots, self.peer_slots, host = stage
+            kinds = {n: [self.regions[int(r)].mem_type for r in self.desc_region[n]]
+                     for n in self.groups}
+            try:
+                self.stages = build_stages(transport, self.groups, kinds, slot_bytes,
+                                           landing_slots, self.peer_slots, host)
+            except BaseException:
+                self.release()
+                raise
+            for st in self.stages.values():
+                st.region_index = len(self.regions)
+                self.regions.append(st.landing_region)
         log.info("registered %d group(s), %d descriptor(s) in %d registration(s) (%s)",
                  len(self.groups), sum(g.count for g in self.groups.values()),
                  len(self.regions), ",".join(sorted({r.mem_type for r in self.regions})))
@@ -102,7 +123,31 @@ class LocalGroups:
         return ([r.addr for r in self.regions], [r.length for r in self.regions],
                 [r.packed_key() for r in self.regions], [r.mem_type for r in self.regions])
 
+    def grant_landing(self) -> Dict[str, dict]:
+        """Landing slots for one new peer, per staged group, in Layout.landing form."""
+        out = {}
+        for name, st in self.stages.items():
+            slots = st.grant(self.peer_slots)
+            if slots:
+                out[name] = {"region": st.region_index, "base": st.landing_base,
+                             "slot_bytes": st.slot_bytes, "slots": slots}
+            else:
+                log.info("group %r: landing ring exhausted (%d slots); this peer writes "
+                            "unstaged", name, st.landing_slots)
+        return out
+
+    def release_landing(self, grant: Dict[str, dict]) -> None:
+        for name, body in (grant or {}).items():
+            st = self.stages.get(name)
+            if st is not None:
+                st.give_back(body["slots"])
+
     def release(self) -> None:
+        stages, self.stages = self.stages, {}
+        for st in stages.values():  # landing regions are also in self.regions: unmap once
+            if st.landing_region is not None and st.landing_region in self.regions:
+                st.landing_region = None
+            st.release()
         regions, self.regions = self.regions, []
         for r in regions:
             try:
@@ -124,6 +169,8 @@ class RemoteGroups:
     keys: List[bytes]
     types: List[str]
     address: Optional[bytes]
+    #: landing slots the peer granted us: {group: (region index, base, slot_bytes, [slots])}
+    landing: Dict[str, tuple] = None
 
 
 def _int_list(v, where: str) -> List[int]:
@@ -164,5 +211,32 @@ def parse_remote(msg) -> RemoteGroups:
             raise ProtocolError(str(exc)) from None
         groups[name] = g
         desc_region[name] = np.asarray(cols["regions"], dtype=_U64)
+    landing = parse_landing(msg.landing, groups, bases, lens)
     return RemoteGroups(groups, desc_region, bases, lens, list(msg.region_keys),
-                        list(msg.region_types), msg.address)
+                        list(msg.region_types), msg.address, landing)
+
+
+def parse_landing(raw, groups, bases, lens) -> Dict[str, tuple]:
+    """Validate granted landing slots: known group, region in the table, every slot inside
+    it, slots unique, a slot holds at least one item."""
+    out: Dict[str, tuple] = {}
+    if raw is None:
+        return out
+    for name, body in raw.items():
+        if name not in groups:
+            raise ProtocolError(f"layout: landing for unknown group {name!r}")
+        if not isinstance(body, dict) or set(body) != {"region", "base", "slot_bytes", "slots"}:
+            raise ProtocolError(f"layout: landing of group {name!r} is malformed")
+        region, base, slot_bytes = (_int_list([body[k]], f"layout.landing.{name}.{k}")[0]
+                                    for k in ("region", "base", "slot_bytes"))
+        slots = _int_list(body["slots"], f"layout.landing.{name}.slots")
+        item = groups[name].item_bytes
+        if not 0 <= region < len(bases):
+            raise ProtocolError(f"layout: landing of {name!r}: region {region} of {len(bases)}")
+        if slot_bytes < item or slot_bytes % item or not slots or len(set(slots)) != len(slots):
+            raise ProtocolError(f"layout: landing of {name!r}: slot_bytes {slot_bytes} / slots "
+                                f"{slots} invalid for {item}-byte items")
+        if base < bases[region] or base + (max(slots) + 1) * slot_bytes > bases[region] + lens[region]:
+            raise ProtocolError(f"layout: landing slots of {name!r} outside region {region}")
+        out[name] = (region, base, slot_bytes, list(slots))
+    return out

@@ -38,6 +38,8 @@ class HandshakeResult:
     name: str
     hostname: str
     remote: RemoteGroups
+    #: landing slots we granted the peer (Layout.landing form); the caller owns them now
+    granted: dict = None
 
 
 def _proof(secret: bytes, role: bytes, id_c: str, id_s: str, nonce_c: bytes,
@@ -97,10 +99,11 @@ def check_groups(local: LocalGroups, remote: RemoteGroups) -> None:
             raise IncompatiblePeer(str(exc)) from None
 
 
-def _layout(local: LocalGroups, address: bytes) -> bytes:
+def _layout(local: LocalGroups, address: bytes, grant: dict) -> bytes:
     bases, lens, keys, types = local.region_table()
     return m.Layout(groups=local.wire_groups(), region_bases=bases, region_lens=lens,
-                    region_keys=keys, region_types=types, address=address).encode()
+                    region_keys=keys, region_types=types, address=address,
+                    landing=grant or None).encode()
 
 
 async def _guarded(ch: Channel, dl: _Deadline, coro):
@@ -118,7 +121,8 @@ async def connect_side(ch: Channel, local: LocalGroups, secret: bytes, engine_id
     dl = _Deadline(timeout)
     nonce_c = os.urandom(NONCE_BYTES)
     await ch.send(m.Hello(engine_id=engine_id, name=name, nonce=nonce_c,
-                          hostname=socket.gethostname()).encode(), dl.left())
+                          hostname=socket.gethostname(), stage=bool(local.stages)).encode(),
+                  dl.left())
 
     async def steps():
         ack = await _recv(ch, dl, m.HelloAck)
@@ -132,11 +136,18 @@ async def connect_side(ch: Channel, local: LocalGroups, secret: bytes, engine_id
                                            ack.nonce)).encode(), dl.left())
         remote = parse_remote(await _recv(ch, dl, m.Layout))
         check_groups(local, remote)
-        await ch.send(_layout(local, address), dl.left())
+        if ack.stage:
+            grant.update(local.grant_landing())
+        await ch.send(_layout(local, address, grant), dl.left())
         await _recv(ch, dl, m.Ready)
-        return HandshakeResult(ack.engine_id, ack.name, ack.hostname, remote)
+        return HandshakeResult(ack.engine_id, ack.name, ack.hostname, remote, dict(grant))
 
-    return await _with_timeout(_guarded(ch, dl, steps()), dl)
+    grant: dict = {}
+    try:
+        return await _with_timeout(_guarded(ch, dl, steps()), dl)
+    except BaseException:
+        local.release_landing(grant)
+        raise
 
 
 async def accept_side(ch: Channel, local: LocalGroups, secret: bytes, engine_id: str,
@@ -150,6 +161,7 @@ async def accept_side(ch: Channel, local: LocalGroups, secret: bytes, engine_id:
         nonce_s = os.urandom(NONCE_BYTES)
         await ch.send(m.HelloAck(
             engine_id=engine_id, name=name, nonce=nonce_s, hostname=socket.gethostname(),
+            stage=bool(local.stages),
             proof=_proof(secret, b"S", hello.engine_id, engine_id, hello.nonce, nonce_s),
         ).encode(), dl.left())
         proof = await _recv(ch, dl, m.Proof)
@@ -157,13 +169,20 @@ async def accept_side(ch: Channel, local: LocalGroups, secret: bytes, engine_id:
         if not hmac.compare_digest(want, proof.proof):
             raise AuthenticationFailed(
                 f"peer {hello.name or hello.engine_id} failed the challenge (wrong secret?)")
-        await ch.send(_layout(local, address), dl.left())
+        if hello.stage:
+            grant.update(local.grant_landing())
+        await ch.send(_layout(local, address, grant), dl.left())
         remote = parse_remote(await _recv(ch, dl, m.Layout))
         check_groups(local, remote)
         await ch.send(m.Ready().encode(), dl.left())
-        return HandshakeResult(hello.engine_id, hello.name, hello.hostname, remote)
+        return HandshakeResult(hello.engine_id, hello.name, hello.hostname, remote, dict(grant))
 
-    return await _with_timeout(_guarded(ch, dl, steps()), dl)
+    grant: dict = {}
+    try:
+        return await _with_timeout(_guarded(ch, dl, steps()), dl)
+    except BaseException:
+        local.release_landing(grant)
+        raise
 
 
 async def _with_timeout(coro, dl: _Deadline):

@@ -28,6 +28,8 @@ class Hello(wire.Message):
     name: str
     nonce: bytes
     hostname: str
+    #: the sender uses the staged path (wants landing slots granted)
+    stage: bool = False
 
 
 @wire.register
@@ -39,6 +41,7 @@ class HelloAck(wire.Message):
     nonce: bytes
     proof: bytes
     hostname: str
+    stage: bool = False
 
 
 @wire.register
@@ -74,6 +77,10 @@ class Layout(wire.Message):
     region_keys: List[bytes]
     region_types: List[str]
     address: Optional[bytes] = None
+    #: landing rings granted to the receiver of this Layout (staged path):
+    #: {group: {"region": int, "base": int, "slot_bytes": int, "slots": [int]}}; slot ``s``
+    #: is ``[base + s*slot_bytes, +slot_bytes)`` inside region ``region`` of the table
+    landing: Optional[dict] = None
 
 
 @wire.register
@@ -87,6 +94,32 @@ class Ready(wire.Message):
 class AppMessage(wire.Message):
     TAG = "kx.app"
     payload: bytes
+
+
+@wire.register
+@dataclass
+class StagedWrite(wire.Message):
+    """Scatter plan of one staged chunk, sent after its PUT into landing slot ``slot`` was
+    flushed: ``dst`` (little-endian int64 item ids) receive the ``len(dst)`` items packed
+    descriptor-major at byte ``offset`` of the slot (``nbytes`` = items x item bytes). The
+    target validates it, scatters, then answers :class:`SlotFree`."""
+
+    TAG = "kx.staged"
+    group: str
+    slot: int
+    offset: int
+    nbytes: int
+    dst: bytes
+
+
+@wire.register
+@dataclass
+class SlotFree(wire.Message):
+    """Landing slot ``slot`` of ``group`` is drained; the initiator may reuse it."""
+
+    TAG = "kx.slot_free"
+    group: str
+    slot: int
 
 
 @wire.register

@@ -9,6 +9,11 @@ Invariants
   ends as soon as the peer is known dead (``PeerClosed``), whichever comes first.
 - Messages from the peer reach the engine's handlers in arrival order, one at a time; those
   that arrived before the peer closed or died are still delivered (bounded by close grace).
+- Staged parts (more PUTs than ``stage_min_ops``; see :mod:`kvxfer.engine.staging`): each
+  chunk takes a landing slot the peer granted us (a slot is reused only after the peer's
+  SlotFree for it), is gathered, PUT as one op, flushed, and its scatter plan is sent; the
+  peer validates the plan, scatters and frees the slot before it dispatches anything that
+  arrived after the plan (the notify), so handlers still run after the bytes are in place.
 - ``close()`` is idempotent: goodbye (best effort, bounded), stop tasks, destroy remote
   keys and endpoints; the engine's peer-closed handlers run exactly once per peer.
 """
@@ -38,7 +43,8 @@ _U64 = np.uint64
 
 class Peer:
     def __init__(self, engine: "TransferEngine", channel: Channel, rma: RmaEndpoint,
-                 engine_id: str, name: str, hostname: str, remote: RemoteGroups):
+                 engine_id: str, name: str, hostname: str, remote: RemoteGroups,
+                 granted: Optional[dict] = None):
         self._engine = engine
         self._channel = channel
         self._rma = rma
@@ -53,6 +59,13 @@ class Peer:
         self._closing = False
         self._notified = False
         self.lanes: List[str] = rma.lanes()
+        # staged path: slots we granted the peer (target role) and slots it granted us
+        self._granted_raw = granted or {}
+        self._granted = {g: set(b["slots"]) for g, b in self._granted_raw.items()}
+        self._busy: set = set()  # (group, slot) plans received and not yet drained
+        self._rland: Dict[str, _Landing] = {
+            g: _Landing(*v) for g, v in (remote.landing or {}).items()
+            if g in engine._groups.stages}
 
     # ------------------------------------------------------------ properties
     @property
@@ -99,6 +112,10 @@ class Peer:
                 msg = wire.decode(raw)
                 if isinstance(msg, m.AppMessage):
                     self._inbox.put_nowait(bytes(msg.payload))
+                elif isinstance(msg, m.StagedWrite):
+                    self._inbox.put_nowait(self._check_plan(msg))
+                elif isinstance(msg, m.SlotFree):
+                    self._slot_freed(msg)
                 elif isinstance(msg, m.Bye):
                     self._mark_dead(PeerClosed(
                         f"peer {self.name or self.id} closed{': ' + msg.reason if msg.reason else ''}"))
@@ -118,7 +135,54 @@ class Peer:
             payload = await self._inbox.get()
             if payload is None:  # teardown: everything received before it was delivered
                 return
+            if isinstance(payload, tuple):  # a validated scatter plan: drain before dispatching on
+                await self._scatter(*payload)
+                continue
             await self._engine._dispatch(self, payload)
+
+    # ------------------------------------------------------- staged: target side
+    def _check_plan(self, msg: m.StagedWrite) -> tuple:
+        """Validate a scatter plan off the wire (ProtocolError: the reader closes the peer
+        and nothing of it is written)."""
+        stage = self._engine._groups.stages.get(msg.group)
+        if stage is None or msg.group not in self._granted:
+            raise ProtocolError(f"staged write to group {msg.group!r} without a landing grant")
+        if msg.slot not in self._granted[msg.group]:
+            raise ProtocolError(f"staged write to landing slot {msg.slot} of {msg.group!r}, "
+                                f"not granted to this peer")
+        if (msg.group, msg.slot) in self._busy:
+            raise ProtocolError(f"landing slot {msg.slot} of {msg.group!r} reused before it "
+                                f"was freed")
+        dst = stage.check_plan(msg.slot, msg.offset, msg.nbytes, bytes(msg.dst))
+        self._busy.add((msg.group, msg.slot))
+        return (stage, msg.slot, msg.offset, dst)
+
+    async def _scatter(self, stage, slot: int, offset: int, dst) -> None:
+        try:
+            stage.scatter(dst, slot, offset)
+        except Exception:  # internal: the plan was validated
+            log.exception("peer %s: scatter into %r failed", self, stage)
+            self._mark_dead(ProtocolError(f"scatter into {stage.group.name!r} failed"))
+            return
+        self._busy.discard((stage.group.name, slot))
+        try:
+            await self._bounded(self._channel.send(
+                m.SlotFree(group=stage.group.name, slot=slot).encode(),
+                self._engine.config.transfer_timeout_s),
+                self._engine.config.transfer_timeout_s, "slot credit")
+        except KvxferError:
+            pass  # the peer is gone; nothing to give back
+
+    # ---------------------------------------------------- staged: initiator side
+    def _slot_freed(self, msg: m.SlotFree) -> None:
+        land = self._rland.get(msg.group)
+        if land is None or msg.slot not in land.out:
+            raise ProtocolError(f"slot_free for {msg.group!r} slot {msg.slot}, not in flight")
+        land.out.discard(msg.slot)
+        fut = land.waiters.pop(msg.slot, None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+        land.free.put_nowait(msg.slot)
 
     # ------------------------------------------------------------------ data
     def _check_open(self) -> None:
@@ -129,12 +193,18 @@ class Peer:
             raise PeerClosed(f"peer {self.name or self.id} is gone: {exc}")
 
     def plan(self, writes: Iterable[Union[ItemWrite, RawWrite]]):
-        """Validate and plan ``writes`` (nothing is posted). Returns the native arrays
-        ``(laddr, raddr, nbytes, lmemh, ridx)``."""
+        """Validate and plan ``writes`` (nothing is posted), all unstaged. Returns the native
+        arrays ``(laddr, raddr, nbytes, lmemh, ridx)``."""
+        return self._plan(writes)[:5]
+
+    def _plan(self, writes, stage_min_ops: int = 0):
+        """Validate every part, then split: ``(laddr, raddr, nbytes, lmemh, ridx, staged)``
+        for the direct PUTs and ``staged = [(group, src ids, dst ids)]`` for the ItemWrite
+        parts that need more than ``stage_min_ops`` PUTs (0: none) and can be staged."""
         local = self._engine._groups
         if isinstance(writes, (ItemWrite, RawWrite)):
             writes = [writes]
-        parts, memhs, ridxs = [], [], []
+        parts, memhs, ridxs, staged = [], [], [], []
         for w in writes:
             if not isinstance(w, (ItemWrite, RawWrite)):
                 raise InvalidArgument(f"expected ItemWrite or RawWrite, got {type(w).__name__}")
@@ -147,6 +217,10 @@ class Peer:
                                    f"(has {sorted(self._remote.groups)})")
             if isinstance(w, ItemWrite):
                 ops = plan.plan_items(lg, rg, w.src_items, w.dst_items)
+                if 0 < stage_min_ops < len(ops) and w.group in self._rland:
+                    staged.append((w.group, plan.as_ids(w.src_items, "source"),
+                                   plan.as_ids(w.dst_items, "destination"), len(ops)))
+                    continue
             else:
                 ops = plan.plan_raw(lg, rg, w.desc, w.src_off, w.dst_off, w.nbytes)
             d = ops.desc.astype(np.intp)
@@ -156,7 +230,7 @@ class Peer:
         ops = plan.concat(parts)
         lmemh = np.concatenate(memhs).astype(_U64) if memhs else np.zeros(0, _U64)
         ridx = np.concatenate(ridxs).astype(_U64) if ridxs else np.zeros(0, _U64)
-        return ops.laddr, ops.raddr, ops.nbytes, lmemh, ridx
+        return ops.laddr, ops.raddr, ops.nbytes, lmemh, ridx, staged
 
     async def _bounded(self, coro, timeout: float, what: str):
         """Await ``coro`` until done, ``timeout``, or the peer's death, whichever first."""
@@ -183,14 +257,20 @@ class Peer:
         timeout = self._engine.config.transfer_timeout_s if timeout is None else timeout
         if notify is not None and not isinstance(notify, (bytes, bytearray, memoryview)):
             raise InvalidArgument(f"notify must be bytes, got {type(notify).__name__}")
-        laddr, raddr, nbytes, lmemh, ridx = self.plan(writes)
+        laddr, raddr, nbytes, lmemh, ridx, staged = self._plan(
+            writes, self._engine.config.stage_min_ops)
         stats = TransferStats(bytes=int(nbytes.sum(dtype=_U64)) if nbytes.size else 0,
                               ops=int(laddr.size), lanes=list(self.lanes))
         t0 = time.perf_counter()
+        deadline = self._loop.time() + timeout
         try:
             if laddr.size:
                 self._rma.put(laddr, raddr, nbytes, lmemh, ridx)
             t1 = time.perf_counter()
+            drained = []  # one future per staged chunk: the peer scattered it
+            for group, src, dst, direct_ops in staged:
+                drained += await self._write_staged(group, src, dst, deadline, stats)
+                stats.staged_direct_ops += direct_ops
             if laddr.size:
                 await self._bounded(self._rma.flush(timeout), timeout, "flush")
         except PeerClosed as exc:  # the endpoint failed: this peer is gone
@@ -199,8 +279,78 @@ class Peer:
         if notify is not None:
             await self._bounded(self._channel.send(m.AppMessage(payload=bytes(notify)).encode(),
                                                    timeout), timeout, "notify")
+        if drained:  # complete = bytes in their final place at the peer, as for direct PUTs
+            t = self._left(deadline, "staged write")
+            await self._bounded(_all(drained), t, "scatter at the peer")
         stats.post_s, stats.complete_s = t1 - t0, time.perf_counter() - t1
         return stats
+
+    async def _write_staged(self, group: str, src: np.ndarray, dst: np.ndarray,
+                            deadline: float, stats: TransferStats) -> list:
+        """One staged part: chunks of at most a slot, pipelined over the granted slots.
+        Returns once every chunk's plan is sent: one future per chunk, resolved when the
+        peer reports the slot drained (its items scattered)."""
+        stage = self._engine._groups.stages[group]
+        land = self._rland[group]
+        per = min(stage.items_per_slot, land.slot_bytes // stage.group.item_bytes)
+        tasks = [self._loop.create_task(self._stage_chunk(stage, land, src[i:i + per],
+                                                          dst[i:i + per], deadline))
+                 for i in range(0, int(src.size), per)]
+        try:
+            futs = [await t for t in tasks]
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        stats.staged = True
+        stats.staged_bytes += int(src.size) * stage.group.item_bytes
+        stats.bytes += int(src.size) * stage.group.item_bytes
+        stats.ops += len(tasks)
+        return futs
+
+    def _left(self, deadline: float, what: str) -> float:
+        left = deadline - self._loop.time()
+        if left <= 0:
+            raise TransferTimeout(f"{what} to {self.name or self.id}: deadline passed")
+        return left
+
+    async def _stage_chunk(self, stage, land: "_Landing", src, dst,
+                           deadline: float) -> asyncio.Future:
+        """Landing slot first, then a staging slot (a fixed order: no deadlock), gather, one
+        PUT, flush, then the scatter plan. The landing slot returns with the peer's
+        SlotFree; if the PUT was never posted it returns at once; after a failed PUT it is
+        not reused (its bytes may still land)."""
+        t = self._left(deadline, "staged write")
+        rslot = await self._bounded(land.free.get(), t, "landing slot")
+        land.out.add(rslot)
+        posted = False
+        try:
+            lslot = await self._bounded(stage.staging_free.get(),
+                                        self._left(deadline, "staged write"), "staging slot")
+            try:
+                nbytes = stage.gather(src, lslot)
+                arr = lambda v: np.asarray([v], dtype=_U64)  # noqa: E731
+                posted = True
+                self._rma.put(arr(stage.staging_addr(lslot)),
+                              arr(land.base + rslot * land.slot_bytes), arr(nbytes),
+                              arr(stage.staging_region.handle), arr(land.region))
+                t = self._left(deadline, "staged flush")
+                await self._bounded(self._rma.flush(t), t, "staged flush")
+            finally:
+                stage.staging_free.put_nowait(lslot)
+            t = self._left(deadline, "scatter plan")
+            # registered before the plan leaves: its SlotFree may come back at once
+            fut = land.waiters[rslot] = self._loop.create_future()
+            await self._bounded(self._channel.send(m.StagedWrite(
+                group=stage.group.name, slot=rslot, offset=0, nbytes=nbytes,
+                dst=np.ascontiguousarray(dst, dtype="<i8").tobytes()).encode(), t), t,
+                "scatter plan")
+        except BaseException:
+            if not posted:
+                land.out.discard(rslot)
+                land.free.put_nowait(rslot)
+            raise
+        return fut
 
     async def send(self, payload: bytes, timeout: Optional[float] = None) -> None:
         """Application message (no RMA), delivered in order to the peer's handlers."""
@@ -245,3 +395,23 @@ class Peer:
                              return_exceptions=True)
         await self._rma.close(grace)
         await self._channel.close(grace)
+        self._engine._groups.release_landing(self._granted_raw)
+        self._granted_raw = {}
+
+
+async def _all(futures) -> None:
+    await asyncio.gather(*futures)
+
+
+class _Landing:
+    """Landing slots a peer granted us for one group: ``free`` (an asyncio.Queue) and
+    ``out`` (slots whose plan was sent, awaiting the peer's SlotFree)."""
+
+    def __init__(self, region: int, base: int, slot_bytes: int, slots):
+        self.region, self.base, self.slot_bytes = region, base, slot_bytes
+        self.slots = list(slots)
+        self.free: asyncio.Queue = asyncio.LifoQueue()  # the warm (recently used) slot first
+        for s in slots:
+            self.free.put_nowait(s)
+        self.out: set = set()
+        self.waiters: Dict[int, asyncio.Future] = {}  # slot -> resolved by its SlotFree

@@ -31,13 +31,20 @@ class RawWrite:
 class TransferStats:
     """What one ``Peer.write`` did. ``post_s``: time spent posting the native batch;
     ``complete_s``: from the end of posting until the flush completed (bytes visible at the
-    target) and the notification was handed to UCX. ``lanes``: UCX transports carrying RMA."""
+    target) and the notification was handed to UCX. ``lanes``: UCX transports carrying RMA.
+    ``staged``: at least one part went through the staged path (gather → one PUT per
+    landing-slot chunk → scatter at the target); ``staged_bytes`` of ``bytes`` did, and
+    ``staged_direct_ops`` is how many PUTs those parts would have needed unstaged; ``ops``
+    counts the PUTs actually posted."""
 
     bytes: int = 0
     ops: int = 0
     post_s: float = 0.0
     complete_s: float = 0.0
     lanes: List[str] = field(default_factory=list)
+    staged: bool = False
+    staged_bytes: int = 0
+    staged_direct_ops: int = 0
 
     @property
     def total_s(self) -> float:

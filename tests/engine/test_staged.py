@@ -1,0 +1,207 @@
+"""Staged path (gather → one PUT per landing slot → scatter at the target) over real UCX
+loopback, in spawned processes (A: target, B: initiators). Slots are tiny (4 items) and
+each peer is granted 2, so every staged write here moves in several chunks and recycles
+landing slots. Same tests on CUDA with KVXFER_TEST_DEVICE=cuda."""
+import os
+
+import numpy as np
+import pytest
+
+from kvxfer import plan
+from kvxfer.testing import Child
+from staged_nodes import staged_node
+
+pytestmark = pytest.mark.timeout(90)
+
+DEVICE = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
+SECRET = b"staged-secret"
+L, ITEM = 3, 256
+A_ITEMS, B_ITEMS = 64, 48
+PER_SLOT = 4            # items per landing slot
+PEER_SLOTS = 2
+
+
+def groups(items):
+    return {"kv": {"item_lens": [ITEM] * (2 * L), "items": items, "contiguous": True},
+            "pm": {"item_lens": [2 * L * ITEM], "items": items},
+            "state": {"item_lens": [96, 32], "items": 8}}
+
+
+def eng(name, min_ops=8, slots=6):
+    cfg = dict(secret=SECRET, name=name, connect_timeout_s=10.0, transfer_timeout_s=10.0,
+               stage_min_ops=min_ops, stage_slot_bytes=PER_SLOT * 2 * L * ITEM,
+               stage_slots=slots, stage_peer_slots=PEER_SLOTS, stage_host_memory=True)
+    return {"config": cfg, "groups": groups(A_ITEMS if name == "A" else B_ITEMS),
+            "device": DEVICE}
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    a = Child(staged_node, {"engines": {"main": eng("A")}}, name="A")
+    b = Child(staged_node, {"engines": {"main": eng("B"), "evil": eng("B-evil"),
+                                        "nostage": eng("B-nostage", min_ops=0)}}, name="B")
+    try:
+        port = a.start()["main"]
+        b.start()
+        pid = b.call("connect", "main", "127.0.0.1", port)
+        assert "ok" in pid, pid
+        yield {"A": a, "B": b, "port": port, "B->A": pid["ok"]}
+    finally:
+        b.stop()
+        a.stop()
+
+
+def _pages(seed, n, lo=0):
+    rng = np.random.default_rng(seed)
+    return (rng.choice(B_ITEMS, n, replace=False).tolist(),
+            (lo + rng.choice(A_ITEMS - lo, n, replace=False)).tolist())
+
+
+def _untouched_zero(a, group, dst, n_items=A_ITEMS):
+    rest = sorted(set(range(n_items)) - set(dst))
+    assert not any(a.call("items", "main", group, rest)), "bytes outside dst written"
+
+
+@pytest.mark.parametrize("group", ["kv", "pm"])
+def test_staged_random_pages_byte_exact(nodes, group):
+    a, b = nodes["A"], nodes["B"]
+    src, dst = _pages(3, 30)
+    b.call("fill", "main", group, 5)
+    a.call("zero", "main", group)
+    res = b.call("write", "main", nodes["B->A"], [(group, src, dst)], b"staged-" + group.encode())
+    assert "ok" in res, res
+    st = res["ok"]
+    runs = len(plan.merge_runs(np.array(src), np.array(dst))[0])
+    assert st["staged"] and st["staged_bytes"] == st["bytes"] == 30 * 2 * L * ITEM
+    assert st["ops"] == -(-30 // PER_SLOT)  # one PUT per chunk
+    assert st["staged_direct_ops"] == runs * (2 * L if group == "kv" else 1)
+    assert [p for _, p in a.call("messages", "main", 1, 10.0)] == [b"staged-" + group.encode()]
+    assert a.call("items", "main", group, dst) == b.call("items", "main", group, src)
+    _untouched_zero(a, group, dst)
+    assert b.call("landing", "main", nodes["B->A"], group) == (PEER_SLOTS, 0)
+
+
+def test_many_staged_in_flight_recycle_slots(nodes):
+    """6 writes of 10 pages submitted at once = 18 chunks through 2 landing slots: a slot
+    is reused only after the target drained it, so every page arrives intact."""
+    a, b = nodes["A"], nodes["B"]
+    b.call("fill", "main", "pm", 8)
+    a.call("zero", "main", "pm")
+    rng = np.random.default_rng(11)
+    dst_all = rng.permutation(A_ITEMS)[:60].reshape(6, 10)   # disjoint destinations
+    pairs = [(rng.choice(B_ITEMS, 10, replace=False), dst_all[i]) for i in range(6)]
+    batches = [([("pm", s.tolist(), d.tolist())], b"m%d" % i) for i, (s, d) in enumerate(pairs)]
+    res = b.call("write_many", "main", nodes["B->A"], batches)
+    assert all("ok" in r for r in res), res
+    msgs = a.call("messages", "main", len(batches), 10.0)
+    assert sorted(p for _, p in msgs) == sorted(n for _, n in batches)
+    for src, dst in pairs:
+        assert a.call("items", "main", "pm", dst.tolist()) == b.call("items", "main", "pm", src.tolist())
+    _untouched_zero(a, "pm", dst_all.ravel().tolist())
+    assert b.call("landing", "main", nodes["B->A"], "pm") == (PEER_SLOTS, 0)
+    # rounds of concurrent writes to the same destinations: the last round wins everywhere
+    for seed in (1, 2, 3):
+        b.call("fill", "main", "pm", 20 + seed)
+        rnd = [([("pm", list(range(10 * k, 10 * k + 10)), dst_all[k].tolist())], b"r")
+               for k in range(4)]
+        res = b.call("write_many", "main", nodes["B->A"], rnd)
+        assert all("ok" in r for r in res), res
+        a.call("messages", "main", 4, 10.0)
+        for k in range(4):
+            assert a.call("items", "main", "pm", dst_all[k].tolist()) == \
+                b.call("items", "main", "pm", list(range(10 * k, 10 * k + 10)))
+
+
+def test_mixed_staged_and_unstaged(nodes):
+    a, b = nodes["A"], nodes["B"]
+    for g in ("kv", "pm", "state"):
+        b.call("fill", "main", g, 40)
+        a.call("zero", "main", g)
+    ksrc, kdst = _pages(9, 20)
+    parts = [("kv", ksrc, kdst),                       # ~20 runs x 6 descriptors: staged
+             ("pm", list(range(5, 15)), list(range(30, 40))),  # one run: direct
+             ("state", [0, 5, 7], [7, 1, 2])]          # 3 runs x 2: direct
+    res = b.call("write", "main", nodes["B->A"], parts, b"mixed")
+    assert "ok" in res, res
+    st = res["ok"]
+    assert st["staged"] and st["staged_bytes"] == 20 * 2 * L * ITEM
+    assert st["ops"] == -(-20 // PER_SLOT) + 1 + 3 * 2
+    assert st["bytes"] == 30 * 2 * L * ITEM + 3 * 128
+    assert [p for _, p in a.call("messages", "main", 1, 10.0)] == [b"mixed"]
+    assert a.call("items", "main", "kv", kdst) == b.call("items", "main", "kv", ksrc)
+    assert a.call("items", "main", "pm", list(range(30, 40))) == \
+        b.call("items", "main", "pm", list(range(5, 15)))
+    assert a.call("items", "main", "state", [7, 1, 2]) == b.call("items", "main", "state", [0, 5, 7])
+    # below the threshold, or staging disabled: the direct path
+    small = b.call("write", "main", nodes["B->A"], [("pm", [1, 3], [2, 4])])["ok"]
+    assert not small["staged"] and small["ops"] == 2
+    pid = b.call("connect", "nostage", "127.0.0.1", nodes["port"])["ok"]
+    b.call("fill", "nostage", "kv", 41)
+    off = b.call("write", "nostage", pid, [("kv", ksrc, kdst)], b"off")["ok"]
+    runs = len(plan.merge_runs(np.array(ksrc), np.array(kdst))[0])
+    assert not off["staged"] and off["ops"] == runs * 2 * L
+    assert [p for _, p in a.call("messages", "main", 1, 10.0)] == [b"off"]
+    assert a.call("items", "main", "kv", kdst) == b.call("items", "nostage", "kv", ksrc)
+
+
+NB = 2 * 2 * L * ITEM  # two pm items
+
+
+@pytest.mark.parametrize("slot,offset,nbytes,dst,why", [
+    (None, 0, NB, [3, A_ITEMS], "out of range"),
+    (None, 0, NB, [-1, 2], "out of range"),
+    (None, 0, NB, [3, 3], "duplicate"),
+    (None, 0, NB + 1, [3, 4], "nbytes"),
+    (None, PER_SLOT * 2 * L * ITEM - NB + 8, NB, [3, 4], "outside"),
+    (99, 0, NB, [3, 4], "not granted"),
+], ids=["dst-beyond", "dst-negative", "dst-duplicate", "nbytes", "offset", "slot"])
+def test_bad_scatter_plan_rejected(nodes, slot, offset, nbytes, dst, why):
+    """A bad plan is a ProtocolError at the target: the connection closes, nothing is
+    scattered, no handler runs, and the landing slots granted to that peer come back."""
+    a, b = nodes["A"], nodes["B"]
+    a.call("zero", "main", "pm")
+    b.call("fill", "evil", "pm", 50)
+    free_before = a.call("granted", "main", "pm")
+    closed_before = a.call("closed", "main")
+    pid = b.call("connect", "evil", "127.0.0.1", nodes["port"])["ok"]
+    # a real PUT into a granted slot first, so a wrong scatter would write non-zero bytes
+    good = b.call("write", "evil", pid, [("pm", list(range(0, 24, 2)), list(range(0, 24, 2)))],
+                  b"good")
+    assert good["ok"]["staged"], good
+    assert [p for _, p in a.call("messages", "main", 1, 10.0)] == [b"good"]  # scattered
+    a.call("zero", "main", "pm")
+    if slot is None:  # a slot this peer really owns
+        slot = b.call("landing_slots", "evil", pid, "pm")[0]
+    res = b.call("raw_plan", "evil", pid, "pm", slot, offset, nbytes, dst)
+    assert "ok" in res, res
+    evil = b.call("engine_id", "evil")
+    assert _wait_closed(a, evil, closed_before) == "ProtocolError"
+    assert sum(a.call("checksum", "main", "pm")) == 0
+    assert a.call("messages", "main", 0, 0.5) == []
+    # the grant comes back once the teardown closed the endpoint (bounded poll)
+    assert _poll(lambda: a.call("granted", "main", "pm") == free_before)
+
+
+def _poll(cond, timeout=10.0):
+    import time
+
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _wait_closed(a, engine_id, before, timeout=10.0):
+    """Why A closed its peer ``engine_id`` (a new entry after ``before``), or None."""
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        new = a.call("closed", "main")[len(before):]
+        for p, why in new:
+            if p == engine_id:
+                return why
+        time.sleep(0.02)
+    return None
