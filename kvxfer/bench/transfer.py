@@ -239,7 +239,7 @@ def main(argv=None) -> int:
     ap.add_argument("--paths", default="direct,staged",
                     help="engine configs: direct (stage_min_ops=0) and/or staged "
                          "(--stage-min-ops); the path column says which one ran")
-    ap.add_argument("--stage-min-ops", type=int, default=EngineConfig.stage_min_ops,
+    ap.add_argument("--stage-min-ops", type=int, default=256,
                     help="staged config: stage parts needing more PUTs than this")
     ap.add_argument("--stage-slot-mib", type=int, default=EngineConfig.stage_slot_bytes >> 20,
                     help="staging/landing slot size, MiB")

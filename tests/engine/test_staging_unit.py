@@ -67,6 +67,6 @@ def test_config_rejects(kw):
 
 def test_config_defaults():
     c = EngineConfig(secret=b"s")
-    assert c.stage_min_ops == 256 and c.stage_peer_slots <= c.stage_slots
+    assert c.stage_min_ops == 0 and c.stage_peer_slots <= c.stage_slots
     assert c.stage_host_memory is False
     assert EngineConfig(secret=b"s", stage_min_ops=0).stage_min_ops == 0
