@@ -110,6 +110,9 @@ def test_large_reservation_costs_no_memory():
 
 
 def _touch_unbacked(conn):
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the fault is expected: no core dump
     try:
         descs = per_layer_descs("k", 1, (4096 + 16, 4, 16), 2, 1)
         owner = BackedBuffers(descs, store_dtype=torch.bfloat16, page_size=16,
