@@ -54,8 +54,6 @@ def test_decode_killed_in_each_prefill_state(cluster, room):
     c = cluster
     v = c.victim("decode", c.bs["mha"].address)
     B, W, T = room(), room(), room()
-    c.p("tiny", "p_open", B, 3)                 # (tiny: short Bootstrapping deadline)
-    v("mha", "d_open", B, 3, meta=False, addr=c.bs["tiny"].address)   # connected, no metadata
     c.p("mha", "p_open", W, 3)
     v("mha", "d_open", W, 3)
     c.p("mha", "p_open", T, 3)
@@ -64,6 +62,10 @@ def test_decode_killed_in_each_prefill_state(cluster, room):
     assert c.p("mha", "poll_until", T, ["WaitingForInput"]) == "WaitingForInput"
     c.p("mha", "p_send", T, 0, 1)
     assert v("mha", "poll_until", T, ["Transferring"]) == "Transferring"
+    # B last, right before the kill: "tiny" has a 1.5 s Bootstrapping deadline, which the
+    # steps above can outlast on a loaded machine
+    c.p("tiny", "p_open", B, 3)
+    v("mha", "d_open", B, 3, meta=False, addr=c.bs["tiny"].address)   # connected, no metadata
     assert c.p("tiny", "poll", B) == "Bootstrapping"
     assert c.p("mha", "poll", T) == "Transferring"
     v.kill()
