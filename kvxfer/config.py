@@ -85,7 +85,10 @@ class EngineConfig:
     #: the peer's landing ring and scattered there before the notification; 0 disables staging
     #: (then no staging/landing memory is allocated). About 11 us per PUT over cuda_ipc and a
     #: syscall per PUT over cma make scattered pages op-bound above a few hundred ops.
-    stage_min_ops: int = 256
+    #: Off by default: measured on the H200 the staged path ran at 8-29 GB/s against 85-125
+    #: GB/s direct for 2 GiB of random pages (page-major), and slower than direct on CPU
+    #: (bench/results/transfer-*.md); 256 is the value the benchmark tries.
+    stage_min_ops: int = 0
     #: bytes of one staging / landing slot (capped at the group's size); a staged part larger
     #: than a slot moves in several chunks, pipelined over the slots granted by the peer
     stage_slot_bytes: int = 64 << 20
@@ -98,6 +101,11 @@ class EngineConfig:
     #: gather and scatter memcpys cost more than the per-PUT syscalls they save (see
     #: docs/engine.md); CUDA groups are where the staged path pays (~11 us per PUT saved)
     stage_host_memory: bool = False
+    #: refuse (IncompatiblePeer at the handshake) a same-host peer when either side would
+    #: have to PUT into CUDA memory that is not legacy-IPC capable (CUDA VMM): UCX emulates
+    #: such PUTs at < 1 GB/s. Off: such groups only get a loud warning at start() (see
+    #: kvxfer.engine.ipc and pools/backing/share.py)
+    refuse_emulated_destinations: bool = False
 
     def __post_init__(self):
         env = env_defaults()
@@ -129,6 +137,9 @@ class EngineConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise InvalidArgument(f"EngineConfig.{name}={v!r} must be an int >= {low}")
+        if not isinstance(self.refuse_emulated_destinations, bool):
+            raise InvalidArgument(f"EngineConfig.refuse_emulated_destinations="
+                                  f"{self.refuse_emulated_destinations!r} must be a bool")
         if not isinstance(self.stage_host_memory, bool):
             raise InvalidArgument(
                 f"EngineConfig.stage_host_memory={self.stage_host_memory!r} must be a bool")

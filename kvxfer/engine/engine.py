@@ -68,6 +68,18 @@ class TransferEngine:
         return {n: (g.lens, g.item_lens) for n, g in self._groups.groups.items()}
 
     @property
+    def group_info(self) -> Dict[str, dict]:
+        """Diagnostics per registered group (``kvxfer info``-style): ``lens``,
+        ``item_lens``, ``mem_types`` (per descriptor registration) and ``ipc_capable``
+        (False: CUDA memory UCX can only reach by emulated PUTs, see kvxfer.engine.ipc;
+        None: host memory, or not started yet)."""
+        g = self._groups
+        return {n: {"lens": grp.lens, "item_lens": grp.item_lens,
+                    "mem_types": g.desc_mem_types(n) if n in g.desc_region else [],
+                    "ipc_capable": g.ipc.get(n)}
+                for n, grp in g.groups.items()}
+
+    @property
     def registrations(self) -> int:
         """Number of UCX memory registrations of the groups (after merging; the staged
         path's staging and landing rings are not counted)."""
@@ -148,7 +160,8 @@ class TransferEngine:
         rma = res = None
         try:
             res = await side(ch, self._groups, cfg.secret, self.id, cfg.name,
-                             self._transport.local_address(), timeout)
+                             self._transport.local_address(), timeout,
+                             cfg.refuse_emulated_destinations)
             bulk_addr = res.remote.address if cfg.error_mode == "none" else None
             rma = await self._transport.rma_endpoint(ch, bulk_addr, timeout)
             rma.add_remote_regions(res.remote.bases, res.remote.lens, res.remote.keys)
@@ -209,7 +222,18 @@ class TransferEngine:
         """Run a background coroutine owned by the engine (awaited by close())."""
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task) -> None:
+        """Owned background task finished: forget it and retrieve (log) its failure."""
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            if isinstance(exc, KvxferError):
+                log.debug("%r: background task %s: %s", self, task.get_name(), exc)
+            else:
+                log.error("%r: background task %s failed", self, task.get_name(),
+                          exc_info=exc)
 
     def _peer_gone(self, peer: Peer, exc: Exception) -> None:
         if self._peers.get(peer.id) is peer:

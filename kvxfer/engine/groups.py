@@ -44,6 +44,9 @@ class LocalGroups:
         self.stages: Dict[str, "GroupStage"] = {}  # staged path (kvxfer.engine.staging)
         self.peer_slots = 0
         self.group_regions = 0  # registrations of the groups (the regions before the landings)
+        #: {group: legacy-IPC capable?} for CUDA groups (None: host memory / unknown); see
+        #: kvxfer.engine.ipc. Filled by freeze().
+        self.ipc: Dict[str, Optional[bool]] = {}
         self.frozen = False
 
     def add(self, name, ptrs, lens, item_lens) -> plan.GroupLayout:
@@ -55,10 +58,13 @@ class LocalGroups:
         self.groups[name] = g
         return g
 
-    def freeze(self, transport: Transport, merge_adjacent: bool = True, stage=None) -> None:
+    def freeze(self, transport: Transport, merge_adjacent: bool = True, stage=None,
+               ipc_query=None) -> None:
         """Register every span with the transport (once). ``stage``: ``(slot_bytes,
         landing_slots, peer_slots, stage_host_memory)`` to allocate and register the staged path's rings for
-        every group on a supported device (their landing regions join the region table)."""
+        every group on a supported device (their landing regions join the region table).
+        ``ipc_query(addr) -> Optional[bool]``: the legacy-IPC capability query used for
+        CUDA groups (default: the CUDA driver, loaded only when a CUDA group exists)."""
         assert not self.frozen
         self.frozen = True
         member_region: Dict[Tuple[str, int], int] = {}
@@ -90,12 +96,12 @@ class LocalGroups:
             self.desc_region[name] = idx
             self.desc_memh[name] = np.array([self.regions[int(r)].handle for r in idx], _U64)
         self.group_regions = len(self.regions)
+        self.ipc = self._ipc_report(ipc_query)
         if stage is not None:
             from kvxfer.engine.staging import build_stages
 
             slot_bytes, landing_slots, self.peer_slots, host = stage
-            kinds = {n: [self.regions[int(r)].mem_type for r in self.desc_region[n]]
-                     for n in self.groups}
+            kinds = {n: self.desc_mem_types(n) for n in self.groups}
             try:
                 self.stages = build_stages(transport, self.groups, kinds, slot_bytes,
                                            landing_slots, self.peer_slots, host)
@@ -108,6 +114,22 @@ class LocalGroups:
         log.info("registered %d group(s), %d descriptor(s) in %d registration(s) (%s)",
                  len(self.groups), sum(g.count for g in self.groups.values()),
                  len(self.regions), ",".join(sorted({r.mem_type for r in self.regions})))
+
+    def desc_mem_types(self, name: str) -> List[str]:
+        """Memory type of each descriptor's registration in group ``name``."""
+        return [self.regions[int(r)].mem_type for r in self.desc_region[name]]
+
+    def _ipc_report(self, query) -> Dict[str, Optional[bool]]:
+        from kvxfer.engine import ipc
+
+        kinds = {n: self.desc_mem_types(n) for n in self.groups}
+        if query is None:
+            if not any("cuda" in k for k in kinds.values()):
+                return {n: None for n in self.groups}
+            from kvxfer.transport.ucx_rma import cuda_ipc_capable as query
+        report = ipc.ipc_report(self.groups, kinds, query)
+        ipc.warn_non_ipc(report)
+        return report
 
     @property
     def mem_types(self) -> set:

@@ -17,12 +17,14 @@ import hashlib
 import hmac
 import os
 import socket
+import logging
 import time
 from dataclasses import dataclass
 
 import msgpack
 
 from kvxfer import plan, wire
+from kvxfer.engine import ipc
 from kvxfer.engine import messages as m
 from kvxfer.engine.groups import LocalGroups, RemoteGroups, parse_remote
 from kvxfer.errors import (AuthenticationFailed, IncompatiblePeer, KvxferError, PeerClosed,
@@ -30,6 +32,8 @@ from kvxfer.errors import (AuthenticationFailed, IncompatiblePeer, KvxferError, 
 from kvxfer.transport.base import Channel
 
 NONCE_BYTES = 32
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -74,12 +78,35 @@ def _decode(raw: bytes) -> wire.Message:
 
 
 async def _recv(ch: Channel, dl: _Deadline, expected):
-    msg = _decode(await ch.recv(dl.left()))
+    return _expect(_decode(await ch.recv(dl.left())), expected)
+
+
+def _expect(msg, expected):
     if isinstance(msg, m.Reject):
         cls = {"auth": AuthenticationFailed, "incompatible": IncompatiblePeer}.get(
             msg.kind, ProtocolError)
         raise cls(f"peer rejected the handshake: {msg.reason}")
     return wire.expect(msg, expected)
+
+
+async def _recv_hello(ch: Channel, dl: _Deadline) -> m.Hello:
+    """Accepting side's first message. A connecting side always opens with Hello, so a
+    well-formed engine message of another kind before it belongs to an earlier connection
+    (see :meth:`Channel.adopt_epoch`): it is dropped and logged. The first other frame
+    fixes the connection's epoch and goes through the normal checks."""
+    while True:
+        raw = await ch.recv(dl.left())
+        try:
+            msg = wire.decode(raw)
+        except ProtocolError:
+            msg = None
+        if msg is not None and not isinstance(msg, (m.Hello, m.Reject)) and \
+                msg.TAG.startswith("kx."):
+            log.warning("handshake: dropped a stale %s message of an earlier connection",
+                        msg.TAG)
+            continue
+        ch.adopt_epoch()
+        return _expect(_decode(raw), m.Hello)
 
 
 async def _reject(ch: Channel, dl: _Deadline, exc: KvxferError) -> None:
@@ -103,7 +130,14 @@ def _layout(local: LocalGroups, address: bytes, grant: dict) -> bytes:
     bases, lens, keys, types = local.region_table()
     return m.Layout(groups=local.wire_groups(), region_bases=bases, region_lens=lens,
                     region_keys=keys, region_types=types, address=address,
-                    landing=grant or None).encode()
+                    landing=grant or None, non_ipc=ipc.non_ipc(local.ipc) or None).encode()
+
+
+def _check_ipc(local: LocalGroups, layout: m.Layout, remote: RemoteGroups, hostname: str,
+               refuse: bool) -> None:
+    ipc.check_destinations(local.groups, remote.groups, ipc.non_ipc(local.ipc),
+                           ipc.parse_non_ipc(layout.non_ipc),
+                           hostname == socket.gethostname(), refuse)
 
 
 async def _guarded(ch: Channel, dl: _Deadline, coro):
@@ -117,7 +151,8 @@ async def _guarded(ch: Channel, dl: _Deadline, coro):
 
 
 async def connect_side(ch: Channel, local: LocalGroups, secret: bytes, engine_id: str,
-                       name: str, address: bytes, timeout: float) -> HandshakeResult:
+                       name: str, address: bytes, timeout: float,
+                       refuse_emulated: bool = False) -> HandshakeResult:
     dl = _Deadline(timeout)
     nonce_c = os.urandom(NONCE_BYTES)
     await ch.send(m.Hello(engine_id=engine_id, name=name, nonce=nonce_c,
@@ -134,8 +169,10 @@ async def connect_side(ch: Channel, local: LocalGroups, secret: bytes, engine_id
                 f"peer {ack.name or ack.engine_id} failed the challenge (wrong secret?)")
         await ch.send(m.Proof(proof=_proof(secret, b"C", engine_id, ack.engine_id, nonce_c,
                                            ack.nonce)).encode(), dl.left())
-        remote = parse_remote(await _recv(ch, dl, m.Layout))
+        layout = await _recv(ch, dl, m.Layout)
+        remote = parse_remote(layout)
         check_groups(local, remote)
+        _check_ipc(local, layout, remote, ack.hostname, refuse_emulated)
         if ack.stage:
             grant.update(local.grant_landing())
         await ch.send(_layout(local, address, grant), dl.left())
@@ -151,11 +188,12 @@ async def connect_side(ch: Channel, local: LocalGroups, secret: bytes, engine_id
 
 
 async def accept_side(ch: Channel, local: LocalGroups, secret: bytes, engine_id: str,
-                      name: str, address: bytes, timeout: float) -> HandshakeResult:
+                      name: str, address: bytes, timeout: float,
+                      refuse_emulated: bool = False) -> HandshakeResult:
     dl = _Deadline(timeout)
 
     async def steps():
-        hello = await _recv(ch, dl, m.Hello)
+        hello = await _recv_hello(ch, dl)
         if len(hello.nonce) != NONCE_BYTES:
             raise ProtocolError("hello: bad nonce length")
         nonce_s = os.urandom(NONCE_BYTES)
@@ -172,8 +210,10 @@ async def accept_side(ch: Channel, local: LocalGroups, secret: bytes, engine_id:
         if hello.stage:
             grant.update(local.grant_landing())
         await ch.send(_layout(local, address, grant), dl.left())
-        remote = parse_remote(await _recv(ch, dl, m.Layout))
+        layout = await _recv(ch, dl, m.Layout)
+        remote = parse_remote(layout)
         check_groups(local, remote)
+        _check_ipc(local, layout, remote, hello.hostname, refuse_emulated)
         await ch.send(m.Ready().encode(), dl.left())
         return HandshakeResult(hello.engine_id, hello.name, hello.hostname, remote, dict(grant))
 

@@ -81,6 +81,9 @@ class Layout(wire.Message):
     #: {group: {"region": int, "base": int, "slot_bytes": int, "slots": [int]}}; slot ``s``
     #: is ``[base + s*slot_bytes, +slot_bytes)`` inside region ``region`` of the table
     landing: Optional[dict] = None
+    #: the sender's groups in CUDA memory that is not legacy-IPC capable (CUDA VMM): UCX
+    #: would emulate PUTs into them (see kvxfer.engine.ipc)
+    non_ipc: Optional[List[str]] = None
 
 
 @wire.register

@@ -20,6 +20,7 @@ Invariants
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Tuple, Union
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Tuple, Union
 import numpy as np
 
 from kvxfer import plan, wire
+from kvxfer.engine import fastplan
 from kvxfer.engine import messages as m
 from kvxfer.engine.groups import RemoteGroups
 from kvxfer.engine.types import ItemWrite, RawWrite, TransferStats
@@ -54,6 +56,8 @@ class Peer:
         self._remote = remote
         self._loop = asyncio.get_running_loop()
         self._dead: asyncio.Future = self._loop.create_future()
+        self._waiters: set = set()  # futures of pending bounded waits, woken on death
+        self._pairs: Dict[str, fastplan.GroupPair] = {}  # static layout per group, resolved once
         self._inbox: asyncio.Queue = asyncio.Queue()
         self._tasks: List[asyncio.Task] = []
         self._closing = False
@@ -101,6 +105,9 @@ class Peer:
         if self._dead.done():
             return
         self._dead.set_exception(exc)
+        waiters, self._waiters = self._waiters, set()
+        for w in waiters:
+            _wake(w, _DEAD)
         if not self._closing:  # died under us: release in the background (engine awaits it)
             self._engine._spawn(self._teardown(send_bye=False))
         self._engine._peer_gone(self, exc)
@@ -200,51 +207,88 @@ class Peer:
     def _plan(self, writes, stage_min_ops: int = 0):
         """Validate every part, then split: ``(laddr, raddr, nbytes, lmemh, ridx, staged)``
         for the direct PUTs and ``staged = [(group, src ids, dst ids)]`` for the ItemWrite
-        parts that need more than ``stage_min_ops`` PUTs (0: none) and can be staged."""
+        parts that need more than ``stage_min_ops`` PUTs (0: none) and can be staged.
+        Tiny ItemWrite parts (short lists of ints) are planned in plain Python
+        (:mod:`kvxfer.engine.fastplan`, same validation); the rest by :mod:`kvxfer.plan`."""
         local = self._engine._groups
         if isinstance(writes, (ItemWrite, RawWrite)):
             writes = [writes]
-        parts, memhs, ridxs, staged = [], [], [], []
+        small = ([], [], [], [], [])  # laddr, raddr, nbytes, memh, ridx of tiny parts
+        chunks, staged = [], []
         for w in writes:
-            if not isinstance(w, (ItemWrite, RawWrite)):
+            is_item = type(w) is ItemWrite or isinstance(w, ItemWrite)
+            if not is_item and not isinstance(w, RawWrite):
                 raise InvalidArgument(f"expected ItemWrite or RawWrite, got {type(w).__name__}")
-            lg = local.groups.get(w.group)
-            if lg is None:
-                raise UnknownGroup(f"no local group {w.group!r} (have {sorted(local.groups)})")
-            rg = self._remote.groups.get(w.group)
-            if rg is None:
-                raise UnknownGroup(f"peer {self.name or self.id} has no group {w.group!r} "
-                                   f"(has {sorted(self._remote.groups)})")
-            if isinstance(w, ItemWrite):
+            pair = self._pairs.get(w.group)
+            if pair is None:
+                lg = local.groups.get(w.group)
+                if lg is None:
+                    raise UnknownGroup(f"no local group {w.group!r} (have {sorted(local.groups)})")
+                rg = self._remote.groups.get(w.group)
+                if rg is None:
+                    raise UnknownGroup(f"peer {self.name or self.id} has no group {w.group!r} "
+                                       f"(has {sorted(self._remote.groups)})")
+                pair = self._pairs[w.group] = fastplan.GroupPair.make(
+                    lg, rg, local.desc_memh[w.group], self._remote.desc_region[w.group])
+            if is_item:
+                src = fastplan.small_ids(w.src_items)
+                dst = None if src is None else fastplan.small_ids(w.dst_items)
+                if dst is not None:
+                    limit = fastplan.SMALL_OPS
+                    if stage_min_ops > 0 and w.group in self._rland:
+                        limit = min(limit, stage_min_ops)
+                    if fastplan.plan_small(pair, src, dst, small, limit) >= 0:
+                        continue
+                lg, rg = local.groups[w.group], self._remote.groups[w.group]
                 ops = plan.plan_items(lg, rg, w.src_items, w.dst_items)
                 if 0 < stage_min_ops < len(ops) and w.group in self._rland:
                     staged.append((w.group, plan.as_ids(w.src_items, "source"),
                                    plan.as_ids(w.dst_items, "destination"), len(ops)))
                     continue
             else:
+                lg, rg = local.groups[w.group], self._remote.groups[w.group]
                 ops = plan.plan_raw(lg, rg, w.desc, w.src_off, w.dst_off, w.nbytes)
             d = ops.desc.astype(np.intp)
-            parts.append(ops)
-            memhs.append(local.desc_memh[w.group][d])
-            ridxs.append(self._remote.desc_region[w.group][d])
-        ops = plan.concat(parts)
-        lmemh = np.concatenate(memhs).astype(_U64) if memhs else np.zeros(0, _U64)
-        ridx = np.concatenate(ridxs).astype(_U64) if ridxs else np.zeros(0, _U64)
-        return ops.laddr, ops.raddr, ops.nbytes, lmemh, ridx, staged
+            chunks.append((ops.laddr, ops.raddr, ops.nbytes, local.desc_memh[w.group][d],
+                           self._remote.desc_region[w.group][d]))
+        if small[0] or not chunks:
+            chunks.insert(0, tuple(np.array(c, dtype=_U64) for c in small))
+        if len(chunks) == 1:
+            cols = tuple(np.asarray(c, dtype=_U64) for c in chunks[0])
+        else:
+            cols = tuple(np.concatenate([c[i] for c in chunks]).astype(_U64, copy=False)
+                         for i in range(5))
+        return cols + (staged,)
 
     async def _bounded(self, coro, timeout: float, what: str):
-        """Await ``coro`` until done, ``timeout``, or the peer's death, whichever first."""
-        task = self._loop.create_task(coro)
+        """Await ``coro`` until done, ``timeout``, or the peer's death, whichever first.
+
+        O(1) per call: the waiter joins the peer's ``_waiters`` set (a hash set) and
+        ``_mark_dead`` wakes every member once; nothing is attached to the shared ``_dead``
+        future (removing a done-callback from it is linear in the number of callbacks,
+        which made thousands of writes in flight cost quadratic time). The inner task is
+        owned: its outcome is always retrieved, also after it was abandoned."""
+        if self._dead.done():
+            coro.close()
+            self._check_open()
+        loop = self._loop
+        task = loop.create_task(coro)
+        waiter = loop.create_future()
+        task.add_done_callback(functools.partial(_task_done, waiter))
+        timer = loop.call_later(timeout, _wake, waiter, _TIMEOUT)
+        self._waiters.add(waiter)
         try:
-            done, _ = await asyncio.wait({task, self._dead}, timeout=timeout,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            why = await waiter
         except asyncio.CancelledError:
             task.cancel()
             raise
-        if task in done:
+        finally:
+            timer.cancel()
+            self._waiters.discard(waiter)
+        if why is _DONE:
             return task.result()
         task.cancel()
-        if self._dead in done:
+        if why is _DEAD:
             self._check_open()
         raise TransferTimeout(f"{what} to {self.name or self.id} not done after {timeout:.3g} s")
 
@@ -401,6 +445,22 @@ class Peer:
 
 async def _all(futures) -> None:
     await asyncio.gather(*futures)
+
+
+_DONE, _DEAD, _TIMEOUT = "done", "dead", "timeout"
+
+
+def _wake(waiter: asyncio.Future, why: str) -> None:
+    if not waiter.done():
+        waiter.set_result(why)
+
+
+def _task_done(waiter: asyncio.Future, task: asyncio.Task) -> None:
+    """Done-callback of a bounded task: wake its waiter and always retrieve the outcome
+    (an abandoned task that failed must not log "Task exception was never retrieved")."""
+    if not task.cancelled():
+        task.exception()
+    _wake(waiter, _DONE)
 
 
 class _Landing:

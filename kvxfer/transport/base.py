@@ -62,6 +62,12 @@ class Channel(abc.ABC):
     async def close(self, timeout: float) -> None:
         """Close the channel; idempotent."""
 
+    def adopt_epoch(self) -> None:
+        """Accepting side, once the handshake accepted the connection's first message:
+        from now on only messages of that message's connection are delivered (messages of
+        an earlier connection that reach this one are dropped). No-op where connections
+        cannot mix."""
+
 
 class RmaEndpoint(abc.ABC):
     """Data plane to one peer."""

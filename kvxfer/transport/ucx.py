@@ -19,9 +19,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 from typing import Callable, Dict, List, Optional
 
-from kvxfer.errors import Closed, PeerClosed, TransferTimeout
+from kvxfer.errors import Closed, PeerClosed, ProtocolError, TransferTimeout, TransportError
 from kvxfer.transport.base import AcceptCallback, Channel, Region, RmaEndpoint, Transport
 from kvxfer.transport.ucx_rma import (UcxRegion, UcxRma, _ucx_error_types,  # noqa: F401
                                       cuda_alloc_range, load_ucx, parse_rma_lanes,
@@ -29,23 +30,57 @@ from kvxfer.transport.ucx_rma import (UcxRegion, UcxRma, _ucx_error_types,  # no
 
 log = logging.getLogger(__name__)
 
+_PADDING = bytes(8)  # epoch 0, empty payload (see UcxChannel)
+#: bound on sending the opening padding frame of an accepted connection
+OPEN_TIMEOUT_S = 10.0
+
 
 # ----------------------------------------------------------------- channels
 
 
 class UcxChannel(Channel):
-    """Active messages over one UCXX endpoint (peer error handling on)."""
+    """Active messages over one UCXX endpoint (peer error handling on).
 
-    def __init__(self, ep, loop: asyncio.AbstractEventLoop, ucxx):
+    UCXX keys its active-message queues by the UCP endpoint *handle*, and UCP reuses the
+    handle of a closed endpoint for a new one. Two leftovers of a closed connection can
+    therefore reach a new one with the same handle: a message that arrived and was never
+    received (it would surface as the new connection's first message), and a receive request
+    still waiting in UCXX (UCXX cannot withdraw it; it would swallow the new connection's
+    first message). Hence:
+
+    - Connection epochs: every message is framed as ``epoch (8 bytes LE) + payload``. The
+      connecting side picks a random non-zero epoch; the accepting side learns it from the
+      first message its handshake accepts (:meth:`adopt_epoch`). From then on a frame of
+      another epoch is dropped and logged.
+    - Padding: each side opens with one empty frame of epoch 0 (:meth:`open`), which a
+      leftover receive request of the peer's previous endpoint swallows instead of a real
+      message; receivers drop padding frames.
+    - Receive requests are owned: a ``recv`` that timed out or was cancelled leaves its
+      request to the next ``recv`` (nothing it receives is lost)."""
+
+    def __init__(self, ep, loop: asyncio.AbstractEventLoop, ucxx, epoch: Optional[int] = None):
         self._ep, self._loop, self._ucxx = ep, loop, ucxx
         self._callbacks: List[Callable[[Exception], None]] = []
         self._exc: Optional[Exception] = None
         self._closing = False
+        self._epoch = epoch  # None: not known yet (accepting side before the handshake)
+        self._rx_epoch = 0   # epoch of the last frame returned while ours was unknown
+        self._rx: Optional[asyncio.Future] = None  # the pending receive request
+        self.dropped = 0     # frames of another connection dropped
         ep.set_close_callback(self._on_ucx_close)
 
     @property
     def ucx_endpoint(self):
         return self._ep
+
+    @property
+    def epoch(self) -> Optional[int]:
+        return self._epoch
+
+    def adopt_epoch(self) -> None:
+        """Accepting side: the epoch of the last received frame is this connection's."""
+        if self._epoch is None:
+            self._epoch = self._rx_epoch
 
     def _on_ucx_close(self, *args):  # any thread (UCXX progress thread)
         try:
@@ -79,24 +114,66 @@ class UcxChannel(Channel):
         if self._closing:
             raise Closed("channel closed")
 
+    async def open(self, timeout: float) -> "UcxChannel":
+        """Send the opening padding frame; returns the channel."""
+        try:
+            await asyncio.wait_for(self._ep.am_send(_PADDING), timeout)
+        except asyncio.TimeoutError:
+            raise TransferTimeout(f"opening message not sent in {timeout:.3g} s") from None
+        except _ucx_error_types(self._ucxx) as exc:
+            raise PeerClosed(f"send failed: {exc}") from None
+        return self
+
     async def send(self, payload: bytes, timeout: float) -> None:
         self._check()
+        frame = (self._epoch or 0).to_bytes(8, "little") + payload
         try:
-            await asyncio.wait_for(self._ep.am_send(payload), timeout)
+            await asyncio.wait_for(self._ep.am_send(frame), timeout)
         except asyncio.TimeoutError:
             raise TransferTimeout(f"message send not done after {timeout:.3g} s") from None
         except _ucx_error_types(self._ucxx) as exc:
             raise PeerClosed(f"send failed: {exc}") from None
 
-    async def recv(self, timeout: Optional[float]) -> bytes:
+    async def _recv_frame(self, timeout: Optional[float]):
         self._check()
+        if self._rx is None:
+            if self._ep.closed:
+                raise PeerClosed("receive failed: endpoint closed")
+            self._rx = asyncio.ensure_future(_await_request(self._ep._ep.am_recv()))
+            self._rx.add_done_callback(_retrieve)
+        rx = self._rx
         try:
-            buf = await asyncio.wait_for(self._ep.am_recv(), timeout)
+            buf = await asyncio.wait_for(asyncio.shield(rx), timeout)
         except asyncio.TimeoutError:
             raise TransferTimeout(f"no message within {timeout:.3g} s") from None
         except _ucx_error_types(self._ucxx) as exc:
+            if self._rx is rx:
+                self._rx = None
             raise PeerClosed(f"receive failed: {exc}") from None
-        return bytes(memoryview(buf).cast("B"))
+        if self._rx is rx:
+            self._rx = None
+        return memoryview(buf).cast("B")
+
+    async def recv(self, timeout: Optional[float]) -> bytes:
+        end = None if timeout is None else self._loop.time() + timeout
+        while True:
+            left = None if end is None else max(0.0, end - self._loop.time())
+            frame = await self._recv_frame(left)
+            if len(frame) < 8:
+                raise ProtocolError(f"frame of {len(frame)} bytes has no connection epoch")
+            epoch = int.from_bytes(frame[:8], "little")
+            if epoch == 0 and len(frame) == 8:  # padding (see the class docstring)
+                continue
+            if self._epoch is None:
+                self._rx_epoch = epoch
+            elif epoch != self._epoch:
+                self.dropped += 1
+                (log.warning if self.dropped == 1 else log.debug)(
+                    "dropped a %d-byte message of an earlier connection (epoch %#x, this one "
+                    "%#x; %d dropped so far, further ones logged at debug level)",
+                    len(frame) - 8, epoch, self._epoch, self.dropped)
+                continue
+            return bytes(frame[8:])
 
     async def close(self, timeout: float) -> None:
         if self._closing:
@@ -107,6 +184,24 @@ class UcxChannel(Channel):
         except Exception as exc:  # already gone
             log.debug("endpoint abort: %s", exc)
         self._fire(Closed("channel closed locally"))
+
+
+async def _await_request(req):
+    """Wait for one UCXX active-message receive request; returns its buffer."""
+    await req.wait()
+    return req.recv_buffer
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    """Receive requests are awaited by whoever reads next; one nobody reads any more (its
+    connection is gone) must not log "exception was never retrieved"."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+def new_epoch() -> int:
+    """A random non-zero connection epoch."""
+    return int.from_bytes(os.urandom(8), "little") or 1
 
 
 # ---------------------------------------------------------------- transport
@@ -217,7 +312,14 @@ class UcxTransport(Transport):
         loop = self._bind_loop()
 
         async def _handler(ep):
-            await on_accept(UcxChannel(ep, loop, self.ucxx))
+            ch = UcxChannel(ep, loop, self.ucxx, None)
+            try:
+                await ch.open(OPEN_TIMEOUT_S)
+            except (PeerClosed, TransferTimeout) as exc:
+                log.info("incoming connection dropped before its first message: %s", exc)
+                await ch.close(1.0)
+                return
+            await on_accept(ch)
 
         self._listener = self.ucxx.create_listener(_handler, port=port,
                                                    endpoint_error_handling=True)
@@ -234,7 +336,12 @@ class UcxTransport(Transport):
                 from None
         except _ucx_error_types(self.ucxx) as exc:
             raise PeerClosed(f"connecting to {host}:{port}: {exc}") from None
-        return UcxChannel(ep, loop, self.ucxx)
+        ch = UcxChannel(ep, loop, self.ucxx, new_epoch())
+        try:
+            return await ch.open(timeout)
+        except BaseException:
+            await ch.close(1.0)
+            raise
 
     def local_address(self) -> bytes:
         return bytes(self.ucxx.get_worker_address())

@@ -77,6 +77,21 @@ def cuda_alloc_range(addr: int) -> Optional[Tuple[int, int]]:
     return (base.value, size.value) if size.value else None
 
 
+def cuda_ipc_capable(addr: int) -> Optional[bool]:
+    """Whether the CUDA driver reports the memory at ``addr`` legacy-IPC capable
+    (``CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE``): False for CUDA VMM memory
+    (cuMemCreate, expandable segments), which UCX can only reach by emulated PUTs. None
+    when there is no driver, or ``addr`` is not device memory. Looked up lazily."""
+    import ctypes
+
+    if cuda_alloc_range(addr) is None:  # also loads the driver function once
+        return None
+    fn = _CUDA_DRIVER[0]
+    out = ctypes.c_int(0)
+    if fn(ctypes.byref(out), 10, addr) != 0:  # 10: ..._IS_LEGACY_CUDA_IPC_CAPABLE
+        return None
+    return bool(out.value)
+
 
 class UcxRegion(Region):
     def __init__(self, rma, ctx_handle: int, addr: int, length: int):

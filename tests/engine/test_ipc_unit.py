@@ -1,0 +1,164 @@
+"""Detection of CUDA memory UCX can only reach by emulated PUTs (VMM, not legacy-IPC
+capable): the decision logic with the driver query injected (no GPU needed), the warning,
+the Layout field and the refuse_emulated_destinations handshake check."""
+import logging
+
+import pytest
+
+from kvxfer import plan, wire
+from kvxfer.config import EngineConfig
+from kvxfer.engine import handshake, ipc
+from kvxfer.engine import messages as m
+from kvxfer.engine.groups import LocalGroups, parse_remote
+from kvxfer.errors import IncompatiblePeer, InvalidArgument, ProtocolError
+from kvxfer.transport.base import Region, Transport
+
+pytestmark = pytest.mark.timeout(30)
+
+VMM = {0x7000_0000, 0x7100_0000}  # "cuMemCreate" pointers in these tests
+
+
+def query(addr):
+    return None if addr == 0x7f00_0000 else addr not in VMM
+
+
+def groups():
+    return {"kv": plan.make_group("kv", [0x6000_0000, 0x7000_0000], [4096, 4096], [64, 64]),
+            "state": plan.make_group("state", [0x6800_0000], [1024], [128]),
+            "aux": plan.make_group("aux", [0x1000], [640], [64]),
+            "odd": plan.make_group("odd", [0x7f00_0000], [64], [64])}
+
+
+def test_report_per_group():
+    kinds = {"kv": ["cuda", "cuda"], "state": ["cuda"], "aux": ["host"], "odd": ["cuda"]}
+    asked = []
+    rep = ipc.ipc_report(groups(), kinds, lambda a: asked.append(a) or query(a))
+    assert rep == {"kv": False, "state": True, "aux": None, "odd": None}
+    assert 0x1000 not in asked  # host memory never reaches the driver
+    assert ipc.non_ipc(rep) == ["kv"]
+
+
+def test_loud_warning_names_group_and_share_path(caplog):
+    with caplog.at_level(logging.WARNING, logger="kvxfer.engine.ipc"):
+        assert ipc.warn_non_ipc({"kv": False, "state": True, "aux": None}) == ["kv"]
+    text = caplog.text
+    assert "'kv'" in text and "pools/backing/share.py" in text and "'state'" not in text
+
+
+class _Region(Region):
+    def __init__(self, addr, length, mem_type):
+        self.addr, self.length, self.mem_type, self.handle = addr, length, mem_type, 1
+
+    def packed_key(self):
+        return b"k"
+
+    def release(self):
+        pass
+
+
+class _Registrar(Transport):
+    """Registration only (no data moves): reports addresses >= 0x6000_0000 as CUDA."""
+
+    def register(self, addr, length):
+        return _Region(addr, length, "cuda" if addr >= 0x6000_0000 else "host")
+
+    async def listen(self, *a):  # pragma: no cover - unused
+        raise NotImplementedError
+
+    async def connect(self, *a):  # pragma: no cover
+        raise NotImplementedError
+
+    def local_address(self):  # pragma: no cover
+        return b""
+
+    async def rma_endpoint(self, *a):  # pragma: no cover
+        raise NotImplementedError
+
+    async def close(self):  # pragma: no cover
+        pass
+
+
+def frozen(gs, q=query):
+    local = LocalGroups()
+    for name, g in gs.items():
+        local.add(name, g.ptrs, g.lens, g.item_lens)
+    local.freeze(_Registrar(), ipc_query=q)
+    return local
+
+
+def test_freeze_fills_the_report_and_layout_carries_it(caplog):
+    with caplog.at_level(logging.WARNING, logger="kvxfer.engine.ipc"):
+        local = frozen({k: v for k, v in groups().items() if k != "odd"})
+    assert local.ipc == {"kv": False, "state": True, "aux": None}
+    assert "'kv'" in caplog.text
+    msg = wire.decode(handshake._layout(local, b"addr", {}))
+    assert msg.non_ipc == ["kv"]
+    host_only = frozen({"aux": groups()["aux"]}, q=lambda a: pytest.fail("driver queried"))
+    assert host_only.ipc == {"aux": None}
+    assert wire.decode(handshake._layout(host_only, b"", {})).non_ipc is None
+
+
+@pytest.mark.parametrize("same_host,refuse,ours,theirs,error", [
+    (True, True, ["kv"], [], "this side's memory"),
+    (True, True, [], ["kv"], "the peer's memory"),
+    (True, True, ["only_here"], ["only_there"], None),  # groups not shared: never written
+    (True, False, ["kv"], ["kv"], None),                 # off: warn only
+    (False, True, ["kv"], ["kv"], None),                 # other host: no cuda_ipc anyway
+])
+def test_refuse_emulated_destinations(same_host, refuse, ours, theirs, error):
+    local_g, remote_g = ["kv", "only_here"], ["kv", "only_there"]
+    if error is None:
+        ipc.check_destinations(local_g, remote_g, ours, theirs, same_host, refuse)
+        return
+    with pytest.raises(IncompatiblePeer, match=error) as ei:
+        ipc.check_destinations(local_g, remote_g, ours, theirs, same_host, refuse)
+    assert "'kv'" in str(ei.value) and "share.py" in str(ei.value)
+
+
+def test_handshake_check_reads_the_peer_layout():
+    import socket
+
+    local = frozen({"aux": groups()["aux"]})
+    lay = m.Layout(groups={"aux": {"ptrs": [0x1000], "lens": [640], "item_lens": [64],
+                                   "regions": [0]}},
+                   region_bases=[0x1000], region_lens=[640], region_keys=[b"k"],
+                   region_types=["host"], non_ipc=["aux"])
+    remote = parse_remote(lay)
+    with pytest.raises(IncompatiblePeer, match="peer's memory"):
+        handshake._check_ipc(local, lay, remote, socket.gethostname(), True)
+    handshake._check_ipc(local, lay, remote, "another-host", True)
+    handshake._check_ipc(local, lay, remote, socket.gethostname(), False)
+    bad = m.Layout(**{**lay.__dict__, "non_ipc": [3]})
+    with pytest.raises(ProtocolError, match="non_ipc"):
+        handshake._check_ipc(local, bad, remote, socket.gethostname(), True)
+
+
+def test_config_flag_is_validated():
+    assert EngineConfig(secret=b"s").refuse_emulated_destinations is False
+    assert EngineConfig(secret=b"s", refuse_emulated_destinations=True)
+    with pytest.raises(InvalidArgument, match="refuse_emulated_destinations"):
+        EngineConfig(secret=b"s", refuse_emulated_destinations=1)
+
+
+@pytest.mark.skipif(__import__("os").environ.get("KVXFER_TEST_DEVICE", "cpu") != "cuda",
+                    reason="needs the CUDA driver (KVXFER_TEST_DEVICE=cuda)")
+def test_driver_query_on_cuda():
+    """cudaMalloc memory is legacy-IPC capable; VMM (cuMemCreate) memory is not; host
+    memory is not device memory (None)."""
+    import numpy as np
+    import torch
+
+    from kvxfer.transport.ucx_rma import cuda_ipc_capable
+    from pools.backing.cuda import CudaVmmProvider
+
+    t = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    assert cuda_ipc_capable(t.data_ptr()) is True
+    assert cuda_ipc_capable(np.zeros(64, np.uint8).ctypes.data) is None
+    prov = CudaVmmProvider(torch.cuda.current_device())
+    try:
+        b = prov.reserve(prov.granularity)
+        b.commit(0, prov.granularity)
+        assert cuda_ipc_capable(b.address) is False
+        b.close()
+    finally:
+        prov.close()
