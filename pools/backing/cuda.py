@@ -95,6 +95,21 @@ def _check(cu, res, what: str):
     return res[1] if len(res) == 2 else res[1:]
 
 
+def _map_with_access(cu, addr: int, nbytes: int, handle, access) -> None:
+    """Map ``handle`` at ``addr`` and grant ``access``; on failure nothing stays mapped and the
+    handle is released (the caller owns it only on success)."""
+    try:
+        _check(cu, cu.cuMemMap(addr, nbytes, 0, handle, 0), f"cuMemMap({addr:#x}, {nbytes})")
+        try:
+            _check(cu, cu.cuMemSetAccess(addr, nbytes, access, 1), "cuMemSetAccess")
+        except BaseException:
+            cu.cuMemUnmap(addr, nbytes)
+            raise
+    except BaseException:
+        cu.cuMemRelease(handle)
+        raise
+
+
 def _is_error(cu, res, code: str) -> bool:
     return res[0] == getattr(cu.CUresult, code)
 
@@ -288,16 +303,7 @@ class CudaVmmBacking(Backing):
                 raise BackingError(f"cuMemCreate({nbytes}) on cuda:{p.device_index}: "
                                    f"out of device memory")
             handle = _check(cu, res, f"cuMemCreate({nbytes})")
-            try:
-                _check(cu, cu.cuMemMap(addr, nbytes, 0, handle, 0), f"cuMemMap({addr:#x}, {nbytes})")
-                try:
-                    _check(cu, cu.cuMemSetAccess(addr, nbytes, self._access, 1), "cuMemSetAccess")
-                except BaseException:
-                    cu.cuMemUnmap(addr, nbytes)
-                    raise
-            except BaseException:
-                cu.cuMemRelease(handle)
-                raise
+            _map_with_access(cu, addr, nbytes, handle, self._access)
         self._state.handles[offset] = handle
 
     def pointer_attribute(self, name: str) -> Any:

@@ -177,23 +177,13 @@ class _ImportedRange:
 
     def map(self, offset: int, nbytes: int, fd: int) -> None:
         """Import ``fd`` (the caller closes it) and map it at ``offset``."""
-        from .cuda import _check
+        from .cuda import _check, _map_with_access
         cu, st = self.cu, self._state
         addr = self.address + offset
         with st.holder.ctx.current():
             handle = _check(cu, cu.cuMemImportFromShareableHandle(fd, _posix_fd_enum(cu)),
                             "cuMemImportFromShareableHandle(POSIX_FD)")
-            try:
-                _check(cu, cu.cuMemMap(addr, nbytes, 0, handle, 0),
-                       f"cuMemMap({addr:#x}, {nbytes})")
-                try:
-                    _check(cu, cu.cuMemSetAccess(addr, nbytes, self._access, 1), "cuMemSetAccess")
-                except BaseException:
-                    cu.cuMemUnmap(addr, nbytes)
-                    raise
-            except BaseException:
-                cu.cuMemRelease(handle)
-                raise
+            _map_with_access(cu, addr, nbytes, handle, self._access)
         st.handles[offset] = handle
         st.order.append((offset, nbytes))
         st.extents.append((offset, nbytes))
