@@ -8,6 +8,9 @@ always wins.
 - ``KVXFER_CONNECT_TIMEOUT_S``, ``KVXFER_TRANSFER_TIMEOUT_S`` — default deadlines.
 - ``KVXFER_PROGRESS_MODE`` = ``thread`` | ``thread-polling`` — default of
   :attr:`EngineConfig.progress_mode`.
+- ``KVXFER_FLUSH_PROGRESS`` = ``auto`` | ``spin`` | ``event`` — default of
+  :attr:`EngineConfig.flush_progress`.
+- ``KVXFER_DEVICE_COPY`` = ``auto`` | ``off`` — default of :attr:`EngineConfig.device_copy`.
 """
 from __future__ import annotations
 
@@ -31,6 +34,20 @@ ERROR_MODES = ("peer", "none")
 #: ``thread-polling``: it spins (one busy core per process; lowest completion latency).
 PROGRESS_MODES = ("thread", "thread-polling")
 
+#: Who progresses the UCX worker while a write's flush is in flight. ``spin``: a native poller
+#: thread of the transport calls ucp_worker_progress until the flush completes (one busy core
+#: only while flushes are pending; backs off after 2 ms). ``event``: UCXX's progress thread
+#: alone; it sleeps on the worker's event fd with a 1 ms timeout, and CUDA-IPC completions
+#: never signal that fd, so every CUDA flush then takes at least until the next 1 ms tick.
+#: ``auto``: ``spin`` for peers where either side registered non-host (CUDA) memory, else
+#: ``event`` (host lanes signal the fd; a spinning core would only steal CPU from the peer).
+FLUSH_PROGRESS = ("auto", "spin", "event")
+
+#: Same-host CUDA->CUDA writes (kvxfer.engine.devcopy). ``auto``: the peer's CUDA regions are
+#: mapped with legacy CUDA IPC and each write's runs are copied by one kernel launch (or a
+#: few copy-engine memcpys) instead of one UCX PUT per run; ``off``: always UCX.
+DEVICE_COPY = ("auto", "off")
+
 
 @functools.lru_cache(maxsize=1)
 def env_defaults() -> dict:
@@ -41,6 +58,10 @@ def env_defaults() -> dict:
         out["error_mode"] = env["KVXFER_ERROR_MODE"].strip().lower()
     if env.get("KVXFER_PROGRESS_MODE"):
         out["progress_mode"] = env["KVXFER_PROGRESS_MODE"].strip().lower()
+    if env.get("KVXFER_FLUSH_PROGRESS"):
+        out["flush_progress"] = env["KVXFER_FLUSH_PROGRESS"].strip().lower()
+    if env.get("KVXFER_DEVICE_COPY"):
+        out["device_copy"] = env["KVXFER_DEVICE_COPY"].strip().lower()
     for key, name in (("connect_timeout_s", "KVXFER_CONNECT_TIMEOUT_S"),
                       ("transfer_timeout_s", "KVXFER_TRANSFER_TIMEOUT_S")):
         if env.get(name):
@@ -80,6 +101,18 @@ class EngineConfig:
     #: UCXX progress mode (see PROGRESS_MODES); like ucx_options it takes effect only for the
     #: first UCX user in the process. None -> env KVXFER_PROGRESS_MODE or "thread".
     progress_mode: Optional[str] = None
+    #: who progresses the worker during a flush (see FLUSH_PROGRESS).
+    #: None -> env KVXFER_FLUSH_PROGRESS or "auto".
+    flush_progress: Optional[str] = None
+    #: same-host CUDA->CUDA writes by one copy launch (see DEVICE_COPY); also whether this
+    #: engine exports IPC handles of its CUDA regions to peers (after authentication, like
+    #: its memory keys). None -> env KVXFER_DEVICE_COPY or "auto".
+    device_copy: Optional[str] = None
+    #: a write takes the device lane only from this many runs (PUTs) up. Measured on the H200
+    #: (bench/results/transfer-h200.md): a lane launch costs ~0.1-0.5 ms of host time, so
+    #: writes of few large runs are faster as UCX PUTs (~10 us each); from ~128 runs on the
+    #: one launch wins (2048 scattered pages: 2x page-major, 20x per-layer)
+    device_min_ops: int = 128
     #: staged path (see kvxfer.engine.staging): an ItemWrite part that would need more than
     #: this many PUTs is gathered into a registered staging slot, PUT as one op per chunk into
     #: the peer's landing ring and scattered there before the notification; 0 disables staging
@@ -116,6 +149,16 @@ class EngineConfig:
         if self.progress_mode not in PROGRESS_MODES:
             raise InvalidArgument(
                 f"EngineConfig.progress_mode={self.progress_mode!r}; expected one of {PROGRESS_MODES}")
+        if self.flush_progress is None:
+            self.flush_progress = env.get("flush_progress", "auto")
+        if self.flush_progress not in FLUSH_PROGRESS:
+            raise InvalidArgument(
+                f"EngineConfig.flush_progress={self.flush_progress!r}; expected one of {FLUSH_PROGRESS}")
+        if self.device_copy is None:
+            self.device_copy = env.get("device_copy", "auto")
+        if self.device_copy not in DEVICE_COPY:
+            raise InvalidArgument(
+                f"EngineConfig.device_copy={self.device_copy!r}; expected one of {DEVICE_COPY}")
         if self.connect_timeout_s is None:
             self.connect_timeout_s = env.get("connect_timeout_s", 10.0)
         if self.transfer_timeout_s is None:
@@ -132,8 +175,8 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v <= 0:
                 raise InvalidArgument(f"EngineConfig.{name}={v!r} must be > 0")
-        for name, low in (("stage_min_ops", 0), ("stage_slot_bytes", 1), ("stage_slots", 1),
-                          ("stage_peer_slots", 1)):
+        for name, low in (("device_min_ops", 1), ("stage_min_ops", 0), ("stage_slot_bytes", 1),
+                          ("stage_slots", 1), ("stage_peer_slots", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise InvalidArgument(f"EngineConfig.{name}={v!r} must be an int >= {low}")
@@ -146,3 +189,11 @@ class EngineConfig:
         if self.stage_peer_slots > self.stage_slots:
             raise InvalidArgument(f"EngineConfig.stage_peer_slots={self.stage_peer_slots} "
                                   f"exceeds stage_slots={self.stage_slots}")
+
+
+def spin_flushes(mode: str, local_types, remote_types) -> bool:
+    """Whether flushes to a peer are progressed by the native poller: ``spin`` always,
+    ``event`` never, ``auto`` when either side registered non-host (CUDA) memory."""
+    if mode == "auto":
+        return any(t != "host" for t in local_types) or any(t != "host" for t in remote_types)
+    return mode == "spin"

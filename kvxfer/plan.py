@@ -149,7 +149,7 @@ def as_ids(values, what: str) -> np.ndarray:
 
 def check_ids(ids: np.ndarray, num_items: int, what: str) -> None:
     """Raise :class:`IndexOutOfRange` naming the first id outside ``[0, num_items)``."""
-    if ids.size == 0:
+    if ids.size == 0 or (int(ids.min()) >= 0 and int(ids.max()) < num_items):
         return
     bad = (ids < 0) | (ids >= num_items)
     if bad.any():
@@ -157,6 +157,28 @@ def check_ids(ids: np.ndarray, num_items: int, what: str) -> None:
         raise IndexOutOfRange(
             f"{what}: item id {first} out of range [0, {num_items}) "
             f"({int(bad.sum())} bad id(s))")
+
+
+def _by_source(src: np.ndarray, dst: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """``(src, dst)`` ordered by source id, ties by destination id. Already strictly
+    ascending sources (the common case: a request's pages in order) skip the sort; unique
+    sources need only a one-key sort."""
+    if src.size < 2 or bool((src[1:] > src[:-1]).all()):
+        return src, dst
+    order = np.argsort(src, kind="stable")
+    s = src[order]
+    if not bool((s[1:] > s[:-1]).all()):  # duplicate sources: ties by destination
+        order = np.lexsort((dst, src))
+        s = src[order]
+    return s, dst[order]
+
+
+def has_duplicates(ids: np.ndarray) -> bool:
+    """Whether a 1-D id array repeats a value (no sort when it is strictly ascending)."""
+    if ids.size < 2 or bool((ids[1:] > ids[:-1]).all()):
+        return False
+    s = np.sort(ids)
+    return not bool((s[1:] != s[:-1]).all())
 
 
 def merge_runs(src: np.ndarray, dst: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -169,8 +191,7 @@ def merge_runs(src: np.ndarray, dst: np.ndarray) -> Tuple[np.ndarray, np.ndarray
     if src.size == 0:
         z = np.zeros(0, dtype=np.int64)
         return z, z.copy(), z.copy()
-    order = np.lexsort((dst, src))
-    s, d = src[order], dst[order]
+    s, d = _by_source(src, dst)
     brk = np.ones(s.size, dtype=bool)
     brk[1:] = (np.diff(s) != 1) | (np.diff(d) != 1)
     starts = np.flatnonzero(brk)
@@ -224,7 +245,7 @@ def plan_items(local: GroupLayout, remote: GroupLayout, src_ids, dst_ids) -> Ops
     check_compatible(local, remote)
     check_ids(src, local.num_items, f"group {local.name!r} source")
     check_ids(dst, remote.num_items, f"group {local.name!r} destination")
-    if dst.size and np.unique(dst).size != dst.size:
+    if has_duplicates(dst):
         vals, counts = np.unique(dst, return_counts=True)
         raise InvalidArgument(
             f"group {local.name!r}: destination item {int(vals[counts > 1][0])} appears "

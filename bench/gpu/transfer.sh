@@ -4,8 +4,10 @@
 # PYTHONPATH=/tmp/site). Builds the native extension, runs the engine/transport tests on CUDA,
 # then `kvxfer bench transfer --device cuda` (per-layer vs page-major, error modes peer/none,
 # ratio to a raw 1-op PUT and to a torch device-to-device copy_ in the same run) and
-# ucx_perftest ucp_put_bw cuda->cuda at the same sizes. Each lane config runs with a direct-only
-# engine and a staged-path engine (--paths direct,staged; the "path" column says which ran). Writes $OUT/transfer.md (+ .json, .png).
+# ucx_perftest ucp_put_bw cuda->cuda at the same sizes. Each lane config runs with the device lane
+# (DEVCOPY=auto,off: same-host one-launch copies vs UCX PUTs) and flush progress FLUSH (auto: the
+# native poller spins during CUDA flushes; add ",event" for UCXX's progress thread alone);
+# PATHS=direct,staged adds the staged path. Writes $OUT/transfer.md (+ .json, .png).
 # Budget: ~4-6 min. Env: SIZES (pages, default 16,128,512,2048), ITERS (5).
 set -o pipefail
 OUT=${OUT:-/tmp/gpu_out}
@@ -14,6 +16,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export UCX_WARN_UNUSED_ENV_VARS=n
 SIZES=${SIZES:-16,128,512,2048}
 ITERS=${ITERS:-5}
+PATHS=${PATHS:-direct}
+FLUSH=${FLUSH:-auto}
+DEVCOPY=${DEVCOPY:-auto,off}
 LAYERS=8; PAGE_KIB=64; POOL=2048   # 1 MiB per page over 2*L descriptors; 2 GiB pools
 rc=0
 {
@@ -31,13 +36,8 @@ echo '```'
 echo
 echo "## kvxfer bench transfer --device cuda"
 timeout 420 python3 -m kvxfer bench transfer --device cuda --layers $LAYERS --page-kib $PAGE_KIB \
-    --pages $POOL --sizes "$SIZES" --iters "$ITERS" --json "$OUT/transfer.json" --plot "$OUT/transfer.png" 2>&1 \
+    --pages $POOL --sizes "$SIZES" --iters "$ITERS" --paths "$PATHS" --flush "$FLUSH" --device-copy "$DEVCOPY" --json "$OUT/transfer.json" --plot "$OUT/transfer.png" 2>&1 \
     | grep -v "UCX  WARN" || rc=1
-echo
-echo "## same, UCXX progress thread polling (KVXFER_PROGRESS_MODE=thread-polling)"
-KVXFER_PROGRESS_MODE=thread-polling timeout 300 python3 -m kvxfer bench transfer --device cuda --layers $LAYERS \
-    --page-kib $PAGE_KIB --pages $POOL --sizes "${POLL_SIZES:-16,512,2048}" --iters "$ITERS" \
-    --json "$OUT/transfer_polling.json" 2>&1 | grep -v "UCX  WARN" || rc=1
 echo
 echo "## ucx_perftest ucp_put_bw cuda->cuda (same host, same sizes, default lanes)"
 SP=$(python3 -c 'import libucx, os; print(os.path.dirname(libucx.__file__))')
@@ -75,12 +75,12 @@ for ln in open(sys.argv[2]):
     c = [x.strip() for x in ln.strip().strip("|").split("|")]
     if c and c[0].isdigit() and c[2] != "-":
         pt[int(c[0])] = float(c[2])
-print("| mode (lanes) | layout | page ids | MiB | path | ops | GB/s | raw 1-PUT GB/s | perftest GB/s | x perftest | raw x perftest | D2D copy_ GB/s | x D2D |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+print("| mode (lanes) | dev | flush | layout | page ids | MiB | path | ops | GB/s | raw 1-PUT GB/s | perftest GB/s | x perftest | raw x perftest | D2D copy_ GB/s | x D2D |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     b = int(round(r["MiB"] * 2**20)); p = pt.get(b)
     f = lambda v: f"{v:.2f}" if isinstance(v, float) else "-"
-    print(f"| {r['mode']} ({r['lanes']}) | {r['layout']} | {r['pageset']} | {r['MiB']:.0f} | {r.get('path', 'direct')} | {r['ops']} | {r['GBps']:.1f} | {r['raw_GBps']:.1f} | "
+    print(f"| {r['mode']} ({r['lanes']}) | {r.get('device_copy', 'off')} | {r.get('flush', '-')} | {r['layout']} | {r['pageset']} | {r['MiB']:.0f} | {r.get('path', 'direct')} | {r['ops']} | {r['GBps']:.1f} | {r['raw_GBps']:.1f} | "
           f"{f(p)} | {f(r['GBps'] / p) if p else '-'} | {f(r['raw_GBps'] / p) if p else '-'} | {r['memcpy_GBps']:.1f} | {r['vs_memcpy']:.3f} |")
 PY
 echo

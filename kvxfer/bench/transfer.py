@@ -19,6 +19,13 @@ a staging slot, PUT as one op per landing slot and scattered at the target befor
 completion); the ``path`` column says which path a row took and ``ops/req`` then shows the
 PUTs posted (and, in parentheses, what the direct path would have needed).
 
+``--device-copy auto,off`` runs engines with and without the same-host device lane
+(:mod:`kvxfer.engine.devcopy`; CUDA only, rows that used it say ``path=device``; their
+``raw 1-PUT`` column is then the same 1-op write through the device lane).
+``--flush auto,event`` adds one engine per flush-progress setting (EngineConfig.flush_progress;
+the ``flush`` column says which one ran and whether it spun); ``wake µs`` is the median time
+from UCX reporting the flush complete to the write returning (event-loop wake-up).
+
 The raw PUT and the item write alternate within one loop (same machine conditions); GB/s =
 bytes / best time of ``--iters`` (after a warm-up; medians are in the JSON), 1 GB = 1e9 B.
 The time of a write runs until the flush completed (bytes visible at the target).
@@ -55,7 +62,7 @@ class BenchNode(EngineNode):
         raw = [RawWrite(raw_group, 0, 0, nbytes)]
 
         async def loop():
-            t_raw, t_items, stats = [], [], None
+            t_raw, t_items, wake, stats = [], [], [], None
             for i in range(iters + 1):
                 t0 = time.perf_counter()
                 await peer.write(raw)
@@ -65,13 +72,16 @@ class BenchNode(EngineNode):
                 if i:
                     t_raw.append(t1 - t0)
                     t_items.append(t2 - t1)
-            return t_raw, t_items, stats
+                    wake.append(stats.complete_s - stats.flush_s)
+            return t_raw, t_items, wake, stats
 
-        t_raw, t_items, st = sync._run(loop(), timeout)
+        t_raw, t_items, wake, st = sync._run(loop(), timeout)
         return {"items_best": min(t_items), "items_med": statistics.median(t_items),
                 "raw_best": min(t_raw), "raw_med": statistics.median(t_raw),
                 "ops": st.ops, "bytes": st.bytes, "lanes": st.lanes, "post_s": st.post_s,
-                "staged": st.staged, "direct_ops": st.staged_direct_ops or st.ops}
+                "staged": st.staged, "direct_ops": st.staged_direct_ops or st.ops,
+                "spin": peer.spin, "wake_med": statistics.median(wake),
+                "device_bytes": st.device_bytes}
 
     def cmd_bench_memcpy(self, nbytes, iters, device):
         times = []  # best of iters (after a warm-up)
@@ -122,23 +132,25 @@ def run(args) -> dict:
                        stage_slots=max(8, 4 * len(args.modes))),
         "groups": groups, "device": args.device}}},
         name="target")
-    # one initiator engine per (lane config, path config): "direct" never stages
-    # (stage_min_ops=0), "staged" stages parts above --stage-min-ops PUTs
-    keys = [(m, p) for m in args.modes for p in args.paths]
-    init = Child(bench_node, {"engines": {f"{m}/{p}": {
-        "config": dict(cfg, name=f"init-{m}-{p}", error_mode=m,
-                       stage_min_ops=0 if p == "direct" else args.stage_min_ops,
+    # one initiator engine per (lane config, path config, flush progress): "direct" never
+    # stages (stage_min_ops=0), "staged" stages parts above --stage-min-ops PUTs
+    keys = [(m, p, f, d) for m in args.modes for p in args.paths for f in args.flush
+            for d in args.device_copy]
+    init = Child(bench_node, {"engines": {"/".join(k): {
+        "config": dict(cfg, name="init-" + "-".join(k), error_mode=k[0], flush_progress=k[2],
+                       device_copy=k[3],
+                       stage_min_ops=0 if k[1] == "direct" else args.stage_min_ops,
                        stage_host_memory=True,
                        stage_slot_bytes=args.stage_slot_mib << 20),
-        "groups": groups, "device": args.device} for m, p in keys}}, name="initiator")
+        "groups": groups, "device": args.device} for k in keys}}, name="initiator")
     rows: list = []
     report = {"args": vars(args), "rows": rows}
     try:
         port = target.start(120)["t"]
         init.start(120)
         peers = {}
-        for m, p in keys:
-            k = f"{m}/{p}"
+        for key in keys:
+            k = "/".join(key)
             res = init.call("connect", k, "127.0.0.1", port)
             if "ok" not in res:
                 raise RuntimeError(f"connect ({k}): {res}")
@@ -154,8 +166,8 @@ def run(args) -> dict:
                     "contiguous": (list(range(n)), list(range(args.pages - n, args.pages)))}
             nbytes = n * 2 * args.layers * page
             memcpy_s = init.call("bench_memcpy", nbytes, args.iters, args.device, timeout=300)
-            for m, p in keys:
-                k = f"{m}/{p}"
+            for m, p, f, dc in keys:
+                k = "/".join((m, p, f, dc))
                 for (layout, group), pset in itertools.product(
                         (("per-layer", "kv"), ("page-major", "pm")), args.pagesets):
                     src, dst = sets[pset]
@@ -164,7 +176,11 @@ def run(args) -> dict:
                     assert r["bytes"] == nbytes
                     rows.append({
                         "mode": m, "lanes": ",".join(r["lanes"]), "layout": layout,
-                        "config": p, "path": "staged" if r["staged"] else "direct",
+                        "flush": f"{f} ({'spin' if r['spin'] else 'event'})",
+                        "wake_us": r["wake_med"] * 1e6,
+                        "config": p, "device_copy": dc,
+                        "path": ("staged" if r["staged"] else
+                                 "device" if r["device_bytes"] == nbytes else "direct"),
                         "direct_ops": r["direct_ops"],
                         "pageset": pset, "pages": n, "MiB": nbytes / 2**20, "ops": r["ops"],
                         "GBps": nbytes / r["items_best"] / 1e9,
@@ -182,15 +198,15 @@ def run(args) -> dict:
     return report
 
 
-_HEAD = ("| lanes (mode) | layout | page ids | pages | MiB | path | ops/req | GB/s | raw 1-PUT GB/s "
-         "| memcpy GB/s | × raw | × memcpy | post ms |\n"
-         "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+_HEAD = ("| lanes (mode) | flush | layout | page ids | pages | MiB | path | ops/req | GB/s "
+         "| raw 1-PUT GB/s | memcpy GB/s | × raw | × memcpy | post ms | wake µs |\n"
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def _row(r) -> str:
-    return (f"| {r['lanes']} ({r['mode']}) | {r['layout']} | {r['pageset']} | {r['pages']} | {r['MiB']:.1f} | "
+    return (f"| {r['lanes']} ({r['mode']}, dev {r.get('device_copy', 'off')}) | {r['flush']} | {r['layout']} | {r['pageset']} | {r['pages']} | {r['MiB']:.1f} | "
             f"{r['path']} | {r['ops']}{'' if r['path'] == 'direct' else ' (%d)' % r['direct_ops']} | {r['GBps']:.2f} | {r['raw_GBps']:.2f} | {r['memcpy_GBps']:.2f} | "
-            f"{r['vs_raw']:.2f} | {r['vs_memcpy']:.2f} | {r['post_ms']:.2f} |")
+            f"{r['vs_raw']:.2f} | {r['vs_memcpy']:.2f} | {r['post_ms']:.2f} | {r['wake_us']:.0f} |")
 
 
 def _plot(report, path) -> bool:
@@ -239,6 +255,11 @@ def main(argv=None) -> int:
     ap.add_argument("--paths", default="direct,staged",
                     help="engine configs: direct (stage_min_ops=0) and/or staged "
                          "(--stage-min-ops); the path column says which one ran")
+    ap.add_argument("--flush", default="auto",
+                    help="flush progress configs (EngineConfig.flush_progress): auto, spin, event")
+    ap.add_argument("--device-copy", default="off",
+                    help="device lane configs (EngineConfig.device_copy): auto and/or off; "
+                         "rows that took it show path=device")
     ap.add_argument("--stage-min-ops", type=int, default=256,
                     help="staged config: stage parts needing more PUTs than this")
     ap.add_argument("--stage-slot-mib", type=int, default=EngineConfig.stage_slot_bytes >> 20,
@@ -251,6 +272,8 @@ def main(argv=None) -> int:
     args.modes = [m.strip() for m in args.modes.split(",")]
     args.pagesets = [p.strip() for p in args.pagesets.split(",")]
     args.paths = [p.strip() for p in args.paths.split(",")]
+    args.flush = [f.strip() for f in args.flush.split(",")]
+    args.device_copy = [d.strip() for d in args.device_copy.split(",")]
     if not set(args.paths) <= {"direct", "staged"}:
         ap.error(f"--paths {args.paths}: expected direct and/or staged")
     print(f"kvxfer bench transfer: device={args.device} layers={args.layers} "

@@ -116,6 +116,7 @@ class TransferEngine:
         stage = ((cfg.stage_slot_bytes, cfg.stage_slots, cfg.stage_peer_slots,
                   cfg.stage_host_memory)
                  if cfg.stage_min_ops > 0 else None)
+        self._groups.export_ipc = cfg.device_copy == "auto"
         self._groups.freeze(self._transport, cfg.merge_adjacent, stage)
         try:
             self.address = await self._transport.listen(self.config.host, self.config.port,

@@ -47,6 +47,9 @@ class LocalGroups:
         #: {group: legacy-IPC capable?} for CUDA groups (None: host memory / unknown); see
         #: kvxfer.engine.ipc. Filled by freeze().
         self.ipc: Dict[str, Optional[bool]] = {}
+        #: offer peers the device lane (export IPC blobs of CUDA regions); set by the engine
+        self.export_ipc = False
+        self._blobs: Optional[List[bytes]] = None
         self.frozen = False
 
     def add(self, name, ptrs, lens, item_lens) -> plan.GroupLayout:
@@ -145,6 +148,25 @@ class LocalGroups:
         return ([r.addr for r in self.regions], [r.length for r in self.regions],
                 [r.packed_key() for r in self.regions], [r.mem_type for r in self.regions])
 
+    def ipc_blobs(self) -> Optional[List[bytes]]:
+        """Per region its CUDA IPC blob or b"" (computed once); None when not offered or
+        no region has one."""
+        if not self.export_ipc:
+            return None
+        if self._blobs is None:
+            from kvxfer.transport.cuda_driver import ipc_export
+
+            self._blobs = [(ipc_export(r.addr) or b"") if r.mem_type == "cuda" else b""
+                           for r in self.regions]
+        return self._blobs if any(self._blobs) else None
+
+    def cuda_regions(self, device: int) -> List[Region]:
+        """Registrations in CUDA memory of ``device``."""
+        from kvxfer.transport.cuda_driver import device_ordinal
+
+        return [r for r in self.regions if r.mem_type == "cuda"
+                and device_ordinal(r.addr) == device]
+
     def grant_landing(self) -> Dict[str, dict]:
         """Landing slots for one new peer, per staged group, in Layout.landing form."""
         out = {}
@@ -193,6 +215,8 @@ class RemoteGroups:
     address: Optional[bytes]
     #: landing slots the peer granted us: {group: (region index, base, slot_bytes, [slots])}
     landing: Dict[str, tuple] = None
+    #: per region the peer's CUDA IPC blob or b"" (empty list: none offered)
+    ipc: List[bytes] = None
 
 
 def _int_list(v, where: str) -> List[int]:
@@ -235,7 +259,22 @@ def parse_remote(msg) -> RemoteGroups:
         desc_region[name] = np.asarray(cols["regions"], dtype=_U64)
     landing = parse_landing(msg.landing, groups, bases, lens)
     return RemoteGroups(groups, desc_region, bases, lens, list(msg.region_keys),
-                        list(msg.region_types), msg.address, landing)
+                        list(msg.region_types), msg.address, landing,
+                        parse_ipc(msg.region_ipc, n))
+
+
+def parse_ipc(raw, n: int) -> List[bytes]:
+    """Validate Layout.region_ipc: None, or one bytes entry per region, each empty or one
+    IPC blob."""
+    from kvxfer.transport.cuda_driver import IPC_BLOB_BYTES
+
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or len(raw) != n or not all(
+            isinstance(b, (bytes, bytearray)) and len(b) in (0, IPC_BLOB_BYTES) for b in raw):
+        raise ProtocolError(f"layout: region_ipc must be {n} entries of 0 or "
+                            f"{IPC_BLOB_BYTES} bytes")
+    return [bytes(b) for b in raw]
 
 
 def parse_landing(raw, groups, bases, lens) -> Dict[str, tuple]:

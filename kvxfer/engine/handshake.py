@@ -130,7 +130,8 @@ def _layout(local: LocalGroups, address: bytes, grant: dict) -> bytes:
     bases, lens, keys, types = local.region_table()
     return m.Layout(groups=local.wire_groups(), region_bases=bases, region_lens=lens,
                     region_keys=keys, region_types=types, address=address,
-                    landing=grant or None, non_ipc=ipc.non_ipc(local.ipc) or None).encode()
+                    landing=grant or None, non_ipc=ipc.non_ipc(local.ipc) or None,
+                    region_ipc=local.ipc_blobs()).encode()
 
 
 def _check_ipc(local: LocalGroups, layout: m.Layout, remote: RemoteGroups, hostname: str,

@@ -14,8 +14,12 @@ Invariants
   SlotFree for it), is gathered, PUT as one op, flushed, and its scatter plan is sent; the
   peer validates the plan, scatters and frees the slot before it dispatches anything that
   arrived after the plan (the notify), so handlers still run after the bytes are in place.
+- Same-host CUDA->CUDA ops go over the device lane when there is one
+  (:mod:`kvxfer.engine.devcopy`); the write waits for its launch AND its UCX flush before
+  ``notify``, so the same visibility rule holds for both lanes.
 - ``close()`` is idempotent: goodbye (best effort, bounded), stop tasks, destroy remote
-  keys and endpoints; the engine's peer-closed handlers run exactly once per peer.
+  keys and endpoints, unmap the device lane; the engine's peer-closed handlers run exactly
+  once per peer.
 """
 from __future__ import annotations
 
@@ -28,7 +32,8 @@ from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Tuple, Union
 import numpy as np
 
 from kvxfer import plan, wire
-from kvxfer.engine import fastplan
+from kvxfer.config import spin_flushes
+from kvxfer.engine import devcopy, fastplan
 from kvxfer.engine import messages as m
 from kvxfer.engine.groups import RemoteGroups
 from kvxfer.engine.types import ItemWrite, RawWrite, TransferStats
@@ -63,6 +68,12 @@ class Peer:
         self._closing = False
         self._notified = False
         self.lanes: List[str] = rma.lanes()
+        #: flushes progressed by the transport's native poller (see config.FLUSH_PROGRESS)
+        self.spin = spin_flushes(engine.config.flush_progress, engine._groups.mem_types,
+                                 remote.types)
+        #: the same-host device lane (kvxfer.engine.devcopy) and why there is / is not one
+        self._dev, self.device_lane = devcopy.open_lane(engine.config, engine._groups,
+                                                        hostname, remote)
         # staged path: slots we granted the peer (target role) and slots it granted us
         self._granted_raw = granted or {}
         self._granted = {g: set(b["slots"]) for g, b in self._granted_raw.items()}
@@ -307,16 +318,31 @@ class Peer:
                               ops=int(laddr.size), lanes=list(self.lanes))
         t0 = time.perf_counter()
         deadline = self._loop.time() + timeout
+        launched = None
+        if self._dev is not None and laddr.size >= self._engine.config.device_min_ops:
+            on_dev = self._dev.select(lmemh, ridx)
+            if on_dev.any():
+                launched = self._dev.launch(laddr[on_dev], raddr[on_dev], nbytes[on_dev],
+                                            ridx[on_dev])
+                stats.device_ops = int(on_dev.sum())
+                stats.device_bytes = int(nbytes[on_dev].sum(dtype=_U64))
+                keep = ~on_dev
+                laddr, raddr, nbytes, lmemh, ridx = (laddr[keep], raddr[keep], nbytes[keep],
+                                                     lmemh[keep], ridx[keep])
         try:
             if laddr.size:
                 self._rma.put(laddr, raddr, nbytes, lmemh, ridx)
-            t1 = time.perf_counter()
+            t1, m1 = time.perf_counter(), time.monotonic()
+            if launched is not None:
+                await self._bounded(self._dev.wait(launched), timeout, "device copy")
             drained = []  # one future per staged chunk: the peer scattered it
             for group, src, dst, direct_ops in staged:
                 drained += await self._write_staged(group, src, dst, deadline, stats)
                 stats.staged_direct_ops += direct_ops
             if laddr.size:
-                await self._bounded(self._rma.flush(timeout), timeout, "flush")
+                t_done = await self._bounded(self._rma.flush(timeout, self.spin), timeout,
+                                             "flush")
+                stats.flush_s = max(0.0, t_done - m1)
         except PeerClosed as exc:  # the endpoint failed: this peer is gone
             self._mark_dead(exc)
             raise
@@ -379,7 +405,7 @@ class Peer:
                               arr(land.base + rslot * land.slot_bytes), arr(nbytes),
                               arr(stage.staging_region.handle), arr(land.region))
                 t = self._left(deadline, "staged flush")
-                await self._bounded(self._rma.flush(t), t, "staged flush")
+                await self._bounded(self._rma.flush(t, self.spin), t, "staged flush")
             finally:
                 stage.staging_free.put_nowait(lslot)
             t = self._left(deadline, "scatter plan")
@@ -439,6 +465,8 @@ class Peer:
                              return_exceptions=True)
         await self._rma.close(grace)
         await self._channel.close(grace)
+        if self._dev is not None:
+            self._dev.close()
         self._engine._groups.release_landing(self._granted_raw)
         self._granted_raw = {}
 

@@ -42,14 +42,9 @@ SUPPORTED_MEM_TYPES = ("host", "cuda")
 
 def _cuda_ordinal(addr: int) -> Optional[int]:
     """CUDA device ordinal of a device pointer (driver query; None when unknown)."""
-    from kvxfer.transport.ucx_rma import cuda_alloc_range, _CUDA_DRIVER
+    from kvxfer.transport.cuda_driver import device_ordinal
 
-    if cuda_alloc_range(addr) is None or not _CUDA_DRIVER or _CUDA_DRIVER[0] is None:
-        return None
-    out = ctypes.c_int(-1)
-    if _CUDA_DRIVER[0](ctypes.byref(out), 9, addr) != 0:  # CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
-        return None
-    return out.value
+    return device_ordinal(addr)
 
 
 class _CudaBytes:

@@ -31,7 +31,11 @@ class RawWrite:
 class TransferStats:
     """What one ``Peer.write`` did. ``post_s``: time spent posting the native batch;
     ``complete_s``: from the end of posting until the flush completed (bytes visible at the
-    target) and the notification was handed to UCX. ``lanes``: UCX transports carrying RMA.
+    target) and the notification was handed to UCX; ``flush_s``: from the end of posting until
+    UCX reported the flush complete (the rest of ``complete_s`` is waking the event loop and
+    the notification). ``lanes``: UCX transports carrying RMA. ``device_bytes`` of ``bytes``
+    (in ``device_ops`` of the ``ops`` runs) went over the same-host device lane (one copy
+    launch into the peer's IPC-mapped memory, kvxfer.engine.devcopy) instead of UCX.
     ``staged``: at least one part went through the staged path (gather → one PUT per
     landing-slot chunk → scatter at the target); ``staged_bytes`` of ``bytes`` did, and
     ``staged_direct_ops`` is how many PUTs those parts would have needed unstaged; ``ops``
@@ -41,6 +45,9 @@ class TransferStats:
     ops: int = 0
     post_s: float = 0.0
     complete_s: float = 0.0
+    flush_s: float = 0.0
+    device_bytes: int = 0
+    device_ops: int = 0
     lanes: List[str] = field(default_factory=list)
     staged: bool = False
     staged_bytes: int = 0

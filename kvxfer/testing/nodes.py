@@ -160,9 +160,11 @@ class EngineNode:
 
     def cmd_write(self, key, peer_id, parts, notify=None, timeout=None):
         def go():
-            st = self._peer(key, peer_id).write(self._writes(parts), notify, timeout)
-            return {"bytes": st.bytes, "ops": st.ops, "lanes": st.lanes,
-                    "post_s": st.post_s, "complete_s": st.complete_s}
+            p = self._peer(key, peer_id)
+            st = p.write(self._writes(parts), notify, timeout)
+            return {"device_lane": getattr(p, "_peer", p).device_lane,"bytes": st.bytes, "ops": st.ops, "lanes": st.lanes,
+                    "post_s": st.post_s, "complete_s": st.complete_s, "flush_s": st.flush_s,
+                    "device_bytes": st.device_bytes, "device_ops": st.device_ops}
         return _result(go)
 
     def cmd_write_many(self, key, peer_id, batches, timeout=None):
@@ -200,10 +202,12 @@ class EngineNode:
         st = self.streams[key] = {"count": 0, "error": None, "stop": False, "t_end": None}
         ids = list(range(n_items))
 
+        peer = self._peer(key, peer_id)  # once: a dead peer leaves the engine's table
+
         def loop():
             try:
                 while not st["stop"]:
-                    self._peer(key, peer_id).write(self._writes([(group, ids, ids)]), None, timeout)
+                    peer.write(self._writes([(group, ids, ids)]), None, timeout)
                     st["count"] += 1
             except Exception as exc:  # reported to the parent
                 st["error"] = (type(exc).__name__, str(exc))

@@ -43,7 +43,9 @@ class _TransportChecks:
         return t, client, server, rma
 
     @staticmethod
-    async def put_and_bounds(error_mode):
+    async def put_and_bounds(error_mode, spin=False):
+        import time
+
         import numpy as np
 
         from kvxfer.errors import IndexOutOfRange
@@ -63,7 +65,7 @@ class _TransportChecks:
             out["bounds"] = "not raised"
         except IndexOutOfRange as exc:
             out["bounds"] = str(exc)
-        await rma.flush(5.0)
+        await rma.flush(5.0, spin)
         out["untouched_after_reject"] = int(dst.sum()) == 0
         try:
             rma.put(a(src.ctypes.data), a(rd.addr), a(16), a(0), a(1))  # region 1 of 1
@@ -79,12 +81,14 @@ class _TransportChecks:
                 out[name] = type(exc).__name__
         n = rma.put(a(src.ctypes.data, src.ctypes.data + 100), a(rd.addr + 1000, rd.addr + 8192 - 50),
                     a(100, 50), a(rs.handle, 0), a(0, 0))
-        await rma.flush(5.0)
+        t_done = await rma.flush(5.0, spin)
+        out["t_done_ok"] = isinstance(t_done, float) and t_done <= time.monotonic()
         out["posted"] = n
         out["exact"] = (bytes(dst[1000:1100]) == bytes(src[:100])
                         and bytes(dst[8142:]) == bytes(src[100:150])
                         and int(dst[:1000].sum()) == 0 and int(dst[1100:8142].sum()) == 0)
-        await t.flush_worker(5.0)
+        await t.flush_worker(5.0, spin)
+        out["spinning_after"] = t._cq.spinning
         await rma.close(1.0)
         await rma.close(1.0)  # idempotent
         await client.close(1.0)
@@ -128,22 +132,32 @@ class _TransportChecks:
         from ucxx import core
 
         worker = core._get_ctx().worker.handle
-        cq = rma.CompletionQueue()
-        st = cq.worker_flush(worker, 7)
-        got = []
-        if st is None:  # pending: wait for the eventfd
-            loop = asyncio.get_running_loop()
-            ev = asyncio.Event()
-            loop.add_reader(cq.fileno(), ev.set)
-            await asyncio.wait_for(ev.wait(), 5.0)
-            loop.remove_reader(cq.fileno())
-            got = cq.drain()
-        pending = cq.pending
-        cq.close()
-        cq.close()
+        out = {}
         try:
-            cq.drain()
-            closed = "not raised"
+            rma.CompletionQueue().worker_flush(worker, 1, True)
+            out["spin_without_worker"] = "not raised"
         except ValueError:
-            closed = "ValueError"
-        return {"status": st, "drained": got, "pending": pending, "closed": closed}
+            out["spin_without_worker"] = "ValueError"
+        for spin in (False, True):
+            cq = rma.CompletionQueue(worker=worker)
+            st = cq.worker_flush(worker, 7, spin)
+            got = []
+            if st is None:  # pending: wait for the eventfd
+                loop = asyncio.get_running_loop()
+                ev = asyncio.Event()
+                loop.add_reader(cq.fileno(), ev.set)
+                await asyncio.wait_for(ev.wait(), 5.0)
+                loop.remove_reader(cq.fileno())
+                got = [(tok, s) for tok, s, _ in cq.drain()]
+            res = {"status": st, "drained": got, "pending": cq.pending, "spinning": cq.spinning,
+                   "poller": cq.poller_live}
+            cq.close()
+            cq.close()
+            res["poller_after_close"] = cq.poller_live
+            try:
+                cq.drain()
+                res["closed"] = "not raised"
+            except ValueError:
+                res["closed"] = "ValueError"
+            out["spin" if spin else "event"] = res
+        return out

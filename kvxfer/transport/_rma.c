@@ -12,10 +12,17 @@
  *   put_batch                 one C loop of ucp_put_nbx over arrays; every op is bounds-checked
  *                             against its remote region BEFORE any is posted; GIL released
  *                             while posting
- *   CompletionQueue           ep/worker flush whose completion (token, status) is queued and
- *                             signalled on an eventfd that asyncio watches (loop.add_reader).
+ *   CompletionQueue           ep/worker flush whose completion (token, status, time) is queued
+ *                             and signalled on an eventfd that asyncio watches (loop.add_reader).
  *                             Callbacks run on whatever thread progresses the worker (UCXX's
- *                             progress thread); they never touch Python objects.
+ *                             progress thread or the poller below); they never touch Python.
+ *   poller                    a flush started with spin=True is progressed by a native thread
+ *                             of the queue that calls ucp_worker_progress while (and only
+ *                             while) such flushes are in flight, then sleeps on a condition
+ *                             variable. UCXX's progress thread sleeps on the worker's event fd
+ *                             with a 1 ms epoll timeout, and cuda_ipc completions (CUDA events)
+ *                             never signal that fd: without the poller every CUDA flush
+ *                             completed on the next 1 ms tick.
  *   ep_info                   ucp_ep_print_info captured as a string (lanes / transports)
  *   CompletionQueue.ep_create bulk endpoint (error mode NONE + error handler, see there)
  *
@@ -26,6 +33,11 @@
  *   - A CompletionQueue's shared core lives until the Python object is gone AND every flush
  *     it started has called back (reference count), so a callback arriving after close()
  *     or after a Python-side timeout is harmless.
+ *   - The poller thread is joined by close() (GIL released) before the eventfd closes, so it
+ *     never progresses a worker after the queue was closed; the owner closes the queue
+ *     before UCXX tears its worker down. A spinning poller backs off to short sleeps after
+ *     2 ms without progress events and to 200 us sleeps after 100 ms (a stuck flush costs
+ *     little CPU; the Python side times it out).
  *   - put_batch either rejects the whole batch before posting anything (bad bounds) or
  *     raises UcxError(status, message, posted) after `posted` ops went out.
  */
@@ -39,6 +51,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <ucp/api/ucp.h>
@@ -347,6 +360,7 @@ static PyObject *py_ucx_version(PyObject *self, PyObject *noargs)
 typedef struct {
     uint64_t token;
     int status;
+    double t; /* CLOCK_MONOTONIC seconds when UCX reported it (= Python's time.monotonic) */
 } cq_item_t;
 
 typedef struct {
@@ -355,12 +369,26 @@ typedef struct {
     int refs;     /* Python object + in-flight requests */
     cq_item_t *items;
     size_t n, cap;
+    /* poller: progresses `worker` while spinning > 0 (spin flushes in flight) */
+    ucp_worker_h worker;
+    long spinning;
+    int stop, thread_live;
+    pthread_t thread;
+    pthread_cond_t cv;
 } cq_core_t;
 
 typedef struct {
     cq_core_t *core;
     uint64_t token;
+    int spin;
 } cq_req_t;
+
+static double mono_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
 
 static void cq_core_unref_locked(cq_core_t *c, int *free_it)
 {
@@ -369,6 +397,7 @@ static void cq_core_unref_locked(cq_core_t *c, int *free_it)
 
 static void cq_core_free(cq_core_t *c)
 {
+    pthread_cond_destroy(&c->cv);
     pthread_mutex_destroy(&c->mu);
     free(c->items);
     free(c);
@@ -391,6 +420,7 @@ static void cq_push_locked(cq_core_t *c, uint64_t token, ucs_status_t status)
     if (c->n < c->cap) {
         c->items[c->n].token  = token;
         c->items[c->n].status = (int)status;
+        c->items[c->n].t      = mono_now();
         c->n++;
     }
     if (write(c->fd, &one, sizeof(one)) < 0) { /* counter overflow only: ignore */
@@ -405,12 +435,45 @@ static void cq_callback(void *request, ucs_status_t status, void *user)
     int free_it   = 0;
     pthread_mutex_lock(&c->mu);
     cq_push_locked(c, r->token, status);
+    if (r->spin)
+        __atomic_fetch_sub(&c->spinning, 1, __ATOMIC_RELEASE);
     cq_core_unref_locked(c, &free_it);
     pthread_mutex_unlock(&c->mu);
     if (free_it)
         cq_core_free(c);
     free(r);
     ucp_request_free(request);
+}
+
+/* The poller: progress the worker while spin flushes are in flight, else sleep. */
+static void *cq_poller_main(void *arg)
+{
+    cq_core_t *c = (cq_core_t *)arg;
+    pthread_mutex_lock(&c->mu);
+    for (;;) {
+        ucp_worker_h w;
+        double t0;
+        while (!c->stop && c->spinning <= 0)
+            pthread_cond_wait(&c->cv, &c->mu);
+        if (c->stop)
+            break;
+        w = c->worker;
+        pthread_mutex_unlock(&c->mu);
+        t0 = mono_now();
+        while (__atomic_load_n(&c->spinning, __ATOMIC_ACQUIRE) > 0 &&
+               !__atomic_load_n(&c->stop, __ATOMIC_ACQUIRE)) {
+            if (ucp_worker_progress(w) == 0) {
+                double busy = mono_now() - t0;
+                if (busy > 2e-3) {
+                    struct timespec ts = {0, busy > 0.1 ? 200000 : 10000};
+                    nanosleep(&ts, NULL);
+                }
+            }
+        }
+        pthread_mutex_lock(&c->mu);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
 }
 
 typedef struct {
@@ -420,9 +483,10 @@ typedef struct {
 
 static int cq_init(CompletionQueue *self, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {NULL};
+    static char *kwlist[] = {"worker", NULL};
+    unsigned long long worker = 0;
     cq_core_t *c;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "", kwlist))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|K", kwlist, &worker))
         return -1;
     if (self->core != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "CompletionQueue already initialised");
@@ -440,7 +504,9 @@ static int cq_init(CompletionQueue *self, PyObject *args, PyObject *kw)
         return -1;
     }
     pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->cv, NULL);
     c->refs    = 1;
+    c->worker  = (ucp_worker_h)(uintptr_t)worker;
     self->core = c;
     return 0;
 }
@@ -453,6 +519,17 @@ static void cq_release(CompletionQueue *self)
         return;
     self->core = NULL;
     pthread_mutex_lock(&c->mu);
+    if (c->thread_live) { /* stop and join the poller before anything else goes */
+        pthread_t th = c->thread;
+        __atomic_store_n(&c->stop, 1, __ATOMIC_RELEASE);
+        c->thread_live = 0;
+        pthread_cond_signal(&c->cv);
+        pthread_mutex_unlock(&c->mu);
+        Py_BEGIN_ALLOW_THREADS
+        pthread_join(th, NULL);
+        Py_END_ALLOW_THREADS
+        pthread_mutex_lock(&c->mu);
+    }
     if (c->fd >= 0) {
         close(c->fd);
         c->fd = -1;
@@ -476,27 +553,52 @@ static cq_core_t *cq_core(CompletionQueue *self)
     return self->core;
 }
 
-/* Start a flush; returns None when pending (token will be drained), else the status. */
+/*
+ * Start a flush; returns None when pending (token will be drained), else the status.
+ * spin: the queue's poller progresses the worker until this flush has called back.
+ */
 static PyObject *cq_flush(CompletionQueue *self, PyObject *args, int worker)
 {
     PyObject *h_o;
     unsigned long long token;
+    int spin = 0;
     void *h;
     cq_core_t *c = cq_core(self);
     cq_req_t *r;
     ucp_request_param_t p;
     ucs_status_ptr_t sp;
-    if (c == NULL || !PyArg_ParseTuple(args, "OK", &h_o, &token))
+    if (c == NULL || !PyArg_ParseTuple(args, "OK|p", &h_o, &token, &spin))
         return NULL;
     if (get_handle(h_o, &h, worker ? "worker" : "endpoint") < 0)
         return NULL;
+    if (spin && c->worker == NULL) {
+        PyErr_SetString(PyExc_ValueError, "spin flush on a CompletionQueue made without a worker");
+        return NULL;
+    }
     r = malloc(sizeof(*r));
     if (r == NULL)
         return PyErr_NoMemory();
     r->core  = c;
     r->token = token;
+    r->spin  = spin;
     pthread_mutex_lock(&c->mu);
     c->refs++; /* held by the request until its callback */
+    if (spin) {
+        if (!c->thread_live) {
+            int err = pthread_create(&c->thread, NULL, cq_poller_main, c);
+            if (err != 0) {
+                c->refs--;
+                pthread_mutex_unlock(&c->mu);
+                free(r);
+                errno = err;
+                return PyErr_SetFromErrno(PyExc_OSError);
+            }
+            c->thread_live = 1;
+        }
+        /* before posting: the callback may run at once on another thread */
+        __atomic_fetch_add(&c->spinning, 1, __ATOMIC_RELEASE);
+        pthread_cond_signal(&c->cv);
+    }
     pthread_mutex_unlock(&c->mu);
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     p.cb.send      = cq_callback;
@@ -509,6 +611,8 @@ static PyObject *cq_flush(CompletionQueue *self, PyObject *args, int worker)
     {
         int free_it = 0;
         pthread_mutex_lock(&c->mu);
+        if (spin)
+            __atomic_fetch_sub(&c->spinning, 1, __ATOMIC_RELEASE);
         cq_core_unref_locked(c, &free_it);
         pthread_mutex_unlock(&c->mu);
         assert(!free_it); /* the Python object still holds a reference */
@@ -613,6 +717,7 @@ static PyObject *cq_ep_close(CompletionQueue *self, PyObject *args)
         return PyErr_NoMemory();
     r->core  = c;
     r->token = token;
+    r->spin  = 0;
     pthread_mutex_lock(&c->mu);
     c->refs++;
     pthread_mutex_unlock(&c->mu);
@@ -674,7 +779,8 @@ static PyObject *cq_drain(CompletionQueue *self, PyObject *noargs)
     pthread_mutex_unlock(&c->mu);
     out = PyList_New((Py_ssize_t)n);
     for (i = 0; out != NULL && i < n; i++) {
-        PyObject *t = Py_BuildValue("(Ki)", (unsigned long long)items[i].token, items[i].status);
+        PyObject *t = Py_BuildValue("(Kid)", (unsigned long long)items[i].token, items[i].status,
+                                    items[i].t);
         if (t == NULL) {
             Py_CLEAR(out);
             break;
@@ -708,18 +814,36 @@ static PyObject *cq_pending(CompletionQueue *self, void *closure)
     return PyLong_FromLong(n);
 }
 
+static PyObject *cq_spinning(CompletionQueue *self, void *closure)
+{
+    long n = 0;
+    if (self->core != NULL) {
+        pthread_mutex_lock(&self->core->mu);
+        n = self->core->spinning;
+        pthread_mutex_unlock(&self->core->mu);
+    }
+    return PyLong_FromLong(n);
+}
+
+static PyObject *cq_poller_live(CompletionQueue *self, void *closure)
+{
+    return PyBool_FromLong(self->core != NULL && self->core->thread_live);
+}
+
 static PyMethodDef cq_methods[] = {
     {"ep_flush", (PyCFunction)cq_ep_flush, METH_VARARGS,
-     "ep_flush(ep, token) -> None if pending (token appears in drain()), else ucs status"},
+     "ep_flush(ep, token, spin=False) -> None if pending (token appears in drain()), else ucs "
+     "status; spin: the queue's poller thread progresses the worker until it completes"},
     {"worker_flush", (PyCFunction)cq_worker_flush, METH_VARARGS,
-     "worker_flush(worker, token) -> None if pending, else ucs status"},
+     "worker_flush(worker, token, spin=False) -> None if pending, else ucs status"},
     {"ep_create", (PyCFunction)cq_ep_create, METH_VARARGS,
      "ep_create(worker, address, err_token) -> (ep, ctx): bulk endpoint, error mode NONE "
      "with an error handler that queues (err_token, status)"},
     {"ep_close", (PyCFunction)cq_ep_close, METH_VARARGS,
      "ep_close(ep, token, force) -> None if pending, else ucs status"},
     {"drain", (PyCFunction)cq_drain, METH_NOARGS,
-     "drain() -> [(token, status)] completed since the last drain; clears the eventfd"},
+     "drain() -> [(token, status, t)] completed since the last drain (t: time.monotonic() "
+     "when UCX reported it); clears the eventfd"},
     {"fileno", (PyCFunction)cq_fileno, METH_NOARGS, "the eventfd to watch for readability"},
     {"close", (PyCFunction)cq_close, METH_NOARGS,
      "close the eventfd; late callbacks are dropped safely"},
@@ -728,13 +852,18 @@ static PyMethodDef cq_methods[] = {
 static PyGetSetDef cq_getset[] = {
     {"pending", (getter)cq_pending, NULL,
      "requests whose callback has not fired + endpoints not yet freed", NULL},
+    {"spinning", (getter)cq_spinning, NULL,
+     "spin flushes in flight (the poller progresses the worker while > 0)", NULL},
+    {"poller_live", (getter)cq_poller_live, NULL, "whether the poller thread exists", NULL},
     {NULL}};
 
 static PyTypeObject CompletionQueueType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvxfer.transport._rma.CompletionQueue",
     .tp_basicsize = sizeof(CompletionQueue),
     .tp_flags     = Py_TPFLAGS_DEFAULT,
-    .tp_doc       = "Flush completions delivered through an eventfd (see module doc).",
+    .tp_doc       = "CompletionQueue(worker=0): flush completions delivered through an eventfd; "
+                    "with a worker handle, spin flushes are progressed by a native poller "
+                    "thread (see module doc).",
     .tp_new       = PyType_GenericNew,
     .tp_init      = (initproc)cq_init,
     .tp_dealloc   = (destructor)cq_dealloc,

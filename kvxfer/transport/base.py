@@ -83,8 +83,10 @@ class RmaEndpoint(abc.ABC):
         against its remote region first. Returns the number of ops posted."""
 
     @abc.abstractmethod
-    async def flush(self, timeout: float) -> None:
-        """Complete when every PUT posted so far is visible at the target."""
+    async def flush(self, timeout: float, spin: bool = False) -> float:
+        """Complete when every PUT posted so far is visible at the target. ``spin``: progress
+        the transport actively until then (lower latency, one busy core meanwhile). Returns
+        the ``time.monotonic()`` at which the transport reported completion."""
 
     @abc.abstractmethod
     def lanes(self) -> List[str]:

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 import numpy as np
 
 from kvxfer.errors import Closed, IndexOutOfRange, PeerClosed, TransportError
 from kvxfer.transport.base import Region, RmaEndpoint
+# CUDA driver queries used with registrations (re-exported for the engine)
+from kvxfer.transport.cuda_driver import alloc_range as cuda_alloc_range  # noqa: F401
+from kvxfer.transport.cuda_driver import ipc_capable as cuda_ipc_capable  # noqa: F401
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvxfer.transport.ucx import UcxTransport
@@ -49,48 +52,6 @@ def _ucx_error_types(ucxx):
 
 
 # ------------------------------------------------------------------ regions
-
-
-_CUDA_DRIVER = []  # [ctypes function] once looked up ([None] when there is no driver)
-
-
-def cuda_alloc_range(addr: int) -> Optional[Tuple[int, int]]:
-    """``(base, size)`` of the CUDA allocation holding ``addr`` (cuPointerGetAttribute,
-    which needs no current context), or None for non-device memory / no driver. Looked up
-    lazily, only when a device registration needs it."""
-    import ctypes
-
-    if not _CUDA_DRIVER:
-        try:
-            fn = ctypes.CDLL("libcuda.so.1").cuPointerGetAttribute
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_ulonglong]
-            fn.restype = ctypes.c_int
-        except (OSError, AttributeError):
-            fn = None
-        _CUDA_DRIVER.append(fn)
-    fn = _CUDA_DRIVER[0]
-    if fn is None:
-        return None
-    base, size = ctypes.c_ulonglong(0), ctypes.c_ulonglong(0)
-    if fn(ctypes.byref(base), 11, addr) != 0 or fn(ctypes.byref(size), 12, addr) != 0:
-        return None  # 11/12: CU_POINTER_ATTRIBUTE_RANGE_START_ADDR / _RANGE_SIZE
-    return (base.value, size.value) if size.value else None
-
-
-def cuda_ipc_capable(addr: int) -> Optional[bool]:
-    """Whether the CUDA driver reports the memory at ``addr`` legacy-IPC capable
-    (``CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE``): False for CUDA VMM memory
-    (cuMemCreate, expandable segments), which UCX can only reach by emulated PUTs. None
-    when there is no driver, or ``addr`` is not device memory. Looked up lazily."""
-    import ctypes
-
-    if cuda_alloc_range(addr) is None:  # also loads the driver function once
-        return None
-    fn = _CUDA_DRIVER[0]
-    out = ctypes.c_int(0)
-    if fn(ctypes.byref(out), 10, addr) != 0:  # 10: ..._IS_LEGACY_CUDA_IPC_CAPABLE
-        return None
-    return bool(out.value)
 
 
 class UcxRegion(Region):
@@ -190,8 +151,8 @@ class UcxRma(RmaEndpoint):
             err.posted = posted
             raise err from None
 
-    async def flush(self, timeout: float) -> None:
-        await self._t.flush_ep(self._handle(), timeout)
+    async def flush(self, timeout: float, spin: bool = False) -> float:
+        return await self._t.flush_ep(self._handle(), timeout, spin)
 
     def info(self) -> str:
         return self._t.rma.ep_info(self._handle())

@@ -23,7 +23,7 @@ import numpy as np
 from kernels.errors import InvalidArgument, ShapeMismatch
 
 __all__ = ["PieceTable", "plan_tasks", "pick_tile_bytes", "split_by_alignment",
-           "task_alignment", "wants_fused", "MAX_ALIGN"]
+           "task_alignment", "wants_fused", "MAX_ALIGN", "tile_pieces"]
 
 MAX_ALIGN = 16
 # tile sizes pick_tile_bytes chooses between (powers of two)
@@ -91,6 +91,18 @@ def plan_tasks(table: PieceTable, runs: np.ndarray, tile_bytes: int) -> np.ndarr
     src = (table.src[:, None] + runs[None, :, 0] * lens).reshape(-1)  # buffer-major
     dst = (table.dst[:, None] + runs[None, :, 1] * lens).reshape(-1)
     nbytes = (runs[None, :, 2] * lens).reshape(-1)
+    return tile_pieces(src, dst, nbytes, tile_bytes)
+
+
+def tile_pieces(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
+                tile_bytes: int) -> np.ndarray:
+    """Task rows ``(src, dst, nbytes)`` of pieces (parallel int64 arrays, sizes > 0) cut
+    into tiles of at most ``tile_bytes``, in piece order."""
+    if int(tile_bytes) != tile_bytes or tile_bytes <= 0 or tile_bytes % MAX_ALIGN:
+        raise InvalidArgument(f"tile_bytes must be a positive multiple of {MAX_ALIGN}, "
+                              f"got {tile_bytes!r}")
+    if nbytes.size == 0:
+        return np.zeros((0, 3), dtype=np.int64)
     tile = int(tile_bytes)
     k = -(-nbytes // tile)  # tiles per piece, >= 1
     if (k == k[0]).all():  # common: equal pieces (one run length) -> broadcasting only

@@ -42,6 +42,7 @@ def eng(config, groups_):
 
 
 def cfg(name, mode="peer", secret=SECRET, **kw):
+    kw.setdefault("device_min_ops", 1)  # on CUDA every write of the default engines takes the lane
     return dict(secret=secret, name=name, error_mode=mode, connect_timeout_s=10.0,
                 transfer_timeout_s=10.0, **kw)
 
@@ -52,7 +53,10 @@ def nodes():
               name="A")
     b = Child(engine_node, {"engines": {
         "main": eng(cfg("B"), groups(B_ITEMS, big=True)),
-        "fast": eng(cfg("B-fast", mode="none"), groups(B_ITEMS, big=True)),
+        # UCX-only engines (device_copy="off"): on CUDA they keep the cuda_ipc PUT path tested
+        "fast": eng(cfg("B-fast", mode="none", device_copy="off"), groups(B_ITEMS, big=True)),
+        "spin": eng(cfg("B-spin", flush_progress="spin", device_copy="off"),
+                    groups(B_ITEMS, big=True)),
         "badsecret": eng(cfg("B-bad", secret=b"wrong"), groups(B_ITEMS)),
         "badlayout": eng(cfg("B-layout"), groups(B_ITEMS, item=128)),
     }}, name="B")
@@ -103,6 +107,11 @@ def test_random_pages_byte_exact(nodes, group):
     assert stats["lanes"], "lanes must be reported"
     if DEVICE == "cuda":  # peer error handling keeps CUDA IPC
         assert any(lane.startswith("cuda_ipc") for lane in stats["lanes"]), stats["lanes"]
+        # same host, CUDA on both sides: every run went over the device lane (one launch)
+        assert stats["device_bytes"] == stats["bytes"] and stats["device_ops"] == stats["ops"], \
+            stats["device_lane"]
+    else:
+        assert stats["device_bytes"] == 0
 
 
 def test_page_major_needs_2L_fewer_ops(nodes):
@@ -225,7 +234,27 @@ def test_error_mode_none_uses_shared_memory(nodes):
     assert nodes["A"].call("items", "main", "kv", dst) == b.call("items", "fast", "kv", src)
 
 
-@pytest.mark.parametrize("key", ["main", "fast"], ids=["error_mode=peer", "error_mode=none"])
+def test_spin_flush_byte_exact(nodes):
+    """flush_progress="spin": the transport's native poller progresses the worker during
+    the flush (on CPU it is optional; on CUDA it is what "auto" picks)."""
+    a, b = nodes["A"], nodes["B"]
+    pid = _peer_of(nodes, "spin")
+    rng = np.random.default_rng(5)
+    for i in range(3):
+        src = rng.choice(B_ITEMS, 12, replace=False).tolist()
+        dst = rng.choice(A_ITEMS, 12, replace=False).tolist()
+        b.call("fill", "spin", "pm", 40 + i)
+        a.call("zero", "main", "pm")
+        w = b.call("write", "spin", pid, [("pm", src, dst)], b"spin%d" % i)
+        assert "ok" in w, w
+        assert 0.0 <= w["ok"]["flush_s"] <= w["ok"]["complete_s"], w
+        assert w["ok"]["device_bytes"] == 0, w  # device_copy="off": all over UCX
+        assert a.call("messages", "main", 1, 10.0)[0][1] == b"spin%d" % i
+        assert a.call("items", "main", "pm", dst) == b.call("items", "spin", "pm", src)
+
+
+@pytest.mark.parametrize("key", ["main", "fast", "spin"],
+                         ids=["error_mode=peer", "error_mode=none", "flush_progress=spin"])
 def test_peer_killed_mid_transfer(nodes, key):
     """The survivor's write fails within the deadline; it keeps serving other peers.
     In error_mode="none" the bulk endpoint has no UCX error handling (shared-memory lanes),

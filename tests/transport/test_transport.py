@@ -14,16 +14,18 @@ def node():
     child.stop()
 
 
+@pytest.mark.parametrize("spin", [False, True], ids=["event", "spin"])
 @pytest.mark.parametrize("mode,lane", [("peer", "tcp"), ("none", "cma")])
-def test_put_flush_bounds(node, mode, lane):
-    out = node.call("run", "put_and_bounds", mode)
+def test_put_flush_bounds(node, mode, lane, spin):
+    out = node.call("run", "put_and_bounds", mode, spin)
     assert out["mem_types"] == ["host", "host"]
     assert any(x.startswith(lane) for x in out["lanes"]), out["lanes"]
     assert "outside region" in out["bounds"], out
     assert out["untouched_after_reject"]
     assert "remote region 1 of 1" in out["bad_region"]
     assert out["float"] == "TypeError" and out["length"] == "ValueError"
-    assert out["posted"] == 2 and out["exact"]
+    assert out["posted"] == 2 and out["exact"] and out["t_done_ok"]
+    assert out["spinning_after"] == 0
     assert out["after_close"] == "Closed"
 
 
@@ -35,6 +37,11 @@ def test_peer_close_is_reported(node):
 
 def test_completion_queue(node):
     out = node.call("run", "completion_queue")
-    assert out["status"] == 0 or out["drained"] == [(7, 0)], out
-    assert out["pending"] == 0
-    assert out["closed"] == "ValueError"
+    assert out["spin_without_worker"] == "ValueError"
+    for kind in ("event", "spin"):
+        r = out[kind]
+        assert r["status"] == 0 or r["drained"] == [(7, 0)], out
+        assert r["pending"] == 0 and r["spinning"] == 0, out
+        assert r["closed"] == "ValueError" and r["poller_after_close"] is False, out
+    # the first spin flush started the poller thread; close() joined it
+    assert out["spin"]["poller"] is True and out["event"]["poller"] is False, out

@@ -148,6 +148,26 @@ def test_merge_runs_duplicate_sources_break_runs():
     assert ln.sum() == 3 and list(zip(s0, d0, ln)) == brute_runs([1, 1, 2], [4, 5, 6])
 
 
+def test_merge_runs_duplicates_and_orders_match_brute_force():
+    """Sorted, unsorted and duplicate sources (the three orderings merge_runs takes)."""
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        n = int(rng.integers(1, 40))
+        src = rng.integers(0, 30, n)
+        if rng.random() < 0.3:
+            src = np.sort(src)
+        dst = rng.choice(100, n, replace=False)
+        s0, d0, ln = plan.merge_runs(src.astype(np.int64), dst.astype(np.int64))
+        assert list(zip(s0.tolist(), d0.tolist(), ln.tolist())) == \
+            brute_runs(src.tolist(), dst.tolist())
+
+
+@pytest.mark.parametrize("ids,dup", [([], False), ([3], False), ([1, 2, 3], False),
+                                     ([3, 1, 2], False), ([1, 2, 2], True), ([5, 1, 5], True)])
+def test_has_duplicates(ids, dup):
+    assert plan.has_duplicates(np.array(ids, dtype=np.int64)) is dup
+
+
 # -------------------------------------------------------------- plan_items
 
 

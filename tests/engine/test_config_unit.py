@@ -1,0 +1,28 @@
+"""EngineConfig validation and the flush-progress choice (torch- and UCX-free)."""
+import pytest
+
+from kvxfer.config import FLUSH_PROGRESS, EngineConfig, spin_flushes
+from kvxfer.errors import InvalidArgument
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_flush_progress_default_and_validation():
+    assert EngineConfig(secret=b"s").flush_progress in FLUSH_PROGRESS
+    assert EngineConfig(secret=b"s", flush_progress="spin").flush_progress == "spin"
+    with pytest.raises(InvalidArgument, match="flush_progress"):
+        EngineConfig(secret=b"s", flush_progress="busy")
+    with pytest.raises(InvalidArgument, match="progress_mode"):
+        EngineConfig(secret=b"s", progress_mode="polling")
+
+
+@pytest.mark.parametrize("local,remote,auto", [
+    ({"host"}, ["host", "host"], False),
+    ({"host", "cuda"}, ["host"], True),
+    ({"host"}, ["cuda"], True),
+    (set(), [], False),
+])
+def test_spin_flushes(local, remote, auto):
+    assert spin_flushes("auto", local, remote) is auto
+    assert spin_flushes("spin", local, remote) is True
+    assert spin_flushes("event", local, remote) is False
