@@ -192,6 +192,11 @@ def merge_runs(src: np.ndarray, dst: np.ndarray) -> Tuple[np.ndarray, np.ndarray
         z = np.zeros(0, dtype=np.int64)
         return z, z.copy(), z.copy()
     s, d = _by_source(src, dst)
+    n = s.size
+    if (int(s[-1]) - int(s[0]) == n - 1 and int(d[-1]) - int(d[0]) == n - 1 and
+            (n < 2 or (bool((s[1:] > s[:-1]).all()) and bool((d[1:] > d[:-1]).all())))):
+        # both sides consecutive: one run (the common case of a contiguous request)
+        return s[:1].copy(), d[:1].copy(), np.array([n], dtype=np.int64)
     brk = np.ones(s.size, dtype=bool)
     brk[1:] = (np.diff(s) != 1) | (np.diff(d) != 1)
     starts = np.flatnonzero(brk)

@@ -1,7 +1,9 @@
 """Diagnostic (GPU machine): where a device-lane write spends its host time. Two processes,
-CUDA pools, device_copy="auto"; times each step of DeviceLane.launch for a 1-run write,
-a 2047-run page-major write and a 256-run per-layer write, with the default GIL switch
-interval and with 10 us."""
+CUDA pools. The initiator has 1 or 4 engines (like ``kvxfer bench transfer``: peer/none x
+device_copy auto/off); the first one (device lane on, device_min_ops=1) writes either items
+only or a 1-op raw UCX write before each item write (as the benchmark does). Prints the
+launch time, the GPU time after the launch and the whole write, in microseconds."""
+import gc
 import sys
 import time
 
@@ -10,58 +12,51 @@ from kvxfer.testing import Child, serve
 
 
 class DiagNode(BenchNode):
-    def cmd_diag(self, key, peer_id, switch):
+    def cmd_diag(self, key, peer_id, pattern, nogc):
         import numpy as np
 
-        from kvxfer.engine import ItemWrite
-        from kvxfer.engine import devcopy
+        from kvxfer.engine import ItemWrite, RawWrite, devcopy
 
-        sys.setswitchinterval(switch)
         sync = self.engines[key]
         peer = sync.peers()[peer_id]._peer
-        lane = peer._dev
         steps = {}
-        orig_launch = devcopy.DeviceLane.launch
+        orig = devcopy.DeviceLane.launch
 
         def timed_launch(self_, *a):
-            import cProfile
-            import io
-            import pstats
-
             t0 = time.perf_counter()
-            if len(steps.get("launch", [])) == 3:
-                pr = cProfile.Profile()
-                ev = pr.runcall(orig_launch, self_, *a)
-                buf = io.StringIO()
-                pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(8)
-                steps["profile"] = buf.getvalue().splitlines()[-14:]
-            else:
-                ev = orig_launch(self_, *a)
-            steps.setdefault("launch", []).append(time.perf_counter() - t0)
+            ev = orig(self_, *a)
             t1 = time.perf_counter()
             ev.synchronize()
-            steps.setdefault("gpu_after_launch", []).append(time.perf_counter() - t1)
+            steps.setdefault("launch", []).append(t1 - t0)
+            steps.setdefault("gpu", []).append(time.perf_counter() - t1)
             return ev
 
         devcopy.DeviceLane.launch = timed_launch
+        if nogc:
+            gc.disable()
         rng = np.random.default_rng(0)
-        cases = {"pm 512p contiguous (1 run)": [ItemWrite("pm", list(range(512)), list(range(512)))],
-                 "pm 2048p random (2047 runs)": [ItemWrite("pm", rng.permutation(2048), rng.permutation(2048))],
-                 "kv 16p random (256 runs)": [ItemWrite("kv", rng.permutation(2048)[:16], rng.permutation(2048)[:16])]}
+        raw = [RawWrite("pm", 0, 0, 1 << 20)]
+        cases = {"pm 2048p random (2047 runs)": [ItemWrite("pm", rng.permutation(2048).tolist(),
+                                                           rng.permutation(2048).tolist())],
+                 "kv 16p random (256 runs)": [ItemWrite("kv", rng.permutation(2048)[:16].tolist(),
+                                                        rng.permutation(2048)[:16].tolist())]}
         out = {}
         for name, w in cases.items():
             steps.clear()
             tot = []
-            for _ in range(6):
-                t0 = time.perf_counter()
-                sync._run(peer.write(w), 60)
-                tot.append(time.perf_counter() - t0)
-            prof = steps.pop("profile", [])
+
+            async def go():
+                for _ in range(6):
+                    if pattern == "raw+items":
+                        await peer.write(raw)
+                    t0 = time.perf_counter()
+                    await peer.write(w)
+                    tot.append(time.perf_counter() - t0)
+            sync._run(go(), 120)
             out[name] = {k: [round(x * 1e6) for x in v[1:]] for k, v in steps.items()}
-            out[name]["profile"] = prof
-            out[name]["total"] = [round(x * 1e6) for x in tot[1:]]
-        devcopy.DeviceLane.launch = orig_launch
-        out["lane"] = peer.device_lane
+            out[name]["write"] = [round(x * 1e6) for x in tot[1:]]
+        devcopy.DeviceLane.launch = orig
+        gc.enable()
         return out
 
 
@@ -79,23 +74,29 @@ def main():
     cfg = dict(secret=SECRET, transfer_timeout_s=120.0, warn_slow_lanes=False)
     target = Child(diag_node, {"engines": {"t": {"config": dict(cfg, name="t"), "groups": groups,
                                                  "device": "cuda"}}}, name="target")
-    init = Child(diag_node, {"engines": {"i": {"config": dict(cfg, name="i"), "groups": groups,
-                                               "device": "cuda"}}}, name="init")
     try:
         port = target.start(120)["t"]
-        init.start(120)
-        pid = init.call("connect", "i", "127.0.0.1", port)["ok"]
-        for switch in (0.005, 1e-5):
-            print(f"### switch interval {switch}")
-            for k, v in init.call("diag", "i", pid, switch, timeout=300).items():
-                if isinstance(v, dict):
-                    for line in v.pop("profile", []):
-                        print("   ", line)
-                print(f"{k}: {v}")
+        for n_eng in (1, 4):
+            keys = [("peer", "auto"), ("peer", "off"), ("none", "auto"), ("none", "off")][:n_eng]
+            init = Child(diag_node, {"engines": {f"{m}/{d}": {
+                "config": dict(cfg, name=f"i-{m}-{d}", error_mode=m, device_copy=d,
+                               device_min_ops=1), "groups": groups, "device": "cuda"}
+                for m, d in keys}}, name="init")
+            try:
+                init.start(120)
+                pids = {f"{m}/{d}": init.call("connect", f"{m}/{d}", "127.0.0.1", port)["ok"]
+                        for m, d in keys}
+                for pattern, nogc in (("items", False), ("raw+items", False), ("raw+items", True)):
+                    res = init.call("diag", "peer/auto", pids["peer/auto"], pattern, nogc,
+                                    timeout=300)
+                    for k, v in res.items():
+                        print(f"engines={n_eng} {pattern:9s} gc={'off' if nogc else 'on '} {k}: {v}",
+                              flush=True)
+            finally:
+                init.stop()
     finally:
-        init.stop()
         target.stop()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

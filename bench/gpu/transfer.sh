@@ -29,6 +29,7 @@ python3 setup.py build_ext --inplace 2>&1 | grep -E "error|Error" ; echo "build 
 python3 -m kvxfer info 2>&1
 echo '```'
 echo
+if [ -z "${ONLY_INFLIGHT:-}" ]; then
 echo "## tests/engine + tests/transport with KVXFER_TEST_DEVICE=cuda"
 echo '```'
 KVXFER_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider tests/engine tests/transport tests/unit/test_plan.py 2>&1 | tail -25 || rc=1
@@ -39,13 +40,20 @@ timeout 420 python3 -m kvxfer bench transfer --device cuda --layers $LAYERS --pa
     --pages $POOL --sizes "$SIZES" --iters "$ITERS" --paths "$PATHS" --flush "$FLUSH" --device-copy "$DEVCOPY" --json "$OUT/transfer.json" --plot "$OUT/transfer.png" 2>&1 \
     | grep -v "UCX  WARN" || rc=1
 echo
+fi
+echo "## same, ${INFLIGHT:-8} writes in flight (a window, as ucx_perftest keeps), page-major contiguous, UCX lanes"
+timeout 200 python3 -m kvxfer bench transfer --device cuda --layers $LAYERS --page-kib $PAGE_KIB \
+    --pages $POOL --sizes "${INFLIGHT_SIZES:-16,128,512}" --iters "$ITERS" --paths direct --device-copy off \
+    --modes peer,none --pagesets contiguous --inflight "${INFLIGHT:-8}" --json "$OUT/transfer_inflight.json" 2>&1 \
+    | grep -v "UCX  WARN" | grep -v "per-layer" || rc=1
+echo
 echo "## ucx_perftest ucp_put_bw cuda->cuda (same host, same sizes, default lanes)"
 SP=$(python3 -c 'import libucx, os; print(os.path.dirname(libucx.__file__))')
 PT=$SP/bin/ucx_perftest
 PORT=13517
 echo "| bytes | perftest MB/s (2^20) overall | GB/s (1e9) | lanes |" > "$OUT/perftest.md"
 echo "|---|---|---|---|" >> "$OUT/perftest.md"
-for pages in ${SIZES//,/ }; do
+for pages in $( [ -n "${ONLY_INFLIGHT:-}" ] && echo "${INFLIGHT_SIZES:-16,128,512}" | tr , ' ' || echo "${SIZES//,/ }"); do
     bytes=$((pages * 2 * LAYERS * PAGE_KIB * 1024))
     PORT=$((PORT + 1))
     LD_LIBRARY_PATH=$SP/lib timeout 60 "$PT" -p $PORT > "$OUT/perftest_srv_$pages.log" 2>&1 &
@@ -67,7 +75,7 @@ done
 cat "$OUT/perftest.md"
 echo
 echo "## ratios (same run): engine page-major / per-layer vs ucx_perftest and torch D2D copy_"
-python3 - "$OUT/transfer.json" "$OUT/perftest.md" <<'PY'
+[ -f "$OUT/transfer.json" ] && python3 - "$OUT/transfer.json" "$OUT/perftest.md" <<'PY'
 import json, sys
 rows = json.load(open(sys.argv[1]))["rows"]
 pt = {}

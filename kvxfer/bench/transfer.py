@@ -1,9 +1,10 @@
 """``kvxfer bench transfer``: KV transfer bandwidth over UCX against raw UCX and memcpy.
 
-Two spawned processes on this host: a target holding the destination pools and an
-initiator with two engines (``error_mode="peer"`` and ``"none"``: the lane configurations)
-connected to it. For each lane config × layout (per-layer: 2·L descriptors; page-major: one)
-× request size (pages, random page ids on both sides) it times, in the same run:
+Spawned processes on this host: a target holding the destination pools, and one initiator
+process per engine configuration connected to it. The configurations are ``error_mode="peer"``
+and ``"none"`` (the lane configurations), times the device lane, flush progress and path
+settings. For each lane config × layout (per-layer: 2·L descriptors; page-major: one) ×
+request size (pages, random page ids on both sides) it times, in the same run:
 
 * ``Peer.write`` of the pages (validate → plan → one native batch → flush), end to end,
   for random page ids on both sides (about one run per page) and for contiguous ones (one
@@ -35,6 +36,7 @@ runs × descriptors (page-major 2·L× fewer than per-layer).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 import statistics
@@ -51,9 +53,11 @@ class BenchNode(EngineNode):
     """EngineNode plus timing loops run inside the engine's event loop."""
 
     def cmd_bench_pair(self, key, peer_id, group, src, dst, raw_group, nbytes, iters,
-                       timeout=300.0):
+                       timeout=300.0, inflight=1):
         """Alternate (raw 1-op PUT of ``nbytes``, item write) ``iters`` times after a warm-up,
-        so both see the same machine conditions; returns the best and median of each."""
+        so both see the same machine conditions; returns the best and median of each.
+        ``inflight`` > 1: each timed step is that many writes in flight at once (per-write
+        time = batch time / inflight), as ucx_perftest keeps a window of PUTs in flight."""
         from kvxfer.engine import ItemWrite, RawWrite
 
         sync = self.engines[key]
@@ -65,13 +69,13 @@ class BenchNode(EngineNode):
             t_raw, t_items, wake, stats = [], [], [], None
             for i in range(iters + 1):
                 t0 = time.perf_counter()
-                await peer.write(raw)
+                await asyncio.gather(*(peer.write(raw) for _ in range(inflight)))
                 t1 = time.perf_counter()
-                stats = await peer.write(items)
+                stats = (await asyncio.gather(*(peer.write(items) for _ in range(inflight))))[-1]
                 t2 = time.perf_counter()
                 if i:
-                    t_raw.append(t1 - t0)
-                    t_items.append(t2 - t1)
+                    t_raw.append((t1 - t0) / inflight)
+                    t_items.append((t2 - t1) / inflight)
                     wake.append(stats.complete_s - stats.flush_s)
             return t_raw, t_items, wake, stats
 
@@ -132,25 +136,27 @@ def run(args) -> dict:
                        stage_slots=max(8, 4 * len(args.modes))),
         "groups": groups, "device": args.device}}},
         name="target")
-    # one initiator engine per (lane config, path config, flush progress): "direct" never
-    # stages (stage_min_ops=0), "staged" stages parts above --stage-min-ops PUTs
+    # one initiator engine per (lane config, path config, flush progress, device lane), each
+    # in its own process: a deployment runs one engine per worker process, and engines that
+    # share a process contend for the GIL (UCXX polls pending requests from every event loop)
+    # "direct" never stages (stage_min_ops=0), "staged" stages parts above --stage-min-ops PUTs
     keys = [(m, p, f, d) for m in args.modes for p in args.paths for f in args.flush
             for d in args.device_copy]
-    init = Child(bench_node, {"engines": {"/".join(k): {
+    inits = {"/".join(k): Child(bench_node, {"engines": {"/".join(k): {
         "config": dict(cfg, name="init-" + "-".join(k), error_mode=k[0], flush_progress=k[2],
                        device_copy=k[3],
                        stage_min_ops=0 if k[1] == "direct" else args.stage_min_ops,
                        stage_host_memory=True,
                        stage_slot_bytes=args.stage_slot_mib << 20),
-        "groups": groups, "device": args.device} for k in keys}}, name="initiator")
+        "groups": groups, "device": args.device}}}, name="initiator-" + "-".join(k))
+        for k in keys}
     rows: list = []
     report = {"args": vars(args), "rows": rows}
     try:
         port = target.start(120)["t"]
-        init.start(120)
         peers = {}
-        for key in keys:
-            k = "/".join(key)
+        for k, init in inits.items():
+            init.start(120)
             res = init.call("connect", k, "127.0.0.1", port)
             if "ok" not in res:
                 raise RuntimeError(f"connect ({k}): {res}")
@@ -161,18 +167,22 @@ def run(args) -> dict:
         for n in args.sizes:
             if n > args.pages:
                 continue
-            sets = {"random": (rng.choice(args.pages, n, replace=False).tolist(),
-                               rng.choice(args.pages, n, replace=False).tolist()),
-                    "contiguous": (list(range(n)), list(range(args.pages - n, args.pages)))}
+            # int64 arrays, as a scheduler hands page ids over (lists cost ~0.1 ms per 2048
+            # ids to convert; see kvxfer.plan.as_ids)
+            sets = {"random": (rng.choice(args.pages, n, replace=False),
+                               rng.choice(args.pages, n, replace=False)),
+                    "contiguous": (np.arange(n), np.arange(args.pages - n, args.pages))}
             nbytes = n * 2 * args.layers * page
-            memcpy_s = init.call("bench_memcpy", nbytes, args.iters, args.device, timeout=300)
+            first = next(iter(inits.values()))
+            memcpy_s = first.call("bench_memcpy", nbytes, args.iters, args.device, timeout=300)
             for m, p, f, dc in keys:
                 k = "/".join((m, p, f, dc))
+                init = inits[k]
                 for (layout, group), pset in itertools.product(
                         (("per-layer", "kv"), ("page-major", "pm")), args.pagesets):
                     src, dst = sets[pset]
                     r = init.call("bench_pair", k, peers[k], group, src, dst, "pm", nbytes,
-                                  args.iters, timeout=600)
+                                  args.iters, 600, args.inflight, timeout=600)
                     assert r["bytes"] == nbytes
                     rows.append({
                         "mode": m, "lanes": ",".join(r["lanes"]), "layout": layout,
@@ -193,7 +203,8 @@ def run(args) -> dict:
                         "post_ms": r["post_s"] * 1e3})
                     print(_row(rows[-1]), flush=True)
     finally:
-        init.stop()
+        for init in inits.values():
+            init.stop()
         target.stop()
     return report
 
@@ -265,6 +276,9 @@ def main(argv=None) -> int:
     ap.add_argument("--stage-slot-mib", type=int, default=EngineConfig.stage_slot_bytes >> 20,
                     help="staging/landing slot size, MiB")
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--inflight", type=int, default=1,
+                    help="writes in flight per timed step (1: one request at a time; >1: "
+                         "throughput with a window, like ucx_perftest)")
     ap.add_argument("--json", default="transfer.json")
     ap.add_argument("--plot", default="transfer.png")
     args = ap.parse_args(argv)
@@ -277,7 +291,8 @@ def main(argv=None) -> int:
     if not set(args.paths) <= {"direct", "staged"}:
         ap.error(f"--paths {args.paths}: expected direct and/or staged")
     print(f"kvxfer bench transfer: device={args.device} layers={args.layers} "
-          f"page={args.page_kib} KiB/desc pool={args.pages} pages, best of {args.iters}")
+          f"page={args.page_kib} KiB/desc pool={args.pages} pages, best of {args.iters}, "
+          f"{args.inflight} write(s) in flight")
     print(_HEAD, flush=True)
     report = run(args)
     with open(args.json, "w") as f:

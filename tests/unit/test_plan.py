@@ -143,9 +143,11 @@ def test_merge_runs_random_large():
         assert ln.sum() == n
 
 
-def test_merge_runs_duplicate_sources_break_runs():
-    s0, d0, ln = plan.merge_runs(np.array([1, 1, 2]), np.array([4, 5, 6]))
-    assert ln.sum() == 3 and list(zip(s0, d0, ln)) == brute_runs([1, 1, 2], [4, 5, 6])
+@pytest.mark.parametrize("src,dst", [([1, 1, 2], [4, 5, 6]), ([0, 0, 2], [5, 6, 7]),
+                                     ([0, 2, 2], [5, 6, 7]), ([3, 4, 5], [7, 8, 9])])
+def test_merge_runs_duplicate_sources_break_runs(src, dst):
+    s0, d0, ln = plan.merge_runs(np.array(src), np.array(dst))
+    assert ln.sum() == 3 and list(zip(s0, d0, ln)) == brute_runs(src, dst)
 
 
 def test_merge_runs_duplicates_and_orders_match_brute_force():
