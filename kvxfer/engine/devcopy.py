@@ -1,8 +1,9 @@
 """Device lane: same-host CUDA→CUDA writes as one copy launch into the peer's memory.
 
 Over UCX every run of a write is one cuda_ipc PUT, and each costs ~7-11 µs of CPU to post
-(measured on the H200: 2048 scattered 1 MiB pages ran at 90-125 GB/s page-major and
-6-9 GB/s per-layer, against ~2 TB/s for one 2 GiB PUT). When both engines share a host,
+(measured on the H200: 2048 scattered 1 MiB pages ran at 105-155 GB/s page-major and
+8-10 GB/s per-layer, against ~1.9 TB/s for one 2 GiB PUT; through this lane 0.94-1.12 TB/s
+and 392-496 GB/s, bench/results/transfer-h200.md). When both engines share a host,
 the peer's registered CUDA regions can be mapped here with legacy CUDA IPC (the same
 mechanism UCX's cuda_ipc uses) and every run of a write copied by ONE launch of
 :func:`kernels.piece_copy.copy_tasks` (few large runs: one ``cuMemcpyDtoDAsync`` each, on
@@ -10,12 +11,12 @@ the copy engines). The bytes are visible at the peer once the launch's event com
 only then does the write flush/notify, exactly as for PUTs.
 
 Invariants
-- A lane exists only for a same-host peer whose Layout exported IPC blobs and only with
-  ``EngineConfig.device_copy == "auto"``; a write uses it only from
-  ``EngineConfig.device_min_ops`` runs up (a launch costs ~0.1-0.5 ms of host time, a UCX
-  PUT ~10 us); a region whose import fails (e.g. the peer is
-  this process, or peer access is impossible) stays on UCX — :meth:`DeviceLane.select`
-  picks only ops whose local registration is CUDA memory and whose remote region mapped.
+- A lane exists only for a same-host peer whose Layout exported IPC blobs, and only with
+  ``EngineConfig.device_copy == "auto"``. A write uses it from ``device_min_ops`` runs up
+  (a launch costs ~0.1-0.5 ms of host time, a UCX PUT ~10 us). A region whose import fails
+  (the peer is this process, peer access is impossible, ...) stays on UCX:
+  :meth:`DeviceLane.select` picks only ops whose local registration is CUDA memory and
+  whose remote region is mapped.
 - Every op it copies was validated by the planner against the peer's descriptors and is
   checked again here against its remote region before translation; nothing is launched
   unless every op fits.
