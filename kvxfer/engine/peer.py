@@ -260,6 +260,26 @@ class Peer(StagedPeer):
             self._check_open()
         raise TransferTimeout(f"{what} to {self.name or self.id} not done after {timeout:.3g} s")
 
+    async def _bounded_future(self, fut: asyncio.Future, timeout: float, what: str):
+        """Await a transport future until it resolves, ``timeout``, or the peer's death.
+        Lighter than :meth:`_bounded` (no task: the future itself is the waiter, woken by
+        the transport, the timer or ``_mark_dead``); its result is the transport's value."""
+        if self._dead.done():
+            fut.cancel()
+            self._check_open()
+        timer = self._loop.call_later(timeout, _wake, fut, _TIMEOUT)
+        self._waiters.add(fut)
+        try:
+            res = await fut
+        finally:
+            timer.cancel()
+            self._waiters.discard(fut)
+        if res is _DEAD:
+            self._check_open()
+        if res is _TIMEOUT:
+            raise TransferTimeout(f"{what} to {self.name or self.id} not done after {timeout:.3g} s")
+        return res
+
     async def write(self, writes: Iterable[Union[ItemWrite, RawWrite]], notify: Optional[bytes] = None,
                     timeout: Optional[float] = None) -> TransferStats:
         """Move the items, flush, then deliver ``notify`` to the peer's message handlers.
@@ -297,8 +317,8 @@ class Peer(StagedPeer):
                 drained += await self._write_staged(group, src, dst, deadline, stats)
                 stats.staged_direct_ops += direct_ops
             if laddr.size:
-                t_done = await self._bounded(self._rma.flush(timeout, self.spin), timeout,
-                                             "flush")
+                t_done = await self._bounded_future(self._rma.flush_future(self.spin), timeout,
+                                                    "flush")
                 stats.flush_s = max(0.0, t_done - m1)
         except PeerClosed as exc:  # the endpoint failed: this peer is gone
             self._mark_dead(exc)

@@ -44,6 +44,7 @@ class _TransportChecks:
 
     @staticmethod
     async def put_and_bounds(error_mode, spin=False):
+        import asyncio
         import time
 
         import numpy as np
@@ -83,6 +84,8 @@ class _TransportChecks:
                     a(100, 50), a(rs.handle, 0), a(0, 0))
         t_done = await rma.flush(5.0, spin)
         out["t_done_ok"] = isinstance(t_done, float) and t_done <= time.monotonic()
+        t_fut = await asyncio.wait_for(rma.flush_future(spin), 5.0)  # the task-free form
+        out["t_done_ok"] &= isinstance(t_fut, float) and t_done <= t_fut <= time.monotonic()
         out["posted"] = n
         out["exact"] = (bytes(dst[1000:1100]) == bytes(src[:100])
                         and bytes(dst[8142:]) == bytes(src[100:150])

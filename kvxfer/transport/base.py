@@ -19,6 +19,7 @@ tests run it for real over loopback.
 from __future__ import annotations
 
 import abc
+import asyncio  # noqa: F401  (annotations)
 from typing import Awaitable, Callable, List, Optional, Sequence, Tuple
 
 
@@ -87,6 +88,12 @@ class RmaEndpoint(abc.ABC):
         """Complete when every PUT posted so far is visible at the target. ``spin``: progress
         the transport actively until then (lower latency, one busy core meanwhile). Returns
         the ``time.monotonic()`` at which the transport reported completion."""
+
+    @abc.abstractmethod
+    def flush_future(self, spin: bool = False) -> "asyncio.Future":
+        """Like :meth:`flush`, as a future the transport completes directly (no task in
+        between: one event-loop hop less per write); unbounded, the caller bounds it and may
+        complete it itself (its result is then whatever the caller set)."""
 
     @abc.abstractmethod
     def lanes(self) -> List[str]:

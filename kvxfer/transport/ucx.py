@@ -229,7 +229,8 @@ class UcxTransport(Transport):
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._cq = None
         self._tokens = itertools.count(1)
-        self._waiters: Dict[int, asyncio.Future] = {}
+        self._waiters: Dict[int, asyncio.Future] = {}  # token -> (status, t) future
+        self._flushes: Dict[int, asyncio.Future] = {}  # token -> t future (flush_future)
         self._watch: Dict[int, Callable[[int], None]] = {}  # endpoint error tokens
         self._listener = None
         self._closed = False
@@ -249,6 +250,14 @@ class UcxTransport(Transport):
 
     def _on_completions(self):
         for token, status, t in self._cq.drain():
+            fut = self._flushes.pop(token, None)
+            if fut is not None:
+                if not fut.done():
+                    if status == self.rma.UCS_OK:
+                        fut.set_result(t)
+                    else:
+                        fut.set_exception(status_error(self.rma, status, "ucp_ep_flush"))
+                continue
             fut = self._waiters.pop(token, None)
             if fut is not None:
                 if not fut.done():
@@ -280,6 +289,27 @@ class UcxTransport(Transport):
             raise TransferTimeout(f"{what} not complete after {timeout:.3g} s") from None
         finally:
             self._waiters.pop(token, None)
+
+    def flush_future(self, ep_handle: int, spin: bool = False) -> asyncio.Future:
+        """Start an endpoint flush; the returned future resolves (with no intermediate task:
+        the queue's eventfd callback sets it) to the monotonic time UCX reported completion,
+        or fails with PeerClosed / TransportError. The caller bounds the wait and may
+        complete the future itself (timeout, peer death); a late callback is ignored."""
+        loop = self._bind_loop()
+        token = next(self._tokens)
+        fut = loop.create_future()
+        try:
+            status = self._cq.ep_flush(ep_handle, token, spin)
+        except ValueError as exc:  # NULL handle
+            fut.set_exception(PeerClosed(str(exc)))
+            return fut
+        if status is None:
+            self._flushes[token] = fut
+        elif status == self.rma.UCS_OK:
+            fut.set_result(time.monotonic())
+        else:
+            fut.set_exception(status_error(self.rma, status, "ucp_ep_flush"))
+        return fut
 
     async def flush_ep(self, ep_handle: int, timeout: float, spin: bool = False) -> float:
         """Flush one endpoint; ``spin``: the queue's native poller progresses the worker
@@ -385,10 +415,11 @@ class UcxTransport(Transport):
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-        for fut in self._waiters.values():
+        for fut in list(self._waiters.values()) + list(self._flushes.values()):
             if not fut.done():
                 fut.set_exception(Closed("transport closed"))
         self._waiters.clear()
+        self._flushes.clear()
         if self._cq is not None:
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.remove_reader(self._cq.fileno())

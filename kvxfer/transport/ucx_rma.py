@@ -154,6 +154,9 @@ class UcxRma(RmaEndpoint):
     async def flush(self, timeout: float, spin: bool = False) -> float:
         return await self._t.flush_ep(self._handle(), timeout, spin)
 
+    def flush_future(self, spin: bool = False):
+        return self._t.flush_future(self._handle(), spin)
+
     def info(self) -> str:
         return self._t.rma.ep_info(self._handle())
 
