@@ -131,8 +131,10 @@ def run(args) -> dict:
     groups = _groups(args.layers, page, args.pages)
     cfg = dict(secret=SECRET, transfer_timeout_s=120.0, warn_slow_lanes=False)
     target = Child(bench_node, {"engines": {"t": {
+        # landing rings exist only on an engine with staging on (stage_min_ops > 0)
         "config": dict(cfg, name="target", stage_slot_bytes=args.stage_slot_mib << 20,
                        stage_host_memory=True,
+                       stage_min_ops=args.stage_min_ops if "staged" in args.paths else 0,
                        stage_slots=max(8, 4 * len(args.modes))),
         "groups": groups, "device": args.device}}},
         name="target")
@@ -215,9 +217,11 @@ _HEAD = ("| lanes (mode) | flush | layout | page ids | pages | MiB | path | ops/
 
 
 def _row(r) -> str:
+    # wake: UCX flush completion -> write returned; only direct writes flush at the end
+    wake = f"{r['wake_us']:.0f}" if r["path"] == "direct" else "-"
     return (f"| {r['lanes']} ({r['mode']}, dev {r.get('device_copy', 'off')}) | {r['flush']} | {r['layout']} | {r['pageset']} | {r['pages']} | {r['MiB']:.1f} | "
             f"{r['path']} | {r['ops']}{'' if r['path'] == 'direct' else ' (%d)' % r['direct_ops']} | {r['GBps']:.2f} | {r['raw_GBps']:.2f} | {r['memcpy_GBps']:.2f} | "
-            f"{r['vs_raw']:.2f} | {r['vs_memcpy']:.2f} | {r['post_ms']:.2f} | {r['wake_us']:.0f} |")
+            f"{r['vs_raw']:.2f} | {r['vs_memcpy']:.2f} | {r['post_ms']:.2f} | {wake} |")
 
 
 def _plot(report, path) -> bool:
