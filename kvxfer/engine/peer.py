@@ -239,26 +239,15 @@ class Peer(StagedPeer):
         if self._dead.done():
             coro.close()
             self._check_open()
-        loop = self._loop
-        task = loop.create_task(coro)
-        waiter = loop.create_future()
+        task = self._loop.create_task(coro)
+        waiter = self._loop.create_future()
         task.add_done_callback(functools.partial(_task_done, waiter))
-        timer = loop.call_later(timeout, _wake, waiter, _TIMEOUT)
-        self._waiters.add(waiter)
         try:
-            why = await waiter
-        except asyncio.CancelledError:
+            await self._bounded_future(waiter, timeout, what)  # _DONE, or raises
+        except BaseException:
             task.cancel()
             raise
-        finally:
-            timer.cancel()
-            self._waiters.discard(waiter)
-        if why is _DONE:
-            return task.result()
-        task.cancel()
-        if why is _DEAD:
-            self._check_open()
-        raise TransferTimeout(f"{what} to {self.name or self.id} not done after {timeout:.3g} s")
+        return task.result()
 
     async def _bounded_future(self, fut: asyncio.Future, timeout: float, what: str):
         """Await a transport future until it resolves, ``timeout``, or the peer's death.

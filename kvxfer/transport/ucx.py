@@ -314,12 +314,10 @@ class UcxTransport(Transport):
     async def flush_ep(self, ep_handle: int, timeout: float, spin: bool = False) -> float:
         """Flush one endpoint; ``spin``: the queue's native poller progresses the worker
         until it completes. Returns the monotonic time UCX reported completion."""
-        self._bind_loop()
-        status, t = await self._start_and_wait(self._cq.ep_flush, (ep_handle,), timeout,
-                                               "ucp_ep_flush", spin)
-        if status != self.rma.UCS_OK:
-            raise status_error(self.rma, status, "ucp_ep_flush")
-        return t
+        try:
+            return await asyncio.wait_for(self.flush_future(ep_handle, spin), timeout)
+        except asyncio.TimeoutError:
+            raise TransferTimeout(f"ucp_ep_flush not complete after {timeout:.3g} s") from None
 
     async def flush_worker(self, timeout: float, spin: bool = False) -> float:
         self._bind_loop()
