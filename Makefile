@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.kvxfer-installed
 # The CPU build that lies on this kind of machine; override for another torch.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test install clean bench
+.PHONY: demo test test-long install clean bench
 
 $(STAMP): pyproject.toml setup.py kvxfer/transport/_rma.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) $$( $(PYTHON) -c 'import torch' 2>/dev/null && echo --system-site-packages )
@@ -32,3 +32,7 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info kvxfer/transport/*.so
+
+# Long reliability scenarios (docs/RELIABILITY.md): not part of `make test`.
+test-long: $(STAMP)
+	$(PY) -m pytest -q -m long -p no:cacheprovider
