@@ -20,8 +20,8 @@ and moves / host copies treat every buffer alike (a move is ONE launch over all 
 Stores: :meth:`set_fused_kv_index_buffer` writes main K/V and index K (+V) of a sparse layer in
 one launch (:func:`kernels.store_multi.store_rows_multi`, a raw-byte kernel, so any dtypes and
 head dims fuse); with ``fuse_store=False`` it falls back to separate stores. Both paths convert
-and check every input (shapes, dtypes, ids) before the first write, so they write identical
-bytes, and on a refusal neither writes any.
+and check every input (shapes, dtypes; ids on the host-checked paths, see :mod:`kernels.store`)
+before the first write, so they write identical bytes, and on a refusal neither writes any.
 """
 from __future__ import annotations
 
@@ -231,7 +231,7 @@ class MiniMaxSparseKVPool(KVCache):
         if not k_only and idx_v is None:
             raise InvalidArgument(f"layer {lid} has an index V cache: idx_v is required")
         # Convert and check every input before the first write: both paths then write the same
-        # bytes, and a refusal (shape, dtype, bounds) leaves every buffer as it was.
+        # bytes, and a refusal leaves every buffer as it was.
         main = self.main_pool
         loc, k, v = main._prepare(unwrap_write_loc(loc)[0], k, v, None, None)
         m = main.layer_index(lid)
