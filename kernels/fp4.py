@@ -21,8 +21,13 @@ Error bound (per element, exact real arithmetic, inputs finite)::
     |dequant(quant(x)) - x| <= max(s / 4, |x| / 4),   amax / 6 <= s < amax / 3
 
 i.e. at most ``amax / 12`` for small elements and 25 % relative for large ones (the e2m1
-grid itself: spacing 0.5 below 2, 1 in [2, 4], 2 in [4, 6]). Dequantized values
-``code * s`` are exact in fp32 and bf16; fp16 outputs are clamped to the fp16 range.
+grid itself: spacing 0.5 below 2, 1 in [2, 4], 2 in [4, 6]). Dequantized values are
+``code * s``, saturated to ``+-finfo(dtype).max``: in fp32 and bf16 they are exact except at the
+largest scale ``s = 2**126`` (byte 253), where codes 4 and 6 (``2**128``, ``1.5 * 2**128``) are
+past the range and come out as ``+-max``. The quantizer picks that scale only for ``amax >
+1.5 * 2**127``, and there never code 6 (code 4 for ``|x| >= 3.5 * 2**126``); as ``|x| <=
+max``, ``max`` is nearer ``x`` than ``2**128``, so the bound above still holds. fp16 outputs
+saturate the same way to the fp16 range (from much smaller scales on).
 Non-finite inputs give unspecified (but in-bounds) bytes.
 
 Launchers (``backend``: ``"auto" | "triton" | "torch"``, see :mod:`kernels.dispatch`):

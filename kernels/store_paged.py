@@ -4,13 +4,16 @@
 (``[H, D]``) are contiguous while pages and the tokens inside a page are strided (the
 page-major pool packs all layers of a page together, so consecutive pages of one layer
 are a whole page of all layers apart). Token ``t`` lives at ``(t // page_size,
-t % page_size)``; the valid token range is ``[0, num_pages * page_size)``.
+t % page_size)``; the valid token range is ``[0, num_tokens)``, by default ``[0, num_pages *
+page_size)`` (a caller whose last page is only partly its own passes its own token count).
 
 Invariants: as :mod:`kernels.store` - raw byte copies, out-of-range indices raise before
 any write on the torch path / CPU and are masked off in the kernel on CUDA, ``N == 0`` is
 a no-op, duplicate targets leave an unspecified candidate on GPU.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import triton
 import triton.language as tl
@@ -23,7 +26,7 @@ from kernels.errors import InvalidArgument, ShapeMismatch
 @triton.jit
 def _store_paged_kernel(
     k_src, v_src, k_dst, v_dst, loc_ptr,
-    n, page_size, num_pages,
+    n, page_size, num_tokens,
     k_src_stride, v_src_stride,
     k_page_stride, k_tok_stride, v_page_stride, v_tok_stride,
     k_units, v_units,
@@ -33,7 +36,7 @@ def _store_paged_kernel(
     toks = tl.program_id(0) * TOK + tl.arange(0, TOK)
     live = toks < n
     loc = tl.load(loc_ptr + toks, mask=live, other=-1).to(tl.int64)
-    live = live & (loc >= 0) & (loc < num_pages * page_size)
+    live = live & (loc >= 0) & (loc < num_tokens)
     page = loc // page_size
     slot = loc - page * page_size
     cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
@@ -50,8 +53,9 @@ def _store_paged_kernel(
         tl.store(C.unit_ptr(v_dst, UNIT) + v_row + cols, y, mask=vm)
 
 
-def _launch(k_view, v_view, loc, k, v) -> None:
-    """Launch the kernel on validated arguments (no host-side bounds check)."""
+def _launch(k_view, v_view, loc, k, v, num_tokens: int) -> None:
+    """Launch the kernel on validated arguments (no host-side bounds check); ids outside
+    ``[0, num_tokens)`` are masked off."""
     n = k.shape[0]
     if n == 0:
         return
@@ -69,7 +73,7 @@ def _launch(k_view, v_view, loc, k, v) -> None:
     grid = (C.cdiv(n, tok), C.cdiv(max(k_units, v_units), block))
     with dispatch.launch_context(k_view.device):
         _store_paged_kernel[grid](
-            *(C.kernel_arg(t) for t in tensors), loc, n, k_view.shape[1], k_view.shape[0],
+            *(C.kernel_arg(t) for t in tensors), loc, n, k_view.shape[1], num_tokens,
             *(s // unit for s in strides), k_units, v_units,
             UNIT=unit, HAS_V=has_v, TOK=tok, BLOCK=block, num_warps=warps,
         )
@@ -92,10 +96,14 @@ def _check_view(name, view):
             f"{name} must be 4-D [num_pages, page_size, H, D], got shape {tuple(view.shape)}")
 
 
-def store_kv_paged(k_view, v_view, loc, k, v, *, backend: str = "auto") -> None:
+def store_kv_paged(k_view, v_view, loc, k, v, *, backend: str = "auto",
+                   num_tokens: Optional[int] = None) -> None:
     """Write ``k[i]``/``v[i]`` to token ``loc[i]`` of the page-major views.
 
-    ``v_view`` (and then ``v``) may be None for K-only layouts.
+    ``v_view`` (and then ``v``) may be None for K-only layouts. ``num_tokens`` (default: every
+    slot of the views, ``num_pages * page_size``; at most that) bounds the valid ids
+    ``[0, num_tokens)``: ids past it are refused / masked off like any out-of-range id, even
+    when they fall inside the last page.
     """
     loc = C.check_index("loc", loc)
     n = loc.shape[0]
@@ -114,6 +122,11 @@ def store_kv_paged(k_view, v_view, loc, k, v, *, backend: str = "auto") -> None:
         v = C.check_source("v", v, n, v_view.shape[2:], v_view.dtype)
     C.check_device(k_view.device, loc=loc, k=k, v_view=v_view, v=v)
     rows = k_view.shape[0] * k_view.shape[1]
+    if num_tokens is not None:
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) \
+                or not 0 <= num_tokens <= rows:
+            raise InvalidArgument(f"num_tokens must be an int in [0, {rows}], got {num_tokens!r}")
+        rows = num_tokens
     which = dispatch.resolve(backend, k_view.device)
     if which == "torch" or k_view.device.type != "cuda":
         C.check_bounds("loc", loc, rows)
@@ -122,4 +135,4 @@ def store_kv_paged(k_view, v_view, loc, k, v, *, backend: str = "auto") -> None:
     if which == "torch":
         store_kv_paged_reference(k_view, v_view, loc, k, v)
     else:
-        _launch(k_view, v_view, loc, k, v)
+        _launch(k_view, v_view, loc, k, v, rows)

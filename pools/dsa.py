@@ -10,7 +10,9 @@ Indexer buffer (one per layer), uint8 ``[num_pages, page_size * (D + 4 * D // B)
 
 ``num_pages = ceil((size + page_size) / page_size)``: page ``p`` covers the same token ids
 ``[p * page_size, (p + 1) * page_size)`` as the latent cache, so token ``t`` of the indexer
-is ``(t // page_size, t % page_size)``.
+is ``(t // page_size, t % page_size)``. When ``size % page_size != 0`` the last page has slots
+past ``num_slots``: they belong to no token, and every API (set, gets, move, host copy) refuses
+ids ``>= num_slots`` as the ``KVCache`` contract says.
 
 Lockstep invariant: every operation that relocates token rows touches the latent row AND
 the token's index key + scale: :meth:`move_kv_cache` moves all three in ONE launch (a pointer
@@ -117,7 +119,9 @@ class DSATokenToKVPool(MLATokenToKVPool):
                                  index_k_scale: torch.Tensor) -> None:
         """Write token ``loc[i]``'s index key ``index_k[i]`` (``[N, D]`` fp8 or uint8) and its
         scales ``index_k_scale[i]`` (``[N, D // B]`` fp32, ``[N]`` fp32 when ``D == B``, or the
-        raw ``[N, 4 * D // B]`` uint8 bytes). One launch for keys and scales."""
+        raw ``[N, 4 * D // B]`` uint8 bytes). One launch for keys and scales. Ids outside
+        ``[0, num_slots)`` are refused as by every other pool write (the last indexer page
+        may hold slots past ``num_slots``; they are never written)."""
         idx = self.layer_index(layer_id)
         loc = self._as_loc(unwrap_write_loc(loc)[0])
         n = loc.shape[0]
@@ -139,9 +143,11 @@ class DSATokenToKVPool(MLATokenToKVPool):
         else:
             raise InvalidArgument(f"index_k_scale must be float32 (or raw uint8), got {s.dtype}")
         k = index_k.view(torch.uint8).reshape(n, 1, D).to(self.device)
+        # the views' last page may extend past num_slots (size % page_size != 0): bound the
+        # ids by the pool's slots, not the pages' capacity
         store_kv_paged(self._index_k_views[idx], self._index_s_views[idx], loc, k,
                        s.reshape(n, 1, self.index_scale_bytes).to(self.device),
-                       backend=self.kernel_backend)
+                       backend=self.kernel_backend, num_tokens=self.num_slots)
 
     def _page_slots(self, page_indices: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -20,6 +20,12 @@ Post-capture backing (:mod:`pools.post_capture`) is the inner KV pool's: build i
 ``post_capture_backed_bytes`` / ``token_limit`` delegate to it (the Mamba state pool is sized
 before capture and never resized). ``post_capture_active`` given here must agree with it.
 
+Write locations: a :class:`~pools.write_loc.KVWriteLoc` given to a write is resolved here, in
+:meth:`HybridLinearKVPool._write_loc`, and the inner pool gets a bare location: ``full_loc``
+(already translated into the full-attention pool's slots) when the bundle carries one, else
+``loc``. An MLA inner pool (``use_mla``: MLA, MLA-FP4, DSA) writes at ``loc``, as the reference
+pool does.
+
 ``HybridReqToTokenPool`` (request → mamba slot bookkeeping) is re-exported from here.
 """
 from __future__ import annotations
@@ -34,6 +40,8 @@ from pools.base import KVCache
 from pools.errors import IndexOutOfRange, InvalidArgument
 from pools.hybrid_req import HybridReqState, HybridReqToTokenPool  # noqa: F401
 from pools.mamba import MambaCpuCopy, MambaLayerCache, MambaPool
+from pools.mla import MLATokenToKVPool
+from pools.write_loc import unwrap_write_loc
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +104,7 @@ class HybridLinearKVPool(KVCache):
         self.mamba_pool = mamba_pool
         self.full_attention_layer_ids = ids
         self.full_attention_layer_id_mapping = {gid: i for i, gid in enumerate(ids)}
+        self.use_mla = isinstance(kv_pool, MLATokenToKVPool)
         self.store_dtype = kv_pool.store_dtype
         self.layout = getattr(kv_pool, "layout", "nhd")
         self.head_num = getattr(kv_pool, "head_num", 0)
@@ -125,6 +134,12 @@ class HybridLinearKVPool(KVCache):
         if self.layer_transfer_counter is not None:
             self.layer_transfer_counter.wait_until(int(layer_id) - self.start_layer)
 
+    def _write_loc(self, loc):
+        """The inner pool's write location for ``loc`` (a bare location or a
+        :class:`KVWriteLoc`): ``full_loc`` when given (MLA inner pools: ``loc``), else ``loc``."""
+        loc, _, full_loc = unwrap_write_loc(loc)
+        return loc if full_loc is None or self.use_mla else full_loc
+
     # ------------------------------------------------------------------ KV access
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         inner = self._inner_layer(layer_id)
@@ -142,7 +157,7 @@ class HybridLinearKVPool(KVCache):
         return self.kv_pool.get_kv_buffer(inner)
 
     def set_kv_buffer(self, layer, loc, k: torch.Tensor, v: Optional[torch.Tensor], **kw) -> None:
-        self.kv_pool.set_kv_buffer(self._inner_layer(layer), loc, k, v, **kw)
+        self.kv_pool.set_kv_buffer(self._inner_layer(layer), self._write_loc(loc), k, v, **kw)
 
     def set_kv_buffer_prefix_valid(self, layer, *args, **kw) -> None:
         fn = getattr(self.kv_pool, "set_kv_buffer_prefix_valid", None)
@@ -154,7 +169,7 @@ class HybridLinearKVPool(KVCache):
         fn = getattr(self.kv_pool, "set_mla_kv_buffer", None)
         if fn is None:
             raise InvalidArgument(f"{type(self.kv_pool).__name__} is not an MLA pool")
-        fn(self._inner_layer(layer), loc, k_nope, k_rope)
+        fn(self._inner_layer(layer), self._write_loc(loc), k_nope, k_rope)
 
     def get_mla_kv_buffer(self, layer, loc, dst_dtype: Optional[torch.dtype] = None):
         fn = getattr(self.kv_pool, "get_mla_kv_buffer", None)

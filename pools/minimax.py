@@ -20,7 +20,8 @@ and moves / host copies treat every buffer alike (a move is ONE launch over all 
 Stores: :meth:`set_fused_kv_index_buffer` writes main K/V and index K (+V) of a sparse layer in
 one launch (:func:`kernels.store_multi.store_rows_multi`, a raw-byte kernel, so any dtypes and
 head dims fuse); with ``fuse_store=False`` it falls back to separate stores. Both paths convert
-inputs to the store dtypes the same way and write identical bytes.
+and check every input (shapes, dtypes; ids on the host-checked paths, see :mod:`kernels.store`)
+before the first write, so they write identical bytes, and on a refusal neither writes any.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import torch
 
 from kernels.copy import KvCopyTable
 from kernels.errors import InvalidArgument, UnsupportedOperation
+from kernels.store import store_kv
 from kernels.store_multi import store_rows_multi
 from pools.base import KVCache
 from pools.cpu_copy import TokenBuffer
@@ -228,29 +230,30 @@ class MiniMaxSparseKVPool(KVCache):
             raise InvalidArgument(f"layer {lid} is K-only (value disabled): pass idx_v=None")
         if not k_only and idx_v is None:
             raise InvalidArgument(f"layer {lid} has an index V cache: idx_v is required")
-        loc = unwrap_write_loc(loc)[0]
-        if not self.can_fuse_store(lid):
-            self.set_kv_buffer(lid, loc, k, v)
-            if k_only:
-                self.set_index_k_buffer(lid, loc, idx_k)
-            else:
-                self.set_index_kv_buffer(lid, loc, idx_k, idx_v)
-            return
+        # Convert and check every input before the first write: both paths then write the same
+        # bytes, and a refusal leaves every buffer as it was.
         main = self.main_pool
-        loc, k, v = main._prepare(loc, k, v, None, None)
-        caches = [main.k_buffer[main.layer_index(lid)], main.v_buffer[main.layer_index(lid)]]
+        loc, k, v = main._prepare(unwrap_write_loc(loc)[0], k, v, None, None)
+        m = main.layer_index(lid)
         if k_only:
             pool, j = self.index_k_pool, self.index_k_layer_id_mapping[lid]
             ik = pool._to_store(idx_k)
             pool._check_rows("idx_k", ik, loc.shape[0], (pool.head_num, pool.head_dim))
-            caches.append(pool.k_buffer[j])
-            sources = [k, v, ik]
+            index = (pool.k_buffer[j], None, ik, None)
         else:
             pool, j = self.index_kv_pool, self.index_kv_layer_id_mapping[lid]
             _, ik, iv = pool._prepare(loc, idx_k, idx_v, None, None)
-            caches += [pool.k_buffer[j], pool.v_buffer[j]]
-            sources = [k, v, ik, iv]
-        store_rows_multi(caches, loc, sources, backend=self.kernel_backend)
+            index = (pool.k_buffer[j], pool.v_buffer[j], ik, iv)
+        targets = [(main.k_buffer[m], main.v_buffer[m], k, v), index]
+        if self.can_fuse_store(lid):
+            caches = [c for kc, vc, _, _ in targets for c in (kc, vc) if c is not None]
+            sources = [x for _, _, ks, vs in targets for x in (ks, vs) if x is not None]
+            store_rows_multi(caches, loc, sources, backend=self.kernel_backend)
+            return
+        # separate stores; loc and row counts are shared, so the first store's bounds check
+        # (host-checked paths) refuses before anything is written
+        for kc, vc, ks, vs in targets:
+            store_kv(kc, vc, loc, ks, vs, backend=self.kernel_backend)
 
     # -- moves ----------------------------------------------------------------------------------
     def move_kv_cache(self, tgt_loc, src_loc) -> None:

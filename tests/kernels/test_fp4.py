@@ -86,6 +86,29 @@ def test_zero_and_extreme_blocks():
         assert bool(((out[1, 16:] - x[1, 16:]).abs() <= x[1, 16:] / 4).all())
 
 
+@pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning")  # 4 * 2**126 -> inf, clamped
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_largest_scale_codes_4_and_6_saturate_to_dtype_max(dtype):
+    """At s = 2**126 (scale byte 253) codes 4 and 6 would be 2**128 and 1.5 * 2**128, past
+    fp32 and bf16: they come out as +-finfo(dtype).max; every other code is exact."""
+    codes = list(range(16))                    # magnitudes 0..7, then the same negated
+    packed = torch.tensor([[codes[i] | codes[i + 1] << 4 for i in range(0, 16, 2)]],
+                          dtype=torch.uint8, device=DEVICE)
+    scales = torch.tensor([[253]], dtype=torch.uint8, device=DEVICE)
+    big = torch.finfo(dtype).max
+    mags = [min(v * 2.0 ** 126, big) for v in GRID]
+    want = mags + [-m for m in mags]
+    for backend in ("triton", "torch"):
+        out = fp4.dequantize_fp4(packed, scales, dtype=dtype, backend=backend)
+        assert out.dtype == dtype and out[0].tolist() == want
+    # the quantizer reaches code 4 at that scale: the largest finite input comes back as itself
+    x = torch.full((1, 16), big, dtype=dtype, device=DEVICE)
+    for backend in ("triton", "torch"):
+        q, s = fp4.quantize_fp4(x, backend=backend)
+        assert int(s[0, 0]) == 253 and int(q[0, 0]) == 0x66
+        assert torch.equal(fp4.dequantize_fp4(q, s, dtype=dtype, backend=backend), x)
+
+
 def test_fp16_output_is_clamped_not_inf():
     x = torch.full((1, 16), 65504.0, dtype=torch.float16, device=DEVICE)  # -> code 4 * 2**14
     for backend in ("triton", "torch"):

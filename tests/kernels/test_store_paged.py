@@ -93,7 +93,7 @@ def test_paged_out_of_range_masked_in_kernel():
     k, v = rand((5, 2, 3), torch.float32, g), rand((5, 2, 5), torch.float32, g)
     keep = torch.tensor([1, 4], device=DEVICE)
     store_paged.store_kv_paged(kr[0], vr[0], loc[keep], k[keep], v[keep], backend="torch")
-    store_paged._launch(ks[0], vs[0], loc, k, v)
+    store_paged._launch(ks[0], vs[0], loc, k, v, rows)
     assert torch.equal(buf, ref)
 
 
@@ -111,3 +111,36 @@ def test_paged_invalid_arguments():
         store_paged.store_kv_paged(ks[0].transpose(2, 3), vs[0], loc, k, v)
     with pytest.raises(InvalidArgument, match="v_view is None"):
         store_paged.store_kv_paged(ks[0], None, loc, k, v)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_paged_num_tokens_bounds_ids_inside_the_last_page(backend):
+    """num_tokens < the views' capacity: ids in [num_tokens, capacity) sit inside the last
+    page but are refused (host-checked paths) / masked off (CUDA kernel) like any other."""
+    g = gen(15)
+    buf, geo = _page_major(torch.bfloat16, g)
+    ks, vs = page_major_views(buf, **geo)
+    ref = buf.clone()
+    kr, vr = page_major_views(ref, **geo)
+    rows = geo["num_pages"] * geo["page_size"]
+    limit = rows - 3
+    k, v = rand((3, 2, 3), torch.bfloat16, g), rand((3, 2, 5), torch.bfloat16, g)
+    good = torch.tensor([0, limit - 1], device=DEVICE)
+    store_paged.store_kv_paged(ks[1], vs[1], good, k[:2], v[:2], backend=backend, num_tokens=limit)
+    store_paged.store_kv_paged(kr[1], vr[1], good, k[:2], v[:2], backend="torch")
+    assert torch.equal(buf, ref)
+    for bad in (limit, rows - 1):
+        loc = torch.tensor([2, bad, 5], device=DEVICE)
+        if ON_CUDA and backend == "triton":
+            store_paged.store_kv_paged(ks[1], vs[1], loc, k, v, backend=backend,
+                                       num_tokens=limit)
+            torch.cuda.synchronize()
+            keep = torch.tensor([0, 2], device=DEVICE)
+            store_paged.store_kv_paged(kr[1], vr[1], loc[keep], k[keep], v[keep], backend="torch")
+        else:
+            with pytest.raises(IndexOutOfRange, match=f"{bad}, outside \\[0, {limit}\\)"):
+                store_paged.store_kv_paged(ks[1], vs[1], loc, k, v, backend=backend,
+                                           num_tokens=limit)
+        assert torch.equal(buf, ref)
+    with pytest.raises(InvalidArgument, match="num_tokens"):
+        store_paged.store_kv_paged(ks[1], vs[1], good, k[:2], v[:2], num_tokens=rows + 1)

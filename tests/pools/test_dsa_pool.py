@@ -114,6 +114,29 @@ def test_set_index_accepts_raw_scale_bytes_and_rejects_bad_input():
         DSATokenToKVPool(SIZE, PS, torch.bfloat16, R, DR, L, DEVICE, index_head_dim=96)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_set_index_refuses_ids_past_num_slots_inside_the_last_page(backend):
+    # size 50, page 16: num_slots 66 but 5 pages = 80 slots; ids 66..79 are no token's
+    size, ps = 50, 16
+    a = DSATokenToKVPool(size, ps, torch.bfloat16, R, DR, 1, DEVICE, kernel_backend=backend)
+    b = DSATokenToKVPool(size, ps, torch.bfloat16, R, DR, 1, DEVICE, kernel_backend=backend)
+    assert a.num_slots == 66 and a.index_num_pages == 5
+    k, s = index_data(3, 7)
+    a.set_index_k_scale_buffer(0, loc([1, 65, 64]), k, s)  # the last valid slot is accepted
+    b.set_index_k_scale_buffer(0, loc([1, 65, 64]), k, s)
+    for bad in (66, 79, 80):
+        if ON_CUDA:  # no raise, no sync: row 1 is written, the out-of-range one nowhere
+            a.set_index_k_scale_buffer(0, loc([1, bad]), k[:2], s[:2])
+            b.set_index_k_scale_buffer(0, loc([1]), k[:1], s[:1])
+        else:
+            with pytest.raises(IndexOutOfRange, match=f"{bad}.*66"):
+                a.set_index_k_scale_buffer(0, loc([1, bad]), k[:2], s[:2])
+        assert_same_views(a.get_state_item_views(), b.get_state_item_views())
+    # slots 66..79 of the last page (page 4, slots 2..15) were never written
+    kb = a.index_k_with_scale_buffer[0][4]
+    assert not bool(kb[2 * DI:ps * DI].any()) and not bool(kb[ps * DI + 2 * 4:].any())
+
+
 def test_two_scales_per_token():
     p = pool(index_quant_block=64)
     k, s = index_data(2, 4, scales=2)

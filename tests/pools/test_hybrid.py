@@ -9,7 +9,10 @@ from pools.errors import DoubleFree, IndexOutOfRange, InvalidArgument, ShapeMism
 from pools.hybrid import HybridCpuCopy, HybridLinearKVPool, HybridReqState, HybridReqToTokenPool
 from pools.mamba import MambaPool, MambaStateSpec
 from pools.mha import MHATokenToKVPool
+from pools.mla import MLATokenToKVPool
 from pools.page_major import PageMajorMHATokenToKVPool
+from pools.quantized import MHATokenToKVPoolFP4
+from pools.write_loc import KVWriteLoc
 
 DEVICE = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
 pytestmark = pytest.mark.timeout(90)
@@ -243,6 +246,41 @@ def test_hybrid_layer_translation_and_descriptors(kind, mamba_layout):
     assert d["item_lens"] == inner.describe()["item_lens"] and d["full_attention_layer_ids"] == [1, 4]
     mlc = pool.mamba_layer_cache(2)
     assert len(mlc.conv) == 2
+
+
+def _ids(values):
+    return torch.tensor(values, device=DEVICE)
+
+
+def _inner_pool(kind):
+    kw = dict(size=32, page_size=2, dtype=torch.float16, layer_num=len(FULL_IDS), device=DEVICE)
+    if kind == "mla":
+        return MLATokenToKVPool(kv_lora_rank=16, qk_rope_head_dim=8, **kw)
+    if kind == "fp4":
+        return MHATokenToKVPoolFP4(head_num=2, head_dim=16, **kw)
+    if kind == "page_major":
+        return PageMajorMHATokenToKVPool(head_num=2, head_dim=16, **kw)
+    return MHATokenToKVPool(head_num=2, head_dim=16, layout=kind, **kw)
+
+
+@pytest.mark.parametrize("kind", KV_KINDS + ["fp4", "mla"])
+def test_hybrid_writes_full_attention_layers_at_kv_write_loc_full_loc(kind):
+    """A KVWriteLoc's full_loc (already translated into the full-attention pool's slots) is
+    where the hybrid pool writes; loc when it has none. MLA inner pools write at loc, as the
+    reference does."""
+    pool = HybridLinearKVPool(_inner_pool(kind), MambaPool(5, SPEC, DEVICE), FULL_IDS)
+    twin = _inner_pool(kind)  # written directly at the ids the hybrid pool must use
+    g = torch.Generator().manual_seed(19)
+    shape = (3, 1, 24) if kind == "mla" else (3, 2, 16)
+    k, v = (torch.randn(shape, generator=g).to(DEVICE, torch.float16) for _ in range(2))
+    loc, full = _ids([5, 6, 7]), _ids([20, 21, 22])
+    pool.set_kv_buffer(4, KVWriteLoc(loc, full_loc=full), k, v)   # model layer 4 = inner 1
+    twin.set_kv_buffer(1, loc if kind == "mla" else full, k, v)
+    pool.set_kv_buffer(1, KVWriteLoc(_ids([8, 9, 10])), k, v)       # no full_loc: at loc
+    twin.set_kv_buffer(0, _ids([8, 9, 10]), k, v)
+    views, want = pool.get_item_views(), twin.get_item_views()
+    assert any(bool(x.any()) for x in want)
+    assert all(torch.equal(a, b) for a, b in zip(views, want))
 
 
 def test_hybrid_constructor_errors():

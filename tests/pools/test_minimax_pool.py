@@ -113,6 +113,35 @@ def test_fused_store_bounds_write_nothing():
     assert all(torch.equal(a, b) for a, b in zip(before, p.get_item_views()))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_fused_and_separate_paths_refuse_bad_index_input_before_any_write(dtype):
+    """fuse_store=False must not write the main K/V rows when an index input is refused:
+    both paths leave identical bytes after good writes AND after each refusal."""
+    pools = [MiniMaxSparseKVPool(SIZE, PS, dtype, H, D, DI, DENSE, SPARSE, DEVICE,
+                                 disable_value_sparse_layer_ids=NO_V, fuse_store=fuse)
+             for fuse in (True, False)]
+    k, v, ik, iv = inputs(3, 90)
+    ids = loc([4, 9, 17])
+    bad_calls = [  # (layer, k, v, idx_k, idx_v)
+        (1, k, v, rnd((3, 1, DI + 1), 91), iv),    # index K of the wrong width
+        (1, k, v, ik, iv[:2]),                     # index V: 2 rows for 3 ids
+        (3, k, v, rnd((3, 2, DI), 92), None),      # K-only index K with the wrong head count
+    ]
+    for p in pools:
+        p.set_fused_kv_index_buffer(1, loc([2, 3, 5]), *inputs(3, 93))  # some prior content
+        before = views_snapshot(p.get_item_views())
+        for layer, *args in bad_calls:
+            with pytest.raises(ShapeMismatch):
+                p.set_fused_kv_index_buffer(layer, ids, *args)
+            assert_same_views(p.get_item_views(), before)
+        if not ON_CUDA:
+            with pytest.raises(IndexOutOfRange, match=str(SIZE + PS)):
+                p.set_fused_kv_index_buffer(3, loc([1, 2, SIZE + PS]), k, v, ik)
+            assert_same_views(p.get_item_views(), before)
+        p.set_fused_kv_index_buffer(3, ids, k, v, ik)
+    assert_same_views(pools[0].get_item_views(), pools[1].get_item_views())
+
+
 def test_registration_lists_main_then_index_buffers():
     p = make()
     views = check_registration(p)
