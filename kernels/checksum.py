@@ -67,7 +67,7 @@ TILE_BYTES = 64 << 10
 
 _K0, _K1, _M1, _M2 = 0x9E3779B1, 0x7F4A7C15, 0x85EBCA6B, 0xC2B2AE35
 _MASK = 0xFFFFFFFF
-_HOST_CHUNK_WORDS = 1 << 18  # numpy temporaries of 1 MiB: they stay in cache
+_HOST_CHUNK_WORDS = 1 << 16  # numpy temporaries of 256 KiB: they stay in cache
 
 
 @triton.jit
@@ -254,25 +254,28 @@ def _keys(pos0: int, n: int) -> np.ndarray:
     return k
 
 
-def checksum_rows(rows: np.ndarray, pos0: int = 0) -> np.ndarray:
+def checksum_rows(rows: np.ndarray, pos0: int = 0, ids=None) -> np.ndarray:
     """Checksum terms of each row of ``rows`` (uint8 ``[n, nbytes]``: one range per item,
-    first word at stream position ``pos0``), summed per row: uint32 ``[n]``. Vectorised and
-    chunked (temporaries of about 1 MiB)."""
+    first word at stream position ``pos0``), summed per row: uint32 ``[n]`` (or, with
+    ``ids``, of the rows ``rows[ids]``). Vectorised and chunked: rows are gathered, padded
+    and mixed about 256 KiB at a time, so the temporaries stay in cache."""
     rows = np.asarray(rows)
     if rows.dtype != np.uint8 or rows.ndim != 2:
         raise ShapeMismatch(f"rows must be uint8 [n, nbytes], got {rows.dtype} {rows.shape}")
-    n, nb = rows.shape
-    pad = -nb % 4
-    if pad:
-        rows = np.concatenate((rows, np.zeros((n, pad), dtype=np.uint8)), axis=1)
-    words = np.ascontiguousarray(rows).view("<u4")
-    w = words.shape[1]
+    ids = np.arange(rows.shape[0]) if ids is None else np.asarray(ids, dtype=np.int64)
+    nb = rows.shape[1]
+    w = -(-nb // 4)
     key = _keys(int(pos0), w)
-    out = np.empty(n, dtype=np.uint32)
+    out = np.empty(ids.size, dtype=np.uint32)
     step = max(1, _HOST_CHUNK_WORDS // max(1, w))
     m1, m2 = np.uint32(_M1), np.uint32(_M2)
-    for lo in range(0, n, step):
-        x = np.bitwise_xor(words[lo:lo + step], key)
+    for lo in range(0, ids.size, step):
+        chunk = rows[ids[lo:lo + step]]
+        if nb % 4:
+            chunk = np.concatenate(
+                (chunk, np.zeros((chunk.shape[0], 4 * w - nb), dtype=np.uint8)), axis=1)
+        x = chunk.view("<u4")
+        x ^= key
         x *= m1
         x ^= x >> np.uint32(13)
         x *= m2
@@ -282,10 +285,11 @@ def checksum_rows(rows: np.ndarray, pos0: int = 0) -> np.ndarray:
 
 
 def _host_rows(ptr: int, item_len: int, ids: np.ndarray) -> np.ndarray:
-    """The rows ``ids`` of the host buffer at ``ptr`` (a gathered copy)."""
+    """The host buffer at ``ptr`` as ``[rows, item_len]`` uint8, up to the last of ``ids``
+    (a view: nothing is copied)."""
     span = (int(ids.max()) + 1) * item_len
     buf = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(int(ptr)))
-    return buf.reshape(-1, item_len)[ids]
+    return buf.reshape(-1, item_len)
 
 
 def item_checksums_host(ptrs: Sequence[int], item_lens: Sequence[int], ids,
@@ -301,7 +305,7 @@ def item_checksums_host(ptrs: Sequence[int], item_lens: Sequence[int], ids,
     if (ids < 0).any():
         raise IndexOutOfRange(f"item id {int(ids[ids < 0][0])} is negative")
     for p, n, q in zip(ptrs, item_lens, pos0):
-        out += checksum_rows(_host_rows(int(p), int(n), ids), int(q))
+        out += checksum_rows(_host_rows(int(p), int(n), ids), int(q), ids)
     return out
 
 
