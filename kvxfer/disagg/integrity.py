@@ -49,8 +49,11 @@ GROUPS = ("kv", "state", "aux")
 _OWED = "verdict owed"        # decode: Done arrived, prefill waits for our verdict
 
 
-class _Group:
-    """One descriptor group: each descriptor's stream position and where its memory lives."""
+class ItemSums:
+    """Checksums of one descriptor group's items. Each descriptor is read where its memory
+    lives (asked once, of the CUDA driver): host memory by the CPU (numpy path), device
+    memory only by the kernel on its own device, on a private stream ordered after the
+    calling thread's current stream; the parts of an item add up modulo ``2**32``."""
 
     def __init__(self, ptrs, item_lens) -> None:
         from kernels.checksum import word_offsets
@@ -81,6 +84,7 @@ class _Group:
             stream = self._streams.get(dev)
             if stream is None:
                 stream = self._streams[dev] = torch.cuda.Stream(dev)
+            stream.wait_stream(torch.cuda.current_stream(dev))   # after this thread's work
             with torch.cuda.device(dev), torch.cuda.stream(stream):
                 got = item_checksums(self.ptrs[ds], self.lens[ds], ids, device=f"cuda:{dev}",
                                      pos0=self.pos0[ds])
@@ -106,7 +110,7 @@ class Integrity:
         self.mgr = mgr
         self.algorithm = ALGORITHM
         a = mgr.args
-        self.groups = {g: _Group(a.group(g)[0], a.group(g)[2]) for g in GROUPS}
+        self.groups = {g: ItemSums(a.group(g)[0], a.group(g)[2]) for g in GROUPS}
         #: test hook: called on the loop with the room right before decode checksums its
         #: destination items (a test corrupts a byte there); None otherwise
         self.before_check: Optional[Callable] = None
