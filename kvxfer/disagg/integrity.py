@@ -31,6 +31,7 @@ Invariants
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 from typing import Callable, Dict, List, Optional
 
@@ -55,7 +56,7 @@ class ItemSums:
     memory only by the kernel on its own device, on a private stream ordered after the
     calling thread's current stream; the parts of an item add up modulo ``2**32``."""
 
-    def __init__(self, ptrs, item_lens) -> None:
+    def __init__(self, ptrs, lens, item_lens) -> None:
         from kernels.checksum import word_offsets
         from kvxfer.transport import cuda_driver
         self.ptrs = np.asarray(ptrs, dtype=np.int64)
@@ -65,6 +66,11 @@ class ItemSums:
                           for w in (cuda_driver.kernel_device(int(p)) for p in ptrs)],
                          dtype=np.int64)
         self.host = where < 0
+        #: (rows view, first stream word) of each host descriptor, built once
+        self._host_views = [(np.ctypeslib.as_array((ctypes.c_uint8 * int(lens[d]))
+                                                   .from_address(int(ptrs[d])))
+                             .reshape(-1, int(item_lens[d])), int(self.pos0[d]))
+                            for d in np.flatnonzero(self.host)]
         #: CUDA ordinal -> the descriptors whose memory lives there
         self.devices = {int(w): np.flatnonzero(where == w) for w in np.unique(where[where >= 0])}
         self.host_item_bytes = int(self.lens[self.host].sum())
@@ -72,13 +78,12 @@ class ItemSums:
 
     def sums(self, ids: np.ndarray) -> np.ndarray:
         """uint32 checksum of each item in ``ids`` (host and device parts added)."""
-        from kernels.checksum import item_checksums, item_checksums_host
+        from kernels.checksum import checksum_rows, item_checksums
         out = np.zeros(len(ids), dtype=np.uint32)
         if not len(ids):
             return out
-        if self.host.any():
-            h = self.host
-            out += item_checksums_host(self.ptrs[h], self.lens[h], ids, self.pos0[h])
+        for rows, pos0 in self._host_views:
+            out += checksum_rows(rows, pos0, ids)
         for dev, ds in self.devices.items():
             import torch
             stream = self._streams.get(dev)
@@ -110,7 +115,7 @@ class Integrity:
         self.mgr = mgr
         self.algorithm = ALGORITHM
         a = mgr.args
-        self.groups = {g: ItemSums(a.group(g)[0], a.group(g)[2]) for g in GROUPS}
+        self.groups = {g: ItemSums(*a.group(g)) for g in GROUPS}
         #: test hook: called on the loop with the room right before decode checksums its
         #: destination items (a test corrupts a byte there); None otherwise
         self.before_check: Optional[Callable] = None

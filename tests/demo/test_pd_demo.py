@@ -70,6 +70,22 @@ def test_demo_other_layouts(kv_layout, mamba_layout):
         assert r["kv_entries"] == 2 and r["state_entries"] == 0
 
 
+@pytest.mark.timeout(150)
+def test_demo_with_integrity_check():
+    """`kvxfer demo --integrity`: both workers checksum every page, slot and aux row; every
+    request still verifies byte for byte and nothing leaks."""
+    from kvxfer.pd_demo import run_demo
+    from kvxfer.pd_demo.run import format_table
+    from kvxfer.pd_demo.spec import ModelSpec
+    spec = ModelSpec(kv_layout="per_layer", mamba_layout="per_layer", attn_layers=2,
+                     mamba_layers=2, head_dim=16, pool_tokens=1024, mamba_slots=16, aux_rows=32,
+                     device=DEVICE)
+    r = run_demo(spec, requests=8, seed=5, max_len=120, chunk_tokens=32, timeout=60,
+                 integrity=True)
+    _check_report(r, 8)
+    assert r["integrity"] is True and "integrity    on" in format_table(r)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kv_layout,mamba_layout", [("page_major", "envelope"),
                                                     ("per_layer", "per_layer"), ("mla", "none")])

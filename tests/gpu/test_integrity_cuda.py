@@ -25,8 +25,8 @@ IDS = [5, 0, 63, 17]
 
 def _sums(views, ids=IDS):
     """ItemSums over ``views`` (one per descriptor, items on dim 0) and where it ran each."""
-    ptrs = [v.data_ptr() for v in views]
-    g = ItemSums(ptrs, [v[0].numel() * v.element_size() for v in views])
+    g = ItemSums([v.data_ptr() for v in views], [v.numel() * v.element_size() for v in views],
+                 [v[0].numel() * v.element_size() for v in views])
     return g, g.sums(np.asarray(ids))
 
 
