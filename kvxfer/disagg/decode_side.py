@@ -28,7 +28,7 @@ _KINDS = {c.__name__: c for c in (
     kerr.TransferAborted, kerr.TransferTimeout, kerr.ShapeMismatch, kerr.IndexOutOfRange,
     kerr.InvalidArgument, kerr.PeerClosed, kerr.Closed, kerr.IncompatiblePeer,
     kerr.ProtocolError, kerr.UnknownGroup, derr.DuplicateRoom, derr.UnknownRoom,
-    derr.LayoutMismatch, derr.RoomMismatch, derr.IntegrityError)}
+    derr.LayoutMismatch, derr.IntegrityError)}
 
 
 def remote_error(kind: str, reason: str, who: str) -> KvxferError:

@@ -37,10 +37,12 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
+from kvxfer import errors as kerr
+from kvxfer.disagg import errors as derr
 from kvxfer.disagg import messages as m
 from kvxfer.disagg.errors import IntegrityError
 from kvxfer.disagg.poll import KVPoll, is_terminal
-from kvxfer.errors import KvxferError, ProtocolError
+from kvxfer.errors import KvxferError, ProtocolError, TransferAborted
 
 log = logging.getLogger(__name__)
 
@@ -179,12 +181,14 @@ class Integrity:
             mgr.advance(r, KVPoll.Success)
             mgr.release(r)
             return
-        who = f"decode {r.link.name}"
+        text = f"decode {r.link.name}: {msg.reason}"
         if msg.kind == IntegrityError.__name__:
-            exc: KvxferError = IntegrityError(f"{who}: {msg.reason}", room=r.room)
-        else:
-            from kvxfer.disagg.decode_side import remote_error
-            exc = remote_error(msg.kind, msg.reason, who)
+            exc: KvxferError = IntegrityError(text, room=r.room)
+        else:                                    # decode's error class, by name
+            cls = getattr(derr, msg.kind, None) or getattr(kerr, msg.kind, None)
+            if not (isinstance(cls, type) and issubclass(cls, KvxferError)):
+                cls = TransferAborted
+            exc = cls(text)
         mgr.fail(r, exc, notify=False)
 
     # ------------------------------------------------------------------ decode

@@ -196,3 +196,20 @@ async def test_decode_refuses_a_done_without_the_right_checksums(sums):
     assert "checksums" in str(exc) and "16 bytes" in str(exc)
     v, = link.peer.sent
     assert not v.ok and v.kind == "ProtocolError"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind,cls", [("RoomMismatch", "RoomMismatch"),
+                                      ("TransferTimeout", "TransferTimeout"),
+                                      ("NoSuchError", "TransferAborted"),
+                                      ("Exception", "TransferAborted")])
+async def test_prefill_rebuilds_decodes_error_class(kind, cls):
+    mgr, *_ = _manager("prefill")
+    done = []
+    r, link = _room(mgr, "sender", done)
+    r.aux_index = 0
+    await mgr.integrity.source(r, np.array([0]), None, last=True)
+    mgr.integrity.sent(r)
+    mgr.integrity.on_verdict(link, m.Verdict(room=11, ok=False, reason="why", kind=kind))
+    (state, exc), = done
+    assert state == KVPoll.Failed and type(exc).__name__ == cls and "peer-x: why" in str(exc)
