@@ -8,6 +8,7 @@ Triton, so :mod:`kernels.errors` stays cheap):
 * :mod:`kernels.store_paged`  store into page-major 4-D strided views;
 * :mod:`kernels.copy`         ``KvCopyTable``: move rows src -> tgt in all buffers, one launch;
 * :mod:`kernels.mla`          MLA (nope, rope) store into one row and the inverse gather;
+* :mod:`kernels.checksum`     per-item checksums over raw byte ranges (transfer integrity);
 * :mod:`kernels.errors`       the exception hierarchy root.
 
 Every launcher copies raw bytes (any store dtype), checks shapes / strides / dtypes /

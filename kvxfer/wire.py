@@ -8,7 +8,8 @@ unknown field is accepted. Nothing is ever pickled.
 Define a message by subclassing :class:`Message` with a unique ``TAG`` and annotating its
 fields with one of the supported types (``int``, ``str``, ``bytes``, ``bool``, ``float``,
 ``list[int]``, ``list[bytes]``, ``list[str]``, ``dict``, ``list``, or ``Optional[...]`` of
-those), and decorating it with :func:`register`.
+those), and decorating it with :func:`register`. An ``Optional`` field whose default is
+``None`` is left out of the encoding while it is ``None``.
 """
 from __future__ import annotations
 
@@ -37,7 +38,10 @@ class Message:
     def encode(self) -> bytes:
         body = {"t": self.TAG, "v": PROTOCOL_VERSION}
         for f in dataclasses.fields(self):
-            body[f.name] = getattr(self, f.name)
+            value = getattr(self, f.name)
+            if value is None and f.default is None:
+                continue          # an optional field left unset is absent on the wire
+            body[f.name] = value
         return msgpack.packb(body, use_bin_type=True)
 
 

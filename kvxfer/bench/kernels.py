@@ -21,6 +21,14 @@ measurement. Two diagnostic columns help read small-N results:
   a burst of calls without synchronising.
 
 If ``Triton us`` is well above ``graph us`` the gap is launch-side, not kernel time.
+
+The ``checksum`` cases (:mod:`kernels.checksum`, the integrity check's kernel: per-layer
+``2 * layers`` descriptors, and ``checksum_paged``: one page-major descriptor) only read:
+their GB/s counts the bytes read, the ``copy_`` baseline moves the same traffic (half read,
+half written), and the "torch ref" column is the numpy host path over host copies of the
+buffers (what a host-memory pool costs). Like the other cases' index tensors, the task table
+is built once beforehand (a transfer builds it per request: ``kvxfer bench pd --integrity``
+measures that end to end).
 On CPU only the torch reference and copy_ run, at tiny sizes, best of a few runs (Triton on
 CPU means the interpreter, whose timings are meaningless).
 """
@@ -35,12 +43,12 @@ from collections.abc import Callable
 
 import torch
 
+from kernels import checksum, mla, store, store_paged
 from kernels import copy as kcopy
-from kernels import mla, store, store_paged
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.uint8}
 KERNELS = ("store", "store_masked", "store_prefix", "store_paged", "move", "move_paged",
-           "mla_store", "mla_gather")
+           "mla_store", "mla_gather", "checksum", "checksum_paged")
 TARGET = 0.8
 
 
@@ -97,9 +105,11 @@ def _time_cpu(fn: Callable[[], object], rep_ms: int) -> float:
 class _Case:
     """One benchmark case: a Triton call, a torch call and the payload bytes they move."""
 
-    def __init__(self, name: str, tokens: int, payload: int, triton_fn, torch_fn):
+    def __init__(self, name: str, tokens: int, payload: int, triton_fn, torch_fn,
+                 moved: int | None = None):
         self.name, self.tokens, self.payload = name, tokens, payload
         self.triton_fn, self.torch_fn = triton_fn, torch_fn
+        self.moved = 2 * payload if moved is None else moved   # bytes read + written
 
 
 def _paged_locs(n: int, capacity: int, page_size: int, gen: torch.Generator, device):
@@ -173,6 +183,30 @@ def _build(kind: str, n: int, a, device) -> _Case:
         return _Case(kind, n, 2 * L * n * row,
                      lambda: table.move(tgt, src, backend="triton"),
                      lambda: table.move(tgt, src, backend="torch"))
+    if kind in ("checksum", "checksum_paged"):
+        pages = torch.randperm(cap // ps, generator=gen)[:-(-n // ps)].numpy()
+        if kind == "checksum":
+            bufs = [torch.randint(0, 256, (cap // ps, ps * row), dtype=torch.uint8, generator=gen)
+                    for _ in range(2 * L)]
+        else:
+            bufs = [torch.randint(0, 256, (cap // ps, 2 * L * ps * row), dtype=torch.uint8,
+                                  generator=gen)]
+        dev = [b.to(device) for b in bufs]
+        lens = [b.shape[1] for b in bufs]
+        read = len(pages) * sum(lens)
+        tasks = checksum.item_tasks([b.data_ptr() for b in dev], lens, checksum.word_offsets(lens),
+                                    pages)
+        table = torch.from_numpy(tasks).to(device)
+        out = torch.zeros(len(pages), dtype=torch.int32, device=device)
+
+        def run_kernel():
+            out.zero_()
+            checksum.checksum_tasks(table, out, 16, host_tasks=tasks)
+
+        return _Case(kind, n, read // 2, run_kernel,
+                     lambda: checksum.item_checksums_host([b.data_ptr() for b in bufs], lens,
+                                                          pages),
+                     moved=read)
     if kind == "move":
         bufs = [torch.empty(cap, H, D, dtype=dt, device=device) for _ in range(2 * L)]
         table = kcopy.KvCopyTable(bufs)
@@ -201,7 +235,7 @@ def _measure(case: _Case, device, rep_ms: int, use_triton: bool) -> dict:
     if use_triton:  # JIT-compile first: no compile gap right before any timed run
         case.triton_fn()
         torch.cuda.synchronize(device)
-    src = torch.empty(case.payload, dtype=torch.uint8, device=device)
+    src = torch.empty(case.moved // 2, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     t_copy = timer(lambda: dst.copy_(src), rep_ms)
     del src, dst
@@ -209,7 +243,7 @@ def _measure(case: _Case, device, rep_ms: int, use_triton: bool) -> dict:
     t_graph = _time_cuda_graph(case.triton_fn, rep_ms) if use_triton and on_cuda else None
     t_host = _host_time(case.triton_fn) if use_triton and on_cuda else None
     t_torch = timer(case.torch_fn, rep_ms)
-    moved = 2 * case.payload  # read + written
+    moved = case.moved
     return {
         "kernel": case.name, "tokens": case.tokens, "bytes": moved,
         "triton_s": t_triton, "torch_s": t_torch, "copy_s": t_copy,

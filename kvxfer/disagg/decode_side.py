@@ -28,7 +28,7 @@ _KINDS = {c.__name__: c for c in (
     kerr.TransferAborted, kerr.TransferTimeout, kerr.ShapeMismatch, kerr.IndexOutOfRange,
     kerr.InvalidArgument, kerr.PeerClosed, kerr.Closed, kerr.IncompatiblePeer,
     kerr.ProtocolError, kerr.UnknownGroup, derr.DuplicateRoom, derr.UnknownRoom,
-    derr.LayoutMismatch)}
+    derr.LayoutMismatch, derr.IntegrityError)}
 
 
 def remote_error(kind: str, reason: str, who: str) -> KvxferError:
@@ -68,6 +68,7 @@ class DecodeSide:
         if is_terminal(r.state):
             return
         r.pending_meta = (dst_kv, dst_state, aux)
+        r.dst_kv, r.dst_state = dst_kv, dst_state
         r.dst_aux_row, r.expect_pages = aux, len(dst_kv)
         if r.link is not None:
             self._send_meta(r)
@@ -255,6 +256,8 @@ class DecodeSide:
     def _on_done(self, r: Room, msg: m.Done) -> None:
         mgr = self.mgr
         r.peer_aborted = True                        # final: nothing more is in flight
+        if mgr.integrity is not None:
+            mgr.integrity.done_arrived(r)            # prefill now waits for our verdict
         if is_terminal(r.state):
             mgr.release(r)
             return
@@ -268,6 +271,9 @@ class DecodeSide:
                 f"room {r.room}: metadata row {r.dst_aux_row} carries "
                 f"{'no valid room stamp' if got is None else f'room {got}'}; data rejected"),
                 notify=False)
+            return
+        if mgr.integrity is not None:
+            mgr.integrity.check(r, msg)              # Success once every checksum matched
             return
         mgr.advance(r, KVPoll.Success)
         mgr.release(r)

@@ -22,3 +22,16 @@ class LayoutMismatch(IncompatiblePeer):
 
 class RoomMismatch(KvxferError):
     """The metadata row delivered to a room carries another room's id: data rejected."""
+
+
+class IntegrityError(KvxferError):
+    """Integrity mode: an item's checksum on decode differs from the one prefill computed
+    before the write (or could not be computed); the room's data is rejected.
+
+    ``room``, ``group`` (``"kv"``, ``"state"`` or ``"aux"``) and ``index`` (the item's
+    position in the room) name the first bad item when known (None for a rebuilt remote
+    error)."""
+
+    def __init__(self, msg: str, *, room=None, group=None, index=None) -> None:
+        super().__init__(msg)
+        self.room, self.group, self.index = room, group, index

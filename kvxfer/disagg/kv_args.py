@@ -147,7 +147,7 @@ def check_compatible(ours: Dict[str, Any], theirs: Dict[str, Any], *, us: str, t
                      ignore_tp: bool = False) -> None:
     """Raise :class:`LayoutMismatch` naming the first field that differs (with both values)."""
     order = ("page_size", "dtype", "kv_item_lens", "state_item_lens", "aux_item_lens",
-             "state_types", "state_dim_per_tensor", "layout", "tp_size")
+             "state_types", "state_dim_per_tensor", "layout", "tp_size", "integrity")
     if not isinstance(theirs, dict):
         raise LayoutMismatch(f"{them} sent a fingerprint of type {type(theirs).__name__}")
     for key in order:
@@ -160,6 +160,10 @@ def check_compatible(ours: Dict[str, Any], theirs: Dict[str, Any], *, us: str, t
             if diff is not None:
                 path, va, vb = diff
                 raise LayoutMismatch(f"{path}: {us} has {va!r}, {them} has {vb!r}")
+        elif key == "integrity" and a != b:      # set by KVManager(integrity=...) only
+            raise LayoutMismatch(f"integrity: {us} has {a or 'off'!r}, {them} has "
+                                 f"{b or 'off'!r}; both sides need the same "
+                                 f"KVManager(integrity=...)")
         elif a != b:
             raise LayoutMismatch(f"{key}: {us} has {a!r}, {them} has {b!r}")
 

@@ -83,7 +83,8 @@ class KVManager:
                  secret: bytes = b"kvxfer", host: str = "127.0.0.1", port: int = 0,
                  error_mode: str = "peer", timeouts: Optional[Timeouts] = None,
                  name: Optional[str] = None, engine_factory: Optional[Callable] = None,
-                 max_tombstones: int = 65536) -> None:
+                 max_tombstones: int = 65536,
+                 integrity: bool = False) -> None:
         if not isinstance(args, KVArgs):
             raise InvalidArgument(f"args must be KVArgs, got {type(args).__name__}")
         try:
@@ -101,6 +102,12 @@ class KVManager:
                                transfer_timeout_s=self.t.transfer_s, name=self.name)
         self._engine_factory = engine_factory
         self.fingerprint = args.fingerprint()
+        #: end-to-end checksums of every item (kvxfer.disagg.integrity); None when off
+        self.integrity = None
+        if integrity:
+            from kvxfer.disagg.integrity import Integrity
+            self.integrity = Integrity(self)
+            self.fingerprint["integrity"] = self.integrity.algorithm
         self.items = {g: args.num_items(g) for g in ("kv", "state", "aux")}
         self.aux = AuxRows(args.aux_data_ptrs[0], args.aux_data_lens[0], args.aux_item_lens[0])
         self.rooms = RoomTable(max_tombstones)
@@ -276,6 +283,8 @@ class KVManager:
         self.arm(r)
         if is_terminal(state):
             self.stats["succeeded" if state == KVPoll.Success else "failed"] += 1
+            if self.integrity is not None:
+                self.integrity.terminal(r)
             waiters, r.waiters = r.waiters, []
             for w in waiters:
                 if not w.done():

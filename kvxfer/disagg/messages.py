@@ -7,7 +7,7 @@ Index lists travel as little-endian int64 byte strings (cheap to pack, vectorise
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import numpy as np
 
@@ -136,6 +136,9 @@ class Done(wire.Message):
     TAG = "pd.done"
     room: int
     pages: int
+    #: integrity mode only (absent otherwise): little-endian uint32 checksums of the source
+    #: items as prefill sent them - the room's kv pages in order, its state slots, its aux row
+    sums: Optional[bytes] = None
 
 
 @wire.register
@@ -157,6 +160,19 @@ class AbortAck(wire.Message):
     """Prefill -> decode: no write for ``room`` is in flight and none will be issued."""
     TAG = "pd.abort_ack"
     room: int
+
+
+@wire.register
+@dataclass
+class Verdict(wire.Message):
+    """Decode -> prefill, integrity mode only: decode's outcome for a room whose Done it
+    received (``ok`` once every checksum matched; otherwise the error's class name and text).
+    Prefill reports the room's Success only after an ok verdict."""
+    TAG = "pd.verdict"
+    room: int
+    ok: bool
+    reason: str = ""
+    kind: str = ""
 
 
 @wire.register

@@ -162,7 +162,13 @@ class PrefillSide:
                 items.append(ItemWrite("state", src_state, r.dst_state))
             mgr.aux.stamp(r.aux_index, r.room)
             items.append(ItemWrite("aux", [r.aux_index], [r.dst_aux]))
-            notify = m.Done(room=r.room, pages=len(r.dst_kv)).encode()
+        sums = None
+        if mgr.integrity is not None:            # checksums of exactly what is about to go
+            sums = await mgr.integrity.source(r, src, src_state, last)
+            if is_terminal(r.state) or r.link is None or r.link.dead:
+                return
+        if last:
+            notify = m.Done(room=r.room, pages=len(r.dst_kv), sums=sums).encode()
         else:
             notify = m.Chunk(room=r.room, pages_done=r.pages_done + len(src)).encode()
         try:
@@ -179,6 +185,9 @@ class PrefillSide:
         if is_terminal(r.state):
             return
         if last:
+            if mgr.integrity is not None:
+                mgr.integrity.sent(r)            # ends the room on decode's verdict
+                return
             mgr.advance(r, KVPoll.Success)
             mgr.release(r)
         else:
@@ -219,6 +228,8 @@ class PrefillSide:
             self._on_info(link, msg)
         elif isinstance(msg, m.Abort):
             self._on_abort(link, msg)
+        elif isinstance(msg, m.Verdict) and self.mgr.integrity is not None:
+            self.mgr.integrity.on_verdict(link, msg)
         else:
             raise ProtocolError(f"unexpected {msg.TAG} on a prefill manager")
 

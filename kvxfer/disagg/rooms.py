@@ -37,6 +37,8 @@ class Room:
         # decode (receiver) side
         "bootstrap_addr", "meta_sent", "pending_meta", "dst_aux_row", "expect_pages",
         "await_ack", "inited", "superseded",
+        # integrity mode (kvxfer.disagg.integrity): that module's per-room record
+        "integrity",
     )
 
     def __init__(self, room: int, role: str, on_done: Optional[Callable] = None) -> None:
@@ -53,7 +55,7 @@ class Room:
         self.handle = None
         self.num_kv: Optional[int] = None
         self.aux_index: Optional[int] = None
-        self.dst_kv = None
+        self.dst_kv = None         # decode keeps its own destination ids here too
         self.dst_state = None
         self.dst_aux: Optional[int] = None
         self.pages_queued = 0
@@ -71,6 +73,7 @@ class Room:
         self.await_ack = False
         self.inited = False
         self.superseded = False    # a 'pending' record replaced by the KVSender's room
+        self.integrity = None
 
     def __repr__(self) -> str:
         return f"Room({self.room}, {self.role}, {self.state.name})"

@@ -21,6 +21,12 @@ error mode (lane configuration). Three measurements per mode:
   until its flush completed (bytes visible). GB/s (1 GB = 1e9 B) from the best and the median
   of ``--iters`` (after a warm-up); ratio = raw time / PD time.
 
+With ``--integrity`` every mode runs twice in the same invocation (a fresh worker pair each),
+with ``KVManager(integrity=False)`` and then ``True``, and a second table gives the check's
+cost, off → on: the 1-page and prefill-side latencies, requests/s, the large request's time
+and GB/s. With the check on, prefill's ``Success`` waits for decode's verdict, so the
+prefill-side figures include decode's check and one message back.
+
 Nothing here writes or verifies content (the demo and tests/disagg do): the numbers are the
 protocol and the transfer, not the synthetic compute.
 """
@@ -143,14 +149,14 @@ def _ids(start: int, n: int) -> List[int]:
     return list(range(start, start + n))
 
 
-def bench_mode(args, mode: str) -> dict:
+def bench_mode(args, mode: str, integrity: bool = False) -> dict:
     spec = ModelSpec(pool_tokens=max(4096, 2 * args.large_pages + 64) * 16,
                      mamba_slots=args.throughput_requests + 8,
                      aux_rows=args.throughput_requests + 8, device=args.device)
-    pair = Pair(spec, {"error_mode": mode, "deadline_s": 120.0, "max_inflight": 1 << 30},
-                worker=WORKER)
+    pair = Pair(spec, {"error_mode": mode, "deadline_s": 120.0, "max_inflight": 1 << 30,
+                       "integrity": integrity}, worker=WORKER)
     info = pair.info
-    out = {"mode": mode, "page_bytes": info["page_bytes"],
+    out = {"mode": mode, "integrity": integrity, "page_bytes": info["page_bytes"],
            "request_bytes_1page": info["page_bytes"] + info["slot_bytes"] + info["aux_bytes"]}
     try:
         # warm-up: connect, and run the code paths once
@@ -203,6 +209,8 @@ def bench_mode(args, mode: str) -> dict:
         out.update(large_pages=args.large_pages, large_bytes=nbytes, large_ops=ops,
                    pd_gbps_best=nbytes / min(pd_s) / 1e9,
                    pd_gbps_median=nbytes / statistics.median(pd_s) / 1e9,
+                   pd_us_median=statistics.median(pd_s) * 1e6,
+                   pd_prefill_us_median=statistics.median(pf_s) * 1e6,
                    pd_prefill_gbps_median=nbytes / statistics.median(pf_s) / 1e9,
                    raw_gbps_best=nbytes / min(raw_s) / 1e9,
                    raw_gbps_median=nbytes / statistics.median(raw_s) / 1e9,
@@ -220,8 +228,9 @@ def format_rows(rows: List[dict]) -> str:
              "| raw GB/s best (median) | × raw best (median) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        label = r["mode"] + (", integrity" if r.get("integrity") else "")
         lines.append(
-            f"| {','.join(r['lanes'])} ({r['mode']}) | {r['p50_us']:.0f} | {r['p99_us']:.0f} | "
+            f"| {','.join(r['lanes'])} ({label}) | {r['p50_us']:.0f} | {r['p99_us']:.0f} | "
             f"{r['prefill_p50_us']:.0f} | {r['raw_p50_us']:.0f} ({r['raw_p99_us']:.0f}) | "
             f"{r['req_per_s']:.0f} | {r['ops_1page']:.0f} | "
             f"{r['large_bytes'] / 2**20:.1f} | "
@@ -229,6 +238,31 @@ def format_rows(rows: List[dict]) -> str:
             f"{r['pd_prefill_gbps_median']:.2f} | "
             f"{r['raw_gbps_best']:.2f} ({r['raw_gbps_median']:.2f}) | "
             f"{r['ratio_best']:.2f} ({r['ratio_median']:.2f}) |")
+    return "\n".join(lines)
+
+
+def format_integrity(rows: List[dict]) -> str:
+    """Off vs on, per mode, from the same run: what the integrity check costs."""
+    lines = ["| lanes (mode) | 1-page p50 µs off → on (Δ) | prefill-side p50 µs off → on "
+             "| req/s off → on (×) | large request µs off → on (Δ) "
+             "| large PD GB/s off → on (×) | large prefill-side GB/s off → on |",
+             "|---|---|---|---|---|---|---|"]
+    by = {(r["mode"], bool(r.get("integrity"))): r for r in rows}
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        off, on = by.get((mode, False)), by.get((mode, True))
+        if off is None or on is None:
+            continue
+        lines.append(
+            f"| {','.join(off['lanes'])} ({mode}) "
+            f"| {off['p50_us']:.0f} → {on['p50_us']:.0f} ({on['p50_us'] - off['p50_us']:+.0f}) "
+            f"| {off['prefill_p50_us']:.0f} → {on['prefill_p50_us']:.0f} "
+            f"| {off['req_per_s']:.0f} → {on['req_per_s']:.0f} "
+            f"({on['req_per_s'] / off['req_per_s']:.2f}) "
+            f"| {off['pd_us_median']:.0f} → {on['pd_us_median']:.0f} "
+            f"({on['pd_us_median'] - off['pd_us_median']:+.0f}) "
+            f"| {off['pd_gbps_median']:.2f} → {on['pd_gbps_median']:.2f} "
+            f"({on['pd_gbps_median'] / off['pd_gbps_median']:.2f}) "
+            f"| {off['pd_prefill_gbps_median']:.2f} → {on['pd_prefill_gbps_median']:.2f} |")
     return "\n".join(lines)
 
 
@@ -243,14 +277,22 @@ def main(argv=None) -> int:
                     help="pages of a large request (32 KiB each with the default model)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--json", default="", help="also write the rows to this JSON file")
+    ap.add_argument("--integrity", action="store_true",
+                    help="run every mode twice, with KVManager(integrity=False) then True, and "
+                         "print what the integrity check costs (off vs on, same run)")
     a = ap.parse_args(argv)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     print(f"PD bench: device={a.device}, demo model (page-major KV + Mamba envelope), "
           f"{a.latency_requests} sequential + {a.throughput_requests} concurrent 1-page "
-          f"requests, {a.large_pages}-page requests best/median of {a.iters}", flush=True)
+          f"requests, {a.large_pages}-page requests best/median of {a.iters}"
+          f"{', integrity off and on' if a.integrity else ''}", flush=True)
     t0 = time.perf_counter()
-    rows = [bench_mode(a, m) for m in modes]
+    rows = [bench_mode(a, m, integ) for m in modes
+            for integ in ((False, True) if a.integrity else (False,))]
     print(format_rows(rows))
+    if a.integrity:
+        print("\nIntegrity check cost (same run; Δ = on - off, × = on / off):\n")
+        print(format_integrity(rows))
     print(f"\n(total {time.perf_counter() - t0:.1f} s)")
     if a.json:
         with open(a.json, "w") as f:

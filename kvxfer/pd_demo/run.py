@@ -110,7 +110,7 @@ def percentile(xs: List[float], q: float) -> float:
 
 def run_demo(spec: ModelSpec, *, requests: int = 64, seed: int = 0, min_len: int = 1,
              max_len: int = 1024, chunk_tokens: int = 256, error_mode: str = "none",
-             timeout: float = 120.0, window: int = 16) -> dict:
+             timeout: float = 120.0, window: int = 16, integrity: bool = False) -> dict:
     """Run the demo; returns the report (``REQUIRED_KEYS`` and more)."""
     if chunk_tokens < 1 or chunk_tokens % spec.page_size:
         raise InvalidArgument(f"--chunk-tokens {chunk_tokens} must be a positive multiple of "
@@ -124,7 +124,8 @@ def run_demo(spec: ModelSpec, *, requests: int = 64, seed: int = 0, min_len: int
     t0 = time.perf_counter()
     if window < 1:
         raise InvalidArgument(f"--window {window} must be >= 1")
-    pair = Pair(spec, {"error_mode": error_mode, "deadline_s": timeout, "max_inflight": window})
+    pair = Pair(spec, {"error_mode": error_mode, "deadline_s": timeout, "max_inflight": window,
+                       "integrity": integrity})
     t_up = time.perf_counter() - t0
     try:
         # one 1-page request first: connects decode to prefill (bootstrap lookup, handshake),
@@ -138,8 +139,10 @@ def run_demo(spec: ModelSpec, *, requests: int = 64, seed: int = 0, min_len: int
         p, d = pair.both(("prefill", reqs, chunk_tokens), ("decode", reqs))
     finally:
         pair.close()
-    return summarize(spec, pair.info, reqs, p, d, chunk_tokens, error_mode, window, t_up,
-                     time.perf_counter() - t0)
+    report = summarize(spec, pair.info, reqs, p, d, chunk_tokens, error_mode, window, t_up,
+                       time.perf_counter() - t0)
+    report["integrity"] = integrity
+    return report
 
 
 def summarize(spec, info, reqs, p, d, chunk_tokens, error_mode, window, t_up, wall) -> dict:
@@ -213,6 +216,8 @@ def format_table(r: dict) -> str:
         ("ops/request", f"{r['ops_per_request']:.1f}  ({r['ops']} RMA ops in {r['writes']} "
                         f"writes)"),
         ("lanes", f"{', '.join(r['lanes']) or '-'}  (error_mode={r['error_mode']})"),
+        ("integrity", "on (every page, state slot and aux row checksummed on both sides "
+                      "before Success)" if r.get("integrity") else "off"),
         ("leaks", "none (allocators full, no live rooms on either side)" if not r["leaked"]
          else f"prefill {lk['prefill']}, decode {lk['decode']}"),
         ("wall", f"{r['wall_s']:.2f} s  (of which {r['startup_s']:.2f} s process startup)"),
@@ -241,6 +246,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="run the KV pools demo instead (kvxfer demo --pools --help)")
     ap.add_argument("--json", action="store_true",
                     help="also print the report as one JSON object on the last line")
+    ap.add_argument("--integrity", action="store_true",
+                    help="KVManager(integrity=True) on both workers: per-item checksums "
+                         "compared before decode reports Success")
     add_model_args(ap)
     a = ap.parse_args(argv)
     if a.pools:
@@ -250,7 +258,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         spec = spec_from_args(a)
         report = run_demo(spec, requests=a.requests, seed=a.seed, min_len=a.min_len,
                           max_len=a.max_len, chunk_tokens=a.chunk_tokens,
-                          error_mode=a.error_mode, timeout=a.timeout, window=a.window)
+                          error_mode=a.error_mode, timeout=a.timeout, window=a.window,
+                          integrity=a.integrity)
     except InvalidArgument as exc:
         ap.error(str(exc))
     print(format_table(report), flush=True)

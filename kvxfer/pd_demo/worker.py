@@ -45,6 +45,7 @@ class PDWorker:
                              bootstrap_addr=bootstrap if role == "prefill" else None,
                              error_mode=opts.get("error_mode", "peer"),
                              timeouts=Timeouts(**opts.get("timeouts", {})),
+                             integrity=bool(opts.get("integrity", False)),
                              name=f"demo-{role}").start_background()
         self.done_q: "queue.SimpleQueue" = queue.SimpleQueue()
         self.open: Dict[int, dict] = {}

@@ -25,6 +25,8 @@ IPC_BLOB_BYTES = IPC_HANDLE_BYTES + 8
 #: cuIpcOpenMemHandle flag: enable peer access lazily (the import may be on another GPU)
 _LAZY_ENABLE_PEER_ACCESS = 1
 # CUpointer_attribute values
+_ATTR_MEMORY_TYPE = 2
+_MEMORYTYPE_DEVICE, _MEMORYTYPE_UNIFIED = 2, 4
 _ATTR_DEVICE_ORDINAL, _ATTR_LEGACY_IPC, _ATTR_RANGE_START, _ATTR_RANGE_SIZE = 9, 10, 11, 12
 
 
@@ -103,6 +105,16 @@ def ipc_capable(addr: int) -> Optional[bool]:
 def device_ordinal(addr: int) -> Optional[int]:
     """CUDA device ordinal of device memory at ``addr`` (None when unknown)."""
     if alloc_range(addr) is None:
+        return None
+    return _attr(_ATTR_DEVICE_ORDINAL, addr, ctypes.c_int)
+
+
+def kernel_device(addr: int) -> Optional[int]:
+    """Ordinal of the CUDA device whose kernels should read ``addr``: device memory (plain or
+    VMM) and managed memory; None for host memory (pageable or page-locked), for pointers
+    the driver does not know, and without a driver."""
+    kind = _attr(_ATTR_MEMORY_TYPE, addr, ctypes.c_uint)
+    if kind not in (_MEMORYTYPE_DEVICE, _MEMORYTYPE_UNIFIED):
         return None
     return _attr(_ATTR_DEVICE_ORDINAL, addr, ctypes.c_int)
 

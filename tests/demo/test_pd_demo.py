@@ -55,15 +55,22 @@ def test_cli_demo_json_last_line():
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("kv_layout,mamba_layout", [("per_layer", "per_layer"), ("mla", "none")])
-def test_demo_other_layouts(kv_layout, mamba_layout):
+@pytest.mark.parametrize("kv_layout,mamba_layout,integrity", [("per_layer", "per_layer", True),
+                                                               ("mla", "none", False)])
+def test_demo_other_layouts(kv_layout, mamba_layout, integrity):
+    """Other layouts; the per-layer run with the integrity check on (`kvxfer demo
+    --integrity`): every page, slot and aux row checksummed on both sides, bytes still exact."""
     from kvxfer.pd_demo import run_demo
+    from kvxfer.pd_demo.run import format_table
     from kvxfer.pd_demo.spec import ModelSpec
     spec = ModelSpec(kv_layout=kv_layout, mamba_layout=mamba_layout, attn_layers=2,
                      mamba_layers=2, head_dim=16, pool_tokens=1024, mamba_slots=16, aux_rows=32,
                      device=DEVICE)
-    r = run_demo(spec, requests=8, seed=3, max_len=120, chunk_tokens=32, timeout=60)
+    r = run_demo(spec, requests=8, seed=3, max_len=120, chunk_tokens=32, timeout=60,
+                 integrity=integrity)
     _check_report(r, 8)
+    assert r["integrity"] is integrity
+    assert ("integrity    on" in format_table(r)) is integrity
     if kv_layout == "per_layer":
         assert r["kv_entries"] == 4 and r["state_entries"] == 2 * 2   # (conv + temporal) x L
     else:

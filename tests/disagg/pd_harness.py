@@ -72,7 +72,8 @@ class Node:
 
     def __init__(self, kind: str, role: str, bootstrap: Optional[str], timeouts: dict,
                  error_mode: str = "peer", size: int = 1024, page_size: int = 4,
-                 aux_rows: int = 256, name: str = "", device: str = "cpu") -> None:
+                 aux_rows: int = 256, name: str = "", device: str = "cpu",
+                 integrity: bool = False) -> None:
         from kvxfer.disagg import KVArgs, KVManager, MetadataBuffer, Timeouts
         from pools.allocator import PagedTokenToKVPoolAllocator
         from pools.mamba_alloc import MambaSlotAllocator
@@ -91,7 +92,8 @@ class Node:
         self.base = self._counts()
         self.mgr = KVManager(args, role, bootstrap_addr=bootstrap if role == "prefill" else None,
                              timeouts=Timeouts(**timeouts), error_mode=error_mode,
-                             name=f"{role}-{name or kind}").start_background()
+                             name=f"{role}-{name or kind}",
+                             integrity=integrity).start_background()
         self.rooms: Dict[int, dict] = {}
 
     def _counts(self):
@@ -206,6 +208,28 @@ class Node:
             self._free(rec)
             rec["freed"] = True
         return bad
+
+    def corrupt_before_check(self, room: int, group: str, index: int = 0, entry: int = 0,
+                             byte: int = 0) -> None:
+        """Integrity test hook: once ``room``'s bytes have landed and right before decode
+        checks them, flip byte ``byte`` of the room's ``index``-th destination item of
+        ``group`` ("kv": page, "state": slot, "aux": row) in descriptor ``entry``."""
+        import torch
+        integ = self.mgr.integrity
+
+        def flip(r) -> None:
+            if r.room != room:
+                return
+            integ.before_check = None
+            rec = self.rooms[room]
+            if group == "kv":
+                view, row = self.views[entry], int(rec["pages"][index])
+            elif group == "state":
+                view, row = self.state_views[entry], rec["slot"]
+            else:
+                view, row = torch.from_numpy(self.aux.data), rec["row"]
+            view[row, byte] = view[row, byte] ^ 0xFF
+        integ.before_check = flip
 
     # -- both --
     def ids(self, room: int) -> dict:

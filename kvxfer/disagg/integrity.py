@@ -1,0 +1,258 @@
+"""Opt-in end-to-end integrity check: ``KVManager(..., integrity=True)`` on both sides.
+
+A transfer that reports success with wrong bytes (a misplaced page, a stale page, a torn
+write, a bad lane) is the worst failure of a disaggregated server: decode then produces
+plausible gibberish. With integrity on, every item of a room is checksummed on both ends
+(:mod:`kernels.checksum`: one Triton launch per side for device memory, the numpy path for
+host memory, chosen per buffer by where its memory lives) and compared before decode reports
+``Success``:
+
+* **prefill**, right before each write, checksums exactly the source items it is about to
+  send (the chunk's kv pages; with the last chunk the state slots and the stamped aux row);
+  the last write's ``Done`` carries them all (:attr:`messages.Done.sums`);
+* **decode**, once ``Done`` arrived (so the bytes are visible) and the aux stamp matched,
+  checksums its destination items and compares: a difference fails the room with
+  :class:`~kvxfer.disagg.errors.IntegrityError` naming the first bad item;
+* decode then sends prefill one :class:`~kvxfer.disagg.messages.Verdict` for every ``Done``
+  it received, whatever ended the room; prefill holds its room (and its pages) until then
+  and ends it with decode's outcome, so both schedulers see the same result.
+
+Invariants
+- Both sides must agree: the setting is part of the manager's fingerprint, so a mismatch
+  fails at connection time with :class:`~kvxfer.disagg.errors.LayoutMismatch` naming
+  ``integrity``; a ``Done`` without checksums (or with a wrong count) fails the room.
+- Off by default and then free: no checksum, no extra field on the wire, no verdict.
+- Pages are released exactly as without the check: decode's room is released once its
+  outcome is known (prefill has nothing in flight after ``Done``); prefill's once the
+  verdict came, or its lease (``transfer_s``) ran out, or the peer is gone.
+- Checksums of small host-memory requests and of device memory run on the manager's loop;
+  large host-memory ones in the default executor, so the loop keeps serving other rooms.
+"""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+from kvxfer import errors as kerr
+from kvxfer.disagg import errors as derr
+from kvxfer.disagg import messages as m
+from kvxfer.disagg.errors import IntegrityError
+from kvxfer.disagg.poll import KVPoll, is_terminal
+from kvxfer.errors import KvxferError, ProtocolError, TransferAborted
+
+log = logging.getLogger(__name__)
+
+#: host-memory bytes checksummed on the loop itself; more go to the default executor
+INLINE_HOST_BYTES = 1 << 20
+GROUPS = ("kv", "state", "aux")
+_OWED = "verdict owed"        # decode: Done arrived, prefill waits for our verdict
+
+
+class ItemSums:
+    """Checksums of one descriptor group's items. Each descriptor is read where its memory
+    lives (asked once, of the CUDA driver): host memory by the CPU (numpy path), device
+    memory only by the kernel on its own device, on a private stream ordered after the
+    calling thread's current stream; the parts of an item add up modulo ``2**32``."""
+
+    def __init__(self, ptrs, lens, item_lens) -> None:
+        from kernels.checksum import word_offsets
+        from kvxfer.transport import cuda_driver
+        self.ptrs = np.asarray(ptrs, dtype=np.int64)
+        self.lens = np.asarray(item_lens, dtype=np.int64)
+        self.pos0 = word_offsets(item_lens)
+        where = np.array([-1 if w is None else w
+                          for w in (cuda_driver.kernel_device(int(p)) for p in ptrs)],
+                         dtype=np.int64)
+        self.host = where < 0
+        #: (rows view, first stream word) of each host descriptor, built once
+        self._host_views = [(np.ctypeslib.as_array((ctypes.c_uint8 * int(lens[d]))
+                                                   .from_address(int(ptrs[d])))
+                             .reshape(-1, int(item_lens[d])), int(self.pos0[d]))
+                            for d in np.flatnonzero(self.host)]
+        #: CUDA ordinal -> the descriptors whose memory lives there
+        self.devices = {int(w): np.flatnonzero(where == w) for w in np.unique(where[where >= 0])}
+        self.host_item_bytes = int(self.lens[self.host].sum())
+        self._streams: Dict[int, object] = {}
+
+    def sums(self, ids: np.ndarray) -> np.ndarray:
+        """uint32 checksum of each item in ``ids`` (host and device parts added)."""
+        from kernels.checksum import checksum_rows, item_checksums
+        out = np.zeros(len(ids), dtype=np.uint32)
+        if not len(ids):
+            return out
+        for rows, pos0 in self._host_views:
+            out += checksum_rows(rows, pos0, ids)
+        for dev, ds in self.devices.items():
+            import torch
+            stream = self._streams.get(dev)
+            if stream is None:
+                stream = self._streams[dev] = torch.cuda.Stream(dev)
+            stream.wait_stream(torch.cuda.current_stream(dev))   # after this thread's work
+            with torch.cuda.device(dev), torch.cuda.stream(stream):
+                got = item_checksums(self.ptrs[ds], self.lens[ds], ids, device=f"cuda:{dev}",
+                                     pos0=self.pos0[ds])
+                out += got.cpu().numpy().view(np.uint32)     # waits for this stream only
+        return out
+
+
+class _Sending:
+    """Prefill's per-room record: kv checksums so far, decode's verdict if it came early."""
+    __slots__ = ("kv", "sent", "verdict")
+
+    def __init__(self) -> None:
+        self.kv: List[np.ndarray] = []
+        self.sent = False
+        self.verdict: Optional[m.Verdict] = None
+
+
+class Integrity:
+    """The integrity check of one manager (see module docstring)."""
+
+    def __init__(self, mgr) -> None:
+        from kernels.checksum import ALGORITHM
+        self.mgr = mgr
+        self.algorithm = ALGORITHM
+        a = mgr.args
+        self.groups = {g: ItemSums(*a.group(g)) for g in GROUPS}
+        #: test hook: called on the loop with the room right before decode checksums its
+        #: destination items (a test corrupts a byte there); None otherwise
+        self.before_check: Optional[Callable] = None
+
+    # ------------------------------------------------------------------ computing
+    def _sums(self, parts) -> List[np.ndarray]:
+        return [self.groups[g].sums(np.asarray(ids, dtype=np.int64)) for g, ids in parts]
+
+    async def _compute(self, parts) -> List[np.ndarray]:
+        host = sum(len(ids) * self.groups[g].host_item_bytes for g, ids in parts)
+        if host <= INLINE_HOST_BYTES:
+            return self._sums(parts)
+        return await asyncio.get_running_loop().run_in_executor(None, self._sums, parts)
+
+    # ------------------------------------------------------------------ prefill
+    async def source(self, r, src, src_state, last: bool) -> Optional[bytes]:
+        """Checksums of the source items of the write about to be issued; on the last
+        chunk, the ``Done.sums`` payload of the whole room (else None). Fails ``r`` when
+        they cannot be computed."""
+        st = r.integrity if isinstance(r.integrity, _Sending) else _Sending()
+        r.integrity = st
+        parts = [("kv", src)]
+        if last:
+            parts += [("state", [] if src_state is None else src_state), ("aux", [r.aux_index])]
+        try:
+            got = await self._compute(parts)
+        except Exception as exc:                 # a device or driver error
+            self.mgr.fail(r, IntegrityError(f"room {r.room}: could not compute checksums on "
+                                            f"{self.mgr.name}: {exc}", room=r.room))
+            return None
+        st.kv.append(got[0])
+        if not last:
+            return None
+        return np.concatenate(st.kv + got[1:]).astype("<u4").tobytes()
+
+    def sent(self, r) -> None:
+        """Prefill's last write completed: end the room on decode's verdict (now, if it is
+        already here; else hold the room under its Transferring lease)."""
+        st = r.integrity
+        st.sent = True
+        if st.verdict is not None:
+            self._apply(r, st.verdict)
+        else:
+            self.mgr.arm(r)
+
+    def on_verdict(self, link, msg: m.Verdict) -> None:
+        r = self.mgr.rooms.get(msg.room)
+        if (r is None or r.role != "sender" or r.link is not link or is_terminal(r.state)
+                or not isinstance(r.integrity, _Sending)):
+            log.debug("%s: verdict for room %d ignored (not awaiting one)", self.mgr.name,
+                      msg.room)
+            return
+        if r.integrity.sent:
+            self._apply(r, msg)
+        else:                                    # our write's completion is still on its way
+            r.integrity.verdict = msg
+
+    def _apply(self, r, msg: m.Verdict) -> None:
+        mgr = self.mgr
+        if msg.ok:
+            mgr.advance(r, KVPoll.Success)
+            mgr.release(r)
+            return
+        text = f"decode {r.link.name}: {msg.reason}"
+        if msg.kind == IntegrityError.__name__:
+            exc: KvxferError = IntegrityError(text, room=r.room)
+        else:                                    # decode's error class, by name
+            cls = getattr(derr, msg.kind, None) or getattr(kerr, msg.kind, None)
+            if not (isinstance(cls, type) and issubclass(cls, KvxferError)):
+                cls = TransferAborted
+            exc = cls(text)
+        mgr.fail(r, exc, notify=False)
+
+    # ------------------------------------------------------------------ decode
+    def done_arrived(self, r) -> None:
+        """Decode got ``Done``: prefill now waits for our verdict (sent once r is terminal)."""
+        r.integrity = _OWED
+        if is_terminal(r.state):
+            self._send_verdict(r)
+
+    def terminal(self, r) -> None:
+        """Manager hook: ``r`` just became terminal."""
+        if r.integrity is _OWED:
+            self._send_verdict(r)
+
+    def _send_verdict(self, r) -> None:
+        r.integrity = None
+        ok = r.state == KVPoll.Success
+        if r.link is not None:
+            self.mgr.send_msg(r.link, m.Verdict(
+                room=r.room, ok=ok, reason="" if ok else str(r.exc),
+                kind="" if ok else type(r.exc).__name__))
+
+    def check(self, r, msg: m.Done) -> None:
+        """Compare prefill's checksums with those of our destination items; reports Success
+        or fails ``r`` (IntegrityError / ProtocolError), from a task the manager owns."""
+        n_kv, n_state = len(r.dst_kv), len(r.dst_state)
+        want = 4 * (n_kv + n_state + 1)
+        if msg.sums is None or len(msg.sums) != want:
+            got = "none" if msg.sums is None else f"{len(msg.sums)} bytes"
+            self.mgr.fail(r, ProtocolError(
+                f"room {r.room}: integrity is on but prefill's Done carries {got} of "
+                f"checksums, expected {want} bytes ({n_kv} pages, {n_state} state slots, "
+                f"1 aux row)"), notify=False)
+            return
+        if self.before_check is not None:
+            self.before_check(r)
+        expected = np.frombuffer(msg.sums, dtype="<u4")
+        parts = [("kv", r.dst_kv), ("state", r.dst_state), ("aux", [r.dst_aux_row])]
+        self.mgr.spawn(self._verify(r, expected, parts))
+
+    async def _verify(self, r, expected: np.ndarray, parts) -> None:
+        mgr = self.mgr
+        try:
+            got = np.concatenate(await self._compute(parts))
+        except Exception as exc:                 # a device or driver error: cannot verify
+            if not is_terminal(r.state):
+                mgr.fail(r, IntegrityError(f"room {r.room}: could not compute checksums on "
+                                           f"{mgr.name}: {exc}", room=r.room), notify=False)
+            return
+        if is_terminal(r.state):
+            return
+        bad = np.flatnonzero(got != expected)
+        if bad.size == 0:
+            mgr.advance(r, KVPoll.Success)
+            mgr.release(r)
+            return
+        i = int(bad[0])
+        for group, ids in parts:
+            if i < len(ids):
+                break
+            i -= len(ids)
+        what = {"kv": "page", "state": "state slot", "aux": "aux row"}[group]
+        mgr.fail(r, IntegrityError(
+            f"room {r.room}: {group} item {i} (decode {what} {int(ids[i])}) has checksum "
+            f"{int(got[bad[0]]):#010x}, prefill sent {int(expected[bad[0]]):#010x} "
+            f"({bad.size} bad item(s)); data rejected", room=r.room, group=group, index=i),
+            notify=False)
