@@ -239,10 +239,16 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "ahead)")
     ap.add_argument("--pools", action="store_true",
                     help="run the KV pools demo instead (kvxfer demo --pools --help)")
+    ap.add_argument("--model", default=None,
+                    help="run the real-model check instead: a transformers model split "
+                         "across prefill and decode (kvxfer demo --model llama --help)")
     ap.add_argument("--json", action="store_true",
                     help="also print the report as one JSON object on the last line")
     add_model_args(ap)
     a = ap.parse_args(argv)
+    if a.model:
+        from kvxfer.pd_demo.hf_run import main as hf_main
+        return hf_main(argv)
     if a.pools:
         from kvxfer.demo import pools_main
         return pools_main([])
