@@ -190,7 +190,7 @@ def _compare(model, layout, n, ref, p, d) -> dict:
                                           "new_slot", "offloaded_bytes") if k in d}}
 
 
-def _report(models, layouts, prompts, runs, problems, corrupt, info, t_up, wall,
+def _report(models, layouts, prompts, runs, problems, corrupt, info, t_up, run_s,
             chunk_tokens, n_tokens, retract_after) -> dict:
     multi = len(models) > 1
 
@@ -206,7 +206,7 @@ def _report(models, layouts, prompts, runs, problems, corrupt, info, t_up, wall,
         "generated": generated, "runs": runs, "pools": layouts, "problems": problems,
         "corrupt": corrupt, "chunk_tokens": chunk_tokens, "new_tokens": n_tokens,
         "retract_after": retract_after, "torch": info["torch"],
-        "transformers": info["transformers"], "startup_s": t_up, "wall_s": wall}
+        "transformers": info["transformers"], "startup_s": t_up, "run_s": run_s}
 
 
 def report_ok(r: dict) -> bool:
@@ -225,19 +225,19 @@ def format_table(r: dict) -> str:
                    + (f", {p['state_entries']} state descriptor(s), {p['slot_bytes']} B/slot"
                       if p["state_entries"] else "")
                    + f"; lanes {','.join(p.get('lanes', [])) or '-'}")
-    out += ["", f"  {'model':8s} {'layout':20s} {'prompt':>6s} {'chunks':>6s} {'bytes':>7s} "
-                f"{'retract':>22s}  {'tokens':6s} {'logits':6s} generated"]
+    out += ["", f"  {'model':8s} {'layout':20s} {'prompt':>6s} {'chunks':>6s} {'bytes':>6s}  "
+                f"{'retract at: pages, slot':31s} {'tokens':6s} {'logits':6s} generated"]
     for x in r["runs"]:
         rt = x["retract"]
-        moved = (f"@{rt['retract_at']}: p{rt['old_pages'][0]}..->p{rt['new_pages'][0]}.."
-                 + (f" s{rt['old_slot']}->s{rt['new_slot']}" if rt.get("new_slot") else "")
+        moved = (f"{rt['retract_at']}: {_ids(rt['old_pages'])}->{_ids(rt['new_pages'])}"
+                 + (f", {rt['old_slot']}->{rt['new_slot']}" if rt.get("new_slot") else "")
                  if rt else "-")
         out.append(f"  {x['model']:8s} {x['layout']:20s} {x['prompt_len']:6d} {x['chunks']:6d} "
-                   f"{x['bytes']:7d} {moved:>22s}  "
+                   f"{x['bytes']:6d}  {moved:31s} "
                    f"{'match' if x['tokens_match'] else 'DIFFER':6s} "
                    f"{'equal' if x['logits_equal'] else 'DIFFER':6s} {x['tokens']}")
         if not x["tokens_match"]:
-            out.append(f"  {'':8s} {'':20s} {'':6s} {'':6s} {'':7s} {'reference':>22s}  "
+            out.append(f"  {'':8s} {'':20s} {'':6s} {'':6s} {'':6s}  {'reference:':31s} "
                        f"{'':6s} {'':6s} {x['reference']}")
         if x["error"]:
             out.append(f"    transfer {x['transfer']}: {x['error']}")
@@ -249,9 +249,15 @@ def format_table(r: dict) -> str:
                f"in tokens, {sum(not x['logits_equal'] for x in r['runs'])} in logits")
     if r["corrupt"]:
         verdict += f"  (deliberate corruption: {r['corrupt']})"
-    out += ["", f"{verdict}  (wall {r['wall_s']:.1f} s, of which {r['startup_s']:.1f} s "
-                f"process start-up)"]
+    out += ["", f"{verdict}  ({r['run_s']:.1f} s; worker start-up {r['startup_s']:.1f} s)"]
     return "\n".join(out)
+
+
+def _ids(ids: List[int]) -> str:
+    """``[4, 5, 6]`` -> ``"4-6"``; ids that are not a run stay a list."""
+    if ids == list(range(ids[0], ids[0] + len(ids))):
+        return str(ids[0]) if len(ids) == 1 else f"{ids[0]}-{ids[-1]}"
+    return ",".join(map(str, ids))
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
