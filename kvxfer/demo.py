@@ -181,11 +181,8 @@ def pools_main(argv: list[str] | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``kvxfer demo [--pools | --model NAME] ...``: the worker-pair demo, with ``--pools`` the
-    pools demo, with ``--model`` the real-model check (:mod:`kvxfer.pd_demo.hf_run`)."""
+    pools demo, with ``--model`` the real-model check (routed by :mod:`kvxfer.pd_demo.run`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a == "--model" or a.startswith("--model=") for a in argv):
-        from kvxfer.pd_demo.hf_run import main as hf_main
-        return hf_main(argv)
     if "--pools" in argv:
         argv.remove("--pools")
         return pools_main(argv)

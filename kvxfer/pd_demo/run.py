@@ -245,10 +245,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--json", action="store_true",
                     help="also print the report as one JSON object on the last line")
     add_model_args(ap)
-    a = ap.parse_args(argv)
-    if a.model:
-        from kvxfer.pd_demo.hf_run import main as hf_main
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(x == "--model" or x.startswith("--model=") for x in argv):
+        from kvxfer.pd_demo.hf_run import main as hf_main     # its own arguments
         return hf_main(argv)
+    a = ap.parse_args(argv)
     if a.pools:
         from kvxfer.demo import pools_main
         return pools_main([])
