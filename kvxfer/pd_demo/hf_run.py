@@ -288,7 +288,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 def main(argv: Optional[List[str]] = None, check: Optional[HFCheck] = None) -> int:
     """``check``: an open :class:`HFCheck` to run on (its page size, pool and seed apply)
     instead of starting a pair."""
-    ap = argparse.ArgumentParser(prog="kvxfer demo --model", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="kvxfer demo", description=__doc__.splitlines()[0])
     add_args(ap)
     a = ap.parse_args(argv)
     try:
