@@ -37,7 +37,7 @@ DEFAULT_PROMPTS = (5, 8, 21, 50)
 class HFPair:
     """Bootstrap server + one prefill and one decode :class:`HFWorker` process."""
 
-    def __init__(self, spec: dict, opts: dict, timeout: float) -> None:
+    def __init__(self, spec: dict, opts: dict, timeout: float, start_timeout: float) -> None:
         from kvxfer.disagg import BootstrapServer
         from kvxfer.pd_demo.worker import worker_entry
         from kvxfer.testing import Child
@@ -62,8 +62,8 @@ class HFPair:
                         os.environ.pop(k, None)
                     else:
                         os.environ[k] = v
-            self.info = self.p.get(timeout)
-            self.d.get(timeout)
+            self.info = self.p.get(start_timeout)
+            self.d.get(start_timeout)
         except BaseException:
             self.close()
             raise
@@ -116,17 +116,20 @@ def validate(models, layouts, prompts, n_tokens, retract_after, chunk_tokens, co
 
 class HFCheck:
     """A worker pair holding ``models`` (pools of ``page_size`` x ``pool_tokens``): run any
-    number of checks on it with :meth:`run`, then :meth:`close` (or use ``with``)."""
+    number of checks on it with :meth:`run`, then :meth:`close` (or use ``with``).
+    ``timeout`` bounds each transfer and command, ``start_timeout`` the workers' start-up
+    (torch + transformers imports and model builds, slow on a loaded machine)."""
 
     def __init__(self, models: List[str], *, page_size: int = 8, pool_tokens: int = 1024,
-                 seed: int = 0, error_mode: str = "none", timeout: float = 60.0) -> None:
+                 seed: int = 0, error_mode: str = "none", timeout: float = 60.0,
+                 start_timeout: float = 180.0) -> None:
         self.models, self.page_size, self.pool_tokens = list(models), page_size, pool_tokens
         self.seed, self.timeout = seed, timeout
         spec = {"page_size": page_size, "pool_tokens": pool_tokens, "mamba_slots": 4,
                 "aux_rows": 4, "seed": seed, "models": self.models}
         t0 = time.perf_counter()
         self.pair = HFPair(spec, {"error_mode": error_mode, "deadline_s": timeout},
-                           timeout + 30)
+                           timeout + 30, start_timeout)
         self.startup_s = time.perf_counter() - t0
         self._room = 0
 

@@ -113,6 +113,18 @@ class HFWorker:
         assert got[0] == room, (got, room)   # one room at a time
         return got
 
+    def _settle(self, h) -> tuple:
+        """``(state, error)`` once the room's ``on_done`` ran: its pages are ours again. A room
+        not done within the deadline is aborted first; if even that does not finish, this
+        raises and the caller keeps the pages (leaked, never rewritten under a transfer)."""
+        try:
+            _, state, exc = self._wait(h.room)
+        except SchedulerError as e:
+            h.abort()
+            _, state, exc = self._wait(h.room)
+            exc = f"{e}; aborted ({exc})"
+        return state, exc
+
     def _stats(self) -> dict:
         return {k: v for k, v in self.mgr.stats.items() if k != "lanes"}
 
@@ -129,7 +141,7 @@ class HFWorker:
         res = pmc.alloc(n)
         if res is None:
             raise SchedulerError(f"prefill: no room for a {n}-token prompt")
-        st0 = self._stats()
+        st0, h, settled = self._stats(), None, False
         try:
             cache, first = prefill(pmc.model, prompt)
             h = KVSender(self.mgr, self.bootstrap, room, on_done=self._on_done(room))
@@ -147,9 +159,11 @@ class HFWorker:
                     pmc.aux.set_output(res["row"], first)
                 h.send(res["pages"][lo // ps:-(-hi // ps)], state)
                 chunks += 1
-            _, state, exc = self._wait(room)
+            state, exc = self._settle(h)
+            settled = True
         finally:
-            pmc.free(res)
+            if settled or h is None:
+                pmc.free(res)
         st = {k: v - st0.get(k, 0) for k, v in self._stats().items()}
         return {"state": KVPoll(state).name, "error": exc, "first_token": first,
                 "chunks": chunks, "pages": int(res["pages"].numel()), "bytes": int(st["bytes"]),
@@ -164,13 +178,14 @@ class HFWorker:
         res = pmc.alloc(prompt_len)
         if res is None:
             raise SchedulerError(f"decode: no room for a {prompt_len}-token prompt")
-        out = {"room": room, "retracted": False}
+        out, h, settled = {"room": room, "retracted": False}, None, False
         try:
             h = KVReceiver(self.mgr, self.bootstrap, room, on_done=self._on_done(room))
             h.init()
             h.send_metadata(res["pages"], res["row"],
                             None if res["slot"] is None else [res["slot"]])
-            _, state, exc = self._wait(room)
+            state, exc = self._settle(h)
+            settled = True
             out.update(state=KVPoll(state).name, error=exc)
             if state != KVPoll.Success:
                 return out
@@ -191,7 +206,8 @@ class HFWorker:
             out.update(tokens=tokens, logits=logits, pages=int(res["pages"].numel()))
             return out
         finally:
-            pmc.free(res)
+            if settled or h is None:
+                pmc.free(res)
 
     def _alloc_pages(self, n: int) -> torch.Tensor:
         pages = self.pmc.pages.alloc_pages(n)
@@ -206,9 +222,11 @@ class HFWorker:
         slots = [] if old_slot is None else [old_slot]
         handle = off.offload(old_pages, slots)
         handle.order_before()
-        new_pages = self._alloc_pages(int(old_pages.numel()))      # taken before the old
-        new_slot = pmc.slots.alloc(1)[0] if old_slot is not None else None  # ones are freed
-        for view in pmc.pool.get_item_views():                     # what a reuse would do
+        # new pages / slot taken before the old ones are freed: they differ; the old ones are
+        # zeroed (what a reuse would do), so reading them by mistake shows
+        new_pages = self._alloc_pages(int(old_pages.numel()))
+        new_slot = pmc.slots.alloc(1)[0] if old_slot is not None else None
+        for view in pmc.pool.get_item_views():
             view[old_pages] = 0
         if old_slot is not None:
             for view in pmc.pool.get_state_item_views():

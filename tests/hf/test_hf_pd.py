@@ -16,7 +16,7 @@ import pytest
 from kvxfer.pd_demo.hf_run import HFCheck, main, report_ok
 from kvxfer.pd_demo.hf_spec import MODELS
 
-pytestmark = pytest.mark.timeout(240)       # the first test also starts the pair
+pytestmark = pytest.mark.timeout(300)       # the first test also starts the pair (<= 180 s)
 
 PAGE, CHUNK = 8, 16
 PROMPTS = (5, 8, 21, 50)     # shorter than a page, a page, not a multiple, four chunks
