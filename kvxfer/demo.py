@@ -180,7 +180,8 @@ def pools_main(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``kvxfer demo [--pools] ...``: the worker-pair demo, or with ``--pools`` the pools demo."""
+    """``kvxfer demo [--pools | --model NAME] ...``: the worker-pair demo, with ``--pools`` the
+    pools demo, with ``--model`` the real-model check (routed by :mod:`kvxfer.pd_demo.run`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--pools" in argv:
         argv.remove("--pools")

@@ -177,6 +177,16 @@ class HybridLinearKVPool(KVCache):
             raise InvalidArgument(f"{type(self.kv_pool).__name__} is not an MLA pool")
         return fn(self._inner_layer(layer), loc, dst_dtype)
 
+    def get_kv_rows(self, layer, loc):
+        """The inner pool's token rows of model layer ``layer`` at ``loc`` (see
+        :meth:`pools.mha.MHATokenToKVPool.get_kv_rows`)."""
+        fn = getattr(self.kv_pool, "get_kv_rows", None)
+        if fn is None:
+            raise InvalidArgument(f"{type(self.kv_pool).__name__} has no get_kv_rows")
+        inner = self._inner_layer(layer)
+        self._wait_for(getattr(layer, "layer_id", layer))
+        return fn(inner, loc)
+
     def get_v_head_dim(self) -> int:
         return int(self.v_head_dim)
 

@@ -25,7 +25,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from kernels.copy import KvCopyTable
-from kernels.errors import InvalidArgument, ShapeMismatch
+from kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
 from kernels.store import store_kv, store_kv_prefix_valid
 from kernels.store_paged import store_kv_paged
 from pools.base import KVCache
@@ -235,6 +235,36 @@ class MHATokenToKVPool(KVCache):
             return
         keep = torch.arange(T, device=self.device)[None, :] < commit_lens.to(torch.int64)[:, None]
         self._store_layer(idx, flat, k, v, keep.reshape(-1))
+
+    # -- reads ------------------------------------------------------------------------------
+    def get_kv_rows(self, layer, loc) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k [N, H, D], v [N, H, Dv])``: the token rows at ids ``loc`` of ``layer``, as
+        ``dtype`` (gathered copies) -- exactly what ``set_kv_buffer(layer, loc, k, v)``
+        stored, whatever the layout (NHD row, HND head pieces, page-major row in a page of
+        all layers). The read side of the store path: rebuilding a request's cache from its
+        pages. Ids outside ``[0, token_limit)`` raise :class:`IndexOutOfRange` (one host
+        sync)."""
+        idx = self.layer_index(layer)
+        self._wait_layer(idx)
+        loc = self._as_loc(loc).long()
+        if loc.numel():
+            lo, hi = int(loc.min()), int(loc.max())
+            if lo < 0 or hi >= self.token_limit:
+                raise IndexOutOfRange(f"loc contains {lo if lo < 0 else hi}, outside "
+                                      f"[0, {self.token_limit})")
+        k_bufs, v_bufs = self._kernel_buffers()
+        return (self._as_logical(self._gather_rows(k_bufs[idx], loc)),
+                self._as_logical(self._gather_rows(v_bufs[idx], loc)))
+
+    def _gather_rows(self, buf: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
+        """Token rows ``[N, H, D]`` of one layer buffer (NHD ``[slots, H, D]``, HND ``[pages,
+        H, page_size, D]``, page-major view ``[pages, page_size, H, D]``)."""
+        if self.layout == "nhd":
+            return buf[loc]
+        page, off = loc // self.page_size, loc % self.page_size
+        if self.layout == "hnd":
+            return buf[page, :, off]      # advanced indices around a slice: [N, H, D]
+        return buf[page, off]
 
     # -- moves --------------------------------------------------------------------------------
     def move_kv_cache(self, tgt_loc, src_loc) -> None:

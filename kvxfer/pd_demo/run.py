@@ -244,12 +244,19 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "ahead)")
     ap.add_argument("--pools", action="store_true",
                     help="run the KV pools demo instead (kvxfer demo --pools --help)")
+    ap.add_argument("--model", default=None,
+                    help="run the real-model check instead: a transformers model split "
+                         "across prefill and decode (kvxfer demo --model llama --help)")
     ap.add_argument("--json", action="store_true",
                     help="also print the report as one JSON object on the last line")
     ap.add_argument("--integrity", action="store_true",
                     help="KVManager(integrity=True) on both workers: per-item checksums "
                          "compared before decode reports Success")
     add_model_args(ap)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(x == "--model" or x.startswith("--model=") for x in argv):
+        from kvxfer.pd_demo.hf_run import main as hf_main     # its own arguments
+        return hf_main(argv)
     a = ap.parse_args(argv)
     if a.pools:
         from kvxfer.demo import pools_main

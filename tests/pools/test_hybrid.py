@@ -283,6 +283,23 @@ def test_hybrid_writes_full_attention_layers_at_kv_write_loc_full_loc(kind):
     assert all(torch.equal(a, b) for a, b in zip(views, want))
 
 
+@pytest.mark.parametrize("kind", KV_KINDS)
+def test_hybrid_get_kv_rows_uses_model_layer_ids(kind):
+    pool = make_hybrid(kind, "envelope")
+    loc = torch.tensor([5, 2, 9], device=DEVICE)
+    for lid, seed in zip(FULL_IDS, (1, 2)):
+        g = torch.Generator().manual_seed(seed)
+        k = torch.randn((3, 2, 4), generator=g).half().to(DEVICE)
+        pool.set_kv_buffer(lid, loc, k, -k)
+    for lid, seed in zip(FULL_IDS, (1, 2)):
+        g = torch.Generator().manual_seed(seed)
+        k = torch.randn((3, 2, 4), generator=g).half().to(DEVICE)
+        got_k, got_v = pool.get_kv_rows(lid, loc)
+        assert torch.equal(got_k, k) and torch.equal(got_v, -k)
+    with pytest.raises(IndexOutOfRange):
+        pool.get_kv_rows(MAMBA_IDS[0], loc)      # a mamba layer has no KV rows
+
+
 def test_hybrid_constructor_errors():
     kv = MHATokenToKVPool(8, 1, torch.float16, 1, 4, 2, DEVICE)
     mp = MambaPool(2, SPEC, DEVICE)

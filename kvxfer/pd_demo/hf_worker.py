@@ -1,0 +1,242 @@
+"""One prefill or decode process of the real-model check (:mod:`kvxfer.pd_demo.hf_run`).
+
+Started by :func:`kvxfer.pd_demo.worker.worker_entry` (spawn, one torch thread) and driven
+with :class:`kvxfer.testing.Child` commands; it keeps its models across commands and one
+:class:`~kvxfer.pd_demo.hf.PagedModelCache` + :class:`~kvxfer.disagg.KVManager` per
+``setup(model, layout)`` (a new setup closes the previous manager; a prefill manager
+re-registering replaces its bootstrap entry).
+
+* prefill ``prefill(room, prompt, chunk_tokens)``: forward the prompt, then per page-aligned
+  chunk store its tokens' K/V into the request's pages and ``send()`` them; the last chunk
+  also stores the Mamba state into the slot and the first token into the aux row. Waits for
+  the room's ``on_done`` and frees everything.
+* decode ``decode(room, prompt_len, n_tokens, retract_after, corrupt)``: allocate, announce,
+  wait for ``Success``; then generate greedily from the pools alone
+  (:func:`~kvxfer.pd_demo.hf.decode_step`), growing the page list; after ``retract_after``
+  steps offload the request to host (:class:`~pools.offload.OffloadManager`), take *new*
+  pages and a new slot, zero and free the old ones, restore, continue.
+* either side ``reference(model, prompt, n)``: the single-process greedy run.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from typing import List, Optional
+
+import torch
+
+from kvxfer.pd_demo.hf import PagedModelCache, build_model, decode_step, prefill, reference
+from kvxfer.pd_demo.worker import SchedulerError
+
+log = logging.getLogger(__name__)
+
+
+class HFWorker:
+    def __init__(self, role: str, spec: dict, bootstrap: str, opts: dict) -> None:
+        self.role, self.spec, self.bootstrap, self.opts = role, spec, bootstrap, opts
+        self.deadline_s = float(opts.get("deadline_s", 60.0))
+        self.models: dict = {}
+        self.pmc: Optional[PagedModelCache] = None
+        self.mgr = None
+        self.offload = None
+        self.done_q: "queue.SimpleQueue" = queue.SimpleQueue()
+        for name in spec.get("models", ()):     # at start-up, both processes at once
+            self._model(name)
+
+    def handlers(self) -> dict:
+        return {n[4:]: getattr(self, n) for n in dir(self) if n.startswith("cmd_")}
+
+    def _model(self, name: str):
+        if name not in self.models:
+            self.models[name] = build_model(name, int(self.spec.get("seed", 0)))
+        return self.models[name]
+
+    def cmd_info(self) -> dict:
+        import transformers
+        return {"role": self.role, "torch": torch.__version__,
+                "transformers": transformers.__version__}
+
+    # ------------------------------------------------------------------ setup
+    def cmd_setup(self, model: str, layout: str) -> dict:
+        from kvxfer.disagg import KVManager
+        self._close_layout()
+        s = self.spec
+        self.pmc = PagedModelCache(self._model(model), model, layout, page_size=s["page_size"],
+                                   pool_tokens=s["pool_tokens"], mamba_slots=s["mamba_slots"],
+                                   aux_rows=s["aux_rows"])
+        self.mgr = KVManager(self.pmc.kv_args, self.role,
+                             bootstrap_addr=self.bootstrap if self.role == "prefill" else None,
+                             secret=self.opts["secret"].encode(),
+                             error_mode=self.opts.get("error_mode", "peer"),
+                             name=f"hf-{self.role}-{model}-{layout}").start_background()
+        if self.role == "decode":
+            from pools.offload import OffloadManager
+            self.offload = OffloadManager(self.pmc.pool, num_host_pages=s["pool_tokens"]
+                                          // s["page_size"], num_host_slots=2 if
+                                          self.pmc.mamba else 0)
+        return self.pmc.describe()
+
+    def _close_layout(self) -> dict:
+        out = {}
+        if self.mgr is not None:
+            out = {"leaks": self.pmc.leaks(), "live_rooms": len(self.mgr.rooms),
+                   "lanes": sorted(self.mgr.stats["lanes"])}
+            self.mgr.close_background()
+            self.mgr = None
+        if self.offload is not None:
+            out["host_handles"] = len(self.offload.live_handles)
+            self.offload.close()
+            self.offload = None
+        return out
+
+    def cmd_teardown(self) -> dict:
+        return self._close_layout()
+
+    def close(self) -> None:
+        self._close_layout()
+
+    # ------------------------------------------------------------------ plumbing
+    def _on_done(self, room: int):
+        q = self.done_q
+
+        def cb(state, exc) -> None:          # manager loop thread: hand over
+            q.put((room, int(state), None if exc is None else f"{type(exc).__name__}: {exc}"))
+        return cb
+
+    def _wait(self, room: int) -> tuple:
+        try:
+            got = self.done_q.get(timeout=self.deadline_s)
+        except queue.Empty:
+            raise SchedulerError(f"{self.role}: room {room} not done within "
+                                 f"{self.deadline_s}s") from None
+        assert got[0] == room, (got, room)   # one room at a time
+        return got
+
+    def _settle(self, h) -> tuple:
+        """``(state, error)`` once the room's ``on_done`` ran: its pages are ours again. A room
+        not done within the deadline is aborted first; if even that does not finish, this
+        raises and the caller keeps the pages (leaked, never rewritten under a transfer)."""
+        try:
+            _, state, exc = self._wait(h.room)
+        except SchedulerError as e:
+            h.abort()
+            _, state, exc = self._wait(h.room)
+            exc = f"{e}; aborted ({exc})"
+        return state, exc
+
+    def _stats(self) -> dict:
+        return {k: v for k, v in self.mgr.stats.items() if k != "lanes"}
+
+    # ------------------------------------------------------------------ reference
+    def cmd_reference(self, model: str, prompt: List[int], n_tokens: int) -> dict:
+        t0 = time.perf_counter()
+        tokens, logits = reference(self._model(model), prompt, n_tokens)
+        return {"tokens": tokens, "logits": logits, "s": time.perf_counter() - t0}
+
+    # ------------------------------------------------------------------ prefill
+    def cmd_prefill(self, room: int, prompt: List[int], chunk_tokens: int) -> dict:
+        from kvxfer.disagg import KVPoll, KVSender
+        pmc, ps, n = self.pmc, self.pmc.ps, len(prompt)
+        res = pmc.alloc(n)
+        if res is None:
+            raise SchedulerError(f"prefill: no room for a {n}-token prompt")
+        st0, h, settled = self._stats(), None, False
+        try:
+            cache, first = prefill(pmc.model, prompt)
+            h = KVSender(self.mgr, self.bootstrap, room, on_done=self._on_done(room))
+            h.init(int(res["pages"].numel()), res["row"])
+            locs = pmc.locs(res["pages"], n)
+            chunks = 0
+            for lo in range(0, n, chunk_tokens):
+                hi = min(lo + chunk_tokens, n)
+                pmc.store_rows(cache, locs, lo, hi)
+                state = None
+                if hi == n:
+                    if res["slot"] is not None:
+                        pmc.store_state(cache, res["slot"])
+                        state = [res["slot"]]
+                    pmc.aux.set_output(res["row"], first)
+                h.send(res["pages"][lo // ps:-(-hi // ps)], state)
+                chunks += 1
+            state, exc = self._settle(h)
+            settled = True
+        finally:
+            if settled or h is None:
+                pmc.free(res)
+        st = {k: v - st0.get(k, 0) for k, v in self._stats().items()}
+        return {"state": KVPoll(state).name, "error": exc, "first_token": first,
+                "chunks": chunks, "pages": int(res["pages"].numel()), "bytes": int(st["bytes"]),
+                "ops": int(st["ops"])}
+
+    # ------------------------------------------------------------------ decode
+    def cmd_decode(self, room: int, prompt_len: int, n_tokens: int, retract_after: int = 0,
+                   corrupt: Optional[str] = None) -> dict:
+        from kvxfer.disagg import KVPoll, KVReceiver
+        from kvxfer.pd_demo.hf_corrupt import corrupt_arrival
+        pmc = self.pmc
+        res = pmc.alloc(prompt_len)
+        if res is None:
+            raise SchedulerError(f"decode: no room for a {prompt_len}-token prompt")
+        out, h, settled = {"room": room, "retracted": False}, None, False
+        try:
+            h = KVReceiver(self.mgr, self.bootstrap, room, on_done=self._on_done(room))
+            h.init()
+            h.send_metadata(res["pages"], res["row"],
+                            None if res["slot"] is None else [res["slot"]])
+            state, exc = self._settle(h)
+            settled = True
+            out.update(state=KVPoll(state).name, error=exc)
+            if state != KVPoll.Success:
+                return out
+            first = pmc.aux.first_token(res["row"])
+            pmc.aux.free(res.pop("row"))
+            if corrupt and corrupt != "restore_reversed":
+                first = corrupt_arrival(pmc, corrupt, res, prompt_len, first)
+            tokens, logits, n = [first], [], prompt_len
+            for step in range(n_tokens - 1):
+                if retract_after and step == retract_after:
+                    out.update(self._retract(res, n, reverse=corrupt == "restore_reversed"))
+                if n % pmc.ps == 0:                # position n starts a new page
+                    res["pages"] = torch.cat([res["pages"], self._alloc_pages(1)])
+                row = decode_step(pmc, res["pages"], res["slot"], n, tokens[-1])
+                n += 1
+                logits.append(row.numpy().tobytes())
+                tokens.append(int(row.argmax()))
+            out.update(tokens=tokens, logits=logits, pages=int(res["pages"].numel()))
+            return out
+        finally:
+            if settled or h is None:
+                pmc.free(res)
+
+    def _alloc_pages(self, n: int) -> torch.Tensor:
+        pages = self.pmc.pages.alloc_pages(n)
+        if pages is None:
+            raise SchedulerError(f"decode: out of pages ({n} needed)")
+        return pages
+
+    def _retract(self, res: dict, n_cached: int, reverse: bool) -> dict:
+        """Offload the running request, move it to new pages / slot, restore, in place."""
+        pmc, off = self.pmc, self.offload
+        old_pages, old_slot = res["pages"], res["slot"]
+        slots = [] if old_slot is None else [old_slot]
+        handle = off.offload(old_pages, slots)
+        handle.order_before()
+        # new pages / slot taken before the old ones are freed: they differ; the old ones are
+        # zeroed (what a reuse would do), so reading them by mistake shows
+        new_pages = self._alloc_pages(int(old_pages.numel()))
+        new_slot = pmc.slots.alloc(1)[0] if old_slot is not None else None
+        for view in pmc.pool.get_item_views():
+            view[old_pages] = 0
+        if old_slot is not None:
+            for view in pmc.pool.get_state_item_views():
+                view[old_slot] = 0
+            pmc.slots.free(slots)
+        pmc.pages.free_pages(old_pages)
+        res["pages"], res["slot"] = new_pages, new_slot
+        off.restore(handle, new_pages.flip(0) if reverse else new_pages,
+                    [] if new_slot is None else [new_slot])
+        handle.order_before()
+        return {"retracted": True, "retract_at": n_cached,
+                "old_pages": old_pages.tolist(), "new_pages": new_pages.tolist(),
+                "old_slot": old_slot, "new_slot": new_slot, "offloaded_bytes": handle.nbytes}
