@@ -31,7 +31,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     s.add_argument("--error-mode", choices=("peer", "none"), default="peer")
     k = sub.add_parser("kill", help="SIGKILL / SIGSTOP+SIGCONT a peer in each room state")
     k.add_argument("--victims", default="prefill,decode")
-    k.add_argument("--signals", default="KILL,STOP")
+    k.add_argument("--signals", default="KILL,STOP,CLOSE",
+                   help="KILL (SIGKILL), STOP (SIGSTOP, later SIGCONT), CLOSE (graceful)")
     n = sub.add_parser("netns", help="prefill and decode in two network namespaces (veth)")
     n.add_argument("--requests", type=int, default=500)
     n.add_argument("--impair", action="store_true",

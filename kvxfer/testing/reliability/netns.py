@@ -98,12 +98,31 @@ class VethPair:
                 _sh(*nft, "add", "chain", "inet", "kvx", "out",
                     "{ type filter hook output priority 0 ; }")
                 _sh(*nft, "add", "rule", "inet", "kvx", "out", "meta", "l4proto", "tcp",
-                    "numgen", "random", "mod", "100", "<", "1", "drop")
+                    "numgen", "random", "mod", "100", "<", "1", "counter", "drop")
         except (subprocess.CalledProcessError, OSError) as exc:
             raise Unavailable(f"tc netem unavailable ({netem_err}); stand-in failed too: "
                               f"{_why(exc)}") from None
         return (f"netem unavailable in this kernel ({netem_err}); stand-in: nftables drops 1% "
                 "of TCP segments at random + tc tbf 200 Mbit/s (each direction)")
+
+    def dropped(self) -> Optional[str]:
+        """What the impairment dropped so far (tc / nft counters), as reported by the tools."""
+        if not self.impairment:
+            return None
+        out = []
+        for ns, dev in zip(self.ns, self.dev):
+            try:
+                if self.impairment.startswith("tc netem"):
+                    st = _sh("ip", "netns", "exec", ns, "tc", "-s", "qdisc", "show", "dev", dev)
+                    line = next((l.strip() for l in st.splitlines() if "dropped" in l), "?")
+                else:
+                    st = _sh("ip", "netns", "exec", ns, "nft", "list", "chain", "inet", "kvx",
+                             "out")
+                    line = next((l.strip() for l in st.splitlines() if "counter" in l), "?")
+            except (subprocess.CalledProcessError, OSError) as exc:
+                line = _why(exc)
+            out.append(f"{dev}: {line}")
+        return "; ".join(out)
 
     def __exit__(self, *exc) -> None:
         for ns in self._made:
@@ -135,6 +154,7 @@ def run_netns(requests: int = 500, impair: bool = False, seed: int = 0,
         }
         out = run_soak(requests=requests, seed=seed, abort_rate=abort_rate,
                        timeouts=NETNS_TIMEOUTS, placement=placement, deadline_s=120.0)
+        out["dropped"] = net.dropped()
     finally:
         net.__exit__()
     lanes_ok = bool(out["lanes"]) and all(l.split("/")[-1].split(".")[0] in net.dev

@@ -390,6 +390,19 @@ class RelNode:
                 return s
             time.sleep(0.0005)
 
+    def cmd_wait_landed(self, room: int, timeout: float = 10.0) -> bool:
+        """Decode: poll until the first page of ``room`` holds its pattern (its write has
+        begun to land); False after ``timeout``."""
+        rec = self.recs[room]
+        page = rec["pages"][:1]
+        want = [pattern(room, [0], e, v.shape[1]) for e, v in enumerate(self.views)]
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if all(bool((v[page] == w).all()) for v, w in zip(self.views, want)):
+                return True
+            time.sleep(0.0005)
+        return False
+
     def _result(self, rec: dict) -> dict:
         return {k: rec.get(k) for k in ("state", "exc", "msg", "t_done", "calls", "landed",
                                         "bad", "n")}
@@ -413,6 +426,12 @@ class RelNode:
                 self.aux.data[item, 40] = value
             else:
                 self._item_views(group)[0][item, 0] = value
+
+    def cmd_close_manager(self) -> float:
+        """Close the KVManager gracefully (the process and its pools stay, for the checks);
+        returns when it finished."""
+        self.mgr.close_background()
+        return time.monotonic()
 
     def cmd_ids(self, room: int) -> dict:
         rec = self.recs[room]
@@ -442,6 +461,7 @@ class RelNode:
                 "on_done_twice": t["on_done_twice"], "corrupt_rooms": t["corrupt_rooms"],
                 "corrupt_items": t["corrupt_items"], "rooms_verified": t["rooms_verified"],
                 "pages_verified": t["pages_verified"],
+                "late_calls": {k[10:]: v for k, v in t.items() if k.startswith("late_call_")},
                 "rss_mib": [round(self.rss0, 1), round(rss_mib(), 1)],
                 "fds": [self.fds0, open_fds()], "lanes": sorted(self.mgr.stats["lanes"])}
 
@@ -534,12 +554,27 @@ class RelNode:
                     return None
         else:
             h.init()
-            if mine and point == "before_meta":
+            if mine and point in ("before_meta", "meta_after_release"):
                 self._abort(h)
+                if point == "meta_after_release":
+                    self._late_call(rec)
                 return None
             h.send_metadata(rec["pages"], rec["row"],
                             None if rec["slot"] is None else [rec["slot"]])
         return arg if mine and point == "lag" else None
+
+    def _late_call(self, rec: dict) -> None:
+        """``send_metadata()`` on a room whose ``on_done`` already ran (see the plan)."""
+        from kvxfer.errors import KvxferError
+        if not rec["done"].wait(self.mgr.t.abort_ack_s + 5.0):
+            self.tally["late_call_unreleased"] += 1
+            return
+        try:
+            rec["h"].send_metadata(rec["pages"], rec["row"],
+                                   None if rec["slot"] is None else [rec["slot"]])
+            self.tally["late_call_accepted"] += 1
+        except KvxferError:
+            self.tally["late_call_rejected"] += 1
 
     def _abort_if_open(self, room: int) -> None:
         rec = self.recs.get(room)

@@ -12,7 +12,10 @@ A request is ``(room, pages, cuts, abort)``:
     ``("after_chunk", c)`` (right after chunk ``c`` was handed to ``send()``; for the last
     chunk this races the final write), ``("lag", k)`` (``k`` + 1 requests later);
   - decode: ``("before_init", 0)``, ``("before_meta", 0)`` (connected, no destination yet),
-    ``("lag", k)`` (metadata sent, aborted ``k`` + 1 requests later).
+    ``("lag", k)`` (metadata sent, aborted ``k`` + 1 requests later), and
+    ``("meta_after_release", 0)``: aborted before its metadata, and ``send_metadata()`` called
+    once its ``on_done`` ran — a scheduler that loses the race against a failure on the
+    manager's loop; the call must not touch the items it names any more.
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ def make_plan(requests: int, seed: int = 0, max_pages: int = 16,
                 arg = rng.randrange(n_chunks) if point == "after_chunk" else rng.randint(0, 3)
                 abort = ("prefill", point, arg if point != "before_init" else 0)
             else:
-                point = rng.choice(("before_init", "before_meta", "lag"))
+                point = rng.choice(("before_init", "before_meta", "lag", "meta_after_release"))
                 abort = ("decode", point, rng.randint(0, 3) if point == "lag" else 0)
         out.append(Request(room, pages, cuts, abort))
     return out

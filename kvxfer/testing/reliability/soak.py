@@ -51,8 +51,10 @@ def run_soak(requests: int = 10000, seed: int = 0, window: int = 16, max_pages: 
         t_up = time.monotonic() - t0
         plan_kw = dict(requests=requests, seed=seed, max_pages=max_pages, abort_rate=abort_rate)
         budget = deadline_s * 4 + requests * 1.0          # answer bound; the workers' own
+        # decode announces up to ``window`` rooms ahead; prefill works on a quarter of that,
+        # so its rooms meet decode's metadata in every order (before / after init, mid-send)
         d.post("soak", plan_kw, window, deadline_s, addr)  # deadlines end them far sooner
-        p.post("soak", plan_kw, window, deadline_s, addr)
+        p.post("soak", plan_kw, max(1, window // 4), deadline_s, addr)
         ps, ds = p.answer(budget), d.answer(budget)
         pc, dc = p("check", deadline_s), d("check", deadline_s)
     finally:
@@ -85,6 +87,7 @@ def summarize(plan, ps: dict, ds: dict, pc: dict, dc: dict, t_up: float, wall: f
         return sum(sum(c[key].values()) if isinstance(c[key], dict) else c[key] for c in (pc, dc))
 
     leaks = {"prefill": pc["leaks"], "decode": dc["leaks"]}
+    aborts = {q.room: q.abort for q in plan}
     counts = {
         "unexpected_outcomes": sum(unexpected.values()),
         "corrupt_rooms": dc["corrupt_rooms"], "corrupt_items": dc["corrupt_items"],
@@ -101,7 +104,9 @@ def summarize(plan, ps: dict, ds: dict, pc: dict, dc: dict, t_up: float, wall: f
         "abort_outcomes": dict(sorted(kinds.items())),
         "aborted_in_state": {"prefill": ps["aborted_in"], "decode": ds["aborted_in"]},
         "late_writes": {"prefill": pc["late_writes"], "decode": dc["late_writes"]},
-        "late_examples": pc["late_examples"] + dc["late_examples"],
+        "late_examples": [dict(x, last_room_abort=aborts.get(x["last_room"]))
+                          for x in pc["late_examples"] + dc["late_examples"]],
+        "late_calls": dc["late_calls"],
         "stuck": [ps["stuck"], ds["stuck"]], "hung_rooms": ps["hung"] + ds["hung"],
         "leaks": leaks,
         "rss_mib": {"prefill": [ps["rss_mib"][0], pc["rss_mib"][1]],
