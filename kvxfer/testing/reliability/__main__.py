@@ -11,7 +11,33 @@ import sys
 from typing import List, Optional
 
 
+def figure(s: dict) -> str:
+    """The one-line figure docs/RELIABILITY.md quotes for a summary."""
+    if s.get("skipped"):
+        return f"skipped: {s['skipped']}"
+    if s["scenario"] == "kill_matrix":
+        cells = [c for g in s["groups"] for c in g["cells"].values()]
+        bad = [f"{g['victim']}/{g['signal']}/{st}" for g in s["groups"]
+               for st, c in g["cells"].items() if not c.get("ok")]
+        groups_bad = [f"{g['victim']}/{g['signal']}" for g in s["groups"] if not g["ok"]]
+        worst = max((c["t_s"] for c in cells if c.get("t_s") is not None), default=0.0)
+        return (f"{len(cells) - len(bad)}/{len(cells)} cells ok, {len(s['groups']) - len(groups_bad)}"
+                f"/{len(s['groups'])} groups ok (failing: {', '.join(bad + groups_bad) or '-'}); "
+                f"slowest on_done {worst:.2f} s after the signal; {s['wall_s']:.0f} s")
+    c = s["counts"]
+    rss = "; ".join(f"{k} RSS {v[0]:.0f}->{v[1]:.0f} MiB" for k, v in s["rss_mib"].items())
+    extra = (f"; {s['impairment']}; dropped: {s.get('dropped')}"
+             if s["scenario"].startswith("netns") else "")
+    return (f"{s['requests']} requests: {s['succeeded']} ok, {s['aborted']} aborted, "
+            f"unexpected {c['unexpected_outcomes']}, corrupt rooms {c['corrupt_rooms']} "
+            f"({s['pages_verified']} pages verified), late writes {c['late_writes']}, guard hits "
+            f"{c['guard_hits']}, on_done twice {c['on_done_twice']}, unreleased "
+            f"{c['unreleased']}, hung {c['hung']}, leaked {c['leaked']}; {rss}; "
+            f"{s['soak_s']:.0f} s soak / {s['wall_s']:.0f} s wall{extra}")
+
+
 def _print(summary: dict, as_json: bool) -> None:
+    print(f"figure: {figure(summary)}", flush=True)
     if as_json:
         print(json.dumps(summary, sort_keys=True, default=str), flush=True)
     else:

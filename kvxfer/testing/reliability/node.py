@@ -181,6 +181,8 @@ class RelNode:
         self.events: "queue.SimpleQueue[int]" = queue.SimpleQueue()
         self.tally: collections.Counter = collections.Counter()
         self.late: List[dict] = []                 # first few late-write findings
+        self.late_by: collections.Counter = collections.Counter()
+        self.kind_of: Dict[int, str] = {}          # soak: room -> how the plan aborts it
         self.outcomes: Dict[int, str] = {}
         self._torch = torch
         self.mgr = KVManager(m.kv_args, role,
@@ -230,6 +232,8 @@ class RelNode:
     def _late(self, group: str, ids: List[int], when: str) -> None:
         for i in self._not_sentinel(group, ids):
             self.tally[f"late_writes_{group}"] += 1
+            last = self.last_owner[group].get(i)
+            self.late_by[f"{group} of a room {self.kind_of.get(last, 'not aborted')}"] += 1
             if len(self.late) < 8:
                 self.late.append({"group": group, "item": i, "found": when,
                                   "last_room": self.last_owner[group].get(i)})
@@ -456,7 +460,7 @@ class RelNode:
         t = self.tally
         return {"leaks": leaks, "unreleased": len(unreleased),
                 "late_writes": {g: t[f"late_writes_{g}"] for g in ("kv", "state", "aux")},
-                "late_examples": list(self.late),
+                "late_examples": list(self.late), "late_by": dict(self.late_by),
                 "guard_hits": {g: t[f"guard_{g}"] for g in ("kv", "state", "aux")},
                 "on_done_twice": t["on_done_twice"], "corrupt_rooms": t["corrupt_rooms"],
                 "corrupt_items": t["corrupt_items"], "rooms_verified": t["rooms_verified"],
@@ -473,6 +477,7 @@ class RelNode:
         Returns per-room outcomes ("Success" / "Failed:<error type>")."""
         from kvxfer.testing.reliability.plan import make_plan
         plan = make_plan(**plan_kw)
+        self.kind_of = {q.room: f"aborted by {q.abort[0]} {q.abort[1]}" for q in plan if q.abort}
         bootstrap = bootstrap or self.bootstrap
         self.outcomes = {}
         self.aborted_in: collections.Counter = collections.Counter()

@@ -107,6 +107,7 @@ def summarize(plan, ps: dict, ds: dict, pc: dict, dc: dict, t_up: float, wall: f
         "late_examples": [dict(x, last_room_abort=aborts.get(x["last_room"]))
                           for x in pc["late_examples"] + dc["late_examples"]],
         "late_calls": dc["late_calls"],
+        "late_by": {"prefill": pc["late_by"], "decode": dc["late_by"]},
         "stuck": [ps["stuck"], ds["stuck"]], "hung_rooms": ps["hung"] + ds["hung"],
         "leaks": leaks,
         "rss_mib": {"prefill": [ps["rss_mib"][0], pc["rss_mib"][1]],
