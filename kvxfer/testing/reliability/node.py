@@ -183,6 +183,7 @@ class RelNode:
         self.late: List[dict] = []                 # first few late-write findings
         self.late_by: collections.Counter = collections.Counter()
         self.kind_of: Dict[int, str] = {}          # soak: room -> how the plan aborts it
+        self.aborted_in: collections.Counter = collections.Counter()   # soak: state at abort
         self.outcomes: Dict[int, str] = {}
         self._torch = torch
         self.mgr = KVManager(m.kv_args, role,
@@ -480,7 +481,7 @@ class RelNode:
         self.kind_of = {q.room: f"aborted by {q.abort[0]} {q.abort[1]}" for q in plan if q.abort}
         bootstrap = bootstrap or self.bootstrap
         self.outcomes = {}
-        self.aborted_in: collections.Counter = collections.Counter()
+        self.aborted_in.clear()
         rss0, t0 = rss_mib(), time.monotonic()
         lagged: Dict[int, List[int]] = collections.defaultdict(list)
         open_: Dict[int, dict] = {}
@@ -571,7 +572,8 @@ class RelNode:
     def _late_call(self, rec: dict) -> None:
         """``send_metadata()`` on a room whose ``on_done`` already ran (see the plan)."""
         from kvxfer.errors import KvxferError
-        if not rec["done"].wait(self.mgr.t.abort_ack_s + 5.0):
+        ack_s = self.opts.get("timeouts", {}).get("abort_ack_s", 10.0)
+        if not rec["done"].wait(ack_s + 5.0):
             self.tally["late_call_unreleased"] += 1
             return
         try:
