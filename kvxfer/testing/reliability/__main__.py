@@ -21,8 +21,9 @@ def figure(s: dict) -> str:
                for st, c in g["cells"].items() if not c.get("ok")]
         groups_bad = [f"{g['victim']}/{g['signal']}" for g in s["groups"] if not g["ok"]]
         worst = max((c["t_s"] for c in cells if c.get("t_s") is not None), default=0.0)
-        return (f"{len(cells) - len(bad)}/{len(cells)} cells ok, {len(s['groups']) - len(groups_bad)}"
-                f"/{len(s['groups'])} groups ok (failing: {', '.join(bad + groups_bad) or '-'}); "
+        n_groups = len(s["groups"])
+        return (f"{len(cells) - len(bad)}/{len(cells)} cells ok, {n_groups - len(groups_bad)}"
+                f"/{n_groups} groups ok (failing: {', '.join(bad + groups_bad) or '-'}); "
                 f"slowest on_done {worst:.2f} s after the signal; {s['wall_s']:.0f} s")
     c = s["counts"]
     rss = "; ".join(f"{k} RSS {v[0]:.0f}->{v[1]:.0f} MiB" for k, v in s["rss_mib"].items())

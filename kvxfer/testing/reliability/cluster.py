@@ -73,12 +73,8 @@ class Worker:
     def alive(self) -> bool:
         return self.child.proc.is_alive()
 
-    def kill(self) -> None:
-        if self.child.proc.pid is not None and self.alive():
-            os.kill(self.pid, signal.SIGCONT)      # a stopped process dies only once resumed
-        self.child.kill()
-
     def stop(self, timeout: float = 30.0) -> None:
+        """Ask it to exit (resuming it first if it is stopped); SIGKILL when it does not."""
         if self.child.proc.pid is not None and self.alive():
             os.kill(self.pid, signal.SIGCONT)
         self.child.stop(timeout)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import random
 import signal
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from kvxfer.testing.reliability.cluster import MATRIX_SPEC, Worker, ensure_secret
 
@@ -66,21 +66,23 @@ def resume_bound_s(t: dict = MATRIX_TIMEOUTS) -> float:
             + t["abort_ack_s"])
 
 
-def _delta(a: dict, b: dict) -> dict:
-    return {k: b[k] - a[k] for k in b}
+def _victim(victim: str, sig: str, addr: str, opts: dict) -> Worker:
+    return Worker(victim, MATRIX_SPEC, addr if victim == "prefill" else None, opts,
+                  name=f"victim-{victim}-{sig}")
 
 
 def run_group(victim: str, sig: str, survivor: Worker, addr: str, rng: random.Random,
-              opts: dict) -> dict:
-    """One victim side x one signal; see the module docstring."""
+              opts: dict, v: Optional[Worker] = None) -> dict:
+    """One victim side x one signal (``v``: the victim, when already spawned); see the
+    module docstring."""
     surv_role = survivor.role
-    v = Worker(victim, MATRIX_SPEC, addr if victim == "prefill" else None, opts,
-               name=f"victim-{victim}-{sig}").ready()
+    v = (v or _victim(victim, sig, addr, opts)).ready()
     P, D = (v, survivor) if victim == "prefill" else (survivor, v)
     rid = lambda: rng.randrange(1, 1 << 62)                    # noqa: E731
     before = survivor("check")
     rooms: Dict[str, int] = {s: rid() for s in STATES}
     out: dict = {"victim": victim, "signal": sig, "cells": {}}
+    partner = None
     try:
         S, W, T, B, M = (rooms[s] for s in ("after Success", "WaitingForInput", "Transferring",
                                             "Bootstrapping", "mid-write"))
@@ -199,10 +201,10 @@ def run_group(victim: str, sig: str, survivor: Worker, addr: str, rng: random.Ra
         clean = all(_clean(x) for x in (out["survivor_final"], out["partner_final"]))
         out["served_ok"] = served
         out["ok"] = bool(ok and served and clean)
-        if sig != "STOP":
-            partner.stop()
     finally:
-        v.kill()
+        for w in (partner, v):
+            if w is not None:
+                w.stop(timeout=10.0)
     return out
 
 
@@ -237,6 +239,7 @@ def run_matrix(victims: List[str] = ("prefill", "decode"), signals: List[str] = 
     bs_s, bs_v = bootstrap_server(), bootstrap_server()
     survivors: Dict[str, Worker] = {}
     groups = []
+    first = None
     try:
         if "decode" in victims:
             survivors["prefill"] = Worker("prefill", MATRIX_SPEC, bs_s.address, opts,
@@ -244,19 +247,22 @@ def run_matrix(victims: List[str] = ("prefill", "decode"), signals: List[str] = 
         if "prefill" in victims:
             survivors["decode"] = Worker("decode", MATRIX_SPEC, None, opts,
                                          name="survivor-decode")
+        addr_of = {"prefill": bs_v.address, "decode": bs_s.address}
+        first = _victim(victims[0], signals[0], addr_of[victims[0]], opts)   # boots alongside
         for w in survivors.values():
             w.ready()
         for victim in victims:
             surv = survivors["decode" if victim == "prefill" else "prefill"]
-            addr = bs_v.address if victim == "prefill" else bs_s.address
             for sig in signals:
                 t = time.monotonic()
-                g = run_group(victim, sig, surv, addr, rng, opts)
+                g = run_group(victim, sig, surv, addr_of[victim], rng, opts, first)
+                first = None
                 g["s"] = round(time.monotonic() - t, 1)
                 groups.append(g)
     finally:
-        for w in survivors.values():
-            w.stop()
+        for w in [*survivors.values(), first]:
+            if w is not None:
+                w.stop()
         bs_s.stop_thread()
         bs_v.stop_thread()
     return {"scenario": "kill_matrix", "ok": all(g["ok"] for g in groups), "groups": groups,

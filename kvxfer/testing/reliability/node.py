@@ -31,14 +31,11 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import logging
 import os
 import queue
 import threading
 import time
 from typing import Dict, List, Optional
-
-log = logging.getLogger(__name__)
 
 SENTINEL = {"prefill": 0x5A, "decode": 0xA5}
 TERMINAL = ("Success", "Failed")
