@@ -107,6 +107,32 @@ class _TransportChecks:
         return out
 
     @staticmethod
+    async def close_quiesces(error_mode, mib=32):
+        """PUTs posted and never flushed, then ``RmaEndpoint.close()``: once it returns,
+        every byte has landed (nothing of ours is still in flight to the peer), and a bulk
+        endpoint's UCX close was accepted and confirmed (its error-handler context freed:
+        the queue holds no reference for it)."""
+        import asyncio
+
+        import numpy as np
+
+        t, client, server, rma = await _TransportChecks._pair(error_mode)
+        chunk, n = 1 << 20, mib
+        src = np.random.default_rng(11).integers(0, 256, n * chunk, dtype=np.uint8)
+        dst = np.zeros(n * chunk, dtype=np.uint8)
+        rs, rd = t.register(src.ctypes.data, src.nbytes), t.register(dst.ctypes.data, dst.nbytes)
+        rma.add_remote_regions([rd.addr], [rd.length], [rd.packed_key()])
+        u, off = np.uint64, np.arange(n, dtype=np.uint64) * chunk
+        rma.put(src.ctypes.data + off, rd.addr + off, np.full(n, chunk, u),
+                np.full(n, rs.handle, u), np.zeros(n, u))
+        await rma.close(30.0)
+        out = {"landed": bool(np.array_equal(src, dst)), "pending": t._cq.pending}
+        await asyncio.gather(client.close(1.0), server.close(1.0))
+        rs.release(), rd.release()
+        await t.close()
+        return out
+
+    @staticmethod
     async def peer_close_seen():
         import asyncio
 

@@ -106,7 +106,9 @@ class RmaEndpoint(abc.ABC):
 
     @abc.abstractmethod
     async def close(self, timeout: float) -> None:
-        """Destroy remote keys, then the endpoint if it owns one; idempotent."""
+        """Quiesce (close the endpoint it owns, flush a borrowed one: every PUT posted so
+        far completes or fails), then destroy the remote keys; idempotent. Afterwards no
+        PUT of ours is in flight to the peer (unless quiescing timed out: logged)."""
 
 
 AcceptCallback = Callable[[Channel], Awaitable[None]]

@@ -327,23 +327,27 @@ class UcxTransport(Transport):
             raise status_error(self.rma, status, "ucp_worker_flush")
         return t
 
-    async def close_bulk(self, ep: int, ctx: int, err_token: int, force: bool,
-                         timeout: float) -> None:
-        """Close an endpoint made by :meth:`rma_endpoint`; its context is freed once UCX
-        confirms the close (on timeout it is leaked rather than risk a late callback)."""
+    async def close_bulk(self, ep: int, ctx: int, err_token: int, timeout: float) -> bool:
+        """Close an endpoint made by :meth:`rma_endpoint`: a flush-mode close (its PUTs
+        complete or fail first; UCX refuses a forced close of an error-mode-NONE endpoint
+        and leaves it open). The error-handler context is freed once UCX completed the
+        close: from then on UCX never calls the handler. Not confirmed in time: the
+        context is leaked rather than freed under a handler that may still run. Returns
+        whether the close completed (then no PUT on the endpoint is in flight)."""
         if self._closed:  # the queue is gone: nothing can confirm; leak the context
-            return
+            return False
         try:
-            status, _ = await self._start_and_wait(self._cq.ep_close, (ep, force), timeout,
-                                                   "ucp_ep_close")
+            status, _ = await self._start_and_wait(self._cq.ep_close, (ep,), timeout,
+                                                   "ucp_ep_close", False)
         except (TransferTimeout, PeerClosed) as exc:
             log.debug("bulk endpoint close: %s", exc)
-            return
+            return False
         finally:
             self._watch.pop(err_token, None)
-        if status != self.rma.UCS_OK:
+        if status != self.rma.UCS_OK:  # e.g. its flush failed: closed all the same
             log.debug("bulk endpoint close: %s", self.rma.status_string(status))
         self.rma.ep_ctx_free(ctx)
+        return True
 
     # -- contract
     async def listen(self, host: str, port: int, on_accept: AcceptCallback):
