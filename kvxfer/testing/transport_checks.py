@@ -94,8 +94,7 @@ class _TransportChecks:
         out["spinning_after"] = t._cq.spinning
         await rma.close(1.0)
         await rma.close(1.0)  # idempotent
-        await client.close(1.0)
-        await server.close(1.0)
+        await asyncio.gather(client.close(1.0), server.close(1.0))
         rs.release(), rd.release(), rd.release()
         await t.close()
         await t.close()
@@ -135,21 +134,32 @@ class _TransportChecks:
     @staticmethod
     async def peer_close_seen():
         import asyncio
+        import time
 
         t, client, server, rma = await _TransportChecks._pair()
         seen = asyncio.get_running_loop().create_future()
         server.on_closed(lambda exc: seen.done() or seen.set_result(type(exc).__name__))
-        await client.close(1.0)
+        reading = asyncio.ensure_future(server.recv(10.0))  # the close frame ends it
+        closing = asyncio.ensure_future(client.close(5.0))  # waits for the server's close
         kind = await asyncio.wait_for(seen, 10.0)
+        try:
+            await reading
+            recv = "returned"
+        except Exception as exc:
+            recv = type(exc).__name__
         try:
             await server.send(b"x", 1.0)
             after = "not raised"
         except Exception as exc:
             after = type(exc).__name__
         await rma.close(1.0)
-        await server.close(1.0)
+        t0 = time.monotonic()
+        await server.close(5.0)
+        await asyncio.wait_for(closing, 10.0)
+        handshake_s = time.monotonic() - t0
         await t.close()
-        return {"kind": kind, "send_after": after}
+        return {"kind": kind, "recv": recv, "send_after": after, "handshake_s": handshake_s,
+                "client_saw_close": client._close_seen, "server_saw_close": server._close_seen}
 
     @staticmethod
     async def completion_queue():

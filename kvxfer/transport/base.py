@@ -61,7 +61,9 @@ class Channel(abc.ABC):
 
     @abc.abstractmethod
     async def close(self, timeout: float) -> None:
-        """Close the channel; idempotent."""
+        """Close the channel; idempotent. Orderly where the peer is alive: tell it, and wait
+        (within ``timeout``) for its own close, so that nothing of the connection stays
+        behind on either side (see UcxChannel)."""
 
     def adopt_epoch(self) -> None:
         """Accepting side, once the handshake accepted the connection's first message:

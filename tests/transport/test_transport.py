@@ -40,8 +40,12 @@ def test_rma_close_quiesces(node, mode):
 
 def test_peer_close_is_reported(node):
     out = node.call("run", "peer_close_seen")
-    assert out["kind"] == "PeerClosed"
+    assert out["kind"] == "PeerClosed" and out["recv"] == "PeerClosed", out
     assert out["send_after"] in ("PeerClosed", "Closed")
+    # orderly close: each side took the other's close frame (no receive left posted in
+    # UCXX), well within the bound (the client waited for the server to close)
+    assert out["client_saw_close"] and out["server_saw_close"], out
+    assert out["handshake_s"] < 2.5, out
 
 
 def test_completion_queue(node):
