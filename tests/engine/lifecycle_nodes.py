@@ -124,3 +124,86 @@ def lifecycle_node(inbox, outbox) -> None:
     finally:
         loop.close()
 
+
+# --------------------------------------------------------------- hammer (-m long)
+def _hammer_engine(name: str, mode: str):
+    from kvxfer.config import EngineConfig
+    from kvxfer.engine import TransferEngine
+
+    eng = TransferEngine(EngineConfig(secret=b"hammer", name=name, error_mode=mode,
+                                      connect_timeout_s=10.0, transfer_timeout_s=10.0,
+                                      warn_slow_lanes=False))
+    # freed when the next cycle allocates its own: a PUT landing after close() returned
+    # would write into whatever the heap put there (the target process then crashes)
+    buf = np.zeros(64 * 4096, np.uint8)
+    eng.register("kv", [buf.ctypes.data], [buf.nbytes], [4096])
+    return eng, buf
+
+
+async def _hammer_target(ports, go, cycles: int, mode: str) -> None:
+    """Per cycle: listen, report the port, stream messages back while the initiator writes,
+    close when told (``go``: a delay, so the two closes interleave differently)."""
+    loop = asyncio.get_running_loop()
+    for _ in range(cycles):
+        eng, buf = _hammer_engine("T", mode)
+        peers = []
+        eng.on_peer(peers.append)
+        ports.put((await eng.start())[1])
+        delay = await loop.run_in_executor(None, go.get, True, 60.0)
+
+        async def chatter():
+            while peers:
+                try:
+                    await peers[0].send(b"x" * 100, 5.0)
+                except Exception:
+                    return
+                await asyncio.sleep(0)
+
+        task = loop.create_task(chatter())
+        await asyncio.sleep(delay)
+        await eng.close()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def _hammer_initiator(ports, go, cycles: int, mode: str) -> None:
+    """Per cycle: connect, four writers stream 16-page writes, close at a staggered moment."""
+    from kvxfer.engine import ItemWrite
+
+    loop = asyncio.get_running_loop()
+    for c in range(cycles):
+        port = await loop.run_in_executor(None, ports.get, True, 60.0)
+        eng, buf = _hammer_engine("I", mode)
+        await eng.start()
+        peer = await eng.connect("127.0.0.1", port)
+
+        async def writer():
+            while True:
+                try:
+                    await peer.write([ItemWrite("kv", list(range(16)), list(range(16)))],
+                                     b"n", 5.0)
+                except Exception:
+                    return
+
+        tasks = [loop.create_task(writer()) for _ in range(4)]
+        await asyncio.sleep(0.02)
+        delay = (c % 5) * 0.003
+        go.put(delay)
+        await asyncio.sleep(delay + (c % 3) * 0.002)
+        await eng.close()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def hammer_side(role: str, ports, go, cycles: int, mode: str) -> None:
+    """Entry point of one hammer process (spawned); exits 0 when all cycles ran."""
+    import faulthandler
+
+    faulthandler.enable()
+    side = _hammer_target if role == "target" else _hammer_initiator
+    asyncio.run(side(ports, go, cycles, mode))
+    for q in (ports, go):  # what we put must reach the other side before _exit
+        q.close()
+        q.join_thread()
+    os._exit(0)  # UCX teardown at interpreter exit is not what this hammers

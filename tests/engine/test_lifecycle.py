@@ -1,10 +1,13 @@
 """Create/connect/close cycles in one long-lived process (real UCX loopback): a closed engine
 or manager leaves no listening socket behind, in both error modes, and the process's count
-of listening sockets does not grow with the cycles."""
+of listening sockets does not grow with the cycles. Long variant: two processes cycling
+with writes in flight while both sides close (the SIGSEGV hunt), behind ``-m long``."""
+import multiprocessing as mp
+
 import pytest
 
 from kvxfer.testing import Child
-from lifecycle_nodes import lifecycle_node
+from lifecycle_nodes import hammer_side, lifecycle_node
 
 pytestmark = pytest.mark.timeout(120)
 MODES = pytest.mark.parametrize("mode", ["peer", "none"])
@@ -37,3 +40,28 @@ def test_engine_cycles_leave_no_listening_socket(node, mode):
 def test_prefill_manager_cycles_leave_no_listening_socket(node, mode):
     _check(node.call("managers", 3, mode))
 
+
+@pytest.mark.long
+@pytest.mark.timeout(900)
+@MODES
+def test_cycles_with_writes_in_flight_while_both_close(mode):
+    """Hammer: 60 cycles of a fresh engine pair in two long-lived processes, four writers
+    streaming while both sides close at staggered moments, the target's buffer freed when
+    its next cycle allocates one; both processes must exit 0 (faulthandler on: a crash
+    prints its stacks). Before the fix the target died with SIGSEGV in about half the
+    runs, in both modes (PUTs still in flight when close() returned landed in memory the
+    heap had reused), and error_mode=none also left bulk endpoints open under a freed
+    error-handler context."""
+    ctx = mp.get_context("spawn")
+    ports, go = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=hammer_side, args=(role, ports, go, 60, mode), daemon=True)
+             for role in ("target", "initiator")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(800)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert codes == [0, 0], codes
