@@ -86,12 +86,12 @@ class UcxChannel(Channel):
         self._rx_epoch = 0   # epoch of the last frame returned while ours was unknown
         self._rx: Optional[asyncio.Future] = None  # the pending receive request
         self._close_seen = False  # the peer's close frame arrived
-        self._gone = asyncio.Event()  # set with _exc
+        self._disconnected = asyncio.Event()  # UCXX reported the endpoint closed or failed
         self.dropped = 0     # frames of another connection dropped
         # UCXX keeps the callback (and what it references) in the UCXEndpoint, which its
         # endpoint finalizer keeps alive: a strong reference to us would be a cycle through
         # that global registry that never dies (nor the endpoint, nor its listener).
-        ep.set_close_callback(_ucx_closed, (weakref.ref(self),))
+        ep.set_close_callback(_close_callback, (weakref.ref(self),))
 
     @property
     def ucx_endpoint(self):
@@ -108,16 +108,18 @@ class UcxChannel(Channel):
 
     def _on_ucx_close(self, *args):  # any thread (UCXX progress thread)
         try:
-            self._loop.call_soon_threadsafe(
-                self._fire, PeerClosed("UCX endpoint closed (peer died or disconnected)"))
+            self._loop.call_soon_threadsafe(self._on_disconnect)
         except RuntimeError:  # loop already closed: nobody left to tell
             pass
+
+    def _on_disconnect(self) -> None:
+        self._disconnected.set()
+        self._fire(PeerClosed("UCX endpoint closed (peer died or disconnected)"))
 
     def _fire(self, exc: Exception) -> None:
         if self._exc is not None:
             return
         self._exc = exc
-        self._gone.set()
         for cb in self._callbacks:
             try:
                 cb(exc)
@@ -244,14 +246,15 @@ class UcxChannel(Channel):
                         int.from_bytes(frame[:8], "little") == epoch:
                     self._close_seen = True
             if self._connecting:  # the accepting side aborts first (class docstring)
-                await asyncio.wait_for(self._gone.wait(), max(0.0, end - self._loop.time()))
+                await asyncio.wait_for(self._disconnected.wait(),
+                                       max(0.0, end - self._loop.time()))
         except (asyncio.TimeoutError, TransferTimeout, PeerClosed) as exc:
             log.debug("close handshake: %s", exc or type(exc).__name__)
         except _ucx_error_types(self._ucxx) as exc:
             log.debug("close handshake: %s", exc)
 
 
-def _ucx_closed(ref) -> None:
+def _close_callback(ref) -> None:
     """UCXX close callback (any thread): forward to the channel, if it still exists."""
     ch = ref()
     if ch is not None:
