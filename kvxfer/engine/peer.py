@@ -17,9 +17,11 @@ Invariants
 - Same-host CUDA->CUDA ops go over the device lane when there is one
   (:mod:`kvxfer.engine.devcopy`); the write waits for its launch AND its UCX flush before
   ``notify``, so the same visibility rule holds for both lanes.
-- ``close()`` is idempotent: goodbye (best effort, bounded), stop tasks, destroy remote
-  keys and endpoints, unmap the device lane; the engine's peer-closed handlers run exactly
-  once per peer.
+- ``close()`` is idempotent: goodbye (best effort, bounded), stop tasks, quiesce the RMA
+  endpoint (every PUT of ours completes or fails; only then are its keys destroyed) and
+  the device lane (its stream, then unmap), then close the channel (an orderly close: the
+  peer learns that nothing more comes from us, and we wait, bounded, for the same from
+  it); the engine's peer-closed handlers run exactly once per peer.
 """
 from __future__ import annotations
 
@@ -368,10 +370,12 @@ class Peer(StagedPeer):
                 t.cancel()
         await asyncio.gather(*(t for t in self._tasks if t is not current),
                              return_exceptions=True)
+        # quiesce both lanes first (the device lane's close waits for its stream): the
+        # channel's close tells the peer that nothing more comes from us
         await self._rma.close(grace)
-        await self._channel.close(grace)
         if self._dev is not None:
             self._dev.close()
+        await self._channel.close(grace)
         self._engine._groups.release_landing(self._granted_raw)
         self._granted_raw = {}
 

@@ -197,18 +197,27 @@ class EngineNode:
     def cmd_registrations(self, key):
         return self.engines[key].engine.registrations
 
-    def cmd_stream_start(self, key, peer_id, group, n_items, timeout):
-        """Write items 0..n-1 to the same ids on the peer, over and over, in a thread."""
-        st = self.streams[key] = {"count": 0, "error": None, "stop": False, "t_end": None}
+    def cmd_stream_start(self, key, peer_id, group, n_items, timeout, hold_after=0):
+        """Write items 0..n-1 to the same ids on the peer, over and over, in a thread, until
+        a write fails. ``hold_after=k``: after the k-th successful write the thread waits
+        for ``stream_release`` before it writes again (the parent then knows exactly which
+        writes completed before what it does meanwhile)."""
+        st = self.streams[key] = {"count": 0, "error": None, "t_end": None,
+                                  "held": self._threading.Event(),
+                                  "release": self._threading.Event()}
         ids = list(range(n_items))
 
         peer = self._peer(key, peer_id)  # once: a dead peer leaves the engine's table
 
         def loop():
             try:
-                while not st["stop"]:
+                while True:
                     peer.write(self._writes([(group, ids, ids)]), None, timeout)
                     st["count"] += 1
+                    if st["count"] == hold_after:
+                        st["held"].set()
+                        if not st["release"].wait(60.0):
+                            raise TimeoutError("stream not released within 60 s")
             except Exception as exc:  # reported to the parent
                 st["error"] = (type(exc).__name__, str(exc))
             st["t_end"] = time.monotonic()
@@ -218,13 +227,22 @@ class EngineNode:
 
     def cmd_stream_status(self, key):
         st = self.streams[key]
-        return {"count": st["count"], "error": st["error"], "t_end": st["t_end"]}
+        return {"count": st["count"], "error": st["error"], "t_end": st["t_end"],
+                "held": st["held"].is_set()}
 
-    def cmd_stream_stop(self, key, timeout):
+    def cmd_stream_held(self, key, timeout):
+        """Wait (bounded) until the stream holds after its ``hold_after``-th write."""
+        return self.streams[key]["held"].wait(timeout)
+
+    def cmd_stream_release(self, key):
+        self.streams[key]["release"].set()
+
+    def cmd_stream_join(self, key, timeout):
+        """Wait (bounded) for the stream to end by itself, i.e. for a write to fail."""
         st = self.streams[key]
-        st["stop"] = True
         st["thread"].join(timeout)
-        return {"count": st["count"], "error": st["error"], "alive": st["thread"].is_alive()}
+        return {"count": st["count"], "error": st["error"], "alive": st["thread"].is_alive(),
+                "t_end": st["t_end"]}
 
     def close(self):
         for eng in self.engines.values():

@@ -94,8 +94,7 @@ class _TransportChecks:
         out["spinning_after"] = t._cq.spinning
         await rma.close(1.0)
         await rma.close(1.0)  # idempotent
-        await client.close(1.0)
-        await server.close(1.0)
+        await asyncio.gather(client.close(1.0), server.close(1.0))
         rs.release(), rd.release(), rd.release()
         await t.close()
         await t.close()
@@ -107,23 +106,60 @@ class _TransportChecks:
         return out
 
     @staticmethod
+    async def close_quiesces(error_mode, mib=32):
+        """PUTs posted and never flushed, then ``RmaEndpoint.close()``: once it returns,
+        every byte has landed (nothing of ours is still in flight to the peer), and a bulk
+        endpoint's UCX close was accepted and confirmed (its error-handler context freed:
+        the queue holds no reference for it)."""
+        import asyncio
+
+        import numpy as np
+
+        t, client, server, rma = await _TransportChecks._pair(error_mode)
+        chunk, n = 1 << 20, mib
+        src = np.random.default_rng(11).integers(0, 256, n * chunk, dtype=np.uint8)
+        dst = np.zeros(n * chunk, dtype=np.uint8)
+        rs, rd = t.register(src.ctypes.data, src.nbytes), t.register(dst.ctypes.data, dst.nbytes)
+        rma.add_remote_regions([rd.addr], [rd.length], [rd.packed_key()])
+        u, off = np.uint64, np.arange(n, dtype=np.uint64) * chunk
+        rma.put(src.ctypes.data + off, rd.addr + off, np.full(n, chunk, u),
+                np.full(n, rs.handle, u), np.zeros(n, u))
+        await rma.close(30.0)
+        out = {"landed": bool(np.array_equal(src, dst)), "pending": t._cq.pending}
+        await asyncio.gather(client.close(1.0), server.close(1.0))
+        rs.release(), rd.release()
+        await t.close()
+        return out
+
+    @staticmethod
     async def peer_close_seen():
         import asyncio
+        import time
 
         t, client, server, rma = await _TransportChecks._pair()
         seen = asyncio.get_running_loop().create_future()
         server.on_closed(lambda exc: seen.done() or seen.set_result(type(exc).__name__))
-        await client.close(1.0)
+        reading = asyncio.ensure_future(server.recv(10.0))  # the close frame ends it
+        closing = asyncio.ensure_future(client.close(5.0))  # waits for the server's close
         kind = await asyncio.wait_for(seen, 10.0)
+        try:
+            await reading
+            recv = "returned"
+        except Exception as exc:
+            recv = type(exc).__name__
         try:
             await server.send(b"x", 1.0)
             after = "not raised"
         except Exception as exc:
             after = type(exc).__name__
         await rma.close(1.0)
-        await server.close(1.0)
+        t0 = time.monotonic()
+        await server.close(5.0)
+        await asyncio.wait_for(closing, 10.0)
+        handshake_s = time.monotonic() - t0
         await t.close()
-        return {"kind": kind, "send_after": after}
+        return {"kind": kind, "recv": recv, "send_after": after, "handshake_s": handshake_s,
+                "client_saw_close": client._close_seen, "server_saw_close": server._close_seen}
 
     @staticmethod
     async def completion_queue():

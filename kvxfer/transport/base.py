@@ -61,7 +61,9 @@ class Channel(abc.ABC):
 
     @abc.abstractmethod
     async def close(self, timeout: float) -> None:
-        """Close the channel; idempotent."""
+        """Close the channel; idempotent. Orderly where the peer is alive: tell it, and wait
+        (within ``timeout``) for its own close, so that nothing of the connection stays
+        behind on either side (see UcxChannel)."""
 
     def adopt_epoch(self) -> None:
         """Accepting side, once the handshake accepted the connection's first message:
@@ -106,7 +108,9 @@ class RmaEndpoint(abc.ABC):
 
     @abc.abstractmethod
     async def close(self, timeout: float) -> None:
-        """Destroy remote keys, then the endpoint if it owns one; idempotent."""
+        """Quiesce (close the endpoint it owns, flush a borrowed one: every PUT posted so
+        far completes or fails), then destroy the remote keys; idempotent. Afterwards no
+        PUT of ours is in flight to the peer (unless quiescing timed out: logged)."""
 
 
 AcceptCallback = Callable[[Channel], Awaitable[None]]

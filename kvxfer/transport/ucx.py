@@ -24,6 +24,7 @@ import itertools
 import logging
 import os
 import time
+import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
 from kvxfer.errors import Closed, PeerClosed, ProtocolError, TransferTimeout, TransportError
@@ -35,6 +36,7 @@ from kvxfer.transport.ucx_rma import (UcxRegion, UcxRma, _ucx_error_types,  # no
 log = logging.getLogger(__name__)
 
 _PADDING = bytes(8)  # epoch 0, empty payload (see UcxChannel)
+_CLOSE = b"\xc1"      # payload of a close frame (0xc1 is never a msgpack message)
 #: bound on sending the opening padding frame of an accepted connection
 OPEN_TIMEOUT_S = 10.0
 
@@ -60,7 +62,19 @@ class UcxChannel(Channel):
       leftover receive request of the peer's previous endpoint swallows instead of a real
       message; receivers drop padding frames.
     - Receive requests are owned: a ``recv`` that timed out or was cancelled leaves its
-      request to the next ``recv`` (nothing it receives is lost)."""
+      request to the next ``recv`` (nothing it receives is lost).
+    - Orderly close (:meth:`close`): each side sends a close frame (its epoch + ``0xc1``)
+      and waits, bounded, for the other's before it aborts the endpoint; the connecting
+      side then also waits for the accepting side's abort, so that the accepting side
+      never aborts under a close frame still in flight to it. The peer's close frame
+      completes the receive request still posted here: a request UCXX never completes
+      stays in the worker (it is keyed by the endpoint handle) and keeps the endpoint
+      alive, and an accepted endpoint keeps its listener, i.e. the listening socket,
+      alive. The close frame also says "nothing more comes from me": the engine quiesces
+      its PUTs before it closes the channel (see kvxfer.engine.peer).
+    - UCXX holds our close callback for as long as its endpoint lives; it holds only a
+      weak reference to the channel (a strong one made an uncollectable cycle through
+      UCXX's endpoint finalizer, leaking endpoint and listener per connection)."""
 
     def __init__(self, ep, loop: asyncio.AbstractEventLoop, ucxx, epoch: Optional[int] = None):
         self._ep, self._loop, self._ucxx = ep, loop, ucxx
@@ -68,10 +82,16 @@ class UcxChannel(Channel):
         self._exc: Optional[Exception] = None
         self._closing = False
         self._epoch = epoch  # None: not known yet (accepting side before the handshake)
+        self._connecting = epoch is not None  # we opened the connection (chose the epoch)
         self._rx_epoch = 0   # epoch of the last frame returned while ours was unknown
         self._rx: Optional[asyncio.Future] = None  # the pending receive request
+        self._close_seen = False  # the peer's close frame arrived
+        self._disconnected = asyncio.Event()  # UCXX reported the endpoint closed or failed
         self.dropped = 0     # frames of another connection dropped
-        ep.set_close_callback(self._on_ucx_close)
+        # UCXX keeps the callback (and what it references) in the UCXEndpoint, which its
+        # endpoint finalizer keeps alive: a strong reference to us would be a cycle through
+        # that global registry that never dies (nor the endpoint, nor its listener).
+        ep.set_close_callback(_close_callback, (weakref.ref(self),))
 
     @property
     def ucx_endpoint(self):
@@ -88,10 +108,13 @@ class UcxChannel(Channel):
 
     def _on_ucx_close(self, *args):  # any thread (UCXX progress thread)
         try:
-            self._loop.call_soon_threadsafe(
-                self._fire, PeerClosed("UCX endpoint closed (peer died or disconnected)"))
+            self._loop.call_soon_threadsafe(self._on_disconnect)
         except RuntimeError:  # loop already closed: nobody left to tell
             pass
+
+    def _on_disconnect(self) -> None:
+        self._disconnected.set()
+        self._fire(PeerClosed("UCX endpoint closed (peer died or disconnected)"))
 
     def _fire(self, exc: Exception) -> None:
         if self._exc is not None:
@@ -110,7 +133,7 @@ class UcxChannel(Channel):
 
     @property
     def closed(self) -> bool:
-        return self._exc is not None or self._closing or self._ep.closed
+        return self._exc is not None or self._closing or self._ep is None or self._ep.closed
 
     def _check(self):
         if self._exc is not None:
@@ -140,6 +163,10 @@ class UcxChannel(Channel):
 
     async def _recv_frame(self, timeout: Optional[float]):
         self._check()
+        return await self._next_frame(timeout)
+
+    async def _next_frame(self, timeout: Optional[float]):
+        """The next frame off the endpoint (also while closing, for the close handshake)."""
         if self._rx is None:
             if self._ep.closed:
                 raise PeerClosed("receive failed: endpoint closed")
@@ -168,6 +195,15 @@ class UcxChannel(Channel):
             epoch = int.from_bytes(frame[:8], "little")
             if epoch == 0 and len(frame) == 8:  # padding (see the class docstring)
                 continue
+            if len(frame) == 9 and frame[8:] == _CLOSE:
+                if self._epoch is None or epoch == self._epoch:
+                    if self._epoch is None:  # answered with this epoch (close handshake)
+                        self._rx_epoch = epoch
+                    self._close_seen = True
+                    self._fire(PeerClosed("peer closed the connection"))
+                    self._check()
+                self.dropped += 1  # an earlier connection's close frame
+                continue
             if self._epoch is None:
                 self._rx_epoch = epoch
             elif epoch != self._epoch:
@@ -180,14 +216,49 @@ class UcxChannel(Channel):
             return bytes(frame[8:])
 
     async def close(self, timeout: float) -> None:
+        """Close handshake (bounded by ``timeout``, see the class docstring), then abort
+        the endpoint and drop it (its UCXX objects die now, not at the next gc)."""
         if self._closing:
             return
         self._closing = True
+        await self._close_handshake(timeout)
+        ep, self._ep = self._ep, None
         try:
-            self._ep.abort(period=int(timeout * 1e9), max_attempts=1)
+            ep.abort(period=int(timeout * 1e9), max_attempts=1)
         except Exception as exc:  # already gone
             log.debug("endpoint abort: %s", exc)
         self._fire(Closed("channel closed locally"))
+
+    async def _close_handshake(self, timeout: float) -> None:
+        """Send our close frame, then take frames until the peer's (dropping the rest).
+        Skipped when the endpoint failed or the connection's epoch is still unknown (no
+        frame of it ever arrived: nothing to tell an earlier connection's frames from)."""
+        epoch = self._epoch if self._epoch is not None else self._rx_epoch
+        if not epoch or self._ep.closed:
+            return
+        end = self._loop.time() + timeout
+        try:
+            await asyncio.wait_for(self._ep.am_send(epoch.to_bytes(8, "little") + _CLOSE),
+                                   timeout)
+            while not self._close_seen:
+                frame = await self._next_frame(max(0.0, end - self._loop.time()))
+                if len(frame) == 9 and frame[8:] == _CLOSE and \
+                        int.from_bytes(frame[:8], "little") == epoch:
+                    self._close_seen = True
+            if self._connecting:  # the accepting side aborts first (class docstring)
+                await asyncio.wait_for(self._disconnected.wait(),
+                                       max(0.0, end - self._loop.time()))
+        except (asyncio.TimeoutError, TransferTimeout, PeerClosed) as exc:
+            log.debug("close handshake: %s", exc or type(exc).__name__)
+        except _ucx_error_types(self._ucxx) as exc:
+            log.debug("close handshake: %s", exc)
+
+
+def _close_callback(ref) -> None:
+    """UCXX close callback (any thread): forward to the channel, if it still exists."""
+    ch = ref()
+    if ch is not None:
+        ch._on_ucx_close()
 
 
 async def _await_request(req):
@@ -327,23 +398,27 @@ class UcxTransport(Transport):
             raise status_error(self.rma, status, "ucp_worker_flush")
         return t
 
-    async def close_bulk(self, ep: int, ctx: int, err_token: int, force: bool,
-                         timeout: float) -> None:
-        """Close an endpoint made by :meth:`rma_endpoint`; its context is freed once UCX
-        confirms the close (on timeout it is leaked rather than risk a late callback)."""
+    async def close_bulk(self, ep: int, ctx: int, err_token: int, timeout: float) -> bool:
+        """Close an endpoint made by :meth:`rma_endpoint`: a flush-mode close (its PUTs
+        complete or fail first; UCX refuses a forced close of an error-mode-NONE endpoint
+        and leaves it open). The error-handler context is freed once UCX completed the
+        close: from then on UCX never calls the handler. Not confirmed in time: the
+        context is leaked rather than freed under a handler that may still run. Returns
+        whether the close completed (then no PUT on the endpoint is in flight)."""
         if self._closed:  # the queue is gone: nothing can confirm; leak the context
-            return
+            return False
         try:
-            status, _ = await self._start_and_wait(self._cq.ep_close, (ep, force), timeout,
-                                                   "ucp_ep_close")
+            status, _ = await self._start_and_wait(self._cq.ep_close, (ep,), timeout,
+                                                   "ucp_ep_close", False)
         except (TransferTimeout, PeerClosed) as exc:
             log.debug("bulk endpoint close: %s", exc)
-            return
+            return False
         finally:
             self._watch.pop(err_token, None)
-        if status != self.rma.UCS_OK:
+        if status != self.rma.UCS_OK:  # e.g. its flush failed: closed all the same
             log.debug("bulk endpoint close: %s", self.rma.status_string(status))
         self.rma.ep_ctx_free(ctx)
+        return True
 
     # -- contract
     async def listen(self, host: str, port: int, on_accept: AcceptCallback):
@@ -365,10 +440,12 @@ class UcxTransport(Transport):
 
     async def connect(self, host: str, port: int, timeout: float) -> Channel:
         loop = self._bind_loop()
+        # UCXX may finish a cancelled create_endpoint with an error instead: retrieve it
+        task = loop.create_task(self.ucxx.create_endpoint(host, port, endpoint_error_handling=True,
+                                                          connect_timeout=timeout))
+        task.add_done_callback(_retrieve)
         try:
-            ep = await asyncio.wait_for(
-                self.ucxx.create_endpoint(host, port, endpoint_error_handling=True,
-                                          connect_timeout=timeout), timeout)
+            ep = await asyncio.wait_for(task, timeout)
         except asyncio.TimeoutError:
             raise TransferTimeout(f"connecting to {host}:{port}: no answer in {timeout:.3g} s") \
                 from None

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 
 import numpy as np
 
-from kvxfer.errors import Closed, IndexOutOfRange, PeerClosed, TransportError
+from kvxfer.errors import Closed, IndexOutOfRange, PeerClosed, TransferTimeout, TransportError
 from kvxfer.transport.base import Region, RmaEndpoint
 # CUDA driver queries used with registrations (re-exported for the engine)
 from kvxfer.transport.cuda_driver import alloc_range as cuda_alloc_range  # noqa: F401
@@ -170,17 +170,34 @@ class UcxRma(RmaEndpoint):
         return list(self._lanes)
 
     async def close(self, timeout: float) -> None:
+        """Quiesce, then destroy the remote keys (UCX forbids destroying a key under a PUT
+        still in flight): an owned endpoint is closed (flush mode), a live borrowed one
+        flushed. Afterwards no PUT of ours is in flight to the peer. Quiescing not
+        confirmed in time: the keys are leaked (logged) rather than destroyed."""
         if self._closed:
             return
-        self._closed = True
+        raw, ucx_ep = self._raw, self._ep
+        self._closed, self._raw, self._ep = True, None, None
         rkeys, self._rkeys = self._rkeys, []
         self._rkey_arr = np.zeros(0, _U64)
+        if raw is not None:
+            quiet = await self._t.close_bulk(*raw, self._err_token, timeout)
+        elif rkeys and self._failed is None and ucx_ep is not None and not ucx_ep.closed:
+            try:
+                await self._t.flush_ep(ucx_ep.ucp_endpoint, timeout)
+                quiet = True
+            except TransferTimeout:
+                quiet = False
+            except (PeerClosed, TransportError, Closed):
+                quiet = True  # failed: UCX dropped its requests (or the transport is gone)
+        else:  # failed or closed: UCX dropped its requests
+            quiet = True
+        if not quiet:
+            log.warning("RMA endpoint not quiesced in %.3g s: %d remote keys leaked", timeout,
+                        len(rkeys))
+            return
         for rk in rkeys:
             self._t.rma.rkey_destroy(rk)
-        if self._raw is not None:
-            ep, ctx = self._raw
-            self._raw = None
-            await self._t.close_bulk(ep, ctx, self._err_token, self._failed is not None, timeout)
 
 
 def parse_rma_lanes(info: str) -> List[str]:

@@ -253,14 +253,25 @@ def test_spin_flush_byte_exact(nodes):
         assert a.call("items", "main", "pm", dst) == b.call("items", "spin", "pm", src)
 
 
-@pytest.mark.parametrize("key", ["main", "fast", "spin"],
-                         ids=["error_mode=peer", "error_mode=none", "flush_progress=spin"])
+KILL_KEYS = pytest.mark.parametrize(
+    "key", ["main", "fast", "spin"],
+    ids=["error_mode=peer", "error_mode=none", "flush_progress=spin"])
+
+
+def _victim():
+    return Child(engine_node, {"engines": {"main": eng(cfg("V"), groups(B_ITEMS, big=True))}},
+                 name="V")
+
+
+@KILL_KEYS
 def test_peer_killed_mid_transfer(nodes, key):
     """The survivor's write fails within the deadline; it keeps serving other peers.
     In error_mode="none" the bulk endpoint has no UCX error handling (shared-memory lanes),
-    and a death mid-PUT must still be reported, not abort the survivor."""
+    and a death mid-PUT must still be reported, not abort the survivor. The stream is not
+    stopped from outside: it must end by itself, with the error of a write (a stop flag
+    set after the kill let a write that completed before the death end it cleanly)."""
     b = nodes["B"]
-    v = Child(engine_node, {"engines": {"main": eng(cfg("V"), groups(B_ITEMS, big=True))}}, name="V")
+    v = _victim()
     try:
         vport = v.start()["main"]
         vid = b.call("connect", key, "127.0.0.1", vport)["ok"]
@@ -273,11 +284,10 @@ def test_peer_killed_mid_transfer(nodes, key):
             assert time.monotonic() < deadline, "stream did not start"
         t_kill = time.monotonic()
         v.kill()
-        st = b.call("stream_stop", key, 20.0)
-        assert not st["alive"]
+        st = b.call("stream_join", key, 20.0)
+        assert not st["alive"], st
         assert st["error"] and st["error"][0] in ("PeerClosed", "TransferTimeout"), st
-        t_end = b.call("stream_status", key)["t_end"]
-        assert t_end - t_kill < 10.0 + 1.0
+        assert st["t_end"] - t_kill < 10.0 + 1.0
         assert (vid, "PeerClosed") in b.call("closed", key)  # handler ran, once
         assert vid not in b.call("peers", key)
         # nobody listens there any more: connecting fails within the deadline (UCXX reports
@@ -296,3 +306,24 @@ def test_peer_killed_mid_transfer(nodes, key):
     assert "ok" in res, res
     assert a.call("messages", "main", 1, 10.0)[0][1] == b"alive"
     assert a.call("items", "main", "pm", [4, 5, 6]) == b.call("items", key, "pm", [1, 2, 3])
+
+
+@KILL_KEYS
+def test_write_to_killed_peer_never_succeeds(nodes, key):
+    """Deterministic order: two writes complete, the peer is killed and reaped, only then
+    does the next write start. It must fail (PeerClosed / TransferTimeout): no write that
+    starts after the peer died may be reported successful, whichever lane or flush."""
+    b = nodes["B"]
+    v = _victim()
+    try:
+        vid = b.call("connect", key, "127.0.0.1", v.start()["main"])["ok"]
+        b.call("stream_start", key, vid, "big", BIG_ITEMS, 10.0, 2)
+        assert b.call("stream_held", key, 30.0), b.call("stream_status", key)
+        v.kill()  # SIGKILL and reaped: dead before the third write starts
+        b.call("stream_release", key)
+        st = b.call("stream_join", key, 20.0)
+    finally:
+        v.kill()
+    assert not st["alive"], st
+    assert st["count"] == 2, st
+    assert st["error"] and st["error"][0] in ("PeerClosed", "TransferTimeout"), st

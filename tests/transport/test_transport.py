@@ -29,10 +29,23 @@ def test_put_flush_bounds(node, mode, lane, spin):
     assert out["after_close"] == "Closed"
 
 
+@pytest.mark.parametrize("mode", ["peer", "none"])
+def test_rma_close_quiesces(node, mode):
+    # close() used to destroy the keys at once and "close" a bulk endpoint with a forced
+    # close UCX refuses for error mode NONE: the endpoint stayed open with PUTs in flight
+    # and a freed error-handler context (SIGSEGV when it later failed)
+    out = node.call("run", "close_quiesces", mode)
+    assert out == {"landed": True, "pending": 0}, out
+
+
 def test_peer_close_is_reported(node):
     out = node.call("run", "peer_close_seen")
-    assert out["kind"] == "PeerClosed"
+    assert out["kind"] == "PeerClosed" and out["recv"] == "PeerClosed", out
     assert out["send_after"] in ("PeerClosed", "Closed")
+    # orderly close: each side took the other's close frame (no receive left posted in
+    # UCXX), well within the bound (the client waited for the server to close)
+    assert out["client_saw_close"] and out["server_saw_close"], out
+    assert out["handshake_s"] < 2.5, out
 
 
 def test_completion_queue(node):
