@@ -79,6 +79,12 @@ class Link:
 class KVManager:
     """Transfer manager of one rank. See module docstring for threading and reliability."""
 
+    #: Test-only: ``test_hook(point, room)`` is called on the loop thread at named points of
+    #: the protocol ("room_failed", "abort_received", "before_write", "closing") so that a test can
+    #: force an interleaving deterministically (block there while another thread acts, or
+    #: freeze the process). None in production; never set it outside tests.
+    test_hook: Optional[Callable[[str, int], None]] = None
+
     def __init__(self, args: KVArgs, mode, *, bootstrap_addr: Optional[str] = None,
                  secret: bytes = b"kvxfer", host: str = "127.0.0.1", port: int = 0,
                  error_mode: str = "peer", timeouts: Optional[Timeouts] = None,
@@ -187,6 +193,7 @@ class KVManager:
         self._closed = True
         for r in self.rooms.rooms():
             self.fail(r, Closed(f"manager {self.name} closed"), notify=False, peer_gone=True)
+        self.hook("closing", -1)
         await self.side.closing()
         for t in list(self._tasks):
             t.cancel()
@@ -247,6 +254,11 @@ class KVManager:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("%s: background task failed", self.name, exc_info=task.exception())
+
+    def hook(self, point: str, room: int) -> None:
+        """Call :attr:`test_hook` (tests only; a no-op otherwise)."""
+        if self.test_hook is not None:
+            self.test_hook(point, room)
 
     def send_msg(self, link: Link, msg: wire.Message) -> None:
         """Fire-and-forget app message; a failure fails the link (and its rooms)."""
@@ -319,6 +331,7 @@ class KVManager:
                 self.release(r)
             return
         log.info("%s: room %d failed: %s", self.name, r.room, exc)
+        self.hook("room_failed", r.room)
         self.advance(r, KVPoll.Failed, exc)
         self.side.after_fail(r, notify=notify, peer_gone=peer_gone)
 

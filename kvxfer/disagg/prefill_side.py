@@ -165,6 +165,7 @@ class PrefillSide:
             notify = m.Done(room=r.room, pages=len(r.dst_kv)).encode()
         else:
             notify = m.Chunk(room=r.room, pages_done=r.pages_done + len(src)).encode()
+        mgr.hook("before_write", r.room)
         try:
             stats = await r.link.peer.write(items, notify=notify, timeout=mgr.t.transfer_s)
         except KvxferError as exc:
@@ -311,6 +312,7 @@ class PrefillSide:
 
     def _on_abort(self, link, msg: m.Abort) -> None:
         mgr = self.mgr
+        mgr.hook("abort_received", msg.room)
         r = mgr.rooms.get(msg.room)
         if r is None or (r.link is not None and r.link is not link):
             if r is None and mgr.rooms.tombstone(msg.room) is None:
