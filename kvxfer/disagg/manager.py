@@ -11,6 +11,16 @@ Reliability: one timer handle per room (deadline of its current state), one hear
 per manager pinging every peer; a peer that closes, dies or stays silent past
 ``heartbeat_timeout_s`` fails all its rooms at once. Role-specific protocol lives in
 :mod:`kvxfer.disagg.prefill_side` and :mod:`kvxfer.disagg.decode_side`.
+
+Fenced release (the invariant every path keeps): a room's ``on_done`` runs only once no write
+for it can still land in (decode) or read from (prefill) its items — after the peer said so
+(Done, Abort, AbortAck, each sent only when nothing is in flight), or after the peer's death,
+or after *we* closed the link's endpoints. A peer we give up on while it may be alive (silent
+past ``heartbeat_timeout_s``, no abort ack within ``abort_ack_s``, a write that timed out) is
+*fenced*: its link is closed first and its rooms are released only after that, so a frozen
+peer that resumes cannot write into pages that were handed on. ``close()`` fences like an
+abort: it tells every peer, waits (``abort_ack_s``) for their answers, closes the engine, and
+only then releases what is left.
 """
 from __future__ import annotations
 
@@ -59,13 +69,19 @@ class Timeouts:
 class Link:
     """One connected peer engine, shared by all rooms that go through it."""
 
-    __slots__ = ("key", "peer", "name", "rooms", "last_heard", "dead", "remote_items")
+    __slots__ = ("key", "peer", "name", "rooms", "last_heard", "dead", "fencing", "refused",
+                 "remote_items")
 
     def __init__(self, key, peer, name: str = "") -> None:
         self.key, self.peer, self.name = key, peer, name
         self.rooms: set = set()
         self.last_heard = time.monotonic()
         self.dead = False
+        #: we are closing its endpoints; its rooms are released once that is done
+        self.fencing = False
+        #: the peer's layout does not match ours (LayoutMismatch): connected only to
+        #: carry each room's refusal
+        self.refused: Optional[KvxferError] = None
         self.remote_items: Dict[str, int] = {}
         groups = getattr(peer, "remote_groups", None) or {}
         for g, (lens, item_lens) in groups.items():
@@ -117,6 +133,7 @@ class KVManager:
         self._thread: Optional[threading.Thread] = None
         self._tasks: set = set()
         self._closed = False
+        self._idle: Optional[asyncio.Future] = None     # close(): resolved when no room is left
         self.stats: Dict[str, Any] = {"succeeded": 0, "failed": 0, "bytes": 0, "ops": 0,
                                       "writes": 0, "lanes": set()}
         if self.mode is DisaggMode.PREFILL:
@@ -158,11 +175,12 @@ class KVManager:
         log.info("%s started on %s", self.name, self.address)
         return self
 
-    def _make_engine(self):
+    def _make_engine(self, **override):
+        kw = dict(self._engine_kw, **override)
         if self._engine_factory is not None:
-            return self._engine_factory(**self._engine_kw)
+            return self._engine_factory(**kw)
         from kvxfer.engine import EngineConfig, TransferEngine
-        return TransferEngine(EngineConfig(**self._engine_kw))
+        return TransferEngine(EngineConfig(**kw))
 
     def start_background(self, timeout: float = 60.0) -> "KVManager":
         """Run the manager on a private event-loop thread; returns once started."""
@@ -187,13 +205,25 @@ class KVManager:
         return self
 
     async def close(self) -> None:
-        """Fail every live room (Closed), release them, close peers and the engine. Idempotent."""
+        """Fail every live room (Closed) and tell its peer; wait up to ``abort_ack_s`` for
+        the peers' answers (or deaths); close peers and the engine; release what is left
+        only then (see the module docstring: fenced release). Idempotent."""
         if self._closed:
             return
         self._closed = True
+        if self.loop is None:
+            return
+        cause = Closed(f"manager {self.name} closed")
         for r in self.rooms.rooms():
-            self.fail(r, Closed(f"manager {self.name} closed"), notify=False, peer_gone=True)
+            self.fail(r, cause)
         self.hook("closing", -1)
+        if len(self.rooms):
+            self._idle = self.loop.create_future()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._idle), self.t.abort_ack_s)
+            except asyncio.TimeoutError:
+                log.warning("%s: closing with %d rooms unconfirmed by their peers after %.1fs",
+                            self.name, len(self.rooms), self.t.abort_ack_s)
         await self.side.closing()
         for t in list(self._tasks):
             t.cancel()
@@ -201,6 +231,13 @@ class KVManager:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.engine is not None:
             await self.engine.close()
+        for r in self.rooms.rooms():             # no endpoint is left to write through
+            if r.link is not None:
+                r.link.fencing = False
+            if is_terminal(r.state):
+                self.release(r)
+            else:
+                self.fail(r, cause, notify=False, peer_gone=True)
 
     def close_background(self, timeout: float = 30.0) -> None:
         if self._thread is None or self.loop is None:
@@ -213,6 +250,10 @@ class KVManager:
     # ------------------------------------------------------------------ loop helpers
     def in_loop(self) -> bool:
         return threading.get_ident() == self._loop_tid
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def _check_open(self) -> None:
         if self.loop is None:
@@ -313,19 +354,29 @@ class KVManager:
 
     def _expired(self, r: Room, state: KVPoll, seconds: float) -> None:
         r.timer = None
-        if r.released or r.superseded:
+        if r.released:
             return
-        if is_terminal(r.state):
-            log.warning("%s: room %d: no abort ack within %.1fs; releasing", self.name, r.room,
-                        seconds)
-            self.release(r)
+        if is_terminal(r.state):                 # no abort ack: the peer may still write
+            link = r.link
+            if link is None or link.dead:
+                self.release(r)
+                return
+            log.warning("%s: room %d: no abort ack from %s within %.1fs; closing the link",
+                        self.name, r.room, link.name, seconds)
+            self.link_failed(link, TransferTimeout(
+                f"peer {link.name}: no abort ack for room {r.room} within {seconds:g}s"),
+                fence=True)
             return
         self.fail(r, TransferTimeout(
             f"room {r.room}: {state.name} for more than {seconds:g}s on {self.name}"))
 
     def fail(self, r: Room, exc: BaseException, *, notify: bool = True,
              peer_gone: bool = False) -> None:
-        """Fail ``r`` (sticky) and release it once no write can touch its pages any more."""
+        """Fail ``r`` (sticky) and release it once no write can touch its pages any more.
+        ``notify``: tell the peer; ``peer_gone``: the peer can no longer write (release now)."""
+        if r.role == "pending":
+            self.side.fail_pending(r, exc, notify=notify, peer_gone=peer_gone)
+            return
         if is_terminal(r.state):
             if peer_gone and not r.released:
                 self.release(r)
@@ -339,6 +390,9 @@ class KVManager:
         """Terminal and safe: drop the room, run the scheduler's ``on_done`` exactly once."""
         if r.released:
             return
+        if r.link is not None and r.link.fencing:
+            r.held = True                        # released by _fence once the link is closed
+            return
         r.released = True
         if r.timer is not None:
             r.timer.cancel()
@@ -351,6 +405,12 @@ class KVManager:
                 r.on_done(r.state, r.exc)
             except Exception:
                 log.exception("%s: on_done callback of room %d raised", self.name, r.room)
+        self.room_gone()
+
+    def room_gone(self) -> None:
+        """A room left the table: wake close() once none is left."""
+        if self._idle is not None and not self._idle.done() and not len(self.rooms):
+            self._idle.set_result(None)
 
     # ------------------------------------------------------------------ peers
     def _on_message(self, peer, payload: bytes) -> None:
@@ -375,16 +435,30 @@ class KVManager:
             self.link_failed(link, exc if isinstance(exc, KvxferError)
                              else PeerClosed(f"peer {link.name or peer.id} closed: {exc}"))
 
-    def link_failed(self, link: Link, exc: BaseException) -> None:
+    def link_failed(self, link: Link, exc: BaseException, *, fence: bool = False) -> None:
+        """The peer behind ``link`` is gone: fail all its rooms. ``fence``: it may still be
+        alive (silent, no ack, a write timed out), so close its endpoints first; its rooms are
+        released only once that is done."""
         if link.dead:
             return
         link.dead = True
+        link.fencing = fence
         self.links.pop(getattr(link.peer, "id", None), None)
         self.side.link_lost(link)
         log.log(logging.WARNING if link.rooms and not self._closed else logging.INFO,
                 "%s: lost peer %s (%d rooms): %s", self.name, link.name, len(link.rooms), exc)
         for r in list(link.rooms):
             self.fail(r, exc, notify=False, peer_gone=True)
+        if fence:
+            self.spawn(self._fence(link))
+
+    async def _fence(self, link: Link) -> None:
+        # if close() cancels this, it releases the held rooms itself after the engine closed
+        await self._close_peer(link)
+        link.fencing = False
+        for r in list(link.rooms):
+            if r.held:
+                self.release(r)
 
     async def _heartbeat(self) -> None:
         """Ping every peer each interval; fail a peer silent for ``heartbeat_timeout_s``.
@@ -407,8 +481,8 @@ class KVManager:
             for link in list(self.links.values()):
                 if now - link.last_heard > self.t.heartbeat_timeout_s:
                     self.link_failed(link, TransferTimeout(
-                        f"peer {link.name}: silent for {now - link.last_heard:.1f}s"))
-                    self.spawn(self._close_peer(link))
+                        f"peer {link.name}: silent for {now - link.last_heard:.1f}s"),
+                        fence=True)
                 else:
                     self.send_msg(link, ping)
 
