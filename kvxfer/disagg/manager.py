@@ -58,7 +58,9 @@ class Timeouts:
     transfer_s: float = 60.0        # Transferring: per chunk (lease)
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 10.0
-    abort_ack_s: float = 10.0       # decode waits this long for prefill to confirm no write in flight
+    #: decode waits this long for prefill to confirm that no write is in flight; then it
+    #: closes the link (fencing every write of that peer) before it releases the pages
+    abort_ack_s: float = 10.0
     #: decode's WaitingForInput/Transferring deadlines run this much longer than prefill's
     #: (and, once its metadata went out, also cover prefill's Bootstrapping), so the side that
     #: knows what went wrong - prefill - normally reports it first
@@ -96,9 +98,9 @@ class KVManager:
     """Transfer manager of one rank. See module docstring for threading and reliability."""
 
     #: Test-only: ``test_hook(point, room)`` is called on the loop thread at named points of
-    #: the protocol ("room_failed", "abort_received", "before_write", "closing") so that a test can
-    #: force an interleaving deterministically (block there while another thread acts, or
-    #: freeze the process). None in production; never set it outside tests.
+    #: the protocol ("room_failed", "pending_retired", "abort_received", "before_write",
+    #: "closing" with room -1) so that a test can force an interleaving deterministically
+    #: (block there while another thread acts, or freeze the process). None in production.
     test_hook: Optional[Callable[[str, int], None]] = None
 
     def __init__(self, args: KVArgs, mode, *, bootstrap_addr: Optional[str] = None,

@@ -143,7 +143,8 @@ class PrefillSide:
         mgr.hook("room_failed", p.room)
         if not mgr.rooms.retire(p, exc):
             r = mgr.rooms.get(p.room)
-            if r is None or r.role != "sender" or is_terminal(r.state):
+            if r is None or r.role != "sender" or is_terminal(r.state) or \
+                    r.link not in (None, p.link):
                 return
             if p.peer_aborted:
                 r.peer_aborted = True
@@ -231,6 +232,7 @@ class PrefillSide:
         except TransferTimeout as exc:
             # the write may still be in flight: only closing the link's endpoints stops it
             mgr.link_failed(r.link, exc, fence=True)
+            mgr.fail(r, exc, notify=False, peer_gone=True)   # if the link was gone already
             return
         except KvxferError as exc:
             mgr.fail(r, exc)
@@ -313,7 +315,7 @@ class PrefillSide:
         room = msg.room
         try:
             if link.refused is not None:
-                raise link.refused
+                raise LayoutMismatch(str(link.refused))
             if mgr.closed:
                 raise Closed(f"prefill {mgr.name} is closing")
             dst_kv = m.ids_from_bytes(msg.dst_kv, "dst_kv")
