@@ -117,6 +117,8 @@ class Node:
         self.base = self._counts()
         self.hooks: Dict[tuple, tuple] = {}
         self.hooks_fired: list = []
+        self.hooks_cv = threading.Condition()
+        self._gate = threading.Event()
         self._thread = None
         self.mgr = KVManager(args, role, bootstrap_addr=bootstrap if role == "prefill" else None,
                              timeouts=Timeouts(**timeouts), error_mode=error_mode,
@@ -197,18 +199,65 @@ class Node:
         thread), ``action`` runs there. "call": ``getattr(self, args[0])(*args[1:])`` runs on
         another thread while the loop waits for it (bounded) — that thread is the scheduler
         acting inside the window. "freeze": this whole process stops (SIGSTOP) until the
-        test sends SIGCONT."""
+        test sends SIGCONT. "gate": the loop waits (bounded) until the test calls
+        ``open_gate()`` (the peer acts meanwhile)."""
         self.hooks[(point, room)] = (action, args)
         self.mgr.test_hook = self._hook
 
+    def widen(self, point: Optional[str], seconds: float) -> None:
+        """Hold the loop ``seconds`` (half to all, at random) at ``point`` for every room —
+        a slow log handler, say — to widen a race window for a hammer test; None stops it.
+        While it holds, ``in_window`` names the room."""
+        import random
+        self.widened = (point, seconds, random.Random(0))
+        self.in_window = None
+        self.mgr.test_hook = self._hook
+
+    def hammer_open(self, rooms, seed: int, jitter: float) -> None:
+        """Hammer, prefill's scheduler: create a KVSender for every room of ``rooms``
+        ([(room, n)]) in random order at random pacing — while the loop sits in a widened
+        window for a room not opened yet, that room comes next half of the time — then (its
+        forward pass done) send each room's pages, in another random order."""
+        import random
+        rng = random.Random(seed)
+        todo = dict(rooms)
+        order = rng.sample(list(todo), len(todo))
+        while todo:
+            r = self.in_window
+            if r not in todo or rng.random() < 0.5:
+                r = next(x for x in order if x in todo)
+            self.p_open(r, todo.pop(r))
+            time.sleep(rng.random() * jitter)
+        for r, n in rng.sample(list(rooms), len(rooms)):
+            self.p_send(r, 0, n)
+            time.sleep(rng.random() * jitter)
+
+    def hammer_abort(self, rooms, seed: int, jitter: float) -> None:
+        """Hammer, decode's scheduler: abort ``rooms`` in random order at random pacing."""
+        import random
+        rng = random.Random(seed)
+        for r in rng.sample(list(rooms), len(rooms)):
+            self.abort(r)
+            time.sleep(rng.random() * jitter)
+
     def _hook(self, point: str, room: int) -> None:
+        w = getattr(self, "widened", None)
+        if w is not None and w[0] == point:
+            self.in_window = room
+            time.sleep((1 + w[2].random()) * w[1] / 2)
+            self.in_window = None
         got = self.hooks.pop((point, room), None)
         if got is None:
             return
-        self.hooks_fired.append((point, room))
+        self._fired((point, room))
         action, args = got
         if action == "freeze":
             os.kill(os.getpid(), signal.SIGSTOP)
+            self._fired(("resumed", room))
+            return
+        if action == "gate":
+            self._gate.clear()
+            self._fired(("opened", room) if self._gate.wait(30) else ("stuck", room))
             return
         err = []
 
@@ -220,11 +269,28 @@ class Node:
         t = threading.Thread(target=run)
         t.start()
         t.join(10)
-        self.hooks_fired.append(("error", "".join(err)) if err else
-                                ("done", room) if not t.is_alive() else ("stuck", room))
+        self._fired(("error", "".join(err)) if err else
+                    ("done", room) if not t.is_alive() else ("stuck", room))
 
-    def fired(self) -> list:
-        return list(self.hooks_fired)
+    def _fired(self, what: tuple) -> None:
+        with self.hooks_cv:
+            self.hooks_fired.append(what)
+            self.hooks_cv.notify_all()
+
+    def wait_fired(self, point: str, room: int, timeout: float = 20.0,
+                   entered: bool = False) -> list:
+        """Wait (bounded) until the hook armed at ``point`` for ``room`` ran to its end (or,
+        ``entered``, began); returns what it recorded (``[(point, room), ("done", room)]``
+        when a "call" went well)."""
+        def seen():
+            return [x for x in self.hooks_fired if x[1] == room or x[0] == "error"]
+        with self.hooks_cv:
+            self.hooks_cv.wait_for(lambda: (point, room) in seen() and
+                                   len(seen()) >= (1 if entered else 2), timeout)
+            return seen()
+
+    def open_gate(self) -> None:
+        self._gate.set()
 
     def record(self, room: int, timeout: float = 10.0, role: str = "pending") -> Optional[str]:
         """Wait (bounded) until the manager's room table holds a ``role`` record for
@@ -313,6 +379,9 @@ class Node:
             rec["h"].init()
         if meta:
             self.d_meta(room)
+
+    def d_init(self, room: int) -> None:
+        self.rooms[room]["h"].init()
 
     def d_meta(self, room: int) -> None:
         rec = self.rooms[room]
