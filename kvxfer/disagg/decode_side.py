@@ -3,14 +3,19 @@ accept a room only when its completion message arrived *and* its aux row names i
 
 Pages of a room that failed after its metadata went out are released only once prefill has
 confirmed that no write for it is in flight (AbortAck, or prefill's own Abort, or Done), or
-the peer is gone, or ``abort_ack_s`` passed — so a late RMA write never lands in pages the
-scheduler already reused.
+the peer is gone — or, when no confirmation came within ``abort_ack_s``, once the link to that
+prefill is closed (fenced, see :mod:`kvxfer.disagg.manager`) — so a late RMA write never lands
+in pages the scheduler already reused.
+
+A prefill whose layout differs refuses our hello; each room bound to it then sends its
+refusal (an Abort of kind LayoutMismatch) over the refused link, so that prefill's KVSender
+fails at once too.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Dict
+from typing import Dict, Optional
 
 from kvxfer.disagg import bootstrap
 from kvxfer.disagg import errors as derr
@@ -41,6 +46,7 @@ class DecodeSide:
         self.mgr = mgr
         self._links: Dict[str, asyncio.Future] = {}     # bootstrap addr -> Future[Link]
         self._hello: Dict[str, asyncio.Future] = {}     # peer id -> Future[HelloAck]
+        self._refusals: Optional[asyncio.Future] = None  # Future[engine without memory]
 
     async def started(self) -> None:
         pass
@@ -49,6 +55,12 @@ class DecodeSide:
         for fut in self._links.values():
             if not fut.done():
                 fut.cancel()
+        ref = self._refusals
+        if ref is not None:
+            if not ref.done():
+                ref.cancel()
+            elif not ref.cancelled() and ref.exception() is None:
+                await ref.result().close()
 
     # ------------------------------------------------------------------ handle entry points
     def new_room(self, room: int, role: str, on_done) -> Room:
@@ -135,12 +147,21 @@ class DecodeSide:
             delay = min(delay * 2, 0.5)
 
     async def _establish(self, addr: str):
+        """Connect and say hello. A prefill whose layout differs refuses the hello; the link
+        is kept anyway (``link.refused``) so that each room can send its refusal over it.
+        Our engine cannot even connect to it when the buffer geometry differs (the engine
+        handshake refuses mismatched groups), so then the connection is made by an engine
+        without registered memory, which carries messages only."""
         from kvxfer.disagg.manager import Link
         mgr = self.mgr
         entry = await self._pick(addr)
-        check_compatible(mgr.fingerprint, entry["fingerprint"], us=f"decode {mgr.name}",
-                         them=f"prefill {entry['name']}")
-        peer = await mgr.engine.connect(entry["host"], entry["port"])
+        engine = mgr.engine
+        try:
+            check_compatible(mgr.fingerprint, entry["fingerprint"], us=f"decode {mgr.name}",
+                             them=f"prefill {entry['name']}")
+        except derr.LayoutMismatch:
+            engine = await self._refusal_engine()
+        peer = await engine.connect(entry["host"], entry["port"])
         link = Link(addr, peer, entry["name"])
         mgr.links[peer.id] = link
         ack_fut = mgr.loop.create_future()
@@ -157,11 +178,22 @@ class DecodeSide:
         finally:
             self._hello.pop(peer.id, None)
         if not ack.ok:
-            mgr.links.pop(peer.id, None)
-            link.dead = True
-            await _quiet_close(peer)
-            raise derr.LayoutMismatch(f"prefill {entry['name']} refused: {ack.error}")
+            link.refused = derr.LayoutMismatch(f"prefill {entry['name']} refused: {ack.error}")
         return link
+
+    async def _refusal_engine(self):
+        """The message-only engine (started once, shared, closed with the manager)."""
+        if self._refusals is None:
+            self._refusals = self.mgr.spawn(self._start_refusal_engine())
+        return await asyncio.shield(self._refusals)
+
+    async def _start_refusal_engine(self):
+        mgr = self.mgr
+        engine = mgr._make_engine(name=f"{mgr.name}-refusals", port=0)
+        engine.on_message(mgr._on_message)
+        engine.on_peer_closed(mgr._on_peer_closed)
+        await engine.start()
+        return engine
 
     def _linked(self, r: Room, f: asyncio.Future) -> None:
         mgr = self.mgr
@@ -180,6 +212,12 @@ class DecodeSide:
         if is_terminal(r.state):                 # aborted while bootstrapping: tell prefill
             mgr.send_msg(link, m.Abort(room=r.room, reason=str(r.exc), kind=type(r.exc).__name__))
             return
+        if link.refused is not None:             # prefill's KVSender must not wait for us
+            mgr.send_msg(link, m.Abort(room=r.room, reason=str(link.refused),
+                                       kind=type(link.refused).__name__))
+            mgr.fail(r, type(link.refused)(f"room {r.room}: {link.refused}"), notify=False,
+                     peer_gone=True)
+            return
         r.link = link
         link.rooms.add(r)
         mgr.advance(r, KVPoll.WaitingForInput)
@@ -189,7 +227,8 @@ class DecodeSide:
     # ------------------------------------------------------------------ failure
     def after_fail(self, r: Room, *, notify: bool, peer_gone: bool) -> None:
         mgr, link = self.mgr, r.link
-        if link is None and notify and not peer_gone and not r.inited and r.bootstrap_addr:
+        if link is None and notify and not peer_gone and not r.inited and r.bootstrap_addr \
+                and not mgr.closed:
             # aborted before init(): reach prefill anyway (its KVSender may be waiting)
             r.inited = True
             self._link_future(r.bootstrap_addr).add_done_callback(lambda f: self._linked(r, f))

@@ -11,6 +11,16 @@ Reliability: one timer handle per room (deadline of its current state), one hear
 per manager pinging every peer; a peer that closes, dies or stays silent past
 ``heartbeat_timeout_s`` fails all its rooms at once. Role-specific protocol lives in
 :mod:`kvxfer.disagg.prefill_side` and :mod:`kvxfer.disagg.decode_side`.
+
+Fenced release (the invariant every path keeps): a room's ``on_done`` runs only once no write
+for it can still land in (decode) or read from (prefill) its items — after the peer said so
+(Done, Abort, AbortAck, each sent only when nothing is in flight), or after the peer's death,
+or after *we* closed the link's endpoints. A peer we give up on while it may be alive (silent
+past ``heartbeat_timeout_s``, no abort ack within ``abort_ack_s``, a write that timed out) is
+*fenced*: its link is closed first and its rooms are released only after that, so a frozen
+peer that resumes cannot write into pages that were handed on. ``close()`` fences like an
+abort: it tells every peer, waits (``abort_ack_s``) for their answers, closes the engine, and
+only then releases what is left.
 """
 from __future__ import annotations
 
@@ -48,7 +58,9 @@ class Timeouts:
     transfer_s: float = 60.0        # Transferring: per chunk (lease)
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 10.0
-    abort_ack_s: float = 10.0       # decode waits this long for prefill to confirm no write in flight
+    #: decode waits this long for prefill to confirm that no write is in flight; then it
+    #: closes the link (fencing every write of that peer) before it releases the pages
+    abort_ack_s: float = 10.0
     #: decode's WaitingForInput/Transferring deadlines run this much longer than prefill's
     #: (and, once its metadata went out, also cover prefill's Bootstrapping), so the side that
     #: knows what went wrong - prefill - normally reports it first
@@ -59,13 +71,19 @@ class Timeouts:
 class Link:
     """One connected peer engine, shared by all rooms that go through it."""
 
-    __slots__ = ("key", "peer", "name", "rooms", "last_heard", "dead", "remote_items")
+    __slots__ = ("key", "peer", "name", "rooms", "last_heard", "dead", "fencing", "refused",
+                 "remote_items")
 
     def __init__(self, key, peer, name: str = "") -> None:
         self.key, self.peer, self.name = key, peer, name
         self.rooms: set = set()
         self.last_heard = time.monotonic()
         self.dead = False
+        #: we are closing its endpoints; its rooms are released once that is done
+        self.fencing = False
+        #: the peer's layout does not match ours (LayoutMismatch): connected only to
+        #: carry each room's refusal
+        self.refused: Optional[KvxferError] = None
         self.remote_items: Dict[str, int] = {}
         groups = getattr(peer, "remote_groups", None) or {}
         for g, (lens, item_lens) in groups.items():
@@ -78,6 +96,12 @@ class Link:
 
 class KVManager:
     """Transfer manager of one rank. See module docstring for threading and reliability."""
+
+    #: Test-only: ``test_hook(point, room)`` is called on the loop thread at named points of
+    #: the protocol ("room_failed", "pending_retired", "abort_received", "before_write",
+    #: "closing" with room -1) so that a test can force an interleaving deterministically
+    #: (block there while another thread acts, or freeze the process). None in production.
+    test_hook: Optional[Callable[[str, int], None]] = None
 
     def __init__(self, args: KVArgs, mode, *, bootstrap_addr: Optional[str] = None,
                  secret: bytes = b"kvxfer", host: str = "127.0.0.1", port: int = 0,
@@ -118,6 +142,7 @@ class KVManager:
         self._thread: Optional[threading.Thread] = None
         self._tasks: set = set()
         self._closed = False
+        self._idle: Optional[asyncio.Future] = None     # close(): resolved when no room is left
         self.stats: Dict[str, Any] = {"succeeded": 0, "failed": 0, "bytes": 0, "ops": 0,
                                       "writes": 0, "lanes": set()}
         if self.mode is DisaggMode.PREFILL:
@@ -159,11 +184,12 @@ class KVManager:
         log.info("%s started on %s", self.name, self.address)
         return self
 
-    def _make_engine(self):
+    def _make_engine(self, **override):
+        kw = dict(self._engine_kw, **override)
         if self._engine_factory is not None:
-            return self._engine_factory(**self._engine_kw)
+            return self._engine_factory(**kw)
         from kvxfer.engine import EngineConfig, TransferEngine
-        return TransferEngine(EngineConfig(**self._engine_kw))
+        return TransferEngine(EngineConfig(**kw))
 
     def start_background(self, timeout: float = 60.0) -> "KVManager":
         """Run the manager on a private event-loop thread; returns once started."""
@@ -188,12 +214,25 @@ class KVManager:
         return self
 
     async def close(self) -> None:
-        """Fail every live room (Closed), release them, close peers and the engine. Idempotent."""
+        """Fail every live room (Closed) and tell its peer; wait up to ``abort_ack_s`` for
+        the peers' answers (or deaths); close peers and the engine; release what is left
+        only then (see the module docstring: fenced release). Idempotent."""
         if self._closed:
             return
         self._closed = True
+        if self.loop is None:
+            return
+        cause = Closed(f"manager {self.name} closed")
         for r in self.rooms.rooms():
-            self.fail(r, Closed(f"manager {self.name} closed"), notify=False, peer_gone=True)
+            self.fail(r, cause)
+        self.hook("closing", -1)
+        if len(self.rooms):
+            self._idle = self.loop.create_future()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._idle), self.t.abort_ack_s)
+            except asyncio.TimeoutError:
+                log.warning("%s: closing with %d rooms unconfirmed by their peers after %.1fs",
+                            self.name, len(self.rooms), self.t.abort_ack_s)
         await self.side.closing()
         for t in list(self._tasks):
             t.cancel()
@@ -201,6 +240,13 @@ class KVManager:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.engine is not None:
             await self.engine.close()
+        for r in self.rooms.rooms():             # no endpoint is left to write through
+            if r.link is not None:
+                r.link.fencing = False
+            if is_terminal(r.state):
+                self.release(r)
+            else:
+                self.fail(r, cause, notify=False, peer_gone=True)
 
     def close_background(self, timeout: float = 30.0) -> None:
         if self._thread is None or self.loop is None:
@@ -213,6 +259,10 @@ class KVManager:
     # ------------------------------------------------------------------ loop helpers
     def in_loop(self) -> bool:
         return threading.get_ident() == self._loop_tid
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def _check_open(self) -> None:
         if self.loop is None:
@@ -254,6 +304,11 @@ class KVManager:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("%s: background task failed", self.name, exc_info=task.exception())
+
+    def hook(self, point: str, room: int) -> None:
+        """Call :attr:`test_hook` (tests only; a no-op otherwise)."""
+        if self.test_hook is not None:
+            self.test_hook(point, room)
 
     def send_msg(self, link: Link, msg: wire.Message) -> None:
         """Fire-and-forget app message; a failure fails the link (and its rooms)."""
@@ -310,30 +365,44 @@ class KVManager:
 
     def _expired(self, r: Room, state: KVPoll, seconds: float) -> None:
         r.timer = None
-        if r.released or r.superseded:
+        if r.released:
             return
-        if is_terminal(r.state):
-            log.warning("%s: room %d: no abort ack within %.1fs; releasing", self.name, r.room,
-                        seconds)
-            self.release(r)
+        if is_terminal(r.state):                 # no abort ack: the peer may still write
+            link = r.link
+            if link is None or link.dead:
+                self.release(r)
+                return
+            log.warning("%s: room %d: no abort ack from %s within %.1fs; closing the link",
+                        self.name, r.room, link.name, seconds)
+            self.link_failed(link, TransferTimeout(
+                f"peer {link.name}: no abort ack for room {r.room} within {seconds:g}s"),
+                fence=True)
             return
         self.fail(r, TransferTimeout(
             f"room {r.room}: {state.name} for more than {seconds:g}s on {self.name}"))
 
     def fail(self, r: Room, exc: BaseException, *, notify: bool = True,
              peer_gone: bool = False) -> None:
-        """Fail ``r`` (sticky) and release it once no write can touch its pages any more."""
+        """Fail ``r`` (sticky) and release it once no write can touch its pages any more.
+        ``notify``: tell the peer; ``peer_gone``: the peer can no longer write (release now)."""
+        if r.role == "pending":
+            self.side.fail_pending(r, exc, notify=notify, peer_gone=peer_gone)
+            return
         if is_terminal(r.state):
             if peer_gone and not r.released:
                 self.release(r)
             return
         log.info("%s: room %d failed: %s", self.name, r.room, exc)
+        self.hook("room_failed", r.room)
         self.advance(r, KVPoll.Failed, exc)
         self.side.after_fail(r, notify=notify, peer_gone=peer_gone)
 
     def release(self, r: Room) -> None:
         """Terminal and safe: drop the room, run the scheduler's ``on_done`` exactly once."""
         if r.released:
+            return
+        if r.link is not None and r.link.fencing:
+            r.held = True                        # released by _fence once the link is closed
             return
         r.released = True
         if r.timer is not None:
@@ -347,6 +416,12 @@ class KVManager:
                 r.on_done(r.state, r.exc)
             except Exception:
                 log.exception("%s: on_done callback of room %d raised", self.name, r.room)
+        self.room_gone()
+
+    def room_gone(self) -> None:
+        """A room left the table: wake close() once none is left."""
+        if self._idle is not None and not self._idle.done() and not len(self.rooms):
+            self._idle.set_result(None)
 
     # ------------------------------------------------------------------ peers
     def _on_message(self, peer, payload: bytes) -> None:
@@ -371,16 +446,30 @@ class KVManager:
             self.link_failed(link, exc if isinstance(exc, KvxferError)
                              else PeerClosed(f"peer {link.name or peer.id} closed: {exc}"))
 
-    def link_failed(self, link: Link, exc: BaseException) -> None:
+    def link_failed(self, link: Link, exc: BaseException, *, fence: bool = False) -> None:
+        """The peer behind ``link`` is gone: fail all its rooms. ``fence``: it may still be
+        alive (silent, no ack, a write timed out), so close its endpoints first; its rooms are
+        released only once that is done."""
         if link.dead:
             return
         link.dead = True
+        link.fencing = fence
         self.links.pop(getattr(link.peer, "id", None), None)
         self.side.link_lost(link)
         log.log(logging.WARNING if link.rooms and not self._closed else logging.INFO,
                 "%s: lost peer %s (%d rooms): %s", self.name, link.name, len(link.rooms), exc)
         for r in list(link.rooms):
             self.fail(r, exc, notify=False, peer_gone=True)
+        if fence:
+            self.spawn(self._fence(link))
+
+    async def _fence(self, link: Link) -> None:
+        # if close() cancels this, it releases the held rooms itself after the engine closed
+        await self._close_peer(link)
+        link.fencing = False
+        for r in list(link.rooms):
+            if r.held:
+                self.release(r)
 
     async def _heartbeat(self) -> None:
         """Ping every peer each interval; fail a peer silent for ``heartbeat_timeout_s``.
@@ -403,8 +492,8 @@ class KVManager:
             for link in list(self.links.values()):
                 if now - link.last_heard > self.t.heartbeat_timeout_s:
                     self.link_failed(link, TransferTimeout(
-                        f"peer {link.name}: silent for {now - link.last_heard:.1f}s"))
-                    self.spawn(self._close_peer(link))
+                        f"peer {link.name}: silent for {now - link.last_heard:.1f}s"),
+                        fence=True)
                 else:
                     self.send_msg(link, ping)
 

@@ -147,7 +147,8 @@ class Abort(wire.Message):
     """Either direction: the room failed/aborted on the sender of this message.
 
     From prefill it is sent only once no write for the room is in flight any more, so decode
-    may release the room's pages as soon as it arrives. ``kind`` names the error class."""
+    may release the room's pages as soon as it arrives. ``kind`` names the error class; from
+    decode, ``LayoutMismatch`` is its refusal of a prefill whose layout it cannot take."""
     TAG = "pd.abort"
     room: int
     reason: str

@@ -4,8 +4,16 @@ Per room the writes form a chain (each awaits the previous one) so the final com
 message is issued only after every earlier chunk's bytes are visible on decode. The room's
 source pages stay leased until the chain has settled: ``on_done`` (the scheduler's release)
 runs after Success, after an abort, or after a timeout — never while a write may still read
-them. Decode's metadata may arrive before the KVSender exists; it is then held as a
-'pending' room with a Bootstrapping deadline.
+them. Abort/AbortAck go to decode only once the chain settled, so they mean "no write for
+this room is in flight"; a write that timed out may still be in flight, so instead of that
+message the link is fenced (:meth:`KVManager.link_failed`).
+
+Decode's metadata may arrive before the KVSender exists; it is then held as a 'pending'
+record with a Bootstrapping deadline. The KVSender claims it and a failure retires it, under
+the room table's lock (see :mod:`kvxfer.disagg.rooms`): a pending record that failed is never
+adopted — the KVSender fails at once with the cause (TransferAborted, TransferTimeout,
+PeerClosed, LayoutMismatch) — and a claimed one turns its failure into the KVSender's.
+A room never attaches to a dead link: it fails with PeerClosed instead.
 """
 from __future__ import annotations
 
@@ -19,9 +27,9 @@ from kvxfer.disagg import messages as m
 from kvxfer.disagg.errors import DuplicateRoom, LayoutMismatch, UnknownRoom
 from kvxfer.disagg.kv_args import check_compatible
 from kvxfer.disagg.poll import KVPoll, is_terminal
-from kvxfer.disagg.rooms import SOFT_TOMBS, Room
-from kvxfer.errors import (IndexOutOfRange, InvalidArgument, KvxferError, ProtocolError,
-                           ShapeMismatch, TransferAborted, TransferTimeout)
+from kvxfer.disagg.rooms import Room
+from kvxfer.errors import (Closed, IndexOutOfRange, InvalidArgument, KvxferError, PeerClosed,
+                           ProtocolError, ShapeMismatch, TransferAborted, TransferTimeout)
 
 log = logging.getLogger(__name__)
 _ItemWrite = None
@@ -76,23 +84,18 @@ class PrefillSide:
 
     # ------------------------------------------------------------------ handle entry points
     def new_room(self, room: int, role: str, on_done) -> Room:
-        """Any thread: insert the sender's room now (duplicates raise here); merge decode's
-        metadata that may already wait in a 'pending' record on the loop."""
-        mgr = self.mgr
-        tomb = mgr.rooms.tombstone(room)
+        """Any thread: insert the sender's room now (duplicates raise here), claiming decode's
+        metadata if a 'pending' record holds it; the loop adopts it (or fails the room)."""
         r = Room(room, "sender", on_done)
-        pending = mgr.rooms.insert(r, replace_role="pending")
-        if tomb in SOFT_TOMBS:
-            mgr.rooms.unbury(room)
-        mgr.call(self._adopt, r, pending, tomb if tomb in SOFT_TOMBS else None)
+        pending, cause = self.mgr.rooms.claim(r)
+        self.mgr.call(self._adopt, r, pending, cause)
         return r
 
-    def _adopt(self, r: Room, pending, tomb) -> None:
+    def _adopt(self, r: Room, pending, cause) -> None:
         mgr = self.mgr
-        if tomb is not None and not is_terminal(r.state):
-            cls = TransferTimeout if tomb == "pending-expired" else TransferAborted
-            mgr.fail(r, cls(f"room {r.room}: decode gave up on it before the KVSender existed "
-                            f"({tomb})"), notify=False)
+        if cause is not None:
+            mgr.fail(r, type(cause)(f"room {r.room}: decode's side ended before the KVSender "
+                                    f"existed: {cause}"), notify=False)
             return
         if pending is None:
             mgr.arm(r)
@@ -102,16 +105,70 @@ class PrefillSide:
             pending.timer = None
         link = pending.link
         link.rooms.discard(pending)
-        if is_terminal(r.state):                 # e.g. decode's abort raced the adoption
+        if is_terminal(r.state):                 # our scheduler aborted it first
+            if r.link is None and not link.dead:  # decode never heard: no write was issued
+                mgr.send_msg(link, m.Abort(room=r.room, reason=str(r.exc),
+                                           kind=type(r.exc).__name__))
             return
         if r.dst_kv is not None:                 # a second decode raced the adoption
             self._reject(link, r.room, DuplicateRoom(
                 f"room {r.room} already has a decode destination on prefill {mgr.name}"))
             return
-        r.link, r.dst_kv, r.dst_state, r.dst_aux = (link, pending.dst_kv, pending.dst_state,
-                                                    pending.dst_aux)
+        self._attach(r, link, pending.dst_kv, pending.dst_state, pending.dst_aux)
+
+    def _attach(self, r: Room, link, dst_kv, dst_state, dst_aux: int) -> None:
+        """Give the sender's room its decode destination; flush chunks queued before it."""
+        mgr = self.mgr
+        if link.dead:
+            mgr.fail(r, PeerClosed(f"room {r.room}: decode {link.name} is gone"),
+                     notify=False, peer_gone=True)
+            return
+        r.link, r.dst_kv, r.dst_state, r.dst_aux = link, dst_kv, dst_state, dst_aux
         link.rooms.add(r)
+        if r.num_kv is not None and not self._check_counts(r):
+            return
         mgr.advance(r, KVPoll.WaitingForInput)
+        queued, r.queued = r.queued, []
+        for src, st, last in queued:
+            if is_terminal(r.state):
+                break
+            self._issue(r, src, st, last)
+
+    def fail_pending(self, p: Room, exc: BaseException, *, notify: bool,
+                     peer_gone: bool) -> None:
+        """A 'pending' record failed (decode aborted, its deadline passed, the link died,
+        the manager closes). Retire it — or, if the KVSender claimed it first, make the
+        failure the KVSender's (an expiry is moot then: the sender came in time)."""
+        mgr = self.mgr
+        mgr.hook("room_failed", p.room)
+        if not mgr.rooms.retire(p, exc):
+            r = mgr.rooms.get(p.room)
+            if r is None or r.role != "sender" or is_terminal(r.state) or \
+                    r.link not in (None, p.link):
+                return
+            if p.peer_aborted:
+                r.peer_aborted = True
+                if r.link is None:
+                    r.link = p.link
+                    p.link.rooms.add(r)
+                mgr.fail(r, exc, notify=False)
+            elif peer_gone:
+                mgr.fail(r, exc, notify=False, peer_gone=True)
+            return
+        mgr.hook("pending_retired", p.room)
+        log.info("%s: decode's metadata for room %d dropped: %s", mgr.name, p.room, exc)
+        p.state, p.exc = KVPoll.Failed, exc
+        if p.timer is not None:
+            p.timer.cancel()
+            p.timer = None
+        link = p.link
+        link.rooms.discard(p)
+        if not link.dead and not peer_gone:
+            if p.peer_aborted:
+                mgr.send_msg(link, m.AbortAck(room=p.room))
+            elif notify:
+                mgr.send_msg(link, m.Abort(room=p.room, reason=str(exc), kind=type(exc).__name__))
+        mgr.room_gone()
 
     def init(self, r: Room, num_kv: int, aux_index: int) -> None:
         r.num_kv, r.aux_index = num_kv, aux_index
@@ -153,9 +210,13 @@ class PrefillSide:
     async def _write(self, r: Room, prev, src, dst, src_state, last: bool) -> None:
         if prev is not None and not prev.done():
             await asyncio.wait([prev])
-        if is_terminal(r.state) or r.link is None or r.link.dead:
-            return
         mgr, ItemWrite = self.mgr, _item_write()
+        if is_terminal(r.state):
+            return
+        if r.link.dead:
+            mgr.fail(r, PeerClosed(f"room {r.room}: decode {r.link.name} is gone"),
+                     notify=False, peer_gone=True)
+            return
         items = [ItemWrite("kv", src, dst)] if len(src) else []
         if last:
             if len(r.dst_state):
@@ -171,8 +232,14 @@ class PrefillSide:
             notify = m.Done(room=r.room, pages=len(r.dst_kv), sums=sums).encode()
         else:
             notify = m.Chunk(room=r.room, pages_done=r.pages_done + len(src)).encode()
+        mgr.hook("before_write", r.room)
         try:
             stats = await r.link.peer.write(items, notify=notify, timeout=mgr.t.transfer_s)
+        except TransferTimeout as exc:
+            # the write may still be in flight: only closing the link's endpoints stops it
+            mgr.link_failed(r.link, exc, fence=True)
+            mgr.fail(r, exc, notify=False, peer_gone=True)   # if the link was gone already
+            return
         except KvxferError as exc:
             mgr.fail(r, exc)
             return
@@ -204,13 +271,7 @@ class PrefillSide:
                 elif notify:
                     mgr.send_msg(link, m.Abort(room=r.room, reason=str(r.exc),
                                                kind=type(r.exc).__name__))
-            if r.role == "pending":
-                r.released = True
-                if link is not None:
-                    link.rooms.discard(r)
-                mgr.rooms.remove(r, "aborted-by-peer" if r.peer_aborted else "pending-expired")
-            else:
-                mgr.release(r)
+            mgr.release(r)
 
         if r.chain is None or r.chain.done():
             settle()
@@ -234,8 +295,12 @@ class PrefillSide:
             raise ProtocolError(f"unexpected {msg.TAG} on a prefill manager")
 
     def _on_hello(self, peer, msg: m.Hello) -> None:
+        """Accept the decode, or refuse it (LayoutMismatch) but keep the connection as a
+        *refused* link: decode sends each of its rooms' refusal over it, so our KVSenders
+        fail at once instead of holding their pages until ``bootstrap_s``."""
         from kvxfer.disagg.manager import Link
         mgr = self.mgr
+        refused = None
         try:
             check_compatible(mgr.fingerprint, msg.fingerprint, us=f"prefill {mgr.name}",
                              them=f"decode {msg.name}")
@@ -244,18 +309,13 @@ class PrefillSide:
                                      f"decode {msg.name} wants {msg.tp_rank}")
         except LayoutMismatch as exc:
             log.warning("%s: refused decode %s: %s", mgr.name, msg.name, exc)
-            mgr.spawn(self._reply(peer, m.HelloAck(ok=False, error=str(exc), name=mgr.name)))
-            return
+            refused = exc
         link = mgr.links.get(peer.id)
         if link is None:
             link = mgr.links[peer.id] = Link(peer.id, peer, msg.name)
-        mgr.send_msg(link, m.HelloAck(ok=True, name=mgr.name))
-
-    async def _reply(self, peer, msg) -> None:
-        try:
-            await peer.send(msg.encode())
-        except KvxferError:
-            pass
+        link.refused = refused
+        mgr.send_msg(link, m.HelloAck(ok=refused is None, error=str(refused or ""),
+                                      name=mgr.name))
 
     def _reject(self, link, room: int, exc: KvxferError) -> None:
         log.warning("%s: room %d from %s rejected: %s", self.mgr.name, room, link.name, exc)
@@ -265,6 +325,10 @@ class PrefillSide:
         mgr = self.mgr
         room = msg.room
         try:
+            if link.refused is not None:
+                raise LayoutMismatch(str(link.refused))
+            if mgr.closed:
+                raise Closed(f"prefill {mgr.name} is closing")
             dst_kv = m.ids_from_bytes(msg.dst_kv, "dst_kv")
             dst_state = m.ids_from_bytes(msg.dst_state, "dst_state")
             for what, ids, group in (("dst kv page", dst_kv, "kv"),
@@ -279,7 +343,7 @@ class PrefillSide:
             if len(dst_state) and not mgr.args.state_data_ptrs:
                 raise ShapeMismatch(f"room {room}: decode sends {len(dst_state)} state slots, "
                                     f"prefill {mgr.name} has no state buffers")
-        except (ProtocolError, InvalidArgument) as exc:
+        except (ProtocolError, InvalidArgument, LayoutMismatch, Closed) as exc:
             self._reject(link, room, exc)
             r = mgr.rooms.get(room)
             if r is not None and r.role == "sender" and r.link is None:
@@ -292,40 +356,31 @@ class PrefillSide:
                 self._reject(link, room, UnknownRoom(f"room {room} is no longer live on "
                                                      f"prefill {mgr.name} ({tomb})"))
                 return
+            p = Room(room, "pending")
+            p.link, p.dst_kv, p.dst_state, p.dst_aux = link, dst_kv, dst_state, msg.dst_aux
             try:
-                mgr.rooms.insert(Room(room, "pending"))
+                mgr.rooms.insert(p)
             except DuplicateRoom:                # a KVSender was created meanwhile
-                pass
-            r = mgr.rooms.get(room)
-            if r is None:
-                self._reject(link, room, UnknownRoom(f"room {room} is not live on prefill "
-                                                     f"{mgr.name}"))
+                r = mgr.rooms.get(room)
+            else:
+                link.rooms.add(p)
+                mgr.arm(p)
                 return
-            if r.role == "pending":
-                mgr.arm(r)
-        if r.dst_kv is not None or is_terminal(r.state):
+        if r is None or r.role != "sender" or r.dst_kv is not None or is_terminal(r.state):
             self._reject(link, room, DuplicateRoom(
                 f"room {room} already has a decode destination on prefill {mgr.name}"))
             return
-        r.link, r.dst_kv, r.dst_state, r.dst_aux = link, dst_kv, dst_state, msg.dst_aux
-        link.rooms.add(r)
-        if r.role != "sender":
-            return
-        if r.num_kv is not None and not self._check_counts(r):
-            return
-        mgr.advance(r, KVPoll.WaitingForInput)
-        queued, r.queued = r.queued, []
-        for src, st, last in queued:
-            if is_terminal(r.state):
-                break
-            self._issue(r, src, st, last)
+        self._attach(r, link, dst_kv, dst_state, msg.dst_aux)
 
     def _on_abort(self, link, msg: m.Abort) -> None:
+        """Decode gave up on a room (or refused it: LayoutMismatch). Acked once no write for
+        it is in flight; before the KVSender exists the cause is kept as a soft tombstone."""
         mgr = self.mgr
-        r = mgr.rooms.get(msg.room)
+        mgr.hook("abort_received", msg.room)
+        cls = LayoutMismatch if msg.kind == LayoutMismatch.__name__ else TransferAborted
+        cause = cls(f"room {msg.room} aborted by decode {link.name}: {msg.reason}")
+        r = mgr.rooms.bury_unless_live(msg.room, cause)
         if r is None or (r.link is not None and r.link is not link):
-            if r is None and mgr.rooms.tombstone(msg.room) is None:
-                mgr.rooms.bury(msg.room, "aborted-by-peer")
             mgr.send_msg(link, m.AbortAck(room=msg.room))
             return
         r.peer_aborted = True
@@ -334,5 +389,4 @@ class PrefillSide:
             link.rooms.add(r)
         if is_terminal(r.state):                 # already failing: ack once settled
             return
-        mgr.fail(r, TransferAborted(f"room {r.room} aborted by decode {link.name}: "
-                                    f"{msg.reason}"), notify=False)
+        mgr.fail(r, cause, notify=False)

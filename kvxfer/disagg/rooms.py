@@ -8,20 +8,28 @@ so ``poll()`` reads it from any thread without locking.
 Deadlines are one ``loop.call_later`` handle per room, re-armed on each transition: no task
 per room, nothing polls. Tombstones remember the last ``max_tombstones`` cleared or aborted
 rooms so a late message never brings a cleared room back and a reused id is refused.
+
+Hand-over of decode's metadata (prefill): a 'pending' record holds it until the KVSender
+exists. The KVSender *claims* it (:meth:`RoomTable.claim`, any thread) and the loop *retires*
+it when it fails (:meth:`RoomTable.retire`); both run under the table's lock, so exactly one
+of them wins. A retired record is never claimed (its failure left a *soft* tombstone, the
+exception that ended it, and the KVSender then fails at once with that cause); a claimed
+record is never retired (its failure becomes the KVSender's). So a destination decode was
+told to release is never adopted.
 """
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from kvxfer.disagg.errors import DuplicateRoom
 from kvxfer.disagg.poll import KVPoll
 
-
-#: tombstones that let the room be created (and then fail at once) instead of raising:
-#: the peer aborted the room, or decode's metadata for it expired, before the handle existed.
-SOFT_TOMBS = frozenset({"aborted-by-peer", "pending-expired"})
+#: a tombstone: a reason (the id was used and cleared; reusing it raises DuplicateRoom), or
+#: the exception that ended decode's side of a room before its KVSender existed (a *soft*
+#: tombstone: the KVSender may still be created, and fails at once with that cause)
+Tomb = Union[str, BaseException]
 
 
 class Room:
@@ -36,7 +44,11 @@ class Room:
         "pages_done", "chain", "queued", "last_queued", "acks_owed", "peer_aborted",
         # decode (receiver) side
         "bootstrap_addr", "meta_sent", "pending_meta", "dst_aux_row", "expect_pages",
-        "await_ack", "inited", "superseded",
+        "await_ack", "inited",
+        # a 'pending' record claimed by the KVSender (under the table lock; never retired)
+        "superseded",
+        # release() was asked while the room's link was being fenced: released after it
+        "held",
         # integrity mode (kvxfer.disagg.integrity): that module's per-room record
         "integrity",
     )
@@ -72,7 +84,8 @@ class Room:
         self.expect_pages = 0
         self.await_ack = False
         self.inited = False
-        self.superseded = False    # a 'pending' record replaced by the KVSender's room
+        self.superseded = False
+        self.held = False
         self.integrity = None
 
     def __repr__(self) -> str:
@@ -82,7 +95,7 @@ class Room:
 class RoomTable:
     def __init__(self, max_tombstones: int = 65536) -> None:
         self._rooms: Dict[int, Room] = {}
-        self._tombs: "OrderedDict[int, str]" = OrderedDict()
+        self._tombs: "OrderedDict[int, Tomb]" = OrderedDict()
         self._max_tombs = max_tombstones
         self._lock = threading.RLock()
 
@@ -92,46 +105,79 @@ class RoomTable:
     def get(self, room: int) -> Optional[Room]:
         return self._rooms.get(room)
 
-    def tombstone(self, room: int) -> Optional[str]:
+    def tombstone(self, room: int) -> Optional[Tomb]:
         return self._tombs.get(room)
 
     def rooms(self) -> List[Room]:
         with self._lock:
             return list(self._rooms.values())
 
-    def insert(self, r: Room, *, replace_role: Optional[str] = None):
-        """Insert ``r`` (any thread). If a record of role ``replace_role`` holds the id, ``r``
-        replaces it and the old record is returned (marked superseded) for the loop to merge;
-        otherwise returns None. Live duplicates and hard-tombstoned ids raise DuplicateRoom."""
+    def insert(self, r: Room) -> None:
+        """Insert ``r`` (any thread). A live record or any tombstone of the id raises
+        DuplicateRoom."""
         with self._lock:
             old = self._rooms.get(r.room)
             if old is not None:
-                if replace_role is not None and old.role == replace_role:
-                    old.superseded = True
-                    self._rooms[r.room] = r
-                    return old
                 raise DuplicateRoom(f"room {r.room} is already in flight on this manager "
                                     f"({old.role}, {old.state.name})")
             why = self._tombs.get(r.room)
-            if why is not None and why not in SOFT_TOMBS:
+            if why is not None:
                 raise DuplicateRoom(f"room {r.room} was already used on this manager ({why})")
             self._rooms[r.room] = r
-            return None
+
+    def claim(self, r: Room) -> Tuple[Optional[Room], Optional[BaseException]]:
+        """Insert the KVSender's room ``r`` (any thread). Returns ``(pending, None)`` when a
+        live 'pending' record held the id (``r`` replaces it; the loop adopts its metadata),
+        ``(None, cause)`` when a soft tombstone did (the loop fails ``r`` with ``cause``),
+        else ``(None, None)``. A live record or a reason tombstone raises DuplicateRoom."""
+        with self._lock:
+            old = self._rooms.get(r.room)
+            if old is not None:
+                if old.role != "pending":
+                    raise DuplicateRoom(f"room {r.room} is already in flight on this manager "
+                                        f"({old.role}, {old.state.name})")
+                old.superseded = True
+                self._rooms[r.room] = r
+                return old, None
+            why = self._tombs.get(r.room)
+            if isinstance(why, str):
+                raise DuplicateRoom(f"room {r.room} was already used on this manager ({why})")
+            if why is not None:
+                del self._tombs[r.room]
+            self._rooms[r.room] = r
+            return None, why
+
+    def retire(self, p: Room, cause: BaseException) -> bool:
+        """Drop the failed 'pending' record ``p`` and leave ``cause`` as its soft tombstone —
+        unless a KVSender claimed it first: then False, and ``p`` stays the sender's."""
+        with self._lock:
+            if p.superseded:
+                return False
+            p.released = True
+            if self._rooms.get(p.room) is p:
+                del self._rooms[p.room]
+            self._bury(p.room, cause)
+            return True
 
     def remove(self, r: Room, why: str) -> None:
+        """Drop ``r`` and tombstone its id with ``why``."""
         with self._lock:
             if self._rooms.get(r.room) is r:
                 del self._rooms[r.room]
-            self.bury(r.room, why)
+            self._bury(r.room, why)
 
-    def bury(self, room: int, why: str) -> None:
-        """Remember ``room`` (bounded, oldest forgotten first)."""
+    def bury_unless_live(self, room: int, cause: BaseException) -> Optional[Room]:
+        """The live record of ``room`` if there is one; else tombstone ``room`` with
+        ``cause`` (soft) unless it already has a tombstone, and return None."""
         with self._lock:
-            self._tombs[room] = why
-            self._tombs.move_to_end(room)
-            while len(self._tombs) > self._max_tombs:
-                self._tombs.popitem(last=False)
+            r = self._rooms.get(room)
+            if r is None and room not in self._tombs:
+                self._bury(room, cause)
+            return r
 
-    def unbury(self, room: int) -> Optional[str]:
-        with self._lock:
-            return self._tombs.pop(room, None)
+    def _bury(self, room: int, why: Tomb) -> None:
+        """Remember ``room`` (bounded, oldest forgotten first); caller holds the lock."""
+        self._tombs[room] = why
+        self._tombs.move_to_end(room)
+        while len(self._tombs) > self._max_tombs:
+            self._tombs.popitem(last=False)

@@ -5,11 +5,22 @@ RPC over a pipe. Child exceptions come back with their traceback (raised as Remo
 Content is deterministic: page ``k`` of room ``R``, descriptor ``e`` holds
 ``(R*31 + k*7 + e*13 + byte) % 251``; state slot ``j`` of a room uses ``k = 1000 + j``; the
 aux row carries first token ``R % 1000003``. Decode verifies every byte of every page/slot.
+
+Fences: whenever a node frees a page, state slot or aux row (in ``on_done``, or after
+``verify``) it first fills it with :data:`SENTINEL`, a byte no pattern ever produces; the first
+and last item of every registered buffer are never allocated and hold :data:`GUARD`.
+``fence_check()`` reports every freed item (not reallocated since) or guard item whose bytes
+changed: a write that landed after its room's ``on_done``, or outside any room.
+
+Test hooks: ``hook_on(point, room, action, ...)`` arms the manager's ``test_hook`` so that a
+test can force an interleaving (run a scheduler call on another thread while the loop waits
+at that point, or freeze the whole process there with SIGSTOP).
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import threading
 import time
 import traceback
@@ -23,6 +34,11 @@ FAST = dict(bootstrap_s=10.0, waiting_s=20.0, transfer_s=20.0, heartbeat_interva
             heartbeat_timeout_s=10.0, abort_ack_s=5.0)
 TINY = dict(bootstrap_s=1.5, waiting_s=1.5, transfer_s=1.5, heartbeat_interval_s=0.2,
             heartbeat_timeout_s=5.0, abort_ack_s=2.0)
+
+#: byte written into every freed item; patterns are ``% 251``, so they never produce it
+SENTINEL = 0xFF
+#: byte of the never-allocated first and last item of every registered buffer
+GUARD = 0xFE
 
 
 class RemoteError(Exception):
@@ -82,14 +98,29 @@ class Node:
         self.kind, self.role, self.bootstrap = kind, role, bootstrap
         self.pool, mamba = _build_pool(kind, size, page_size, device)
         self.lock = threading.Lock()
-        self.pages = PagedTokenToKVPoolAllocator(size, page_size)
-        self.slots = MambaSlotAllocator(mamba.size) if mamba is not None else None
+        # item 0 (padding) and the last item are never allocated: guards
+        self.pages = PagedTokenToKVPoolAllocator(size - page_size, page_size)
+        self.slots = MambaSlotAllocator(mamba.size - 1) if mamba is not None else None
         self.aux = MetadataBuffer(aux_rows, 64)
+        rows = [self.aux.alloc() for _ in range(aux_rows)]
+        for row in rows[1:-1]:
+            self.aux.free(row)
         args = KVArgs.from_pools(self.pool, aux=self.aux,
                                  state_pool=self.pool if mamba is not None else None)
         self.views = self.pool.get_item_views()
         self.state_views = self.pool.get_state_item_views() if mamba is not None else []
+        self.freed = {"pages": set(), "slots": set(), "rows": set()}
+        for views in (self.views, self.state_views):
+            for v in views:
+                v[0] = GUARD
+                v[-1] = GUARD
+        self.aux.data[[0, -1]] = GUARD
         self.base = self._counts()
+        self.hooks: Dict[tuple, tuple] = {}
+        self.hooks_fired: list = []
+        self.hooks_cv = threading.Condition()
+        self._gate = threading.Event()
+        self._thread = None
         self.mgr = KVManager(args, role, bootstrap_addr=bootstrap if role == "prefill" else None,
                              timeouts=Timeouts(**timeouts), error_mode=error_mode,
                              name=f"{role}-{name or kind}",
@@ -114,17 +145,187 @@ class Node:
                     raise MemoryError("no mamba slot")
                 slot = got[0]
             row = self.aux.alloc()
+            if n:
+                self.freed["pages"].difference_update(int(p) for p in pages)
+            self.freed["slots"].discard(slot)
+            self.freed["rows"].discard(row)
         import torch
         return {"pages": pages if pages is not None else torch.zeros(0, dtype=torch.int64),
                 "slot": slot, "row": row, "n": n, "done": threading.Event(), "result": None}
 
     def _free(self, rec: dict) -> None:
+        """Fill the room's items with SENTINEL, then free them."""
         with self.lock:
             if rec["n"]:
+                for v in self.views:
+                    v[rec["pages"].to(v.device)] = SENTINEL
+                self.freed["pages"].update(int(p) for p in rec["pages"])
                 self.pages.free_pages(rec["pages"])
             if rec["slot"] is not None:
+                for v in self.state_views:
+                    v[rec["slot"]] = SENTINEL
+                self.freed["slots"].add(rec["slot"])
                 self.slots.free([rec["slot"]])
+            self.aux.data[rec["row"]] = SENTINEL
+            self.freed["rows"].add(rec["row"])
             self.aux.free(rec["row"])
+
+    def fence_check(self) -> dict:
+        """Freed items (not reallocated since) and guard items whose bytes changed."""
+        import torch
+        with self.lock:
+            pages = sorted(self.freed["pages"])
+            slots = sorted(self.freed["slots"])
+            rows = sorted(self.freed["rows"])
+            out = {"pages": [], "slots": [], "rows": [], "guards": [], "checked": {
+                "pages": len(pages), "slots": len(slots), "rows": len(rows)}}
+            for what, views, ids in (("pages", self.views, pages),
+                                     ("slots", self.state_views, slots)):
+                for v in views:
+                    if ids:
+                        bad = (v[torch.tensor(ids, device=v.device)] != SENTINEL).any(dim=1)
+                        out[what] += [ids[i] for i in bad.nonzero().flatten().tolist()]
+                    for end in (0, v.shape[0] - 1):
+                        if not bool((v[end] == GUARD).all()):
+                            out["guards"].append(f"{what}[{end}]")
+                out[what] = sorted(set(out[what]))
+            out["rows"] = [r for r in rows if not (self.aux.data[r] == SENTINEL).all()]
+            for end in (0, self.aux.rows - 1):
+                if not (self.aux.data[end] == GUARD).all():
+                    out["guards"].append(f"rows[{end}]")
+        return out
+
+    # -- test hooks --
+    def hook_on(self, point: str, room: int, action: str, *args) -> None:
+        """Arm a one-shot hook: when the manager reaches ``point`` for ``room`` (on its loop
+        thread), ``action`` runs there. "call": ``getattr(self, args[0])(*args[1:])`` runs on
+        another thread while the loop waits for it (bounded) — that thread is the scheduler
+        acting inside the window. "freeze": this whole process stops (SIGSTOP) until the
+        test sends SIGCONT. "gate": the loop waits (bounded) until the test calls
+        ``open_gate()`` (the peer acts meanwhile)."""
+        self.hooks[(point, room)] = (action, args)
+        self.mgr.test_hook = self._hook
+
+    def widen(self, point: Optional[str], seconds: float) -> None:
+        """Hold the loop ``seconds`` (half to all, at random) at ``point`` for every room —
+        a slow log handler, say — to widen a race window for a hammer test; None stops it.
+        While it holds, ``in_window`` names the room."""
+        import random
+        self.widened = (point, seconds, random.Random(0))
+        self.in_window = None
+        self.mgr.test_hook = self._hook
+
+    def hammer_open(self, rooms, seed: int, jitter: float) -> None:
+        """Hammer, prefill's scheduler: create a KVSender for every room of ``rooms``
+        ([(room, n)]) in random order at random pacing — while the loop sits in a widened
+        window for a room not opened yet, that room comes next half of the time — then (its
+        forward pass done) send each room's pages, in another random order."""
+        import random
+        rng = random.Random(seed)
+        todo = dict(rooms)
+        order = rng.sample(list(todo), len(todo))
+        while todo:
+            r = self.in_window
+            if r not in todo or rng.random() < 0.5:
+                r = next(x for x in order if x in todo)
+            self.p_open(r, todo.pop(r))
+            time.sleep(rng.random() * jitter)
+        for r, n in rng.sample(list(rooms), len(rooms)):
+            self.p_send(r, 0, n)
+            time.sleep(rng.random() * jitter)
+
+    def hammer_abort(self, rooms, seed: int, jitter: float) -> None:
+        """Hammer, decode's scheduler: abort ``rooms`` in random order at random pacing."""
+        import random
+        rng = random.Random(seed)
+        for r in rng.sample(list(rooms), len(rooms)):
+            self.abort(r)
+            time.sleep(rng.random() * jitter)
+
+    def _hook(self, point: str, room: int) -> None:
+        w = getattr(self, "widened", None)
+        if w is not None and w[0] == point:
+            self.in_window = room
+            time.sleep((1 + w[2].random()) * w[1] / 2)
+            self.in_window = None
+        got = self.hooks.pop((point, room), None)
+        if got is None:
+            return
+        self._fired((point, room))
+        action, args = got
+        if action == "freeze":
+            os.kill(os.getpid(), signal.SIGSTOP)
+            self._fired(("resumed", room))
+            return
+        if action == "gate":
+            self._gate.clear()
+            self._fired(("opened", room) if self._gate.wait(30) else ("stuck", room))
+            return
+        err = []
+
+        def run():
+            try:
+                getattr(self, args[0])(*args[1:])
+            except BaseException as exc:
+                err.append(traceback.format_exc())
+        t = threading.Thread(target=run)
+        t.start()
+        t.join(10)
+        self._fired(("error", "".join(err)) if err else
+                    ("done", room) if not t.is_alive() else ("stuck", room))
+
+    def _fired(self, what: tuple) -> None:
+        with self.hooks_cv:
+            self.hooks_fired.append(what)
+            self.hooks_cv.notify_all()
+
+    def wait_fired(self, point: str, room: int, timeout: float = 20.0,
+                   entered: bool = False) -> list:
+        """Wait (bounded) until the hook armed at ``point`` for ``room`` ran to its end (or,
+        ``entered``, began); returns what it recorded (``[(point, room), ("done", room)]``
+        when a "call" went well)."""
+        def seen():
+            return [x for x in self.hooks_fired if x[1] == room or x[0] == "error"]
+        with self.hooks_cv:
+            self.hooks_cv.wait_for(lambda: (point, room) in seen() and
+                                   len(seen()) >= (1 if entered else 2), timeout)
+            return seen()
+
+    def open_gate(self) -> None:
+        self._gate.set()
+
+    def record(self, room: int, timeout: float = 10.0, role: str = "pending") -> Optional[str]:
+        """Wait (bounded) until the manager's room table holds a ``role`` record for
+        ``room`` (e.g. prefill holds decode's metadata); returns the role found."""
+        end = time.monotonic() + timeout
+        while True:
+            r = self.mgr.rooms.get(room)
+            got = None if r is None else r.role
+            if got == role or time.monotonic() > end:
+                return got
+            time.sleep(0.001)
+
+    # -- a node method on a background thread (to run both sides at once) --
+    def start(self, method: str, *args) -> None:
+        res = {}
+
+        def run():
+            try:
+                res["ok"] = getattr(self, method)(*args)
+            except BaseException as exc:
+                res["err"] = (type(exc).__name__, str(exc), traceback.format_exc())
+        self._thread = (threading.Thread(target=run, daemon=True), res)
+        self._thread[0].start()
+
+    def join(self, timeout: float = 60.0):
+        t, res = self._thread
+        t.join(timeout)
+        if t.is_alive():
+            raise TimeoutError(f"{self.mgr.name}: background call still running after {timeout}s")
+        self._thread = None
+        if "err" in res:
+            raise RuntimeError(f"{res['err'][0]}: {res['err'][1]}\n{res['err'][2]}")
+        return res["ok"]
 
     def _on_done(self, room: int):
         def cb(state, exc):
@@ -180,6 +381,9 @@ class Node:
             rec["h"].init()
         if meta:
             self.d_meta(room)
+
+    def d_init(self, room: int) -> None:
+        self.rooms[room]["h"].init()
 
     def d_meta(self, room: int) -> None:
         rec = self.rooms[room]
@@ -421,6 +625,23 @@ class Worker:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.join(10)
+
+    def stopped(self, timeout: float = 20.0) -> bool:
+        """Wait (bounded) until the process is stopped (SIGSTOP, e.g. by a "freeze" hook)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in "Tt":
+                    return True
+            time.sleep(0.01)
+        return False
+
+    def freeze(self) -> None:
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        assert self.stopped(), f"worker pid {self.proc.pid} did not stop"
+
+    def resume(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
 
     def request_exit(self) -> None:
         if self.proc.is_alive():

@@ -14,7 +14,7 @@ from kvxfer.disagg.kv_args import KVArgs, check_compatible
 from kvxfer.disagg.poll import KVPoll, can_advance, is_terminal
 from kvxfer.disagg.rooms import Room, RoomTable
 from kvxfer.errors import (DoubleFree, IncompatiblePeer, IndexOutOfRange, InvalidArgument,
-                           ProtocolError)
+                           ProtocolError, TransferAborted, TransferTimeout)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -155,21 +155,48 @@ def test_messages_roundtrip_and_validation():
 def test_room_table_duplicates_and_tombstones():
     t = RoomTable(max_tombstones=2)
     a = Room(1, "receiver")
-    assert t.insert(a) is None
+    t.insert(a)
     with pytest.raises(DuplicateRoom, match="room 1"):
         t.insert(Room(1, "receiver"))
     p = Room(2, "pending")
     t.insert(p)
     s = Room(2, "sender")
-    assert t.insert(s, replace_role="pending") is p and p.superseded    # decode's info merges
+    assert t.claim(s) == (p, None) and p.superseded       # decode's info merges
     assert t.get(2) is s
+    assert not t.retire(p, TransferAborted("late")) and t.get(2) is s   # claimed: not retired
     t.remove(a, "done")
     assert t.get(1) is None
     with pytest.raises(DuplicateRoom, match="already used"):
         t.insert(Room(1, "receiver"))                                 # never resurrected
-    t.bury(3, "aborted-by-peer")
-    t.insert(Room(3, "sender"))                                       # soft: created, then fails
-    t.bury(4, "done")
-    t.bury(5, "done")                                                 # bound: 1 forgotten
+    assert t.bury_unless_live(2, TransferAborted("x")) is s          # live: not buried
+    cause = TransferAborted("decode aborted")
+    assert t.bury_unless_live(3, cause) is None
+    assert t.bury_unless_live(3, TransferAborted("again")) is None and t.tombstone(3) is cause
+    with pytest.raises(DuplicateRoom):
+        t.insert(Room(3, "pending"))                                  # any tomb refuses insert
+    assert t.claim(Room(3, "sender")) == (None, cause)               # soft: created, then fails
+    t.remove(Room(4, "receiver"), "done")
+    t.remove(Room(5, "receiver"), "done")                            # bound: 1 forgotten
     assert t.tombstone(1) is None and t.tombstone(5) == "done"
     t.insert(Room(1, "receiver"))
+
+
+def test_pending_record_retired_before_claim_is_never_adopted():
+    """The hand-over race of issue 12 defect 1, in the table: whichever of retire (loop,
+    the pending record failed) and claim (scheduler thread, KVSender) takes the lock first
+    wins; a retired record is never returned to a claimant."""
+    for first in ("retire", "claim"):
+        t = RoomTable()
+        p = Room(7, "pending")
+        t.insert(p)
+        s = Room(7, "sender")
+        cause = TransferTimeout("pending-expired")
+        if first == "retire":
+            assert t.retire(p, cause) and p.released
+            assert t.claim(s) == (None, cause)
+        else:
+            assert t.claim(s) == (p, None)
+            assert not t.retire(p, cause) and not p.released
+        assert t.get(7) is s
+        with pytest.raises(DuplicateRoom):
+            t.claim(Room(7, "sender"))

@@ -1,0 +1,228 @@
+"""Fenced release, proved (issue 12, defect 6): once a side's ``on_done`` ran, no byte of the
+pages, state slots and aux rows it released changes — whatever happens next.
+
+The harness fills every item it frees with a sentinel byte and keeps a guard item at both
+ends of every registered buffer (see pd_harness). Each scenario drives one room into a state,
+makes something go wrong there, waits until both sides ran ``on_done``, lets the scheduler go
+on (late ``send`` calls), and only then checks every freed item and every guard on both
+sides: aborts from either side in every state, deadlines, decode's metadata expiring on
+prefill, duplicate and late metadata, and a peer frozen (SIGSTOP) then resumed (SIGCONT).
+
+A pair of worker processes of its own (module fixture): the freeze scenarios stop a whole
+process."""
+import pytest
+
+from pd_harness import Worker
+
+pytestmark = pytest.mark.timeout(120)
+K = "hybrid_per_layer"
+N = 4
+#: deadlines short enough to pass within a test; heartbeats long enough that an abort ack
+#: that never comes (abort_ack_s) is noticed before the silence. bootstrap_s also bounds
+#: decode's connect: the first one of a process (UCX start-up) must fit in it on a loaded
+#: machine — a connect cancelled half-way has crashed UCXX later in the process.
+T = dict(bootstrap_s=4.0, waiting_s=1.5, transfer_s=1.5, heartbeat_interval_s=0.2,
+         heartbeat_timeout_s=10.0, abort_ack_s=2.0)
+NO_LEAKS = {"pages": 0, "slots": 0, "aux": 0, "rooms": 0}
+ENDED = {"Success", "Failed"}
+
+
+class Pair:
+    def __init__(self):
+        from kvxfer.disagg import BootstrapServer
+        self.bs = BootstrapServer(port=0).start_in_thread()
+        node = dict(kind=K, timeouts=T, bootstrap=self.bs.address)
+        self.p = Worker({"f": dict(node, role="prefill")})
+        self.d = Worker({"f": dict(node, role="decode")})
+        # a second decode: a process of its own (two managers of one process share UCXX's
+        # context, and a connect racing the other manager's loop has crashed in UCXX)
+        self.d2 = Worker({"f2": dict(node, role="decode", name="second")})
+        for w in (self.p, self.d, self.d2):
+            w.ready()
+        for w, n in ((self.d, "f"), (self.d2, "f2")):    # connect once, with no deadline near
+            r = 4_999_999 - len(n)
+            self.p("f", "p_open", r, 1)
+            w(n, "d_open", r, 1)
+            self.p("f", "p_send", r, 0, 1)
+            assert w(n, "wait", r)["state"] == "Success" and w(n, "verify", r) == 0
+            assert self.p("f", "wait", r)["state"] == "Success"
+        self.rooms = iter(range(5_000_000, 6_000_000, 7))
+
+    def close(self):
+        for w in (self.p, self.d, self.d2):
+            w.resume()                      # never leave a frozen worker behind
+            w.request_exit()
+        for w in (self.p, self.d, self.d2):
+            w.close()
+        self.bs.stop_thread()
+
+
+@pytest.fixture(scope="module")
+def pair():
+    p = Pair()
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def settled(w, node, r, timeout=30.0):
+    res = w(node, "wait", r, timeout)
+    assert res is not None and res["state"] in ENDED, (node, r, res)
+    return res
+
+
+def _changed(c):
+    out = {}
+    for tag, w, n in (("prefill", c.p, "f"), ("decode", c.d, "f"), ("decode2", c.d2, "f2")):
+        f = w(n, "fence_check")
+        out[tag] = {(k, x) for k in ("pages", "slots", "rows", "guards") for x in f[k]}
+    return out
+
+
+@pytest.fixture(autouse=True)
+def known(pair):
+    """Changed items found before the test (a failed earlier test's) are not blamed on it."""
+    pair.known = _changed(pair)
+
+
+def fenced(c):
+    """Everything released, and not one byte of a freed or guard item changed."""
+    for w, n in ((c.p, "f"), (c.d, "f"), (c.d2, "f2")):
+        assert w(n, "leaks") == NO_LEAKS, n
+    new = {tag: items - c.known[tag] for tag, items in _changed(c).items()}
+    assert not any(new.values()), new
+
+
+def to_state(c, r, state):
+    """Both sides open room ``r``; then drive it to ``state`` (decode's view)."""
+    c.p("f", "p_open", r, N)
+    if state == "Bootstrapping":                         # decode not even looked up
+        c.d("f", "d_open", r, N, meta=False, init=False)
+        return
+    c.d("f", "d_open", r, N)
+    assert c.d("f", "poll_until", r, ["WaitingForInput"]) == "WaitingForInput"
+    if state == "Transferring":
+        c.p("f", "p_send", r, 0, 1)
+        assert c.d("f", "poll_until", r, ["Transferring"]) == "Transferring"
+
+
+def late_sends(c, r, start=0):
+    """The scheduler goes on after the failure: every remaining chunk is handed over."""
+    for lo in range(start, N):
+        c.p("f", "p_send", r, lo, lo + 1)
+
+
+@pytest.mark.parametrize("state", ["Bootstrapping", "WaitingForInput", "Transferring"])
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+def test_abort_in_each_state(pair, side, state):
+    c, r = pair, next(pair.rooms)
+    to_state(c, r, state)
+    (c.d if side == "decode" else c.p)("f", "abort", r)
+    if state == "Bootstrapping":                         # decode's scheduler goes on
+        c.d("f", "batch", [("d_init", r), ("d_meta", r)])
+    settled(c.d, "f", r)
+    settled(c.p, "f", r)
+    late_sends(c, r, 1 if state == "Transferring" else 0)
+    fenced(c)
+
+
+@pytest.mark.parametrize("state", ["WaitingForInput", "Transferring"])
+def test_deadlines(pair, state):
+    """Prefill never sends (or stops after a chunk): both deadlines pass; the scheduler then
+    sends everything late."""
+    c, r = pair, next(pair.rooms)
+    to_state(c, r, state)
+    assert settled(c.p, "f", r)["exc"] == "TransferTimeout"
+    assert settled(c.d, "f", r)["state"] == "Failed"
+    late_sends(c, r, 1 if state == "Transferring" else 0)
+    fenced(c)
+
+
+def test_pending_metadata_expires(pair):
+    """Decode's metadata waits on prefill for a KVSender that comes too late."""
+    c, r = pair, next(pair.rooms)
+    c.d("f", "d_open", r, N)
+    res = settled(c.d, "f", r)
+    assert res["state"] == "Failed" and res["exc"] == "TransferTimeout", res
+    c.p("f", "p_open", r, N)
+    late_sends(c, r)
+    res = settled(c.p, "f", r)
+    assert res["state"] == "Failed" and res["exc"] == "TransferTimeout", res
+    fenced(c)
+
+
+def test_duplicate_and_late_metadata(pair):
+    """A second decode sends metadata for a live room (refused), and again after the room
+    finished (unknown): prefill writes into neither destination."""
+    c, r = pair, next(pair.rooms)
+    c.p("f", "p_open", r, N)
+    c.d("f", "d_open", r, N)
+    assert c.p("f", "poll_until", r, ["WaitingForInput"]) == "WaitingForInput"
+    c.d2("f2", "d_open", r, N)
+    res = settled(c.d2, "f2", r)
+    assert res["state"] == "Failed" and res["exc"] == "DuplicateRoom", res
+    late_sends(c, r)
+    assert settled(c.d, "f", r)["state"] == "Success" and c.d("f", "verify", r) == 0
+    assert settled(c.p, "f", r)["state"] == "Success"
+    late = next(pair.rooms)
+    c.d2("f2", "d_open", late, N)                         # shares no id with the finished one
+    c.d2("f2", "abort", late)
+    settled(c.d2, "f2", late)
+    fenced(c)
+
+
+def test_prefill_frozen_before_a_write(pair):
+    """Prefill stops (SIGSTOP) right before it posts a write. Decode's lease runs out, its
+    abort is never acknowledged, so it fences the link and releases; then prefill resumes
+    (SIGCONT) and posts that write: not one byte may land."""
+    c, r = pair, next(pair.rooms)
+    to_state(c, r, "Transferring")
+    c.p("f", "hook_on", "before_write", r, "freeze")
+    c.p("f", "p_send", r, 1, N)
+    assert c.p.stopped()
+    try:
+        res = settled(c.d, "f", r)
+        assert res["state"] == "Failed", res
+    finally:
+        c.p.resume()
+    assert c.p("f", "wait_fired", "before_write", r) == [("before_write", r), ("resumed", r)]
+    assert settled(c.p, "f", r)["state"] == "Failed"
+    fenced(c)
+
+
+def test_decode_frozen_while_prefill_writes(pair):
+    """Decode stops while a write is in flight towards it: prefill's write times out, so it
+    fences the link before it releases its source pages; decode resumes and fails."""
+    c, r = pair, next(pair.rooms)
+    to_state(c, r, "Transferring")
+    c.d.freeze()
+    try:
+        c.p("f", "p_send", r, 1, N)
+        res = settled(c.p, "f", r)
+        assert res["state"] == "Failed", res
+    finally:
+        c.d.resume()
+    assert settled(c.d, "f", r)["state"] == "Failed"
+    fenced(c)
+
+
+def test_prefill_frozen_while_idle(pair):
+    """Prefill stops with rooms waiting; decode gives up on the silent peer (fence) and
+    releases; prefill resumes and its scheduler sends: nothing lands, both sides clean."""
+    c = pair
+    rs = [next(pair.rooms) for _ in range(3)]
+    for r in rs:
+        c.p("f", "p_open", r, N)
+        c.d("f", "d_open", r, N)
+        assert c.p("f", "poll_until", r, ["WaitingForInput"]) == "WaitingForInput"
+    c.p.freeze()
+    try:
+        for r in rs:
+            assert settled(c.d, "f", r)["state"] == "Failed"
+    finally:
+        c.p.resume()
+    for r in rs:
+        late_sends(c, r)
+        assert settled(c.p, "f", r)["state"] == "Failed"
+    fenced(c)
