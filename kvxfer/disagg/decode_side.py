@@ -77,8 +77,11 @@ class DecodeSide:
         self._link_future(addr).add_done_callback(lambda f: self._linked(r, f))
 
     def send_metadata(self, r: Room, dst_kv, dst_state, aux: int) -> None:
+        """Loop thread. Nothing is written for a room that already ended: its aux row may
+        be back in the scheduler's allocator (and another request's) by now."""
         if is_terminal(r.state):
             return
+        self.mgr.aux.clear(aux)          # a stale stamp in a reused row can never validate
         r.pending_meta = (dst_kv, dst_state, aux)
         r.dst_kv, r.dst_state = dst_kv, dst_state
         r.dst_aux_row, r.expect_pages = aux, len(dst_kv)

@@ -50,5 +50,4 @@ class KVReceiver(RoomHandle):
         st = as_ids([] if state_indices is None else state_indices,
                     f"room {self.room}: state_indices", items["state"])
         self._meta = True
-        self.mgr.aux.clear(aux)          # a stale stamp in a reused row can never validate
         self.mgr.call(self.mgr.side.send_metadata, self._r, kv, st, aux)

@@ -128,3 +128,34 @@ def test_import_kvxfer_is_cheap():
             "assert not bad, bad")
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60)
+
+
+def test_send_metadata_after_release_writes_nothing():
+    """A room that already failed and ran ``on_done`` (its aux row may be another request's
+    by now) must not have its aux row touched by a late ``send_metadata()`` — found by the
+    reliability soak: the header clear ran on the caller's thread before any state check."""
+    run_in_child(_late_metadata_main)
+
+
+def _late_metadata_main():
+    asyncio.run(_late_metadata())
+
+
+async def _late_metadata():
+    bs = BootstrapServer(port=0)
+    await bs.start()
+    D = Side(3)
+    quick = Timeouts(bootstrap_s=0.3, waiting_s=5, transfer_s=5, heartbeat_interval_s=0.2)
+    d = await KVManager(D.args, "decode", timeouts=quick).start()   # no prefill registers
+    done = asyncio.Event()
+    try:
+        recv = KVReceiver(d, bs.address, 11, on_done=lambda s, e: done.set())
+        recv.init()
+        await asyncio.wait_for(done.wait(), 10)
+        assert recv.poll() == KVPoll.Failed
+        D.aux.data[2, :] = 0xAB                        # row 2 now belongs to someone else
+        recv.send_metadata([0, 1], 2)                  # on the loop thread: handled now
+        assert (D.aux.data[2] == 0xAB).all(), "late send_metadata wrote into a released row"
+    finally:
+        await d.close()
+        await bs.close()
