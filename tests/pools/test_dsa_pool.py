@@ -125,7 +125,7 @@ def test_set_index_refuses_ids_past_num_slots_inside_the_last_page(backend):
     a.set_index_k_scale_buffer(0, loc([1, 65, 64]), k, s)  # the last valid slot is accepted
     b.set_index_k_scale_buffer(0, loc([1, 65, 64]), k, s)
     for bad in (66, 79, 80):
-        if ON_CUDA:  # no raise, no sync: row 1 is written, the out-of-range one nowhere
+        if ON_CUDA and backend == "triton":  # no raise, no sync: row 1 written, the bad one nowhere
             a.set_index_k_scale_buffer(0, loc([1, bad]), k[:2], s[:2])
             b.set_index_k_scale_buffer(0, loc([1]), k[:1], s[:1])
         else:
