@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml setup.py kvxfer/transport/_rma.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) $$( $(PYTHON) -c 'import torch' 2>/dev/null && echo --system-site-packages )
 	@# Keep an existing torch (system site or venv); otherwise take the CPU build.
 	@$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q "setuptools>=64" wheel "triton>=3.0" "numpy>=1.24" "msgpack>=1.0" "$(UCXX_SPEC)" \
+	$(PY) -m pip install -q "setuptools>=77" wheel "triton>=3.0" "numpy>=1.24" "msgpack>=1.0" "$(UCXX_SPEC)" \
 	    "pytest>=8" "pytest-asyncio>=0.23" "pytest-timeout>=2.2"
 	@# No build isolation: the native RMA extension compiles against the libucx headers installed above.
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
