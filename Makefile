@@ -6,6 +6,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvxfer-installed
 # The CPU build that lies on this kind of machine; override for another torch.
 TORCH_SPEC ?= torch==2.13.0
+# UCXX per CUDA major (the package's cu12/cu13 extras): cu13 where the driver reports CUDA 13,
+# cu12 elsewhere (it runs without a GPU or driver).
+UCXX_SPEC ?= $(shell nvidia-smi 2>/dev/null | grep -q 'CUDA Version: 13' && echo ucxx-cu13 || echo ucxx-cu12)>=0.46
 
 .PHONY: demo test test-long install clean bench
 
@@ -13,7 +16,7 @@ $(STAMP): pyproject.toml setup.py kvxfer/transport/_rma.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) $$( $(PYTHON) -c 'import torch' 2>/dev/null && echo --system-site-packages )
 	@# Keep an existing torch (system site or venv); otherwise take the CPU build.
 	@$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q "setuptools>=64" wheel "triton>=3.0" "numpy>=1.24" "msgpack>=1.0" "ucxx-cu12>=0.46" \
+	$(PY) -m pip install -q "setuptools>=77" wheel "triton>=3.0" "numpy>=1.24" "msgpack>=1.0" "$(UCXX_SPEC)" \
 	    "pytest>=8" "pytest-asyncio>=0.23" "pytest-timeout>=2.2" "transformers==5.23.0"
 	@# No build isolation: the native RMA extension compiles against the libucx headers installed above.
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .

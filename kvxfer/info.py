@@ -23,6 +23,9 @@ def _version(mod: str) -> str:
 def collect() -> dict:
     import kvxfer
     from kvxfer.config import env_defaults
+    from kvxfer.transport.ucx_rma import ucx_log_to_stderr
+
+    ucx_log_to_stderr()          # before the version probe below imports ucxx
 
     out = {"python": platform.python_version(), "platform": platform.platform(),
            "kvxfer": kvxfer.__version__}

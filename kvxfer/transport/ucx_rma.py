@@ -5,6 +5,7 @@ batched PUTs, flush, lanes). :mod:`kvxfer.transport.ucx` assembles them into the
 from __future__ import annotations
 
 import logging
+import os
 import re
 from typing import TYPE_CHECKING, Dict, List, Optional
 
@@ -24,9 +25,17 @@ log = logging.getLogger(__name__)
 _U64 = np.uint64
 
 
+def ucx_log_to_stderr() -> None:
+    """UCX prints its log (warnings included) on stdout unless told otherwise, which breaks
+    machine-readable output (``--json``) and tables. Point it at stderr unless the user chose
+    a destination. libucs reads this once, when it is loaded: call before ``import ucxx``."""
+    os.environ.setdefault("UCX_LOG_FILE", "stderr")
+
+
 def load_ucx():
     """Import ucxx (which loads libucp from the libucx wheel) and then our extension, so
     both use the same libucp. Returns ``(ucxx, _rma)``."""
+    ucx_log_to_stderr()
     import ucxx  # noqa: F401  (must come first)
 
     try:
