@@ -120,6 +120,8 @@ class Node:
         self.hooks_fired: list = []
         self.hooks_cv = threading.Condition()
         self._gate = threading.Event()
+        self.widened: Optional[tuple] = None
+        self.in_window: Optional[int] = None
         self._thread = None
         self.mgr = KVManager(args, role, bootstrap_addr=bootstrap if role == "prefill" else None,
                              timeouts=Timeouts(**timeouts), error_mode=error_mode,
@@ -212,7 +214,6 @@ class Node:
         While it holds, ``in_window`` names the room."""
         import random
         self.widened = (point, seconds, random.Random(0))
-        self.in_window = None
         self.mgr.test_hook = self._hook
 
     def hammer_open(self, rooms, seed: int, jitter: float) -> None:
@@ -243,7 +244,7 @@ class Node:
             time.sleep(rng.random() * jitter)
 
     def _hook(self, point: str, room: int) -> None:
-        w = getattr(self, "widened", None)
+        w = self.widened
         if w is not None and w[0] == point:
             self.in_window = room
             time.sleep((1 + w[2].random()) * w[1] / 2)
@@ -266,7 +267,7 @@ class Node:
         def run():
             try:
                 getattr(self, args[0])(*args[1:])
-            except BaseException as exc:
+            except BaseException:
                 err.append(traceback.format_exc())
         t = threading.Thread(target=run)
         t.start()
@@ -641,7 +642,8 @@ class Worker:
         assert self.stopped(), f"worker pid {self.proc.pid} did not stop"
 
     def resume(self) -> None:
-        os.kill(self.proc.pid, signal.SIGCONT)
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGCONT)
 
     def request_exit(self) -> None:
         if self.proc.is_alive():

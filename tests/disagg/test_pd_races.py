@@ -40,6 +40,8 @@ def _race(c, node, point, r, n):
 
 @pytest.mark.parametrize("point", ["room_failed", "pending_retired", "abort_received"])
 def test_decode_abort_races_sender_creation(cluster, room, point):
+    """Decode aborts while prefill holds its metadata and the KVSender is created inside the
+    window: the sender fails with TransferAborted whichever wins, and never writes."""
     c, r = cluster, room()
     c.d(K, "d_open", r, 3)
     held_pending(c, r)
@@ -91,7 +93,8 @@ def test_decode_death_races_sender_creation(cluster, room, point):
     t0 = time.monotonic()
     v.kill()
     assert fired()
-    c.p("mha", "p_open", b, 2)                    # after the pending record failed
+    assert c.p("mha", "record", b, 10.0, None) is None     # b's pending record failed
+    c.p("mha", "p_open", b, 2)
     for r in (a, b):
         c.p("mha", "p_send", r, 0, 2)
         res = c.p("mha", "wait", r, FAST["waiting_s"])
@@ -104,7 +107,7 @@ def test_decode_death_races_sender_creation(cluster, room, point):
 def _hammer(c, rooms, seed, widen):
     """Decode opens every room (prefill holds the metadata); then, at once, prefill's
     scheduler creates senders and sends (random order and pacing, see ``hammer_open``)
-    while decode's aborts half of the rooms (random order and pacing). ``widen``: prefill's
+    while decode aborts half of the rooms (random order and pacing). ``widen``: prefill's
     loop lingers up to that long in 'room_failed', the window of defect 1."""
     rng = random.Random(seed)
     ids = [r for r, _ in rooms]
@@ -192,8 +195,7 @@ def test_decode_close_while_senders_are_created(cluster, room):
     res = c.p("mha", "wait_all", ids, FAST["transfer_s"])
     assert time.monotonic() - t0 < FAST["transfer_s"] / 2, res
     assert "Timeout" not in res and "Failed: TransferTimeout" not in res, res
-    clean((c.p, "mha"))
-    assert not v("mha", "fence_check")["pages"]
+    clean((c.p, "mha"), (v, "mha"))
 
 
 def test_layout_mismatch_reaches_prefill(cluster, room):
