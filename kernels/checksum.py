@@ -24,7 +24,9 @@ tiles (and its descriptors handled by different backends) whose partial sums sim
 The kernel reads a *task table*, int64 ``[T, 4] = (address, nbytes, out index, first
 word position)``, one row per tile of one (item, descriptor) range
 (:func:`item_tasks` builds it), and atomically adds each tile's partial sum into
-``out[out index]`` (int32 bit patterns of the uint32 sums). Addresses are whatever the
+``out[out index]`` (int32 bit patterns of the uint32 sums); with ``per_task=True`` it
+stores task ``i``'s partial sum in ``out[i]`` instead (no atomics, no zeroing: the caller
+adds the partials per item on the host, :func:`add_partials`). Addresses are whatever the
 kernel can dereference: device pointers (CPU addresses under the Triton interpreter).
 
 Invariants:
@@ -33,7 +35,7 @@ Invariants:
   ``A``; ``A == 1`` reads bytes and assembles the words, so any range works;
 * a tile starts at a multiple of 16 bytes inside its range, and its position column is the
   stream position of its first word, so tiling never changes the result;
-* ``out`` is zeroed by the caller; ``T == 0`` is a no-op.
+* ``out`` is zeroed by the caller (unless ``per_task``); ``T == 0`` is a no-op.
 
 :func:`checksum_rows` is the vectorised numpy path used for host memory (and by kvxfer for
 host buffers); :func:`checksum_items_reference` is the deliberately plain oracle.
@@ -52,7 +54,8 @@ import triton.language as tl
 from kernels import dispatch
 from kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
 
-__all__ = ["ALGORITHM", "ALIGNMENTS", "BLOCK_WORDS", "TILE_BYTES", "checksum_items_reference",
+__all__ = ["ALGORITHM", "ALIGNMENTS", "BLOCK_WORDS", "TILE_BYTES", "add_partials",
+           "checksum_items_reference", "task_alignment",
            "checksum_rows", "checksum_tasks", "item_checksums", "item_checksums_host",
            "item_tasks", "kernel_runnable", "word_offsets"]
 
@@ -80,9 +83,12 @@ def _mix(v, pos):
 
 
 @triton.jit
-def _checksum_tasks_kernel(tasks, out, ALIGN: tl.constexpr, BLOCK: tl.constexpr):
-    """Program i adds the checksum terms of task i's words into ``out[task[2]]``."""
-    row = tasks + tl.program_id(0).to(tl.int64) * 4
+def _checksum_tasks_kernel(tasks, out, ALIGN: tl.constexpr, BLOCK: tl.constexpr,
+                           PER_TASK: tl.constexpr):
+    """Program i adds the checksum terms of task i's words into ``out[task[2]]`` (or, with
+    ``PER_TASK``, stores their sum in ``out[i]``)."""
+    pid = tl.program_id(0).to(tl.int64)
+    row = tasks + pid * 4
     addr = tl.load(row)
     nbytes = tl.load(row + 1)
     idx = tl.load(row + 2)
@@ -111,8 +117,11 @@ def _checksum_tasks_kernel(tasks, out, ALIGN: tl.constexpr, BLOCK: tl.constexpr)
             v |= tl.load(src + b + 2, mask=b + 2 < nbytes, other=0).to(tl.uint32) << 16
             v |= tl.load(src + b + 3, mask=b + 3 < nbytes, other=0).to(tl.uint32) << 24
             acc += tl.where(w < nwords, _mix(v, pos0 + w), 0)
-    total = tl.sum(acc, axis=0)
-    tl.atomic_add(out + idx, total.to(tl.int32, bitcast=True))
+    total = tl.sum(acc, axis=0).to(tl.int32, bitcast=True)
+    if PER_TASK:
+        tl.store(out + pid, total)
+    else:
+        tl.atomic_add(out + idx, total)
 
 
 def kernel_runnable(device: torch.device) -> bool:
@@ -158,7 +167,8 @@ def item_tasks(ptrs: Sequence[int], item_lens: Sequence[int], pos0: Sequence[int
     return out.reshape(-1, 4)
 
 
-def _task_alignment(tasks: np.ndarray) -> np.ndarray:
+def task_alignment(tasks: np.ndarray) -> np.ndarray:
+    """The largest of :data:`ALIGNMENTS` that divides each task's address and size."""
     acc = tasks[:, 0] | tasks[:, 1] | 16
     low = acc & -acc
     return np.where(low >= 16, 16, np.where(low >= 4, 4, 1))
@@ -177,7 +187,7 @@ def _check_table(tasks: torch.Tensor, out: torch.Tensor) -> None:
         raise InvalidArgument(f"tasks on {tasks.device}, out on {out.device}")
 
 
-def _check_host_tasks(host_tasks: np.ndarray, align: int, n_out: int) -> None:
+def _check_host_tasks(host_tasks: np.ndarray, align: int, n_out: int, per_task: bool) -> None:
     if align not in ALIGNMENTS:
         raise InvalidArgument(f"align must be one of {ALIGNMENTS}, got {align!r}")
     if not host_tasks.size:
@@ -185,7 +195,10 @@ def _check_host_tasks(host_tasks: np.ndarray, align: int, n_out: int) -> None:
     if (host_tasks[:, 1] < 0).any():
         raise InvalidArgument("task sizes must be >= 0")
     idx = host_tasks[:, 2]
-    if (idx < 0).any() or (idx >= n_out).any():
+    if per_task:
+        if host_tasks.shape[0] > n_out:
+            raise ShapeMismatch(f"{host_tasks.shape[0]} tasks, out has {n_out} entries")
+    elif (idx < 0).any() or (idx >= n_out).any():
         bad = int(idx[(idx < 0) | (idx >= n_out)][0])
         raise IndexOutOfRange(f"task out index {bad} not in [0, {n_out})")
     if align > 1 and int(np.bitwise_or.reduce(host_tasks[:, :2], axis=None)) & (align - 1):
@@ -196,9 +209,11 @@ def _check_host_tasks(host_tasks: np.ndarray, align: int, n_out: int) -> None:
 
 # ---------------------------------------------------------------------- launch
 def checksum_tasks(tasks: torch.Tensor, out: torch.Tensor, align: int, *,
-                   host_tasks: np.ndarray | None = None) -> int:
+                   host_tasks: np.ndarray | None = None, per_task: bool = False) -> int:
     """Add every task's checksum terms into ``out`` (int32, zeroed by the caller), on the
-    current stream. Returns the number of programs launched (``T``).
+    current stream; with ``per_task``, store task ``i``'s partial sum in ``out[i]`` (``out``
+    has at least ``T`` entries; the out index column is not read). Returns the number of
+    programs launched (``T``).
 
     ``host_tasks``: the same table as numpy when ``tasks`` lives on a device (checked there,
     so nothing is read back)."""
@@ -209,13 +224,13 @@ def checksum_tasks(tasks: torch.Tensor, out: torch.Tensor, align: int, *,
         host_tasks = tasks.numpy()
     if host_tasks.shape != tuple(tasks.shape):
         raise ShapeMismatch(f"host_tasks {host_tasks.shape} != tasks {tuple(tasks.shape)}")
-    _check_host_tasks(host_tasks, align, int(out.numel()))
+    _check_host_tasks(host_tasks, align, int(out.numel()), per_task)
     t = int(tasks.shape[0])
     if t:
         dispatch.require_runnable(_checksum_tasks_kernel, tasks.device)
         with dispatch.launch_context(tasks.device):
             _checksum_tasks_kernel[(t,)](tasks, out, ALIGN=align, BLOCK=BLOCK_WORDS,
-                                         num_warps=NUM_WARPS)
+                                         PER_TASK=per_task, num_warps=NUM_WARPS)
     return t
 
 
@@ -237,11 +252,19 @@ def item_checksums(ptrs: Sequence[int], item_lens: Sequence[int], ids, *,
     tasks = item_tasks(ptrs, item_lens, pos0, ids)
     if not tasks.shape[0]:
         return out
-    al = _task_alignment(tasks)
+    al = task_alignment(tasks)
     for a in sorted(set(al.tolist()), reverse=True):
         part = np.ascontiguousarray(tasks[al == a]) if (al != a).any() else tasks
         table = torch.from_numpy(part).to(device)
         checksum_tasks(table, out, int(a), host_tasks=part)
+    return out
+
+
+def add_partials(host_tasks: np.ndarray, partials: np.ndarray, n: int) -> np.ndarray:
+    """uint32 ``[n]``: the per-task partial sums of a ``per_task`` launch added per item
+    (out index column), modulo ``2**32``."""
+    out = np.zeros(n, dtype=np.uint32)
+    np.add.at(out, host_tasks[:, 2], np.asarray(partials).view(np.uint32))
     return out
 
 

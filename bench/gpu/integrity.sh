@@ -17,7 +17,7 @@ KVXFER_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider tes
 echo '```'
 echo
 echo "## kernel throughput"
-timeout 120 python3 -m kvxfer bench kernels --kernels checksum,checksum_paged,move,move_paged \
+timeout 180 python3 -m kvxfer bench kernels --kernels checksum,checksum_paged,move,move_paged --tokens 16,1024,16384 \
     --json "$OUT/integrity-kernels.json" 2>&1 | tail -14 || rc=1
 echo
 echo "## kvxfer bench pd --integrity --device cuda"

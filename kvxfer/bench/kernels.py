@@ -106,8 +106,9 @@ class _Case:
     """One benchmark case: a Triton call, a torch call and the payload bytes they move."""
 
     def __init__(self, name: str, tokens: int, payload: int, triton_fn, torch_fn,
-                 moved: int | None = None):
+                 moved: int | None = None, keep: tuple = ()):
         self.name, self.tokens, self.payload = name, tokens, payload
+        self.keep = keep   # buffers a call reads through raw addresses only
         self.triton_fn, self.torch_fn = triton_fn, torch_fn
         self.moved = 2 * payload if moved is None else moved   # bytes read + written
 
@@ -185,16 +186,15 @@ def _build(kind: str, n: int, a, device) -> _Case:
                      lambda: table.move(tgt, src, backend="torch"))
     if kind in ("checksum", "checksum_paged"):
         pages = torch.randperm(cap // ps, generator=gen)[:-(-n // ps)].numpy()
-        if kind == "checksum":
-            bufs = [torch.randint(0, 256, (cap // ps, ps * row), dtype=torch.uint8, generator=gen)
-                    for _ in range(2 * L)]
-        else:
-            bufs = [torch.randint(0, 256, (cap // ps, 2 * L * ps * row), dtype=torch.uint8,
-                                  generator=gen)]
-        dev = [b.to(device) for b in bufs]
-        lens = [b.shape[1] for b in bufs]
+        shapes = ([(cap // ps, ps * row)] * (2 * L) if kind == "checksum"
+                  else [(cap // ps, 2 * L * ps * row)])
+        # the table holds raw addresses: the case must own the buffers it points into (a
+        # dropped buffer is freed at the next empty_cache(), e.g. by CUDA-graph capture)
+        dev = [torch.randint(0, 256, s, dtype=torch.uint8, device=device) for s in shapes]
+        host = [d.to("cpu", copy=True) for d in dev]         # the host path's copies
+        lens = [d.shape[1] for d in dev]
         read = len(pages) * sum(lens)
-        tasks = checksum.item_tasks([b.data_ptr() for b in dev], lens, checksum.word_offsets(lens),
+        tasks = checksum.item_tasks([d.data_ptr() for d in dev], lens, checksum.word_offsets(lens),
                                     pages)
         table = torch.from_numpy(tasks).to(device)
         out = torch.zeros(len(pages), dtype=torch.int32, device=device)
@@ -202,11 +202,16 @@ def _build(kind: str, n: int, a, device) -> _Case:
         def run_kernel():
             out.zero_()
             checksum.checksum_tasks(table, out, 16, host_tasks=tasks)
+            return out
 
-        return _Case(kind, n, read // 2, run_kernel,
-                     lambda: checksum.item_checksums_host([b.data_ptr() for b in bufs], lens,
-                                                          pages),
-                     moved=read)
+        def run_host():
+            return checksum.item_checksums_host([h.data_ptr() for h in host], lens, pages)
+
+        if checksum.kernel_runnable(device):       # the two paths agree before anything is timed
+            got = run_kernel().cpu().numpy().view("uint32")
+            if not (got == run_host()).all():
+                raise RuntimeError(f"{kind}: kernel and host checksums differ")
+        return _Case(kind, n, read // 2, run_kernel, run_host, moved=read, keep=(dev, host, table))
     if kind == "move":
         bufs = [torch.empty(cap, H, D, dtype=dt, device=device) for _ in range(2 * L)]
         table = kcopy.KvCopyTable(bufs)

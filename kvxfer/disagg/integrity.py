@@ -3,7 +3,7 @@
 A transfer that reports success with wrong bytes (a misplaced page, a stale page, a torn
 write, a bad lane) is the worst failure of a disaggregated server: decode then produces
 plausible gibberish. With integrity on, every item of a room is checksummed on both ends
-(:mod:`kernels.checksum`: one Triton launch per side for device memory, the numpy path for
+(:mod:`kernels.checksum`: one batch per side and device for device memory, the numpy path for
 host memory, chosen per buffer by where its memory lives) and compared before decode reports
 ``Success``:
 
@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import threading
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
@@ -52,13 +53,73 @@ GROUPS = ("kv", "state", "aux")
 _OWED = "verdict owed"        # decode: Done arrived, prefill waits for our verdict
 
 
+class _DeviceBatch:
+    """The kernel's side of one CUDA device: a private stream, and pinned staging + device
+    buffers for the task table and the per-task partial sums, grown geometrically and
+    reused. One batch at a time (``lock``): the loop and executor threads may both compute.
+
+    A batch is one H2D copy of the table, one launch per alignment class present, one D2H
+    copy of the partials and one wait on this stream only, ordered after the calling
+    thread's current stream; nothing is allocated per call once the buffers are big enough."""
+
+    def __init__(self, dev: int) -> None:
+        import torch
+        self.dev = dev
+        self.lock = threading.Lock()
+        self.stream = torch.cuda.Stream(dev)
+        self.rows = 0
+
+    def _grow(self, rows: int) -> None:
+        import torch
+        rows = max(1024, 1 << (rows - 1).bit_length())
+        self.h_tasks = torch.empty((rows, 4), dtype=torch.int64, pin_memory=True)
+        self.d_tasks = torch.empty((rows, 4), dtype=torch.int64, device=f"cuda:{self.dev}")
+        self.h_part = torch.empty(rows, dtype=torch.int32, pin_memory=True)
+        self.d_part = torch.empty(rows, dtype=torch.int32, device=f"cuda:{self.dev}")
+        self.rows = rows
+
+    def run(self, tasks: np.ndarray, n: int, host_work: Callable[[], None]) -> np.ndarray:
+        """uint32 ``[n]``: the table's sums per out index; ``host_work()`` runs while the
+        device works."""
+        import torch
+        from kernels.checksum import add_partials, checksum_tasks, task_alignment
+        t = tasks.shape[0]
+        al = task_alignment(tasks)
+        order = np.argsort(-al, kind="stable")           # 16-, then 4-, then 1-byte aligned
+        tasks, al = tasks[order], al[order]
+        with self.lock, torch.cuda.device(self.dev):
+            caller = torch.cuda.current_stream(self.dev)
+            if t > self.rows:
+                self._grow(t)                            # the old ones: nothing in flight
+            self.stream.wait_stream(caller)              # after this thread's work
+            h_tasks = self.h_tasks[:t]
+            h_tasks.numpy()[:] = tasks
+            try:
+                with torch.cuda.stream(self.stream):
+                    d_tasks = self.d_tasks[:t]
+                    d_tasks.copy_(h_tasks, non_blocking=True)
+                    lo = 0
+                    for a in (16, 4, 1):
+                        hi = lo + int(np.count_nonzero(al == a))
+                        if hi > lo:
+                            checksum_tasks(d_tasks[lo:hi], self.d_part[lo:hi], a,
+                                           host_tasks=tasks[lo:hi], per_task=True)
+                        lo = hi
+                    self.h_part[:t].copy_(self.d_part[:t], non_blocking=True)
+                host_work()
+            finally:
+                self.stream.synchronize()                # staging reusable; partials here
+            return add_partials(tasks, self.h_part[:t].numpy(), n)
+
+
 class ItemSums:
     """Checksums of one descriptor group's items. Each descriptor is read where its memory
     lives (asked once, of the CUDA driver): host memory by the CPU (numpy path), device
-    memory only by the kernel on its own device, on a private stream ordered after the
-    calling thread's current stream; the parts of an item add up modulo ``2**32``."""
+    memory only by the kernel on its own device; the parts of an item add up modulo
+    ``2**32``. :func:`item_sums` computes several groups with one batch per device."""
 
-    def __init__(self, ptrs, lens, item_lens) -> None:
+    def __init__(self, ptrs, lens, item_lens, batches: Optional[Dict[int, _DeviceBatch]] = None
+                 ) -> None:
         from kernels.checksum import word_offsets
         from kvxfer.transport import cuda_driver
         self.ptrs = np.asarray(ptrs, dtype=np.int64)
@@ -76,27 +137,61 @@ class ItemSums:
         #: CUDA ordinal -> the descriptors whose memory lives there
         self.devices = {int(w): np.flatnonzero(where == w) for w in np.unique(where[where >= 0])}
         self.host_item_bytes = int(self.lens[self.host].sum())
-        self._streams: Dict[int, object] = {}
+        #: CUDA ordinal -> its batch (shared by the groups of one manager)
+        self.batches = {} if batches is None else batches
 
-    def sums(self, ids: np.ndarray) -> np.ndarray:
-        """uint32 checksum of each item in ``ids`` (host and device parts added)."""
-        from kernels.checksum import checksum_rows, item_checksums
-        out = np.zeros(len(ids), dtype=np.uint32)
-        if not len(ids):
-            return out
+    def device_tasks(self, dev: int, ids: np.ndarray, base: int) -> np.ndarray:
+        """Task table of ``ids`` over this group's descriptors on ``dev``; out index
+        ``base + position in ids``."""
+        from kernels.checksum import item_tasks
+        ds = self.devices[dev]
+        tasks = item_tasks(self.ptrs[ds], self.lens[ds], self.pos0[ds], ids)
+        tasks[:, 2] += base
+        return tasks
+
+    def add_host(self, ids: np.ndarray, out: np.ndarray) -> None:
+        """Add the host descriptors' part of each item of ``ids`` into ``out``."""
+        from kernels.checksum import checksum_rows
         for rows, pos0 in self._host_views:
             out += checksum_rows(rows, pos0, ids)
-        for dev, ds in self.devices.items():
-            import torch
-            stream = self._streams.get(dev)
-            if stream is None:
-                stream = self._streams[dev] = torch.cuda.Stream(dev)
-            stream.wait_stream(torch.cuda.current_stream(dev))   # after this thread's work
-            with torch.cuda.device(dev), torch.cuda.stream(stream):
-                got = item_checksums(self.ptrs[ds], self.lens[ds], ids, device=f"cuda:{dev}",
-                                     pos0=self.pos0[ds])
-                out += got.cpu().numpy().view(np.uint32)     # waits for this stream only
-        return out
+
+    def sums(self, ids) -> np.ndarray:
+        """uint32 checksum of each item in ``ids`` (host and device parts added)."""
+        return item_sums([(self, ids)])[0]
+
+
+def item_sums(parts) -> List[np.ndarray]:
+    """uint32 checksums of ``(ItemSums, ids)`` pairs: one batch per CUDA device for all of
+    them (its groups share ``batches``), the host parts computed while the devices work."""
+    ids_of = [np.asarray(ids, dtype=np.int64).reshape(-1) for _, ids in parts]
+    bounds = np.cumsum([0] + [len(i) for i in ids_of])
+    total = np.zeros(int(bounds[-1]), dtype=np.uint32)
+
+    def host_work() -> None:
+        for (g, _), ids, lo in zip(parts, ids_of, bounds):
+            if len(ids):
+                g.add_host(ids, total[lo:lo + len(ids)])
+
+    tables: Dict[int, list] = {}
+    batches: Dict[int, _DeviceBatch] = {}
+    for (g, _), ids, lo in zip(parts, ids_of, bounds):
+        if not len(ids):
+            continue
+        for dev in g.devices:
+            tables.setdefault(dev, []).append(g.device_tasks(dev, ids, int(lo)))
+            if dev not in g.batches:
+                g.batches[dev] = _DeviceBatch(dev)
+            batches.setdefault(dev, g.batches[dev])
+    for dev, ts in tables.items():
+        tasks = np.concatenate(ts) if len(ts) > 1 else ts[0]
+        total += batches[dev].run(tasks, total.size, host_work)
+        host_work = _nothing
+    host_work()
+    return [total[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
+def _nothing() -> None:
+    pass
 
 
 class _Sending:
@@ -117,14 +212,15 @@ class Integrity:
         self.mgr = mgr
         self.algorithm = ALGORITHM
         a = mgr.args
-        self.groups = {g: ItemSums(*a.group(g)) for g in GROUPS}
+        batches: Dict[int, _DeviceBatch] = {}
+        self.groups = {g: ItemSums(*a.group(g), batches=batches) for g in GROUPS}
         #: test hook: called on the loop with the room right before decode checksums its
         #: destination items (a test corrupts a byte there); None otherwise
         self.before_check: Optional[Callable] = None
 
     # ------------------------------------------------------------------ computing
     def _sums(self, parts) -> List[np.ndarray]:
-        return [self.groups[g].sums(np.asarray(ids, dtype=np.int64)) for g, ids in parts]
+        return item_sums([(self.groups[g], ids) for g, ids in parts])
 
     async def _compute(self, parts) -> List[np.ndarray]:
         host = sum(len(ids) * self.groups[g].host_item_bytes for g, ids in parts)

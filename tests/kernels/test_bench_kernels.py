@@ -1,7 +1,9 @@
 """Smoke test of `kvxfer bench kernels` at toy sizes (the real run is on the GPU)."""
+import gc
 import json
 
 import pytest
+import torch
 
 from _kernels_testlib import DEVICE, ON_CUDA
 from kvxfer.bench import kernels as bench
@@ -35,3 +37,23 @@ def test_bench_dispatch_errors(capsys):
     assert "unknown benchmark" in capsys.readouterr().err
     assert bench_main([]) == 0
     assert "kernels" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", ["checksum", "checksum_paged"])
+def test_checksum_cases_own_the_buffers_their_table_reads(kind, monkeypatch):
+    """The task table holds raw addresses: a case that dropped its buffers read freed memory
+    (an illegal address on the H200 once CUDA-graph capture emptied the allocator's cache)."""
+    seen = []
+    real = bench.checksum.item_tasks
+
+    def spy(ptrs, *args, **kw):
+        seen.append([int(p) for p in ptrs])
+        return real(ptrs, *args, **kw)
+
+    monkeypatch.setattr(bench.checksum, "item_tasks", spy)
+    a = bench._parser().parse_args(["--layers", "2", "--heads", "1", "--head-dim", "8"])
+    case = bench._build(kind, 32, a, DEVICE)
+    gc.collect()
+    live = {t.data_ptr() for t in gc.get_objects() if issubclass(type(t), torch.Tensor)}
+    assert seen and set(seen[-1]) <= live
+    assert case.payload > 0

@@ -88,7 +88,7 @@ def test_tiling_is_invisible():
     for tile in (48, 1 << 20):
         tasks = ck.item_tasks(ptrs, lens, ck.word_offsets(lens), [1, 3], tile)
         out = torch.zeros(2, dtype=torch.int32, device=DEVICE)
-        widest = int(ck._task_alignment(tasks).min())
+        widest = int(ck.task_alignment(tasks).min())
         assert widest == 4                                   # 52-byte items: word aligned
         for align in (4, 1):          # a word-aligned table also runs on the byte path
             out.zero_()
@@ -160,6 +160,22 @@ def test_zero_pages_are_not_all_alike_in_position():
     a[0, 0] = 1
     b[0, 4] = 1
     assert ck.checksum_rows(a)[0] != ck.checksum_rows(b)[0]
+
+
+def test_per_task_partials_add_up_to_the_item_sums():
+    g = gen(11)
+    views = [rand((8, 3 * 64 + 16), torch.uint8, g), rand((8, 48), torch.uint8, g)]
+    ptrs, lens, ids = [v.data_ptr() for v in views], [v.shape[1] for v in views], [6, 1, 6]
+    tasks = ck.item_tasks(ptrs, lens, ck.word_offsets(lens), ids, tile_bytes=64)
+    align = int(ck.task_alignment(tasks).min())
+    part = torch.full((tasks.shape[0] + 3,), -1, dtype=torch.int32, device=DEVICE)  # no zeroing
+    assert ck.checksum_tasks(torch.from_numpy(tasks).to(DEVICE), part, align, host_tasks=tasks,
+                             per_task=True) == tasks.shape[0]
+    got = ck.add_partials(tasks, part[:tasks.shape[0]].cpu().numpy(), len(ids))
+    np.testing.assert_array_equal(got, ck.checksum_items_reference(views, ids))
+    with pytest.raises(ShapeMismatch):                       # one partial per task
+        ck.checksum_tasks(torch.from_numpy(tasks).to(DEVICE), part[:2], align,
+                          host_tasks=tasks, per_task=True)
 
 
 # ---------------------------------------------------------------------- launcher checks
