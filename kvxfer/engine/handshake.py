@@ -5,6 +5,12 @@ Guarantees
 - Protocol version first: a peer speaking another version fails with ``IncompatiblePeer``.
 - Mutual authentication by HMAC-SHA256 challenge-response over fresh nonces; neither side
   sends its region table (addresses, remote keys) before the other proved the secret.
+- Each proof covers the whole opening exchange (both Hellos: ids, names, hosts, nonces,
+  stage flags), the role, and the connection it runs on (:meth:`Channel.binding`: the
+  client's and the server's socket address, which both ends observe identically). A party
+  without the secret that relays between two connections (decode -> it -> prefill) gets
+  proofs bound to the other connection; the side it talks to rejects them, so no region
+  table, remote key or landing grant ever reaches it.
 - Every group present on both sides must agree on descriptor count and item sizes,
   otherwise ``IncompatiblePeer`` naming the group and the field; the side that notices
   tells the other with a Reject so both fail the same way.
@@ -46,11 +52,15 @@ class HandshakeResult:
     granted: dict = None
 
 
-def _proof(secret: bytes, role: bytes, id_c: str, id_s: str, nonce_c: bytes,
-           nonce_s: bytes) -> bytes:
-    msg = b"kvxfer-v%d|" % wire.PROTOCOL_VERSION + role + b"|" + id_c.encode() + b"|" + \
-        id_s.encode() + b"|" + nonce_c + b"|" + nonce_s
-    return hmac.new(secret, msg, hashlib.sha256).digest()
+def _proof(secret: bytes, role: bytes, binding: bytes, hello: m.Hello,
+           ack: m.HelloAck) -> bytes:
+    """HMAC-SHA256 of the transcript: role (b"S" / b"C"), the connection's binding and every
+    field of both Hellos except the proofs, msgpack-encoded (unambiguous field boundaries)."""
+    transcript = msgpack.packb(
+        [b"kvxfer-handshake", wire.PROTOCOL_VERSION, role, binding,
+         hello.engine_id, hello.name, hello.nonce, hello.hostname, hello.stage,
+         ack.engine_id, ack.name, ack.nonce, ack.hostname, ack.stage], use_bin_type=True)
+    return hmac.new(secret, transcript, hashlib.sha256).digest()
 
 
 class _Deadline:
@@ -68,13 +78,9 @@ class _Deadline:
 def _decode(raw: bytes) -> wire.Message:
     """Decode, turning a foreign protocol version into IncompatiblePeer."""
     try:
-        body = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except Exception:
-        body = None
-    if isinstance(body, dict) and "v" in body and body["v"] != wire.PROTOCOL_VERSION:
-        raise IncompatiblePeer(
-            f"peer speaks protocol version {body['v']!r}, this side {wire.PROTOCOL_VERSION}")
-    return wire.decode(raw)
+        return wire.decode(raw)
+    except wire.VersionMismatch as exc:
+        raise IncompatiblePeer(f"peer speaks another protocol version: {exc}") from None
 
 
 async def _recv(ch: Channel, dl: _Deadline, expected):
@@ -155,21 +161,21 @@ async def connect_side(ch: Channel, local: LocalGroups, secret: bytes, engine_id
                        name: str, address: bytes, timeout: float,
                        refuse_emulated: bool = False) -> HandshakeResult:
     dl = _Deadline(timeout)
-    nonce_c = os.urandom(NONCE_BYTES)
-    await ch.send(m.Hello(engine_id=engine_id, name=name, nonce=nonce_c,
-                          hostname=socket.gethostname(), stage=bool(local.stages)).encode(),
-                  dl.left())
+    hello = m.Hello(engine_id=engine_id, name=name, nonce=os.urandom(NONCE_BYTES),
+                    hostname=socket.gethostname(), stage=bool(local.stages))
+    await ch.send(hello.encode(), dl.left())
 
     async def steps():
         ack = await _recv(ch, dl, m.HelloAck)
         if len(ack.nonce) != NONCE_BYTES:
             raise ProtocolError("hello_ack: bad nonce length")
-        want = _proof(secret, b"S", engine_id, ack.engine_id, nonce_c, ack.nonce)
-        if not hmac.compare_digest(want, ack.proof):
+        binding = ch.binding()
+        if not hmac.compare_digest(_proof(secret, b"S", binding, hello, ack), ack.proof):
             raise AuthenticationFailed(
-                f"peer {ack.name or ack.engine_id} failed the challenge (wrong secret?)")
-        await ch.send(m.Proof(proof=_proof(secret, b"C", engine_id, ack.engine_id, nonce_c,
-                                           ack.nonce)).encode(), dl.left())
+                f"peer {ack.name or ack.engine_id} failed the challenge (wrong secret, or "
+                f"a relay: the proof covers this connection's addresses {binding.decode()})")
+        await ch.send(m.Proof(proof=_proof(secret, b"C", binding, hello, ack)).encode(),
+                      dl.left())
         layout = await _recv(ch, dl, m.Layout)
         remote = parse_remote(layout)
         check_groups(local, remote)
@@ -197,17 +203,17 @@ async def accept_side(ch: Channel, local: LocalGroups, secret: bytes, engine_id:
         hello = await _recv_hello(ch, dl)
         if len(hello.nonce) != NONCE_BYTES:
             raise ProtocolError("hello: bad nonce length")
-        nonce_s = os.urandom(NONCE_BYTES)
-        await ch.send(m.HelloAck(
-            engine_id=engine_id, name=name, nonce=nonce_s, hostname=socket.gethostname(),
-            stage=bool(local.stages),
-            proof=_proof(secret, b"S", hello.engine_id, engine_id, hello.nonce, nonce_s),
-        ).encode(), dl.left())
+        binding = ch.binding()
+        ack = m.HelloAck(engine_id=engine_id, name=name, nonce=os.urandom(NONCE_BYTES),
+                         hostname=socket.gethostname(), stage=bool(local.stages), proof=b"")
+        ack.proof = _proof(secret, b"S", binding, hello, ack)
+        await ch.send(ack.encode(), dl.left())
         proof = await _recv(ch, dl, m.Proof)
-        want = _proof(secret, b"C", hello.engine_id, engine_id, hello.nonce, nonce_s)
-        if not hmac.compare_digest(want, proof.proof):
+        if not hmac.compare_digest(_proof(secret, b"C", binding, hello, ack), proof.proof):
             raise AuthenticationFailed(
-                f"peer {hello.name or hello.engine_id} failed the challenge (wrong secret?)")
+                f"peer {hello.name or hello.engine_id} failed the challenge (wrong secret, "
+                f"or a relay: the proof covers this connection's addresses "
+                f"{binding.decode()})")
         if hello.stage:
             grant.update(local.grant_landing())
         await ch.send(_layout(local, address, grant), dl.left())

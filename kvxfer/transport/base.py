@@ -52,6 +52,13 @@ class Channel(abc.ABC):
         """Next message; raises PeerClosed / TransferTimeout (``None``: no deadline)."""
 
     @abc.abstractmethod
+    def binding(self) -> bytes:
+        """Facts about this connection that both of its ends observe identically and that
+        differ on any other connection (for UCX: the client's and the server's socket
+        address). The handshake's proofs cover them, so a proof cannot be relayed to
+        another connection."""
+
+    @abc.abstractmethod
     def on_closed(self, callback: Callable[[Exception], None]) -> None:
         """Call ``callback(exc)`` once, in the event loop, when the peer goes away."""
 

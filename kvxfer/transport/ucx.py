@@ -31,6 +31,7 @@ from kvxfer.transport.base import AcceptCallback, Channel, Region, RmaEndpoint, 
 from kvxfer.transport.ucx_rma import (UcxRegion, UcxRma, _ucx_error_types,  # noqa: F401
                                       cuda_alloc_range, load_ucx, parse_rma_lanes,
                                       status_error)
+from kvxfer.transport.ucx_sockaddr import sockaddrs
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class UcxChannel(Channel):
         self._epoch = epoch  # None: not known yet (accepting side before the handshake)
         self._rx_epoch = 0   # epoch of the last frame returned while ours was unknown
         self._rx: Optional[asyncio.Future] = None  # the pending receive request
+        self._connecting = epoch is not None  # our side dialled (the client of the pair)
         self.dropped = 0     # frames of another connection dropped
         ep.set_close_callback(self._on_ucx_close)
 
@@ -85,6 +87,16 @@ class UcxChannel(Channel):
         """Accepting side: the epoch of the last received frame is this connection's."""
         if self._epoch is None:
             self._epoch = self._rx_epoch
+
+    def binding(self) -> bytes:
+        """``client ip:port>server ip:port`` of this connection (``ucp_ep_query``): both ends
+        compute the same bytes; a relay's two connections give two different ones."""
+        ep = self._ep._ep
+        if ep is None:
+            raise PeerClosed("endpoint closed")
+        local, remote = sockaddrs(ep.handle)
+        client, server = (local, remote) if self._connecting else (remote, local)
+        return f"{client[0]}:{client[1]}>{server[0]}:{server[1]}".encode()
 
     def _on_ucx_close(self, *args):  # any thread (UCXX progress thread)
         try:

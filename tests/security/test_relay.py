@@ -1,0 +1,80 @@
+"""Relay and wrong-secret attempts against real engines (three processes, real UCX loopback):
+no Layout, remote key or region table ever reaches a party without the secret.
+
+The relay is a real forwarding program (:meth:`sec_nodes.Attacker.cmd_relay_start`): decode
+connects to it believing it is prefill, it connects to the real prefill and forwards every
+message both ways. Before the handshake bound its proofs to the connection, both Layouts
+crossed it (and with them prefill's remote keys: write access to its pool)."""
+import pytest
+
+from kvxfer.testing import Child
+from sec_nodes import SECRET, WRONG, attacker_node, engine_spec, target_node
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def net():
+    children = {"prefill": Child(target_node, engine_spec("prefill"), name="prefill"),
+                "decode": Child(target_node, engine_spec("decode"), name="decode"),
+                "mallory": Child(attacker_node, name="mallory")}
+    try:
+        ports = {k: c.start() for k, c in children.items()}
+        yield dict(children, port=ports["prefill"]["main"], dport=ports["decode"]["main"])
+    finally:
+        for c in children.values():
+            c.stop()
+
+
+def _keys(net):
+    return net["prefill"].call("rkeys", "main") + net["decode"].call("rkeys", "main")
+
+
+def test_relay_between_decode_and_prefill_gets_no_layout(net):
+    relay = net["mallory"].call("relay_start", "127.0.0.1", net["port"])
+    res = net["decode"].call("connect", "main", "127.0.0.1", relay)
+    assert res.get("error") == "AuthenticationFailed", res
+    assert "relay" in res["msg"]
+    log = net["mallory"].call("relayed", _keys(net))
+    tags = [t for _, t in log["tags"]]
+    assert log["ended"] == 2, log
+    # a working relay: decode's Hello reached prefill and prefill's answer came back ...
+    assert tags[:2] == ["kx.hello", "kx.hello_ack"], tags
+    # ... but no region table, remote key or landing grant crossed it, either way
+    assert "kx.layout" not in tags and "kx.proof" not in tags, tags
+    assert log["with_needle"] == 0, log
+    assert net["prefill"].call("peers", "main") == []
+    assert net["decode"].call("peers", "main") == []
+    # the two real engines still pair directly
+    direct = net["decode"].call("connect", "main", "127.0.0.1", net["port"])
+    assert "ok" in direct, direct
+    assert net["prefill"].call("errors") == [] and net["decode"].call("errors") == []
+
+
+def test_wrong_secret_as_client_gets_no_layout(net):
+    out = net["mallory"].call("wrong_secret_client", "127.0.0.1", net["port"], 5)
+    assert out["layouts"] == 0, out
+    # each attempt ends with the target closing it (after a best-effort Reject), nothing else
+    assert set(out["answers"]) <= {"kx.reject", "PeerClosed"}, out
+    assert out["answers"]["PeerClosed"] == 5, out
+
+
+def test_wrong_secret_as_server_gets_no_layout(net):
+    port = net["mallory"].call("fake_engine_start", WRONG)
+    res = net["decode"].call("connect", "main", "127.0.0.1", port)
+    assert res.get("error") == "AuthenticationFailed", res
+    seen = net["mallory"].call("fake_seen")
+    assert "kx.layout" not in seen and "kx.proof" not in seen, seen
+    assert set(seen) <= {"kx.reject"}, seen  # at most decode's (best-effort) Reject
+
+
+def test_right_secret_fake_server_is_an_authenticated_peer(net):
+    """Control for the two tests above: the same fake engine with the secret passes decode's
+    check (decode then sends its Proof, and would send its Layout after the fake's), so
+    what stops the others is the secret."""
+    port = net["mallory"].call("fake_engine_start", SECRET)
+    before = len(net["mallory"].call("fake_seen"))
+    res = net["decode"].call("connect", "main", "127.0.0.1", port, 3.0)
+    assert res.get("error") == "TransferTimeout", res  # the fake never sends its own Layout
+    seen = net["mallory"].call("fake_seen")[before:]
+    assert seen[:1] == ["kx.proof"], seen
