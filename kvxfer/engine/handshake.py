@@ -11,6 +11,8 @@ Guarantees
   without the secret that relays between two connections (decode -> it -> prefill) gets
   proofs bound to the other connection; the side it talks to rejects them, so no region
   table, remote key or landing grant ever reaches it.
+- Before the peer proved the secret, a message larger than ``MAX_PREAUTH_BYTES`` is dropped
+  unread (no copy, no decode) and ends the handshake.
 - Every group present on both sides must agree on descriptor count and item sizes,
   otherwise ``IncompatiblePeer`` naming the group and the field; the side that notices
   tells the other with a Reject so both fail the same way.
@@ -38,6 +40,9 @@ from kvxfer.errors import (AuthenticationFailed, IncompatiblePeer, KvxferError, 
 from kvxfer.transport.base import Channel
 
 NONCE_BYTES = 32
+#: largest message accepted from a peer that has not proved the secret yet (Hello, HelloAck
+#: and Proof are a few hundred bytes)
+MAX_PREAUTH_BYTES = 64 << 10
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +88,8 @@ def _decode(raw: bytes) -> wire.Message:
         raise IncompatiblePeer(f"peer speaks another protocol version: {exc}") from None
 
 
-async def _recv(ch: Channel, dl: _Deadline, expected):
-    return _expect(_decode(await ch.recv(dl.left())), expected)
+async def _recv(ch: Channel, dl: _Deadline, expected, max_bytes: int = MAX_PREAUTH_BYTES):
+    return _expect(_decode(await ch.recv(dl.left(), max_bytes)), expected)
 
 
 def _expect(msg, expected):
@@ -101,7 +106,7 @@ async def _recv_hello(ch: Channel, dl: _Deadline) -> m.Hello:
     (see :meth:`Channel.adopt_epoch`): it is dropped and logged. The first other frame
     fixes the connection's epoch and goes through the normal checks."""
     while True:
-        raw = await ch.recv(dl.left())
+        raw = await ch.recv(dl.left(), MAX_PREAUTH_BYTES)
         try:
             msg = wire.decode(raw)
         except ProtocolError:
@@ -176,14 +181,14 @@ async def connect_side(ch: Channel, local: LocalGroups, secret: bytes, engine_id
                 f"a relay: the proof covers this connection's addresses {binding.decode()})")
         await ch.send(m.Proof(proof=_proof(secret, b"C", binding, hello, ack)).encode(),
                       dl.left())
-        layout = await _recv(ch, dl, m.Layout)
+        layout = await _recv(ch, dl, m.Layout, wire.MAX_MESSAGE_BYTES)
         remote = parse_remote(layout)
         check_groups(local, remote)
         _check_ipc(local, layout, remote, ack.hostname, refuse_emulated)
         if ack.stage:
             grant.update(local.grant_landing())
         await ch.send(_layout(local, address, grant), dl.left())
-        await _recv(ch, dl, m.Ready)
+        await _recv(ch, dl, m.Ready, wire.MAX_MESSAGE_BYTES)
         return HandshakeResult(ack.engine_id, ack.name, ack.hostname, remote, dict(grant))
 
     grant: dict = {}
@@ -217,7 +222,7 @@ async def accept_side(ch: Channel, local: LocalGroups, secret: bytes, engine_id:
         if hello.stage:
             grant.update(local.grant_landing())
         await ch.send(_layout(local, address, grant), dl.left())
-        layout = await _recv(ch, dl, m.Layout)
+        layout = await _recv(ch, dl, m.Layout, wire.MAX_MESSAGE_BYTES)
         remote = parse_remote(layout)
         check_groups(local, remote)
         _check_ipc(local, layout, remote, hello.hostname, refuse_emulated)

@@ -61,7 +61,10 @@ class UcxChannel(Channel):
       leftover receive request of the peer's previous endpoint swallows instead of a real
       message; receivers drop padding frames.
     - Receive requests are owned: a ``recv`` that timed out or was cancelled leaves its
-      request to the next ``recv`` (nothing it receives is lost)."""
+      request to the next ``recv`` (nothing it receives is lost).
+    - Closing drops what UCXX already queued for the endpoint and nobody will read (a peer,
+      authenticated or not, may have pushed many messages before we closed): see
+      :meth:`_drain`."""
 
     def __init__(self, ep, loop: asyncio.AbstractEventLoop, ucxx, epoch: Optional[int] = None):
         self._ep, self._loop, self._ucxx = ep, loop, ucxx
@@ -71,6 +74,7 @@ class UcxChannel(Channel):
         self._epoch = epoch  # None: not known yet (accepting side before the handshake)
         self._rx_epoch = 0   # epoch of the last frame returned while ours was unknown
         self._rx: Optional[asyncio.Future] = None  # the pending receive request
+        self._frames = 0     # frames received (padding included)
         self._connecting = epoch is not None  # our side dialled (the client of the pair)
         self.dropped = 0     # frames of another connection dropped
         ep.set_close_callback(self._on_ucx_close)
@@ -168,9 +172,10 @@ class UcxChannel(Channel):
             raise PeerClosed(f"receive failed: {exc}") from None
         if self._rx is rx:
             self._rx = None
+        self._frames += 1
         return memoryview(buf).cast("B")
 
-    async def recv(self, timeout: Optional[float]) -> bytes:
+    async def recv(self, timeout: Optional[float], max_bytes: Optional[int] = None) -> bytes:
         end = None if timeout is None else self._loop.time() + timeout
         while True:
             left = None if end is None else max(0.0, end - self._loop.time())
@@ -189,6 +194,10 @@ class UcxChannel(Channel):
                     "%#x; %d dropped so far, further ones logged at debug level)",
                     len(frame) - 8, epoch, self._epoch, self.dropped)
                 continue
+            if max_bytes is not None and len(frame) - 8 > max_bytes:
+                n = len(frame) - 8
+                del frame  # UCXX's buffer goes now (no copy; not kept by the traceback)
+                raise ProtocolError(f"message of {n} bytes exceeds the {max_bytes}-byte limit")
             return bytes(frame[8:])
 
     async def close(self, timeout: float) -> None:
@@ -196,10 +205,41 @@ class UcxChannel(Channel):
             return
         self._closing = True
         try:
+            self._drain()
+        except Exception as exc:  # best effort: the endpoint may be gone already
+            log.debug("draining a closing endpoint: %s", exc)
+        try:
             self._ep.abort(period=int(timeout * 1e9), max_attempts=1)
         except Exception as exc:  # already gone
             log.debug("endpoint abort: %s", exc)
         self._fire(Closed("channel closed locally"))
+
+    def _drain(self) -> int:
+        """Pop and drop every message UCXX queued for this endpoint that nobody will read
+        (the queue is keyed by the endpoint handle and never freed; it would hold them until
+        a later connection reusing the handle read them). Returns how many.
+
+        Only once a frame was received (then no receive request of an earlier connection
+        with this handle is still waiting: it took the first frame) and while none of ours
+        is pending (then the queue is empty: UCXX hands arrivals to a waiting request).
+        Stops at the first request that is not complete at once (one still arriving, or a
+        fresh one waiting): it is owned like an abandoned ``recv``'s (UCXX cancels a
+        request whose Python object goes away, and a cancel racing its completion
+        deadlocks in UCXX), and the next connection's padding frame absorbs a waiting one."""
+        if not self._frames or (self._rx is not None and not self._rx.done()):
+            return 0
+        self._rx = None
+        ep, n = self._ep._ep, 0
+        while ep is not None:
+            req = ep.am_recv()
+            if not req.completed:
+                self._rx = asyncio.ensure_future(_await_request(req))
+                self._rx.add_done_callback(_retrieve)
+                break
+            n += 1
+        if n:
+            log.debug("dropped %d unread message(s) of a closing endpoint", n)
+        return n
 
 
 async def _await_request(req):
