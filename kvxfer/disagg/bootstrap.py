@@ -214,8 +214,10 @@ class BootstrapServer:
             writer.close()
             await asyncio.wait_for(writer.wait_closed(), SEND_TIMEOUT_S)
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError):
-            writer.transport.abort()
-        finally:
+            writer.transport.abort()  # also after close(): drops what is still buffered
+        finally:  # however else it ended (server closing included): nothing stays buffered
+            if not writer.transport.is_closing():
+                writer.transport.abort()
             self._conns.discard(task)
 
     def _answer(self, msg: wire.Message, nonce_s: bytes) -> wire.Message:
