@@ -78,3 +78,95 @@ def test_right_secret_fake_server_is_an_authenticated_peer(net):
     assert res.get("error") == "TransferTimeout", res  # the fake never sends its own Layout
     seen = net["mallory"].call("fake_seen")[before:]
     assert seen[:1] == ["kx.proof"], seen
+
+
+def test_relay_between_kv_managers_gets_no_layout():
+    """The issue's scenario with real managers: decode is sent to an attacker (here the
+    prefill's bootstrap entry is made to point at it, as a stale entry whose port the
+    attacker took over would) that relays to the real prefill. The room fails; no Layout
+    crosses; prefill never gets a link."""
+    child = Child(_manager_relay_child, name="managers")
+    try:
+        child.start()
+        out = child.get(120)
+    finally:
+        child.stop()
+    assert out["state"] == "Failed" and out["exc"] == "AuthenticationFailed", out
+    assert out["tags"][:2] == ["kx.hello", "kx.hello_ack"], out
+    assert "kx.layout" not in out["tags"] and out["with_key"] == 0, out
+    assert out["prefill_links"] == 0, out
+
+
+def _manager_relay_child(inbox, outbox):
+    import asyncio
+
+    import numpy as np
+
+    from kvxfer import BootstrapServer, KVArgs, KVManager, KVPoll, KVReceiver, Timeouts
+    from kvxfer.errors import KvxferError
+    from kvxfer.transport.ucx import UcxTransport
+
+    def args():
+        kv, aux = np.zeros(8 * 64, dtype=np.uint8), np.zeros(8 * 16, dtype=np.uint8)
+        a = KVArgs(kv_data_ptrs=[int(kv.ctypes.data)], kv_data_lens=[kv.nbytes],
+                   kv_item_lens=[64], aux_data_ptrs=[int(aux.ctypes.data)],
+                   aux_data_lens=[aux.nbytes], aux_item_lens=[16], page_size=1, dtype="uint8")
+        a._keep = (kv, aux)
+        return a
+
+    async def go():
+        t = Timeouts(bootstrap_s=10, waiting_s=10, transfer_s=10, heartbeat_interval_s=0.2)
+        bs = BootstrapServer(port=0, secret=SECRET)
+        await bs.start()
+        p = await KVManager(args(), "prefill", bootstrap_addr=bs.address, secret=SECRET,
+                            timeouts=t).start()
+        d = await KVManager(args(), "decode", secret=SECRET, timeouts=t).start()
+        relay, relayed = UcxTransport(), []
+
+        async def pump(src, dst):
+            try:
+                while True:
+                    raw = await src.recv(30.0)
+                    src.adopt_epoch()
+                    relayed.append(raw)
+                    await dst.send(raw, 10.0)
+            except KvxferError:
+                pass
+            finally:
+                await src.close(1.0)
+                await dst.close(1.0)
+
+        async def on_accept(client):
+            server = await relay.connect(*p.address, 10.0)
+            await asyncio.gather(pump(client, server), pump(server, client))
+
+        _, rport = await relay.listen("127.0.0.1", 0, on_accept)
+        try:
+            entry = next(iter(bs._entries.values()))
+            entry["port"] = rport            # decode will be sent to the relay
+            recv = KVReceiver(d, bs.address, 42)
+            recv.init()                      # decode looks prefill up and connects
+            state = await recv.wait(30)
+            from kvxfer.disagg import messages  # noqa: F401
+            from kvxfer.engine import messages as kx  # noqa: F401
+            from kvxfer import wire
+            tags = []
+            for raw in relayed:
+                try:
+                    tags.append(wire.decode(raw).TAG)
+                except Exception:
+                    tags.append(None)
+            keys = p.engine._groups.region_table()[2] + d.engine._groups.region_table()[2]
+            return {"state": KVPoll(state).name,
+                    "exc": type(recv.failure_exception()).__name__, "tags": tags,
+                    "msg": str(recv.failure_exception()),
+                    "with_key": sum(any(k in raw for k in keys) for raw in relayed),
+                    "prefill_links": len(p.links)}
+        finally:
+            await d.close()
+            await p.close()
+            await relay.close()
+            await bs.close()
+
+    outbox.put(("ok", None))
+    outbox.put(("ok", asyncio.run(go())))
