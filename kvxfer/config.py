@@ -11,6 +11,9 @@ always wins.
 - ``KVXFER_FLUSH_PROGRESS`` = ``auto`` | ``spin`` | ``event`` — default of
   :attr:`EngineConfig.flush_progress`.
 - ``KVXFER_DEVICE_COPY`` = ``auto`` | ``off`` — default of :attr:`EngineConfig.device_copy`.
+- ``KVXFER_SECRET`` — the shared secret of a ``KVManager`` or ``BootstrapServer`` built
+  without ``secret=`` (:func:`resolve_secret`; never part of :func:`env_defaults`, which
+  ``kvxfer info`` prints). There is no built-in default: without either, they refuse to start.
 """
 from __future__ import annotations
 
@@ -70,6 +73,29 @@ def env_defaults() -> dict:
             except ValueError:
                 raise InvalidArgument(f"{name}={env[name]!r} is not a number") from None
     return out
+
+
+#: environment variable holding the shared secret (see :func:`resolve_secret`)
+SECRET_ENV = "KVXFER_SECRET"
+
+
+def resolve_secret(secret, who: str) -> bytes:
+    """The shared secret of ``who``: ``secret`` when given (bytes, or str as UTF-8), else the
+    environment's ``KVXFER_SECRET``; :class:`InvalidArgument` when neither is set or it is
+    empty. There is deliberately no default secret (a default known to everyone would let
+    anyone who can reach a port authenticate)."""
+    if secret is None:
+        secret = os.environ.get(SECRET_ENV) or None
+        if secret is None:
+            raise InvalidArgument(
+                f"{who} needs a shared secret: pass secret=... or set {SECRET_ENV} (every "
+                f"engine, manager and bootstrap server of one deployment uses the same one; "
+                f"e.g. python -c 'import secrets; print(secrets.token_hex(32))')")
+    if isinstance(secret, str):
+        secret = secret.encode()
+    if not isinstance(secret, (bytes, bytearray)) or len(secret) == 0:
+        raise InvalidArgument(f"{who}: the secret must be non-empty bytes or str")
+    return bytes(secret)
 
 
 @dataclass

@@ -2,14 +2,16 @@
 
 Every message on the wire is a msgpack map ``{"t": TAG, "v": PROTOCOL_VERSION, ...fields}``.
 Decoding validates before anything acts on the data: the tag must be registered, the
-version must match, every declared field must be present with the declared type, and no
+version must be the int ``PROTOCOL_VERSION`` (``True`` and ``1.0`` compare equal to 1 in
+Python and are refused), every declared field must be present with the declared type, and no
 unknown field is accepted. Nothing is ever pickled.
 
 Define a message by subclassing :class:`Message` with a unique ``TAG`` and annotating its
 fields with one of the supported types (``int``, ``str``, ``bytes``, ``bool``, ``float``,
 ``list[int]``, ``list[bytes]``, ``list[str]``, ``dict``, ``list``, or ``Optional[...]`` of
 those), and decorating it with :func:`register`. An ``Optional`` field whose default is
-``None`` is left out of the encoding while it is ``None``.
+``None`` is left out of the encoding while it is ``None``. A field typed ``int`` takes Python
+ints only: ``bool`` and ``float`` values are refused.
 """
 from __future__ import annotations
 
@@ -27,6 +29,15 @@ PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 64 << 20
 
 _REGISTRY: Dict[str, Type["Message"]] = {}
+
+
+class VersionMismatch(ProtocolError):
+    """A well-formed message of another protocol version (an int other than ours)."""
+
+
+def is_int(value: Any) -> bool:
+    """A wire int: a Python int that is not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass
@@ -91,7 +102,7 @@ def _check_type(value: Any, tp: Any, where: str) -> None:
             raise ProtocolError(f"{where}: expected bool, got {type(value).__name__}")
         return
     if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not is_int(value):
             raise ProtocolError(f"{where}: expected int, got {type(value).__name__}")
         return
     if tp is float:
@@ -109,29 +120,37 @@ def _check_type(value: Any, tp: Any, where: str) -> None:
     raise TypeError(f"unsupported wire field type {tp!r} for {where}")
 
 
+def _short(value: Any) -> str:
+    """``repr`` of a received value for an error message, cut short (it may be huge)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def decode(data: bytes | bytearray | memoryview) -> Message:
-    """Decode and validate one message; raises :class:`ProtocolError` on anything off."""
+    """Decode and validate one message; raises :class:`ProtocolError` on anything off
+    (:class:`VersionMismatch` for a well-formed message of another protocol version)."""
     if len(data) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
-        body = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True)
+        body = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types
         raise ProtocolError(f"undecodable message: {exc}") from None
     if not isinstance(body, dict):
         raise ProtocolError(f"message is a {type(body).__name__}, not a map")
     tag = body.pop("t", None)
     version = body.pop("v", None)
+    if not is_int(version):  # the version decides how to read the rest: checked first
+        raise ProtocolError(f"{_short(tag)}: protocol version {_short(version)} is not an int")
+    if version != PROTOCOL_VERSION:
+        raise VersionMismatch(f"{_short(tag)}: protocol version {_short(version)}, this side "
+                              f"speaks {PROTOCOL_VERSION}")
     cls = _REGISTRY.get(tag) if isinstance(tag, str) else None
     if cls is None:
-        raise ProtocolError(f"unknown message type {tag!r}")
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(
-            f"{tag}: protocol version {version!r}, this side speaks {PROTOCOL_VERSION}"
-        )
+        raise ProtocolError(f"unknown message type {_short(tag)}")
     fields = cls._field_types  # type: ignore[attr-defined]
     unknown = set(body) - set(fields)
     if unknown:
-        raise ProtocolError(f"{tag}: unknown field(s) {sorted(unknown)}")
+        raise ProtocolError(f"{tag}: unknown field(s) {_short(sorted(unknown, key=str))}")
     missing = [
         f.name
         for f in dataclasses.fields(cls)

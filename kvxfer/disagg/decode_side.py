@@ -136,7 +136,7 @@ class DecodeSide:
         mgr, a = self.mgr, self.mgr.args
         delay = 0.02
         while True:
-            entries = await bootstrap.lookup(addr, a.dp_rank, 5.0)
+            entries = await bootstrap.lookup(addr, a.dp_rank, 5.0, mgr.secret)
             if entries:
                 sizes = {e["tp_size"] for e in entries}
                 if sizes != {a.tp_size}:

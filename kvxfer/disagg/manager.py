@@ -104,13 +104,16 @@ class KVManager:
     test_hook: Optional[Callable[[str, int], None]] = None
 
     def __init__(self, args: KVArgs, mode, *, bootstrap_addr: Optional[str] = None,
-                 secret: bytes = b"kvxfer", host: str = "127.0.0.1", port: int = 0,
+                 secret: Optional[bytes] = None, host: str = "127.0.0.1", port: int = 0,
                  error_mode: str = "peer", timeouts: Optional[Timeouts] = None,
                  name: Optional[str] = None, engine_factory: Optional[Callable] = None,
                  max_tombstones: int = 65536,
                  integrity: bool = False) -> None:
+        from kvxfer.config import resolve_secret
         if not isinstance(args, KVArgs):
             raise InvalidArgument(f"args must be KVArgs, got {type(args).__name__}")
+        #: shared by the engines and the bootstrap server (``secret=`` or $KVXFER_SECRET)
+        self.secret = resolve_secret(secret, "KVManager")
         try:
             self.mode = DisaggMode(getattr(mode, "value", mode))
         except ValueError:
@@ -121,7 +124,7 @@ class KVManager:
         self.bootstrap_addr = bootstrap_addr
         self.t = timeouts or Timeouts()
         self.name = name or f"{self.mode.value}-dp{args.dp_rank}-tp{args.tp_rank}"
-        self._engine_kw = dict(secret=secret, host=host, port=port, error_mode=error_mode,
+        self._engine_kw = dict(secret=self.secret, host=host, port=port, error_mode=error_mode,
                                connect_timeout_s=min(10.0, self.t.bootstrap_s),
                                transfer_timeout_s=self.t.transfer_s, name=self.name)
         self._engine_factory = engine_factory

@@ -26,6 +26,30 @@ def ids_from_bytes(data: bytes, what: str) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- bootstrap service
+# One request per TCP connection, authenticated both ways (see kvxfer.disagg.bootstrap):
+#   server -> client  BsChallenge(nonce_s)
+#   client -> server  BsSealed(nonce_c, body=<BsRegister | BsUnregister | BsLookup>, mac)
+#   server -> client  BsSealed(nonce_c, body=<BsReply>, mac)   or, unauthenticated, a BsReply
+#                     that only says why the request was refused
+@wire.register
+@dataclass
+class BsChallenge(wire.Message):
+    """Server -> client on connect: the nonce this connection's request must be bound to."""
+    TAG = "bs.challenge"
+    nonce: bytes
+
+
+@wire.register
+@dataclass
+class BsSealed(wire.Message):
+    """An encoded request or reply (``body``) with its HMAC over both nonces and the
+    direction (:func:`kvxfer.disagg.bootstrap.seal`); ``nonce`` is the client's."""
+    TAG = "bs.sealed"
+    nonce: bytes
+    body: bytes
+    mac: bytes
+
+
 @wire.register
 @dataclass
 class BsRegister(wire.Message):
@@ -71,6 +95,11 @@ class BsReply(wire.Message):
 #: the fields every entry of a BsReply must carry, with their types
 ENTRY_FIELDS = {"name": str, "host": str, "port": int, "tp_rank": int, "tp_size": int,
                 "dp_rank": int, "pp_rank": int, "fingerprint": dict}
+#: bounds of an entry's fields (ranks are non-negative and below these)
+MAX_NAME_CHARS = 256
+MAX_HOST_CHARS = 255
+MAX_TP_SIZE = 1 << 16
+MAX_RANK = 1 << 20
 
 
 def entry_of(msg: BsRegister) -> Dict[str, Any]:
@@ -82,10 +111,19 @@ def check_entry(e: Any) -> Dict[str, Any]:
         raise ProtocolError(f"bootstrap entry is a {type(e).__name__}, not a map")
     for k, tp in ENTRY_FIELDS.items():
         v = e.get(k)
-        if not isinstance(v, tp) or (tp is int and isinstance(v, bool)):
-            raise ProtocolError(f"bootstrap entry field {k!r}={v!r} is not a {tp.__name__}")
+        if not (wire.is_int(v) if tp is int else isinstance(v, tp)):
+            raise ProtocolError(f"bootstrap entry field {k!r} is not a {tp.__name__} "
+                                f"({type(v).__name__})")
     if not 0 < e["port"] < 65536:
         raise ProtocolError(f"bootstrap entry port {e['port']}")
+    if len(e["name"]) > MAX_NAME_CHARS or not 0 < len(e["host"]) <= MAX_HOST_CHARS:
+        raise ProtocolError("bootstrap entry: name or host too long (or host empty)")
+    if not 0 < e["tp_size"] <= MAX_TP_SIZE or not 0 <= e["tp_rank"] < e["tp_size"]:
+        raise ProtocolError(f"bootstrap entry: tp_rank {e['tp_rank']} not in "
+                            f"[0, tp_size={e['tp_size']}) or tp_size out of range")
+    for k in ("dp_rank", "pp_rank"):
+        if not 0 <= e[k] < MAX_RANK:
+            raise ProtocolError(f"bootstrap entry: {k} {e[k]} not in [0, {MAX_RANK})")
     return e
 
 

@@ -62,7 +62,8 @@ class PrefillSide:
         while True:
             try:
                 await bootstrap.request(self.mgr.bootstrap_addr, self._entry(),
-                                        max(0.1, min(5.0, deadline - loop.time())))
+                                        max(0.1, min(5.0, deadline - loop.time())),
+                                        self.mgr.secret)
                 return
             except (KvxferError, OSError) as exc:
                 if loop.time() + delay > deadline:
@@ -75,7 +76,8 @@ class PrefillSide:
         a = self.mgr.args
         try:
             await bootstrap.request(self.mgr.bootstrap_addr, m.BsUnregister(
-                name=self.mgr.name, dp_rank=a.dp_rank, tp_rank=a.tp_rank, pp_rank=a.pp_rank), 1.0)
+                name=self.mgr.name, dp_rank=a.dp_rank, tp_rank=a.tp_rank, pp_rank=a.pp_rank), 1.0,
+                self.mgr.secret)
         except (KvxferError, OSError):
             pass
 

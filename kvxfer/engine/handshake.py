@@ -5,6 +5,14 @@ Guarantees
 - Protocol version first: a peer speaking another version fails with ``IncompatiblePeer``.
 - Mutual authentication by HMAC-SHA256 challenge-response over fresh nonces; neither side
   sends its region table (addresses, remote keys) before the other proved the secret.
+- Each proof covers the whole opening exchange (both Hellos: ids, names, hosts, nonces,
+  stage flags), the role, and the connection it runs on (:meth:`Channel.binding`: the
+  client's and the server's socket address, which both ends observe identically). A party
+  without the secret that relays between two connections (decode -> it -> prefill) gets
+  proofs bound to the other connection; the side it talks to rejects them, so no region
+  table, remote key or landing grant ever reaches it.
+- Before the peer proved the secret, a message larger than ``MAX_PREAUTH_BYTES`` is dropped
+  unread (no copy, no decode) and ends the handshake.
 - Every group present on both sides must agree on descriptor count and item sizes,
   otherwise ``IncompatiblePeer`` naming the group and the field; the side that notices
   tells the other with a Reject so both fail the same way.
@@ -32,6 +40,9 @@ from kvxfer.errors import (AuthenticationFailed, IncompatiblePeer, KvxferError, 
 from kvxfer.transport.base import Channel
 
 NONCE_BYTES = 32
+#: largest message accepted from a peer that has not proved the secret yet (Hello, HelloAck
+#: and Proof are a few hundred bytes)
+MAX_PREAUTH_BYTES = 64 << 10
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +57,15 @@ class HandshakeResult:
     granted: dict = None
 
 
-def _proof(secret: bytes, role: bytes, id_c: str, id_s: str, nonce_c: bytes,
-           nonce_s: bytes) -> bytes:
-    msg = b"kvxfer-v%d|" % wire.PROTOCOL_VERSION + role + b"|" + id_c.encode() + b"|" + \
-        id_s.encode() + b"|" + nonce_c + b"|" + nonce_s
-    return hmac.new(secret, msg, hashlib.sha256).digest()
+def _proof(secret: bytes, role: bytes, binding: bytes, hello: m.Hello,
+           ack: m.HelloAck) -> bytes:
+    """HMAC-SHA256 of the transcript: role (b"S" / b"C"), the connection's binding and every
+    field of both Hellos except the proofs, msgpack-encoded (unambiguous field boundaries)."""
+    transcript = msgpack.packb(
+        [b"kvxfer-handshake", wire.PROTOCOL_VERSION, role, binding,
+         hello.engine_id, hello.name, hello.nonce, hello.hostname, hello.stage,
+         ack.engine_id, ack.name, ack.nonce, ack.hostname, ack.stage], use_bin_type=True)
+    return hmac.new(secret, transcript, hashlib.sha256).digest()
 
 
 class _Deadline:
@@ -68,17 +83,13 @@ class _Deadline:
 def _decode(raw: bytes) -> wire.Message:
     """Decode, turning a foreign protocol version into IncompatiblePeer."""
     try:
-        body = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except Exception:
-        body = None
-    if isinstance(body, dict) and "v" in body and body["v"] != wire.PROTOCOL_VERSION:
-        raise IncompatiblePeer(
-            f"peer speaks protocol version {body['v']!r}, this side {wire.PROTOCOL_VERSION}")
-    return wire.decode(raw)
+        return wire.decode(raw)
+    except wire.VersionMismatch as exc:
+        raise IncompatiblePeer(f"peer speaks another protocol version: {exc}") from None
 
 
-async def _recv(ch: Channel, dl: _Deadline, expected):
-    return _expect(_decode(await ch.recv(dl.left())), expected)
+async def _recv(ch: Channel, dl: _Deadline, expected, max_bytes: int = MAX_PREAUTH_BYTES):
+    return _expect(_decode(await ch.recv(dl.left(), max_bytes)), expected)
 
 
 def _expect(msg, expected):
@@ -95,7 +106,7 @@ async def _recv_hello(ch: Channel, dl: _Deadline) -> m.Hello:
     (see :meth:`Channel.adopt_epoch`): it is dropped and logged. The first other frame
     fixes the connection's epoch and goes through the normal checks."""
     while True:
-        raw = await ch.recv(dl.left())
+        raw = await ch.recv(dl.left(), MAX_PREAUTH_BYTES)
         try:
             msg = wire.decode(raw)
         except ProtocolError:
@@ -155,29 +166,29 @@ async def connect_side(ch: Channel, local: LocalGroups, secret: bytes, engine_id
                        name: str, address: bytes, timeout: float,
                        refuse_emulated: bool = False) -> HandshakeResult:
     dl = _Deadline(timeout)
-    nonce_c = os.urandom(NONCE_BYTES)
-    await ch.send(m.Hello(engine_id=engine_id, name=name, nonce=nonce_c,
-                          hostname=socket.gethostname(), stage=bool(local.stages)).encode(),
-                  dl.left())
+    hello = m.Hello(engine_id=engine_id, name=name, nonce=os.urandom(NONCE_BYTES),
+                    hostname=socket.gethostname(), stage=bool(local.stages))
+    await ch.send(hello.encode(), dl.left())
 
     async def steps():
         ack = await _recv(ch, dl, m.HelloAck)
         if len(ack.nonce) != NONCE_BYTES:
             raise ProtocolError("hello_ack: bad nonce length")
-        want = _proof(secret, b"S", engine_id, ack.engine_id, nonce_c, ack.nonce)
-        if not hmac.compare_digest(want, ack.proof):
+        binding = ch.binding()
+        if not hmac.compare_digest(_proof(secret, b"S", binding, hello, ack), ack.proof):
             raise AuthenticationFailed(
-                f"peer {ack.name or ack.engine_id} failed the challenge (wrong secret?)")
-        await ch.send(m.Proof(proof=_proof(secret, b"C", engine_id, ack.engine_id, nonce_c,
-                                           ack.nonce)).encode(), dl.left())
-        layout = await _recv(ch, dl, m.Layout)
+                f"peer {ack.name or ack.engine_id} failed the challenge (wrong secret, or "
+                f"a relay: the proof covers this connection's addresses {binding.decode()})")
+        await ch.send(m.Proof(proof=_proof(secret, b"C", binding, hello, ack)).encode(),
+                      dl.left())
+        layout = await _recv(ch, dl, m.Layout, wire.MAX_MESSAGE_BYTES)
         remote = parse_remote(layout)
         check_groups(local, remote)
         _check_ipc(local, layout, remote, ack.hostname, refuse_emulated)
         if ack.stage:
             grant.update(local.grant_landing())
         await ch.send(_layout(local, address, grant), dl.left())
-        await _recv(ch, dl, m.Ready)
+        await _recv(ch, dl, m.Ready, wire.MAX_MESSAGE_BYTES)
         return HandshakeResult(ack.engine_id, ack.name, ack.hostname, remote, dict(grant))
 
     grant: dict = {}
@@ -197,21 +208,21 @@ async def accept_side(ch: Channel, local: LocalGroups, secret: bytes, engine_id:
         hello = await _recv_hello(ch, dl)
         if len(hello.nonce) != NONCE_BYTES:
             raise ProtocolError("hello: bad nonce length")
-        nonce_s = os.urandom(NONCE_BYTES)
-        await ch.send(m.HelloAck(
-            engine_id=engine_id, name=name, nonce=nonce_s, hostname=socket.gethostname(),
-            stage=bool(local.stages),
-            proof=_proof(secret, b"S", hello.engine_id, engine_id, hello.nonce, nonce_s),
-        ).encode(), dl.left())
+        binding = ch.binding()
+        ack = m.HelloAck(engine_id=engine_id, name=name, nonce=os.urandom(NONCE_BYTES),
+                         hostname=socket.gethostname(), stage=bool(local.stages), proof=b"")
+        ack.proof = _proof(secret, b"S", binding, hello, ack)
+        await ch.send(ack.encode(), dl.left())
         proof = await _recv(ch, dl, m.Proof)
-        want = _proof(secret, b"C", hello.engine_id, engine_id, hello.nonce, nonce_s)
-        if not hmac.compare_digest(want, proof.proof):
+        if not hmac.compare_digest(_proof(secret, b"C", binding, hello, ack), proof.proof):
             raise AuthenticationFailed(
-                f"peer {hello.name or hello.engine_id} failed the challenge (wrong secret?)")
+                f"peer {hello.name or hello.engine_id} failed the challenge (wrong secret, "
+                f"or a relay: the proof covers this connection's addresses "
+                f"{binding.decode()})")
         if hello.stage:
             grant.update(local.grant_landing())
         await ch.send(_layout(local, address, grant), dl.left())
-        layout = await _recv(ch, dl, m.Layout)
+        layout = await _recv(ch, dl, m.Layout, wire.MAX_MESSAGE_BYTES)
         remote = parse_remote(layout)
         check_groups(local, remote)
         _check_ipc(local, layout, remote, hello.hostname, refuse_emulated)

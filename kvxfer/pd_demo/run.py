@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import secrets
 import sys
 import time
 from typing import List, Optional
@@ -69,7 +70,9 @@ class Pair:
         from kvxfer.disagg import BootstrapServer
         from kvxfer.testing import Child
         from kvxfer.pd_demo.worker import worker_entry
-        self.bs = BootstrapServer(port=0).start_in_thread()
+        # one shared secret per run: bootstrap server and both workers' engines
+        opts = dict(opts, secret=secrets.token_bytes(32))
+        self.bs = BootstrapServer(port=0, secret=opts["secret"]).start_in_thread()
         self.timeout = float(opts.get("deadline_s", 120.0)) + 30.0
         args = (spec.as_dict(), self.bs.address, opts)
         self.p = Child(worker_entry, worker, "prefill", *args, name="prefill")

@@ -43,6 +43,7 @@ class PDWorker:
         self.max_inflight = int(opts.get("max_inflight", 16))
         self.mgr = KVManager(self.model.kv_args, role,
                              bootstrap_addr=bootstrap if role == "prefill" else None,
+                             secret=opts.get("secret"),
                              error_mode=opts.get("error_mode", "peer"),
                              timeouts=Timeouts(**opts.get("timeouts", {})),
                              integrity=bool(opts.get("integrity", False)),

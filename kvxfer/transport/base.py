@@ -48,8 +48,17 @@ class Channel(abc.ABC):
         """Send one message; raises PeerClosed / TransferTimeout."""
 
     @abc.abstractmethod
-    async def recv(self, timeout: Optional[float]) -> bytes:
-        """Next message; raises PeerClosed / TransferTimeout (``None``: no deadline)."""
+    async def recv(self, timeout: Optional[float], max_bytes: Optional[int] = None) -> bytes:
+        """Next message; raises PeerClosed / TransferTimeout (``None``: no deadline).
+        ``max_bytes``: a longer message raises ProtocolError and is dropped unread (not
+        copied, not decoded): what an unauthenticated peer can make us hold."""
+
+    @abc.abstractmethod
+    def binding(self) -> bytes:
+        """Facts about this connection that both of its ends observe identically and that
+        differ on any other connection (for UCX: the client's and the server's socket
+        address). The handshake's proofs cover them, so a proof cannot be relayed to
+        another connection."""
 
     @abc.abstractmethod
     def on_closed(self, callback: Callable[[Exception], None]) -> None:

@@ -32,6 +32,7 @@ from kvxfer.transport.base import AcceptCallback, Channel, Region, RmaEndpoint, 
 from kvxfer.transport.ucx_rma import (UcxRegion, UcxRma, _ucx_error_types,  # noqa: F401
                                       cuda_alloc_range, load_ucx, parse_rma_lanes,
                                       status_error)
+from kvxfer.transport.ucx_sockaddr import sockaddrs
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,10 @@ class UcxChannel(Channel):
       its PUTs before it closes the channel (see kvxfer.engine.peer).
     - UCXX holds our close callback for as long as its endpoint lives; it holds only a
       weak reference to the channel (a strong one made an uncollectable cycle through
-      UCXX's endpoint finalizer, leaking endpoint and listener per connection)."""
+      UCXX's endpoint finalizer, leaking endpoint and listener per connection).
+    - Closing drops what UCXX already queued for the endpoint and nobody will read (a peer,
+      authenticated or not, may have pushed many messages before we closed): see
+      :meth:`_drain`."""
 
     def __init__(self, ep, loop: asyncio.AbstractEventLoop, ucxx, epoch: Optional[int] = None):
         self._ep, self._loop, self._ucxx = ep, loop, ucxx
@@ -87,6 +91,7 @@ class UcxChannel(Channel):
         self._rx: Optional[asyncio.Future] = None  # the pending receive request
         self._close_seen = False  # the peer's close frame arrived
         self._disconnected = asyncio.Event()  # UCXX reported the endpoint closed or failed
+        self._frames = 0     # frames received (padding included)
         self.dropped = 0     # frames of another connection dropped
         # UCXX keeps the callback (and what it references) in the UCXEndpoint, which its
         # endpoint finalizer keeps alive: a strong reference to us would be a cycle through
@@ -105,6 +110,16 @@ class UcxChannel(Channel):
         """Accepting side: the epoch of the last received frame is this connection's."""
         if self._epoch is None:
             self._epoch = self._rx_epoch
+
+    def binding(self) -> bytes:
+        """``client ip:port>server ip:port`` of this connection (``ucp_ep_query``): both ends
+        compute the same bytes; a relay's two connections give two different ones."""
+        ep = self._ep._ep
+        if ep is None:
+            raise PeerClosed("endpoint closed")
+        local, remote = sockaddrs(ep.handle)
+        client, server = (local, remote) if self._connecting else (remote, local)
+        return f"{client[0]}:{client[1]}>{server[0]}:{server[1]}".encode()
 
     def _on_ucx_close(self, *args):  # any thread (UCXX progress thread)
         try:
@@ -183,9 +198,10 @@ class UcxChannel(Channel):
             raise PeerClosed(f"receive failed: {exc}") from None
         if self._rx is rx:
             self._rx = None
+        self._frames += 1
         return memoryview(buf).cast("B")
 
-    async def recv(self, timeout: Optional[float]) -> bytes:
+    async def recv(self, timeout: Optional[float], max_bytes: Optional[int] = None) -> bytes:
         end = None if timeout is None else self._loop.time() + timeout
         while True:
             left = None if end is None else max(0.0, end - self._loop.time())
@@ -213,6 +229,10 @@ class UcxChannel(Channel):
                     "%#x; %d dropped so far, further ones logged at debug level)",
                     len(frame) - 8, epoch, self._epoch, self.dropped)
                 continue
+            if max_bytes is not None and len(frame) - 8 > max_bytes:
+                n = len(frame) - 8
+                del frame  # UCXX's buffer goes now (no copy; not kept by the traceback)
+                raise ProtocolError(f"message of {n} bytes exceeds the {max_bytes}-byte limit")
             return bytes(frame[8:])
 
     async def close(self, timeout: float) -> None:
@@ -222,6 +242,10 @@ class UcxChannel(Channel):
             return
         self._closing = True
         await self._close_handshake(timeout)
+        try:
+            self._drain()
+        except Exception as exc:  # best effort: the endpoint may be gone already
+            log.debug("draining a closing endpoint: %s", exc)
         ep, self._ep = self._ep, None
         try:
             ep.abort(period=int(timeout * 1e9), max_attempts=1)
@@ -259,6 +283,34 @@ def _close_callback(ref) -> None:
     ch = ref()
     if ch is not None:
         ch._on_ucx_close()
+
+
+    def _drain(self) -> int:
+        """Pop and drop every message UCXX queued for this endpoint that nobody will read
+        (the queue is keyed by the endpoint handle and never freed; it would hold them until
+        a later connection reusing the handle read them). Returns how many.
+
+        Only once a frame was received (then no receive request of an earlier connection
+        with this handle is still waiting: it took the first frame) and while none of ours
+        is pending (then the queue is empty: UCXX hands arrivals to a waiting request).
+        Stops at the first request that is not complete at once (one still arriving, or a
+        fresh one waiting): it is owned like an abandoned ``recv``'s (UCXX cancels a
+        request whose Python object goes away, and a cancel racing its completion
+        deadlocks in UCXX), and the next connection's padding frame absorbs a waiting one."""
+        if not self._frames or (self._rx is not None and not self._rx.done()):
+            return 0
+        self._rx = None
+        ep, n = self._ep._ep, 0
+        while ep is not None:
+            req = ep.am_recv()
+            if not req.completed:
+                self._rx = asyncio.ensure_future(_await_request(req))
+                self._rx.add_done_callback(_retrieve)
+                break
+            n += 1
+        if n:
+            log.debug("dropped %d unread message(s) of a closing endpoint", n)
+        return n
 
 
 async def _await_request(req):

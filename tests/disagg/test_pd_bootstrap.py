@@ -46,25 +46,33 @@ async def test_register_lookup_replace_unregister():
         await srv.close()
 
 
+async def _raw(port, payload: bytes):
+    """Open a connection, read the challenge, send ``payload``; returns the server's answer
+    (a wire message) or None when it closed the connection."""
+    from kvxfer import wire
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        (n,) = struct.unpack(">I", await r.readexactly(4))
+        assert isinstance(wire.decode(await r.readexactly(n)), m.BsChallenge)
+        w.write(payload)
+        await w.drain()
+        try:
+            (n,) = struct.unpack(">I", await r.readexactly(4))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return None
+        return wire.decode(await r.readexactly(n))
+    finally:
+        w.close()
+
+
 async def test_garbage_is_refused_and_server_survives():
     srv = BootstrapServer(port=0)
     await srv.start()
     try:
-        r, w = await asyncio.open_connection("127.0.0.1", srv.port)
-        w.write(struct.pack(">I", 5) + b"\xc1junk")
-        await w.drain()
-        (n,) = struct.unpack(">I", await r.readexactly(4))
-        from kvxfer import wire
-        reply = wire.decode(await r.readexactly(n))
+        reply = await _raw(srv.port, struct.pack(">I", 5) + b"\xc1junk")
         assert not reply.ok and "ProtocolError" in reply.error
-        w.close()
-        r, w = await asyncio.open_connection("127.0.0.1", srv.port)
-        w.write(struct.pack(">I", 1 << 30))              # oversized frame: refused unread
-        await w.drain()
-        (n,) = struct.unpack(">I", await r.readexactly(4))
-        reply = wire.decode(await r.readexactly(n))
+        reply = await _raw(srv.port, struct.pack(">I", 1 << 30))   # oversized: refused unread
         assert not reply.ok and "exceeds" not in reply.error and str(1 << 30) in reply.error
-        w.close()
         assert await bootstrap.lookup(srv.address, 0, 5) == []
     finally:
         await srv.close()

@@ -51,12 +51,33 @@ def test_foreign_protocol_version_is_incompatible():
         handshake._decode(b"\xc1garbage")
 
 
-def test_proofs_bind_role_ids_and_nonces():
-    p = handshake._proof(b"s", b"C", "a", "b", b"1" * 32, b"2" * 32)
-    assert p == handshake._proof(b"s", b"C", "a", "b", b"1" * 32, b"2" * 32)
-    for args in ((b"t", b"C", "a", "b"), (b"s", b"S", "a", "b"), (b"s", b"C", "b", "a")):
-        assert p != handshake._proof(*args, b"1" * 32, b"2" * 32)
-    assert p != handshake._proof(b"s", b"C", "a", "b", b"2" * 32, b"1" * 32)
+def _hello(**over):
+    return m.Hello(**dict(dict(engine_id="a", name="A", nonce=b"1" * 32, hostname="h",
+                               stage=False), **over))
+
+
+def _ack(**over):
+    return m.HelloAck(**dict(dict(engine_id="b", name="B", nonce=b"2" * 32, hostname="h",
+                                  stage=False, proof=b""), **over))
+
+
+def test_proofs_bind_role_transcript_and_connection():
+    bind = b"127.0.0.1:5000>127.0.0.1:6000"
+    p = handshake._proof(b"s", b"C", bind, _hello(), _ack())
+    assert p == handshake._proof(b"s", b"C", bind, _hello(), _ack(proof=b"x"))  # proof: out
+    changed = [
+        handshake._proof(b"t", b"C", bind, _hello(), _ack()),
+        handshake._proof(b"s", b"S", bind, _hello(), _ack()),
+        # the same ids and nonces seen on another connection (a relay's other leg)
+        handshake._proof(b"s", b"C", b"127.0.0.1:5001>127.0.0.1:6000", _hello(), _ack()),
+        handshake._proof(b"s", b"C", bind, _hello(engine_id="b"), _ack(engine_id="a")),
+        handshake._proof(b"s", b"C", bind, _hello(nonce=b"2" * 32), _ack(nonce=b"1" * 32)),
+        handshake._proof(b"s", b"C", bind, _hello(stage=True), _ack()),
+        handshake._proof(b"s", b"C", bind, _hello(), _ack(hostname="other")),
+        # field boundaries are unambiguous (the old "|"-joined text was not)
+        handshake._proof(b"s", b"C", bind, _hello(engine_id="a|b"), _ack(engine_id="")),
+    ]
+    assert p not in changed and len(set(changed)) == len(changed)
 
 
 def test_check_groups_names_group_and_field():
