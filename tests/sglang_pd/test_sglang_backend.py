@@ -7,6 +7,7 @@ over UCX on loopback, one process per role (spawn). The decode process is DP ran
 while prefill has one DP rank, so every transfer here crosses differing DP ranks.
 """
 import random
+from importlib.metadata import entry_points
 
 import pytest
 
@@ -70,10 +71,15 @@ def test_manager_is_kvxfer_and_decode_dp_differs(cluster):
 
 
 def test_server_args_accept_kvxfer(cluster):
+    """SGLang's own parser, after the plugin was loaded the way SGLang loads it (its
+    ``load_plugins()`` over the installed entry point; a bare source checkout falls back to
+    calling the plugin's ``register()``)."""
     dc = cluster["dc"]
     base = ["--model-path", "dummy", "--device", "cpu", "--disaggregation-mode", "decode"]
-    assert dc.call("parse", base + ["--disaggregation-transfer-backend", "kvxfer"]) == \
-        ["ok", "kvxfer"]
+    ok, backend, via = dc.call("parse", base + ["--disaggregation-transfer-backend", "kvxfer"])
+    assert (ok, backend) == ("ok", "kvxfer")
+    installed = any(ep.name == "kvxfer" for ep in entry_points(group="sglang.srt.plugins"))
+    assert via == ("entry_point" if installed else "register")
     assert dc.call("parse", base + ["--disaggregation-transfer-backend", "kvxferx"]) == \
         ["exit", 2]
 

@@ -23,6 +23,8 @@ HEADS, DIM = 2, 8
 POOL_TOKENS = 256
 META_ROWS = 16
 MAMBA_SLOTS = 8
+#: how this process loaded the plugin: "entry_point" (SGLang's load_plugins) or "register"
+PLUGIN_VIA = None
 
 
 def _setup_process(mode: str, extra_args=(), dp_rank=None):
@@ -32,9 +34,12 @@ def _setup_process(mode: str, extra_args=(), dp_rank=None):
     from sglang.srt.plugins import load_plugins
     from importlib.metadata import entry_points
 
+    global PLUGIN_VIA
     if any(ep.name == "kvxfer" for ep in entry_points(group="sglang.srt.plugins")):
         load_plugins()
+        PLUGIN_VIA = "entry_point"
     else:                      # a source checkout that was not pip-installed
+        PLUGIN_VIA = "register"
         from kvxfer.integrations.sglang import plugin
         from sglang.srt.plugins.hook_registry import HookRegistry
 
@@ -361,7 +366,7 @@ class DecodeNode(Node):
             sa = prepare_server_args(list(argv))
         except SystemExit as exc:
             return ["exit", exc.code]
-        return ["ok", sa.disaggregation_transfer_backend]
+        return ["ok", sa.disaggregation_transfer_backend, PLUGIN_VIA]
 
     def release_safe(self, name, room, acks=1):
         return bool(self.scen[name]["mgr"].is_abort_release_safe(room, acks))
