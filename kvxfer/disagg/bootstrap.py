@@ -201,7 +201,8 @@ async def lookup(addr, dp_rank: int, timeout: float) -> List[Dict[str, Any]]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="kvxfer bootstrap", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="kvxfer bootstrap", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8998, help="TCP port (0: any free port)")
     a = p.parse_args(argv)

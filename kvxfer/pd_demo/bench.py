@@ -26,14 +26,13 @@ protocol and the transfer, not the synthetic compute.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
 from typing import List
 
+from kvxfer import clitools
 from kvxfer.pd_demo.run import Pair, percentile
 from kvxfer.pd_demo.spec import ModelSpec
 from kvxfer.pd_demo.worker import PDWorker
@@ -233,8 +232,7 @@ def format_rows(rows: List[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="kvxfer bench pd", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = clitools.parser("kvxfer bench pd", __doc__)
     ap.add_argument("--device", default="cpu", help="torch device of the pools (cpu, cuda)")
     ap.add_argument("--modes", default="none,peer", help="engine error modes (lane configs)")
     ap.add_argument("--latency-requests", type=int, default=300)
@@ -242,19 +240,22 @@ def main(argv=None) -> int:
     ap.add_argument("--large-pages", type=int, default=1024,
                     help="pages of a large request (32 KiB each with the default model)")
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--json", default="", help="also write the rows to this JSON file")
+    clitools.add_json_args(ap)
     a = ap.parse_args(argv)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     print(f"PD bench: device={a.device}, demo model (page-major KV + Mamba envelope), "
           f"{a.latency_requests} sequential + {a.throughput_requests} concurrent 1-page "
           f"requests, {a.large_pages}-page requests best/median of {a.iters}", flush=True)
     t0 = time.perf_counter()
-    rows = [bench_mode(a, m) for m in modes]
+    rows = []
+    with clitools.Progress(len(modes), "bench pd", enabled=False if a.json else None) as pr:
+        for m in modes:
+            pr.show(f"mode {m}")
+            rows.append(bench_mode(a, m))
+            pr.step(f"mode {m} done")
     print(format_rows(rows))
     print(f"\n(total {time.perf_counter() - t0:.1f} s)")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "rows": rows}, f, indent=1)
+    clitools.emit_json(a, {"args": vars(a), "rows": rows})
     return 0
 
 
