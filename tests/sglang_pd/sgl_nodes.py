@@ -198,15 +198,19 @@ class Node:
     def poll(self, room) -> int:
         return int(self.handles[room].poll())
 
-    def wait(self, room, states, timeout=30.0) -> int:
+    def wait(self, room, states, timeout=30.0, interval=0.002) -> int:
         """Poll like a scheduler loop until the state is one of ``states`` (bounded)."""
+        return self.wait_t(room, states, timeout, interval)[0]
+
+    def wait_t(self, room, states, timeout=30.0, interval=0.002):
+        """:meth:`wait`, also returning ``time.monotonic()`` when the state was seen."""
         h = self.handles[room]
         deadline = time.monotonic() + timeout
         while True:
             st = int(h.poll())
             if st in states or time.monotonic() > deadline:
-                return st
-            time.sleep(0.002)
+                return [st, time.monotonic()]
+            time.sleep(interval)
 
     def failure(self, room):
         try:
@@ -272,9 +276,14 @@ class PrefillNode(Node):
             state = [[np.array(mamba_slot)]]         # SGLang's _mamba_payload shape
         if not h.should_send_kv_chunk(len(pages), last):
             return False
+        t = time.monotonic()
         h.send(np.asarray(pages, dtype=np.int32), state,
                num_kv_tokens=num_kv_tokens if num_kv_tokens is not None else len(pages) * PAGE)
+        self.t_send = t
         return True
+
+    def last_send_time(self):
+        return self.t_send
 
     def metric(self, room):
         m = self.handles[room].get_transfer_metric()
@@ -381,6 +390,17 @@ def serve_node(inbox, outbox, role, extra_env, extra_args, dp_rank=None):
     outbox.put(("ok", os.getpid()))
     handlers = {n: getattr(node, n) for n in dir(node) if not n.startswith("_")}
     serve(inbox, outbox, handlers)
+    _exit(outbox, node)
+
+
+def _exit(outbox, node=None):
+    """After ``exit``: close the managers (bounded), flush the reply, skip the interpreter's
+    slow teardown of SGLang's import graph."""
+    for s in (node.scen.values() if node is not None else ()):
+        s["mgr"].close()
+    outbox.close()
+    outbox.join_thread()
+    os._exit(0)
 
 
 def serve_bootstrap(inbox, outbox, n_servers, extra_env):
@@ -403,3 +423,6 @@ def serve_bootstrap(inbox, outbox, n_servers, extra_env):
         ports.append(int(srv._runner.addresses[0][1]))
     outbox.put(("ok", ports))
     serve(inbox, outbox, {"ping": lambda: True})
+    for srv in servers:
+        srv.close()
+    _exit(outbox)

@@ -58,7 +58,7 @@ class RoomStats:
         return self.t_last - self.t_first
 
 
-def check_supported(args: KVArgs, mode: DisaggregationMode, is_mla_backend: bool) -> None:
+def check_supported(args: KVArgs) -> None:
     """Raise UnsupportedOperation for what this backend does not do (before anything starts)."""
     par, disagg = get_parallel(), get_disagg()
     limits = (("pipeline parallelism", par.pp_size), ("attention context parallelism",
@@ -96,7 +96,7 @@ class KvxferKVManager(CommonKVManager):
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode,
                  server_args: ServerArgs, is_mla_backend: Optional[bool] = False) -> None:
         secret = resolve_secret()                      # no secret: nothing starts
-        check_supported(args, disaggregation_mode, bool(is_mla_backend))
+        check_supported(args)
         self._closed = False
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         role = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"

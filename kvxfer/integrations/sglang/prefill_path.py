@@ -94,10 +94,25 @@ class PrefillPath:
         self._thread.start()
 
     def stop(self, timeout: float) -> None:
+        """Stop the control thread, then cancel (and await) every task this path owns on the
+        engine loop: room chains and decode connects."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        try:
+            self.mgr.engine.run(self._cancel_tasks(), timeout)
+        except KvxferError:
+            pass                                       # the loop is already closed
         self.notifier.shutdown(wait=True, cancel_futures=True)
+
+    async def _cancel_tasks(self) -> None:
+        with self.mgr.room_lock:
+            tasks = [d.task for d in self.decodes.values() if d.task is not None]
+        tasks += list(self.chains.values())
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     # ------------------------------------------------------------------ control thread
     def _control(self) -> None:
