@@ -40,7 +40,7 @@ $(SGL_STAMP): $(STAMP) tests/sglang_pd/requirements.txt
 	@# .venv-sglang's own
 	$(PY) -c 'import sys; print("\n".join("import site; site.addsitedir(%r)" % p for p in sys.path if p.endswith(("site-packages", "dist-packages"))))' \
 	    > $$($(SGL_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_kvxfer_venv.pth
-	$(SGL_PY) -m pip install -q --no-deps -r tests/sglang_pd/requirements.txt
+	$(SGL_PY) -m pip install -q --no-deps --no-compile -r tests/sglang_pd/requirements.txt
 	@touch $@
 
 # kvxfer as SGLang's transfer backend, against the real sglang (docs/integrations.md)

@@ -102,7 +102,7 @@ class Node:
         self.handles = {}
 
     # ------------------------------------------------------------------ setup
-    def add(self, name: str, kind: str, bootstrap_port: int):
+    def add(self, name: str, kind: str, bootstrap_port: int, secret=None):
         import torch
         from sglang.srt.disaggregation.utils import (DisaggregationMode, KVClassType,
                                                      MetadataBuffers, TransferBackend,
@@ -135,7 +135,15 @@ class Node:
         kv_args.gpu_id = 0
         setup_state_kv_args(kv_args, pool, None, LAYERS)
         mode = DisaggregationMode(self.mode)
-        mgr = get_kv_class(backend, KVClassType.MANAGER)(kv_args, mode, self.server_args, False)
+        saved = os.environ.get("KVXFER_SECRET")
+        if secret is not None:                   # this manager only (read at construction)
+            os.environ["KVXFER_SECRET"] = secret
+        try:
+            mgr = get_kv_class(backend, KVClassType.MANAGER)(kv_args, mode, self.server_args,
+                                                             False)
+        finally:
+            if saved is not None:
+                os.environ["KVXFER_SECRET"] = saved
         self.scen[name] = dict(kind=kind, pool=pool, meta=meta, mgr=mgr, backend=backend)
         return {"cls": type(mgr).__name__, "rank_port": mgr.rank_port,
                 "engine": list(mgr.engine.address), "system_dp_rank": mgr.system_dp_rank,
@@ -375,7 +383,8 @@ class DecodeNode(Node):
             sa = prepare_server_args(list(argv))
         except SystemExit as exc:
             return ["exit", exc.code]
-        return ["ok", sa.disaggregation_transfer_backend, PLUGIN_VIA]
+        return ["ok", sa.disaggregation_transfer_backend, PLUGIN_VIA,
+                os.environ.get("KVXFER_SECRET_FILE")]
 
     def release_safe(self, name, room, acks=1):
         return bool(self.scen[name]["mgr"].is_abort_release_safe(room, acks))

@@ -34,7 +34,7 @@ def _start(*children, timeout=300):
 
 @pytest.fixture(scope="module")
 def cluster():
-    bs = Child(N.serve_bootstrap, 4, ENV, name="bootstrap")
+    bs = Child(N.serve_bootstrap, 5, ENV, name="bootstrap")
     pf = Child(N.serve_node, "prefill", ENV, (), name="prefill")
     dc = Child(N.serve_node, "decode", ENV, ("--dp-size", "2"), 1, name="decode")
     try:
@@ -76,8 +76,10 @@ def test_server_args_accept_kvxfer(cluster):
     calling the plugin's ``register()``)."""
     dc = cluster["dc"]
     base = ["--model-path", "dummy", "--device", "cpu", "--disaggregation-mode", "decode"]
-    ok, backend, via = dc.call("parse", base + ["--disaggregation-transfer-backend", "kvxfer"])
-    assert (ok, backend) == ("ok", "kvxfer")
+    ok, backend, via, secret_file = dc.call(
+        "parse", base + ["--disaggregation-transfer-backend", "kvxfer",
+                         "--kvxfer-secret-file", "/run/kvxfer.secret"])
+    assert (ok, backend, secret_file) == ("ok", "kvxfer", "/run/kvxfer.secret")
     installed = any(ep.name == "kvxfer" for ep in entry_points(group="sglang.srt.plugins"))
     assert via == ("entry_point" if installed else "register")
     assert dc.call("parse", base + ["--disaggregation-transfer-backend", "kvxferx"]) == \
@@ -207,6 +209,25 @@ def test_abort_from_prefill_reaches_decode_after_the_write(cluster):
     kind, msg = dc.call("failure", room)
     assert kind == "KVTransferError" and "Aborted by prefill" in msg
     assert pf.call("failure", room)[0] == "KVTransferError"
+
+
+def test_wrong_secret_moves_nothing_and_fails_the_room(cluster):
+    """A decode whose engine has another secret never gets a byte: prefill's handshake is
+    refused, the room fails on both sides with the reason, decode's pages stay as they were."""
+    pf, dc, port = cluster["pf"], cluster["dc"], cluster["ports"][4]
+    pf.call("add", "intruder", "mha", port, timeout=120)
+    dc.call("add", "intruder", "mha", port, "not-the-secret", timeout=120)
+    room, d_pages = 6001, [4, 5]
+    pf.call("fill", "intruder", room, [7, 8])
+    before = dc.call("read", "intruder", d_pages)
+    _open(pf, dc, "intruder", port, room, d_pages, 1, 1, 5, 2 * N.PAGE)
+    pf.call("send", room, [7, 8], True)
+    assert pf.call("wait", room, DONE, 60) == FAILED
+    assert dc.call("wait", room, DONE, 60) == FAILED
+    assert "Authentication" in dc.call("failure", room)[1]
+    assert "Authentication" in pf.call("failure", room)[1]
+    assert dc.call("read", "intruder", d_pages) == before
+    assert dc.call("first_token", "intruder", 1)[1] == 0       # metadata row untouched
 
 
 def test_killed_prefill_fails_decode_room(cluster):
