@@ -243,6 +243,22 @@ class Node:
             time.sleep(0.01)
         return len(eng.peers)
 
+    def refused(self, name, state_type):
+        """Construct this scenario's manager class with ``state_type`` added: the error."""
+        import copy
+
+        from sglang.srt.disaggregation.base.conn import StateType
+        from sglang.srt.disaggregation.utils import DisaggregationMode
+
+        mgr = self.scen[name]["mgr"]
+        args = copy.copy(mgr.kv_args)
+        args.state_types = [StateType(state_type)]
+        try:
+            type(mgr)(args, DisaggregationMode(self.mode), self.server_args, False)
+        except Exception as exc:          # noqa: BLE001 - the point is what it raises
+            return [type(exc).__name__, str(exc)]
+        return None
+
     def metrics(self, name):
         return self.scen[name]["mgr"].metrics.snapshot()
 
@@ -292,6 +308,21 @@ class PrefillNode(Node):
 
     def last_send_time(self):
         return self.t_send
+
+    def incompatible(self, name, changes=None):
+        """Prefill's verdict on a decode registration like its own but with ``changes``."""
+        from kvxfer.integrations.sglang.messages import SglRegister
+
+        mgr = self.scen[name]["mgr"]
+        a = mgr.kv_args
+        reg = dict(endpoint="127.0.0.1", port=1, engine_host="127.0.0.1", engine_port=2,
+                   name="x", tp_size=1, tp_rank=0, page_size=a.page_size,
+                   dtype=a.kv_cache_dtype_str, kv_item_lens=list(a.kv_item_lens),
+                   aux_item_lens=list(a.aux_item_lens),
+                   state_types=[s.value for s in a.state_types],
+                   state_item_lens=[list(x) for x in a.state_item_lens])
+        reg.update(changes or {})
+        return mgr.path._incompatible(SglRegister(**reg))
 
     def metric(self, room):
         m = self.handles[room].get_transfer_metric()

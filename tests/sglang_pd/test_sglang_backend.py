@@ -211,6 +211,18 @@ def test_abort_from_prefill_reaches_decode_after_the_write(cluster):
     assert pf.call("failure", room)[0] == "KVTransferError"
 
 
+def test_unsupported_is_refused_with_the_reason(cluster):
+    pf, dc = cluster["pf"], cluster["dc"]
+    kind, msg = dc.call("refused", "mha", "swa")
+    assert kind == "UnsupportedOperation" and "'swa' is not supported" in msg
+    assert pf.call("incompatible", "mamba") is None
+    assert "heterogeneous TP" in pf.call("incompatible", "mamba",
+                                         {"tp_size": 2, "tp_rank": 1})
+    assert "kv_item_lens" in pf.call("incompatible", "mha", {"kv_item_lens": [64] * 6})
+    assert "state_item_lens" in pf.call("incompatible", "mamba",
+                                        {"state_item_lens": [[8] * 4]})
+
+
 def test_wrong_secret_moves_nothing_and_fails_the_room(cluster):
     """A decode whose engine has another secret never gets a byte: prefill's handshake is
     refused, the room fails on both sides with the reason, decode's pages stay as they were."""
