@@ -20,7 +20,8 @@ _COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="kvxfer", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kvxfer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=sorted(_COMMANDS))
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()

@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+from kvxfer.argcheck import as_int
 from kvxfer.errors import InvalidArgument
 
 #: ``peer``: every endpoint uses UCX peer error handling; host memory then moves over tcp
@@ -195,7 +196,8 @@ class EngineConfig:
         if self.error_mode not in ERROR_MODES:
             raise InvalidArgument(
                 f"EngineConfig.error_mode={self.error_mode!r}; expected one of {ERROR_MODES}")
-        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+        self.port = as_int(self.port, "EngineConfig.port")
+        if not 0 <= self.port < 65536:
             raise InvalidArgument(f"EngineConfig.port={self.port!r} is not a TCP port")
         for name in ("connect_timeout_s", "transfer_timeout_s", "close_timeout_s"):
             v = getattr(self, name)
@@ -203,9 +205,7 @@ class EngineConfig:
                 raise InvalidArgument(f"EngineConfig.{name}={v!r} must be > 0")
         for name, low in (("device_min_ops", 1), ("stage_min_ops", 0), ("stage_slot_bytes", 1),
                           ("stage_slots", 1), ("stage_peer_slots", 1)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise InvalidArgument(f"EngineConfig.{name}={v!r} must be an int >= {low}")
+            setattr(self, name, as_int(getattr(self, name), f"EngineConfig.{name}", low))
         if not isinstance(self.refuse_emulated_destinations, bool):
             raise InvalidArgument(f"EngineConfig.refuse_emulated_destinations="
                                   f"{self.refuse_emulated_destinations!r} must be a bool")

@@ -167,7 +167,8 @@ def pools_main(argv: list[str] | None = None) -> int:
     """``kvxfer demo --pools``: print :func:`pools_summary`; 1 when a check failed."""
     parser = argparse.ArgumentParser(prog="kvxfer demo --pools",
                                      description="KV pools demo: write/move/copy checks and "
-                                                 "the registration descriptor table")
+                                                 "the registration descriptor table",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--device", default="cpu", help="torch device for the pools (cpu, cuda)")
     parser.add_argument("--dtype", default="bfloat16", choices=_DTYPE_NAMES)
     args = parser.parse_args(argv)

@@ -4,12 +4,11 @@ Every probe is guarded: a missing optional part is reported, never fatal.
 """
 from __future__ import annotations
 
-import argparse
 import importlib
-import json
 import os
 import platform
-import sys
+
+from kvxfer import clitools
 
 
 def _version(mod: str) -> str:
@@ -54,14 +53,14 @@ def collect() -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="kvxfer info", description=__doc__)
-    ap.add_argument("--json", action="store_true", help="print JSON")
+    ap = clitools.parser("kvxfer info", __doc__)
+    clitools.add_json_args(ap)
     args = ap.parse_args(argv)
     info = collect()
-    if args.json:
-        json.dump(info, sys.stdout, indent=1)
-        print()
-        return 0
+    if args.json or args.json_out:
+        clitools.emit_json(args, info)
+        if args.json:
+            return 0
     for k, v in info.items():
         print(f"{k:38s} {', '.join(v) if isinstance(v, list) else v}")
     return 0

@@ -31,6 +31,7 @@ from typing import Iterable, List, Sequence, Tuple
 
 import numpy as np
 
+from kvxfer.argcheck import as_int
 from kvxfer.errors import IndexOutOfRange, InvalidArgument
 
 _U64 = np.uint64
@@ -374,9 +375,8 @@ def tp_heads(num_heads: int, tp: int, rank: int) -> Tuple[int, int]:
     ``tp <= num_heads``: heads split evenly (``num_heads % tp == 0``). ``tp > num_heads``
     (e.g. GQA with fewer KV heads than ranks): each head is replicated on ``tp // num_heads``
     consecutive ranks (``tp % num_heads == 0``), so every rank holds exactly one head."""
-    for name, v in (("num_heads", num_heads), ("tp", tp)):
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise InvalidArgument(f"{name}={v!r} must be a positive int")
+    num_heads, tp = as_int(num_heads, "num_heads", 1), as_int(tp, "tp", 1)
+    rank = as_int(rank, "rank")
     if not 0 <= rank < tp:
         raise IndexOutOfRange(f"rank {rank} out of range [0, {tp})")
     if tp <= num_heads:

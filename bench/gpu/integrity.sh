@@ -18,10 +18,10 @@ echo '```'
 echo
 echo "## kernel throughput"
 timeout 180 python3 -m kvxfer bench kernels --kernels checksum,checksum_paged,move,move_paged --tokens 16,1024,16384 \
-    --json "$OUT/integrity-kernels.json" 2>&1 | tail -14 || rc=1
+    --json-out "$OUT/integrity-kernels.json" 2>&1 | tail -14 || rc=1
 echo
 echo "## kvxfer bench pd --integrity --device cuda"
-timeout 300 python3 -m kvxfer bench pd --integrity --device cuda --json "$OUT/integrity-pd.json" 2>&1 \
+timeout 300 python3 -m kvxfer bench pd --integrity --device cuda --json-out "$OUT/integrity-pd.json" 2>&1 \
     | grep -v "UCX  WARN" | tail -16 || rc=1
 exit $rc
 } 2>&1 | tee "$OUT/integrity.md"

@@ -16,7 +16,7 @@ echo '```'
 KVXFER_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tail -40 || rc=1
 echo '```'
 echo
-python3 -m kvxfer bench kernels --json "$OUT/kernels.json" 2>&1 || rc=1
+python3 -m kvxfer bench kernels --json-out "$OUT/kernels.json" 2>&1 || rc=1
 echo
 echo "kernels.sh rc=$rc"
 exit $rc

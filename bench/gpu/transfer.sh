@@ -37,14 +37,14 @@ echo '```'
 echo
 echo "## kvxfer bench transfer --device cuda"
 timeout 420 python3 -m kvxfer bench transfer --device cuda --layers $LAYERS --page-kib $PAGE_KIB \
-    --pages $POOL --sizes "$SIZES" --iters "$ITERS" --paths "$PATHS" --flush "$FLUSH" --device-copy "$DEVCOPY" --json "$OUT/transfer.json" --plot "$OUT/transfer.png" 2>&1 \
+    --pages $POOL --sizes "$SIZES" --iters "$ITERS" --paths "$PATHS" --flush "$FLUSH" --device-copy "$DEVCOPY" --json-out "$OUT/transfer.json" --plot "$OUT/transfer.png" 2>&1 \
     | grep -v "UCX  WARN" || rc=1
 echo
 fi
 echo "## same, ${INFLIGHT:-8} writes in flight (a window, as ucx_perftest keeps), page-major contiguous, UCX lanes"
 timeout 200 python3 -m kvxfer bench transfer --device cuda --layers $LAYERS --page-kib $PAGE_KIB \
     --pages $POOL --sizes "${INFLIGHT_SIZES:-16,128,512}" --iters "$ITERS" --paths direct --device-copy off \
-    --modes peer,none --pagesets contiguous --inflight "${INFLIGHT:-8}" --json "$OUT/transfer_inflight.json" 2>&1 \
+    --modes peer,none --pagesets contiguous --inflight "${INFLIGHT:-8}" --json-out "$OUT/transfer_inflight.json" 2>&1 \
     | grep -v "UCX  WARN" | grep -v "per-layer" || rc=1
 echo
 echo "## ucx_perftest ucp_put_bw cuda->cuda (same host, same sizes, default lanes)"

@@ -35,7 +35,6 @@ CPU means the interpreter, whose timings are meaningless).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -45,6 +44,7 @@ import torch
 
 from kernels import checksum, mla, store, store_paged
 from kernels import copy as kcopy
+from kvxfer import clitools
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.uint8}
 KERNELS = ("store", "store_masked", "store_prefix", "store_paged", "move", "move_paged",
@@ -283,7 +283,7 @@ def _table(rows: list[dict]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvxfer bench kernels", description=__doc__.split("\n")[0])
+    p = clitools.parser("kvxfer bench kernels", __doc__.split("\n")[0])
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--tokens", default=None,
                    help="comma-separated token counts (default: 4096,16384,65536 on CUDA, "
@@ -297,7 +297,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mla-nope", type=int, default=512)
     p.add_argument("--mla-rope", type=int, default=64)
     p.add_argument("--rep-ms", type=int, default=100, help="timing budget per measurement")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+    clitools.add_json_args(p)
     return p
 
 
@@ -327,13 +327,17 @@ def main(argv: list[str] | None = None) -> int:
               "are benchmarked on a CUDA device.**")
     print()
     rows = []
-    for kind in kinds:
-        for n in tokens:
-            case = _build(kind, n, a, device)
-            rows.append(_measure(case, device, a.rep_ms, use_triton=on_cuda))
-            del case
-            if on_cuda:
-                torch.cuda.empty_cache()
+    with clitools.Progress(len(kinds) * len(tokens), "bench kernels",
+                           enabled=False if a.json else None) as pr:
+        for kind in kinds:
+            for n in tokens:
+                pr.show(f"{kind} {n} tokens")
+                case = _build(kind, n, a, device)
+                rows.append(_measure(case, device, a.rep_ms, use_triton=on_cuda))
+                del case
+                if on_cuda:
+                    torch.cuda.empty_cache()
+                pr.step(f"{kind} {n} tokens")
     print(_table(rows))
     if on_cuda:
         ratios = [r["ratio"] for r in rows]
@@ -347,12 +351,10 @@ def main(argv: list[str] | None = None) -> int:
         if gaps:
             print("eager Triton time > 1.25x the graph-replayed time (launch-side, not kernel "
                   "time): " + ", ".join(gaps))
-    if a.json:
-        meta = {"device": where, "torch": torch.__version__, "dtype": a.dtype,
-                "layers": a.layers, "heads": a.heads, "head_dim": a.head_dim,
-                "page_size": a.page_size, "target": TARGET}
-        with open(a.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    meta = {"device": where, "torch": torch.__version__, "dtype": a.dtype,
+            "layers": a.layers, "heads": a.heads, "head_dim": a.head_dim,
+            "page_size": a.page_size, "target": TARGET}
+    clitools.emit_json(a, {"meta": meta, "rows": rows})
     return 0
 
 

@@ -21,7 +21,6 @@ stdout and, with ``--out``, in a file.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -29,6 +28,8 @@ import time
 
 import numpy as np
 import torch
+
+from kvxfer import clitools
 
 LAYOUTS = ("mha", "mha_hnd", "page_major", "mla", "hybrid")
 PATTERNS = ("contig", "runs4", "scatter")
@@ -162,7 +163,7 @@ def bench_one(layout, pages, pattern, args, device) -> dict:
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(prog="kvxfer bench offload", description=__doc__.split("\n")[0])
+    p = clitools.parser("kvxfer bench offload", __doc__.split("\n")[0])
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--layouts", default=",".join(LAYOUTS))
     p.add_argument("--pages", default=None, help="request sizes in pages, comma separated")
@@ -180,6 +181,7 @@ def _parse(argv):
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (CPU copies); default: torch's own choice")
     p.add_argument("--out", default=None, help="also write the markdown report here")
+    clitools.add_json_args(p)
     a = p.parse_args(argv)
     if a.device is None:
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -213,9 +215,13 @@ def main(argv=None) -> int:
     ]
     print("\n".join(lines), flush=True)
     rows = []
-    for layout in args.layouts.split(","):
-        for pattern in args.patterns.split(","):
+    layouts, patterns = args.layouts.split(","), args.patterns.split(",")
+    progress = clitools.Progress(len(layouts) * len(patterns) * len(args.pages),
+                                 "bench offload", enabled=False if args.json else None)
+    for layout in layouts:
+        for pattern in patterns:
             for pages in args.pages:
+                progress.show(f"{layout} {pattern} {pages} pages")
                 try:
                     r = bench_one(layout, pages, pattern, args, args.device)
                 except ImportError as exc:  # a pool kind this checkout does not have
@@ -227,6 +233,7 @@ def main(argv=None) -> int:
                         f"{r['off']:.2f} | {r['d2h']:.2f} | {r['off_ratio']:.2f} | "
                         f"{r['res']:.2f} | {r['h2d']:.2f} | {r['res_ratio']:.2f} |")
                 lines.append(line)
+                progress.step(f"{layout} {pattern} {pages} pages")
                 print(line, flush=True)
     if rows:
         big = [r for r in rows if r["pattern"] == "contig" and r["pages"] == max(args.pages)]
@@ -234,9 +241,12 @@ def main(argv=None) -> int:
             f"{r['layout']} {r['off_ratio']:.2f} / {r['res_ratio']:.2f}" for r in big)]
         lines += tail
         print("\n".join(tail))
+    progress.close()
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
+    clitools.emit_json(args, {"args": {k: v for k, v in vars(args).items()
+                                       if k != "torch_dtype"}, "rows": rows})
     return 0
 
 

@@ -35,14 +35,13 @@ runs × descriptors (page-major 2·L× fewer than per-layer).
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
-import json
 import statistics
 import sys
 import time
 
+from kvxfer import clitools
 from kvxfer.config import EngineConfig
 from kvxfer.testing import Child, EngineNode, serve
 
@@ -124,7 +123,7 @@ def _groups(layers, page, pages):
             "pm": {"item_lens": [2 * layers * page], "items": pages}}
 
 
-def run(args) -> dict:
+def run(args, progress=None) -> dict:
     import numpy as np
 
     page = args.page_kib << 10
@@ -204,6 +203,8 @@ def run(args) -> dict:
                         "vs_memcpy": memcpy_s / r["items_best"],
                         "post_ms": r["post_s"] * 1e3})
                     print(_row(rows[-1]), flush=True)
+                    if progress is not None:
+                        progress.step(f"{m}/{p} {layout} {pset} {n} pages")
     finally:
         for init in inits.values():
             init.stop()
@@ -257,8 +258,7 @@ def _plot(report, path) -> bool:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="kvxfer bench transfer", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = clitools.parser("kvxfer bench transfer", __doc__)
     ap.add_argument("--device", default="cpu", help="cpu | cuda (torch device of the pools)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--page-kib", type=int, default=16, help="bytes per page per K or V, KiB")
@@ -283,8 +283,8 @@ def main(argv=None) -> int:
     ap.add_argument("--inflight", type=int, default=1,
                     help="writes in flight per timed step (1: one request at a time; >1: "
                          "throughput with a window, like ucx_perftest)")
-    ap.add_argument("--json", default="transfer.json")
-    ap.add_argument("--plot", default="transfer.png")
+    clitools.add_json_args(ap, json_out_default="transfer.json")
+    ap.add_argument("--plot", default="transfer.png", help="plot file (needs matplotlib)")
     args = ap.parse_args(argv)
     args.sizes = [int(x) for x in args.sizes.split(",")]
     args.modes = [m.strip() for m in args.modes.split(",")]
@@ -298,14 +298,18 @@ def main(argv=None) -> int:
           f"page={args.page_kib} KiB/desc pool={args.pages} pages, best of {args.iters}, "
           f"{args.inflight} write(s) in flight")
     print(_HEAD, flush=True)
-    report = run(args)
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"\nJSON: {args.json}")
+    n_sizes = sum(1 for n in args.sizes if n <= args.pages)
+    total = n_sizes * len(args.modes) * len(args.paths) * len(args.flush) * \
+        len(args.device_copy) * 2 * len(args.pagesets)
+    with clitools.Progress(total, "bench transfer", enabled=False if args.json else None) as pr:
+        report = run(args, pr)
+    if args.json_out:
+        print(f"\nJSON: {args.json_out}")
     if _plot(report, args.plot):
         print(f"plot: {args.plot}")
     else:
         print("plot: skipped (matplotlib not installed)")
+    clitools.emit_json(args, report)
     return 0
 
 

@@ -332,7 +332,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         prog="kvxfer bootstrap", description=__doc__.split("\n")[0],
         epilog="The shared secret comes from --secret-file or $KVXFER_SECRET (never from the "
                "command line, where other users can read it); without one the server does "
-               "not start. Every prefill and decode rank uses the same secret.")
+               "not start. Every prefill and decode rank uses the same secret.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8998, help="TCP port (0: any free port)")
     p.add_argument("--secret-file", help="file holding the shared secret (trailing newline "

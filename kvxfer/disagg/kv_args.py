@@ -19,6 +19,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List
 
+from kvxfer.argcheck import as_int
 from kvxfer.disagg.aux import HEADER_BYTES
 from kvxfer.disagg.errors import LayoutMismatch
 from kvxfer.errors import InvalidArgument
@@ -50,6 +51,8 @@ class KVArgs:
     pp_rank: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("page_size", "tp_rank", "tp_size", "dp_rank", "pp_rank"):
+            setattr(self, name, as_int(getattr(self, name), f"KVArgs.{name}"))
         for name in ("kv_data_ptrs", "kv_data_lens", "kv_item_lens", "aux_data_ptrs",
                      "aux_data_lens", "aux_item_lens", "state_data_ptrs", "state_data_lens",
                      "state_item_lens"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from kvxfer.argcheck import as_int
 from kvxfer.disagg.handle import OnDone, RoomHandle, as_ids
 from kvxfer.disagg.manager import DisaggMode
 from kvxfer.errors import IndexOutOfRange, InvalidArgument
@@ -31,9 +32,7 @@ class KVSender(RoomHandle):
         """Declare the request's page count and the prefill aux row holding its first token."""
         if self._num is not None:
             raise InvalidArgument(f"room {self.room}: init() called twice")
-        if isinstance(num_kv_indices, bool) or not isinstance(num_kv_indices, int) \
-                or num_kv_indices < 0:
-            raise InvalidArgument(f"room {self.room}: num_kv_indices {num_kv_indices!r}")
+        num_kv_indices = as_int(num_kv_indices, f"room {self.room}: num_kv_indices", 0)
         aux_index = int(as_ids([aux_index], "aux_index", self.mgr.items["aux"])[0])
         self._num = num_kv_indices
         self.mgr.call(self.mgr.side.init, self._r, num_kv_indices, aux_index)

@@ -32,14 +32,13 @@ protocol and the transfer, not the synthetic compute.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
 from typing import List
 
+from kvxfer import clitools
 from kvxfer.pd_demo.run import Pair, percentile
 from kvxfer.pd_demo.spec import ModelSpec
 from kvxfer.pd_demo.worker import PDWorker
@@ -267,8 +266,7 @@ def format_integrity(rows: List[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="kvxfer bench pd", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = clitools.parser("kvxfer bench pd", __doc__)
     ap.add_argument("--device", default="cpu", help="torch device of the pools (cpu, cuda)")
     ap.add_argument("--modes", default="none,peer", help="engine error modes (lane configs)")
     ap.add_argument("--latency-requests", type=int, default=300)
@@ -276,10 +274,10 @@ def main(argv=None) -> int:
     ap.add_argument("--large-pages", type=int, default=1024,
                     help="pages of a large request (32 KiB each with the default model)")
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--json", default="", help="also write the rows to this JSON file")
     ap.add_argument("--integrity", action="store_true",
                     help="run every mode twice, with KVManager(integrity=False) then True, and "
                          "print what the integrity check costs (off vs on, same run)")
+    clitools.add_json_args(ap)
     a = ap.parse_args(argv)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     print(f"PD bench: device={a.device}, demo model (page-major KV + Mamba envelope), "
@@ -287,16 +285,20 @@ def main(argv=None) -> int:
           f"requests, {a.large_pages}-page requests best/median of {a.iters}"
           f"{', integrity off and on' if a.integrity else ''}", flush=True)
     t0 = time.perf_counter()
-    rows = [bench_mode(a, m, integ) for m in modes
-            for integ in ((False, True) if a.integrity else (False,))]
+    rows = []
+    runs = [(m, integ) for m in modes for integ in ((False, True) if a.integrity else (False,))]
+    with clitools.Progress(len(runs), "bench pd", enabled=False if a.json else None) as pr:
+        for m, integ in runs:
+            label = f"mode {m}{' (integrity)' if integ else ''}"
+            pr.show(label)
+            rows.append(bench_mode(a, m, integ))
+            pr.step(f"{label} done")
     print(format_rows(rows))
     if a.integrity:
         print("\nIntegrity check cost (same run; Δ = on - off, × = on / off):\n")
         print(format_integrity(rows))
     print(f"\n(total {time.perf_counter() - t0:.1f} s)")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "rows": rows}, f, indent=1)
+    clitools.emit_json(a, {"args": vars(a), "rows": rows})
     return 0
 
 

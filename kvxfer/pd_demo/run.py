@@ -17,13 +17,13 @@ bound on the transfer rate). Exit status 1 when any request failed or did not ve
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import secrets
 import sys
 import time
 from typing import List, Optional
 
+from kvxfer import clitools
 from kvxfer.errors import InvalidArgument
 from kvxfer.pd_demo.spec import DTYPES, KV_LAYOUTS, MAMBA_LAYOUTS, ModelSpec
 
@@ -113,8 +113,10 @@ def percentile(xs: List[float], q: float) -> float:
 
 def run_demo(spec: ModelSpec, *, requests: int = 64, seed: int = 0, min_len: int = 1,
              max_len: int = 1024, chunk_tokens: int = 256, error_mode: str = "none",
-             timeout: float = 120.0, window: int = 16, integrity: bool = False) -> dict:
-    """Run the demo; returns the report (``REQUIRED_KEYS`` and more)."""
+             timeout: float = 120.0, window: int = 16, integrity: bool = False,
+             progress=None) -> dict:
+    """Run the demo; returns the report (``REQUIRED_KEYS`` and more). ``progress``: a
+    :class:`kvxfer.clitools.Progress` of 3 steps (workers up, warm-up, requests)."""
     if chunk_tokens < 1 or chunk_tokens % spec.page_size:
         raise InvalidArgument(f"--chunk-tokens {chunk_tokens} must be a positive multiple of "
                          f"--page-size {spec.page_size} (non-final chunks are page-aligned)")
@@ -127,9 +129,13 @@ def run_demo(spec: ModelSpec, *, requests: int = 64, seed: int = 0, min_len: int
     t0 = time.perf_counter()
     if window < 1:
         raise InvalidArgument(f"--window {window} must be >= 1")
+    if progress is not None:
+        progress.show("starting the prefill and decode workers")
     pair = Pair(spec, {"error_mode": error_mode, "deadline_s": timeout, "max_inflight": window,
                        "integrity": integrity})
     t_up = time.perf_counter() - t0
+    if progress is not None:
+        progress.step("warm-up request")
     try:
         # one 1-page request first: connects decode to prefill (bootstrap lookup, handshake),
         # which a long-running pair pays once; it is verified like the others, not timed
@@ -139,7 +145,11 @@ def run_demo(spec: ModelSpec, *, requests: int = 64, seed: int = 0, min_len: int
                 and not wd["rooms"][0].get("problems")):
             raise RuntimeError(f"warm-up request failed: prefill {wp['rooms'][0]}, "
                                f"decode {wd['rooms'][0]}")
+        if progress is not None:
+            progress.step(f"{len(reqs)} requests")
         p, d = pair.both(("prefill", reqs, chunk_tokens), ("decode", reqs))
+        if progress is not None:
+            progress.step("done")
     finally:
         pair.close()
     report = summarize(spec, pair.info, reqs, p, d, chunk_tokens, error_mode, window, t_up,
@@ -235,7 +245,7 @@ def format_table(r: dict) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvxfer demo", description=__doc__.splitlines()[0])
+    ap = clitools.parser("kvxfer demo", __doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--min-len", type=int, default=1, help="shortest prompt, tokens")
@@ -250,11 +260,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--model", default=None,
                     help="run the real-model check instead: a transformers model split "
                          "across prefill and decode (kvxfer demo --model llama --help)")
-    ap.add_argument("--json", action="store_true",
-                    help="also print the report as one JSON object on the last line")
     ap.add_argument("--integrity", action="store_true",
                     help="KVManager(integrity=True) on both workers: per-item checksums "
                          "compared before decode reports Success")
+    clitools.add_json_args(ap)
     add_model_args(ap)
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(x == "--model" or x.startswith("--model=") for x in argv):
@@ -266,15 +275,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         return pools_main([])
     try:
         spec = spec_from_args(a)
-        report = run_demo(spec, requests=a.requests, seed=a.seed, min_len=a.min_len,
-                          max_len=a.max_len, chunk_tokens=a.chunk_tokens,
-                          error_mode=a.error_mode, timeout=a.timeout, window=a.window,
-                          integrity=a.integrity)
+        with clitools.Progress(3, "demo", enabled=False if a.json else None) as pr:
+            report = run_demo(spec, requests=a.requests, seed=a.seed, min_len=a.min_len,
+                              max_len=a.max_len, chunk_tokens=a.chunk_tokens,
+                              error_mode=a.error_mode, timeout=a.timeout, window=a.window,
+                              integrity=a.integrity, progress=pr)
     except InvalidArgument as exc:
         ap.error(str(exc))
     print(format_table(report), flush=True)
-    if a.json:
-        print(json.dumps(report, sort_keys=True), flush=True)
+    clitools.emit_json(a, report)
     ok = report["failed"] == 0 and report["verified"] == report["requests"] and not report["leaked"]
     return 0 if ok else 1
 

@@ -172,7 +172,7 @@ def test_pd_bench_smoke(tmp_path, capsys):
     out = tmp_path / "pd.json"
     assert bench.main(["--device", DEVICE, "--modes", "none", "--latency-requests", "10",
                        "--throughput-requests", "20", "--large-pages", "16", "--iters", "1",
-                       "--json", str(out)]) == 0
+                       "--json-out", str(out)]) == 0
     row = json.loads(out.read_text())["rows"][0]
     assert row["lat_ok"] == row["lat_n"] == 10 and row["tput_ok"] == row["tput_n"] == 20
     assert row["ops_1page"] == 3                     # page run + state slot + aux row

@@ -16,7 +16,7 @@ def test_bench_kernels_reports_every_kernel(tmp_path, capsys):
     out = tmp_path / "k.json"
     rc = bench.main(["--device", DEVICE.type, "--tokens", "32", "--layers", "2", "--heads", "1",
                      "--head-dim", "8", "--mla-nope", "8", "--mla-rope", "4", "--rep-ms", "1",
-                     "--json", str(out)])
+                     "--json-out", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
     assert "| kernel | tokens |" in text and "| graph us | host us |" in text

@@ -1,0 +1,65 @@
+"""The four classes SGLang's ``get_kv_class`` hands out for ``--disaggregation-transfer-backend
+kvxfer``: manager (:mod:`.manager`), sender, receiver, bootstrap server.
+
+Sender and receiver are SGLang's common ones plus what the kvxfer data path needs: the
+sender's ``get_transfer_metric`` reports the bytes and time of its room's kvxfer writes; its
+``abort`` also tells decode (once no write of the room is in flight - SGLang's common sender
+tells nobody); the receiver tracks which prefill ranks may complete its room.
+"""
+from __future__ import annotations
+
+from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferMetric
+from sglang.srt.disaggregation.common.conn import (CommonKVBootstrapServer, CommonKVReceiver,
+                                                   CommonKVSender)
+
+from kvxfer.integrations.sglang.manager import KvxferKVManager, RoomStats
+
+
+class KvxferKVSender(CommonKVSender):
+    def __init__(self, mgr: KvxferKVManager, bootstrap_addr: str, bootstrap_room: int,
+                 req_has_disagg_prefill_dp_rank: bool = False) -> None:
+        self.stats = RoomStats()
+        with mgr.room_lock:
+            mgr.room_stats[int(bootstrap_room)] = self.stats
+        super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        """Bytes the room's kvxfer writes moved, and the time from the first write's start
+        to the last one's completion (None before any write)."""
+        return KVTransferMetric(transfer_latency_s=self.stats.latency_s,
+                                transfer_total_bytes=self.stats.bytes)
+
+    def abort(self) -> None:
+        mgr = self.kv_mgr
+        failed = KVPoll.Failed in (mgr.request_status.get(self.bootstrap_room),
+                                   self.conclude_state)
+        targets = mgr.path.targets(self.bootstrap_room)
+        super().abort()
+        if not failed:
+            mgr.path.report_abort(self.bootstrap_room, targets)
+
+    def clear(self) -> None:
+        super().clear()
+        with self.kv_mgr.room_lock:
+            if self.kv_mgr.room_stats.get(self.bootstrap_room) is self.stats:
+                del self.kv_mgr.room_stats[self.bootstrap_room]
+
+
+class KvxferKVReceiver(CommonKVReceiver):
+    def init(self, prefill_dp_rank: int) -> None:
+        super().init(prefill_dp_rank)
+        infos = getattr(self, "bootstrap_infos", None)
+        if infos:
+            self.kv_mgr.path.track(self.bootstrap_room, infos)
+
+    def _clear(self) -> None:
+        super()._clear()
+        self.kv_mgr.path.untrack(self.bootstrap_room)
+
+
+class KvxferKVBootstrapServer(CommonKVBootstrapServer):
+    """SGLang's HTTP bootstrap server (``/route``, ``/health``, DP-rank registry) as is: its
+    decode scheduler queries it directly. It carries ZMQ endpoints only; no key material."""
+
+
+__all__ = ["KvxferKVBootstrapServer", "KvxferKVManager", "KvxferKVReceiver", "KvxferKVSender"]

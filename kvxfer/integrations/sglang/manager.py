@@ -1,0 +1,178 @@
+"""KvxferKVManager: SGLang's ``CommonKVManager`` with kvxfer's engine as the data path.
+
+What SGLang's base class keeps doing: the HTTP bootstrap registration and ``/route`` rank
+mapping, the ZMQ control socket (``rank_port``), per-room status table, failure records,
+abort notifications and drained-abort acks (deferred decode KV release), heartbeats.
+
+What this class adds: one :class:`~kvxfer.integrations.sglang.loop.EngineLoop` per rank with
+three kinds of groups registered - ``kv`` (SGLang's ``kv_data_ptrs``, item = one page of
+one layer's K or V), ``aux`` (the ``MetadataBuffers``, item = one row of each buffer) and
+``state<i>`` per state type - and the role's path (:mod:`.prefill_path` /
+:mod:`.decode_path`). kvxfer writes no byte of its own into any SGLang buffer: the room is
+checked by SGLang's own ``bootstrap_room`` metadata buffer.
+
+Supported: equal attention TP on both sides (each decode rank pairs with one prefill rank),
+PP/CP/DCP of 1, state type ``mamba``, any decode/prefill DP mapping SGLang resolves, decode
+prefix (radix) lengths. Everything else is refused here, before anything starts, with the
+reason (see docs/integrations.md).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Dict, Optional
+
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll, StateType
+from sglang.srt.disaggregation.common.conn import CommonKVManager
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.environ import envs
+from sglang.srt.runtime_context import get_disagg, get_parallel
+from sglang.srt.server_args import ServerArgs
+
+from kvxfer.config import EngineConfig
+from kvxfer.errors import UnsupportedOperation
+from kvxfer.integrations.sglang.loop import EngineLoop
+from kvxfer.integrations.sglang.messages import STATUS_TAG
+from kvxfer.integrations.sglang.settings import resolve_secret
+from kvxfer.metrics import TransferMetrics
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_STATE_TYPES = frozenset({StateType.MAMBA})
+
+
+class RoomStats:
+    """Bytes and timing of one room's writes (prefill), filled on the engine loop."""
+
+    __slots__ = ("bytes", "ops", "writes", "t_first", "t_last")
+
+    def __init__(self) -> None:
+        self.bytes = self.ops = self.writes = 0
+        self.t_first: Optional[float] = None
+        self.t_last: Optional[float] = None
+
+    @property
+    def latency_s(self) -> Optional[float]:
+        if self.t_first is None or self.t_last is None:
+            return None
+        return self.t_last - self.t_first
+
+
+def check_supported(args: KVArgs) -> None:
+    """Raise UnsupportedOperation for what this backend does not do (before anything starts)."""
+    par, disagg = get_parallel(), get_disagg()
+    limits = (("pipeline parallelism", par.pp_size), ("attention context parallelism",
+              par.attn_cp_size), ("decode context parallelism", par.attn_dcp_size))
+    for what, size in limits:
+        if size != 1:
+            raise UnsupportedOperation(f"kvxfer transfer backend: {what} of size {size} is "
+                                       "not supported (only 1)")
+    if par.enable_kv_cache_sharding:
+        raise UnsupportedOperation("kvxfer transfer backend: --enable-kv-cache-sharding is "
+                                   "not supported")
+    if disagg.disaggregation_decode_allocation_policy != "early":
+        raise UnsupportedOperation("kvxfer transfer backend: only the 'early' decode "
+                                   "allocation policy is supported")
+    if envs.SGLANG_DISAGG_STAGING_BUFFER.get():
+        raise UnsupportedOperation("kvxfer transfer backend: SGLANG_DISAGG_STAGING_BUFFER "
+                                   "(heterogeneous-TP staging) is not supported")
+    for st in getattr(args, "state_types", None) or []:
+        if StateType(st) not in SUPPORTED_STATE_TYPES:
+            raise UnsupportedOperation(
+                f"kvxfer transfer backend: state type {StateType(st).value!r} is not "
+                f"supported (supported: {sorted(s.value for s in SUPPORTED_STATE_TYPES)})")
+    if getattr(args, "host_kv_data_ptrs", None):
+        raise UnsupportedOperation("kvxfer transfer backend: decode host KV destinations "
+                                   "are not supported")
+
+
+class KvxferKVManager(CommonKVManager):
+    kv_status_msg_tag = STATUS_TAG
+    kv_status_msg_carries_reason = True
+    reports_transfer_latency = True
+    # the prefill side acks a decode's abort only once no write of the room is in flight
+    supports_deferred_decode_kv_release = True
+
+    def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode,
+                 server_args: ServerArgs, is_mla_backend: Optional[bool] = False) -> None:
+        secret = resolve_secret()                      # no secret: nothing starts
+        check_supported(args)
+        self._closed = False
+        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        role = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
+        self.role = role
+        self.metrics = TransferMetrics(role)
+        self.room_lock = threading.Lock()      # _staging_outstanding, transfer_infos, stats
+        self.room_stats: Dict[int, RoomStats] = {}
+        self.engine = EngineLoop(EngineConfig(
+            secret=secret, host=self.local_ip, port=0,
+            name=f"sglang-{role}@{self.local_ip}:{self.rank_port}"))
+        try:
+            self.engine.start(self._groups())
+            if role == "prefill":
+                from kvxfer.integrations.sglang.prefill_path import PrefillPath
+                self.path = PrefillPath(self)
+            else:
+                from kvxfer.integrations.sglang.decode_path import DecodePath
+                self.path = DecodePath(self)
+            self.path.start()
+        except BaseException:
+            self.close()
+            raise
+        log.info("%s: kvxfer engine on %s", self.engine.config.name, self.engine.address)
+
+    def __repr__(self) -> str:
+        return f"KvxferKVManager({self.role}, {self.local_ip}:{self.rank_port})"
+
+    def _groups(self):
+        a = self.kv_args
+        groups = {"kv": (a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens),
+                  "aux": (a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens)}
+        for i, _ in enumerate(a.state_types or []):
+            groups[f"state{i}"] = (a.state_data_ptrs[i], a.state_data_lens[i],
+                                   a.state_item_lens[i])
+        return groups
+
+    # ------------------------------------------------------------------ base-class hooks
+    def check_status(self, bootstrap_room: int) -> KVPoll:
+        return self.request_status.get(bootstrap_room, KVPoll.WaitingForInput)
+
+    def add_transfer_request(self, bootstrap_room, kv_indices, index_slice, is_last_chunk,
+                             aux_index=None, state_indices=None, num_kv_tokens=None, **_):
+        self.path.add_transfer_request(bootstrap_room, kv_indices, index_slice,
+                                       is_last_chunk, aux_index, state_indices)
+
+    def build_receiver_registration_message(self):
+        return self.path.registration_message()
+
+    def build_receiver_metadata_message(self, *, bootstrap_room, required_dst_info_num,
+                                        kv_indices, aux_index, state_indices,
+                                        decode_prefix_len, is_dummy, device_kv_indices=None):
+        return self.path.metadata_message(bootstrap_room, required_dst_info_num, kv_indices,
+                                          aux_index, state_indices, decode_prefix_len,
+                                          is_dummy)
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the control thread, close the engine and the ZMQ socket; idempotent.
+        (SGLang never closes a manager - its process exits - but tests and embedders do.)"""
+        if self._closed:
+            return
+        self._closed = True
+        path = getattr(self, "path", None)
+        if path is not None:
+            path.stop(timeout)
+        hb = getattr(self, "_heartbeat_shutdown", None)
+        if hb is not None:
+            hb.set()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close(timeout)
+        sock = getattr(self, "server_socket", None)
+        if sock is not None:
+            sock.close(linger=0)
+        with getattr(self, "_socket_lock", threading.Lock()):
+            for s in list(getattr(self, "_socket_cache", {}).values()):
+                s.close(linger=0)
+            for s in list(getattr(self, "_monitor_cache", {}).values()):
+                s.close(linger=0)

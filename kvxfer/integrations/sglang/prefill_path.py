@@ -1,0 +1,396 @@
+"""Prefill side of the SGLang backend: decode registrations, room metadata, ordered writes.
+
+Threads: SGLang's scheduler calls :meth:`PrefillPath.add_transfer_request` (never blocks);
+one control thread reads the manager's ZMQ socket (registrations, room metadata, aborts);
+the engine loop runs the writes; one notifier thread does the ZMQ sends that could block on
+an unreachable decode (failure statuses, abort acks), so neither the loop nor the control
+thread ever waits on a dead peer.
+
+Per room the chunks form a chain (each waits for the previous one), so the completion
+message :class:`~.messages.SglDone` goes out only after every byte of the room is visible at
+decode, and only if the room has not failed meanwhile. A room counts as *outstanding* from
+the moment a chunk is accepted until its write settled; SGLang's drained-abort ack (decode's
+pages are released only after it) is sent when that count reaches zero - never while a
+write may still land. A write that timed out is not known to have settled: its room is
+poisoned (no ack, decode keeps its pages until its own release timeout).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from typing import Dict, List, Optional
+
+import numpy as np
+import zmq
+
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification
+
+from kvxfer.errors import (IncompatiblePeer, KvxferError, PeerClosed, ProtocolError,
+                           ShapeMismatch, TransferTimeout)
+from kvxfer.integrations.sglang.messages import (SglDone, SglRegister, SglRoom,
+                                                 decode_frames)
+
+log = logging.getLogger(__name__)
+
+
+class Decode:
+    """A decode rank registered with this prefill rank (by its ZMQ endpoint ``key``)."""
+
+    __slots__ = ("key", "reg", "reason", "task")
+
+    def __init__(self, key: str, reg: SglRegister, reason: Optional[str]) -> None:
+        self.key, self.reg, self.reason = key, reg, reason
+        self.task: Optional[asyncio.Task] = None     # connect, on the engine loop
+
+    def __repr__(self) -> str:
+        return f"Decode({self.key}, {self.reason or 'ok'})"
+
+
+class RoomInfo:
+    """Destination of one room on one decode rank (from :class:`SglRoom`)."""
+
+    __slots__ = ("key", "endpoint", "port", "dst_kv", "dst_state", "dst_aux",
+                 "required_dst_info_num", "decode_prefix_len", "is_dummy")
+
+    def __init__(self, key: str, msg: SglRoom) -> None:
+        self.key, self.endpoint, self.port = key, msg.endpoint, msg.port
+        self.dst_kv, self.dst_state = msg.arrays()
+        self.dst_aux = msg.dst_aux
+        self.required_dst_info_num = msg.required_dst_info_num
+        self.decode_prefix_len = msg.decode_prefix_len
+        self.is_dummy = msg.is_dummy
+
+
+class Chunk:
+    __slots__ = ("kv", "index_slice", "last", "aux_index", "state")
+
+    def __init__(self, kv, index_slice, last, aux_index, state) -> None:
+        self.kv = np.asarray(kv, dtype=np.int64).reshape(-1).copy()
+        self.index_slice, self.last, self.aux_index = index_slice, bool(last), aux_index
+        self.state = None if state is None else [
+            None if s is None else np.asarray(s, dtype=np.int64).reshape(-1).copy()
+            for s in state]
+
+
+class PrefillPath:
+    def __init__(self, mgr) -> None:
+        self.mgr = mgr
+        self.decodes: Dict[str, Decode] = {}          # guarded by mgr.room_lock
+        self.chains: Dict[int, asyncio.Task] = {}      # engine loop only
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.notifier = concurrent.futures.ThreadPoolExecutor(1, "kvxfer-sgl-notify")
+        #: test hook: awaited on the loop right before each write of a room (None: off)
+        self.before_write = None
+
+    def start(self) -> None:
+        self.mgr.engine.engine.on_peer_closed(self._peer_closed)
+        self._thread = threading.Thread(target=self._control, daemon=True,
+                                        name=f"kvxfer-sgl-control-{self.mgr.rank_port}")
+        self._thread.start()
+
+    def stop(self, timeout: float) -> None:
+        """Stop the control thread, then cancel (and await) every task this path owns on the
+        engine loop: room chains and decode connects."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        try:
+            self.mgr.engine.run(self._cancel_tasks(), timeout)
+        except KvxferError:
+            pass                                       # the loop is already closed
+        self.notifier.shutdown(wait=True, cancel_futures=True)
+
+    async def _cancel_tasks(self) -> None:
+        with self.mgr.room_lock:
+            tasks = [d.task for d in self.decodes.values() if d.task is not None]
+        tasks += list(self.chains.values())
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ------------------------------------------------------------------ control thread
+    def _control(self) -> None:
+        sock = self.mgr.server_socket
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            frames = sock.recv_multipart()
+            try:
+                self.on_frames(frames)
+            except ProtocolError as exc:
+                log.warning("%r: dropped control message: %s", self.mgr, exc)
+            except Exception:
+                log.exception("%r: control message failed", self.mgr)
+
+    def on_frames(self, frames: List[bytes]) -> None:
+        if frames and frames[0] == ABORT_TAG:
+            self._on_abort(frames)
+            return
+        msg = decode_frames(frames)
+        if isinstance(msg, SglRegister):
+            self._on_register(msg)
+        elif isinstance(msg, SglRoom):
+            self._on_room(msg)
+        else:
+            raise ProtocolError(f"unexpected {msg.TAG} on a prefill rank")
+
+    def _incompatible(self, reg: SglRegister) -> Optional[str]:
+        mgr, a = self.mgr, self.mgr.kv_args
+        ours = {"tp_size": mgr.attn_tp_size, "page_size": a.page_size,
+                "dtype": str(a.kv_cache_dtype_str), "kv_item_lens": list(a.kv_item_lens),
+                "aux_item_lens": list(a.aux_item_lens),
+                "state_types": [str(getattr(s, "value", s)) for s in a.state_types or []],
+                "state_item_lens": [list(x) for x in a.state_item_lens or []]}
+        theirs = {"tp_size": reg.tp_size, "page_size": reg.page_size, "dtype": reg.dtype,
+                  "kv_item_lens": reg.kv_item_lens, "aux_item_lens": reg.aux_item_lens,
+                  "state_types": reg.state_types, "state_item_lens": reg.state_item_lens}
+        for k, v in ours.items():
+            if theirs[k] != v:
+                what = ("heterogeneous TP is not supported by the kvxfer backend"
+                        if k == "tp_size" else "layouts differ")
+                return (f"decode {reg.endpoint}:{reg.port} has {k}={theirs[k]!r}, prefill "
+                        f"has {v!r}: {what}")
+        if reg.tp_rank != mgr.attn_tp_rank:
+            return f"decode tp_rank {reg.tp_rank} registered with prefill tp_rank " \
+                   f"{mgr.attn_tp_rank}"
+        return None
+
+    def _on_register(self, reg: SglRegister) -> None:
+        key = f"{reg.endpoint}:{reg.port}"
+        reason = self._incompatible(reg)
+        if reason is not None:
+            log.warning("%r: refused decode %s: %s", self.mgr, key, reason)
+        d = Decode(key, reg, reason)
+        with self.mgr.room_lock:
+            old = self.decodes.get(key)
+            self.decodes[key] = d
+        self.mgr.engine.call_soon(self._connect_soon, d, old)
+
+    def _connect_soon(self, d: Decode, old: Optional[Decode]) -> None:
+        if old is not None and old.task is not None:
+            old.task.cancel()
+        if d.reason is None:
+            d.task = asyncio.get_running_loop().create_task(self._connect(d))
+            d.task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def _connect(self, d: Decode):
+        eng = self.mgr.engine
+        peer = await eng.engine.connect(d.reg.engine_host, d.reg.engine_port,
+                                        eng.config.connect_timeout_s)
+        if peer.name != d.reg.name:
+            await peer.close()
+            raise IncompatiblePeer(f"decode {d.key} registered engine {d.reg.name!r}, "
+                                   f"{d.reg.engine_host}:{d.reg.engine_port} is {peer.name!r}")
+        return peer
+
+    def _on_room(self, msg: SglRoom) -> None:
+        mgr, room = self.mgr, msg.room
+        key = f"{msg.endpoint}:{msg.port}"
+        info = RoomInfo(key, msg)
+        with mgr.room_lock:
+            d = self.decodes.get(key)
+            infos = mgr.transfer_infos.setdefault(room, {})
+            infos[key] = info
+            complete = len(infos) == info.required_dst_info_num
+            if complete:
+                mgr.req_to_decode_prefix_len[room] = info.decode_prefix_len
+        reason = ("decode sent room metadata before registering" if d is None
+                  else d.reason)
+        if reason is not None and not info.is_dummy:
+            mgr.update_status(room, KVPoll.WaitingForInput)
+            self._fail(room, reason, "IncompatiblePeer", notify=[(info.endpoint, info.port)])
+        elif complete:
+            mgr.update_status(room, KVPoll.WaitingForInput)
+
+    def _on_abort(self, frames: List[bytes]) -> None:
+        n = AbortNotification.from_zmq(frames)
+        if n is None:
+            return
+        mgr, room = self.mgr, n.room
+        if room in mgr.request_status and mgr.check_status(room) not in (KVPoll.Success,
+                                                                          KVPoll.Failed):
+            mgr.record_failure(room, "Aborted by decode")
+            mgr.update_status(room, KVPoll.Failed)
+            mgr.metrics.failed("TransferAborted")
+        target = n.deferred_ack_target() if mgr.enable_deferred_decode_kv_release else None
+        if target is not None:
+            mgr.register_deferred_ack_target(room, target)
+            self.notifier.submit(mgr._maybe_ack_drained_abort, room)
+
+    # ------------------------------------------------------------------ scheduler thread
+    def add_transfer_request(self, room, kv_indices, index_slice, last, aux_index,
+                             state_indices) -> None:
+        mgr = self.mgr
+        with mgr.room_lock:
+            infos = mgr.transfer_infos.get(room)
+            if not infos:
+                return                                 # cleared, or a dummy rank
+            infos = list(infos.values())
+            mgr._staging_outstanding[room] += 1
+            stats = mgr.room_stats.get(room)
+        chunk = Chunk(kv_indices, index_slice, last, aux_index, state_indices)
+        mgr.engine.call_soon(self._enqueue, room, chunk, infos, stats)
+
+    def targets(self, room: int):
+        with self.mgr.room_lock:
+            infos = list((self.mgr.transfer_infos.get(room) or {}).values())
+        return [(i.endpoint, i.port) for i in infos if not i.is_dummy]
+
+    def report_abort(self, room: int, targets) -> None:
+        """The scheduler aborted ``room`` (already Failed): tell decode once no write of the
+        room is in flight (a decode that has its pages back must never see a late byte)."""
+        self.mgr.metrics.failed("TransferAborted")
+        self.mgr.engine.call_soon(self._report_after_chain, room, targets)
+
+    def _report_after_chain(self, room: int, targets) -> None:
+        prev = self.chains.get(room)
+
+        def send(_=None):
+            self.notifier.submit(self.mgr.send_kv_status_message, targets=targets,
+                                 bootstrap_room=room, status=KVPoll.Failed,
+                                 failure_reason="Aborted by prefill")
+        if prev is None or prev.done():
+            send()
+        else:
+            prev.add_done_callback(send)
+
+    # ------------------------------------------------------------------ engine loop
+    def _enqueue(self, room: int, chunk: Chunk, infos, stats) -> None:
+        prev = self.chains.get(room)
+        task = asyncio.get_running_loop().create_task(
+            self._run(room, chunk, infos, stats, prev))
+        self.chains[room] = task
+        task.add_done_callback(lambda t: self._settled(room, t))
+
+    async def _run(self, room, chunk, infos, stats, prev) -> None:
+        if prev is not None:
+            await asyncio.wait([prev])
+        mgr = self.mgr
+        if mgr.request_status.get(room, KVPoll.Failed) == KVPoll.Failed:
+            return                                     # failed or cleared: nothing is sent
+        mgr.update_status(room, KVPoll.Transferring)
+        peers = []
+        try:
+            for info in infos:
+                if info.is_dummy:
+                    continue
+                peer = await self._peer(info.key)
+                writes = self._writes(room, chunk, info)
+                if self.before_write is not None:
+                    await self.before_write(room)
+                t0 = time.perf_counter()
+                st = await peer.write(writes)
+                if stats is not None:
+                    stats.t_first = t0 if stats.t_first is None else stats.t_first
+                    stats.t_last = time.perf_counter()
+                    stats.bytes += st.bytes
+                    stats.ops += st.ops
+                    stats.writes += 1
+                mgr.metrics.add_bytes(st.bytes)
+                peers.append(peer)
+            if not chunk.last or mgr.request_status.get(room) != KVPoll.Transferring:
+                return
+            done = SglDone(room=room, prefill_rank=mgr._prefill_unique_rank()).encode()
+            for peer in peers:
+                await peer.send(done)
+            mgr.update_status(room, KVPoll.Success)
+            mgr.metrics.succeeded(stats.latency_s if stats is not None else None)
+        except (KvxferError, OSError) as exc:
+            targets = [] if isinstance(exc, (PeerClosed, TransferTimeout)) else \
+                [(i.endpoint, i.port) for i in infos if not i.is_dummy]
+            if isinstance(exc, TransferTimeout):
+                mgr.poison_deferred_ack_room(room)     # a write may still land: no ack
+            self._fail(room, f"{type(exc).__name__}: {exc}", type(exc).__name__,
+                       notify=targets)
+
+    async def _peer(self, key: str):
+        d = self.decodes.get(key)
+        if d is None or d.reason is not None:
+            raise IncompatiblePeer(d.reason if d else f"decode {key} never registered")
+        if d.task is None:
+            raise PeerClosed(f"decode {key}: no connection")
+        return await asyncio.shield(d.task)
+
+    def _writes(self, room: int, chunk: Chunk, info: RoomInfo):
+        from kvxfer.engine import ItemWrite
+
+        dst = info.dst_kv[chunk.index_slice]
+        if len(dst) != len(chunk.kv):
+            raise ShapeMismatch(f"room {room}: chunk of {len(chunk.kv)} pages for decode "
+                                f"pages {chunk.index_slice} of {len(info.dst_kv)}")
+        writes = [ItemWrite("kv", chunk.kv, dst)] if len(dst) else []
+        if not chunk.last:
+            return writes
+        if chunk.index_slice.stop != len(info.dst_kv):
+            raise ShapeMismatch(f"room {room}: prefill sent {chunk.index_slice.stop} pages, "
+                                f"decode allocated {len(info.dst_kv)}")
+        for i in range(len(self.mgr.kv_args.state_types or [])):
+            src = chunk.state[i] if chunk.state and i < len(chunk.state) else None
+            dst_s = info.dst_state[i] if i < len(info.dst_state) else None
+            n_src = 0 if src is None else len(src)
+            n_dst = 0 if dst_s is None else len(dst_s)
+            if n_src != n_dst:
+                raise ShapeMismatch(f"room {room}: state {i}: prefill sends {n_src} items, "
+                                    f"decode allocated {n_dst}")
+            if n_src:
+                writes.append(ItemWrite(f"state{i}", src, dst_s))
+        if chunk.aux_index is None:
+            raise ShapeMismatch(f"room {room}: last chunk without an aux (metadata) row")
+        writes.append(ItemWrite("aux", [int(chunk.aux_index)], [info.dst_aux]))
+        return writes
+
+    def _settled(self, room: int, task: asyncio.Task) -> None:
+        mgr = self.mgr
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%r: room %d: write task failed", mgr, room, exc_info=task.exception())
+        with mgr.room_lock:
+            n = mgr._staging_outstanding.get(room, 0) - 1
+            if n > 0:
+                mgr._staging_outstanding[room] = n
+            else:
+                mgr._staging_outstanding.pop(room, None)
+        if self.chains.get(room) is task:
+            del self.chains[room]
+        if not self._stop.is_set():
+            self.notifier.submit(mgr._maybe_ack_drained_abort, room)
+
+    def _fail(self, room: int, reason: str, cause: str, notify) -> None:
+        mgr = self.mgr
+        if mgr.request_status.get(room) == KVPoll.Failed:
+            return
+        log.warning("%r: room %d failed: %s", mgr, room, reason)
+        mgr.record_failure(room, reason)
+        mgr.update_status(room, KVPoll.Failed)
+        mgr.metrics.failed(cause)
+        if notify and not self._stop.is_set():
+            self.notifier.submit(mgr.send_kv_status_message, targets=notify,
+                                 bootstrap_room=room, status=KVPoll.Failed,
+                                 failure_reason=reason)
+
+    def _peer_closed(self, peer, exc) -> None:
+        """A decode engine went away: fail its live rooms (nothing to notify)."""
+        mgr = self.mgr
+        with mgr.room_lock:
+            keys = {k for k, d in self.decodes.items() if d.reg.name == peer.name}
+            rooms = [r for r, infos in mgr.transfer_infos.items() if keys & set(infos)]
+        for room in rooms:
+            if mgr.request_status.get(room) not in (None, KVPoll.Success):
+                self._fail(room, f"decode {peer.name} gone: {exc}", "PeerClosed", notify=[])
+
+    # ------------------------------------------------------------------ (unused on prefill)
+    def registration_message(self):
+        raise NotImplementedError("prefill ranks do not register with other ranks")
+
+    def metadata_message(self, *args):
+        raise NotImplementedError("prefill ranks do not send room metadata")
+
+
+__all__ = ["PrefillPath"]

@@ -1,0 +1,39 @@
+"""Where the SGLang backend's settings come from: the environment, read here and only here.
+
+- ``KVXFER_SECRET``: the shared secret of the kvxfer engines of a prefill/decode pair
+  (every prefill and decode rank of a deployment needs the same one); or
+- ``KVXFER_SECRET_FILE``: a file holding it (surrounding whitespace stripped). The plugin's
+  ``--kvxfer-secret-file PATH`` server argument sets this variable for the scheduler
+  processes SGLang starts. Nothing else is accepted: there is no default secret.
+"""
+from __future__ import annotations
+
+import os
+from typing import Mapping, Optional
+
+from kvxfer.errors import InvalidArgument
+
+SECRET_ENV = "KVXFER_SECRET"
+SECRET_FILE_ENV = "KVXFER_SECRET_FILE"
+
+
+def resolve_secret(env: Optional[Mapping[str, str]] = None) -> bytes:
+    """The engine secret from ``env`` (default ``os.environ``); InvalidArgument when absent."""
+    env = os.environ if env is None else env
+    value = env.get(SECRET_ENV, "")
+    if value:
+        return value.encode()
+    path = env.get(SECRET_FILE_ENV, "")
+    if path:
+        try:
+            with open(path, "rb") as f:
+                data = f.read().strip()
+        except OSError as exc:
+            raise InvalidArgument(f"{SECRET_FILE_ENV}={path!r}: {exc}") from None
+        if not data:
+            raise InvalidArgument(f"{SECRET_FILE_ENV}={path!r} is empty")
+        return data
+    raise InvalidArgument(
+        f"the kvxfer transfer backend needs a shared secret: set {SECRET_ENV} (or "
+        f"{SECRET_FILE_ENV}, or pass --kvxfer-secret-file) to the same value on every "
+        "prefill and decode server")

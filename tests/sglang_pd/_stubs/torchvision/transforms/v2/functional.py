@@ -1,0 +1,1 @@
+from torchvision._placeholder import module_getattr as __getattr__  # noqa: F401

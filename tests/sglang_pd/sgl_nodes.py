@@ -1,0 +1,468 @@
+"""Child-process side of the SGLang integration tests: real SGLang classes on CPU.
+
+Each node is a spawned process set up the way SGLang sets up a scheduler process: plugins
+loaded (``load_plugins()`` when kvxfer's entry point is installed, else the plugin's
+``register()`` + SGLang's ``HookRegistry.apply_hooks()``), server args from SGLang's own
+argument parser, ``publish(..., role="scheduler")``. Then, per scenario, SGLang's real pools
+(``MHATokenToKVPool``, or ``HybridLinearKVPool`` over a ``MambaPool``), its
+``MetadataBuffers`` and ``KVArgs`` filled like ``PrefillBootstrapQueue._init_kv_manager`` /
+``DecodePreallocQueue._init_kv_manager`` do, and the manager/sender/receiver classes taken
+from ``get_kv_class(TransferBackend("kvxfer"), ...)``.
+
+Content is deterministic: token ``t`` of room ``R`` in layer-buffer ``e`` holds
+``(R*31 + t*7 + e*13 + byte) % 251``; Mamba slot state of room ``R`` uses ``t = 100000``.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+PAGE = 4
+LAYERS = 3
+HEADS, DIM = 2, 8
+POOL_TOKENS = 256
+META_ROWS = 16
+MAMBA_SLOTS = 8
+#: how this process loaded the plugin: "entry_point" (SGLang's load_plugins) or "register"
+PLUGIN_VIA = None
+
+
+def _setup_process(mode: str, extra_args=(), dp_rank=None):
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    from sglang.srt.plugins import load_plugins
+    from importlib.metadata import entry_points
+
+    global PLUGIN_VIA
+    if any(ep.name == "kvxfer" for ep in entry_points(group="sglang.srt.plugins")):
+        load_plugins()
+        PLUGIN_VIA = "entry_point"
+    else:                      # a source checkout that was not pip-installed
+        PLUGIN_VIA = "register"
+        from kvxfer.integrations.sglang import plugin
+        from sglang.srt.plugins.hook_registry import HookRegistry
+
+        plugin.register()
+        HookRegistry.apply_hooks()
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import prepare_server_args
+
+    argv = ["--model-path", "dummy", "--device", "cpu", "--host", "127.0.0.1",
+            "--page-size", str(PAGE), "--disaggregation-mode", mode,
+            "--disaggregation-transfer-backend", "kvxfer", *extra_args]
+    sa = prepare_server_args(argv)
+    publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=dp_rank, gpu_id=0))
+    from sglang.srt.runtime_context import get_parallel
+
+    # a scheduler builds its torch.distributed groups; one rank per role needs none
+    get_parallel().override_permanently(pp_group=None)
+    return sa
+
+
+def _pools(kind: str):
+    import torch
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MHATokenToKVPool
+
+    bf = torch.bfloat16
+    if kind == "mha":
+        return MHATokenToKVPool(size=POOL_TOKENS, page_size=PAGE, dtype=bf, head_num=HEADS,
+                                head_dim=DIM, layer_num=LAYERS, device="cpu",
+                                enable_memory_saver=False)
+    if kind == "mamba":
+        from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+        from sglang.srt.mem_cache.memory_pool import MambaPool
+
+        shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=32, n_groups=1,
+                                        num_heads=4, head_dim=8, state_size=4, conv_kernel=4)
+        mamba = MambaPool(size=MAMBA_SLOTS, spec_state_size=0, device="cpu",
+                          cache_params=Mamba2CacheParams(shape=shape, layers=[1, 3]),
+                          mamba_layer_ids=[1, 3])
+        return HybridLinearKVPool(size=POOL_TOKENS, dtype=bf, page_size=PAGE, head_num=HEADS,
+                                  head_dim=DIM, full_attention_layer_ids=[0, 2], device="cpu",
+                                  mamba_pool=mamba)
+    raise ValueError(kind)
+
+
+def pattern(room: int, tokens, e: int, nbytes: int):
+    import numpy as np
+
+    t = np.asarray(tokens, dtype=np.int64)[:, None]
+    b = np.arange(nbytes, dtype=np.int64)[None, :]
+    return ((room * 31 + t * 7 + e * 13 + b) % 251).astype(np.uint8)
+
+
+class Node:
+    """One scheduler-like process: managers by scenario name, handles by room."""
+
+    def __init__(self, mode: str, server_args) -> None:
+        self.mode = mode
+        self.server_args = server_args
+        self.scen = {}
+        self.handles = {}
+
+    # ------------------------------------------------------------------ setup
+    def add(self, name: str, kind: str, bootstrap_port: int, secret=None):
+        import torch
+        from sglang.srt.disaggregation.utils import (DisaggregationMode, KVClassType,
+                                                     MetadataBuffers, TransferBackend,
+                                                     get_kv_class, setup_state_kv_args)
+        from sglang.srt.runtime_context import get_context, get_parallel
+
+        get_context().override("test", disaggregation_bootstrap_port=int(bootstrap_port))
+        backend = TransferBackend("kvxfer")
+        pool = _pools(kind)
+        meta = MetadataBuffers(META_ROWS, hidden_size=16, hidden_states_dtype=torch.float32,
+                               max_sampling_mask_tokens=4)
+        kv_args = get_kv_class(backend, KVClassType.KVARGS)()
+        kv_args.engine_rank = 0
+        kv_args.pp_rank = 0
+        kv_args.system_dp_rank = get_parallel().dp_rank
+        kv_args.rust_http_port = None
+        kv_args.kv_cache_dtype_str = "bfloat16"
+        kv_args.kv_layout = None
+        kv_args.prefill_start_layer = 0
+        kv_args.prefill_end_layer = None
+        ptrs, lens, items = pool.get_contiguous_buf_infos()
+        kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = ptrs, lens, items
+        kv_args.num_draft_entries = 0
+        kv_args.kv_layer_ids = []
+        kv_args.kv_head_num, kv_args.total_kv_head_num = HEADS, HEADS
+        kv_args.page_size = PAGE
+        (kv_args.aux_data_ptrs, kv_args.aux_data_lens,
+         kv_args.aux_item_lens) = meta.get_buf_infos()
+        kv_args.ib_device = None
+        kv_args.gpu_id = 0
+        setup_state_kv_args(kv_args, pool, None, LAYERS)
+        mode = DisaggregationMode(self.mode)
+        saved = os.environ.get("KVXFER_SECRET")
+        if secret is not None:                   # this manager only (read at construction)
+            os.environ["KVXFER_SECRET"] = secret
+        try:
+            mgr = get_kv_class(backend, KVClassType.MANAGER)(kv_args, mode, self.server_args,
+                                                             False)
+        finally:
+            if saved is not None:
+                os.environ["KVXFER_SECRET"] = saved
+        self.scen[name] = dict(kind=kind, pool=pool, meta=meta, mgr=mgr, backend=backend)
+        return {"cls": type(mgr).__name__, "rank_port": mgr.rank_port,
+                "engine": list(mgr.engine.address), "system_dp_rank": mgr.system_dp_rank,
+                "item_lens": [list(kv_args.kv_item_lens), list(kv_args.aux_item_lens),
+                              [list(x) for x in kv_args.state_item_lens]]}
+
+    def _bufs(self, name):
+        """The KV layer buffers as uint8 ``[tokens, bytes]`` views, then the Mamba state
+        tensors per layer as uint8 ``[slots, bytes]`` views."""
+        import torch
+
+        pool = self.scen[name]["pool"]
+        kvp = getattr(pool, "full_kv_pool", pool)
+        kv = [b.view(b.shape[0], -1).view(torch.uint8)
+              for b in list(kvp.k_buffer) + list(kvp.v_buffer)]
+        states = []
+        mamba = getattr(pool, "mamba_pool", None)
+        if mamba is not None:
+            for t in list(mamba.mamba_cache.conv) + [mamba.mamba_cache.temporal]:
+                states += [t[layer].view(t.shape[1], -1).view(torch.uint8)
+                           for layer in range(t.shape[0])]
+        return kv, states
+
+    # ------------------------------------------------------------------ content
+    def fill(self, name, room, pages, mamba_slot=None):
+        """Write room ``room``'s pattern into ``pages`` (request order) and ``mamba_slot``."""
+        import torch
+
+        kv, states = self._bufs(name)
+        tokens = [p * PAGE + i for p in pages for i in range(PAGE)]
+        pos = list(range(len(tokens)))
+        for e, b in enumerate(kv):
+            b[tokens] = torch.from_numpy(pattern(room, pos, e, b.shape[1]))
+        if mamba_slot is not None:
+            for e, b in enumerate(states):
+                b[mamba_slot] = torch.from_numpy(pattern(room, [100000], e, b.shape[1])[0])
+        return True
+
+    def read(self, name, pages, mamba_slot=None):
+        kv, states = self._bufs(name)
+        tokens = [p * PAGE + i for p in pages for i in range(PAGE)]
+        out = [b[tokens].numpy().tobytes() for b in kv]
+        if mamba_slot is not None:
+            out += [b[mamba_slot].numpy().tobytes() for b in states]
+        return out
+
+    def expected(self, name, room, n_pages, prefix_pages=0, mamba=False):
+        kv, states = self._bufs(name)
+        pos = list(range(prefix_pages * PAGE, (prefix_pages + n_pages) * PAGE))
+        out = [pattern(room, pos, e, b.shape[1]).tobytes() for e, b in enumerate(kv)]
+        if mamba:
+            out += [pattern(room, [100000], e, b.shape[1])[0].tobytes()
+                    for e, b in enumerate(states)]
+        return out
+
+    # ------------------------------------------------------------------ handles
+    def handle(self, room):
+        return self.handles[room]
+
+    def poll(self, room) -> int:
+        return int(self.handles[room].poll())
+
+    def wait(self, room, states, timeout=30.0, interval=0.002) -> int:
+        """Poll like a scheduler loop until the state is one of ``states`` (bounded)."""
+        return self.wait_t(room, states, timeout, interval)[0]
+
+    def wait_t(self, room, states, timeout=30.0, interval=0.002):
+        """:meth:`wait`, also returning ``time.monotonic()`` when the state was seen."""
+        h = self.handles[room]
+        deadline = time.monotonic() + timeout
+        while True:
+            st = int(h.poll())
+            if st in states or time.monotonic() > deadline:
+                return [st, time.monotonic()]
+            time.sleep(interval)
+
+    def failure(self, room):
+        try:
+            self.handles[room].failure_exception()
+        except Exception as exc:      # noqa: BLE001 - the point is what it raises
+            return [type(exc).__name__, str(exc)]
+        return None
+
+    def abort(self, room):
+        self.handles[room].abort()
+        return True
+
+    def clear(self, room):
+        self.handles.pop(room).clear()
+        return True
+
+    def peers(self, name, n=1, timeout=30.0):
+        """Wait (bounded) until this scenario's engine has ``n`` connected peers."""
+        eng = self.scen[name]["mgr"].engine.engine
+        deadline = time.monotonic() + timeout
+        while len(eng.peers) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return len(eng.peers)
+
+    def refused(self, name, state_type):
+        """Construct this scenario's manager class with ``state_type`` added: the error."""
+        import copy
+
+        from sglang.srt.disaggregation.base.conn import StateType
+        from sglang.srt.disaggregation.utils import DisaggregationMode
+
+        mgr = self.scen[name]["mgr"]
+        args = copy.copy(mgr.kv_args)
+        args.state_types = [StateType(state_type)]
+        try:
+            type(mgr)(args, DisaggregationMode(self.mode), self.server_args, False)
+        except Exception as exc:          # noqa: BLE001 - the point is what it raises
+            return [type(exc).__name__, str(exc)]
+        return None
+
+    def metrics(self, name):
+        return self.scen[name]["mgr"].metrics.snapshot()
+
+
+class PrefillNode(Node):
+    def __init__(self, server_args):
+        super().__init__("prefill", server_args)
+
+    def sender(self, name, room, bootstrap_host="127.0.0.1", bootstrap_port=0):
+        from sglang.srt.disaggregation.utils import KVClassType, get_kv_class
+
+        s = self.scen[name]
+        cls = get_kv_class(s["backend"], KVClassType.SENDER)
+        self.handles[room] = cls(mgr=s["mgr"], bootstrap_addr=f"{bootstrap_host}:"
+                                 f"{bootstrap_port}", bootstrap_room=room,
+                                 req_has_disagg_prefill_dp_rank=False)
+        return type(self.handles[room]).__name__
+
+    def start(self, name, room, n_tokens, aux_row, first_token):
+        """What ``finalize_bootstrap`` does: pop decode's prefix, ``init(pages, aux)``; and
+        what ``set_buf`` does for the metadata row."""
+        import numpy as np
+
+        s, h = self.scen[name], self.handles[room]
+        prefix = h.pop_decode_prefix_len()
+        n_pages = -(-(n_tokens - prefix) // PAGE)
+        h.init(np.int64(n_pages), np.int64(aux_row))
+        meta = s["meta"]
+        meta.output_ids[aux_row][0] = first_token
+        meta.bootstrap_room[aux_row][0] = room
+        return {"prefix": prefix, "pages": n_pages}
+
+    def send(self, room, pages, last, mamba_slot=None, num_kv_tokens=None):
+        import numpy as np
+
+        h = self.handles[room]
+        state = None
+        if last and mamba_slot is not None:
+            state = [[np.array(mamba_slot)]]         # SGLang's _mamba_payload shape
+        if not h.should_send_kv_chunk(len(pages), last):
+            return False
+        t = time.monotonic()
+        h.send(np.asarray(pages, dtype=np.int32), state,
+               num_kv_tokens=num_kv_tokens if num_kv_tokens is not None else len(pages) * PAGE)
+        self.t_send = t
+        return True
+
+    def last_send_time(self):
+        return self.t_send
+
+    def incompatible(self, name, changes=None):
+        """Prefill's verdict on a decode registration like its own but with ``changes``."""
+        from kvxfer.integrations.sglang.messages import SglRegister
+
+        mgr = self.scen[name]["mgr"]
+        a = mgr.kv_args
+        reg = dict(endpoint="127.0.0.1", port=1, engine_host="127.0.0.1", engine_port=2,
+                   name="x", tp_size=1, tp_rank=0, page_size=a.page_size,
+                   dtype=a.kv_cache_dtype_str, kv_item_lens=list(a.kv_item_lens),
+                   aux_item_lens=list(a.aux_item_lens),
+                   state_types=[s.value for s in a.state_types],
+                   state_item_lens=[list(x) for x in a.state_item_lens])
+        reg.update(changes or {})
+        return mgr.path._incompatible(SglRegister(**reg))
+
+    def metric(self, room):
+        m = self.handles[room].get_transfer_metric()
+        return [m.transfer_total_bytes, m.transfer_latency_s]
+
+    def hold_writes(self, name):
+        """Test hook: park every write of this scenario until :meth:`release_writes`."""
+        import asyncio
+
+        mgr = self.scen[name]["mgr"]
+        gate = {}
+
+        def install():
+            gate["ev"] = asyncio.Event()
+            gate["n"] = 0
+
+            async def before(room):
+                gate["n"] += 1
+                await gate["ev"].wait()
+            mgr.path.before_write = before
+        mgr.engine.loop.call_soon_threadsafe(install)
+        self._gate = gate
+        return True
+
+    def parked(self):
+        return self._gate.get("n", 0)
+
+    def release_writes(self, name):
+        mgr = self.scen[name]["mgr"]
+
+        def go():
+            mgr.path.before_write = None
+            self._gate["ev"].set()
+        mgr.engine.loop.call_soon_threadsafe(go)
+        return True
+
+
+class DecodeNode(Node):
+    def __init__(self, server_args):
+        super().__init__("decode", server_args)
+
+    def receiver(self, name, room, bootstrap_addr, timeout=30.0):
+        """``_create_receiver_and_enqueue`` + ``_ensure_prefill_info`` + ``_init_receiver``."""
+        from sglang.srt.disaggregation.utils import KVClassType, get_kv_class
+
+        s = self.scen[name]
+        mgr = s["mgr"]
+        cls = get_kv_class(s["backend"], KVClassType.RECEIVER)
+        r = cls(mgr=mgr, bootstrap_addr=bootstrap_addr, bootstrap_room=room)
+        self.handles[room] = r
+        deadline = time.monotonic() + timeout
+        while not mgr.try_ensure_parallel_info(bootstrap_addr):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"prefill at {bootstrap_addr} never became ready")
+            time.sleep(0.05)
+        info = mgr.prefill_info_table[bootstrap_addr]
+        if info.dp_size == 1:
+            dp = 0
+        elif info.follow_bootstrap_room:
+            dp = room % info.dp_size
+        else:
+            dp = int(type(r).query_prefill_dp_ranks(bootstrap_addr, [room])[str(room)])
+        r.init(dp)
+        return {"prefill_dp_rank": dp, "dp_size": info.dp_size}
+
+    def metadata(self, name, room, pages, aux_row, mamba_slot=None, prefix_tokens=0):
+        import numpy as np
+
+        s = self.scen[name]
+        s["meta"].clear_slot(aux_row)
+        s["meta"].output_ids[aux_row][0] = -1
+        state = [[np.array(mamba_slot)]] if mamba_slot is not None else None
+        if s["mgr"].kv_args.state_types and state is None:
+            state = [None]
+        self.handles[room].send_metadata(np.asarray(pages, dtype=np.int32), aux_row, state,
+                                         decode_prefix_len=prefix_tokens)
+        return True
+
+    def first_token(self, name, aux_row):
+        """What ``DecodeTransferQueue`` reads after Success: (output_ids[0], bootstrap_room)."""
+        out = self.scen[name]["meta"].get_buf(aux_row)
+        return [int(out[0][0]), int(out[-1][0])]
+
+    def parse(self, argv):
+        """SGLang's own server-argument parser (``prepare_server_args``) on ``argv``."""
+        from sglang.srt.server_args import prepare_server_args
+
+        try:
+            sa = prepare_server_args(list(argv))
+        except SystemExit as exc:
+            return ["exit", exc.code]
+        return ["ok", sa.disaggregation_transfer_backend, PLUGIN_VIA,
+                os.environ.get("KVXFER_SECRET_FILE")]
+
+    def release_safe(self, name, room, acks=1):
+        return bool(self.scen[name]["mgr"].is_abort_release_safe(room, acks))
+
+
+def serve_node(inbox, outbox, role, extra_env, extra_args, dp_rank=None):
+    os.environ.update(extra_env)
+    from kvxfer.testing import serve
+
+    sa = _setup_process(role, extra_args, dp_rank)
+    node = PrefillNode(sa) if role == "prefill" else DecodeNode(sa)
+    outbox.put(("ok", os.getpid()))
+    handlers = {n: getattr(node, n) for n in dir(node) if not n.startswith("_")}
+    serve(inbox, outbox, handlers)
+    _exit(outbox, node)
+
+
+def _exit(outbox, node=None):
+    """After ``exit``: close the managers (bounded), flush the reply, skip the interpreter's
+    slow teardown of SGLang's import graph."""
+    for s in (node.scen.values() if node is not None else ()):
+        s["mgr"].close()
+    outbox.close()
+    outbox.join_thread()
+    os._exit(0)
+
+
+def serve_bootstrap(inbox, outbox, n_servers, extra_env):
+    """``n_servers`` SGLang bootstrap servers (the kvxfer backend's class) on free ports."""
+    os.environ.update(extra_env)
+    _setup_process("prefill")
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+    from kvxfer.testing import serve
+
+    cls = get_kv_class(TransferBackend("kvxfer"), KVClassType.BOOTSTRAP_SERVER)
+    servers, ports = [], []
+    for _ in range(n_servers):
+        srv = cls(host="127.0.0.1", port=0)
+        deadline = time.monotonic() + 30
+        while getattr(srv, "_runner", None) is None or not srv._runner.addresses:
+            if time.monotonic() > deadline:
+                raise TimeoutError("bootstrap server did not start")
+            time.sleep(0.01)
+        servers.append(srv)
+        ports.append(int(srv._runner.addresses[0][1]))
+    outbox.put(("ok", ports))
+    serve(inbox, outbox, {"ping": lambda: True})
+    for srv in servers:
+        srv.close()
+    _exit(outbox)

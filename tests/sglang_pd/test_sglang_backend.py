@@ -1,0 +1,289 @@
+"""kvxfer as SGLang's transfer backend, driven the way SGLang's schedulers drive it.
+
+Real parts only: sglang==0.5.23's own classes (server-argument parser, runtime context,
+``MHATokenToKVPool`` / ``HybridLinearKVPool`` + ``MambaPool``, ``MetadataBuffers``, ``KVArgs``,
+``get_kv_class(TransferBackend("kvxfer"), ...)``, its HTTP bootstrap server), kvxfer's engine
+over UCX on loopback, one process per role (spawn). The decode process is DP rank 1 of 2
+while prefill has one DP rank, so every transfer here crosses differing DP ranks.
+"""
+import random
+from importlib.metadata import entry_points
+
+import pytest
+
+pytest.importorskip("sglang", reason="sglang is not installed here: `make test-sglang` "
+                                     "runs these tests in .venv-sglang")
+
+from kvxfer.testing import Child  # noqa: E402
+
+import sgl_nodes as N  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+ENV = {"SGLANG_HOST_IP": "127.0.0.1", "UCX_NET_DEVICES": "lo", "KVXFER_SECRET": "pd-test",
+       "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2"}
+FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = range(5)
+DONE = [SUCCESS, FAILED]
+
+
+def _start(*children, timeout=300):
+    for c in children:
+        c.proc.start()
+    return [c.get(timeout) for c in children]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    bs = Child(N.serve_bootstrap, 5, ENV, name="bootstrap")
+    pf = Child(N.serve_node, "prefill", ENV, (), name="prefill")
+    dc = Child(N.serve_node, "decode", ENV, ("--dp-size", "2"), 1, name="decode")
+    try:
+        ports, _, _ = _start(bs, pf, dc)
+        info = {}
+        for scen, kind, port in (("mha", "mha", ports[0]), ("mamba", "mamba", ports[1])):
+            info[scen] = (pf.call("add", scen, kind, port, timeout=120),
+                          dc.call("add", scen, kind, port, timeout=120))
+        yield dict(bs=bs, pf=pf, dc=dc, ports=ports, info=info)
+    finally:
+        for c in (dc, pf, bs):
+            c.stop()
+
+
+def _pages(rng, n, exclude=()):
+    return rng.sample([p for p in range(1, 60) if p not in exclude], n)
+
+
+def _open(pf, dc, scen, port, room, d_pages, d_aux, p_aux, first, n_tokens, mamba_d=None,
+          prefix_tokens=0):
+    """Both ends of a room up to the point where prefill may send."""
+    assert pf.call("sender", scen, room, "127.0.0.1", port) == "KvxferKVSender"
+    got = dc.call("receiver", scen, room, f"127.0.0.1:{port}")
+    assert got == {"prefill_dp_rank": 0, "dp_size": 1}
+    dc.call("metadata", scen, room, d_pages, d_aux, mamba_d, prefix_tokens)
+    assert pf.call("wait", room, [WAITING, FAILED], 30) == WAITING
+    return pf.call("start", scen, room, n_tokens, p_aux, first)
+
+
+def test_manager_is_kvxfer_and_decode_dp_differs(cluster):
+    p_info, d_info = cluster["info"]["mha"]
+    assert p_info["cls"] == d_info["cls"] == "KvxferKVManager"
+    assert d_info["system_dp_rank"] == 1 and p_info["system_dp_rank"] == 0
+
+
+def test_server_args_accept_kvxfer(cluster):
+    """SGLang's own parser, after the plugin was loaded the way SGLang loads it (its
+    ``load_plugins()`` over the installed entry point; a bare source checkout falls back to
+    calling the plugin's ``register()``)."""
+    dc = cluster["dc"]
+    base = ["--model-path", "dummy", "--device", "cpu", "--disaggregation-mode", "decode"]
+    ok, backend, via, secret_file = dc.call(
+        "parse", base + ["--disaggregation-transfer-backend", "kvxfer",
+                         "--kvxfer-secret-file", "/run/kvxfer.secret"])
+    assert (ok, backend, secret_file) == ("ok", "kvxfer", "/run/kvxfer.secret")
+    installed = any(ep.name == "kvxfer" for ep in entry_points(group="sglang.srt.plugins"))
+    assert via == ("entry_point" if installed else "register")
+    assert dc.call("parse", base + ["--disaggregation-transfer-backend", "kvxferx"]) == \
+        ["exit", 2]
+
+
+@pytest.mark.parametrize("chunks", [[4], [1, 2, 1], [2, 2]])
+def test_mha_chunked_byte_exact_first_token(cluster, chunks):
+    pf, dc, port = cluster["pf"], cluster["dc"], cluster["ports"][0]
+    room = 1000 + len(chunks) * 10 + chunks[0]
+    rng = random.Random(room)
+    n = sum(chunks)
+    p_pages, d_pages = _pages(rng, n), _pages(rng, n)
+    pf.call("fill", "mha", room, p_pages)
+    started = _open(pf, dc, "mha", port, room, d_pages, 3, 5, 4242 + room, n * N.PAGE - 1)
+    assert started == {"prefix": 0, "pages": n}
+    at = 0
+    for i, c in enumerate(chunks):
+        last = i == len(chunks) - 1
+        assert pf.call("send", room, p_pages[at:at + c], last) is True
+        at += c
+        if not last:
+            assert pf.call("poll", room) in (WAITING, TRANSFERRING)
+            assert dc.call("poll", room) != SUCCESS
+    assert pf.call("wait", room, DONE, 30) == SUCCESS
+    assert dc.call("wait", room, DONE, 30) == SUCCESS
+    assert dc.call("read", "mha", d_pages) == dc.call("expected", "mha", room, n)
+    assert dc.call("first_token", "mha", 3) == [4242 + room, room]
+    kv_items, aux_items, _ = cluster["info"]["mha"][0]["item_lens"]
+    nbytes, latency = pf.call("metric", room)
+    assert nbytes == n * sum(kv_items) + sum(aux_items)
+    assert latency is not None and latency > 0
+    pf.call("clear", room)
+    dc.call("clear", room)
+
+
+def test_hybrid_mamba_byte_exact(cluster):
+    pf, dc, port = cluster["pf"], cluster["dc"], cluster["ports"][1]
+    room, rng = 2001, random.Random(2001)
+    p_pages, d_pages = _pages(rng, 5), _pages(rng, 5)
+    pf.call("fill", "mamba", room, p_pages, 2)
+    _open(pf, dc, "mamba", port, room, d_pages, 6, 1, 777, 5 * N.PAGE, mamba_d=5)
+    pf.call("send", room, p_pages[:3], False)
+    pf.call("send", room, p_pages[3:], True, 2)
+    assert pf.call("wait", room, DONE, 30) == SUCCESS
+    assert dc.call("wait", room, DONE, 30) == SUCCESS
+    assert dc.call("read", "mamba", d_pages, 5) == dc.call("expected", "mamba", room, 5,
+                                                             0, True)
+    assert dc.call("first_token", "mamba", 6) == [777, room]
+    kv_items, aux_items, state_items = cluster["info"]["mamba"][0]["item_lens"]
+    assert pf.call("metric", room)[0] == 5 * sum(kv_items) + sum(aux_items) + \
+        sum(state_items[0])
+    pf.call("clear", room)
+    dc.call("clear", room)
+
+
+def test_decode_prefix_sends_only_the_suffix(cluster):
+    pf, dc, port = cluster["pf"], cluster["dc"], cluster["ports"][0]
+    room, rng = 3001, random.Random(3001)
+    p_pages = _pages(rng, 6)
+    d_suffix = _pages(rng, 4)
+    before = dc.call("read", "mha", d_suffix)
+    pf.call("fill", "mha", room, p_pages)           # prefill computed all 6 pages
+    started = _open(pf, dc, "mha", port, room, d_suffix, 2, 2, 99, 6 * N.PAGE,
+                    prefix_tokens=2 * N.PAGE)
+    assert started == {"prefix": 2 * N.PAGE, "pages": 4}
+    pf.call("send", room, p_pages[2:], True)
+    assert dc.call("wait", room, DONE, 30) == SUCCESS
+    got = dc.call("read", "mha", d_suffix)
+    assert got == dc.call("expected", "mha", room, 4, 2) != before
+    kv_items = cluster["info"]["mha"][0]["item_lens"][0]
+    assert pf.call("metric", room)[0] == 4 * sum(kv_items) + \
+        sum(cluster["info"]["mha"][0]["item_lens"][1])
+    pf.call("clear", room)
+    dc.call("clear", room)
+
+
+def test_abort_from_decode_acks_only_after_the_write_settled(cluster):
+    pf, dc, port = cluster["pf"], cluster["dc"], cluster["ports"][0]
+    room, rng = 4001, random.Random(4001)
+    p_pages, d_pages = _pages(rng, 3), _pages(rng, 3)
+    pf.call("fill", "mha", room, p_pages)
+    _open(pf, dc, "mha", port, room, d_pages, 7, 7, 1, 3 * N.PAGE)
+    pf.call("hold_writes", "mha")
+    try:
+        pf.call("send", room, p_pages, True)
+        for _ in range(2000):                       # the write is parked in flight
+            if pf.call("parked"):
+                break
+        assert pf.call("parked") == 1
+        dc.call("abort", room)
+        assert dc.call("poll", room) == FAILED
+        assert pf.call("wait", room, [FAILED], 30) == FAILED
+        # prefill knows about the abort, but its write may still land: no ack yet
+        assert dc.call("release_safe", "mha", room) is False
+    finally:
+        pf.call("release_writes", "mha")
+    for _ in range(3000):
+        if dc.call("release_safe", "mha", room):
+            break
+    assert dc.call("release_safe", "mha", room) is True
+    kind, msg = dc.call("failure", room)
+    assert kind == "KVTransferError" and "Aborted by AbortReq" in msg
+    kind, msg = pf.call("failure", room)
+    assert kind == "KVTransferError" and "Aborted by decode" in msg
+    assert pf.call("metrics", "mha")["failures"].get("TransferAborted", 0) >= 1
+
+
+def test_abort_from_prefill_reaches_decode_after_the_write(cluster):
+    pf, dc, port = cluster["pf"], cluster["dc"], cluster["ports"][0]
+    room, rng = 4002, random.Random(4002)
+    p_pages, d_pages = _pages(rng, 2), _pages(rng, 2)
+    _open(pf, dc, "mha", port, room, d_pages, 8, 8, 1, 2 * N.PAGE)
+    pf.call("hold_writes", "mha")
+    try:
+        pf.call("send", room, p_pages, True)
+        for _ in range(2000):
+            if pf.call("parked"):
+                break
+        pf.call("abort", room)
+        assert pf.call("poll", room) == FAILED
+        # decode is told only once the room's write settled
+        assert dc.call("wait", room, [FAILED], 1.0) != FAILED
+    finally:
+        pf.call("release_writes", "mha")
+    assert dc.call("wait", room, DONE, 30) == FAILED
+    kind, msg = dc.call("failure", room)
+    assert kind == "KVTransferError" and "Aborted by prefill" in msg
+    assert pf.call("failure", room)[0] == "KVTransferError"
+
+
+def test_unsupported_is_refused_with_the_reason(cluster):
+    pf, dc = cluster["pf"], cluster["dc"]
+    kind, msg = dc.call("refused", "mha", "swa")
+    assert kind == "UnsupportedOperation" and "'swa' is not supported" in msg
+    assert pf.call("incompatible", "mamba") is None
+    assert "heterogeneous TP" in pf.call("incompatible", "mamba",
+                                         {"tp_size": 2, "tp_rank": 1})
+    assert "kv_item_lens" in pf.call("incompatible", "mha", {"kv_item_lens": [64] * 6})
+    assert "state_item_lens" in pf.call("incompatible", "mamba",
+                                        {"state_item_lens": [[8] * 4]})
+
+
+def test_wrong_secret_moves_nothing_and_fails_the_room(cluster):
+    """A decode whose engine has another secret never gets a byte: prefill's handshake is
+    refused, the room fails on both sides with the reason, decode's pages stay as they were."""
+    pf, dc, port = cluster["pf"], cluster["dc"], cluster["ports"][4]
+    pf.call("add", "intruder", "mha", port, timeout=120)
+    dc.call("add", "intruder", "mha", port, "not-the-secret", timeout=120)
+    room, d_pages = 6001, [4, 5]
+    pf.call("fill", "intruder", room, [7, 8])
+    before = dc.call("read", "intruder", d_pages)
+    _open(pf, dc, "intruder", port, room, d_pages, 1, 1, 5, 2 * N.PAGE)
+    pf.call("send", room, [7, 8], True)
+    assert pf.call("wait", room, DONE, 60) == FAILED
+    assert dc.call("wait", room, DONE, 60) == FAILED
+    assert "Authentication" in dc.call("failure", room)[1]
+    assert "Authentication" in pf.call("failure", room)[1]
+    assert dc.call("read", "intruder", d_pages) == before
+    assert dc.call("first_token", "intruder", 1)[1] == 0       # metadata row untouched
+
+
+def test_killed_prefill_fails_decode_room(cluster):
+    dc, port = cluster["dc"], cluster["ports"][2]
+    victim = Child(N.serve_node, "prefill", ENV, (), name="prefill-victim")
+    try:
+        _start(victim)
+        victim.call("add", "victim", "mha", port, timeout=120)
+        dc.call("add", "victim", "mha", port, timeout=120)
+        room = 5001
+        victim.call("sender", "victim", room, "127.0.0.1", port)
+        dc.call("receiver", "victim", room, f"127.0.0.1:{port}")
+        dc.call("metadata", "victim", room, [1, 2], 9)
+        assert victim.call("wait", room, [WAITING, FAILED], 30) == WAITING
+        assert dc.call("peers", "victim") == 1     # prefill's engine reached ours
+        victim.kill()
+        assert dc.call("wait", room, DONE, 60) == FAILED
+        kind, msg = dc.call("failure", room)
+        assert kind == "KVTransferError" and "gone" in msg
+        assert dc.call("metrics", "victim")["failures"].get("PeerClosed") == 1
+    finally:
+        victim.kill()
+
+
+def test_killed_decode_fails_prefill_room(cluster):
+    pf, port = cluster["pf"], cluster["ports"][3]
+    victim = Child(N.serve_node, "decode", ENV, (), name="decode-victim")
+    try:
+        _start(victim)
+        pf.call("add", "victim", "mha", port, timeout=120)
+        victim.call("add", "victim", "mha", port, timeout=120)
+        room = 5002
+        pf.call("sender", "victim", room, "127.0.0.1", port)
+        victim.call("receiver", "victim", room, f"127.0.0.1:{port}")
+        victim.call("metadata", "victim", room, [3, 4], 9)
+        assert pf.call("wait", room, [WAITING, FAILED], 30) == WAITING
+        pf.call("start", "victim", room, 2 * N.PAGE, 9, 5)
+        assert pf.call("peers", "victim") == 1
+        victim.kill()
+        assert pf.call("wait", room, DONE, 60) == FAILED
+        kind, msg = pf.call("failure", room)
+        assert kind == "KVTransferError"
+        assert pf.call("send", room, [1, 2], True) is True     # a late send is a no-op
+        assert pf.call("poll", room) == FAILED
+    finally:
+        victim.kill()
+

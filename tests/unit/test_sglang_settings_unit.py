@@ -1,0 +1,84 @@
+"""Torch- and SGLang-free parts of the SGLang backend: the secret's sources and the
+validation of its control messages."""
+import numpy as np
+import pytest
+
+from kvxfer import wire
+from kvxfer.errors import InvalidArgument, ProtocolError
+from kvxfer.integrations.sglang import messages as m
+from kvxfer.integrations.sglang.settings import resolve_secret
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_secret_from_env_then_file(tmp_path):
+    assert resolve_secret({"KVXFER_SECRET": "abc"}) == b"abc"
+    f = tmp_path / "secret"
+    f.write_bytes(b"  from-file\n")
+    assert resolve_secret({"KVXFER_SECRET_FILE": str(f)}) == b"from-file"
+    assert resolve_secret({"KVXFER_SECRET": "env", "KVXFER_SECRET_FILE": str(f)}) == b"env"
+
+
+@pytest.mark.parametrize("env", [{}, {"KVXFER_SECRET": ""}])
+def test_no_secret_is_refused(env):
+    with pytest.raises(InvalidArgument, match="shared secret"):
+        resolve_secret(env)
+
+
+def test_unreadable_or_empty_secret_file_is_refused(tmp_path):
+    with pytest.raises(InvalidArgument, match="missing"):
+        resolve_secret({"KVXFER_SECRET_FILE": str(tmp_path / "missing")})
+    (tmp_path / "empty").write_bytes(b"\n")
+    with pytest.raises(InvalidArgument, match="empty"):
+        resolve_secret({"KVXFER_SECRET_FILE": str(tmp_path / "empty")})
+
+
+def _room(**kw):
+    base = dict(room=5, endpoint="127.0.0.1", port=9, dst_kv=m.ids_to_bytes([3, 1]),
+                dst_aux=2, required_dst_info_num=1, dst_state=[m.ids_to_bytes([4]), None],
+                decode_prefix_len=8)
+    base.update(kw)
+    return m.SglRoom(**base)
+
+
+def test_room_roundtrip():
+    msg = m.decode_frames([m.FRAME_TAG, _room().encode()])
+    kv, states = msg.arrays()
+    assert kv.tolist() == [3, 1] and states[0].tolist() == [4] and states[1] is None
+    assert msg.decode_prefix_len == 8
+
+
+@pytest.mark.parametrize("bad", [dict(dst_kv=b"\x01\x02\x03"),
+                                 dict(dst_kv=np.array([-1], dtype="<i8").tobytes()),
+                                 dict(dst_state=[7]), dict(required_dst_info_num=0),
+                                 dict(dst_aux=-1)])
+def test_malformed_room_is_refused(bad):
+    with pytest.raises(ProtocolError):
+        m.decode_frames([m.FRAME_TAG, _room(**bad).encode()]).arrays()
+
+
+def _reg(**kw):
+    base = dict(endpoint="127.0.0.1", port=9, engine_host="127.0.0.1", engine_port=10,
+                name="sglang-decode@127.0.0.1:9", tp_size=1, tp_rank=0, page_size=4,
+                dtype="bfloat16", kv_item_lens=[128], aux_item_lens=[64], state_types=[],
+                state_item_lens=[])
+    base.update(kw)
+    return m.SglRegister(**base)
+
+
+@pytest.mark.parametrize("bad", [dict(tp_rank=1), dict(port=0), dict(page_size=0),
+                                 dict(state_types=["mamba"]),
+                                 dict(state_types=["mamba"], state_item_lens=[["x"]])])
+def test_malformed_register_is_refused(bad):
+    with pytest.raises(ProtocolError):
+        m.decode_frames([m.FRAME_TAG, _reg(**bad).encode()])
+
+
+def test_foreign_frames_are_refused():
+    assert isinstance(m.decode_frames([m.FRAME_TAG, _reg().encode()]), m.SglRegister)
+    with pytest.raises(ProtocolError):
+        m.decode_frames([b"OTHER", _reg().encode()])
+    with pytest.raises(ProtocolError):
+        m.decode_frames([m.FRAME_TAG, b"\xc1"])
+    with pytest.raises(ProtocolError):
+        m.decode_frames([m.FRAME_TAG, wire.Message().encode()])
