@@ -26,9 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from pools.allocator import PagedTokenToKVPoolAllocator  # noqa: E402
-from pools.mamba_alloc import MambaSlotAllocator  # noqa: E402
-from pools.offload import OffloadManager  # noqa: E402
+from kvxfer.pools.allocator import PagedTokenToKVPoolAllocator  # noqa: E402
+from kvxfer.pools.mamba_alloc import MambaSlotAllocator  # noqa: E402
+from kvxfer.pools.offload import OffloadManager  # noqa: E402
 
 PS = 4  # tokens per page
 
@@ -36,16 +36,16 @@ PS = 4  # tokens per page
 def make_kv_pool(kind: str, num_pages: int, device: str):
     size = (num_pages - 1) * PS
     if kind in ("mha", "mha_hnd", "hybrid"):
-        from pools.mha import MHATokenToKVPool
+        from kvxfer.pools.mha import MHATokenToKVPool
 
         return MHATokenToKVPool(size, PS, torch.bfloat16, 2, 16, 1 if kind == "hybrid" else 3,
                                 device, layout="hnd" if kind == "mha_hnd" else "nhd")
     if kind == "page_major":
-        from pools.page_major import PageMajorMHATokenToKVPool
+        from kvxfer.pools.page_major import PageMajorMHATokenToKVPool
 
         return PageMajorMHATokenToKVPool(size, PS, torch.bfloat16, 2, 16, 3, device)
     if kind == "mla":
-        from pools.mla import MLATokenToKVPool
+        from kvxfer.pools.mla import MLATokenToKVPool
 
         return MLATokenToKVPool(size, PS, torch.bfloat16, 32, 16, 3, device)
     raise SystemExit(f"unknown kind {kind!r}")
@@ -56,9 +56,9 @@ def make_worker_pool(kind: str, num_pages: int, device: str, mamba_slots: int):
     kv = make_kv_pool(kind, num_pages, device)
     if kind != "hybrid":
         return kv, kv, None
-    from pools.hybrid import HybridLinearKVPool
-    from pools.mamba import MambaPool
-    from pools.mamba_spec import MambaStateSpec
+    from kvxfer.pools.hybrid import HybridLinearKVPool
+    from kvxfer.pools.mamba import MambaPool
+    from kvxfer.pools.mamba_spec import MambaStateSpec
 
     spec = MambaStateSpec(conv_shapes=((32, 3),), temporal_shape=(2, 16, 8),
                           conv_dtype=torch.bfloat16, temporal_dtype=torch.float32,

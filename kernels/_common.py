@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
+from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 # Bytes one program moves per tensor (K or V): big enough to keep several 16-byte

@@ -51,8 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import dispatch
-from kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
+from kvxfer.kernels import dispatch
+from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
 
 __all__ = ["ALGORITHM", "ALIGNMENTS", "BLOCK_WORDS", "TILE_BYTES", "add_partials",
            "checksum_items_reference", "task_alignment",

@@ -32,9 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _common as C
-from kernels import dispatch
-from kernels.errors import InvalidArgument, ShapeMismatch
+from kvxfer.kernels import _common as C
+from kvxfer.kernels import dispatch
+from kvxfer.kernels.errors import InvalidArgument, ShapeMismatch
 
 # Table entry (int64 x 6): ptr, page_stride, tok_stride, page_size, row_units, rows.
 

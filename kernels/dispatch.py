@@ -5,7 +5,7 @@ Every launcher takes ``backend: str = "auto"``:
 * ``"auto"``   -> the backend forced by :func:`force_backend` if one is active, otherwise
   Triton when the tensors live on a CUDA device and the torch reference elsewhere;
 * ``"triton"`` -> the Triton kernel (on CPU tensors this needs the Triton interpreter,
-  i.e. ``TRITON_INTERPRET=1`` set before :mod:`kernels` was first imported);
+  i.e. ``TRITON_INTERPRET=1`` set before :mod:`kvxfer.kernels` was first imported);
 * ``"torch"``  -> the plain-torch reference.
 
 The override set by :func:`force_backend` is process-global (not thread-local): it is
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
-from kernels.errors import InvalidArgument, UnsupportedOperation
+from kvxfer.kernels.errors import InvalidArgument, UnsupportedOperation
 
 BACKENDS = ("auto", "triton", "torch")
 

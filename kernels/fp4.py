@@ -30,7 +30,7 @@ max``, ``max`` is nearer ``x`` than ``2**128``, so the bound above still holds. 
 saturate the same way to the fp16 range (from much smaller scales on).
 Non-finite inputs give unspecified (but in-bounds) bytes.
 
-Launchers (``backend``: ``"auto" | "triton" | "torch"``, see :mod:`kernels.dispatch`):
+Launchers (``backend``: ``"auto" | "triton" | "torch"``, see :mod:`kvxfer.kernels.dispatch`):
 
 * :func:`quantize_fp4` ``x [..., K] -> (packed uint8 [..., K/2], scales uint8 [..., K/16])``;
 * :func:`dequantize_fp4` ``(packed, scales[, loc]) -> [..., K]`` in a float dtype; with
@@ -50,9 +50,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _common as C
-from kernels import dispatch
-from kernels.errors import InvalidArgument, ShapeMismatch
+from kvxfer.kernels import _common as C
+from kvxfer.kernels import dispatch
+from kvxfer.kernels.errors import InvalidArgument, ShapeMismatch
 
 __all__ = ["BLOCK_ELEMS", "FLOAT_DTYPES", "quantize_fp4", "dequantize_fp4", "store_fp4",
            "quantize_fp4_reference", "dequantize_fp4_reference", "fp4_error_bound"]

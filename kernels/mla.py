@@ -14,9 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _common as C
-from kernels import dispatch
-from kernels.errors import InvalidArgument, ShapeMismatch
+from kvxfer.kernels import _common as C
+from kvxfer.kernels import dispatch
+from kvxfer.kernels.errors import InvalidArgument, ShapeMismatch
 
 
 @triton.jit

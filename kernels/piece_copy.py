@@ -5,7 +5,7 @@ page-locked, device-mapped host pool. With per-layer pools that is ``runs x buff
 pieces; issuing one ``copy_`` per piece costs a driver call each and leaves the bus idle
 between them. Here every piece is described by a row of a small int64 *task table*
 ``[T, 3] = (src address, dst address, nbytes)`` (built on the host by
-:func:`pools.offload.pieces.plan_tasks`, pieces split into tiles so that many programs
+:func:`kvxfer.pools.offload.pieces.plan_tasks`, pieces split into tiles so that many programs
 share the work) and one kernel launch copies them all, each program moving one tile with
 16-byte vector loads and stores. The addresses are whatever the *kernel* can dereference:
 device pointers, and for mapped host memory its device pointer (identical to the host
@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import dispatch
-from kernels.errors import InvalidArgument, ShapeMismatch
+from kvxfer.kernels import dispatch
+from kvxfer.kernels.errors import InvalidArgument, ShapeMismatch
 
 __all__ = ["BLOCK_BYTES", "NUM_WARPS", "copy_tasks", "copy_item_runs_reference",
            "ALIGNMENTS", "check_alignment", "kernel_runnable"]

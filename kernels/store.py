@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _common as C
-from kernels import dispatch
-from kernels.errors import InvalidArgument, ShapeMismatch
+from kvxfer.kernels import _common as C
+from kvxfer.kernels import dispatch
+from kvxfer.kernels.errors import InvalidArgument, ShapeMismatch
 
 _MODE_PLAIN, _MODE_MASK, _MODE_PREFIX = 0, 1, 2
 

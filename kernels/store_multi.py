@@ -4,9 +4,9 @@
 rows (all caches have the same ``rows`` and device), ``sources[b]`` is ``[N, ...]`` with the
 trailing shape and store dtype of ``caches[b]``; row ``i`` of every source goes to row
 ``loc[i]`` of its cache. Caches may differ in row size and dtype: rows are copied as raw bytes
-(the launch reinterprets everything in the widest common unit, as :mod:`kernels.store`).
+(the launch reinterprets everything in the widest common unit, as :mod:`kvxfer.kernels.store`).
 
-It is exactly :func:`kernels.store.store_kv` applied to each (cache, source) pair, in one
+It is exactly :func:`kvxfer.kernels.store.store_kv` applied to each (cache, source) pair, in one
 launch: same bytes, same bounds behaviour (torch path / CPU: any ``loc`` outside
 ``[0, rows)`` raises :class:`IndexOutOfRange` before anything is written; CUDA: masked off),
 ``N == 0`` is a no-op, duplicate targets leave an unspecified candidate on GPU.
@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _common as C
-from kernels import dispatch
-from kernels.errors import InvalidArgument, ShapeMismatch
+from kvxfer.kernels import _common as C
+from kvxfer.kernels import dispatch
+from kvxfer.kernels.errors import InvalidArgument, ShapeMismatch
 
 __all__ = ["MAX_BUFFERS", "store_rows_multi", "store_rows_multi_reference"]
 

@@ -7,7 +7,7 @@ are a whole page of all layers apart). Token ``t`` lives at ``(t // page_size,
 t % page_size)``; the valid token range is ``[0, num_tokens)``, by default ``[0, num_pages *
 page_size)`` (a caller whose last page is only partly its own passes its own token count).
 
-Invariants: as :mod:`kernels.store` - raw byte copies, out-of-range indices raise before
+Invariants: as :mod:`kvxfer.kernels.store` - raw byte copies, out-of-range indices raise before
 any write on the torch path / CPU and are masked off in the kernel on CUDA, ``N == 0`` is
 a no-op, duplicate targets leave an unspecified candidate on GPU.
 """
@@ -18,9 +18,9 @@ from typing import Optional
 import triton
 import triton.language as tl
 
-from kernels import _common as C
-from kernels import dispatch
-from kernels.errors import InvalidArgument, ShapeMismatch
+from kvxfer.kernels import _common as C
+from kvxfer.kernels import dispatch
+from kvxfer.kernels.errors import InvalidArgument, ShapeMismatch
 
 
 @triton.jit

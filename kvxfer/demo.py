@@ -54,7 +54,7 @@ def _exercise(pool, device) -> list[str]:
     """Write / read, move, host copy -> restore into new pages. Returns the checks passed."""
     import torch
 
-    from pools import MHATokenToKOnlyPool, MLATokenToKVPool
+    from kvxfer.pools import MHATokenToKOnlyPool, MLATokenToKVPool
     ps, gen = pool.page_size, torch.Generator().manual_seed(0)
     first = torch.arange(ps, 3 * ps, device=device)          # pages 1-2
     moved = torch.arange(3 * ps, 4 * ps, device=device)      # page 3
@@ -114,7 +114,7 @@ def _refuses_writes(pool, device) -> bool:
 
 
 def _build(size, page_size, dtype, layers, heads, head_dim, device):
-    from pools import (MHATokenToKOnlyPool, MHATokenToKVPool, MLATokenToKVPool,
+    from kvxfer.pools import (MHATokenToKOnlyPool, MHATokenToKVPool, MLATokenToKVPool,
                        NoOpMHATokenToKVPool, PageMajorMHATokenToKVPool)
     common = (size, page_size, dtype)
     return [
@@ -133,7 +133,7 @@ def pools_summary(*, device: str = "cpu", dtype=None, size: int = 64,
     """Run the pools demo and return its printable summary (``dtype``: a torch dtype,
     default bfloat16). Raises :class:`DemoCheckFailed` if any check sees bytes different
     from what was written."""
-    from pools import NoOpMHATokenToKVPool
+    from kvxfer.pools import NoOpMHATokenToKVPool
     dtype = _dtype("bfloat16") if dtype is None else dtype
     t0 = time.perf_counter()
     lines = [

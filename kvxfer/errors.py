@@ -1,9 +1,9 @@
 """Every exception kvxfer raises on purpose, in one hierarchy rooted at KvxferError.
 
-Pool and kernel errors are defined at the lowest layer (``kernels.errors``) and re-exported
+Pool and kernel errors are defined at the lowest layer (``kvxfer.kernels.errors``) and re-exported
 here, so ``from kvxfer.errors import ...`` is the one place users need.
 """
-from kernels.errors import (  # noqa: F401
+from kvxfer.kernels.errors import (  # noqa: F401
     BackingError,
     DoubleFree,
     IndexOutOfRange,

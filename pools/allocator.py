@@ -29,8 +29,8 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-from pools.errors import DoubleFree, IndexOutOfRange, InvalidArgument
-from pools.req_to_token import ReqToTokenPool  # noqa: F401  (part of this module's API)
+from kvxfer.pools.errors import DoubleFree, IndexOutOfRange, InvalidArgument
+from kvxfer.pools.req_to_token import ReqToTokenPool  # noqa: F401  (part of this module's API)
 
 logger = logging.getLogger(__name__)
 

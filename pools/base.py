@@ -26,7 +26,7 @@ Registration
 
 Post-capture backing
     Pools built with ``post_capture_active=True`` reserve their buffers and back them later
-    (:mod:`pools.post_capture`): valid ids are then ``[0, token_limit)`` and ``lens[i]`` is the
+    (:mod:`kvxfer.pools.post_capture`): valid ids are then ``[0, token_limit)`` and ``lens[i]`` is the
     *backed* span of buffer ``i``. For an ordinary pool ``token_limit == num_slots``.
 """
 from __future__ import annotations
@@ -37,11 +37,11 @@ from typing import Any, Optional
 
 import torch
 
-from kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
-from pools.cpu_copy import KvCpuCopy, TokenBuffer, copy_to_host, load_from_host
-from pools.layout import KvBufferDesc
-from pools.post_capture import PostCaptureMixin
-from pools.write_loc import KVWriteLoc
+from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
+from kvxfer.pools.cpu_copy import KvCpuCopy, TokenBuffer, copy_to_host, load_from_host
+from kvxfer.pools.layout import KvBufferDesc
+from kvxfer.pools.post_capture import PostCaptureMixin
+from kvxfer.pools.write_loc import KVWriteLoc
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class KVCache(PostCaptureMixin, abc.ABC):
     def _as_loc(self, loc, name: str = "loc") -> torch.Tensor:
         """``loc`` as a 1-D int32/int64 tensor on the pool device (no copy when it already is).
 
-        A :class:`~pools.write_loc.KVWriteLoc` contributes its generic ``loc``."""
+        A :class:`~kvxfer.pools.write_loc.KVWriteLoc` contributes its generic ``loc``."""
         if isinstance(loc, KVWriteLoc):
             loc = loc.loc
         if not isinstance(loc, torch.Tensor):

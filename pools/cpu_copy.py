@@ -21,7 +21,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
+from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
 
 logger = logging.getLogger(__name__)
 

@@ -33,13 +33,13 @@ from typing import Optional
 
 import torch
 
-from kernels.copy import KvCopyTable
-from kernels.errors import InvalidArgument, ShapeMismatch, UnsupportedOperation
-from kernels.store_paged import store_kv_paged
-from pools.cpu_copy import TokenBuffer, check_bounds
-from pools.layout import ceil_div
-from pools.mla import MLATokenToKVPool
-from pools.write_loc import unwrap_write_loc
+from kvxfer.kernels.copy import KvCopyTable
+from kvxfer.kernels.errors import InvalidArgument, ShapeMismatch, UnsupportedOperation
+from kvxfer.kernels.store_paged import store_kv_paged
+from kvxfer.pools.cpu_copy import TokenBuffer, check_bounds
+from kvxfer.pools.layout import ceil_div
+from kvxfer.pools.mla import MLATokenToKVPool
+from kvxfer.pools.write_loc import unwrap_write_loc
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Errors raised by pools (re-exported from the single hierarchy in kernels.errors)."""
-from kernels.errors import (  # noqa: F401
+from kvxfer.kernels.errors import (  # noqa: F401
     BackingError,
     DoubleFree,
     IndexOutOfRange,

@@ -1,7 +1,7 @@
 """``HybridLinearKVPool``: a hybrid model's full-attention KV pool plus its Mamba state pool.
 
 Hybrid models interleave full-attention layers with Mamba / linear-attention layers. The
-full-attention layers' KV lives in an *inner* KV pool (any :class:`pools.base.KVCache`:
+full-attention layers' KV lives in an *inner* KV pool (any :class:`kvxfer.pools.base.KVCache`:
 per-layer MHA in either layout, page-major, MLA, ...) built with ``layer_num =
 len(full_attention_layer_ids)``; model layer ``full_attention_layer_ids[i]`` is inner layer
 ``kv_pool.start_layer + i``. The recurrent state lives in a :class:`MambaPool` whose spec names
@@ -15,12 +15,12 @@ mamba_indices)`` → :class:`HybridCpuCopy`; ``load_cpu_copy`` validates the Mam
 loads the KV part (which validates itself before writing), then the Mamba part — so a bad
 copy or bad indices raise before anything is written.
 
-Post-capture backing (:mod:`pools.post_capture`) is the inner KV pool's: build it with
+Post-capture backing (:mod:`kvxfer.pools.post_capture`) is the inner KV pool's: build it with
 ``post_capture_active=True``; ``finalize_backing`` / ``release_beyond`` / ``close`` /
 ``post_capture_backed_bytes`` / ``token_limit`` delegate to it (the Mamba state pool is sized
 before capture and never resized). ``post_capture_active`` given here must agree with it.
 
-Write locations: a :class:`~pools.write_loc.KVWriteLoc` given to a write is resolved here, in
+Write locations: a :class:`~kvxfer.pools.write_loc.KVWriteLoc` given to a write is resolved here, in
 :meth:`HybridLinearKVPool._write_loc`, and the inner pool gets a bare location: ``full_loc``
 (already translated into the full-attention pool's slots) when the bundle carries one, else
 ``loc``. An MLA inner pool (``use_mla``: MLA, MLA-FP4, DSA) writes at ``loc``, as the reference
@@ -36,12 +36,12 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from pools.base import KVCache
-from pools.errors import IndexOutOfRange, InvalidArgument
-from pools.hybrid_req import HybridReqState, HybridReqToTokenPool  # noqa: F401
-from pools.mamba import MambaCpuCopy, MambaLayerCache, MambaPool
-from pools.mla import MLATokenToKVPool
-from pools.write_loc import unwrap_write_loc
+from kvxfer.pools.base import KVCache
+from kvxfer.pools.errors import IndexOutOfRange, InvalidArgument
+from kvxfer.pools.hybrid_req import HybridReqState, HybridReqToTokenPool  # noqa: F401
+from kvxfer.pools.mamba import MambaCpuCopy, MambaLayerCache, MambaPool
+from kvxfer.pools.mla import MLATokenToKVPool
+from kvxfer.pools.write_loc import unwrap_write_loc
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ class HybridLinearKVPool(KVCache):
 
     def get_kv_rows(self, layer, loc):
         """The inner pool's token rows of model layer ``layer`` at ``loc`` (see
-        :meth:`pools.mha.MHATokenToKVPool.get_kv_rows`)."""
+        :meth:`kvxfer.pools.mha.MHATokenToKVPool.get_kv_rows`)."""
         fn = getattr(self.kv_pool, "get_kv_rows", None)
         if fn is None:
             raise InvalidArgument(f"{type(self.kv_pool).__name__} has no get_kv_rows")

@@ -30,10 +30,10 @@ from typing import Any, List, Optional, Sequence, Union
 
 import torch
 
-from pools.errors import DoubleFree, IndexOutOfRange, InvalidArgument
-from pools.mamba import MambaLayerCache, MambaPool
-from pools.mamba_alloc import MambaSlotAllocator
-from pools.req_to_token import ReqToTokenPool
+from kvxfer.pools.errors import DoubleFree, IndexOutOfRange, InvalidArgument
+from kvxfer.pools.mamba import MambaLayerCache, MambaPool
+from kvxfer.pools.mamba_alloc import MambaSlotAllocator
+from kvxfer.pools.req_to_token import ReqToTokenPool
 
 logger = logging.getLogger(__name__)
 

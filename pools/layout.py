@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kernels.errors import InvalidArgument
+from kvxfer.kernels.errors import InvalidArgument
 
 __all__ = [
     "KvBufferDesc",

@@ -6,7 +6,7 @@ padding, never handed out by :class:`MambaSlotAllocator`) of every mamba layer:
 * ``conv[i]``: ``[L, size + 1, *spec.conv_shapes[i]]`` and ``temporal``:
   ``[L, size + 1, *spec.temporal_shape]`` — real tensors (``layout="per_layer"``) or strided
   views into one raw byte buffer where a slot is all layers' state back to back
-  (``layout="envelope"``; byte formulas in :mod:`pools.mamba_layout`).
+  (``layout="envelope"``; byte formulas in :mod:`kvxfer.pools.mamba_layout`).
 * Speculative-decoding scratch (``intermediate_ssm``, ``intermediate_conv_window``) exists
   only when ``speculative_num_draft_tokens`` is given, and is never part of the transfer
   descriptors, item views or state dims. ``conv_window_dedup=True`` stores the draft
@@ -31,15 +31,15 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from pools.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
-from pools.mamba_alloc import MambaSlotAllocator  # noqa: F401  (part of this module's API)
-from pools.mamba_layout import (
+from kvxfer.pools.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
+from kvxfer.pools.mamba_alloc import MambaSlotAllocator  # noqa: F401  (part of this module's API)
+from kvxfer.pools.mamba_layout import (
     dedup_conv_window_strides,
     dedup_conv_window_width,
     envelope_geometry,
     plain_state_dims,
 )
-from pools.mamba_spec import MambaCpuCopy, MambaStateSpec  # noqa: F401
+from kvxfer.pools.mamba_spec import MambaCpuCopy, MambaStateSpec  # noqa: F401
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 from typing import List, Optional
 
-from pools.errors import DoubleFree, IndexOutOfRange, InvalidArgument
-from pools.req_to_token import SlotIds, as_id_list
+from kvxfer.pools.errors import DoubleFree, IndexOutOfRange, InvalidArgument
+from kvxfer.pools.req_to_token import SlotIds, as_id_list
 
 logger = logging.getLogger(__name__)
 

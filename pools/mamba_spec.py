@@ -18,8 +18,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from pools.errors import InvalidArgument
-from pools.mamba_layout import EnvelopeGeometry
+from kvxfer.pools.errors import InvalidArgument
+from kvxfer.pools.mamba_layout import EnvelopeGeometry
 
 Shape = Tuple[int, ...]
 
@@ -67,7 +67,7 @@ class MambaStateSpec:
     @property
     def slot_bytes(self) -> int:
         """Bytes of state of one slot, all layers (no padding)."""
-        from pools.mamba_layout import prod
+        from kvxfer.pools.mamba_layout import prod
 
         conv = sum(prod(s) for s in self.conv_shapes) * self.conv_dtype.itemsize
         return self.num_layers * (conv + prod(self.temporal_shape) * self.temporal_dtype.itemsize)

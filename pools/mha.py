@@ -10,11 +10,11 @@ Registration: ``2 * layer_num`` entries, ``k0..k{L-1}`` then ``v0..v{L-1}``; ``l
 ``final_span_bytes(size)``, ``item_lens`` = one page of that buffer (``page_size * H * D *
 itemsize``) -- for both layouts, since a page is contiguous in both.
 
-Writes and moves go through the kernels (``kernels.store``, ``kernels.store_paged``,
-``kernels.copy``): one launch per layer for a store, one launch for a move of all layers.
+Writes and moves go through the kernels (``kvxfer.kernels.store``, ``kvxfer.kernels.store_paged``,
+``kvxfer.kernels.copy``): one launch per layer for a store, one launch for a move of all layers.
 
 ``post_capture_active=True`` reserves the buffers and backs page 0 only until
-``finalize_backing(n)`` (see :mod:`pools.post_capture`); ``backing_options`` passes
+``finalize_backing(n)`` (see :mod:`kvxfer.pools.post_capture`); ``backing_options`` passes
 ``max_extent_bytes`` / ``handle_types`` / ``one_range`` / ``provider`` to the backing.
 """
 from __future__ import annotations
@@ -24,14 +24,14 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from kernels.copy import KvCopyTable
-from kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
-from kernels.store import store_kv, store_kv_prefix_valid
-from kernels.store_paged import store_kv_paged
-from pools.base import KVCache
-from pools.cpu_copy import TokenBuffer
-from pools.layout import KvBufferDesc, num_pages_for, per_layer_descs
-from pools.post_capture import page_align_up
+from kvxfer.kernels.copy import KvCopyTable
+from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
+from kvxfer.kernels.store import store_kv, store_kv_prefix_valid
+from kvxfer.kernels.store_paged import store_kv_paged
+from kvxfer.pools.base import KVCache
+from kvxfer.pools.cpu_copy import TokenBuffer
+from kvxfer.pools.layout import KvBufferDesc, num_pages_for, per_layer_descs
+from kvxfer.pools.post_capture import page_align_up
 
 logger = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ and moves / host copies treat every buffer alike (a move is ONE launch over all 
 :meth:`get_main_buf_infos` / :meth:`get_index_buf_infos` give the two parts separately.
 
 Stores: :meth:`set_fused_kv_index_buffer` writes main K/V and index K (+V) of a sparse layer in
-one launch (:func:`kernels.store_multi.store_rows_multi`, a raw-byte kernel, so any dtypes and
+one launch (:func:`kvxfer.kernels.store_multi.store_rows_multi`, a raw-byte kernel, so any dtypes and
 head dims fuse); with ``fuse_store=False`` it falls back to separate stores. Both paths convert
-and check every input (shapes, dtypes; ids on the host-checked paths, see :mod:`kernels.store`)
+and check every input (shapes, dtypes; ids on the host-checked paths, see :mod:`kvxfer.kernels.store`)
 before the first write, so they write identical bytes, and on a refusal neither writes any.
 """
 from __future__ import annotations
@@ -30,16 +30,16 @@ from typing import Iterable, Optional
 
 import torch
 
-from kernels.copy import KvCopyTable
-from kernels.errors import InvalidArgument, UnsupportedOperation
-from kernels.store import store_kv
-from kernels.store_multi import store_rows_multi
-from pools.base import KVCache
-from pools.cpu_copy import TokenBuffer
-from pools.layout import KvBufferDesc
-from pools.mha import MHATokenToKVPool
-from pools.noop import MHATokenToKOnlyPool
-from pools.write_loc import unwrap_write_loc
+from kvxfer.kernels.copy import KvCopyTable
+from kvxfer.kernels.errors import InvalidArgument, UnsupportedOperation
+from kvxfer.kernels.store import store_kv
+from kvxfer.kernels.store_multi import store_rows_multi
+from kvxfer.pools.base import KVCache
+from kvxfer.pools.cpu_copy import TokenBuffer
+from kvxfer.pools.layout import KvBufferDesc
+from kvxfer.pools.mha import MHATokenToKVPool
+from kvxfer.pools.noop import MHATokenToKOnlyPool
+from kvxfer.pools.write_loc import unwrap_write_loc
 
 logger = logging.getLogger(__name__)
 

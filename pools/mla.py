@@ -7,7 +7,7 @@ whole row; the value buffer is the latent prefix ``[..., :R]`` (a view).
 Registration: ``layer_num`` entries ``kv0..kv{L-1}``; ``item_lens`` = one page of rows.
 
 ``post_capture_active=True`` reserves the buffers and backs page 0 only until
-``finalize_backing(n)`` (see :mod:`pools.post_capture`).
+``finalize_backing(n)`` (see :mod:`kvxfer.pools.post_capture`).
 """
 from __future__ import annotations
 
@@ -16,14 +16,14 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from kernels.copy import KvCopyTable
-from kernels.errors import InvalidArgument
-from kernels.mla import gather_mla, store_mla
-from kernels.store import store_kv
-from pools.base import KVCache
-from pools.cpu_copy import TokenBuffer
-from pools.layout import KvBufferDesc, per_layer_descs
-from pools.post_capture import page_align_up
+from kvxfer.kernels.copy import KvCopyTable
+from kvxfer.kernels.errors import InvalidArgument
+from kvxfer.kernels.mla import gather_mla, store_mla
+from kvxfer.kernels.store import store_kv
+from kvxfer.pools.base import KVCache
+from kvxfer.pools.cpu_copy import TokenBuffer
+from kvxfer.pools.layout import KvBufferDesc, per_layer_descs
+from kvxfer.pools.post_capture import page_align_up
 
 logger = logging.getLogger(__name__)
 

@@ -16,13 +16,13 @@ from typing import Optional
 
 import torch
 
-from kernels.copy import KvCopyTable
-from kernels.errors import InvalidArgument, UnsupportedOperation
-from kernels.store import store_kv
-from pools.base import KVCache
-from pools.cpu_copy import TokenBuffer
-from pools.layout import KvBufferDesc, per_layer_descs
-from pools.mha import MHATokenToKVPool
+from kvxfer.kernels.copy import KvCopyTable
+from kvxfer.kernels.errors import InvalidArgument, UnsupportedOperation
+from kvxfer.kernels.store import store_kv
+from kvxfer.pools.base import KVCache
+from kvxfer.pools.cpu_copy import TokenBuffer
+from kvxfer.pools.layout import KvBufferDesc, per_layer_descs
+from kvxfer.pools.mha import MHATokenToKVPool
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """``PageMajorMHATokenToKVPool``: every layer's K and V in ONE raw byte buffer, page-major.
 
 A page holds all layers, layer-major within the page (for layer ``l``: K rows ``[page_size, H,
-D]`` then V rows ``[page_size, H, Dv]``); the byte map is :class:`pools.layout.PageMajorGeometry`.
+D]`` then V rows ``[page_size, H, Dv]``); the byte map is :class:`kvxfer.pools.layout.PageMajorGeometry`.
 Per-layer K/V are 4-D strided views ``[num_pages, page_size, H, D]`` of that buffer (each token
 row contiguous, pages strided by ``page_bytes``), so attention backends index them like any
 paged cache.
@@ -12,7 +12,7 @@ of pages is one RMA operation instead of ``2 * layer_num``. Move, prefix-valid s
 copy/restore are all supported (through the 4-D views). Needs ``size % page_size == 0``.
 
 With ``post_capture_active=True`` the raw buffer is reserved (one descriptor, store dtype
-``uint8``) and backed page by page of all layers (see :mod:`pools.post_capture`).
+``uint8``) and backed page by page of all layers (see :mod:`kvxfer.pools.post_capture`).
 """
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ import logging
 
 import torch
 
-from kernels.errors import InvalidArgument
-from kernels.store_paged import store_kv_paged
-from pools.cpu_copy import TokenBuffer
-from pools.layout import KvBufferDesc, PageMajorGeometry
-from pools.mha import MHATokenToKVPool
+from kvxfer.kernels.errors import InvalidArgument
+from kvxfer.kernels.store_paged import store_kv_paged
+from kvxfer.pools.cpu_copy import TokenBuffer
+from kvxfer.pools.layout import KvBufferDesc, PageMajorGeometry
+from kvxfer.pools.mha import MHATokenToKVPool
 
 logger = logging.getLogger(__name__)
 

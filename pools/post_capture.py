@@ -1,11 +1,11 @@
 """Post-capture backing for KV pools: reserve address space now, back it physically later.
 
-Mixed into :class:`pools.base.KVCache`. A pool built with ``post_capture_active=True`` (per-layer
-MHA in either layout, page-major MHA, MLA; :class:`pools.hybrid.HybridLinearKVPool` delegates to
+Mixed into :class:`kvxfer.pools.base.KVCache`. A pool built with ``post_capture_active=True`` (per-layer
+MHA in either layout, page-major MHA, MLA; :class:`kvxfer.pools.hybrid.HybridLinearKVPool` delegates to
 its inner pool):
 
 1. rounds ``size`` UP to a whole number of pages, reserves every buffer's full size through
-   :class:`pools.backing.BackedBuffers` and backs page 0 only (the padding page, which takes
+   :class:`kvxfer.pools.backing.BackedBuffers` and backs page 0 only (the padding page, which takes
    every dummy write of CUDA-graph capture). The buffers have their full reserved shapes and
    fixed ``data_ptr()`` s from construction to :meth:`close`, so captured graphs stay valid;
 2. :meth:`finalize_backing` ``(n)`` backs exactly ``final_span_bytes(n)`` of every buffer
@@ -39,8 +39,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from kernels.errors import BackingError, InvalidArgument, UnsupportedOperation
-from pools.layout import KvBufferDesc, ceil_div
+from kvxfer.kernels.errors import BackingError, InvalidArgument, UnsupportedOperation
+from kvxfer.pools.layout import KvBufferDesc, ceil_div
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class PostCaptureMixin:
     def _reserve_backing(self, descs: Sequence[KvBufferDesc],
                          store_dtype: torch.dtype) -> list[torch.Tensor]:
         """Reserve ``descs`` for ``self.size`` tokens, back page 0; the full-shape tensors."""
-        from pools.backing import BackedBuffers  # keeps the backing layer off plain pools' import
+        from kvxfer.pools.backing import BackedBuffers  # keeps the backing layer off plain pools' import
 
         if not descs:
             raise InvalidArgument(f"{type(self).__name__}: post_capture_active needs at least "
@@ -118,7 +118,7 @@ class PostCaptureMixin:
     # -- queries ----------------------------------------------------------------------------
     @property
     def backing(self):
-        """The :class:`~pools.backing.BackedBuffers` owner, or None for an ordinary pool."""
+        """The :class:`~kvxfer.pools.backing.BackedBuffers` owner, or None for an ordinary pool."""
         return self._backing
 
     @property

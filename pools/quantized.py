@@ -1,7 +1,7 @@
 """Block-FP4 KV pools: ``MHATokenToKVPoolFP4`` and ``MLATokenToKVPoolFP4``.
 
 Both keep, per layer, a **packed** buffer (two e2m1 values per byte) and a **scale** buffer (one
-UE8M0 byte per 16 elements); the format and its error bound are in :mod:`kernels.fp4`::
+UE8M0 byte per 16 elements); the format and its error bound are in :mod:`kvxfer.kernels.fp4`::
 
     |read(write(x)) - x| <= max(s / 4, |x| / 4)  with  amax / 6 <= s < amax / 3
 
@@ -27,15 +27,15 @@ from typing import Optional
 
 import torch
 
-from kernels.copy import KvCopyTable
-from kernels.errors import InvalidArgument, ShapeMismatch, UnsupportedOperation
-from kernels.fp4 import BLOCK_ELEMS, FLOAT_DTYPES, dequantize_fp4, store_fp4
-from pools.base import _int_arg
-from pools.cpu_copy import TokenBuffer
-from pools.layout import KvBufferDesc, per_layer_descs
-from pools.mha import MHATokenToKVPool
-from pools.mla import MLATokenToKVPool
-from pools.write_loc import unwrap_write_loc
+from kvxfer.kernels.copy import KvCopyTable
+from kvxfer.kernels.errors import InvalidArgument, ShapeMismatch, UnsupportedOperation
+from kvxfer.kernels.fp4 import BLOCK_ELEMS, FLOAT_DTYPES, dequantize_fp4, store_fp4
+from kvxfer.pools.base import _int_arg
+from kvxfer.pools.cpu_copy import TokenBuffer
+from kvxfer.pools.layout import KvBufferDesc, per_layer_descs
+from kvxfer.pools.mha import MHATokenToKVPool
+from kvxfer.pools.mla import MLATokenToKVPool
+from kvxfer.pools.write_loc import unwrap_write_loc
 
 logger = logging.getLogger(__name__)
 

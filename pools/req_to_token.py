@@ -20,7 +20,7 @@ from typing import Any, Iterable, List, Optional, Sequence, Union
 
 import torch
 
-from pools.errors import DoubleFree, IndexOutOfRange, InvalidArgument
+from kvxfer.pools.errors import DoubleFree, IndexOutOfRange, InvalidArgument
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from kernels.errors import InvalidArgument, ShapeMismatch
+from kvxfer.kernels.errors import InvalidArgument, ShapeMismatch
 
 __all__ = ["KVWriteLoc", "unwrap_write_loc"]
 

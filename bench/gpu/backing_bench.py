@@ -21,9 +21,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from pools.backing import BackedBuffers  # noqa: E402
-from pools.backing.cuda import HANDLE_TYPE_ORDER, CudaVmmProvider  # noqa: E402
-from pools.layout import PageMajorGeometry, per_layer_descs  # noqa: E402
+from kvxfer.pools.backing import BackedBuffers  # noqa: E402
+from kvxfer.pools.backing.cuda import HANDLE_TYPE_ORDER, CudaVmmProvider  # noqa: E402
+from kvxfer.pools.layout import PageMajorGeometry, per_layer_descs  # noqa: E402
 
 GiB = 1 << 30
 PS = 16

@@ -22,7 +22,7 @@ measurement. Two diagnostic columns help read small-N results:
 
 If ``Triton us`` is well above ``graph us`` the gap is launch-side, not kernel time.
 
-The ``checksum`` cases (:mod:`kernels.checksum`, the integrity check's kernel: per-layer
+The ``checksum`` cases (:mod:`kvxfer.kernels.checksum`, the integrity check's kernel: per-layer
 ``2 * layers`` descriptors, and ``checksum_paged``: one page-major descriptor) only read:
 their GB/s counts the bytes read, the ``copy_`` baseline moves the same traffic (half read,
 half written), and the "torch ref" column is the numpy host path over host copies of the
@@ -42,8 +42,8 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import checksum, mla, store, store_paged
-from kernels import copy as kcopy
+from kvxfer.kernels import checksum, mla, store, store_paged
+from kvxfer.kernels import copy as kcopy
 from kvxfer import clitools
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.uint8}

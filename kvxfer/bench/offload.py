@@ -40,16 +40,16 @@ def make_pool(layout: str, num_pages: int, *, page_size: int, layers: int, heads
     """A real pool with ``num_pages`` item rows (page 0 = padding page included)."""
     size = (num_pages - 1) * page_size
     if layout in ("mha", "mha_hnd"):
-        from pools.mha import MHATokenToKVPool
+        from kvxfer.pools.mha import MHATokenToKVPool
 
         return MHATokenToKVPool(size, page_size, dtype, heads, head_dim, layers, device,
                                 layout="hnd" if layout == "mha_hnd" else "nhd")
     if layout == "page_major":
-        from pools.page_major import PageMajorMHATokenToKVPool
+        from kvxfer.pools.page_major import PageMajorMHATokenToKVPool
 
         return PageMajorMHATokenToKVPool(size, page_size, dtype, heads, head_dim, layers, device)
     if layout == "mla":
-        from pools.mla import MLATokenToKVPool
+        from kvxfer.pools.mla import MLATokenToKVPool
 
         return MLATokenToKVPool(size, page_size, dtype, 512, 64, layers, device)
     if layout == "hybrid":
@@ -63,10 +63,10 @@ def make_hybrid_pool(size: int, *, page_size: int, layers: int, heads: int, head
                      dtype: torch.dtype, device: str, mamba_slots: int,
                      mamba_layout: str = "per_layer"):
     """Hybrid pool: full attention on every 4th layer, Mamba state on the others."""
-    from pools.hybrid import HybridLinearKVPool
-    from pools.mamba import MambaPool
-    from pools.mamba_spec import MambaStateSpec
-    from pools.mha import MHATokenToKVPool
+    from kvxfer.pools.hybrid import HybridLinearKVPool
+    from kvxfer.pools.mamba import MambaPool
+    from kvxfer.pools.mamba_spec import MambaStateSpec
+    from kvxfer.pools.mha import MHATokenToKVPool
 
     attn = [i for i in range(layers) if i % 4 == 3] or [layers - 1]
     mamba = [i for i in range(layers) if i not in attn]
@@ -100,7 +100,7 @@ def _time(fn, sync) -> float:
 
 
 def bench_one(layout, pages, pattern, args, device) -> dict:
-    from pools.offload import OffloadManager, pool_views
+    from kvxfer.pools.offload import OffloadManager, pool_views
 
     rng = np.random.default_rng(0)
     # source pages in [1, 1 + side), targets in [1 + side, 1 + 2 side): disjoint

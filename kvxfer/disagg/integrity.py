@@ -3,7 +3,7 @@
 A transfer that reports success with wrong bytes (a misplaced page, a stale page, a torn
 write, a bad lane) is the worst failure of a disaggregated server: decode then produces
 plausible gibberish. With integrity on, every item of a room is checksummed on both ends
-(:mod:`kernels.checksum`: one batch per side and device for device memory, the numpy path for
+(:mod:`kvxfer.kernels.checksum`: one batch per side and device for device memory, the numpy path for
 host memory, chosen per buffer by where its memory lives) and compared before decode reports
 ``Success``:
 
@@ -82,7 +82,7 @@ class _DeviceBatch:
         """uint32 ``[n]``: the table's sums per out index; ``host_work()`` runs while the
         device works."""
         import torch
-        from kernels.checksum import add_partials, checksum_tasks, task_alignment
+        from kvxfer.kernels.checksum import add_partials, checksum_tasks, task_alignment
         t = tasks.shape[0]
         al = task_alignment(tasks)
         order = np.argsort(-al, kind="stable")           # 16-, then 4-, then 1-byte aligned
@@ -120,7 +120,7 @@ class ItemSums:
 
     def __init__(self, ptrs, lens, item_lens, batches: Optional[Dict[int, _DeviceBatch]] = None
                  ) -> None:
-        from kernels.checksum import word_offsets
+        from kvxfer.kernels.checksum import word_offsets
         from kvxfer.transport import cuda_driver
         self.ptrs = np.asarray(ptrs, dtype=np.int64)
         self.lens = np.asarray(item_lens, dtype=np.int64)
@@ -143,7 +143,7 @@ class ItemSums:
     def device_tasks(self, dev: int, ids: np.ndarray, base: int) -> np.ndarray:
         """Task table of ``ids`` over this group's descriptors on ``dev``; out index
         ``base + position in ids``."""
-        from kernels.checksum import item_tasks
+        from kvxfer.kernels.checksum import item_tasks
         ds = self.devices[dev]
         tasks = item_tasks(self.ptrs[ds], self.lens[ds], self.pos0[ds], ids)
         tasks[:, 2] += base
@@ -151,7 +151,7 @@ class ItemSums:
 
     def add_host(self, ids: np.ndarray, out: np.ndarray) -> None:
         """Add the host descriptors' part of each item of ``ids`` into ``out``."""
-        from kernels.checksum import checksum_rows
+        from kvxfer.kernels.checksum import checksum_rows
         for rows, pos0 in self._host_views:
             out += checksum_rows(rows, pos0, ids)
 
@@ -208,7 +208,7 @@ class Integrity:
     """The integrity check of one manager (see module docstring)."""
 
     def __init__(self, mgr) -> None:
-        from kernels.checksum import ALGORITHM
+        from kvxfer.kernels.checksum import ALGORITHM
         self.mgr = mgr
         self.algorithm = ALGORITHM
         a = mgr.args

@@ -6,7 +6,7 @@ Over UCX every run of a write is one cuda_ipc PUT, and each costs ~7-11 µs of C
 and 392-496 GB/s, bench/results/transfer-h200.md). When both engines share a host,
 the peer's registered CUDA regions can be mapped here with legacy CUDA IPC (the same
 mechanism UCX's cuda_ipc uses) and every run of a write copied by ONE launch of
-:func:`kernels.piece_copy.copy_tasks` (few large runs: one ``cuMemcpyDtoDAsync`` each, on
+:func:`kvxfer.kernels.piece_copy.copy_tasks` (few large runs: one ``cuMemcpyDtoDAsync`` each, on
 the copy engines). The bytes are visible at the peer once the launch's event completed;
 only then does the write flush/notify, exactly as for PUTs.
 
@@ -106,8 +106,8 @@ class DeviceLane:
                 for s, d, n in zip(laddr.tolist(), dst.tolist(), nbytes.tolist()):
                     memcpy_dtod_async(d, s, n, h)
             else:
-                from kernels.piece_copy import copy_tasks
-                from pools.offload.pieces import split_by_alignment, tile_pieces
+                from kvxfer.kernels.piece_copy import copy_tasks
+                from kvxfer.pools.offload.pieces import split_by_alignment, tile_pieces
 
                 tasks = tile_pieces(laddr.astype(np.int64), dst.astype(np.int64),
                                     nbytes.astype(np.int64), TILE_BYTES)

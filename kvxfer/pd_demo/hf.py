@@ -78,9 +78,9 @@ class PagedModelCache:
     def __init__(self, model, name: str, layout: str, *, page_size: int, pool_tokens: int,
                  mamba_slots: int = 8, aux_rows: int = 16) -> None:
         from kvxfer.disagg import KVArgs, MetadataBuffer
-        from pools import MHATokenToKVPool, MLATokenToKVPool, PageMajorMHATokenToKVPool
-        from pools.allocator import PagedTokenToKVPoolAllocator
-        from pools.mamba_alloc import MambaSlotAllocator
+        from kvxfer.pools import MHATokenToKVPool, MLATokenToKVPool, PageMajorMHATokenToKVPool
+        from kvxfer.pools.allocator import PagedTokenToKVPoolAllocator
+        from kvxfer.pools.mamba_alloc import MambaSlotAllocator
         check_layout(name, layout)
         self.model, self.layout, self.ps = model, layout, page_size
         kv_layout, mamba_layout = split_layout(layout)
@@ -101,8 +101,8 @@ class PagedModelCache:
                                   v_head_dim=v0.shape[-1], layout=kv_layout)
         self.kv_pool, self.mamba = kv, None
         if self.mamba_ids:
-            from pools.hybrid import HybridLinearKVPool
-            from pools.mamba import MambaPool, MambaStateSpec
+            from kvxfer.pools.hybrid import HybridLinearKVPool
+            from kvxfer.pools.mamba import MambaPool, MambaStateSpec
             m0 = probe.layers[self.mamba_ids[0]]
             conv, ssm = m0.conv_states[0], m0.recurrent_states[0]
             self.conv_kernel = conv.shape[-1]

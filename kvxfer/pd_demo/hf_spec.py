@@ -5,15 +5,15 @@ corruptions. No torch here: the parent process only schedules and compares.
 Every model is built by ``transformers`` from the config below with seeded random weights
 (no download), float32 on CPU. A layout is ``"<kv>"`` or ``"<kv>+<mamba>"``:
 
-* kv: ``nhd`` / ``hnd`` (:class:`~pools.mha.MHATokenToKVPool`, one K and one V buffer per
-  layer), ``page_major`` (:class:`~pools.page_major.PageMajorMHATokenToKVPool`, one buffer,
-  a page holds every layer), ``mla`` (:class:`~pools.mla.MLATokenToKVPool`, latent + rope);
+* kv: ``nhd`` / ``hnd`` (:class:`~kvxfer.pools.mha.MHATokenToKVPool`, one K and one V buffer per
+  layer), ``page_major`` (:class:`~kvxfer.pools.page_major.PageMajorMHATokenToKVPool`, one buffer,
+  a page holds every layer), ``mla`` (:class:`~kvxfer.pools.mla.MLATokenToKVPool`, latent + rope);
 * mamba: ``envelope`` (a slot is every layer's state back to back, one descriptor) or
   ``per_layer`` (one descriptor per state tensor and layer), in a
-  :class:`~pools.hybrid.HybridLinearKVPool` with the kv pool.
+  :class:`~kvxfer.pools.hybrid.HybridLinearKVPool` with the kv pool.
 
 Bamba is the hybrid: its Mamba2 layers and attention layers are separate layers (the
-disjoint id sets :class:`~pools.hybrid.HybridLinearKVPool` maps; Falcon-H1 runs both in every
+disjoint id sets :class:`~kvxfer.pools.hybrid.HybridLinearKVPool` maps; Falcon-H1 runs both in every
 layer), it is dense (Jamba adds MoE and Mamba1 state), transformers runs it on CPU with its
 torch path, and its state is exactly what the Mamba pool holds for SGLang: a conv window
 ``[conv_dim, kernel - 1]`` and an SSM state ``[heads, head_dim, state]``.

@@ -13,7 +13,7 @@ re-registering replaces its bootstrap entry).
 * decode ``decode(room, prompt_len, n_tokens, retract_after, corrupt)``: allocate, announce,
   wait for ``Success``; then generate greedily from the pools alone
   (:func:`~kvxfer.pd_demo.hf.decode_step`), growing the page list; after ``retract_after``
-  steps offload the request to host (:class:`~pools.offload.OffloadManager`), take *new*
+  steps offload the request to host (:class:`~kvxfer.pools.offload.OffloadManager`), take *new*
   pages and a new slot, zero and free the old ones, restore, continue.
 * either side ``reference(model, prompt, n)``: the single-process greedy run.
 """
@@ -71,7 +71,7 @@ class HFWorker:
                              error_mode=self.opts.get("error_mode", "peer"),
                              name=f"hf-{self.role}-{model}-{layout}").start_background()
         if self.role == "decode":
-            from pools.offload import OffloadManager
+            from kvxfer.pools.offload import OffloadManager
             self.offload = OffloadManager(self.pmc.pool, num_host_pages=s["pool_tokens"]
                                           // s["page_size"], num_host_slots=2 if
                                           self.pmc.mamba else 0)

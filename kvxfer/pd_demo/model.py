@@ -6,9 +6,9 @@ One :class:`DemoModel` per worker process (prefill or decode), built from the sa
 * full-attention layers (even model layer ids when Mamba layers exist) in a page-major pool
   (``kv_layout="page_major"``, one descriptor), a per-layer MHA pool (``"per_layer"``, 2·L
   descriptors) or an MLA latent pool (``"mla"``, L descriptors);
-* Mamba layers (odd ids) in a :class:`~pools.mamba.MambaPool` with the ``envelope`` layout
+* Mamba layers (odd ids) in a :class:`~kvxfer.pools.mamba.MambaPool` with the ``envelope`` layout
   (one descriptor, one op per request) or ``per_layer`` (one descriptor per state tensor and
-  layer), wrapped with the KV pool in a :class:`~pools.hybrid.HybridLinearKVPool`; or none;
+  layer), wrapped with the KV pool in a :class:`~kvxfer.pools.hybrid.HybridLinearKVPool`; or none;
 * the real allocators (:class:`PagedTokenToKVPoolAllocator`, :class:`MambaSlotAllocator`)
   and a :class:`~kvxfer.disagg.aux.MetadataBuffer` of aux rows.
 
@@ -71,9 +71,9 @@ class DemoModel:
 
     def __init__(self, spec: ModelSpec) -> None:
         from kvxfer.disagg import KVArgs, MetadataBuffer
-        from pools import MHATokenToKVPool, MLATokenToKVPool, PageMajorMHATokenToKVPool
-        from pools.allocator import PagedTokenToKVPoolAllocator
-        from pools.mamba_alloc import MambaSlotAllocator
+        from kvxfer.pools import MHATokenToKVPool, MLATokenToKVPool, PageMajorMHATokenToKVPool
+        from kvxfer.pools.allocator import PagedTokenToKVPoolAllocator
+        from kvxfer.pools.mamba_alloc import MambaSlotAllocator
 
         self.spec = s = spec
         self.dtype = DTYPES[s.dtype]
@@ -91,9 +91,9 @@ class DemoModel:
         self.kv_pool = kv
         self.mamba = None
         if s.has_mamba:
-            from pools.hybrid import HybridLinearKVPool
-            from pools.mamba import MambaPool
-            from pools.mamba_spec import MambaStateSpec
+            from kvxfer.pools.hybrid import HybridLinearKVPool
+            from kvxfer.pools.mamba import MambaPool
+            from kvxfer.pools.mamba_spec import MambaStateSpec
             mspec = MambaStateSpec(
                 conv_shapes=((s.conv_dim, s.conv_width - 1),),
                 temporal_shape=(s.ssm_heads, s.ssm_head_dim, s.ssm_state),

@@ -5,7 +5,7 @@
 - :mod:`.cuda` -- CUDA VMM through cuda-bindings (imported on first use);
 - :mod:`.memory` -- device selection, tensors over raw memory without copying;
 - :mod:`.owner` -- :class:`BackedBuffers`, what a pool uses: one tensor per
-  :class:`~pools.layout.KvBufferDesc`, page 0 backed at once, ``finalize(n)`` later.
+  :class:`~kvxfer.pools.layout.KvBufferDesc`, page 0 backed at once, ``finalize(n)`` later.
 """
 from .base import Backing, BackingProvider
 from .memory import make_provider

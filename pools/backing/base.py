@@ -1,7 +1,7 @@
 """The backing contract: a reserved virtual address range whose pages are backed later.
 
-Torch-free. Two implementations: :mod:`pools.backing.host` (``mmap`` reserve + ``mprotect``
-commit, any Linux machine) and :mod:`pools.backing.cuda` (CUDA VMM through cuda-bindings).
+Torch-free. Two implementations: :mod:`kvxfer.pools.backing.host` (``mmap`` reserve + ``mprotect``
+commit, any Linux machine) and :mod:`kvxfer.pools.backing.cuda` (CUDA VMM through cuda-bindings).
 
 Model
 -----
@@ -27,7 +27,7 @@ import logging
 import weakref
 from typing import Any
 
-from kernels.errors import BackingError, InvalidArgument
+from kvxfer.kernels.errors import BackingError, InvalidArgument
 
 logger = logging.getLogger(__name__)
 

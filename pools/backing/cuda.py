@@ -26,7 +26,7 @@ import logging
 import weakref
 from typing import Any, Iterator, Sequence
 
-from kernels.errors import BackingError, InvalidArgument
+from kvxfer.kernels.errors import BackingError, InvalidArgument
 
 from .base import Backing, BackingProvider, _RangeState
 

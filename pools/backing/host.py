@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any
 
-from kernels.errors import BackingError, UnsupportedOperation
+from kvxfer.kernels.errors import BackingError, UnsupportedOperation
 
 from .base import Backing, BackingProvider, _RangeState
 

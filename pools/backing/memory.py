@@ -14,7 +14,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from kernels.errors import BackingError, InvalidArgument, UnsupportedOperation
+from kvxfer.kernels.errors import BackingError, InvalidArgument, UnsupportedOperation
 
 from .base import Backing, BackingProvider
 

@@ -1,6 +1,6 @@
 """``BackedBuffers``: the object a pool uses for post-capture backing.
 
-Given the pool's :class:`~pools.layout.KvBufferDesc` list, it reserves address space for every
+Given the pool's :class:`~kvxfer.pools.layout.KvBufferDesc` list, it reserves address space for every
 buffer's full (reserved) size, builds one tensor per descriptor over the reservation without
 copying, and backs physical memory in two steps:
 
@@ -43,8 +43,8 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from kernels.errors import BackingError, IndexOutOfRange, InvalidArgument, ShapeMismatch
-from pools.layout import KvBufferDesc
+from kvxfer.kernels.errors import BackingError, IndexOutOfRange, InvalidArgument, ShapeMismatch
+from kvxfer.pools.layout import KvBufferDesc
 
 from .base import Backing, BackingProvider, round_up, subtract_ranges
 from .memory import cuda_index, make_provider, tensor_over

@@ -42,7 +42,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from kernels.errors import BackingError, InvalidArgument, UnsupportedOperation
+from kvxfer.kernels.errors import BackingError, InvalidArgument, UnsupportedOperation
 
 from .base import _RangeState
 from .memory import tensor_over
@@ -66,7 +66,7 @@ def _posix_fd_enum(cu):
 # -- exporter ---------------------------------------------------------------------------------
 def export_buffers(owner, *, generation: int = 0) -> tuple[ShareManifest, list]:
     """Manifest + one freshly exported fd per backed extent of ``owner`` (a
-    :class:`~pools.backing.BackedBuffers` on CUDA with POSIX-FD handles). The caller owns the
+    :class:`~kvxfer.pools.backing.BackedBuffers` on CUDA with POSIX-FD handles). The caller owns the
     fds (:func:`send_share` closes them)."""
     from .cuda import _check
 

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from kernels.errors import BackingError, InvalidArgument
+from kvxfer.kernels.errors import BackingError, InvalidArgument
 
 from .base import subtract_ranges
 

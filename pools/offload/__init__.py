@@ -14,7 +14,7 @@ Typical use in a decode scheduler (any pool kind: per-layer MHA, page-major, MLA
 Modules: ``runs``, ``extents`` and ``pieces`` (torch-free arithmetic), ``host_pool`` (the
 bounded, page-granular host arena, device-mapped when pinned), ``cuda_host`` (the driver
 query for mapped host memory), ``copier`` (direct and staged copy_ paths), ``fused`` (one
-Triton launch over every piece of a request, :mod:`kernels.piece_copy`), ``handle`` (state
+Triton launch over every piece of a request, :mod:`kvxfer.kernels.piece_copy`), ``handle`` (state
 machine), ``views`` (a pool's item views and geometry), ``manager`` (validation, path
 choice, streams, events, accounting).
 """

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 
-from kernels.errors import DoubleFree, InvalidArgument, OutOfMemory
+from kvxfer.kernels.errors import DoubleFree, InvalidArgument, OutOfMemory
 
 __all__ = ["ExtentAllocator"]
 

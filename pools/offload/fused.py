@@ -1,11 +1,11 @@
 """Fused offload/restore copies: every (buffer, page-run) piece of a request in one launch.
 
-The copy_-based :class:`~pools.offload.copier.Copier` issues one bus copy per run and
+The copy_-based :class:`~kvxfer.pools.offload.copier.Copier` issues one bus copy per run and
 buffer; a per-layer pool with 64 buffers pays 64+ driver calls per request, and short runs
 leave the bus idle between them. :class:`FusedCopier` instead builds a task table on the
 host (pointer table per buffer: device base, host base as the *device* sees it, item
-length; see :mod:`pools.offload.pieces`), uploads it with one small asynchronous copy and
-launches :mod:`kernels.piece_copy` once per alignment class (once for every pool whose
+length; see :mod:`kvxfer.pools.offload.pieces`), uploads it with one small asynchronous copy and
+launches :mod:`kvxfer.kernels.piece_copy` once per alignment class (once for every pool whose
 buffers are 16-byte aligned): the kernel's programs load from the device buffers and store
 straight into the mapped host pool (offload), or the reverse (restore), 16 bytes per
 vector, with many programs in flight.
@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kernels.piece_copy import copy_tasks
+from kvxfer.kernels.piece_copy import copy_tasks
 
 from .pieces import MAX_ALIGN, PieceTable, pick_tile_bytes, plan_tasks, split_by_alignment
 
@@ -41,7 +41,7 @@ class FusedCopier:
 
     ``device_delta``: device address minus host address of the host pool's memory (0 under
     UVA and on CPU). ``tile_bytes``: bytes per kernel program (``None``: chosen per request
-    by :func:`~pools.offload.pieces.pick_tile_bytes`).
+    by :func:`~kvxfer.pools.offload.pieces.pick_tile_bytes`).
     """
 
     def __init__(self, device: torch.device, to_host: bool, device_delta: int, *,

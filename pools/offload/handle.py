@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kernels.errors import InvalidArgument
+from kvxfer.kernels.errors import InvalidArgument
 
 if TYPE_CHECKING:  # pragma: no cover
     from .host_pool import HostBlock

@@ -17,7 +17,7 @@ memory is not mapped or not pinned.
 
 Invariants: ``used_pages + free_pages == num_pages`` (same for slots); memory is allocated
 once and reused across requests; asking for more than is free raises
-:class:`~kernels.errors.OutOfMemory` and takes nothing. *Fences* are opaque completion
+:class:`~kvxfer.kernels.errors.OutOfMemory` and takes nothing. *Fences* are opaque completion
 objects (CUDA events) of copies that still read host memory that has already been
 returned; the manager orders new writes into the pool after them.
 """
@@ -30,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from kernels.errors import InvalidArgument, OutOfMemory, UnsupportedOperation
+from kvxfer.kernels.errors import InvalidArgument, OutOfMemory, UnsupportedOperation
 
 from . import cuda_host
 from .extents import ExtentAllocator

@@ -9,13 +9,13 @@ hybrid pools are therefore handled by the same code; page-major pools simply hav
 Copies: the pairing device id -> host id is split into runs contiguous on both sides;
 every (buffer, run) pair is a *piece*. Three paths move them:
 
-* **fused** (:mod:`pools.offload.fused`, CUDA with a device-mapped pinned host pool): ONE
+* **fused** (:mod:`kvxfer.pools.offload.fused`, CUDA with a device-mapped pinned host pool): ONE
   Triton kernel launch moves every piece of the request (KV and state together) straight
   between the device buffers and the host pool. Chosen automatically when the request
   has at least ``fused_min_pieces`` pieces averaging at most ``fused_max_piece_bytes``
   (large contiguous pieces keep the copy engines); ``fused=True`` forces it for every
   request (also on CPU under the Triton interpreter, for tests), ``fused=False`` disables it.
-* **direct** (:mod:`pools.offload.copier`): each piece is ONE ``copy_``.
+* **direct** (:mod:`kvxfer.pools.offload.copier`): each piece is ONE ``copy_``.
 * **staged**: requests broken into many short runs go through a bounded device staging
   buffer (gather, then one large copy per buffer and batch; allocated once at
   construction: ``staging_bytes``, default 64 MiB per direction on CUDA when the fused path
@@ -27,7 +27,7 @@ a dedicated device-to-host stream and restores on a host-to-device stream; each 
 event that the handle exposes. Nothing on this path synchronises the device. On CPU the
 copies are plain synchronous copies, chunked the same way.
 
-Memory: host memory comes from a bounded :class:`~pools.offload.host_pool.HostPool`;
+Memory: host memory comes from a bounded :class:`~kvxfer.pools.offload.host_pool.HostPool`;
 ``discard``/``abort`` and ``restore`` return it at once. Restore frees the host block at
 submission and leaves its event as a *fence*: later offloads (the only writers of host
 memory) wait for it on their stream before writing, so reuse never races a pending read.
@@ -43,8 +43,8 @@ import logging
 import numpy as np
 import torch
 
-from kernels.errors import InvalidArgument, ShapeMismatch, UnsupportedOperation
-from kernels.piece_copy import kernel_runnable
+from kvxfer.kernels.errors import InvalidArgument, ShapeMismatch, UnsupportedOperation
+from kvxfer.kernels.piece_copy import kernel_runnable
 
 from .handle import OffloadHandle, OffloadState
 from .host_pool import HostPool
@@ -66,7 +66,7 @@ class OffloadManager:
     to build one from ``num_host_pages`` / ``host_capacity_bytes`` and ``num_host_slots``
     (pinned when the pool lives on CUDA unless ``pin_memory`` says otherwise).
     ``staging_bytes`` (per direction) and ``min_chunk_bytes`` steer the staged path for
-    fragmented requests (see :mod:`pools.offload.copier`); ``staging_bytes=0`` disables it.
+    fragmented requests (see :mod:`kvxfer.pools.offload.copier`); ``staging_bytes=0`` disables it.
     ``fused`` (``None``: automatic on CUDA, ``True``: always, ``False``: never),
     ``fused_min_pieces``, ``fused_max_piece_bytes`` and ``fused_tile_bytes`` steer the
     one-launch path (see the module docstring); ``fused=True`` where it cannot run (host

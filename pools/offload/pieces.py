@@ -2,11 +2,11 @@
 
 Inputs: a *pointer table* (per buffer: source base address, destination base address,
 item length in bytes) and the item *runs* ``[R, 3] = (src_start, dst_start, length)``
-shared by every buffer of the table (see :func:`pools.offload.runs.contiguous_runs`).
+shared by every buffer of the table (see :func:`kvxfer.pools.offload.runs.contiguous_runs`).
 Every (buffer, run) pair is a *piece* of ``length * item_len`` contiguous bytes on both
 sides. Pieces are cut into *tiles* of at most ``tile_bytes`` so that many GPU programs
 share a request, and each tile becomes one task row ``(src address, dst address, nbytes)``
-of the int64 table the kernel (:mod:`kernels.piece_copy`) reads.
+of the int64 table the kernel (:mod:`kvxfer.kernels.piece_copy`) reads.
 
 Invariants (tested exhaustively): the tasks of a plan cover every piece's bytes exactly
 once, in piece order (buffer-major, then run order), each tile starting at a multiple of
@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kernels.errors import InvalidArgument, ShapeMismatch
+from kvxfer.kernels.errors import InvalidArgument, ShapeMismatch
 
 __all__ = ["PieceTable", "plan_tasks", "pick_tile_bytes", "split_by_alignment",
            "task_alignment", "wants_fused", "MAX_ALIGN", "tile_pieces"]

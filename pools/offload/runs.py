@@ -14,7 +14,7 @@ from typing import Iterable
 
 import numpy as np
 
-from kernels.errors import IndexOutOfRange, InvalidArgument
+from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument
 
 __all__ = ["as_id_array", "check_ids", "contiguous_runs", "expand_extents"]
 

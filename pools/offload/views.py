@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from kernels.errors import InvalidArgument
+from kvxfer.kernels.errors import InvalidArgument
 
 __all__ = ["pool_views", "pool_geometry"]
 

@@ -50,7 +50,7 @@ class RemoteError(Exception):
 # ====================================================================== child side
 def _build_pool(kind: str, size: int, page_size: int, device: str = "cpu"):
     import torch
-    from pools import MHATokenToKVPool, MLATokenToKVPool, PageMajorMHATokenToKVPool
+    from kvxfer.pools import MHATokenToKVPool, MLATokenToKVPool, PageMajorMHATokenToKVPool
     bf = torch.bfloat16
     if kind in ("mha", "mismatch", "many"):
         if kind == "many":
@@ -61,9 +61,9 @@ def _build_pool(kind: str, size: int, page_size: int, device: str = "cpu"):
     if kind == "mla":
         return MLATokenToKVPool(size, page_size, bf, 16, 8, 2, device), None
     if kind.startswith("hybrid_"):
-        from pools.hybrid import HybridLinearKVPool
-        from pools.mamba import MambaPool
-        from pools.mamba_spec import MambaStateSpec
+        from kvxfer.pools.hybrid import HybridLinearKVPool
+        from kvxfer.pools.mamba import MambaPool
+        from kvxfer.pools.mamba_spec import MambaStateSpec
         spec = MambaStateSpec(conv_shapes=((4, 3),), temporal_shape=(2, 4, 4), conv_dtype=bf,
                               temporal_dtype=torch.float32, layer_ids=(1, 3))
         layout = "per_layer" if kind == "hybrid_per_layer" else "envelope"
@@ -91,8 +91,8 @@ class Node:
                  aux_rows: int = 256, name: str = "", device: str = "cpu",
                  integrity: bool = False) -> None:
         from kvxfer.disagg import KVArgs, KVManager, MetadataBuffer, Timeouts
-        from pools.allocator import PagedTokenToKVPoolAllocator
-        from pools.mamba_alloc import MambaSlotAllocator
+        from kvxfer.pools.allocator import PagedTokenToKVPoolAllocator
+        from kvxfer.pools.mamba_alloc import MambaSlotAllocator
         if kind == "mismatch":
             page_size = 8
         self.kind, self.role, self.bootstrap = kind, role, bootstrap

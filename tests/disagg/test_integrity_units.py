@@ -8,7 +8,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from kernels.checksum import ALGORITHM, item_checksums_host
+from kvxfer.kernels.checksum import ALGORITHM, item_checksums_host
 from kvxfer import wire
 from kvxfer.disagg import KVArgs, KVManager, KVPoll, MetadataBuffer, Timeouts
 from kvxfer.disagg import messages as m

@@ -149,7 +149,7 @@ def test_driver_query_on_cuda():
     import torch
 
     from kvxfer.transport.ucx_rma import cuda_ipc_capable
-    from pools.backing.cuda import CudaVmmProvider
+    from kvxfer.pools.backing.cuda import CudaVmmProvider
 
     t = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
     assert cuda_ipc_capable(t.data_ptr()) is True

@@ -8,10 +8,10 @@ Run on the GPU machine: ``KVXFER_TEST_DEVICE=cuda python -m pytest -q tests/gpu/
 import pytest
 import torch
 
-from kernels.errors import BackingError
-from pools.backing import BackedBuffers
-from pools.backing.base import round_up
-from pools.layout import KvBufferDesc, per_layer_descs
+from kvxfer.kernels.errors import BackingError
+from kvxfer.pools.backing import BackedBuffers
+from kvxfer.pools.backing.base import round_up
+from kvxfer.pools.layout import KvBufferDesc, per_layer_descs
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -38,7 +38,7 @@ def _assert_device_use(base, expected, slack=8 * MiB):
 
 
 def test_handle_type_probe_order_and_report():
-    from pools.backing.cuda import HANDLE_TYPE_ORDER, CudaVmmProvider
+    from kvxfer.pools.backing.cuda import HANDLE_TYPE_ORDER, CudaVmmProvider
     p = CudaVmmProvider(0)
     try:
         # entries are "type" or "type+rdma" (RDMA-capable attempt first when offered)
@@ -59,7 +59,7 @@ def test_handle_type_probe_order_and_report():
 
 @pytest.mark.parametrize("handle_type", ["posix_fd", "none"])
 def test_forced_handle_type_is_used(handle_type):
-    from pools.backing.cuda import CudaVmmProvider
+    from kvxfer.pools.backing.cuda import CudaVmmProvider
     p = CudaVmmProvider(0, handle_types=(handle_type,))
     try:
         assert p.handle_type == handle_type
@@ -133,7 +133,7 @@ def test_vmm_lifecycle_matches_driver_accounting():
 
 def _ops(kind):
     if kind == "kernels":
-        store = pytest.importorskip("kernels.store")
+        store = pytest.importorskip("kvxfer.kernels.store")
 
         def write(cache, loc, x):
             store.store_kv(cache, None, loc, x, None, backend="triton")

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.checksum import checksum_items_reference
-from kernels.errors import BackingError
+from kvxfer.kernels.checksum import checksum_items_reference
+from kvxfer.kernels.errors import BackingError
 from kvxfer.disagg.integrity import ItemSums
 from kvxfer.transport import cuda_driver
 
@@ -51,8 +51,8 @@ def test_each_buffer_is_summed_where_it_lives(where):
 
 @pytest.mark.parametrize("kind", ["mha", "page_major"])
 def test_vmm_backed_pools_go_to_the_kernel(kind):
-    from pools.mha import MHATokenToKVPool
-    from pools.page_major import PageMajorMHATokenToKVPool
+    from kvxfer.pools.mha import MHATokenToKVPool
+    from kvxfer.pools.page_major import PageMajorMHATokenToKVPool
     cls = MHATokenToKVPool if kind == "mha" else PageMajorMHATokenToKVPool
     try:
         pool = cls(1024, 16, torch.bfloat16, 2, 64, 1, "cuda:0", post_capture_active=True)

@@ -15,10 +15,10 @@ import socket
 import pytest
 import torch
 
-from kernels.errors import BackingError
+from kvxfer.kernels.errors import BackingError
 from kvxfer.testing import Child, serve
-from pools.mha import MHATokenToKVPool
-from pools.page_major import PageMajorMHATokenToKVPool
+from kvxfer.pools.mha import MHATokenToKVPool
+from kvxfer.pools.page_major import PageMajorMHATokenToKVPool
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -53,7 +53,7 @@ def _rate(fn, nbytes: int, iters: int) -> float:
 
 # -- the child: imports shares and writes into them ---------------------------------------------
 def _writer_node(inbox, outbox):
-    from pools.backing.share import recv_share
+    from kvxfer.pools.backing.share import recv_share
 
     state = {"imports": []}
 
@@ -119,7 +119,7 @@ def _pool(cls, size, extent_mib, **kw):
 
 
 def _share(child, srv, pool, generation):
-    from pools.backing.share import send_share
+    from kvxfer.pools.backing.share import send_share
 
     child.inbox.put(("import", (srv.getsockname(),)))
     conn, _ = srv.accept()
@@ -215,8 +215,8 @@ def test_child_writes_into_vmm_pool_at_device_copy_rate(tmp_path):
 
 
 def test_export_refuses_unshareable_backing():
-    from kernels.errors import UnsupportedOperation
-    from pools.backing.share import export_buffers
+    from kvxfer.kernels.errors import UnsupportedOperation
+    from kvxfer.pools.backing.share import export_buffers
 
     pool = None
     try:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from _kernels_testlib import DEVICE, ON_CUDA, gen, rand
-from kernels import checksum as ck
-from kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
+from kvxfer.kernels import checksum as ck
+from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
 
 pytestmark = pytest.mark.timeout(120)
 

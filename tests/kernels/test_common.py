@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from kernels import _common as C
+from kvxfer.kernels import _common as C
 
 pytestmark = pytest.mark.timeout(60)
 

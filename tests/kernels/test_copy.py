@@ -4,8 +4,8 @@ import torch
 
 from _kernels_testlib import (DEVICE, DTYPE_IDS, DTYPES, ON_CUDA, gen, guarded, page_major_views,
                               rand, raw)
-from kernels import copy as kcopy
-from kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
+from kvxfer.kernels import copy as kcopy
+from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
 
 pytestmark = pytest.mark.timeout(60)
 

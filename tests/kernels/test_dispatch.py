@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from _kernels_testlib import DEVICE, ON_CUDA, gen, rand
-from kernels import dispatch, store
-from kernels.errors import InvalidArgument, UnsupportedOperation
+from kvxfer.kernels import dispatch, store
+from kvxfer.kernels.errors import InvalidArgument, UnsupportedOperation
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from _kernels_testlib import DEVICE, ON_CUDA, distinct, gen
-from kernels import fp4
-from kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
+from kvxfer.kernels import fp4
+from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -4,8 +4,8 @@ import torch
 
 from _kernels_testlib import (DEVICE, DTYPE_IDS, DTYPES, ON_CUDA, distinct, gen, guarded, rand,
                               raw)
-from kernels import store
-from kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
+from kvxfer.kernels import store
+from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
 
 pytestmark = pytest.mark.timeout(60)
 

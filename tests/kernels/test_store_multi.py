@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from _kernels_testlib import DEVICE, ON_CUDA, distinct, gen, rand, raw
-from kernels import store, store_multi
-from kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
+from kvxfer.kernels import store, store_multi
+from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -13,8 +13,8 @@ ALL_KINDS = KV_KINDS + STATE_KINDS
 
 
 def mamba_pool(num_slots: int, layout: str, device: str = DEVICE, layer_ids=(0, 2)):
-    from pools.mamba import MambaPool
-    from pools.mamba_spec import MambaStateSpec
+    from kvxfer.pools.mamba import MambaPool
+    from kvxfer.pools.mamba_spec import MambaStateSpec
 
     spec = MambaStateSpec(conv_shapes=((8, 3), (4, 3)), temporal_shape=(2, 4, 4),
                           conv_dtype=torch.bfloat16, temporal_dtype=torch.float32,
@@ -28,23 +28,23 @@ def make_pool(kind: str, num_pages: int = 24, num_slots: int = 8, device: str = 
     size = (num_pages - 1) * PAGE_SIZE
     dt = torch.bfloat16
     if kind in ("mha", "mha_hnd"):
-        from pools.mha import MHATokenToKVPool
+        from kvxfer.pools.mha import MHATokenToKVPool
 
         return MHATokenToKVPool(size, PAGE_SIZE, dt, 2, head_dim, layers, device,
                                 layout="hnd" if kind == "mha_hnd" else "nhd")
     if kind == "page_major":
-        from pools.page_major import PageMajorMHATokenToKVPool
+        from kvxfer.pools.page_major import PageMajorMHATokenToKVPool
 
         return PageMajorMHATokenToKVPool(size, PAGE_SIZE, dt, 2, head_dim, layers, device)
     if kind == "mla":
-        from pools.mla import MLATokenToKVPool
+        from kvxfer.pools.mla import MLATokenToKVPool
 
         return MLATokenToKVPool(size, PAGE_SIZE, dt, 16, 8, layers, device)
     if kind.startswith("mamba_"):
         return mamba_pool(num_slots, kind.split("_", 1)[1], device)
     if kind.startswith("hybrid_"):
-        from pools.hybrid import HybridLinearKVPool
-        from pools.mha import MHATokenToKVPool
+        from kvxfer.pools.hybrid import HybridLinearKVPool
+        from kvxfer.pools.mha import MHATokenToKVPool
 
         kv = MHATokenToKVPool(size, PAGE_SIZE, dt, 2, head_dim, 1, device)
         mp = mamba_pool(num_slots, kind.split("_", 1)[1], device, layer_ids=(0, 2))
@@ -53,7 +53,7 @@ def make_pool(kind: str, num_pages: int = 24, num_slots: int = 8, device: str = 
 
 
 def views(pool):
-    from pools.offload import pool_views
+    from kvxfer.pools.offload import pool_views
 
     kv, st = pool_views(pool)
     return kv + st, len(kv)
@@ -106,6 +106,6 @@ def is_page_locked(t: torch.Tensor) -> bool:
     releases; memory page-locked with ``cudaHostRegister`` is asked about through the runtime."""
     if t.is_pinned():
         return True
-    from pools.offload import cuda_host  # the driver query, through ctypes (no cuda-python)
+    from kvxfer.pools.offload import cuda_host  # the driver query, through ctypes (no cuda-python)
 
     return cuda_host.memory_type(t.data_ptr()) == cuda_host.CU_MEMORYTYPE_HOST

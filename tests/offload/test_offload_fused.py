@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.errors import InvalidArgument, ShapeMismatch, UnsupportedOperation
-from kernels.piece_copy import (ALIGNMENTS, copy_item_runs_reference, copy_tasks,
+from kvxfer.kernels.errors import InvalidArgument, ShapeMismatch, UnsupportedOperation
+from kvxfer.kernels.piece_copy import (ALIGNMENTS, copy_item_runs_reference, copy_tasks,
                                 kernel_runnable)
 from offload_helpers import (ALL_KINDS, DEVICE, KV_KINDS, assert_same, clobber_rows,
                              expected_after_restore, make_pool, randomize, snapshot, views)
-from pools.offload import OffloadManager, OffloadState
-from pools.offload.pieces import (MAX_TILE, MIN_TILE, PieceTable, pick_tile_bytes, plan_tasks,
+from kvxfer.pools.offload import OffloadManager, OffloadState
+from kvxfer.pools.offload.pieces import (MAX_TILE, MIN_TILE, PieceTable, pick_tile_bytes, plan_tasks,
                                   split_by_alignment, task_alignment, wants_fused)
-from pools.offload.runs import contiguous_runs
+from kvxfer.pools.offload.runs import contiguous_runs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -167,7 +167,7 @@ def test_kernel_compiles_to_16_byte_vectors_for_sm90():
     import triton
     from triton.runtime.jit import JITFunction
 
-    from kernels import piece_copy
+    from kvxfer.kernels import piece_copy
 
     try:
         from triton.backends.compiler import GPUTarget
@@ -275,7 +275,7 @@ def test_fused_options_are_validated():
 
 
 def test_failed_fused_launch_leaks_no_host_memory(monkeypatch):
-    from pools.offload import fused
+    from kvxfer.pools.offload import fused
 
     pool = make_pool("mha")
     mgr = OffloadManager(pool, num_host_pages=4, fused=True)

@@ -4,8 +4,8 @@ import os
 import pytest
 import torch
 
-from kernels.errors import InvalidArgument, OutOfMemory
-from pools.offload import HostPool
+from kvxfer.kernels.errors import InvalidArgument, OutOfMemory
+from kvxfer.pools.offload import HostPool
 from offload_helpers import is_page_locked
 
 pytestmark = pytest.mark.timeout(60)
@@ -61,7 +61,7 @@ def test_sizing_by_capacity_bytes_and_bad_arguments():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 def test_pinning_without_cuda_is_a_typed_error():
-    from kernels.errors import UnsupportedOperation
+    from kvxfer.kernels.errors import UnsupportedOperation
 
     with pytest.raises(UnsupportedOperation, match="pinned"):
         HostPool([8], 2, pin_memory=True)

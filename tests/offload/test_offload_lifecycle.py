@@ -4,9 +4,9 @@ import random
 import pytest
 import torch
 
-from kernels.errors import OutOfMemory
+from kvxfer.kernels.errors import OutOfMemory
 from offload_helpers import DEVICE, is_page_locked, make_pool, randomize, snapshot, views
-from pools.offload import OffloadManager, OffloadState
+from kvxfer.pools.offload import OffloadManager, OffloadState
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -26,8 +26,8 @@ def test_host_pool_returns_to_empty_after_any_sequence(kind, seed, staging):
     """Random offload / restore / discard / abort (discard while possibly in flight), with
     the real page and slot allocators; host usage always equals what live handles hold,
     every restore is byte-exact, and the host pool ends empty."""
-    from pools.allocator import PagedTokenToKVPoolAllocator
-    from pools.mamba_alloc import MambaSlotAllocator
+    from kvxfer.pools.allocator import PagedTokenToKVPoolAllocator
+    from kvxfer.pools.mamba_alloc import MambaSlotAllocator
 
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)

@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.errors import IndexOutOfRange, InvalidArgument, OutOfMemory, ShapeMismatch
+from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, OutOfMemory, ShapeMismatch
 from offload_helpers import (
     ALL_KINDS, DEVICE, KV_KINDS, PAGE_SIZE, assert_same, clobber_rows, expected_after_restore,
     make_pool, snapshot, randomize, views,
 )
-from pools.offload import OffloadManager, OffloadState
+from kvxfer.pools.offload import OffloadManager, OffloadState
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -228,7 +228,7 @@ def test_kv_only_pool_rejects_state_and_host_geometry_checked():
     mgr = OffloadManager(pool, num_host_pages=2)
     with pytest.raises(InvalidArgument, match="no such buffers"):
         mgr.offload([1], [1])
-    from pools.offload import HostPool
+    from kvxfer.pools.offload import HostPool
 
     with pytest.raises(ShapeMismatch):
         OffloadManager(pool, HostPool([7], 2))
@@ -279,7 +279,7 @@ def test_staged_path_for_fragmented_requests(kind):
 
 
 def test_failed_copy_launch_leaks_no_host_memory(monkeypatch):
-    from pools.offload import copier
+    from kvxfer.pools.offload import copier
 
     pool = make_pool("mha")
     mgr = OffloadManager(pool, num_host_pages=4, fused=False)  # the copy_ path fails

@@ -4,9 +4,9 @@ import random
 import numpy as np
 import pytest
 
-from kernels.errors import DoubleFree, IndexOutOfRange, InvalidArgument, OutOfMemory
-from pools.offload.extents import ExtentAllocator
-from pools.offload.runs import as_id_array, check_ids, contiguous_runs, expand_extents
+from kvxfer.kernels.errors import DoubleFree, IndexOutOfRange, InvalidArgument, OutOfMemory
+from kvxfer.pools.offload.extents import ExtentAllocator
+from kvxfer.pools.offload.runs import as_id_array, check_ids, contiguous_runs, expand_extents
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -5,12 +5,12 @@ import random
 import pytest
 import torch
 
-from pools.allocator import (
+from kvxfer.pools.allocator import (
     PagedTokenToKVPoolAllocator,
     ReqToTokenPool,
     TokenToKVPoolAllocator,
 )
-from pools.errors import DoubleFree, IndexOutOfRange, InvalidArgument
+from kvxfer.pools.errors import DoubleFree, IndexOutOfRange, InvalidArgument
 
 DEVICE = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
 pytestmark = pytest.mark.timeout(60)

@@ -9,10 +9,10 @@ import os
 import pytest
 import torch
 
-from kernels.errors import BackingError, IndexOutOfRange, InvalidArgument, ShapeMismatch
-from pools.backing import BackedBuffers, make_provider
-from pools.backing.base import round_up
-from pools.layout import KvBufferDesc, PageMajorGeometry, per_layer_descs
+from kvxfer.kernels.errors import BackingError, IndexOutOfRange, InvalidArgument, ShapeMismatch
+from kvxfer.pools.backing import BackedBuffers, make_provider
+from kvxfer.pools.backing.base import round_up
+from kvxfer.pools.layout import KvBufferDesc, PageMajorGeometry, per_layer_descs
 
 DEVICE = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
 pytestmark = pytest.mark.timeout(60)

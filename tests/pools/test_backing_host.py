@@ -10,11 +10,11 @@ import traceback
 import pytest
 import torch
 
-from kernels.errors import BackingError, InvalidArgument, UnsupportedOperation
-from pools.backing import BackedBuffers, make_provider
-from pools.backing.base import round_down, round_up, subtract_ranges
-from pools.backing.host import HostBacking, HostBackingProvider
-from pools.layout import per_layer_descs
+from kvxfer.kernels.errors import BackingError, InvalidArgument, UnsupportedOperation
+from kvxfer.pools.backing import BackedBuffers, make_provider
+from kvxfer.pools.backing.base import round_down, round_up, subtract_ranges
+from kvxfer.pools.backing.host import HostBacking, HostBackingProvider
+from kvxfer.pools.layout import per_layer_descs
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -211,7 +211,7 @@ def test_make_provider_devices():
 
 
 def test_cuda_provider_validates_before_touching_the_driver():
-    from pools.backing.cuda import CudaVmmProvider
+    from kvxfer.pools.backing.cuda import CudaVmmProvider
     with pytest.raises(InvalidArgument, match="bogus"):
         CudaVmmProvider(0, handle_types=("fabric", "bogus"))
     with pytest.raises(InvalidArgument):
@@ -227,7 +227,7 @@ def test_cuda_backing_without_cuda_is_a_clear_error():
         with pytest.raises(BackingError, match="no usable CUDA device"):
             BackedBuffers(descs, store_dtype=torch.bfloat16, device=device, page_size=16,
                           reserved_num_tokens=64)
-    from pools.backing.cuda import CudaVmmProvider
+    from kvxfer.pools.backing.cuda import CudaVmmProvider
     with pytest.raises(BackingError, match="cuda-bindings|CUDA driver"):  # no package / no driver
         CudaVmmProvider(0)
 

@@ -10,8 +10,8 @@ import struct
 import pytest
 import torch
 
-from kernels.errors import BackingError, InvalidArgument, UnsupportedOperation
-from pools.backing.share_wire import (MAGIC, MAX_FDS_PER_MSG, SHARE_VERSION, BufferGrant,
+from kvxfer.kernels.errors import BackingError, InvalidArgument, UnsupportedOperation
+from kvxfer.pools.backing.share_wire import (MAGIC, MAX_FDS_PER_MSG, SHARE_VERSION, BufferGrant,
                                       RangeGrant, ShareManifest, recv_share_message,
                                       send_share_message, validate_manifest)
 
@@ -132,9 +132,9 @@ def test_deadline_peer_close_and_foreign_frames(pair):
 
 
 def test_host_backing_cannot_be_exported():
-    from pools.backing import BackedBuffers
-    from pools.backing.share import export_buffers
-    from pools.layout import per_layer_descs
+    from kvxfer.pools.backing import BackedBuffers
+    from kvxfer.pools.backing.share import export_buffers
+    from kvxfer.pools.layout import per_layer_descs
 
     with BackedBuffers(per_layer_descs("k", 1, (64, 2, 16), 2, 1), store_dtype=torch.bfloat16,
                        device="cpu", page_size=16, reserved_num_tokens=48) as owner:

@@ -6,9 +6,9 @@ import torch
 
 from _sparse_pool_checks import (DEVICE, ON_CUDA, assert_same_views, check_registration, loc,
                                  views_snapshot)
-from kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
-from pools.dsa import DSATokenToKVPool
-from pools.write_loc import KVWriteLoc
+from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
+from kvxfer.pools.dsa import DSATokenToKVPool
+from kvxfer.pools.write_loc import KVWriteLoc
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -216,7 +216,7 @@ def test_registration_and_state_group():
 def test_offload_manager_moves_indexer_pages_as_state_items():
     """Page-granular retract through the generic offload manager: the indexer rides the state
     views with state id = page id."""
-    from pools.offload import OffloadManager
+    from kvxfer.pools.offload import OffloadManager
 
     p = pool()
     rows = latent(8, 50)

@@ -6,11 +6,11 @@ import torch
 
 from _sparse_pool_checks import (DEVICE, ON_CUDA, assert_same_views, check_registration, loc,
                                  views_snapshot)
-from kernels.dispatch import force_backend
-from kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
-from kernels.fp4 import fp4_error_bound
-from pools.quantized import KV_QUANT, MHATokenToKVPoolFP4, MLATokenToKVPoolFP4
-from pools.write_loc import KVWriteLoc
+from kvxfer.kernels.dispatch import force_backend
+from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
+from kvxfer.kernels.fp4 import fp4_error_bound
+from kvxfer.pools.quantized import KV_QUANT, MHATokenToKVPoolFP4, MLATokenToKVPoolFP4
+from kvxfer.pools.write_loc import KVWriteLoc
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -205,9 +205,9 @@ def test_mla_fp4_registration_copy_restore_move():
 
 
 def test_post_capture_backing_is_refused():
-    from kernels.errors import UnsupportedOperation
-    from pools.dsa import DSATokenToKVPool
-    from pools.minimax import MiniMaxSparseKVPool
+    from kvxfer.kernels.errors import UnsupportedOperation
+    from kvxfer.pools.dsa import DSATokenToKVPool
+    from kvxfer.pools.minimax import MiniMaxSparseKVPool
 
     with pytest.raises(UnsupportedOperation):
         mha(post_capture_active=True)

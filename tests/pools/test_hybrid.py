@@ -5,14 +5,14 @@ import random
 import pytest
 import torch
 
-from pools.errors import DoubleFree, IndexOutOfRange, InvalidArgument, ShapeMismatch
-from pools.hybrid import HybridCpuCopy, HybridLinearKVPool, HybridReqState, HybridReqToTokenPool
-from pools.mamba import MambaPool, MambaStateSpec
-from pools.mha import MHATokenToKVPool
-from pools.mla import MLATokenToKVPool
-from pools.page_major import PageMajorMHATokenToKVPool
-from pools.quantized import MHATokenToKVPoolFP4
-from pools.write_loc import KVWriteLoc
+from kvxfer.pools.errors import DoubleFree, IndexOutOfRange, InvalidArgument, ShapeMismatch
+from kvxfer.pools.hybrid import HybridCpuCopy, HybridLinearKVPool, HybridReqState, HybridReqToTokenPool
+from kvxfer.pools.mamba import MambaPool, MambaStateSpec
+from kvxfer.pools.mha import MHATokenToKVPool
+from kvxfer.pools.mla import MLATokenToKVPool
+from kvxfer.pools.page_major import PageMajorMHATokenToKVPool
+from kvxfer.pools.quantized import MHATokenToKVPoolFP4
+from kvxfer.pools.write_loc import KVWriteLoc
 
 DEVICE = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
 pytestmark = pytest.mark.timeout(90)

@@ -5,12 +5,12 @@ import os
 import pytest
 import torch
 
-from kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch, UnsupportedOperation
-from pools.cpu_copy import KvCpuCopy
-from pools.mha import MHATokenToKVPool
-from pools.mla import MLATokenToKVPool
-from pools.noop import MHATokenToKOnlyPool, NoOpMHATokenToKVPool
-from pools.page_major import PageMajorMHATokenToKVPool
+from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch, UnsupportedOperation
+from kvxfer.pools.cpu_copy import KvCpuCopy
+from kvxfer.pools.mha import MHATokenToKVPool
+from kvxfer.pools.mla import MLATokenToKVPool
+from kvxfer.pools.noop import MHATokenToKOnlyPool, NoOpMHATokenToKVPool
+from kvxfer.pools.page_major import PageMajorMHATokenToKVPool
 
 DEVICE = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
 pytestmark = pytest.mark.timeout(60)

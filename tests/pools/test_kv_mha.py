@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 
-from kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
-from pools.mha import MHATokenToKVPool
-from pools.page_major import PageMajorMHATokenToKVPool
+from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
+from kvxfer.pools.mha import MHATokenToKVPool
+from kvxfer.pools.page_major import PageMajorMHATokenToKVPool
 
 DEVICE = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
 pytestmark = pytest.mark.timeout(60)

@@ -4,9 +4,9 @@ import os
 import pytest
 import torch
 
-from kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch, UnsupportedOperation
-from pools.mla import MLATokenToKVPool
-from pools.noop import MHATokenToKOnlyPool, NoOpMHATokenToKVPool
+from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch, UnsupportedOperation
+from kvxfer.pools.mla import MLATokenToKVPool
+from kvxfer.pools.noop import MHATokenToKOnlyPool, NoOpMHATokenToKVPool
 
 DEVICE = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
 pytestmark = pytest.mark.timeout(60)

@@ -10,11 +10,11 @@ import msgpack
 import pytest
 import torch
 
-from pools.layout import PageMajorGeometry
-from pools.mha import MHATokenToKVPool
-from pools.mla import MLATokenToKVPool
-from pools.noop import MHATokenToKOnlyPool, NoOpMHATokenToKVPool
-from pools.page_major import PageMajorMHATokenToKVPool
+from kvxfer.pools.layout import PageMajorGeometry
+from kvxfer.pools.mha import MHATokenToKVPool
+from kvxfer.pools.mla import MLATokenToKVPool
+from kvxfer.pools.noop import MHATokenToKOnlyPool, NoOpMHATokenToKVPool
+from kvxfer.pools.page_major import PageMajorMHATokenToKVPool
 
 DEVICE = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
 pytestmark = pytest.mark.timeout(60)

@@ -5,11 +5,11 @@ import os
 import pytest
 import torch
 
-from kernels.dispatch import force_backend
-from pools.mha import MHATokenToKVPool
-from pools.mla import MLATokenToKVPool
-from pools.noop import MHATokenToKOnlyPool
-from pools.page_major import PageMajorMHATokenToKVPool
+from kvxfer.kernels.dispatch import force_backend
+from kvxfer.pools.mha import MHATokenToKVPool
+from kvxfer.pools.mla import MLATokenToKVPool
+from kvxfer.pools.noop import MHATokenToKOnlyPool
+from kvxfer.pools.page_major import PageMajorMHATokenToKVPool
 
 DEVICE = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
 pytestmark = pytest.mark.timeout(120)

@@ -4,8 +4,8 @@ import os
 import pytest
 import torch
 
-from pools.errors import DoubleFree, IndexOutOfRange, InvalidArgument, ShapeMismatch
-from pools.mamba import MambaCpuCopy, MambaPool, MambaSlotAllocator, MambaStateSpec
+from kvxfer.pools.errors import DoubleFree, IndexOutOfRange, InvalidArgument, ShapeMismatch
+from kvxfer.pools.mamba import MambaCpuCopy, MambaPool, MambaSlotAllocator, MambaStateSpec
 
 DEVICE = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
 pytestmark = pytest.mark.timeout(60)

@@ -6,10 +6,10 @@ import torch
 
 from _sparse_pool_checks import (DEVICE, ON_CUDA, assert_same_views, check_registration, loc,
                                  views_snapshot)
-from kernels.dispatch import force_backend
-from kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
-from pools.minimax import MiniMaxSparseKVPool
-from pools.write_loc import KVWriteLoc, unwrap_write_loc
+from kvxfer.kernels.dispatch import force_backend
+from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
+from kvxfer.pools.minimax import MiniMaxSparseKVPool
+from kvxfer.pools.write_loc import KVWriteLoc, unwrap_write_loc
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -13,15 +13,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels import dispatch
-from kernels.errors import BackingError, IndexOutOfRange, InvalidArgument, UnsupportedOperation
-from pools.backing import make_provider
-from pools.backing.base import round_up
-from pools.hybrid import HybridLinearKVPool
-from pools.mamba import MambaPool, MambaStateSpec
-from pools.mha import MHATokenToKVPool
-from pools.mla import MLATokenToKVPool
-from pools.page_major import PageMajorMHATokenToKVPool
+from kvxfer.kernels import dispatch
+from kvxfer.kernels.errors import BackingError, IndexOutOfRange, InvalidArgument, UnsupportedOperation
+from kvxfer.pools.backing import make_provider
+from kvxfer.pools.backing.base import round_up
+from kvxfer.pools.hybrid import HybridLinearKVPool
+from kvxfer.pools.mamba import MambaPool, MambaStateSpec
+from kvxfer.pools.mha import MHATokenToKVPool
+from kvxfer.pools.mla import MLATokenToKVPool
+from kvxfer.pools.page_major import PageMajorMHATokenToKVPool
 
 DEVICE = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
 pytestmark = pytest.mark.timeout(90)
@@ -247,7 +247,7 @@ def test_ordinary_and_unsupported_pools(granularity):
     with pytest.raises(InvalidArgument):
         MHATokenToKVPool(64, PS, torch.bfloat16, H, D, 1, DEVICE, post_capture_active=True,
                          backing_options={"bogus": 1})
-    from pools.quantized import MHATokenToKVPoolFP4
+    from kvxfer.pools.quantized import MHATokenToKVPoolFP4
     with pytest.raises(UnsupportedOperation):
         MHATokenToKVPoolFP4(64, PS, torch.bfloat16, H, D, 1, DEVICE, post_capture_active=True)
     spec = MambaStateSpec([(3, 1)], (2, 2), torch.bfloat16, torch.float32, (0, 2))

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from kernels.errors import InvalidArgument
-from pools.layout import (
+from kvxfer.kernels.errors import InvalidArgument
+from kvxfer.pools.layout import (
     KvBufferDesc,
     PageMajorGeometry,
     ViewSpec,

@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from pools.mamba_layout import (
+from kvxfer.pools.mamba_layout import (
     align_up,
     contiguous_strides,
     dedup_conv_window_strides,

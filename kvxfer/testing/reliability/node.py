@@ -134,8 +134,8 @@ class RelNode:
         from kvxfer.disagg import KVManager, Timeouts
         from kvxfer.pd_demo.model import DemoModel
         from kvxfer.pd_demo.spec import ModelSpec
-        from pools.allocator import PagedTokenToKVPoolAllocator
-        from pools.mamba_alloc import MambaSlotAllocator
+        from kvxfer.pools.allocator import PagedTokenToKVPoolAllocator
+        from kvxfer.pools.mamba_alloc import MambaSlotAllocator
 
         if opts.get("netns"):
             enter_netns(opts["netns"])
