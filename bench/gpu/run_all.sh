@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Driver for the H200 accelerator machine (run from the repository root there):
 #   bash bench/gpu/run_all.sh [area ...]      areas: kernels pools offload backing transfer (default: all)
-# Installs the carried wheels (.whl/: ucxx-cu13 & co., pytest-asyncio) into /tmp/site, builds the native RMA
-# extension in place, then runs bench/gpu/<area>.sh for each area under a deadline. Every area script writes
+# Installs the carried wheels (.whl/: ucxx-cu13 & co., pytest-asyncio, setuptools) into /tmp/site, installs kvxfer
+# editable (builds the native RMA extension in place), then runs bench/gpu/<area>.sh for each area under a deadline. Every area script writes
 # $OUT/<area>.md; this driver tees its whole log to $OUT/log.txt.
 set -u
 export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -20,7 +20,10 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "cuda", torch.version.cuda)'
 python3 -c 'import ucxx; print("ucxx", ucxx.__version__, "ucx", ucxx.get_ucx_version())' 2>&1 | tail -1
-python3 setup.py -q build_ext --inplace 2>&1 | tail -3
+# The repository's pools/ and kernels/ import as kvxfer.pools / kvxfer.kernels: an editable
+# install maps them (setuptools >= 77 comes with the carried wheels) and builds the extension.
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | grep -v "^WARNING" | tail -3
+python3 -c 'import kvxfer.pools, kvxfer.kernels, kvxfer.transport.ucx_rma as u; u.load_ucx(); print("kvxfer importable:", kvxfer.pools.__file__)'
 echo "setup done at ${SECONDS}s"
 for a in $AREAS; do
     if [ $SECONDS -ge $DEADLINE ]; then echo "!! deadline ${DEADLINE}s reached: skipping $a"; continue; fi
