@@ -52,7 +52,7 @@ def _flow_main():
 
 async def _flow():
     t = Timeouts(bootstrap_s=5, waiting_s=5, transfer_s=5, heartbeat_interval_s=0.2)
-    bs = BootstrapServer(port=0)
+    bs = BootstrapServer(port=0, secret=b"np")
     await bs.start()
     pk, dk = np.arange(64 * 8, dtype=np.uint8), np.zeros(64 * 8, np.uint8)
     pa, da = MetadataBuffer(4, 64), MetadataBuffer(4, 64)
