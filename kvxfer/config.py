@@ -11,9 +11,10 @@ always wins.
 - ``KVXFER_FLUSH_PROGRESS`` = ``auto`` | ``spin`` | ``event`` — default of
   :attr:`EngineConfig.flush_progress`.
 - ``KVXFER_DEVICE_COPY`` = ``auto`` | ``off`` — default of :attr:`EngineConfig.device_copy`.
-- ``KVXFER_SECRET`` — the shared secret of a ``KVManager`` or ``BootstrapServer`` built
-  without ``secret=`` (:func:`resolve_secret`; never part of :func:`env_defaults`, which
-  ``kvxfer info`` prints). There is no built-in default: without either, they refuse to start.
+- ``KVXFER_SECRET`` — the shared secret of a ``KVManager``, ``BootstrapServer`` or bootstrap
+  client built without ``secret=``, read when it is built (:func:`resolve_secret`; never part
+  of :func:`env_defaults`, which ``kvxfer info`` prints). There is no built-in default:
+  without either, they refuse to start.
 """
 from __future__ import annotations
 

@@ -2,12 +2,15 @@
 
 Handshake, in order (C = connecting side, S = listening side)::
 
-    C -> S  Hello(engine_id, nonce_c)
-    S -> C  HelloAck(engine_id, nonce_s, proof_s)       proof_s = HMAC(secret, "S"|ids|nonces)
-    C -> S  Proof(proof_c)        (or Reject)           proof_c = HMAC(secret, "C"|ids|nonces)
+    C -> S  Hello(engine_id, nonce_c, ...)
+    S -> C  HelloAck(engine_id, nonce_s, ..., proof_s)  proof_s = HMAC(secret, "S", transcript)
+    C -> S  Proof(proof_c)        (or Reject)           proof_c = HMAC(secret, "C", transcript)
     S -> C  Layout                (or Reject)           only after proof_c verified
     C -> S  Layout                (or Reject)           only after proof_s verified
     S -> C  Ready                 (or Reject)
+
+transcript = the connection's binding (client and server socket address) and every field of
+Hello and HelloAck but the proof (:func:`kvxfer.engine.handshake._proof`).
 
 After it, both directions carry :class:`AppMessage` (application payloads, including the
 completion ``notify`` of a write) and finally :class:`Bye`.

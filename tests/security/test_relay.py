@@ -102,7 +102,8 @@ def _manager_relay_child(inbox, outbox):
 
     import numpy as np
 
-    from kvxfer import BootstrapServer, KVArgs, KVManager, KVPoll, KVReceiver, Timeouts
+    from kvxfer import BootstrapServer, KVArgs, KVManager, KVPoll, KVReceiver, Timeouts, wire
+    from kvxfer.engine import messages  # noqa: F401  (registers the kx. tags)
     from kvxfer.errors import KvxferError
     from kvxfer.transport.ucx import UcxTransport
 
@@ -147,9 +148,6 @@ def _manager_relay_child(inbox, outbox):
             recv = KVReceiver(d, bs.address, 42)
             recv.init()                      # decode looks prefill up and connects
             state = await recv.wait(30)
-            from kvxfer.disagg import messages  # noqa: F401
-            from kvxfer.engine import messages as kx  # noqa: F401
-            from kvxfer import wire
             tags = []
             for raw in relayed:
                 try:
