@@ -27,6 +27,9 @@ import traceback
 from typing import Dict, Optional
 
 CTX = mp.get_context("spawn")
+#: set while a worker is between RPCs (its last reply sent): a "freeze" hook waits for it
+_RPC_IDLE = threading.Event()
+_RPC_IDLE.set()
 
 KINDS = ("mha", "page_major", "mla", "hybrid_per_layer", "hybrid_envelope")
 
@@ -255,6 +258,9 @@ class Node:
         self._fired((point, room))
         action, args = got
         if action == "freeze":
+            # stop between RPCs: the call that armed this point has answered first (else the
+            # parent would wait for a reply from a stopped process)
+            _RPC_IDLE.wait(10.0)
             os.kill(os.getpid(), signal.SIGSTOP)
             self._fired(("resumed", room))
             return
@@ -553,10 +559,13 @@ def worker_main(conn, nodes_spec: dict) -> None:
             conn.close()
             os._exit(0)          # managers are closed; skip the slow interpreter teardown
         node_name, method, args, kwargs = req
+        _RPC_IDLE.clear()
         try:
             conn.send(("ok", getattr(nodes[node_name], method)(*args, **kwargs)))
         except BaseException as exc:
             conn.send(("err", type(exc).__name__, str(exc), traceback.format_exc()))
+        finally:
+            _RPC_IDLE.set()
 
 
 def _child_call(conn, fn) -> None:
