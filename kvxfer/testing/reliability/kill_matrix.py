@@ -51,13 +51,21 @@ SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}
 KINDS = ("KILL", "STOP", "CLOSE")
 
 
-def bound_s(state: str, survivor: str, t: dict = MATRIX_TIMEOUTS) -> float:
+#: a frozen (SIGSTOP) peer's link is fenced before its rooms are released: the engine's close
+#: of that peer waits out its goodbye, its RMA quiesce and its close handshake, each bounded by
+#: ``EngineConfig.close_timeout_s`` (default 2 s), since a stopped process answers none of them
+FENCE_S = 3 * 2.0
+
+
+def bound_s(state: str, survivor: str, t: dict = MATRIX_TIMEOUTS, sig: str = "KILL") -> float:
     hb = t["heartbeat_timeout_s"] + t["heartbeat_interval_s"]
     b = t["bootstrap_s"] if state == "Bootstrapping" else hb
     if survivor == "prefill" and state in ("Transferring", "mid-write"):
         b = max(b, t["transfer_s"])
     if survivor == "decode":
         b = max(b, hb) + t["decode_grace_s"] + t["abort_ack_s"]
+    if sig == "STOP" and state != "Bootstrapping":
+        b = max(b, hb + FENCE_S)
     return b
 
 
@@ -136,7 +144,7 @@ def run_group(victim: str, sig: str, survivor: Worker, addr: str, rng: random.Ra
             room, cell = rooms[state], out["cells"][state]
             if state == "after Success":
                 continue
-            bound = bound_s(state, surv_role)
+            bound = bound_s(state, surv_role, sig=sig)
             left = t_sig + bound + SLACK_S - time.monotonic()
             res = survivor("wait", room, max(0.1, left), timeout=max(0.1, left) + 30)
             cell.update(survivor=surv_role, state=res["state"], exc=res["exc"],
