@@ -46,7 +46,7 @@ class HFPair:
         env = {"KVXFER_SECRET": secret, "HF_HUB_OFFLINE": "1",
                "TRANSFORMERS_VERBOSITY": os.environ.get("TRANSFORMERS_VERBOSITY", "error")}
         self.timeout = timeout
-        self.bs = BootstrapServer(port=0).start_in_thread()
+        self.bs = BootstrapServer(port=0, secret=secret.encode()).start_in_thread()
         args = (spec, self.bs.address, opts)
         self.p = Child(worker_entry, WORKER, "prefill", *args, name="prefill")
         self.d = Child(worker_entry, WORKER, "decode", *args, name="decode")
