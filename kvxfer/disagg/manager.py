@@ -455,6 +455,11 @@ class KVManager:
         released only once that is done."""
         if link.dead:
             return
+        # decode (the side written into) always fences: the peer's last PUTs can still sit
+        # unprocessed on the data endpoint when a control path reports the loss, so its
+        # rooms are released only once our endpoints to it are closed (what arrived by then
+        # lands in pages still held)
+        fence = fence or self.mode is DisaggMode.DECODE
         link.dead = True
         link.fencing = fence
         self.links.pop(getattr(link.peer, "id", None), None)
