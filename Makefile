@@ -16,14 +16,15 @@ SGL_VENV  ?= .venv-sglang
 SGL_PY    := $(SGL_VENV)/bin/python
 SGL_STAMP := $(SGL_VENV)/.kvxfer-sglang-installed
 
-.PHONY: demo test test-long test-sglang install clean bench
+.PHONY: demo test test-long test-sglang install clean bench lint
 
 $(STAMP): pyproject.toml setup.py kvxfer/transport/_rma.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) $$( $(PYTHON) -c 'import torch' 2>/dev/null && echo --system-site-packages )
 	@# Keep an existing torch (system site or venv); otherwise take the CPU build.
 	@$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
 	$(PY) -m pip install -q "setuptools>=77" wheel "triton>=3.0" "numpy>=1.24" "msgpack>=1.0" "$(UCXX_SPEC)" \
-	    "pytest>=8" "pytest-asyncio>=0.23" "pytest-timeout>=2.2" "transformers==5.23.0" "prometheus-client>=0.17"
+	    "pytest>=8" "pytest-asyncio>=0.23" "pytest-timeout>=2.2" "transformers==5.23.0" "prometheus-client>=0.17" \
+	    "ruff==0.17.6" "mypy==2.4.1"
 	@# No build isolation: the native RMA extension compiles against the libucx headers installed above.
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	@touch $@
@@ -49,6 +50,12 @@ $(SGL_STAMP): $(STAMP) tests/sglang_pd/requirements.txt
 # kvxfer as SGLang's transfer backend, against the real sglang (docs/integrations.md)
 test-sglang: $(SGL_STAMP)
 	$(SGL_PY) -m pytest -q -p no:cacheprovider tests/sglang_pd
+
+# ruff (lint + format) and mypy (pyproject.toml has their settings)
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 bench: $(STAMP)
 	$(PY) -m kvxfer bench transfer
