@@ -220,7 +220,8 @@ def memcpy_dtod_async(dst: int, src: int, nbytes: int, stream: int) -> None:
     """``cuMemcpyDtoDAsync`` on ``stream`` (a CUstream handle, 0 = legacy default).
 
     The device lane's hot path (one call per run of a few-run write): one cuda-bindings call,
-    no other work; its cost per call is measured by ``bench/gpu/driver_calls.py``."""
+    no other work; its cost per call: see bench/results/driver-calls-h200.md
+    (``bench/gpu/driver_calls.py``)."""
     cu = bindings()
     if cu is None:
         raise CudaError("cuMemcpyDtoDAsync", CudaError.NO_DRIVER, _why_not)
