@@ -1,10 +1,10 @@
 """Map a VMM-backed pool of another process into this one, for full-speed device copies into it.
 
-Why: UCX cannot PUT into CUDA VMM memory at speed (it falls back to software emulation at
-~0.7 GB/s, the driver reporting the memory not legacy-IPC capable). With POSIX-FD allocation
-handles the owning process can instead *export* its physical extents and a writer on the same
-host can map them into its own address space and copy with the copy engines -- the same
-NVLink / HBM path as ``cuda_ipc``.
+Why: UCX cannot PUT into CUDA VMM memory at speed (the driver reports the memory not
+legacy-IPC capable, so UCX falls back to software emulation). With POSIX-FD allocation handles
+the owning process can instead *export* its physical extents and a writer on the same host can
+map them into its own address space and copy with the copy engines -- the same NVLink / HBM
+path as ``cuda_ipc`` (copy rates into a shared pool: see bench/results/backing-h200.md).
 
 Exporter (the pool's owner, e.g. a decode worker)::
 
