@@ -39,8 +39,9 @@ class BackingError(KvxferError):
 
 
 class CudaError(KvxferError):
-    """A CUDA driver call failed, or there is no driver to make it. ``code`` is the CUresult
-    (:data:`NO_DRIVER` when cuda-bindings or the driver library is missing)."""
+    """A CUDA driver call failed, or there is no driver to make it (see
+    :mod:`kvxfer.kernels.cuda_driver`). ``code`` is the CUresult, ``CudaError.NO_DRIVER`` when
+    cuda-bindings or the driver library is missing."""
 
     NO_DRIVER = -1
 
