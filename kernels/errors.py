@@ -36,3 +36,15 @@ class UnsupportedOperation(KvxferError, NotImplementedError):
 
 class BackingError(KvxferError):
     """Reserving, committing or releasing physical backing failed."""
+
+
+class CudaError(KvxferError):
+    """A CUDA driver call failed, or there is no driver to make it (see
+    :mod:`kvxfer.kernels.cuda_driver`). ``code`` is the CUresult, ``CudaError.NO_DRIVER`` when
+    cuda-bindings or the driver library is missing."""
+
+    NO_DRIVER = -1
+
+    def __init__(self, what: str, code: int, detail: str = "") -> None:
+        super().__init__(f"{what} failed: {detail or f'CUresult {code}'}")
+        self.code = code

@@ -30,8 +30,9 @@ from kvxfer.errors import InvalidArgument
 #: (UCX excludes shared-memory lanes from error-handled endpoints), CUDA memory keeps cuda_ipc.
 #: ``none``: control messages still run on error-handled endpoints, but RMA goes over a second
 #: endpoint with error handling off plus an error handler (made by the native extension),
-#: which keeps shared-memory (cma) lanes for host memory, about 2x on host. A peer dying
-#: mid-transfer is reported as PeerClosed in both modes (measured, see docs/engine.md).
+#: which keeps shared-memory (cma) lanes for host memory, faster than tcp there (see
+#: bench/results/transfer-cpu.md). A peer dying mid-transfer is reported as PeerClosed in
+#: both modes (see docs/engine.md).
 ERROR_MODES = ("peer", "none")
 
 #: How UCXX's progress thread waits. ``thread``: it sleeps on the worker's event fd (no idle CPU;
@@ -41,9 +42,10 @@ PROGRESS_MODES = ("thread", "thread-polling")
 
 #: Who progresses the UCX worker while a write's flush is in flight. ``spin``: a native poller
 #: thread of the transport calls ucp_worker_progress until the flush completes (one busy core
-#: only while flushes are pending; backs off after 2 ms). ``event``: UCXX's progress thread
-#: alone; it sleeps on the worker's event fd with a 1 ms timeout, and CUDA-IPC completions
-#: never signal that fd, so every CUDA flush then takes at least until the next 1 ms tick.
+#: only while flushes are pending; it backs off to short sleeps while none completes).
+#: ``event``: UCXX's progress thread alone; it sleeps on the worker's event fd with a timeout,
+#: and CUDA-IPC completions never signal that fd, so every CUDA flush then lasts until the next
+#: timeout tick (docs/engine.md; flush latencies in bench/results/transfer-h200-flush.md).
 #: ``auto``: ``spin`` for peers where either side registered non-host (CUDA) memory, else
 #: ``event`` (host lanes signal the fd; a spinning core would only steal CPU from the peer).
 FLUSH_PROGRESS = ("auto", "spin", "event")
@@ -136,19 +138,19 @@ class EngineConfig:
     #: engine exports IPC handles of its CUDA regions to peers (after authentication, like
     #: its memory keys). None -> env KVXFER_DEVICE_COPY or "auto".
     device_copy: Optional[str] = None
-    #: a write takes the device lane only from this many runs (PUTs) up. Measured on the H200
-    #: (bench/results/transfer-h200.md): a lane launch costs ~0.1-0.5 ms of host time, so
-    #: writes of few large runs are faster as UCX PUTs (~10 us each); from ~128 runs on the
-    #: one launch wins (2048 scattered pages: 2x page-major, 20x per-layer)
+    #: a write takes the device lane only from this many runs (PUTs) up: one lane launch costs
+    #: more host time than one UCX PUT, so writes of few large runs are faster as PUTs and
+    #: scattered writes of many runs faster as one launch (device vs direct rows in
+    #: bench/results/transfer-h200.md, launch costs in bench/results/transfer-h200-diag.md)
     device_min_ops: int = 128
     #: staged path (see kvxfer.engine.staging): an ItemWrite part that would need more than
     #: this many PUTs is gathered into a registered staging slot, PUT as one op per chunk into
     #: the peer's landing ring and scattered there before the notification; 0 disables staging
-    #: (then no staging/landing memory is allocated). About 11 us per PUT over cuda_ipc and a
-    #: syscall per PUT over cma make scattered pages op-bound above a few hundred ops.
-    #: Off by default: measured on the H200 the staged path ran at 8-29 GB/s against 85-125
-    #: GB/s direct for 2 GiB of random pages (page-major), and slower than direct on CPU
-    #: (bench/results/transfer-*.md); 256 is the value the benchmark tries.
+    #: (then no staging/landing memory is allocated). It trades a gather and a scatter for
+    #: fewer PUTs, which pays only where the cost per PUT (a CPU post over cuda_ipc, a
+    #: syscall over cma) bounds scattered pages. Off by default: where measured it is slower
+    #: than the direct path (staged vs direct rows in bench/results/transfer-cpu.md); 256 is
+    #: the value the benchmark tries.
     stage_min_ops: int = 0
     #: bytes of one staging / landing slot (capped at the group's size); a staged part larger
     #: than a slot moves in several chunks, pipelined over the slots granted by the peer
@@ -158,14 +160,15 @@ class EngineConfig:
     #: landing slots granted to each peer (at most ``stage_slots`` peers' worth are handed
     #: out; a peer granted none writes unstaged); also the local staging slots per group
     stage_peer_slots: int = 2
-    #: stage host-memory groups too. Off by default: measured on a 2-core host (cma), the
-    #: gather and scatter memcpys cost more than the per-PUT syscalls they save (see
-    #: docs/engine.md); CUDA groups are where the staged path pays (~11 us per PUT saved)
+    #: stage host-memory groups too. Off by default: on host memory (cma) the gather and
+    #: scatter memcpys cost more than the per-PUT syscalls they save (see
+    #: bench/results/transfer-cpu.md); CUDA groups, where a PUT costs more host time, are
+    #: where the staged path can pay
     stage_host_memory: bool = False
     #: refuse (IncompatiblePeer at the handshake) a same-host peer when either side would
     #: have to PUT into CUDA memory that is not legacy-IPC capable (CUDA VMM): UCX emulates
-    #: such PUTs at < 1 GB/s. Off: such groups only get a loud warning at start() (see
-    #: kvxfer.engine.ipc and pools/backing/share.py)
+    #: such PUTs in software, far below the copy engines. Off: such groups only get a loud
+    #: warning at start() (see kvxfer.engine.ipc and pools/backing/share.py)
     refuse_emulated_destinations: bool = False
 
     def __post_init__(self):

@@ -5,6 +5,7 @@ here, so ``from kvxfer.errors import ...`` is the one place users need.
 """
 from kvxfer.kernels.errors import (  # noqa: F401
     BackingError,
+    CudaError,
     DoubleFree,
     IndexOutOfRange,
     InvalidArgument,
@@ -35,8 +36,21 @@ class IncompatiblePeer(TransportError):
     """The peer's protocol version or registered layout does not match ours."""
 
 
+class IncompatibleLayout(InvalidArgument):
+    """Two layouts of one descriptor group disagree (:func:`kvxfer.plan.check_compatible`);
+    ``field`` names what differs (``count`` or ``item_lens``)."""
+
+    def __init__(self, group: str, field: str, ours, theirs):
+        super().__init__(f"group {group!r}: {field} differ (local {ours}, remote {theirs})")
+        self.group, self.field, self.ours, self.theirs = group, field, ours, theirs
+
+
 class ProtocolError(KvxferError):
     """A wire message is malformed, of an unknown type/version, or out of order."""
+
+
+class VersionMismatch(ProtocolError):
+    """A well-formed wire message of another protocol version (an int other than ours)."""
 
 
 class UnknownGroup(InvalidArgument):

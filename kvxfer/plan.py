@@ -32,7 +32,7 @@ from typing import Iterable, List, Sequence, Tuple
 import numpy as np
 
 from kvxfer.argcheck import as_int
-from kvxfer.errors import IndexOutOfRange, InvalidArgument
+from kvxfer.errors import IncompatibleLayout, IndexOutOfRange, InvalidArgument
 
 _U64 = np.uint64
 
@@ -111,14 +111,6 @@ def check_compatible(local: GroupLayout, remote: GroupLayout) -> None:
     if local.item_lens != remote.item_lens:
         raise IncompatibleLayout(local.name, "item_lens", list(local.item_lens),
                                  list(remote.item_lens))
-
-
-class IncompatibleLayout(InvalidArgument):
-    """Two layouts of one group disagree; ``field`` names what differs."""
-
-    def __init__(self, group: str, field: str, ours, theirs):
-        super().__init__(f"group {group!r}: {field} differ (local {ours}, remote {theirs})")
-        self.group, self.field, self.ours, self.theirs = group, field, ours, theirs
 
 
 # ------------------------------------------------------------------ item ids

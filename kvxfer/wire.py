@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Dict, Type
 
 import msgpack
 
-from kvxfer.errors import ProtocolError
+from kvxfer.errors import ProtocolError, VersionMismatch
 
 PROTOCOL_VERSION = 1
 
@@ -29,10 +29,6 @@ PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 64 << 20
 
 _REGISTRY: Dict[str, Type["Message"]] = {}
-
-
-class VersionMismatch(ProtocolError):
-    """A well-formed message of another protocol version (an int other than ours)."""
 
 
 def is_int(value: Any) -> bool:

@@ -31,6 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
+from kvxfer.kernels.errors import InvalidArgument
+
 Shape = Tuple[int, ...]
 
 
@@ -53,7 +55,7 @@ def contiguous_strides(shape: Sequence[int]) -> Shape:
 
 def align_up(x: int, a: int) -> int:
     if a < 1:
-        raise ValueError(f"alignment must be >= 1, got {a}")
+        raise InvalidArgument(f"alignment must be >= 1, got {a}")
     return -(-x // a) * a
 
 
@@ -112,7 +114,7 @@ def envelope_geometry(
 ) -> EnvelopeGeometry:
     """Place the regions of one envelope slot (see module docstring)."""
     if num_layers < 1:
-        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        raise InvalidArgument(f"num_layers must be >= 1, got {num_layers}")
     kinds = [(f"conv{i}", tuple(int(d) for d in s), conv_itemsize) for i, s in enumerate(conv_shapes)]
     kinds.append(("temporal", tuple(int(d) for d in temporal_shape), temporal_itemsize))
     regions = []
@@ -124,7 +126,7 @@ def envelope_geometry(
         off += layer_bytes * num_layers
     align = entry_align if entry_align is not None else max(k[2] for k in kinds)
     if align % max(k[2] for k in kinds):
-        raise ValueError(f"entry_align {align} must be a multiple of every itemsize")
+        raise InvalidArgument(f"entry_align {align} must be a multiple of every itemsize")
     return EnvelopeGeometry(tuple(regions), align_up(max(off, 1), align))
 
 

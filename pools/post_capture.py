@@ -97,7 +97,8 @@ class PostCaptureMixin:
     def _reserve_backing(self, descs: Sequence[KvBufferDesc],
                          store_dtype: torch.dtype) -> list[torch.Tensor]:
         """Reserve ``descs`` for ``self.size`` tokens, back page 0; the full-shape tensors."""
-        from kvxfer.pools.backing import BackedBuffers  # keeps the backing layer off plain pools' import
+        # imported here: keeps the backing layer off plain pools' import
+        from kvxfer.pools.backing import BackedBuffers
 
         if not descs:
             raise InvalidArgument(f"{type(self).__name__}: post_capture_active needs at least "

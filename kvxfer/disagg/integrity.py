@@ -120,8 +120,8 @@ class ItemSums:
 
     def __init__(self, ptrs, lens, item_lens, batches: Optional[Dict[int, _DeviceBatch]] = None
                  ) -> None:
+        from kvxfer.kernels import cuda_driver
         from kvxfer.kernels.checksum import word_offsets
-        from kvxfer.transport import cuda_driver
         self.ptrs = np.asarray(ptrs, dtype=np.int64)
         self.lens = np.asarray(item_lens, dtype=np.int64)
         self.pos0 = word_offsets(item_lens)

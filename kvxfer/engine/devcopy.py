@@ -52,7 +52,7 @@ class DeviceLane:
                  rlen: Sequence[int], local_cuda_memh: Sequence[int]):
         import torch
 
-        from kvxfer.transport import cuda_driver
+        from kvxfer.kernels import cuda_driver
 
         self.device = device
         self._torch = torch
@@ -100,7 +100,7 @@ class DeviceLane:
         dst = self.mapped[r] + off
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             if laddr.size <= MEMCPY_MAX_RUNS:
-                from kvxfer.transport.cuda_driver import memcpy_dtod_async
+                from kvxfer.kernels.cuda_driver import memcpy_dtod_async
 
                 h = self._stream.cuda_stream
                 for s, d, n in zip(laddr.tolist(), dst.tolist(), nbytes.tolist()):
@@ -132,7 +132,7 @@ class DeviceLane:
         if self.closed:
             return
         self.closed = True
-        from kvxfer.transport.cuda_driver import CudaError, ipc_close
+        from kvxfer.kernels.cuda_driver import CudaError, ipc_close
 
         torch = self._torch
         with torch.cuda.device(self.device):
@@ -158,7 +158,7 @@ def open_lane(config, groups, hostname: str, remote):
         return None, "off (the peer exported no CUDA IPC handles)"
     if hostname != socket.gethostname():
         return None, f"off (peer on host {hostname!r})"
-    from kvxfer.transport.cuda_driver import device_ordinal
+    from kvxfer.kernels.cuda_driver import device_ordinal
 
     first = next(r for r in groups.regions if r.mem_type == "cuda")
     device = device_ordinal(first.addr)

@@ -154,7 +154,7 @@ class LocalGroups:
         if not self.export_ipc:
             return None
         if self._blobs is None:
-            from kvxfer.transport.cuda_driver import ipc_export
+            from kvxfer.kernels.cuda_driver import ipc_export
 
             self._blobs = [(ipc_export(r.addr) or b"") if r.mem_type == "cuda" else b""
                            for r in self.regions]
@@ -162,7 +162,7 @@ class LocalGroups:
 
     def cuda_regions(self, device: int) -> List[Region]:
         """Registrations in CUDA memory of ``device``."""
-        from kvxfer.transport.cuda_driver import device_ordinal
+        from kvxfer.kernels.cuda_driver import device_ordinal
 
         return [r for r in self.regions if r.mem_type == "cuda"
                 and device_ordinal(r.addr) == device]
@@ -266,7 +266,7 @@ def parse_remote(msg) -> RemoteGroups:
 def parse_ipc(raw, n: int) -> List[bytes]:
     """Validate Layout.region_ipc: None, or one bytes entry per region, each empty or one
     IPC blob."""
-    from kvxfer.transport.cuda_driver import IPC_BLOB_BYTES
+    from kvxfer.kernels.cuda_driver import IPC_BLOB_BYTES
 
     if raw is None:
         return []

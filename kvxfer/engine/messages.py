@@ -87,7 +87,7 @@ class Layout(wire.Message):
     #: the sender's groups in CUDA memory that is not legacy-IPC capable (CUDA VMM): UCX
     #: would emulate PUTs into them (see kvxfer.engine.ipc)
     non_ipc: Optional[List[str]] = None
-    #: per region: its legacy CUDA IPC blob (kvxfer.transport.cuda_driver) or b"" (host
+    #: per region: its legacy CUDA IPC blob (kvxfer.kernels.cuda_driver) or b"" (host
     #: memory, not IPC capable, or the sender does not offer the device lane)
     region_ipc: Optional[List[bytes]] = None
 

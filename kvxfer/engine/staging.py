@@ -42,7 +42,7 @@ SUPPORTED_MEM_TYPES = ("host", "cuda")
 
 def _cuda_ordinal(addr: int) -> Optional[int]:
     """CUDA device ordinal of a device pointer (driver query; None when unknown)."""
-    from kvxfer.transport.cuda_driver import device_ordinal
+    from kvxfer.kernels.cuda_driver import device_ordinal
 
     return device_ordinal(addr)
 

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 import numpy as np
 
 from kvxfer.errors import Closed, IndexOutOfRange, PeerClosed, TransferTimeout, TransportError
-from kvxfer.transport.base import Region, RmaEndpoint
 # CUDA driver queries used with registrations (re-exported for the engine)
-from kvxfer.transport.cuda_driver import alloc_range as cuda_alloc_range  # noqa: F401
-from kvxfer.transport.cuda_driver import ipc_capable as cuda_ipc_capable  # noqa: F401
+from kvxfer.kernels.cuda_driver import alloc_range as cuda_alloc_range  # noqa: F401
+from kvxfer.kernels.cuda_driver import ipc_capable as cuda_ipc_capable  # noqa: F401
+from kvxfer.transport.base import Region, RmaEndpoint
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvxfer.transport.ucx import UcxTransport

@@ -260,7 +260,7 @@ class BackingProvider(abc.ABC):
     def info(self) -> dict[str, Any]:
         return {"device_type": self.device_type, "granularity": self.granularity}
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a provider without per-device state has nothing to do
         """Release per-device state (after every backing it made is closed). Idempotent."""
 
     def _extent_cap(self, max_extent_bytes: int | None) -> int:

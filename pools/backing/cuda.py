@@ -1,7 +1,7 @@
 """CUDA backing through the driver's virtual memory management (VMM) API.
 
-Torch-free. The driver bindings (``cuda-bindings``: ``cuda.bindings.driver`` in 12.x/13.x, or the
-older ``cuda.cuda`` module) are imported on first use, never at import time.
+Torch-free. The driver comes from :mod:`kvxfer.kernels.cuda_driver` (cuda-bindings, imported on
+first use, never at import time); every driver failure here is a :class:`BackingError`.
 
 - :class:`CudaVmmProvider` (one per device): retains the device's primary context (the one torch
   uses) and pushes it around every driver call, so the thread's current context is untouched;
@@ -26,7 +26,8 @@ import logging
 import weakref
 from typing import Any, Iterator, Sequence
 
-from kvxfer.kernels.errors import BackingError, InvalidArgument
+from kvxfer.kernels import cuda_driver
+from kvxfer.kernels.errors import BackingError, CudaError, InvalidArgument
 
 from .base import Backing, BackingProvider, _RangeState
 
@@ -45,63 +46,31 @@ _HANDLE_DEVICE_ATTR = {
     "posix_fd": "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED",
 }
 
-_driver_module = None
-
 
 def driver():
-    """The cuda-bindings driver module (either import style), initialised. Raises BackingError."""
-    global _driver_module
-    if _driver_module is None:
-        try:
-            from cuda.bindings import driver as cu  # cuda-bindings >= 12.6, 13.x
-        except ImportError:
-            try:
-                from cuda import cuda as cu  # older cuda-python (removed in 13.0)
-            except ImportError as exc:
-                raise BackingError(
-                    "CUDA VMM backing needs the cuda-bindings package "
-                    "(pip install 'cuda-bindings>=12.0')") from exc
-        try:
-            (err,) = cu.cuInit(0)
-        except Exception as exc:  # library not found, wrong driver, ...
-            raise BackingError(f"CUDA driver unavailable: {type(exc).__name__}: {exc}") from exc
-        if err != cu.CUresult.CUDA_SUCCESS:
-            raise BackingError(f"cuInit failed: {_err_text(cu, err)}")
-        _driver_module = cu
-    return _driver_module
-
-
-def _err_text(cu, err) -> str:
-    name = getattr(err, "name", None) or str(err)
+    """The initialised cuda-bindings driver module (:func:`kvxfer.kernels.cuda_driver.driver`).
+    Raises BackingError."""
     try:
-        res = cu.cuGetErrorString(err)
-        msg = res[1].decode() if isinstance(res[1], bytes) else str(res[1])
-    except Exception:  # noqa: BLE001
-        msg = ""
+        return cuda_driver.driver()
+    except CudaError as exc:
+        raise BackingError(f"CUDA VMM backing: {exc}") from exc
+
+
+def _check(res, what: str):
+    """:func:`kvxfer.kernels.cuda_driver.check`, raising BackingError on a CUDA error."""
     try:
-        code = int(err)
-    except Exception:  # noqa: BLE001
-        code = "?"
-    return f"{name} ({code}) {msg}".rstrip()
-
-
-def _check(cu, res, what: str):
-    """Unpack a cuda-bindings result tuple, raising BackingError on a CUDA error."""
-    err = res[0]
-    if err != cu.CUresult.CUDA_SUCCESS:
-        raise BackingError(f"{what} failed: {_err_text(cu, err)}")
-    if len(res) == 1:
-        return None
-    return res[1] if len(res) == 2 else res[1:]
+        return cuda_driver.check(res, what)
+    except CudaError as exc:
+        raise BackingError(str(exc)) from exc
 
 
 def _map_with_access(cu, addr: int, nbytes: int, handle, access) -> None:
     """Map ``handle`` at ``addr`` and grant ``access``; on failure nothing stays mapped and the
     handle is released (the caller owns it only on success)."""
     try:
-        _check(cu, cu.cuMemMap(addr, nbytes, 0, handle, 0), f"cuMemMap({addr:#x}, {nbytes})")
+        _check(cu.cuMemMap(addr, nbytes, 0, handle, 0), f"cuMemMap({addr:#x}, {nbytes})")
         try:
-            _check(cu, cu.cuMemSetAccess(addr, nbytes, access, 1), "cuMemSetAccess")
+            _check(cu.cuMemSetAccess(addr, nbytes, access, 1), "cuMemSetAccess")
         except BaseException:
             cu.cuMemUnmap(addr, nbytes)
             raise
@@ -120,19 +89,19 @@ class _Context:
     def __init__(self, cu, device_index: int) -> None:
         self.cu = cu
         self.device_index = device_index
-        self.device = _check(cu, cu.cuDeviceGet(device_index), f"cuDeviceGet({device_index})")
-        self.ctx = _check(cu, cu.cuDevicePrimaryCtxRetain(self.device),
+        self.device = _check(cu.cuDeviceGet(device_index), f"cuDeviceGet({device_index})")
+        self.ctx = _check(cu.cuDevicePrimaryCtxRetain(self.device),
                           "cuDevicePrimaryCtxRetain")
         self.released = False
 
     @contextlib.contextmanager
     def current(self) -> Iterator[None]:
         cu = self.cu
-        _check(cu, cu.cuCtxPushCurrent(self.ctx), "cuCtxPushCurrent")
+        _check(cu.cuCtxPushCurrent(self.ctx), "cuCtxPushCurrent")
         try:
             yield
         finally:
-            _check(cu, cu.cuCtxPopCurrent(), "cuCtxPopCurrent")
+            _check(cu.cuCtxPopCurrent(), "cuCtxPopCurrent")
 
     def attribute(self, name: str) -> int | None:
         attr = getattr(self.cu.CUdevice_attribute, name, None)
@@ -144,7 +113,7 @@ class _Context:
     def release(self) -> None:
         if not self.released:
             self.released = True
-            _check(self.cu, self.cu.cuDevicePrimaryCtxRelease(self.device),
+            _check(self.cu.cuDevicePrimaryCtxRelease(self.device),
                    "cuDevicePrimaryCtxRelease")
 
 
@@ -213,14 +182,14 @@ class CudaVmmProvider(BackingProvider):
                 gran_flag = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
                 res = cu.cuMemGetAllocationGranularity(prop, gran_flag)
                 if res[0] != cu.CUresult.CUDA_SUCCESS:
-                    report.append((label, f"granularity: {_err_text(cu, res[0])}"))
+                    report.append((label, f"granularity: {cuda_driver.error_text(res[0])}"))
                     continue
                 gran = int(res[1])
                 res = cu.cuMemCreate(gran, prop, 0)
                 if res[0] != cu.CUresult.CUDA_SUCCESS:
-                    report.append((label, f"cuMemCreate: {_err_text(cu, res[0])}"))
+                    report.append((label, f"cuMemCreate: {cuda_driver.error_text(res[0])}"))
                     continue
-                _check(cu, cu.cuMemRelease(res[1]), "cuMemRelease (probe)")
+                _check(cu.cuMemRelease(res[1]), "cuMemRelease (probe)")
                 report.append((label, "ok"))
                 self.gpu_direct_rdma = rdma
                 return name, report, prop, gran
@@ -259,19 +228,19 @@ class _CudaRange(_RangeState):
     def sync(self) -> None:
         cu = self.provider.cu
         with self.provider.current():
-            _check(cu, cu.cuCtxSynchronize(), "cuCtxSynchronize")
+            _check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
 
     def unmap(self, offset: int, nbytes: int) -> None:
         cu = self.provider.cu
         with self.provider.current():
-            _check(cu, cu.cuMemUnmap(self.ptr + offset, nbytes), "cuMemUnmap")
+            _check(cu.cuMemUnmap(self.ptr + offset, nbytes), "cuMemUnmap")
             handle = self.handles.pop(offset)
-            _check(cu, cu.cuMemRelease(handle), "cuMemRelease")
+            _check(cu.cuMemRelease(handle), "cuMemRelease")
 
     def free_range(self) -> None:
         cu = self.provider.cu
         with self.provider.current():
-            _check(cu, cu.cuMemAddressFree(self.ptr, self.nbytes), "cuMemAddressFree")
+            _check(cu.cuMemAddressFree(self.ptr, self.nbytes), "cuMemAddressFree")
 
 
 class CudaVmmBacking(Backing):
@@ -284,7 +253,7 @@ class CudaVmmBacking(Backing):
         cu = provider.cu
         self.provider = provider
         with provider.current():
-            ptr = _check(cu, cu.cuMemAddressReserve(nbytes, provider.granularity, 0, 0),
+            ptr = _check(cu.cuMemAddressReserve(nbytes, provider.granularity, 0, 0),
                          f"cuMemAddressReserve({nbytes})")
         self._setup(_CudaRange(provider, int(ptr), nbytes), int(ptr), nbytes,
                     provider.granularity, max_extent_bytes)
@@ -302,7 +271,7 @@ class CudaVmmBacking(Backing):
             if _is_error(cu, res, "CUDA_ERROR_OUT_OF_MEMORY"):
                 raise BackingError(f"cuMemCreate({nbytes}) on cuda:{p.device_index}: "
                                    f"out of device memory")
-            handle = _check(cu, res, f"cuMemCreate({nbytes})")
+            handle = _check(res, f"cuMemCreate({nbytes})")
             _map_with_access(cu, addr, nbytes, handle, self._access)
         self._state.handles[offset] = handle
 
@@ -310,7 +279,7 @@ class CudaVmmBacking(Backing):
         """A ``CU_POINTER_ATTRIBUTE_*`` of the range start (must be backed), for reports."""
         cu = self.provider.cu
         with self.provider.current():
-            v = _check(cu, cu.cuPointerGetAttribute(getattr(cu.CUpointer_attribute, name),
+            v = _check(cu.cuPointerGetAttribute(getattr(cu.CUpointer_attribute, name),
                                                     self.address), name)
         return getattr(v, "name", None) or int(v)
 

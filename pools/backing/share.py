@@ -1,10 +1,10 @@
 """Map a VMM-backed pool of another process into this one, for full-speed device copies into it.
 
-Why: UCX cannot PUT into CUDA VMM memory at speed (it falls back to software emulation at
-~0.7 GB/s, the driver reporting the memory not legacy-IPC capable). With POSIX-FD allocation
-handles the owning process can instead *export* its physical extents and a writer on the same
-host can map them into its own address space and copy with the copy engines -- the same
-NVLink / HBM path as ``cuda_ipc``.
+Why: UCX cannot PUT into CUDA VMM memory at speed (the driver reports the memory not
+legacy-IPC capable, so UCX falls back to software emulation). With POSIX-FD allocation handles
+the owning process can instead *export* its physical extents and a writer on the same host can
+map them into its own address space and copy with the copy engines -- the same NVLink / HBM
+path as ``cuda_ipc`` (copy rates into a shared pool: see bench/results/backing-h200.md).
 
 Exporter (the pool's owner, e.g. a decode worker)::
 
@@ -46,8 +46,14 @@ from kvxfer.kernels.errors import BackingError, InvalidArgument, UnsupportedOper
 
 from .base import _RangeState
 from .memory import tensor_over
-from .share_wire import (BufferGrant, RangeGrant, ShareManifest, close_fds, recv_share_message,
-                         send_share_message)
+from .share_wire import (
+    BufferGrant,
+    RangeGrant,
+    ShareManifest,
+    close_fds,
+    recv_share_message,
+    send_share_message,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +100,7 @@ def export_buffers(owner, *, generation: int = 0) -> tuple[ShareManifest, list]:
                 for off, _ in extents:
                     res = cu.cuMemExportToShareableHandle(b._state.handles[off],
                                                           _posix_fd_enum(cu), 0)
-                    fds.append(int(_check(cu, res, "cuMemExportToShareableHandle(POSIX_FD)")))
+                    fds.append(int(_check(res, "cuMemExportToShareableHandle(POSIX_FD)")))
                 ranges.append(RangeGrant(b.reserved_bytes, tuple(extents)))
         buffers = tuple(
             BufferGrant(d.name, index[id(b)], off, span, d.item_len_bytes(owner.page_size))
@@ -142,18 +148,18 @@ class _ImportedState(_RangeState):
     def sync(self) -> None:
         from .cuda import _check
         with self.holder.ctx.current():
-            _check(self.cu, self.cu.cuCtxSynchronize(), "cuCtxSynchronize")
+            _check(self.cu.cuCtxSynchronize(), "cuCtxSynchronize")
 
     def unmap(self, offset: int, nbytes: int) -> None:
         from .cuda import _check
         with self.holder.ctx.current():
-            _check(self.cu, self.cu.cuMemUnmap(self.ptr + offset, nbytes), "cuMemUnmap")
-            _check(self.cu, self.cu.cuMemRelease(self.handles.pop(offset)), "cuMemRelease")
+            _check(self.cu.cuMemUnmap(self.ptr + offset, nbytes), "cuMemUnmap")
+            _check(self.cu.cuMemRelease(self.handles.pop(offset)), "cuMemRelease")
 
     def free_range(self) -> None:
         from .cuda import _check
         with self.holder.ctx.current():
-            _check(self.cu, self.cu.cuMemAddressFree(self.ptr, self.nbytes), "cuMemAddressFree")
+            _check(self.cu.cuMemAddressFree(self.ptr, self.nbytes), "cuMemAddressFree")
 
 
 class _ImportedRange:
@@ -164,7 +170,7 @@ class _ImportedRange:
         from .cuda import _check
         self.cu = cu
         with holder.ctx.current():
-            ptr = int(_check(cu, cu.cuMemAddressReserve(grant.reserved_bytes, granularity, 0, 0),
+            ptr = int(_check(cu.cuMemAddressReserve(grant.reserved_bytes, granularity, 0, 0),
                              f"cuMemAddressReserve({grant.reserved_bytes})"))
         self.address = ptr
         self._state = _ImportedState(cu, holder, ptr, grant.reserved_bytes)
@@ -181,7 +187,7 @@ class _ImportedRange:
         cu, st = self.cu, self._state
         addr = self.address + offset
         with st.holder.ctx.current():
-            handle = _check(cu, cu.cuMemImportFromShareableHandle(fd, _posix_fd_enum(cu)),
+            handle = _check(cu.cuMemImportFromShareableHandle(fd, _posix_fd_enum(cu)),
                             "cuMemImportFromShareableHandle(POSIX_FD)")
             _map_with_access(cu, addr, nbytes, handle, self._access)
         st.handles[offset] = handle

@@ -16,6 +16,7 @@ extent. A malformed frame raises :class:`BackingError`; fds already received are
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -189,7 +190,7 @@ def _io(fn, deadline: _Deadline, sock: socket.socket, what: str):
 def _recv_exact(sock: socket.socket, n: int, deadline: _Deadline, what: str) -> bytes:
     buf = b""
     while len(buf) < n:
-        chunk = _io(lambda: sock.recv(n - len(buf)), deadline, sock, what)
+        chunk = _io(functools.partial(sock.recv, n - len(buf)), deadline, sock, what)
         if not chunk:
             raise BackingError(f"peer closed the share socket ({what}: got {len(buf)} of "
                                f"{n} bytes)")
@@ -208,13 +209,13 @@ def send_share_message(sock: socket.socket, manifest: ShareManifest, fds: list,
     if len(payload) > MAX_MANIFEST_BYTES or len(fds) > MAX_FDS:
         raise InvalidArgument(f"share too large: {len(payload)} manifest bytes, {len(fds)} fds")
     frame = _HEADER.pack(MAGIC, SHARE_VERSION, len(payload), len(fds)) + payload
-    _io(lambda: sock.sendall(frame), deadline, sock, "manifest")
+    _io(functools.partial(sock.sendall, frame), deadline, sock, "manifest")
     for lo in range(0, len(fds), MAX_FDS_PER_MSG):
         batch = [int(f) for f in fds[lo:lo + MAX_FDS_PER_MSG]]
         count = _COUNT.pack(len(batch))
-        sent = _io(lambda: socket.send_fds(sock, [count], batch), deadline, sock, "fds")
+        sent = _io(functools.partial(socket.send_fds, sock, [count], batch), deadline, sock, "fds")
         if sent < len(count):
-            _io(lambda: sock.sendall(count[sent:]), deadline, sock, "fds")
+            _io(functools.partial(sock.sendall, count[sent:]), deadline, sock, "fds")
 
 
 def recv_share_message(sock: socket.socket, timeout: float = 30.0
@@ -238,7 +239,7 @@ def recv_share_message(sock: socket.socket, timeout: float = 30.0
     try:
         while len(fds) < nfds:
             want = min(MAX_FDS_PER_MSG, nfds - len(fds))
-            data, got, flags, _ = _io(lambda: socket.recv_fds(sock, _COUNT.size, want),
+            data, got, flags, _ = _io(functools.partial(socket.recv_fds, sock, _COUNT.size, want),
                                       deadline, sock, "fds")
             fds.extend(got)
             if flags & getattr(socket, "MSG_CTRUNC", 0):

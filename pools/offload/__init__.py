@@ -12,9 +12,8 @@ Typical use in a decode scheduler (any pool kind: per-layer MHA, page-major, MLA
     # or: await h / h.wait() / h.done() / h.poll();  mgr.discard(h) on abort
 
 Modules: ``runs``, ``extents`` and ``pieces`` (torch-free arithmetic), ``host_pool`` (the
-bounded, page-granular host arena, device-mapped when pinned), ``cuda_host`` (the driver
-query for mapped host memory), ``copier`` (direct and staged copy_ paths), ``fused`` (one
-Triton launch over every piece of a request, :mod:`kvxfer.kernels.piece_copy`), ``handle`` (state
+bounded, page-granular host arena, device-mapped when pinned), ``copier`` (direct and staged
+copy_ paths), ``fused`` (one Triton launch over every piece of a request, :mod:`kvxfer.kernels.piece_copy`), ``handle`` (state
 machine), ``views`` (a pool's item views and geometry), ``manager`` (validation, path
 choice, streams, events, accounting).
 """

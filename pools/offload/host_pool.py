@@ -11,7 +11,7 @@ When ``pin_memory`` is set (the manager sets it for CUDA pools) the allocation i
 page-locked with ``cudaHostRegister`` (portable + mapped) at its exact size (torch's pinned
 caching allocator would round it up to a power of two); where registration is refused it
 falls back to torch's pinned allocator. Either way the pool asks the driver for the
-memory's device pointer: ``device_delta`` (device address minus host address, 0 under UVA)
+memory's device pointer (:func:`kvxfer.kernels.cuda_driver.device_pointer`): ``device_delta`` (device address minus host address, 0 under UVA)
 lets kernels load/store the pool directly (the fused offload path); it is ``None`` when the
 memory is not mapped or not pinned.
 
@@ -30,12 +30,15 @@ from typing import Sequence
 
 import torch
 
+from kvxfer.kernels import cuda_driver
 from kvxfer.kernels.errors import InvalidArgument, OutOfMemory, UnsupportedOperation
 
-from . import cuda_host
 from .extents import ExtentAllocator
 
 logger = logging.getLogger(__name__)
+
+#: ``cudaHostRegister`` flags: portable | mapped (kernels can reach the memory)
+REGISTER_FLAGS = 0x01 | 0x02
 
 __all__ = ["HostPool", "HostBlock"]
 
@@ -94,7 +97,7 @@ class HostPool:
         self.pinned = bool(pin_memory)
         self.device_delta: int | None = None
         if self.pinned and self.capacity_bytes:
-            dev = cuda_host.device_pointer(self._buffer.data_ptr())
+            dev = cuda_driver.device_pointer(self._buffer.data_ptr())
             if dev is not None:
                 self.device_delta = dev - self._buffer.data_ptr()
             else:
@@ -157,7 +160,7 @@ class HostPool:
         buf = raw[skip : skip + nbytes]
         try:
             rc = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), span,
-                                                         cuda_host.REGISTER_FLAGS))
+                                                         REGISTER_FLAGS))
         except Exception as exc:  # no usable CUDA runtime
             rc = -1
             logger.debug("cudaHostRegister unavailable: %s", exc)

@@ -46,10 +46,10 @@ import torch
 from kvxfer.kernels.errors import InvalidArgument, ShapeMismatch, UnsupportedOperation
 from kvxfer.kernels.piece_copy import kernel_runnable
 
-from .handle import OffloadHandle, OffloadState
-from .host_pool import HostPool
 from .copier import Copier
 from .fused import FusedCopier
+from .handle import OffloadHandle, OffloadState
+from .host_pool import HostPool
 from .pieces import wants_fused
 from .runs import as_id_array, check_ids, contiguous_runs, expand_extents
 from .views import pool_geometry, pool_views

@@ -13,7 +13,7 @@ import torch
 from kvxfer.kernels.checksum import checksum_items_reference
 from kvxfer.kernels.errors import BackingError
 from kvxfer.disagg.integrity import ItemSums
-from kvxfer.transport import cuda_driver
+from kvxfer.kernels import cuda_driver
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),

@@ -106,6 +106,6 @@ def is_page_locked(t: torch.Tensor) -> bool:
     releases; memory page-locked with ``cudaHostRegister`` is asked about through the runtime."""
     if t.is_pinned():
         return True
-    from kvxfer.pools.offload import cuda_host  # the driver query, through ctypes (no cuda-python)
+    from kvxfer.kernels import cuda_driver
 
-    return cuda_host.memory_type(t.data_ptr()) == cuda_host.CU_MEMORYTYPE_HOST
+    return cuda_driver.memory_type(t.data_ptr()) == cuda_driver.MEMORYTYPE_HOST

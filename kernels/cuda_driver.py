@@ -1,0 +1,230 @@
+"""The one CUDA driver layer of kvxfer: cuda-bindings' driver API, looked up on first use.
+
+Every driver call of the library goes through here: the VMM backing
+(:mod:`kvxfer.pools.backing.cuda`, :mod:`kvxfer.pools.backing.share`), the offload pool's
+mapped host memory, and the transfer engine's pointer queries, legacy IPC export/import and
+device-lane copies. It is torch-free and lives in ``kernels``, like :mod:`.errors`, only because
+every package may import downwards.
+
+Invariants
+- Importing this module imports no CUDA package. cuda-bindings (``cuda.bindings.driver``, or
+  the older ``cuda.cuda``; the extra ``kvxfer[cuda]``, and a dependency of UCXX's RMM) is
+  imported on the first call, once, with the driver library. Without either every query
+  answers None and never raises; the calls that must act (:func:`ipc_open`,
+  :func:`memcpy_dtod_async`, :func:`driver`) raise :class:`CudaError` (code
+  ``CudaError.NO_DRIVER``).
+- The queries never initialise the driver (no ``cuInit``): in a process where nothing has
+  used CUDA yet they answer None, and a parent that only probed its memory can still fork
+  children that use CUDA. :func:`driver` (the VMM backing's entry) initialises it.
+- Pointers, sizes and stream handles go in and come out as Python ints.
+- :func:`ipc_export` answers only for memory the driver reports legacy-IPC capable
+  (``cudaMalloc``-style; not CUDA VMM); the blob is :data:`IPC_BLOB_BYTES` bytes: the
+  64-byte ``CUipcMemHandle`` of the whole allocation, then the little-endian u64 offset of
+  ``addr`` inside it, so the importer can rebuild ``addr``'s image.
+- :func:`ipc_open` / :func:`ipc_close` / :func:`memcpy_dtod_async` need a current CUDA
+  context on the calling thread (the caller enters ``torch.cuda.device``); an import in the
+  exporting process itself fails (the driver refuses it) and is reported as
+  :class:`CudaError`, not a crash.
+"""
+from __future__ import annotations
+
+import ctypes
+import struct
+from typing import Any, Optional, Tuple
+
+from kvxfer.kernels.errors import CudaError, InvalidArgument
+
+IPC_HANDLE_BYTES = 64
+IPC_BLOB_BYTES = IPC_HANDLE_BYTES + 8
+# CUmemorytype values
+MEMORYTYPE_HOST, MEMORYTYPE_DEVICE, MEMORYTYPE_UNIFIED = 1, 2, 4
+#: cuIpcOpenMemHandle flag: enable peer access lazily (the import may be on another GPU)
+_LAZY_ENABLE_PEER_ACCESS = 1
+
+_loaded: list = []  # [cuda-bindings driver module or None] once looked up
+_why_not = ""  # why _loaded holds None
+_initialised = False
+_OK: Any = None  # CUresult.CUDA_SUCCESS once loaded
+
+
+def bindings() -> Any:
+    """The cuda-bindings driver module with its library loaded (the driver not initialised),
+    or None without cuda-bindings or without a driver library; looked up once."""
+    if not _loaded:
+        _loaded.append(_load())
+    return _loaded[0]
+
+
+def _load() -> Any:
+    global _why_not, _OK
+    try:
+        from cuda.bindings import driver as cu  # cuda-bindings >= 12.6, 13.x
+    except ImportError:
+        try:
+            from cuda import cuda as cu  # older cuda-python (removed in 13.0)
+        except ImportError:
+            _why_not = "no cuda-bindings package (pip install 'kvxfer[cuda]')"
+            return None
+    try:
+        cu.cuDriverGetVersion()  # loads the driver library; needs no cuInit
+    except Exception as exc:  # noqa: BLE001 - library not found, wrong driver, ...
+        _why_not = f"no CUDA driver library ({type(exc).__name__}: {exc})"
+        return None
+    _OK = cu.CUresult.CUDA_SUCCESS
+    return cu
+
+
+def driver() -> Any:
+    """The cuda-bindings driver module, initialised (``cuInit``). Raises :class:`CudaError`
+    without cuda-bindings, without a driver library, or when ``cuInit`` fails."""
+    global _initialised
+    cu = bindings()
+    if cu is None:
+        raise CudaError("loading the CUDA driver", CudaError.NO_DRIVER, _why_not)
+    if not _initialised:
+        check(cu.cuInit(0), "cuInit")
+        _initialised = True
+    return cu
+
+
+def error_text(err: Any) -> str:
+    """``NAME (code) description`` of a CUresult, for messages."""
+    name = getattr(err, "name", None) or str(err)
+    try:
+        res = bindings().cuGetErrorString(err)
+        msg = res[1].decode() if isinstance(res[1], bytes) else str(res[1])
+    except Exception:  # noqa: BLE001
+        msg = ""
+    try:
+        code: Any = int(err)
+    except Exception:  # noqa: BLE001
+        code = "?"
+    return f"{name} ({code}) {msg}".rstrip()
+
+
+def check(res: tuple, what: str) -> Any:
+    """Unpack a cuda-bindings result tuple: None, its one value, or a tuple of its values.
+    Raises :class:`CudaError` naming ``what`` when the CUresult is not success."""
+    err = res[0]
+    if err != _OK:
+        raise CudaError(what, int(err), error_text(err))
+    if len(res) == 1:
+        return None
+    return res[1] if len(res) == 2 else res[1:]
+
+
+def _attr(name: str, addr: int) -> Optional[int]:
+    """Pointer attribute ``CU_POINTER_ATTRIBUTE_<name>`` of ``addr`` as an int; None when the
+    driver does not answer (no driver, not initialised, unknown pointer)."""
+    cu = bindings()
+    if cu is None:
+        return None
+    err, value = cu.cuPointerGetAttribute(getattr(cu.CUpointer_attribute,
+                                                  "CU_POINTER_ATTRIBUTE_" + name), addr)
+    return None if err != _OK else int(value)
+
+
+def alloc_range(addr: int) -> Optional[Tuple[int, int]]:
+    """``(base, size)`` of the CUDA allocation holding ``addr``; None for non-device
+    memory or without a driver (needs no current context)."""
+    base = _attr("RANGE_START_ADDR", addr)
+    size = _attr("RANGE_SIZE", addr) if base is not None else None
+    return (base, size) if size else None
+
+
+def ipc_capable(addr: int) -> Optional[bool]:
+    """Whether the driver reports ``addr``'s allocation legacy-IPC capable (False for CUDA
+    VMM memory, which UCX can reach only by emulated PUTs); None when not device memory."""
+    if alloc_range(addr) is None:
+        return None
+    v = _attr("IS_LEGACY_CUDA_IPC_CAPABLE", addr)
+    return None if v is None else bool(v)
+
+
+def device_ordinal(addr: int) -> Optional[int]:
+    """CUDA device ordinal of device memory at ``addr`` (None when unknown)."""
+    if alloc_range(addr) is None:
+        return None
+    return _attr("DEVICE_ORDINAL", addr)
+
+
+def memory_type(addr: int) -> Optional[int]:
+    """``CU_MEMORYTYPE_*`` of ``addr`` as the driver sees it (``MEMORYTYPE_HOST`` for
+    page-locked host memory); None when the driver does not know the pointer."""
+    return _attr("MEMORY_TYPE", addr) if addr else None
+
+
+def kernel_device(addr: int) -> Optional[int]:
+    """Ordinal of the CUDA device whose kernels should read ``addr``: device memory (plain or
+    VMM) and managed memory; None for host memory (pageable or page-locked), for pointers
+    the driver does not know, and without a driver."""
+    if memory_type(addr) not in (MEMORYTYPE_DEVICE, MEMORYTYPE_UNIFIED):
+        return None
+    return _attr("DEVICE_ORDINAL", addr)
+
+
+def device_pointer(host_addr: int) -> Optional[int]:
+    """The address at which kernels reach the mapped page-locked host memory at
+    ``host_addr`` (``cudaHostRegisterMapped``; under UVA the host address itself), or None
+    when it is not mapped or there is no driver. Needs a current CUDA context (any CUDA
+    runtime call, e.g. ``cudaHostRegister``, makes one)."""
+    return (_attr("DEVICE_POINTER", host_addr) or None) if host_addr else None
+
+
+def ipc_export(addr: int) -> Optional[bytes]:
+    """IPC blob for the device memory at ``addr`` (see module doc), or None when it is not
+    legacy-IPC-capable device memory or the driver refuses."""
+    rng = alloc_range(addr)
+    if rng is None or not ipc_capable(addr):
+        return None
+    err, handle = bindings().cuIpcGetMemHandle(rng[0])
+    if err != _OK:
+        return None
+    return pack_blob(ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES), addr - rng[0])
+
+
+def pack_blob(handle: bytes, offset: int) -> bytes:
+    """The handle's 64 raw bytes (NULs included), then ``offset`` as little-endian u64."""
+    return bytes(handle) + struct.pack("<Q", offset)
+
+
+def unpack_blob(blob: bytes) -> Tuple[bytes, int]:
+    """``(64 handle bytes, offset)`` of a blob; :class:`InvalidArgument` for a wrong size."""
+    if len(blob) != IPC_BLOB_BYTES:
+        raise InvalidArgument(f"IPC blob of {len(blob)} bytes, expected {IPC_BLOB_BYTES}")
+    return bytes(blob[:IPC_HANDLE_BYTES]), struct.unpack("<Q", bytes(blob[IPC_HANDLE_BYTES:]))[0]
+
+
+def ipc_open(blob: bytes) -> Tuple[int, int]:
+    """Map a peer's blob into this process: ``(image of the peer's addr, mapped base)``;
+    the base is what :func:`ipc_close` takes. Raises CudaError / InvalidArgument."""
+    raw, offset = unpack_blob(blob)
+    cu = bindings()
+    if cu is None:
+        raise CudaError("cuIpcOpenMemHandle", CudaError.NO_DRIVER, _why_not)
+    handle = cu.CUipcMemHandle()
+    ctypes.memmove(handle.getPtr(), raw, IPC_HANDLE_BYTES)
+    base = int(check(cu.cuIpcOpenMemHandle(handle, _LAZY_ENABLE_PEER_ACCESS),
+                     "cuIpcOpenMemHandle"))
+    return base + offset, base
+
+
+def ipc_close(base: int) -> None:
+    """Unmap what :func:`ipc_open` mapped at ``base``; raises CudaError."""
+    cu = bindings()
+    if cu is not None:
+        check(cu.cuIpcCloseMemHandle(base), "cuIpcCloseMemHandle")
+
+
+def memcpy_dtod_async(dst: int, src: int, nbytes: int, stream: int) -> None:
+    """``cuMemcpyDtoDAsync`` on ``stream`` (a CUstream handle, 0 = legacy default).
+
+    The device lane's hot path (one call per run of a few-run write): one cuda-bindings call,
+    no other work; its cost per call: see bench/results/driver-calls-h200.md
+    (``bench/gpu/driver_calls.py``)."""
+    cu = bindings()
+    if cu is None:
+        raise CudaError("cuMemcpyDtoDAsync", CudaError.NO_DRIVER, _why_not)
+    (err,) = cu.cuMemcpyDtoDAsync(dst, src, nbytes, stream)
+    if err != _OK:
+        raise CudaError("cuMemcpyDtoDAsync", int(err), error_text(err))
