@@ -18,7 +18,7 @@ Invariants (tested against :func:`kvxfer.plan.plan_items` in tests/engine)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Set, Tuple
 
 from kvxfer import plan
 from kvxfer.errors import IndexOutOfRange, InvalidArgument
@@ -83,12 +83,11 @@ def plan_small(g: GroupPair, src: List[int], dst: List[int], out,
     _check_range(src, g.local_items, f"{what} source")
     _check_range(dst, g.remote_items, f"{what} destination")
     if len(set(dst)) != len(dst):
-        seen, dup = set(), None
-        for v in dst:
-            if v in seen:
-                dup = v
+        seen: Set[int] = set()
+        for dup in dst:  # the first id seen twice (there is one)
+            if dup in seen:
                 break
-            seen.add(v)
+            seen.add(dup)
         raise InvalidArgument(f"{what}: destination item {dup} appears {dst.count(dup)} times")
     if not src:
         return 0

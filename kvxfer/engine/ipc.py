@@ -20,7 +20,7 @@ Invariants
 from __future__ import annotations
 
 import logging
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Protocol, Sequence
 
 from kvxfer.errors import IncompatiblePeer
 
@@ -32,7 +32,14 @@ SHARE_PATH_HINT = "pools/backing/share.py"
 IpcQuery = Callable[[int], Optional[bool]]
 
 
-def ipc_report(groups: Dict[str, object], mem_types: Dict[str, Sequence[str]],
+class Layout(Protocol):
+    """What :func:`ipc_report` reads of a group layout (``kvxfer.plan.GroupLayout``)."""
+
+    @property
+    def ptrs(self) -> Sequence[int]: ...
+
+
+def ipc_report(groups: Mapping[str, Layout], mem_types: Mapping[str, Sequence[str]],
                query: IpcQuery) -> Dict[str, Optional[bool]]:
     """``{group: ipc_capable}``; ``groups`` maps names to layouts with ``ptrs``,
     ``mem_types`` maps names to the memory type of each descriptor's registration."""

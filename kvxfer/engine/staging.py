@@ -33,7 +33,8 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from kvxfer import plan
-from kvxfer.errors import ProtocolError
+from kvxfer.errors import Closed, ProtocolError
+from kvxfer.transport.base import Region
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +102,8 @@ class GroupStage:
                       for p, n, il in zip(group.ptrs, group.lens, group.item_lens)]
         self.landing = self._empty(landing_slots * self.slot_bytes)
         self.staging = self._empty(staging_slots * self.slot_bytes)
-        self.landing_region = None
-        self.staging_region = None
+        self.landing_region: Optional[Region] = None
+        self.staging_region: Optional[Region] = None
         try:
             self.landing_region = transport.register(self._ptr(self.landing), self.landing.size
                                                      if not self.cuda else self.landing.numel())
@@ -155,6 +156,13 @@ class GroupStage:
 
     def staging_addr(self, slot: int) -> int:
         return self._ptr(self.staging) + slot * self.slot_bytes
+
+    @property
+    def staging_handle(self) -> int:
+        """Registration handle of the staging ring (for the PUT batch)."""
+        if self.staging_region is None:
+            raise Closed(f"staging ring of {self.group.name!r} released")
+        return self.staging_region.handle
 
     # ------------------------------------------------------------- data movement
     def _sync(self) -> None:
