@@ -30,9 +30,9 @@ _U64 = np.uint64
 
 def _one_allocation(span: plan.Span, groups) -> bool:
     """True when the CUDA driver says the whole span lies in one device allocation."""
-    from kvxfer.transport.ucx import cuda_alloc_range
+    from kvxfer.transport.cuda_driver import alloc_range
 
-    rng = cuda_alloc_range(span.start)
+    rng = alloc_range(span.start)
     return rng is not None and rng[0] <= span.start and span.end <= rng[0] + rng[1]
 
 
@@ -131,7 +131,7 @@ class LocalGroups:
         if query is None:
             if not any("cuda" in k for k in kinds.values()):
                 return {n: None for n in self.groups}
-            from kvxfer.transport.ucx_rma import cuda_ipc_capable as query
+            from kvxfer.transport.cuda_driver import ipc_capable as query
         report = ipc.ipc_report(self.groups, kinds, query)
         ipc.warn_non_ipc(report)
         return report

@@ -1,6 +1,6 @@
 """Which registered groups UCX can reach only by emulation (CUDA memory that is not
 legacy-IPC capable), and what the engine does about it. No torch, no UCX, no driver
-import here: the driver query is passed in (:func:`kvxfer.transport.ucx_rma.cuda_ipc_capable`
+import here: the driver query is passed in (:func:`kvxfer.transport.cuda_driver.ipc_capable`
 in the engine, a plain function in tests).
 
 Measured on the H200 (docs/engine.md, issue 4): a PUT *into* CUDA VMM memory

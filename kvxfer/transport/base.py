@@ -19,7 +19,7 @@ tests run it for real over loopback.
 from __future__ import annotations
 
 import abc
-import asyncio  # noqa: F401  (annotations)
+import asyncio
 from typing import Awaitable, Callable, List, Optional, Sequence, Tuple
 
 
@@ -79,6 +79,7 @@ class Channel(abc.ABC):
         from now on only messages of that message's connection are delivered (messages of
         an earlier connection that reach this one are dropped). No-op where connections
         cannot mix."""
+        return None
 
 
 class RmaEndpoint(abc.ABC):
@@ -114,6 +115,7 @@ class RmaEndpoint(abc.ABC):
         """Call ``callback(exc)`` (in the event loop) if a data-plane endpoint of its own
         fails. Endpoints that share the channel's connection never call it (the channel
         reports)."""
+        return None
 
     @abc.abstractmethod
     async def close(self, timeout: float) -> None:

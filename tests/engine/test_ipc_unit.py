@@ -148,7 +148,7 @@ def test_driver_query_on_cuda():
     import numpy as np
     import torch
 
-    from kvxfer.transport.ucx_rma import cuda_ipc_capable
+    from kvxfer.transport.cuda_driver import ipc_capable as cuda_ipc_capable
     from kvxfer.pools.backing.cuda import CudaVmmProvider
 
     t = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
