@@ -92,15 +92,17 @@ class TransferEngine:
     # -------------------------------------------------------------- handlers
     def on_message(self, handler: MessageHandler) -> None:
         """``handler(peer, payload)`` (may return an awaitable) for every app message and
-        write notification, in arrival order per peer."""
+        write notification, in arrival order per peer. Runs on: the engine's loop thread."""
         self._msg_handlers.append(handler)
 
     def on_peer_closed(self, handler: ClosedHandler) -> None:
-        """``handler(peer, exc)``, once per peer, whatever ended it (``exc`` says why)."""
+        """``handler(peer, exc)``, once per peer, whatever ended it (``exc`` says why).
+        Runs on: the engine's loop thread."""
         self._closed_handlers.append(handler)
 
     def on_peer(self, handler: PeerHandler) -> None:
-        """``handler(peer)`` for every peer that connected to us (after its handshake)."""
+        """``handler(peer)`` for every peer that connected to us (after its handshake).
+        Runs on: the engine's loop thread."""
         self._peer_handlers.append(handler)
 
     @property

@@ -1,8 +1,9 @@
 """Plain-Python planning for tiny item writes (the hot path of one-page writes).
 
 :func:`kvxfer.plan.plan_items` is vectorised numpy: right for thousands of ids, but a
-write of one page, one state slot and one metadata row paid ~100 us per part in numpy
-call overhead (``asarray``, ``unique``, ``lexsort``, ``diff``, broadcasts) for three ops.
+write of one page, one state slot and one metadata row paid more in numpy call overhead
+(``asarray``, ``unique``, ``lexsort``, ``diff``, broadcasts) than in its three ops
+(measure with tests/engine/bench_write_overhead.py).
 This module plans such parts with Python ints and the group's static layout resolved once
 per peer (:class:`GroupPair`), and hands anything else back to the numpy planner.
 

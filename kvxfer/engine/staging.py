@@ -1,10 +1,12 @@
 """Staged transfers: local staging ring, landing ring, gather and scatter (one group each).
 
-A scattered page set costs one PUT per run per descriptor (~11 us each over cuda_ipc, a
-syscall each over cma). The staged path replaces them by: gather the source items into a
-registered *staging slot* (one ``index_select`` per descriptor), one PUT of the packed bytes
-into a *landing slot* of the peer, then the peer scatters them into its items (one
-``index_copy_`` per descriptor) before its message handlers see the notification.
+A scattered page set costs one PUT per run per descriptor (each with a fixed CPU cost over
+cuda_ipc, a syscall each over cma). The staged path replaces them by: gather the source
+items into a registered *staging slot* (one ``index_select`` per descriptor), one PUT of the
+packed bytes into a *landing slot* of the peer, then the peer scatters them into its items
+(one ``index_copy_`` per descriptor) before its message handlers see the notification.
+Whether that pays off is measured, not assumed (staged against direct:
+bench/results/transfer-cpu.md; on CUDA, ``kvxfer bench transfer --paths direct,staged``).
 
 Packing (both sides agree, nothing else is on the wire): ``n`` items of a group with
 descriptors ``d = 0..D-1`` lie descriptor-major, ``[d0: n x item_lens[0]][d1: ...]...``, so

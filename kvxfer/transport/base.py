@@ -62,7 +62,8 @@ class Channel(abc.ABC):
 
     @abc.abstractmethod
     def on_closed(self, callback: Callable[[Exception], None]) -> None:
-        """Call ``callback(exc)`` once, in the event loop, when the peer goes away."""
+        """Call ``callback(exc)`` once when the peer goes away.
+        Runs on: the asyncio loop thread (implementations hop there)."""
 
     @property
     @abc.abstractmethod
@@ -112,8 +113,8 @@ class RmaEndpoint(abc.ABC):
         """Transports carrying RMA, e.g. ``["cma/memory"]`` or ``["tcp/lo"]``."""
 
     def on_failed(self, callback: Callable[[Exception], None]) -> None:
-        """Call ``callback(exc)`` (in the event loop) if a data-plane endpoint of its own
-        fails. Endpoints that share the channel's connection never call it (the channel
+        """Call ``callback(exc)`` if a data-plane endpoint of its own fails (Runs on: the
+        asyncio loop thread). Endpoints that share the channel's connection never call it (the channel
         reports)."""
         return None
 
@@ -132,7 +133,8 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     async def listen(self, host: str, port: int, on_accept: AcceptCallback) -> Tuple[str, int]:
-        """Start accepting; ``on_accept(channel)`` runs as a task per incoming peer."""
+        """Start accepting; ``on_accept(channel)`` runs as a task per incoming peer.
+        Runs on: the asyncio loop thread."""
 
     @abc.abstractmethod
     async def connect(self, host: str, port: int, timeout: float) -> Channel: ...

@@ -74,7 +74,11 @@ class UcxTransport(Transport):
             raise TransportError("a transport is bound to the event loop that started it")
         return loop
 
-    def _on_completions(self):
+    def _on_completions(self) -> None:
+        """Resolve the futures of completed native requests and report endpoint errors.
+        Runs on: the asyncio loop thread (``add_reader`` on the completion queue's eventfd,
+        which the native callbacks signal from UCXX's progress thread or the native poller
+        thread)."""
         for token, status, t in self._cq.drain():
             fut = self._flushes.pop(token, None)
             if fut is not None:
@@ -179,7 +183,9 @@ class UcxTransport(Transport):
     async def listen(self, host: str, port: int, on_accept: AcceptCallback):
         loop = self._bind_loop()
 
-        async def _handler(ep):
+        async def _handler(ep) -> None:
+            """Runs on: the asyncio loop thread (UCXX's listener callback, on its progress
+            thread, submits it with ``run_coroutine_threadsafe``)."""
             ch = UcxChannel(ep, loop, self.ucxx, None)
             try:
                 await ch.open(OPEN_TIMEOUT_S)

@@ -100,13 +100,16 @@ class UcxChannel(Channel):
         client, server = (local, remote) if self._connecting else (remote, local)
         return f"{client[0]}:{client[1]}>{server[0]}:{server[1]}".encode()
 
-    def _on_ucx_close(self, *args):  # any thread (UCXX progress thread)
+    def _on_ucx_close(self, *args) -> None:
+        """UCXX reported the endpoint closed or failed; hop to the loop.
+        Runs on: UCXX's progress thread (or whichever thread UCXX closes the endpoint on)."""
         try:
             self._loop.call_soon_threadsafe(self._on_disconnect)
         except RuntimeError:  # loop already closed: nobody left to tell
             pass
 
     def _on_disconnect(self) -> None:
+        """Runs on: the asyncio loop thread (posted by :meth:`_on_ucx_close`)."""
         self._disconnected.set()
         self._fire(PeerClosed("UCX endpoint closed (peer died or disconnected)"))
 
@@ -120,7 +123,8 @@ class UcxChannel(Channel):
             except Exception:  # a handler's bug must not break the transport
                 log.exception("channel close callback failed")
 
-    def on_closed(self, callback):
+    def on_closed(self, callback: Callable[[Exception], None]) -> None:
+        """``callback(exc)`` once. Runs on: the asyncio loop thread."""
         self._callbacks.append(callback)
         if self._exc is not None:
             self._loop.call_soon(callback, self._exc)
@@ -254,7 +258,8 @@ class UcxChannel(Channel):
 
 
 def _close_callback(ref) -> None:
-    """UCXX close callback (any thread): forward to the channel, if it still exists."""
+    """UCXX close callback: forward to the channel, if it still exists.
+    Runs on: UCXX's progress thread (or whichever thread UCXX closes the endpoint on)."""
     ch = ref()
     if ch is not None:
         ch._on_ucx_close()

@@ -95,10 +95,14 @@ class UcxRma(RmaEndpoint):
         return h
 
     def on_failed(self, callback) -> None:
-        """``callback(exc)`` once when the (owned) endpoint reports a failure."""
+        """``callback(exc)`` once when the (owned) endpoint reports a failure.
+        Runs on: the asyncio loop thread (see :meth:`_on_error`)."""
         self._fail_cbs.append(callback)
 
-    def _on_error(self, status: int) -> None:  # event loop, via the transport
+    def _on_error(self, status: int) -> None:
+        """The owned endpoint failed. Runs on: the asyncio loop thread
+        (``UcxTransport._on_completions``; the native error handler queued the status on
+        UCXX's progress thread or the native poller thread)."""
         if self._failed is not None:
             return
         self._failed = status_error(self._t.rma, status, "bulk endpoint failed")
