@@ -33,14 +33,15 @@ from typing import Any, Coroutine, Dict, Iterable, List, Optional, Tuple, TypeVa
 
 import numpy as np
 
-from kvxfer import plan, wire
+from kvxfer import wire
 from kvxfer.config import spin_flushes
-from kvxfer.engine import devcopy, fastplan
+from kvxfer.engine import devcopy
 from kvxfer.engine import messages as m
 from kvxfer.engine.groups import RemoteGroups
 from kvxfer.engine.host import PeerHost, resolved
 from kvxfer.engine.peer_staged import StagedLink, StagedPath
 from kvxfer.engine.types import ItemWrite, RawWrite, TransferStats
+from kvxfer.engine.writeplan import WritePlanner
 from kvxfer.errors import (
     Closed,
     InvalidArgument,
@@ -48,7 +49,6 @@ from kvxfer.errors import (
     PeerClosed,
     ProtocolError,
     TransferTimeout,
-    UnknownGroup,
 )
 from kvxfer.transport.base import Channel, RmaEndpoint
 
@@ -77,7 +77,6 @@ class Peer:
         self._loop = asyncio.get_running_loop()
         self._dead: asyncio.Future = self._loop.create_future()
         self._waiters: set = set()  # futures of pending bounded waits, woken on death
-        self._pairs: Dict[str, fastplan.GroupPair] = {}  # static layout per group, resolved once
         self._inbox: asyncio.Queue = asyncio.Queue()
         self._tasks: List[asyncio.Task] = []
         self._closing = False
@@ -94,7 +93,8 @@ class Peer:
             StagedLink(name=name or engine_id, loop=self._loop, channel=channel, rma=rma,
                        spin=self.spin, transfer_timeout_s=self._timeout,
                        bounded=self._bounded, left=self._left, mark_dead=self._mark_dead),
-            groups.stages, self._granted_raw, remote.landing or {})
+            groups, self._granted_raw, remote.landing or {})
+        self._planner = WritePlanner(groups, remote, name or engine_id, self._staged.can_stage)
 
     # ------------------------------------------------------------ properties
     @property
@@ -185,64 +185,7 @@ class Peer:
     def plan(self, writes: Iterable[Union[ItemWrite, RawWrite]]):
         """Validate and plan ``writes`` (nothing is posted), all unstaged. Returns the native
         arrays ``(laddr, raddr, nbytes, lmemh, ridx)``."""
-        return self._plan(writes)[:5]
-
-    def _plan(self, writes, stage_min_ops: int = 0):
-        """Validate every part, then split: ``(laddr, raddr, nbytes, lmemh, ridx, staged)``
-        for the direct PUTs and ``staged = [(group, src ids, dst ids)]`` for the ItemWrite
-        parts that need more than ``stage_min_ops`` PUTs (0: none) and can be staged.
-        Tiny ItemWrite parts (short lists of ints) are planned in plain Python
-        (:mod:`kvxfer.engine.fastplan`, same validation); the rest by :mod:`kvxfer.plan`."""
-        local = self._groups
-        if isinstance(writes, (ItemWrite, RawWrite)):
-            writes = [writes]
-        small: Tuple[List[int], ...] = ([], [], [], [], [])  # laddr, raddr, nbytes, memh, ridx of tiny parts
-        chunks: List[Tuple[np.ndarray, ...]] = []
-        staged = []
-        for w in writes:
-            is_item = type(w) is ItemWrite or isinstance(w, ItemWrite)
-            if not is_item and not isinstance(w, RawWrite):
-                raise InvalidArgument(f"expected ItemWrite or RawWrite, got {type(w).__name__}")
-            pair = self._pairs.get(w.group)
-            if pair is None:
-                lg = local.groups.get(w.group)
-                if lg is None:
-                    raise UnknownGroup(f"no local group {w.group!r} (have {sorted(local.groups)})")
-                rg = self._remote.groups.get(w.group)
-                if rg is None:
-                    raise UnknownGroup(f"peer {self.name or self.id} has no group {w.group!r} "
-                                       f"(has {sorted(self._remote.groups)})")
-                pair = self._pairs[w.group] = fastplan.GroupPair.make(
-                    lg, rg, local.desc_memh[w.group], self._remote.desc_region[w.group])
-            if is_item:
-                src = fastplan.small_ids(w.src_items)
-                dst = None if src is None else fastplan.small_ids(w.dst_items)
-                if src is not None and dst is not None:
-                    limit = fastplan.SMALL_OPS
-                    if stage_min_ops > 0 and self._staged.can_stage(w.group):
-                        limit = min(limit, stage_min_ops)
-                    if fastplan.plan_small(pair, src, dst, small, limit) >= 0:
-                        continue
-                lg, rg = local.groups[w.group], self._remote.groups[w.group]
-                ops = plan.plan_items(lg, rg, w.src_items, w.dst_items)
-                if 0 < stage_min_ops < len(ops) and self._staged.can_stage(w.group):
-                    staged.append((w.group, plan.as_ids(w.src_items, "source"),
-                                   plan.as_ids(w.dst_items, "destination"), len(ops)))
-                    continue
-            else:
-                lg, rg = local.groups[w.group], self._remote.groups[w.group]
-                ops = plan.plan_raw(lg, rg, w.desc, w.src_off, w.dst_off, w.nbytes)
-            d = ops.desc.astype(np.intp)
-            chunks.append((ops.laddr, ops.raddr, ops.nbytes, local.desc_memh[w.group][d],
-                           self._remote.desc_region[w.group][d]))
-        if small[0] or not chunks:
-            chunks.insert(0, tuple(np.array(c, dtype=_U64) for c in small))
-        if len(chunks) == 1:
-            cols = tuple(np.asarray(c, dtype=_U64) for c in chunks[0])
-        else:
-            cols = tuple(np.concatenate([c[i] for c in chunks]).astype(_U64, copy=False)
-                         for i in range(5))
-        return cols + (staged,)
+        return self._planner.plan(writes)[:5]
 
     async def _bounded(self, coro: Coroutine[Any, Any, T], timeout: float, what: str) -> T:
         """Await ``coro`` until done, ``timeout``, or the peer's death, whichever first.
@@ -294,7 +237,7 @@ class Peer:
         timeout = self._timeout if timeout is None else timeout
         if notify is not None and not isinstance(notify, (bytes, bytearray, memoryview)):
             raise InvalidArgument(f"notify must be bytes, got {type(notify).__name__}")
-        laddr, raddr, nbytes, lmemh, ridx, staged = self._plan(
+        laddr, raddr, nbytes, lmemh, ridx, staged = self._planner.plan(
             writes, self._config.stage_min_ops)
         stats = TransferStats(bytes=int(nbytes.sum(dtype=_U64)) if nbytes.size else 0,
                               ops=int(laddr.size), lanes=list(self.lanes))

@@ -34,6 +34,7 @@ from typing import (
 import numpy as np
 
 from kvxfer.engine import messages as m
+from kvxfer.engine.groups import LocalGroups
 from kvxfer.engine.staging import GroupStage
 from kvxfer.engine.types import TransferStats
 from kvxfer.errors import KvxferError, ProtocolError
@@ -76,14 +77,14 @@ class StagedPath:
     ((group, slot) plans received and not yet drained). Initiator role: ``landing``
     (group -> the slots the peer granted us)."""
 
-    def __init__(self, link: StagedLink, stages: Mapping[str, GroupStage],
-                 granted: Mapping[str, dict], landing: Mapping[str, tuple]):
+    def __init__(self, link: StagedLink, groups: LocalGroups, granted: Mapping[str, dict],
+                 landing: Mapping[str, tuple]):
         self._link = link
-        self._stages = stages
+        self._groups = groups  # its ``stages`` are read live (emptied when released)
         self.granted: Dict[str, Set[int]] = {g: set(b["slots"]) for g, b in granted.items()}
         self.busy: Set[Tuple[str, int]] = set()
         self.landing: Dict[str, Landing] = {g: Landing(*v) for g, v in landing.items()
-                                            if g in stages}
+                                            if g in groups.stages}
 
     def can_stage(self, group: str) -> bool:
         """Whether writes of ``group`` to this peer may go staged (it granted us slots)."""
@@ -93,7 +94,7 @@ class StagedPath:
     def check_plan(self, msg: m.StagedWrite) -> Plan:
         """Validate a scatter plan off the wire (ProtocolError: the reader closes the peer
         and nothing of it is written)."""
-        stage = self._stages.get(msg.group)
+        stage = self._groups.stages.get(msg.group)
         if stage is None or msg.group not in self.granted:
             raise ProtocolError(f"staged write to group {msg.group!r} without a landing grant")
         if msg.slot not in self.granted[msg.group]:
@@ -140,7 +141,7 @@ class StagedPath:
         """One staged part: chunks of at most a slot, pipelined over the granted slots.
         Returns once every chunk's plan is sent: one future per chunk, resolved when the
         peer reports the slot drained (its items scattered)."""
-        stage = self._stages[group]
+        stage = self._groups.stages[group]
         land = self.landing[group]
         per = min(stage.items_per_slot, land.slot_bytes // stage.group.item_bytes)
         tasks = [self._link.loop.create_task(self._stage_chunk(stage, land, src[i:i + per],
