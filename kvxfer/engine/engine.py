@@ -174,7 +174,9 @@ class TransferEngine:
         rma: Optional[RmaEndpoint] = None
         res: Optional[handshake.HandshakeResult] = None
         try:
-            transport = self._check_started()
+            transport = self._transport
+            if transport is None:  # set by start(), kept after close()
+                raise Closed("engine not started")
             res = await side(ch, self._groups, cfg.secret, self.id, cfg.name,
                              transport.local_address(), timeout,
                              cfg.refuse_emulated_destinations)

@@ -70,7 +70,6 @@ class UcxChannel(Channel):
         self._rx: Optional[asyncio.Future] = None  # the pending receive request
         self._close_seen = False  # the peer's close frame arrived
         self._disconnected = asyncio.Event()  # UCXX reported the endpoint closed or failed
-        self._frames = 0     # frames received (padding included)
         self.dropped = 0     # frames of another connection dropped
         # UCXX keeps the callback (and what it references) in the UCXEndpoint, which its
         # endpoint finalizer keeps alive: a strong reference to us would be a cycle through
@@ -181,7 +180,6 @@ class UcxChannel(Channel):
             raise PeerClosed(f"receive failed: {exc}") from None
         if self._rx is rx:
             self._rx = None
-        self._frames += 1
         return memoryview(buf).cast("B")
 
     async def recv(self, timeout: Optional[float], max_bytes: Optional[int] = None) -> bytes:
