@@ -45,7 +45,7 @@ _U64 = np.uint64
 T = TypeVar("T")
 
 #: a validated scatter plan: (stage, landing slot, byte offset, destination item ids)
-Plan = Tuple[GroupStage, int, int, np.ndarray]
+ScatterPlan = Tuple[GroupStage, int, int, np.ndarray]
 
 
 class Bounded(Protocol):
@@ -91,7 +91,7 @@ class StagedPath:
         return group in self.landing
 
     # ------------------------------------------------------- staged: target side
-    def check_plan(self, msg: m.StagedWrite) -> Plan:
+    def check_plan(self, msg: m.StagedWrite) -> ScatterPlan:
         """Validate a scatter plan off the wire (ProtocolError: the reader closes the peer
         and nothing of it is written)."""
         stage = self._groups.stages.get(msg.group)
