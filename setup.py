@@ -6,7 +6,7 @@ distribution installs one top-level name: ``kvxfer``, ``kvxfer.pools``, ``kvxfer
 The extension is a small C module over libucp. Its headers come from the ``libucx`` wheel
 (a build requirement, so ``pip install .`` / ``pip wheel .`` work with build isolation). At run
 time libucp is the one the installed ucxx loads (``import ucxx`` comes first, see
-``kvxfer.transport.ucx_rma.load_ucx``); the only RUNPATH is relative to the installed module
+``kvxfer.transport.ucx_lib.load_ucx``); the only RUNPATH is relative to the installed module
 (``$ORIGIN/../../libucx/lib``), never a path of the build machine.
 """
 import os

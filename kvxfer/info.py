@@ -22,7 +22,7 @@ def _version(mod: str) -> str:
 def collect() -> dict:
     import kvxfer
     from kvxfer.config import env_defaults
-    from kvxfer.transport.ucx_rma import ucx_log_to_stderr
+    from kvxfer.transport.ucx_lib import ucx_log_to_stderr
 
     ucx_log_to_stderr()          # before the version probe below imports ucxx
 
@@ -38,7 +38,7 @@ def collect() -> dict:
     except Exception:
         out["cuda"] = "unknown (no torch)"
     try:
-        from kvxfer.transport.ucx import load_ucx
+        from kvxfer.transport.ucx_lib import load_ucx
 
         ucxx, rma = load_ucx()
         out["native_extension"] = f"built ({rma.__file__})"

@@ -3,8 +3,10 @@ schedulers that are not async.
 
 Every method is thread-safe and bounded: blocking calls wait at most their timeout (plus a
 small margin); ``write_async`` returns a :class:`Pending` whose ``poll()`` never blocks.
-Message handlers registered here run on the engine's loop thread; alternatively
-``poll_messages()`` drains the messages received so far (non-blocking).
+Methods run on the caller's thread and hand the work to the loop thread
+(``run_coroutine_threadsafe``); handlers registered here run on the loop thread (the threads
+table in docs/engine.md). Alternatively ``poll_messages()`` drains the messages received so
+far (non-blocking).
 """
 from __future__ import annotations
 
@@ -86,6 +88,7 @@ class SyncEngine:
         self._messages: collections.deque = collections.deque()
         self._closed = False
         self._wrap: dict = {}
+        # loop thread appends, caller's thread pops (poll_messages): deque ops are atomic
         self.engine.on_message(lambda peer, payload: self._messages.append((peer.id, payload)))
 
     # -- plumbing
@@ -129,11 +132,13 @@ class SyncEngine:
         return {pid: self._sync_peer(p) for pid, p in self.engine.peers.items()}
 
     def on_message(self, handler: Callable) -> None:
-        """``handler(peer_id, payload)`` on the loop thread (keep it short)."""
+        """``handler(peer_id, payload)`` for every message (keep it short).
+        Runs on: the engine's loop thread (this SyncEngine's private thread)."""
         self.engine.on_message(lambda peer, payload: handler(peer.id, payload))
 
     def on_peer_closed(self, handler: Callable) -> None:
-        """``handler(peer_id, exc)`` on the loop thread."""
+        """``handler(peer_id, exc)`` once per peer.
+        Runs on: the engine's loop thread (this SyncEngine's private thread)."""
         self.engine.on_peer_closed(lambda peer, exc: handler(peer.id, exc))
 
     def poll_messages(self) -> List[Tuple[str, bytes]]:

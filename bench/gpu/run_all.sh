@@ -23,7 +23,7 @@ python3 -c 'import ucxx; print("ucxx", ucxx.__version__, "ucx", ucxx.get_ucx_ver
 # The repository's pools/ and kernels/ import as kvxfer.pools / kvxfer.kernels: an editable
 # install maps them (setuptools >= 77 comes with the carried wheels) and builds the extension.
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | grep -v "^WARNING" | tail -3
-python3 -c 'import kvxfer.pools, kvxfer.kernels, kvxfer.transport.ucx_rma as u; u.load_ucx(); print("kvxfer importable:", kvxfer.pools.__file__)'
+python3 -c 'import kvxfer.pools, kvxfer.kernels, kvxfer.transport.ucx_lib as u; u.load_ucx(); print("kvxfer importable:", kvxfer.pools.__file__)'
 echo "setup done at ${SECONDS}s"
 for a in $AREAS; do
     if [ $SECONDS -ge $DEADLINE ]; then echo "!! deadline ${DEADLINE}s reached: skipping $a"; continue; fi

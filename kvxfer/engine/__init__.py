@@ -10,8 +10,11 @@
     stats = await peer.write([ItemWrite("kv", src, dst)], notify=b"done")
     await eng.close()
 
-Modules: ``engine`` (TransferEngine), ``peer`` (Peer: write/send/close), ``handshake``,
-``groups`` (registrations, remote layouts), ``messages`` (wire types), ``types``.
+Modules: ``engine`` (TransferEngine), ``host`` (PeerHost: what a peer gets of its engine),
+``peer`` (Peer: write/send/close), ``writeplan`` (validating and planning a peer's writes),
+``peer_staged`` (a peer's staged path), ``handshake``, ``groups`` (registrations, remote
+layouts), ``messages`` (wire types), ``types``. Where each part runs: the threads table in
+docs/engine.md.
 """
 from kvxfer.config import EngineConfig
 from kvxfer.engine.engine import TransferEngine

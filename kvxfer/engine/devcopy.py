@@ -1,9 +1,8 @@
 """Device lane: same-host CUDA→CUDA writes as one copy launch into the peer's memory.
 
-Over UCX every run of a write is one cuda_ipc PUT, and each costs ~7-11 µs of CPU to post
-(measured on the H200: 2048 scattered 1 MiB pages ran at 105-155 GB/s page-major and
-8-10 GB/s per-layer, against ~1.9 TB/s for one 2 GiB PUT; through this lane 0.94-1.12 TB/s
-and 392-496 GB/s, bench/results/transfer-h200.md). When both engines share a host,
+Over UCX every run of a write is one cuda_ipc PUT, each with a fixed CPU cost to post, so a
+scattered page set is bound by its op count, far below one large PUT of the same bytes
+(lane against UCX PUTs: bench/results/transfer-h200.md). When both engines share a host,
 the peer's registered CUDA regions can be mapped here with legacy CUDA IPC (the same
 mechanism UCX's cuda_ipc uses) and every run of a write copied by ONE launch of
 :func:`kvxfer.kernels.piece_copy.copy_tasks` (few large runs: one ``cuMemcpyDtoDAsync`` each, on
@@ -13,7 +12,8 @@ only then does the write flush/notify, exactly as for PUTs.
 Invariants
 - A lane exists only for a same-host peer whose Layout exported IPC blobs, and only with
   ``EngineConfig.device_copy == "auto"``. A write uses it from ``device_min_ops`` runs up
-  (a launch costs ~0.1-0.5 ms of host time, a UCX PUT ~10 us). A region whose import fails
+  (a launch's host time equals that of many PUTs; launch cost:
+  bench/results/transfer-h200-diag.md). A region whose import fails
   (the peer is this process, peer access is impossible, ...) stays on UCX:
   :meth:`DeviceLane.select` picks only ops whose local registration is CUDA memory and
   whose remote region is mapped.
@@ -123,7 +123,8 @@ class DeviceLane:
     @staticmethod
     async def wait(ev) -> None:
         """Until the launch's event completed (bytes visible at the peer); the event loop
-        keeps running (the wait happens in the default executor)."""
+        keeps running. Runs on: the asyncio loop thread; ``ev.synchronize`` runs in the
+        default executor."""
         if not ev.query():
             await asyncio.get_running_loop().run_in_executor(None, ev.synchronize)
 

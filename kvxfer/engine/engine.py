@@ -12,14 +12,15 @@ import inspect
 import logging
 import socket
 import uuid
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from kvxfer.config import EngineConfig
 from kvxfer.engine import handshake
 from kvxfer.engine.groups import LocalGroups
+from kvxfer.engine.host import PeerHost, resolved
 from kvxfer.engine.peer import Peer
 from kvxfer.errors import Closed, InvalidArgument, KvxferError
-from kvxfer.transport.base import Channel, Transport
+from kvxfer.transport.base import Channel, RmaEndpoint, Transport
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +47,12 @@ class TransferEngine:
         self._msg_handlers: List[MessageHandler] = []
         self._closed_handlers: List[ClosedHandler] = []
         self._peer_handlers: List[PeerHandler] = []
-        self._pending: set = set()
-        self._background: set = set()
+        self._pending: Set[asyncio.Task] = set()
+        self._background: Set[asyncio.Task] = set()
         self._state = "new"  # new -> started -> closed
+        #: all a peer uses of the engine
+        self._host: PeerHost[Peer] = PeerHost(config, self._groups, self._spawn,
+                                              self._peer_gone, self._dispatch)
 
     def __repr__(self):
         return (f"TransferEngine({self.config.name or self.id[:8]}, {self.address}, "
@@ -88,15 +92,17 @@ class TransferEngine:
     # -------------------------------------------------------------- handlers
     def on_message(self, handler: MessageHandler) -> None:
         """``handler(peer, payload)`` (may return an awaitable) for every app message and
-        write notification, in arrival order per peer."""
+        write notification, in arrival order per peer. Runs on: the engine's loop thread."""
         self._msg_handlers.append(handler)
 
     def on_peer_closed(self, handler: ClosedHandler) -> None:
-        """``handler(peer, exc)``, once per peer, whatever ended it (``exc`` says why)."""
+        """``handler(peer, exc)``, once per peer, whatever ended it (``exc`` says why).
+        Runs on: the engine's loop thread."""
         self._closed_handlers.append(handler)
 
     def on_peer(self, handler: PeerHandler) -> None:
-        """``handler(peer)`` for every peer that connected to us (after its handshake)."""
+        """``handler(peer)`` for every peer that connected to us (after its handshake).
+        Runs on: the engine's loop thread."""
         self._peer_handlers.append(handler)
 
     @property
@@ -108,11 +114,12 @@ class TransferEngine:
         if self._state != "new":
             raise Closed(f"engine already {self._state}")
         self._state = "started"
+        cfg = self.config
         if self._transport is None:
             from kvxfer.transport.ucx import UcxTransport
 
-            self._transport = UcxTransport(self.config.ucx_options, self.config.progress_mode)
-        cfg = self.config
+            self._transport = UcxTransport(cfg.ucx_options,
+                                           resolved(cfg.progress_mode, "progress_mode"))
         stage = ((cfg.stage_slot_bytes, cfg.stage_slots, cfg.stage_peer_slots,
                   cfg.stage_host_memory)
                  if cfg.stage_min_ops > 0 else None)
@@ -127,15 +134,18 @@ class TransferEngine:
         log.info("%r listening", self)
         return self.address
 
-    def _check_started(self) -> None:
-        if self._state != "started":
+    def _check_started(self) -> Transport:
+        """The transport of the started engine; Closed before start() and after close()."""
+        if self._state != "started" or self._transport is None:
             raise Closed(f"engine is {self._state}")
+        return self._transport
 
     async def connect(self, host: str, port: int, timeout: Optional[float] = None) -> Peer:
         """Connect, authenticate and exchange layouts; returns the ready :class:`Peer`."""
-        self._check_started()
-        timeout = self.config.connect_timeout_s if timeout is None else timeout
-        ch = await self._transport.connect(host, port, timeout)
+        transport = self._check_started()
+        if timeout is None:
+            timeout = resolved(self.config.connect_timeout_s, "connect_timeout_s")
+        ch = await transport.connect(host, port, timeout)
         return await self._establish(ch, handshake.connect_side, timeout)
 
     async def _accept(self, ch: Channel) -> None:
@@ -143,9 +153,12 @@ class TransferEngine:
             await ch.close(self.config.close_timeout_s)
             return
         task = asyncio.current_task()
+        assert task is not None  # the transport runs on_accept as a task
         self._pending.add(task)
         try:
-            peer = await self._establish(ch, handshake.accept_side, self.config.connect_timeout_s)
+            peer = await self._establish(ch, handshake.accept_side,
+                                         resolved(self.config.connect_timeout_s,
+                                                  "connect_timeout_s"))
         except asyncio.CancelledError:
             return
         except KvxferError as exc:
@@ -158,18 +171,22 @@ class TransferEngine:
 
     async def _establish(self, ch: Channel, side, timeout: float) -> Peer:
         cfg = self.config
-        rma = res = None
+        rma: Optional[RmaEndpoint] = None
+        res: Optional[handshake.HandshakeResult] = None
         try:
+            transport = self._transport
+            if transport is None:  # set by start(), kept after close()
+                raise Closed("engine not started")
             res = await side(ch, self._groups, cfg.secret, self.id, cfg.name,
-                             self._transport.local_address(), timeout,
+                             transport.local_address(), timeout,
                              cfg.refuse_emulated_destinations)
             bulk_addr = res.remote.address if cfg.error_mode == "none" else None
-            rma = await self._transport.rma_endpoint(ch, bulk_addr, timeout)
+            rma = await transport.rma_endpoint(ch, bulk_addr, timeout)
             rma.add_remote_regions(res.remote.bases, res.remote.lens, res.remote.keys)
-            peer = Peer(self, ch, rma, res.engine_id, res.name, res.hostname, res.remote,
+            peer = Peer(self._host, ch, rma, res.engine_id, res.name, res.hostname, res.remote,
                         res.granted)
         except BaseException:
-            self._groups.release_landing(getattr(res, "granted", None) if res else None)
+            self._groups.release_landing(res.granted if res is not None else {})
             if rma is not None:
                 await rma.close(cfg.close_timeout_s)
             await ch.close(cfg.close_timeout_s)
@@ -182,7 +199,7 @@ class TransferEngine:
             log.warning("%r: second connection with engine %s; the new one replaces it",
                         self, peer.id)
         self._peers[peer.id] = peer
-        peer._start()
+        peer.start()
         self._check_lanes(peer)
         log.info("%r: peer %s ready, lanes %s", self, peer.name or peer.id, peer.lanes)
         return peer
@@ -256,7 +273,8 @@ class TransferEngine:
         if started:
             await asyncio.gather(*(p.close() for p in list(self._peers.values())),
                                  *list(self._background), return_exceptions=True)
-            await self._transport.close()
+            if self._transport is not None:
+                await self._transport.close()
         self._groups.release()
         log.info("%r closed", self)
 

@@ -1,8 +1,9 @@
 """Plain-Python planning for tiny item writes (the hot path of one-page writes).
 
 :func:`kvxfer.plan.plan_items` is vectorised numpy: right for thousands of ids, but a
-write of one page, one state slot and one metadata row paid ~100 us per part in numpy
-call overhead (``asarray``, ``unique``, ``lexsort``, ``diff``, broadcasts) for three ops.
+write of one page, one state slot and one metadata row paid more in numpy call overhead
+(``asarray``, ``unique``, ``lexsort``, ``diff``, broadcasts) than in its three ops
+(measure with tests/engine/bench_write_overhead.py).
 This module plans such parts with Python ints and the group's static layout resolved once
 per peer (:class:`GroupPair`), and hands anything else back to the numpy planner.
 
@@ -18,7 +19,7 @@ Invariants (tested against :func:`kvxfer.plan.plan_items` in tests/engine)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Set, Tuple
 
 from kvxfer import plan
 from kvxfer.errors import IndexOutOfRange, InvalidArgument
@@ -83,12 +84,11 @@ def plan_small(g: GroupPair, src: List[int], dst: List[int], out,
     _check_range(src, g.local_items, f"{what} source")
     _check_range(dst, g.remote_items, f"{what} destination")
     if len(set(dst)) != len(dst):
-        seen, dup = set(), None
-        for v in dst:
-            if v in seen:
-                dup = v
+        seen: Set[int] = set()
+        for dup in dst:  # the first id seen twice (there is one)
+            if dup in seen:
                 break
-            seen.add(v)
+            seen.add(dup)
         raise InvalidArgument(f"{what}: destination item {dup} appears {dst.count(dup)} times")
     if not src:
         return 0

@@ -14,12 +14,13 @@ Local invariants
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from kvxfer import plan
+from kvxfer.engine.staging import GroupStage
 from kvxfer.errors import Closed, InvalidArgument, ProtocolError
 from kvxfer.transport.base import Region, Transport
 
@@ -29,9 +30,9 @@ _U64 = np.uint64
 
 def _one_allocation(span: plan.Span, groups) -> bool:
     """True when the CUDA driver says the whole span lies in one device allocation."""
-    from kvxfer.transport.ucx import cuda_alloc_range
+    from kvxfer.kernels.cuda_driver import alloc_range
 
-    rng = cuda_alloc_range(span.start)
+    rng = alloc_range(span.start)
     return rng is not None and rng[0] <= span.start and span.end <= rng[0] + rng[1]
 
 
@@ -41,7 +42,7 @@ class LocalGroups:
         self.regions: List[Region] = []
         self.desc_region: Dict[str, np.ndarray] = {}
         self.desc_memh: Dict[str, np.ndarray] = {}
-        self.stages: Dict[str, "GroupStage"] = {}  # staged path (kvxfer.engine.staging)
+        self.stages: Dict[str, GroupStage] = {}  # staged path (kvxfer.engine.staging)
         self.peer_slots = 0
         self.group_regions = 0  # registrations of the groups (the regions before the landings)
         #: {group: legacy-IPC capable?} for CUDA groups (None: host memory / unknown); see
@@ -112,6 +113,7 @@ class LocalGroups:
                 self.release()
                 raise
             for st in self.stages.values():
+                assert st.landing_region is not None  # registered by GroupStage()
                 st.region_index = len(self.regions)
                 self.regions.append(st.landing_region)
         log.info("registered %d group(s), %d descriptor(s) in %d registration(s) (%s)",
@@ -129,7 +131,7 @@ class LocalGroups:
         if query is None:
             if not any("cuda" in k for k in kinds.values()):
                 return {n: None for n in self.groups}
-            from kvxfer.transport.ucx_rma import cuda_ipc_capable as query
+            from kvxfer.kernels.cuda_driver import ipc_capable as query
         report = ipc.ipc_report(self.groups, kinds, query)
         ipc.warn_non_ipc(report)
         return report
@@ -214,9 +216,9 @@ class RemoteGroups:
     types: List[str]
     address: Optional[bytes]
     #: landing slots the peer granted us: {group: (region index, base, slot_bytes, [slots])}
-    landing: Dict[str, tuple] = None
+    landing: Dict[str, tuple] = field(default_factory=dict)
     #: per region the peer's CUDA IPC blob or b"" (empty list: none offered)
-    ipc: List[bytes] = None
+    ipc: List[bytes] = field(default_factory=list)
 
 
 def _int_list(v, where: str) -> List[int]:

@@ -23,11 +23,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import logging
 import os
 import socket
-import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgpack
 
@@ -35,8 +35,14 @@ from kvxfer import plan, wire
 from kvxfer.engine import ipc
 from kvxfer.engine import messages as m
 from kvxfer.engine.groups import LocalGroups, RemoteGroups, parse_remote
-from kvxfer.errors import (AuthenticationFailed, IncompatiblePeer, KvxferError, PeerClosed,
-                           ProtocolError, TransferTimeout)
+from kvxfer.errors import (
+    AuthenticationFailed,
+    IncompatiblePeer,
+    KvxferError,
+    PeerClosed,
+    ProtocolError,
+    TransferTimeout,
+)
 from kvxfer.transport.base import Channel
 
 NONCE_BYTES = 32
@@ -54,7 +60,7 @@ class HandshakeResult:
     hostname: str
     remote: RemoteGroups
     #: landing slots we granted the peer (Layout.landing form); the caller owns them now
-    granted: dict = None
+    granted: dict = field(default_factory=dict)
 
 
 def _proof(secret: bytes, role: bytes, binding: bytes, hello: m.Hello,

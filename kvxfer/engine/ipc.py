@@ -1,14 +1,13 @@
 """Which registered groups UCX can reach only by emulation (CUDA memory that is not
 legacy-IPC capable), and what the engine does about it. No torch, no UCX, no driver
-import here: the driver query is passed in (:func:`kvxfer.transport.ucx_rma.cuda_ipc_capable`
+import here: the driver query is passed in (:func:`kvxfer.kernels.cuda_driver.ipc_capable`
 in the engine, a plain function in tests).
 
-Measured on the H200 (docs/engine.md, issue 4): a PUT *into* CUDA VMM memory
-(``cuMemCreate``, also torch's expandable segments) is silently emulated by UCX at
-0.5-0.84 GB/s instead of ~1.5 TB/s over cuda_ipc, because the driver reports it not
-legacy-IPC capable; as a PUT source it is fine. The remedy for pools is the POSIX-FD share
-path of ``pools/backing/share.py`` (the peer maps the pool's physical memory and copies
-with the copy engines; 2.09 TB/s measured).
+A PUT *into* CUDA VMM memory (``cuMemCreate``, also torch's expandable segments) is
+silently emulated by UCX, orders of magnitude below cuda_ipc, because the driver reports it
+not legacy-IPC capable; as a PUT source it is fine. The remedy for pools is the POSIX-FD
+share path of ``pools/backing/share.py`` (the peer maps the pool's physical memory and
+copies with the copy engines; bench/results/backing-h200.md).
 
 Invariants
 - :func:`ipc_report` queries only descriptors of groups whose registrations are CUDA
@@ -20,7 +19,7 @@ Invariants
 from __future__ import annotations
 
 import logging
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Protocol, Sequence
 
 from kvxfer.errors import IncompatiblePeer
 
@@ -32,7 +31,14 @@ SHARE_PATH_HINT = "pools/backing/share.py"
 IpcQuery = Callable[[int], Optional[bool]]
 
 
-def ipc_report(groups: Dict[str, object], mem_types: Dict[str, Sequence[str]],
+class Layout(Protocol):
+    """What :func:`ipc_report` reads of a group layout (``kvxfer.plan.GroupLayout``)."""
+
+    @property
+    def ptrs(self) -> Sequence[int]: ...
+
+
+def ipc_report(groups: Mapping[str, Layout], mem_types: Mapping[str, Sequence[str]],
                query: IpcQuery) -> Dict[str, Optional[bool]]:
     """``{group: ipc_capable}``; ``groups`` maps names to layouts with ``ptrs``,
     ``mem_types`` maps names to the memory type of each descriptor's registration."""
@@ -65,7 +71,7 @@ def warn_non_ipc(report: Dict[str, Optional[bool]], who: str = "") -> List[str]:
         log.warning(
             "%sgroup %r is registered in CUDA memory that is NOT legacy-IPC capable (CUDA VMM "
             "/ cuMemCreate, or expandable segments): a peer's UCX PUT into it is silently "
-            "emulated (measured 0.5-0.84 GB/s instead of ~1.5 TB/s over cuda_ipc). Back the "
+            "emulated (orders of magnitude below cuda_ipc). Back the "
             "pool with the POSIX-FD share path (%s) for same-host transfers, or set "
             "EngineConfig.refuse_emulated_destinations=True to refuse such peers",
             who, name, SHARE_PATH_HINT)
@@ -86,12 +92,12 @@ def check_destinations(local_groups: Iterable[str], remote_groups: Iterable[str]
     if ours:
         raise IncompatiblePeer(
             f"group {ours[0]!r}: this side's memory is not legacy-IPC capable (CUDA VMM); "
-            f"the peer's PUTs into it would be emulated by UCX (< 1 GB/s). Use the POSIX-FD "
+            f"the peer's PUTs into it would be emulated by UCX (far below cuda_ipc). Use the POSIX-FD "
             f"share path ({SHARE_PATH_HINT}) or turn off refuse_emulated_destinations")
     if theirs:
         raise IncompatiblePeer(
             f"group {theirs[0]!r}: the peer's memory is not legacy-IPC capable (CUDA VMM); "
-            f"PUTs into it would be emulated by UCX (< 1 GB/s). Use the POSIX-FD share path "
+            f"PUTs into it would be emulated by UCX (far below cuda_ipc). Use the POSIX-FD share path "
             f"({SHARE_PATH_HINT}) or turn off refuse_emulated_destinations")
 
 

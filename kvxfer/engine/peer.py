@@ -29,33 +29,45 @@ import asyncio
 import functools
 import logging
 import time
-from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Coroutine, Dict, Iterable, List, Optional, Tuple, TypeVar, Union
 
 import numpy as np
 
-from kvxfer import plan, wire
+from kvxfer import wire
 from kvxfer.config import spin_flushes
-from kvxfer.engine import devcopy, fastplan
+from kvxfer.engine import devcopy
 from kvxfer.engine import messages as m
 from kvxfer.engine.groups import RemoteGroups
-from kvxfer.engine.peer_staged import StagedPeer, _all, _Landing
+from kvxfer.engine.host import PeerHost, resolved
+from kvxfer.engine.peer_staged import StagedLink, StagedPath
 from kvxfer.engine.types import ItemWrite, RawWrite, TransferStats
-from kvxfer.errors import (Closed, InvalidArgument, KvxferError, PeerClosed, ProtocolError,
-                           TransferTimeout, UnknownGroup)
+from kvxfer.engine.writeplan import WritePlanner
+from kvxfer.errors import (
+    Closed,
+    InvalidArgument,
+    KvxferError,
+    PeerClosed,
+    ProtocolError,
+    TransferTimeout,
+)
 from kvxfer.transport.base import Channel, RmaEndpoint
-
-if TYPE_CHECKING:  # pragma: no cover
-    from kvxfer.engine.engine import TransferEngine
 
 log = logging.getLogger(__name__)
 _U64 = np.uint64
+T = TypeVar("T")
 
 
-class Peer(StagedPeer):
-    def __init__(self, engine: "TransferEngine", channel: Channel, rma: RmaEndpoint,
+class Peer:
+    """One authenticated connection (see the module docstring); built by the engine, which
+    hands it a :class:`~kvxfer.engine.host.PeerHost` (all it uses of the engine)."""
+
+    def __init__(self, host: PeerHost["Peer"], channel: Channel, rma: RmaEndpoint,
                  engine_id: str, name: str, hostname: str, remote: RemoteGroups,
                  granted: Optional[dict] = None):
-        self._engine = engine
+        self._host = host
+        self._config = config = host.config
+        self._groups = groups = host.groups
+        self._timeout = host.transfer_timeout_s
         self._channel = channel
         self._rma = rma
         self.id = engine_id
@@ -65,25 +77,24 @@ class Peer(StagedPeer):
         self._loop = asyncio.get_running_loop()
         self._dead: asyncio.Future = self._loop.create_future()
         self._waiters: set = set()  # futures of pending bounded waits, woken on death
-        self._pairs: Dict[str, fastplan.GroupPair] = {}  # static layout per group, resolved once
         self._inbox: asyncio.Queue = asyncio.Queue()
         self._tasks: List[asyncio.Task] = []
         self._closing = False
         self._notified = False
         self.lanes: List[str] = rma.lanes()
         #: flushes progressed by the transport's native poller (see config.FLUSH_PROGRESS)
-        self.spin = spin_flushes(engine.config.flush_progress, engine._groups.mem_types,
-                                 remote.types)
+        self.spin = spin_flushes(resolved(config.flush_progress, "flush_progress"),
+                                 groups.mem_types, remote.types)
         #: the same-host device lane (kvxfer.engine.devcopy) and why there is / is not one
-        self._dev, self.device_lane = devcopy.open_lane(engine.config, engine._groups,
-                                                        hostname, remote)
+        self._dev, self.device_lane = devcopy.open_lane(config, groups, hostname, remote)
         # staged path: slots we granted the peer (target role) and slots it granted us
         self._granted_raw = granted or {}
-        self._granted = {g: set(b["slots"]) for g, b in self._granted_raw.items()}
-        self._busy: set = set()  # (group, slot) plans received and not yet drained
-        self._rland: Dict[str, _Landing] = {
-            g: _Landing(*v) for g, v in (remote.landing or {}).items()
-            if g in engine._groups.stages}
+        self._staged = StagedPath(
+            StagedLink(name=name or engine_id, loop=self._loop, channel=channel, rma=rma,
+                       spin=self.spin, transfer_timeout_s=self._timeout,
+                       bounded=self._bounded, left=self._left, mark_dead=self._mark_dead),
+            groups, self._granted_raw, remote.landing or {})
+        self._planner = WritePlanner(groups, remote, name or engine_id, self._staged.can_stage)
 
     # ------------------------------------------------------------ properties
     @property
@@ -104,7 +115,8 @@ class Peer(StagedPeer):
         return f"Peer({self.name or self.id[:8]}, lanes={','.join(self.lanes)}, {state})"
 
     # ------------------------------------------------------------- lifecycle
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Start receiving (the engine calls it once the peer is registered)."""
         self._channel.on_closed(self._on_channel_closed)
         self._rma.on_failed(self._on_channel_closed)
         self._dead.add_done_callback(lambda f: f.exception())  # never "never retrieved"
@@ -113,6 +125,7 @@ class Peer(StagedPeer):
                                               name=f"kvxfer-dispatch-{self.id[:8]}")]
 
     def _on_channel_closed(self, exc: Exception) -> None:
+        """Runs on: the asyncio loop thread (the transport hops there before calling)."""
         self._mark_dead(exc if isinstance(exc, KvxferError) else PeerClosed(str(exc)))
 
     def _mark_dead(self, exc: Exception) -> None:
@@ -123,8 +136,8 @@ class Peer(StagedPeer):
         for w in waiters:
             _wake(w, _DEAD)
         if not self._closing:  # died under us: release in the background (engine awaits it)
-            self._engine._spawn(self._teardown(send_bye=False))
-        self._engine._peer_gone(self, exc)
+            self._host.spawn(self._teardown(send_bye=False))
+        self._host.peer_gone(self, exc)
 
     async def _reader(self) -> None:
         try:
@@ -134,9 +147,9 @@ class Peer(StagedPeer):
                 if isinstance(msg, m.AppMessage):
                     self._inbox.put_nowait(bytes(msg.payload))
                 elif isinstance(msg, m.StagedWrite):
-                    self._inbox.put_nowait(self._check_plan(msg))
+                    self._inbox.put_nowait(self._staged.check_plan(msg))
                 elif isinstance(msg, m.SlotFree):
-                    self._slot_freed(msg)
+                    self._staged.slot_freed(msg)
                 elif isinstance(msg, m.Bye):
                     self._mark_dead(PeerClosed(
                         f"peer {self.name or self.id} closed{': ' + msg.reason if msg.reason else ''}"))
@@ -157,9 +170,9 @@ class Peer(StagedPeer):
             if payload is None:  # teardown: everything received before it was delivered
                 return
             if isinstance(payload, tuple):  # a validated scatter plan: drain before dispatching on
-                await self._scatter(*payload)
+                await self._staged.scatter(*payload)
                 continue
-            await self._engine._dispatch(self, payload)
+            await self._host.dispatch(self, payload)
 
     # ------------------------------------------------------------------ data
     def _check_open(self) -> None:
@@ -172,65 +185,9 @@ class Peer(StagedPeer):
     def plan(self, writes: Iterable[Union[ItemWrite, RawWrite]]):
         """Validate and plan ``writes`` (nothing is posted), all unstaged. Returns the native
         arrays ``(laddr, raddr, nbytes, lmemh, ridx)``."""
-        return self._plan(writes)[:5]
+        return self._planner.plan(writes)[:5]
 
-    def _plan(self, writes, stage_min_ops: int = 0):
-        """Validate every part, then split: ``(laddr, raddr, nbytes, lmemh, ridx, staged)``
-        for the direct PUTs and ``staged = [(group, src ids, dst ids)]`` for the ItemWrite
-        parts that need more than ``stage_min_ops`` PUTs (0: none) and can be staged.
-        Tiny ItemWrite parts (short lists of ints) are planned in plain Python
-        (:mod:`kvxfer.engine.fastplan`, same validation); the rest by :mod:`kvxfer.plan`."""
-        local = self._engine._groups
-        if isinstance(writes, (ItemWrite, RawWrite)):
-            writes = [writes]
-        small = ([], [], [], [], [])  # laddr, raddr, nbytes, memh, ridx of tiny parts
-        chunks, staged = [], []
-        for w in writes:
-            is_item = type(w) is ItemWrite or isinstance(w, ItemWrite)
-            if not is_item and not isinstance(w, RawWrite):
-                raise InvalidArgument(f"expected ItemWrite or RawWrite, got {type(w).__name__}")
-            pair = self._pairs.get(w.group)
-            if pair is None:
-                lg = local.groups.get(w.group)
-                if lg is None:
-                    raise UnknownGroup(f"no local group {w.group!r} (have {sorted(local.groups)})")
-                rg = self._remote.groups.get(w.group)
-                if rg is None:
-                    raise UnknownGroup(f"peer {self.name or self.id} has no group {w.group!r} "
-                                       f"(has {sorted(self._remote.groups)})")
-                pair = self._pairs[w.group] = fastplan.GroupPair.make(
-                    lg, rg, local.desc_memh[w.group], self._remote.desc_region[w.group])
-            if is_item:
-                src = fastplan.small_ids(w.src_items)
-                dst = None if src is None else fastplan.small_ids(w.dst_items)
-                if dst is not None:
-                    limit = fastplan.SMALL_OPS
-                    if stage_min_ops > 0 and w.group in self._rland:
-                        limit = min(limit, stage_min_ops)
-                    if fastplan.plan_small(pair, src, dst, small, limit) >= 0:
-                        continue
-                lg, rg = local.groups[w.group], self._remote.groups[w.group]
-                ops = plan.plan_items(lg, rg, w.src_items, w.dst_items)
-                if 0 < stage_min_ops < len(ops) and w.group in self._rland:
-                    staged.append((w.group, plan.as_ids(w.src_items, "source"),
-                                   plan.as_ids(w.dst_items, "destination"), len(ops)))
-                    continue
-            else:
-                lg, rg = local.groups[w.group], self._remote.groups[w.group]
-                ops = plan.plan_raw(lg, rg, w.desc, w.src_off, w.dst_off, w.nbytes)
-            d = ops.desc.astype(np.intp)
-            chunks.append((ops.laddr, ops.raddr, ops.nbytes, local.desc_memh[w.group][d],
-                           self._remote.desc_region[w.group][d]))
-        if small[0] or not chunks:
-            chunks.insert(0, tuple(np.array(c, dtype=_U64) for c in small))
-        if len(chunks) == 1:
-            cols = tuple(np.asarray(c, dtype=_U64) for c in chunks[0])
-        else:
-            cols = tuple(np.concatenate([c[i] for c in chunks]).astype(_U64, copy=False)
-                         for i in range(5))
-        return cols + (staged,)
-
-    async def _bounded(self, coro, timeout: float, what: str):
+    async def _bounded(self, coro: Coroutine[Any, Any, T], timeout: float, what: str) -> T:
         """Await ``coro`` until done, ``timeout``, or the peer's death, whichever first.
 
         O(1) per call: the waiter joins the peer's ``_waiters`` set (a hash set) and
@@ -277,17 +234,17 @@ class Peer(StagedPeer):
         Raises (before any byte moves) UnknownGroup / IndexOutOfRange / InvalidArgument;
         afterwards PeerClosed / TransferTimeout / TransportError."""
         self._check_open()
-        timeout = self._engine.config.transfer_timeout_s if timeout is None else timeout
+        timeout = self._timeout if timeout is None else timeout
         if notify is not None and not isinstance(notify, (bytes, bytearray, memoryview)):
             raise InvalidArgument(f"notify must be bytes, got {type(notify).__name__}")
-        laddr, raddr, nbytes, lmemh, ridx, staged = self._plan(
-            writes, self._engine.config.stage_min_ops)
+        laddr, raddr, nbytes, lmemh, ridx, staged = self._planner.plan(
+            writes, self._config.stage_min_ops)
         stats = TransferStats(bytes=int(nbytes.sum(dtype=_U64)) if nbytes.size else 0,
                               ops=int(laddr.size), lanes=list(self.lanes))
         t0 = time.perf_counter()
         deadline = self._loop.time() + timeout
         launched = None
-        if self._dev is not None and laddr.size >= self._engine.config.device_min_ops:
+        if self._dev is not None and laddr.size >= self._config.device_min_ops:
             on_dev = self._dev.select(lmemh, ridx)
             if on_dev.any():
                 launched = self._dev.launch(laddr[on_dev], raddr[on_dev], nbytes[on_dev],
@@ -305,7 +262,7 @@ class Peer(StagedPeer):
                 await self._bounded(self._dev.wait(launched), timeout, "device copy")
             drained = []  # one future per staged chunk: the peer scattered it
             for group, src, dst, direct_ops in staged:
-                drained += await self._write_staged(group, src, dst, deadline, stats)
+                drained += await self._staged.write(group, src, dst, deadline, stats)
                 stats.staged_direct_ops += direct_ops
             if laddr.size:
                 t_done = await self._bounded_future(self._rma.flush_future(self.spin), timeout,
@@ -334,7 +291,7 @@ class Peer(StagedPeer):
         self._check_open()
         if not isinstance(payload, (bytes, bytearray, memoryview)):
             raise InvalidArgument(f"payload must be bytes, got {type(payload).__name__}")
-        timeout = self._engine.config.transfer_timeout_s if timeout is None else timeout
+        timeout = self._timeout if timeout is None else timeout
         await self._bounded(self._channel.send(m.AppMessage(payload=bytes(payload)).encode(),
                                                timeout), timeout, "send")
 
@@ -348,7 +305,7 @@ class Peer(StagedPeer):
         if self._closing:
             return
         self._closing = True
-        grace = self._engine.config.close_timeout_s
+        grace = self._config.close_timeout_s
         if send_bye:
             try:
                 await self._channel.send(m.Bye(reason="closed").encode(), grace)
@@ -376,11 +333,15 @@ class Peer(StagedPeer):
         if self._dev is not None:
             self._dev.close()
         await self._channel.close(grace)
-        self._engine._groups.release_landing(self._granted_raw)
+        self._groups.release_landing(self._granted_raw)
         self._granted_raw = {}
 
 
 _DONE, _DEAD, _TIMEOUT = "done", "dead", "timeout"
+
+
+async def _all(futures: List[asyncio.Future]) -> None:
+    await asyncio.gather(*futures)
 
 
 def _wake(waiter: asyncio.Future, why: str) -> None:

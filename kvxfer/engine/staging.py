@@ -1,10 +1,12 @@
 """Staged transfers: local staging ring, landing ring, gather and scatter (one group each).
 
-A scattered page set costs one PUT per run per descriptor (~11 us each over cuda_ipc, a
-syscall each over cma). The staged path replaces them by: gather the source items into a
-registered *staging slot* (one ``index_select`` per descriptor), one PUT of the packed bytes
-into a *landing slot* of the peer, then the peer scatters them into its items (one
-``index_copy_`` per descriptor) before its message handlers see the notification.
+A scattered page set costs one PUT per run per descriptor (each with a fixed CPU cost over
+cuda_ipc, a syscall each over cma). The staged path replaces them by: gather the source
+items into a registered *staging slot* (one ``index_select`` per descriptor), one PUT of the
+packed bytes into a *landing slot* of the peer, then the peer scatters them into its items
+(one ``index_copy_`` per descriptor) before its message handlers see the notification.
+Whether that pays off is measured, not assumed (staged against direct:
+bench/results/transfer-cpu.md; on CUDA, ``kvxfer bench transfer --paths direct,staged``).
 
 Packing (both sides agree, nothing else is on the wire): ``n`` items of a group with
 descriptors ``d = 0..D-1`` lie descriptor-major, ``[d0: n x item_lens[0]][d1: ...]...``, so
@@ -33,7 +35,8 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from kvxfer import plan
-from kvxfer.errors import ProtocolError
+from kvxfer.errors import Closed, ProtocolError
+from kvxfer.transport.base import Region
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +104,8 @@ class GroupStage:
                       for p, n, il in zip(group.ptrs, group.lens, group.item_lens)]
         self.landing = self._empty(landing_slots * self.slot_bytes)
         self.staging = self._empty(staging_slots * self.slot_bytes)
-        self.landing_region = None
-        self.staging_region = None
+        self.landing_region: Optional[Region] = None
+        self.staging_region: Optional[Region] = None
         try:
             self.landing_region = transport.register(self._ptr(self.landing), self.landing.size
                                                      if not self.cuda else self.landing.numel())
@@ -155,6 +158,13 @@ class GroupStage:
 
     def staging_addr(self, slot: int) -> int:
         return self._ptr(self.staging) + slot * self.slot_bytes
+
+    @property
+    def staging_handle(self) -> int:
+        """Registration handle of the staging ring (for the PUT batch)."""
+        if self.staging_region is None:
+            raise Closed(f"staging ring of {self.group.name!r} released")
+        return self.staging_region.handle
 
     # ------------------------------------------------------------- data movement
     def _sync(self) -> None:

@@ -165,7 +165,7 @@ class _TransportChecks:
     async def completion_queue():
         import asyncio
 
-        from kvxfer.transport.ucx import load_ucx
+        from kvxfer.transport.ucx_lib import load_ucx
 
         ucxx, rma = load_ucx()
         from ucxx import core

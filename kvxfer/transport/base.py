@@ -19,7 +19,7 @@ tests run it for real over loopback.
 from __future__ import annotations
 
 import abc
-import asyncio  # noqa: F401  (annotations)
+import asyncio
 from typing import Awaitable, Callable, List, Optional, Sequence, Tuple
 
 
@@ -62,7 +62,8 @@ class Channel(abc.ABC):
 
     @abc.abstractmethod
     def on_closed(self, callback: Callable[[Exception], None]) -> None:
-        """Call ``callback(exc)`` once, in the event loop, when the peer goes away."""
+        """Call ``callback(exc)`` once when the peer goes away.
+        Runs on: the asyncio loop thread (implementations hop there)."""
 
     @property
     @abc.abstractmethod
@@ -79,6 +80,7 @@ class Channel(abc.ABC):
         from now on only messages of that message's connection are delivered (messages of
         an earlier connection that reach this one are dropped). No-op where connections
         cannot mix."""
+        return None
 
 
 class RmaEndpoint(abc.ABC):
@@ -111,9 +113,10 @@ class RmaEndpoint(abc.ABC):
         """Transports carrying RMA, e.g. ``["cma/memory"]`` or ``["tcp/lo"]``."""
 
     def on_failed(self, callback: Callable[[Exception], None]) -> None:
-        """Call ``callback(exc)`` (in the event loop) if a data-plane endpoint of its own
-        fails. Endpoints that share the channel's connection never call it (the channel
+        """Call ``callback(exc)`` if a data-plane endpoint of its own fails (Runs on: the
+        asyncio loop thread). Endpoints that share the channel's connection never call it (the channel
         reports)."""
+        return None
 
     @abc.abstractmethod
     async def close(self, timeout: float) -> None:
@@ -130,7 +133,8 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     async def listen(self, host: str, port: int, on_accept: AcceptCallback) -> Tuple[str, int]:
-        """Start accepting; ``on_accept(channel)`` runs as a task per incoming peer."""
+        """Start accepting; ``on_accept(channel)`` runs as a task per incoming peer.
+        Runs on: the asyncio loop thread."""
 
     @abc.abstractmethod
     async def connect(self, host: str, port: int, timeout: float) -> Channel: ...

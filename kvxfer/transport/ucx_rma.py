@@ -1,63 +1,37 @@
-"""UCX building blocks below the transport: loading UCXX + the native ``_rma`` extension,
-memory registrations (:class:`UcxRegion`) and the RMA endpoint (:class:`UcxRma`: remote keys,
-batched PUTs, flush, lanes). :mod:`kvxfer.transport.ucx` assembles them into the transport.
+"""UCX memory registrations (:class:`UcxRegion`) and the RMA endpoint (:class:`UcxRma`:
+remote keys, batched PUTs, flush, lanes) of the UCX transport. An endpoint's flushes and
+bulk-endpoint close go through the transport's completion queue; what it uses of the
+transport is :class:`RmaService` (:class:`kvxfer.transport.ucx.UcxTransport` provides it).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
-import os
 import re
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Protocol, Tuple
 
 import numpy as np
 
 from kvxfer.errors import Closed, IndexOutOfRange, PeerClosed, TransferTimeout, TransportError
-# CUDA driver queries used with registrations (re-exported for the engine)
-from kvxfer.kernels.cuda_driver import alloc_range as cuda_alloc_range  # noqa: F401
-from kvxfer.kernels.cuda_driver import ipc_capable as cuda_ipc_capable  # noqa: F401
 from kvxfer.transport.base import Region, RmaEndpoint
-
-if TYPE_CHECKING:  # pragma: no cover
-    from kvxfer.transport.ucx import UcxTransport
+from kvxfer.transport.ucx_lib import status_error
 
 log = logging.getLogger(__name__)
 
 _U64 = np.uint64
 
 
-def ucx_log_to_stderr() -> None:
-    """UCX prints its log (warnings included) on stdout unless told otherwise, which breaks
-    machine-readable output (``--json``) and tables. Point it at stderr unless the user chose
-    a destination. libucs reads this once, when it is loaded: call before ``import ucxx``."""
-    os.environ.setdefault("UCX_LOG_FILE", "stderr")
+class RmaService(Protocol):
+    """What a :class:`UcxRma` uses of its transport: the native module and the completion
+    queue's flush / close requests (their results arrive on the asyncio loop thread)."""
 
+    rma: Any  # the native kvxfer.transport._rma module
 
-def load_ucx():
-    """Import ucxx (which loads libucp from the libucx wheel) and then our extension, so
-    both use the same libucp. Returns ``(ucxx, _rma)``."""
-    ucx_log_to_stderr()
-    import ucxx  # noqa: F401  (must come first)
+    def flush_future(self, ep_handle: int, spin: bool = False) -> "asyncio.Future[float]": ...
 
-    try:
-        from kvxfer.transport import _rma
-    except ImportError as exc:  # pragma: no cover - build guidance
-        raise TransportError(
-            "the native RMA extension kvxfer.transport._rma is not built; run "
-            "`python setup.py build_ext --inplace` or `pip install --no-build-isolation -e .`"
-        ) from exc
-    return ucxx, _rma
+    async def flush_ep(self, ep_handle: int, timeout: float, spin: bool = False) -> float: ...
 
-
-def status_error(rma, status: int, what: str) -> TransportError:
-    text = rma.status_string(status)
-    peerish = {rma.UCS_ERR_CONNECTION_RESET, rma.UCS_ERR_ENDPOINT_TIMEOUT,
-               rma.UCS_ERR_UNREACHABLE, rma.UCS_ERR_NOT_CONNECTED, rma.UCS_ERR_CANCELED}
-    cls = PeerClosed if status in peerish else TransportError
-    return cls(f"{what}: {text} ({status})")
-
-
-def _ucx_error_types(ucxx):
-    return (ucxx.exceptions.UCXError,)
+    async def close_bulk(self, ep: int, ctx: int, err_token: int, timeout: float) -> bool: ...
 
 
 # ------------------------------------------------------------------ regions
@@ -96,7 +70,8 @@ class UcxRma(RmaEndpoint):
     ``CompletionQueue.ep_create`` (``error_mode="none"``: shared-memory lanes, failures
     reported through ``err_token`` instead of aborting the process)."""
 
-    def __init__(self, transport: "UcxTransport", ep=None, raw=None, err_token: int = 0):
+    def __init__(self, transport: RmaService, ep=None, raw: Optional[Tuple[int, int]] = None,
+                 err_token: int = 0):
         self._t, self._ep, self._raw, self._err_token = transport, ep, raw, err_token
         self._rkeys: List[int] = []
         self._rbase = np.zeros(0, _U64)
@@ -120,10 +95,14 @@ class UcxRma(RmaEndpoint):
         return h
 
     def on_failed(self, callback) -> None:
-        """``callback(exc)`` once when the (owned) endpoint reports a failure."""
+        """``callback(exc)`` once when the (owned) endpoint reports a failure.
+        Runs on: the asyncio loop thread (see :meth:`_on_error`)."""
         self._fail_cbs.append(callback)
 
-    def _on_error(self, status: int) -> None:  # event loop, via the transport
+    def _on_error(self, status: int) -> None:
+        """The owned endpoint failed. Runs on: the asyncio loop thread
+        (``UcxTransport._on_completions``; the native error handler queued the status on
+        UCXX's progress thread or the native poller thread)."""
         if self._failed is not None:
             return
         self._failed = status_error(self._t.rma, status, "bulk endpoint failed")

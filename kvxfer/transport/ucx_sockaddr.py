@@ -2,12 +2,12 @@
 
 Both ends of one sockaddr connection see the same pair of addresses with the roles swapped:
 the connecting side's (local, remote) is the accepting side's (remote, local). The engine's
-handshake binds its proofs to that pair (:meth:`kvxfer.transport.ucx.UcxChannel.binding`), so
+handshake binds its proofs to that pair (:meth:`kvxfer.transport.ucx_channel.UcxChannel.binding`), so
 a proof made on one connection is worthless on another: a relay between two connections
 cannot forward it.
 
 ``ucp_ep_query`` is called through ctypes on the libucp that UCXX loaded (the extension and
-UCXX share it, see :func:`kvxfer.transport.ucx_rma.load_ucx`); ``ucp_ep_attr_t`` starts with
+UCXX share it, see :func:`kvxfer.transport.ucx_lib.load_ucx`); ``ucp_ep_attr_t`` starts with
 ``uint64_t field_mask; char name[UCP_ENTITY_NAME_MAX]; struct sockaddr_storage local,
 remote; ...`` (UCX >= 1.14).
 """

@@ -64,7 +64,7 @@ async def main(n: int) -> dict:
     prof = cProfile.Profile()
     prof.enable()
     for i in range(n):
-        peer._plan(writes(i), 0)
+        peer._planner.plan(writes(i), 0)
     prof.disable()
     await b.close()
     await a.close()

@@ -14,11 +14,11 @@ class StagedNode(EngineNode):
 
     def cmd_landing(self, key, peer_id, group):
         """(free, in flight) landing slots the peer granted us for ``group``."""
-        land = self._peer(key, peer_id)._peer._rland.get(group)
+        land = self._peer(key, peer_id)._peer._staged.landing.get(group)
         return None if land is None else (land.free.qsize(), len(land.out))
 
     def cmd_landing_slots(self, key, peer_id, group):
-        return list(self._peer(key, peer_id)._peer._rland[group].slots)
+        return list(self._peer(key, peer_id)._peer._staged.landing[group].slots)
 
     def cmd_engine_id(self, key):
         return self.engines[key].engine.id

@@ -1,0 +1,98 @@
+"""Planning the writes to one peer: validate every part against both sides' layouts, then
+split it into direct PUTs (the native batch's columns) and staged parts. No I/O and no
+state but a per-group layout cache: a :class:`~kvxfer.engine.peer.Peer` owns one
+:class:`WritePlanner` and posts what it returns.
+
+Tiny ItemWrite parts (short lists of ints) are planned in plain Python
+(:mod:`kvxfer.engine.fastplan`, same validation); the rest by :mod:`kvxfer.plan`.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Iterable, List, Tuple, Union
+
+import numpy as np
+
+from kvxfer import plan
+from kvxfer.engine import fastplan
+from kvxfer.engine.groups import LocalGroups, RemoteGroups
+from kvxfer.engine.types import ItemWrite, RawWrite
+from kvxfer.errors import InvalidArgument, UnknownGroup
+
+_U64 = np.uint64
+
+Writes = Union[ItemWrite, RawWrite, Iterable[Union[ItemWrite, RawWrite]]]
+#: a staged part: (group, source ids, destination ids, PUTs it would need unstaged)
+StagedPart = Tuple[str, np.ndarray, np.ndarray, int]
+#: ``(laddr, raddr, nbytes, lmemh, ridx, staged parts)``: uint64 columns of the direct PUTs
+Planned = Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, List[StagedPart]]
+
+
+class WritePlanner:
+    """Plans writes from ``local`` groups to one peer's ``remote`` groups. ``can_stage(group)``:
+    whether the peer granted us landing slots for ``group`` (the staged path)."""
+
+    def __init__(self, local: LocalGroups, remote: RemoteGroups, peer_name: str,
+                 can_stage: Callable[[str], bool]):
+        self._local, self._remote = local, remote
+        self._peer_name = peer_name
+        self._can_stage = can_stage
+        self._pairs: Dict[str, fastplan.GroupPair] = {}  # static layout per group, resolved once
+
+    def plan(self, writes: Writes, stage_min_ops: int = 0) -> Planned:
+        """Validate every part, then split: ``(laddr, raddr, nbytes, lmemh, ridx, staged)``
+        for the direct PUTs and ``staged = [(group, src ids, dst ids)]`` for the ItemWrite
+        parts that need more than ``stage_min_ops`` PUTs (0: none) and can be staged.
+        Tiny ItemWrite parts (short lists of ints) are planned in plain Python
+        (:mod:`kvxfer.engine.fastplan`, same validation); the rest by :mod:`kvxfer.plan`."""
+        local, remote = self._local, self._remote
+        if isinstance(writes, (ItemWrite, RawWrite)):
+            writes = [writes]
+        # laddr, raddr, nbytes, memh, ridx of the tiny parts
+        small: Tuple[List[int], ...] = ([], [], [], [], [])
+        chunks: List[Tuple[np.ndarray, ...]] = []
+        staged: List[StagedPart] = []
+        for w in writes:
+            if not isinstance(w, (ItemWrite, RawWrite)):
+                raise InvalidArgument(f"expected ItemWrite or RawWrite, got {type(w).__name__}")
+            pair = self._pairs.get(w.group)
+            if pair is None:
+                lg = local.groups.get(w.group)
+                if lg is None:
+                    raise UnknownGroup(f"no local group {w.group!r} (have {sorted(local.groups)})")
+                rg = remote.groups.get(w.group)
+                if rg is None:
+                    raise UnknownGroup(f"peer {self._peer_name} has no group {w.group!r} "
+                                       f"(has {sorted(remote.groups)})")
+                pair = self._pairs[w.group] = fastplan.GroupPair.make(
+                    lg, rg, local.desc_memh[w.group], remote.desc_region[w.group])
+            if isinstance(w, ItemWrite):
+                src = fastplan.small_ids(w.src_items)
+                dst = None if src is None else fastplan.small_ids(w.dst_items)
+                if src is not None and dst is not None:
+                    limit = fastplan.SMALL_OPS
+                    if stage_min_ops > 0 and self._can_stage(w.group):
+                        limit = min(limit, stage_min_ops)
+                    if fastplan.plan_small(pair, src, dst, small, limit) >= 0:
+                        continue
+                lg, rg = local.groups[w.group], remote.groups[w.group]
+                ops = plan.plan_items(lg, rg, w.src_items, w.dst_items)
+                if 0 < stage_min_ops < len(ops) and self._can_stage(w.group):
+                    staged.append((w.group, plan.as_ids(w.src_items, "source"),
+                                   plan.as_ids(w.dst_items, "destination"), len(ops)))
+                    continue
+            else:
+                lg, rg = local.groups[w.group], remote.groups[w.group]
+                ops = plan.plan_raw(lg, rg, w.desc, w.src_off, w.dst_off, w.nbytes)
+            d = ops.desc.astype(np.intp)
+            chunks.append((ops.laddr, ops.raddr, ops.nbytes, local.desc_memh[w.group][d],
+                           remote.desc_region[w.group][d]))
+        if small[0] or not chunks:
+            chunks.insert(0, tuple(np.array(c, dtype=_U64) for c in small))
+        if len(chunks) == 1:
+            laddr, raddr, nbytes, lmemh, ridx = (np.asarray(c, dtype=_U64) for c in chunks[0])
+        else:
+            laddr, raddr, nbytes, lmemh, ridx = (
+                np.concatenate([c[i] for c in chunks]).astype(_U64, copy=False)
+                for i in range(5))
+        return laddr, raddr, nbytes, lmemh, ridx, staged
+
