@@ -131,7 +131,9 @@ class LocalGroups:
         if query is None:
             if not any("cuda" in k for k in kinds.values()):
                 return {n: None for n in self.groups}
-            from kvxfer.kernels.cuda_driver import ipc_capable as query
+            from kvxfer.kernels.cuda_driver import ipc_capable
+
+            query = ipc_capable
         report = ipc.ipc_report(self.groups, kinds, query)
         ipc.warn_non_ipc(report)
         return report
