@@ -217,12 +217,15 @@ class Integrity:
         a = mgr.args
         batches: Dict[int, _DeviceBatch] = {}
         self.groups = {g: ItemSums(*a.group(g), batches=batches) for g in GROUPS}
-        #: test hook: called on the loop with the room right before decode checksums its
-        #: destination items (a test corrupts a byte there); None otherwise
+        #: test hook: called with the room right before decode checksums its destination
+        #: items (a test corrupts a byte there); None otherwise.
+        #: Runs on: the manager's loop thread.
         self.before_check: Optional[Callable] = None
 
     # ------------------------------------------------------------------ computing
     def _sums(self, parts) -> List[np.ndarray]:
+        """Runs on: the loop thread (small host work) or the default executor (see
+        :meth:`_compute`)."""
         return item_sums([(self.groups[g], ids) for g, ids in parts])
 
     async def _compute(self, parts) -> List[np.ndarray]:

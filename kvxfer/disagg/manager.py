@@ -10,7 +10,8 @@ plain attribute and is safe from any thread.
 Reliability: one timer handle per room (deadline of its current state), one heartbeat task
 per manager pinging every peer; a peer that closes, dies or stays silent past
 ``heartbeat_timeout_s`` fails all its rooms at once. Role-specific protocol lives in
-:mod:`kvxfer.disagg.prefill_side` and :mod:`kvxfer.disagg.decode_side`.
+:mod:`kvxfer.disagg.prefill_side` and :mod:`kvxfer.disagg.decode_side`; they (and the
+integrity check) see this manager only as a :class:`kvxfer.disagg.context.SideContext`.
 
 Fenced release (the invariant every path keeps): a room's ``on_done`` runs only once no write
 for it can still land in (decode) or read from (prefill) its items — after the peer said so
@@ -273,6 +274,7 @@ class KVManager:
         return task
 
     def _task_done(self, task: asyncio.Task) -> None:
+        """Runs on: the loop thread (the done callback of a spawned task)."""
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("%s: background task failed", self.name, exc_info=task.exception())
@@ -339,6 +341,7 @@ class KVManager:
         r.timer = self._running_loop().call_later(seconds, self._expired, r, r.state, seconds)
 
     def _expired(self, r: Room, state: KVPoll, seconds: float) -> None:
+        """A room's deadline passed. Runs on: the loop thread (a ``call_later`` timer)."""
         r.timer = None
         if r.released:
             return
