@@ -4,11 +4,11 @@ from kvxfer.disagg.aux import MetadataBuffer
 from kvxfer.disagg.bootstrap import BootstrapServer
 from kvxfer.disagg.context import Timeouts
 from kvxfer.disagg.errors import (
-                                  DuplicateRoom,
-                                  IntegrityError,
-                                  LayoutMismatch,
-                                  RoomMismatch,
-                                  UnknownRoom,
+    DuplicateRoom,
+    IntegrityError,
+    LayoutMismatch,
+    RoomMismatch,
+    UnknownRoom,
 )
 from kvxfer.disagg.kv_args import KVArgs
 from kvxfer.disagg.manager import KVManager
