@@ -1,11 +1,11 @@
-"""What the role-specific protocol may use of its manager: :class:`SideContext`.
+"""What the role-specific protocol may use of its manager.
 
 :class:`~kvxfer.disagg.manager.KVManager` owns the engine, the links, the room table and
-the deadlines; :class:`~kvxfer.disagg.prefill_side.PrefillSide`,
-:class:`~kvxfer.disagg.decode_side.DecodeSide` and
-:class:`~kvxfer.disagg.integrity.Integrity` are handed the manager typed as
-:class:`SideContext` — exactly the state and operations they need, nothing private — so
-that none of them imports the manager.
+the deadlines. Its collaborators are handed the manager typed as a Protocol holding exactly
+the state and operations they use, nothing private, so that none of them imports the
+manager: :class:`PrefillContext` (:class:`~kvxfer.disagg.prefill_side.PrefillSide`),
+:class:`DecodeContext` (:class:`~kvxfer.disagg.decode_side.DecodeSide`), :class:`RoomOps`
+(:class:`~kvxfer.disagg.integrity.Integrity`); :class:`SideContext` is what both sides share.
 
 Runs on: every member is used on the manager's loop thread, except :meth:`SideContext.call`
 (any thread).
@@ -63,8 +63,8 @@ class IntegrityOps(Protocol):
     def terminal(self, r: Room) -> None: ...
 
 
-class SideContext(Protocol):
-    """The manager as its sides see it (see the module docstring)."""
+class RoomOps(Protocol):
+    """The room operations of a manager: what the integrity check needs."""
 
     @property
     def name(self) -> str: ...
@@ -73,44 +73,9 @@ class SideContext(Protocol):
     def args(self) -> KVArgs: ...
 
     @property
-    def t(self) -> Timeouts: ...
-
-    @property
-    def fingerprint(self) -> Dict[str, Any]: ...
-
-    @property
-    def secret(self) -> bytes: ...
-
-    @property
-    def bootstrap_addr(self) -> Optional[str]: ...
-
-    @property
     def rooms(self) -> RoomTable: ...
 
-    @property
-    def links(self) -> Dict[str, Link]: ...
-
-    @property
-    def aux(self) -> AuxRows: ...
-
-    @property
-    def integrity(self) -> Optional[IntegrityOps]: ...
-
-    @property
-    def stats(self) -> Dict[str, Any]: ...
-
-    @property
-    def closed(self) -> bool: ...
-
-    @property
-    def address(self) -> Optional[Tuple[str, int]]: ...
-
-    def call(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` on the loop: now if on it, else soon. Runs on: any thread."""
-
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> "asyncio.Task[Any]": ...
-
-    def hook(self, point: str, room: int) -> None: ...
 
     def send_msg(self, link: Link, msg: wire.Message) -> None: ...
 
@@ -123,9 +88,56 @@ class SideContext(Protocol):
 
     def release(self, r: Room) -> None: ...
 
+
+class SideContext(RoomOps, Protocol):
+    """What both sides use of their manager."""
+
+    @property
+    def t(self) -> Timeouts: ...
+
+    @property
+    def fingerprint(self) -> Dict[str, Any]: ...
+
+    @property
+    def secret(self) -> bytes: ...
+
+    @property
+    def links(self) -> Dict[str, Link]: ...
+
+    @property
+    def aux(self) -> AuxRows: ...
+
+    @property
+    def integrity(self) -> Optional[IntegrityOps]: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop: now if on it, else soon. Runs on: any thread."""
+
+
+class PrefillContext(SideContext, Protocol):
+    """The manager as :class:`~kvxfer.disagg.prefill_side.PrefillSide` sees it."""
+
+    @property
+    def address(self) -> Optional[Tuple[str, int]]: ...
+
+    @property
+    def bootstrap_addr(self) -> Optional[str]: ...
+
+    @property
+    def stats(self) -> Dict[str, Any]: ...
+
+    def hook(self, point: str, room: int) -> None: ...
+
     def room_gone(self) -> None: ...
 
     def link_failed(self, link: Link, exc: BaseException, *, fence: bool = False) -> None: ...
+
+
+class DecodeContext(SideContext, Protocol):
+    """The manager as :class:`~kvxfer.disagg.decode_side.DecodeSide` sees it."""
 
     async def connect(self, host: str, port: int) -> Any:
         """Connect our engine to a peer engine; its Peer."""

@@ -23,7 +23,7 @@ from kvxfer import errors as kerr
 from kvxfer.disagg import bootstrap
 from kvxfer.disagg import errors as derr
 from kvxfer.disagg import messages as m
-from kvxfer.disagg.context import SideContext
+from kvxfer.disagg.context import DecodeContext
 from kvxfer.disagg.handle import OnDone
 from kvxfer.disagg.kv_args import check_compatible
 from kvxfer.disagg.link import Link
@@ -59,7 +59,7 @@ class DecodeSide:
     """The decode protocol of one manager. Runs on: the manager's loop thread, except
     :meth:`new_room` (the scheduler's thread)."""
 
-    def __init__(self, mgr: SideContext) -> None:
+    def __init__(self, mgr: DecodeContext) -> None:
         self.mgr = mgr
         self._links: Dict[str, asyncio.Future] = {}     # bootstrap addr -> Future[Link]
         self._hello: Dict[str, asyncio.Future] = {}     # peer id -> Future[HelloAck]

@@ -41,7 +41,7 @@ import numpy as np
 from kvxfer import errors as kerr
 from kvxfer.disagg import errors as derr
 from kvxfer.disagg import messages as m
-from kvxfer.disagg.context import SideContext
+from kvxfer.disagg.context import RoomOps
 from kvxfer.disagg.errors import IntegrityError
 from kvxfer.disagg.poll import KVPoll, is_terminal
 from kvxfer.disagg.roles import RoomRole
@@ -210,7 +210,7 @@ class _Sending:
 class Integrity:
     """The integrity check of one manager (see module docstring)."""
 
-    def __init__(self, mgr: SideContext) -> None:
+    def __init__(self, mgr: RoomOps) -> None:
         from kvxfer.kernels.checksum import ALGORITHM
         self.mgr = mgr
         self.algorithm = ALGORITHM

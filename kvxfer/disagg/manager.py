@@ -11,7 +11,7 @@ Reliability: one timer handle per room (deadline of its current state), one hear
 per manager pinging every peer; a peer that closes, dies or stays silent past
 ``heartbeat_timeout_s`` fails all its rooms at once. Role-specific protocol lives in
 :mod:`kvxfer.disagg.prefill_side` and :mod:`kvxfer.disagg.decode_side`; they (and the
-integrity check) see this manager only as a :class:`kvxfer.disagg.context.SideContext`.
+integrity check) see this manager only through the Protocols of :mod:`kvxfer.disagg.context`.
 
 Fenced release (the invariant every path keeps): a room's ``on_done`` runs only once no write
 for it can still land in (decode) or read from (prefill) its items — after the peer said so
@@ -113,7 +113,7 @@ class KVManager:
         self._idle: Optional[asyncio.Future] = None     # close(): resolved when no room is left
         self.stats: Dict[str, Any] = {"succeeded": 0, "failed": 0, "bytes": 0, "ops": 0,
                                       "writes": 0, "lanes": set()}
-        #: the role-specific protocol; it sees this manager as a kvxfer.disagg.context.SideContext
+        #: the role-specific protocol; it sees this manager as a Prefill/DecodeContext
         self.side: Union[PrefillSide, DecodeSide] = (
             PrefillSide(self) if self.mode is DisaggMode.PREFILL else DecodeSide(self))
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from kvxfer.disagg import bootstrap
 from kvxfer.disagg import messages as m
-from kvxfer.disagg.context import SideContext
+from kvxfer.disagg.context import PrefillContext
 from kvxfer.disagg.errors import DuplicateRoom, LayoutMismatch, UnknownRoom
 from kvxfer.disagg.handle import OnDone
 from kvxfer.disagg.kv_args import check_compatible
@@ -61,7 +61,7 @@ class PrefillSide:
     """The prefill protocol of one manager. Runs on: the manager's loop thread, except
     :meth:`new_room` (the scheduler's thread)."""
 
-    def __init__(self, mgr: SideContext) -> None:
+    def __init__(self, mgr: PrefillContext) -> None:
         self.mgr = mgr
 
     # ------------------------------------------------------------------ lifecycle
