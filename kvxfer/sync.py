@@ -3,22 +3,21 @@ schedulers that are not async.
 
 Every method is thread-safe and bounded: blocking calls wait at most their timeout (plus a
 small margin); ``write_async`` returns a :class:`Pending` whose ``poll()`` never blocks.
-Methods run on the caller's thread and hand the work to the loop thread
-(``run_coroutine_threadsafe``); handlers registered here run on the loop thread (the threads
-table in docs/engine.md). Alternatively ``poll_messages()`` drains the messages received so
-far (non-blocking).
+Methods run on the caller's thread and hand the work to the loop thread (a
+:class:`kvxfer.loop_thread.LoopThread`, via ``run_coroutine_threadsafe``); handlers registered
+here run on the loop thread (the threads table in docs/engine.md). Alternatively
+``poll_messages()`` drains the messages received so far (non-blocking).
 """
 from __future__ import annotations
 
-import asyncio
 import collections
 import concurrent.futures
-import threading
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from kvxfer.config import EngineConfig
 from kvxfer.engine import ItemWrite, Peer, RawWrite, TransferEngine, TransferStats
 from kvxfer.errors import Closed, TransferTimeout
+from kvxfer.loop_thread import LoopThread
 
 __all__ = ["SyncEngine", "SyncPeer", "Pending", "ItemWrite", "RawWrite", "TransferStats"]
 
@@ -81,10 +80,8 @@ class SyncEngine:
 
     def __init__(self, config: EngineConfig):
         self.engine = TransferEngine(config)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever,
-                                        name=f"kvxfer-{config.name or 'engine'}", daemon=True)
-        self._thread.start()
+        self._lt = LoopThread(f"kvxfer-{config.name or 'engine'}")
+        self._lt.start()
         self._messages: collections.deque = collections.deque()
         self._closed = False
         self._wrap: dict = {}
@@ -96,16 +93,13 @@ class SyncEngine:
         if self._closed:
             coro.close()
             raise Closed("SyncEngine closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return self._lt.submit(coro)
 
     def _run(self, coro, timeout: float):
-        fut = self._submit(coro)
-        try:
-            return fut.result(timeout + _MARGIN_S)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            raise TransferTimeout(f"engine call did not finish in {timeout + _MARGIN_S:.3g} s") \
-                from None
+        if self._closed:
+            coro.close()
+            raise Closed("SyncEngine closed")
+        return self._lt.run(coro, timeout + _MARGIN_S, what="engine call")
 
     def _sync_peer(self, peer: Peer) -> SyncPeer:
         sp = self._wrap.get(id(peer))
@@ -156,10 +150,7 @@ class SyncEngine:
             self._run(self.engine.close(), self.engine.config.close_timeout_s * 4)
         finally:
             self._closed = True
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
-            if not self._thread.is_alive():
-                self._loop.close()
+            self._lt.stop(10)
 
     def __enter__(self):
         return self

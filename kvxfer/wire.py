@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, ClassVar, Dict, Type
+from typing import Any, ClassVar, Dict, Type, TypeVar
 
 import msgpack
 
@@ -161,7 +161,10 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
     return cls(**body)
 
 
-def expect(msg: Message, cls: Type[Message]) -> Message:
+_M = TypeVar("_M", bound=Message)
+
+
+def expect(msg: Message, cls: Type[_M]) -> _M:
     """Return ``msg`` if it is a ``cls``; otherwise raise :class:`ProtocolError`."""
     if not isinstance(msg, cls):
         raise ProtocolError(f"expected {cls.TAG}, got {msg.TAG}")

@@ -44,7 +44,7 @@ class AuxRows:
             raise InvalidArgument(f"aux row_bytes {row_bytes} must be a multiple of 8")
         raw = (ctypes.c_uint8 * nbytes).from_address(ptr)
         self._rows = nbytes // row_bytes
-        self._u64 = np.frombuffer(raw, dtype="<u8").reshape(self._rows, row_bytes // 8)
+        self._u64 = np.frombuffer(memoryview(raw), dtype="<u8").reshape(self._rows, row_bytes // 8)
 
     @property
     def rows(self) -> int:

@@ -34,7 +34,6 @@ import logging
 import os
 import struct
 import sys
-import threading
 from typing import Any, Dict, List, Optional, Tuple
 
 import msgpack
@@ -42,8 +41,15 @@ import msgpack
 from kvxfer import wire
 from kvxfer.config import resolve_secret
 from kvxfer.disagg import messages as m
-from kvxfer.errors import (AuthenticationFailed, InvalidArgument, KvxferError, PeerClosed,
-                           ProtocolError, TransferTimeout)
+from kvxfer.errors import (
+    AuthenticationFailed,
+    InvalidArgument,
+    KvxferError,
+    PeerClosed,
+    ProtocolError,
+    TransferTimeout,
+)
+from kvxfer.loop_thread import LoopThread
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +134,7 @@ class BootstrapServer:
         self._per_dp: Dict[int, int] = {}
         self._conns: set = set()
         self._server: Optional[asyncio.base_events.Server] = None
-        self._thread: Optional[threading.Thread] = None
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: Optional[LoopThread] = None
 
     @property
     def address(self) -> str:
@@ -141,7 +146,6 @@ class BootstrapServer:
     async def start(self) -> Tuple[str, int]:
         self._server = await asyncio.start_server(self._serve, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
-        self._loop = asyncio.get_running_loop()
         log.info("bootstrap server listening on %s", self.address)
         return self.host, self.port
 
@@ -157,39 +161,21 @@ class BootstrapServer:
     async def serve_forever(self) -> None:
         if self._server is None:
             await self.start()
+        assert self._server is not None
         await self._server.serve_forever()
 
     # -- background-thread use (schedulers, tests) --
     def start_in_thread(self, timeout: float = 10.0) -> "BootstrapServer":
-        ready = threading.Event()
-        err: List[BaseException] = []
-
-        def run() -> None:
-            loop = asyncio.new_event_loop()
-            self._loop = loop
-            try:
-                loop.run_until_complete(self.start())
-            except BaseException as exc:  # reported to the caller below
-                err.append(exc)
-                ready.set()
-                return
-            ready.set()
-            loop.run_forever()
-            loop.run_until_complete(self.close())
-            loop.close()
-
-        self._thread = threading.Thread(target=run, name="kvxfer-bootstrap", daemon=True)
-        self._thread.start()
-        if not ready.wait(timeout):
-            raise TransferTimeout(f"bootstrap server did not start within {timeout}s")
-        if err:
-            raise err[0]
+        """Serve on a private loop thread ("kvxfer-bootstrap"); returns once listening
+        (TransferTimeout past ``timeout``; a failure to listen is raised here)."""
+        self._thread = LoopThread("kvxfer-bootstrap")
+        self._thread.start(self.start(), timeout, on_stop=self.close)
         return self
 
     def stop_thread(self, timeout: float = 10.0) -> None:
-        if self._thread is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout)
+        """Stop serving (the server closes on its loop) and join the thread; idempotent."""
+        if self._thread is not None:
+            self._thread.stop(timeout)
             self._thread = None
 
     # -- protocol --

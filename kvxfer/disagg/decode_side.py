@@ -15,17 +15,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
+import numpy as np
+
+from kvxfer import errors as kerr
 from kvxfer.disagg import bootstrap
 from kvxfer.disagg import errors as derr
 from kvxfer.disagg import messages as m
+from kvxfer.disagg.context import DecodeContext
+from kvxfer.disagg.handle import OnDone
 from kvxfer.disagg.kv_args import check_compatible
+from kvxfer.disagg.link import Link
 from kvxfer.disagg.poll import KVPoll, is_terminal
+from kvxfer.disagg.roles import RoomRole
 from kvxfer.disagg.rooms import Room
-from kvxfer import errors as kerr
-from kvxfer.errors import (Closed, KvxferError, PeerClosed, ProtocolError, ShapeMismatch,
-                           TransferAborted, TransferTimeout, UnsupportedOperation)
+from kvxfer.errors import (
+    Closed,
+    KvxferError,
+    PeerClosed,
+    ProtocolError,
+    ShapeMismatch,
+    TransferAborted,
+    TransferTimeout,
+    UnsupportedOperation,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +56,10 @@ def remote_error(kind: str, reason: str, who: str) -> KvxferError:
 
 
 class DecodeSide:
-    def __init__(self, mgr) -> None:
+    """The decode protocol of one manager. Runs on: the manager's loop thread, except
+    :meth:`new_room` (the scheduler's thread)."""
+
+    def __init__(self, mgr: DecodeContext) -> None:
         self.mgr = mgr
         self._links: Dict[str, asyncio.Future] = {}     # bootstrap addr -> Future[Link]
         self._hello: Dict[str, asyncio.Future] = {}     # peer id -> Future[HelloAck]
@@ -63,22 +80,27 @@ class DecodeSide:
                 await ref.result().close()
 
     # ------------------------------------------------------------------ handle entry points
-    def new_room(self, room: int, role: str, on_done) -> Room:
-        r = Room(room, "receiver", on_done)
+    def new_room(self, room: int, on_done: Optional[OnDone]) -> Room:
+        """Insert the receiver's room now (duplicates raise here); its deadline starts on
+        the loop. Runs on: the caller's thread (the scheduler's)."""
+        r = Room(room, RoomRole.RECEIVER, on_done)
         self.mgr.rooms.insert(r)
         self.mgr.call(self.mgr.arm, r)
         return r
 
     def init(self, r: Room, addr: str) -> None:
+        """KVReceiver.init(), handed over. Runs on: the loop thread."""
         if is_terminal(r.state) or r.inited:
             return
         r.inited = True
         r.bootstrap_addr = addr
         self._link_future(addr).add_done_callback(lambda f: self._linked(r, f))
 
-    def send_metadata(self, r: Room, dst_kv, dst_state, aux: int) -> None:
-        """Loop thread. Nothing is written for a room that already ended: its aux row may
-        be back in the scheduler's allocator (and another request's) by now."""
+    def send_metadata(self, r: Room, dst_kv: np.ndarray, dst_state: np.ndarray,
+                      aux: int) -> None:
+        """KVReceiver.send_metadata(), handed over. Nothing is written for a room that
+        already ended: its aux row may be back in the scheduler's allocator (and another
+        request's) by now. Runs on: the loop thread."""
         if is_terminal(r.state):
             return
         self.mgr.aux.clear(aux)          # a stale stamp in a reused row can never validate
@@ -89,6 +111,7 @@ class DecodeSide:
             self._send_meta(r)
 
     def _send_meta(self, r: Room) -> None:
+        assert r.pending_meta is not None and r.link is not None
         dst_kv, dst_state, aux = r.pending_meta
         r.pending_meta = None
         r.meta_sent = True
@@ -103,12 +126,12 @@ class DecodeSide:
         if fut is not None and (not fut.done() or (not fut.cancelled() and fut.exception() is None
                                                    and not fut.result().dead)):
             return fut
-        fut = self.mgr.loop.create_future()
+        fut = asyncio.get_running_loop().create_future()
         self._links[addr] = fut
         self.mgr.spawn(self._connect(addr, fut))
         return fut
 
-    def link_lost(self, link) -> None:
+    def link_lost(self, link: Link) -> None:
         fut = self._links.get(link.key)
         if fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None \
                 and fut.result() is link:
@@ -132,7 +155,7 @@ class DecodeSide:
         if not fut.done():
             fut.set_exception(exc)
 
-    async def _pick(self, addr: str) -> dict:
+    async def _pick(self, addr: str) -> Dict[str, Any]:
         mgr, a = self.mgr, self.mgr.args
         delay = 0.02
         while True:
@@ -149,25 +172,25 @@ class DecodeSide:
             await asyncio.sleep(delay)            # prefill not registered yet: retry
             delay = min(delay * 2, 0.5)
 
-    async def _establish(self, addr: str):
+    async def _establish(self, addr: str) -> Link:
         """Connect and say hello. A prefill whose layout differs refuses the hello; the link
         is kept anyway (``link.refused``) so that each room can send its refusal over it.
         Our engine cannot even connect to it when the buffer geometry differs (the engine
         handshake refuses mismatched groups), so then the connection is made by an engine
         without registered memory, which carries messages only."""
-        from kvxfer.disagg.manager import Link
         mgr = self.mgr
         entry = await self._pick(addr)
-        engine = mgr.engine
         try:
             check_compatible(mgr.fingerprint, entry["fingerprint"], us=f"decode {mgr.name}",
                              them=f"prefill {entry['name']}")
         except derr.LayoutMismatch:
-            engine = await self._refusal_engine()
-        peer = await engine.connect(entry["host"], entry["port"])
+            refusals = await self._refusal_engine()
+            peer = await refusals.connect(entry["host"], entry["port"])
+        else:
+            peer = await mgr.connect(entry["host"], entry["port"])
         link = Link(addr, peer, entry["name"])
         mgr.links[peer.id] = link
-        ack_fut = mgr.loop.create_future()
+        ack_fut = asyncio.get_running_loop().create_future()
         self._hello[peer.id] = ack_fut
         try:
             await peer.send(m.Hello(name=mgr.name, tp_rank=mgr.args.tp_rank,
@@ -184,28 +207,22 @@ class DecodeSide:
             link.refused = derr.LayoutMismatch(f"prefill {entry['name']} refused: {ack.error}")
         return link
 
-    async def _refusal_engine(self):
+    async def _refusal_engine(self) -> Any:
         """The message-only engine (started once, shared, closed with the manager)."""
         if self._refusals is None:
-            self._refusals = self.mgr.spawn(self._start_refusal_engine())
+            self._refusals = self.mgr.spawn(self.mgr.message_engine(f"{self.mgr.name}-refusals"))
         return await asyncio.shield(self._refusals)
 
-    async def _start_refusal_engine(self):
-        mgr = self.mgr
-        engine = mgr._make_engine(name=f"{mgr.name}-refusals", port=0)
-        engine.on_message(mgr._on_message)
-        engine.on_peer_closed(mgr._on_peer_closed)
-        await engine.start()
-        return engine
-
     def _linked(self, r: Room, f: asyncio.Future) -> None:
+        """Runs on: the loop thread (the done callback of the link's future)."""
         mgr = self.mgr
         if f.cancelled():
             mgr.fail(r, Closed(f"room {r.room}: manager closed while bootstrapping"),
                      notify=False, peer_gone=True)
             return
-        if f.exception() is not None:
-            mgr.fail(r, f.exception(), notify=False, peer_gone=True)
+        exc = f.exception()
+        if exc is not None:
+            mgr.fail(r, exc, notify=False, peer_gone=True)
             return
         link = f.result()
         if link.dead:
@@ -215,10 +232,11 @@ class DecodeSide:
         if is_terminal(r.state):                 # aborted while bootstrapping: tell prefill
             mgr.send_msg(link, m.Abort(room=r.room, reason=str(r.exc), kind=type(r.exc).__name__))
             return
-        if link.refused is not None:             # prefill's KVSender must not wait for us
-            mgr.send_msg(link, m.Abort(room=r.room, reason=str(link.refused),
-                                       kind=type(link.refused).__name__))
-            mgr.fail(r, type(link.refused)(f"room {r.room}: {link.refused}"), notify=False,
+        refused = link.refused
+        if refused is not None:                  # prefill's KVSender must not wait for us
+            mgr.send_msg(link, m.Abort(room=r.room, reason=str(refused),
+                                       kind=type(refused).__name__))
+            mgr.fail(r, type(refused)(f"room {r.room}: {refused}"), notify=False,
                      peer_gone=True)
             return
         r.link = link
@@ -247,16 +265,17 @@ class DecodeSide:
             mgr.release(r)
 
     # ------------------------------------------------------------------ messages
-    def _room_of(self, link, room: int, tag: str):
+    def _room_of(self, link: Link, room: int, tag: str) -> Optional[Room]:
         r = self.mgr.rooms.get(room)
-        if r is None or r.role != "receiver" or r.link is not link:
+        if r is None or r.role is not RoomRole.RECEIVER or r.link is not link:
             lvl = logging.DEBUG if self.mgr.rooms.tombstone(room) else logging.WARNING
             log.log(lvl, "%s: %s for unknown room %d from %s", self.mgr.name, tag, room,
                     link.name if link else "?")
             return None
         return r
 
-    def on_message(self, peer, link, msg) -> None:
+    def on_message(self, peer: Any, link: Optional[Link], msg: Any) -> None:
+        """A message from a prefill engine. Runs on: the loop thread."""
         mgr = self.mgr
         if isinstance(msg, m.HelloAck):
             fut = self._hello.get(peer.id)
@@ -307,6 +326,7 @@ class DecodeSide:
             mgr.fail(r, ShapeMismatch(f"room {r.room}: prefill sent {msg.pages} pages, decode "
                                       f"expected {r.expect_pages}"), notify=False)
             return
+        assert r.dst_aux_row is not None         # set by send_metadata, before any Done
         got = mgr.aux.read_room(r.dst_aux_row)
         if got != r.room:
             mgr.fail(r, derr.RoomMismatch(
@@ -321,7 +341,7 @@ class DecodeSide:
         mgr.release(r)
 
 
-async def _quiet_close(peer) -> None:
+async def _quiet_close(peer: Any) -> None:
     try:
         await peer.close()
     except KvxferError:

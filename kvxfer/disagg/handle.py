@@ -8,10 +8,12 @@ from typing import Callable, Optional
 import numpy as np
 
 from kvxfer.disagg.poll import KVPoll, is_terminal
+from kvxfer.disagg.roles import DisaggMode
 from kvxfer.errors import IndexOutOfRange, InvalidArgument, TransferAborted, TransferTimeout
 
-#: ``on_done(state: KVPoll, exc: Exception | None)``: called once, on the manager's loop, when
-#: the room is terminal AND no transfer can touch its pages any more — release them there.
+#: ``on_done(state: KVPoll, exc: Exception | None)``: called once, when the room is terminal
+#: AND no transfer can touch its pages any more — release them there.
+#: Runs on: the manager's loop thread (keep it short; hand work to the scheduler's thread).
 OnDone = Callable[[KVPoll, Optional[BaseException]], None]
 
 
@@ -39,11 +41,12 @@ def as_ids(x, what: str, limit: int, *, unique: bool = True) -> np.ndarray:
 
 
 class RoomHandle:
-    _role = ""
+    #: the manager mode this handle belongs to (set by KVSender / KVReceiver)
+    _mode: DisaggMode
 
     def __init__(self, mgr, room, on_done: Optional[OnDone]) -> None:
         self.mgr = mgr
-        self._r = mgr.new_room(room, self._role, on_done)
+        self._r = mgr.new_room(room, on_done)
         self._r.handle = self
 
     @property
@@ -54,7 +57,7 @@ class RoomHandle:
         return f"{type(self).__name__}(room={self.room}, {KVPoll(self._r.state).name})"
 
     def poll(self) -> KVPoll:
-        """Current state; non-blocking, callable from any thread."""
+        """Current state; non-blocking. Runs on: any thread (the scheduler's)."""
         return KVPoll(self._r.state)
 
     def failure_exception(self) -> Optional[BaseException]:
@@ -62,7 +65,9 @@ class RoomHandle:
         return self._r.exc if self._r.state == KVPoll.Failed else None
 
     def abort(self) -> None:
-        """Fail the room (sticky) and tell the peer; pages are released via ``on_done``."""
+        """Fail the room (sticky) and tell the peer; pages are released via ``on_done``.
+
+        Runs on: any thread (the scheduler's); the failure runs on the loop."""
         r = self._r
         if is_terminal(r.state):
             return
@@ -70,9 +75,10 @@ class RoomHandle:
 
     def _abort(self) -> None:
         self.mgr.fail(self._r, TransferAborted(
-            f"room {self._r.room} aborted by {self._role} {self.mgr.name}"))
+            f"room {self._r.room} aborted by {self._mode.value} {self.mgr.name}"))
 
     def _add_waiter(self, w) -> None:
+        """Runs on: the loop thread."""
         if is_terminal(self._r.state):
             if not w.done():
                 w.set_result(self._r.state)
@@ -99,7 +105,8 @@ class RoomHandle:
                                   f"{timeout}s") from None
 
     def wait_blocking(self, timeout: Optional[float] = None) -> KVPoll:
-        """Block a (non-loop) thread until the room is terminal."""
+        """Block a (non-loop) thread until the room is terminal. Runs on: the caller's
+        thread, never the loop's."""
         if self.mgr.in_loop():
             raise InvalidArgument("wait_blocking() on the manager's own loop would deadlock")
         r = self._r

@@ -41,8 +41,10 @@ import numpy as np
 from kvxfer import errors as kerr
 from kvxfer.disagg import errors as derr
 from kvxfer.disagg import messages as m
+from kvxfer.disagg.context import RoomOps
 from kvxfer.disagg.errors import IntegrityError
 from kvxfer.disagg.poll import KVPoll, is_terminal
+from kvxfer.disagg.roles import RoomRole
 from kvxfer.errors import KvxferError, ProtocolError, TransferAborted
 
 log = logging.getLogger(__name__)
@@ -82,6 +84,7 @@ class _DeviceBatch:
         """uint32 ``[n]``: the table's sums per out index; ``host_work()`` runs while the
         device works."""
         import torch
+
         from kvxfer.kernels.checksum import add_partials, checksum_tasks, task_alignment
         t = tasks.shape[0]
         al = task_alignment(tasks)
@@ -207,19 +210,22 @@ class _Sending:
 class Integrity:
     """The integrity check of one manager (see module docstring)."""
 
-    def __init__(self, mgr) -> None:
+    def __init__(self, mgr: RoomOps) -> None:
         from kvxfer.kernels.checksum import ALGORITHM
         self.mgr = mgr
         self.algorithm = ALGORITHM
         a = mgr.args
         batches: Dict[int, _DeviceBatch] = {}
         self.groups = {g: ItemSums(*a.group(g), batches=batches) for g in GROUPS}
-        #: test hook: called on the loop with the room right before decode checksums its
-        #: destination items (a test corrupts a byte there); None otherwise
+        #: test hook: called with the room right before decode checksums its destination
+        #: items (a test corrupts a byte there); None otherwise.
+        #: Runs on: the manager's loop thread.
         self.before_check: Optional[Callable] = None
 
     # ------------------------------------------------------------------ computing
     def _sums(self, parts) -> List[np.ndarray]:
+        """Runs on: the loop thread (small host work) or the default executor (see
+        :meth:`_compute`)."""
         return item_sums([(self.groups[g], ids) for g, ids in parts])
 
     async def _compute(self, parts) -> List[np.ndarray]:
@@ -261,7 +267,7 @@ class Integrity:
 
     def on_verdict(self, link, msg: m.Verdict) -> None:
         r = self.mgr.rooms.get(msg.room)
-        if (r is None or r.role != "sender" or r.link is not link or is_terminal(r.state)
+        if (r is None or r.role is not RoomRole.SENDER or r.link is not link or is_terminal(r.state)
                 or not isinstance(r.integrity, _Sending)):
             log.debug("%s: verdict for room %d ignored (not awaiting one)", self.mgr.name,
                       msg.room)
@@ -341,11 +347,11 @@ class Integrity:
             mgr.advance(r, KVPoll.Success)
             mgr.release(r)
             return
-        i = int(bad[0])
-        for group, ids in parts:
-            if i < len(ids):
-                break
-            i -= len(ids)
+        i, k = int(bad[0]), 0
+        while i >= len(parts[k][1]):             # the group and index of flat item i
+            i -= len(parts[k][1])
+            k += 1
+        group, ids = parts[k]
         what = {"kv": "page", "state": "state slot", "aux": "aux row"}[group]
         mgr.fail(r, IntegrityError(
             f"room {r.room}: {group} item {i} (decode {what} {int(ids[i])}) has checksum "

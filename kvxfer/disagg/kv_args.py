@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 from kvxfer.argcheck import as_int
 from kvxfer.disagg.aux import HEADER_BYTES
@@ -121,7 +121,7 @@ class KVArgs:
                 f"KVArgs: {len(self.state_types)} state_types for "
                 f"{len(self.state_data_ptrs)} state buffers")
 
-    def group(self, name: str):
+    def group(self, name: str) -> Tuple[List[int], List[int], List[int]]:
         return (getattr(self, f"{name}_data_ptrs"), getattr(self, f"{name}_data_lens"),
                 getattr(self, f"{name}_item_lens"))
 

@@ -10,7 +10,8 @@ plain attribute and is safe from any thread.
 Reliability: one timer handle per room (deadline of its current state), one heartbeat task
 per manager pinging every peer; a peer that closes, dies or stays silent past
 ``heartbeat_timeout_s`` fails all its rooms at once. Role-specific protocol lives in
-:mod:`kvxfer.disagg.prefill_side` and :mod:`kvxfer.disagg.decode_side`.
+:mod:`kvxfer.disagg.prefill_side` and :mod:`kvxfer.disagg.decode_side`; they (and the
+integrity check) see this manager only through the Protocols of :mod:`kvxfer.disagg.context`.
 
 Fenced release (the invariant every path keeps): a room's ``on_done`` runs only once no write
 for it can still land in (decode) or read from (prefill) its items — after the peer said so
@@ -26,98 +27,63 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import enum
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Coroutine, Dict, Optional, Set, Tuple, Union
 
 from kvxfer import wire
 from kvxfer.disagg import messages as m
 from kvxfer.disagg.aux import AuxRows, check_room
+from kvxfer.disagg.context import IntegrityOps, Timeouts
+from kvxfer.disagg.decode_side import DecodeSide
+from kvxfer.disagg.handle import OnDone
 from kvxfer.disagg.kv_args import KVArgs
+from kvxfer.disagg.link import Link
 from kvxfer.disagg.poll import KVPoll, can_advance, is_terminal
+from kvxfer.disagg.prefill_side import PrefillSide
+from kvxfer.disagg.roles import DisaggMode, RoomRole
 from kvxfer.disagg.rooms import Room, RoomTable
-from kvxfer.errors import Closed, InvalidArgument, KvxferError, PeerClosed, ProtocolError, TransferTimeout
+from kvxfer.errors import (
+    Closed,
+    InvalidArgument,
+    KvxferError,
+    PeerClosed,
+    ProtocolError,
+    TransferTimeout,
+)
+from kvxfer.loop_thread import LoopThread
+
+# re-exported: their home moved below the manager, their public name did not
+__all__ = ["DisaggMode", "KVManager", "Link", "Timeouts"]
 
 log = logging.getLogger(__name__)
-
-
-class DisaggMode(str, enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-
-
-@dataclass
-class Timeouts:
-    """Seconds. Each state of a room has a deadline; a Transferring room's deadline is a lease
-    renewed by every chunk that completes."""
-    bootstrap_s: float = 30.0       # Bootstrapping: lookup+connect (decode), decode's metadata (prefill)
-    waiting_s: float = 300.0        # WaitingForInput: scheduler/prefill compute until data flows
-    transfer_s: float = 60.0        # Transferring: per chunk (lease)
-    heartbeat_interval_s: float = 1.0
-    heartbeat_timeout_s: float = 10.0
-    #: decode waits this long for prefill to confirm that no write is in flight; then it
-    #: closes the link (fencing every write of that peer) before it releases the pages
-    abort_ack_s: float = 10.0
-    #: decode's WaitingForInput/Transferring deadlines run this much longer than prefill's
-    #: (and, once its metadata went out, also cover prefill's Bootstrapping), so the side that
-    #: knows what went wrong - prefill - normally reports it first
-    decode_grace_s: float = 1.0
-    register_s: float = 30.0        # prefill: keep trying to register at bootstrap this long
-
-
-class Link:
-    """One connected peer engine, shared by all rooms that go through it."""
-
-    __slots__ = ("key", "peer", "name", "rooms", "last_heard", "dead", "fencing", "refused",
-                 "remote_items")
-
-    def __init__(self, key, peer, name: str = "") -> None:
-        self.key, self.peer, self.name = key, peer, name
-        self.rooms: set = set()
-        self.last_heard = time.monotonic()
-        self.dead = False
-        #: we are closing its endpoints; its rooms are released once that is done
-        self.fencing = False
-        #: the peer's layout does not match ours (LayoutMismatch): connected only to
-        #: carry each room's refusal
-        self.refused: Optional[KvxferError] = None
-        self.remote_items: Dict[str, int] = {}
-        groups = getattr(peer, "remote_groups", None) or {}
-        for g, (lens, item_lens) in groups.items():
-            self.remote_items[g] = min((int(n) // int(i) for n, i in zip(lens, item_lens)),
-                                       default=0)
-
-    def __repr__(self) -> str:
-        return f"Link({self.name or self.key}, rooms={len(self.rooms)}, dead={self.dead})"
 
 
 class KVManager:
     """Transfer manager of one rank. See module docstring for threading and reliability."""
 
-    #: Test-only: ``test_hook(point, room)`` is called on the loop thread at named points of
-    #: the protocol ("room_failed", "pending_retired", "abort_received", "before_write",
-    #: "closing" with room -1) so that a test can force an interleaving deterministically
-    #: (block there while another thread acts, or freeze the process). None in production.
+    #: Test-only: ``test_hook(point, room)`` is called at named points of the protocol
+    #: ("room_failed", "pending_retired", "abort_received", "before_write", "closing" with
+    #: room -1) so that a test can force an interleaving deterministically (block there while
+    #: another thread acts, or freeze the process). None in production.
+    #: Runs on: the manager's loop thread.
     test_hook: Optional[Callable[[str, int], None]] = None
 
-    def __init__(self, args: KVArgs, mode, *, bootstrap_addr: Optional[str] = None,
-                 secret: Optional[bytes] = None, host: str = "127.0.0.1", port: int = 0,
-                 error_mode: str = "peer", timeouts: Optional[Timeouts] = None,
-                 name: Optional[str] = None, engine_factory: Optional[Callable] = None,
-                 max_tombstones: int = 65536,
+    def __init__(self, args: KVArgs, mode: Union[DisaggMode, str, Any], *,
+                 bootstrap_addr: Optional[str] = None,
+                 secret: Optional[Union[bytes, str]] = None, host: str = "127.0.0.1",
+                 port: int = 0, error_mode: str = "peer", timeouts: Optional[Timeouts] = None,
+                 name: Optional[str] = None, max_tombstones: int = 65536,
                  integrity: bool = False) -> None:
+        """``mode``: :class:`DisaggMode`, SGLang's ``DisaggregationMode`` or
+        ``"prefill"`` / ``"decode"``."""
         from kvxfer.config import resolve_secret
         if not isinstance(args, KVArgs):
             raise InvalidArgument(f"args must be KVArgs, got {type(args).__name__}")
         #: shared by the engines and the bootstrap server (``secret=`` or $KVXFER_SECRET)
         self.secret = resolve_secret(secret, "KVManager")
-        try:
-            self.mode = DisaggMode(getattr(mode, "value", mode))
-        except ValueError:
-            raise InvalidArgument(f"mode {mode!r} is not 'prefill' or 'decode'") from None
+        self.mode = DisaggMode.parse(mode)
         if self.mode is DisaggMode.PREFILL and bootstrap_addr is None:
             raise InvalidArgument("a prefill KVManager needs bootstrap_addr to register at")
         self.args = args
@@ -127,10 +93,9 @@ class KVManager:
         self._engine_kw = dict(secret=self.secret, host=host, port=port, error_mode=error_mode,
                                connect_timeout_s=min(10.0, self.t.bootstrap_s),
                                transfer_timeout_s=self.t.transfer_s, name=self.name)
-        self._engine_factory = engine_factory
-        self.fingerprint = args.fingerprint()
+        self.fingerprint: Dict[str, Any] = args.fingerprint()
         #: end-to-end checksums of every item (kvxfer.disagg.integrity); None when off
-        self.integrity = None
+        self.integrity: Optional[IntegrityOps] = None
         if integrity:
             from kvxfer.disagg.integrity import Integrity
             self.integrity = Integrity(self)
@@ -139,28 +104,25 @@ class KVManager:
         self.aux = AuxRows(args.aux_data_ptrs[0], args.aux_data_lens[0], args.aux_item_lens[0])
         self.rooms = RoomTable(max_tombstones)
         self.links: Dict[str, Link] = {}          # peer.id -> Link
-        self.engine = None
+        self.engine: Any = None                   # kvxfer.engine.TransferEngine once started
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self._loop_tid: Optional[int] = None
-        self._thread: Optional[threading.Thread] = None
-        self._tasks: set = set()
+        self._thread: Optional[LoopThread] = None
+        self._tasks: Set[asyncio.Task] = set()
         self._closed = False
         self._idle: Optional[asyncio.Future] = None     # close(): resolved when no room is left
         self.stats: Dict[str, Any] = {"succeeded": 0, "failed": 0, "bytes": 0, "ops": 0,
                                       "writes": 0, "lanes": set()}
-        if self.mode is DisaggMode.PREFILL:
-            from kvxfer.disagg.prefill_side import PrefillSide
-            self.side = PrefillSide(self)
-        else:
-            from kvxfer.disagg.decode_side import DecodeSide
-            self.side = DecodeSide(self)
+        #: the role-specific protocol; it sees this manager as a Prefill/DecodeContext
+        self.side: Union[PrefillSide, DecodeSide] = (
+            PrefillSide(self) if self.mode is DisaggMode.PREFILL else DecodeSide(self))
 
     def __repr__(self) -> str:
         return f"KVManager({self.name}, rooms={len(self.rooms)}, peers={len(self.links)})"
 
     # ------------------------------------------------------------------ lifecycle
     @property
-    def address(self):
+    def address(self) -> Optional[Tuple[str, int]]:
         return None if self.engine is None else self.engine.address
 
     async def start(self) -> "KVManager":
@@ -169,15 +131,15 @@ class KVManager:
             return self
         self.loop = asyncio.get_running_loop()
         self._loop_tid = threading.get_ident()
-        self.engine = self._make_engine()
+        self.engine = engine = self._make_engine()
         a = self.args
-        self.engine.register("kv", a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens)
+        engine.register("kv", a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens)
         if a.state_data_ptrs:
-            self.engine.register("state", a.state_data_ptrs, a.state_data_lens, a.state_item_lens)
-        self.engine.register("aux", a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens)
-        self.engine.on_message(self._on_message)
-        self.engine.on_peer_closed(self._on_peer_closed)
-        await self.engine.start()
+            engine.register("state", a.state_data_ptrs, a.state_data_lens, a.state_item_lens)
+        engine.register("aux", a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens)
+        engine.on_message(self._on_message)
+        engine.on_peer_closed(self._on_peer_closed)
+        await engine.start()
         self.spawn(self._heartbeat())
         try:
             await self.side.started()
@@ -187,33 +149,30 @@ class KVManager:
         log.info("%s started on %s", self.name, self.address)
         return self
 
-    def _make_engine(self, **override):
-        kw = dict(self._engine_kw, **override)
-        if self._engine_factory is not None:
-            return self._engine_factory(**kw)
+    def _make_engine(self, **override: Any) -> Any:
         from kvxfer.engine import EngineConfig, TransferEngine
-        return TransferEngine(EngineConfig(**kw))
+        return TransferEngine(EngineConfig(**dict(self._engine_kw, **override)))
+
+    async def connect(self, host: str, port: int) -> Any:
+        """Connect our engine to the peer engine at ``host:port``; its Peer."""
+        return await self.engine.connect(host, port)
+
+    async def message_engine(self, name: str) -> Any:
+        """A started engine without registered memory whose messages and peer losses reach
+        this manager (decode's refusals); the caller closes it."""
+        engine = self._make_engine(name=name, port=0)
+        engine.on_message(self._on_message)
+        engine.on_peer_closed(self._on_peer_closed)
+        await engine.start()
+        return engine
 
     def start_background(self, timeout: float = 60.0) -> "KVManager":
-        """Run the manager on a private event-loop thread; returns once started."""
-        cf: concurrent.futures.Future = concurrent.futures.Future()
-
-        def run() -> None:
-            loop = asyncio.new_event_loop()
-            asyncio.set_event_loop(loop)
-            try:
-                loop.run_until_complete(self.start())
-            except BaseException as exc:
-                cf.set_exception(exc)
-                loop.close()
-                return
-            cf.set_result(None)
-            loop.run_forever()
-            loop.close()
-
-        self._thread = threading.Thread(target=run, name=f"kvxfer-{self.name}", daemon=True)
-        self._thread.start()
-        cf.result(timeout)
+        """Run the manager on a private event-loop thread (``kvxfer-<name>``, a
+        :class:`~kvxfer.loop_thread.LoopThread`); returns once started. A failure of
+        :meth:`start` is raised here; TransferTimeout past ``timeout``."""
+        lt = LoopThread(f"kvxfer-{self.name}")
+        lt.start(self.start(), timeout)
+        self._thread = lt
         return self
 
     async def close(self) -> None:
@@ -252,11 +211,12 @@ class KVManager:
                 self.fail(r, cause, notify=False, peer_gone=True)
 
     def close_background(self, timeout: float = 30.0) -> None:
+        """:meth:`close` on the background loop (waits up to ``timeout``), then stop and join
+        its thread; a no-op unless :meth:`start_background` started it."""
         if self._thread is None or self.loop is None:
             return
-        asyncio.run_coroutine_threadsafe(self.close(), self.loop).result(timeout)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout)
+        self._thread.submit(self.close()).result(timeout)
+        self._thread.stop(timeout)
         self._thread = None
 
     # ------------------------------------------------------------------ loop helpers
@@ -273,16 +233,25 @@ class KVManager:
         if self._closed:
             raise Closed(f"manager {self.name} is closed")
 
-    def call(self, fn: Callable, *args) -> None:
-        """Run ``fn(*args)`` on the loop: now if we are on it, else soon (non-blocking)."""
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        if self.loop is None:
+            raise Closed(f"manager {self.name} is not started")
+        return self.loop
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop: now if we are on it, else soon (non-blocking).
+
+        Runs on: any thread (the scheduler's, a test's, the loop's own)."""
         self._check_open()
         if self.in_loop():
             fn(*args)
         else:
-            self.loop.call_soon_threadsafe(fn, *args)
+            self._running_loop().call_soon_threadsafe(fn, *args)
 
-    def call_wait(self, fn: Callable, *args, timeout: float = 30.0):
-        """Run ``fn(*args)`` on the loop and return its result (blocks a foreign thread)."""
+    def call_wait(self, fn: Callable[..., Any], *args: Any, timeout: float = 30.0) -> Any:
+        """Run ``fn(*args)`` on the loop and return its result (blocks a foreign thread).
+
+        Runs on: any thread; ``fn`` runs on the loop thread."""
         self._check_open()
         if self.in_loop():
             return fn(*args)
@@ -294,22 +263,24 @@ class KVManager:
             except BaseException as exc:
                 cf.set_exception(exc)
 
-        self.loop.call_soon_threadsafe(run)
+        self._running_loop().call_soon_threadsafe(run)
         return cf.result(timeout)
 
-    def spawn(self, coro) -> asyncio.Task:
-        task = self.loop.create_task(coro)
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> "asyncio.Task[Any]":
+        """A task on the loop owned by this manager (cancelled by :meth:`close`)."""
+        task = self._running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
         return task
 
     def _task_done(self, task: asyncio.Task) -> None:
+        """Runs on: the loop thread (the done callback of a spawned task)."""
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("%s: background task failed", self.name, exc_info=task.exception())
 
     def hook(self, point: str, room: int) -> None:
-        """Call :attr:`test_hook` (tests only; a no-op otherwise)."""
+        """Call :attr:`test_hook` (tests only; a no-op otherwise). Runs on: the loop thread."""
         if self.test_hook is not None:
             self.test_hook(point, room)
 
@@ -325,11 +296,14 @@ class KVManager:
             self.link_failed(link, exc if isinstance(exc, KvxferError) else PeerClosed(str(exc)))
 
     # ------------------------------------------------------------------ rooms
-    def new_room(self, room, role: str, on_done) -> Room:
-        """Create a room record (any thread, non-blocking; DuplicateRoom raised here)."""
+    def new_room(self, room: int, on_done: Optional[OnDone]) -> Room:
+        """Create the room record of this manager's handle (KVSender on prefill, KVReceiver
+        on decode); non-blocking, DuplicateRoom raised here.
+
+        Runs on: the caller's thread (the scheduler's)."""
         room = check_room(room)
         self._check_open()
-        return self.side.new_room(room, role, on_done)
+        return self.side.new_room(room, on_done)
 
     def advance(self, r: Room, state: KVPoll, exc: Optional[BaseException] = None) -> bool:
         """Move ``r`` forward (or to Failed), re-arm its deadline, wake waiters on terminal."""
@@ -361,12 +335,13 @@ class KVManager:
             t = self.t
             seconds = {KVPoll.Bootstrapping: t.bootstrap_s, KVPoll.WaitingForInput: t.waiting_s,
                        KVPoll.Transferring: t.transfer_s}[r.state]
-            if r.role == "receiver" and r.state != KVPoll.Bootstrapping:
+            if r.role is RoomRole.RECEIVER and r.state != KVPoll.Bootstrapping:
                 seconds += t.decode_grace_s + (t.bootstrap_s if r.meta_sent and
                                                r.state == KVPoll.WaitingForInput else 0.0)
-        r.timer = self.loop.call_later(seconds, self._expired, r, r.state, seconds)
+        r.timer = self._running_loop().call_later(seconds, self._expired, r, r.state, seconds)
 
     def _expired(self, r: Room, state: KVPoll, seconds: float) -> None:
+        """A room's deadline passed. Runs on: the loop thread (a ``call_later`` timer)."""
         r.timer = None
         if r.released:
             return
@@ -388,7 +363,8 @@ class KVManager:
              peer_gone: bool = False) -> None:
         """Fail ``r`` (sticky) and release it once no write can touch its pages any more.
         ``notify``: tell the peer; ``peer_gone``: the peer can no longer write (release now)."""
-        if r.role == "pending":
+        if r.role is RoomRole.PENDING:
+            assert isinstance(self.side, PrefillSide)   # only prefill holds pending records
             self.side.fail_pending(r, exc, notify=notify, peer_gone=peer_gone)
             return
         if is_terminal(r.state):
@@ -401,7 +377,8 @@ class KVManager:
         self.side.after_fail(r, notify=notify, peer_gone=peer_gone)
 
     def release(self, r: Room) -> None:
-        """Terminal and safe: drop the room, run the scheduler's ``on_done`` exactly once."""
+        """Terminal and safe: drop the room, run the scheduler's ``on_done`` exactly once
+        (on this, the loop thread)."""
         if r.released:
             return
         if r.link is not None and r.link.fencing:
@@ -427,7 +404,8 @@ class KVManager:
             self._idle.set_result(None)
 
     # ------------------------------------------------------------------ peers
-    def _on_message(self, peer, payload: bytes) -> None:
+    def _on_message(self, peer: Any, payload: bytes) -> None:
+        """The engines' message handler. Runs on: the loop thread."""
         try:
             msg = wire.decode(payload)
         except ProtocolError as exc:
@@ -443,7 +421,8 @@ class KVManager:
         except KvxferError as exc:
             log.warning("%s: rejected %s from %s: %s", self.name, msg.TAG, peer.id, exc)
 
-    def _on_peer_closed(self, peer, exc) -> None:
+    def _on_peer_closed(self, peer: Any, exc: BaseException) -> None:
+        """The engines' peer-lost handler. Runs on: the loop thread."""
         link = self.links.get(peer.id)
         if link is not None:
             self.link_failed(link, exc if isinstance(exc, KvxferError)
@@ -462,7 +441,9 @@ class KVManager:
         fence = fence or self.mode is DisaggMode.DECODE
         link.dead = True
         link.fencing = fence
-        self.links.pop(getattr(link.peer, "id", None), None)
+        peer_id = getattr(link.peer, "id", None)
+        if peer_id is not None:
+            self.links.pop(peer_id, None)
         self.side.link_lost(link)
         log.log(logging.WARNING if link.rooms and not self._closed else logging.INFO,
                 "%s: lost peer %s (%d rooms): %s", self.name, link.name, len(link.rooms), exc)

@@ -6,7 +6,7 @@ source pages stay leased until the chain has settled: ``on_done`` (the scheduler
 runs after Success, after an abort, or after a timeout — never while a write may still read
 them. Abort/AbortAck go to decode only once the chain settled, so they mean "no write for
 this room is in flight"; a write that timed out may still be in flight, so instead of that
-message the link is fenced (:meth:`KVManager.link_failed`).
+message the link is fenced (``link_failed(..., fence=True)``).
 
 Decode's metadata may arrive before the KVSender exists; it is then held as a 'pending'
 record with a Bootstrapping deadline. The KVSender claims it and a failure retires it, under
@@ -19,23 +19,37 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any, Optional
 
 import numpy as np
 
 from kvxfer.disagg import bootstrap
 from kvxfer.disagg import messages as m
+from kvxfer.disagg.context import PrefillContext
 from kvxfer.disagg.errors import DuplicateRoom, LayoutMismatch, UnknownRoom
+from kvxfer.disagg.handle import OnDone
 from kvxfer.disagg.kv_args import check_compatible
+from kvxfer.disagg.link import Link
 from kvxfer.disagg.poll import KVPoll, is_terminal
+from kvxfer.disagg.roles import RoomRole
 from kvxfer.disagg.rooms import Room
-from kvxfer.errors import (Closed, IndexOutOfRange, InvalidArgument, KvxferError, PeerClosed,
-                           ProtocolError, ShapeMismatch, TransferAborted, TransferTimeout)
+from kvxfer.errors import (
+    Closed,
+    IndexOutOfRange,
+    InvalidArgument,
+    KvxferError,
+    PeerClosed,
+    ProtocolError,
+    ShapeMismatch,
+    TransferAborted,
+    TransferTimeout,
+)
 
 log = logging.getLogger(__name__)
-_ItemWrite = None
+_ItemWrite: Any = None
 
 
-def _item_write():
+def _item_write() -> Any:
     global _ItemWrite
     if _ItemWrite is None:
         from kvxfer.engine import ItemWrite
@@ -44,12 +58,17 @@ def _item_write():
 
 
 class PrefillSide:
-    def __init__(self, mgr) -> None:
+    """The prefill protocol of one manager. Runs on: the manager's loop thread, except
+    :meth:`new_room` (the scheduler's thread)."""
+
+    def __init__(self, mgr: PrefillContext) -> None:
         self.mgr = mgr
 
     # ------------------------------------------------------------------ lifecycle
     def _entry(self) -> m.BsRegister:
-        a, (host, port) = self.mgr.args, self.mgr.address
+        a, address = self.mgr.args, self.mgr.address
+        assert address is not None                # called once the engine listens
+        host, port = address
         return m.BsRegister(name=self.mgr.name, host=str(host), port=int(port),
                             tp_rank=a.tp_rank, tp_size=a.tp_size, dp_rank=a.dp_rank,
                             pp_rank=a.pp_rank, fingerprint=self.mgr.fingerprint)
@@ -59,9 +78,11 @@ class PrefillSide:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.mgr.t.register_s
         delay = 0.02
+        addr = self.mgr.bootstrap_addr
+        assert addr is not None                   # KVManager refuses a prefill without one
         while True:
             try:
-                await bootstrap.request(self.mgr.bootstrap_addr, self._entry(),
+                await bootstrap.request(addr, self._entry(),
                                         max(0.1, min(5.0, deadline - loop.time())),
                                         self.mgr.secret)
                 return
@@ -73,27 +94,30 @@ class PrefillSide:
                 delay = min(delay * 2, 0.5)
 
     async def closing(self) -> None:
-        a = self.mgr.args
+        a, addr = self.mgr.args, self.mgr.bootstrap_addr
+        assert addr is not None
         try:
-            await bootstrap.request(self.mgr.bootstrap_addr, m.BsUnregister(
+            await bootstrap.request(addr, m.BsUnregister(
                 name=self.mgr.name, dp_rank=a.dp_rank, tp_rank=a.tp_rank, pp_rank=a.pp_rank), 1.0,
                 self.mgr.secret)
         except (KvxferError, OSError):
             pass
 
-    def link_lost(self, link) -> None:
+    def link_lost(self, link: Link) -> None:
         pass
 
     # ------------------------------------------------------------------ handle entry points
-    def new_room(self, room: int, role: str, on_done) -> Room:
-        """Any thread: insert the sender's room now (duplicates raise here), claiming decode's
-        metadata if a 'pending' record holds it; the loop adopts it (or fails the room)."""
-        r = Room(room, "sender", on_done)
+    def new_room(self, room: int, on_done: Optional[OnDone]) -> Room:
+        """Insert the sender's room now (duplicates raise here), claiming decode's metadata
+        if a 'pending' record holds it; the loop adopts it (or fails the room).
+
+        Runs on: the caller's thread (the scheduler's)."""
+        r = Room(room, RoomRole.SENDER, on_done)
         pending, cause = self.mgr.rooms.claim(r)
         self.mgr.call(self._adopt, r, pending, cause)
         return r
 
-    def _adopt(self, r: Room, pending, cause) -> None:
+    def _adopt(self, r: Room, pending: Optional[Room], cause: Optional[BaseException]) -> None:
         mgr = self.mgr
         if cause is not None:
             mgr.fail(r, type(cause)(f"room {r.room}: decode's side ended before the KVSender "
@@ -106,6 +130,7 @@ class PrefillSide:
             pending.timer.cancel()
             pending.timer = None
         link = pending.link
+        assert link is not None                  # a pending record is made with its link
         link.rooms.discard(pending)
         if is_terminal(r.state):                 # our scheduler aborted it first
             if r.link is None and not link.dead:  # decode never heard: no write was issued
@@ -118,7 +143,8 @@ class PrefillSide:
             return
         self._attach(r, link, pending.dst_kv, pending.dst_state, pending.dst_aux)
 
-    def _attach(self, r: Room, link, dst_kv, dst_state, dst_aux: int) -> None:
+    def _attach(self, r: Room, link: Link, dst_kv: np.ndarray, dst_state: np.ndarray,
+                dst_aux: Optional[int]) -> None:
         """Give the sender's room its decode destination; flush chunks queued before it."""
         mgr = self.mgr
         if link.dead:
@@ -145,12 +171,12 @@ class PrefillSide:
         mgr.hook("room_failed", p.room)
         if not mgr.rooms.retire(p, exc):
             r = mgr.rooms.get(p.room)
-            if r is None or r.role != "sender" or is_terminal(r.state) or \
+            if r is None or r.role is not RoomRole.SENDER or is_terminal(r.state) or \
                     r.link not in (None, p.link):
                 return
             if p.peer_aborted:
                 r.peer_aborted = True
-                if r.link is None:
+                if r.link is None and p.link is not None:
                     r.link = p.link
                     p.link.rooms.add(r)
                 mgr.fail(r, exc, notify=False)
@@ -164,6 +190,7 @@ class PrefillSide:
             p.timer.cancel()
             p.timer = None
         link = p.link
+        assert link is not None                  # a pending record is made with its link
         link.rooms.discard(p)
         if not link.dead and not peer_gone:
             if p.peer_aborted:
@@ -173,11 +200,13 @@ class PrefillSide:
         mgr.room_gone()
 
     def init(self, r: Room, num_kv: int, aux_index: int) -> None:
+        """KVSender.init(), handed over. Runs on: the loop thread."""
         r.num_kv, r.aux_index = num_kv, aux_index
         if not is_terminal(r.state) and r.dst_kv is not None:
             self._check_counts(r)
 
-    def send(self, r: Room, src: np.ndarray, src_state, last: bool) -> None:
+    def send(self, r: Room, src: np.ndarray, src_state: Optional[np.ndarray], last: bool) -> None:
+        """KVSender.send(), handed over. Runs on: the loop thread."""
         if is_terminal(r.state):
             return
         if r.dst_kv is None:                  # decode's metadata not here yet: keep order
@@ -194,7 +223,8 @@ class PrefillSide:
             return False
         return True
 
-    def _issue(self, r: Room, src, src_state, last: bool) -> None:
+    def _issue(self, r: Room, src: np.ndarray, src_state: Optional[np.ndarray],
+               last: bool) -> None:
         mgr = self.mgr
         start = r.pages_queued
         dst = r.dst_kv[start:start + len(src)]
@@ -209,20 +239,24 @@ class PrefillSide:
         prev = r.chain
         r.chain = mgr.spawn(self._write(r, prev, src, dst, src_state, last))
 
-    async def _write(self, r: Room, prev, src, dst, src_state, last: bool) -> None:
+    async def _write(self, r: Room, prev: Optional[asyncio.Future], src: np.ndarray,
+                     dst: np.ndarray, src_state: Optional[np.ndarray], last: bool) -> None:
         if prev is not None and not prev.done():
             await asyncio.wait([prev])
         mgr, ItemWrite = self.mgr, _item_write()
         if is_terminal(r.state):
             return
-        if r.link.dead:
-            mgr.fail(r, PeerClosed(f"room {r.room}: decode {r.link.name} is gone"),
+        link = r.link
+        assert link is not None                  # _attach set it before the first _issue
+        if link.dead:
+            mgr.fail(r, PeerClosed(f"room {r.room}: decode {link.name} is gone"),
                      notify=False, peer_gone=True)
             return
         items = [ItemWrite("kv", src, dst)] if len(src) else []
         if last:
             if len(r.dst_state):
                 items.append(ItemWrite("state", src_state, r.dst_state))
+            assert r.aux_index is not None       # init() came before the last chunk
             mgr.aux.stamp(r.aux_index, r.room)
             items.append(ItemWrite("aux", [r.aux_index], [r.dst_aux]))
         sums = None
@@ -236,10 +270,10 @@ class PrefillSide:
             notify = m.Chunk(room=r.room, pages_done=r.pages_done + len(src)).encode()
         mgr.hook("before_write", r.room)
         try:
-            stats = await r.link.peer.write(items, notify=notify, timeout=mgr.t.transfer_s)
+            stats = await link.peer.write(items, notify=notify, timeout=mgr.t.transfer_s)
         except TransferTimeout as exc:
             # the write may still be in flight: only closing the link's endpoints stops it
-            mgr.link_failed(r.link, exc, fence=True)
+            mgr.link_failed(link, exc, fence=True)
             mgr.fail(r, exc, notify=False, peer_gone=True)   # if the link was gone already
             return
         except KvxferError as exc:
@@ -265,7 +299,8 @@ class PrefillSide:
     def after_fail(self, r: Room, *, notify: bool, peer_gone: bool) -> None:
         mgr = self.mgr
 
-        def settle(_=None) -> None:
+        def settle(_: Any = None) -> None:
+            """Runs on: the loop thread (now, or as the write chain's done callback)."""
             link = r.link
             if link is not None and not link.dead and not peer_gone:
                 if r.peer_aborted:
@@ -281,7 +316,8 @@ class PrefillSide:
             r.chain.add_done_callback(settle)
 
     # ------------------------------------------------------------------ messages
-    def on_message(self, peer, link, msg) -> None:
+    def on_message(self, peer: Any, link: Optional[Link], msg: Any) -> None:
+        """A message from a decode engine. Runs on: the loop thread."""
         if isinstance(msg, m.Hello):
             self._on_hello(peer, msg)
             return
@@ -296,11 +332,10 @@ class PrefillSide:
         else:
             raise ProtocolError(f"unexpected {msg.TAG} on a prefill manager")
 
-    def _on_hello(self, peer, msg: m.Hello) -> None:
+    def _on_hello(self, peer: Any, msg: m.Hello) -> None:
         """Accept the decode, or refuse it (LayoutMismatch) but keep the connection as a
         *refused* link: decode sends each of its rooms' refusal over it, so our KVSenders
         fail at once instead of holding their pages until ``bootstrap_s``."""
-        from kvxfer.disagg.manager import Link
         mgr = self.mgr
         refused = None
         try:
@@ -319,11 +354,11 @@ class PrefillSide:
         mgr.send_msg(link, m.HelloAck(ok=refused is None, error=str(refused or ""),
                                       name=mgr.name))
 
-    def _reject(self, link, room: int, exc: KvxferError) -> None:
+    def _reject(self, link: Link, room: int, exc: KvxferError) -> None:
         log.warning("%s: room %d from %s rejected: %s", self.mgr.name, room, link.name, exc)
         self.mgr.send_msg(link, m.Abort(room=room, reason=str(exc), kind=type(exc).__name__))
 
-    def _on_info(self, link, msg: m.TransferInfo) -> None:
+    def _on_info(self, link: Link, msg: m.TransferInfo) -> None:
         mgr = self.mgr
         room = msg.room
         try:
@@ -348,7 +383,7 @@ class PrefillSide:
         except (ProtocolError, InvalidArgument, LayoutMismatch, Closed) as exc:
             self._reject(link, room, exc)
             r = mgr.rooms.get(room)
-            if r is not None and r.role == "sender" and r.link is None:
+            if r is not None and r.role is RoomRole.SENDER and r.link is None:
                 mgr.fail(r, exc, notify=False)
             return
         r = mgr.rooms.get(room)
@@ -358,7 +393,7 @@ class PrefillSide:
                 self._reject(link, room, UnknownRoom(f"room {room} is no longer live on "
                                                      f"prefill {mgr.name} ({tomb})"))
                 return
-            p = Room(room, "pending")
+            p = Room(room, RoomRole.PENDING)
             p.link, p.dst_kv, p.dst_state, p.dst_aux = link, dst_kv, dst_state, msg.dst_aux
             try:
                 mgr.rooms.insert(p)
@@ -368,13 +403,13 @@ class PrefillSide:
                 link.rooms.add(p)
                 mgr.arm(p)
                 return
-        if r is None or r.role != "sender" or r.dst_kv is not None or is_terminal(r.state):
+        if r is None or r.role is not RoomRole.SENDER or r.dst_kv is not None or is_terminal(r.state):
             self._reject(link, room, DuplicateRoom(
                 f"room {room} already has a decode destination on prefill {mgr.name}"))
             return
         self._attach(r, link, dst_kv, dst_state, msg.dst_aux)
 
-    def _on_abort(self, link, msg: m.Abort) -> None:
+    def _on_abort(self, link: Link, msg: m.Abort) -> None:
         """Decode gave up on a room (or refused it: LayoutMismatch). Acked once no write for
         it is in flight; before the KVSender exists the cause is kept as a soft tombstone."""
         mgr = self.mgr

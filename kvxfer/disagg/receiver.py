@@ -12,12 +12,12 @@ from typing import Optional
 
 from kvxfer.disagg.bootstrap import parse_addr
 from kvxfer.disagg.handle import OnDone, RoomHandle, as_ids
-from kvxfer.disagg.manager import DisaggMode
+from kvxfer.disagg.roles import DisaggMode
 from kvxfer.errors import InvalidArgument
 
 
 class KVReceiver(RoomHandle):
-    _role = "decode"
+    _mode = DisaggMode.DECODE
 
     def __init__(self, mgr, bootstrap_addr: str, room: int, *,
                  on_done: Optional[OnDone] = None) -> None:
@@ -31,7 +31,9 @@ class KVReceiver(RoomHandle):
         self._r.bootstrap_addr = self.bootstrap_addr   # read on the loop only after init/abort
 
     def init(self) -> None:
-        """Start looking up and connecting to the prefill rank (non-blocking)."""
+        """Start looking up and connecting to the prefill rank (non-blocking).
+
+        Runs on: the scheduler's thread (the lookup and connect run on the loop)."""
         if self._inited:
             return
         self._inited = True
@@ -39,7 +41,9 @@ class KVReceiver(RoomHandle):
 
     def send_metadata(self, kv_indices, aux_index: int, state_indices=None) -> None:
         """Tell prefill where this room's bytes go. Validated here (ids in range of our
-        registered buffers, no duplicates); a bad call raises and sends nothing."""
+        registered buffers, no duplicates); a bad call raises and sends nothing.
+
+        Runs on: the scheduler's thread (validated there; sent from the loop)."""
         if not self._inited:
             raise InvalidArgument(f"room {self.room}: send_metadata() before init()")
         if self._meta:

@@ -19,12 +19,17 @@ told to release is never adopted.
 """
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections import OrderedDict
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import numpy as np
 
 from kvxfer.disagg.errors import DuplicateRoom
+from kvxfer.disagg.link import Link
 from kvxfer.disagg.poll import KVPoll
+from kvxfer.disagg.roles import RoomRole
 
 #: a tombstone: a reason (the id was used and cleared; reusing it raises DuplicateRoom), or
 #: the exception that ended decode's side of a room before its KVSender existed (a *soft*
@@ -33,8 +38,8 @@ Tomb = Union[str, BaseException]
 
 
 class Room:
-    """State of one request on one manager (sender, receiver, or prefill-side 'pending'
-    record holding decode's metadata until the KVSender exists)."""
+    """State of one request on one manager (its :class:`RoomRole`: sender, receiver, or
+    prefill-side 'pending' record holding decode's metadata until the KVSender exists)."""
 
     __slots__ = (
         "room", "role", "state", "exc", "link", "timer", "on_done", "released", "waiters",
@@ -53,43 +58,48 @@ class Room:
         "integrity",
     )
 
-    def __init__(self, room: int, role: str, on_done: Optional[Callable] = None) -> None:
+    def __init__(self, room: int, role: Union[RoomRole, str],
+                 on_done: Optional[Callable[[KVPoll, Optional[BaseException]], None]] = None
+                 ) -> None:
         self.room = room
-        self.role = role
+        self.role = RoomRole(role)
         self.state = KVPoll.Bootstrapping
         self.exc: Optional[BaseException] = None
-        self.link = None
-        self.timer = None
+        self.link: Optional[Link] = None
+        self.timer: Optional[asyncio.TimerHandle] = None
         self.on_done = on_done
         self.released = False
-        self.waiters: List = []
+        self.waiters: List[Any] = []   # asyncio / concurrent futures woken on terminal
         self.event: Optional[threading.Event] = None
-        self.handle = None
+        self.handle: Any = None
         self.num_kv: Optional[int] = None
         self.aux_index: Optional[int] = None
-        self.dst_kv = None         # decode keeps its own destination ids here too
-        self.dst_state = None
+        self.dst_kv: Any = None    # ids (ndarray); decode keeps its own destination ids here too
+        self.dst_state: Any = None
         self.dst_aux: Optional[int] = None
         self.pages_queued = 0
         self.pages_done = 0
-        self.chain = None          # asyncio.Future of the last issued write (writes are ordered)
-        self.queued: List = []     # chunks handed to send() before decode's metadata arrived
+        #: the task of the last issued write (writes are ordered)
+        self.chain: Optional[asyncio.Future] = None
+        #: chunks handed to send() before decode's metadata arrived: (src, src_state, last)
+        self.queued: List[Tuple[np.ndarray, Optional[np.ndarray], bool]] = []
         self.last_queued = False
         self.acks_owed = False     # decode asked to abort: ack once no write is in flight
         self.peer_aborted = False
-        self.bootstrap_addr = None
+        self.bootstrap_addr: Optional[str] = None
         self.meta_sent = False
-        self.pending_meta = None
+        #: send_metadata() arrived before the link: (dst_kv, dst_state, aux row)
+        self.pending_meta: Optional[Tuple[np.ndarray, np.ndarray, int]] = None
         self.dst_aux_row: Optional[int] = None
         self.expect_pages = 0
         self.await_ack = False
         self.inited = False
         self.superseded = False
         self.held = False
-        self.integrity = None
+        self.integrity: Any = None
 
     def __repr__(self) -> str:
-        return f"Room({self.room}, {self.role}, {self.state.name})"
+        return f"Room({self.room}, {self.role.value}, {self.state.name})"
 
 
 class RoomTable:
@@ -119,7 +129,7 @@ class RoomTable:
             old = self._rooms.get(r.room)
             if old is not None:
                 raise DuplicateRoom(f"room {r.room} is already in flight on this manager "
-                                    f"({old.role}, {old.state.name})")
+                                    f"({old.role.value}, {old.state.name})")
             why = self._tombs.get(r.room)
             if why is not None:
                 raise DuplicateRoom(f"room {r.room} was already used on this manager ({why})")
@@ -133,9 +143,9 @@ class RoomTable:
         with self._lock:
             old = self._rooms.get(r.room)
             if old is not None:
-                if old.role != "pending":
+                if old.role is not RoomRole.PENDING:
                     raise DuplicateRoom(f"room {r.room} is already in flight on this manager "
-                                        f"({old.role}, {old.state.name})")
+                                        f"({old.role.value}, {old.state.name})")
                 old.superseded = True
                 self._rooms[r.room] = r
                 return old, None

@@ -11,12 +11,12 @@ from typing import Optional
 
 from kvxfer.argcheck import as_int
 from kvxfer.disagg.handle import OnDone, RoomHandle, as_ids
-from kvxfer.disagg.manager import DisaggMode
+from kvxfer.disagg.roles import DisaggMode
 from kvxfer.errors import IndexOutOfRange, InvalidArgument
 
 
 class KVSender(RoomHandle):
-    _role = "prefill"
+    _mode = DisaggMode.PREFILL
 
     def __init__(self, mgr, bootstrap_addr: Optional[str], room: int, *,
                  on_done: Optional[OnDone] = None) -> None:
@@ -29,7 +29,9 @@ class KVSender(RoomHandle):
         super().__init__(mgr, room, on_done)
 
     def init(self, num_kv_indices: int, aux_index: int) -> None:
-        """Declare the request's page count and the prefill aux row holding its first token."""
+        """Declare the request's page count and the prefill aux row holding its first token.
+
+        Runs on: the scheduler's thread (validated there; the rest is handed to the loop)."""
         if self._num is not None:
             raise InvalidArgument(f"room {self.room}: init() called twice")
         num_kv_indices = as_int(num_kv_indices, f"room {self.room}: num_kv_indices", 0)
@@ -40,7 +42,9 @@ class KVSender(RoomHandle):
     def send(self, kv_indices, state_indices=None) -> None:
         """Send one chunk of source pages (in request order). Validated here: ids in range,
         no duplicates, total <= num_kv_indices, state only with the last chunk — a bad call
-        raises and sends nothing."""
+        raises and sends nothing.
+
+        Runs on: the scheduler's thread (validated there; the writes run on the loop)."""
         if self._num is None:
             raise InvalidArgument(f"room {self.room}: send() before init()")
         if self._done_sending:

@@ -9,8 +9,11 @@ tells nobody); the receiver tracks which prefill ranks may complete its room.
 from __future__ import annotations
 
 from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferMetric
-from sglang.srt.disaggregation.common.conn import (CommonKVBootstrapServer, CommonKVReceiver,
-                                                   CommonKVSender)
+from sglang.srt.disaggregation.common.conn import (
+    CommonKVBootstrapServer,
+    CommonKVReceiver,
+    CommonKVSender,
+)
 
 from kvxfer.integrations.sglang.manager import KvxferKVManager, RoomStats
 
@@ -30,6 +33,7 @@ class KvxferKVSender(CommonKVSender):
                                 transfer_total_bytes=self.stats.bytes)
 
     def abort(self) -> None:
+        """Runs on: the scheduler thread."""
         mgr = self.kv_mgr
         failed = KVPoll.Failed in (mgr.request_status.get(self.bootstrap_room),
                                    self.conclude_state)

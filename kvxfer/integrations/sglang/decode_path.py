@@ -15,13 +15,17 @@ from typing import Dict, List, Optional, Set
 
 import numpy as np
 import zmq
-
 from sglang.srt.disaggregation.base.conn import KVPoll
 
 from kvxfer import wire
 from kvxfer.errors import ProtocolError
-from kvxfer.integrations.sglang.messages import (FRAME_TAG, SglDone, SglRegister, SglRoom,
-                                                 ids_to_bytes)
+from kvxfer.integrations.sglang.messages import (
+    FRAME_TAG,
+    SglDone,
+    SglRegister,
+    SglRoom,
+    ids_to_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +102,9 @@ class DecodePath:
 
     # ------------------------------------------------------------------ messages in
     def _listen(self) -> None:
+        """The decode rank's ZMQ control listener (prefill's failure reports, abort acks).
+
+        Runs on: the listener thread ``kvxfer-sgl-listen-<port>``."""
         mgr = self.mgr
         sock = mgr.server_socket
         poller = zmq.Poller()
@@ -124,6 +131,7 @@ class DecodePath:
                 log.exception("%r: control message failed", mgr)
 
     def _on_engine_message(self, peer, payload: bytes) -> None:
+        """Prefill's authenticated completion (SglDone). Runs on: the engine's loop thread."""
         mgr = self.mgr
         try:
             msg = wire.decode(payload)
@@ -149,6 +157,7 @@ class DecodePath:
             mgr.metrics.succeeded(None if t_meta is None else time.perf_counter() - t_meta)
 
     def _failed(self, room: int, reason: str, rank: int, cause: str) -> None:
+        """Runs on: the listener thread or the engine's loop thread."""
         mgr = self.mgr
         was = mgr.request_status.get(room)
         mgr.apply_prefill_status(bootstrap_room=room, status=KVPoll.Failed,
@@ -157,6 +166,8 @@ class DecodePath:
             mgr.metrics.failed(cause)
 
     def _peer_closed(self, peer, exc) -> None:
+        """A prefill engine went away: fail its live rooms. Runs on: the engine's loop
+        thread."""
         ep = _prefill_endpoint(peer.name)
         if ep is None:
             return

@@ -1,19 +1,18 @@
 """EngineLoop: one kvxfer TransferEngine on a private event-loop thread.
 
 SGLang's schedulers and control threads are synchronous; they hand work to the loop with
-:meth:`EngineLoop.call_soon` (never blocks) or :meth:`EngineLoop.run` (blocks, bounded).
+:meth:`EngineLoop.call_soon` (never blocks) or :meth:`EngineLoop.run` (blocks, bounded). The
+thread is a :class:`kvxfer.loop_thread.LoopThread`.
 Every task the backend creates on the loop is owned by its creator and ends before
 :meth:`EngineLoop.close` returns (the engine's close closes peers, so pending writes end).
 """
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import threading
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from kvxfer.config import EngineConfig
-from kvxfer.errors import Closed, TransferTimeout
+from kvxfer.errors import Closed
+from kvxfer.loop_thread import LoopThread
 
 Groups = Dict[str, Tuple[Sequence[int], Sequence[int], Sequence[int]]]
 
@@ -24,10 +23,9 @@ class EngineLoop:
 
         self.config = config
         self.engine = TransferEngine(config)
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
-                                        name=f"kvxfer-{config.name or 'engine'}")
-        self._thread.start()
+        self._lt = LoopThread(f"kvxfer-{config.name or 'engine'}")
+        self._lt.start()
+        self.loop = self._lt.loop
         self._closed = False
 
     def __repr__(self) -> str:
@@ -44,24 +42,22 @@ class EngineLoop:
         return self.run(self.engine.start(), self.config.connect_timeout_s)
 
     def in_loop(self) -> bool:
-        return threading.get_ident() == self._thread.ident
+        return self._lt.in_loop()
 
-    def call_soon(self, fn: Callable, *args) -> None:
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Runs on: any thread (SGLang's scheduler or control thread); ``fn`` on the loop."""
         if self._closed:
             raise Closed(f"{self!r} is closed")
-        self.loop.call_soon_threadsafe(fn, *args)
+        self._lt.call_soon(fn, *args)
 
-    def run(self, coro, timeout: float):
-        """Run ``coro`` on the loop from another thread; bounded by ``timeout`` (+1 s)."""
+    def run(self, coro: Any, timeout: float) -> Any:
+        """Run ``coro`` on the loop from another thread; bounded by ``timeout`` (+1 s).
+
+        Runs on: any thread but the loop's (SGLang's scheduler or control thread)."""
         if self._closed:
             coro.close()
             raise Closed(f"{self!r} is closed")
-        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return fut.result(timeout + 1.0)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            raise TransferTimeout(f"{self!r}: call did not finish within {timeout:g} s") from None
+        return self._lt.run(coro, timeout + 1.0)
 
     def close(self, timeout: float = 10.0) -> None:
         """Close the engine (peers, listener, registrations) and stop the thread; idempotent."""
@@ -71,7 +67,4 @@ class EngineLoop:
             self.run(self.engine.close(), timeout)
         finally:
             self._closed = True
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout)
-            if not self._thread.is_alive():
-                self.loop.close()
+            self._lt.stop(timeout)

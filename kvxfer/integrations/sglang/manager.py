@@ -135,10 +135,12 @@ class KvxferKVManager(CommonKVManager):
 
     # ------------------------------------------------------------------ base-class hooks
     def check_status(self, bootstrap_room: int) -> KVPoll:
+        """Runs on: the scheduler thread (a dict read)."""
         return self.request_status.get(bootstrap_room, KVPoll.WaitingForInput)
 
     def add_transfer_request(self, bootstrap_room, kv_indices, index_slice, is_last_chunk,
                              aux_index=None, state_indices=None, num_kv_tokens=None, **_):
+        """Runs on: the scheduler thread (handed to the engine's loop)."""
         self.path.add_transfer_request(bootstrap_room, kv_indices, index_slice,
                                        is_last_chunk, aux_index, state_indices)
 

@@ -25,14 +25,18 @@ from typing import Dict, List, Optional
 
 import numpy as np
 import zmq
-
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification
 
-from kvxfer.errors import (IncompatiblePeer, KvxferError, PeerClosed, ProtocolError,
-                           ShapeMismatch, TransferTimeout)
-from kvxfer.integrations.sglang.messages import (SglDone, SglRegister, SglRoom,
-                                                 decode_frames)
+from kvxfer.errors import (
+    IncompatiblePeer,
+    KvxferError,
+    PeerClosed,
+    ProtocolError,
+    ShapeMismatch,
+    TransferTimeout,
+)
+from kvxfer.integrations.sglang.messages import SglDone, SglRegister, SglRoom, decode_frames
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +120,8 @@ class PrefillPath:
 
     # ------------------------------------------------------------------ control thread
     def _control(self) -> None:
+        """Runs on: the control thread ``kvxfer-sgl-control-<port>`` (ZMQ), as do
+        :meth:`on_frames` and the ``_on_*`` handlers it calls."""
         sock = self.mgr.server_socket
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
@@ -175,6 +181,7 @@ class PrefillPath:
         self.mgr.engine.call_soon(self._connect_soon, d, old)
 
     def _connect_soon(self, d: Decode, old: Optional[Decode]) -> None:
+        """Runs on: the engine's loop thread (handed over by the control thread)."""
         if old is not None and old.task is not None:
             old.task.cancel()
         if d.reason is None:
@@ -228,6 +235,7 @@ class PrefillPath:
     # ------------------------------------------------------------------ scheduler thread
     def add_transfer_request(self, room, kv_indices, index_slice, last, aux_index,
                              state_indices) -> None:
+        """Runs on: the scheduler thread (the writes run on the engine's loop)."""
         mgr = self.mgr
         with mgr.room_lock:
             infos = mgr.transfer_infos.get(room)
@@ -246,11 +254,15 @@ class PrefillPath:
 
     def report_abort(self, room: int, targets) -> None:
         """The scheduler aborted ``room`` (already Failed): tell decode once no write of the
-        room is in flight (a decode that has its pages back must never see a late byte)."""
+        room is in flight (a decode that has its pages back must never see a late byte).
+
+        Runs on: the scheduler thread."""
         self.mgr.metrics.failed("TransferAborted")
         self.mgr.engine.call_soon(self._report_after_chain, room, targets)
 
     def _report_after_chain(self, room: int, targets) -> None:
+        """Runs on: the engine's loop thread; ``send`` too (now, or as the chain's done
+        callback)."""
         prev = self.chains.get(room)
 
         def send(_=None):
@@ -264,6 +276,7 @@ class PrefillPath:
 
     # ------------------------------------------------------------------ engine loop
     def _enqueue(self, room: int, chunk: Chunk, infos, stats) -> None:
+        """Runs on: the engine's loop thread (handed over by the scheduler thread)."""
         prev = self.chains.get(room)
         task = asyncio.get_running_loop().create_task(
             self._run(room, chunk, infos, stats, prev))
@@ -348,6 +361,7 @@ class PrefillPath:
         return writes
 
     def _settled(self, room: int, task: asyncio.Task) -> None:
+        """The done callback of a room's write task. Runs on: the engine's loop thread."""
         mgr = self.mgr
         if not task.cancelled() and task.exception() is not None:
             log.error("%r: room %d: write task failed", mgr, room, exc_info=task.exception())
@@ -363,6 +377,7 @@ class PrefillPath:
             self.notifier.submit(mgr._maybe_ack_drained_abort, room)
 
     def _fail(self, room: int, reason: str, cause: str, notify) -> None:
+        """Runs on: the control thread or the engine's loop thread."""
         mgr = self.mgr
         if mgr.request_status.get(room) == KVPoll.Failed:
             return
@@ -376,7 +391,9 @@ class PrefillPath:
                                  failure_reason=reason)
 
     def _peer_closed(self, peer, exc) -> None:
-        """A decode engine went away: fail its live rooms (nothing to notify)."""
+        """A decode engine went away: fail its live rooms (nothing to notify).
+
+        Runs on: the engine's loop thread."""
         mgr = self.mgr
         with mgr.room_lock:
             keys = {k for k, d in self.decodes.items() if d.reg.name == peer.name}

@@ -1,0 +1,136 @@
+"""LoopThread: a private asyncio event loop on a named daemon thread.
+
+The one home of the "event loop in a thread" pattern, for owners whose callers are not async
+(schedulers, tests, the CLI): :class:`kvxfer.sync.SyncEngine`,
+:meth:`kvxfer.disagg.KVManager.start_background` and
+:meth:`kvxfer.disagg.BootstrapServer.start_in_thread`.
+
+Invariants:
+
+* every wait of the calling thread is bounded: :meth:`LoopThread.start` and
+  :meth:`LoopThread.run` raise :class:`~kvxfer.errors.TransferTimeout` (a ``TimeoutError``)
+  past their timeout, :meth:`LoopThread.stop` joins for at most its timeout;
+* an exception of the coroutine that starts the loop (``main``) or of one run on it reaches
+  the caller unchanged; a failed ``main`` leaves no thread and a closed loop behind;
+* the loop is closed on its own thread, after ``run_forever`` returned and the ``on_stop``
+  coroutine (if any) ran; :meth:`LoopThread.stop` is idempotent and safe before ``start``.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from typing import Any, Awaitable, Callable, Coroutine, Optional, TypeVar
+
+from kvxfer.errors import Closed, TransferTimeout
+
+T = TypeVar("T")
+
+
+class LoopThread:
+    """One event loop, run by one daemon thread named ``name``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.loop = asyncio.new_event_loop()
+        self._thread: Optional[threading.Thread] = None
+        self._stopped = False
+
+    def __repr__(self) -> str:
+        return f"LoopThread({self.name})"
+
+    @property
+    def running(self) -> bool:
+        """True between a successful :meth:`start` and :meth:`stop`."""
+        return self._thread is not None and not self._stopped
+
+    def start(self, main: Optional[Coroutine[Any, Any, T]] = None, timeout: float = 10.0, *,
+              on_stop: Optional[Callable[[], Awaitable[Any]]] = None) -> Optional[T]:
+        """Start the thread and, if given, run ``main`` on the loop before anything else;
+        return its result once it finished (within ``timeout``), or raise its exception.
+        ``on_stop()`` is awaited on the loop after :meth:`stop` stopped it, before it closes."""
+        if self._thread is not None or self._stopped:
+            if main is not None:
+                main.close()
+            raise Closed(f"{self!r} was already started")
+        ready: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._main, args=(main, on_stop, ready),
+                                        name=self.name, daemon=True)
+        self._thread.start()
+        try:
+            return ready.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TransferTimeout(f"{self.name}: did not start within {timeout:g}s") from None
+        except BaseException:
+            self._thread.join(timeout)      # it ends right after reporting the failure
+            self._thread = None
+            self._stopped = True
+            raise
+
+    def _main(self, main: Optional[Coroutine[Any, Any, Any]],
+              on_stop: Optional[Callable[[], Awaitable[Any]]],
+              ready: concurrent.futures.Future) -> None:
+        """Runs on: this object's thread (the body of the loop thread)."""
+        loop = self.loop
+        asyncio.set_event_loop(loop)
+        result = None
+        if main is not None:
+            try:
+                result = loop.run_until_complete(main)
+            except BaseException as exc:     # reported to the caller of start()
+                ready.set_exception(exc)
+                loop.close()
+                return
+        ready.set_result(result)
+        try:
+            loop.run_forever()
+            if on_stop is not None:
+                loop.run_until_complete(on_stop())
+        finally:
+            loop.close()
+
+    def in_loop(self) -> bool:
+        """True when called on the loop's own thread."""
+        return self._thread is not None and threading.get_ident() == self._thread.ident
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Schedule ``fn(*args)`` on the loop from any thread; never blocks."""
+        if self._stopped:
+            raise Closed(f"{self!r} is stopped")
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> "concurrent.futures.Future[T]":
+        """Schedule ``coro`` on the loop from another thread; never blocks."""
+        if self._stopped or self._thread is None:
+            coro.close()
+            raise Closed(f"{self!r} is not running")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float, *,
+            what: str = "call") -> T:
+        """Run ``coro`` on the loop from another thread and return its result; past
+        ``timeout`` it is cancelled and :class:`TransferTimeout` raised."""
+        fut = self.submit(coro)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TransferTimeout(f"{self.name}: {what} did not finish within {timeout:.3g}s") \
+                from None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop (then ``on_stop`` runs and the loop closes on its thread) and join
+        the thread for at most ``timeout``. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        thread, self._thread = self._thread, None
+        if thread is None:                   # never started
+            self.loop.close()
+            return
+        if not self.loop.is_closed():
+            try:
+                self.loop.call_soon_threadsafe(self.loop.stop)
+            except RuntimeError:             # closed meanwhile by its own thread
+                pass
+        thread.join(timeout)
