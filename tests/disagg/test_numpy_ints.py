@@ -5,7 +5,7 @@ import asyncio
 import msgpack
 import numpy as np
 import pytest
-from pd_harness import run_in_child
+from kvxfer.procs import run_in_child
 
 from kvxfer import BootstrapServer, KVArgs, KVManager, KVPoll, KVReceiver, KVSender, Timeouts
 from kvxfer.argcheck import as_int
