@@ -44,6 +44,7 @@ GUARD = 0xFE
 # ====================================================================== child side
 def _build_pool(kind: str, size: int, page_size: int, device: str = "cpu"):
     import torch
+
     from kvxfer.pools import MHATokenToKVPool, MLATokenToKVPool, PageMajorMHATokenToKVPool
     bf = torch.bfloat16
     if kind in ("mha", "mismatch", "many"):
@@ -483,6 +484,7 @@ class Node:
     def api_waits(self, rooms) -> dict:
         """The blocking / foreign-loop / in-loop ways to wait, from this (non-loop) thread."""
         import asyncio
+
         from kvxfer.errors import InvalidArgument
         hs = [self.rooms[r]["h"] for r in rooms]
         out = {"blocking": [h.wait_blocking(20).name for h in hs],
@@ -494,7 +496,7 @@ class Node:
         return out
 
     def debug_links(self) -> list:
-        return [(repr(l), [repr(r) for r in list(l.rooms)[:3]]) for l in self.mgr.links.values()]
+        return [(repr(lk), [repr(r) for r in list(lk.rooms)[:3]]) for lk in self.mgr.links.values()]
 
     def stats(self) -> dict:
         s = dict(self.mgr.stats)

@@ -3,7 +3,6 @@ always learns (Failed), and every page, slot, aux row and room is released on bo
 import time
 
 import pytest
-
 from pd_harness import TINY, Node
 
 pytestmark = pytest.mark.timeout(120)

@@ -8,12 +8,20 @@ import sys
 
 import numpy as np
 import pytest
-from kvxfer.procs import run_in_child
 from pd_harness import Node
 
-from kvxfer import (BootstrapServer, KVArgs, KVManager, KVPoll, KVReceiver, KVSender,
-                    MetadataBuffer, Timeouts)
+from kvxfer import (
+    BootstrapServer,
+    KVArgs,
+    KVManager,
+    KVPoll,
+    KVReceiver,
+    KVSender,
+    MetadataBuffer,
+    Timeouts,
+)
 from kvxfer.errors import Closed, IndexOutOfRange, InvalidArgument, TransferTimeout  # noqa: F401
+from kvxfer.procs import run_in_child
 
 pytestmark = pytest.mark.timeout(60)
 ITEM, PAGES, NBUF = 64, 32, 3

@@ -3,7 +3,6 @@ room within its deadline and returns every page, slot, aux row and room; it keep
 import time
 
 import pytest
-
 from pd_harness import FAST, TINY
 
 pytestmark = pytest.mark.timeout(120)

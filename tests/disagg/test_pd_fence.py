@@ -11,7 +11,6 @@ prefill, duplicate and late metadata, and a peer frozen (SIGSTOP) then resumed (
 A pair of worker processes of its own (module fixture): the freeze scenarios stop a whole
 process."""
 import pytest
-
 from pd_harness import Node, Worker
 
 pytestmark = pytest.mark.timeout(120)

@@ -6,9 +6,9 @@ import random
 import time
 
 import pytest
+from pd_harness import KINDS, Node
 
 from kvxfer.errors import RemoteError
-from pd_harness import KINDS, Node
 
 pytestmark = pytest.mark.timeout(120)
 

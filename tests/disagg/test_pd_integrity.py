@@ -5,11 +5,10 @@ IntegrityError naming the item, and every page/slot/row is released; a side with
 off is refused at connection time. The module runs its own pair of workers (one node per
 kind, integrity on), so the session cluster of the other tests stays as it is."""
 import itertools
-import os
 
 import pytest
-
 from pd_harness import FAST, KINDS, Worker
+from testenv import DEVICE
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -23,7 +22,7 @@ def room() -> int:
 class Pair:
     def __init__(self):
         from kvxfer.disagg import BootstrapServer
-        dev = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
+        dev = DEVICE
         names = list(KINDS) + ["off"]
         self.bs = {n: BootstrapServer(port=0).start_in_thread() for n in names}
         spec = {k: dict(kind=k, timeouts=FAST, device=dev, integrity=True) for k in KINDS}

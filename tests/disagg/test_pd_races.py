@@ -8,7 +8,6 @@ import random
 import time
 
 import pytest
-
 from pd_harness import FAST, Node
 
 pytestmark = pytest.mark.timeout(120)

@@ -5,18 +5,17 @@ peer, module scope) and V (a victim killed mid-transfer, one test). Every engine
 kvxfer.sync.SyncEngine inside kvxfer.testing.EngineNode; buffers are numpy host memory,
 or torch CUDA memory when KVXFER_TEST_DEVICE=cuda (the same tests on the GPU machine).
 """
-import os
 import time
 
 import numpy as np
 import pytest
+from testenv import DEVICE
 
 from kvxfer import plan
 from kvxfer.testing import Child, engine_node
 
 pytestmark = pytest.mark.timeout(90)
 
-DEVICE = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
 FAST_LANES = ("cuda_ipc",) if DEVICE == "cuda" else ("cma",)
 
 SECRET = b"test-secret"

@@ -4,6 +4,7 @@ the Layout field and the refuse_emulated_destinations handshake check."""
 import logging
 
 import pytest
+from testenv import DEVICE
 
 from kvxfer import plan, wire
 from kvxfer.config import EngineConfig
@@ -140,7 +141,7 @@ def test_config_flag_is_validated():
         EngineConfig(secret=b"s", refuse_emulated_destinations=1)
 
 
-@pytest.mark.skipif(__import__("os").environ.get("KVXFER_TEST_DEVICE", "cpu") != "cuda",
+@pytest.mark.skipif(DEVICE != "cuda",
                     reason="needs the CUDA driver (KVXFER_TEST_DEVICE=cuda)")
 def test_driver_query_on_cuda():
     """cudaMalloc memory is legacy-IPC capable; VMM (cuMemCreate) memory is not; host
@@ -148,8 +149,8 @@ def test_driver_query_on_cuda():
     import numpy as np
     import torch
 
-    from kvxfer.transport.ucx_rma import cuda_ipc_capable
     from kvxfer.pools.backing.cuda import CudaVmmProvider
+    from kvxfer.transport.ucx_rma import cuda_ipc_capable
 
     t = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
     assert cuda_ipc_capable(t.data_ptr()) is True

@@ -2,18 +2,17 @@
 loopback, in spawned processes (A: target, B: initiators). Slots are tiny (4 items) and
 each peer is granted 2, so every staged write here moves in several chunks and recycles
 landing slots. Same tests on CUDA with KVXFER_TEST_DEVICE=cuda."""
-import os
 
 import numpy as np
 import pytest
+from staged_nodes import staged_node
+from testenv import DEVICE
 
 from kvxfer import plan
 from kvxfer.testing import Child
-from staged_nodes import staged_node
 
 pytestmark = pytest.mark.timeout(90)
 
-DEVICE = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
 SECRET = b"staged-secret"
 L, ITEM = 3, 256
 A_ITEMS, B_ITEMS = 64, 48
