@@ -57,17 +57,19 @@ class _Errors(logging.Handler):
 
 
 def target_node(inbox, outbox, spec: dict) -> None:
-    """Engines as in :func:`kvxfer.testing.engine_node`, plus ``rss``, ``rkeys``, ``errors``."""
-    from kvxfer.testing.nodes import EngineNode
+    """Engines as in :class:`kvxfer.bench.engine_node.EngineNode`, plus ``rss``, ``rkeys``,
+    ``errors``."""
+    from kvxfer.bench.engine_node import EngineNode
 
     errors = _Errors()
     logging.getLogger("kvxfer").addHandler(errors)
     node = EngineNode(spec)
-    handlers = node.handlers()
+    handlers = {n: getattr(node, n) for n in dir(node)
+                if not n.startswith("_") and callable(getattr(node, n))}
     handlers["rss"] = lambda: {"rss": rss_mb(os.getpid()), "hwm": rss_mb(os.getpid(), "VmHWM")}
     handlers["rkeys"] = lambda key: node.engines[key].engine._groups.region_table()[2]
     handlers["errors"] = lambda: list(errors.records)
-    outbox.put(("ok", node.ports))
+    outbox.put(("ok", node.ports()))
     try:
         serve(inbox, outbox, handlers)
     finally:
