@@ -4,10 +4,10 @@ benchmarks; their worker processes are :mod:`kvxfer.procs`).
 - :class:`Child` / :func:`serve` (:mod:`.process`): the older queue-based command children,
   still used by the transport, security, lifecycle and SGLang tests (to be moved to
   :mod:`kvxfer.procs` proxies).
-- :func:`transport_node` (:mod:`.transport_checks`): transport-level checks for tests/transport.
+- :class:`TransportNode` (:mod:`.transport_checks`): transport-level checks for tests/transport.
 - :mod:`.reliability`: soak, kill matrix and network-namespace scenarios.
 """
 from kvxfer.testing.process import Child, ChildError, serve
-from kvxfer.testing.transport_checks import transport_node
+from kvxfer.testing.transport_checks import TransportNode
 
-__all__ = ["Child", "ChildError", "serve", "transport_node"]
+__all__ = ["Child", "ChildError", "serve", "TransportNode"]
