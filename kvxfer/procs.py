@@ -107,7 +107,7 @@ class Worker:
 
     def __init__(self, build: Callable[..., Any], *args: Any, name: Optional[str] = None,
                  env: Optional[Dict[str, str]] = None, timeout: float = 60.0) -> None:
-        self.name = name or getattr(build, "__name__", "worker")
+        self.name: str = name or str(getattr(build, "__name__", "worker"))
         self.timeout = timeout
         self._env = dict(env or {})
         self._conn, child = _CTX.Pipe()
@@ -198,7 +198,8 @@ class Worker:
                 self._replies[msg[0]] = msg[1:]
         msg = self._replies.pop(seq)
         if msg[0] == "err":
-            raise RemoteError(*msg[1:], worker=self.name)
+            _, kind, text, tb = msg
+            raise RemoteError(kind, text, tb, worker=self.name)
         return msg[1]
 
     # -- signals --
@@ -310,7 +311,7 @@ def run_in_child(fn: Callable[[], Any], timeout: float = 90.0) -> Any:
     UCX stays out of the calling process."""
     w = Worker(_Call, fn, name=getattr(fn, "__name__", "child")).start(timeout)
     try:
-        return w.proxy(_Call).run(timeout=timeout)
+        return post(w.proxy(_Call).run).result(timeout)
     finally:
         w.close()
 
