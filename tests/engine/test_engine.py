@@ -2,8 +2,8 @@
 
 Processes: A (target, module scope), B (initiator engines, module scope), C (a second
 peer, module scope) and V (a victim killed mid-transfer, one test). Every engine is a
-kvxfer.sync.SyncEngine inside kvxfer.testing.EngineNode; buffers are numpy host memory,
-or torch CUDA memory when KVXFER_TEST_DEVICE=cuda (the same tests on the GPU machine).
+kvxfer.sync.SyncEngine inside kvxfer.bench.engine_node.EngineNode; buffers are numpy host
+memory, or torch CUDA memory when KVXFER_TEST_DEVICE=cuda (the same tests on the GPU machine).
 """
 import time
 
