@@ -118,7 +118,6 @@ class _TransportChecks:
         every byte has landed (nothing of ours is still in flight to the peer), and a bulk
         endpoint's UCX close was accepted and confirmed (its error-handler context freed:
         the queue holds no reference for it)."""
-
         import numpy as np
 
         t, client, server, rma = await _TransportChecks._pair(error_mode)
