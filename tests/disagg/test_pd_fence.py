@@ -115,7 +115,7 @@ def late_sends(c, r, start=0):
 def test_abort_in_each_state(pair, side, state):
     c, r = pair, next(pair.rooms)
     to_state(c, r, state)
-    (c.d if side == "decode" else c.p)("f", "abort", r)
+    (c.d if side == "decode" else c.p)["f"].abort(r)
     if state == "Bootstrapping":                         # decode's scheduler goes on
         c.d["f"].batch([(Node.d_init, r), (Node.d_meta, r)])
     settled(c.d, "f", r)
