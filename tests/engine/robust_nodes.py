@@ -176,8 +176,8 @@ class Reconnects:
                 else:
                     out["stale_delivered"] += 1
                 closed = asyncio.get_running_loop().create_future()
-                pair.engines["B"]._closed_handlers[:] = [
-                    lambda p, e, closed=closed: closed.done() or closed.set_result(type(e).__name__)]
+                pair.engines["B"]._closed_handlers[:] = [lambda p, e, closed=closed: (
+                    closed.done() or closed.set_result(type(e).__name__))]
                 bad = m.StagedWrite(group="kv", slot=0, offset=0, nbytes=ITEM,
                                     dst=np.zeros(1, "<i8").tobytes()).encode()
                 sends = [pb._channel.send(m.AppMessage(payload=b"old-%d-%d" % (r, k)).encode(),
