@@ -63,3 +63,19 @@ class TransferAborted(KvxferError):
 
 class Closed(KvxferError):
     """The engine, manager or handle has been closed."""
+
+
+class WorkerDied(KvxferError):
+    """A worker process (:mod:`kvxfer.procs`) exited before answering a call."""
+
+
+class RemoteError(KvxferError):
+    """A call into a worker process (:mod:`kvxfer.procs`) raised there: ``kind`` (the child's
+    exception type name), ``msg`` and the child's traceback ``tb``."""
+
+    def __init__(self, kind: str, msg: str, tb: str, worker: str = "") -> None:
+        super().__init__(f"{kind}: {msg}\n--- traceback in {worker or 'the worker'} ---\n{tb}")
+        self.kind, self.msg, self.tb = kind, msg, tb
+
+    def __reduce__(self):
+        return (type(self), (self.kind, self.msg, self.tb))

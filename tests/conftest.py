@@ -5,14 +5,22 @@ Every KVManager and BootstrapServer of the run shares one secret, made here per 
 are unaffected.
 
 Triton kernels run under the interpreter on CPU unless the run targets CUDA
-(``KVXFER_TEST_DEVICE=cuda`` on the accelerator machine). The variable must be set before
+(``KVXFER_TEST_DEVICE=cuda`` on the accelerator machine; read once, in :mod:`testenv`). The variable must be set before
 the first ``@triton.jit`` is evaluated, hence here, before any test module imports kernels.
 """
 import os
 import secrets
 
+import pytest
+from testenv import DEVICE
+
 os.environ.setdefault("KVXFER_SECRET", secrets.token_hex(32))
 
-DEVICE = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
 if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def device() -> str:
+    """The torch device the run targets (:data:`testenv.DEVICE`)."""
+    return DEVICE

@@ -7,11 +7,11 @@ import sys
 import time
 
 from kvxfer.bench.transfer import SECRET, BenchNode, _groups
-from kvxfer.testing import Child, serve
+from kvxfer.procs import Worker
 
 
 class DiagNode(BenchNode):
-    def cmd_diag(self, key, peer_id, n, pool, page_bytes, iters):
+    def diag(self, key, peer_id, n, pool, page_bytes, iters):
         from kvxfer.engine import ItemWrite, RawWrite
 
         sync = self.engines[key]
@@ -44,15 +44,6 @@ class DiagNode(BenchNode):
         return res
 
 
-def diag_node(inbox, outbox, spec):
-    node = DiagNode(spec)
-    outbox.put(("ok", node.ports))
-    try:
-        serve(inbox, outbox, node.handlers())
-    finally:
-        node.close()
-
-
 def main():
     layers, page_kib, pool = 8, 64, 2048
     flush = sys.argv[1] if len(sys.argv) > 1 else "auto"
@@ -60,24 +51,24 @@ def main():
     groups = _groups(layers, page_kib << 10, pool)
     cfg = dict(secret=SECRET, transfer_timeout_s=120.0, warn_slow_lanes=False,
                flush_progress=flush)
-    target = Child(diag_node, {"engines": {"t": {"config": dict(cfg, name="t"), "groups": groups,
+    target = Worker(DiagNode, {"engines": {"t": {"config": dict(cfg, name="t"), "groups": groups,
                                                  "device": "cuda"}}}, name="target")
-    init = Child(diag_node, {"engines": {"i": {"config": dict(cfg, name="i"), "groups": groups,
+    init = Worker(DiagNode, {"engines": {"i": {"config": dict(cfg, name="i"), "groups": groups,
                                                "device": "cuda"}}}, name="init")
     try:
-        port = target.start(120)["t"]
-        init.start(120)
-        pid = init.call("connect", "i", "127.0.0.1", port)["ok"]
+        port = target.start(120).proxy(DiagNode).ports()["t"]
+        node = init.start(120).proxy(DiagNode)
+        pid = node.connect("i", "127.0.0.1", port)["ok"]
         for n in (512, 2048):
-            res = init.call("diag", "i", pid, n, pool, page, 4, timeout=600)
+            res = node.diag("i", pid, n, pool, page, 4, timeout=600)
             print(f"\n### n={n} pages ({n * page / 2**20:.0f} MiB), flush_progress={flush}")
             for name, rows in res.items():
                 txt = " ".join(f"{k}:{n * page / t / 1e9:.0f}GB/s(p{p * 1e3:.2f},f{f * 1e3:.2f},c{c * 1e3:.2f})"
                                for k, t, p, f, c, _ in rows)
                 print(f"{name:26s} {txt}")
     finally:
-        init.stop()
-        target.stop()
+        init.close()
+        target.close()
 
 
 if __name__ == "__main__":

@@ -8,11 +8,11 @@ import sys
 import time
 
 from kvxfer.bench.transfer import SECRET, BenchNode, _groups
-from kvxfer.testing import Child, serve
+from kvxfer.procs import Worker
 
 
 class DiagNode(BenchNode):
-    def cmd_diag(self, key, peer_id, pattern, nogc):
+    def diag(self, key, peer_id, pattern, nogc):
         import numpy as np
 
         from kvxfer.engine import ItemWrite, RawWrite, devcopy
@@ -60,42 +60,33 @@ class DiagNode(BenchNode):
         return out
 
 
-def diag_node(inbox, outbox, spec):
-    node = DiagNode(spec)
-    outbox.put(("ok", node.ports))
-    try:
-        serve(inbox, outbox, node.handlers())
-    finally:
-        node.close()
-
-
 def main():
     groups = _groups(8, 64 << 10, 2048)
     cfg = dict(secret=SECRET, transfer_timeout_s=120.0, warn_slow_lanes=False)
-    target = Child(diag_node, {"engines": {"t": {"config": dict(cfg, name="t"), "groups": groups,
+    target = Worker(DiagNode, {"engines": {"t": {"config": dict(cfg, name="t"), "groups": groups,
                                                  "device": "cuda"}}}, name="target")
     try:
-        port = target.start(120)["t"]
+        port = target.start(120).proxy(DiagNode).ports()["t"]
         for n_eng in (1, 4):
             keys = [("peer", "auto"), ("peer", "off"), ("none", "auto"), ("none", "off")][:n_eng]
-            init = Child(diag_node, {"engines": {f"{m}/{d}": {
+            init = Worker(DiagNode, {"engines": {f"{m}/{d}": {
                 "config": dict(cfg, name=f"i-{m}-{d}", error_mode=m, device_copy=d,
                                device_min_ops=1), "groups": groups, "device": "cuda"}
                 for m, d in keys}}, name="init")
             try:
-                init.start(120)
-                pids = {f"{m}/{d}": init.call("connect", f"{m}/{d}", "127.0.0.1", port)["ok"]
+                node = init.start(120).proxy(DiagNode)
+                pids = {f"{m}/{d}": node.connect(f"{m}/{d}", "127.0.0.1", port)["ok"]
                         for m, d in keys}
                 for pattern, nogc in (("items", False), ("raw+items", False), ("raw+items", True)):
-                    res = init.call("diag", "peer/auto", pids["peer/auto"], pattern, nogc,
+                    res = node.diag("peer/auto", pids["peer/auto"], pattern, nogc,
                                     timeout=300)
                     for k, v in res.items():
                         print(f"engines={n_eng} {pattern:9s} gc={'off' if nogc else 'on '} {k}: {v}",
                               flush=True)
             finally:
-                init.stop()
+                init.close()
     finally:
-        target.stop()
+        target.close()
 
 
 if __name__ == "__main__":

@@ -42,8 +42,9 @@ import sys
 import time
 
 from kvxfer import clitools
+from kvxfer.bench.engine_node import EngineNode
 from kvxfer.config import EngineConfig
-from kvxfer.testing import Child, EngineNode, serve
+from kvxfer.procs import Worker
 
 SECRET = b"kvxfer-bench"
 
@@ -51,7 +52,7 @@ SECRET = b"kvxfer-bench"
 class BenchNode(EngineNode):
     """EngineNode plus timing loops run inside the engine's event loop."""
 
-    def cmd_bench_pair(self, key, peer_id, group, src, dst, raw_group, nbytes, iters,
+    def bench_pair(self, key, peer_id, group, src, dst, raw_group, nbytes, iters,
                        timeout=300.0, inflight=1):
         """Alternate (raw 1-op PUT of ``nbytes``, item write) ``iters`` times after a warm-up,
         so both see the same machine conditions; returns the best and median of each.
@@ -86,7 +87,7 @@ class BenchNode(EngineNode):
                 "spin": peer.spin, "wake_med": statistics.median(wake),
                 "device_bytes": st.device_bytes}
 
-    def cmd_bench_memcpy(self, nbytes, iters, device):
+    def bench_memcpy(self, nbytes, iters, device):
         times = []  # best of iters (after a warm-up)
         if device == "cpu":
             np = self.np
@@ -109,15 +110,6 @@ class BenchNode(EngineNode):
         return min(times[1:])
 
 
-def bench_node(inbox, outbox, spec):
-    node = BenchNode(spec)
-    outbox.put(("ok", node.ports))
-    try:
-        serve(inbox, outbox, node.handlers())
-    finally:
-        node.close()
-
-
 def _groups(layers, page, pages):
     return {"kv": {"item_lens": [page] * (2 * layers), "items": pages, "contiguous": True},
             "pm": {"item_lens": [2 * layers * page], "items": pages}}
@@ -129,7 +121,7 @@ def run(args, progress=None) -> dict:
     page = args.page_kib << 10
     groups = _groups(args.layers, page, args.pages)
     cfg = dict(secret=SECRET, transfer_timeout_s=120.0, warn_slow_lanes=False)
-    target = Child(bench_node, {"engines": {"t": {
+    target = Worker(BenchNode, {"engines": {"t": {
         # landing rings exist only on an engine with staging on (stage_min_ops > 0)
         "config": dict(cfg, name="target", stage_slot_bytes=args.stage_slot_mib << 20,
                        stage_host_memory=True,
@@ -143,7 +135,7 @@ def run(args, progress=None) -> dict:
     # "direct" never stages (stage_min_ops=0), "staged" stages parts above --stage-min-ops PUTs
     keys = [(m, p, f, d) for m in args.modes for p in args.paths for f in args.flush
             for d in args.device_copy]
-    inits = {"/".join(k): Child(bench_node, {"engines": {"/".join(k): {
+    inits = {"/".join(k): Worker(BenchNode, {"engines": {"/".join(k): {
         "config": dict(cfg, name="init-" + "-".join(k), error_mode=k[0], flush_progress=k[2],
                        device_copy=k[3],
                        stage_min_ops=0 if k[1] == "direct" else args.stage_min_ops,
@@ -154,16 +146,16 @@ def run(args, progress=None) -> dict:
     rows: list = []
     report = {"args": vars(args), "rows": rows}
     try:
-        port = target.start(120)["t"]
+        port = target.start(120).proxy(BenchNode).ports()["t"]
         peers = {}
-        for k, init in inits.items():
-            init.start(120)
-            res = init.call("connect", k, "127.0.0.1", port)
+        nodes = {k: init.start(120).proxy(BenchNode) for k, init in inits.items()}
+        for k, init in nodes.items():
+            res = init.connect(k, "127.0.0.1", port)
             if "ok" not in res:
                 raise RuntimeError(f"connect ({k}): {res}")
             peers[k] = res["ok"]
-            init.call("fill", k, "kv", 1)
-            init.call("fill", k, "pm", 2)
+            init.fill(k, "kv", 1)
+            init.fill(k, "pm", 2)
         rng = np.random.default_rng(0)
         for n in args.sizes:
             if n > args.pages:
@@ -174,16 +166,16 @@ def run(args, progress=None) -> dict:
                                rng.choice(args.pages, n, replace=False)),
                     "contiguous": (np.arange(n), np.arange(args.pages - n, args.pages))}
             nbytes = n * 2 * args.layers * page
-            first = next(iter(inits.values()))
-            memcpy_s = first.call("bench_memcpy", nbytes, args.iters, args.device, timeout=300)
+            first = next(iter(nodes.values()))
+            memcpy_s = first.bench_memcpy(nbytes, args.iters, args.device, timeout=300)
             for m, p, f, dc in keys:
                 k = "/".join((m, p, f, dc))
-                init = inits[k]
+                init = nodes[k]
                 for (layout, group), pset in itertools.product(
                         (("per-layer", "kv"), ("page-major", "pm")), args.pagesets):
                     src, dst = sets[pset]
-                    r = init.call("bench_pair", k, peers[k], group, src, dst, "pm", nbytes,
-                                  args.iters, 600, args.inflight, timeout=600)
+                    r = init.bench_pair(k, peers[k], group, src, dst, "pm", nbytes,
+                                        args.iters, 600, args.inflight, timeout=600)
                     assert r["bytes"] == nbytes
                     rows.append({
                         "mode": m, "lanes": ",".join(r["lanes"]), "layout": layout,
@@ -207,8 +199,8 @@ def run(args, progress=None) -> dict:
                         progress.step(f"{m}/{p} {layout} {pset} {n} pages")
     finally:
         for init in inits.values():
-            init.stop()
-        target.stop()
+            init.close()
+        target.close()
     return report
 
 

@@ -39,18 +39,16 @@ import time
 from typing import List
 
 from kvxfer import clitools
-from kvxfer.pd_demo.run import Pair, percentile
+from kvxfer.pd_demo.run import percentile, start_pair
 from kvxfer.pd_demo.spec import ModelSpec
 from kvxfer.pd_demo.worker import PDWorker
-
-WORKER = "kvxfer.pd_demo.bench:BenchWorker"
 
 
 class BenchWorker(PDWorker):
     """PDWorker plus the benchmark's timing loops (run in the worker's scheduler thread)."""
 
     # ------------------------------------------------------------------ decode
-    def cmd_announce(self, rooms: List[int], n_pages: int) -> List[dict]:
+    def announce(self, rooms: List[int], n_pages: int) -> List[dict]:
         """Allocate and send metadata for ``rooms`` (no verification); returns their ids."""
         self._begin()
         out = []
@@ -64,7 +62,7 @@ class BenchWorker(PDWorker):
                         "row": res["row"]})
         return out
 
-    def cmd_settle(self) -> dict:
+    def settle(self) -> dict:
         return self._finish()
 
     # ------------------------------------------------------------------ prefill
@@ -88,7 +86,7 @@ class BenchWorker(PDWorker):
         self.open[room]["t_send"] = time.monotonic()
         h.send(res["pages"], None if res["slot"] is None else [res["slot"]])
 
-    def cmd_latency(self, rooms: List[int]) -> dict:
+    def latency(self, rooms: List[int]) -> dict:
         """One 1-page request at a time (the next starts when prefill released the last)."""
         self._begin()
         for room in rooms:
@@ -97,7 +95,7 @@ class BenchWorker(PDWorker):
             self._settle(self._next_done(True))
         return self._finish()
 
-    def cmd_throughput(self, rooms: List[int]) -> dict:
+    def throughput(self, rooms: List[int]) -> dict:
         self._begin()
         hs = self._senders(rooms, 1)
         for room, h, res in hs:
@@ -119,7 +117,7 @@ class BenchWorker(PDWorker):
             peer.write(items, timeout=self.mgr.t.transfer_s), self.mgr.loop).result(120)
         return time.monotonic() - t0, stats
 
-    def cmd_large(self, room: int, n_pages: int, dst: dict) -> dict:
+    def large(self, room: int, n_pages: int, dst: dict) -> dict:
         """One PD request of ``n_pages`` then the raw engine write of the same bytes to the
         same destinations; returns the send time (PD) and the raw write's duration."""
         self._begin()
@@ -131,7 +129,7 @@ class BenchWorker(PDWorker):
         out.update(raw_s=raw_s, raw_bytes=int(stats.bytes), raw_ops=int(stats.ops))
         return out
 
-    def cmd_raw_small(self, room: int, dst: dict, n: int) -> dict:
+    def raw_small(self, room: int, dst: dict, n: int) -> dict:
         """``n`` raw engine writes of a 1-page request's bytes (one at a time), then the PD
         request itself (so decode's announced room completes)."""
         self._begin()
@@ -152,24 +150,24 @@ def bench_mode(args, mode: str, integrity: bool = False) -> dict:
     spec = ModelSpec(pool_tokens=max(4096, 2 * args.large_pages + 64) * 16,
                      mamba_slots=args.throughput_requests + 8,
                      aux_rows=args.throughput_requests + 8, device=args.device)
-    pair = Pair(spec, {"error_mode": mode, "deadline_s": 120.0, "max_inflight": 1 << 30,
-                       "integrity": integrity}, worker=WORKER)
-    info = pair.info
+    pair = start_pair(spec, {"error_mode": mode, "deadline_s": 120.0, "max_inflight": 1 << 30,
+                             "integrity": integrity}, BenchWorker)
+    info = pair.prefill.info()
     out = {"mode": mode, "integrity": integrity, "page_bytes": info["page_bytes"],
            "request_bytes_1page": info["page_bytes"] + info["slot_bytes"] + info["aux_bytes"]}
     try:
         # warm-up: connect, and run the code paths once
         warm = _ids(1, 20)
-        pair.d.call("announce", warm, 1)
-        pair.both(("latency", warm), ("settle",))
+        pair.decode.announce(warm, 1)
+        pair.both((pair.prefill.latency, warm), (pair.decode.settle,))
         # latency: decode announces a batch ahead of prefill (prefill holds announced rooms
         # only bootstrap_s before its KVSender must exist), prefill sends one at a time
         rooms = _ids(1000, args.latency_requests)
         p_rooms, d_rooms, ops = {}, {}, 0
         for lo in range(0, len(rooms), 50):
             batch = rooms[lo:lo + 50]
-            pair.d.call("announce", batch, 1)
-            p, d = pair.both(("latency", batch), ("settle",))
+            pair.decode.announce(batch, 1)
+            p, d = pair.both((pair.prefill.latency, batch), (pair.decode.settle,))
             p_rooms.update(p["rooms"])
             d_rooms.update(d["rooms"])
             ops += p["stats"]["ops"]
@@ -179,14 +177,14 @@ def bench_mode(args, mode: str, integrity: bool = False) -> dict:
         out.update(lat_ok=len(lat), lat_n=len(rooms), p50_us=percentile(lat, 50),
                    p99_us=percentile(lat, 99), prefill_p50_us=percentile(p_lat, 50),
                    ops_1page=ops / len(rooms), lanes=p["stats"]["lanes"])
-        dst = pair.d.call("announce", [999], 1)[0]
-        p, _ = pair.both(("raw_small", 999, dst, args.latency_requests), ("settle",))
+        dst = pair.decode.announce([999], 1)[0]
+        p, _ = pair.both((pair.prefill.raw_small, 999, dst, args.latency_requests), (pair.decode.settle,))
         raw = [t * 1e6 for t in p["raw_times"]]
         out.update(raw_p50_us=percentile(raw, 50), raw_p99_us=percentile(raw, 99))
         # throughput
         rooms = _ids(100000, args.throughput_requests)
-        pair.d.call("announce", rooms, 1)
-        p, d = pair.both(("throughput", rooms), ("settle",))
+        pair.decode.announce(rooms, 1)
+        p, d = pair.both((pair.prefill.throughput, rooms), (pair.decode.settle,))
         ok = [r for r in rooms if d["rooms"][r]["state"] == "Success"]
         span = max(d["rooms"][r]["t_done"] for r in ok) - min(p["rooms"][r]["t_send"] for r in ok)
         out.update(tput_ok=len(ok), tput_n=len(rooms), req_per_s=len(ok) / span)
@@ -194,8 +192,8 @@ def bench_mode(args, mode: str, integrity: bool = False) -> dict:
         pd_s, pf_s, raw_s, nbytes, ops = [], [], [], 0, 0
         for i in range(args.iters + 1):
             room = 10**6 + i
-            dst = pair.d.call("announce", [room], args.large_pages)[0]
-            p, d = pair.both(("large", room, args.large_pages, dst), ("settle",))
+            dst = pair.decode.announce([room], args.large_pages)[0]
+            p, d = pair.both((pair.prefill.large, room, args.large_pages, dst), (pair.decode.settle,))
             if d["rooms"][room]["state"] != "Success":
                 raise RuntimeError(f"large request failed: {d['rooms'][room]}")
             nbytes, ops = p["stats"]["bytes"], p["stats"]["ops"]

@@ -29,55 +29,20 @@ from typing import Dict, List, Optional
 
 from kvxfer.errors import InvalidArgument
 from kvxfer.pd_demo.hf_spec import CORRUPTIONS, MODELS, check_layout, models_arg
+from kvxfer.pd_demo.pair import Pair
 
-WORKER = "kvxfer.pd_demo.hf_worker:HFWorker"
 DEFAULT_PROMPTS = (5, 8, 21, 50)
 
 
-class HFPair:
-    """Bootstrap server + one prefill and one decode :class:`HFWorker` process."""
-
-    def __init__(self, spec: dict, opts: dict, timeout: float, start_timeout: float) -> None:
-        from kvxfer.disagg import BootstrapServer
-        from kvxfer.pd_demo.worker import worker_entry
-        from kvxfer.testing import Child
-        secret = os.urandom(16).hex()      # per run; passed to both managers and exported
-        opts = dict(opts, secret=secret)
-        env = {"KVXFER_SECRET": secret, "HF_HUB_OFFLINE": "1",
-               "TRANSFORMERS_VERBOSITY": os.environ.get("TRANSFORMERS_VERBOSITY", "error")}
-        self.timeout = timeout
-        self.bs = BootstrapServer(port=0, secret=secret.encode()).start_in_thread()
-        args = (spec, self.bs.address, opts)
-        self.p = Child(worker_entry, WORKER, "prefill", *args, name="prefill")
-        self.d = Child(worker_entry, WORKER, "decode", *args, name="decode")
-        try:
-            saved = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)         # inherited by the children (spawn)
-            try:
-                self.p.proc.start()        # both boot at once (imports dominate start-up)
-                self.d.proc.start()
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
-            self.info = self.p.get(start_timeout)
-            self.d.get(start_timeout)
-        except BaseException:
-            self.close()
-            raise
-
-    def both(self, p_cmd: tuple, d_cmd: tuple):
-        """Run a command on each worker at once (decode's first); returns (prefill, decode)."""
-        self.d.inbox.put((d_cmd[0], tuple(d_cmd[1:])))
-        self.p.inbox.put((p_cmd[0], tuple(p_cmd[1:])))
-        return self.p.get(self.timeout), self.d.get(self.timeout)
-
-    def close(self) -> None:
-        for c in (self.p, self.d):
-            c.stop()
-        self.bs.stop_thread()
+def start_hf_pair(spec: dict, opts: dict, timeout: float, start_timeout: float) -> Pair:
+    """The pair of :class:`~kvxfer.pd_demo.hf_worker.HFWorker` processes, with a fresh secret
+    (passed to both managers and exported to the workers) and transformers kept offline."""
+    from kvxfer.pd_demo.hf_worker import HFWorker  # torch: while the workers boot is fine
+    secret = os.urandom(16).hex()
+    env = {"KVXFER_SECRET": secret, "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_VERBOSITY": os.environ.get("TRANSFORMERS_VERBOSITY", "error")}
+    return Pair(HFWorker, spec, dict(opts, secret=secret), timeout=timeout,
+                start_timeout=start_timeout, env=env)
 
 
 def prompt_ids(length: int, seed: int, vocab: int) -> List[int]:
@@ -128,8 +93,9 @@ class HFCheck:
         spec = {"page_size": page_size, "pool_tokens": pool_tokens, "mamba_slots": 4,
                 "aux_rows": 4, "seed": seed, "models": self.models}
         t0 = time.perf_counter()
-        self.pair = HFPair(spec, {"error_mode": error_mode, "deadline_s": timeout},
-                           timeout + 30, start_timeout)
+        self.pair = start_hf_pair(spec, {"error_mode": error_mode, "deadline_s": timeout},
+                                  timeout + 30, start_timeout)
+        self.info = self.pair.prefill.info()
         self.startup_s = time.perf_counter() - t0
         self._room = 0
 
@@ -156,24 +122,25 @@ class HFCheck:
         pair, runs, pools, problems = self.pair, [], [], []
         for model in models:
             vocab = MODELS[model][1]["vocab_size"]
-            refs = {n: pair.p.call("reference", model, prompt_ids(n, self.seed, vocab),
-                                   n_tokens, timeout=self.timeout) for n in prompts}
+            refs = {n: pair.prefill.reference(model, prompt_ids(n, self.seed, vocab),
+                                            n_tokens, timeout=self.timeout) for n in prompts}
             for layout in [lay for m, lay in plan if m == model]:
-                desc = pair.p.call("setup", model, layout, timeout=self.timeout)  # registers
-                pair.d.call("setup", model, layout, timeout=self.timeout)         # first
+                desc = pair.prefill.setup(model, layout, timeout=self.timeout)  # registers
+                pair.decode.setup(model, layout, timeout=self.timeout)         # first
                 pools.append(desc)
                 for n in prompts:
                     self._room += 1
                     p, d = pair.both(
-                        ("prefill", self._room, prompt_ids(n, self.seed, vocab), chunk_tokens),
-                        ("decode", self._room, n, n_tokens, retract_after, corrupt))
+                        (pair.prefill.prefill, self._room, prompt_ids(n, self.seed, vocab),
+                               chunk_tokens),
+                        (pair.decode.decode, self._room, n, n_tokens, retract_after, corrupt))
                     runs.append(_compare(model, layout, n, refs[n], p, d))
-                pt, dt = pair.both(("teardown",), ("teardown",))
+                pt, dt = pair.both((pair.prefill.teardown,), (pair.decode.teardown,))
                 for side, r in (("prefill", pt), ("decode", dt)):
                     if any(r["leaks"].values()) or r["live_rooms"] or r.get("host_handles"):
                         problems.append(f"{model}/{layout} {side} leaked: {r}")
                 desc["lanes"] = pt["lanes"]
-        return _report(models, pools, prompts, runs, problems, corrupt, pair.info,
+        return _report(models, pools, prompts, runs, problems, corrupt, self.info,
                        self.startup_s, time.perf_counter() - t0, chunk_tokens, n_tokens,
                        retract_after)
 

@@ -1,7 +1,7 @@
 """One prefill or decode process of the real-model check (:mod:`kvxfer.pd_demo.hf_run`).
 
-Started by :func:`kvxfer.pd_demo.worker.worker_entry` (spawn, one torch thread) and driven
-with :class:`kvxfer.testing.Child` commands; it keeps its models across commands and one
+Started by :func:`kvxfer.pd_demo.worker.build_worker` (spawn, one torch thread) and driven
+through a typed proxy (:class:`kvxfer.pd_demo.pair.Pair`); it keeps its models across commands and one
 :class:`~kvxfer.pd_demo.hf.PagedModelCache` + :class:`~kvxfer.disagg.KVManager` per
 ``setup(model, layout)`` (a new setup closes the previous manager; a prefill manager
 re-registering replaces its bootstrap entry).
@@ -44,21 +44,18 @@ class HFWorker:
         for name in spec.get("models", ()):     # at start-up, both processes at once
             self._model(name)
 
-    def handlers(self) -> dict:
-        return {n[4:]: getattr(self, n) for n in dir(self) if n.startswith("cmd_")}
-
     def _model(self, name: str):
         if name not in self.models:
             self.models[name] = build_model(name, int(self.spec.get("seed", 0)))
         return self.models[name]
 
-    def cmd_info(self) -> dict:
+    def info(self) -> dict:
         import transformers
         return {"role": self.role, "torch": torch.__version__,
                 "transformers": transformers.__version__}
 
     # ------------------------------------------------------------------ setup
-    def cmd_setup(self, model: str, layout: str) -> dict:
+    def setup(self, model: str, layout: str) -> dict:
         from kvxfer.disagg import KVManager
         self._close_layout()
         s = self.spec
@@ -90,7 +87,7 @@ class HFWorker:
             self.offload = None
         return out
 
-    def cmd_teardown(self) -> dict:
+    def teardown(self) -> dict:
         return self._close_layout()
 
     def close(self) -> None:
@@ -129,13 +126,13 @@ class HFWorker:
         return {k: v for k, v in self.mgr.stats.items() if k != "lanes"}
 
     # ------------------------------------------------------------------ reference
-    def cmd_reference(self, model: str, prompt: List[int], n_tokens: int) -> dict:
+    def reference(self, model: str, prompt: List[int], n_tokens: int) -> dict:
         t0 = time.perf_counter()
         tokens, logits = reference(self._model(model), prompt, n_tokens)
         return {"tokens": tokens, "logits": logits, "s": time.perf_counter() - t0}
 
     # ------------------------------------------------------------------ prefill
-    def cmd_prefill(self, room: int, prompt: List[int], chunk_tokens: int) -> dict:
+    def prefill(self, room: int, prompt: List[int], chunk_tokens: int) -> dict:
         from kvxfer.disagg import KVPoll, KVSender
         pmc, ps, n = self.pmc, self.pmc.ps, len(prompt)
         res = pmc.alloc(n)
@@ -170,7 +167,7 @@ class HFWorker:
                 "ops": int(st["ops"])}
 
     # ------------------------------------------------------------------ decode
-    def cmd_decode(self, room: int, prompt_len: int, n_tokens: int, retract_after: int = 0,
+    def decode(self, room: int, prompt_len: int, n_tokens: int, retract_after: int = 0,
                    corrupt: Optional[str] = None) -> dict:
         from kvxfer.disagg import KVPoll, KVReceiver
         from kvxfer.pd_demo.hf_corrupt import corrupt_arrival

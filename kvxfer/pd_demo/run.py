@@ -21,13 +21,15 @@ import random
 import secrets
 import sys
 import time
-from typing import List, Optional
+from typing import List, Optional, Type, TypeVar
 
 from kvxfer import clitools
 from kvxfer.errors import InvalidArgument
+from kvxfer.pd_demo.pair import Pair
 from kvxfer.pd_demo.spec import DTYPES, KV_LAYOUTS, MAMBA_LAYOUTS, ModelSpec
+from kvxfer.pd_demo.worker import PDWorker
 
-WORKER = "kvxfer.pd_demo.worker:PDWorker"
+W = TypeVar("W", bound=PDWorker)
 REQUIRED_KEYS = ("requests", "failed", "verified", "bytes", "gbps", "p50_ms", "p99_ms",
                  "ops_per_request", "lanes")
 
@@ -63,39 +65,11 @@ def spec_from_args(a) -> ModelSpec:
                      device=a.device)
 
 
-class Pair:
-    """Bootstrap server + one prefill and one decode worker process (spawn)."""
-
-    def __init__(self, spec: ModelSpec, opts: dict, worker: str = WORKER) -> None:
-        from kvxfer.disagg import BootstrapServer
-        from kvxfer.testing import Child
-        from kvxfer.pd_demo.worker import worker_entry
-        # one shared secret per run: bootstrap server and both workers' engines
-        opts = dict(opts, secret=secrets.token_bytes(32))
-        self.bs = BootstrapServer(port=0, secret=opts["secret"]).start_in_thread()
-        self.timeout = float(opts.get("deadline_s", 120.0)) + 30.0
-        args = (spec.as_dict(), self.bs.address, opts)
-        self.p = Child(worker_entry, worker, "prefill", *args, name="prefill")
-        self.d = Child(worker_entry, worker, "decode", *args, name="decode")
-        try:
-            self.p.proc.start()          # both boot at once (imports dominate the start-up)
-            self.d.proc.start()
-            self.info = self.p.get(120)
-            self.d.get(120)
-        except BaseException:
-            self.close()
-            raise
-
-    def both(self, p_cmd: tuple, d_cmd: tuple):
-        """Run a command on each worker at once (decode's first); returns (prefill, decode)."""
-        self.d.inbox.put((d_cmd[0], tuple(d_cmd[1:])))
-        self.p.inbox.put((p_cmd[0], tuple(p_cmd[1:])))
-        return self.p.get(self.timeout), self.d.get(self.timeout)
-
-    def close(self) -> None:
-        for c in (self.p, self.d):
-            c.stop()
-        self.bs.stop_thread()
+def start_pair(spec: ModelSpec, opts: dict, cls: Type[W]) -> Pair[W]:
+    """The demo's pair of ``cls`` workers (:class:`PDWorker` or a subclass) with a fresh secret;
+    calls are bounded by ``opts["deadline_s"]`` + 30 s."""
+    opts = dict(opts, secret=secrets.token_bytes(32))   # one per run: bootstrap + both managers
+    return Pair(cls, spec.as_dict(), opts, timeout=float(opts.get("deadline_s", 120.0)) + 30.0)
 
 
 def make_requests(n: int, seed: int, min_len: int, max_len: int) -> List[tuple]:
@@ -131,28 +105,30 @@ def run_demo(spec: ModelSpec, *, requests: int = 64, seed: int = 0, min_len: int
         raise InvalidArgument(f"--window {window} must be >= 1")
     if progress is not None:
         progress.show("starting the prefill and decode workers")
-    pair = Pair(spec, {"error_mode": error_mode, "deadline_s": timeout, "max_inflight": window,
-                       "integrity": integrity})
+    pair = start_pair(spec, {"error_mode": error_mode, "deadline_s": timeout,
+                             "max_inflight": window, "integrity": integrity}, PDWorker)
     t_up = time.perf_counter() - t0
+    info = pair.prefill.info()
     if progress is not None:
         progress.step("warm-up request")
     try:
         # one 1-page request first: connects decode to prefill (bootstrap lookup, handshake),
         # which a long-running pair pays once; it is verified like the others, not timed
         warm = [(0, 1)]
-        wp, wd = pair.both(("prefill", warm, chunk_tokens), ("decode", warm))
+        wp, wd = pair.both((pair.prefill.prefill, warm, chunk_tokens), (pair.decode.decode, warm))
         if not (wp["rooms"][0]["state"] == wd["rooms"][0]["state"] == "Success"
                 and not wd["rooms"][0].get("problems")):
             raise RuntimeError(f"warm-up request failed: prefill {wp['rooms'][0]}, "
                                f"decode {wd['rooms'][0]}")
         if progress is not None:
             progress.step(f"{len(reqs)} requests")
-        p, d = pair.both(("prefill", reqs, chunk_tokens), ("decode", reqs))
+        p, d = pair.both((pair.prefill.prefill, reqs, chunk_tokens),
+                         (pair.decode.decode, reqs))
         if progress is not None:
             progress.step("done")
     finally:
         pair.close()
-    report = summarize(spec, pair.info, reqs, p, d, chunk_tokens, error_mode, window, t_up,
+    report = summarize(spec, info, reqs, p, d, chunk_tokens, error_mode, window, t_up,
                        time.perf_counter() - t0)
     report["integrity"] = integrity
     return report
@@ -267,11 +243,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     add_model_args(ap)
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(x == "--model" or x.startswith("--model=") for x in argv):
-        from kvxfer.pd_demo.hf_run import main as hf_main     # its own arguments
+        from kvxfer.pd_demo.hf_run import main as hf_main  # its own arguments
         return hf_main(argv)
     a = ap.parse_args(argv)
     if a.pools:
-        from kvxfer.demo import pools_main
+        from kvxfer.pools_demo import pools_main
         return pools_main([])
     try:
         spec = spec_from_args(a)

@@ -6,14 +6,13 @@ acts as the scheduler: it allocates with the real allocators, drives ``KVSender`
 ``KVReceiver`` handles, and frees every page, slot and row when the room's ``on_done`` has
 fired (``on_done`` only queues the event; all allocator calls stay on the main thread).
 
-The parent drives workers with :class:`kvxfer.testing.Child` commands (``cmd_*`` methods);
-a worker's traceback comes back to the parent as :class:`kvxfer.testing.ChildError`.
+The parent drives a worker through a typed proxy (:mod:`kvxfer.procs`, :class:`~kvxfer.pd_demo.pair.Pair`);
+a worker's traceback comes back to the parent as :class:`kvxfer.errors.RemoteError`.
 Timestamps are ``time.monotonic()`` (CLOCK_MONOTONIC: one clock for every process of the
 host), so decode's completion time minus prefill's send time is an end-to-end latency.
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import queue
 import time
@@ -36,7 +35,7 @@ class PDWorker:
 
     def __init__(self, role: str, spec: dict, bootstrap: str, opts: dict) -> None:
         from kvxfer.disagg import KVManager, Timeouts
-        from kvxfer.pd_demo.model import DemoModel      # torch: in the worker process only
+        from kvxfer.pd_demo.model import DemoModel  # torch: in the worker process only
         self.role, self.bootstrap, self.opts = role, bootstrap, opts
         self.model = DemoModel(ModelSpec(**spec))
         self.deadline_s = float(opts.get("deadline_s", 120.0))
@@ -53,9 +52,6 @@ class PDWorker:
         self.finished: Dict[int, dict] = {}
 
     # ------------------------------------------------------------------ plumbing
-    def handlers(self) -> dict:
-        return {n[4:]: getattr(self, n) for n in dir(self) if n.startswith("cmd_")}
-
     def _on_done(self, room: int):
         q = self.done_q
 
@@ -124,7 +120,7 @@ class PDWorker:
         h.init(int(res["pages"].numel()), res["row"])
         return h
 
-    def cmd_prefill(self, requests: List[Request], chunk_tokens: int) -> dict:
+    def prefill(self, requests: List[Request], chunk_tokens: int) -> dict:
         """Compute and send every request in order, chunk by chunk (chunked prefill)."""
         m, ps = self.model, self.model.ps
         self._begin()
@@ -159,7 +155,7 @@ class PDWorker:
                         None if res["slot"] is None else [res["slot"]])
         return h
 
-    def cmd_decode(self, requests: List[Request], verify: bool = True) -> dict:
+    def decode(self, requests: List[Request], verify: bool = True) -> dict:
         """Pre-allocate and announce every request in order; verify and free each one that
         finishes. Returns per-room results and the allocator / room-table leak counts."""
         m = self.model
@@ -171,7 +167,7 @@ class PDWorker:
             self.open[room]["h"] = self._open_receiver(room, res)
         return self._finish()
 
-    def cmd_info(self) -> dict:
+    def info(self) -> dict:
         m = self.model
         return {"page_bytes": m.page_bytes(), "slot_bytes": m.slot_bytes(),
                 "aux_bytes": m.kv_args.aux_item_lens[0], "num_pages": m.pages.num_pages,
@@ -182,31 +178,16 @@ class PDWorker:
         self.mgr.close_background()
 
 
-def _resolve(path: str):
-    mod, _, name = path.partition(":")
-    return getattr(importlib.import_module(mod), name)
-
-
-def worker_entry(inbox, outbox, cls_path: str, role: str, spec: dict, bootstrap: str,
-                 opts: dict) -> None:
-    """Child process entry (spawn): build the worker, report ready, serve commands."""
-    import os
+def build_worker(cls: type, role: str, spec: dict, bootstrap: Optional[str], opts: dict):
+    """Worker process entry (:class:`kvxfer.procs.Worker`, in the child): set the process up
+    for a scheduler next to a manager's loop thread, then build ``cls(role, spec, bootstrap,
+    opts)`` (:class:`PDWorker` or another worker class with that constructor)."""
     import sys
 
     import torch
-
-    from kvxfer.testing import serve
     torch.set_num_threads(1)     # no OpenMP threads starving the manager's event loop
     # the scheduler thread computes while the manager's loop thread moves data: hand the GIL
     # over often so a completion is not held up by a 5 ms switch interval
     sys.setswitchinterval(float(opts.get("switch_interval_s", 0.0005)))
     logging.basicConfig(level=opts.get("log_level", "WARNING"))
-    worker = _resolve(cls_path)(role, spec, bootstrap, opts)
-    outbox.put(("ok", worker.cmd_info()))
-    try:
-        serve(inbox, outbox, worker.handlers())
-    finally:
-        worker.close()
-        outbox.close()
-        outbox.join_thread()     # the reply to 'exit' is on its way before we go
-    os._exit(0)                  # manager closed; skip the slow interpreter teardown
+    return cls(role, spec, bootstrap, opts)

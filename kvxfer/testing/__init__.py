@@ -1,13 +1,8 @@
-"""Helpers for multi-process tests and benchmarks over real UCX.
+"""Test-only helpers for multi-process tests over real UCX (never imported by the demo or the
+benchmarks). Every worker process, here and in the tests, is a :class:`kvxfer.procs.Worker`
+hosting a plain class whose public methods the parent calls through a typed proxy.
 
-- :class:`Child` / :func:`serve` (:mod:`.process`): spawn-context children with bounded waits,
-  child tracebacks re-raised in the parent as :class:`ChildError`, command servers.
-- :func:`engine_node` / :class:`EngineNode` (:mod:`.nodes`): engines over host or device
-  buffers, driven by commands (used by tests/engine and ``kvxfer bench transfer``).
-- :func:`transport_node` (:mod:`.transport_checks`): transport-level checks for tests/transport.
+- :mod:`.transport_checks`: :class:`~.transport_checks.TransportNode`, transport-level checks
+  for tests/transport.
+- :mod:`.reliability`: soak, kill matrix and network-namespace scenarios.
 """
-from kvxfer.testing.nodes import EngineNode, engine_node
-from kvxfer.testing.process import Child, ChildError, serve
-from kvxfer.testing.transport_checks import transport_node
-
-__all__ = ["Child", "ChildError", "serve", "EngineNode", "engine_node", "transport_node"]

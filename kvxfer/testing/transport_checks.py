@@ -1,30 +1,38 @@
 """Transport checks run inside one spawned process (listener and connector on the same UCX
-worker, real loopback endpoints); ``tests/transport`` drives them through :func:`transport_node`.
+worker, real loopback endpoints); ``tests/transport`` hosts a :class:`TransportNode` in a
+:class:`kvxfer.procs.Worker` and calls it through a typed proxy.
 """
 from __future__ import annotations
 
-from kvxfer.testing.process import serve
+import asyncio
 
 
-def transport_node(inbox, outbox) -> None:
-    """Command server exercising :mod:`kvxfer.transport.ucx` inside one process (listener
-    and connector on the same UCX worker, real loopback endpoints)."""
-    import asyncio
+class TransportNode:
+    """Exercises :mod:`kvxfer.transport.ucx` inside one process; each method runs one check
+    on this process's event loop and returns what it observed."""
 
-    loop = asyncio.new_event_loop()
-    outbox.put(("ok", "ready"))
-    try:
-        serve(inbox, outbox, {"run": lambda name, *a: loop.run_until_complete(
-            getattr(_TransportChecks, name)(*a))})
-    finally:
-        loop.close()
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+
+    def put_and_bounds(self, error_mode: str, spin: bool = False) -> dict:
+        return self.loop.run_until_complete(_TransportChecks.put_and_bounds(error_mode, spin))
+
+    def close_quiesces(self, error_mode: str, mib: int = 32) -> dict:
+        return self.loop.run_until_complete(_TransportChecks.close_quiesces(error_mode, mib))
+
+    def peer_close_seen(self) -> dict:
+        return self.loop.run_until_complete(_TransportChecks.peer_close_seen())
+
+    def completion_queue(self) -> dict:
+        return self.loop.run_until_complete(_TransportChecks.completion_queue())
+
+    def close(self) -> None:
+        self.loop.close()
 
 
 class _TransportChecks:
     @staticmethod
     async def _pair(error_mode="peer"):
-        import asyncio
-
         from kvxfer.transport.ucx import UcxTransport
 
         t = UcxTransport()
@@ -44,7 +52,6 @@ class _TransportChecks:
 
     @staticmethod
     async def put_and_bounds(error_mode, spin=False):
-        import asyncio
         import time
 
         import numpy as np
@@ -111,8 +118,6 @@ class _TransportChecks:
         every byte has landed (nothing of ours is still in flight to the peer), and a bulk
         endpoint's UCX close was accepted and confirmed (its error-handler context freed:
         the queue holds no reference for it)."""
-        import asyncio
-
         import numpy as np
 
         t, client, server, rma = await _TransportChecks._pair(error_mode)
@@ -133,7 +138,6 @@ class _TransportChecks:
 
     @staticmethod
     async def peer_close_seen():
-        import asyncio
         import time
 
         t, client, server, rma = await _TransportChecks._pair()

@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
+from testenv import DEVICE
 
-DEVICE = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--requests", "12", "--max-len", "200", "--chunk-tokens", "64", "--pool-tokens", "2048",
          "--head-dim", "16", "--timeout", "60", "--device", DEVICE]

@@ -2,11 +2,10 @@
 threads) and two spawned worker processes — one prefill, one decode — each hosting one node
 per pool kind, all on real UCX loopback. Tests use distinct room ids, so they share them."""
 import itertools
-import os
 
 import pytest
-
 from pd_harness import FAST, KINDS, TINY, Worker
+from testenv import DEVICE
 
 _room_ids = itertools.count(1000)
 
@@ -23,7 +22,7 @@ class Cluster:
         names = list(KINDS) + ["many", "tiny", "victim"]
         self.bs = {n: BootstrapServer(port=0).start_in_thread() for n in names}
         # KV/state pools on the test device (CUDA on the accelerator machine); aux stays host
-        dev = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
+        dev = DEVICE
         spec = {k: dict(kind=k, timeouts=FAST, device=dev) for k in KINDS}
         spec["many"] = dict(kind="many", size=4096, page_size=1, aux_rows=4096,
                             timeouts=dict(FAST, bootstrap_s=60.0, waiting_s=60.0,

@@ -1,6 +1,7 @@
 """Multi-process test harness for the PD protocol: worker processes (spawn) each host one or
-more *nodes* — a real pool + real allocators + a KVManager on real UCX loopback — driven by
-RPC over a pipe. Child exceptions come back with their traceback (raised as RemoteError).
+more *nodes* — a real pool + real allocators + a KVManager on real UCX loopback — driven
+through typed proxies (:mod:`kvxfer.procs`): ``worker["mha"].p_open(room, 4)``. Child
+exceptions come back with their traceback, raised as :class:`kvxfer.errors.RemoteError`.
 
 Content is deterministic: page ``k`` of room ``R``, descriptor ``e`` holds
 ``(R*31 + k*7 + e*13 + byte) % 251``; state slot ``j`` of a room uses ``k = 1000 + j``; the
@@ -18,18 +19,14 @@ at that point, or freeze the whole process there with SIGSTOP).
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import threading
 import time
 import traceback
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
-CTX = mp.get_context("spawn")
-#: set while a worker is between RPCs (its last reply sent): a "freeze" hook waits for it
-_RPC_IDLE = threading.Event()
-_RPC_IDLE.set()
+from kvxfer import procs
 
 KINDS = ("mha", "page_major", "mla", "hybrid_per_layer", "hybrid_envelope")
 
@@ -44,15 +41,10 @@ SENTINEL = 0xFF
 GUARD = 0xFE
 
 
-class RemoteError(Exception):
-    def __init__(self, kind: str, msg: str, tb: str) -> None:
-        super().__init__(f"{kind}: {msg}\n--- child traceback ---\n{tb}")
-        self.kind, self.msg, self.tb = kind, msg, tb
-
-
 # ====================================================================== child side
 def _build_pool(kind: str, size: int, page_size: int, device: str = "cpu"):
     import torch
+
     from kvxfer.pools import MHATokenToKVPool, MLATokenToKVPool, PageMajorMHATokenToKVPool
     bf = torch.bfloat16
     if kind in ("mha", "mismatch", "many"):
@@ -203,7 +195,7 @@ class Node:
     # -- test hooks --
     def hook_on(self, point: str, room: int, action: str, *args) -> None:
         """Arm a one-shot hook: when the manager reaches ``point`` for ``room`` (on its loop
-        thread), ``action`` runs there. "call": ``getattr(self, args[0])(*args[1:])`` runs on
+        thread), ``action`` runs there. "call": ``args[0](self, *args[1:])`` (e.g. ``Node.p_open``) runs on
         another thread while the loop waits for it (bounded) — that thread is the scheduler
         acting inside the window. "freeze": this whole process stops (SIGSTOP) until the
         test sends SIGCONT. "gate": the loop waits (bounded) until the test calls
@@ -260,7 +252,7 @@ class Node:
         if action == "freeze":
             # stop between RPCs: the call that armed this point has answered first (else the
             # parent would wait for a reply from a stopped process)
-            _RPC_IDLE.wait(10.0)
+            procs.wait_idle(10.0)
             os.kill(os.getpid(), signal.SIGSTOP)
             self._fired(("resumed", room))
             return
@@ -272,7 +264,7 @@ class Node:
 
         def run():
             try:
-                getattr(self, args[0])(*args[1:])
+                args[0](self, *args[1:])
             except BaseException:
                 err.append(traceback.format_exc())
         t = threading.Thread(target=run)
@@ -313,12 +305,13 @@ class Node:
             time.sleep(0.001)
 
     # -- a node method on a background thread (to run both sides at once) --
-    def start(self, method: str, *args) -> None:
+    def start(self, method: Callable, *args) -> None:
+        """Run ``method(self, *args)`` (e.g. ``Node.hammer_open``) on a thread; :meth:`join`."""
         res = {}
 
         def run():
             try:
-                res["ok"] = getattr(self, method)(*args)
+                res["ok"] = method(self, *args)
             except BaseException as exc:
                 res["err"] = (type(exc).__name__, str(exc), traceback.format_exc())
         self._thread = (threading.Thread(target=run, daemon=True), res)
@@ -491,6 +484,7 @@ class Node:
     def api_waits(self, rooms) -> dict:
         """The blocking / foreign-loop / in-loop ways to wait, from this (non-loop) thread."""
         import asyncio
+
         from kvxfer.errors import InvalidArgument
         hs = [self.rooms[r]["h"] for r in rooms]
         out = {"blocking": [h.wait_blocking(20).name for h in hs],
@@ -502,7 +496,7 @@ class Node:
         return out
 
     def debug_links(self) -> list:
-        return [(repr(l), [repr(r) for r in list(l.rooms)[:3]]) for l in self.mgr.links.values()]
+        return [(repr(lk), [repr(r) for r in list(lk.rooms)[:3]]) for lk in self.mgr.links.values()]
 
     def stats(self) -> dict:
         s = dict(self.mgr.stats)
@@ -511,7 +505,8 @@ class Node:
 
     # -- batches (thousands of rooms without thousands of RPCs) --
     def batch(self, calls) -> list:
-        return [getattr(self, name)(*args) for name, *args in calls]
+        """``[(Node.method, *args), ...]``, called in order; returns their results."""
+        return [method(self, *args) for method, *args in calls]
 
     def wait_all(self, rooms, timeout: float = 60.0) -> dict:
         end = time.monotonic() + timeout
@@ -529,8 +524,8 @@ class Node:
         self.mgr.close_background()
 
 
-def worker_main(conn, nodes_spec: dict) -> None:
-    """Child entry point: build the nodes, then serve RPCs until 'exit' or EOF."""
+def build_nodes(nodes_spec: dict) -> Dict[str, Node]:
+    """Worker entry (in the child): one :class:`Node` per ``{name: Node kwargs}``."""
     import logging
 
     import torch
@@ -540,135 +535,24 @@ def worker_main(conn, nodes_spec: dict) -> None:
     try:
         for name, kw in nodes_spec.items():
             nodes[name] = Node(**kw)
-    except BaseException as exc:
-        conn.send(("err", type(exc).__name__, str(exc), traceback.format_exc()))
-        return
-    conn.send(("ok", {n: node.mgr.address for n, node in nodes.items()}))
-    while True:
-        try:
-            req = conn.recv()
-        except EOFError:
-            break
-        if req[0] == "exit":
-            for node in nodes.values():
-                try:
-                    node.close()
-                except Exception:
-                    pass
-            conn.send(("ok", None))
-            conn.close()
-            os._exit(0)          # managers are closed; skip the slow interpreter teardown
-        node_name, method, args, kwargs = req
-        _RPC_IDLE.clear()
-        try:
-            conn.send(("ok", getattr(nodes[node_name], method)(*args, **kwargs)))
-        except BaseException as exc:
-            conn.send(("err", type(exc).__name__, str(exc), traceback.format_exc()))
-        finally:
-            _RPC_IDLE.set()
+    except BaseException:
+        for node in nodes.values():
+            node.close()
+        raise
+    return nodes
 
 
-def _child_call(conn, fn) -> None:
-    try:
-        fn()
-        conn.send(("ok", None))
-    except BaseException as exc:
-        conn.send(("err", type(exc).__name__, str(exc), traceback.format_exc()))
-
-
-def run_in_child(fn, timeout: float = 90.0) -> None:
-    """Run ``fn`` (a picklable module-level function) in a fresh spawned process: UCX
-    stays out of the pytest process. Child failures are re-raised with their traceback."""
-    conn, child = CTX.Pipe()
-    proc = CTX.Process(target=_child_call, args=(child, fn), daemon=True)
-    proc.start()
-    child.close()
-    try:
-        if not conn.poll(timeout):
-            raise TimeoutError(f"child {fn.__name__} did not finish in {timeout}s")
-        msg = conn.recv()
-        if msg[0] == "err":
-            raise RemoteError(*msg[1:])
-    except EOFError:
-        raise RuntimeError(f"child {fn.__name__} died (exitcode {proc.exitcode})") from None
-    finally:
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
-
-
-# ====================================================================== parent side
-class Worker:
-    """A spawned worker process hosting ``nodes_spec`` ({name: Node kwargs})."""
+class Worker(procs.Worker):
+    """A spawned worker process hosting ``nodes_spec`` ({name: Node kwargs}); ``w[name]`` is
+    a proxy typed as :class:`Node`."""
 
     def __init__(self, nodes_spec: dict) -> None:
-        self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(target=worker_main, args=(child, nodes_spec), daemon=True)
-        self.proc.start()
-        child.close()
-        self.addresses = None
+        super().__init__(build_nodes, nodes_spec, name="+".join(
+            f"{kw.get('role', '')}-{n}" for n, kw in nodes_spec.items()))
+        self._nodes: Dict[str, Node] = {}
+        self.launch()
 
-    def ready(self, timeout: float = 120.0) -> "Worker":
-        if self.addresses is None:
-            self.addresses = self._reply(timeout, "startup")
-        return self
-
-    def _reply(self, timeout: float, what: str):
-        if not self.conn.poll(timeout):
-            self.proc.kill()               # its late answer would desynchronise later calls
-            raise TimeoutError(f"worker pid {self.proc.pid}: no answer to {what} in {timeout}s "
-                               f"(alive={self.proc.is_alive()}, exitcode={self.proc.exitcode})")
-        try:
-            msg = self.conn.recv()
-        except EOFError:
-            self.proc.join(5)
-            raise RuntimeError(f"worker died during {what} (exitcode {self.proc.exitcode})")
-        if msg[0] == "err":
-            raise RemoteError(*msg[1:])
-        return msg[1]
-
-    def __call__(self, node: str, method: str, *args, timeout: float = 60.0, **kwargs):
-        self.conn.send((node, method, args, kwargs))
-        return self._reply(timeout, f"{node}.{method}")
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.join(10)
-
-    def stopped(self, timeout: float = 20.0) -> bool:
-        """Wait (bounded) until the process is stopped (SIGSTOP, e.g. by a "freeze" hook)."""
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            with open(f"/proc/{self.proc.pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] in "Tt":
-                    return True
-            time.sleep(0.01)
-        return False
-
-    def freeze(self) -> None:
-        os.kill(self.proc.pid, signal.SIGSTOP)
-        assert self.stopped(), f"worker pid {self.proc.pid} did not stop"
-
-    def resume(self) -> None:
-        if self.proc.is_alive():
-            os.kill(self.proc.pid, signal.SIGCONT)
-
-    def request_exit(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.conn.send(("exit",))
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.request_exit()
-                self._reply(30, "exit")
-            except Exception:
-                pass
-            self.proc.join(10)
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join(5)
+    def __getitem__(self, name: str) -> Node:
+        if name not in self._nodes:
+            self._nodes[name] = self.proxy(Node, name)
+        return self._nodes[name]

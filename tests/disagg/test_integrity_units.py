@@ -8,7 +8,6 @@ import msgpack
 import numpy as np
 import pytest
 
-from kvxfer.kernels.checksum import ALGORITHM, item_checksums_host
 from kvxfer import wire
 from kvxfer.disagg import KVArgs, KVManager, KVPoll, MetadataBuffer, Timeouts
 from kvxfer.disagg import messages as m
@@ -18,6 +17,7 @@ from kvxfer.disagg.kv_args import check_compatible
 from kvxfer.disagg.manager import Link
 from kvxfer.disagg.rooms import Room
 from kvxfer.errors import ProtocolError
+from kvxfer.kernels.checksum import ALGORITHM, item_checksums_host
 
 pytestmark = pytest.mark.timeout(30)
 

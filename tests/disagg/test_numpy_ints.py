@@ -5,13 +5,13 @@ import asyncio
 import msgpack
 import numpy as np
 import pytest
-from pd_harness import run_in_child
 
 from kvxfer import BootstrapServer, KVArgs, KVManager, KVPoll, KVReceiver, KVSender, Timeouts
 from kvxfer.argcheck import as_int
 from kvxfer.config import EngineConfig
 from kvxfer.disagg.aux import MetadataBuffer
 from kvxfer.errors import InvalidArgument
+from kvxfer.procs import run_in_child
 
 pytestmark = pytest.mark.timeout(60)
 I64 = np.int64

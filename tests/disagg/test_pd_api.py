@@ -8,11 +8,20 @@ import sys
 
 import numpy as np
 import pytest
-from pd_harness import run_in_child
+from pd_harness import Node
 
-from kvxfer import (BootstrapServer, KVArgs, KVManager, KVPoll, KVReceiver, KVSender,
-                    MetadataBuffer, Timeouts)
+from kvxfer import (
+    BootstrapServer,
+    KVArgs,
+    KVManager,
+    KVPoll,
+    KVReceiver,
+    KVSender,
+    MetadataBuffer,
+    Timeouts,
+)
 from kvxfer.errors import Closed, IndexOutOfRange, InvalidArgument, TransferTimeout  # noqa: F401
+from kvxfer.procs import run_in_child
 
 pytestmark = pytest.mark.timeout(60)
 ITEM, PAGES, NBUF = 64, 32, 3
@@ -97,13 +106,13 @@ def test_sync_scheduler_threads_and_foreign_loop(cluster, room):
     also wait_blocking, await from a foreign event loop, and the in-loop deadlock guard."""
     c = cluster
     rooms = [room() for _ in range(4)]
-    c.d("mha", "batch", [("d_open", r, 2) for r in rooms])
-    c.p("mha", "batch", [("p_open", r, 2) for r in rooms] + [("p_send", r, 0, 2) for r in rooms])
-    got = c.d("mha", "api_waits", rooms)
+    c.d["mha"].batch([(Node.d_open, r, 2) for r in rooms])
+    c.p["mha"].batch([(Node.p_open, r, 2) for r in rooms] + [(Node.p_send, r, 0, 2) for r in rooms])
+    got = c.d["mha"].api_waits(rooms)
     assert got["blocking"] == ["Success"] * 4 and got["foreign_loop"] == ["Success"] * 2
     assert "deadlock" in got["in_loop_blocking"]
-    assert sum(c.d("mha", "batch", [("verify", r) for r in rooms])) == 0
-    assert c.p("mha", "wait_all", rooms) == {"Success": 4}
+    assert sum(c.d["mha"].batch([(Node.verify, r) for r in rooms])) == 0
+    assert c.p["mha"].wait_all(rooms) == {"Success": 4}
 
 
 def test_manager_argument_errors():

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from kvxfer.disagg import bootstrap, messages as m
+from kvxfer.disagg import bootstrap
+from kvxfer.disagg import messages as m
 from kvxfer.disagg.bootstrap import BootstrapServer, parse_addr
 from kvxfer.errors import InvalidArgument, PeerClosed, ProtocolError
 

@@ -11,8 +11,7 @@ prefill, duplicate and late metadata, and a peer frozen (SIGSTOP) then resumed (
 A pair of worker processes of its own (module fixture): the freeze scenarios stop a whole
 process."""
 import pytest
-
-from pd_harness import Worker
+from pd_harness import Node, Worker
 
 pytestmark = pytest.mark.timeout(120)
 K = "hybrid_per_layer"
@@ -39,11 +38,11 @@ class Pair:
             w.ready()
         for w, n in ((self.d, "f"), (self.d, "f2")):     # connect once, with no deadline near
             r = 4_999_999 - len(n)
-            self.p("f", "p_open", r, 1)
-            w(n, "d_open", r, 1)
-            self.p("f", "p_send", r, 0, 1)
-            assert w(n, "wait", r)["state"] == "Success" and w(n, "verify", r) == 0
-            assert self.p("f", "wait", r)["state"] == "Success"
+            self.p["f"].p_open(r, 1)
+            w[n].d_open(r, 1)
+            self.p["f"].p_send(r, 0, 1)
+            assert w[n].wait(r)["state"] == "Success" and w[n].verify(r) == 0
+            assert self.p["f"].wait(r)["state"] == "Success"
         self.rooms = iter(range(5_000_000, 6_000_000, 7))
 
     def close(self):
@@ -65,7 +64,7 @@ def pair():
 
 
 def settled(w, node, r, timeout=30.0):
-    res = w(node, "wait", r, timeout)
+    res = w[node].wait(r, timeout)
     assert res is not None and res["state"] in ENDED, (node, r, res)
     return res
 
@@ -73,7 +72,7 @@ def settled(w, node, r, timeout=30.0):
 def _changed(c):
     out = {}
     for tag, w, n in (("prefill", c.p, "f"), ("decode", c.d, "f"), ("decode2", c.d, "f2")):
-        f = w(n, "fence_check")
+        f = w[n].fence_check()
         out[tag] = {(k, x) for k in ("pages", "slots", "rows", "guards") for x in f[k]}
     return out
 
@@ -87,28 +86,28 @@ def known(pair):
 def fenced(c):
     """Everything released, and not one byte of a freed or guard item changed."""
     for w, n in ((c.p, "f"), (c.d, "f"), (c.d, "f2")):
-        assert w(n, "leaks") == NO_LEAKS, n
+        assert w[n].leaks() == NO_LEAKS, n
     new = {tag: items - c.known[tag] for tag, items in _changed(c).items()}
     assert not any(new.values()), new
 
 
 def to_state(c, r, state):
     """Both sides open room ``r``; then drive it to ``state`` (decode's view)."""
-    c.p("f", "p_open", r, N)
+    c.p["f"].p_open(r, N)
     if state == "Bootstrapping":                         # decode not even looked up
-        c.d("f", "d_open", r, N, meta=False, init=False)
+        c.d["f"].d_open(r, N, meta=False, init=False)
         return
-    c.d("f", "d_open", r, N)
-    assert c.d("f", "poll_until", r, ["WaitingForInput"]) == "WaitingForInput"
+    c.d["f"].d_open(r, N)
+    assert c.d["f"].poll_until(r, ["WaitingForInput"]) == "WaitingForInput"
     if state == "Transferring":
-        c.p("f", "p_send", r, 0, 1)
-        assert c.d("f", "poll_until", r, ["Transferring"]) == "Transferring"
+        c.p["f"].p_send(r, 0, 1)
+        assert c.d["f"].poll_until(r, ["Transferring"]) == "Transferring"
 
 
 def late_sends(c, r, start=0):
     """The scheduler goes on after the failure: every remaining chunk is handed over."""
     for lo in range(start, N):
-        c.p("f", "p_send", r, lo, lo + 1)
+        c.p["f"].p_send(r, lo, lo + 1)
 
 
 @pytest.mark.parametrize("state", ["Bootstrapping", "WaitingForInput", "Transferring"])
@@ -116,9 +115,9 @@ def late_sends(c, r, start=0):
 def test_abort_in_each_state(pair, side, state):
     c, r = pair, next(pair.rooms)
     to_state(c, r, state)
-    (c.d if side == "decode" else c.p)("f", "abort", r)
+    (c.d if side == "decode" else c.p)["f"].abort(r)
     if state == "Bootstrapping":                         # decode's scheduler goes on
-        c.d("f", "batch", [("d_init", r), ("d_meta", r)])
+        c.d["f"].batch([(Node.d_init, r), (Node.d_meta, r)])
     settled(c.d, "f", r)
     settled(c.p, "f", r)
     late_sends(c, r, 1 if state == "Transferring" else 0)
@@ -140,10 +139,10 @@ def test_deadlines(pair, state):
 def test_pending_metadata_expires(pair):
     """Decode's metadata waits on prefill for a KVSender that comes too late."""
     c, r = pair, next(pair.rooms)
-    c.d("f", "d_open", r, N)
+    c.d["f"].d_open(r, N)
     res = settled(c.d, "f", r)
     assert res["state"] == "Failed" and res["exc"] == "TransferTimeout", res
-    c.p("f", "p_open", r, N)
+    c.p["f"].p_open(r, N)
     late_sends(c, r)
     res = settled(c.p, "f", r)
     assert res["state"] == "Failed" and res["exc"] == "TransferTimeout", res
@@ -154,18 +153,18 @@ def test_duplicate_and_late_metadata(pair):
     """A second decode sends metadata for a live room (refused), and again after the room
     finished (unknown): prefill writes into neither destination."""
     c, r = pair, next(pair.rooms)
-    c.p("f", "p_open", r, N)
-    c.d("f", "d_open", r, N)
-    assert c.p("f", "poll_until", r, ["WaitingForInput"]) == "WaitingForInput"
-    c.d("f2", "d_open", r, N)
+    c.p["f"].p_open(r, N)
+    c.d["f"].d_open(r, N)
+    assert c.p["f"].poll_until(r, ["WaitingForInput"]) == "WaitingForInput"
+    c.d["f2"].d_open(r, N)
     res = settled(c.d, "f2", r)
     assert res["state"] == "Failed" and res["exc"] == "DuplicateRoom", res
     late_sends(c, r)
-    assert settled(c.d, "f", r)["state"] == "Success" and c.d("f", "verify", r) == 0
+    assert settled(c.d, "f", r)["state"] == "Success" and c.d["f"].verify(r) == 0
     assert settled(c.p, "f", r)["state"] == "Success"
     late = next(pair.rooms)
-    c.d("f2", "d_open", late, N)                         # shares no id with the finished one
-    c.d("f2", "abort", late)
+    c.d["f2"].d_open(late, N)                         # shares no id with the finished one
+    c.d["f2"].abort(late)
     settled(c.d, "f2", late)
     fenced(c)
 
@@ -176,15 +175,15 @@ def test_prefill_frozen_before_a_write(pair):
     (SIGCONT) and posts that write: not one byte may land."""
     c, r = pair, next(pair.rooms)
     to_state(c, r, "Transferring")
-    c.p("f", "hook_on", "before_write", r, "freeze")
-    c.p("f", "p_send", r, 1, N)
+    c.p["f"].hook_on("before_write", r, "freeze")
+    c.p["f"].p_send(r, 1, N)
     assert c.p.stopped()
     try:
         res = settled(c.d, "f", r)
         assert res["state"] == "Failed", res
     finally:
         c.p.resume()
-    assert c.p("f", "wait_fired", "before_write", r) == [("before_write", r), ("resumed", r)]
+    assert c.p["f"].wait_fired("before_write", r) == [("before_write", r), ("resumed", r)]
     assert settled(c.p, "f", r)["state"] == "Failed"
     fenced(c)
 
@@ -196,7 +195,7 @@ def test_decode_frozen_while_prefill_writes(pair):
     to_state(c, r, "Transferring")
     c.d.freeze()
     try:
-        c.p("f", "p_send", r, 1, N)
+        c.p["f"].p_send(r, 1, N)
         res = settled(c.p, "f", r)
         assert res["state"] == "Failed", res
     finally:
@@ -211,9 +210,9 @@ def test_prefill_frozen_while_idle(pair):
     c = pair
     rs = [next(pair.rooms) for _ in range(3)]
     for r in rs:
-        c.p("f", "p_open", r, N)
-        c.d("f", "d_open", r, N)
-        assert c.p("f", "poll_until", r, ["WaitingForInput"]) == "WaitingForInput"
+        c.p["f"].p_open(r, N)
+        c.d["f"].d_open(r, N)
+        assert c.p["f"].poll_until(r, ["WaitingForInput"]) == "WaitingForInput"
     c.p.freeze()
     try:
         for r in rs:

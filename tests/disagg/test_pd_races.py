@@ -8,8 +8,7 @@ import random
 import time
 
 import pytest
-
-from pd_harness import FAST
+from pd_harness import FAST, Node
 
 pytestmark = pytest.mark.timeout(120)
 K = "hybrid_per_layer"           # pages + a state slot + an aux row per room
@@ -18,14 +17,14 @@ NO_LEAKS = {"pages": 0, "slots": 0, "aux": 0, "rooms": 0}
 
 def clean(*pairs):
     for w, n in pairs:
-        assert w(n, "leaks") == NO_LEAKS, n
-        f = w(n, "fence_check")
+        assert w[n].leaks() == NO_LEAKS, n
+        f = w[n].fence_check()
         assert not (f["pages"] or f["slots"] or f["rows"] or f["guards"]), (n, f)
 
 
 def held_pending(c, r, node=K):
     """Decode's metadata for ``r`` reached prefill before any KVSender: a pending record."""
-    assert c.p(node, "record", r) == "pending"
+    assert c.p[node].record(r) == "pending"
 
 
 # ------------------------------------------------------------------ defect 1
@@ -34,8 +33,8 @@ def held_pending(c, r, node=K):
 # is retired), "pending_retired" (just after), "abort_received" (before prefill looks the room
 # up). Whichever wins, the KVSender never writes into a destination decode released.
 def _race(c, node, point, r, n):
-    c.p(node, "hook_on", point, r, "call", "p_open", r, n)
-    return lambda: c.p(node, "wait_fired", point, r) == [(point, r), ("done", r)]
+    c.p[node].hook_on(point, r, "call", Node.p_open, r, n)
+    return lambda: c.p[node].wait_fired(point, r) == [(point, r), ("done", r)]
 
 
 @pytest.mark.parametrize("point", ["room_failed", "pending_retired", "abort_received"])
@@ -43,14 +42,14 @@ def test_decode_abort_races_sender_creation(cluster, room, point):
     """Decode aborts while prefill holds its metadata and the KVSender is created inside the
     window: the sender fails with TransferAborted whichever wins, and never writes."""
     c, r = cluster, room()
-    c.d(K, "d_open", r, 3)
+    c.d[K].d_open(r, 3)
     held_pending(c, r)
     fired = _race(c, K, point, r, 3)
-    c.d(K, "abort", r)
+    c.d[K].abort(r)
     assert fired()
-    c.p(K, "p_send", r, 0, 3)            # the scheduler goes on: nothing may be written
+    c.p[K].p_send(r, 0, 3)            # the scheduler goes on: nothing may be written
     for w in (c.d, c.p):
-        res = w(K, "wait", r)
+        res = w[K].wait(r)
         assert res["state"] == "Failed" and res["exc"] == "TransferAborted", res
     clean((c.p, K), (c.d, K))
 
@@ -61,15 +60,15 @@ def test_pending_expiry_races_sender_creation(cluster, room, point):
     first: the sender adopts it (decode was never told) and the room succeeds. Retired first:
     decode was told, so the sender fails at once with TransferTimeout and writes nothing."""
     c, r = cluster, room()
-    c.d("tiny", "d_open", r, 2)
+    c.d["tiny"].d_open(r, 2)
     held_pending(c, r, "tiny")
     fired = _race(c, "tiny", point, r, 2)
     assert fired()
-    c.p("tiny", "p_send", r, 0, 2)
-    d, p = c.d("tiny", "wait", r), c.p("tiny", "wait", r)
+    c.p["tiny"].p_send(r, 0, 2)
+    d, p = c.d["tiny"].wait(r), c.p["tiny"].wait(r)
     if point == "room_failed":
         assert d["state"] == p["state"] == "Success", (d, p)
-        assert c.d("tiny", "verify", r) == 0
+        assert c.d["tiny"].verify(r) == 0
     else:
         assert d["state"] == p["state"] == "Failed", (d, p)
         assert d["exc"] == p["exc"] == "TransferTimeout", (d, p)
@@ -85,19 +84,19 @@ def test_decode_death_races_sender_creation(cluster, room, point):
     c = cluster
     v = c.victim("decode", c.bs["mha"].address)
     a, b = room(), room()
-    v("mha", "d_open", a, 2)
-    v("mha", "d_open", b, 2)
+    v["mha"].d_open(a, 2)
+    v["mha"].d_open(b, 2)
     held_pending(c, a, "mha")
     held_pending(c, b, "mha")
     fired = _race(c, "mha", point, a, 2)
     t0 = time.monotonic()
     v.kill()
     assert fired()
-    assert c.p("mha", "record", b, 10.0, None) is None     # b's pending record failed
-    c.p("mha", "p_open", b, 2)
+    assert c.p["mha"].record(b, 10.0, None) is None     # b's pending record failed
+    c.p["mha"].p_open(b, 2)
     for r in (a, b):
-        c.p("mha", "p_send", r, 0, 2)
-        res = c.p("mha", "wait", r, FAST["waiting_s"])
+        c.p["mha"].p_send(r, 0, 2)
+        res = c.p["mha"].wait(r, FAST["waiting_s"])
         assert res is not None and res["state"] == "Failed", res
         assert res["exc"] == "PeerClosed" and "expired" not in res["msg"], res
     assert time.monotonic() - t0 < FAST["heartbeat_timeout_s"]
@@ -111,21 +110,21 @@ def _hammer(c, rooms, seed, widen):
     loop lingers up to that long in 'room_failed', the window of defect 1."""
     rng = random.Random(seed)
     ids = [r for r, _ in rooms]
-    c.d(K, "batch", [("d_open", r, n) for r, n in rooms], timeout=120)
+    c.d[K].batch([(Node.d_open, r, n) for r, n in rooms], timeout=120)
     for r in ids:
         held_pending(c, r)
-    c.p(K, "widen", "room_failed" if widen else None, widen)
+    c.p[K].widen("room_failed" if widen else None, widen)
     try:
-        c.d(K, "start", "hammer_abort", rng.sample(ids, len(ids) // 2), seed, 0.002)
-        c.p(K, "start", "hammer_open", rooms, seed, 0.002)
-        c.p(K, "join", timeout=120)
-        c.d(K, "join", timeout=120)
-        d = c.d(K, "wait_all", ids, 60.0, timeout=90)
-        p = c.p(K, "wait_all", ids, 60.0, timeout=90)
+        c.d[K].start(Node.hammer_abort, rng.sample(ids, len(ids) // 2), seed, 0.002)
+        c.p[K].start(Node.hammer_open, rooms, seed, 0.002)
+        c.p[K].join(timeout=120)
+        c.d[K].join(timeout=120)
+        d = c.d[K].wait_all(ids, 60.0, timeout=90)
+        p = c.p[K].wait_all(ids, 60.0, timeout=90)
     finally:
-        c.p(K, "widen", None, 0)
-    ok = [r for r in ids if c.d(K, "poll", r) == "Success"]
-    assert sum(c.d(K, "batch", [("verify", r) for r in ok], timeout=120)) == 0
+        c.p[K].widen(None, 0)
+    ok = [r for r in ids if c.d[K].poll(r) == "Success"]
+    assert sum(c.d[K].batch([(Node.verify, r) for r in ok], timeout=120)) == 0
     # an abort may cross prefill's completion (prefill: Success, decode: Failed); never the
     # other way round
     assert d.get("Success", 0) == len(ok) <= p.get("Success", 0), (d, p)
@@ -162,18 +161,18 @@ def test_decode_close_fences_writes_in_flight(cluster, room):
     c = cluster
     v = c.victim("decode", c.bs["mha"].address)
     r = room()
-    v("mha", "d_open", r, 4)
-    c.p("mha", "p_open", r, 4)
-    c.p("mha", "p_send", r, 0, 1)
-    assert v("mha", "poll_until", r, ["Transferring"]) == "Transferring"
-    v("mha", "hook_on", "closing", -1, "gate")
-    v("mha", "start", "close")
-    assert v("mha", "wait_fired", "closing", -1, entered=True) == [("closing", -1)]
-    c.p("mha", "p_send", r, 1, 4)
-    assert c.p("mha", "wait", r)["state"] in ("Success", "Failed")
-    v("mha", "open_gate")
-    v("mha", "join")
-    assert v("mha", "wait", r)["state"] == "Failed"
+    v["mha"].d_open(r, 4)
+    c.p["mha"].p_open(r, 4)
+    c.p["mha"].p_send(r, 0, 1)
+    assert v["mha"].poll_until(r, ["Transferring"]) == "Transferring"
+    v["mha"].hook_on("closing", -1, "gate")
+    v["mha"].start(Node.close)
+    assert v["mha"].wait_fired("closing", -1, entered=True) == [("closing", -1)]
+    c.p["mha"].p_send(r, 1, 4)
+    assert c.p["mha"].wait(r)["state"] in ("Success", "Failed")
+    v["mha"].open_gate()
+    v["mha"].join()
+    assert v["mha"].wait(r)["state"] == "Failed"
     clean((v, "mha"), (c.p, "mha"))
 
 
@@ -184,15 +183,15 @@ def test_decode_close_while_senders_are_created(cluster, room):
     c = cluster
     v = c.victim("decode", c.bs["mha"].address)
     ids = [room() for _ in range(40)]
-    v("mha", "batch", [("d_open", r, 2) for r in ids])
+    v["mha"].batch([(Node.d_open, r, 2) for r in ids])
     for r in ids[:5]:
         held_pending(c, r, "mha")
-    c.p("mha", "start", "batch", [x for r in ids for x in (("p_open", r, 2),
-                                                              ("p_send", r, 0, 2))])
-    v("mha", "close", timeout=60)
-    c.p("mha", "join")
+    c.p["mha"].start(Node.batch, [x for r in ids for x in ((Node.p_open, r, 2),
+                                                              (Node.p_send, r, 0, 2))])
+    v["mha"].close(timeout=60)
+    c.p["mha"].join()
     t0 = time.monotonic()
-    res = c.p("mha", "wait_all", ids, FAST["transfer_s"])
+    res = c.p["mha"].wait_all(ids, FAST["transfer_s"])
     assert time.monotonic() - t0 < FAST["transfer_s"] / 2, res
     assert "Timeout" not in res and "Failed: TransferTimeout" not in res, res
     clean((c.p, "mha"), (v, "mha"))
@@ -203,18 +202,18 @@ def test_layout_mismatch_reaches_prefill(cluster, room):
     LayoutMismatch at once (it used to hold its pages until bootstrap_s)."""
     c = cluster
     r, late = room(), room()
-    c.p("mha", "p_open", r, 2)
+    c.p["mha"].p_open(r, 2)
     t0 = time.monotonic()
-    c.d("mismatch", "d_open", r, 2)
-    res = c.d("mismatch", "wait", r)
+    c.d["mismatch"].d_open(r, 2)
+    res = c.d["mismatch"].wait(r)
     assert res["state"] == "Failed" and res["exc"] == "LayoutMismatch", res
     assert "page_size" in res["msg"] and "8" in res["msg"] and "4" in res["msg"]
-    res = c.p("mha", "wait", r)
+    res = c.p["mha"].wait(r)
     assert res["state"] == "Failed" and res["exc"] == "LayoutMismatch", res
     assert time.monotonic() - t0 < FAST["bootstrap_s"] / 2
-    c.d("mismatch", "d_open", late, 2)               # refused before the KVSender exists
-    assert c.d("mismatch", "wait", late)["exc"] == "LayoutMismatch"
-    c.p("mha", "p_open", late, 2)
-    res = c.p("mha", "wait", late)
+    c.d["mismatch"].d_open(late, 2)               # refused before the KVSender exists
+    assert c.d["mismatch"].wait(late)["exc"] == "LayoutMismatch"
+    c.p["mha"].p_open(late, 2)
+    res = c.p["mha"].wait(late)
     assert res["state"] == "Failed" and res["exc"] == "LayoutMismatch", res
     clean((c.d, "mismatch"), (c.p, "mha"))

@@ -13,8 +13,15 @@ from kvxfer.disagg.handle import as_ids
 from kvxfer.disagg.kv_args import KVArgs, check_compatible
 from kvxfer.disagg.poll import KVPoll, can_advance, is_terminal
 from kvxfer.disagg.rooms import Room, RoomTable
-from kvxfer.errors import (DoubleFree, IncompatiblePeer, IndexOutOfRange, InvalidArgument,
-                           ProtocolError, TransferAborted, TransferTimeout)
+from kvxfer.errors import (
+    DoubleFree,
+    IncompatiblePeer,
+    IndexOutOfRange,
+    InvalidArgument,
+    ProtocolError,
+    TransferAborted,
+    TransferTimeout,
+)
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -2,15 +2,14 @@
 sockets counted after every close: engine pairs (``tests/engine/robust_nodes._Pair``) and a
 prefill + decode KVManager pair with a room moved between them. No gc.collect() anywhere:
 what close() releases must be released when it returns.
-``tests/engine/test_lifecycle.py`` drives them through :func:`lifecycle_node`."""
+``tests/engine/test_lifecycle.py`` drives them through a :class:`LifecycleNode` worker
+(:mod:`kvxfer.procs`)."""
 from __future__ import annotations
 
 import asyncio
 import os
 
 import numpy as np
-
-from kvxfer.testing.process import serve
 
 
 def listening_ports() -> list:
@@ -82,8 +81,7 @@ def _kv_args(seed: int):
 async def manager_cycles(n: int, mode: str) -> list:
     """``n`` times: prefill and decode KVManagers start, the decode connects to the prefill
     (one room moves), both close concurrently."""
-    from kvxfer.disagg import (BootstrapServer, KVManager, KVPoll, KVReceiver, KVSender,
-                               Timeouts)
+    from kvxfer.disagg import BootstrapServer, KVManager, KVPoll, KVReceiver, KVSender, Timeouts
 
     t = Timeouts(bootstrap_s=10, waiting_s=10, transfer_s=10, heartbeat_interval_s=0.2)
     bs = BootstrapServer(port=0)
@@ -91,7 +89,7 @@ async def manager_cycles(n: int, mode: str) -> list:
     out = []
     try:
         for i in range(n):
-            (pargs, pkv, paux), (dargs, dkv, daux) = _kv_args(2 * i), _kv_args(2 * i + 1)
+            (pargs, pkv, _paux), (dargs, dkv, _daux) = _kv_args(2 * i), _kv_args(2 * i + 1)
             p = await KVManager(pargs, "prefill", bootstrap_addr=bs.address, timeouts=t,
                                 error_mode=mode).start()
             d = await KVManager(dargs, "decode", timeouts=t, error_mode=mode).start()
@@ -113,16 +111,20 @@ async def manager_cycles(n: int, mode: str) -> list:
     return out
 
 
-def lifecycle_node(inbox, outbox) -> None:
-    loop = asyncio.new_event_loop()
-    outbox.put(("ok", "ready"))
-    try:
-        serve(inbox, outbox, {
-            "engines": lambda n, mode: loop.run_until_complete(engine_cycles(n, mode)),
-            "managers": lambda n, mode: loop.run_until_complete(manager_cycles(n, mode)),
-        })
-    finally:
-        loop.close()
+class LifecycleNode:
+    """Hosted in a worker: the cycles run on this process's event loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+
+    def engines(self, n: int, mode: str) -> list:
+        return self.loop.run_until_complete(engine_cycles(n, mode))
+
+    def managers(self, n: int, mode: str) -> list:
+        return self.loop.run_until_complete(manager_cycles(n, mode))
+
+    def close(self) -> None:
+        self.loop.close()
 
 
 # --------------------------------------------------------------- hammer (-m long)
@@ -151,7 +153,7 @@ async def _hammer_target(ports, go, cycles: int, mode: str) -> None:
         ports.put((await eng.start())[1])
         delay = await loop.run_in_executor(None, go.get, True, 60.0)
 
-        async def chatter():
+        async def chatter(peers=peers):
             while peers:
                 try:
                     await peers[0].send(b"x" * 100, 5.0)
@@ -177,7 +179,7 @@ async def _hammer_initiator(ports, go, cycles: int, mode: str) -> None:
         await eng.start()
         peer = await eng.connect("127.0.0.1", port)
 
-        async def writer():
+        async def writer(peer=peer):
             while True:
                 try:
                     await peer.write([ItemWrite("kv", list(range(16)), list(range(16)))],

@@ -1,6 +1,7 @@
 """Engine robustness scenarios run inside one spawned process: two engines (A: target,
 B: initiator) on one event loop over real UCX loopback endpoints, host-memory groups.
-``tests/engine/test_robustness.py`` drives them through :func:`robust_node`."""
+``tests/engine/test_robustness.py`` drives them through a :class:`RobustNode` worker
+(:mod:`kvxfer.procs`)."""
 from __future__ import annotations
 
 import asyncio
@@ -8,8 +9,6 @@ import gc
 import time
 
 import numpy as np
-
-from kvxfer.testing.process import serve
 
 SECRET = b"robust-secret"
 L, ITEM, ITEMS = 2, 256, 64
@@ -177,8 +176,8 @@ class Reconnects:
                 else:
                     out["stale_delivered"] += 1
                 closed = asyncio.get_running_loop().create_future()
-                pair.engines["B"]._closed_handlers[:] = [
-                    lambda p, e: closed.done() or closed.set_result(type(e).__name__)]
+                pair.engines["B"]._closed_handlers[:] = [lambda p, e, closed=closed: (
+                    closed.done() or closed.set_result(type(e).__name__))]
                 bad = m.StagedWrite(group="kv", slot=0, offset=0, nbytes=ITEM,
                                     dst=np.zeros(1, "<i8").tobytes()).encode()
                 sends = [pb._channel.send(m.AppMessage(payload=b"old-%d-%d" % (r, k)).encode(),
@@ -191,13 +190,23 @@ class Reconnects:
         return out
 
 
-def robust_node(inbox, outbox) -> None:
-    loop = asyncio.new_event_loop()
-    outbox.put(("ok", "ready"))
-    try:
-        serve(inbox, outbox, {
-            "run": lambda name, *a: loop.run_until_complete(getattr(Scenarios, name)(*a)),
-            "reconnect": lambda name, *a: loop.run_until_complete(
-                getattr(Reconnects, name)(*a))})
-    finally:
-        loop.close()
+class RobustNode:
+    """Hosted in a worker: each method runs one scenario on this process's event loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+
+    def many_waits(self, n: int) -> dict:
+        return self.loop.run_until_complete(Scenarios.many_waits(n))
+
+    def abandoned_task(self, mode: str) -> dict:
+        return self.loop.run_until_complete(Scenarios.abandoned_task(mode))
+
+    def reconnect_rounds(self, n: int) -> dict:
+        return self.loop.run_until_complete(Reconnects.rounds(n))
+
+    def reconnect_after_protocol_error(self, rounds: int, burst: int) -> dict:
+        return self.loop.run_until_complete(Reconnects.after_protocol_error(rounds, burst))
+
+    def close(self) -> None:
+        self.loop.close()

@@ -2,21 +2,21 @@
 
 Processes: A (target, module scope), B (initiator engines, module scope), C (a second
 peer, module scope) and V (a victim killed mid-transfer, one test). Every engine is a
-kvxfer.sync.SyncEngine inside kvxfer.testing.EngineNode; buffers are numpy host memory,
-or torch CUDA memory when KVXFER_TEST_DEVICE=cuda (the same tests on the GPU machine).
+kvxfer.sync.SyncEngine inside kvxfer.bench.engine_node.EngineNode; buffers are numpy host
+memory, or torch CUDA memory when KVXFER_TEST_DEVICE=cuda (the same tests on the GPU machine).
 """
-import os
 import time
 
 import numpy as np
 import pytest
+from testenv import DEVICE
 
 from kvxfer import plan
-from kvxfer.testing import Child, engine_node
+from kvxfer.bench.engine_node import EngineNode
+from kvxfer.procs import Worker, post
 
 pytestmark = pytest.mark.timeout(90)
 
-DEVICE = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
 FAST_LANES = ("cuda_ipc",) if DEVICE == "cuda" else ("cma",)
 
 SECRET = b"test-secret"
@@ -47,11 +47,16 @@ def cfg(name, mode="peer", secret=SECRET, **kw):
                 transfer_timeout_s=10.0, **kw)
 
 
+def _port(w: Worker) -> int:
+    """Start ``w`` (an EngineNode worker); its "main" engine's port."""
+    return w.start().proxy(EngineNode).ports()["main"]
+
+
 @pytest.fixture(scope="module")
 def nodes():
-    a = Child(engine_node, {"engines": {"main": eng(cfg("A"), groups(A_ITEMS))}},
+    a = Worker(EngineNode, {"engines": {"main": eng(cfg("A"), groups(A_ITEMS))}},
               name="A")
-    b = Child(engine_node, {"engines": {
+    b = Worker(EngineNode, {"engines": {
         "main": eng(cfg("B"), groups(B_ITEMS, big=True)),
         # UCX-only engines (device_copy="off"): on CUDA they keep the cuda_ipc PUT path tested
         "fast": eng(cfg("B-fast", mode="none", device_copy="off"), groups(B_ITEMS, big=True)),
@@ -60,33 +65,33 @@ def nodes():
         "badsecret": eng(cfg("B-bad", secret=b"wrong"), groups(B_ITEMS)),
         "badlayout": eng(cfg("B-layout"), groups(B_ITEMS, item=128)),
     }}, name="B")
-    c = Child(engine_node, {"engines": {"main": eng(cfg("C"), groups(B_ITEMS))}},
+    c = Worker(EngineNode, {"engines": {"main": eng(cfg("C"), groups(B_ITEMS))}},
               name="C")
-    children = [a, b, c]
     try:
-        ports = {"A": a.start()["main"]}
+        ports = {"A": _port(a)}
         b.start()
         c.start()
-        pid = b.call("connect", "main", "127.0.0.1", ports["A"])
+        pid = b.proxy(EngineNode).connect("main", "127.0.0.1", ports["A"])
         assert "ok" in pid, pid
-        yield {"A": a, "B": b, "C": c, "ports": ports, "B->A": pid["ok"]}
+        yield {"A": a.proxy(EngineNode), "B": b.proxy(EngineNode), "C": c.proxy(EngineNode),
+               "ports": ports, "B->A": pid["ok"]}
     finally:
-        for ch in (b, c, a):  # initiators first: their endpoints point at A
-            ch.stop()
+        for w in (b, c, a):  # initiators first: their endpoints point at A
+            w.close()
 
 
 def _check_write(nodes, group, src, dst, peer="B->A", node="B", seed=1):
     a, b = nodes["A"], nodes[node]
-    b.call("fill", "main", group, seed)
-    a.call("zero", "main", group)
-    res = b.call("write", "main", nodes[peer], [(group, src, dst)], b"done-" + group.encode())
+    b.fill("main", group, seed)
+    a.zero("main", group)
+    res = b.write("main", nodes[peer], [(group, src, dst)], b"done-" + group.encode())
     assert "ok" in res, res
-    msgs = a.call("messages", "main", 1, 10.0)
+    msgs = a.messages("main", 1, 10.0)
     assert [p for _, p in msgs] == [b"done-" + group.encode()]
-    assert a.call("items", "main", group, dst) == b.call("items", "main", group, src)
+    assert a.items("main", group, dst) == b.items("main", group, src)
     untouched = sorted(set(range(A_ITEMS if group != "state" else 8)) - set(dst))
     if untouched:
-        assert not any(a.call("items", "main", group, untouched)), "bytes outside dst written"
+        assert not any(a.items("main", group, untouched)), "bytes outside dst written"
     return res["ok"]
 
 
@@ -127,55 +132,55 @@ def test_state_group(nodes):
 
 def test_raw_form(nodes):
     a, b = nodes["A"], nodes["B"]
-    b.call("fill", "main", "kv", 21)
-    a.call("zero", "main", "kv")
+    b.fill("main", "kv", 21)
+    a.zero("main", "kv")
     # descriptor 4 (layer 2, K): 1000 bytes from offset 77 to offset 5000
-    res = b.call("write", "main", nodes["B->A"], [("kv", 77, 5000, 1000, 4)], b"raw")
+    res = b.write("main", nodes["B->A"], [("kv", 77, 5000, 1000, 4)], b"raw")
     assert "ok" in res and res["ok"]["ops"] == 1, res
-    assert a.call("messages", "main", 1, 10.0)[0][1] == b"raw"
-    assert a.call("bytes", "main", "kv", 4, 5000, 1000) == b.call("bytes", "main", "kv", 4, 77, 1000)
-    assert sum(a.call("checksum", "main", "kv")) == sum(a.call("bytes", "main", "kv", 4, 5000, 1000))
-    too_far = b.call("write", "main", nodes["B->A"], [("kv", 0, A_ITEMS * ITEM - 10, 11, 0)])
+    assert a.messages("main", 1, 10.0)[0][1] == b"raw"
+    assert a.bytes("main", "kv", 4, 5000, 1000) == b.bytes("main", "kv", 4, 77, 1000)
+    assert sum(a.checksum("main", "kv")) == sum(a.bytes("main", "kv", 4, 5000, 1000))
+    too_far = b.write("main", nodes["B->A"], [("kv", 0, A_ITEMS * ITEM - 10, 11, 0)])
     assert too_far.get("error") == "IndexOutOfRange", too_far
 
 
 def test_registrations_merged(nodes):
     # kv's 6 descriptors are carved from one buffer -> one registration; pm, state separate
-    assert nodes["A"].call("registrations", "main") <= 1 + 1 + 2
+    assert nodes["A"].registrations("main") <= 1 + 1 + 2
 
 
 def test_many_transfers_in_flight(nodes):
     a, b = nodes["A"], nodes["B"]
-    b.call("fill", "main", "kv", 3)
-    a.call("zero", "main", "kv")
+    b.fill("main", "kv", 3)
+    a.zero("main", "kv")
     batches = [([("kv", [i], [A_ITEMS - 1 - i])], b"n%d" % i) for i in range(24)]
-    res = b.call("write_many", "main", nodes["B->A"], batches)
+    res = b.write_many("main", nodes["B->A"], batches)
     assert all("ok" in r for r in res), res
-    msgs = a.call("messages", "main", 24, 10.0)
+    msgs = a.messages("main", 24, 10.0)
     # each notify leaves when its own flush completes: all arrive, in completion order
     assert sorted(p for _, p in msgs) == sorted(b"n%d" % i for i in range(24))
     src, dst = list(range(24)), [A_ITEMS - 1 - i for i in range(24)]
-    assert a.call("items", "main", "kv", dst) == b.call("items", "main", "kv", src)
+    assert a.items("main", "kv", dst) == b.items("main", "kv", src)
 
 
 def test_two_peers_at_once(nodes):
     a, b, c = nodes["A"], nodes["B"], nodes["C"]
-    pid = c.call("connect", "main", "127.0.0.1", nodes["ports"]["A"])["ok"]
-    b.call("fill", "main", "pm", 11)
-    c.call("fill", "main", "pm", 12)
-    a.call("zero", "main", "pm")
+    pid = c.connect("main", "127.0.0.1", nodes["ports"]["A"])["ok"]
+    b.fill("main", "pm", 11)
+    c.fill("main", "pm", 12)
+    a.zero("main", "pm")
     b_batches = [([("pm", [i], [i])], b"b%d" % i) for i in range(16)]
     c_batches = [([("pm", [i], [32 + i])], b"c%d" % i) for i in range(16)]
-    b.inbox.put(("write_many", ("main", nodes["B->A"], b_batches)))
-    c.inbox.put(("write_many", ("main", pid, c_batches)))
-    rb, rc = b.get(60), c.get(60)
+    pb = post(b.write_many, "main", nodes["B->A"], b_batches)
+    pc = post(c.write_many, "main", pid, c_batches)
+    rb, rc = pb.result(60), pc.result(60)
     assert all("ok" in r for r in rb + rc), (rb, rc)
-    msgs = a.call("messages", "main", 32, 10.0)
+    msgs = a.messages("main", 32, 10.0)
     assert sorted(p for _, p in msgs) == sorted([m for _, m in b_batches + c_batches])
     assert len({peer for peer, _ in msgs}) == 2
     ids = list(range(16))
-    assert a.call("items", "main", "pm", ids) == b.call("items", "main", "pm", ids)
-    assert a.call("items", "main", "pm", [32 + i for i in ids]) == c.call("items", "main", "pm", ids)
+    assert a.items("main", "pm", ids) == b.items("main", "pm", ids)
+    assert a.items("main", "pm", [32 + i for i in ids]) == c.items("main", "pm", ids)
 
 
 @pytest.mark.parametrize("parts,error", [
@@ -189,25 +194,25 @@ def test_two_peers_at_once(nodes):
 ])
 def test_rejected_before_any_byte_moves(nodes, parts, error):
     a, b = nodes["A"], nodes["B"]
-    b.call("fill", "main", "kv", 5)
-    a.call("zero", "main", "kv")
-    res = b.call("write", "main", nodes["B->A"], parts, b"should-not-arrive")
+    b.fill("main", "kv", 5)
+    a.zero("main", "kv")
+    res = b.write("main", nodes["B->A"], parts, b"should-not-arrive")
     assert res.get("error") == error, res
-    assert sum(a.call("checksum", "main", "kv")) == 0
-    assert a.call("messages", "main", 0, 0.0) == []
+    assert sum(a.checksum("main", "kv")) == 0
+    assert a.messages("main", 0, 0.0) == []
 
 
 def test_mismatched_layout_rejected(nodes):
-    res = nodes["B"].call("connect", "badlayout", "127.0.0.1", nodes["ports"]["A"])
+    res = nodes["B"].connect("badlayout", "127.0.0.1", nodes["ports"]["A"])
     assert res.get("error") == "IncompatiblePeer", res
     assert "item_lens" in res["msg"] and "kv" in res["msg"]
 
 
 def test_wrong_secret_rejected(nodes):
-    before = nodes["A"].call("peers", "main")
-    res = nodes["B"].call("connect", "badsecret", "127.0.0.1", nodes["ports"]["A"])
+    before = nodes["A"].peers("main")
+    res = nodes["B"].connect("badsecret", "127.0.0.1", nodes["ports"]["A"])
     assert res.get("error") == "AuthenticationFailed", res
-    assert nodes["A"].call("peers", "main") == before
+    assert nodes["A"].peers("main") == before
 
 
 def _peer_of(nodes, key):
@@ -215,7 +220,7 @@ def _peer_of(nodes, key):
     if key == "main":
         return nodes["B->A"]
     if f"B-{key}->A" not in nodes:
-        res = nodes["B"].call("connect", key, "127.0.0.1", nodes["ports"]["A"])
+        res = nodes["B"].connect(key, "127.0.0.1", nodes["ports"]["A"])
         assert "ok" in res, res
         nodes[f"B-{key}->A"] = res["ok"]
     return nodes[f"B-{key}->A"]
@@ -225,13 +230,13 @@ def test_error_mode_none_uses_shared_memory(nodes):
     b = nodes["B"]
     pid = _peer_of(nodes, "fast")
     src = dst = list(range(0, 40, 3))
-    b.call("fill", "fast", "kv", 9)
-    nodes["A"].call("zero", "main", "kv")
-    w = b.call("write", "fast", pid, [("kv", src, dst)], b"fast")
+    b.fill("fast", "kv", 9)
+    nodes["A"].zero("main", "kv")
+    w = b.write("fast", pid, [("kv", src, dst)], b"fast")
     assert "ok" in w, w
     assert any(lane.startswith(FAST_LANES) for lane in w["ok"]["lanes"]), w
-    assert nodes["A"].call("messages", "main", 1, 10.0)[0][1] == b"fast"
-    assert nodes["A"].call("items", "main", "kv", dst) == b.call("items", "fast", "kv", src)
+    assert nodes["A"].messages("main", 1, 10.0)[0][1] == b"fast"
+    assert nodes["A"].items("main", "kv", dst) == b.items("fast", "kv", src)
 
 
 def test_spin_flush_byte_exact(nodes):
@@ -243,14 +248,14 @@ def test_spin_flush_byte_exact(nodes):
     for i in range(3):
         src = rng.choice(B_ITEMS, 12, replace=False).tolist()
         dst = rng.choice(A_ITEMS, 12, replace=False).tolist()
-        b.call("fill", "spin", "pm", 40 + i)
-        a.call("zero", "main", "pm")
-        w = b.call("write", "spin", pid, [("pm", src, dst)], b"spin%d" % i)
+        b.fill("spin", "pm", 40 + i)
+        a.zero("main", "pm")
+        w = b.write("spin", pid, [("pm", src, dst)], b"spin%d" % i)
         assert "ok" in w, w
         assert 0.0 <= w["ok"]["flush_s"] <= w["ok"]["complete_s"], w
         assert w["ok"]["device_bytes"] == 0, w  # device_copy="off": all over UCX
-        assert a.call("messages", "main", 1, 10.0)[0][1] == b"spin%d" % i
-        assert a.call("items", "main", "pm", dst) == b.call("items", "spin", "pm", src)
+        assert a.messages("main", 1, 10.0)[0][1] == b"spin%d" % i
+        assert a.items("main", "pm", dst) == b.items("spin", "pm", src)
 
 
 KILL_KEYS = pytest.mark.parametrize(
@@ -259,7 +264,7 @@ KILL_KEYS = pytest.mark.parametrize(
 
 
 def _victim():
-    return Child(engine_node, {"engines": {"main": eng(cfg("V"), groups(B_ITEMS, big=True))}},
+    return Worker(EngineNode, {"engines": {"main": eng(cfg("V"), groups(B_ITEMS, big=True))}},
                  name="V")
 
 
@@ -273,39 +278,39 @@ def test_peer_killed_mid_transfer(nodes, key):
     b = nodes["B"]
     v = _victim()
     try:
-        vport = v.start()["main"]
-        vid = b.call("connect", key, "127.0.0.1", vport)["ok"]
-        first = b.call("write", key, vid, [("big", [0], [0])])
+        vport = _port(v)
+        vid = b.connect(key, "127.0.0.1", vport)["ok"]
+        first = b.write(key, vid, [("big", [0], [0])])
         if key == "fast":  # the data really moves over shared memory / CUDA IPC
             assert any(lane.startswith(FAST_LANES) for lane in first["ok"]["lanes"]), first
-        b.call("stream_start", key, vid, "big", BIG_ITEMS, 10.0)
+        b.stream_start(key, vid, "big", BIG_ITEMS, 10.0)
         deadline = time.monotonic() + 30
-        while b.call("stream_status", key)["count"] < 2:
+        while b.stream_status(key)["count"] < 2:
             assert time.monotonic() < deadline, "stream did not start"
         t_kill = time.monotonic()
         v.kill()
-        st = b.call("stream_join", key, 20.0)
+        st = b.stream_join(key, 20.0)
         assert not st["alive"], st
         assert st["error"] and st["error"][0] in ("PeerClosed", "TransferTimeout"), st
         assert st["t_end"] - t_kill < 10.0 + 1.0
-        assert (vid, "PeerClosed") in b.call("closed", key)  # handler ran, once
-        assert vid not in b.call("peers", key)
+        assert (vid, "PeerClosed") in b.closed(key)  # handler ran, once
+        assert vid not in b.peers(key)
         # nobody listens there any more: connecting fails within the deadline (UCXX reports
         # the refused connection only through its peer-info exchange timeout)
         t0 = time.monotonic()
-        res = b.call("connect", key, "127.0.0.1", vport, 2.0)
+        res = b.connect(key, "127.0.0.1", vport, 2.0)
         assert res.get("error") in ("PeerClosed", "TransferTimeout"), res
         assert time.monotonic() - t0 < 2.0 + 3.0
     finally:
         v.kill()
     # the survivor still works with A (same engine)
     a = nodes["A"]
-    b.call("fill", key, "pm", 31)
-    a.call("zero", "main", "pm")
-    res = b.call("write", key, _peer_of(nodes, key), [("pm", [1, 2, 3], [4, 5, 6])], b"alive")
+    b.fill(key, "pm", 31)
+    a.zero("main", "pm")
+    res = b.write(key, _peer_of(nodes, key), [("pm", [1, 2, 3], [4, 5, 6])], b"alive")
     assert "ok" in res, res
-    assert a.call("messages", "main", 1, 10.0)[0][1] == b"alive"
-    assert a.call("items", "main", "pm", [4, 5, 6]) == b.call("items", key, "pm", [1, 2, 3])
+    assert a.messages("main", 1, 10.0)[0][1] == b"alive"
+    assert a.items("main", "pm", [4, 5, 6]) == b.items(key, "pm", [1, 2, 3])
 
 
 @KILL_KEYS
@@ -316,12 +321,12 @@ def test_write_to_killed_peer_never_succeeds(nodes, key):
     b = nodes["B"]
     v = _victim()
     try:
-        vid = b.call("connect", key, "127.0.0.1", v.start()["main"])["ok"]
-        b.call("stream_start", key, vid, "big", BIG_ITEMS, 10.0, 2)
-        assert b.call("stream_held", key, 30.0), b.call("stream_status", key)
+        vid = b.connect(key, "127.0.0.1", _port(v))["ok"]
+        b.stream_start(key, vid, "big", BIG_ITEMS, 10.0, 2)
+        assert b.stream_held(key, 30.0), b.stream_status(key)
         v.kill()  # SIGKILL and reaped: dead before the third write starts
-        b.call("stream_release", key)
-        st = b.call("stream_join", key, 20.0)
+        b.stream_release(key)
+        st = b.stream_join(key, 20.0)
     finally:
         v.kill()
     assert not st["alive"], st

@@ -4,6 +4,7 @@ the Layout field and the refuse_emulated_destinations handshake check."""
 import logging
 
 import pytest
+from testenv import DEVICE
 
 from kvxfer import plan, wire
 from kvxfer.config import EngineConfig
@@ -140,7 +141,7 @@ def test_config_flag_is_validated():
         EngineConfig(secret=b"s", refuse_emulated_destinations=1)
 
 
-@pytest.mark.skipif(__import__("os").environ.get("KVXFER_TEST_DEVICE", "cpu") != "cuda",
+@pytest.mark.skipif(DEVICE != "cuda",
                     reason="needs the CUDA driver (KVXFER_TEST_DEVICE=cuda)")
 def test_driver_query_on_cuda():
     """cudaMalloc memory is legacy-IPC capable; VMM (cuMemCreate) memory is not; host

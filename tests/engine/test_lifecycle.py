@@ -5,9 +5,9 @@ with writes in flight while both sides close (the SIGSEGV hunt), behind ``-m lon
 import multiprocessing as mp
 
 import pytest
+from lifecycle_nodes import LifecycleNode, hammer_side
 
-from kvxfer.testing import Child
-from lifecycle_nodes import hammer_side, lifecycle_node
+from kvxfer.procs import Worker
 
 pytestmark = pytest.mark.timeout(120)
 MODES = pytest.mark.parametrize("mode", ["peer", "none"])
@@ -15,10 +15,9 @@ MODES = pytest.mark.parametrize("mode", ["peer", "none"])
 
 @pytest.fixture(scope="module")
 def node():
-    child = Child(lifecycle_node, name="lifecycle")
-    child.start()
-    yield child
-    child.stop()
+    w = Worker(LifecycleNode, name="lifecycle").start()
+    yield w.proxy(LifecycleNode)
+    w.close()
 
 
 def _check(cycles):
@@ -33,12 +32,12 @@ def test_engine_cycles_leave_no_listening_socket(node, mode):
     # before: +1 LISTEN socket per cycle. A UCXX endpoint accepted by the listener keeps the
     # listener alive; ours were kept alive by a cycle through UCXX's endpoint finalizer (our
     # close callback) and by the receive request each side still had posted at close
-    _check(node.call("engines", 4, mode))
+    _check(node.engines(4, mode))
 
 
 @MODES
 def test_prefill_manager_cycles_leave_no_listening_socket(node, mode):
-    _check(node.call("managers", 3, mode))
+    _check(node.managers(3, mode))
 
 
 @pytest.mark.long

@@ -2,24 +2,23 @@
 waits are O(1) each and fail together when the peer dies; abandoned tasks never leave an
 unretrieved exception behind."""
 import pytest
+from robust_nodes import RobustNode
 
-from kvxfer.testing import Child
-from robust_nodes import robust_node
+from kvxfer.procs import Worker
 
 pytestmark = pytest.mark.timeout(90)
 
 
 @pytest.fixture(scope="module")
 def node():
-    child = Child(robust_node, name="robust")
-    child.start()
-    yield child
-    child.stop()
+    w = Worker(RobustNode, name="robust").start()
+    yield w.proxy(RobustNode)
+    w.close()
 
 
 def test_many_waits_do_not_pile_on_the_dead_future(node):
     n = 4000
-    out = node.call("run", "many_waits", n)
+    out = node.many_waits(n)
     # nothing per wait hangs off the peer's shared "dead" future (removal was linear each)
     assert out["dead_callbacks"] <= 2, out
     assert out["completed"] == n, out
@@ -29,7 +28,7 @@ def test_many_waits_do_not_pile_on_the_dead_future(node):
 
 @pytest.mark.parametrize("mode", ["timeout", "peer_death"])
 def test_abandoned_task_exception_is_retrieved(node, mode):
-    out = node.call("run", "abandoned_task", mode)
+    out = node.abandoned_task(mode)
     assert out["outcome"] == ("TransferTimeout" if mode == "timeout" else "Closed") or \
         out["outcome"] == "PeerClosed", out
     assert not [r for r in out["reports"] if "never retrieved" in r], out["reports"]
@@ -38,13 +37,13 @@ def test_abandoned_task_exception_is_retrieved(node, mode):
 def test_fresh_pairs_reuse_endpoint_handles(node):
     # UCP reuses a closed endpoint's handle and UCXX keys its message queues by it: a
     # receive request left by the old connection swallowed the new one's first message
-    out = node.call("reconnect", "rounds", 4)
+    out = node.reconnect_rounds(4)
     assert out == {"ok": 4, "errors": []}, out
 
 
 def test_reconnect_after_protocol_error_sees_no_stale_message(node):
     # A closes on a bad message with the rest of a burst unread; those messages must not
     # surface in the next connection ("expected kx.hello..., got kx.app" before the fix)
-    out = node.call("reconnect", "after_protocol_error", 3, 40)
+    out = node.reconnect_after_protocol_error(3, 40)
     assert out["errors"] == [] and out["reconnected"] == 3, out
     assert out["fresh"] == 3 and out["stale_delivered"] == 0, out

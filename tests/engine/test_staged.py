@@ -2,18 +2,17 @@
 loopback, in spawned processes (A: target, B: initiators). Slots are tiny (4 items) and
 each peer is granted 2, so every staged write here moves in several chunks and recycles
 landing slots. Same tests on CUDA with KVXFER_TEST_DEVICE=cuda."""
-import os
 
 import numpy as np
 import pytest
+from staged_nodes import StagedNode
+from testenv import DEVICE
 
 from kvxfer import plan
-from kvxfer.testing import Child
-from staged_nodes import staged_node
+from kvxfer.procs import Worker
 
 pytestmark = pytest.mark.timeout(90)
 
-DEVICE = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
 SECRET = b"staged-secret"
 L, ITEM = 3, 256
 A_ITEMS, B_ITEMS = 64, 48
@@ -37,18 +36,19 @@ def eng(name, min_ops=8, slots=6):
 
 @pytest.fixture(scope="module")
 def nodes():
-    a = Child(staged_node, {"engines": {"main": eng("A")}}, name="A")
-    b = Child(staged_node, {"engines": {"main": eng("B"), "evil": eng("B-evil"),
+    a = Worker(StagedNode, {"engines": {"main": eng("A")}}, name="A")
+    b = Worker(StagedNode, {"engines": {"main": eng("B"), "evil": eng("B-evil"),
                                         "nostage": eng("B-nostage", min_ops=0)}}, name="B")
     try:
-        port = a.start()["main"]
+        port = a.start().proxy(StagedNode).ports()["main"]
         b.start()
-        pid = b.call("connect", "main", "127.0.0.1", port)
+        pid = b.proxy(StagedNode).connect("main", "127.0.0.1", port)
         assert "ok" in pid, pid
-        yield {"A": a, "B": b, "port": port, "B->A": pid["ok"]}
+        yield {"A": a.proxy(StagedNode), "B": b.proxy(StagedNode), "port": port,
+               "B->A": pid["ok"]}
     finally:
-        b.stop()
-        a.stop()
+        b.close()
+        a.close()
 
 
 def _pages(seed, n, lo=0):
@@ -59,89 +59,89 @@ def _pages(seed, n, lo=0):
 
 def _untouched_zero(a, group, dst, n_items=A_ITEMS):
     rest = sorted(set(range(n_items)) - set(dst))
-    assert not any(a.call("items", "main", group, rest)), "bytes outside dst written"
+    assert not any(a.items("main", group, rest)), "bytes outside dst written"
 
 
 @pytest.mark.parametrize("group", ["kv", "pm"])
 def test_staged_random_pages_byte_exact(nodes, group):
     a, b = nodes["A"], nodes["B"]
     src, dst = _pages(3, 30)
-    b.call("fill", "main", group, 5)
-    a.call("zero", "main", group)
-    res = b.call("write", "main", nodes["B->A"], [(group, src, dst)], b"staged-" + group.encode())
+    b.fill("main", group, 5)
+    a.zero("main", group)
+    res = b.write("main", nodes["B->A"], [(group, src, dst)], b"staged-" + group.encode())
     assert "ok" in res, res
     st = res["ok"]
     runs = len(plan.merge_runs(np.array(src), np.array(dst))[0])
     assert st["staged"] and st["staged_bytes"] == st["bytes"] == 30 * 2 * L * ITEM
     assert st["ops"] == -(-30 // PER_SLOT)  # one PUT per chunk
     assert st["staged_direct_ops"] == runs * (2 * L if group == "kv" else 1)
-    assert [p for _, p in a.call("messages", "main", 1, 10.0)] == [b"staged-" + group.encode()]
-    assert a.call("items", "main", group, dst) == b.call("items", "main", group, src)
+    assert [p for _, p in a.messages("main", 1, 10.0)] == [b"staged-" + group.encode()]
+    assert a.items("main", group, dst) == b.items("main", group, src)
     _untouched_zero(a, group, dst)
-    assert b.call("landing", "main", nodes["B->A"], group) == (PEER_SLOTS, 0)
+    assert b.landing("main", nodes["B->A"], group) == (PEER_SLOTS, 0)
 
 
 def test_many_staged_in_flight_recycle_slots(nodes):
     """6 writes of 10 pages submitted at once = 18 chunks through 2 landing slots: a slot
     is reused only after the target drained it, so every page arrives intact."""
     a, b = nodes["A"], nodes["B"]
-    b.call("fill", "main", "pm", 8)
-    a.call("zero", "main", "pm")
+    b.fill("main", "pm", 8)
+    a.zero("main", "pm")
     rng = np.random.default_rng(11)
     dst_all = rng.permutation(A_ITEMS)[:60].reshape(6, 10)   # disjoint destinations
     pairs = [(rng.choice(B_ITEMS, 10, replace=False), dst_all[i]) for i in range(6)]
     batches = [([("pm", s.tolist(), d.tolist())], b"m%d" % i) for i, (s, d) in enumerate(pairs)]
-    res = b.call("write_many", "main", nodes["B->A"], batches)
+    res = b.write_many("main", nodes["B->A"], batches)
     assert all("ok" in r for r in res), res
-    msgs = a.call("messages", "main", len(batches), 10.0)
+    msgs = a.messages("main", len(batches), 10.0)
     assert sorted(p for _, p in msgs) == sorted(n for _, n in batches)
     for src, dst in pairs:
-        assert a.call("items", "main", "pm", dst.tolist()) == b.call("items", "main", "pm", src.tolist())
+        assert a.items("main", "pm", dst.tolist()) == b.items("main", "pm", src.tolist())
     _untouched_zero(a, "pm", dst_all.ravel().tolist())
-    assert b.call("landing", "main", nodes["B->A"], "pm") == (PEER_SLOTS, 0)
+    assert b.landing("main", nodes["B->A"], "pm") == (PEER_SLOTS, 0)
     # rounds of concurrent writes to the same destinations: the last round wins everywhere
     for seed in (1, 2, 3):
-        b.call("fill", "main", "pm", 20 + seed)
+        b.fill("main", "pm", 20 + seed)
         rnd = [([("pm", list(range(10 * k, 10 * k + 10)), dst_all[k].tolist())], b"r")
                for k in range(4)]
-        res = b.call("write_many", "main", nodes["B->A"], rnd)
+        res = b.write_many("main", nodes["B->A"], rnd)
         assert all("ok" in r for r in res), res
-        a.call("messages", "main", 4, 10.0)
+        a.messages("main", 4, 10.0)
         for k in range(4):
-            assert a.call("items", "main", "pm", dst_all[k].tolist()) == \
-                b.call("items", "main", "pm", list(range(10 * k, 10 * k + 10)))
+            assert a.items("main", "pm", dst_all[k].tolist()) == \
+                b.items("main", "pm", list(range(10 * k, 10 * k + 10)))
 
 
 def test_mixed_staged_and_unstaged(nodes):
     a, b = nodes["A"], nodes["B"]
     for g in ("kv", "pm", "state"):
-        b.call("fill", "main", g, 40)
-        a.call("zero", "main", g)
+        b.fill("main", g, 40)
+        a.zero("main", g)
     ksrc, kdst = _pages(9, 20)
     parts = [("kv", ksrc, kdst),                       # ~20 runs x 6 descriptors: staged
              ("pm", list(range(5, 15)), list(range(30, 40))),  # one run: direct
              ("state", [0, 5, 7], [7, 1, 2])]          # 3 runs x 2: direct
-    res = b.call("write", "main", nodes["B->A"], parts, b"mixed")
+    res = b.write("main", nodes["B->A"], parts, b"mixed")
     assert "ok" in res, res
     st = res["ok"]
     assert st["staged"] and st["staged_bytes"] == 20 * 2 * L * ITEM
     assert st["ops"] == -(-20 // PER_SLOT) + 1 + 3 * 2
     assert st["bytes"] == 30 * 2 * L * ITEM + 3 * 128
-    assert [p for _, p in a.call("messages", "main", 1, 10.0)] == [b"mixed"]
-    assert a.call("items", "main", "kv", kdst) == b.call("items", "main", "kv", ksrc)
-    assert a.call("items", "main", "pm", list(range(30, 40))) == \
-        b.call("items", "main", "pm", list(range(5, 15)))
-    assert a.call("items", "main", "state", [7, 1, 2]) == b.call("items", "main", "state", [0, 5, 7])
+    assert [p for _, p in a.messages("main", 1, 10.0)] == [b"mixed"]
+    assert a.items("main", "kv", kdst) == b.items("main", "kv", ksrc)
+    assert a.items("main", "pm", list(range(30, 40))) == \
+        b.items("main", "pm", list(range(5, 15)))
+    assert a.items("main", "state", [7, 1, 2]) == b.items("main", "state", [0, 5, 7])
     # below the threshold, or staging disabled: the direct path
-    small = b.call("write", "main", nodes["B->A"], [("pm", [1, 3], [2, 4])])["ok"]
+    small = b.write("main", nodes["B->A"], [("pm", [1, 3], [2, 4])])["ok"]
     assert not small["staged"] and small["ops"] == 2
-    pid = b.call("connect", "nostage", "127.0.0.1", nodes["port"])["ok"]
-    b.call("fill", "nostage", "kv", 41)
-    off = b.call("write", "nostage", pid, [("kv", ksrc, kdst)], b"off")["ok"]
+    pid = b.connect("nostage", "127.0.0.1", nodes["port"])["ok"]
+    b.fill("nostage", "kv", 41)
+    off = b.write("nostage", pid, [("kv", ksrc, kdst)], b"off")["ok"]
     runs = len(plan.merge_runs(np.array(ksrc), np.array(kdst))[0])
     assert not off["staged"] and off["ops"] == runs * 2 * L
-    assert [p for _, p in a.call("messages", "main", 1, 10.0)] == [b"off"]
-    assert a.call("items", "main", "kv", kdst) == b.call("items", "nostage", "kv", ksrc)
+    assert [p for _, p in a.messages("main", 1, 10.0)] == [b"off"]
+    assert a.items("main", "kv", kdst) == b.items("nostage", "kv", ksrc)
 
 
 NB = 2 * 2 * L * ITEM  # two pm items
@@ -159,27 +159,27 @@ def test_bad_scatter_plan_rejected(nodes, slot, offset, nbytes, dst, why):
     """A bad plan is a ProtocolError at the target: the connection closes, nothing is
     scattered, no handler runs, and the landing slots granted to that peer come back."""
     a, b = nodes["A"], nodes["B"]
-    a.call("zero", "main", "pm")
-    b.call("fill", "evil", "pm", 50)
-    free_before = a.call("granted", "main", "pm")
-    closed_before = a.call("closed", "main")
-    pid = b.call("connect", "evil", "127.0.0.1", nodes["port"])["ok"]
+    a.zero("main", "pm")
+    b.fill("evil", "pm", 50)
+    free_before = a.granted("main", "pm")
+    closed_before = a.closed("main")
+    pid = b.connect("evil", "127.0.0.1", nodes["port"])["ok"]
     # a real PUT into a granted slot first, so a wrong scatter would write non-zero bytes
-    good = b.call("write", "evil", pid, [("pm", list(range(0, 24, 2)), list(range(0, 24, 2)))],
+    good = b.write("evil", pid, [("pm", list(range(0, 24, 2)), list(range(0, 24, 2)))],
                   b"good")
     assert good["ok"]["staged"], good
-    assert [p for _, p in a.call("messages", "main", 1, 10.0)] == [b"good"]  # scattered
-    a.call("zero", "main", "pm")
+    assert [p for _, p in a.messages("main", 1, 10.0)] == [b"good"]  # scattered
+    a.zero("main", "pm")
     if slot is None:  # a slot this peer really owns
-        slot = b.call("landing_slots", "evil", pid, "pm")[0]
-    res = b.call("raw_plan", "evil", pid, "pm", slot, offset, nbytes, dst)
+        slot = b.landing_slots("evil", pid, "pm")[0]
+    res = b.raw_plan("evil", pid, "pm", slot, offset, nbytes, dst)
     assert "ok" in res, res
-    evil = b.call("engine_id", "evil")
+    evil = b.engine_id("evil")
     assert _wait_closed(a, evil, closed_before) == "ProtocolError"
-    assert sum(a.call("checksum", "main", "pm")) == 0
-    assert a.call("messages", "main", 0, 0.5) == []
+    assert sum(a.checksum("main", "pm")) == 0
+    assert a.messages("main", 0, 0.5) == []
     # the grant comes back once the teardown closed the endpoint (bounded poll)
-    assert _poll(lambda: a.call("granted", "main", "pm") == free_before)
+    assert _poll(lambda: a.granted("main", "pm") == free_before)
 
 
 def _poll(cond, timeout=10.0):
@@ -199,7 +199,7 @@ def _wait_closed(a, engine_id, before, timeout=10.0):
 
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        new = a.call("closed", "main")[len(before):]
+        new = a.closed("main")[len(before):]
         for p, why in new:
             if p == engine_id:
                 return why

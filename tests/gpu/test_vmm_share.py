@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from kvxfer.kernels.errors import BackingError
-from kvxfer.testing import Child, serve
 from kvxfer.pools.mha import MHATokenToKVPool
 from kvxfer.pools.page_major import PageMajorMHATokenToKVPool
+from kvxfer.procs import Worker, post
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -52,28 +52,32 @@ def _rate(fn, nbytes: int, iters: int) -> float:
 
 
 # -- the child: imports shares and writes into them ---------------------------------------------
-def _writer_node(inbox, outbox):
-    from kvxfer.pools.backing.share import recv_share
+class VmmWriter:
+    """Hosted in the child: imports shares and writes into them."""
 
-    state = {"imports": []}
+    def __init__(self) -> None:
+        self.imports: list = []
+        torch.zeros(1, device=DEV)                      # CUDA context before the parent counts
 
-    def do_import(path):
+    def import_share(self, path) -> dict:
+        from kvxfer.pools.backing.share import recv_share
+
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(60)
             s.connect(path)
             imp = recv_share(s, timeout=60)
-        state["imports"].append(imp)
+        self.imports.append(imp)
         return {"spans": imp.span_bytes, "device": str(imp.device),
                 "generation": imp.generation, "info": imp.info()}
 
-    def fill(k, seed):
-        imp = state["imports"][k]
+    def fill(self, k, seed) -> None:
+        imp = self.imports[k]
         for i, t in enumerate(imp.tensors):
             t.copy_(_pattern(t.numel(), seed + i, imp.device))
         torch.cuda.synchronize(imp.device)
 
-    def bench(k, seed, iters):
-        imp = state["imports"][k]
+    def bench(self, k, seed, iters) -> dict:
+        imp = self.imports[k]
         dst = imp.tensors[0]
         n = dst.numel()
         src = _pattern(n, seed, imp.device)
@@ -91,21 +95,16 @@ def _writer_node(inbox, outbox):
         return {"bytes": n, "vmm_gbps": vmm, "d2d_gbps": d2d, "scatter_gbps": scatter,
                 "page_bytes": items.shape[1], "pages": pages.tolist()}
 
-    def trim():
+    def trim(self) -> None:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()                        # the parent counts device memory
 
-    def close_all():
-        for imp in state["imports"]:
+    def close(self) -> list:
+        for imp in self.imports:
             imp.close()
             imp.close()                                 # idempotent
-        trim()
-        return [imp.closed for imp in state["imports"]]
-
-    torch.zeros(1, device=DEV)                          # CUDA context before the parent counts
-    outbox.put(("ok", "ready"))
-    serve(inbox, outbox, {"import": do_import, "fill": fill, "bench": bench,
-                          "trim": trim, "close": close_all})
+        self.trim()
+        return [imp.closed for imp in self.imports]
 
 
 # -- the parent ----------------------------------------------------------------------------------
@@ -118,14 +117,14 @@ def _pool(cls, size, extent_mib, **kw):
         pytest.skip(f"no POSIX-FD VMM backing here: {exc}")
 
 
-def _share(child, srv, pool, generation):
+def _share(writer, srv, pool, generation):
     from kvxfer.pools.backing.share import send_share
 
-    child.inbox.put(("import", (srv.getsockname(),)))
+    pending = post(writer.import_share, srv.getsockname())
     conn, _ = srv.accept()
     with conn:
         send_share(conn, pool.backing, generation=generation, timeout=60)
-    return child.get(90)
+    return pending.result(90)
 
 
 def _free():
@@ -151,11 +150,11 @@ def _check_benched(pool, r, seed):
 
 
 def test_child_writes_into_vmm_pool_at_device_copy_rate(tmp_path):
-    child = Child(_writer_node, name="vmm-share-writer")
+    w = Worker(VmmWriter, name="vmm-share-writer")
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     nhd = pm = None
     try:
-        assert child.start(timeout=120) == "ready"
+        writer = w.start(timeout=120).proxy(VmmWriter)
         # per-layer NHD pool: 4 buffers, several extents each (small max_extent_bytes)
         nhd = _pool(MHATokenToKVPool, 64 * 1024, 4, layers=2, head_num=4, head_dim=64)
         # page-major pool for the rate: pages of 4 layers x 16 tokens x 8 heads x 128 x bf16 x K/V
@@ -168,16 +167,16 @@ def test_child_writes_into_vmm_pool_at_device_copy_rate(tmp_path):
         pm.finalize_backing(2048 * PS)                # 512 MiB of 1 GiB reserved
         ptrs = [nhd.get_contiguous_buf_infos()[0], pm.get_contiguous_buf_infos()[0]]
 
-        got = _share(child, srv, nhd, generation=1)
+        got = _share(writer, srv, nhd, generation=1)
         assert got["spans"] == nhd.get_contiguous_buf_infos()[1] and got["generation"] == 1
-        got_pm = _share(child, srv, pm, generation=7)
+        got_pm = _share(writer, srv, pm, generation=7)
         assert got_pm["spans"] == pm.get_contiguous_buf_infos()[1]
         print(f"vmm-share import: {got['info']} / {got_pm['info']}")
 
-        child.call("fill", 0, 100, timeout=60)
+        writer.fill(0, 100, timeout=60)
         _check_filled(nhd, 100)
 
-        r = child.call("bench", 1, 5, 20, timeout=120)
+        r = writer.bench(1, 5, 20, timeout=120)
         _check_benched(pm, r, 5)
         ratio = r["vmm_gbps"] / r["d2d_gbps"]
         print(f"vmm-share: {r['bytes'] / MiB:.0f} MiB copy into the peer's VMM pool "
@@ -194,12 +193,12 @@ def test_child_writes_into_vmm_pool_at_device_copy_rate(tmp_path):
         # device's free memory around the teardown only (everything lazily initialised --
         # kernel modules, providers -- is loaded by now in both processes)
         shared = nhd.post_capture_backed_bytes + pm.post_capture_backed_bytes
-        child.call("trim", timeout=60)
+        writer.trim(timeout=60)
         free0 = _free()
         nhd.close()
         pm.close()
         free1 = _free()
-        assert child.call("close", timeout=60) == [True, True]
+        assert writer.close(timeout=60) == [True, True]
         free2 = _free()
         print(f"vmm-share teardown: {shared / MiB:.0f} MiB exported; owner closed -> "
               f"{(free1 - free0) / MiB:.0f} MiB returned; importer closed too -> "
@@ -207,7 +206,7 @@ def test_child_writes_into_vmm_pool_at_device_copy_rate(tmp_path):
         assert free1 - free0 <= 64 * MiB                 # the importer still holds it all
         assert abs(free2 - free0 - shared) <= 64 * MiB   # both released: every byte back
     finally:
-        child.stop()
+        w.close()
         srv.close()
         for p in (nhd, pm):
             if p is not None:

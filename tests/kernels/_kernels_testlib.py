@@ -6,11 +6,10 @@ on the GPU against the reference on the GPU.
 """
 from __future__ import annotations
 
-import os
-
+import testenv
 import torch
 
-DEVICE = torch.device(os.environ.get("KVXFER_TEST_DEVICE", "cpu"))
+DEVICE = torch.device(testenv.DEVICE)
 ON_CUDA = DEVICE.type == "cuda"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8]
 DTYPE_IDS = ["bf16", "fp16", "fp32", "u8"]

@@ -1,11 +1,9 @@
 """Shared helpers for the offload tests: small real pools of every kind, byte snapshots."""
 from __future__ import annotations
 
-import os
-
 import torch
+from testenv import DEVICE
 
-DEVICE = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
 PAGE_SIZE = 4
 KV_KINDS = ("mha", "mha_hnd", "page_major", "mla")
 STATE_KINDS = ("mamba_per_layer", "mamba_envelope", "hybrid_per_layer", "hybrid_envelope")

@@ -1,15 +1,14 @@
 """The bounded host pool: geometry, bounds, all-or-nothing allocation, pinning on CUDA."""
-import os
 
 import pytest
 import torch
+from offload_helpers import is_page_locked
+from testenv import DEVICE
 
 from kvxfer.kernels.errors import InvalidArgument, OutOfMemory
 from kvxfer.pools.offload import HostPool
-from offload_helpers import is_page_locked
 
 pytestmark = pytest.mark.timeout(60)
-DEVICE = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
 
 
 def test_views_partition_one_allocation():

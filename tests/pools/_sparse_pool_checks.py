@@ -2,12 +2,11 @@
 folder on sys.path). The device comes from KVXFER_TEST_DEVICE (default cpu)."""
 from __future__ import annotations
 
-import os
-
 import msgpack
+import testenv
 import torch
 
-DEVICE = torch.device(os.environ.get("KVXFER_TEST_DEVICE", "cpu"))
+DEVICE = torch.device(testenv.DEVICE)
 # Out-of-range indices: off CUDA they raise IndexOutOfRange before anything is written; on
 # CUDA (no host sync) the kernels never write those rows and the other rows are written as
 # usual, and reads of out-of-range positions return zeros. Tests branch on this flag.

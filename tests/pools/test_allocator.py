@@ -1,9 +1,9 @@
 """Token / paged allocators and ReqToTokenPool: semantics, typed errors, seeded fuzzing."""
-import os
 import random
 
 import pytest
 import torch
+from testenv import DEVICE
 
 from kvxfer.pools.allocator import (
     PagedTokenToKVPoolAllocator,
@@ -12,7 +12,6 @@ from kvxfer.pools.allocator import (
 )
 from kvxfer.pools.errors import DoubleFree, IndexOutOfRange, InvalidArgument
 
-DEVICE = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
 pytestmark = pytest.mark.timeout(60)
 
 

@@ -4,17 +4,16 @@ KVXFER_TEST_DEVICE=cuda): reserve -> page 0 -> finalize -> full use -> release_b
 Buffer sizes are expressed in allocation granules of the device so the same tests exercise
 several extents on both (4 KiB pages on the host, 2 MiB granules on an H200).
 """
-import os
 
 import pytest
 import torch
+from testenv import DEVICE
 
 from kvxfer.kernels.errors import BackingError, IndexOutOfRange, InvalidArgument, ShapeMismatch
 from kvxfer.pools.backing import BackedBuffers, make_provider
 from kvxfer.pools.backing.base import round_up
 from kvxfer.pools.layout import KvBufferDesc, PageMajorGeometry, per_layer_descs
 
-DEVICE = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
 pytestmark = pytest.mark.timeout(60)
 
 PS = 16      # page size

@@ -1,12 +1,17 @@
 """HybridReqToTokenPool (ping-pong, donation, no leaks) and HybridLinearKVPool."""
-import os
 import random
 
 import pytest
 import torch
+from testenv import DEVICE
 
 from kvxfer.pools.errors import DoubleFree, IndexOutOfRange, InvalidArgument, ShapeMismatch
-from kvxfer.pools.hybrid import HybridCpuCopy, HybridLinearKVPool, HybridReqState, HybridReqToTokenPool
+from kvxfer.pools.hybrid import (
+    HybridCpuCopy,
+    HybridLinearKVPool,
+    HybridReqState,
+    HybridReqToTokenPool,
+)
 from kvxfer.pools.mamba import MambaPool, MambaStateSpec
 from kvxfer.pools.mha import MHATokenToKVPool
 from kvxfer.pools.mla import MLATokenToKVPool
@@ -14,7 +19,6 @@ from kvxfer.pools.page_major import PageMajorMHATokenToKVPool
 from kvxfer.pools.quantized import MHATokenToKVPoolFP4
 from kvxfer.pools.write_loc import KVWriteLoc
 
-DEVICE = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
 pytestmark = pytest.mark.timeout(90)
 
 MAMBA_IDS = (0, 2, 3)

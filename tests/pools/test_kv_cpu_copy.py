@@ -1,18 +1,22 @@
 """Host copy (retract) and restore into DIFFERENT indices, for every pool with storage;
 chunking; cross-layout portability of copies; validation (typed error, nothing written)."""
-import os
 
 import pytest
 import torch
+from testenv import DEVICE
 
-from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch, UnsupportedOperation
+from kvxfer.kernels.errors import (
+    IndexOutOfRange,
+    InvalidArgument,
+    ShapeMismatch,
+    UnsupportedOperation,
+)
 from kvxfer.pools.cpu_copy import KvCpuCopy
 from kvxfer.pools.mha import MHATokenToKVPool
 from kvxfer.pools.mla import MLATokenToKVPool
 from kvxfer.pools.noop import MHATokenToKOnlyPool, NoOpMHATokenToKVPool
 from kvxfer.pools.page_major import PageMajorMHATokenToKVPool
 
-DEVICE = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
 pytestmark = pytest.mark.timeout(60)
 
 FP8 = getattr(torch, "float8_e4m3fn", None)

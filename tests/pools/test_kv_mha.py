@@ -1,16 +1,15 @@
 """MHA pools (NHD, HND, page-major): writes, masked / prefix-valid writes, moves, layer ids,
 transfer-counter hook, bounds and argument errors. Expected contents are built with plain torch
 indexing on a clone of each buffer, so every byte of every buffer is checked."""
-import os
 
 import pytest
 import torch
+from testenv import DEVICE
 
 from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
 from kvxfer.pools.mha import MHATokenToKVPool
 from kvxfer.pools.page_major import PageMajorMHATokenToKVPool
 
-DEVICE = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
 pytestmark = pytest.mark.timeout(60)
 
 FP8 = getattr(torch, "float8_e4m3fn", None)

@@ -1,14 +1,18 @@
 """MLA latent pool, K-only pool and no-op pool behaviour."""
-import os
 
 import pytest
 import torch
+from testenv import DEVICE
 
-from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch, UnsupportedOperation
+from kvxfer.kernels.errors import (
+    IndexOutOfRange,
+    InvalidArgument,
+    ShapeMismatch,
+    UnsupportedOperation,
+)
 from kvxfer.pools.mla import MLATokenToKVPool
 from kvxfer.pools.noop import MHATokenToKOnlyPool, NoOpMHATokenToKVPool
 
-DEVICE = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
 pytestmark = pytest.mark.timeout(60)
 
 FP8 = getattr(torch, "float8_e4m3fn", None)

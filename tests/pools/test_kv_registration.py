@@ -4,11 +4,11 @@ Checks the documented math (entry count and order, lens = final_span_bytes(size)
 page), that item views alias exactly the registered bytes (a write through the pool API shows
 up in the expected item row at the expected offset, and a write through an item view shows up
 through the pool getters), and that describe() is a plain msgpack-able fingerprint."""
-import os
 
 import msgpack
 import pytest
 import torch
+from testenv import DEVICE
 
 from kvxfer.pools.layout import PageMajorGeometry
 from kvxfer.pools.mha import MHATokenToKVPool
@@ -16,7 +16,6 @@ from kvxfer.pools.mla import MLATokenToKVPool
 from kvxfer.pools.noop import MHATokenToKOnlyPool, NoOpMHATokenToKVPool
 from kvxfer.pools.page_major import PageMajorMHATokenToKVPool
 
-DEVICE = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
 pytestmark = pytest.mark.timeout(60)
 
 SIZE, PS, H, D, DV, L = 12, 4, 2, 4, 3, 3

@@ -1,9 +1,9 @@
 """The pools through the Triton kernels (the GPU path; on CPU under TRITON_INTERPRET=1) give
 byte-identical buffers to the same pools through the torch reference kernels."""
-import os
 
 import pytest
 import torch
+from testenv import DEVICE
 
 from kvxfer.kernels.dispatch import force_backend
 from kvxfer.pools.mha import MHATokenToKVPool
@@ -11,7 +11,6 @@ from kvxfer.pools.mla import MLATokenToKVPool
 from kvxfer.pools.noop import MHATokenToKOnlyPool
 from kvxfer.pools.page_major import PageMajorMHATokenToKVPool
 
-DEVICE = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
 pytestmark = pytest.mark.timeout(120)
 
 SIZE, PS, H, D, DV, L = 8, 4, 2, 4, 2, 2

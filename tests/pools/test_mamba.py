@@ -1,13 +1,12 @@
 """MambaPool (per-layer and envelope layouts), MambaSlotAllocator, CPU copy/restore."""
-import os
 
 import pytest
 import torch
+from testenv import DEVICE
 
 from kvxfer.pools.errors import DoubleFree, IndexOutOfRange, InvalidArgument, ShapeMismatch
 from kvxfer.pools.mamba import MambaCpuCopy, MambaPool, MambaSlotAllocator, MambaStateSpec
 
-DEVICE = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
 pytestmark = pytest.mark.timeout(60)
 
 SIZE = 6

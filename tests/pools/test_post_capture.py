@@ -7,14 +7,19 @@ same operations (host copies of every valid id must agree), and its descriptors 
 descriptor arithmetic. Out-of-span ids must raise IndexOutOfRange before anything is touched
 (on the host, touching them would be a SIGSEGV).
 """
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
+from testenv import DEVICE
 
 from kvxfer.kernels import dispatch
-from kvxfer.kernels.errors import BackingError, IndexOutOfRange, InvalidArgument, UnsupportedOperation
+from kvxfer.kernels.errors import (
+    BackingError,
+    IndexOutOfRange,
+    InvalidArgument,
+    UnsupportedOperation,
+)
 from kvxfer.pools.backing import make_provider
 from kvxfer.pools.backing.base import round_up
 from kvxfer.pools.hybrid import HybridLinearKVPool
@@ -23,7 +28,6 @@ from kvxfer.pools.mha import MHATokenToKVPool
 from kvxfer.pools.mla import MLATokenToKVPool
 from kvxfer.pools.page_major import PageMajorMHATokenToKVPool
 
-DEVICE = os.environ.get("KVXFER_TEST_DEVICE", "cpu")
 pytestmark = pytest.mark.timeout(90)
 
 PS = 16

@@ -1,11 +1,12 @@
-"""Child-process programs of the security tests (spawned through kvxfer.testing.Child).
+"""What the security tests host in worker processes (:class:`kvxfer.procs.Worker`, called
+through typed proxies).
 
-- :func:`target_node`: engines of :class:`kvxfer.testing.EngineNode` plus introspection:
-  RSS, the packed remote keys of an engine's regions, and every ERROR log record of kvxfer
-  (an unexpected exception anywhere in the engine shows up there).
-- :func:`attacker_node`: a party on the network, driven by commands: a relay between two
-  engines, raw senders (pre-authentication floods), fuzzers before and after authentication,
-  and an authenticated client that checks the target still answers.
+- :class:`TargetNode`: engines of :class:`kvxfer.bench.engine_node.EngineNode` plus
+  introspection: RSS, the packed remote keys of an engine's regions, and every ERROR log
+  record of kvxfer (an unexpected exception anywhere in the engine shows up there).
+- :class:`Attacker`: a party on the network: a relay between two engines, raw senders
+  (pre-authentication floods), fuzzers before and after authentication, and an
+  authenticated client that checks the target still answers.
 
 Everything runs over real UCX on loopback; messages are real msgpack.
 """
@@ -19,7 +20,7 @@ import random
 import threading
 import time
 
-from kvxfer.testing.process import serve
+from kvxfer.bench.engine_node import EngineNode
 
 SECRET = b"security-tests-secret"
 WRONG = b"not-the-secret"
@@ -56,34 +57,25 @@ class _Errors(logging.Handler):
                             + (f" ({record.exc_info[0].__name__})" if record.exc_info else ""))
 
 
-def target_node(inbox, outbox, spec: dict) -> None:
-    """Engines as in :func:`kvxfer.testing.engine_node`, plus ``rss``, ``rkeys``, ``errors``."""
-    from kvxfer.testing.nodes import EngineNode
+class TargetNode(EngineNode):
+    """Engines as in :class:`EngineNode`, plus :meth:`rss`, :meth:`rkeys`, :meth:`errors`."""
 
-    errors = _Errors()
-    logging.getLogger("kvxfer").addHandler(errors)
-    node = EngineNode(spec)
-    handlers = node.handlers()
-    handlers["rss"] = lambda: {"rss": rss_mb(os.getpid()), "hwm": rss_mb(os.getpid(), "VmHWM")}
-    handlers["rkeys"] = lambda key: node.engines[key].engine._groups.region_table()[2]
-    handlers["errors"] = lambda: list(errors.records)
-    outbox.put(("ok", node.ports))
-    try:
-        serve(inbox, outbox, handlers)
-    finally:
-        node.close()
+    def __init__(self, spec: dict) -> None:
+        self._errors = _Errors()
+        logging.getLogger("kvxfer").addHandler(self._errors)
+        super().__init__(spec)
+
+    def rss(self) -> dict:
+        return {"rss": rss_mb(os.getpid()), "hwm": rss_mb(os.getpid(), "VmHWM")}
+
+    def rkeys(self, key: str) -> list:
+        return self.engines[key].engine._groups.region_table()[2]
+
+    def errors(self) -> list:
+        return list(self._errors.records)
 
 
 # ----------------------------------------------------------------------------- attacker
-def attacker_node(inbox, outbox) -> None:
-    att = Attacker()
-    outbox.put(("ok", None))
-    try:
-        serve(inbox, outbox, {n[4:]: getattr(att, n) for n in dir(att) if n.startswith("cmd_")})
-    finally:
-        att.close()
-
-
 def _tag(raw: bytes):
     """The wire tag of a message (None: undecodable)."""
     from kvxfer import wire
@@ -101,10 +93,10 @@ class Attacker:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
-        self.relayed = []       # (direction, payload) through the relay
+        self._relayed = []       # (direction, payload) through the relay
         self.pumps_ended = 0
-        self.fake_seen = []     # tags received by the fake engine
-        self.reconnects = 0     # connection attempts retried (see _connect)
+        self._fake_seen = []     # tags received by the fake engine
+        self._reconnects = 0     # connection attempts retried (see _connect)
         self.t = self._run(self._transport(), 60)
         self._extra = []        # one transport per listener (a transport has one)
 
@@ -133,7 +125,7 @@ class Attacker:
             except PeerClosed:
                 if attempt == 2:
                     raise
-                self.reconnects += 1
+                self._reconnects += 1
 
     async def _cancel_rest(self):
         rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
@@ -149,7 +141,7 @@ class Attacker:
         self._thread.join(10)
 
     # -- relay: decode -> (this) -> prefill, forwarding every message both ways
-    def cmd_relay_start(self, host: str, port: int) -> int:
+    def relay_start(self, host: str, port: int) -> int:
         from kvxfer.errors import KvxferError
 
         async def pump(src, dst, direction):
@@ -157,7 +149,7 @@ class Attacker:
                 while True:
                     raw = await src.recv(30.0)
                     src.adopt_epoch()  # the accepted leg: its connection's epoch (no-op else)
-                    self.relayed.append((direction, raw))
+                    self._relayed.append((direction, raw))
                     await dst.send(raw, 10.0)
             except KvxferError:
                 pass
@@ -177,19 +169,19 @@ class Attacker:
 
         return self._run(self._listen(on_accept), 30)
 
-    def cmd_relayed(self, needles=(), pumps: int = 2, timeout: float = 20.0):
+    def relayed(self, needles=(), pumps: int = 2, timeout: float = 20.0):
         """Once ``pumps`` forwarding directions have ended (bounded wait): ``{"tags":
         [(direction, tag)], "with_needle": n}``, the relayed messages and how many contained
         any of ``needles`` (e.g. both engines' packed remote keys)."""
         deadline = time.monotonic() + timeout
         while self.pumps_ended < pumps and time.monotonic() < deadline:
             time.sleep(0.01)  # polling a condition under a deadline (the relay's own loop)
-        return {"tags": [(d, _tag(raw)) for d, raw in self.relayed],
+        return {"tags": [(d, _tag(raw)) for d, raw in self._relayed],
                 "ended": self.pumps_ended,
-                "with_needle": sum(any(n in raw for n in needles) for _, raw in self.relayed)}
+                "with_needle": sum(any(n in raw for n in needles) for _, raw in self._relayed)}
 
     # -- wrong secret, in either role
-    def cmd_wrong_secret_client(self, host: str, port: int, n: int) -> dict:
+    def wrong_secret_client(self, host: str, port: int, n: int) -> dict:
         """``n`` handshakes as the connecting side with a wrong secret: Hello, then a Proof
         made with the wrong secret; everything the target answers is counted."""
         from kvxfer.engine import handshake
@@ -221,9 +213,9 @@ class Attacker:
             return stats
         return self._run(go(), 60 + 10 * n)
 
-    def cmd_fake_engine_start(self, secret: bytes) -> int:
+    def fake_engine_start(self, secret: bytes) -> int:
         """Listen as a fake engine that answers Hello with a HelloAck proved with ``secret``
-        and records every message it receives afterwards (``fake_seen``)."""
+        and records every message it receives afterwards (:meth:`fake_seen`)."""
         from kvxfer.engine import handshake
         from kvxfer.engine import messages as m
         from kvxfer.errors import KvxferError
@@ -237,7 +229,7 @@ class Attacker:
                 ack.proof = handshake._proof(secret, b"S", ch.binding(), hello, ack)
                 await ch.send(ack.encode(), 5.0)
                 while True:
-                    self.fake_seen.append(_tag(await ch.recv(10.0)))
+                    self._fake_seen.append(_tag(await ch.recv(10.0)))
             except KvxferError:
                 pass
             finally:
@@ -245,14 +237,14 @@ class Attacker:
 
         return self._run(self._listen(on_accept), 30)
 
-    def cmd_fake_seen(self):
-        return list(self.fake_seen)
+    def fake_seen(self):
+        return list(self._fake_seen)
 
-    def cmd_reconnects(self) -> int:
-        return self.reconnects
+    def reconnects(self) -> int:
+        return self._reconnects
 
     # -- raw, unauthenticated senders
-    def cmd_flood(self, host: str, port: int, sizes, timeout: float = 60.0) -> dict:
+    def flood(self, host: str, port: int, sizes, timeout: float = 60.0) -> dict:
         """One connection; every payload of ``sizes`` bytes sent at once (pipelined), then
         wait until the target ends the connection. Returns what came back."""
         from kvxfer.errors import KvxferError
@@ -275,12 +267,13 @@ class Attacker:
                 await ch.close(1.0)
         return self._run(go(), timeout + 30)
 
-    def cmd_fuzz_preauth(self, host: str, port: int, seed: int, n: int, second: bool,
+    def fuzz_preauth(self, host: str, port: int, seed: int, n: int, second: bool,
                          concurrency: int = 8) -> dict:
         """``n`` malformed messages, one connection each: the first message of the
         connection, or (``second``) the message after a well-formed Hello. Counts how the
         target answered; any Layout received is counted in ``layouts``."""
         from fuzzgen import engine_payloads
+
         from kvxfer.engine import messages as m
         from kvxfer.errors import KvxferError
 
@@ -319,19 +312,19 @@ class Attacker:
             return stats
         return self._run(go(), 60 + n * 0.5)
 
-    def cmd_fuzz_layout(self, host: str, port: int, seed: int, n: int,
+    def fuzz_layout(self, host: str, port: int, seed: int, n: int,
                         concurrency: int = 8) -> dict:
         """After authenticating with the right secret (a hand-run connecting side), send a
         malformed Layout instead of ours; one connection per message."""
-        from fuzzgen import layout_payloads
-        from kvxfer.engine import handshake
-        from kvxfer.engine import messages as m
-        from kvxfer.errors import KvxferError
-
         # real remote keys (of a buffer of ours): a forged packed key is parsed by libucp
         # unchecked and can crash the receiver, which trusts authenticated peers that far
         # (docs/SECURITY.md); every other field is fuzzed
         import numpy as np
+        from fuzzgen import layout_payloads
+
+        from kvxfer.engine import handshake
+        from kvxfer.engine import messages as m
+        from kvxfer.errors import KvxferError
         self._keep = np.zeros(2 << 20, dtype=np.uint8)
         regions = [self.t.register(self._keep.ctypes.data + i * (1 << 20), 1 << 20)
                    for i in range(2)]
@@ -374,14 +367,15 @@ class Attacker:
             for g in regions:
                 g.release()
 
-    def cmd_fuzz_peer(self, host: str, port: int, seed: int, n: int) -> dict:
+    def fuzz_peer(self, host: str, port: int, seed: int, n: int) -> dict:
         """Authenticated engine (right secret): after the handshake, malformed or
         meaningless engine messages straight onto the channel, one peer connection each."""
+        import numpy as np
         from fuzzgen import engine_payloads
+
         from kvxfer.config import EngineConfig
         from kvxfer.engine import TransferEngine
         from kvxfer.errors import PeerClosed
-        import numpy as np
 
         payloads = engine_payloads(random.Random(seed), n, authenticated=True)
         stats = {"sent": 0}
@@ -402,7 +396,7 @@ class Attacker:
                         except PeerClosed:
                             if attempt == 2:
                                 raise
-                            self.reconnects += 1
+                            self._reconnects += 1
                     await peer._channel.send(payload, 5.0)
                     stats["sent"] += 1
                     # the target handles it before our goodbye (one ordered channel): it
@@ -413,13 +407,14 @@ class Attacker:
             return stats
         return self._run(go(), 120 + n * 0.5)
 
-    def cmd_check_answers(self, host: str, port: int, secret: bytes = SECRET) -> dict:
+    def check_answers(self, host: str, port: int, secret: bytes = SECRET) -> dict:
         """An authenticated engine connects and writes items 0-3 (descriptor ``d`` filled
         with ``7 + d``) to the target's items 4-7 with a ``still-here`` notification: the
         target still serves (the caller checks the bytes and the message there)."""
+        import numpy as np
+
         from kvxfer.config import EngineConfig
         from kvxfer.engine import ItemWrite, TransferEngine
-        import numpy as np
 
         async def go():
             eng = TransferEngine(EngineConfig(secret=secret, name="checker",

@@ -11,15 +11,15 @@ import os
 import random
 import struct
 
-import pytest
-
 import fuzzgen
+import pytest
+from sec_nodes import ITEM, Attacker, TargetNode, _Errors, engine_spec
+
 from kvxfer import wire
 from kvxfer.disagg import bootstrap
 from kvxfer.disagg import messages as m
 from kvxfer.disagg.bootstrap import BootstrapServer, seal
-from kvxfer.testing import Child
-from sec_nodes import ITEM, _Errors, attacker_node, engine_spec, target_node
+from kvxfer.procs import Worker
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -128,27 +128,27 @@ async def test_bootstrap_fuzz_long():
 # -------------------------------------------------------------------------------- engines
 @pytest.fixture(scope="module")
 def engine_pair():
-    target = Child(target_node, engine_spec("target"), name="target")
-    mallory = Child(attacker_node, name="mallory")
+    tw = Worker(TargetNode, engine_spec("target"), name="target")
+    mw = Worker(Attacker, name="mallory")
     try:
-        port = target.start()["main"]
-        mallory.start()
-        yield target, mallory, port
+        target = tw.start().proxy(TargetNode)
+        port = target.ports()["main"]
+        yield target, mw.start().proxy(Attacker), port
     finally:
-        mallory.stop()
-        target.stop()
+        mw.close()
+        tw.close()
 
 
 def _fuzz_engine(target, mallory, port, counts, seed) -> dict:
     out = {}
     big = 600.0 + sum(counts.values())
-    out["first"] = mallory.call("fuzz_preauth", "127.0.0.1", port, seed, counts["first"],
+    out["first"] = mallory.fuzz_preauth("127.0.0.1", port, seed, counts["first"],
                                 False, timeout=big)
-    out["second"] = mallory.call("fuzz_preauth", "127.0.0.1", port, seed + 1,
+    out["second"] = mallory.fuzz_preauth("127.0.0.1", port, seed + 1,
                                  counts["second"], True, timeout=big)
-    out["layout"] = mallory.call("fuzz_layout", "127.0.0.1", port, seed + 2, counts["layout"],
+    out["layout"] = mallory.fuzz_layout("127.0.0.1", port, seed + 2, counts["layout"],
                                  timeout=big)
-    out["peer"] = mallory.call("fuzz_peer", "127.0.0.1", port, seed + 3, counts["peer"],
+    out["peer"] = mallory.fuzz_peer("127.0.0.1", port, seed + 3, counts["peer"],
                                timeout=big)
     print("engine fuzz:", out)
     # before authentication nothing of the target's layout came back
@@ -156,12 +156,12 @@ def _fuzz_engine(target, mallory, port, counts, seed) -> dict:
     for phase in ("first", "second", "layout", "peer"):
         assert out[phase]["sent"] == counts[phase], (phase, out[phase])
     # the target is alive, logged no unexpected error, and still serves a real peer
-    assert mallory.call("check_answers", "127.0.0.1", port)["ok"]
-    got = target.call("messages", "main", 1, 10.0)  # (with the fuzz's well-formed ones)
+    assert mallory.check_answers("127.0.0.1", port)["ok"]
+    got = target.messages("main", 1, 10.0)  # (with the fuzz's well-formed ones)
     assert b"still-here" in [p for _, p in got], got
-    assert target.call("items", "main", "kv", [4, 5, 6, 7]) == bytes([7]) * 4 * ITEM + \
+    assert target.items("main", "kv", [4, 5, 6, 7]) == bytes([7]) * 4 * ITEM + \
         bytes([8]) * 4 * ITEM
-    assert target.call("errors") == []
+    assert target.errors() == []
     return out
 
 

@@ -10,10 +10,10 @@ dropped where it arrives (no copy, no decode) and the queue is drained on close.
 allocates each incoming message before any of our code runs (bounded by what the sender
 sends while we read its first message); that is the ``hwm`` bound below."""
 import pytest
+from sec_nodes import Attacker, TargetNode, engine_spec
 
 from kvxfer.engine.handshake import MAX_PREAUTH_BYTES
-from kvxfer.testing import Child
-from sec_nodes import attacker_node, engine_spec, target_node
+from kvxfer.procs import Worker, run_in_child
 
 pytestmark = pytest.mark.timeout(180)
 MB = 1 << 20
@@ -23,15 +23,15 @@ MB = 1 << 20
 def pair():
     # a handshake deadline that a 128 MiB message arrives well within, even on a loaded
     # host: cutting a transfer mid-way is the UCXX case described in docs/SECURITY.md
-    target = Child(target_node, engine_spec("target", connect_timeout_s=60.0), name="target")
-    mallory = Child(attacker_node, name="mallory")
+    tw = Worker(TargetNode, engine_spec("target", connect_timeout_s=60.0), name="target")
+    mw = Worker(Attacker, name="mallory")
     try:
-        port = target.start()["main"]
-        mallory.start()
-        yield target, mallory, port
+        target = tw.start().proxy(TargetNode)
+        port = target.ports()["main"]
+        yield target, mw.start().proxy(Attacker), port
     finally:
-        mallory.stop()
-        target.stop()
+        mw.close()
+        tw.close()
 
 
 def _refused(res):
@@ -41,37 +41,33 @@ def _refused(res):
 
 def test_two_huge_first_messages_leave_nothing_behind(pair):
     target, mallory, port = pair
-    before = target.call("rss")
+    before = target.rss()
     for _ in range(2):
-        _refused(mallory.call("flood", "127.0.0.1", port, [128 * MB]))
-    after = target.call("rss")
+        _refused(mallory.flood("127.0.0.1", port, [128 * MB]))
+    after = target.rss()
     grew = after["rss"] - before["rss"]
     peak = after["hwm"] - before["rss"]
     assert grew < 32, (before, after)            # not held after the connections ended
     assert peak < 128 + 64, (before, after)      # one UCXX receive buffer at a time, no copies
-    assert mallory.call("check_answers", "127.0.0.1", port)["ok"]
-    assert target.call("errors") == []
+    assert mallory.check_answers("127.0.0.1", port)["ok"]
+    assert target.errors() == []
 
 
 def test_unread_messages_are_dropped_when_the_channel_closes():
     """64 messages of 1 MiB that a peer pushed and nobody read: UCXX keeps them in its queue
     for the endpoint handle (never freed) unless the closing channel drains it."""
-    child = Child(_drain_child, name="drain")
-    try:
-        child.start()
-        out = child.get(120)
-    finally:
-        child.stop()
+    out = run_in_child(_drain, timeout=120)
     assert out["held"] > 48, out           # they were there, in UCXX's queue
     assert out["after"] < 8, out           # and went with the channel
 
 
-def _drain_child(inbox, outbox):
+def _drain() -> dict:
     import asyncio
     import os
 
-    from kvxfer.transport.ucx import UcxTransport
     from sec_nodes import rss_mb
+
+    from kvxfer.transport.ucx import UcxTransport
 
     async def go():
         ts, tc = UcxTransport(), UcxTransport()
@@ -93,15 +89,14 @@ def _drain_child(inbox, outbox):
         await ts.close()
         return {"held": held, "after": after}
 
-    outbox.put(("ok", None))
-    outbox.put(("ok", asyncio.run(go())))
+    return asyncio.run(go())
 
 
 def test_limit_is_just_above_a_handshake_message(pair):
     target, mallory, port = pair
     # the first message just over the cap is refused before decoding ...
-    _refused(mallory.call("flood", "127.0.0.1", port, [MAX_PREAUTH_BYTES + 1]))
+    _refused(mallory.flood("127.0.0.1", port, [MAX_PREAUTH_BYTES + 1]))
     # ... and one just under it is decoded (and refused as what it is: not a Hello)
-    res = mallory.call("flood", "127.0.0.1", port, [MAX_PREAUTH_BYTES - 8])
+    res = mallory.flood("127.0.0.1", port, [MAX_PREAUTH_BYTES - 8])
     _refused(res)
-    assert target.call("errors") == []
+    assert target.errors() == []

@@ -1,41 +1,44 @@
 """Relay and wrong-secret attempts against real engines (three processes, real UCX loopback):
 no Layout, remote key or region table ever reaches a party without the secret.
 
-The relay is a real forwarding program (:meth:`sec_nodes.Attacker.cmd_relay_start`): decode
+The relay is a real forwarding program (:meth:`sec_nodes.Attacker.relay_start`): decode
 connects to it believing it is prefill, it connects to the real prefill and forwards every
 message both ways. Before the handshake bound its proofs to the connection, both Layouts
 crossed it (and with them prefill's remote keys: write access to its pool)."""
 import pytest
+from sec_nodes import SECRET, WRONG, Attacker, TargetNode, engine_spec
 
-from kvxfer.testing import Child
-from sec_nodes import SECRET, WRONG, attacker_node, engine_spec, target_node
+from kvxfer.procs import Worker, run_in_child
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
 def net():
-    children = {"prefill": Child(target_node, engine_spec("prefill"), name="prefill"),
-                "decode": Child(target_node, engine_spec("decode"), name="decode"),
-                "mallory": Child(attacker_node, name="mallory")}
+    workers = [Worker(TargetNode, engine_spec("prefill"), name="prefill"),
+               Worker(TargetNode, engine_spec("decode"), name="decode"),
+               Worker(Attacker, name="mallory")]
     try:
-        ports = {k: c.start() for k, c in children.items()}
-        yield dict(children, port=ports["prefill"]["main"], dport=ports["decode"]["main"])
+        for w in workers:
+            w.start()
+        prefill, decode = (w.proxy(TargetNode) for w in workers[:2])
+        yield {"prefill": prefill, "decode": decode, "mallory": workers[2].proxy(Attacker),
+               "port": prefill.ports()["main"], "dport": decode.ports()["main"]}
     finally:
-        for c in children.values():
-            c.stop()
+        for w in workers:
+            w.close()
 
 
 def _keys(net):
-    return net["prefill"].call("rkeys", "main") + net["decode"].call("rkeys", "main")
+    return net["prefill"].rkeys("main") + net["decode"].rkeys("main")
 
 
 def test_relay_between_decode_and_prefill_gets_no_layout(net):
-    relay = net["mallory"].call("relay_start", "127.0.0.1", net["port"])
-    res = net["decode"].call("connect", "main", "127.0.0.1", relay)
+    relay = net["mallory"].relay_start("127.0.0.1", net["port"])
+    res = net["decode"].connect("main", "127.0.0.1", relay)
     assert res.get("error") == "AuthenticationFailed", res
     assert "relay" in res["msg"]
-    log = net["mallory"].call("relayed", _keys(net))
+    log = net["mallory"].relayed(_keys(net))
     tags = [t for _, t in log["tags"]]
     assert log["ended"] == 2, log
     # a working relay: decode's Hello reached prefill and prefill's answer came back ...
@@ -43,16 +46,16 @@ def test_relay_between_decode_and_prefill_gets_no_layout(net):
     # ... but no region table, remote key or landing grant crossed it, either way
     assert "kx.layout" not in tags and "kx.proof" not in tags, tags
     assert log["with_needle"] == 0, log
-    assert net["prefill"].call("peers", "main") == []
-    assert net["decode"].call("peers", "main") == []
+    assert net["prefill"].peers("main") == []
+    assert net["decode"].peers("main") == []
     # the two real engines still pair directly
-    direct = net["decode"].call("connect", "main", "127.0.0.1", net["port"])
+    direct = net["decode"].connect("main", "127.0.0.1", net["port"])
     assert "ok" in direct, direct
-    assert net["prefill"].call("errors") == [] and net["decode"].call("errors") == []
+    assert net["prefill"].errors() == [] and net["decode"].errors() == []
 
 
 def test_wrong_secret_as_client_gets_no_layout(net):
-    out = net["mallory"].call("wrong_secret_client", "127.0.0.1", net["port"], 5)
+    out = net["mallory"].wrong_secret_client("127.0.0.1", net["port"], 5)
     assert out["layouts"] == 0, out
     # each attempt ends with the target closing it (after a best-effort Reject), nothing else
     assert set(out["answers"]) <= {"kx.reject", "PeerClosed"}, out
@@ -60,10 +63,10 @@ def test_wrong_secret_as_client_gets_no_layout(net):
 
 
 def test_wrong_secret_as_server_gets_no_layout(net):
-    port = net["mallory"].call("fake_engine_start", WRONG)
-    res = net["decode"].call("connect", "main", "127.0.0.1", port)
+    port = net["mallory"].fake_engine_start(WRONG)
+    res = net["decode"].connect("main", "127.0.0.1", port)
     assert res.get("error") == "AuthenticationFailed", res
-    seen = net["mallory"].call("fake_seen")
+    seen = net["mallory"].fake_seen()
     assert "kx.layout" not in seen and "kx.proof" not in seen, seen
     assert set(seen) <= {"kx.reject"}, seen  # at most decode's (best-effort) Reject
 
@@ -72,11 +75,11 @@ def test_right_secret_fake_server_is_an_authenticated_peer(net):
     """Control for the two tests above: the same fake engine with the secret passes decode's
     check (decode then sends its Proof, and would send its Layout after the fake's), so
     what stops the others is the secret."""
-    port = net["mallory"].call("fake_engine_start", SECRET)
-    before = len(net["mallory"].call("fake_seen"))
-    res = net["decode"].call("connect", "main", "127.0.0.1", port, 3.0)
+    port = net["mallory"].fake_engine_start(SECRET)
+    before = len(net["mallory"].fake_seen())
+    res = net["decode"].connect("main", "127.0.0.1", port, 3.0)
     assert res.get("error") == "TransferTimeout", res  # the fake never sends its own Layout
-    seen = net["mallory"].call("fake_seen")[before:]
+    seen = net["mallory"].fake_seen()[before:]
     assert seen[:1] == ["kx.proof"], seen
 
 
@@ -85,19 +88,14 @@ def test_relay_between_kv_managers_gets_no_layout():
     prefill's bootstrap entry is made to point at it, as a stale entry whose port the
     attacker took over would) that relays to the real prefill. The room fails; no Layout
     crosses; prefill never gets a link."""
-    child = Child(_manager_relay_child, name="managers")
-    try:
-        child.start()
-        out = child.get(120)
-    finally:
-        child.stop()
+    out = run_in_child(_manager_relay, timeout=120)
     assert out["state"] == "Failed" and out["exc"] == "AuthenticationFailed", out
     assert out["tags"][:2] == ["kx.hello", "kx.hello_ack"], out
     assert "kx.layout" not in out["tags"] and out["with_key"] == 0, out
     assert out["prefill_links"] == 0, out
 
 
-def _manager_relay_child(inbox, outbox):
+def _manager_relay() -> dict:
     import asyncio
 
     import numpy as np
@@ -166,5 +164,4 @@ def _manager_relay_child(inbox, outbox):
             await relay.close()
             await bs.close()
 
-    outbox.put(("ok", None))
-    outbox.put(("ok", asyncio.run(go())))
+    return asyncio.run(go())

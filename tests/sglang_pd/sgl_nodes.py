@@ -1,9 +1,11 @@
-"""Child-process side of the SGLang integration tests: real SGLang classes on CPU.
+"""Worker-process side of the SGLang integration tests: real SGLang classes on CPU.
 
-Each node is a spawned process set up the way SGLang sets up a scheduler process: plugins
-loaded (``load_plugins()`` when kvxfer's entry point is installed, else the plugin's
-``register()`` + SGLang's ``HookRegistry.apply_hooks()``), server args from SGLang's own
-argument parser, ``publish(..., role="scheduler")``. Then, per scenario, SGLang's real pools
+Each node is hosted in a spawned :class:`kvxfer.procs.Worker` (built by :func:`node`, called
+through a typed proxy of :class:`PrefillNode` / :class:`DecodeNode`), its process set up the
+way SGLang sets up a scheduler process: plugins loaded (``load_plugins()`` when kvxfer's
+entry point is installed, else the plugin's ``register()`` + SGLang's
+``HookRegistry.apply_hooks()``), server args from SGLang's own argument parser,
+``publish(..., role="scheduler")``. Then, per scenario, SGLang's real pools
 (``MHATokenToKVPool``, or ``HybridLinearKVPool`` over a ``MambaPool``), its
 ``MetadataBuffers`` and ``KVArgs`` filled like ``PrefillBootstrapQueue._init_kv_manager`` /
 ``DecodePreallocQueue._init_kv_manager`` do, and the manager/sender/receiver classes taken
@@ -31,8 +33,9 @@ def _setup_process(mode: str, extra_args=(), dp_rank=None):
     import logging
 
     logging.basicConfig(level=logging.WARNING)
-    from sglang.srt.plugins import load_plugins
     from importlib.metadata import entry_points
+
+    from sglang.srt.plugins import load_plugins
 
     global PLUGIN_VIA
     if any(ep.name == "kvxfer" for ep in entry_points(group="sglang.srt.plugins")):
@@ -40,8 +43,9 @@ def _setup_process(mode: str, extra_args=(), dp_rank=None):
         PLUGIN_VIA = "entry_point"
     else:                      # a source checkout that was not pip-installed
         PLUGIN_VIA = "register"
-        from kvxfer.integrations.sglang import plugin
         from sglang.srt.plugins.hook_registry import HookRegistry
+
+        from kvxfer.integrations.sglang import plugin
 
         plugin.register()
         HookRegistry.apply_hooks()
@@ -104,9 +108,14 @@ class Node:
     # ------------------------------------------------------------------ setup
     def add(self, name: str, kind: str, bootstrap_port: int, secret=None):
         import torch
-        from sglang.srt.disaggregation.utils import (DisaggregationMode, KVClassType,
-                                                     MetadataBuffers, TransferBackend,
-                                                     get_kv_class, setup_state_kv_args)
+        from sglang.srt.disaggregation.utils import (
+            DisaggregationMode,
+            KVClassType,
+            MetadataBuffers,
+            TransferBackend,
+            get_kv_class,
+            setup_state_kv_args,
+        )
         from sglang.srt.runtime_context import get_context, get_parallel
 
         get_context().override("test", disaggregation_bootstrap_port=int(bootstrap_port))
@@ -261,6 +270,11 @@ class Node:
 
     def metrics(self, name):
         return self.scen[name]["mgr"].metrics.snapshot()
+
+    def close(self) -> None:
+        """At the worker's exit: close the managers (bounded)."""
+        for s in self.scen.values():
+            s["mgr"].close()
 
 
 class PrefillNode(Node):
@@ -421,48 +435,36 @@ class DecodeNode(Node):
         return bool(self.scen[name]["mgr"].is_abort_release_safe(room, acks))
 
 
-def serve_node(inbox, outbox, role, extra_env, extra_args, dp_rank=None):
-    os.environ.update(extra_env)
-    from kvxfer.testing import serve
-
+def node(role: str, extra_args=(), dp_rank=None) -> Node:
+    """What a node's worker hosts: a :class:`PrefillNode` or :class:`DecodeNode` in a process
+    set up as a scheduler's (the worker's ``env`` is in place before anything is imported)."""
     sa = _setup_process(role, extra_args, dp_rank)
-    node = PrefillNode(sa) if role == "prefill" else DecodeNode(sa)
-    outbox.put(("ok", os.getpid()))
-    handlers = {n: getattr(node, n) for n in dir(node) if not n.startswith("_")}
-    serve(inbox, outbox, handlers)
-    _exit(outbox, node)
+    return PrefillNode(sa) if role == "prefill" else DecodeNode(sa)
 
 
-def _exit(outbox, node=None):
-    """After ``exit``: close the managers (bounded), flush the reply, skip the interpreter's
-    slow teardown of SGLang's import graph."""
-    for s in (node.scen.values() if node is not None else ()):
-        s["mgr"].close()
-    outbox.close()
-    outbox.join_thread()
-    os._exit(0)
-
-
-def serve_bootstrap(inbox, outbox, n_servers, extra_env):
+class BootstrapServers:
     """``n_servers`` SGLang bootstrap servers (the kvxfer backend's class) on free ports."""
-    os.environ.update(extra_env)
-    _setup_process("prefill")
-    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
-    from kvxfer.testing import serve
 
-    cls = get_kv_class(TransferBackend("kvxfer"), KVClassType.BOOTSTRAP_SERVER)
-    servers, ports = [], []
-    for _ in range(n_servers):
-        srv = cls(host="127.0.0.1", port=0)
-        deadline = time.monotonic() + 30
-        while getattr(srv, "_runner", None) is None or not srv._runner.addresses:
-            if time.monotonic() > deadline:
-                raise TimeoutError("bootstrap server did not start")
-            time.sleep(0.01)
-        servers.append(srv)
-        ports.append(int(srv._runner.addresses[0][1]))
-    outbox.put(("ok", ports))
-    serve(inbox, outbox, {"ping": lambda: True})
-    for srv in servers:
-        srv.close()
-    _exit(outbox)
+    def __init__(self, n_servers: int) -> None:
+        _setup_process("prefill")
+        from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+        cls = get_kv_class(TransferBackend("kvxfer"), KVClassType.BOOTSTRAP_SERVER)
+        self.servers: list = []
+        self._ports: list = []
+        for _ in range(n_servers):
+            srv = cls(host="127.0.0.1", port=0)
+            deadline = time.monotonic() + 30
+            while getattr(srv, "_runner", None) is None or not srv._runner.addresses:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("bootstrap server did not start")
+                time.sleep(0.01)
+            self.servers.append(srv)
+            self._ports.append(int(srv._runner.addresses[0][1]))
+
+    def ports(self) -> list:
+        return list(self._ports)
+
+    def close(self) -> None:
+        for srv in self.servers:
+            srv.close()

@@ -14,9 +14,9 @@ import pytest
 pytest.importorskip("sglang", reason="sglang is not installed here: `make test-sglang` "
                                      "runs these tests in .venv-sglang")
 
-from kvxfer.testing import Child  # noqa: E402
-
 import sgl_nodes as N  # noqa: E402
+
+from kvxfer.procs import Worker  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -26,27 +26,31 @@ FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = range(5)
 DONE = [SUCCESS, FAILED]
 
 
-def _start(*children, timeout=300):
-    for c in children:
-        c.proc.start()
-    return [c.get(timeout) for c in children]
+def _start(*workers, timeout=300):
+    """Launch them all at once, then wait (bounded) until each is built."""
+    for w in workers:
+        w.launch()
+    for w in workers:
+        w.ready(timeout)
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    bs = Child(N.serve_bootstrap, 5, ENV, name="bootstrap")
-    pf = Child(N.serve_node, "prefill", ENV, (), name="prefill")
-    dc = Child(N.serve_node, "decode", ENV, ("--dp-size", "2"), 1, name="decode")
+    workers = [Worker(N.BootstrapServers, 5, name="bootstrap", env=ENV),
+               Worker(N.node, "prefill", name="prefill", env=ENV),
+               Worker(N.node, "decode", ("--dp-size", "2"), 1, name="decode", env=ENV)]
     try:
-        ports, _, _ = _start(bs, pf, dc)
+        _start(*workers)
+        ports = workers[0].proxy(N.BootstrapServers).ports()
+        pf, dc = workers[1].proxy(N.PrefillNode), workers[2].proxy(N.DecodeNode)
         info = {}
         for scen, kind, port in (("mha", "mha", ports[0]), ("mamba", "mamba", ports[1])):
-            info[scen] = (pf.call("add", scen, kind, port, timeout=120),
-                          dc.call("add", scen, kind, port, timeout=120))
-        yield dict(bs=bs, pf=pf, dc=dc, ports=ports, info=info)
+            info[scen] = (pf.add(scen, kind, port, timeout=120),
+                          dc.add(scen, kind, port, timeout=120))
+        yield dict(pf=pf, dc=dc, ports=ports, info=info)
     finally:
-        for c in (dc, pf, bs):
-            c.stop()
+        for w in reversed(workers):
+            w.close()
 
 
 def _pages(rng, n, exclude=()):
@@ -56,12 +60,12 @@ def _pages(rng, n, exclude=()):
 def _open(pf, dc, scen, port, room, d_pages, d_aux, p_aux, first, n_tokens, mamba_d=None,
           prefix_tokens=0):
     """Both ends of a room up to the point where prefill may send."""
-    assert pf.call("sender", scen, room, "127.0.0.1", port) == "KvxferKVSender"
-    got = dc.call("receiver", scen, room, f"127.0.0.1:{port}")
+    assert pf.sender(scen, room, "127.0.0.1", port) == "KvxferKVSender"
+    got = dc.receiver(scen, room, f"127.0.0.1:{port}")
     assert got == {"prefill_dp_rank": 0, "dp_size": 1}
-    dc.call("metadata", scen, room, d_pages, d_aux, mamba_d, prefix_tokens)
-    assert pf.call("wait", room, [WAITING, FAILED], 30) == WAITING
-    return pf.call("start", scen, room, n_tokens, p_aux, first)
+    dc.metadata(scen, room, d_pages, d_aux, mamba_d, prefix_tokens)
+    assert pf.wait(room, [WAITING, FAILED], 30) == WAITING
+    return pf.start(scen, room, n_tokens, p_aux, first)
 
 
 def test_manager_is_kvxfer_and_decode_dp_differs(cluster):
@@ -76,13 +80,13 @@ def test_server_args_accept_kvxfer(cluster):
     calling the plugin's ``register()``)."""
     dc = cluster["dc"]
     base = ["--model-path", "dummy", "--device", "cpu", "--disaggregation-mode", "decode"]
-    ok, backend, via, secret_file = dc.call(
-        "parse", base + ["--disaggregation-transfer-backend", "kvxfer",
-                         "--kvxfer-secret-file", "/run/kvxfer.secret"])
+    ok, backend, via, secret_file = dc.parse(
+        base + ["--disaggregation-transfer-backend", "kvxfer",
+                "--kvxfer-secret-file", "/run/kvxfer.secret"])
     assert (ok, backend, secret_file) == ("ok", "kvxfer", "/run/kvxfer.secret")
     installed = any(ep.name == "kvxfer" for ep in entry_points(group="sglang.srt.plugins"))
     assert via == ("entry_point" if installed else "register")
-    assert dc.call("parse", base + ["--disaggregation-transfer-backend", "kvxferx"]) == \
+    assert dc.parse(base + ["--disaggregation-transfer-backend", "kvxferx"]) == \
         ["exit", 2]
 
 
@@ -93,47 +97,47 @@ def test_mha_chunked_byte_exact_first_token(cluster, chunks):
     rng = random.Random(room)
     n = sum(chunks)
     p_pages, d_pages = _pages(rng, n), _pages(rng, n)
-    pf.call("fill", "mha", room, p_pages)
+    pf.fill("mha", room, p_pages)
     started = _open(pf, dc, "mha", port, room, d_pages, 3, 5, 4242 + room, n * N.PAGE - 1)
     assert started == {"prefix": 0, "pages": n}
     at = 0
     for i, c in enumerate(chunks):
         last = i == len(chunks) - 1
-        assert pf.call("send", room, p_pages[at:at + c], last) is True
+        assert pf.send(room, p_pages[at:at + c], last) is True
         at += c
         if not last:
-            assert pf.call("poll", room) in (WAITING, TRANSFERRING)
-            assert dc.call("poll", room) != SUCCESS
-    assert pf.call("wait", room, DONE, 30) == SUCCESS
-    assert dc.call("wait", room, DONE, 30) == SUCCESS
-    assert dc.call("read", "mha", d_pages) == dc.call("expected", "mha", room, n)
-    assert dc.call("first_token", "mha", 3) == [4242 + room, room]
+            assert pf.poll(room) in (WAITING, TRANSFERRING)
+            assert dc.poll(room) != SUCCESS
+    assert pf.wait(room, DONE, 30) == SUCCESS
+    assert dc.wait(room, DONE, 30) == SUCCESS
+    assert dc.read("mha", d_pages) == dc.expected("mha", room, n)
+    assert dc.first_token("mha", 3) == [4242 + room, room]
     kv_items, aux_items, _ = cluster["info"]["mha"][0]["item_lens"]
-    nbytes, latency = pf.call("metric", room)
+    nbytes, latency = pf.metric(room)
     assert nbytes == n * sum(kv_items) + sum(aux_items)
     assert latency is not None and latency > 0
-    pf.call("clear", room)
-    dc.call("clear", room)
+    pf.clear(room)
+    dc.clear(room)
 
 
 def test_hybrid_mamba_byte_exact(cluster):
     pf, dc, port = cluster["pf"], cluster["dc"], cluster["ports"][1]
     room, rng = 2001, random.Random(2001)
     p_pages, d_pages = _pages(rng, 5), _pages(rng, 5)
-    pf.call("fill", "mamba", room, p_pages, 2)
+    pf.fill("mamba", room, p_pages, 2)
     _open(pf, dc, "mamba", port, room, d_pages, 6, 1, 777, 5 * N.PAGE, mamba_d=5)
-    pf.call("send", room, p_pages[:3], False)
-    pf.call("send", room, p_pages[3:], True, 2)
-    assert pf.call("wait", room, DONE, 30) == SUCCESS
-    assert dc.call("wait", room, DONE, 30) == SUCCESS
-    assert dc.call("read", "mamba", d_pages, 5) == dc.call("expected", "mamba", room, 5,
+    pf.send(room, p_pages[:3], False)
+    pf.send(room, p_pages[3:], True, 2)
+    assert pf.wait(room, DONE, 30) == SUCCESS
+    assert dc.wait(room, DONE, 30) == SUCCESS
+    assert dc.read("mamba", d_pages, 5) == dc.expected("mamba", room, 5,
                                                              0, True)
-    assert dc.call("first_token", "mamba", 6) == [777, room]
+    assert dc.first_token("mamba", 6) == [777, room]
     kv_items, aux_items, state_items = cluster["info"]["mamba"][0]["item_lens"]
-    assert pf.call("metric", room)[0] == 5 * sum(kv_items) + sum(aux_items) + \
+    assert pf.metric(room)[0] == 5 * sum(kv_items) + sum(aux_items) + \
         sum(state_items[0])
-    pf.call("clear", room)
-    dc.call("clear", room)
+    pf.clear(room)
+    dc.clear(room)
 
 
 def test_decode_prefix_sends_only_the_suffix(cluster):
@@ -141,51 +145,51 @@ def test_decode_prefix_sends_only_the_suffix(cluster):
     room, rng = 3001, random.Random(3001)
     p_pages = _pages(rng, 6)
     d_suffix = _pages(rng, 4)
-    before = dc.call("read", "mha", d_suffix)
-    pf.call("fill", "mha", room, p_pages)           # prefill computed all 6 pages
+    before = dc.read("mha", d_suffix)
+    pf.fill("mha", room, p_pages)           # prefill computed all 6 pages
     started = _open(pf, dc, "mha", port, room, d_suffix, 2, 2, 99, 6 * N.PAGE,
                     prefix_tokens=2 * N.PAGE)
     assert started == {"prefix": 2 * N.PAGE, "pages": 4}
-    pf.call("send", room, p_pages[2:], True)
-    assert dc.call("wait", room, DONE, 30) == SUCCESS
-    got = dc.call("read", "mha", d_suffix)
-    assert got == dc.call("expected", "mha", room, 4, 2) != before
+    pf.send(room, p_pages[2:], True)
+    assert dc.wait(room, DONE, 30) == SUCCESS
+    got = dc.read("mha", d_suffix)
+    assert got == dc.expected("mha", room, 4, 2) != before
     kv_items = cluster["info"]["mha"][0]["item_lens"][0]
-    assert pf.call("metric", room)[0] == 4 * sum(kv_items) + \
+    assert pf.metric(room)[0] == 4 * sum(kv_items) + \
         sum(cluster["info"]["mha"][0]["item_lens"][1])
-    pf.call("clear", room)
-    dc.call("clear", room)
+    pf.clear(room)
+    dc.clear(room)
 
 
 def test_abort_from_decode_acks_only_after_the_write_settled(cluster):
     pf, dc, port = cluster["pf"], cluster["dc"], cluster["ports"][0]
     room, rng = 4001, random.Random(4001)
     p_pages, d_pages = _pages(rng, 3), _pages(rng, 3)
-    pf.call("fill", "mha", room, p_pages)
+    pf.fill("mha", room, p_pages)
     _open(pf, dc, "mha", port, room, d_pages, 7, 7, 1, 3 * N.PAGE)
-    pf.call("hold_writes", "mha")
+    pf.hold_writes("mha")
     try:
-        pf.call("send", room, p_pages, True)
+        pf.send(room, p_pages, True)
         for _ in range(2000):                       # the write is parked in flight
-            if pf.call("parked"):
+            if pf.parked():
                 break
-        assert pf.call("parked") == 1
-        dc.call("abort", room)
-        assert dc.call("poll", room) == FAILED
-        assert pf.call("wait", room, [FAILED], 30) == FAILED
+        assert pf.parked() == 1
+        dc.abort(room)
+        assert dc.poll(room) == FAILED
+        assert pf.wait(room, [FAILED], 30) == FAILED
         # prefill knows about the abort, but its write may still land: no ack yet
-        assert dc.call("release_safe", "mha", room) is False
+        assert dc.release_safe("mha", room) is False
     finally:
-        pf.call("release_writes", "mha")
+        pf.release_writes("mha")
     for _ in range(3000):
-        if dc.call("release_safe", "mha", room):
+        if dc.release_safe("mha", room):
             break
-    assert dc.call("release_safe", "mha", room) is True
-    kind, msg = dc.call("failure", room)
+    assert dc.release_safe("mha", room) is True
+    kind, msg = dc.failure(room)
     assert kind == "KVTransferError" and "Aborted by AbortReq" in msg
-    kind, msg = pf.call("failure", room)
+    kind, msg = pf.failure(room)
     assert kind == "KVTransferError" and "Aborted by decode" in msg
-    assert pf.call("metrics", "mha")["failures"].get("TransferAborted", 0) >= 1
+    assert pf.metrics("mha")["failures"].get("TransferAborted", 0) >= 1
 
 
 def test_abort_from_prefill_reaches_decode_after_the_write(cluster):
@@ -193,33 +197,33 @@ def test_abort_from_prefill_reaches_decode_after_the_write(cluster):
     room, rng = 4002, random.Random(4002)
     p_pages, d_pages = _pages(rng, 2), _pages(rng, 2)
     _open(pf, dc, "mha", port, room, d_pages, 8, 8, 1, 2 * N.PAGE)
-    pf.call("hold_writes", "mha")
+    pf.hold_writes("mha")
     try:
-        pf.call("send", room, p_pages, True)
+        pf.send(room, p_pages, True)
         for _ in range(2000):
-            if pf.call("parked"):
+            if pf.parked():
                 break
-        pf.call("abort", room)
-        assert pf.call("poll", room) == FAILED
+        pf.abort(room)
+        assert pf.poll(room) == FAILED
         # decode is told only once the room's write settled
-        assert dc.call("wait", room, [FAILED], 1.0) != FAILED
+        assert dc.wait(room, [FAILED], 1.0) != FAILED
     finally:
-        pf.call("release_writes", "mha")
-    assert dc.call("wait", room, DONE, 30) == FAILED
-    kind, msg = dc.call("failure", room)
+        pf.release_writes("mha")
+    assert dc.wait(room, DONE, 30) == FAILED
+    kind, msg = dc.failure(room)
     assert kind == "KVTransferError" and "Aborted by prefill" in msg
-    assert pf.call("failure", room)[0] == "KVTransferError"
+    assert pf.failure(room)[0] == "KVTransferError"
 
 
 def test_unsupported_is_refused_with_the_reason(cluster):
     pf, dc = cluster["pf"], cluster["dc"]
-    kind, msg = dc.call("refused", "mha", "swa")
+    kind, msg = dc.refused("mha", "swa")
     assert kind == "UnsupportedOperation" and "'swa' is not supported" in msg
-    assert pf.call("incompatible", "mamba") is None
-    assert "heterogeneous TP" in pf.call("incompatible", "mamba",
+    assert pf.incompatible("mamba") is None
+    assert "heterogeneous TP" in pf.incompatible("mamba",
                                          {"tp_size": 2, "tp_rank": 1})
-    assert "kv_item_lens" in pf.call("incompatible", "mha", {"kv_item_lens": [64] * 6})
-    assert "state_item_lens" in pf.call("incompatible", "mamba",
+    assert "kv_item_lens" in pf.incompatible("mha", {"kv_item_lens": [64] * 6})
+    assert "state_item_lens" in pf.incompatible("mamba",
                                         {"state_item_lens": [[8] * 4]})
 
 
@@ -227,63 +231,65 @@ def test_wrong_secret_moves_nothing_and_fails_the_room(cluster):
     """A decode whose engine has another secret never gets a byte: prefill's handshake is
     refused, the room fails on both sides with the reason, decode's pages stay as they were."""
     pf, dc, port = cluster["pf"], cluster["dc"], cluster["ports"][4]
-    pf.call("add", "intruder", "mha", port, timeout=120)
-    dc.call("add", "intruder", "mha", port, "not-the-secret", timeout=120)
+    pf.add("intruder", "mha", port, timeout=120)
+    dc.add("intruder", "mha", port, "not-the-secret", timeout=120)
     room, d_pages = 6001, [4, 5]
-    pf.call("fill", "intruder", room, [7, 8])
-    before = dc.call("read", "intruder", d_pages)
+    pf.fill("intruder", room, [7, 8])
+    before = dc.read("intruder", d_pages)
     _open(pf, dc, "intruder", port, room, d_pages, 1, 1, 5, 2 * N.PAGE)
-    pf.call("send", room, [7, 8], True)
-    assert pf.call("wait", room, DONE, 60) == FAILED
-    assert dc.call("wait", room, DONE, 60) == FAILED
-    assert "Authentication" in dc.call("failure", room)[1]
-    assert "Authentication" in pf.call("failure", room)[1]
-    assert dc.call("read", "intruder", d_pages) == before
-    assert dc.call("first_token", "intruder", 1)[1] == 0       # metadata row untouched
+    pf.send(room, [7, 8], True)
+    assert pf.wait(room, DONE, 60) == FAILED
+    assert dc.wait(room, DONE, 60) == FAILED
+    assert "Authentication" in dc.failure(room)[1]
+    assert "Authentication" in pf.failure(room)[1]
+    assert dc.read("intruder", d_pages) == before
+    assert dc.first_token("intruder", 1)[1] == 0       # metadata row untouched
 
 
 def test_killed_prefill_fails_decode_room(cluster):
     dc, port = cluster["dc"], cluster["ports"][2]
-    victim = Child(N.serve_node, "prefill", ENV, (), name="prefill-victim")
+    vw = Worker(N.node, "prefill", name="prefill-victim", env=ENV)
     try:
-        _start(victim)
-        victim.call("add", "victim", "mha", port, timeout=120)
-        dc.call("add", "victim", "mha", port, timeout=120)
+        _start(vw)
+        victim = vw.proxy(N.PrefillNode)
+        victim.add("victim", "mha", port, timeout=120)
+        dc.add("victim", "mha", port, timeout=120)
         room = 5001
-        victim.call("sender", "victim", room, "127.0.0.1", port)
-        dc.call("receiver", "victim", room, f"127.0.0.1:{port}")
-        dc.call("metadata", "victim", room, [1, 2], 9)
-        assert victim.call("wait", room, [WAITING, FAILED], 30) == WAITING
-        assert dc.call("peers", "victim") == 1     # prefill's engine reached ours
-        victim.kill()
-        assert dc.call("wait", room, DONE, 60) == FAILED
-        kind, msg = dc.call("failure", room)
+        victim.sender("victim", room, "127.0.0.1", port)
+        dc.receiver("victim", room, f"127.0.0.1:{port}")
+        dc.metadata("victim", room, [1, 2], 9)
+        assert victim.wait(room, [WAITING, FAILED], 30) == WAITING
+        assert dc.peers("victim") == 1     # prefill's engine reached ours
+        vw.kill()
+        assert dc.wait(room, DONE, 60) == FAILED
+        kind, msg = dc.failure(room)
         assert kind == "KVTransferError" and "gone" in msg
-        assert dc.call("metrics", "victim")["failures"].get("PeerClosed") == 1
+        assert dc.metrics("victim")["failures"].get("PeerClosed") == 1
     finally:
-        victim.kill()
+        vw.kill()
 
 
 def test_killed_decode_fails_prefill_room(cluster):
     pf, port = cluster["pf"], cluster["ports"][3]
-    victim = Child(N.serve_node, "decode", ENV, (), name="decode-victim")
+    vw = Worker(N.node, "decode", name="decode-victim", env=ENV)
     try:
-        _start(victim)
-        pf.call("add", "victim", "mha", port, timeout=120)
-        victim.call("add", "victim", "mha", port, timeout=120)
+        _start(vw)
+        victim = vw.proxy(N.DecodeNode)
+        pf.add("victim", "mha", port, timeout=120)
+        victim.add("victim", "mha", port, timeout=120)
         room = 5002
-        pf.call("sender", "victim", room, "127.0.0.1", port)
-        victim.call("receiver", "victim", room, f"127.0.0.1:{port}")
-        victim.call("metadata", "victim", room, [3, 4], 9)
-        assert pf.call("wait", room, [WAITING, FAILED], 30) == WAITING
-        pf.call("start", "victim", room, 2 * N.PAGE, 9, 5)
-        assert pf.call("peers", "victim") == 1
-        victim.kill()
-        assert pf.call("wait", room, DONE, 60) == FAILED
-        kind, msg = pf.call("failure", room)
+        pf.sender("victim", room, "127.0.0.1", port)
+        victim.receiver("victim", room, f"127.0.0.1:{port}")
+        victim.metadata("victim", room, [3, 4], 9)
+        assert pf.wait(room, [WAITING, FAILED], 30) == WAITING
+        pf.start("victim", room, 2 * N.PAGE, 9, 5)
+        assert pf.peers("victim") == 1
+        vw.kill()
+        assert pf.wait(room, DONE, 60) == FAILED
+        kind, msg = pf.failure(room)
         assert kind == "KVTransferError"
-        assert pf.call("send", room, [1, 2], True) is True     # a late send is a no-op
-        assert pf.call("poll", room) == FAILED
+        assert pf.send(room, [1, 2], True) is True     # a late send is a no-op
+        assert pf.poll(room) == FAILED
     finally:
-        victim.kill()
+        vw.kill()
 

@@ -1,23 +1,23 @@
 """The UCX transport and the native _rma extension, in a spawned child over loopback."""
 import pytest
 
-from kvxfer.testing import Child, transport_node
+from kvxfer.procs import Worker
+from kvxfer.testing.transport_checks import TransportNode
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture(scope="module")
 def node():
-    child = Child(transport_node, name="transport")
-    child.start()
-    yield child
-    child.stop()
+    w = Worker(TransportNode, name="transport").start()
+    yield w.proxy(TransportNode)
+    w.close()
 
 
 @pytest.mark.parametrize("spin", [False, True], ids=["event", "spin"])
 @pytest.mark.parametrize("mode,lane", [("peer", "tcp"), ("none", "cma")])
 def test_put_flush_bounds(node, mode, lane, spin):
-    out = node.call("run", "put_and_bounds", mode, spin)
+    out = node.put_and_bounds(mode, spin)
     assert out["mem_types"] == ["host", "host"]
     assert any(x.startswith(lane) for x in out["lanes"]), out["lanes"]
     assert "outside region" in out["bounds"], out
@@ -34,12 +34,12 @@ def test_rma_close_quiesces(node, mode):
     # close() used to destroy the keys at once and "close" a bulk endpoint with a forced
     # close UCX refuses for error mode NONE: the endpoint stayed open with PUTs in flight
     # and a freed error-handler context (SIGSEGV when it later failed)
-    out = node.call("run", "close_quiesces", mode)
+    out = node.close_quiesces(mode)
     assert out == {"landed": True, "pending": 0}, out
 
 
 def test_peer_close_is_reported(node):
-    out = node.call("run", "peer_close_seen")
+    out = node.peer_close_seen()
     assert out["kind"] == "PeerClosed" and out["recv"] == "PeerClosed", out
     assert out["send_after"] in ("PeerClosed", "Closed")
     # orderly close: each side took the other's close frame (no receive left posted in
@@ -49,7 +49,7 @@ def test_peer_close_is_reported(node):
 
 
 def test_completion_queue(node):
-    out = node.call("run", "completion_queue")
+    out = node.completion_queue()
     assert out["spin_without_worker"] == "ValueError"
     for kind in ("event", "spin"):
         r = out[kind]

@@ -1,15 +1,13 @@
 """Parent side of the reliability scenarios: worker processes (:class:`Worker`), signals, the
 shared secret, the pool geometry. The parent never initialises UCX; it runs bootstrap servers
-on background threads and talks to workers over :class:`kvxfer.testing.Child` queues."""
+on background threads and drives workers through typed proxies (:mod:`kvxfer.procs`)."""
 from __future__ import annotations
 
 import os
 import secrets
-import signal
-import time
 from typing import Optional
 
-NODE = "kvxfer.testing.reliability.node:RelNode"
+from kvxfer import procs
 
 #: small pages (page-major, 2 layers; a 4-layer envelope Mamba state): the soak is about
 #: protocol interleavings, not bandwidth
@@ -35,46 +33,33 @@ class Worker:
 
     def __init__(self, role: str, spec: dict, bootstrap: Optional[str], opts: dict,
                  name: str = "") -> None:
-        from kvxfer.pd_demo.worker import worker_entry
-        from kvxfer.testing import Child
+        from kvxfer.pd_demo.worker import build_worker
+        from kvxfer.testing.reliability.node import RelNode
         ensure_secret()
         self.role = role
-        self.child = Child(worker_entry, NODE, role, spec, bootstrap, opts,
-                           name=name or role)
-        self.child.proc.start()
-        self.info = None
+        self.worker = procs.Worker(build_worker, RelNode, role, spec, bootstrap, opts,
+                                   name=name or role).launch()
+        self.node: RelNode = self.worker.proxy(RelNode)
+        self.info: Optional[dict] = None
 
     def ready(self, timeout: float = 180.0) -> "Worker":
         if self.info is None:
-            self.info = self.child.get(timeout)
+            self.worker.ready(timeout)
+            self.info = self.node.info()
         return self
 
     @property
     def pid(self) -> int:
-        return self.child.proc.pid
-
-    def __call__(self, cmd: str, *args, timeout: float = 60.0):
-        return self.child.call(cmd, *args, timeout=timeout)
-
-    def post(self, cmd: str, *args) -> None:
-        """Start a command without waiting (collect its answer with :meth:`answer`)."""
-        self.child.inbox.put((cmd, args))
-
-    def answer(self, timeout: float):
-        return self.child.get(timeout)
+        return self.worker.pid
 
     def signal(self, sig: int) -> float:
         """Send ``sig``; returns the CLOCK_MONOTONIC time it was sent (comparable with the
         workers' ``time.monotonic()`` stamps: one clock per host)."""
-        t = time.monotonic()
-        os.kill(self.pid, sig)
-        return t
+        return self.worker.signal(sig)
 
     def alive(self) -> bool:
-        return self.child.proc.is_alive()
+        return self.worker.alive()
 
     def stop(self, timeout: float = 30.0) -> None:
         """Ask it to exit (resuming it first if it is stopped); SIGKILL when it does not."""
-        if self.child.proc.pid is not None and self.alive():
-            os.kill(self.pid, signal.SIGCONT)
-        self.child.stop(timeout)
+        self.worker.close(timeout)

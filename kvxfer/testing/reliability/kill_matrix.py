@@ -37,6 +37,7 @@ import signal
 import time
 from typing import Dict, List, Optional
 
+from kvxfer import procs
 from kvxfer.testing.reliability.cluster import MATRIX_SPEC, Worker, ensure_secret
 
 MATRIX_TIMEOUTS = dict(bootstrap_s=4.0, waiting_s=10.0, transfer_s=10.0,
@@ -87,47 +88,47 @@ def run_group(victim: str, sig: str, survivor: Worker, addr: str, rng: random.Ra
     v = (v or _victim(victim, sig, addr, opts)).ready()
     P, D = (v, survivor) if victim == "prefill" else (survivor, v)
     rid = lambda: rng.randrange(1, 1 << 62)                    # noqa: E731
-    before = survivor("check")
+    before = survivor.node.check()
     rooms: Dict[str, int] = {s: rid() for s in STATES}
     out: dict = {"victim": victim, "signal": sig, "cells": {}}
     partner = None
     try:
         S, W, T, B, M = (rooms[s] for s in ("after Success", "WaitingForInput", "Transferring",
                                             "Bootstrapping", "mid-write"))
-        D("open", S, 2, True, True, addr)
-        P("open", S, 2)
-        P("send", S, 0, 2)
-        pre = {S: (D("wait", S, 30.0)["state"], P("wait", S, 30.0)["state"])}
-        D("open", W, 3, True, True, addr)
-        P("open", W, 3)
-        pre[W] = (D("poll_until", W, ["WaitingForInput"]), P("poll_until", W, ["WaitingForInput"]))
-        D("open", T, 3, True, True, addr)
-        P("open", T, 3)
-        P("send", T, 0, 1)
-        pre[T] = (D("poll_until", T, ["Transferring"]), P("poll", T))
-        D("open", M, BIG, True, True, addr)
-        P("open", M, BIG)
-        P("poll_until", M, ["WaitingForInput"])
-        D("poll_until", M, ["WaitingForInput"])
+        D.node.open(S, 2, True, True, addr)
+        P.node.open(S, 2)
+        P.node.send(S, 0, 2)
+        pre = {S: (D.node.wait(S, 30.0)["state"], P.node.wait(S, 30.0)["state"])}
+        D.node.open(W, 3, True, True, addr)
+        P.node.open(W, 3)
+        pre[W] = (D.node.poll_until(W, ["WaitingForInput"]), P.node.poll_until(W, ["WaitingForInput"]))
+        D.node.open(T, 3, True, True, addr)
+        P.node.open(T, 3)
+        P.node.send(T, 0, 1)
+        pre[T] = (D.node.poll_until(T, ["Transferring"]), P.node.poll(T))
+        D.node.open(M, BIG, True, True, addr)
+        P.node.open(M, BIG)
+        P.node.poll_until(M, ["WaitingForInput"])
+        D.node.poll_until(M, ["WaitingForInput"])
         # B last: its Bootstrapping deadline runs from here
         if victim == "prefill":                 # decode survivor: receiver not yet init()-ed
-            D("open", B, 3, False, False, addr)
+            D.node.open(B, 3, False, False, addr)
         else:                                   # prefill survivor: decode connected, no metadata
-            D("open", B, 3, True, False, addr)
-            D("poll_until", B, ["WaitingForInput"])
-            P("open", B, 3)
-        pre[B] = (D("poll", B), P("poll", B))
-        pre[M] = (D("poll", M), P("poll", M))
-        P("send", M, 0, BIG)
-        landing = D("wait_landed", M, 10.0)       # its first page is there: bytes are flowing
+            D.node.open(B, 3, True, False, addr)
+            D.node.poll_until(B, ["WaitingForInput"])
+            P.node.open(B, 3)
+        pre[B] = (D.node.poll(B), P.node.poll(B))
+        pre[M] = (D.node.poll(M), P.node.poll(M))
+        P.node.send(M, 0, BIG)
+        landing = D.node.wait_landed(M, 10.0)       # its first page is there: bytes are flowing
         if sig == "CLOSE":                      # graceful: KVManager.close() in the victim
             t_sig = time.monotonic()
-            v.post("close_manager")
+            closing = procs.post(v.node.close_manager)
         else:
             t_sig = v.signal(SIGNALS[sig])
         if victim == "prefill":
-            D("init", B)
-            D("meta", B)
+            D.node.init(B)
+            D.node.meta(B)
         for state, room in rooms.items():
             d_st, p_st = pre[room]
             out["cells"][state] = {"room": room, "decode_before": d_st, "prefill_before": p_st}
@@ -146,7 +147,7 @@ def run_group(victim: str, sig: str, survivor: Worker, addr: str, rng: random.Ra
                 continue
             bound = bound_s(state, surv_role, sig=sig)
             left = t_sig + bound + SLACK_S - time.monotonic()
-            res = survivor("wait", room, max(0.1, left), timeout=max(0.1, left) + 30)
+            res = survivor.node.wait(room, max(0.1, left), timeout=max(0.1, left) + 30)
             cell.update(survivor=surv_role, state=res["state"], exc=res["exc"],
                         t_s=None if res["t_done"] is None else round(res["t_done"] - t_sig, 2),
                         bound_s=bound, landed=res["landed"], msg=res["msg"])
@@ -161,50 +162,50 @@ def run_group(victim: str, sig: str, survivor: Worker, addr: str, rng: random.Ra
                               and res["calls"] == 1 and cell["t_s"] is not None
                               and cell["t_s"] <= bound + SLACK_S)
             ok &= cell["ok"]
-        s_res = survivor("results", [S])[S]
+        s_res = survivor.node.results([S])[S]
         out["cells"]["after Success"].update(survivor=surv_role, state=s_res["state"],
                                              calls=s_res["calls"],
                                              ok=s_res["state"] == "Success" and s_res["calls"] == 1
                                              and out["cells"]["after Success"]["reached"])
         ok &= out["cells"]["after Success"]["ok"]
-        after_fail = survivor("check")
+        after_fail = survivor.node.check()
         out["survivor_after_signal"] = _summary(before, after_fail)
         # -- the victim: resumed (STOP) or restarted (KILL)
         if sig == "STOP":
             t_cont = v.signal(signal.SIGCONT)
-            vc = v("check", resume_bound_s() + SLACK_S, timeout=resume_bound_s() + 60)
+            vc = v.node.check(resume_bound_s() + SLACK_S, timeout=resume_bound_s() + 60)
             out["victim_after_resume"] = dict(_summary(None, vc), s=round(time.monotonic()
                                                                           - t_cont, 2))
             ok &= _clean(out["victim_after_resume"])
-            vres = v("results", [rooms[s] for s in STATES])
+            vres = v.node.results([rooms[s] for s in STATES])
             out["victim_rooms"] = {s: f"{vres[rooms[s]]['state']}:{vres[rooms[s]]['exc']}"
                                    for s in STATES if rooms[s] in vres}
             partner = v
         else:
             if sig == "CLOSE":
-                out["victim_close_s"] = round(v.answer(60.0) - t_sig, 2)
-                vc = v("check", resume_bound_s() + SLACK_S, timeout=resume_bound_s() + 60)
+                out["victim_close_s"] = round(closing.result(60.0) - t_sig, 2)
+                vc = v.node.check(resume_bound_s() + SLACK_S, timeout=resume_bound_s() + 60)
                 out["victim_after_close"] = _summary(None, vc)
                 ok &= _clean(out["victim_after_close"])
                 v.stop()
-            v.child.proc.join(10)
+            v.worker.proc.join(10)
             partner = Worker(victim, MATRIX_SPEC, addr if victim == "prefill" else None, opts,
                              name=f"restarted-{victim}").ready()
         P2, D2 = (partner, survivor) if victim == "prefill" else (survivor, partner)
         R = rid()
-        D2("open", R, 5, True, True, addr)
-        P2("open", R, 5)
-        P2("send", R, 0, 2)
-        P2("send", R, 2, 5)
-        rd, rp = D2("wait", R, 30.0), P2("wait", R, 30.0)
+        D2.node.open(R, 5, True, True, addr)
+        P2.node.open(R, 5)
+        P2.node.send(R, 0, 2)
+        P2.node.send(R, 2, 5)
+        rd, rp = D2.node.wait(R, 30.0), P2.node.wait(R, 30.0)
         out["served_after"] = {"peer": "resumed victim" if sig == "STOP" else
                                "restarted victim (same bootstrap key)",
                                "decode": rd["state"], "prefill": rp["state"], "bad": rd["bad"],
                                "exc": rd["exc"] or rp["exc"]}
         served = rd["state"] == rp["state"] == "Success" and rd["bad"] == 0
-        final = survivor("check")
+        final = survivor.node.check()
         out["survivor_final"] = _summary(before, final)
-        pc = partner("check", resume_bound_s())
+        pc = partner.node.check(resume_bound_s())
         out["partner_final"] = _summary(None, pc)
         clean = all(_clean(x) for x in (out["survivor_final"], out["partner_final"]))
         out["served_ok"] = served

@@ -1,8 +1,8 @@
 """One worker of the reliability scenarios: real pools, real allocators and a KVManager on real
 UCX, used only through the public API (KVManager, KVSender, KVReceiver, KVPoll,
-BootstrapServer). A spawned child (:func:`kvxfer.pd_demo.worker.worker_entry`) builds it; the
-parent drives it with ``Child.call(cmd, ...)`` (the ``cmd_*`` methods), or hands it a whole
-soak plan (:meth:`RelNode.cmd_soak`).
+BootstrapServer). A spawned child (:func:`kvxfer.pd_demo.worker.build_worker`) builds it; the
+parent drives it through a typed proxy (:mod:`kvxfer.procs`), or hands it a whole
+soak plan (:meth:`RelNode.soak`).
 
 Pools come from the demo's synthetic model (:class:`kvxfer.pd_demo.model.DemoModel`), but
 content is written and checked per *registered item* (one page of every descriptor, one state
@@ -126,7 +126,7 @@ class RelNode:
     ``opts``: ``timeouts`` (Timeouts kwargs), ``error_mode``, ``guard`` (items per end),
     ``host`` (engine listener, default 127.0.0.1), ``netns`` (enter this namespace first),
     ``env`` (set before UCX starts, e.g. ``UCX_TLS``), ``serve_bootstrap`` (prefill: host the
-    bootstrap server in this process on ``host``; its address is in ``cmd_info``)."""
+    bootstrap server in this process on ``host``; its address is in ``info``)."""
 
     def __init__(self, role: str, spec: dict, bootstrap: Optional[str], opts: dict) -> None:
         import torch
@@ -191,15 +191,12 @@ class RelNode:
         self.rss0, self.fds0 = rss_mib(), open_fds()
 
     # ------------------------------------------------------------------ plumbing
-    def handlers(self) -> dict:
-        return {n[4:]: getattr(self, n) for n in dir(self) if n.startswith("cmd_")}
-
     def close(self) -> None:
         self.mgr.close_background()
         if self.bs is not None:
             self.bs.stop_thread()
 
-    def cmd_info(self) -> dict:
+    def info(self) -> dict:
         return {"pid": os.getpid(), "bootstrap": self.bootstrap,
                 "address": list(self.mgr.address), "free": self.full,
                 "page_bytes": sum(int(v.shape[1]) for v in self.views)}
@@ -332,7 +329,7 @@ class RelNode:
         return cb
 
     # ------------------------------------------------------------------ rooms (RPC)
-    def cmd_open(self, room: int, n: int, init: bool = True, meta: bool = True,
+    def open(self, room: int, n: int, init: bool = True, meta: bool = True,
                  bootstrap: Optional[str] = None) -> None:
         """Allocate and open a room. Prefill: fill the pattern, KVSender, ``init`` declares
         it. Decode: KVReceiver, ``init`` connects, ``meta`` sends the destination."""
@@ -345,9 +342,9 @@ class RelNode:
                 self._fill(rec)
         self._open(rec, bootstrap or self.bootstrap)
         if init:
-            self.cmd_init(room)
+            self.init(room)
             if meta and self.role == "decode":
-                self.cmd_meta(room)
+                self.meta(room)
 
     def _open(self, rec: dict, bootstrap: str) -> None:
         from kvxfer.disagg import KVReceiver, KVSender
@@ -355,33 +352,33 @@ class RelNode:
         self.recs[rec["room"]] = rec
         rec["h"] = cls(self.mgr, bootstrap, rec["room"], on_done=self._on_done(rec))
 
-    def cmd_init(self, room: int) -> None:
+    def init(self, room: int) -> None:
         rec = self.recs[room]
         if self.role == "prefill":
             rec["h"].init(rec["n"], rec["row"])
         else:
             rec["h"].init()
 
-    def cmd_meta(self, room: int) -> None:
+    def meta(self, room: int) -> None:
         rec = self.recs[room]
         rec["h"].send_metadata(rec["pages"], rec["row"],
                                None if rec["slot"] is None else [rec["slot"]])
 
-    def cmd_send(self, room: int, lo: int, hi: int) -> None:
+    def send(self, room: int, lo: int, hi: int) -> None:
         rec = self.recs[room]
         last = hi == rec["n"]
         rec["h"].send(rec["pages"][lo:hi],
                       [rec["slot"]] if last and rec["slot"] is not None else None)
 
-    def cmd_abort(self, room: int) -> None:
+    def abort(self, room: int) -> None:
         self.recs[room]["h"].abort()
 
-    def cmd_poll(self, room: int) -> Optional[str]:
+    def poll(self, room: int) -> Optional[str]:
         """The room's state, or None when this worker has no such room."""
         rec = self.recs.get(room)
         return None if rec is None else rec["h"].poll().name
 
-    def cmd_poll_until(self, room: int, states, timeout: float = 10.0) -> str:
+    def poll_until(self, room: int, states, timeout: float = 10.0) -> str:
         """What a scheduler does: poll() each iteration until one of ``states`` (or a
         terminal state, or ``timeout``); returns the last state seen."""
         h = self.recs[room]["h"]
@@ -392,7 +389,7 @@ class RelNode:
                 return s
             time.sleep(0.0005)
 
-    def cmd_wait_landed(self, room: int, timeout: float = 10.0) -> bool:
+    def wait_landed(self, room: int, timeout: float = 10.0) -> bool:
         """Decode: poll until the first page of ``room`` holds its pattern (its write has
         begun to land); False after ``timeout``."""
         rec = self.recs[room]
@@ -409,18 +406,18 @@ class RelNode:
         return {k: rec.get(k) for k in ("state", "exc", "msg", "t_done", "calls", "landed",
                                         "bad", "n")}
 
-    def cmd_wait(self, room: int, timeout: float) -> dict:
+    def wait(self, room: int, timeout: float) -> dict:
         """Block until the room was released (``on_done`` ran) or ``timeout``; its result
         (``state`` None: not released)."""
         rec = self.recs[room]
         rec["done"].wait(timeout)
         return self._result(rec)
 
-    def cmd_results(self, rooms) -> Dict[int, dict]:
+    def results(self, rooms) -> Dict[int, dict]:
         """Results of those of ``rooms`` this worker opened."""
         return {r: self._result(self.recs[r]) for r in rooms if r in self.recs}
 
-    def cmd_poke(self, group: str, item: int, value: int = 0x11) -> None:
+    def poke(self, group: str, item: int, value: int = 0x11) -> None:
         """Change one byte of an item behind the transfer layer's back: the self-test that
         shows each check (late write, guard, corruption) does fire."""
         with self.lock:
@@ -429,18 +426,18 @@ class RelNode:
             else:
                 self._item_views(group)[0][item, 0] = value
 
-    def cmd_close_manager(self) -> float:
+    def close_manager(self) -> float:
         """Close the KVManager gracefully (the process and its pools stay, for the checks);
         returns when it finished."""
         self.mgr.close_background()
         return time.monotonic()
 
-    def cmd_ids(self, room: int) -> dict:
+    def ids(self, room: int) -> dict:
         rec = self.recs[room]
         return {"kv": rec["ids"], "state": rec["slot"], "aux": rec["row"]}
 
     # ------------------------------------------------------------------ checks
-    def cmd_check(self, settle_s: float = 0.0) -> dict:
+    def check(self, settle_s: float = 0.0) -> dict:
         """Wait up to ``settle_s`` for every opened room to be released, then scan every
         free and guard item for its sentinel and count what is still held."""
         end = time.monotonic() + settle_s
@@ -468,7 +465,7 @@ class RelNode:
                 "fds": [self.fds0, open_fds()], "lanes": sorted(self.mgr.stats["lanes"])}
 
     # ------------------------------------------------------------------ soak
-    def cmd_soak(self, plan_kw: dict, window: int, deadline_s: float,
+    def soak(self, plan_kw: dict, window: int, deadline_s: float,
                  bootstrap: Optional[str] = None) -> dict:
         """Run every request of ``make_plan(**plan_kw)`` as this side's scheduler: at most
         ``window`` rooms open, pages allocated per request, aborts where the plan says.

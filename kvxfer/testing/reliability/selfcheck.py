@@ -24,34 +24,34 @@ def run_self_check(seed: int = 0) -> dict:
         p.ready()
         d.ready()
         addr = bs.address
-        clean = d("check")
+        clean = d.node.check()
         out["clean"] = {k: clean[k] for k in ("late_writes", "guard_hits", "corrupt_rooms",
                                                "leaks", "unreleased")}
         # corruption: one byte of a source page changed after the pattern was written
         r1 = rng.randrange(1, 1 << 62)
-        d("open", r1, 4, True, True, addr)
-        p("open", r1, 4)
-        p("poke", "kv", p("ids", r1)["kv"][2])
-        p("send", r1, 0, 4)
-        res = d("wait", r1, 30.0)
+        d.node.open(r1, 4, True, True, addr)
+        p.node.open(r1, 4)
+        p.node.poke("kv", p.node.ids(r1)["kv"][2])
+        p.node.send(r1, 0, 4)
+        res = d.node.wait(r1, 30.0)
         out["corrupt"] = {"state": res["state"], "bad_items": res["bad"],
-                          "corrupt_rooms": d("check")["corrupt_rooms"]}
+                          "corrupt_rooms": d.node.check()["corrupt_rooms"]}
         # late writes: one byte in a free item of each group; guards: one per group
-        free = d("ids", r1)                       # released, so free again
-        d("poke", "kv", free["kv"][0])
-        d("poke", "state", free["state"])
-        d("poke", "aux", free["aux"])
+        free = d.node.ids(r1)                       # released, so free again
+        d.node.poke("kv", free["kv"][0])
+        d.node.poke("state", free["state"])
+        d.node.poke("aux", free["aux"])
         for group, item in (("kv", 0), ("state", 0), ("aux", 0)):
-            d("poke", group, item)
-        c = d("check")
+            d.node.poke(group, item)
+        c = d.node.check()
         out["late_writes"], out["guard_hits"] = c["late_writes"], c["guard_hits"]
         # leak: a room nobody finishes
         r2 = rng.randrange(1, 1 << 62)
-        d("open", r2, 3, False, False, addr)
-        c = d("check")
+        d.node.open(r2, 3, False, False, addr)
+        c = d.node.check()
         out["open_room"] = {"leaks": c["leaks"], "unreleased": c["unreleased"]}
-        d("abort", r2)
-        d("wait", r2, 30.0)
+        d.node.abort(r2)
+        d.node.wait(r2, 30.0)
     finally:
         for w in (p, d):
             if w is not None:

@@ -1,8 +1,8 @@
 """Soak: thousands of requests between one prefill and one decode worker, random sizes and
 chunking, about 10% aborted from either side at any point (see :mod:`.plan`).
 
-Each worker runs the plan as its own scheduler (:meth:`RelNode.cmd_soak`); afterwards both
-scan every free and guard item (:meth:`RelNode.cmd_check`). The summary counts, per failure
+Each worker runs the plan as its own scheduler (:meth:`RelNode.soak`); afterwards both
+scan every free and guard item (:meth:`RelNode.check`). The summary counts, per failure
 kind: requests that were not aborted but did not succeed on both sides, corrupted rooms (any
 byte of a page, state slot or aux row differing from the pattern at decode's ``Success``),
 late writes (bytes changed in an item after its room's ``on_done``), guard hits, ``on_done``
@@ -16,6 +16,7 @@ import collections
 import time
 from typing import Optional
 
+from kvxfer import procs
 from kvxfer.testing.reliability.cluster import SOAK_SPEC, Worker
 from kvxfer.testing.reliability.plan import make_plan
 
@@ -53,10 +54,10 @@ def run_soak(requests: int = 10000, seed: int = 0, window: int = 16, max_pages: 
         budget = deadline_s * 4 + requests * 1.0          # answer bound; the workers' own
         # decode announces up to ``window`` rooms ahead; prefill works on a quarter of that,
         # so its rooms meet decode's metadata in every order (before / after init, mid-send)
-        d.post("soak", plan_kw, window, deadline_s, addr)  # deadlines end them far sooner
-        p.post("soak", plan_kw, max(1, window // 4), deadline_s, addr)
-        ps, ds = p.answer(budget), d.answer(budget)
-        pc, dc = p("check", deadline_s), d("check", deadline_s)
+        d_soak = procs.post(d.node.soak, plan_kw, window, deadline_s, addr)  # deadlines end
+        p_soak = procs.post(p.node.soak, plan_kw, max(1, window // 4), deadline_s, addr)  # sooner
+        ps, ds = p_soak.result(budget), d_soak.result(budget)
+        pc, dc = p.node.check(deadline_s), d.node.check(deadline_s)
     finally:
         for w in (p, d):
             if w is not None:

@@ -1,32 +1,23 @@
-"""Engine command servers for multi-process tests and benchmarks (spawned children).
+"""Engines in a worker process, for ``kvxfer bench transfer`` and the multi-process tests.
 
-:func:`engine_node` hosts one or more engines (each a :class:`kvxfer.sync.SyncEngine`) over
-numpy host buffers or torch device buffers; the parent drives it with
-``Child.call(command, *args)``; every ``cmd_*`` method of :class:`EngineNode` is a command.
+:class:`EngineNode` hosts one or more engines (each a :class:`kvxfer.sync.SyncEngine`) over
+numpy host buffers or torch device buffers; the parent hosts it in a
+:class:`kvxfer.procs.Worker` and calls its public methods through a typed proxy::
+
+    w = Worker(EngineNode, spec, name="A").start()
+    node = w.proxy(EngineNode)
+    port = node.ports()["main"]
+
+``spec``: ``{"engines": {key: {"config": {...EngineConfig kwargs},
+"groups": {name: {"item_lens": [...], "items": N, "contiguous": bool}}}}}``. With
+``contiguous`` the group's descriptors are carved back to back out of one buffer
+(exercises registration merging); an engine's optional ``"device"`` ("cpu" default,
+or e.g. "cuda") puts its buffers in torch device memory.
 """
 from __future__ import annotations
 
 import time
 from typing import Any, Dict
-
-from kvxfer.testing.process import serve
-
-
-def engine_node(inbox, outbox, spec: dict) -> None:
-    """Command server with engines over host buffers (see tests/engine for the commands).
-
-    ``spec``: ``{"engines": {key: {"config": {...EngineConfig kwargs},
-    "groups": {name: {"item_lens": [...], "items": N, "contiguous": bool}}}}}``. With
-    ``contiguous`` the group's descriptors are carved back to back out of one buffer
-    (exercises registration merging); an engine's optional ``"device"`` ("cpu" default,
-    or e.g. "cuda") puts its buffers in torch device memory. Reports ``{key: port}``.
-    """
-    node = EngineNode(spec)
-    outbox.put(("ok", node.ports))
-    try:
-        serve(inbox, outbox, node.handlers())
-    finally:
-        node.close()
 
 
 def _result(fn, *args):
@@ -62,18 +53,18 @@ class EngineNode:
         self.np = np
         self.engines: Dict[str, Any] = {}
         self.buffers: Dict[str, Dict[str, list]] = {}
-        self.closed: Dict[str, list] = {}
+        self._closed: Dict[str, list] = {}
         self.streams: Dict[str, dict] = {}
-        self.items: Dict[str, Dict[str, int]] = {}
+        self._items: Dict[str, Dict[str, int]] = {}
         self._inbox: Dict[str, list] = {}
         self._threading = threading
-        self.ports = {}
+        self._ports = {}
         for key, e in spec["engines"].items():
             eng = SyncEngine(EngineConfig(**e["config"]))
             if str(e.get("device", "cpu")).startswith("cuda"):  # make its context current there
                 eng._run(_set_device(e["device"]), 30.0)
             self.buffers[key] = {}
-            self.items[key] = {g: spec_g["items"] for g, spec_g in e["groups"].items()}
+            self._items[key] = {g: spec_g["items"] for g, spec_g in e["groups"].items()}
             device = e.get("device", "cpu")
             for gname, g in e["groups"].items():
                 bufs = self._alloc(g, device)
@@ -81,10 +72,10 @@ class EngineNode:
                 eng.register(gname, [self._ptr(b) for b in bufs],
                              [int(b.numel()) if device != "cpu" else b.nbytes for b in bufs],
                              list(g["item_lens"]))
-            self.closed[key] = []
-            eng.on_peer_closed(lambda pid, exc, k=key: self.closed[k].append(
+            self._closed[key] = []
+            eng.on_peer_closed(lambda pid, exc, k=key: self._closed[k].append(
                 (pid, type(exc).__name__)))
-            self.ports[key] = eng.start()[1]
+            self._ports[key] = eng.start()[1]
             self.engines[key] = eng
 
     def _alloc(self, g, device):
@@ -112,17 +103,18 @@ class EngineNode:
     def _host(self, b):
         return b if hasattr(b, "ctypes") else b.cpu().numpy()
 
-    def handlers(self):
-        return {name[4:]: getattr(self, name) for name in dir(self) if name.startswith("cmd_")}
+    def ports(self) -> Dict[str, int]:
+        """``{engine key: listening port}`` (each engine bound port 0)."""
+        return dict(self._ports)
 
     def _peer(self, key, peer_id):
         return self.engines[key].peers()[peer_id]
 
     # -- commands
-    def cmd_connect(self, key, host, port, timeout=None):
+    def connect(self, key, host, port, timeout=None):
         return _result(lambda: self.engines[key].connect(host, port, timeout).id)
 
-    def cmd_fill(self, key, group, seed):
+    def fill(self, key, group, seed):
         rng = self.np.random.default_rng(seed)
         for i, b in enumerate(self.buffers[key][group]):
             if hasattr(b, "ctypes"):
@@ -134,21 +126,21 @@ class EngineNode:
                 b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, device=b.device,
                                       generator=gen))
 
-    def cmd_zero(self, key, group):
+    def zero(self, key, group):
         for b in self.buffers[key][group]:
             b[:] = 0
 
-    def cmd_items(self, key, group, ids):
+    def items(self, key, group, ids):
         """Bytes of the given items across every descriptor (descriptor-major)."""
-        n = self.items[key][group]
+        n = self._items[key][group]
         idx = self.np.asarray(ids, dtype=self.np.int64)
         return b"".join(self._host(b).reshape(n, -1)[idx].tobytes()
                         for b in self.buffers[key][group])
 
-    def cmd_bytes(self, key, group, desc, off, n):
+    def bytes(self, key, group, desc, off, n):
         return self._host(self.buffers[key][group][desc])[off:off + n].tobytes()
 
-    def cmd_checksum(self, key, group):
+    def checksum(self, key, group):
         return [int(self._host(b).sum(dtype=self.np.uint64)) for b in self.buffers[key][group]]
 
     def _writes(self, parts):
@@ -158,7 +150,7 @@ class EngineNode:
 
         return [ItemWrite(*p) if len(p) == 3 else RawWrite(*p) for p in parts]
 
-    def cmd_write(self, key, peer_id, parts, notify=None, timeout=None):
+    def write(self, key, peer_id, parts, notify=None, timeout=None):
         def go():
             p = self._peer(key, peer_id)
             st = p.write(self._writes(parts), notify, timeout)
@@ -167,16 +159,16 @@ class EngineNode:
                     "device_bytes": st.device_bytes, "device_ops": st.device_ops}
         return _result(go)
 
-    def cmd_write_many(self, key, peer_id, batches, timeout=None):
+    def write_many(self, key, peer_id, batches, timeout=None):
         """Submit every batch before waiting for any: ``batches`` = [(parts, notify)]."""
         peer = self._peer(key, peer_id)
         pend = [peer.write_async(self._writes(parts), notify, timeout) for parts, notify in batches]
         return [_result(lambda p=p: p.result().bytes) for p in pend]
 
-    def cmd_send(self, key, peer_id, payload):
+    def send(self, key, peer_id, payload):
         return _result(lambda: self._peer(key, peer_id).send(payload))
 
-    def cmd_messages(self, key, n, timeout):
+    def messages(self, key, n, timeout):
         """Wait (bounded) for ``n`` messages; returns [(peer_id, payload)] received so far."""
         got = self._inbox.setdefault(key, [])
         deadline = time.monotonic() + timeout
@@ -188,16 +180,16 @@ class EngineNode:
         got.clear()
         return out
 
-    def cmd_peers(self, key):
+    def peers(self, key):
         return sorted(self.engines[key].peers())
 
-    def cmd_closed(self, key):
-        return list(self.closed[key])
+    def closed(self, key):
+        return list(self._closed[key])
 
-    def cmd_registrations(self, key):
+    def registrations(self, key):
         return self.engines[key].engine.registrations
 
-    def cmd_stream_start(self, key, peer_id, group, n_items, timeout, hold_after=0):
+    def stream_start(self, key, peer_id, group, n_items, timeout, hold_after=0):
         """Write items 0..n-1 to the same ids on the peer, over and over, in a thread, until
         a write fails. ``hold_after=k``: after the k-th successful write the thread waits
         for ``stream_release`` before it writes again (the parent then knows exactly which
@@ -225,19 +217,19 @@ class EngineNode:
         st["thread"] = self._threading.Thread(target=loop, daemon=True)
         st["thread"].start()
 
-    def cmd_stream_status(self, key):
+    def stream_status(self, key):
         st = self.streams[key]
         return {"count": st["count"], "error": st["error"], "t_end": st["t_end"],
                 "held": st["held"].is_set()}
 
-    def cmd_stream_held(self, key, timeout):
+    def stream_held(self, key, timeout):
         """Wait (bounded) until the stream holds after its ``hold_after``-th write."""
         return self.streams[key]["held"].wait(timeout)
 
-    def cmd_stream_release(self, key):
+    def stream_release(self, key):
         self.streams[key]["release"].set()
 
-    def cmd_stream_join(self, key, timeout):
+    def stream_join(self, key, timeout):
         """Wait (bounded) for the stream to end by itself, i.e. for a write to fail."""
         st = self.streams[key]
         st["thread"].join(timeout)
