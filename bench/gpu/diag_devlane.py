@@ -45,7 +45,7 @@ class DiagNode(BenchNode):
             steps.clear()
             tot = []
 
-            async def go():
+            async def go(w=w, tot=tot):
                 for _ in range(6):
                     if pattern == "raw+items":
                         await peer.write(raw)

@@ -21,6 +21,7 @@ stdout and, with ``--out``, in a file.
 """
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import sys
@@ -139,9 +140,9 @@ def bench_one(layout, pages, pattern, args, device) -> dict:
 
     t_off, t_d2h, t_res, t_h2d = [], [], [], []
     for _ in range(args.repeat + 1):  # the first round is a warm-up
-        t_d2h.append(_time(lambda: host_buf.copy_(dev_buf, non_blocking=cuda), sync))
+        t_d2h.append(_time(functools.partial(host_buf.copy_, dev_buf, non_blocking=cuda), sync))
         t_off.append(_time(offload, sync))
-        t_h2d.append(_time(lambda: dev_buf.copy_(host_buf, non_blocking=cuda), sync))
+        t_h2d.append(_time(functools.partial(dev_buf.copy_, host_buf, non_blocking=cuda), sync))
         sync()
         t_res.append(restore())
     h = mgr.offload(src, slots_src).wait()

@@ -149,8 +149,8 @@ def test_driver_query_on_cuda():
     import numpy as np
     import torch
 
-    from kvxfer.pools.backing.cuda import CudaVmmProvider
     from kvxfer.kernels.cuda_driver import ipc_capable as cuda_ipc_capable
+    from kvxfer.pools.backing.cuda import CudaVmmProvider
 
     t = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
     assert cuda_ipc_capable(t.data_ptr()) is True

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvxfer.kernels.checksum import checksum_items_reference
-from kvxfer.kernels.errors import BackingError
 from kvxfer.disagg.integrity import ItemSums
 from kvxfer.kernels import cuda_driver
+from kvxfer.kernels.checksum import checksum_items_reference
+from kvxfer.kernels.errors import BackingError
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),

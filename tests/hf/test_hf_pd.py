@@ -107,7 +107,7 @@ def test_cli_json_last_line_and_exit_status(check, capsys):
     (["--model", "llama", "--retract-after", "9"], "--retract-after"),
 ])
 def test_bad_arguments_exit_2_before_starting_workers(argv, message, capsys):
-    from kvxfer.demo import main as demo_main        # `kvxfer demo --model ...` routes here
+    from kvxfer.demo import main as demo_main  # `kvxfer demo --model ...` routes here
     with pytest.raises(SystemExit) as exc:
         demo_main(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err

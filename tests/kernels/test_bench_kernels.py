@@ -4,8 +4,8 @@ import json
 
 import pytest
 import torch
-
 from _kernels_testlib import DEVICE, ON_CUDA
+
 from kvxfer.bench import kernels as bench
 from kvxfer.bench import main as bench_main
 

@@ -4,8 +4,8 @@ every single-word change; the launcher refuses malformed tables."""
 import numpy as np
 import pytest
 import torch
-
 from _kernels_testlib import DEVICE, ON_CUDA, gen, rand
+
 from kvxfer.kernels import checksum as ck
 from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
 

@@ -1,9 +1,18 @@
 """KvCopyTable / move_kv: one launch moves rows in every layer's K and V."""
 import pytest
 import torch
+from _kernels_testlib import (
+    DEVICE,
+    DTYPE_IDS,
+    DTYPES,
+    ON_CUDA,
+    gen,
+    guarded,
+    page_major_views,
+    rand,
+    raw,
+)
 
-from _kernels_testlib import (DEVICE, DTYPE_IDS, DTYPES, ON_CUDA, gen, guarded, page_major_views,
-                              rand, raw)
 from kvxfer.kernels import copy as kcopy
 from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
 

@@ -1,8 +1,8 @@
 """Backend selection: "auto" follows the device unless force_backend overrides it."""
 import pytest
 import torch
-
 from _kernels_testlib import DEVICE, ON_CUDA, gen, rand
+
 from kvxfer.kernels import dispatch, store
 from kvxfer.kernels.errors import InvalidArgument, UnsupportedOperation
 

@@ -2,8 +2,8 @@
 the format (packing, scale, rounding) and the stated error bound."""
 import pytest
 import torch
-
 from _kernels_testlib import DEVICE, ON_CUDA, distinct, gen
+
 from kvxfer.kernels import fp4
 from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
 

@@ -1,8 +1,8 @@
 """MLA (nope, rope) store into one row and the inverse gather."""
 import pytest
 import torch
-
 from _kernels_testlib import DEVICE, DTYPE_IDS, DTYPES, ON_CUDA, distinct, gen, guarded, rand, raw
+
 from kvxfer.kernels import mla
 from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
 

@@ -1,9 +1,8 @@
 """store_kv / masked store / prefix-valid store: Triton vs the torch reference."""
 import pytest
 import torch
+from _kernels_testlib import DEVICE, DTYPE_IDS, DTYPES, ON_CUDA, distinct, gen, guarded, rand, raw
 
-from _kernels_testlib import (DEVICE, DTYPE_IDS, DTYPES, ON_CUDA, distinct, gen, guarded, rand,
-                              raw)
 from kvxfer.kernels import store
 from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
 

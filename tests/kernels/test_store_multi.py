@@ -2,8 +2,8 @@
 and vs store_kv applied pair by pair."""
 import pytest
 import torch
-
 from _kernels_testlib import DEVICE, ON_CUDA, distinct, gen, rand, raw
+
 from kvxfer.kernels import store, store_multi
 from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
 

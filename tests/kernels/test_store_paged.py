@@ -1,9 +1,18 @@
 """store_kv_paged into page-major 4-D strided views over one raw uint8 buffer."""
 import pytest
 import torch
+from _kernels_testlib import (
+    DEVICE,
+    DTYPE_IDS,
+    DTYPES,
+    ON_CUDA,
+    distinct,
+    gen,
+    page_major_views,
+    rand,
+    raw,
+)
 
-from _kernels_testlib import (DEVICE, DTYPE_IDS, DTYPES, ON_CUDA, distinct, gen, page_major_views,
-                              rand, raw)
 from kvxfer.kernels import store_paged
 from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
 

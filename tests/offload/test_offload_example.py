@@ -3,7 +3,6 @@ import importlib.util
 import os
 
 import pytest
-
 from offload_helpers import DEVICE
 
 pytestmark = pytest.mark.timeout(120)

@@ -7,15 +7,37 @@ import random
 import numpy as np
 import pytest
 import torch
+from offload_helpers import (
+    ALL_KINDS,
+    DEVICE,
+    KV_KINDS,
+    assert_same,
+    clobber_rows,
+    expected_after_restore,
+    make_pool,
+    randomize,
+    snapshot,
+    views,
+)
 
 from kvxfer.kernels.errors import InvalidArgument, ShapeMismatch, UnsupportedOperation
-from kvxfer.kernels.piece_copy import (ALIGNMENTS, copy_item_runs_reference, copy_tasks,
-                                kernel_runnable)
-from offload_helpers import (ALL_KINDS, DEVICE, KV_KINDS, assert_same, clobber_rows,
-                             expected_after_restore, make_pool, randomize, snapshot, views)
+from kvxfer.kernels.piece_copy import (
+    ALIGNMENTS,
+    copy_item_runs_reference,
+    copy_tasks,
+    kernel_runnable,
+)
 from kvxfer.pools.offload import OffloadManager, OffloadState
-from kvxfer.pools.offload.pieces import (MAX_TILE, MIN_TILE, PieceTable, pick_tile_bytes, plan_tasks,
-                                  split_by_alignment, task_alignment, wants_fused)
+from kvxfer.pools.offload.pieces import (
+    MAX_TILE,
+    MIN_TILE,
+    PieceTable,
+    pick_tile_bytes,
+    plan_tasks,
+    split_by_alignment,
+    task_alignment,
+    wants_fused,
+)
 from kvxfer.pools.offload.runs import contiguous_runs
 
 pytestmark = pytest.mark.timeout(120)

@@ -3,9 +3,9 @@ import random
 
 import pytest
 import torch
+from offload_helpers import DEVICE, is_page_locked, make_pool, randomize, snapshot, views
 
 from kvxfer.kernels.errors import OutOfMemory
-from offload_helpers import DEVICE, is_page_locked, make_pool, randomize, snapshot, views
 from kvxfer.pools.offload import OffloadManager, OffloadState
 
 pytestmark = pytest.mark.timeout(120)

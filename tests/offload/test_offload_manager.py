@@ -4,12 +4,21 @@ import asyncio
 import numpy as np
 import pytest
 import torch
+from offload_helpers import (
+    ALL_KINDS,
+    DEVICE,
+    KV_KINDS,
+    PAGE_SIZE,
+    assert_same,
+    clobber_rows,
+    expected_after_restore,
+    make_pool,
+    randomize,
+    snapshot,
+    views,
+)
 
 from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, OutOfMemory, ShapeMismatch
-from offload_helpers import (
-    ALL_KINDS, DEVICE, KV_KINDS, PAGE_SIZE, assert_same, clobber_rows, expected_after_restore,
-    make_pool, snapshot, randomize, views,
-)
 from kvxfer.pools.offload import OffloadManager, OffloadState
 
 pytestmark = pytest.mark.timeout(90)
@@ -20,7 +29,7 @@ def _has_kv(kind):
 
 
 def _has_state(kind):
-    return not kind in KV_KINDS
+    return kind not in KV_KINDS
 
 
 @pytest.mark.parametrize("kind", ALL_KINDS)

@@ -11,9 +11,17 @@ import pytest
 import torch
 
 from kvxfer.kernels.errors import BackingError, InvalidArgument, UnsupportedOperation
-from kvxfer.pools.backing.share_wire import (MAGIC, MAX_FDS_PER_MSG, SHARE_VERSION, BufferGrant,
-                                      RangeGrant, ShareManifest, recv_share_message,
-                                      send_share_message, validate_manifest)
+from kvxfer.pools.backing.share_wire import (
+    MAGIC,
+    MAX_FDS_PER_MSG,
+    SHARE_VERSION,
+    BufferGrant,
+    RangeGrant,
+    ShareManifest,
+    recv_share_message,
+    send_share_message,
+    validate_manifest,
+)
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -3,9 +3,15 @@ batch gets), lockstep moves, host copy/restore including the indexer (no foreign
 after a retract), and the indexer as a state descriptor group."""
 import pytest
 import torch
+from _sparse_pool_checks import (
+    DEVICE,
+    ON_CUDA,
+    assert_same_views,
+    check_registration,
+    loc,
+    views_snapshot,
+)
 
-from _sparse_pool_checks import (DEVICE, ON_CUDA, assert_same_views, check_registration, loc,
-                                 views_snapshot)
 from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
 from kvxfer.pools.dsa import DSATokenToKVPool
 from kvxfer.pools.write_loc import KVWriteLoc

@@ -3,9 +3,15 @@ Triton and torch paths writing identical bytes, registration, host copy -> resto
 slots, moves, KVWriteLoc, and argument errors (nothing written)."""
 import pytest
 import torch
+from _sparse_pool_checks import (
+    DEVICE,
+    ON_CUDA,
+    assert_same_views,
+    check_registration,
+    loc,
+    views_snapshot,
+)
 
-from _sparse_pool_checks import (DEVICE, ON_CUDA, assert_same_views, check_registration, loc,
-                                 views_snapshot)
 from kvxfer.kernels.dispatch import force_backend
 from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
 from kvxfer.kernels.fp4 import fp4_error_bound

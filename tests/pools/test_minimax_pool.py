@@ -3,9 +3,15 @@ stores (K/V and K-only index groups, Triton and torch), registration of main + i
 one-launch moves over all of them, host copy -> restore into other slots, and KVWriteLoc."""
 import pytest
 import torch
+from _sparse_pool_checks import (
+    DEVICE,
+    ON_CUDA,
+    assert_same_views,
+    check_registration,
+    loc,
+    views_snapshot,
+)
 
-from _sparse_pool_checks import (DEVICE, ON_CUDA, assert_same_views, check_registration, loc,
-                                 views_snapshot)
 from kvxfer.kernels.dispatch import force_backend
 from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
 from kvxfer.pools.minimax import MiniMaxSparseKVPool

@@ -44,7 +44,7 @@ def _pack(body):
 
 @pytest.mark.parametrize("version", [True, 1.0, "1", b"\x01", None, [1]])
 def test_version_must_be_the_int(version):
-    for tag, body in _valid(_sample).items():
+    for body in _valid(_sample).values():
         wire.decode(_pack(body))  # the template itself is fine
         with pytest.raises(ProtocolError, match="version"):
             wire.decode(_pack(dict(body, v=version)))

@@ -58,15 +58,17 @@ def _add_cli_args(result, parser):
     parser.add_argument(
         "--kvxfer-secret-file", type=str, default=None,
         help="File holding the shared secret of the kvxfer transfer backend (the same on "
-             f"every prefill and decode server); alternative to the env var KVXFER_SECRET.")
+             "every prefill and decode server); alternative to the env var KVXFER_SECRET.")
 
 
 def register() -> None:
     global _done
     if _done:
         return
-    from sglang.srt.arg_groups.choices import (DISAGG_TRANSFER_BACKEND_CHOICES,
-                                               add_disagg_transfer_backend_choices)
+    from sglang.srt.arg_groups.choices import (
+        DISAGG_TRANSFER_BACKEND_CHOICES,
+        add_disagg_transfer_backend_choices,
+    )
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     if BACKEND_NAME not in DISAGG_TRANSFER_BACKEND_CHOICES:

@@ -7,5 +7,5 @@ that raises if called. tests/sglang_pd/conftest.py puts this on sys.path only wh
 torchvision imports.
 """
 __version__ = "0.0+stub"
-from torchvision._placeholder import module_getattr as __getattr__  # noqa: E402,F401
 from torchvision import transforms  # noqa: E402,F401
+from torchvision._placeholder import module_getattr as __getattr__  # noqa: E402,F401
