@@ -9,6 +9,7 @@ time libucp is the one the installed ucxx loads (``import ucxx`` comes first, se
 ``kvxfer.transport.ucx_lib.load_ucx``); the only RUNPATH is relative to the installed module
 (``$ORIGIN/../../libucx/lib``), never a path of the build machine.
 """
+
 import os
 
 from setuptools import Extension, find_packages, setup
@@ -44,8 +45,9 @@ class _BuildExt(build_ext):
     def build_extensions(self):
         linker = getattr(self.compiler, "linker_so", None)
         if linker:
-            self.compiler.linker_so = [a for a in linker
-                                       if not (a.startswith("-Wl,-rpath,/") or a.startswith("-R/"))]
+            self.compiler.linker_so = [
+                a for a in linker if not (a.startswith("-Wl,-rpath,/") or a.startswith("-R/"))
+            ]
         super().build_extensions()
 
 
@@ -67,5 +69,9 @@ def _extensions():
     ]
 
 
-setup(packages=_packages(), package_dir=PACKAGE_DIR, ext_modules=_extensions(),
-      cmdclass={"build_ext": _BuildExt})
+setup(
+    packages=_packages(),
+    package_dir=PACKAGE_DIR,
+    ext_modules=_extensions(),
+    cmdclass={"build_ext": _BuildExt},
+)

@@ -6,6 +6,7 @@ restore into different pages and slot. Same as ``kvxfer demo --model ...``.
     python examples/hf_pd.py --model llama|bamba|deepseek|all [--layouts nhd,hnd,...]
                              [--prompts 5,8,21,50] [--corrupt swap_heads] [--json] [--help]
 """
+
 from __future__ import annotations
 
 import os

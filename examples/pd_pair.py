@@ -4,6 +4,7 @@ over UCX loopback; decode verifies every byte. Same as ``kvxfer demo`` / ``make 
     python examples/pd_pair.py [--requests 64] [--kv-layout page_major|per_layer|mla]
                                [--mamba-layout envelope|per_layer|none] [--json] [--help]
 """
+
 from __future__ import annotations
 
 import os

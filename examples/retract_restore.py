@@ -14,6 +14,7 @@ oracle), and so must its Mamba state. At the end the host pool must be empty.
 
     python examples/retract_restore.py [--kind mha|mha_hnd|page_major|mla|hybrid] [--device cuda]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,16 @@ def make_kv_pool(kind: str, num_pages: int, device: str):
     if kind in ("mha", "mha_hnd", "hybrid"):
         from kvxfer.pools.mha import MHATokenToKVPool
 
-        return MHATokenToKVPool(size, PS, torch.bfloat16, 2, 16, 1 if kind == "hybrid" else 3,
-                                device, layout="hnd" if kind == "mha_hnd" else "nhd")
+        return MHATokenToKVPool(
+            size,
+            PS,
+            torch.bfloat16,
+            2,
+            16,
+            1 if kind == "hybrid" else 3,
+            device,
+            layout="hnd" if kind == "mha_hnd" else "nhd",
+        )
     if kind == "page_major":
         from kvxfer.pools.page_major import PageMajorMHATokenToKVPool
 
@@ -60,9 +69,13 @@ def make_worker_pool(kind: str, num_pages: int, device: str, mamba_slots: int):
     from kvxfer.pools.mamba import MambaPool
     from kvxfer.pools.mamba_spec import MambaStateSpec
 
-    spec = MambaStateSpec(conv_shapes=((32, 3),), temporal_shape=(2, 16, 8),
-                          conv_dtype=torch.bfloat16, temporal_dtype=torch.float32,
-                          layer_ids=(0, 2))
+    spec = MambaStateSpec(
+        conv_shapes=((32, 3),),
+        temporal_shape=(2, 16, 8),
+        conv_dtype=torch.bfloat16,
+        temporal_dtype=torch.float32,
+        layer_ids=(0, 2),
+    )
     mamba = MambaPool(mamba_slots, spec, device, layout="envelope")
     return HybridLinearKVPool(kv, mamba, [1]), kv, mamba
 
@@ -95,15 +108,18 @@ def token_kv(kv_pool, rid: int, layer: int, pos: torch.Tensor, kind: str):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--kind", default="hybrid",
-                   choices=["mha", "mha_hnd", "page_major", "mla", "hybrid"])
+    p.add_argument(
+        "--kind", default="hybrid", choices=["mha", "mha_hnd", "page_major", "mla", "hybrid"]
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--requests", type=int, default=24)
-    p.add_argument("--device-pages", type=int, default=24,
-                   help="KV pages on the device (page 0 included)")
+    p.add_argument(
+        "--device-pages", type=int, default=24, help="KV pages on the device (page 0 included)"
+    )
     p.add_argument("--host-pages", type=int, default=40)
-    p.add_argument("--abort-every", type=int, default=3,
-                   help="abort every k-th retraction (0: never)")
+    p.add_argument(
+        "--abort-every", type=int, default=3, help="abort every k-th retraction (0: never)"
+    )
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     dev = a.device
@@ -116,8 +132,9 @@ def main(argv=None) -> int:
     _, shadow_kv, shadow_mamba = make_worker_pool(a.kind, shadow_pages, dev, a.requests + 1)
     pages = PagedTokenToKVPoolAllocator((a.device_pages - 1) * PS, PS, device="cpu")
     slots = MambaSlotAllocator(slots_n) if mamba is not None else None
-    mgr = OffloadManager(pool, num_host_pages=a.host_pages,
-                         num_host_slots=slots_n if mamba is not None else 0)
+    mgr = OffloadManager(
+        pool, num_host_pages=a.host_pages, num_host_slots=slots_n if mamba is not None else 0
+    )
     max_tokens = (a.device_pages - 2) * PS
     reqs = []
     for rid in range(a.requests):
@@ -132,14 +149,17 @@ def main(argv=None) -> int:
         pos = torch.arange(start, stop)
         for lay in layers:
             k, v = token_kv(kv, r.rid, lay, pos, a.kind)
-            kv.set_kv_buffer(lay, r.token_ids(stop)[start:].to(dev), k.to(dev),
-                             None if v is None else v.to(dev))
-            shadow_kv.set_kv_buffer(lay, (r.shadow_base + pos).to(dev), k.to(dev),
-                                    None if v is None else v.to(dev))
+            kv.set_kv_buffer(
+                lay, r.token_ids(stop)[start:].to(dev), k.to(dev), None if v is None else v.to(dev)
+            )
+            shadow_kv.set_kv_buffer(
+                lay, (r.shadow_base + pos).to(dev), k.to(dev), None if v is None else v.to(dev)
+            )
         if mamba is not None:  # a recurrent state update per step: new = old / 2 + x
             g = torch.Generator().manual_seed(r.rid * 7919 + stop)
-            for t, s in zip(mamba.conv + [mamba.temporal],
-                            shadow_mamba.conv + [shadow_mamba.temporal]):
+            for t, s in zip(
+                mamba.conv + [mamba.temporal], shadow_mamba.conv + [shadow_mamba.temporal]
+            ):
                 x = torch.randn(t[:, 0].shape, generator=g).to(t.dtype).to(dev)
                 t[:, r.slot[0]] = t[:, r.slot[0]] / 2 + x
                 s[:, r.rid + 1] = s[:, r.rid + 1] / 2 + x
@@ -183,10 +203,12 @@ def main(argv=None) -> int:
                 raise SystemExit(f"request {r.rid}: KV bytes differ after retract/restore")
             stats["verified_bytes"] += x.numel() * x.element_size()
         if mamba is not None:
-            for t, s in zip(mamba.conv + [mamba.temporal],
-                            shadow_mamba.conv + [shadow_mamba.temporal]):
-                if not torch.equal(t[:, r.slot[0]].cpu().view(torch.uint8),
-                                   s[:, r.rid + 1].cpu().view(torch.uint8)):
+            for t, s in zip(
+                mamba.conv + [mamba.temporal], shadow_mamba.conv + [shadow_mamba.temporal]
+            ):
+                if not torch.equal(
+                    t[:, r.slot[0]].cpu().view(torch.uint8), s[:, r.rid + 1].cpu().view(torch.uint8)
+                ):
                     raise SystemExit(f"request {r.rid}: Mamba state differs after restore")
                 stats["verified_bytes"] += t[:, 0].numel() * t.element_size()
             slots.free(r.slot)
@@ -203,7 +225,8 @@ def main(argv=None) -> int:
         while retracted:
             r = retracted[0]
             if pages.available_pages() < r.handle.num_pages + 1 or (
-                    slots is not None and slots.available_size() < 1):
+                slots is not None and slots.available_size() < 1
+            ):
                 break
             r.pages = pages.alloc_pages(r.handle.num_pages).tolist()
             r.slot = slots.alloc(1) if slots is not None else []
@@ -215,7 +238,8 @@ def main(argv=None) -> int:
         while waiting and not retracted:
             r = waiting[0]
             if pages.available_pages() < -(-r.prompt // PS) + 1 or (
-                    slots is not None and slots.available_size() < 1):
+                slots is not None and slots.available_size() < 1
+            ):
                 break
             waiting.popleft()
             r.slot = slots.alloc(1) if slots is not None else []
@@ -244,12 +268,14 @@ def main(argv=None) -> int:
     if not mgr.host.is_empty:
         raise SystemExit(f"host pool not empty at the end: {mgr.host!r}")
     wall = time.perf_counter() - t_start
-    print(f"retract_restore [{a.kind} on {dev}]: {a.requests} requests, {steps} steps, "
-          f"{stats['retracted']} retractions ({stats['offloaded_bytes'] / 1024:.0f} KiB offloaded, "
-          f"peak host {stats['max_host_bytes'] / 1024:.0f} KiB), {stats['restored']} restores, "
-          f"{stats['aborted']} aborted while retracted, {stats['finished']} finished with "
-          f"{stats['verified_bytes'] / 1024:.0f} KiB verified byte for byte; host pool empty; "
-          f"{wall:.1f} s")
+    print(
+        f"retract_restore [{a.kind} on {dev}]: {a.requests} requests, {steps} steps, "
+        f"{stats['retracted']} retractions ({stats['offloaded_bytes'] / 1024:.0f} KiB offloaded, "
+        f"peak host {stats['max_host_bytes'] / 1024:.0f} KiB), {stats['restored']} restores, "
+        f"{stats['aborted']} aborted while retracted, {stats['finished']} finished with "
+        f"{stats['verified_bytes'] / 1024:.0f} KiB verified byte for byte; host pool empty; "
+        f"{wall:.1f} s"
+    )
     if stats["finished"] + stats["aborted"] != a.requests or not stats["restored"]:
         raise SystemExit("expected every request to finish or be aborted, and some restores")
     return 0

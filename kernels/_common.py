@@ -11,6 +11,7 @@ Invariants the helpers establish for the kernels:
 * addresses, strides and row sizes handed to a kernel are multiples of its ``UNIT``;
 * indices are ``int32``/``int64`` one-dimensional tensors on the tensors' device.
 """
+
 from __future__ import annotations
 
 import functools
@@ -74,8 +75,19 @@ def byte_rows(t: torch.Tensor, lead: int) -> torch.Tensor:
 
 # dtypes every Triton version maps to a pointer type; others (fp8 variants, bool) are
 # handed over as same-size uint8 views - the kernels reinterpret the bytes anyway.
-_KERNEL_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-                            torch.float16, torch.bfloat16, torch.float32, torch.float64})
+_KERNEL_DTYPES = frozenset(
+    {
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+    }
+)
 
 
 def kernel_arg(t: torch.Tensor) -> torch.Tensor:
@@ -161,7 +173,8 @@ def check_cache(name: str, cache: torch.Tensor, lead: int) -> None:
         raise InvalidArgument(f"{name} must be a torch.Tensor, got {type(cache).__name__}")
     if cache.dim() < lead + 1:
         raise ShapeMismatch(
-            f"{name} needs at least {lead + 1} dims, got shape {tuple(cache.shape)}")
+            f"{name} needs at least {lead + 1} dims, got shape {tuple(cache.shape)}"
+        )
     if not rows_contiguous(cache, lead):
         raise InvalidArgument(
             f"{name} rows must be contiguous (shape {tuple(cache.shape)}, strides {cache.stride()})"
@@ -172,12 +185,14 @@ def same_bytes_dtype(a: torch.dtype, b: torch.dtype) -> bool:
     """Equal dtypes, or two 1-byte dtypes (fp8 data against its uint8 store dtype)."""
     if a == b:
         return True
-    return (torch.empty(0, dtype=a).element_size() == 1
-            and torch.empty(0, dtype=b).element_size() == 1)
+    return (
+        torch.empty(0, dtype=a).element_size() == 1 and torch.empty(0, dtype=b).element_size() == 1
+    )
 
 
-def check_source(name: str, x: torch.Tensor, n: int, trail: Sequence[int],
-                 dtype: torch.dtype) -> torch.Tensor:
+def check_source(
+    name: str, x: torch.Tensor, n: int, trail: Sequence[int], dtype: torch.dtype
+) -> torch.Tensor:
     """Validate a source tensor ``[n, *trail]``; returns it with contiguous rows."""
     if not isinstance(x, torch.Tensor):
         raise InvalidArgument(f"{name} must be a torch.Tensor, got {type(x).__name__}")

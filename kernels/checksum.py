@@ -40,6 +40,7 @@ Invariants:
 :func:`checksum_rows` is the vectorised numpy path used for host memory (and by kvxfer for
 host buffers); :func:`checksum_items_reference` is the deliberately plain oracle.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -54,10 +55,22 @@ import triton.language as tl
 from kvxfer.kernels import dispatch
 from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch
 
-__all__ = ["ALGORITHM", "ALIGNMENTS", "BLOCK_WORDS", "TILE_BYTES", "add_partials",
-           "checksum_items_reference", "task_alignment",
-           "checksum_rows", "checksum_tasks", "item_checksums", "item_checksums_host",
-           "item_tasks", "kernel_runnable", "word_offsets"]
+__all__ = [
+    "ALGORITHM",
+    "ALIGNMENTS",
+    "BLOCK_WORDS",
+    "TILE_BYTES",
+    "add_partials",
+    "checksum_items_reference",
+    "task_alignment",
+    "checksum_rows",
+    "checksum_tasks",
+    "item_checksums",
+    "item_checksums_host",
+    "item_tasks",
+    "kernel_runnable",
+    "word_offsets",
+]
 
 #: name of the function above (peers compare it before they compare checksums)
 ALGORITHM = "mix32-sum-v1"
@@ -83,8 +96,9 @@ def _mix(v, pos):
 
 
 @triton.jit
-def _checksum_tasks_kernel(tasks, out, ALIGN: tl.constexpr, BLOCK: tl.constexpr,
-                           PER_TASK: tl.constexpr):
+def _checksum_tasks_kernel(
+    tasks, out, ALIGN: tl.constexpr, BLOCK: tl.constexpr, PER_TASK: tl.constexpr
+):
     """Program i adds the checksum terms of task i's words into ``out[task[2]]`` (or, with
     ``PER_TASK``, stores their sum in ``out[i]``)."""
     pid = tl.program_id(0).to(tl.int64)
@@ -136,8 +150,13 @@ def word_offsets(item_lens: Sequence[int]) -> np.ndarray:
     return np.concatenate(([0], np.cumsum(words)[:-1])).astype(np.int64)
 
 
-def item_tasks(ptrs: Sequence[int], item_lens: Sequence[int], pos0: Sequence[int], ids,
-               tile_bytes: int = TILE_BYTES) -> np.ndarray:
+def item_tasks(
+    ptrs: Sequence[int],
+    item_lens: Sequence[int],
+    pos0: Sequence[int],
+    ids,
+    tile_bytes: int = TILE_BYTES,
+) -> np.ndarray:
     """Task rows ``(address, nbytes, out index, position)`` for items ``ids`` (out index =
     position in ``ids``) of the descriptors ``(ptrs[d], item_lens[d])`` whose first stream
     word is ``pos0[d]``; every range cut into tiles of at most ``tile_bytes``."""
@@ -156,8 +175,8 @@ def item_tasks(ptrs: Sequence[int], item_lens: Sequence[int], pos0: Sequence[int
     if ids.size == 0 or ptrs.size == 0:
         return np.zeros((0, 4), dtype=np.int64)
     tile = int(tile_bytes)
-    k = -(-lens // tile)                                   # tiles per range, per descriptor
-    d = np.repeat(np.arange(ptrs.size), k)                 # descriptor of each tile slot
+    k = -(-lens // tile)  # tiles per range, per descriptor
+    d = np.repeat(np.arange(ptrs.size), k)  # descriptor of each tile slot
     off = (np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)) * tile
     out = np.empty((d.size, ids.size, 4), dtype=np.int64)  # [tile slot, item]: slot-major
     out[:, :, 0] = ptrs[d, None] + ids[None, :] * lens[d, None] + off[:, None]
@@ -203,13 +222,20 @@ def _check_host_tasks(host_tasks: np.ndarray, align: int, n_out: int, per_task: 
         raise IndexOutOfRange(f"task out index {bad} not in [0, {n_out})")
     if align > 1 and int(np.bitwise_or.reduce(host_tasks[:, :2], axis=None)) & (align - 1):
         bad = int(np.flatnonzero((host_tasks[:, :2] % align).any(axis=1))[0])
-        raise InvalidArgument(f"task {bad} = {host_tasks[bad].tolist()} is not {align}-byte "
-                              f"aligned")
+        raise InvalidArgument(
+            f"task {bad} = {host_tasks[bad].tolist()} is not {align}-byte aligned"
+        )
 
 
 # ---------------------------------------------------------------------- launch
-def checksum_tasks(tasks: torch.Tensor, out: torch.Tensor, align: int, *,
-                   host_tasks: np.ndarray | None = None, per_task: bool = False) -> int:
+def checksum_tasks(
+    tasks: torch.Tensor,
+    out: torch.Tensor,
+    align: int,
+    *,
+    host_tasks: np.ndarray | None = None,
+    per_task: bool = False,
+) -> int:
     """Add every task's checksum terms into ``out`` (int32, zeroed by the caller), on the
     current stream; with ``per_task``, store task ``i``'s partial sum in ``out[i]`` (``out``
     has at least ``T`` entries; the out index column is not read). Returns the number of
@@ -229,14 +255,21 @@ def checksum_tasks(tasks: torch.Tensor, out: torch.Tensor, align: int, *,
     if t:
         dispatch.require_runnable(_checksum_tasks_kernel, tasks.device)
         with dispatch.launch_context(tasks.device):
-            _checksum_tasks_kernel[(t,)](tasks, out, ALIGN=align, BLOCK=BLOCK_WORDS,
-                                         PER_TASK=per_task, num_warps=NUM_WARPS)
+            _checksum_tasks_kernel[(t,)](
+                tasks, out, ALIGN=align, BLOCK=BLOCK_WORDS, PER_TASK=per_task, num_warps=NUM_WARPS
+            )
     return t
 
 
-def item_checksums(ptrs: Sequence[int], item_lens: Sequence[int], ids, *,
-                   device: torch.device, pos0: Sequence[int] | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+def item_checksums(
+    ptrs: Sequence[int],
+    item_lens: Sequence[int],
+    ids,
+    *,
+    device: torch.device,
+    pos0: Sequence[int] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Checksums (int32 bit patterns, on ``device``) of items ``ids`` over descriptors whose
     memory the kernel on ``device`` can read: one launch per alignment class (one in the
     common case). ``pos0`` defaults to :func:`word_offsets` of ``item_lens``; ``out``, when
@@ -293,17 +326,18 @@ def checksum_rows(rows: np.ndarray, pos0: int = 0, ids=None) -> np.ndarray:
     step = max(1, _HOST_CHUNK_WORDS // max(1, w))
     m1, m2 = np.uint32(_M1), np.uint32(_M2)
     for lo in range(0, ids.size, step):
-        chunk = rows[ids[lo:lo + step]]
+        chunk = rows[ids[lo : lo + step]]
         if nb % 4:
             chunk = np.concatenate(
-                (chunk, np.zeros((chunk.shape[0], 4 * w - nb), dtype=np.uint8)), axis=1)
+                (chunk, np.zeros((chunk.shape[0], 4 * w - nb), dtype=np.uint8)), axis=1
+            )
         x = chunk.view("<u4")
         x ^= key
         x *= m1
         x ^= x >> np.uint32(13)
         x *= m2
         x ^= x >> np.uint32(16)
-        out[lo:lo + step] = x.sum(axis=1, dtype=np.uint32)
+        out[lo : lo + step] = x.sum(axis=1, dtype=np.uint32)
     return out
 
 
@@ -315,8 +349,9 @@ def _host_rows(ptr: int, item_len: int, ids: np.ndarray) -> np.ndarray:
     return buf.reshape(-1, item_len)
 
 
-def item_checksums_host(ptrs: Sequence[int], item_lens: Sequence[int], ids,
-                        pos0: Sequence[int] | None = None) -> np.ndarray:
+def item_checksums_host(
+    ptrs: Sequence[int], item_lens: Sequence[int], ids, pos0: Sequence[int] | None = None
+) -> np.ndarray:
     """Checksums (uint32) of items ``ids`` over descriptors in host memory, read through
     their raw addresses (the caller guarantees the ids are inside every buffer)."""
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
@@ -341,9 +376,11 @@ def checksum_items_reference(views: Sequence[torch.Tensor], ids) -> np.ndarray:
     out = np.zeros(len(ids), dtype=np.uint32)
     for j, i in enumerate(ids):
         stream = b"".join(
-            (lambda b: b + bytes(-len(b) % 4))(v[i].contiguous().cpu().view(torch.uint8)
-                                               .numpy().tobytes())
-            for v in views)
+            (lambda b: b + bytes(-len(b) % 4))(
+                v[i].contiguous().cpu().view(torch.uint8).numpy().tobytes()
+            )
+            for v in views
+        )
         words = np.frombuffer(stream, dtype="<u4").astype(np.uint64)
         p = np.arange(words.size, dtype=np.uint64)
         x = words ^ ((p * _K0 + _K1) & _MASK)

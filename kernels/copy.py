@@ -24,6 +24,7 @@ Invariants:
   and compaction moves satisfy this;
 * ``N == 0`` is a no-op.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -41,9 +42,15 @@ from kvxfer.kernels.errors import InvalidArgument, ShapeMismatch
 
 @triton.jit
 def _copy_rows_kernel(
-    table, tgt_ptr, src_ptr, n,
-    UNIT: tl.constexpr, ALIGN: tl.constexpr, VEC: tl.constexpr,
-    TOK: tl.constexpr, BLOCK: tl.constexpr,
+    table,
+    tgt_ptr,
+    src_ptr,
+    n,
+    UNIT: tl.constexpr,
+    ALIGN: tl.constexpr,
+    VEC: tl.constexpr,
+    TOK: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Program (i, b, j): units [j*BLOCK, (j+1)*BLOCK) of pairs [i*TOK, (i+1)*TOK) in buffer b."""
     entry = table + tl.program_id(1) * 6
@@ -104,8 +111,9 @@ class KvCopyTable:
             name = f"buffers[{i}]"
             if not isinstance(buf, torch.Tensor) or buf.dim() not in (3, 4):
                 shape = tuple(buf.shape) if isinstance(buf, torch.Tensor) else type(buf).__name__
-                raise ShapeMismatch(f"{name} must be 3-D [rows, H, D] or 4-D "
-                                    f"[pages, page_size, H, D], got {shape}")
+                raise ShapeMismatch(
+                    f"{name} must be 3-D [rows, H, D] or 4-D [pages, page_size, H, D], got {shape}"
+                )
             if buf.device != device:
                 raise InvalidArgument(f"{name} is on {buf.device}, expected {device}")
             lead = buf.dim() - 2
@@ -117,7 +125,8 @@ class KvCopyTable:
                 page_stride, tok_stride, page_size = view.stride(0), view.stride(1), buf.shape[1]
             rows = buf.shape[0] * (page_size if lead == 2 else 1)
             entries.append(
-                [view.data_ptr(), page_stride, tok_stride, page_size, view.shape[-1], rows])
+                [view.data_ptr(), page_stride, tok_stride, page_size, view.shape[-1], rows]
+            )
             geometry += [view.data_ptr(), page_stride, tok_stride, view.shape[-1]]
         self.unit = C.pick_unit(geometry)
         self.align = _pow2_divisor(geometry, 16)
@@ -136,8 +145,10 @@ class KvCopyTable:
         return len(self._buffers)
 
     def __repr__(self) -> str:
-        return (f"KvCopyTable(buffers={len(self)}, rows={self.rows}, unit={self.unit}, "
-                f"align={self.align}, device={self.device})")
+        return (
+            f"KvCopyTable(buffers={len(self)}, rows={self.rows}, unit={self.unit}, "
+            f"align={self.align}, device={self.device})"
+        )
 
     def move(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor, *, backend: str = "auto") -> None:
         """Copy token row ``src_loc[i]`` to ``tgt_loc[i]`` in every buffer."""
@@ -145,7 +156,8 @@ class KvCopyTable:
         src_loc = C.check_index("src_loc", src_loc)
         if tgt_loc.shape != src_loc.shape:
             raise ShapeMismatch(
-                f"tgt_loc {tuple(tgt_loc.shape)} and src_loc {tuple(src_loc.shape)} differ")
+                f"tgt_loc {tuple(tgt_loc.shape)} and src_loc {tuple(src_loc.shape)} differ"
+            )
         C.check_device(self.device, tgt_loc=tgt_loc, src_loc=src_loc)
         which = dispatch.resolve(backend, self.device)
         if which == "torch" or self.device.type != "cuda":
@@ -168,8 +180,15 @@ class KvCopyTable:
         grid = (C.cdiv(n, tok), len(self), C.cdiv(self.max_row_units, block))
         with dispatch.launch_context(self.device):
             _copy_rows_kernel[grid](
-                self._table, tgt_loc, src_loc, n,
-                UNIT=self.unit, ALIGN=self.align, VEC=self.vec, TOK=tok, BLOCK=block,
+                self._table,
+                tgt_loc,
+                src_loc,
+                n,
+                UNIT=self.unit,
+                ALIGN=self.align,
+                VEC=self.vec,
+                TOK=tok,
+                BLOCK=block,
                 num_warps=warps,
             )
 
@@ -177,8 +196,9 @@ class KvCopyTable:
         move_reference(self._buffers, tgt_loc, src_loc)
 
 
-def move_reference(buffers: Sequence[torch.Tensor], tgt_loc: torch.Tensor,
-                   src_loc: torch.Tensor) -> None:
+def move_reference(
+    buffers: Sequence[torch.Tensor], tgt_loc: torch.Tensor, src_loc: torch.Tensor
+) -> None:
     """Plain-torch oracle of :meth:`KvCopyTable.move` (gather, then scatter, per buffer)."""
     tgt, src = tgt_loc.long(), src_loc.long()
     for buf in buffers:
@@ -190,7 +210,12 @@ def move_reference(buffers: Sequence[torch.Tensor], tgt_loc: torch.Tensor,
             rows[tgt // ps, tgt % ps] = rows[src // ps, src % ps]
 
 
-def move_kv(buffers: Sequence[torch.Tensor], tgt_loc: torch.Tensor, src_loc: torch.Tensor, *,
-            backend: str = "auto") -> None:
+def move_kv(
+    buffers: Sequence[torch.Tensor],
+    tgt_loc: torch.Tensor,
+    src_loc: torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> None:
     """One-shot :meth:`KvCopyTable.move`; build a :class:`KvCopyTable` once for repeated moves."""
     KvCopyTable(buffers).move(tgt_loc, src_loc, backend=backend)

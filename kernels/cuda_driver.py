@@ -26,6 +26,7 @@ Invariants
   exporting process itself fails (the driver refuses it) and is reported as
   :class:`CudaError`, not a crash.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -119,8 +120,9 @@ def _attr(name: str, addr: int) -> Optional[int]:
     cu = bindings()
     if cu is None:
         return None
-    err, value = cu.cuPointerGetAttribute(getattr(cu.CUpointer_attribute,
-                                                  "CU_POINTER_ATTRIBUTE_" + name), addr)
+    err, value = cu.cuPointerGetAttribute(
+        getattr(cu.CUpointer_attribute, "CU_POINTER_ATTRIBUTE_" + name), addr
+    )
     return None if err != _OK else int(value)
 
 
@@ -204,8 +206,7 @@ def ipc_open(blob: bytes) -> Tuple[int, int]:
         raise CudaError("cuIpcOpenMemHandle", CudaError.NO_DRIVER, _why_not)
     handle = cu.CUipcMemHandle()
     ctypes.memmove(handle.getPtr(), raw, IPC_HANDLE_BYTES)
-    base = int(check(cu.cuIpcOpenMemHandle(handle, _LAZY_ENABLE_PEER_ACCESS),
-                     "cuIpcOpenMemHandle"))
+    base = int(check(cu.cuIpcOpenMemHandle(handle, _LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle"))
     return base + offset, base
 
 

@@ -11,6 +11,7 @@ Every launcher takes ``backend: str = "auto"``:
 The override set by :func:`force_backend` is process-global (not thread-local): it is
 meant for tests and benchmarks, not for steering production code paths.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -42,6 +42,7 @@ Bounds: as the other kernels -- on the torch path / CPU any ``loc`` outside ``[0
 raises :class:`IndexOutOfRange` before anything is written; on CUDA such rows are never
 written (a gather yields zeros).
 """
+
 from __future__ import annotations
 
 import math
@@ -54,8 +55,16 @@ from kvxfer.kernels import _common as C
 from kvxfer.kernels import dispatch
 from kvxfer.kernels.errors import InvalidArgument, ShapeMismatch
 
-__all__ = ["BLOCK_ELEMS", "FLOAT_DTYPES", "quantize_fp4", "dequantize_fp4", "store_fp4",
-           "quantize_fp4_reference", "dequantize_fp4_reference", "fp4_error_bound"]
+__all__ = [
+    "BLOCK_ELEMS",
+    "FLOAT_DTYPES",
+    "quantize_fp4",
+    "dequantize_fp4",
+    "store_fp4",
+    "quantize_fp4_reference",
+    "dequantize_fp4_reference",
+    "fp4_error_bound",
+]
 
 BLOCK_ELEMS = 16
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -67,9 +76,15 @@ _MIN_EXP, _MAX_EXP = -126, 126
 def _e2m1_codes(y):
     """fp32 ``y`` (|y| <= 6) -> 4-bit codes (int32), ties to the even code, unsigned zero."""
     a = tl.abs(y)
-    c = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-         + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-         + (a > 5.0).to(tl.int32))
+    c = (
+        (a > 0.25).to(tl.int32)
+        + (a >= 0.75).to(tl.int32)
+        + (a > 1.25).to(tl.int32)
+        + (a >= 1.75).to(tl.int32)
+        + (a > 2.5).to(tl.int32)
+        + (a >= 3.5).to(tl.int32)
+        + (a > 5.0).to(tl.int32)
+    )
     return c | tl.where((y < 0) & (c > 0), 8, 0)
 
 
@@ -86,9 +101,21 @@ def _e2m1_values(c):
 
 @triton.jit
 def _quant_store_kernel(
-    x_ptr, q_ptr, s_ptr, loc_ptr, mask_ptr,
-    n, rows, nblocks, x_stride, q_stride, s_stride,
-    HAS_LOC: tl.constexpr, HAS_MASK: tl.constexpr, ROWS: tl.constexpr, BLK: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    loc_ptr,
+    mask_ptr,
+    n,
+    rows,
+    nblocks,
+    x_stride,
+    q_stride,
+    s_stride,
+    HAS_LOC: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLK: tl.constexpr,
 ):
     """Program (i, j): blocks [j*BLK, (j+1)*BLK) of source rows [i*ROWS, (i+1)*ROWS)."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -101,11 +128,11 @@ def _quant_store_kernel(
         dst = r.to(tl.int64)
     if HAS_MASK:
         live = live & (tl.load(mask_ptr + r, mask=live, other=0) != 0)
-    lb = live[:, None] & (b < nblocks)[None, :]                       # [ROWS, BLK]
+    lb = live[:, None] & (b < nblocks)[None, :]  # [ROWS, BLK]
     e = tl.arange(0, 16)
     src = r.to(tl.int64)[:, None, None] * x_stride + b[None, :, None] * 16 + e[None, None, :]
     x = tl.load(x_ptr + src, mask=lb[:, :, None], other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=2)                                  # [ROWS, BLK]
+    amax = tl.max(tl.abs(x), axis=2)  # [ROWS, BLK]
     bits = amax.to(tl.int32, bitcast=True)
     ex = ((bits >> 23) & 0xFF) - 127 - 2 + ((bits & 0x7FFFFF) > 0x400000).to(tl.int32)
     ex = tl.minimum(tl.maximum(ex, -126), 126)
@@ -122,9 +149,20 @@ def _quant_store_kernel(
 
 @triton.jit
 def _dequant_kernel(
-    q_ptr, s_ptr, out_ptr, loc_ptr,
-    n, rows, nblocks, q_stride, s_stride, out_stride, max_val,
-    HAS_LOC: tl.constexpr, ROWS: tl.constexpr, BLK: tl.constexpr,
+    q_ptr,
+    s_ptr,
+    out_ptr,
+    loc_ptr,
+    n,
+    rows,
+    nblocks,
+    q_stride,
+    s_stride,
+    out_stride,
+    max_val,
+    HAS_LOC: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLK: tl.constexpr,
 ):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     b = tl.program_id(1) * BLK + tl.arange(0, BLK)
@@ -138,8 +176,11 @@ def _dequant_kernel(
     inb = (b < nblocks)[None, :]
     lb = ok[:, None] & inb
     h = tl.arange(0, 8)
-    q = tl.load(q_ptr + src[:, None, None] * q_stride + b[None, :, None] * 8 + h[None, None, :],
-                mask=lb[:, :, None], other=0).to(tl.int32)
+    q = tl.load(
+        q_ptr + src[:, None, None] * q_stride + b[None, :, None] * 8 + h[None, None, :],
+        mask=lb[:, :, None],
+        other=0,
+    ).to(tl.int32)
     sb = tl.load(s_ptr + src[:, None] * s_stride + b[None, :], mask=lb, other=0).to(tl.int32)
     s = tl.where(lb, (sb << 23).to(tl.float32, bitcast=True), 0.0)
     ve = _e2m1_values(q & 0xF)
@@ -161,8 +202,15 @@ def _tile(nblocks: int, n: int) -> tuple[int, int]:
 # ------------------------------------------------------------------------------ reference
 def _codes_reference(y: torch.Tensor) -> torch.Tensor:
     a = y.abs()
-    c = ((a > 0.25).int() + (a >= 0.75).int() + (a > 1.25).int() + (a >= 1.75).int()
-         + (a > 2.5).int() + (a >= 3.5).int() + (a > 5.0).int())
+    c = (
+        (a > 0.25).int()
+        + (a >= 0.75).int()
+        + (a > 1.25).int()
+        + (a >= 1.75).int()
+        + (a > 2.5).int()
+        + (a >= 3.5).int()
+        + (a > 5.0).int()
+    )
     return c | torch.where((y < 0) & (c > 0), 8, 0).int()
 
 
@@ -188,12 +236,15 @@ def quantize_fp4_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     recip = ((127 - ex) << 23).view(torch.float32)
     codes = _codes_reference(blocks * recip[:, :, None]).reshape(blocks.shape[0], k)
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
-    return (packed.reshape(*x.shape[:-1], k // 2),
-            (ex + 127).to(torch.uint8).reshape(*x.shape[:-1], k // BLOCK_ELEMS))
+    return (
+        packed.reshape(*x.shape[:-1], k // 2),
+        (ex + 127).to(torch.uint8).reshape(*x.shape[:-1], k // BLOCK_ELEMS),
+    )
 
 
-def dequantize_fp4_reference(packed: torch.Tensor, scales: torch.Tensor,
-                             dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def dequantize_fp4_reference(
+    packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """Plain-torch oracle of :func:`dequantize_fp4` without ``loc``."""
     k = packed.shape[-1] * 2
     q = packed.reshape(-1, k // 2).to(torch.int32)
@@ -230,8 +281,9 @@ def _check_float(name: str, x) -> torch.Tensor:
 
 def _check_k(name: str, k: int) -> None:
     if k <= 0 or k % BLOCK_ELEMS:
-        raise ShapeMismatch(f"{name}: a row has {k} elements, must be a positive multiple of "
-                            f"{BLOCK_ELEMS}")
+        raise ShapeMismatch(
+            f"{name}: a row has {k} elements, must be a positive multiple of {BLOCK_ELEMS}"
+        )
 
 
 def _check_u8_cache(name: str, cache) -> torch.Tensor:
@@ -251,13 +303,16 @@ def _check_caches(packed_cache, scale_cache) -> tuple[int, int]:
     _check_u8_cache("packed_cache", packed_cache)
     _check_u8_cache("scale_cache", scale_cache)
     if packed_cache.shape[0] != scale_cache.shape[0]:
-        raise ShapeMismatch(f"packed_cache has {packed_cache.shape[0]} rows, scale_cache "
-                            f"{scale_cache.shape[0]}")
+        raise ShapeMismatch(
+            f"packed_cache has {packed_cache.shape[0]} rows, scale_cache {scale_cache.shape[0]}"
+        )
     k = 2 * _row_elems(packed_cache)
     _check_k("packed_cache", k)
     if _row_elems(scale_cache) != k // BLOCK_ELEMS:
-        raise ShapeMismatch(f"scale_cache rows hold {_row_elems(scale_cache)} "
-                            f"bytes, expected {k // BLOCK_ELEMS} for {k} elements")
+        raise ShapeMismatch(
+            f"scale_cache rows hold {_row_elems(scale_cache)} "
+            f"bytes, expected {k // BLOCK_ELEMS} for {k} elements"
+        )
     C.check_device(packed_cache.device, scale_cache=scale_cache)
     return packed_cache.shape[0], k
 
@@ -293,14 +348,33 @@ def _launch_quant(x2, q2, s2, loc, mask) -> None:
     sel = mask.view(torch.uint8) if mask is not None else x2
     with dispatch.launch_context(x2.device):
         _quant_store_kernel[grid](
-            x2, q2, s2, loc if loc is not None else x2, sel,
-            n, q2.shape[0], nblocks, x2.stride(0), q2.stride(0), s2.stride(0),
-            HAS_LOC=loc is not None, HAS_MASK=mask is not None, ROWS=rows_t, BLK=blk,
+            x2,
+            q2,
+            s2,
+            loc if loc is not None else x2,
+            sel,
+            n,
+            q2.shape[0],
+            nblocks,
+            x2.stride(0),
+            q2.stride(0),
+            s2.stride(0),
+            HAS_LOC=loc is not None,
+            HAS_MASK=mask is not None,
+            ROWS=rows_t,
+            BLK=blk,
         )
 
 
-def store_fp4(packed_cache: torch.Tensor, scale_cache: torch.Tensor, loc: torch.Tensor,
-              x: torch.Tensor, *, mask=None, backend: str = "auto") -> None:
+def store_fp4(
+    packed_cache: torch.Tensor,
+    scale_cache: torch.Tensor,
+    loc: torch.Tensor,
+    x: torch.Tensor,
+    *,
+    mask=None,
+    backend: str = "auto",
+) -> None:
     """Quantize ``x [N, ...]`` row by row and write row ``i`` to row ``loc[i]`` of
     ``packed_cache [rows, ...]`` (``K/2`` bytes a row) and ``scale_cache [rows, ...]``
     (``K/16`` bytes a row), ``K = prod(x.shape[1:])``. ``mask`` (bool ``[N]``) restricts the
@@ -334,8 +408,14 @@ def store_fp4(packed_cache: torch.Tensor, scale_cache: torch.Tensor, loc: torch.
     _launch_quant(x2, q2, s2, loc, mask)
 
 
-def dequantize_fp4(packed: torch.Tensor, scales: torch.Tensor, *, loc=None,
-                   dtype: torch.dtype = torch.bfloat16, backend: str = "auto") -> torch.Tensor:
+def dequantize_fp4(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    loc=None,
+    dtype: torch.dtype = torch.bfloat16,
+    backend: str = "auto",
+) -> torch.Tensor:
     """Inverse of :func:`quantize_fp4`: ``(packed [..., K/2], scales [..., K/16]) -> [..., K]``
     as ``dtype``. With ``loc`` (int ``[N]``), ``packed``/``scales`` are caches ``[rows, ...]``
     and the result is ``[N, *packed.shape[1:-1], K]`` for rows ``loc``."""
@@ -350,8 +430,10 @@ def dequantize_fp4(packed: torch.Tensor, scales: torch.Tensor, *, loc=None,
     which = dispatch.resolve(backend, packed.device)
     if loc is None:
         if tuple(scales.shape) != (*packed.shape[:-1], k // BLOCK_ELEMS):
-            raise ShapeMismatch(f"scales has shape {tuple(scales.shape)}, expected "
-                                f"{(*packed.shape[:-1], k // BLOCK_ELEMS)}")
+            raise ShapeMismatch(
+                f"scales has shape {tuple(scales.shape)}, expected "
+                f"{(*packed.shape[:-1], k // BLOCK_ELEMS)}"
+            )
         if which == "torch":
             return dequantize_fp4_reference(packed, scales, dtype)
         q2 = packed.reshape(-1, k // 2).contiguous()
@@ -386,8 +468,18 @@ def _launch_dequant(q2, s2, out, loc) -> None:
     grid = (triton.cdiv(n, rows_t), triton.cdiv(nblocks, blk))
     with dispatch.launch_context(q2.device):
         _dequant_kernel[grid](
-            q2, s2, out, loc if loc is not None else q2,
-            n, q2.shape[0], nblocks, q2.stride(0), s2.stride(0), out.stride(0),
+            q2,
+            s2,
+            out,
+            loc if loc is not None else q2,
+            n,
+            q2.shape[0],
+            nblocks,
+            q2.stride(0),
+            s2.stride(0),
+            out.stride(0),
             float(torch.finfo(out.dtype).max),
-            HAS_LOC=loc is not None, ROWS=rows_t, BLK=blk,
+            HAS_LOC=loc is not None,
+            ROWS=rows_t,
+            BLK=blk,
         )

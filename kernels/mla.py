@@ -8,6 +8,7 @@ Invariants: raw byte copies; out-of-range indices raise before any write (torch 
 CPU); on CUDA an out-of-range store is masked off and an out-of-range gather yields a zero
 row; ``N == 0`` is a no-op (the gather returns empty tensors).
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,9 +22,20 @@ from kvxfer.kernels.errors import InvalidArgument, ShapeMismatch
 
 @triton.jit
 def _store_mla_kernel(
-    cache, nope, rope, loc_ptr, n, rows,
-    cache_stride, nope_stride, rope_stride, nope_units, total_units,
-    UNIT: tl.constexpr, TOK: tl.constexpr, BLOCK: tl.constexpr,
+    cache,
+    nope,
+    rope,
+    loc_ptr,
+    n,
+    rows,
+    cache_stride,
+    nope_stride,
+    rope_stride,
+    nope_units,
+    total_units,
+    UNIT: tl.constexpr,
+    TOK: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     toks = tl.program_id(0) * TOK + tl.arange(0, TOK)
     live = toks < n
@@ -34,18 +46,31 @@ def _store_mla_kernel(
     in_nope = cols < nope_units
     in_rope = (cols >= nope_units) & (cols < total_units)
     a = tl.load(C.unit_ptr(nope, UNIT) + src_row * nope_stride + cols, mask=live & in_nope)
-    b = tl.load(C.unit_ptr(rope, UNIT) + src_row * rope_stride + (cols - nope_units),
-                mask=live & in_rope)
+    b = tl.load(
+        C.unit_ptr(rope, UNIT) + src_row * rope_stride + (cols - nope_units), mask=live & in_rope
+    )
     x = tl.where(in_nope, a, b)
-    tl.store(C.unit_ptr(cache, UNIT) + loc[:, None] * cache_stride + cols, x,
-             mask=live & (cols < total_units))
+    tl.store(
+        C.unit_ptr(cache, UNIT) + loc[:, None] * cache_stride + cols,
+        x,
+        mask=live & (cols < total_units),
+    )
 
 
 @triton.jit
 def _gather_mla_kernel(
-    cache, nope, rope, loc_ptr, n, rows,
-    cache_stride, nope_units, total_units,
-    UNIT: tl.constexpr, TOK: tl.constexpr, BLOCK: tl.constexpr,
+    cache,
+    nope,
+    rope,
+    loc_ptr,
+    n,
+    rows,
+    cache_stride,
+    nope_units,
+    total_units,
+    UNIT: tl.constexpr,
+    TOK: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     toks = tl.program_id(0) * TOK + tl.arange(0, TOK)
     live = toks < n
@@ -54,12 +79,19 @@ def _gather_mla_kernel(
     live = live[:, None]
     cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
     out_row = toks.to(tl.int64)[:, None]
-    x = tl.load(C.unit_ptr(cache, UNIT) + loc[:, None] * cache_stride + cols,
-                mask=ok & (cols < total_units), other=0)
-    tl.store(C.unit_ptr(nope, UNIT) + out_row * nope_units + cols, x,
-             mask=live & (cols < nope_units))
-    tl.store(C.unit_ptr(rope, UNIT) + out_row * (total_units - nope_units) + (cols - nope_units),
-             x, mask=live & (cols >= nope_units) & (cols < total_units))
+    x = tl.load(
+        C.unit_ptr(cache, UNIT) + loc[:, None] * cache_stride + cols,
+        mask=ok & (cols < total_units),
+        other=0,
+    )
+    tl.store(
+        C.unit_ptr(nope, UNIT) + out_row * nope_units + cols, x, mask=live & (cols < nope_units)
+    )
+    tl.store(
+        C.unit_ptr(rope, UNIT) + out_row * (total_units - nope_units) + (cols - nope_units),
+        x,
+        mask=live & (cols >= nope_units) & (cols < total_units),
+    )
 
 
 def _check_kv_cache(kv_cache):
@@ -90,8 +122,9 @@ def gather_mla_reference(kv_cache, loc, nope_dim: int):
     n, width = loc.shape[0], kv_cache.shape[1]
     rows = C.byte_rows(kv_cache, 1)[loc.long()]
     nope = torch.empty(n, width, nope_dim, dtype=kv_cache.dtype, device=kv_cache.device)
-    rope = torch.empty(n, width, kv_cache.shape[2] - nope_dim, dtype=kv_cache.dtype,
-                       device=kv_cache.device)
+    rope = torch.empty(
+        n, width, kv_cache.shape[2] - nope_dim, dtype=kv_cache.dtype, device=kv_cache.device
+    )
     split = C.row_bytes(nope, 1)
     C.byte_rows(nope, 1).copy_(rows[:, :split])
     C.byte_rows(rope, 1).copy_(rows[:, split:])
@@ -133,11 +166,21 @@ def _launch_store(kv_cache, loc, nope, rope) -> None:
     grid = (C.cdiv(n, tok), C.cdiv(total_units, block))
     with dispatch.launch_context(kv_cache.device):
         _store_mla_kernel[grid](
-            C.kernel_arg(kv_cache), C.kernel_arg(nope), C.kernel_arg(rope), loc, n,
-            kv_cache.shape[0], C.byte_strides(kv_cache, 1)[0] // unit,
-            C.byte_strides(nope, 1)[0] // unit, C.byte_strides(rope, 1)[0] // unit,
-            nope_units, total_units,
-            UNIT=unit, TOK=tok, BLOCK=block, num_warps=warps,
+            C.kernel_arg(kv_cache),
+            C.kernel_arg(nope),
+            C.kernel_arg(rope),
+            loc,
+            n,
+            kv_cache.shape[0],
+            C.byte_strides(kv_cache, 1)[0] // unit,
+            C.byte_strides(nope, 1)[0] // unit,
+            C.byte_strides(rope, 1)[0] // unit,
+            nope_units,
+            total_units,
+            UNIT=unit,
+            TOK=tok,
+            BLOCK=block,
+            num_warps=warps,
         )
 
 
@@ -147,7 +190,8 @@ def gather_mla(kv_cache, loc, nope_dim: int, *, backend: str = "auto"):
     _check_kv_cache(kv_cache)
     if not isinstance(nope_dim, int) or not 0 <= nope_dim <= kv_cache.shape[2]:
         raise InvalidArgument(
-            f"nope_dim must be an int in [0, {kv_cache.shape[2]}], got {nope_dim!r}")
+            f"nope_dim must be an int in [0, {kv_cache.shape[2]}], got {nope_dim!r}"
+        )
     C.check_device(kv_cache.device, loc=loc)
     which = dispatch.resolve(backend, kv_cache.device)
     if which == "torch" or kv_cache.device.type != "cuda":
@@ -169,8 +213,18 @@ def _launch_gather(kv_cache, loc, nope_dim: int):
     grid = (C.cdiv(n, tok), C.cdiv(total_units, block))
     with dispatch.launch_context(kv_cache.device):
         _gather_mla_kernel[grid](
-            C.kernel_arg(kv_cache), C.kernel_arg(nope), C.kernel_arg(rope), loc, n,
-            kv_cache.shape[0], C.byte_strides(kv_cache, 1)[0] // unit, nope_units, total_units,
-            UNIT=unit, TOK=tok, BLOCK=block, num_warps=warps,
+            C.kernel_arg(kv_cache),
+            C.kernel_arg(nope),
+            C.kernel_arg(rope),
+            loc,
+            n,
+            kv_cache.shape[0],
+            C.byte_strides(kv_cache, 1)[0] // unit,
+            nope_units,
+            total_units,
+            UNIT=unit,
+            TOK=tok,
+            BLOCK=block,
+            num_warps=warps,
         )
     return nope, rope

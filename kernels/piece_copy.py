@@ -22,6 +22,7 @@ Invariants:
 :func:`copy_item_runs_reference` is the plain-torch oracle at the item level: for every
 buffer ``b`` and run ``(s0, d0, n)``, ``dst_views[b][d0:d0+n] = src_views[b][s0:s0+n]``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -34,8 +35,15 @@ import triton.language as tl
 from kvxfer.kernels import dispatch
 from kvxfer.kernels.errors import InvalidArgument, ShapeMismatch
 
-__all__ = ["BLOCK_BYTES", "NUM_WARPS", "copy_tasks", "copy_item_runs_reference",
-           "ALIGNMENTS", "check_alignment", "kernel_runnable"]
+__all__ = [
+    "BLOCK_BYTES",
+    "NUM_WARPS",
+    "copy_tasks",
+    "copy_item_runs_reference",
+    "ALIGNMENTS",
+    "check_alignment",
+    "kernel_runnable",
+]
 
 # Bytes one program moves per loop iteration: 128 threads x 2 x 16-byte vectors.
 BLOCK_BYTES = 4096
@@ -76,8 +84,7 @@ def _check_table(tasks: torch.Tensor) -> None:
     if not isinstance(tasks, torch.Tensor):
         raise InvalidArgument(f"tasks must be a torch.Tensor, got {type(tasks).__name__}")
     if tasks.dtype != torch.int64 or tasks.dim() != 2 or tasks.shape[1] != 3:
-        raise ShapeMismatch(f"tasks must be int64 [T, 3], got {tasks.dtype} "
-                            f"{tuple(tasks.shape)}")
+        raise ShapeMismatch(f"tasks must be int64 [T, 3], got {tasks.dtype} {tuple(tasks.shape)}")
     if not tasks.is_contiguous():
         raise InvalidArgument(f"tasks must be contiguous, strides {tasks.stride()}")
 
@@ -86,13 +93,16 @@ def check_alignment(host_tasks: np.ndarray, align: int) -> None:
     """Raise unless every address and size of ``host_tasks`` is a multiple of ``align``."""
     if align not in ALIGNMENTS:
         raise InvalidArgument(f"align must be one of {ALIGNMENTS}, got {align!r}")
-    if host_tasks.size and align > 1 and int(np.bitwise_or.reduce(host_tasks, axis=None)) & (
-            align - 1):  # one OR pass on the hot path; locate the offender only on failure
+    if (
+        host_tasks.size
+        and align > 1
+        and int(np.bitwise_or.reduce(host_tasks, axis=None)) & (align - 1)
+    ):  # one OR pass on the hot path; locate the offender only on failure
         bad = np.flatnonzero((host_tasks % align).any(axis=1))
         if bad.size:
             raise InvalidArgument(
-                f"task {int(bad[0])} = {host_tasks[bad[0]].tolist()} is not {align}-byte "
-                f"aligned")
+                f"task {int(bad[0])} = {host_tasks[bad[0]].tolist()} is not {align}-byte aligned"
+            )
     if host_tasks.size and (host_tasks[:, 2] < 0).any():
         raise InvalidArgument("task sizes must be >= 0")
 
@@ -121,8 +131,9 @@ def copy_tasks(tasks: torch.Tensor, align: int, *, host_tasks: np.ndarray | None
     return t
 
 
-def copy_item_runs_reference(src_views: Sequence[torch.Tensor],
-                             dst_views: Sequence[torch.Tensor], runs) -> None:
+def copy_item_runs_reference(
+    src_views: Sequence[torch.Tensor], dst_views: Sequence[torch.Tensor], runs
+) -> None:
     """Torch oracle: copy item rows of every buffer along ``runs`` ``[R, 3]`` of
     ``(src_start, dst_start, length)`` (vectorised: one gather/scatter per buffer)."""
     if len(src_views) != len(dst_views):
@@ -137,6 +148,8 @@ def copy_item_runs_reference(src_views: Sequence[torch.Tensor],
     dst = torch.from_numpy(np.repeat(runs[:, 1], lengths) + pos - first)
     for b, (s, d) in enumerate(zip(src_views, dst_views)):
         if s.shape[1:] != d.shape[1:] or s.dtype != d.dtype:
-            raise ShapeMismatch(f"buffer {b}: source {s.dtype} {tuple(s.shape)} vs "
-                                f"destination {d.dtype} {tuple(d.shape)}")
+            raise ShapeMismatch(
+                f"buffer {b}: source {s.dtype} {tuple(s.shape)} vs "
+                f"destination {d.dtype} {tuple(d.shape)}"
+            )
         d.index_copy_(0, dst.to(d.device), s.index_select(0, src.to(s.device)).to(d.device))

@@ -15,6 +15,7 @@ Invariants:
 * duplicate target indices leave one of the candidate rows (unspecified which) on GPU;
 * ``N == 0`` is a no-op.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,12 +31,26 @@ _MODE_PLAIN, _MODE_MASK, _MODE_PREFIX = 0, 1, 2
 
 @triton.jit
 def _store_rows_kernel(
-    k_src, v_src, k_dst, v_dst, loc_ptr, sel_ptr,
-    n, rows, seq_len,
-    k_src_stride, v_src_stride, k_dst_stride, v_dst_stride,
-    k_units, v_units,
-    UNIT: tl.constexpr, HAS_V: tl.constexpr, MODE: tl.constexpr,
-    TOK: tl.constexpr, BLOCK: tl.constexpr,
+    k_src,
+    v_src,
+    k_dst,
+    v_dst,
+    loc_ptr,
+    sel_ptr,
+    n,
+    rows,
+    seq_len,
+    k_src_stride,
+    v_src_stride,
+    k_dst_stride,
+    v_dst_stride,
+    k_units,
+    v_units,
+    UNIT: tl.constexpr,
+    HAS_V: tl.constexpr,
+    MODE: tl.constexpr,
+    TOK: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Program (i, j) copies units [j*BLOCK, (j+1)*BLOCK) of source rows [i*TOK, (i+1)*TOK).
 
@@ -83,18 +98,47 @@ def _launch(k_cache, v_cache, loc, k, v, sel, mode: int, seq_len: int = 1) -> No
     k_src, v_src = k.stride(0) * ek, v.stride(0) * ev
     k_dst, v_dst = k_cache.stride(0) * ek, v_cache.stride(0) * ev
     k_row, v_row = C.row_bytes(k_cache, 1), C.row_bytes(v_cache, 1)
-    unit = C.pick_unit((k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                        k_src, v_src, k_dst, v_dst, k_row, v_row))
+    unit = C.pick_unit(
+        (
+            k.data_ptr(),
+            v.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            k_src,
+            v_src,
+            k_dst,
+            v_dst,
+            k_row,
+            v_row,
+        )
+    )
     k_units, v_units = k_row // unit, v_row // unit
     row_units = max(k_units, v_units)
     tok, block, warps = C.pick_tile(row_units, unit, n)
     grid = (C.cdiv(n, tok), C.cdiv(row_units, block))
     with dispatch.launch_context(k_cache.device):
         _store_rows_kernel[grid](
-            C.kernel_arg(k), C.kernel_arg(v), C.kernel_arg(k_cache), C.kernel_arg(v_cache),
-            loc, loc if sel is None else sel, n, k_cache.shape[0], seq_len,
-            k_src // unit, v_src // unit, k_dst // unit, v_dst // unit, k_units, v_units,
-            UNIT=unit, HAS_V=has_v, MODE=mode, TOK=tok, BLOCK=block, num_warps=warps,
+            C.kernel_arg(k),
+            C.kernel_arg(v),
+            C.kernel_arg(k_cache),
+            C.kernel_arg(v_cache),
+            loc,
+            loc if sel is None else sel,
+            n,
+            k_cache.shape[0],
+            seq_len,
+            k_src // unit,
+            v_src // unit,
+            k_dst // unit,
+            v_dst // unit,
+            k_units,
+            v_units,
+            UNIT=unit,
+            HAS_V=has_v,
+            MODE=mode,
+            TOK=tok,
+            BLOCK=block,
+            num_warps=warps,
         )
 
 
@@ -120,7 +164,8 @@ def _validate(k_cache, v_cache, k, v, n: int):
     C.check_cache("v_cache", v_cache, 1)
     if v_cache.shape[0] != k_cache.shape[0]:
         raise ShapeMismatch(
-            f"k_cache has {k_cache.shape[0]} rows but v_cache has {v_cache.shape[0]}")
+            f"k_cache has {k_cache.shape[0]} rows but v_cache has {v_cache.shape[0]}"
+        )
     if v is None:
         raise InvalidArgument("v_cache was given but v is None")
     v = C.check_source("v", v, n, v_cache.shape[1:], v_cache.dtype)
@@ -164,8 +209,9 @@ def store_kv_prefix_valid_reference(k_cache, v_cache, loc_2d, commit_lens, k, v)
     store_kv_reference(k_cache, v_cache, loc_2d.reshape(-1), k, v, mask=mask)
 
 
-def store_kv_prefix_valid(k_cache, v_cache, loc_2d, commit_lens, k, v, *,
-                          backend: str = "auto") -> None:
+def store_kv_prefix_valid(
+    k_cache, v_cache, loc_2d, commit_lens, k, v, *, backend: str = "auto"
+) -> None:
     """Write row ``(b, t)`` (``k[b*T + t]``) to ``loc_2d[b, t]`` only when ``t < commit_lens[b]``.
 
     ``loc_2d`` is ``[B, T]``, ``commit_lens`` ``[B]`` (int32/int64), ``k``/``v`` ``[B*T, ...]``.
@@ -175,7 +221,8 @@ def store_kv_prefix_valid(k_cache, v_cache, loc_2d, commit_lens, k, v, *,
     batch, seq_len = loc_2d.shape
     if commit_lens.shape[0] != batch:
         raise ShapeMismatch(
-            f"commit_lens has {commit_lens.shape[0]} entries but loc_2d has {batch} rows")
+            f"commit_lens has {commit_lens.shape[0]} entries but loc_2d has {batch} rows"
+        )
     n = batch * seq_len
     k, v = _validate(k_cache, v_cache, k, v, n)
     C.check_device(k_cache.device, loc_2d=loc_2d, commit_lens=commit_lens, k=k)

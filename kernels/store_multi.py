@@ -11,6 +11,7 @@ launch: same bytes, same bounds behaviour (torch path / CPU: any ``loc`` outside
 ``[0, rows)`` raises :class:`IndexOutOfRange` before anything is written; CUDA: masked off),
 ``N == 0`` is a no-op, duplicate targets leave an unspecified candidate on GPU.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -29,8 +30,9 @@ MAX_BUFFERS = 4
 
 
 @triton.jit
-def _copy_part(src, dst, src_row, dst_row, src_stride, dst_stride, units, cols, live,
-               UNIT: tl.constexpr):
+def _copy_part(
+    src, dst, src_row, dst_row, src_stride, dst_stride, units, cols, live, UNIT: tl.constexpr
+):
     m = live[:, None] & (cols < units)
     x = tl.load(C.unit_ptr(src, UNIT) + src_row * src_stride + cols, mask=m)
     tl.store(C.unit_ptr(dst, UNIT) + dst_row * dst_stride + cols, x, mask=m)
@@ -38,9 +40,33 @@ def _copy_part(src, dst, src_row, dst_row, src_stride, dst_stride, units, cols, 
 
 @triton.jit
 def _store_multi_kernel(
-    s0, s1, s2, s3, d0, d1, d2, d3, loc_ptr, n, rows,
-    ss0, ss1, ss2, ss3, ds0, ds1, ds2, ds3, u0, u1, u2, u3,
-    NBUF: tl.constexpr, UNIT: tl.constexpr, TOK: tl.constexpr, BLOCK: tl.constexpr,
+    s0,
+    s1,
+    s2,
+    s3,
+    d0,
+    d1,
+    d2,
+    d3,
+    loc_ptr,
+    n,
+    rows,
+    ss0,
+    ss1,
+    ss2,
+    ss3,
+    ds0,
+    ds1,
+    ds2,
+    ds3,
+    u0,
+    u1,
+    u2,
+    u3,
+    NBUF: tl.constexpr,
+    UNIT: tl.constexpr,
+    TOK: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Program (i, j): units [j*BLOCK, (j+1)*BLOCK) of source rows [i*TOK, (i+1)*TOK), every
     buffer (a buffer whose rows are shorter masks the surplus columns off)."""
@@ -78,16 +104,22 @@ def _validate(caches, sources, n: int):
     for b, (cache, src) in enumerate(zip(caches, sources)):
         C.check_cache(f"caches[{b}]", cache, 1)
         if cache.shape[0] != caches[0].shape[0]:
-            raise ShapeMismatch(f"caches[{b}] has {cache.shape[0]} rows, caches[0] has "
-                                f"{caches[0].shape[0]}")
+            raise ShapeMismatch(
+                f"caches[{b}] has {cache.shape[0]} rows, caches[0] has {caches[0].shape[0]}"
+            )
         src = C.check_source(f"sources[{b}]", src, n, cache.shape[1:], cache.dtype)
         C.check_device(caches[0].device, **{f"caches[{b}]": cache, f"sources[{b}]": src})
         out.append(src)
     return out
 
 
-def store_rows_multi(caches: Sequence[torch.Tensor], loc: torch.Tensor,
-                     sources: Sequence[torch.Tensor], *, backend: str = "auto") -> None:
+def store_rows_multi(
+    caches: Sequence[torch.Tensor],
+    loc: torch.Tensor,
+    sources: Sequence[torch.Tensor],
+    *,
+    backend: str = "auto",
+) -> None:
     """Write ``sources[b][i]`` to row ``loc[i]`` of ``caches[b]`` for every ``b`` (one launch)."""
     loc = C.check_index("loc", loc)
     n = loc.shape[0]
@@ -122,8 +154,17 @@ def _launch(caches, loc, sources) -> None:
     grid = (triton.cdiv(n, tok), triton.cdiv(max(units), block))
     with dispatch.launch_context(caches[0].device):
         _store_multi_kernel[grid](
-            *src_p, *dst_p, loc, n, caches[0].shape[0],
-            *[t.stride(0) // unit for t in src_p], *[t.stride(0) // unit for t in dst_p],
+            *src_p,
+            *dst_p,
+            loc,
+            n,
+            caches[0].shape[0],
+            *[t.stride(0) // unit for t in src_p],
+            *[t.stride(0) // unit for t in dst_p],
             *units_p,
-            NBUF=nbuf, UNIT=unit, TOK=tok, BLOCK=block, num_warps=warps,
+            NBUF=nbuf,
+            UNIT=unit,
+            TOK=tok,
+            BLOCK=block,
+            num_warps=warps,
         )

@@ -11,6 +11,7 @@ Invariants: as :mod:`kvxfer.kernels.store` - raw byte copies, out-of-range indic
 any write on the torch path / CPU and are masked off in the kernel on CUDA, ``N == 0`` is
 a no-op, duplicate targets leave an unspecified candidate on GPU.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -25,12 +26,26 @@ from kvxfer.kernels.errors import InvalidArgument, ShapeMismatch
 
 @triton.jit
 def _store_paged_kernel(
-    k_src, v_src, k_dst, v_dst, loc_ptr,
-    n, page_size, num_tokens,
-    k_src_stride, v_src_stride,
-    k_page_stride, k_tok_stride, v_page_stride, v_tok_stride,
-    k_units, v_units,
-    UNIT: tl.constexpr, HAS_V: tl.constexpr, TOK: tl.constexpr, BLOCK: tl.constexpr,
+    k_src,
+    v_src,
+    k_dst,
+    v_dst,
+    loc_ptr,
+    n,
+    page_size,
+    num_tokens,
+    k_src_stride,
+    v_src_stride,
+    k_page_stride,
+    k_tok_stride,
+    v_page_stride,
+    v_tok_stride,
+    k_units,
+    v_units,
+    UNIT: tl.constexpr,
+    HAS_V: tl.constexpr,
+    TOK: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Program (i, j) copies units [j*BLOCK, (j+1)*BLOCK) of source rows [i*TOK, (i+1)*TOK)."""
     toks = tl.program_id(0) * TOK + tl.arange(0, TOK)
@@ -64,8 +79,12 @@ def _launch(k_view, v_view, loc, k, v, num_tokens: int) -> None:
     if not has_v:
         v_view, v = k_view, k
     tensors = (k, v, k_view, v_view)
-    strides = [C.byte_strides(k, 1)[0], C.byte_strides(v, 1)[0],
-               *C.byte_strides(k_view, 2), *C.byte_strides(v_view, 2)]
+    strides = [
+        C.byte_strides(k, 1)[0],
+        C.byte_strides(v, 1)[0],
+        *C.byte_strides(k_view, 2),
+        *C.byte_strides(v_view, 2),
+    ]
     k_row, v_row = C.row_bytes(k_view, 2), C.row_bytes(v_view, 2)
     unit = C.pick_unit([t.data_ptr() for t in tensors] + strides + [k_row, v_row])
     k_units, v_units = k_row // unit, v_row // unit
@@ -73,9 +92,19 @@ def _launch(k_view, v_view, loc, k, v, num_tokens: int) -> None:
     grid = (C.cdiv(n, tok), C.cdiv(max(k_units, v_units), block))
     with dispatch.launch_context(k_view.device):
         _store_paged_kernel[grid](
-            *(C.kernel_arg(t) for t in tensors), loc, n, k_view.shape[1], num_tokens,
-            *(s // unit for s in strides), k_units, v_units,
-            UNIT=unit, HAS_V=has_v, TOK=tok, BLOCK=block, num_warps=warps,
+            *(C.kernel_arg(t) for t in tensors),
+            loc,
+            n,
+            k_view.shape[1],
+            num_tokens,
+            *(s // unit for s in strides),
+            k_units,
+            v_units,
+            UNIT=unit,
+            HAS_V=has_v,
+            TOK=tok,
+            BLOCK=block,
+            num_warps=warps,
         )
 
 
@@ -93,11 +122,13 @@ def _check_view(name, view):
     C.check_cache(name, view, 2)
     if view.dim() != 4:
         raise ShapeMismatch(
-            f"{name} must be 4-D [num_pages, page_size, H, D], got shape {tuple(view.shape)}")
+            f"{name} must be 4-D [num_pages, page_size, H, D], got shape {tuple(view.shape)}"
+        )
 
 
-def store_kv_paged(k_view, v_view, loc, k, v, *, backend: str = "auto",
-                   num_tokens: Optional[int] = None) -> None:
+def store_kv_paged(
+    k_view, v_view, loc, k, v, *, backend: str = "auto", num_tokens: Optional[int] = None
+) -> None:
     """Write ``k[i]``/``v[i]`` to token ``loc[i]`` of the page-major views.
 
     ``v_view`` (and then ``v``) may be None for K-only layouts. ``num_tokens`` (default: every
@@ -116,15 +147,19 @@ def store_kv_paged(k_view, v_view, loc, k, v, *, backend: str = "auto",
         _check_view("v_view", v_view)
         if tuple(v_view.shape[:2]) != tuple(k_view.shape[:2]):
             raise ShapeMismatch(
-                f"k_view pages {tuple(k_view.shape[:2])} != v_view pages {tuple(v_view.shape[:2])}")
+                f"k_view pages {tuple(k_view.shape[:2])} != v_view pages {tuple(v_view.shape[:2])}"
+            )
         if v is None:
             raise InvalidArgument("v_view was given but v is None")
         v = C.check_source("v", v, n, v_view.shape[2:], v_view.dtype)
     C.check_device(k_view.device, loc=loc, k=k, v_view=v_view, v=v)
     rows = k_view.shape[0] * k_view.shape[1]
     if num_tokens is not None:
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) \
-                or not 0 <= num_tokens <= rows:
+        if (
+            isinstance(num_tokens, bool)
+            or not isinstance(num_tokens, int)
+            or not 0 <= num_tokens <= rows
+        ):
             raise InvalidArgument(f"num_tokens must be an int in [0, {rows}], got {num_tokens!r}")
         rows = num_tokens
     which = dispatch.resolve(backend, k_view.device)

@@ -3,6 +3,7 @@
 ``import kvxfer`` stays cheap: the public names below load their modules on first access
 (no UCX, torch or numpy import until then).
 """
+
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -25,6 +26,7 @@ def __getattr__(name):
     if mod is None:
         raise AttributeError(f"module 'kvxfer' has no attribute {name!r}")
     import importlib
+
     value = getattr(importlib.import_module(mod), name)
     globals()[name] = value
     return value

@@ -1,6 +1,7 @@
 """Integer arguments: Python ints and numpy integers alike (a scheduler's page counts and
 slot ids are often ``np.int64``), never bools; always returned as plain ``int`` so nothing
 numpy-typed reaches msgpack or a comparison with a wire value."""
+
 from __future__ import annotations
 
 import operator
@@ -17,8 +18,9 @@ def as_int(value, what: str, low: Optional[int] = None) -> int:
     try:
         v = operator.index(value)
     except TypeError:
-        raise InvalidArgument(f"{what} must be an int, got {type(value).__name__} "
-                              f"{value!r}") from None
+        raise InvalidArgument(
+            f"{what} must be an int, got {type(value).__name__} {value!r}"
+        ) from None
     if low is not None and v < low:
         raise InvalidArgument(f"{what}={v} must be >= {low}")
     return v

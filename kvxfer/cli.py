@@ -3,6 +3,7 @@
 Each subcommand imports its implementation lazily so `kvxfer info` works even where an
 optional part (e.g. CUDA) is missing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,9 @@ _COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="kvxfer", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="kvxfer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("command", choices=sorted(_COMMANDS))
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()

@@ -7,6 +7,7 @@
   silent when stderr is not a terminal or ``--json`` was given (so pipes, logs and JSON
   consumers never see it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,7 @@ import time
 from typing import Any, Optional, TextIO
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter,
-                    argparse.ArgumentDefaultsHelpFormatter):
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Descriptions as written, ``(default: ...)`` after every option that has one (an
     option whose default is None explains its default in its own help, if it has one)."""
 
@@ -28,15 +28,23 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter,
 
 
 def parser(prog: str, description: Optional[str] = None) -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(prog=prog, description=description,
-                                   formatter_class=HelpFormatter)
+    return argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=HelpFormatter
+    )
 
 
 def add_json_args(ap: argparse.ArgumentParser, json_out_default: Optional[str] = None) -> None:
-    ap.add_argument("--json", action="store_true",
-                    help="print the result as one JSON object on the last line of stdout")
-    ap.add_argument("--json-out", default=json_out_default, metavar="PATH",
-                    help="also write the result as JSON to PATH")
+    ap.add_argument(
+        "--json",
+        action="store_true",
+        help="print the result as one JSON object on the last line of stdout",
+    )
+    ap.add_argument(
+        "--json-out",
+        default=json_out_default,
+        metavar="PATH",
+        help="also write the result as JSON to PATH",
+    )
 
 
 def emit_json(args: argparse.Namespace, obj: Any) -> None:
@@ -51,8 +59,9 @@ def emit_json(args: argparse.Namespace, obj: Any) -> None:
 class Progress:
     """``with Progress(total, "bench transfer", enabled=...) as p: ... p.step("label")``."""
 
-    def __init__(self, total: int, what: str, enabled: Optional[bool] = None,
-                 stream: Optional[TextIO] = None) -> None:
+    def __init__(
+        self, total: int, what: str, enabled: Optional[bool] = None, stream: Optional[TextIO] = None
+    ) -> None:
         self.stream = sys.stderr if stream is None else stream
         if enabled is None:
             enabled = bool(getattr(self.stream, "isatty", lambda: False)())
@@ -73,8 +82,10 @@ class Progress:
     def _show(self, label: str) -> None:
         if not self.enabled:
             return
-        line = (f"[{self.done}/{self.total}] {self.what}: {label} "
-                f"({time.perf_counter() - self._t0:.0f} s)")
+        line = (
+            f"[{self.done}/{self.total}] {self.what}: {label} "
+            f"({time.perf_counter() - self._t0:.0f} s)"
+        )
         pad = max(0, self._width - len(line))
         self._width = len(line)
         self.stream.write("\r" + line + " " * pad)

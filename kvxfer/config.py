@@ -16,6 +16,7 @@ always wins.
   of :func:`env_defaults`, which ``kvxfer info`` prints). There is no built-in default:
   without either, they refuse to start.
 """
+
 from __future__ import annotations
 
 import functools
@@ -69,8 +70,10 @@ def env_defaults() -> dict:
         out["flush_progress"] = env["KVXFER_FLUSH_PROGRESS"].strip().lower()
     if env.get("KVXFER_DEVICE_COPY"):
         out["device_copy"] = env["KVXFER_DEVICE_COPY"].strip().lower()
-    for key, name in (("connect_timeout_s", "KVXFER_CONNECT_TIMEOUT_S"),
-                      ("transfer_timeout_s", "KVXFER_TRANSFER_TIMEOUT_S")):
+    for key, name in (
+        ("connect_timeout_s", "KVXFER_CONNECT_TIMEOUT_S"),
+        ("transfer_timeout_s", "KVXFER_TRANSFER_TIMEOUT_S"),
+    ):
         if env.get(name):
             try:
                 out[key] = float(env[name])
@@ -94,7 +97,8 @@ def resolve_secret(secret, who: str) -> bytes:
             raise InvalidArgument(
                 f"{who} needs a shared secret: pass secret=... or set {SECRET_ENV} (every "
                 f"engine, manager and bootstrap server of one deployment uses the same one; "
-                f"e.g. python -c 'import secrets; print(secrets.token_hex(32))')")
+                f"e.g. python -c 'import secrets; print(secrets.token_hex(32))')"
+            )
     if isinstance(secret, str):
         secret = secret.encode()
     if not isinstance(secret, (bytes, bytearray)) or len(secret) == 0:
@@ -114,7 +118,7 @@ class EngineConfig:
     secret: bytes
     host: str = "127.0.0.1"
     port: int = 0
-    error_mode: Optional[str] = None          # None -> env KVXFER_ERROR_MODE or "peer"
+    error_mode: Optional[str] = None  # None -> env KVXFER_ERROR_MODE or "peer"
     connect_timeout_s: Optional[float] = None  # None -> env or 10.0
     transfer_timeout_s: Optional[float] = None  # None -> env or 30.0
     name: str = ""
@@ -179,17 +183,20 @@ class EngineConfig:
             self.progress_mode = env.get("progress_mode", "thread")
         if self.progress_mode not in PROGRESS_MODES:
             raise InvalidArgument(
-                f"EngineConfig.progress_mode={self.progress_mode!r}; expected one of {PROGRESS_MODES}")
+                f"EngineConfig.progress_mode={self.progress_mode!r}; expected one of {PROGRESS_MODES}"
+            )
         if self.flush_progress is None:
             self.flush_progress = env.get("flush_progress", "auto")
         if self.flush_progress not in FLUSH_PROGRESS:
             raise InvalidArgument(
-                f"EngineConfig.flush_progress={self.flush_progress!r}; expected one of {FLUSH_PROGRESS}")
+                f"EngineConfig.flush_progress={self.flush_progress!r}; expected one of {FLUSH_PROGRESS}"
+            )
         if self.device_copy is None:
             self.device_copy = env.get("device_copy", "auto")
         if self.device_copy not in DEVICE_COPY:
             raise InvalidArgument(
-                f"EngineConfig.device_copy={self.device_copy!r}; expected one of {DEVICE_COPY}")
+                f"EngineConfig.device_copy={self.device_copy!r}; expected one of {DEVICE_COPY}"
+            )
         if self.connect_timeout_s is None:
             self.connect_timeout_s = env.get("connect_timeout_s", 10.0)
         if self.transfer_timeout_s is None:
@@ -199,7 +206,8 @@ class EngineConfig:
         self.secret = bytes(self.secret)
         if self.error_mode not in ERROR_MODES:
             raise InvalidArgument(
-                f"EngineConfig.error_mode={self.error_mode!r}; expected one of {ERROR_MODES}")
+                f"EngineConfig.error_mode={self.error_mode!r}; expected one of {ERROR_MODES}"
+            )
         self.port = as_int(self.port, "EngineConfig.port")
         if not 0 <= self.port < 65536:
             raise InvalidArgument(f"EngineConfig.port={self.port!r} is not a TCP port")
@@ -207,18 +215,28 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v <= 0:
                 raise InvalidArgument(f"EngineConfig.{name}={v!r} must be > 0")
-        for name, low in (("device_min_ops", 1), ("stage_min_ops", 0), ("stage_slot_bytes", 1),
-                          ("stage_slots", 1), ("stage_peer_slots", 1)):
+        for name, low in (
+            ("device_min_ops", 1),
+            ("stage_min_ops", 0),
+            ("stage_slot_bytes", 1),
+            ("stage_slots", 1),
+            ("stage_peer_slots", 1),
+        ):
             setattr(self, name, as_int(getattr(self, name), f"EngineConfig.{name}", low))
         if not isinstance(self.refuse_emulated_destinations, bool):
-            raise InvalidArgument(f"EngineConfig.refuse_emulated_destinations="
-                                  f"{self.refuse_emulated_destinations!r} must be a bool")
+            raise InvalidArgument(
+                f"EngineConfig.refuse_emulated_destinations="
+                f"{self.refuse_emulated_destinations!r} must be a bool"
+            )
         if not isinstance(self.stage_host_memory, bool):
             raise InvalidArgument(
-                f"EngineConfig.stage_host_memory={self.stage_host_memory!r} must be a bool")
+                f"EngineConfig.stage_host_memory={self.stage_host_memory!r} must be a bool"
+            )
         if self.stage_peer_slots > self.stage_slots:
-            raise InvalidArgument(f"EngineConfig.stage_peer_slots={self.stage_peer_slots} "
-                                  f"exceeds stage_slots={self.stage_slots}")
+            raise InvalidArgument(
+                f"EngineConfig.stage_peer_slots={self.stage_peer_slots} "
+                f"exceeds stage_slots={self.stage_slots}"
+            )
 
 
 def spin_flushes(mode: str, local_types, remote_types) -> bool:

@@ -1,6 +1,7 @@
 """`kvxfer demo`: the prefill/decode worker-pair demo (:mod:`kvxfer.pd_demo`) by default;
 ``kvxfer demo --pools`` runs the pools demo (:mod:`kvxfer.pools_demo`), ``--model`` the
 real-model check (routed by :mod:`kvxfer.pd_demo.run`)."""
+
 from __future__ import annotations
 
 import sys
@@ -17,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
         argv.remove("--pools")
         return pools_main(argv)
     from kvxfer.pd_demo import main as pd_main
+
     return pd_main(argv)
 
 

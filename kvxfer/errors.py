@@ -3,6 +3,7 @@
 Pool and kernel errors are defined at the lowest layer (``kvxfer.kernels.errors``) and re-exported
 here, so ``from kvxfer.errors import ...`` is the one place users need.
 """
+
 from kvxfer.kernels.errors import (  # noqa: F401
     BackingError,
     CudaError,

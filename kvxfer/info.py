@@ -2,6 +2,7 @@
 
 Every probe is guarded: a missing optional part is reported, never fatal.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -24,17 +25,23 @@ def collect() -> dict:
     from kvxfer.config import env_defaults
     from kvxfer.transport.ucx_lib import ucx_log_to_stderr
 
-    ucx_log_to_stderr()          # before the version probe below imports ucxx
+    ucx_log_to_stderr()  # before the version probe below imports ucxx
 
-    out = {"python": platform.python_version(), "platform": platform.platform(),
-           "kvxfer": kvxfer.__version__}
+    out = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "kvxfer": kvxfer.__version__,
+    }
     for mod in ("numpy", "msgpack", "torch", "triton", "ucxx", "libucx"):
         out[mod] = _version(mod)
     try:
         import torch
 
-        out["cuda"] = (f"{torch.version.cuda}, {torch.cuda.device_count()} device(s)"
-                       if torch.cuda.is_available() else "not available")
+        out["cuda"] = (
+            f"{torch.version.cuda}, {torch.cuda.device_count()} device(s)"
+            if torch.cuda.is_available()
+            else "not available"
+        )
     except Exception:
         out["cuda"] = "unknown (no torch)"
     try:
@@ -48,7 +55,8 @@ def collect() -> dict:
         out["native_extension"] = f"unavailable: {exc}"
     out["env_defaults"] = env_defaults()
     out["RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY"] = os.environ.get(
-        "RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY", "<unset> (wheel libucx: no verbs/rdmacm)")
+        "RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY", "<unset> (wheel libucx: no verbs/rdmacm)"
+    )
     return out
 
 

@@ -15,6 +15,7 @@ Invariants:
 * the loop is closed on its own thread, after ``run_forever`` returned and the ``on_stop``
   coroutine (if any) ran; :meth:`LoopThread.stop` is idempotent and safe before ``start``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -44,8 +45,13 @@ class LoopThread:
         """True between a successful :meth:`start` and :meth:`stop`."""
         return self._thread is not None and not self._stopped
 
-    def start(self, main: Optional[Coroutine[Any, Any, T]] = None, timeout: float = 10.0, *,
-              on_stop: Optional[Callable[[], Awaitable[Any]]] = None) -> Optional[T]:
+    def start(
+        self,
+        main: Optional[Coroutine[Any, Any, T]] = None,
+        timeout: float = 10.0,
+        *,
+        on_stop: Optional[Callable[[], Awaitable[Any]]] = None,
+    ) -> Optional[T]:
         """Start the thread and, if given, run ``main`` on the loop before anything else;
         return its result once it finished (within ``timeout``), or raise its exception.
         ``on_stop()`` is awaited on the loop after :meth:`stop` stopped it, before it closes."""
@@ -54,22 +60,26 @@ class LoopThread:
                 main.close()
             raise Closed(f"{self!r} was already started")
         ready: concurrent.futures.Future = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._main, args=(main, on_stop, ready),
-                                        name=self.name, daemon=True)
+        self._thread = threading.Thread(
+            target=self._main, args=(main, on_stop, ready), name=self.name, daemon=True
+        )
         self._thread.start()
         try:
             return ready.result(timeout)
         except concurrent.futures.TimeoutError:
             raise TransferTimeout(f"{self.name}: did not start within {timeout:g}s") from None
         except BaseException:
-            self._thread.join(timeout)      # it ends right after reporting the failure
+            self._thread.join(timeout)  # it ends right after reporting the failure
             self._thread = None
             self._stopped = True
             raise
 
-    def _main(self, main: Optional[Coroutine[Any, Any, Any]],
-              on_stop: Optional[Callable[[], Awaitable[Any]]],
-              ready: concurrent.futures.Future) -> None:
+    def _main(
+        self,
+        main: Optional[Coroutine[Any, Any, Any]],
+        on_stop: Optional[Callable[[], Awaitable[Any]]],
+        ready: concurrent.futures.Future,
+    ) -> None:
         """Runs on: this object's thread (the body of the loop thread)."""
         loop = self.loop
         asyncio.set_event_loop(loop)
@@ -77,7 +87,7 @@ class LoopThread:
         if main is not None:
             try:
                 result = loop.run_until_complete(main)
-            except BaseException as exc:     # reported to the caller of start()
+            except BaseException as exc:  # reported to the caller of start()
                 ready.set_exception(exc)
                 loop.close()
                 return
@@ -106,8 +116,7 @@ class LoopThread:
             raise Closed(f"{self!r} is not running")
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float, *,
-            what: str = "call") -> T:
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float, *, what: str = "call") -> T:
         """Run ``coro`` on the loop from another thread and return its result; past
         ``timeout`` it is cancelled and :class:`TransferTimeout` raised."""
         fut = self.submit(coro)
@@ -115,8 +124,9 @@ class LoopThread:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError:
             fut.cancel()
-            raise TransferTimeout(f"{self.name}: {what} did not finish within {timeout:.3g}s") \
-                from None
+            raise TransferTimeout(
+                f"{self.name}: {what} did not finish within {timeout:.3g}s"
+            ) from None
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the loop (then ``on_stop`` runs and the loop closes on its thread) and join
@@ -125,12 +135,12 @@ class LoopThread:
             return
         self._stopped = True
         thread, self._thread = self._thread, None
-        if thread is None:                   # never started
+        if thread is None:  # never started
             self.loop.close()
             return
         if not self.loop.is_closed():
             try:
                 self.loop.call_soon_threadsafe(self.loop.stop)
-            except RuntimeError:             # closed meanwhile by its own thread
+            except RuntimeError:  # closed meanwhile by its own thread
                 pass
         thread.join(timeout)

@@ -14,6 +14,7 @@ exported through its default registry, so a process that already serves ``/metri
 
 Thread-safe; the Prometheus families are created once per process.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -23,8 +24,23 @@ from typing import Dict, Optional, Tuple
 from kvxfer.errors import InvalidArgument
 
 #: latency histogram bucket bounds (seconds)
-BUCKETS: Tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
-                              2.5, 5.0, 10.0, 30.0, 60.0)
+BUCKETS: Tuple[float, ...] = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 
 _PROM = None
 _PROM_LOCK = threading.Lock()
@@ -41,15 +57,19 @@ def _prometheus():
                 _PROM = False
             else:
                 _PROM = (
-                    pc.Counter("kvxfer_transfer_bytes", "Bytes moved by kvxfer transfers",
-                               ["role"]),
-                    pc.Counter("kvxfer_requests", "Requests that finished, by outcome",
-                               ["role", "outcome"]),
-                    pc.Counter("kvxfer_failures", "Failed requests, by cause",
-                               ["role", "cause"]),
-                    pc.Histogram("kvxfer_transfer_latency_seconds",
-                                 "Transfer latency of completed requests", ["role"],
-                                 buckets=BUCKETS),
+                    pc.Counter(
+                        "kvxfer_transfer_bytes", "Bytes moved by kvxfer transfers", ["role"]
+                    ),
+                    pc.Counter(
+                        "kvxfer_requests", "Requests that finished, by outcome", ["role", "outcome"]
+                    ),
+                    pc.Counter("kvxfer_failures", "Failed requests, by cause", ["role", "cause"]),
+                    pc.Histogram(
+                        "kvxfer_transfer_latency_seconds",
+                        "Transfer latency of completed requests",
+                        ["role"],
+                        buckets=BUCKETS,
+                    ),
                 )
         return _PROM or None
 
@@ -69,7 +89,7 @@ class TransferMetrics:
         self._bytes = 0
         self._outcomes: Dict[str, int] = {"success": 0, "failed": 0}
         self._causes: Dict[str, int] = {}
-        self._latency_counts = [0] * (len(BUCKETS) + 1)   # last: +Inf
+        self._latency_counts = [0] * (len(BUCKETS) + 1)  # last: +Inf
         self._latency_sum = 0.0
         self._prom = _prometheus()
 
@@ -115,10 +135,13 @@ class TransferMetrics:
             for bound, n in zip(BUCKETS + (float("inf"),), self._latency_counts):
                 acc += n
                 buckets["+Inf" if bound == float("inf") else f"{bound:g}"] = acc
-            return {"role": self.role, "bytes": self._bytes, "requests": dict(self._outcomes),
-                    "failures": dict(self._causes),
-                    "latency_s": {"count": acc, "sum": self._latency_sum,
-                                  "buckets": buckets}}
+            return {
+                "role": self.role,
+                "bytes": self._bytes,
+                "requests": dict(self._outcomes),
+                "failures": dict(self._causes),
+                "latency_s": {"count": acc, "sum": self._latency_sum, "buckets": buckets},
+            }
 
 
 __all__ = ["BUCKETS", "TransferMetrics", "prometheus_available"]

@@ -24,6 +24,7 @@ Invariants (tested exhaustively in tests/unit/test_plan.py)
   merged further once sorted by source id.
 - Every op lies inside its descriptor on both sides.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -73,32 +74,38 @@ def _int_list(values, what: str, name: str) -> Tuple[int, ...]:
     return tuple(out)
 
 
-def make_group(name: str, ptrs: Sequence[int], lens: Sequence[int],
-               item_lens: Sequence[int]) -> GroupLayout:
+def make_group(
+    name: str, ptrs: Sequence[int], lens: Sequence[int], item_lens: Sequence[int]
+) -> GroupLayout:
     """Validate a descriptor group: same count everywhere, positive sizes, ``lens`` a multiple
     of ``item_lens``, the same number of items in every descriptor, addresses in 64 bits."""
     if not isinstance(name, str) or not name:
         raise InvalidArgument(f"group name must be a non-empty str, got {name!r}")
-    p, ln, il = (_int_list(ptrs, "ptrs", name), _int_list(lens, "lens", name),
-                 _int_list(item_lens, "item_lens", name))
+    p, ln, il = (
+        _int_list(ptrs, "ptrs", name),
+        _int_list(lens, "lens", name),
+        _int_list(item_lens, "item_lens", name),
+    )
     if not p:
         raise InvalidArgument(f"group {name!r} has no descriptors")
     if not len(p) == len(ln) == len(il):
-        raise InvalidArgument(
-            f"group {name!r}: {len(p)} ptrs, {len(ln)} lens, {len(il)} item_lens")
+        raise InvalidArgument(f"group {name!r}: {len(p)} ptrs, {len(ln)} lens, {len(il)} item_lens")
     for i, (a, n, it) in enumerate(zip(p, ln, il)):
         if a <= 0 or n <= 0 or it <= 0:
             raise InvalidArgument(
-                f"group {name!r} descriptor {i}: ptr={a:#x}, len={n}, item_len={it} must be > 0")
+                f"group {name!r} descriptor {i}: ptr={a:#x}, len={n}, item_len={it} must be > 0"
+            )
         if a + n > 1 << 64:
             raise InvalidArgument(f"group {name!r} descriptor {i} overflows 64-bit addresses")
         if n % it:
             raise InvalidArgument(
-                f"group {name!r} descriptor {i}: len {n} is not a multiple of item_len {it}")
+                f"group {name!r} descriptor {i}: len {n} is not a multiple of item_len {it}"
+            )
     counts = {n // it for n, it in zip(ln, il)}
     if len(counts) != 1:
         raise InvalidArgument(
-            f"group {name!r}: descriptors hold different item counts {sorted(counts)}")
+            f"group {name!r}: descriptors hold different item counts {sorted(counts)}"
+        )
     return GroupLayout(name, p, ln, il)
 
 
@@ -109,8 +116,9 @@ def check_compatible(local: GroupLayout, remote: GroupLayout) -> None:
     if local.count != remote.count:
         raise IncompatibleLayout(local.name, "count", local.count, remote.count)
     if local.item_lens != remote.item_lens:
-        raise IncompatibleLayout(local.name, "item_lens", list(local.item_lens),
-                                 list(remote.item_lens))
+        raise IncompatibleLayout(
+            local.name, "item_lens", list(local.item_lens), list(remote.item_lens)
+        )
 
 
 # ------------------------------------------------------------------ item ids
@@ -125,8 +133,9 @@ def as_ids(values, what: str) -> np.ndarray:
     try:
         arr = np.asarray(values)
     except Exception as exc:  # e.g. a CUDA tensor
-        raise InvalidArgument(f"{what}: cannot read item ids from {type(values).__name__}: "
-                              f"{exc}") from None
+        raise InvalidArgument(
+            f"{what}: cannot read item ids from {type(values).__name__}: {exc}"
+        ) from None
     if arr.ndim == 0 and arr.size == 1:
         arr = arr.reshape(1)
     if arr.ndim != 1:
@@ -148,8 +157,8 @@ def check_ids(ids: np.ndarray, num_items: int, what: str) -> None:
     if bad.any():
         first = int(ids[int(np.argmax(bad))])
         raise IndexOutOfRange(
-            f"{what}: item id {first} out of range [0, {num_items}) "
-            f"({int(bad.sum())} bad id(s))")
+            f"{what}: item id {first} out of range [0, {num_items}) ({int(bad.sum())} bad id(s))"
+        )
 
 
 def _by_source(src: np.ndarray, dst: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
@@ -186,8 +195,11 @@ def merge_runs(src: np.ndarray, dst: np.ndarray) -> Tuple[np.ndarray, np.ndarray
         return z, z.copy(), z.copy()
     s, d = _by_source(src, dst)
     n = s.size
-    if (int(s[-1]) - int(s[0]) == n - 1 and int(d[-1]) - int(d[0]) == n - 1 and
-            (n < 2 or (bool((s[1:] > s[:-1]).all()) and bool((d[1:] > d[:-1]).all())))):
+    if (
+        int(s[-1]) - int(s[0]) == n - 1
+        and int(d[-1]) - int(d[0]) == n - 1
+        and (n < 2 or (bool((s[1:] > s[:-1]).all()) and bool((d[1:] > d[:-1]).all())))
+    ):
         # both sides consecutive: one run (the common case of a contiguous request)
         return s[:1].copy(), d[:1].copy(), np.array([n], dtype=np.int64)
     brk = np.ones(s.size, dtype=bool)
@@ -228,8 +240,12 @@ def concat(parts: Iterable[Ops]) -> Ops:
     parts = list(parts)
     if not parts:
         return Ops.empty()
-    return Ops(*(np.concatenate([getattr(p, f) for p in parts]).astype(_U64, copy=False)
-                 for f in ("laddr", "raddr", "nbytes", "desc")))
+    return Ops(
+        *(
+            np.concatenate([getattr(p, f) for p in parts]).astype(_U64, copy=False)
+            for f in ("laddr", "raddr", "nbytes", "desc")
+        )
+    )
 
 
 def plan_items(local: GroupLayout, remote: GroupLayout, src_ids, dst_ids) -> Ops:
@@ -239,7 +255,8 @@ def plan_items(local: GroupLayout, remote: GroupLayout, src_ids, dst_ids) -> Ops
     dst = as_ids(dst_ids, f"group {local.name!r} destination")
     if src.size != dst.size:
         raise InvalidArgument(
-            f"group {local.name!r}: {src.size} source ids but {dst.size} destination ids")
+            f"group {local.name!r}: {src.size} source ids but {dst.size} destination ids"
+        )
     check_compatible(local, remote)
     check_ids(src, local.num_items, f"group {local.name!r} source")
     check_ids(dst, remote.num_items, f"group {local.name!r} destination")
@@ -247,34 +264,41 @@ def plan_items(local: GroupLayout, remote: GroupLayout, src_ids, dst_ids) -> Ops
         vals, counts = np.unique(dst, return_counts=True)
         raise InvalidArgument(
             f"group {local.name!r}: destination item {int(vals[counts > 1][0])} appears "
-            f"{int(counts[counts > 1][0])} times")
+            f"{int(counts[counts > 1][0])} times"
+        )
     s0, d0, n = merge_runs(src, dst)
     if s0.size == 0:
         return Ops.empty()
-    item = np.asarray(local.item_lens, dtype=np.int64)[:, None]          # (D, 1)
+    item = np.asarray(local.item_lens, dtype=np.int64)[:, None]  # (D, 1)
     lptr = np.asarray(local.ptrs, dtype=_U64)[:, None]
     rptr = np.asarray(remote.ptrs, dtype=_U64)[:, None]
     laddr = lptr + (s0[None, :] * item).astype(_U64)
     raddr = rptr + (d0[None, :] * item).astype(_U64)
     nbytes = np.broadcast_to((n[None, :] * item).astype(_U64), laddr.shape)
     desc = np.broadcast_to(np.arange(local.count, dtype=_U64)[:, None], laddr.shape)
-    return Ops(laddr.ravel(), raddr.ravel(), np.ascontiguousarray(nbytes).ravel(),
-               np.ascontiguousarray(desc).ravel())
+    return Ops(
+        laddr.ravel(),
+        raddr.ravel(),
+        np.ascontiguousarray(nbytes).ravel(),
+        np.ascontiguousarray(desc).ravel(),
+    )
 
 
 def plan_raw(local: GroupLayout, remote: GroupLayout, desc, src_off, dst_off, nbytes) -> Ops:
     """Raw form: byte ranges ``[src_off, src_off+nbytes)`` of local descriptor ``desc`` to
     ``[dst_off, ...)`` of the remote descriptor with the same index. All arguments may be
     scalars or equal-length arrays; every range is checked against both descriptors."""
-    arrs = [as_ids(v, f"group {local.name!r} raw {w}")
-            for v, w in ((desc, "desc"), (src_off, "src_off"), (dst_off, "dst_off"),
-                         (nbytes, "nbytes"))]
+    arrs = [
+        as_ids(v, f"group {local.name!r} raw {w}")
+        for v, w in ((desc, "desc"), (src_off, "src_off"), (dst_off, "dst_off"), (nbytes, "nbytes"))
+    ]
     size = max(a.size for a in arrs)
     try:
         d, so, do, nb = (np.broadcast_to(a, (size,)) for a in arrs)
     except ValueError:
         raise InvalidArgument(
-            f"group {local.name!r} raw: argument lengths {[a.size for a in arrs]} differ") from None
+            f"group {local.name!r} raw: argument lengths {[a.size for a in arrs]} differ"
+        ) from None
     if size == 0:
         return Ops.empty()
     check_ids(d, min(local.count, remote.count), f"group {local.name!r} raw descriptor")
@@ -288,11 +312,11 @@ def plan_raw(local: GroupLayout, remote: GroupLayout, desc, src_off, dst_off, nb
             i = int(np.argmax(bad))
             raise IndexOutOfRange(
                 f"group {local.name!r} raw {side}: [{int(off[i])}, +{int(nb[i])}) outside "
-                f"descriptor {int(d[i])} of {int(lim[i])} bytes")
+                f"descriptor {int(d[i])} of {int(lim[i])} bytes"
+            )
     lptr = np.asarray(local.ptrs, dtype=_U64)[d]
     rptr = np.asarray(remote.ptrs, dtype=_U64)[d]
-    return Ops(lptr + so.astype(_U64), rptr + do.astype(_U64), nb.astype(_U64),
-               d.astype(_U64))
+    return Ops(lptr + so.astype(_U64), rptr + do.astype(_U64), nb.astype(_U64), d.astype(_U64))
 
 
 # ------------------------------------------------------------ registrations
@@ -315,12 +339,15 @@ class Span:
 def merge_spans(groups: Sequence[GroupLayout], merge_adjacent: bool = True) -> List[Span]:
     """Merge the descriptors of all groups into as few registrations as possible:
     overlapping ranges always merge; touching ranges merge when ``merge_adjacent``."""
-    return merge_ranges([(p, p + n, (g.name, i)) for g in groups
-                         for i, (p, n) in enumerate(zip(g.ptrs, g.lens))], merge_adjacent)
+    return merge_ranges(
+        [(p, p + n, (g.name, i)) for g in groups for i, (p, n) in enumerate(zip(g.ptrs, g.lens))],
+        merge_adjacent,
+    )
 
 
-def merge_ranges(items: Sequence[Tuple[int, int, Tuple[str, int]]],
-                 merge_adjacent: bool = True) -> List[Span]:
+def merge_ranges(
+    items: Sequence[Tuple[int, int, Tuple[str, int]]], merge_adjacent: bool = True
+) -> List[Span]:
     """Merge ``(start, end, member)`` ranges; see :func:`merge_spans`."""
     spans: List[Span] = []
     cur = None
@@ -345,8 +372,14 @@ def span_index(spans: Sequence[Span], group: GroupLayout) -> np.ndarray:
     return out
 
 
-def check_inside(ptrs: Sequence[int], lens: Sequence[int], bases: Sequence[int],
-                 lengths: Sequence[int], regs: Sequence[int], what: str) -> None:
+def check_inside(
+    ptrs: Sequence[int],
+    lens: Sequence[int],
+    bases: Sequence[int],
+    lengths: Sequence[int],
+    regs: Sequence[int],
+    what: str,
+) -> None:
     """Every descriptor ``[ptr, ptr+len)`` must lie inside its region ``regs[i]`` (used on
     region tables received from a peer before any address is derived from them)."""
     for i, (p, n, r) in enumerate(zip(ptrs, lens, regs)):
@@ -355,7 +388,8 @@ def check_inside(ptrs: Sequence[int], lens: Sequence[int], bases: Sequence[int],
         if p < bases[r] or p + n > bases[r] + lengths[r]:
             raise IndexOutOfRange(
                 f"{what} descriptor {i}: [{p:#x}, +{n}) outside region {r} "
-                f"[{bases[r]:#x}, +{lengths[r]})")
+                f"[{bases[r]:#x}, +{lengths[r]})"
+            )
 
 
 # ------------------------------------------------------------------ TP slicing
@@ -381,8 +415,9 @@ def tp_heads(num_heads: int, tp: int, rank: int) -> Tuple[int, int]:
     return rank // (tp // num_heads), 1
 
 
-def tp_sources(num_heads: int, src_tp: int, dst_tp: int, dst_rank: int
-               ) -> List[Tuple[int, int, int, int]]:
+def tp_sources(
+    num_heads: int, src_tp: int, dst_tp: int, dst_rank: int
+) -> List[Tuple[int, int, int, int]]:
     """Which source ranks feed destination rank ``dst_rank`` under heterogeneous TP.
 
     Returns ``[(src_rank, src_head_off, dst_head_off, n_heads)]`` with offsets in *local*

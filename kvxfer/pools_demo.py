@@ -4,6 +4,7 @@ kernels, moves a page of rows, copies two pages to host memory and restores them
 registration descriptor table (entries, registered bytes, bytes of one item = one page) -- the
 numbers the transfer engine registers -- and which checks passed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,6 +22,7 @@ _DTYPE_NAMES = ("bfloat16", "float16", "float32", "float8_e4m3fn")
 
 def _dtype(name: str):
     import torch
+
     return getattr(torch, name)
 
 
@@ -44,6 +46,7 @@ def _check(ok: bool, what: str) -> str:
 
 def _rows(shape, dtype, gen, device):
     import torch
+
     return torch.randn(shape, generator=gen).to(dtype).to(device)
 
 
@@ -52,9 +55,10 @@ def _exercise(pool, device) -> list[str]:
     import torch
 
     from kvxfer.pools import MHATokenToKOnlyPool, MLATokenToKVPool
+
     ps, gen = pool.page_size, torch.Generator().manual_seed(0)
-    first = torch.arange(ps, 3 * ps, device=device)          # pages 1-2
-    moved = torch.arange(3 * ps, 4 * ps, device=device)      # page 3
+    first = torch.arange(ps, 3 * ps, device=device)  # pages 1-2
+    moved = torch.arange(3 * ps, 4 * ps, device=device)  # page 3
     restored = torch.arange(pool.size - ps, pool.size + ps, device=device)  # last two pages
     n = first.numel()
     is_mla = isinstance(pool, MLATokenToKVPool)
@@ -88,8 +92,10 @@ def _exercise(pool, device) -> list[str]:
         return got.contiguous().view(torch.uint8)
 
     def same(loc, src_slice=slice(None)):
-        return all(torch.equal(key_rows(i, loc), w[src_slice].contiguous().view(torch.uint8))
-                   for i, w in enumerate(written))
+        return all(
+            torch.equal(key_rows(i, loc), w[src_slice].contiguous().view(torch.uint8))
+            for i, w in enumerate(written)
+        )
 
     checks.append(_check(same(first), "write/read"))
     pool.move_kv_cache(moved, first[:ps])
@@ -102,6 +108,7 @@ def _exercise(pool, device) -> list[str]:
 
 def _refuses_writes(pool, device) -> bool:
     import torch
+
     k = torch.zeros((1, pool.head_num, pool.head_dim), dtype=pool.dtype, device=device)
     try:
         pool.set_kv_buffer(pool.start_layer, torch.tensor([1], device=device), k, k)
@@ -118,11 +125,14 @@ def _build(size, page_size, dtype, layers, heads, head_dim, device):
         NoOpMHATokenToKVPool,
         PageMajorMHATokenToKVPool,
     )
+
     common = (size, page_size, dtype)
     return [
         ("MHA per-layer", MHATokenToKVPool(*common, heads, head_dim, layers, device)),
-        ("MHA per-layer HND", MHATokenToKVPool(*common, heads, head_dim, layers, device,
-                                               layout="hnd")),
+        (
+            "MHA per-layer HND",
+            MHATokenToKVPool(*common, heads, head_dim, layers, device, layout="hnd"),
+        ),
         ("MHA page-major", PageMajorMHATokenToKVPool(*common, heads, head_dim, layers, device)),
         ("MLA latent", MLATokenToKVPool(*common, 4 * head_dim, head_dim // 2, layers, device)),
         ("K-only", MHATokenToKOnlyPool(*common, heads, head_dim, layers, device)),
@@ -130,12 +140,21 @@ def _build(size, page_size, dtype, layers, heads, head_dim, device):
     ]
 
 
-def pools_summary(*, device: str = "cpu", dtype=None, size: int = 64,
-                  page_size: int = 16, layers: int = 4, heads: int = 2, head_dim: int = 8) -> str:
+def pools_summary(
+    *,
+    device: str = "cpu",
+    dtype=None,
+    size: int = 64,
+    page_size: int = 16,
+    layers: int = 4,
+    heads: int = 2,
+    head_dim: int = 8,
+) -> str:
     """Run the pools demo and return its printable summary (``dtype``: a torch dtype,
     default bfloat16). Raises :class:`DemoCheckFailed` if any check sees bytes different
     from what was written."""
     from kvxfer.pools import NoOpMHATokenToKVPool
+
     dtype = _dtype("bfloat16") if dtype is None else dtype
     t0 = time.perf_counter()
     lines = [
@@ -154,8 +173,10 @@ def pools_summary(*, device: str = "cpu", dtype=None, size: int = 64,
             views = pool.get_item_views()
             _check(len(views) == len(lens), "one item view per entry")
         item = ", ".join(sorted({_human(i) for i in items})) or "-"
-        lines.append(f"{name:20s} {pool.layout:11s} {len(lens):7d} {_human(sum(lens)):>11s} "
-                     f"{item:>11s}  {', '.join(checks)}")
+        lines.append(
+            f"{name:20s} {pool.layout:11s} {len(lens):7d} {_human(sum(lens)):>11s} "
+            f"{item:>11s}  {', '.join(checks)}"
+        )
     lines += [
         "",
         f"A run of contiguous pages is one RMA put per entry: {2 * layers} per run for per-layer "
@@ -167,10 +188,11 @@ def pools_summary(*, device: str = "cpu", dtype=None, size: int = 64,
 
 def pools_main(argv: list[str] | None = None) -> int:
     """``kvxfer demo --pools``: print :func:`pools_summary`; 1 when a check failed."""
-    parser = argparse.ArgumentParser(prog="kvxfer demo --pools",
-                                     description="KV pools demo: write/move/copy checks and "
-                                                 "the registration descriptor table",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="kvxfer demo --pools",
+        description="KV pools demo: write/move/copy checks and the registration descriptor table",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--device", default="cpu", help="torch device for the pools (cpu, cuda)")
     parser.add_argument("--dtype", default="bfloat16", choices=_DTYPE_NAMES)
     args = parser.parse_args(argv)

@@ -21,6 +21,7 @@ Rules:
 The child serves one call at a time, on its main thread. :func:`wait_idle` lets child code wait
 until the call in progress has been answered (e.g. before it stops its own process).
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -80,11 +81,11 @@ def _child_main(conn, build: Callable[..., Any], args: tuple) -> None:
         except (EOFError, OSError):
             break
         seq = req[0]
-        if req[1] is None:                      # exit
+        if req[1] is None:  # exit
             _close_all(objects)
             conn.send((seq, "ok", None))
             conn.close()
-            os._exit(0)                         # objects closed; skip the slow teardown
+            os._exit(0)  # objects closed; skip the slow teardown
         _, name, method, a, kw = req
         _IDLE.clear()
         try:
@@ -105,15 +106,22 @@ class Worker:
     spawn only). ``timeout``: the default bound of a call.
     """
 
-    def __init__(self, build: Callable[..., Any], *args: Any, name: Optional[str] = None,
-                 env: Optional[Dict[str, str]] = None, timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        build: Callable[..., Any],
+        *args: Any,
+        name: Optional[str] = None,
+        env: Optional[Dict[str, str]] = None,
+        timeout: float = 60.0,
+    ) -> None:
         self.name: str = name or str(getattr(build, "__name__", "worker"))
         self.timeout = timeout
         self._env = dict(env or {})
         self._conn, child = _CTX.Pipe()
         self._child_end = child
-        self.proc = _CTX.Process(target=_child_main, args=(child, build, args), name=self.name,
-                                 daemon=True)
+        self.proc = _CTX.Process(
+            target=_child_main, args=(child, build, args), name=self.name, daemon=True
+        )
         self._seq = 0
         self._replies: Dict[int, tuple] = {}
         self._ready = False
@@ -159,13 +167,20 @@ class Worker:
         returned one object). Only public methods of ``cls`` can be called through it."""
         return cast(T, _Proxy(self, cls, name, self.timeout if timeout is None else timeout))
 
-    def call(self, name: str, method: str, args: tuple = (), kwargs: Optional[dict] = None,
-             timeout: Optional[float] = None) -> Any:
+    def call(
+        self,
+        name: str,
+        method: str,
+        args: tuple = (),
+        kwargs: Optional[dict] = None,
+        timeout: Optional[float] = None,
+    ) -> Any:
         """One call, answered within ``timeout``; proxies call this."""
         return self.send(name, method, args, kwargs).result(timeout)
 
-    def send(self, name: str, method: str, args: tuple = (),
-             kwargs: Optional[dict] = None) -> "Pending":
+    def send(
+        self, name: str, method: str, args: tuple = (), kwargs: Optional[dict] = None
+    ) -> "Pending":
         self._seq += 1
         try:
             self._conn.send((self._seq, name, method, args, kwargs or {}))
@@ -182,19 +197,21 @@ class Worker:
         while seq not in self._replies:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"{self.name}: no answer to {what} within {timeout} s "
-                                   f"({self._exit_text()})")
+                raise TimeoutError(
+                    f"{self.name}: no answer to {what} within {timeout} s ({self._exit_text()})"
+                )
             if not self._conn.poll(min(left, 0.5)):
                 if not self.proc.is_alive() and not self._conn.poll(0):
-                    raise WorkerDied(f"{self.name} died before answering {what} "
-                                     f"({self._exit_text()})")
+                    raise WorkerDied(
+                        f"{self.name} died before answering {what} ({self._exit_text()})"
+                    )
                 continue
             try:
                 msg = self._conn.recv()
             except (EOFError, OSError):
                 self.proc.join(5)
                 raise WorkerDied(f"{self.name} died during {what} ({self._exit_text()})") from None
-            if msg[0] >= seq:                   # older ones: answers to calls that timed out
+            if msg[0] >= seq:  # older ones: answers to calls that timed out
                 self._replies[msg[0]] = msg[1:]
         msg = self._replies.pop(seq)
         if msg[0] == "err":
@@ -278,8 +295,9 @@ class _RemoteMethod:
         self.worker, self.name, self.method, self.timeout = worker, name, method, timeout
 
     def __call__(self, *args: Any, timeout: Optional[float] = None, **kwargs: Any) -> Any:
-        return self.worker.call(self.name, self.method, args, kwargs,
-                                self.timeout if timeout is None else timeout)
+        return self.worker.call(
+            self.name, self.method, args, kwargs, self.timeout if timeout is None else timeout
+        )
 
 
 class _Proxy:
@@ -298,8 +316,8 @@ class _Proxy:
 def post(method: Callable[..., R], *args: Any, **kwargs: Any) -> Pending[R]:
     """Start ``proxy.method(*args, **kwargs)`` without waiting for it::
 
-        p = post(prefill.run, reqs); d = post(decode.run, reqs)
-        p_out, d_out = p.result(120), d.result(120)
+    p = post(prefill.run, reqs); d = post(decode.run, reqs)
+    p_out, d_out = p.result(120), d.result(120)
     """
     if not isinstance(method, _RemoteMethod):
         raise TypeError(f"post() takes a proxy's method, not {method!r}")
@@ -322,4 +340,3 @@ class _Call:
 
     def run(self) -> Any:
         return self.fn()
-

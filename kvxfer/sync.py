@@ -8,6 +8,7 @@ Methods run on the caller's thread and hand the work to the loop thread (a
 here run on the loop thread (the threads table in docs/engine.md). Alternatively
 ``poll_messages()`` drains the messages received so far (non-blocking).
 """
+
 from __future__ import annotations
 
 import collections
@@ -58,13 +59,15 @@ class SyncPeer:
     def closed(self) -> bool:
         return self._peer.closed
 
-    def write_async(self, writes: Sequence, notify: Optional[bytes] = None,
-                    timeout: Optional[float] = None) -> Pending:
+    def write_async(
+        self, writes: Sequence, notify: Optional[bytes] = None, timeout: Optional[float] = None
+    ) -> Pending:
         t = self._owner.engine.config.transfer_timeout_s if timeout is None else timeout
         return Pending(self._owner._submit(self._peer.write(list(writes), notify, t)), t)
 
-    def write(self, writes: Sequence, notify: Optional[bytes] = None,
-              timeout: Optional[float] = None) -> TransferStats:
+    def write(
+        self, writes: Sequence, notify: Optional[bytes] = None, timeout: Optional[float] = None
+    ) -> TransferStats:
         return self.write_async(writes, notify, timeout).result()
 
     def send(self, payload: bytes, timeout: Optional[float] = None) -> None:

@@ -13,6 +13,7 @@ those), and decorating it with :func:`register`. An ``Optional`` field whose def
 ``None`` is left out of the encoding while it is ``None``. A field typed ``int`` takes Python
 ints only: ``bool`` and ``float`` values are refused.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,7 +48,7 @@ class Message:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if value is None and f.default is None:
-                continue          # an optional field left unset is absent on the wire
+                continue  # an optional field left unset is absent on the wire
             body[f.name] = value
         return msgpack.packb(body, use_bin_type=True)
 
@@ -138,8 +139,10 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
     if not is_int(version):  # the version decides how to read the rest: checked first
         raise ProtocolError(f"{_short(tag)}: protocol version {_short(version)} is not an int")
     if version != PROTOCOL_VERSION:
-        raise VersionMismatch(f"{_short(tag)}: protocol version {_short(version)}, this side "
-                              f"speaks {PROTOCOL_VERSION}")
+        raise VersionMismatch(
+            f"{_short(tag)}: protocol version {_short(version)}, this side "
+            f"speaks {PROTOCOL_VERSION}"
+        )
     cls = _REGISTRY.get(tag) if isinstance(tag, str) else None
     if cls is None:
         raise ProtocolError(f"unknown message type {_short(tag)}")

@@ -1,4 +1,5 @@
 """KV-cache and Mamba-state memory pools, allocators and post-capture backing."""
+
 from kvxfer.pools.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator  # noqa: F401
 from kvxfer.pools.base import KVCache  # noqa: F401
 from kvxfer.pools.cpu_copy import KvCpuCopy  # noqa: F401

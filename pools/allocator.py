@@ -21,6 +21,7 @@ the caller already holds. Freed pages are collected in release batches and merge
 the free list lazily when an allocation needs them, so consecutive allocations tend to be
 contiguous — which the transfer layer turns into fewer RMA operations.
 """
+
 from __future__ import annotations
 
 import logging
@@ -193,7 +194,9 @@ class PagedTokenToKVPoolAllocator:
             return partial_tok
         n_new = _ceil_div(seq, ps) - prefix_ceil_pages
         page_base = torch.cumsum(n_new, 0) - n_new
-        page_idx = page_base[req] + torch.div(pos, ps, rounding_mode="floor") - prefix_ceil_pages[req]
+        page_idx = (
+            page_base[req] + torch.div(pos, ps, rounding_mode="floor") - prefix_ceil_pages[req]
+        )
         page_idx = torch.where(in_partial, torch.zeros_like(page_idx), page_idx)
         new_tok = pages[page_idx] * ps + pos % ps
         return torch.where(in_partial, partial_tok, new_tok)

@@ -29,6 +29,7 @@ Post-capture backing
     (:mod:`kvxfer.pools.post_capture`): valid ids are then ``[0, token_limit)`` and ``lens[i]`` is the
     *backed* span of buffer ``i``. For an ordinary pool ``token_limit == num_slots``.
 """
+
 from __future__ import annotations
 
 import abc
@@ -87,10 +88,19 @@ class KVCache(PostCaptureMixin, abc.ABC):
     head_dim: int = 0
     v_head_dim: int = 0
 
-    def __init__(self, size: int, page_size: int, dtype: torch.dtype, layer_num: int,
-                 device="cpu", *, start_layer: Optional[int] = None,
-                 end_layer: Optional[int] = None, kernel_backend: str = "auto",
-                 cpu_copy_chunk_tokens: int = 8192):
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        layer_num: int,
+        device="cpu",
+        *,
+        start_layer: Optional[int] = None,
+        end_layer: Optional[int] = None,
+        kernel_backend: str = "auto",
+        cpu_copy_chunk_tokens: int = 8192,
+    ):
         self.size = _int_arg("size", size, 0)
         self.page_size = _int_arg("page_size", page_size, 1)
         self.layer_num = _int_arg("layer_num", layer_num, 0)
@@ -100,10 +110,15 @@ class KVCache(PostCaptureMixin, abc.ABC):
         self.store_dtype = store_dtype_for(dtype)
         self.device = torch.device(device)
         self.start_layer = _int_arg("start_layer", 0 if start_layer is None else start_layer, 0)
-        self.end_layer = (self.start_layer + max(self.layer_num, 1) - 1 if end_layer is None
-                          else _int_arg("end_layer", end_layer, self.start_layer))
+        self.end_layer = (
+            self.start_layer + max(self.layer_num, 1) - 1
+            if end_layer is None
+            else _int_arg("end_layer", end_layer, self.start_layer)
+        )
         if kernel_backend not in ("auto", "triton", "torch"):
-            raise InvalidArgument(f"kernel_backend must be auto|triton|torch, got {kernel_backend!r}")
+            raise InvalidArgument(
+                f"kernel_backend must be auto|triton|torch, got {kernel_backend!r}"
+            )
         self.kernel_backend = kernel_backend
         self.cpu_copy_chunk_tokens = _int_arg("cpu_copy_chunk_tokens", cpu_copy_chunk_tokens, 1)
         self.layer_transfer_counter = None
@@ -123,8 +138,10 @@ class KVCache(PostCaptureMixin, abc.ABC):
             raise InvalidArgument(f"layer must be an int id or have .layer_id, got {layer!r}")
         idx = layer_id - self.start_layer
         if not 0 <= idx < self.layer_num:
-            raise IndexOutOfRange(f"layer id {layer_id} outside [{self.start_layer}, "
-                                  f"{self.start_layer + self.layer_num})")
+            raise IndexOutOfRange(
+                f"layer id {layer_id} outside [{self.start_layer}, "
+                f"{self.start_layer + self.layer_num})"
+            )
         return idx
 
     def register_layer_transfer_counter(self, counter) -> None:
@@ -253,26 +270,40 @@ class KVCache(PostCaptureMixin, abc.ABC):
         return sum(self._span_lens(self._registered()))
 
     # -- host copies (retract / restore) -------------------------------------------------------
-    def get_cpu_copy(self, indices, *, chunk_tokens: Optional[int] = None,
-                     pin_memory: Optional[bool] = None) -> KvCpuCopy:
+    def get_cpu_copy(
+        self, indices, *, chunk_tokens: Optional[int] = None, pin_memory: Optional[bool] = None
+    ) -> KvCpuCopy:
         """Copy the token rows at ``indices`` of every layer to host memory."""
         self._check_open()
-        return copy_to_host(self._token_buffers(), indices, page_size=self.page_size,
-                            limit=self.token_limit, store_dtype=self.store_dtype,
-                            chunk_tokens=chunk_tokens or self.cpu_copy_chunk_tokens,
-                            pin_memory=self.device.type == "cuda" if pin_memory is None
-                            else pin_memory)
+        return copy_to_host(
+            self._token_buffers(),
+            indices,
+            page_size=self.page_size,
+            limit=self.token_limit,
+            store_dtype=self.store_dtype,
+            chunk_tokens=chunk_tokens or self.cpu_copy_chunk_tokens,
+            pin_memory=self.device.type == "cuda" if pin_memory is None else pin_memory,
+        )
 
-    def load_cpu_copy(self, copy: KvCpuCopy, indices, *, chunk_tokens: Optional[int] = None
-                      ) -> None:
+    def load_cpu_copy(
+        self, copy: KvCpuCopy, indices, *, chunk_tokens: Optional[int] = None
+    ) -> None:
         """Write a copy back at ``indices`` (any ids, as many as were copied). Validates the
         copy against this pool first; on any mismatch raises and writes nothing."""
         self._check_open()
-        load_from_host(copy, self._token_buffers(), indices, page_size=self.page_size,
-                       limit=self.token_limit, store_dtype=self.store_dtype,
-                       chunk_tokens=chunk_tokens or self.cpu_copy_chunk_tokens)
+        load_from_host(
+            copy,
+            self._token_buffers(),
+            indices,
+            page_size=self.page_size,
+            limit=self.token_limit,
+            store_dtype=self.store_dtype,
+            chunk_tokens=chunk_tokens or self.cpu_copy_chunk_tokens,
+        )
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(size={self.size}, page_size={self.page_size}, "
-                f"dtype={self.dtype}, layers={self.start_layer}+{self.layer_num}, "
-                f"layout={self.layout}, device={self.device})")
+        return (
+            f"{type(self).__name__}(size={self.size}, page_size={self.page_size}, "
+            f"dtype={self.dtype}, layers={self.start_layer}+{self.layer_num}, "
+            f"layout={self.layout}, device={self.device})"
+        )

@@ -13,6 +13,7 @@ Copies are made ``chunk_tokens`` tokens at a time: device scratch per step is bo
 everything (type, buffer count, row shapes, dtype, token count, index bounds) before the
 first byte is written.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,8 +26,14 @@ from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument, ShapeMismatc
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KvCpuCopy", "TokenBuffer", "copy_to_host", "load_from_host", "as_index_tensor",
-           "check_bounds"]
+__all__ = [
+    "KvCpuCopy",
+    "TokenBuffer",
+    "copy_to_host",
+    "load_from_host",
+    "as_index_tensor",
+    "check_bounds",
+]
 
 _INDEXINGS = ("rows", "paged", "hnd")
 
@@ -56,8 +63,10 @@ class KvCpuCopy:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
     def __repr__(self) -> str:
-        return (f"KvCpuCopy(num_tokens={self.num_tokens}, buffers={len(self.tensors)}, "
-                f"dtype={self.store_dtype}, nbytes={self.nbytes})")
+        return (
+            f"KvCpuCopy(num_tokens={self.num_tokens}, buffers={len(self.tensors)}, "
+            f"dtype={self.store_dtype}, nbytes={self.nbytes})"
+        )
 
 
 def row_shape(buf: TokenBuffer) -> tuple:
@@ -128,9 +137,16 @@ def scatter_rows(buf: TokenBuffer, idx: torch.Tensor, page_size: int, rows: torc
         t[page, :, slot] = rows
 
 
-def copy_to_host(buffers: Sequence[TokenBuffer], indices, *, page_size: int, limit: int,
-                 store_dtype: torch.dtype, chunk_tokens: int, pin_memory: bool = False
-                 ) -> KvCpuCopy:
+def copy_to_host(
+    buffers: Sequence[TokenBuffer],
+    indices,
+    *,
+    page_size: int,
+    limit: int,
+    store_dtype: torch.dtype,
+    chunk_tokens: int,
+    pin_memory: bool = False,
+) -> KvCpuCopy:
     """Copy the rows of ``indices`` out of every buffer into one host tensor per buffer."""
     if chunk_tokens <= 0:
         raise InvalidArgument(f"chunk_tokens must be > 0, got {chunk_tokens}")
@@ -141,19 +157,24 @@ def copy_to_host(buffers: Sequence[TokenBuffer], indices, *, page_size: int, lim
     shapes = tuple(row_shape(b) for b in buffers)
     out = []
     for buf, shape in zip(buffers, shapes):
-        host = torch.empty((n, *shape), dtype=buf.tensor.dtype, device="cpu",
-                           pin_memory=pin_memory and buf.tensor.is_cuda)
+        host = torch.empty(
+            (n, *shape),
+            dtype=buf.tensor.dtype,
+            device="cpu",
+            pin_memory=pin_memory and buf.tensor.is_cuda,
+        )
         for lo in range(0, n, chunk_tokens):
-            rows = gather_rows(buf, idx[lo:lo + chunk_tokens], page_size)
-            host[lo:lo + rows.shape[0]].copy_(rows, non_blocking=host.is_pinned())
+            rows = gather_rows(buf, idx[lo : lo + chunk_tokens], page_size)
+            host[lo : lo + rows.shape[0]].copy_(rows, non_blocking=host.is_pinned())
         out.append(host)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return KvCpuCopy(tensors=out, num_tokens=n, store_dtype=store_dtype, row_shapes=shapes)
 
 
-def validate_copy(copy, buffers: Sequence[TokenBuffer], idx: torch.Tensor, *,
-                  store_dtype: torch.dtype, limit: int) -> None:
+def validate_copy(
+    copy, buffers: Sequence[TokenBuffer], idx: torch.Tensor, *, store_dtype: torch.dtype, limit: int
+) -> None:
     """Every check of :func:`load_from_host`, without writing anything."""
     if not isinstance(copy, KvCpuCopy):
         raise InvalidArgument(f"expected a KvCpuCopy from get_cpu_copy, got {type(copy).__name__}")
@@ -166,15 +187,25 @@ def validate_copy(copy, buffers: Sequence[TokenBuffer], idx: torch.Tensor, *,
         raise ShapeMismatch(f"copy holds {copy.num_tokens} tokens, got {idx.numel()} indices")
     for i, (t, shape, buf) in enumerate(zip(copy.tensors, shapes, buffers)):
         if tuple(t.shape) != (copy.num_tokens, *shape):
-            raise ShapeMismatch(f"copy buffer {i} has shape {tuple(t.shape)}, pool rows need "
-                                f"{(copy.num_tokens, *shape)}")
+            raise ShapeMismatch(
+                f"copy buffer {i} has shape {tuple(t.shape)}, pool rows need "
+                f"{(copy.num_tokens, *shape)}"
+            )
         if t.dtype != buf.tensor.dtype:
             raise ShapeMismatch(f"copy buffer {i} dtype {t.dtype} != pool {buf.tensor.dtype}")
     check_bounds(idx, limit, "indices")
 
 
-def load_from_host(copy: KvCpuCopy, buffers: Sequence[TokenBuffer], indices, *, page_size: int,
-                   limit: int, store_dtype: torch.dtype, chunk_tokens: int) -> None:
+def load_from_host(
+    copy: KvCpuCopy,
+    buffers: Sequence[TokenBuffer],
+    indices,
+    *,
+    page_size: int,
+    limit: int,
+    store_dtype: torch.dtype,
+    chunk_tokens: int,
+) -> None:
     """Write the rows of ``copy`` into ``buffers`` at ``indices`` (any ids, same count)."""
     if chunk_tokens <= 0:
         raise InvalidArgument(f"chunk_tokens must be > 0, got {chunk_tokens}")
@@ -184,7 +215,7 @@ def load_from_host(copy: KvCpuCopy, buffers: Sequence[TokenBuffer], indices, *, 
     n = idx.numel()
     for buf, host in zip(buffers, copy.tensors):
         for lo in range(0, n, chunk_tokens):
-            rows = host[lo:lo + chunk_tokens].to(device, non_blocking=host.is_pinned())
-            scatter_rows(buf, idx[lo:lo + chunk_tokens], page_size, rows)
+            rows = host[lo : lo + chunk_tokens].to(device, non_blocking=host.is_pinned())
+            scatter_rows(buf, idx[lo : lo + chunk_tokens], page_size, rows)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -1,4 +1,5 @@
 """Errors raised by pools (re-exported from the single hierarchy in kernels.errors)."""
+
 from kvxfer.kernels.errors import (  # noqa: F401
     BackingError,
     DoubleFree,

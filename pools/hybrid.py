@@ -28,6 +28,7 @@ pool does.
 
 ``HybridReqToTokenPool`` (request → mamba slot bookkeeping) is re-exported from here.
 """
+
 from __future__ import annotations
 
 import logging
@@ -76,10 +77,14 @@ class HybridLinearKVPool(KVCache):
         if not isinstance(kv_pool, KVCache):
             raise InvalidArgument(f"kv_pool must be a KVCache, got {type(kv_pool).__name__}")
         if not isinstance(mamba_pool, MambaPool):
-            raise InvalidArgument(f"mamba_pool must be a MambaPool, got {type(mamba_pool).__name__}")
+            raise InvalidArgument(
+                f"mamba_pool must be a MambaPool, got {type(mamba_pool).__name__}"
+            )
         ids = [int(i) for i in full_attention_layer_ids]
         if len(set(ids)) != len(ids) or any(i < 0 for i in ids):
-            raise InvalidArgument(f"full_attention_layer_ids must be distinct non-negative ints: {ids}")
+            raise InvalidArgument(
+                f"full_attention_layer_ids must be distinct non-negative ints: {ids}"
+            )
         if len(ids) != kv_pool.layer_num:
             raise InvalidArgument(
                 f"{len(ids)} full-attention layer ids but the KV pool has {kv_pool.layer_num} layers"
@@ -88,14 +93,22 @@ class HybridLinearKVPool(KVCache):
         if post_capture_active is not None and post_capture_active != inner_pc:
             raise InvalidArgument(
                 f"post_capture_active={post_capture_active} but the inner KV pool was built with "
-                f"post_capture_active={inner_pc} (the backing is the inner pool's)")
+                f"post_capture_active={inner_pc} (the backing is the inner pool's)"
+            )
         overlap = set(ids) & set(mamba_pool.spec.layer_ids)
         if overlap:
-            raise InvalidArgument(f"layer ids {sorted(overlap)} are both full-attention and mamba layers")
+            raise InvalidArgument(
+                f"layer ids {sorted(overlap)} are both full-attention and mamba layers"
+            )
         all_ids = ids + list(mamba_pool.spec.layer_ids)
         super().__init__(
-            kv_pool.size, kv_pool.page_size, kv_pool.dtype, kv_pool.layer_num, kv_pool.device,
-            start_layer=int(start_layer), end_layer=max(max(all_ids), int(start_layer)),
+            kv_pool.size,
+            kv_pool.page_size,
+            kv_pool.dtype,
+            kv_pool.layer_num,
+            kv_pool.device,
+            start_layer=int(start_layer),
+            end_layer=max(max(all_ids), int(start_layer)),
             kernel_backend=getattr(kv_pool, "kernel_backend", "auto"),
             cpu_copy_chunk_tokens=getattr(kv_pool, "cpu_copy_chunk_tokens", 8192),
         )

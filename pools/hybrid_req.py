@@ -22,6 +22,7 @@ Ownership rules (no slot is ever leaked or owned twice):
   at ``keep`` (ownership of which passes to the caller and which is returned), skipping
   ``-1`` entries, and clears the request's mamba fields. Everything is validated first.
 """
+
 from __future__ import annotations
 
 import logging
@@ -68,7 +69,9 @@ class HybridReqToTokenPool(ReqToTokenPool):
     ):
         super().__init__(size, max_context_len, device)
         if not isinstance(mamba_pool, MambaPool):
-            raise InvalidArgument(f"mamba_pool must be a MambaPool, got {type(mamba_pool).__name__}")
+            raise InvalidArgument(
+                f"mamba_pool must be a MambaPool, got {type(mamba_pool).__name__}"
+            )
         if enable_mamba_extra_buffer_lazy and not enable_mamba_extra_buffer:
             raise InvalidArgument("enable_mamba_extra_buffer_lazy needs enable_mamba_extra_buffer")
         self.mamba_pool = mamba_pool
@@ -127,7 +130,9 @@ class HybridReqToTokenPool(ReqToTokenPool):
             )
             if self.enable_mamba_extra_buffer:
                 self.req_index_to_mamba_ping_pong_track_buffer_mapping[rows] = torch.tensor(
-                    [list(r.mamba_ping_pong_track_buffer) for r in reqs], dtype=torch.int64, device=dev
+                    [list(r.mamba_ping_pong_track_buffer) for r in reqs],
+                    dtype=torch.int64,
+                    device=dev,
                 )
         return select
 
@@ -163,7 +168,9 @@ class HybridReqToTokenPool(ReqToTokenPool):
         self._require_extra()
         buf = req.mamba_ping_pong_track_buffer
         if buf is None:
-            raise InvalidArgument("request holds no ping-pong track buffer (not allocated or freed)")
+            raise InvalidArgument(
+                "request holds no ping-pong track buffer (not allocated or freed)"
+            )
         return buf
 
     def _check_pp_idx(self, idx: int) -> int:

@@ -24,6 +24,7 @@ bijection onto ``[0, total_bytes)``; the per-layer 4-D views described by :meth:
 address exactly those bytes; page ``p`` of the envelope is the byte range
 ``[p * page_bytes, (p + 1) * page_bytes)``.
 """
+
 from __future__ import annotations
 
 import math
@@ -117,23 +118,32 @@ class KvBufferDesc:
         if not isinstance(other, KvBufferDesc):
             return NotImplemented
         return (self.name, self.shape, self.row_bytes, self.tokens_per_row) == (
-            other.name, other.shape, other.row_bytes, other.tokens_per_row)
+            other.name,
+            other.shape,
+            other.row_bytes,
+            other.tokens_per_row,
+        )
 
     def __hash__(self) -> int:
         return hash((self.name, self.shape, self.row_bytes, self.tokens_per_row))
 
     def __repr__(self) -> str:
-        return (f"KvBufferDesc({self.name!r}, shape={self.shape}, row_bytes={self.row_bytes}, "
-                f"tokens_per_row={self.tokens_per_row})")
+        return (
+            f"KvBufferDesc({self.name!r}, shape={self.shape}, row_bytes={self.row_bytes}, "
+            f"tokens_per_row={self.tokens_per_row})"
+        )
 
 
-def per_layer_descs(prefix: str, layer_num: int, shape: tuple, itemsize: int,
-                    tokens_per_row: int) -> list[KvBufferDesc]:
+def per_layer_descs(
+    prefix: str, layer_num: int, shape: tuple, itemsize: int, tokens_per_row: int
+) -> list[KvBufferDesc]:
     """``layer_num`` descriptors ``prefix0..prefix{L-1}`` of identical per-layer buffers whose
     leading dim is rows (``row_bytes = prod(shape[1:]) * itemsize``)."""
     row_bytes = math.prod(shape[1:]) * int(itemsize)
-    return [KvBufferDesc(f"{prefix}{i}", shape, row_bytes=row_bytes,
-                         tokens_per_row=tokens_per_row) for i in range(layer_num)]
+    return [
+        KvBufferDesc(f"{prefix}{i}", shape, row_bytes=row_bytes, tokens_per_row=tokens_per_row)
+        for i in range(layer_num)
+    ]
 
 
 @dataclass(frozen=True)
@@ -180,11 +190,27 @@ class PageMajorGeometry:
         _positive_int("num_pages", self.num_pages)
 
     @classmethod
-    def for_pool(cls, *, size: int, page_size: int, layer_num: int, head_num: int,
-                 head_dim: int, v_head_dim: int, itemsize: int) -> "PageMajorGeometry":
+    def for_pool(
+        cls,
+        *,
+        size: int,
+        page_size: int,
+        layer_num: int,
+        head_num: int,
+        head_dim: int,
+        v_head_dim: int,
+        itemsize: int,
+    ) -> "PageMajorGeometry":
         """Geometry of a pool of ``size`` tokens (+ the padding page); ``size`` page-aligned."""
-        return cls(layer_num, page_size, head_num, head_dim, v_head_dim, itemsize,
-                   num_pages_for(size, page_size))
+        return cls(
+            layer_num,
+            page_size,
+            head_num,
+            head_dim,
+            v_head_dim,
+            itemsize,
+            num_pages_for(size, page_size),
+        )
 
     # -- sizes -----------------------------------------------------------------------------
     @property
@@ -244,11 +270,16 @@ class PageMajorGeometry:
         if not 0 <= token < self.num_tokens:
             raise InvalidArgument(f"token {token} outside [0, {self.num_tokens})")
         if not 0 <= head < self.head_num or not 0 <= elem < self.dim(kind):
-            raise InvalidArgument(f"head/elem ({head}, {elem}) outside ({self.head_num}, "
-                                  f"{self.dim(kind)})")
+            raise InvalidArgument(
+                f"head/elem ({head}, {elem}) outside ({self.head_num}, {self.dim(kind)})"
+            )
         page, slot = divmod(token, self.page_size)
-        return (page * self.page_bytes + self.block_offset_bytes(kind, layer)
-                + slot * self.token_bytes(kind) + (head * self.dim(kind) + elem) * self.itemsize)
+        return (
+            page * self.page_bytes
+            + self.block_offset_bytes(kind, layer)
+            + slot * self.token_bytes(kind)
+            + (head * self.dim(kind) + elem) * self.itemsize
+        )
 
     def page_range(self, page: int) -> tuple[int, int]:
         """``[start, end)`` bytes of page ``page`` (all layers)."""
@@ -271,5 +302,6 @@ class PageMajorGeometry:
 
     def buffer_desc(self, name: str = "kv") -> KvBufferDesc:
         """The single registration descriptor: rows are pages of all layers."""
-        return KvBufferDesc(name, (self.total_bytes,), row_bytes=self.page_bytes,
-                            tokens_per_row=self.page_size)
+        return KvBufferDesc(
+            name, (self.total_bytes,), row_bytes=self.page_bytes, tokens_per_row=self.page_size
+        )

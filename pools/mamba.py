@@ -23,6 +23,7 @@ fingerprint (shapes, dtypes, layer count) and the slot count first (:class:`Shap
 Work is per state kind (``C + 1`` tensors, or one raw-row op for the envelope), never per
 slot or element.
 """
+
 from __future__ import annotations
 
 import logging
@@ -242,7 +243,9 @@ class MambaPool:
         src = self._slots(src_indices, "copy_from src")
         dst = self._slots(dst_indices, "copy_from dst", unique=True)
         if src.numel() != dst.numel():
-            raise ShapeMismatch(f"copy_from: {src.numel()} source slots but {dst.numel()} destinations")
+            raise ShapeMismatch(
+                f"copy_from: {src.numel()} source slots but {dst.numel()} destinations"
+            )
         if src.numel() == 0:
             return
         if self._raw is not None:
@@ -364,8 +367,13 @@ class MambaPool:
             ]
         names = [f"conv{i}" for i in range(len(self.conv))] + ["temporal"]
         return [
-            {"name": n, "offset": 0, "layer_bytes": int(t[0][0].nbytes), "num_layers": 1,
-             "sliceable_dim": int(t.shape[2])}
+            {
+                "name": n,
+                "offset": 0,
+                "layer_bytes": int(t[0][0].nbytes),
+                "num_layers": 1,
+                "sliceable_dim": int(t.shape[2]),
+            }
             for n, t in zip(names, self._state_tensors())
             for _ in range(self.num_layers)
         ]
@@ -373,16 +381,22 @@ class MambaPool:
     def describe(self) -> Dict[str, Any]:
         """Plain values: the layout fingerprint two peers compare."""
         _, _, items = self.get_state_buf_infos()
-        d = {"kind": "mamba", "layout": self.layout, "layer_ids": list(self.spec.layer_ids),
-             "item_lens": items}
+        d = {
+            "kind": "mamba",
+            "layout": self.layout,
+            "layer_ids": list(self.spec.layer_ids),
+            "item_lens": items,
+        }
         d.update(self.spec.fingerprint())
         if self._geom is not None:
             d["entry_bytes"] = self._geom.entry_bytes
         return d
 
     def mem_usage_bytes(self) -> int:
-        state = int(self._raw.nbytes) if self._raw is not None else sum(
-            int(t.nbytes) for t in self._state_tensors()
+        state = (
+            int(self._raw.nbytes)
+            if self._raw is not None
+            else sum(int(t.nbytes) for t in self._state_tensors())
         )
         scratch = sum(int(t.nbytes) for t in self._intermediate_conv_window_phys)
         if self.intermediate_ssm is not None:

@@ -6,6 +6,7 @@ Allocation is per request, so the free list is a Python list (no per-token work)
 ``free`` validates every id first (range → :class:`IndexOutOfRange`, already free or listed
 twice → :class:`DoubleFree`) and changes nothing on error.
 """
+
 from __future__ import annotations
 
 import logging

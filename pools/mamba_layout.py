@@ -26,6 +26,7 @@ Envelope layout
     offset ``region_offset / itemsize`` into the buffer reinterpreted as that dtype. The
     transfer descriptor is ONE entry: ``(base, (size + 1) * entry_bytes, entry_bytes)``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -115,7 +116,9 @@ def envelope_geometry(
     """Place the regions of one envelope slot (see module docstring)."""
     if num_layers < 1:
         raise InvalidArgument(f"num_layers must be >= 1, got {num_layers}")
-    kinds = [(f"conv{i}", tuple(int(d) for d in s), conv_itemsize) for i, s in enumerate(conv_shapes)]
+    kinds = [
+        (f"conv{i}", tuple(int(d) for d in s), conv_itemsize) for i, s in enumerate(conv_shapes)
+    ]
     kinds.append(("temporal", tuple(int(d) for d in temporal_shape), temporal_itemsize))
     regions = []
     off = 0
@@ -141,7 +144,9 @@ def plain_state_buf_lens(
     """``(lens, item_lens)`` of the plain layout's descriptors (kind-major, then layer)."""
     lens: List[int] = []
     items: List[int] = []
-    for shape, isz in [(s, conv_itemsize) for s in conv_shapes] + [(temporal_shape, temporal_itemsize)]:
+    for shape, isz in [(s, conv_itemsize) for s in conv_shapes] + [
+        (temporal_shape, temporal_itemsize)
+    ]:
         item = prod(shape) * isz
         lens += [item * num_slots] * num_layers
         items += [item] * num_layers

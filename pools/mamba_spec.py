@@ -11,6 +11,7 @@ envelope pool keeps the raw slot rows (``raw: [n, entry_bytes]``) and exposes th
 tensors as views of them, so envelope → envelope restores are one row copy while any copy can
 be restored into any pool of the same spec, whatever its layout.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

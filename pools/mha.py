@@ -17,6 +17,7 @@ Writes and moves go through the kernels (``kvxfer.kernels.store``, ``kvxfer.kern
 ``finalize_backing(n)`` (see :mod:`kvxfer.pools.post_capture`); ``backing_options`` passes
 ``max_extent_bytes`` / ``handle_types`` / ``one_range`` / ``provider`` to the backing.
 """
+
 from __future__ import annotations
 
 import logging
@@ -45,19 +46,43 @@ class MHATokenToKVPool(KVCache):
 
     kind = "mha"
 
-    def __init__(self, size: int, page_size: int, dtype: torch.dtype, head_num: int,
-                 head_dim: int, layer_num: int, device="cpu", *, v_head_dim: Optional[int] = None,
-                 start_layer: Optional[int] = None, end_layer: Optional[int] = None,
-                 layout: str = "nhd", kernel_backend: str = "auto",
-                 cpu_copy_chunk_tokens: int = 8192, post_capture_active: bool = False,
-                 backing_options: Optional[Mapping[str, Any]] = None):
-        if post_capture_active is True:   # reserved upper bound: whole pages
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        head_num: int,
+        head_dim: int,
+        layer_num: int,
+        device="cpu",
+        *,
+        v_head_dim: Optional[int] = None,
+        start_layer: Optional[int] = None,
+        end_layer: Optional[int] = None,
+        layout: str = "nhd",
+        kernel_backend: str = "auto",
+        cpu_copy_chunk_tokens: int = 8192,
+        post_capture_active: bool = False,
+        backing_options: Optional[Mapping[str, Any]] = None,
+    ):
+        if post_capture_active is True:  # reserved upper bound: whole pages
             size = page_align_up(size, page_size)
-        super().__init__(size, page_size, dtype, layer_num, device, start_layer=start_layer,
-                         end_layer=end_layer, kernel_backend=kernel_backend,
-                         cpu_copy_chunk_tokens=cpu_copy_chunk_tokens)
-        for name, value in (("head_num", head_num), ("head_dim", head_dim),
-                            ("v_head_dim", head_dim if v_head_dim is None else v_head_dim)):
+        super().__init__(
+            size,
+            page_size,
+            dtype,
+            layer_num,
+            device,
+            start_layer=start_layer,
+            end_layer=end_layer,
+            kernel_backend=kernel_backend,
+            cpu_copy_chunk_tokens=cpu_copy_chunk_tokens,
+        )
+        for name, value in (
+            ("head_num", head_num),
+            ("head_dim", head_dim),
+            ("v_head_dim", head_dim if v_head_dim is None else v_head_dim),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
         self.head_num = head_num
@@ -71,8 +96,9 @@ class MHATokenToKVPool(KVCache):
         self._copy_table = KvCopyTable(copy_buffers) if copy_buffers else None
         # captured CUDA graphs keep the full table (see pools.post_capture); eager calls
         # use tables and views narrowed to the backed span
-        self._copy_table_full = (self._copy_table if self._backing is not None
-                                 and self.device.type == "cuda" else None)
+        self._copy_table_full = (
+            self._copy_table if self._backing is not None and self.device.type == "cuda" else None
+        )
         self._refresh_kernel_views()
         logger.debug("created %r (%d bytes)", self, self.get_kv_size_bytes())
 
@@ -96,14 +122,15 @@ class MHATokenToKVPool(KVCache):
         k_shape, v_shape = self._buffer_shapes()
         tpr = self.page_size if self.layout == "hnd" else 1
         isz = self.store_dtype.itemsize
-        return (per_layer_descs("k", self.layer_num, k_shape, isz, tpr)
-                + per_layer_descs("v", self.layer_num, v_shape, isz, tpr))
+        return per_layer_descs("k", self.layer_num, k_shape, isz, tpr) + per_layer_descs(
+            "v", self.layer_num, v_shape, isz, tpr
+        )
 
     def _create_buffers(self) -> None:
         if self.post_capture_active:
             tensors = self._reserve_backing(self._buffer_descs(), self.store_dtype)
             self.k_buffer = tensors[: self.layer_num]
-            self.v_buffer = tensors[self.layer_num:]
+            self.v_buffer = tensors[self.layer_num :]
             return
         k_shape, v_shape = self._buffer_shapes()
         kw = dict(dtype=self.store_dtype, device=self.device)
@@ -177,9 +204,17 @@ class MHATokenToKVPool(KVCache):
         self._check_rows("v", v, n, (self.head_num, self.v_head_dim))
         return loc, k, v
 
-    def set_kv_buffer(self, layer, loc, k: torch.Tensor, v: torch.Tensor, *,
-                      mask: Optional[torch.Tensor] = None, k_scale: Optional[float] = None,
-                      v_scale: Optional[float] = None) -> None:
+    def set_kv_buffer(
+        self,
+        layer,
+        loc,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        mask: Optional[torch.Tensor] = None,
+        k_scale: Optional[float] = None,
+        v_scale: Optional[float] = None,
+    ) -> None:
         """Write ``k [N, H, D]`` / ``v [N, H, Dv]`` of ``layer`` at token ids ``loc [N]``;
         with ``mask`` (bool ``[N]``) only rows where it is True are written."""
         idx = self.layer_index(layer)
@@ -199,8 +234,7 @@ class MHATokenToKVPool(KVCache):
         """Physical write into layer ``idx`` (inputs already in store dtype and checked)."""
         k_bufs, v_bufs = self._kernel_buffers()
         if self._rows_contiguous():
-            store_kv(k_bufs[idx], v_bufs[idx], loc, k, v, mask=mask,
-                     backend=self.kernel_backend)
+            store_kv(k_bufs[idx], v_bufs[idx], loc, k, v, mask=mask, backend=self.kernel_backend)
             return
         if mask is not None:  # paged stores have no mask: select rows (syncs on GPU)
             keep = mask.nonzero().flatten()
@@ -211,27 +245,49 @@ class MHATokenToKVPool(KVCache):
         """HND: one paged store per head (a head's token row is contiguous)."""
         kv_views = zip(self._paged_views(k_buf), self._paged_views(v_buf))
         for h, (kh, vh) in enumerate(kv_views):
-            store_kv_paged(kh, vh, loc, k[:, h:h + 1], v[:, h:h + 1],
-                           backend=self.kernel_backend)
+            store_kv_paged(
+                kh, vh, loc, k[:, h : h + 1], v[:, h : h + 1], backend=self.kernel_backend
+            )
 
-    def set_kv_buffer_prefix_valid(self, layer, loc_2d, commit_lens, k: torch.Tensor,
-                                   v: torch.Tensor, *, k_scale: Optional[float] = None,
-                                   v_scale: Optional[float] = None) -> None:
+    def set_kv_buffer_prefix_valid(
+        self,
+        layer,
+        loc_2d,
+        commit_lens,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        k_scale: Optional[float] = None,
+        v_scale: Optional[float] = None,
+    ) -> None:
         """Write row ``(b, t)`` of ``k/v [B*T, ...]`` at ``loc_2d[b, t]`` only when
         ``t < commit_lens[b]`` (speculative decoding commits a prefix of each draft)."""
         idx = self.layer_index(layer)
         if not isinstance(loc_2d, torch.Tensor) or loc_2d.dim() != 2:
-            raise ShapeMismatch(f"loc_2d must be a 2-D tensor, got {getattr(loc_2d, 'shape', loc_2d)}")
-        if not isinstance(commit_lens, torch.Tensor) or tuple(commit_lens.shape) != (loc_2d.shape[0],):
-            raise ShapeMismatch(f"commit_lens must have shape {(loc_2d.shape[0],)}, got "
-                                f"{tuple(getattr(commit_lens, 'shape', ()))}")
+            raise ShapeMismatch(
+                f"loc_2d must be a 2-D tensor, got {getattr(loc_2d, 'shape', loc_2d)}"
+            )
+        if not isinstance(commit_lens, torch.Tensor) or tuple(commit_lens.shape) != (
+            loc_2d.shape[0],
+        ):
+            raise ShapeMismatch(
+                f"commit_lens must have shape {(loc_2d.shape[0],)}, got "
+                f"{tuple(getattr(commit_lens, 'shape', ()))}"
+            )
         B, T = loc_2d.shape
         flat, k, v = self._prepare(loc_2d.reshape(-1), k, v, k_scale, v_scale)
         commit_lens = commit_lens.to(self.device)
         if self._rows_contiguous():
             k_bufs, v_bufs = self._kernel_buffers()
-            store_kv_prefix_valid(k_bufs[idx], v_bufs[idx], flat.view(B, T),
-                                  commit_lens, k, v, backend=self.kernel_backend)
+            store_kv_prefix_valid(
+                k_bufs[idx],
+                v_bufs[idx],
+                flat.view(B, T),
+                commit_lens,
+                k,
+                v,
+                backend=self.kernel_backend,
+            )
             return
         keep = torch.arange(T, device=self.device)[None, :] < commit_lens.to(torch.int64)[:, None]
         self._store_layer(idx, flat, k, v, keep.reshape(-1))
@@ -250,11 +306,14 @@ class MHATokenToKVPool(KVCache):
         if loc.numel():
             lo, hi = int(loc.min()), int(loc.max())
             if lo < 0 or hi >= self.token_limit:
-                raise IndexOutOfRange(f"loc contains {lo if lo < 0 else hi}, outside "
-                                      f"[0, {self.token_limit})")
+                raise IndexOutOfRange(
+                    f"loc contains {lo if lo < 0 else hi}, outside [0, {self.token_limit})"
+                )
         k_bufs, v_bufs = self._kernel_buffers()
-        return (self._as_logical(self._gather_rows(k_bufs[idx], loc)),
-                self._as_logical(self._gather_rows(v_bufs[idx], loc)))
+        return (
+            self._as_logical(self._gather_rows(k_bufs[idx], loc)),
+            self._as_logical(self._gather_rows(v_bufs[idx], loc)),
+        )
 
     def _gather_rows(self, buf: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
         """Token rows ``[N, H, D]`` of one layer buffer (NHD ``[slots, H, D]``, HND ``[pages,
@@ -263,7 +322,7 @@ class MHATokenToKVPool(KVCache):
             return buf[loc]
         page, off = loc // self.page_size, loc % self.page_size
         if self.layout == "hnd":
-            return buf[page, :, off]      # advanced indices around a slice: [N, H, D]
+            return buf[page, :, off]  # advanced indices around a slice: [N, H, D]
         return buf[page, off]
 
     # -- moves --------------------------------------------------------------------------------

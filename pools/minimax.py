@@ -23,6 +23,7 @@ head dims fuse); with ``fuse_store=False`` it falls back to separate stores. Bot
 and check every input (shapes, dtypes; ids on the host-checked paths, see :mod:`kvxfer.kernels.store`)
 before the first write, so they write identical bytes, and on a refusal neither writes any.
 """
+
 from __future__ import annotations
 
 import logging
@@ -58,8 +59,18 @@ def _ids(name: str, ids: Optional[Iterable[int]]) -> list[int]:
 
 
 def _renamed(prefix: str, regs: list) -> list:
-    return [(t, KvBufferDesc(f"{prefix}.{d.name}", d.shape, row_bytes=d.row_bytes,
-                             tokens_per_row=d.tokens_per_row)) for t, d in regs]
+    return [
+        (
+            t,
+            KvBufferDesc(
+                f"{prefix}.{d.name}",
+                d.shape,
+                row_bytes=d.row_bytes,
+                tokens_per_row=d.tokens_per_row,
+            ),
+        )
+        for t, d in regs
+    ]
 
 
 class MiniMaxSparseKVPool(KVCache):
@@ -68,35 +79,63 @@ class MiniMaxSparseKVPool(KVCache):
     kind = "minimax_sparse"
     layout = "nhd"
 
-    def __init__(self, size: int, page_size: int, dtype: torch.dtype, head_num: int,
-                 head_dim: int, idx_head_dim: int, dense_layer_ids, sparse_layer_ids,
-                 device="cpu", *, disable_value_sparse_layer_ids=None,
-                 index_dtype: Optional[torch.dtype] = None, index_head_num: int = 1,
-                 v_head_dim: Optional[int] = None, start_layer: Optional[int] = None,
-                 end_layer: Optional[int] = None, kernel_backend: str = "auto",
-                 fuse_store: bool = True, cpu_copy_chunk_tokens: int = 8192,
-                 post_capture_active: bool = False):
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        head_num: int,
+        head_dim: int,
+        idx_head_dim: int,
+        dense_layer_ids,
+        sparse_layer_ids,
+        device="cpu",
+        *,
+        disable_value_sparse_layer_ids=None,
+        index_dtype: Optional[torch.dtype] = None,
+        index_head_num: int = 1,
+        v_head_dim: Optional[int] = None,
+        start_layer: Optional[int] = None,
+        end_layer: Optional[int] = None,
+        kernel_backend: str = "auto",
+        fuse_store: bool = True,
+        cpu_copy_chunk_tokens: int = 8192,
+        post_capture_active: bool = False,
+    ):
         if post_capture_active:
-            raise UnsupportedOperation("MiniMaxSparseKVPool does not support "
-                                       "post_capture_active=True")
+            raise UnsupportedOperation(
+                "MiniMaxSparseKVPool does not support post_capture_active=True"
+            )
         dense = _ids("dense_layer_ids", dense_layer_ids)
         sparse = _ids("sparse_layer_ids", sparse_layer_ids)
         no_v = set(_ids("disable_value_sparse_layer_ids", disable_value_sparse_layer_ids))
         if set(dense) & set(sparse):
-            raise InvalidArgument(f"layers {sorted(set(dense) & set(sparse))} are both dense and sparse")
+            raise InvalidArgument(
+                f"layers {sorted(set(dense) & set(sparse))} are both dense and sparse"
+            )
         if no_v - set(sparse):
-            raise InvalidArgument(f"disable_value_sparse_layer_ids {sorted(no_v - set(sparse))} "
-                                  f"are not sparse layers")
+            raise InvalidArgument(
+                f"disable_value_sparse_layer_ids {sorted(no_v - set(sparse))} are not sparse layers"
+            )
         every = sorted(dense + sparse)
         start = start_layer if start_layer is not None else (every[0] if every else 0)
         end = end_layer if end_layer is not None else (every[-1] if every else start)
         local = [i for i in every if start <= i <= end]
         if local != list(range(start, start + len(local))):
-            raise InvalidArgument(f"local layers {local} must be exactly {start}.."
-                                  f"{start + len(local) - 1} (no gaps)")
-        super().__init__(size, page_size, dtype, len(local), device, start_layer=start,
-                         end_layer=end_layer, kernel_backend=kernel_backend,
-                         cpu_copy_chunk_tokens=cpu_copy_chunk_tokens)
+            raise InvalidArgument(
+                f"local layers {local} must be exactly {start}..{start + len(local) - 1} (no gaps)"
+            )
+        super().__init__(
+            size,
+            page_size,
+            dtype,
+            len(local),
+            device,
+            start_layer=start,
+            end_layer=end_layer,
+            kernel_backend=kernel_backend,
+            cpu_copy_chunk_tokens=cpu_copy_chunk_tokens,
+        )
         if not isinstance(fuse_store, bool):
             raise InvalidArgument(f"fuse_store must be a bool, got {fuse_store!r}")
         self.fuse_store = fuse_store
@@ -109,18 +148,48 @@ class MiniMaxSparseKVPool(KVCache):
         self.index_dtype = dtype if index_dtype is None else index_dtype
         self.idx_head_dim = idx_head_dim
         self.index_head_num = index_head_num
-        common = dict(device=self.device, kernel_backend=kernel_backend,
-                      cpu_copy_chunk_tokens=cpu_copy_chunk_tokens)
-        self.main_pool = MHATokenToKVPool(size, page_size, dtype, head_num, head_dim,
-                                          self.layer_num, v_head_dim=v_head_dim,
-                                          start_layer=start, **common)
-        self.index_kv_pool = (MHATokenToKVPool(size, page_size, self.index_dtype, index_head_num,
-                                               idx_head_dim, len(kv_sparse), **common)
-                              if kv_sparse else None)
-        self.index_k_pool = (MHATokenToKOnlyPool(size, page_size, self.index_dtype,
-                                                 index_head_num, idx_head_dim, len(k_only),
-                                                 **common)
-                             if k_only else None)
+        common = dict(
+            device=self.device,
+            kernel_backend=kernel_backend,
+            cpu_copy_chunk_tokens=cpu_copy_chunk_tokens,
+        )
+        self.main_pool = MHATokenToKVPool(
+            size,
+            page_size,
+            dtype,
+            head_num,
+            head_dim,
+            self.layer_num,
+            v_head_dim=v_head_dim,
+            start_layer=start,
+            **common,
+        )
+        self.index_kv_pool = (
+            MHATokenToKVPool(
+                size,
+                page_size,
+                self.index_dtype,
+                index_head_num,
+                idx_head_dim,
+                len(kv_sparse),
+                **common,
+            )
+            if kv_sparse
+            else None
+        )
+        self.index_k_pool = (
+            MHATokenToKOnlyPool(
+                size,
+                page_size,
+                self.index_dtype,
+                index_head_num,
+                idx_head_dim,
+                len(k_only),
+                **common,
+            )
+            if k_only
+            else None
+        )
         self.head_num = self.main_pool.head_num
         self.head_dim = self.main_pool.head_dim
         self.v_head_dim = self.main_pool.v_head_dim
@@ -160,11 +229,14 @@ class MiniMaxSparseKVPool(KVCache):
 
     def describe(self) -> dict:
         d = super().describe()
-        d.update(dense_layer_ids=list(self.dense_layer_ids),
-                 sparse_layer_ids=list(self.sparse_layer_ids),
-                 k_only_sparse_layer_ids=list(self.index_k_layer_id_mapping),
-                 idx_head_dim=self.idx_head_dim, index_head_num=self.index_head_num,
-                 index_dtype=str(self.index_dtype).replace("torch.", ""))
+        d.update(
+            dense_layer_ids=list(self.dense_layer_ids),
+            sparse_layer_ids=list(self.sparse_layer_ids),
+            k_only_sparse_layer_ids=list(self.index_k_layer_id_mapping),
+            idx_head_dim=self.idx_head_dim,
+            index_head_num=self.index_head_num,
+            index_dtype=str(self.index_dtype).replace("torch.", ""),
+        )
         return d
 
     # -- layer lookups --------------------------------------------------------------------------
@@ -202,8 +274,9 @@ class MiniMaxSparseKVPool(KVCache):
         j = self._sparse(layer_id, self.index_kv_layer_id_mapping, "index cache (not sparse)")
         return self.index_kv_pool.get_key_buffer(j)
 
-    def set_index_kv_buffer(self, layer, loc, idx_k: torch.Tensor, idx_v: torch.Tensor,
-                            **kw) -> None:
+    def set_index_kv_buffer(
+        self, layer, loc, idx_k: torch.Tensor, idx_v: torch.Tensor, **kw
+    ) -> None:
         j = self._sparse(layer, self.index_kv_layer_id_mapping, "index V cache")
         self.index_kv_pool.set_kv_buffer(j, unwrap_write_loc(loc)[0], idx_k, idx_v, **kw)
 
@@ -215,12 +288,21 @@ class MiniMaxSparseKVPool(KVCache):
         """True when :meth:`set_fused_kv_index_buffer` of ``layer`` runs as one launch: fusion
         enabled and every target has token-row (NHD) buffers on one device."""
         lid = getattr(layer, "layer_id", layer)
-        return (self.fuse_store and lid in self.sparse_layer_ids
-                and all(p.layout == "nhd" for _, p in self._sub_pools()))
+        return (
+            self.fuse_store
+            and lid in self.sparse_layer_ids
+            and all(p.layout == "nhd" for _, p in self._sub_pools())
+        )
 
-    def set_fused_kv_index_buffer(self, layer, loc, k: torch.Tensor, v: torch.Tensor,
-                                  idx_k: torch.Tensor, idx_v: Optional[torch.Tensor] = None
-                                  ) -> None:
+    def set_fused_kv_index_buffer(
+        self,
+        layer,
+        loc,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        idx_k: torch.Tensor,
+        idx_v: Optional[torch.Tensor] = None,
+    ) -> None:
         """Main K/V + index K (+ index V unless the layer is K-only) of a sparse layer."""
         lid = getattr(layer, "layer_id", layer)
         k_only = lid in self.index_k_layer_id_mapping
@@ -264,6 +346,8 @@ class MiniMaxSparseKVPool(KVCache):
         self._copy_table.move(tgt, src, backend=self.kernel_backend)
 
     def set_kv_buffer_prefix_valid(self, *args, **kwargs) -> None:
-        raise UnsupportedOperation("MiniMaxSparseKVPool: use main_pool.set_kv_buffer_prefix_valid "
-                                   "and the index setters (speculative decoding of sparse "
-                                   "layers writes index rows too)")
+        raise UnsupportedOperation(
+            "MiniMaxSparseKVPool: use main_pool.set_kv_buffer_prefix_valid "
+            "and the index setters (speculative decoding of sparse "
+            "layers writes index rows too)"
+        )

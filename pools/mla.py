@@ -9,6 +9,7 @@ Registration: ``layer_num`` entries ``kv0..kv{L-1}``; ``item_lens`` = one page o
 ``post_capture_active=True`` reserves the buffers and backs page 0 only until
 ``finalize_backing(n)`` (see :mod:`kvxfer.pools.post_capture`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,17 +38,36 @@ class MLATokenToKVPool(KVCache):
     layout = "nhd"
     head_num = 1
 
-    def __init__(self, size: int, page_size: int, dtype: torch.dtype, kv_lora_rank: int,
-                 qk_rope_head_dim: int, layer_num: int, device="cpu", *,
-                 start_layer: Optional[int] = None, end_layer: Optional[int] = None,
-                 kernel_backend: str = "auto", cpu_copy_chunk_tokens: int = 8192,
-                 post_capture_active: bool = False,
-                 backing_options: Optional[Mapping[str, Any]] = None):
-        if post_capture_active is True:   # reserved upper bound: whole pages
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        layer_num: int,
+        device="cpu",
+        *,
+        start_layer: Optional[int] = None,
+        end_layer: Optional[int] = None,
+        kernel_backend: str = "auto",
+        cpu_copy_chunk_tokens: int = 8192,
+        post_capture_active: bool = False,
+        backing_options: Optional[Mapping[str, Any]] = None,
+    ):
+        if post_capture_active is True:  # reserved upper bound: whole pages
             size = page_align_up(size, page_size)
-        super().__init__(size, page_size, dtype, layer_num, device, start_layer=start_layer,
-                         end_layer=end_layer, kernel_backend=kernel_backend,
-                         cpu_copy_chunk_tokens=cpu_copy_chunk_tokens)
+        super().__init__(
+            size,
+            page_size,
+            dtype,
+            layer_num,
+            device,
+            start_layer=start_layer,
+            end_layer=end_layer,
+            kernel_backend=kernel_backend,
+            cpu_copy_chunk_tokens=cpu_copy_chunk_tokens,
+        )
         for name, value in (("kv_lora_rank", kv_lora_rank), ("qk_rope_head_dim", qk_rope_head_dim)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
@@ -61,19 +81,28 @@ class MLATokenToKVPool(KVCache):
             self.kv_buffer = self._reserve_backing(self._buffer_descs(), self.store_dtype)
         else:
             self.kv_buffer = [
-                torch.zeros((self.num_slots, 1, self.kv_cache_dim), dtype=self.store_dtype,
-                            device=self.device)
+                torch.zeros(
+                    (self.num_slots, 1, self.kv_cache_dim),
+                    dtype=self.store_dtype,
+                    device=self.device,
+                )
                 for _ in range(self.layer_num)
             ]
         self._copy_table = KvCopyTable(self.kv_buffer) if self.layer_num else None
         # captured CUDA graphs keep the full buffers/table (see pools.post_capture)
-        self._copy_table_full = (self._copy_table if self._backing is not None
-                                 and self.device.type == "cuda" else None)
+        self._copy_table_full = (
+            self._copy_table if self._backing is not None and self.device.type == "cuda" else None
+        )
         self._refresh_kernel_views()
 
     def _buffer_descs(self) -> list[KvBufferDesc]:
-        return per_layer_descs("kv", self.layer_num, (self.num_slots, 1, self.kv_cache_dim),
-                               self.store_dtype.itemsize, 1)
+        return per_layer_descs(
+            "kv",
+            self.layer_num,
+            (self.num_slots, 1, self.kv_cache_dim),
+            self.store_dtype.itemsize,
+            1,
+        )
 
     # -- post-capture hooks (pools.post_capture) ----------------------------------------------
     def _refresh_kernel_views(self) -> None:
@@ -114,8 +143,15 @@ class MLATokenToKVPool(KVCache):
         return self._as_logical(self.kv_buffer[idx][..., : self.kv_lora_rank])
 
     # -- writes / reads -----------------------------------------------------------------------
-    def set_kv_buffer(self, layer, loc, k: torch.Tensor, v: Optional[torch.Tensor] = None, *,
-                      mask: Optional[torch.Tensor] = None) -> None:
+    def set_kv_buffer(
+        self,
+        layer,
+        loc,
+        k: torch.Tensor,
+        v: Optional[torch.Tensor] = None,
+        *,
+        mask: Optional[torch.Tensor] = None,
+    ) -> None:
         """Write whole rows ``k [N, 1, R + Dr]`` at ``loc``; ``v`` is ignored (it is part of k)."""
         idx = self.layer_index(layer)
         loc = self._as_loc(loc)
@@ -123,8 +159,7 @@ class MLATokenToKVPool(KVCache):
         self._check_rows("k", k, loc.shape[0], (1, self.kv_cache_dim))
         if mask is not None:
             mask = mask.to(self.device)
-        store_kv(self._kernel_kv()[idx], None, loc, k, None, mask=mask,
-                 backend=self.kernel_backend)
+        store_kv(self._kernel_kv()[idx], None, loc, k, None, mask=mask, backend=self.kernel_backend)
 
     def set_mla_kv_buffer(self, layer, loc, k_nope: torch.Tensor, k_rope: torch.Tensor) -> None:
         """Write ``k_nope [N, 1, R]`` and ``k_rope [N, 1, Dr]`` into one row per token."""
@@ -136,15 +171,17 @@ class MLATokenToKVPool(KVCache):
         self._check_rows("k_rope", rope, n, (1, self.qk_rope_head_dim))
         store_mla(self._kernel_kv()[idx], loc, nope, rope, backend=self.kernel_backend)
 
-    def get_mla_kv_buffer(self, layer, loc, dst_dtype: Optional[torch.dtype] = None
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    def get_mla_kv_buffer(
+        self, layer, loc, dst_dtype: Optional[torch.dtype] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k_nope [N, 1, R], k_rope [N, 1, Dr])`` at ``loc``, as ``dst_dtype`` (default
         ``dtype``)."""
         idx = self.layer_index(layer)
         self._wait_layer(idx)
         loc = self._as_loc(loc)
-        nope, rope = gather_mla(self._kernel_kv()[idx], loc, self.kv_lora_rank,
-                                backend=self.kernel_backend)
+        nope, rope = gather_mla(
+            self._kernel_kv()[idx], loc, self.kv_lora_rank, backend=self.kernel_backend
+        )
         nope, rope = self._as_logical(nope), self._as_logical(rope)
         if dst_dtype is not None and dst_dtype != self.dtype:
             nope, rope = nope.to(dst_dtype), rope.to(dst_dtype)

@@ -9,6 +9,7 @@ no-ops; it registers nothing (empty descriptor lists).
 ``MHATokenToKOnlyPool`` stores K only (``[size + page_size, H, D]`` per layer) for layers
 whose consumers never read V. Registration: ``layer_num`` entries ``k0..k{L-1}``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,10 +38,14 @@ class NoOpMHATokenToKVPool(MHATokenToKVPool):
 
     def _create_buffers(self) -> None:
         kw = dict(dtype=self.store_dtype, device=self.device)
-        self.k_buffer = [torch.zeros((self.page_size, self.head_num, self.head_dim), **kw)
-                         for _ in range(self.layer_num)]
-        self.v_buffer = [torch.zeros((self.page_size, self.head_num, self.v_head_dim), **kw)
-                         for _ in range(self.layer_num)]
+        self.k_buffer = [
+            torch.zeros((self.page_size, self.head_num, self.head_dim), **kw)
+            for _ in range(self.layer_num)
+        ]
+        self.v_buffer = [
+            torch.zeros((self.page_size, self.head_num, self.v_head_dim), **kw)
+            for _ in range(self.layer_num)
+        ]
 
     def _set_layout(self, layout: str) -> None:
         if layout != "nhd":
@@ -59,7 +64,8 @@ class NoOpMHATokenToKVPool(MHATokenToKVPool):
     def _unsupported(self, what: str):
         return UnsupportedOperation(
             f"NoOpMHATokenToKVPool.{what}: this pool stores no KV (prefill-only workloads "
-            f"whose attention never reads the cache); use MHATokenToKVPool instead")
+            f"whose attention never reads the cache); use MHATokenToKVPool instead"
+        )
 
     def set_kv_buffer(self, *args, **kwargs) -> None:
         raise self._unsupported("set_kv_buffer")
@@ -87,26 +93,54 @@ class MHATokenToKOnlyPool(KVCache):
     kind = "k_only"
     layout = "nhd"
 
-    def __init__(self, size: int, page_size: int, dtype: torch.dtype, head_num: int,
-                 head_dim: int, layer_num: int, device="cpu", *,
-                 start_layer: Optional[int] = None, end_layer: Optional[int] = None,
-                 kernel_backend: str = "auto", cpu_copy_chunk_tokens: int = 8192):
-        super().__init__(size, page_size, dtype, layer_num, device, start_layer=start_layer,
-                         end_layer=end_layer, kernel_backend=kernel_backend,
-                         cpu_copy_chunk_tokens=cpu_copy_chunk_tokens)
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        head_num: int,
+        head_dim: int,
+        layer_num: int,
+        device="cpu",
+        *,
+        start_layer: Optional[int] = None,
+        end_layer: Optional[int] = None,
+        kernel_backend: str = "auto",
+        cpu_copy_chunk_tokens: int = 8192,
+    ):
+        super().__init__(
+            size,
+            page_size,
+            dtype,
+            layer_num,
+            device,
+            start_layer=start_layer,
+            end_layer=end_layer,
+            kernel_backend=kernel_backend,
+            cpu_copy_chunk_tokens=cpu_copy_chunk_tokens,
+        )
         for name, value in (("head_num", head_num), ("head_dim", head_dim)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
         self.head_num = head_num
         self.head_dim = head_dim
         self.v_head_dim = 0
-        self.k_buffer = [torch.zeros((self.num_slots, head_num, head_dim), dtype=self.store_dtype,
-                                     device=self.device) for _ in range(self.layer_num)]
+        self.k_buffer = [
+            torch.zeros(
+                (self.num_slots, head_num, head_dim), dtype=self.store_dtype, device=self.device
+            )
+            for _ in range(self.layer_num)
+        ]
         self._copy_table = KvCopyTable(self.k_buffer) if self.layer_num else None
 
     def _registered(self) -> list[tuple[torch.Tensor, KvBufferDesc]]:
-        descs = per_layer_descs("k", self.layer_num, (self.num_slots, self.head_num, self.head_dim),
-                                self.store_dtype.itemsize, 1)
+        descs = per_layer_descs(
+            "k",
+            self.layer_num,
+            (self.num_slots, self.head_num, self.head_dim),
+            self.store_dtype.itemsize,
+            1,
+        )
         return list(zip(self.k_buffer, descs))
 
     def _token_buffers(self) -> list[TokenBuffer]:
@@ -123,16 +157,30 @@ class MHATokenToKOnlyPool(KVCache):
     def get_kv_buffer(self, layer_id: int):
         raise UnsupportedOperation("MHATokenToKOnlyPool stores no V")
 
-    def set_kv_buffer(self, layer, loc, k: torch.Tensor, v: Optional[torch.Tensor] = None, *,
-                      mask: Optional[torch.Tensor] = None, k_scale: Optional[float] = None
-                      ) -> None:
+    def set_kv_buffer(
+        self,
+        layer,
+        loc,
+        k: torch.Tensor,
+        v: Optional[torch.Tensor] = None,
+        *,
+        mask: Optional[torch.Tensor] = None,
+        k_scale: Optional[float] = None,
+    ) -> None:
         """Write ``k [N, H, D]`` at ``loc``; ``v`` must be None (this pool has no V)."""
         if v is not None:
             raise UnsupportedOperation("MHATokenToKOnlyPool stores no V; pass v=None")
         self.set_k_buffer(layer, loc, k, mask=mask, k_scale=k_scale)
 
-    def set_k_buffer(self, layer, loc, k: torch.Tensor, *, mask: Optional[torch.Tensor] = None,
-                     k_scale: Optional[float] = None) -> None:
+    def set_k_buffer(
+        self,
+        layer,
+        loc,
+        k: torch.Tensor,
+        *,
+        mask: Optional[torch.Tensor] = None,
+        k_scale: Optional[float] = None,
+    ) -> None:
         idx = self.layer_index(layer)
         loc = self._as_loc(loc)
         k = self._to_store(k, k_scale)

@@ -14,6 +14,7 @@ copy/restore are all supported (through the 4-D views). Needs ``size % page_size
 With ``post_capture_active=True`` the raw buffer is reserved (one descriptor, store dtype
 ``uint8``) and backed page by page of all layers (see :mod:`kvxfer.pools.post_capture`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,12 +43,19 @@ class PageMajorMHATokenToKVPool(MHATokenToKVPool):
 
     def _set_layout(self, layout: str) -> None:
         if layout != "page_major":
-            raise InvalidArgument(f"PageMajorMHATokenToKVPool has layout 'page_major', got {layout!r}")
+            raise InvalidArgument(
+                f"PageMajorMHATokenToKVPool has layout 'page_major', got {layout!r}"
+            )
         self.layout = "page_major"
         self.geometry = PageMajorGeometry.for_pool(
-            size=self.size, page_size=self.page_size, layer_num=max(self.layer_num, 1),
-            head_num=self.head_num, head_dim=self.head_dim, v_head_dim=self.v_head_dim,
-            itemsize=self.store_dtype.itemsize)
+            size=self.size,
+            page_size=self.page_size,
+            layer_num=max(self.layer_num, 1),
+            head_num=self.head_num,
+            head_dim=self.head_dim,
+            v_head_dim=self.v_head_dim,
+            itemsize=self.store_dtype.itemsize,
+        )
         self.num_pages = self.geometry.num_pages
 
     def _create_buffers(self) -> None:

@@ -32,6 +32,7 @@ Invariants (for a post-capture pool):
 Getters (``get_key_buffer`` ...) return the full reserved-shape tensors: indexing them past
 ``token_limit`` is the caller's responsibility, as for any raw tensor.
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,8 +54,14 @@ _BACKING_OPTIONS = ("one_range", "handle_types", "max_extent_bytes", "provider")
 def page_align_up(size, page_size):
     """``size`` rounded up to a multiple of ``page_size`` (non-ints pass through for the
     constructor's own validation to reject)."""
-    if (isinstance(size, int) and not isinstance(size, bool) and size >= 0
-            and isinstance(page_size, int) and not isinstance(page_size, bool) and page_size > 0):
+    if (
+        isinstance(size, int)
+        and not isinstance(size, bool)
+        and size >= 0
+        and isinstance(page_size, int)
+        and not isinstance(page_size, bool)
+        and page_size > 0
+    ):
         return ceil_div(size, page_size) * page_size
     return size
 
@@ -63,8 +70,10 @@ def _token_count(value, what: str) -> int:
     """An int token count, or the ``max_total_num_tokens`` of a config object."""
     n = getattr(value, "max_total_num_tokens", value)
     if isinstance(n, bool) or not isinstance(n, int):
-        raise InvalidArgument(f"{what}: token count must be an int (or an object with an int "
-                              f".max_total_num_tokens), got {value!r}")
+        raise InvalidArgument(
+            f"{what}: token count must be an int (or an object with an int "
+            f".max_total_num_tokens), got {value!r}"
+        )
     return n
 
 
@@ -77,7 +86,7 @@ class PostCaptureMixin:
     """
 
     post_capture_active: bool = False
-    _backing = None          # BackedBuffers when post-capture is active
+    _backing = None  # BackedBuffers when post-capture is active
     _backing_options: Mapping[str, Any] = {}
     _closed: bool = False
 
@@ -94,27 +103,36 @@ class PostCaptureMixin:
         self.post_capture_active = active
         self._backing_options = opts
 
-    def _reserve_backing(self, descs: Sequence[KvBufferDesc],
-                         store_dtype: torch.dtype) -> list[torch.Tensor]:
+    def _reserve_backing(
+        self, descs: Sequence[KvBufferDesc], store_dtype: torch.dtype
+    ) -> list[torch.Tensor]:
         """Reserve ``descs`` for ``self.size`` tokens, back page 0; the full-shape tensors."""
         # imported here: keeps the backing layer off plain pools' import
         from kvxfer.pools.backing import BackedBuffers
 
         if not descs:
-            raise InvalidArgument(f"{type(self).__name__}: post_capture_active needs at least "
-                                  f"one buffer (layer_num={getattr(self, 'layer_num', 0)})")
-        self._backing = BackedBuffers(descs, store_dtype=store_dtype, device=self.device,
-                                      page_size=self.page_size, reserved_num_tokens=self.size,
-                                      **self._backing_options)
-        if self._backing.device != self.device:   # "cuda" resolved to "cuda:i"
+            raise InvalidArgument(
+                f"{type(self).__name__}: post_capture_active needs at least "
+                f"one buffer (layer_num={getattr(self, 'layer_num', 0)})"
+            )
+        self._backing = BackedBuffers(
+            descs,
+            store_dtype=store_dtype,
+            device=self.device,
+            page_size=self.page_size,
+            reserved_num_tokens=self.size,
+            **self._backing_options,
+        )
+        if self._backing.device != self.device:  # "cuda" resolved to "cuda:i"
             self.device = self._backing.device
         return list(self._backing.tensors)
 
     def _check_post_capture_built(self) -> None:
         """After construction: a subclass that creates its own buffers has not reserved."""
         if self.post_capture_active and self._backing is None:
-            raise UnsupportedOperation(f"{type(self).__name__} does not support "
-                                       f"post_capture_active=True")
+            raise UnsupportedOperation(
+                f"{type(self).__name__} does not support post_capture_active=True"
+            )
 
     # -- queries ----------------------------------------------------------------------------
     @property
@@ -149,8 +167,11 @@ class PostCaptureMixin:
     def _capturing(self) -> bool:
         """True while a CUDA graph is being captured on the current stream (post-capture
         pools on CUDA only)."""
-        return (self._backing is not None and self.device.type == "cuda"
-                and torch.cuda.is_current_stream_capturing())
+        return (
+            self._backing is not None
+            and self.device.type == "cuda"
+            and torch.cuda.is_current_stream_capturing()
+        )
 
     def _span_lens(self, regs) -> list[int]:
         """Advertised byte span of each registered buffer (``regs`` from ``_registered``)."""
@@ -171,8 +192,9 @@ class PostCaptureMixin:
     # -- lifecycle ----------------------------------------------------------------------------
     def _require_backing(self, what: str):
         if self._backing is None:
-            raise UnsupportedOperation(f"{what}: {type(self).__name__} was not built with "
-                                       f"post_capture_active=True")
+            raise UnsupportedOperation(
+                f"{what}: {type(self).__name__} was not built with post_capture_active=True"
+            )
         self._check_open()
         return self._backing
 
@@ -189,8 +211,9 @@ class PostCaptureMixin:
         owner.finalize(n)
         self.size = n
         self._refresh_kernel_views()
-        logger.info("%s finalized: %d tokens, %d bytes backed", type(self).__name__, n,
-                    owner.backed_bytes)
+        logger.info(
+            "%s finalized: %d tokens, %d bytes backed", type(self).__name__, n, owner.backed_bytes
+        )
 
     def release_beyond(self, num_tokens) -> int:
         """Shrink to ``num_tokens`` (<= the finalized size), give back every extent wholly

@@ -20,6 +20,7 @@ buffer), host copies and registration work exactly as for the unquantized pools.
 Registration (MHA): ``4 * layer_num`` entries ``k0.., v0.., k_scale0.., v_scale0..``;
 (MLA): ``2 * layer_num`` entries ``kv0.., kv_scale0..``; item = one page of that buffer.
 """
+
 from __future__ import annotations
 
 import logging
@@ -77,7 +78,12 @@ class MHATokenToKVPoolFP4(MHATokenToKVPool):
 
     def _shapes(self) -> list[tuple]:
         S, H, D, Dv = self.num_slots, self.head_num, self.head_dim, self.v_head_dim
-        return [(S, H, D // 2), (S, H, Dv // 2), (S, H, D // BLOCK_ELEMS), (S, H, Dv // BLOCK_ELEMS)]
+        return [
+            (S, H, D // 2),
+            (S, H, Dv // 2),
+            (S, H, D // BLOCK_ELEMS),
+            (S, H, Dv // BLOCK_ELEMS),
+        ]
 
     def _create_buffers(self) -> None:
         kw = dict(dtype=torch.uint8, device=self.device)
@@ -105,15 +111,23 @@ class MHATokenToKVPoolFP4(MHATokenToKVPool):
         """Every slot's K, dequantized: a new ``[num_slots, H, D]`` tensor of ``dtype``."""
         idx = self.layer_index(layer_id)
         self._wait_layer(idx)
-        return dequantize_fp4(self.k_buffer[idx], self.k_scale_buffer[idx], dtype=self.dtype,
-                              backend=self.kernel_backend)
+        return dequantize_fp4(
+            self.k_buffer[idx],
+            self.k_scale_buffer[idx],
+            dtype=self.dtype,
+            backend=self.kernel_backend,
+        )
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
         """Every slot's V, dequantized: a new ``[num_slots, H, Dv]`` tensor of ``dtype``."""
         idx = self.layer_index(layer_id)
         self._wait_layer(idx)
-        return dequantize_fp4(self.v_buffer[idx], self.v_scale_buffer[idx], dtype=self.dtype,
-                              backend=self.kernel_backend)
+        return dequantize_fp4(
+            self.v_buffer[idx],
+            self.v_scale_buffer[idx],
+            dtype=self.dtype,
+            backend=self.kernel_backend,
+        )
 
     def get_kv_rows(self, layer, loc) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k [N, H, D], v [N, H, Dv])`` of the tokens ``loc``, dequantized."""
@@ -121,31 +135,48 @@ class MHATokenToKVPoolFP4(MHATokenToKVPool):
         self._wait_layer(idx)
         loc = self._as_loc(unwrap_write_loc(loc)[0])
         kw = dict(loc=loc, dtype=self.dtype, backend=self.kernel_backend)
-        return (dequantize_fp4(self.k_buffer[idx], self.k_scale_buffer[idx], **kw),
-                dequantize_fp4(self.v_buffer[idx], self.v_scale_buffer[idx], **kw))
+        return (
+            dequantize_fp4(self.k_buffer[idx], self.k_scale_buffer[idx], **kw),
+            dequantize_fp4(self.v_buffer[idx], self.v_scale_buffer[idx], **kw),
+        )
 
-    def get_fp4_buffers(self, layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                               torch.Tensor]:
+    def get_fp4_buffers(
+        self, layer
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Raw ``(k_packed, k_scale, v_packed, v_scale)`` uint8 buffers of ``layer``."""
         idx = self.layer_index(layer)
         self._wait_layer(idx)
-        return (self.k_buffer[idx], self.k_scale_buffer[idx], self.v_buffer[idx],
-                self.v_scale_buffer[idx])
+        return (
+            self.k_buffer[idx],
+            self.k_scale_buffer[idx],
+            self.v_buffer[idx],
+            self.v_scale_buffer[idx],
+        )
 
     # -- writes --------------------------------------------------------------------------------
     def _source(self, name: str, x, n: int, dim: int, scale: Optional[float]) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
             raise InvalidArgument(f"{name} must be a tensor, got {type(x).__name__}")
         if x.dtype not in FLOAT_DTYPES:
-            raise InvalidArgument(f"{name} must be one of {FLOAT_DTYPES} to quantize, got {x.dtype}")
+            raise InvalidArgument(
+                f"{name} must be one of {FLOAT_DTYPES} to quantize, got {x.dtype}"
+            )
         self._check_rows(name, x, n, (self.head_num, dim))
         if scale is not None:
             x = x / scale
         return x.to(self.device)
 
-    def set_kv_buffer(self, layer, loc, k: torch.Tensor, v: torch.Tensor, *,
-                      mask: Optional[torch.Tensor] = None, k_scale: Optional[float] = None,
-                      v_scale: Optional[float] = None) -> None:
+    def set_kv_buffer(
+        self,
+        layer,
+        loc,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        mask: Optional[torch.Tensor] = None,
+        k_scale: Optional[float] = None,
+        v_scale: Optional[float] = None,
+    ) -> None:
         """Quantize ``k [N, H, D]`` / ``v [N, H, Dv]`` (after ``/ k_scale`` / ``/ v_scale``) and
         write them at ``loc`` (tensor or :class:`KVWriteLoc`); ``mask`` as in the MHA pool."""
         idx = self.layer_index(layer)
@@ -156,25 +187,52 @@ class MHATokenToKVPoolFP4(MHATokenToKVPool):
         if mask is not None:
             mask = self._as_mask(mask, n)
         # both writes share loc and row count: once K's checks pass, V's cannot fail
-        store_fp4(self.k_buffer[idx], self.k_scale_buffer[idx], loc, k, mask=mask,
-                  backend=self.kernel_backend)
-        store_fp4(self.v_buffer[idx], self.v_scale_buffer[idx], loc, v, mask=mask,
-                  backend=self.kernel_backend)
+        store_fp4(
+            self.k_buffer[idx],
+            self.k_scale_buffer[idx],
+            loc,
+            k,
+            mask=mask,
+            backend=self.kernel_backend,
+        )
+        store_fp4(
+            self.v_buffer[idx],
+            self.v_scale_buffer[idx],
+            loc,
+            v,
+            mask=mask,
+            backend=self.kernel_backend,
+        )
 
-    def set_kv_buffer_prefix_valid(self, layer, loc_2d, commit_lens, k: torch.Tensor,
-                                   v: torch.Tensor, *, k_scale: Optional[float] = None,
-                                   v_scale: Optional[float] = None) -> None:
+    def set_kv_buffer_prefix_valid(
+        self,
+        layer,
+        loc_2d,
+        commit_lens,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        k_scale: Optional[float] = None,
+        v_scale: Optional[float] = None,
+    ) -> None:
         """Write row ``(b, t)`` only when ``t < commit_lens[b]`` (see the MHA pool)."""
         if not isinstance(loc_2d, torch.Tensor) or loc_2d.dim() != 2:
-            raise ShapeMismatch(f"loc_2d must be a 2-D tensor, got {getattr(loc_2d, 'shape', loc_2d)}")
-        if not isinstance(commit_lens, torch.Tensor) or tuple(commit_lens.shape) != (loc_2d.shape[0],):
-            raise ShapeMismatch(f"commit_lens must have shape {(loc_2d.shape[0],)}, got "
-                                f"{tuple(getattr(commit_lens, 'shape', ()))}")
+            raise ShapeMismatch(
+                f"loc_2d must be a 2-D tensor, got {getattr(loc_2d, 'shape', loc_2d)}"
+            )
+        if not isinstance(commit_lens, torch.Tensor) or tuple(commit_lens.shape) != (
+            loc_2d.shape[0],
+        ):
+            raise ShapeMismatch(
+                f"commit_lens must have shape {(loc_2d.shape[0],)}, got "
+                f"{tuple(getattr(commit_lens, 'shape', ()))}"
+            )
         T = loc_2d.shape[1]
         lens = commit_lens.to(self.device, torch.int64)
         keep = (torch.arange(T, device=self.device)[None, :] < lens[:, None]).reshape(-1)
-        self.set_kv_buffer(layer, loc_2d.reshape(-1), k, v, mask=keep, k_scale=k_scale,
-                           v_scale=v_scale)
+        self.set_kv_buffer(
+            layer, loc_2d.reshape(-1), k, v, mask=keep, k_scale=k_scale, v_scale=v_scale
+        )
 
     def describe(self) -> dict:
         d = super().describe()
@@ -189,23 +247,45 @@ class MLATokenToKVPoolFP4(MLATokenToKVPool):
 
     kind = "mla_fp4"
 
-    def __init__(self, size: int, page_size: int, dtype: torch.dtype, kv_lora_rank: int,
-                 qk_rope_head_dim: int, layer_num: int, device="cpu", *,
-                 start_layer: Optional[int] = None, end_layer: Optional[int] = None,
-                 kernel_backend: str = "auto", cpu_copy_chunk_tokens: int = 8192,
-                 post_capture_active: bool = False):
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        layer_num: int,
+        device="cpu",
+        *,
+        start_layer: Optional[int] = None,
+        end_layer: Optional[int] = None,
+        kernel_backend: str = "auto",
+        cpu_copy_chunk_tokens: int = 8192,
+        post_capture_active: bool = False,
+    ):
         if post_capture_active:
-            raise UnsupportedOperation(f"{type(self).__name__} does not support "
-                                       f"post_capture_active=True")
+            raise UnsupportedOperation(
+                f"{type(self).__name__} does not support post_capture_active=True"
+            )
         layers = _int_arg("layer_num", layer_num, 0)
         start = 0 if start_layer is None else start_layer
         if end_layer is None and layers and isinstance(start, int):
             end_layer = start + layers - 1
         # The parent allocates full-precision rows per layer; build it with no layers and
         # create the FP4 buffers here instead (no transient full-size allocation).
-        super().__init__(size, page_size, dtype, kv_lora_rank, qk_rope_head_dim, 0, device,
-                         start_layer=start_layer, end_layer=end_layer,
-                         kernel_backend=kernel_backend, cpu_copy_chunk_tokens=cpu_copy_chunk_tokens)
+        super().__init__(
+            size,
+            page_size,
+            dtype,
+            kv_lora_rank,
+            qk_rope_head_dim,
+            0,
+            device,
+            start_layer=start_layer,
+            end_layer=end_layer,
+            kernel_backend=kernel_backend,
+            cpu_copy_chunk_tokens=cpu_copy_chunk_tokens,
+        )
         _check_fp4_dims(dtype, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim)
         self.layer_num = layers
         self.store_dtype = torch.uint8
@@ -232,8 +312,12 @@ class MLATokenToKVPoolFP4(MLATokenToKVPool):
         """Every slot's row (latent + rope), dequantized: ``[num_slots, 1, R + Dr]``."""
         idx = self.layer_index(layer_id)
         self._wait_layer(idx)
-        return dequantize_fp4(self.kv_buffer[idx], self.kv_scale_buffer[idx], dtype=self.dtype,
-                              backend=self.kernel_backend)
+        return dequantize_fp4(
+            self.kv_buffer[idx],
+            self.kv_scale_buffer[idx],
+            dtype=self.dtype,
+            backend=self.kernel_backend,
+        )
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
         """The latent part of :meth:`get_key_buffer`: ``[num_slots, 1, R]``."""
@@ -245,17 +329,23 @@ class MLATokenToKVPoolFP4(MLATokenToKVPool):
         self._wait_layer(idx)
         return self.kv_buffer[idx], self.kv_scale_buffer[idx]
 
-    def get_mla_kv_buffer(self, layer, loc, dst_dtype: Optional[torch.dtype] = None
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    def get_mla_kv_buffer(
+        self, layer, loc, dst_dtype: Optional[torch.dtype] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k_nope [N, 1, R], k_rope [N, 1, Dr])`` of tokens ``loc``, dequantized to
         ``dst_dtype`` (default ``dtype``)."""
         idx = self.layer_index(layer)
         self._wait_layer(idx)
         loc = self._as_loc(unwrap_write_loc(loc)[0])
         out_dtype = dst_dtype if dst_dtype in FLOAT_DTYPES else self.dtype
-        rows = dequantize_fp4(self.kv_buffer[idx], self.kv_scale_buffer[idx], loc=loc,
-                              dtype=out_dtype, backend=self.kernel_backend)
-        nope, rope = rows[..., : self.kv_lora_rank], rows[..., self.kv_lora_rank:]
+        rows = dequantize_fp4(
+            self.kv_buffer[idx],
+            self.kv_scale_buffer[idx],
+            loc=loc,
+            dtype=out_dtype,
+            backend=self.kernel_backend,
+        )
+        nope, rope = rows[..., : self.kv_lora_rank], rows[..., self.kv_lora_rank :]
         if dst_dtype is not None and dst_dtype != out_dtype:
             nope, rope = nope.to(dst_dtype), rope.to(dst_dtype)
         return nope, rope
@@ -263,12 +353,27 @@ class MLATokenToKVPoolFP4(MLATokenToKVPool):
     # -- writes --------------------------------------------------------------------------------
     def _store(self, idx: int, loc, row: torch.Tensor, mask=None) -> None:
         if row.dtype not in FLOAT_DTYPES:
-            raise InvalidArgument(f"rows must be one of {FLOAT_DTYPES} to quantize, got {row.dtype}")
-        store_fp4(self.kv_buffer[idx], self.kv_scale_buffer[idx], loc, row.to(self.device),
-                  mask=mask, backend=self.kernel_backend)
+            raise InvalidArgument(
+                f"rows must be one of {FLOAT_DTYPES} to quantize, got {row.dtype}"
+            )
+        store_fp4(
+            self.kv_buffer[idx],
+            self.kv_scale_buffer[idx],
+            loc,
+            row.to(self.device),
+            mask=mask,
+            backend=self.kernel_backend,
+        )
 
-    def set_kv_buffer(self, layer, loc, k: torch.Tensor, v: Optional[torch.Tensor] = None, *,
-                      mask: Optional[torch.Tensor] = None) -> None:
+    def set_kv_buffer(
+        self,
+        layer,
+        loc,
+        k: torch.Tensor,
+        v: Optional[torch.Tensor] = None,
+        *,
+        mask: Optional[torch.Tensor] = None,
+    ) -> None:
         """Quantize whole rows ``k [N, 1, R + Dr]`` and write them at ``loc`` (tensor or
         :class:`KVWriteLoc`); ``v`` is ignored (it is part of ``k``)."""
         idx = self.layer_index(layer)

@@ -13,6 +13,7 @@ holds the KV token ids of the request that occupies request slot ``r``. Invarian
 
 Allocation is per request (not per token), so the free list is a plain Python list.
 """
+
 from __future__ import annotations
 
 import logging

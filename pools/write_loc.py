@@ -15,6 +15,7 @@ entries; longer ones are cut to ``len(loc)`` (callers narrow ``loc`` per layer f
 batches while the translated locations were computed for the full batch, same token order).
 Shorter ones raise :class:`ShapeMismatch`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

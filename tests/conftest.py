@@ -8,6 +8,7 @@ Triton kernels run under the interpreter on CPU unless the run targets CUDA
 (``KVXFER_TEST_DEVICE=cuda`` on the accelerator machine; read once, in :mod:`testenv`). The variable must be set before
 the first ``@triton.jit`` is evaluated, hence here, before any test module imports kernels.
 """
+
 import os
 import secrets
 

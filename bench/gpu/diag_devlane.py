@@ -3,6 +3,7 @@ CUDA pools. The initiator has 1 or 4 engines (like ``kvxfer bench transfer``: pe
 device_copy auto/off); the first one (device lane on, device_min_ops=1) writes either items
 only or a 1-op raw UCX write before each item write (as the benchmark does). Prints the
 launch time, the GPU time after the launch and the whole write, in microseconds."""
+
 import gc
 import sys
 import time
@@ -36,10 +37,16 @@ class DiagNode(BenchNode):
             gc.disable()
         rng = np.random.default_rng(0)
         raw = [RawWrite("pm", 0, 0, 1 << 20)]
-        cases = {"pm 2048p random (2047 runs)": [ItemWrite("pm", rng.permutation(2048).tolist(),
-                                                           rng.permutation(2048).tolist())],
-                 "kv 16p random (256 runs)": [ItemWrite("kv", rng.permutation(2048)[:16].tolist(),
-                                                        rng.permutation(2048)[:16].tolist())]}
+        cases = {
+            "pm 2048p random (2047 runs)": [
+                ItemWrite("pm", rng.permutation(2048).tolist(), rng.permutation(2048).tolist())
+            ],
+            "kv 16p random (256 runs)": [
+                ItemWrite(
+                    "kv", rng.permutation(2048)[:16].tolist(), rng.permutation(2048)[:16].tolist()
+                )
+            ],
+        }
         out = {}
         for name, w in cases.items():
             steps.clear()
@@ -52,6 +59,7 @@ class DiagNode(BenchNode):
                     t0 = time.perf_counter()
                     await peer.write(w)
                     tot.append(time.perf_counter() - t0)
+
             sync._run(go(), 120)
             out[name] = {k: [round(x * 1e6) for x in v[1:]] for k, v in steps.items()}
             out[name]["write"] = [round(x * 1e6) for x in tot[1:]]
@@ -63,26 +71,47 @@ class DiagNode(BenchNode):
 def main():
     groups = _groups(8, 64 << 10, 2048)
     cfg = dict(secret=SECRET, transfer_timeout_s=120.0, warn_slow_lanes=False)
-    target = Worker(DiagNode, {"engines": {"t": {"config": dict(cfg, name="t"), "groups": groups,
-                                                 "device": "cuda"}}}, name="target")
+    target = Worker(
+        DiagNode,
+        {"engines": {"t": {"config": dict(cfg, name="t"), "groups": groups, "device": "cuda"}}},
+        name="target",
+    )
     try:
         port = target.start(120).proxy(DiagNode).ports()["t"]
         for n_eng in (1, 4):
             keys = [("peer", "auto"), ("peer", "off"), ("none", "auto"), ("none", "off")][:n_eng]
-            init = Worker(DiagNode, {"engines": {f"{m}/{d}": {
-                "config": dict(cfg, name=f"i-{m}-{d}", error_mode=m, device_copy=d,
-                               device_min_ops=1), "groups": groups, "device": "cuda"}
-                for m, d in keys}}, name="init")
+            init = Worker(
+                DiagNode,
+                {
+                    "engines": {
+                        f"{m}/{d}": {
+                            "config": dict(
+                                cfg,
+                                name=f"i-{m}-{d}",
+                                error_mode=m,
+                                device_copy=d,
+                                device_min_ops=1,
+                            ),
+                            "groups": groups,
+                            "device": "cuda",
+                        }
+                        for m, d in keys
+                    }
+                },
+                name="init",
+            )
             try:
                 node = init.start(120).proxy(DiagNode)
-                pids = {f"{m}/{d}": node.connect(f"{m}/{d}", "127.0.0.1", port)["ok"]
-                        for m, d in keys}
+                pids = {
+                    f"{m}/{d}": node.connect(f"{m}/{d}", "127.0.0.1", port)["ok"] for m, d in keys
+                }
                 for pattern, nogc in (("items", False), ("raw+items", False), ("raw+items", True)):
-                    res = node.diag("peer/auto", pids["peer/auto"], pattern, nogc,
-                                    timeout=300)
+                    res = node.diag("peer/auto", pids["peer/auto"], pattern, nogc, timeout=300)
                     for k, v in res.items():
-                        print(f"engines={n_eng} {pattern:9s} gc={'off' if nogc else 'on '} {k}: {v}",
-                              flush=True)
+                        print(
+                            f"engines={n_eng} {pattern:9s} gc={'off' if nogc else 'on '} {k}: {v}",
+                            flush=True,
+                        )
             finally:
                 init.close()
     finally:

@@ -9,6 +9,7 @@ the copies are 256 bytes so the host side of the call is what is measured, with 
 synchronise every 256 calls so the queue never fills. The pointer queries run once per
 registration, not per write; they are listed so a regression there is visible too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,28 +79,44 @@ def main() -> None:
     with torch.cuda.stream(stream):
         rows = {
             "memcpy_dtod_async, cuda-bindings": per_call_us(
-                lambda: new_memcpy(d, s, 256, h), a.calls, stream),
+                lambda: new_memcpy(d, s, 256, h), a.calls, stream
+            ),
             "memcpy_dtod_async, ctypes": per_call_us(
-                lambda: old_memcpy(d, s, 256, h), a.calls, stream),
+                lambda: old_memcpy(d, s, 256, h), a.calls, stream
+            ),
         }
-    rows.update({
-        "pointer attribute, cuda-bindings": per_call_us(
-            lambda: cuda_driver._attr("RANGE_START_ADDR", s), a.calls),
-        "pointer attribute, ctypes": per_call_us(lambda: old_range_start(s), a.calls),
-        "ipc_capable (3 queries), cuda-bindings": per_call_us(
-            lambda: cuda_driver.ipc_capable(s), a.calls),
-    })
+    rows.update(
+        {
+            "pointer attribute, cuda-bindings": per_call_us(
+                lambda: cuda_driver._attr("RANGE_START_ADDR", s), a.calls
+            ),
+            "pointer attribute, ctypes": per_call_us(lambda: old_range_start(s), a.calls),
+            "ipc_capable (3 queries), cuda-bindings": per_call_us(
+                lambda: cuda_driver.ipc_capable(s), a.calls
+            ),
+        }
+    )
     import cuda.bindings
-    print(f"{torch.cuda.get_device_name(a.device)}, cuda-bindings {cuda.bindings.__version__}, "
-          f"{a.calls} calls x 5 rounds (median)")
+
+    print(
+        f"{torch.cuda.get_device_name(a.device)}, cuda-bindings {cuda.bindings.__version__}, "
+        f"{a.calls} calls x 5 rounds (median)"
+    )
     print("| call | µs per call |\n| --- | ---: |")
     for k, v in rows.items():
         print(f"| {k} | {v:.2f} |")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(a.device),
-                       "cuda_bindings": cuda.bindings.__version__, "calls": a.calls,
-                       "us_per_call": rows}, f, indent=1)
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name(a.device),
+                    "cuda_bindings": cuda.bindings.__version__,
+                    "calls": a.calls,
+                    "us_per_call": rows,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 Each module exposes ``main(argv) -> int``; it is imported only when asked for, so a
 benchmark that needs CUDA or UCX does not get in the way of the others.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -38,7 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as exc:
         if exc.name != module_name:
             raise
-        print(f"kvxfer bench {name}: not available in this build yet "
-              f"(module {module_name} is missing)", file=sys.stderr)
+        print(
+            f"kvxfer bench {name}: not available in this build yet "
+            f"(module {module_name} is missing)",
+            file=sys.stderr,
+        )
         return 2
     return int(module.main(rest) or 0)

@@ -14,6 +14,7 @@ numpy host buffers or torch device buffers; the parent hosts it in a
 (exercises registration merging); an engine's optional ``"device"`` ("cpu" default,
 or e.g. "cuda") puts its buffers in torch device memory.
 """
+
 from __future__ import annotations
 
 import time
@@ -69,12 +70,16 @@ class EngineNode:
             for gname, g in e["groups"].items():
                 bufs = self._alloc(g, device)
                 self.buffers[key][gname] = bufs
-                eng.register(gname, [self._ptr(b) for b in bufs],
-                             [int(b.numel()) if device != "cpu" else b.nbytes for b in bufs],
-                             list(g["item_lens"]))
+                eng.register(
+                    gname,
+                    [self._ptr(b) for b in bufs],
+                    [int(b.numel()) if device != "cpu" else b.nbytes for b in bufs],
+                    list(g["item_lens"]),
+                )
             self._closed[key] = []
-            eng.on_peer_closed(lambda pid, exc, k=key: self._closed[k].append(
-                (pid, type(exc).__name__)))
+            eng.on_peer_closed(
+                lambda pid, exc, k=key: self._closed[k].append((pid, type(exc).__name__))
+            )
             self._ports[key] = eng.start()[1]
             self.engines[key] = eng
 
@@ -91,7 +96,7 @@ class EngineNode:
             whole = zeros(n * sum(ils))
             out, off = [], 0
             for il in ils:
-                out.append(whole[off:off + n * il])
+                out.append(whole[off : off + n * il])
                 off += n * il
             return out
         return [zeros(n * il) for il in ils]
@@ -123,8 +128,11 @@ class EngineNode:
                 import torch
 
                 gen = torch.Generator(device=b.device).manual_seed(seed * 1000 + i)
-                b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, device=b.device,
-                                      generator=gen))
+                b.copy_(
+                    torch.randint(
+                        0, 256, b.shape, dtype=torch.uint8, device=b.device, generator=gen
+                    )
+                )
 
     def zero(self, key, group):
         for b in self.buffers[key][group]:
@@ -134,11 +142,12 @@ class EngineNode:
         """Bytes of the given items across every descriptor (descriptor-major)."""
         n = self._items[key][group]
         idx = self.np.asarray(ids, dtype=self.np.int64)
-        return b"".join(self._host(b).reshape(n, -1)[idx].tobytes()
-                        for b in self.buffers[key][group])
+        return b"".join(
+            self._host(b).reshape(n, -1)[idx].tobytes() for b in self.buffers[key][group]
+        )
 
     def bytes(self, key, group, desc, off, n):
-        return self._host(self.buffers[key][group][desc])[off:off + n].tobytes()
+        return self._host(self.buffers[key][group][desc])[off : off + n].tobytes()
 
     def checksum(self, key, group):
         return [int(self._host(b).sum(dtype=self.np.uint64)) for b in self.buffers[key][group]]
@@ -154,9 +163,18 @@ class EngineNode:
         def go():
             p = self._peer(key, peer_id)
             st = p.write(self._writes(parts), notify, timeout)
-            return {"device_lane": getattr(p, "_peer", p).device_lane,"bytes": st.bytes, "ops": st.ops, "lanes": st.lanes,
-                    "post_s": st.post_s, "complete_s": st.complete_s, "flush_s": st.flush_s,
-                    "device_bytes": st.device_bytes, "device_ops": st.device_ops}
+            return {
+                "device_lane": getattr(p, "_peer", p).device_lane,
+                "bytes": st.bytes,
+                "ops": st.ops,
+                "lanes": st.lanes,
+                "post_s": st.post_s,
+                "complete_s": st.complete_s,
+                "flush_s": st.flush_s,
+                "device_bytes": st.device_bytes,
+                "device_ops": st.device_ops,
+            }
+
         return _result(go)
 
     def write_many(self, key, peer_id, batches, timeout=None):
@@ -194,9 +212,13 @@ class EngineNode:
         a write fails. ``hold_after=k``: after the k-th successful write the thread waits
         for ``stream_release`` before it writes again (the parent then knows exactly which
         writes completed before what it does meanwhile)."""
-        st = self.streams[key] = {"count": 0, "error": None, "t_end": None,
-                                  "held": self._threading.Event(),
-                                  "release": self._threading.Event()}
+        st = self.streams[key] = {
+            "count": 0,
+            "error": None,
+            "t_end": None,
+            "held": self._threading.Event(),
+            "release": self._threading.Event(),
+        }
         ids = list(range(n_items))
 
         peer = self._peer(key, peer_id)  # once: a dead peer leaves the engine's table
@@ -219,8 +241,12 @@ class EngineNode:
 
     def stream_status(self, key):
         st = self.streams[key]
-        return {"count": st["count"], "error": st["error"], "t_end": st["t_end"],
-                "held": st["held"].is_set()}
+        return {
+            "count": st["count"],
+            "error": st["error"],
+            "t_end": st["t_end"],
+            "held": st["held"].is_set(),
+        }
 
     def stream_held(self, key, timeout):
         """Wait (bounded) until the stream holds after its ``hold_after``-th write."""
@@ -233,8 +259,12 @@ class EngineNode:
         """Wait (bounded) for the stream to end by itself, i.e. for a write to fail."""
         st = self.streams[key]
         st["thread"].join(timeout)
-        return {"count": st["count"], "error": st["error"], "alive": st["thread"].is_alive(),
-                "t_end": st["t_end"]}
+        return {
+            "count": st["count"],
+            "error": st["error"],
+            "alive": st["thread"].is_alive(),
+            "t_end": st["t_end"],
+        }
 
     def close(self):
         for eng in self.engines.values():

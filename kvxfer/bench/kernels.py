@@ -32,6 +32,7 @@ measures that end to end).
 On CPU only the torch reference and copy_ run, at tiny sizes, best of a few runs (Triton on
 CPU means the interpreter, whose timings are meaningless).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,16 +49,32 @@ from kvxfer.kernels import checksum, mla, store, store_paged
 from kvxfer.kernels import copy as kcopy
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.uint8}
-KERNELS = ("store", "store_masked", "store_prefix", "store_paged", "move", "move_paged",
-           "mla_store", "mla_gather", "checksum", "checksum_paged")
+KERNELS = (
+    "store",
+    "store_masked",
+    "store_prefix",
+    "store_paged",
+    "move",
+    "move_paged",
+    "mla_store",
+    "mla_gather",
+    "checksum",
+    "checksum_paged",
+)
 TARGET = 0.8
 
 
 def _time_cuda(fn: Callable[[], object], rep_ms: int) -> float:
     import triton.testing
 
-    return float(triton.testing.do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms,
-                                         return_mode="median")) * 1e-3
+    return (
+        float(
+            triton.testing.do_bench(
+                fn, warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median"
+            )
+        )
+        * 1e-3
+    )
 
 
 def _time_cuda_graph(fn: Callable[[], object], rep_ms: int) -> float | None:
@@ -106,12 +123,20 @@ def _time_cpu(fn: Callable[[], object], rep_ms: int) -> float:
 class _Case:
     """One benchmark case: a Triton call, a torch call and the payload bytes they move."""
 
-    def __init__(self, name: str, tokens: int, payload: int, triton_fn, torch_fn,
-                 moved: int | None = None, keep: tuple = ()):
+    def __init__(
+        self,
+        name: str,
+        tokens: int,
+        payload: int,
+        triton_fn,
+        torch_fn,
+        moved: int | None = None,
+        keep: tuple = (),
+    ):
         self.name, self.tokens, self.payload = name, tokens, payload
-        self.keep = keep   # buffers a call reads through raw addresses only
+        self.keep = keep  # buffers a call reads through raw addresses only
         self.triton_fn, self.torch_fn = triton_fn, torch_fn
-        self.moved = 2 * payload if moved is None else moved   # bytes read + written
+        self.moved = 2 * payload if moved is None else moved  # bytes read + written
 
 
 def _paged_locs(n: int, capacity: int, page_size: int, gen: torch.Generator, device):
@@ -120,7 +145,7 @@ def _paged_locs(n: int, capacity: int, page_size: int, gen: torch.Generator, dev
     need = -(-n // page_size)
     offs = torch.arange(page_size)
     first = (pages[:need, None] * page_size + offs).reshape(-1)[:n]
-    second = (pages[need:2 * need, None] * page_size + offs).reshape(-1)[:n]
+    second = (pages[need : 2 * need, None] * page_size + offs).reshape(-1)[:n]
     return first.to(device), second.to(device)
 
 
@@ -128,10 +153,16 @@ def _page_major(layers, num_pages, ps, heads, dim, dtype, device):
     row = heads * dim
     page_elems = layers * ps * 2 * row
     raw = torch.empty(num_pages * page_elems, dtype=dtype, device=device)
-    ks = [raw.as_strided((num_pages, ps, heads, dim), (page_elems, row, dim, 1), 2 * l * ps * row)
-          for l in range(layers)]
-    vs = [raw.as_strided((num_pages, ps, heads, dim), (page_elems, row, dim, 1),
-                         (2 * l + 1) * ps * row) for l in range(layers)]
+    ks = [
+        raw.as_strided((num_pages, ps, heads, dim), (page_elems, row, dim, 1), 2 * l * ps * row)
+        for l in range(layers)
+    ]
+    vs = [
+        raw.as_strided(
+            (num_pages, ps, heads, dim), (page_elems, row, dim, 1), (2 * l + 1) * ps * row
+        )
+        for l in range(layers)
+    ]
     return raw, ks, vs
 
 
@@ -149,25 +180,35 @@ def _build(kind: str, n: int, a, device) -> _Case:
         v = torch.empty(n, H, D, dtype=dt, device=device)
         loc, _ = _paged_locs(n, cap, ps, gen, device)
         if kind == "store":
-            return _Case(kind, n, 2 * n * row,
-                         lambda: store.store_kv(kc, vc, loc, k, v, backend="triton"),
-                         lambda: store.store_kv(kc, vc, loc, k, v, backend="torch"))
+            return _Case(
+                kind,
+                n,
+                2 * n * row,
+                lambda: store.store_kv(kc, vc, loc, k, v, backend="triton"),
+                lambda: store.store_kv(kc, vc, loc, k, v, backend="torch"),
+            )
         if kind == "store_masked":
             mask = (torch.rand(n, generator=gen) < 0.5).to(device)
             written = int(mask.sum())
-            return _Case(kind, n, 2 * written * row,
-                         lambda: store.store_kv(kc, vc, loc, k, v, mask=mask, backend="triton"),
-                         lambda: store.store_kv(kc, vc, loc, k, v, mask=mask, backend="torch"))
+            return _Case(
+                kind,
+                n,
+                2 * written * row,
+                lambda: store.store_kv(kc, vc, loc, k, v, mask=mask, backend="triton"),
+                lambda: store.store_kv(kc, vc, loc, k, v, mask=mask, backend="torch"),
+            )
         T = 8
         B = n // T
-        loc_2d = loc[:B * T].view(B, T)
+        loc_2d = loc[: B * T].view(B, T)
         commit = torch.randint(1, T + 1, (B,), generator=gen).to(device)
-        kk, vv = k[:B * T], v[:B * T]
-        return _Case(kind, n, 2 * int(commit.sum()) * row,
-                     lambda: store.store_kv_prefix_valid(kc, vc, loc_2d, commit, kk, vv,
-                                                         backend="triton"),
-                     lambda: store.store_kv_prefix_valid(kc, vc, loc_2d, commit, kk, vv,
-                                                         backend="torch"))
+        kk, vv = k[: B * T], v[: B * T]
+        return _Case(
+            kind,
+            n,
+            2 * int(commit.sum()) * row,
+            lambda: store.store_kv_prefix_valid(kc, vc, loc_2d, commit, kk, vv, backend="triton"),
+            lambda: store.store_kv_prefix_valid(kc, vc, loc_2d, commit, kk, vv, backend="torch"),
+        )
     if kind in ("store_paged", "move_paged"):
         _, ks, vs = _page_major(L, cap // ps, ps, H, D, dt, device)
         if kind == "store_paged":
@@ -175,28 +216,38 @@ def _build(kind: str, n: int, a, device) -> _Case:
             v = torch.empty(n, H, D, dtype=dt, device=device)
             loc, _ = _paged_locs(n, cap, ps, gen, device)
             mid = L // 2
-            return _Case(kind, n, 2 * n * row,
-                         lambda: store_paged.store_kv_paged(ks[mid], vs[mid], loc, k, v,
-                                                            backend="triton"),
-                         lambda: store_paged.store_kv_paged(ks[mid], vs[mid], loc, k, v,
-                                                            backend="torch"))
+            return _Case(
+                kind,
+                n,
+                2 * n * row,
+                lambda: store_paged.store_kv_paged(ks[mid], vs[mid], loc, k, v, backend="triton"),
+                lambda: store_paged.store_kv_paged(ks[mid], vs[mid], loc, k, v, backend="torch"),
+            )
         table = kcopy.KvCopyTable(ks + vs)
         tgt, src = _paged_locs(n, cap, ps, gen, device)
-        return _Case(kind, n, 2 * L * n * row,
-                     lambda: table.move(tgt, src, backend="triton"),
-                     lambda: table.move(tgt, src, backend="torch"))
+        return _Case(
+            kind,
+            n,
+            2 * L * n * row,
+            lambda: table.move(tgt, src, backend="triton"),
+            lambda: table.move(tgt, src, backend="torch"),
+        )
     if kind in ("checksum", "checksum_paged"):
-        pages = torch.randperm(cap // ps, generator=gen)[:-(-n // ps)].numpy()
-        shapes = ([(cap // ps, ps * row)] * (2 * L) if kind == "checksum"
-                  else [(cap // ps, 2 * L * ps * row)])
+        pages = torch.randperm(cap // ps, generator=gen)[: -(-n // ps)].numpy()
+        shapes = (
+            [(cap // ps, ps * row)] * (2 * L)
+            if kind == "checksum"
+            else [(cap // ps, 2 * L * ps * row)]
+        )
         # the table holds raw addresses: the case must own the buffers it points into (a
         # dropped buffer is freed at the next empty_cache(), e.g. by CUDA-graph capture)
         dev = [torch.randint(0, 256, s, dtype=torch.uint8, device=device) for s in shapes]
-        host = [d.to("cpu", copy=True) for d in dev]         # the host path's copies
+        host = [d.to("cpu", copy=True) for d in dev]  # the host path's copies
         lens = [d.shape[1] for d in dev]
         read = len(pages) * sum(lens)
-        tasks = checksum.item_tasks([d.data_ptr() for d in dev], lens, checksum.word_offsets(lens),
-                                    pages)
+        tasks = checksum.item_tasks(
+            [d.data_ptr() for d in dev], lens, checksum.word_offsets(lens), pages
+        )
         table = torch.from_numpy(tasks).to(device)
         out = torch.zeros(len(pages), dtype=torch.int32, device=device)
 
@@ -208,7 +259,7 @@ def _build(kind: str, n: int, a, device) -> _Case:
         def run_host():
             return checksum.item_checksums_host([h.data_ptr() for h in host], lens, pages)
 
-        if checksum.kernel_runnable(device):       # the two paths agree before anything is timed
+        if checksum.kernel_runnable(device):  # the two paths agree before anything is timed
             got = run_kernel().cpu().numpy().view("uint32")
             if not (got == run_host()).all():
                 raise RuntimeError(f"{kind}: kernel and host checksums differ")
@@ -217,9 +268,13 @@ def _build(kind: str, n: int, a, device) -> _Case:
         bufs = [torch.empty(cap, H, D, dtype=dt, device=device) for _ in range(2 * L)]
         table = kcopy.KvCopyTable(bufs)
         tgt, src = _paged_locs(n, cap, ps, gen, device)
-        return _Case(kind, n, 2 * L * n * row,
-                     lambda: table.move(tgt, src, backend="triton"),
-                     lambda: table.move(tgt, src, backend="torch"))
+        return _Case(
+            kind,
+            n,
+            2 * L * n * row,
+            lambda: table.move(tgt, src, backend="triton"),
+            lambda: table.move(tgt, src, backend="torch"),
+        )
     dn, dr = a.mla_nope, a.mla_rope
     cache = torch.empty(cap, 1, dn + dr, dtype=dt, device=device)
     loc, _ = _paged_locs(n, cap, ps, gen, device)
@@ -227,12 +282,20 @@ def _build(kind: str, n: int, a, device) -> _Case:
     if kind == "mla_store":
         nope = torch.empty(n, 1, dn, dtype=dt, device=device)
         rope = torch.empty(n, 1, dr, dtype=dt, device=device)
-        return _Case(kind, n, n * mla_row,
-                     lambda: mla.store_mla(cache, loc, nope, rope, backend="triton"),
-                     lambda: mla.store_mla(cache, loc, nope, rope, backend="torch"))
-    return _Case(kind, n, n * mla_row,
-                 lambda: mla.gather_mla(cache, loc, dn, backend="triton"),
-                 lambda: mla.gather_mla(cache, loc, dn, backend="torch"))
+        return _Case(
+            kind,
+            n,
+            n * mla_row,
+            lambda: mla.store_mla(cache, loc, nope, rope, backend="triton"),
+            lambda: mla.store_mla(cache, loc, nope, rope, backend="torch"),
+        )
+    return _Case(
+        kind,
+        n,
+        n * mla_row,
+        lambda: mla.gather_mla(cache, loc, dn, backend="triton"),
+        lambda: mla.gather_mla(cache, loc, dn, backend="torch"),
+    )
 
 
 def _measure(case: _Case, device, rep_ms: int, use_triton: bool) -> dict:
@@ -251,9 +314,14 @@ def _measure(case: _Case, device, rep_ms: int, use_triton: bool) -> dict:
     t_torch = timer(case.torch_fn, rep_ms)
     moved = case.moved
     return {
-        "kernel": case.name, "tokens": case.tokens, "bytes": moved,
-        "triton_s": t_triton, "torch_s": t_torch, "copy_s": t_copy,
-        "graph_s": t_graph, "host_s": t_host,
+        "kernel": case.name,
+        "tokens": case.tokens,
+        "bytes": moved,
+        "triton_s": t_triton,
+        "torch_s": t_torch,
+        "copy_s": t_copy,
+        "graph_s": t_graph,
+        "host_s": t_host,
         "triton_gbps": moved / t_triton / 1e9 if t_triton else None,
         "torch_gbps": moved / t_torch / 1e9,
         "copy_gbps": moved / t_copy / 1e9,
@@ -267,9 +335,11 @@ def _fmt(x, spec):
 
 
 def _table(rows: list[dict]) -> str:
-    out = ["| kernel | tokens | MB moved | Triton us | Triton GB/s | torch ref GB/s "
-           "| copy_ GB/s | Triton / copy_ | graph us | host us |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        "| kernel | tokens | MB moved | Triton us | Triton GB/s | torch ref GB/s "
+        "| copy_ GB/s | Triton / copy_ | graph us | host us |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
 
     def us(x):
         return _fmt(x and x * 1e6, ".1f")
@@ -279,16 +349,19 @@ def _table(rows: list[dict]) -> str:
             f"| {r['kernel']} | {r['tokens']} | {r['bytes'] / 1e6:.1f} "
             f"| {us(r['triton_s'])} "
             f"| {_fmt(r['triton_gbps'], '.0f')} | {r['torch_gbps']:.0f} | {r['copy_gbps']:.0f} "
-            f"| {_fmt(r['ratio'], '.2f')} | {us(r.get('graph_s'))} | {us(r.get('host_s'))} |")
+            f"| {_fmt(r['ratio'], '.2f')} | {us(r.get('graph_s'))} | {us(r.get('host_s'))} |"
+        )
     return "\n".join(out)
 
 
 def _parser() -> argparse.ArgumentParser:
     p = clitools.parser("kvxfer bench kernels", __doc__.split("\n")[0])
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--tokens", default=None,
-                   help="comma-separated token counts (default: 4096,16384,65536 on CUDA, "
-                        "256,1024 on CPU)")
+    p.add_argument(
+        "--tokens",
+        default=None,
+        help="comma-separated token counts (default: 4096,16384,65536 on CUDA, 256,1024 on CPU)",
+    )
     p.add_argument("--kernels", default=",".join(KERNELS), help=f"subset of {','.join(KERNELS)}")
     p.add_argument("--layers", type=int, default=None, help="layers (default 32 CUDA, 2 CPU)")
     p.add_argument("--heads", type=int, default=8)
@@ -319,17 +392,24 @@ def main(argv: list[str] | None = None) -> int:
     else:
         where = "CPU"
     print(f"# Kernel bandwidth on {where}\n")
-    print(f"torch {torch.__version__}; dtype {a.dtype}; {a.layers} layers x {a.heads} heads x "
-          f"{a.head_dim} dim (K and V); page_size {a.page_size}; MLA {a.mla_nope}+{a.mla_rope}.")
-    print("GB/s counts bytes read + written; ratio = copy_ time / Triton time for the same "
-          f"bytes (target >= {TARGET}).")
+    print(
+        f"torch {torch.__version__}; dtype {a.dtype}; {a.layers} layers x {a.heads} heads x "
+        f"{a.head_dim} dim (K and V); page_size {a.page_size}; MLA {a.mla_nope}+{a.mla_rope}."
+    )
+    print(
+        "GB/s counts bytes read + written; ratio = copy_ time / Triton time for the same "
+        f"bytes (target >= {TARGET})."
+    )
     if not on_cuda:
-        print("\n**CPU run: torch reference and copy_ only, at tiny sizes; the Triton kernels "
-              "are benchmarked on a CUDA device.**")
+        print(
+            "\n**CPU run: torch reference and copy_ only, at tiny sizes; the Triton kernels "
+            "are benchmarked on a CUDA device.**"
+        )
     print()
     rows = []
-    with clitools.Progress(len(kinds) * len(tokens), "bench kernels",
-                           enabled=False if a.json else None) as pr:
+    with clitools.Progress(
+        len(kinds) * len(tokens), "bench kernels", enabled=False if a.json else None
+    ) as pr:
         for kind in kinds:
             for n in tokens:
                 pr.show(f"{kind} {n} tokens")
@@ -343,18 +423,32 @@ def main(argv: list[str] | None = None) -> int:
     if on_cuda:
         ratios = [r["ratio"] for r in rows]
         worst = min(rows, key=lambda r: r["ratio"])
-        print(f"\nworst ratio {worst['ratio']:.2f} ({worst['kernel']}, {worst['tokens']} tokens); "
-              f"median {statistics.median(ratios):.2f}; "
-              f"{sum(r >= TARGET for r in ratios)}/{len(ratios)} cases >= {TARGET}")
-        gaps = [f"{r['kernel']}@{r['tokens']} ({r['triton_s'] * 1e6:.1f} vs "
-                f"{r['graph_s'] * 1e6:.1f} us)" for r in rows
-                if r["graph_s"] and r["triton_s"] > 1.25 * r["graph_s"]]
+        print(
+            f"\nworst ratio {worst['ratio']:.2f} ({worst['kernel']}, {worst['tokens']} tokens); "
+            f"median {statistics.median(ratios):.2f}; "
+            f"{sum(r >= TARGET for r in ratios)}/{len(ratios)} cases >= {TARGET}"
+        )
+        gaps = [
+            f"{r['kernel']}@{r['tokens']} ({r['triton_s'] * 1e6:.1f} vs "
+            f"{r['graph_s'] * 1e6:.1f} us)"
+            for r in rows
+            if r["graph_s"] and r["triton_s"] > 1.25 * r["graph_s"]
+        ]
         if gaps:
-            print("eager Triton time > 1.25x the graph-replayed time (launch-side, not kernel "
-                  "time): " + ", ".join(gaps))
-    meta = {"device": where, "torch": torch.__version__, "dtype": a.dtype,
-            "layers": a.layers, "heads": a.heads, "head_dim": a.head_dim,
-            "page_size": a.page_size, "target": TARGET}
+            print(
+                "eager Triton time > 1.25x the graph-replayed time (launch-side, not kernel "
+                "time): " + ", ".join(gaps)
+            )
+    meta = {
+        "device": where,
+        "torch": torch.__version__,
+        "dtype": a.dtype,
+        "layers": a.layers,
+        "heads": a.heads,
+        "head_dim": a.head_dim,
+        "page_size": a.page_size,
+        "target": TARGET,
+    }
     clitools.emit_json(a, {"meta": meta, "rows": rows})
     return 0
 

@@ -19,6 +19,7 @@ reported as GB/s (1e9 bytes/s) and as a ratio to the baseline (the median of the
 ratios). Output: a markdown report on
 stdout and, with ``--out``, in a file.
 """
+
 from __future__ import annotations
 
 import functools
@@ -36,15 +37,33 @@ LAYOUTS = ("mha", "mha_hnd", "page_major", "mla", "hybrid")
 PATTERNS = ("contig", "runs4", "scatter")
 
 
-def make_pool(layout: str, num_pages: int, *, page_size: int, layers: int, heads: int,
-              head_dim: int, dtype: torch.dtype, device: str, mamba_slots: int = 0):
+def make_pool(
+    layout: str,
+    num_pages: int,
+    *,
+    page_size: int,
+    layers: int,
+    heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str,
+    mamba_slots: int = 0,
+):
     """A real pool with ``num_pages`` item rows (page 0 = padding page included)."""
     size = (num_pages - 1) * page_size
     if layout in ("mha", "mha_hnd"):
         from kvxfer.pools.mha import MHATokenToKVPool
 
-        return MHATokenToKVPool(size, page_size, dtype, heads, head_dim, layers, device,
-                                layout="hnd" if layout == "mha_hnd" else "nhd")
+        return MHATokenToKVPool(
+            size,
+            page_size,
+            dtype,
+            heads,
+            head_dim,
+            layers,
+            device,
+            layout="hnd" if layout == "mha_hnd" else "nhd",
+        )
     if layout == "page_major":
         from kvxfer.pools.page_major import PageMajorMHATokenToKVPool
 
@@ -54,15 +73,31 @@ def make_pool(layout: str, num_pages: int, *, page_size: int, layers: int, heads
 
         return MLATokenToKVPool(size, page_size, dtype, 512, 64, layers, device)
     if layout == "hybrid":
-        return make_hybrid_pool(size, page_size=page_size, layers=layers, heads=heads,
-                                head_dim=head_dim, dtype=dtype, device=device,
-                                mamba_slots=max(mamba_slots, 4))
+        return make_hybrid_pool(
+            size,
+            page_size=page_size,
+            layers=layers,
+            heads=heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            device=device,
+            mamba_slots=max(mamba_slots, 4),
+        )
     raise SystemExit(f"unknown layout {layout!r}; choose from {LAYOUTS}")
 
 
-def make_hybrid_pool(size: int, *, page_size: int, layers: int, heads: int, head_dim: int,
-                     dtype: torch.dtype, device: str, mamba_slots: int,
-                     mamba_layout: str = "per_layer"):
+def make_hybrid_pool(
+    size: int,
+    *,
+    page_size: int,
+    layers: int,
+    heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str,
+    mamba_slots: int,
+    mamba_layout: str = "per_layer",
+):
     """Hybrid pool: full attention on every 4th layer, Mamba state on the others."""
     from kvxfer.pools.hybrid import HybridLinearKVPool
     from kvxfer.pools.mamba import MambaPool
@@ -72,8 +107,13 @@ def make_hybrid_pool(size: int, *, page_size: int, layers: int, heads: int, head
     attn = [i for i in range(layers) if i % 4 == 3] or [layers - 1]
     mamba = [i for i in range(layers) if i not in attn]
     kv = MHATokenToKVPool(size, page_size, dtype, heads, head_dim, len(attn), device)
-    spec = MambaStateSpec(conv_shapes=((4 * head_dim, 3),), temporal_shape=(heads, head_dim, 16),
-                          conv_dtype=dtype, temporal_dtype=torch.float32, layer_ids=tuple(mamba))
+    spec = MambaStateSpec(
+        conv_shapes=((4 * head_dim, 3),),
+        temporal_shape=(heads, head_dim, 16),
+        conv_dtype=dtype,
+        temporal_dtype=torch.float32,
+        layer_ids=tuple(mamba),
+    )
     mp = MambaPool(mamba_slots, spec, device, layout=mamba_layout)
     return HybridLinearKVPool(kv, mp, attn)
 
@@ -106,9 +146,17 @@ def bench_one(layout, pages, pattern, args, device) -> dict:
     rng = np.random.default_rng(0)
     # source pages in [1, 1 + side), targets in [1 + side, 1 + 2 side): disjoint
     side = 2 * pages + 8  # room for every pattern's spread
-    pool = make_pool(layout, 2 * side + 1, page_size=args.page_size, layers=args.layers,
-                     heads=args.heads, head_dim=args.head_dim, dtype=args.torch_dtype,
-                     device=device, mamba_slots=4)
+    pool = make_pool(
+        layout,
+        2 * side + 1,
+        page_size=args.page_size,
+        layers=args.layers,
+        heads=args.heads,
+        head_dim=args.head_dim,
+        dtype=args.torch_dtype,
+        device=device,
+        mamba_slots=4,
+    )
     has_state = bool(pool_views(pool)[1])
     src = page_pattern(pattern, pages, 1, rng)
     dst = page_pattern(pattern, pages, 1 + side, rng)
@@ -152,9 +200,18 @@ def bench_one(layout, pages, pattern, args, device) -> dict:
     mgr.close()
     med = lambda xs: statistics.median(xs[1:])  # noqa: E731
     gbs = lambda t: nbytes / t / 1e9  # noqa: E731
-    r = dict(layout=layout, pages=pages, pattern=pattern, mib=nbytes / 2**20,
-             chunks=chunks, path=path,
-             off=gbs(med(t_off)), d2h=gbs(med(t_d2h)), res=gbs(med(t_res)), h2d=gbs(med(t_h2d)))
+    r = dict(
+        layout=layout,
+        pages=pages,
+        pattern=pattern,
+        mib=nbytes / 2**20,
+        chunks=chunks,
+        path=path,
+        off=gbs(med(t_off)),
+        d2h=gbs(med(t_d2h)),
+        res=gbs(med(t_res)),
+        h2d=gbs(med(t_h2d)),
+    )
     # ratios: median of per-round ratios (each round times both back to back, so a noisy
     # neighbour slows both sides of the same ratio)
     r["off_ratio"] = statistics.median(b / t for b, t in zip(t_d2h[1:], t_off[1:]))
@@ -175,12 +232,24 @@ def _parse(argv):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--repeat", type=int, default=None)
-    p.add_argument("--staging-mib", type=float, default=None,
-                   help="offload staging buffer per direction (default: the manager's)")
-    p.add_argument("--fused", default="auto", choices=("auto", "on", "off"),
-                   help="the one-launch fused path: the manager's choice, always, never")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (CPU copies); default: torch's own choice")
+    p.add_argument(
+        "--staging-mib",
+        type=float,
+        default=None,
+        help="offload staging buffer per direction (default: the manager's)",
+    )
+    p.add_argument(
+        "--fused",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="the one-launch fused path: the manager's choice, always, never",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (CPU copies); default: torch's own choice",
+    )
     p.add_argument("--out", default=None, help="also write the markdown report here")
     clitools.add_json_args(p)
     a = p.parse_args(argv)
@@ -217,8 +286,11 @@ def main(argv=None) -> int:
     print("\n".join(lines), flush=True)
     rows = []
     layouts, patterns = args.layouts.split(","), args.patterns.split(",")
-    progress = clitools.Progress(len(layouts) * len(patterns) * len(args.pages),
-                                 "bench offload", enabled=False if args.json else None)
+    progress = clitools.Progress(
+        len(layouts) * len(patterns) * len(args.pages),
+        "bench offload",
+        enabled=False if args.json else None,
+    )
     for layout in layouts:
         for pattern in patterns:
             for pages in args.pages:
@@ -229,25 +301,31 @@ def main(argv=None) -> int:
                     print(f"| {layout} | skipped: {exc} |", flush=True)
                     break
                 rows.append(r)
-                line = (f"| {layout} | {pages} | {pattern} | {r['mib']:.1f} | {r['path']} | "
-                        f"{r['chunks']} | "
-                        f"{r['off']:.2f} | {r['d2h']:.2f} | {r['off_ratio']:.2f} | "
-                        f"{r['res']:.2f} | {r['h2d']:.2f} | {r['res_ratio']:.2f} |")
+                line = (
+                    f"| {layout} | {pages} | {pattern} | {r['mib']:.1f} | {r['path']} | "
+                    f"{r['chunks']} | "
+                    f"{r['off']:.2f} | {r['d2h']:.2f} | {r['off_ratio']:.2f} | "
+                    f"{r['res']:.2f} | {r['h2d']:.2f} | {r['res_ratio']:.2f} |"
+                )
                 lines.append(line)
                 progress.step(f"{layout} {pattern} {pages} pages")
                 print(line, flush=True)
     if rows:
         big = [r for r in rows if r["pattern"] == "contig" and r["pages"] == max(args.pages)]
-        tail = ["", "Largest contiguous request per layout (ratio offload / restore): " + ", ".join(
-            f"{r['layout']} {r['off_ratio']:.2f} / {r['res_ratio']:.2f}" for r in big)]
+        tail = [
+            "",
+            "Largest contiguous request per layout (ratio offload / restore): "
+            + ", ".join(f"{r['layout']} {r['off_ratio']:.2f} / {r['res_ratio']:.2f}" for r in big),
+        ]
         lines += tail
         print("\n".join(tail))
     progress.close()
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
-    clitools.emit_json(args, {"args": {k: v for k, v in vars(args).items()
-                                       if k != "torch_dtype"}, "rows": rows})
+    clitools.emit_json(
+        args, {"args": {k: v for k, v in vars(args).items() if k != "torch_dtype"}, "rows": rows}
+    )
     return 0
 
 

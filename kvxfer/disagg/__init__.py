@@ -1,5 +1,6 @@
 """Prefill/decode disaggregation protocol: KVArgs, KVPoll, KVManager, KVSender, KVReceiver,
 BootstrapServer. Importing this package does not import UCX (the engine loads on start)."""
+
 from kvxfer.disagg.aux import MetadataBuffer
 from kvxfer.disagg.bootstrap import BootstrapServer
 from kvxfer.disagg.context import Timeouts
@@ -17,6 +18,20 @@ from kvxfer.disagg.receiver import KVReceiver
 from kvxfer.disagg.roles import DisaggMode, RoomRole
 from kvxfer.disagg.sender import KVSender
 
-__all__ = ["BootstrapServer", "DisaggMode", "DuplicateRoom", "IntegrityError", "KVArgs",
-           "KVManager", "KVPoll", "KVReceiver", "KVSender", "LayoutMismatch", "MetadataBuffer",
-           "RoomMismatch", "RoomRole", "Timeouts", "UnknownRoom"]
+__all__ = [
+    "BootstrapServer",
+    "DisaggMode",
+    "DuplicateRoom",
+    "IntegrityError",
+    "KVArgs",
+    "KVManager",
+    "KVPoll",
+    "KVReceiver",
+    "KVSender",
+    "LayoutMismatch",
+    "MetadataBuffer",
+    "RoomMismatch",
+    "RoomRole",
+    "Timeouts",
+    "UnknownRoom",
+]

@@ -11,6 +11,7 @@ arrived (so the bytes are visible), accepts the room only if the header names it
 :class:`MetadataBuffer` is a ready-made host buffer with a row allocator and a first-token
 slot at ``[16:24)``; users with their own aux buffers only need to leave the header alone.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -116,11 +117,12 @@ class MetadataBuffer:
         if len(payload) > self.row_bytes - 24:
             raise InvalidArgument(f"payload of {len(payload)} bytes > {self.row_bytes - 24}")
         self.data[row, self.FIRST_TOKEN] = np.frombuffer(
-            np.int64(first_token).tobytes(), dtype=np.uint8)
-        self.data[row, 24:24 + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+            np.int64(first_token).tobytes(), dtype=np.uint8
+        )
+        self.data[row, 24 : 24 + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
 
     def first_token(self, row: int) -> int:
         return int(self.data[row, self.FIRST_TOKEN].view(np.int64)[0])
 
     def payload(self, row: int, n: int) -> bytes:
-        return self.data[row, 24:24 + n].tobytes()
+        return self.data[row, 24 : 24 + n].tobytes()

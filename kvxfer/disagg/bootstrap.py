@@ -24,6 +24,7 @@ Run in-process (``await BootstrapServer(port=0, secret=...).start()`` or
 ``start_in_thread()``) or as ``kvxfer bootstrap --port N`` (secret from ``$KVXFER_SECRET`` or
 ``--secret-file``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,12 +84,13 @@ def parse_addr(addr) -> Tuple[str, int]:
     return str(host), port
 
 
-def seal(secret: bytes, direction: bytes, nonce_s: bytes, nonce_c: bytes,
-         body: bytes) -> bytes:
+def seal(secret: bytes, direction: bytes, nonce_s: bytes, nonce_c: bytes, body: bytes) -> bytes:
     """HMAC-SHA256 binding ``body`` to one connection (both nonces) and one direction
     (b"request" / b"reply"); the label keeps it apart from the engine handshake's proofs."""
-    data = msgpack.packb([b"kvxfer-bootstrap", wire.PROTOCOL_VERSION, direction, nonce_s,
-                          nonce_c, body], use_bin_type=True)
+    data = msgpack.packb(
+        [b"kvxfer-bootstrap", wire.PROTOCOL_VERSION, direction, nonce_s, nonce_c, body],
+        use_bin_type=True,
+    )
     return hmac.new(secret, data, hashlib.sha256).digest()
 
 
@@ -119,17 +121,26 @@ async def _send(writer: asyncio.StreamWriter, msg: wire.Message, timeout: float)
 class BootstrapServer:
     """In-memory registry of prefill ranks, served over TCP to holders of the secret."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
-                 secret: Optional[bytes] = None, max_entries: int = 1024,
-                 max_entries_per_dp: int = 128, max_entry_bytes: int = 16 << 10,
-                 max_connections: int = 256) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        secret: Optional[bytes] = None,
+        max_entries: int = 1024,
+        max_entries_per_dp: int = 128,
+        max_entry_bytes: int = 16 << 10,
+        max_connections: int = 256,
+    ) -> None:
         self.host, self.port = host, port
         self._secret = resolve_secret(secret, "BootstrapServer")
         self.max_entries, self.max_entries_per_dp = max_entries, max_entries_per_dp
         self.max_entry_bytes, self.max_connections = max_entry_bytes, max_connections
         if max_entries_per_dp * max_entry_bytes > MAX_REPLY_BYTES // 2:
-            raise InvalidArgument(f"max_entries_per_dp x max_entry_bytes must stay under "
-                                  f"{MAX_REPLY_BYTES // 2} (one lookup reply)")
+            raise InvalidArgument(
+                f"max_entries_per_dp x max_entry_bytes must stay under "
+                f"{MAX_REPLY_BYTES // 2} (one lookup reply)"
+            )
         self._entries: Dict[Tuple[int, int, int], Dict[str, Any]] = {}
         self._per_dp: Dict[int, int] = {}
         self._conns: set = set()
@@ -189,8 +200,9 @@ class BootstrapServer:
             nonce_s = os.urandom(NONCE_BYTES)
             await _send(writer, m.BsChallenge(nonce=nonce_s), SEND_TIMEOUT_S)
             try:
-                msg = await asyncio.wait_for(_read_frame(reader, MAX_REQUEST_BYTES),
-                                             REQUEST_TIMEOUT_S)
+                msg = await asyncio.wait_for(
+                    _read_frame(reader, MAX_REQUEST_BYTES), REQUEST_TIMEOUT_S
+                )
                 reply = self._answer(msg, nonce_s)
             except ProtocolError as exc:
                 reply = m.BsReply(ok=False, error=f"ProtocolError: {str(exc)[:200]}")
@@ -211,39 +223,54 @@ class BootstrapServer:
         ProtocolError (answered unsealed) before the request proved the secret."""
         sealed = wire.expect(msg, m.BsSealed)
         if len(sealed.nonce) != NONCE_BYTES or not hmac.compare_digest(
-                seal(self._secret, b"request", nonce_s, sealed.nonce, sealed.body), sealed.mac):
+            seal(self._secret, b"request", nonce_s, sealed.nonce, sealed.body), sealed.mac
+        ):
             raise AuthenticationFailed("request not sealed with this server's secret")
         try:
             reply = self._handle(wire.decode(sealed.body))
         except ProtocolError as exc:
             reply = m.BsReply(ok=False, error=f"ProtocolError: {str(exc)[:200]}")
         body = reply.encode()
-        return m.BsSealed(nonce=sealed.nonce, body=body,
-                          mac=seal(self._secret, b"reply", nonce_s, sealed.nonce, body))
+        return m.BsSealed(
+            nonce=sealed.nonce,
+            body=body,
+            mac=seal(self._secret, b"reply", nonce_s, sealed.nonce, body),
+        )
 
     def _handle(self, msg: wire.Message) -> m.BsReply:
         if isinstance(msg, m.BsRegister):
             entry = m.check_entry(m.entry_of(msg))
             size = len(msgpack.packb(entry, use_bin_type=True))
             if size > self.max_entry_bytes:
-                return m.BsReply(ok=False, error=f"entry of {size} bytes > "
-                                                 f"{self.max_entry_bytes}")
+                return m.BsReply(ok=False, error=f"entry of {size} bytes > {self.max_entry_bytes}")
             key = (msg.dp_rank, msg.tp_rank, msg.pp_rank)
             old = self._entries.get(key)
             if old is None:
                 if len(self._entries) >= self.max_entries:
-                    return m.BsReply(ok=False, error=f"registry full ({self.max_entries} "
-                                                     "entries)")
+                    return m.BsReply(ok=False, error=f"registry full ({self.max_entries} entries)")
                 if self._per_dp.get(msg.dp_rank, 0) >= self.max_entries_per_dp:
-                    return m.BsReply(ok=False, error=f"dp_rank {msg.dp_rank} full "
-                                                     f"({self.max_entries_per_dp} entries)")
+                    return m.BsReply(
+                        ok=False,
+                        error=f"dp_rank {msg.dp_rank} full ({self.max_entries_per_dp} entries)",
+                    )
                 self._per_dp[msg.dp_rank] = self._per_dp.get(msg.dp_rank, 0) + 1
             elif old["tp_size"] != msg.tp_size:
-                log.warning("bootstrap: dp %d tp_size changes %d -> %d", msg.dp_rank,
-                            old["tp_size"], msg.tp_size)
+                log.warning(
+                    "bootstrap: dp %d tp_size changes %d -> %d",
+                    msg.dp_rank,
+                    old["tp_size"],
+                    msg.tp_size,
+                )
             self._entries[key] = entry
-            log.info("bootstrap: %s registered %s:%d (dp %d tp %d/%d)", msg.name, msg.host,
-                     msg.port, msg.dp_rank, msg.tp_rank, msg.tp_size)
+            log.info(
+                "bootstrap: %s registered %s:%d (dp %d tp %d/%d)",
+                msg.name,
+                msg.host,
+                msg.port,
+                msg.dp_rank,
+                msg.tp_rank,
+                msg.tp_size,
+            )
             return m.BsReply(ok=True)
         if isinstance(msg, m.BsUnregister):
             key = (msg.dp_rank, msg.tp_rank, msg.pp_rank)
@@ -260,8 +287,9 @@ class BootstrapServer:
         return m.BsReply(ok=False, error=f"unexpected message {msg.TAG}")
 
 
-async def request(addr, msg: wire.Message, timeout: float,
-                  secret: Optional[bytes] = None) -> m.BsReply:
+async def request(
+    addr, msg: wire.Message, timeout: float, secret: Optional[bytes] = None
+) -> m.BsReply:
     """One authenticated request/reply with the bootstrap server at ``addr`` within
     ``timeout`` seconds (``secret``: the deployment's, else ``$KVXFER_SECRET``). Raises
     AuthenticationFailed when either side fails the other's check, ProtocolError when the
@@ -277,20 +305,32 @@ async def request(addr, msg: wire.Message, timeout: float,
             if len(challenge.nonce) != NONCE_BYTES:
                 raise ProtocolError("bootstrap challenge: bad nonce length")
             nonce_c, body = os.urandom(NONCE_BYTES), msg.encode()
-            writer.write(_frame(m.BsSealed(
-                nonce=nonce_c, body=body,
-                mac=seal(secret, b"request", challenge.nonce, nonce_c, body))))
+            writer.write(
+                _frame(
+                    m.BsSealed(
+                        nonce=nonce_c,
+                        body=body,
+                        mac=seal(secret, b"request", challenge.nonce, nonce_c, body),
+                    )
+                )
+            )
             await writer.drain()
             answer = await _read_frame(reader, MAX_REPLY_BYTES)
             if isinstance(answer, m.BsReply):  # unsealed: a refusal before authentication
-                cls = (AuthenticationFailed if answer.error.startswith("AuthenticationFailed")
-                       else ProtocolError)
+                cls = (
+                    AuthenticationFailed
+                    if answer.error.startswith("AuthenticationFailed")
+                    else ProtocolError
+                )
                 raise cls(f"bootstrap {host}:{port} refused: {answer.error}")
             answer = wire.expect(answer, m.BsSealed)
             if answer.nonce != nonce_c or not hmac.compare_digest(
-                    seal(secret, b"reply", challenge.nonce, nonce_c, answer.body), answer.mac):
-                raise AuthenticationFailed(f"bootstrap {host}:{port}: reply not sealed with "
-                                           "our secret (a different secret, or not the server)")
+                seal(secret, b"reply", challenge.nonce, nonce_c, answer.body), answer.mac
+            ):
+                raise AuthenticationFailed(
+                    f"bootstrap {host}:{port}: reply not sealed with "
+                    "our secret (a different secret, or not the server)"
+                )
             return wire.expect(wire.decode(answer.body), m.BsReply)
         finally:
             writer.close()
@@ -306,8 +346,9 @@ async def request(addr, msg: wire.Message, timeout: float,
     return reply
 
 
-async def lookup(addr, dp_rank: int, timeout: float,
-                 secret: Optional[bytes] = None) -> List[Dict[str, Any]]:
+async def lookup(
+    addr, dp_rank: int, timeout: float, secret: Optional[bytes] = None
+) -> List[Dict[str, Any]]:
     """Every prefill entry of DP group ``dp_rank`` (see :func:`request`)."""
     reply = await request(addr, m.BsLookup(dp_rank=dp_rank), timeout, secret)
     return [m.check_entry(e) for e in reply.entries]
@@ -315,15 +356,18 @@ async def lookup(addr, dp_rank: int, timeout: float,
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(
-        prog="kvxfer bootstrap", description=__doc__.split("\n")[0],
+        prog="kvxfer bootstrap",
+        description=__doc__.split("\n")[0],
         epilog="The shared secret comes from --secret-file or $KVXFER_SECRET (never from the "
-               "command line, where other users can read it); without one the server does "
-               "not start. Every prefill and decode rank uses the same secret.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        "command line, where other users can read it); without one the server does "
+        "not start. Every prefill and decode rank uses the same secret.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8998, help="TCP port (0: any free port)")
-    p.add_argument("--secret-file", help="file holding the shared secret (trailing newline "
-                                         "stripped)")
+    p.add_argument(
+        "--secret-file", help="file holding the shared secret (trailing newline stripped)"
+    )
     a = p.parse_args(argv)
     try:
         secret = None

@@ -10,6 +10,7 @@ manager: :class:`PrefillContext` (:class:`~kvxfer.disagg.prefill_side.PrefillSid
 Runs on: every member is used on the manager's loop thread, except :meth:`SideContext.call`
 (any thread).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,9 +30,10 @@ from kvxfer.disagg.rooms import Room, RoomTable
 class Timeouts:
     """Seconds. Each state of a room has a deadline; a Transferring room's deadline is a lease
     renewed by every chunk that completes."""
-    bootstrap_s: float = 30.0       # Bootstrapping: lookup+connect (decode), decode's metadata (prefill)
-    waiting_s: float = 300.0        # WaitingForInput: scheduler/prefill compute until data flows
-    transfer_s: float = 60.0        # Transferring: per chunk (lease)
+
+    bootstrap_s: float = 30.0  # Bootstrapping: lookup+connect (decode), decode's metadata (prefill)
+    waiting_s: float = 300.0  # WaitingForInput: scheduler/prefill compute until data flows
+    transfer_s: float = 60.0  # Transferring: per chunk (lease)
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 10.0
     #: decode waits this long for prefill to confirm that no write is in flight; then it
@@ -41,7 +43,7 @@ class Timeouts:
     #: (and, once its metadata went out, also cover prefill's Bootstrapping), so the side that
     #: knows what went wrong - prefill - normally reports it first
     decode_grace_s: float = 1.0
-    register_s: float = 30.0        # prefill: keep trying to register at bootstrap this long
+    register_s: float = 30.0  # prefill: keep trying to register at bootstrap this long
 
 
 class IntegrityOps(Protocol):
@@ -83,8 +85,9 @@ class RoomOps(Protocol):
 
     def arm(self, r: Room, seconds: Optional[float] = None) -> None: ...
 
-    def fail(self, r: Room, exc: BaseException, *, notify: bool = True,
-             peer_gone: bool = False) -> None: ...
+    def fail(
+        self, r: Room, exc: BaseException, *, notify: bool = True, peer_gone: bool = False
+    ) -> None: ...
 
     def release(self, r: Room) -> None: ...
 

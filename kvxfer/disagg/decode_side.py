@@ -11,6 +11,7 @@ A prefill whose layout differs refuses our hello; each room bound to it then sen
 refusal (an Abort of kind LayoutMismatch) over the refused link, so that prefill's KVSender
 fails at once too.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -43,11 +44,25 @@ from kvxfer.errors import (
 
 log = logging.getLogger(__name__)
 
-_KINDS = {c.__name__: c for c in (
-    kerr.TransferAborted, kerr.TransferTimeout, kerr.ShapeMismatch, kerr.IndexOutOfRange,
-    kerr.InvalidArgument, kerr.PeerClosed, kerr.Closed, kerr.IncompatiblePeer,
-    kerr.ProtocolError, kerr.UnknownGroup, derr.DuplicateRoom, derr.UnknownRoom,
-    derr.LayoutMismatch, derr.IntegrityError)}
+_KINDS = {
+    c.__name__: c
+    for c in (
+        kerr.TransferAborted,
+        kerr.TransferTimeout,
+        kerr.ShapeMismatch,
+        kerr.IndexOutOfRange,
+        kerr.InvalidArgument,
+        kerr.PeerClosed,
+        kerr.Closed,
+        kerr.IncompatiblePeer,
+        kerr.ProtocolError,
+        kerr.UnknownGroup,
+        derr.DuplicateRoom,
+        derr.UnknownRoom,
+        derr.LayoutMismatch,
+        derr.IntegrityError,
+    )
+}
 
 
 def remote_error(kind: str, reason: str, who: str) -> KvxferError:
@@ -61,8 +76,8 @@ class DecodeSide:
 
     def __init__(self, mgr: DecodeContext) -> None:
         self.mgr = mgr
-        self._links: Dict[str, asyncio.Future] = {}     # bootstrap addr -> Future[Link]
-        self._hello: Dict[str, asyncio.Future] = {}     # peer id -> Future[HelloAck]
+        self._links: Dict[str, asyncio.Future] = {}  # bootstrap addr -> Future[Link]
+        self._hello: Dict[str, asyncio.Future] = {}  # peer id -> Future[HelloAck]
         self._refusals: Optional[asyncio.Future] = None  # Future[engine without memory]
 
     async def started(self) -> None:
@@ -96,14 +111,13 @@ class DecodeSide:
         r.bootstrap_addr = addr
         self._link_future(addr).add_done_callback(lambda f: self._linked(r, f))
 
-    def send_metadata(self, r: Room, dst_kv: np.ndarray, dst_state: np.ndarray,
-                      aux: int) -> None:
+    def send_metadata(self, r: Room, dst_kv: np.ndarray, dst_state: np.ndarray, aux: int) -> None:
         """KVReceiver.send_metadata(), handed over. Nothing is written for a room that
         already ended: its aux row may be back in the scheduler's allocator (and another
         request's) by now. Runs on: the loop thread."""
         if is_terminal(r.state):
             return
-        self.mgr.aux.clear(aux)          # a stale stamp in a reused row can never validate
+        self.mgr.aux.clear(aux)  # a stale stamp in a reused row can never validate
         r.pending_meta = (dst_kv, dst_state, aux)
         r.dst_kv, r.dst_state = dst_kv, dst_state
         r.dst_aux_row, r.expect_pages = aux, len(dst_kv)
@@ -115,16 +129,24 @@ class DecodeSide:
         dst_kv, dst_state, aux = r.pending_meta
         r.pending_meta = None
         r.meta_sent = True
-        self.mgr.send_msg(r.link, m.TransferInfo(room=r.room, dst_kv=m.ids_to_bytes(dst_kv),
-                                                 dst_state=m.ids_to_bytes(dst_state),
-                                                 dst_aux=aux))
-        self.mgr.arm(r)          # WaitingForInput now counts prefill's queueing + compute
+        self.mgr.send_msg(
+            r.link,
+            m.TransferInfo(
+                room=r.room,
+                dst_kv=m.ids_to_bytes(dst_kv),
+                dst_state=m.ids_to_bytes(dst_state),
+                dst_aux=aux,
+            ),
+        )
+        self.mgr.arm(r)  # WaitingForInput now counts prefill's queueing + compute
 
     # ------------------------------------------------------------------ connection
     def _link_future(self, addr: str) -> asyncio.Future:
         fut = self._links.get(addr)
-        if fut is not None and (not fut.done() or (not fut.cancelled() and fut.exception() is None
-                                                   and not fut.result().dead)):
+        if fut is not None and (
+            not fut.done()
+            or (not fut.cancelled() and fut.exception() is None and not fut.result().dead)
+        ):
             return fut
         fut = asyncio.get_running_loop().create_future()
         self._links[addr] = fut
@@ -133,8 +155,13 @@ class DecodeSide:
 
     def link_lost(self, link: Link) -> None:
         fut = self._links.get(link.key)
-        if fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None \
-                and fut.result() is link:
+        if (
+            fut is not None
+            and fut.done()
+            and not fut.cancelled()
+            and fut.exception() is None
+            and fut.result() is link
+        ):
             del self._links[link.key]
 
     async def _connect(self, addr: str, fut: asyncio.Future) -> None:
@@ -143,7 +170,8 @@ class DecodeSide:
         except asyncio.TimeoutError:
             exc: BaseException = TransferTimeout(
                 f"decode {self.mgr.name}: no usable prefill at bootstrap {addr} within "
-                f"{self.mgr.t.bootstrap_s:g}s")
+                f"{self.mgr.t.bootstrap_s:g}s"
+            )
         except (KvxferError, OSError) as e:
             exc = e
         else:
@@ -165,11 +193,12 @@ class DecodeSide:
                 if sizes != {a.tp_size}:
                     raise UnsupportedOperation(
                         f"heterogeneous TP: prefill tp_size {sorted(sizes)}, decode "
-                        f"{mgr.name} tp_size {a.tp_size}")
+                        f"{mgr.name} tp_size {a.tp_size}"
+                    )
                 for e in entries:
                     if e["tp_rank"] == a.tp_rank and e["pp_rank"] == a.pp_rank:
                         return e
-            await asyncio.sleep(delay)            # prefill not registered yet: retry
+            await asyncio.sleep(delay)  # prefill not registered yet: retry
             delay = min(delay * 2, 0.5)
 
     async def _establish(self, addr: str) -> Link:
@@ -181,8 +210,12 @@ class DecodeSide:
         mgr = self.mgr
         entry = await self._pick(addr)
         try:
-            check_compatible(mgr.fingerprint, entry["fingerprint"], us=f"decode {mgr.name}",
-                             them=f"prefill {entry['name']}")
+            check_compatible(
+                mgr.fingerprint,
+                entry["fingerprint"],
+                us=f"decode {mgr.name}",
+                them=f"prefill {entry['name']}",
+            )
         except derr.LayoutMismatch:
             refusals = await self._refusal_engine()
             peer = await refusals.connect(entry["host"], entry["port"])
@@ -193,8 +226,11 @@ class DecodeSide:
         ack_fut = asyncio.get_running_loop().create_future()
         self._hello[peer.id] = ack_fut
         try:
-            await peer.send(m.Hello(name=mgr.name, tp_rank=mgr.args.tp_rank,
-                                    fingerprint=mgr.fingerprint).encode())
+            await peer.send(
+                m.Hello(
+                    name=mgr.name, tp_rank=mgr.args.tp_rank, fingerprint=mgr.fingerprint
+                ).encode()
+            )
             ack = await ack_fut
         except BaseException:
             mgr.links.pop(peer.id, None)
@@ -217,8 +253,12 @@ class DecodeSide:
         """Runs on: the loop thread (the done callback of the link's future)."""
         mgr = self.mgr
         if f.cancelled():
-            mgr.fail(r, Closed(f"room {r.room}: manager closed while bootstrapping"),
-                     notify=False, peer_gone=True)
+            mgr.fail(
+                r,
+                Closed(f"room {r.room}: manager closed while bootstrapping"),
+                notify=False,
+                peer_gone=True,
+            )
             return
         exc = f.exception()
         if exc is not None:
@@ -226,18 +266,22 @@ class DecodeSide:
             return
         link = f.result()
         if link.dead:
-            mgr.fail(r, PeerClosed(f"room {r.room}: prefill {link.name} closed"),
-                     notify=False, peer_gone=True)
+            mgr.fail(
+                r,
+                PeerClosed(f"room {r.room}: prefill {link.name} closed"),
+                notify=False,
+                peer_gone=True,
+            )
             return
-        if is_terminal(r.state):                 # aborted while bootstrapping: tell prefill
+        if is_terminal(r.state):  # aborted while bootstrapping: tell prefill
             mgr.send_msg(link, m.Abort(room=r.room, reason=str(r.exc), kind=type(r.exc).__name__))
             return
         refused = link.refused
-        if refused is not None:                  # prefill's KVSender must not wait for us
-            mgr.send_msg(link, m.Abort(room=r.room, reason=str(refused),
-                                       kind=type(refused).__name__))
-            mgr.fail(r, type(refused)(f"room {r.room}: {refused}"), notify=False,
-                     peer_gone=True)
+        if refused is not None:  # prefill's KVSender must not wait for us
+            mgr.send_msg(
+                link, m.Abort(room=r.room, reason=str(refused), kind=type(refused).__name__)
+            )
+            mgr.fail(r, type(refused)(f"room {r.room}: {refused}"), notify=False, peer_gone=True)
             return
         r.link = link
         link.rooms.add(r)
@@ -248,8 +292,14 @@ class DecodeSide:
     # ------------------------------------------------------------------ failure
     def after_fail(self, r: Room, *, notify: bool, peer_gone: bool) -> None:
         mgr, link = self.mgr, r.link
-        if link is None and notify and not peer_gone and not r.inited and r.bootstrap_addr \
-                and not mgr.closed:
+        if (
+            link is None
+            and notify
+            and not peer_gone
+            and not r.inited
+            and r.bootstrap_addr
+            and not mgr.closed
+        ):
             # aborted before init(): reach prefill anyway (its KVSender may be waiting)
             r.inited = True
             self._link_future(r.bootstrap_addr).add_done_callback(lambda f: self._linked(r, f))
@@ -269,8 +319,14 @@ class DecodeSide:
         r = self.mgr.rooms.get(room)
         if r is None or r.role is not RoomRole.RECEIVER or r.link is not link:
             lvl = logging.DEBUG if self.mgr.rooms.tombstone(room) else logging.WARNING
-            log.log(lvl, "%s: %s for unknown room %d from %s", self.mgr.name, tag, room,
-                    link.name if link else "?")
+            log.log(
+                lvl,
+                "%s: %s for unknown room %d from %s",
+                self.mgr.name,
+                tag,
+                room,
+                link.name if link else "?",
+            )
             return None
         return r
 
@@ -293,20 +349,26 @@ class DecodeSide:
         if r is None:
             return
         if isinstance(msg, m.Abort):
-            r.peer_aborted = True                    # prefill has no write in flight
+            r.peer_aborted = True  # prefill has no write in flight
             if is_terminal(r.state):
                 mgr.release(r)
             else:
-                mgr.fail(r, remote_error(msg.kind, msg.reason, f"prefill {link.name}"),
-                         notify=False)
+                mgr.fail(
+                    r, remote_error(msg.kind, msg.reason, f"prefill {link.name}"), notify=False
+                )
         elif isinstance(msg, m.Chunk):
             if is_terminal(r.state):
                 return
             if msg.pages_done > r.expect_pages:
-                mgr.fail(r, ProtocolError(f"room {r.room}: prefill reports {msg.pages_done} "
-                                          f"pages done of {r.expect_pages}"))
+                mgr.fail(
+                    r,
+                    ProtocolError(
+                        f"room {r.room}: prefill reports {msg.pages_done} "
+                        f"pages done of {r.expect_pages}"
+                    ),
+                )
             elif r.state == KVPoll.Transferring:
-                mgr.arm(r)                           # lease renewed by progress
+                mgr.arm(r)  # lease renewed by progress
             else:
                 mgr.advance(r, KVPoll.Transferring)
         elif isinstance(msg, m.Done):
@@ -316,26 +378,36 @@ class DecodeSide:
 
     def _on_done(self, r: Room, msg: m.Done) -> None:
         mgr = self.mgr
-        r.peer_aborted = True                        # final: nothing more is in flight
+        r.peer_aborted = True  # final: nothing more is in flight
         if mgr.integrity is not None:
-            mgr.integrity.done_arrived(r)            # prefill now waits for our verdict
+            mgr.integrity.done_arrived(r)  # prefill now waits for our verdict
         if is_terminal(r.state):
             mgr.release(r)
             return
         if msg.pages != r.expect_pages:
-            mgr.fail(r, ShapeMismatch(f"room {r.room}: prefill sent {msg.pages} pages, decode "
-                                      f"expected {r.expect_pages}"), notify=False)
+            mgr.fail(
+                r,
+                ShapeMismatch(
+                    f"room {r.room}: prefill sent {msg.pages} pages, decode "
+                    f"expected {r.expect_pages}"
+                ),
+                notify=False,
+            )
             return
-        assert r.dst_aux_row is not None         # set by send_metadata, before any Done
+        assert r.dst_aux_row is not None  # set by send_metadata, before any Done
         got = mgr.aux.read_room(r.dst_aux_row)
         if got != r.room:
-            mgr.fail(r, derr.RoomMismatch(
-                f"room {r.room}: metadata row {r.dst_aux_row} carries "
-                f"{'no valid room stamp' if got is None else f'room {got}'}; data rejected"),
-                notify=False)
+            mgr.fail(
+                r,
+                derr.RoomMismatch(
+                    f"room {r.room}: metadata row {r.dst_aux_row} carries "
+                    f"{'no valid room stamp' if got is None else f'room {got}'}; data rejected"
+                ),
+                notify=False,
+            )
             return
         if mgr.integrity is not None:
-            mgr.integrity.check(r, msg)              # Success once every checksum matched
+            mgr.integrity.check(r, msg)  # Success once every checksum matched
             return
         mgr.advance(r, KVPoll.Success)
         mgr.release(r)

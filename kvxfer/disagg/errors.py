@@ -3,6 +3,7 @@
 They extend the one hierarchy (:mod:`kvxfer.errors`); every message names the offending
 value (room id, index, field) so a scheduler log line is enough to find the culprit.
 """
+
 from __future__ import annotations
 
 from kvxfer.errors import IncompatiblePeer, InvalidArgument, KvxferError

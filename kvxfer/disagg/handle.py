@@ -1,4 +1,5 @@
 """Common part of KVSender / KVReceiver: poll, wait, abort, index validation."""
+
 from __future__ import annotations
 
 import asyncio
@@ -74,8 +75,10 @@ class RoomHandle:
         self.mgr.call(self._abort)
 
     def _abort(self) -> None:
-        self.mgr.fail(self._r, TransferAborted(
-            f"room {self._r.room} aborted by {self._mode.value} {self.mgr.name}"))
+        self.mgr.fail(
+            self._r,
+            TransferAborted(f"room {self._r.room} aborted by {self._mode.value} {self.mgr.name}"),
+        )
 
     def _add_waiter(self, w) -> None:
         """Runs on: the loop thread."""
@@ -101,8 +104,9 @@ class RoomHandle:
         try:
             return KVPoll(await asyncio.wait_for(fut, timeout))
         except asyncio.TimeoutError:
-            raise TransferTimeout(f"room {r.room}: still {KVPoll(r.state).name} after "
-                                  f"{timeout}s") from None
+            raise TransferTimeout(
+                f"room {r.room}: still {KVPoll(r.state).name} after {timeout}s"
+            ) from None
 
     def wait_blocking(self, timeout: Optional[float] = None) -> KVPoll:
         """Block a (non-loop) thread until the room is terminal. Runs on: the caller's
@@ -117,5 +121,6 @@ class RoomHandle:
         try:
             return KVPoll(cf.result(timeout))
         except concurrent.futures.TimeoutError:
-            raise TransferTimeout(f"room {r.room}: still {KVPoll(r.state).name} after "
-                                  f"{timeout}s") from None
+            raise TransferTimeout(
+                f"room {r.room}: still {KVPoll(r.state).name} after {timeout}s"
+            ) from None

@@ -28,6 +28,7 @@ Invariants
 - Checksums of small host-memory requests and of device memory run on the manager's loop;
   large host-memory ones in the default executor, so the loop keeps serving other rooms.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 #: host-memory bytes checksummed on the loop itself; more go to the default executor
 INLINE_HOST_BYTES = 1 << 20
 GROUPS = ("kv", "state", "aux")
-_OWED = "verdict owed"        # decode: Done arrived, prefill waits for our verdict
+_OWED = "verdict owed"  # decode: Done arrived, prefill waits for our verdict
 
 
 class _DeviceBatch:
@@ -66,6 +67,7 @@ class _DeviceBatch:
 
     def __init__(self, dev: int) -> None:
         import torch
+
         self.dev = dev
         self.lock = threading.Lock()
         self.stream = torch.cuda.Stream(dev)
@@ -73,6 +75,7 @@ class _DeviceBatch:
 
     def _grow(self, rows: int) -> None:
         import torch
+
         rows = max(1024, 1 << (rows - 1).bit_length())
         self.h_tasks = torch.empty((rows, 4), dtype=torch.int64, pin_memory=True)
         self.d_tasks = torch.empty((rows, 4), dtype=torch.int64, device=f"cuda:{self.dev}")
@@ -86,15 +89,16 @@ class _DeviceBatch:
         import torch
 
         from kvxfer.kernels.checksum import add_partials, checksum_tasks, task_alignment
+
         t = tasks.shape[0]
         al = task_alignment(tasks)
-        order = np.argsort(-al, kind="stable")           # 16-, then 4-, then 1-byte aligned
+        order = np.argsort(-al, kind="stable")  # 16-, then 4-, then 1-byte aligned
         tasks, al = tasks[order], al[order]
         with self.lock, torch.cuda.device(self.dev):
             caller = torch.cuda.current_stream(self.dev)
             if t > self.rows:
-                self._grow(t)                            # the old ones: nothing in flight
-            self.stream.wait_stream(caller)              # after this thread's work
+                self._grow(t)  # the old ones: nothing in flight
+            self.stream.wait_stream(caller)  # after this thread's work
             h_tasks = self.h_tasks[:t]
             h_tasks.numpy()[:] = tasks
             try:
@@ -105,13 +109,18 @@ class _DeviceBatch:
                     for a in (16, 4, 1):
                         hi = lo + int(np.count_nonzero(al == a))
                         if hi > lo:
-                            checksum_tasks(d_tasks[lo:hi], self.d_part[lo:hi], a,
-                                           host_tasks=tasks[lo:hi], per_task=True)
+                            checksum_tasks(
+                                d_tasks[lo:hi],
+                                self.d_part[lo:hi],
+                                a,
+                                host_tasks=tasks[lo:hi],
+                                per_task=True,
+                            )
                         lo = hi
                     self.h_part[:t].copy_(self.d_part[:t], non_blocking=True)
                 host_work()
             finally:
-                self.stream.synchronize()                # staging reusable; partials here
+                self.stream.synchronize()  # staging reusable; partials here
             return add_partials(tasks, self.h_part[:t].numpy(), n)
 
 
@@ -121,22 +130,30 @@ class ItemSums:
     memory only by the kernel on its own device; the parts of an item add up modulo
     ``2**32``. :func:`item_sums` computes several groups with one batch per device."""
 
-    def __init__(self, ptrs, lens, item_lens, batches: Optional[Dict[int, _DeviceBatch]] = None
-                 ) -> None:
+    def __init__(
+        self, ptrs, lens, item_lens, batches: Optional[Dict[int, _DeviceBatch]] = None
+    ) -> None:
         from kvxfer.kernels import cuda_driver
         from kvxfer.kernels.checksum import word_offsets
+
         self.ptrs = np.asarray(ptrs, dtype=np.int64)
         self.lens = np.asarray(item_lens, dtype=np.int64)
         self.pos0 = word_offsets(item_lens)
-        where = np.array([-1 if w is None else w
-                          for w in (cuda_driver.kernel_device(int(p)) for p in ptrs)],
-                         dtype=np.int64)
+        where = np.array(
+            [-1 if w is None else w for w in (cuda_driver.kernel_device(int(p)) for p in ptrs)],
+            dtype=np.int64,
+        )
         self.host = where < 0
         #: (rows view, first stream word) of each host descriptor, built once
-        self._host_views = [(np.ctypeslib.as_array((ctypes.c_uint8 * int(lens[d]))
-                                                   .from_address(int(ptrs[d])))
-                             .reshape(-1, int(item_lens[d])), int(self.pos0[d]))
-                            for d in np.flatnonzero(self.host)]
+        self._host_views = [
+            (
+                np.ctypeslib.as_array(
+                    (ctypes.c_uint8 * int(lens[d])).from_address(int(ptrs[d]))
+                ).reshape(-1, int(item_lens[d])),
+                int(self.pos0[d]),
+            )
+            for d in np.flatnonzero(self.host)
+        ]
         #: CUDA ordinal -> the descriptors whose memory lives there
         self.devices = {int(w): np.flatnonzero(where == w) for w in np.unique(where[where >= 0])}
         self.host_item_bytes = int(self.lens[self.host].sum())
@@ -147,6 +164,7 @@ class ItemSums:
         """Task table of ``ids`` over this group's descriptors on ``dev``; out index
         ``base + position in ids``."""
         from kvxfer.kernels.checksum import item_tasks
+
         ds = self.devices[dev]
         tasks = item_tasks(self.ptrs[ds], self.lens[ds], self.pos0[ds], ids)
         tasks[:, 2] += base
@@ -155,6 +173,7 @@ class ItemSums:
     def add_host(self, ids: np.ndarray, out: np.ndarray) -> None:
         """Add the host descriptors' part of each item of ``ids`` into ``out``."""
         from kvxfer.kernels.checksum import checksum_rows
+
         for rows, pos0 in self._host_views:
             out += checksum_rows(rows, pos0, ids)
 
@@ -173,7 +192,7 @@ def item_sums(parts) -> List[np.ndarray]:
     def host_work() -> None:
         for (g, _), ids, lo in zip(parts, ids_of, bounds):
             if len(ids):
-                g.add_host(ids, total[lo:lo + len(ids)])
+                g.add_host(ids, total[lo : lo + len(ids)])
 
     tables: Dict[int, list] = {}
     batches: Dict[int, _DeviceBatch] = {}
@@ -199,6 +218,7 @@ def _nothing() -> None:
 
 class _Sending:
     """Prefill's per-room record: kv checksums so far, decode's verdict if it came early."""
+
     __slots__ = ("kv", "sent", "verdict")
 
     def __init__(self) -> None:
@@ -212,6 +232,7 @@ class Integrity:
 
     def __init__(self, mgr: RoomOps) -> None:
         from kvxfer.kernels.checksum import ALGORITHM
+
         self.mgr = mgr
         self.algorithm = ALGORITHM
         a = mgr.args
@@ -246,9 +267,14 @@ class Integrity:
             parts += [("state", [] if src_state is None else src_state), ("aux", [r.aux_index])]
         try:
             got = await self._compute(parts)
-        except Exception as exc:                 # a device or driver error
-            self.mgr.fail(r, IntegrityError(f"room {r.room}: could not compute checksums on "
-                                            f"{self.mgr.name}: {exc}", room=r.room))
+        except Exception as exc:  # a device or driver error
+            self.mgr.fail(
+                r,
+                IntegrityError(
+                    f"room {r.room}: could not compute checksums on {self.mgr.name}: {exc}",
+                    room=r.room,
+                ),
+            )
             return None
         st.kv.append(got[0])
         if not last:
@@ -267,14 +293,18 @@ class Integrity:
 
     def on_verdict(self, link, msg: m.Verdict) -> None:
         r = self.mgr.rooms.get(msg.room)
-        if (r is None or r.role is not RoomRole.SENDER or r.link is not link or is_terminal(r.state)
-                or not isinstance(r.integrity, _Sending)):
-            log.debug("%s: verdict for room %d ignored (not awaiting one)", self.mgr.name,
-                      msg.room)
+        if (
+            r is None
+            or r.role is not RoomRole.SENDER
+            or r.link is not link
+            or is_terminal(r.state)
+            or not isinstance(r.integrity, _Sending)
+        ):
+            log.debug("%s: verdict for room %d ignored (not awaiting one)", self.mgr.name, msg.room)
             return
         if r.integrity.sent:
             self._apply(r, msg)
-        else:                                    # our write's completion is still on its way
+        else:  # our write's completion is still on its way
             r.integrity.verdict = msg
 
     def _apply(self, r, msg: m.Verdict) -> None:
@@ -286,7 +316,7 @@ class Integrity:
         text = f"decode {r.link.name}: {msg.reason}"
         if msg.kind == IntegrityError.__name__:
             exc: KvxferError = IntegrityError(text, room=r.room)
-        else:                                    # decode's error class, by name
+        else:  # decode's error class, by name
             cls = getattr(derr, msg.kind, None) or getattr(kerr, msg.kind, None)
             if not (isinstance(cls, type) and issubclass(cls, KvxferError)):
                 cls = TransferAborted
@@ -309,9 +339,15 @@ class Integrity:
         r.integrity = None
         ok = r.state == KVPoll.Success
         if r.link is not None:
-            self.mgr.send_msg(r.link, m.Verdict(
-                room=r.room, ok=ok, reason="" if ok else str(r.exc),
-                kind="" if ok else type(r.exc).__name__))
+            self.mgr.send_msg(
+                r.link,
+                m.Verdict(
+                    room=r.room,
+                    ok=ok,
+                    reason="" if ok else str(r.exc),
+                    kind="" if ok else type(r.exc).__name__,
+                ),
+            )
 
     def check(self, r, msg: m.Done) -> None:
         """Compare prefill's checksums with those of our destination items; reports Success
@@ -320,10 +356,15 @@ class Integrity:
         want = 4 * (n_kv + n_state + 1)
         if msg.sums is None or len(msg.sums) != want:
             got = "none" if msg.sums is None else f"{len(msg.sums)} bytes"
-            self.mgr.fail(r, ProtocolError(
-                f"room {r.room}: integrity is on but prefill's Done carries {got} of "
-                f"checksums, expected {want} bytes ({n_kv} pages, {n_state} state slots, "
-                f"1 aux row)"), notify=False)
+            self.mgr.fail(
+                r,
+                ProtocolError(
+                    f"room {r.room}: integrity is on but prefill's Done carries {got} of "
+                    f"checksums, expected {want} bytes ({n_kv} pages, {n_state} state slots, "
+                    f"1 aux row)"
+                ),
+                notify=False,
+            )
             return
         if self.before_check is not None:
             self.before_check(r)
@@ -335,10 +376,16 @@ class Integrity:
         mgr = self.mgr
         try:
             got = np.concatenate(await self._compute(parts))
-        except Exception as exc:                 # a device or driver error: cannot verify
+        except Exception as exc:  # a device or driver error: cannot verify
             if not is_terminal(r.state):
-                mgr.fail(r, IntegrityError(f"room {r.room}: could not compute checksums on "
-                                           f"{mgr.name}: {exc}", room=r.room), notify=False)
+                mgr.fail(
+                    r,
+                    IntegrityError(
+                        f"room {r.room}: could not compute checksums on {mgr.name}: {exc}",
+                        room=r.room,
+                    ),
+                    notify=False,
+                )
             return
         if is_terminal(r.state):
             return
@@ -348,13 +395,20 @@ class Integrity:
             mgr.release(r)
             return
         i, k = int(bad[0]), 0
-        while i >= len(parts[k][1]):             # the group and index of flat item i
+        while i >= len(parts[k][1]):  # the group and index of flat item i
             i -= len(parts[k][1])
             k += 1
         group, ids = parts[k]
         what = {"kv": "page", "state": "state slot", "aux": "aux row"}[group]
-        mgr.fail(r, IntegrityError(
-            f"room {r.room}: {group} item {i} (decode {what} {int(ids[i])}) has checksum "
-            f"{int(got[bad[0]]):#010x}, prefill sent {int(expected[bad[0]]):#010x} "
-            f"({bad.size} bad item(s)); data rejected", room=r.room, group=group, index=i),
-            notify=False)
+        mgr.fail(
+            r,
+            IntegrityError(
+                f"room {r.room}: {group} item {i} (decode {what} {int(ids[i])}) has checksum "
+                f"{int(got[bad[0]]):#010x}, prefill sent {int(expected[bad[0]]):#010x} "
+                f"({bad.size} bad item(s)); data rejected",
+                room=r.room,
+                group=group,
+                index=i,
+            ),
+            notify=False,
+        )

@@ -13,6 +13,7 @@ Invariants checked by :meth:`KVArgs.validate`: equal list lengths per group, pos
 sizes, every ``len`` a multiple of its ``item_len``, a non-empty ``kv`` group, a non-empty
 ``aux`` group whose first row is at least :data:`~kvxfer.disagg.aux.HEADER_BYTES` long.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,21 +54,37 @@ class KVArgs:
     def __post_init__(self) -> None:
         for name in ("page_size", "tp_rank", "tp_size", "dp_rank", "pp_rank"):
             setattr(self, name, as_int(getattr(self, name), f"KVArgs.{name}"))
-        for name in ("kv_data_ptrs", "kv_data_lens", "kv_item_lens", "aux_data_ptrs",
-                     "aux_data_lens", "aux_item_lens", "state_data_ptrs", "state_data_lens",
-                     "state_item_lens"):
+        for name in (
+            "kv_data_ptrs",
+            "kv_data_lens",
+            "kv_item_lens",
+            "aux_data_ptrs",
+            "aux_data_lens",
+            "aux_item_lens",
+            "state_data_ptrs",
+            "state_data_lens",
+            "state_item_lens",
+        ):
             setattr(self, name, [int(v) for v in getattr(self, name)])
         # None (a state tensor with no per-TP-rank split dimension) travels as -1
-        self.state_dim_per_tensor = [-1 if v is None else int(v)
-                                     for v in self.state_dim_per_tensor]
+        self.state_dim_per_tensor = [-1 if v is None else int(v) for v in self.state_dim_per_tensor]
         self.state_types = [str(v) for v in self.state_types]
         self.validate()
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_pools(cls, kv_pool, *, aux=None, state_pool=None, tp_rank: int = 0,
-                   tp_size: int = 1, dp_rank: int = 0, pp_rank: int = 0,
-                   state_type: str = "mamba") -> "KVArgs":
+    def from_pools(
+        cls,
+        kv_pool,
+        *,
+        aux=None,
+        state_pool=None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        dp_rank: int = 0,
+        pp_rank: int = 0,
+        state_type: str = "mamba",
+    ) -> "KVArgs":
         """Fill from a KV pool (``get_contiguous_buf_infos``/``describe``), an optional state
         pool (``get_state_buf_infos``/``get_state_dim_per_tensor``/``describe``) and an aux
         buffer (anything with ``buf_infos() -> (ptrs, lens, item_lens)``, e.g. MetadataBuffer).
@@ -79,18 +96,31 @@ class KVArgs:
         if state_pool is not None:
             sp, sl, si = state_pool.get_state_buf_infos()
             dims = getattr(state_pool, "get_state_dim_per_tensor", None)
-            kw.update(state_data_ptrs=sp, state_data_lens=sl, state_item_lens=si,
-                      state_types=[state_type] * len(sp),
-                      state_dim_per_tensor=list(dims()) if dims is not None else [])
+            kw.update(
+                state_data_ptrs=sp,
+                state_data_lens=sl,
+                state_item_lens=si,
+                state_types=[state_type] * len(sp),
+                state_dim_per_tensor=list(dims()) if dims is not None else [],
+            )
             if hasattr(state_pool, "describe"):
                 layout["state"] = _plain(state_pool.describe())
         if aux is not None:
             ap, al, ai = aux.buf_infos()
             kw.update(aux_data_ptrs=ap, aux_data_lens=al, aux_item_lens=ai)
-        return cls(kv_data_ptrs=ptrs, kv_data_lens=lens, kv_item_lens=items,
-                   page_size=int(kv_pool.page_size), dtype=_dtype_name(kv_pool),
-                   layout=layout, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank,
-                   pp_rank=pp_rank, **kw)
+        return cls(
+            kv_data_ptrs=ptrs,
+            kv_data_lens=lens,
+            kv_item_lens=items,
+            page_size=int(kv_pool.page_size),
+            dtype=_dtype_name(kv_pool),
+            layout=layout,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            dp_rank=dp_rank,
+            pp_rank=pp_rank,
+            **kw,
+        )
 
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
@@ -98,20 +128,23 @@ class KVArgs:
             ptrs, lens, items = self.group(g)
             if not (len(ptrs) == len(lens) == len(items)):
                 raise InvalidArgument(
-                    f"KVArgs.{g}: {len(ptrs)} ptrs, {len(lens)} lens, {len(items)} item_lens")
+                    f"KVArgs.{g}: {len(ptrs)} ptrs, {len(lens)} lens, {len(items)} item_lens"
+                )
             for i, (p, n, it) in enumerate(zip(ptrs, lens, items)):
                 if it <= 0 or n <= 0 or p <= 0:
                     raise InvalidArgument(f"KVArgs.{g}[{i}]: ptr={p:#x} len={n} item_len={it}")
                 if n % it:
                     raise InvalidArgument(
-                        f"KVArgs.{g}[{i}]: len {n} is not a multiple of item_len {it}")
+                        f"KVArgs.{g}[{i}]: len {n} is not a multiple of item_len {it}"
+                    )
         if not self.kv_data_ptrs:
             raise InvalidArgument("KVArgs: the kv group is empty")
         if not self.aux_data_ptrs:
             raise InvalidArgument("KVArgs: the aux group (metadata rows) is empty")
         if self.aux_item_lens[0] < HEADER_BYTES:
             raise InvalidArgument(
-                f"KVArgs: aux row of {self.aux_item_lens[0]} bytes < header {HEADER_BYTES}")
+                f"KVArgs: aux row of {self.aux_item_lens[0]} bytes < header {HEADER_BYTES}"
+            )
         if self.page_size <= 0:
             raise InvalidArgument(f"KVArgs: page_size {self.page_size}")
         if not 0 <= self.tp_rank < self.tp_size:
@@ -119,11 +152,15 @@ class KVArgs:
         if self.state_types and len(self.state_types) != len(self.state_data_ptrs):
             raise InvalidArgument(
                 f"KVArgs: {len(self.state_types)} state_types for "
-                f"{len(self.state_data_ptrs)} state buffers")
+                f"{len(self.state_data_ptrs)} state buffers"
+            )
 
     def group(self, name: str) -> Tuple[List[int], List[int], List[int]]:
-        return (getattr(self, f"{name}_data_ptrs"), getattr(self, f"{name}_data_lens"),
-                getattr(self, f"{name}_item_lens"))
+        return (
+            getattr(self, f"{name}_data_ptrs"),
+            getattr(self, f"{name}_data_lens"),
+            getattr(self, f"{name}_item_lens"),
+        )
 
     def num_items(self, name: str) -> int:
         """Item ids valid in every entry of group ``name``: ``[0, num_items)``."""
@@ -146,11 +183,22 @@ class KVArgs:
         }
 
 
-def check_compatible(ours: Dict[str, Any], theirs: Dict[str, Any], *, us: str, them: str,
-                     ignore_tp: bool = False) -> None:
+def check_compatible(
+    ours: Dict[str, Any], theirs: Dict[str, Any], *, us: str, them: str, ignore_tp: bool = False
+) -> None:
     """Raise :class:`LayoutMismatch` naming the first field that differs (with both values)."""
-    order = ("page_size", "dtype", "kv_item_lens", "state_item_lens", "aux_item_lens",
-             "state_types", "state_dim_per_tensor", "layout", "tp_size", "integrity")
+    order = (
+        "page_size",
+        "dtype",
+        "kv_item_lens",
+        "state_item_lens",
+        "aux_item_lens",
+        "state_types",
+        "state_dim_per_tensor",
+        "layout",
+        "tp_size",
+        "integrity",
+    )
     if not isinstance(theirs, dict):
         raise LayoutMismatch(f"{them} sent a fingerprint of type {type(theirs).__name__}")
     for key in order:
@@ -163,10 +211,12 @@ def check_compatible(ours: Dict[str, Any], theirs: Dict[str, Any], *, us: str, t
             if diff is not None:
                 path, va, vb = diff
                 raise LayoutMismatch(f"{path}: {us} has {va!r}, {them} has {vb!r}")
-        elif key == "integrity" and a != b:      # set by KVManager(integrity=...) only
-            raise LayoutMismatch(f"integrity: {us} has {a or 'off'!r}, {them} has "
-                                 f"{b or 'off'!r}; both sides need the same "
-                                 f"KVManager(integrity=...)")
+        elif key == "integrity" and a != b:  # set by KVManager(integrity=...) only
+            raise LayoutMismatch(
+                f"integrity: {us} has {a or 'off'!r}, {them} has "
+                f"{b or 'off'!r}; both sides need the same "
+                f"KVManager(integrity=...)"
+            )
         elif a != b:
             raise LayoutMismatch(f"{key}: {us} has {a!r}, {them} has {b!r}")
 

@@ -4,6 +4,7 @@ A link is created on the loop thread when a peer says hello (prefill) or once we
 and said hello (decode), and dies once: ``dead`` never goes back to False. While ``fencing``
 its rooms are held (not released) until our endpoints to that peer are closed.
 """
+
 from __future__ import annotations
 
 import time
@@ -15,8 +16,17 @@ from kvxfer.errors import KvxferError
 class Link:
     """One connected peer engine (``peer``: the engine's Peer), keyed by ``key``."""
 
-    __slots__ = ("key", "peer", "name", "rooms", "last_heard", "dead", "fencing", "refused",
-                 "remote_items")
+    __slots__ = (
+        "key",
+        "peer",
+        "name",
+        "rooms",
+        "last_heard",
+        "dead",
+        "fencing",
+        "refused",
+        "remote_items",
+    )
 
     def __init__(self, key: str, peer: Any, name: str = "") -> None:
         self.key, self.peer, self.name = key, peer, name
@@ -32,8 +42,9 @@ class Link:
         self.remote_items: Dict[str, int] = {}
         groups = getattr(peer, "remote_groups", None) or {}
         for g, (lens, item_lens) in groups.items():
-            self.remote_items[g] = min((int(n) // int(i) for n, i in zip(lens, item_lens)),
-                                       default=0)
+            self.remote_items[g] = min(
+                (int(n) // int(i) for n, i in zip(lens, item_lens)), default=0
+            )
 
     def __repr__(self) -> str:
         return f"Link({self.name or self.key}, rooms={len(self.rooms)}, dead={self.dead})"

@@ -23,6 +23,7 @@ peer that resumes cannot write into pages that were handed on. ``close()`` fence
 abort: it tells every peer, waits (``abort_ack_s``) for their answers, closes the engine, and
 only then releases what is left.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -70,15 +71,25 @@ class KVManager:
     #: Runs on: the manager's loop thread.
     test_hook: Optional[Callable[[str, int], None]] = None
 
-    def __init__(self, args: KVArgs, mode: Union[DisaggMode, str, Any], *,
-                 bootstrap_addr: Optional[str] = None,
-                 secret: Optional[Union[bytes, str]] = None, host: str = "127.0.0.1",
-                 port: int = 0, error_mode: str = "peer", timeouts: Optional[Timeouts] = None,
-                 name: Optional[str] = None, max_tombstones: int = 65536,
-                 integrity: bool = False) -> None:
+    def __init__(
+        self,
+        args: KVArgs,
+        mode: Union[DisaggMode, str, Any],
+        *,
+        bootstrap_addr: Optional[str] = None,
+        secret: Optional[Union[bytes, str]] = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        error_mode: str = "peer",
+        timeouts: Optional[Timeouts] = None,
+        name: Optional[str] = None,
+        max_tombstones: int = 65536,
+        integrity: bool = False,
+    ) -> None:
         """``mode``: :class:`DisaggMode`, SGLang's ``DisaggregationMode`` or
         ``"prefill"`` / ``"decode"``."""
         from kvxfer.config import resolve_secret
+
         if not isinstance(args, KVArgs):
             raise InvalidArgument(f"args must be KVArgs, got {type(args).__name__}")
         #: shared by the engines and the bootstrap server (``secret=`` or $KVXFER_SECRET)
@@ -90,32 +101,46 @@ class KVManager:
         self.bootstrap_addr = bootstrap_addr
         self.t = timeouts or Timeouts()
         self.name = name or f"{self.mode.value}-dp{args.dp_rank}-tp{args.tp_rank}"
-        self._engine_kw = dict(secret=self.secret, host=host, port=port, error_mode=error_mode,
-                               connect_timeout_s=min(10.0, self.t.bootstrap_s),
-                               transfer_timeout_s=self.t.transfer_s, name=self.name)
+        self._engine_kw = dict(
+            secret=self.secret,
+            host=host,
+            port=port,
+            error_mode=error_mode,
+            connect_timeout_s=min(10.0, self.t.bootstrap_s),
+            transfer_timeout_s=self.t.transfer_s,
+            name=self.name,
+        )
         self.fingerprint: Dict[str, Any] = args.fingerprint()
         #: end-to-end checksums of every item (kvxfer.disagg.integrity); None when off
         self.integrity: Optional[IntegrityOps] = None
         if integrity:
             from kvxfer.disagg.integrity import Integrity
+
             self.integrity = Integrity(self)
             self.fingerprint["integrity"] = self.integrity.algorithm
         self.items = {g: args.num_items(g) for g in ("kv", "state", "aux")}
         self.aux = AuxRows(args.aux_data_ptrs[0], args.aux_data_lens[0], args.aux_item_lens[0])
         self.rooms = RoomTable(max_tombstones)
-        self.links: Dict[str, Link] = {}          # peer.id -> Link
-        self.engine: Any = None                   # kvxfer.engine.TransferEngine once started
+        self.links: Dict[str, Link] = {}  # peer.id -> Link
+        self.engine: Any = None  # kvxfer.engine.TransferEngine once started
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self._loop_tid: Optional[int] = None
         self._thread: Optional[LoopThread] = None
         self._tasks: Set[asyncio.Task] = set()
         self._closed = False
-        self._idle: Optional[asyncio.Future] = None     # close(): resolved when no room is left
-        self.stats: Dict[str, Any] = {"succeeded": 0, "failed": 0, "bytes": 0, "ops": 0,
-                                      "writes": 0, "lanes": set()}
+        self._idle: Optional[asyncio.Future] = None  # close(): resolved when no room is left
+        self.stats: Dict[str, Any] = {
+            "succeeded": 0,
+            "failed": 0,
+            "bytes": 0,
+            "ops": 0,
+            "writes": 0,
+            "lanes": set(),
+        }
         #: the role-specific protocol; it sees this manager as a Prefill/DecodeContext
         self.side: Union[PrefillSide, DecodeSide] = (
-            PrefillSide(self) if self.mode is DisaggMode.PREFILL else DecodeSide(self))
+            PrefillSide(self) if self.mode is DisaggMode.PREFILL else DecodeSide(self)
+        )
 
     def __repr__(self) -> str:
         return f"KVManager({self.name}, rooms={len(self.rooms)}, peers={len(self.links)})"
@@ -144,13 +169,14 @@ class KVManager:
         try:
             await self.side.started()
         except BaseException:
-            await self.close()               # nothing half-started stays behind
+            await self.close()  # nothing half-started stays behind
             raise
         log.info("%s started on %s", self.name, self.address)
         return self
 
     def _make_engine(self, **override: Any) -> Any:
         from kvxfer.engine import EngineConfig, TransferEngine
+
         return TransferEngine(EngineConfig(**dict(self._engine_kw, **override)))
 
     async def connect(self, host: str, port: int) -> Any:
@@ -193,8 +219,12 @@ class KVManager:
             try:
                 await asyncio.wait_for(asyncio.shield(self._idle), self.t.abort_ack_s)
             except asyncio.TimeoutError:
-                log.warning("%s: closing with %d rooms unconfirmed by their peers after %.1fs",
-                            self.name, len(self.rooms), self.t.abort_ack_s)
+                log.warning(
+                    "%s: closing with %d rooms unconfirmed by their peers after %.1fs",
+                    self.name,
+                    len(self.rooms),
+                    self.t.abort_ack_s,
+                )
         await self.side.closing()
         for t in list(self._tasks):
             t.cancel()
@@ -202,7 +232,7 @@ class KVManager:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.engine is not None:
             await self.engine.close()
-        for r in self.rooms.rooms():             # no endpoint is left to write through
+        for r in self.rooms.rooms():  # no endpoint is left to write through
             if r.link is not None:
                 r.link.fencing = False
             if is_terminal(r.state):
@@ -333,11 +363,15 @@ class KVManager:
             if is_terminal(r.state):
                 return
             t = self.t
-            seconds = {KVPoll.Bootstrapping: t.bootstrap_s, KVPoll.WaitingForInput: t.waiting_s,
-                       KVPoll.Transferring: t.transfer_s}[r.state]
+            seconds = {
+                KVPoll.Bootstrapping: t.bootstrap_s,
+                KVPoll.WaitingForInput: t.waiting_s,
+                KVPoll.Transferring: t.transfer_s,
+            }[r.state]
             if r.role is RoomRole.RECEIVER and r.state != KVPoll.Bootstrapping:
-                seconds += t.decode_grace_s + (t.bootstrap_s if r.meta_sent and
-                                               r.state == KVPoll.WaitingForInput else 0.0)
+                seconds += t.decode_grace_s + (
+                    t.bootstrap_s if r.meta_sent and r.state == KVPoll.WaitingForInput else 0.0
+                )
         r.timer = self._running_loop().call_later(seconds, self._expired, r, r.state, seconds)
 
     def _expired(self, r: Room, state: KVPoll, seconds: float) -> None:
@@ -345,26 +379,40 @@ class KVManager:
         r.timer = None
         if r.released:
             return
-        if is_terminal(r.state):                 # no abort ack: the peer may still write
+        if is_terminal(r.state):  # no abort ack: the peer may still write
             link = r.link
             if link is None or link.dead:
                 self.release(r)
                 return
-            log.warning("%s: room %d: no abort ack from %s within %.1fs; closing the link",
-                        self.name, r.room, link.name, seconds)
-            self.link_failed(link, TransferTimeout(
-                f"peer {link.name}: no abort ack for room {r.room} within {seconds:g}s"),
-                fence=True)
+            log.warning(
+                "%s: room %d: no abort ack from %s within %.1fs; closing the link",
+                self.name,
+                r.room,
+                link.name,
+                seconds,
+            )
+            self.link_failed(
+                link,
+                TransferTimeout(
+                    f"peer {link.name}: no abort ack for room {r.room} within {seconds:g}s"
+                ),
+                fence=True,
+            )
             return
-        self.fail(r, TransferTimeout(
-            f"room {r.room}: {state.name} for more than {seconds:g}s on {self.name}"))
+        self.fail(
+            r,
+            TransferTimeout(
+                f"room {r.room}: {state.name} for more than {seconds:g}s on {self.name}"
+            ),
+        )
 
-    def fail(self, r: Room, exc: BaseException, *, notify: bool = True,
-             peer_gone: bool = False) -> None:
+    def fail(
+        self, r: Room, exc: BaseException, *, notify: bool = True, peer_gone: bool = False
+    ) -> None:
         """Fail ``r`` (sticky) and release it once no write can touch its pages any more.
         ``notify``: tell the peer; ``peer_gone``: the peer can no longer write (release now)."""
         if r.role is RoomRole.PENDING:
-            assert isinstance(self.side, PrefillSide)   # only prefill holds pending records
+            assert isinstance(self.side, PrefillSide)  # only prefill holds pending records
             self.side.fail_pending(r, exc, notify=notify, peer_gone=peer_gone)
             return
         if is_terminal(r.state):
@@ -382,7 +430,7 @@ class KVManager:
         if r.released:
             return
         if r.link is not None and r.link.fencing:
-            r.held = True                        # released by _fence once the link is closed
+            r.held = True  # released by _fence once the link is closed
             return
         r.released = True
         if r.timer is not None:
@@ -425,8 +473,12 @@ class KVManager:
         """The engines' peer-lost handler. Runs on: the loop thread."""
         link = self.links.get(peer.id)
         if link is not None:
-            self.link_failed(link, exc if isinstance(exc, KvxferError)
-                             else PeerClosed(f"peer {link.name or peer.id} closed: {exc}"))
+            self.link_failed(
+                link,
+                exc
+                if isinstance(exc, KvxferError)
+                else PeerClosed(f"peer {link.name or peer.id} closed: {exc}"),
+            )
 
     def link_failed(self, link: Link, exc: BaseException, *, fence: bool = False) -> None:
         """The peer behind ``link`` is gone: fail all its rooms. ``fence``: it may still be
@@ -445,8 +497,14 @@ class KVManager:
         if peer_id is not None:
             self.links.pop(peer_id, None)
         self.side.link_lost(link)
-        log.log(logging.WARNING if link.rooms and not self._closed else logging.INFO,
-                "%s: lost peer %s (%d rooms): %s", self.name, link.name, len(link.rooms), exc)
+        log.log(
+            logging.WARNING if link.rooms and not self._closed else logging.INFO,
+            "%s: lost peer %s (%d rooms): %s",
+            self.name,
+            link.name,
+            len(link.rooms),
+            exc,
+        )
         for r in list(link.rooms):
             self.fail(r, exc, notify=False, peer_gone=True)
         if fence:
@@ -480,9 +538,13 @@ class KVManager:
             ping = m.Ping(seq=seq)
             for link in list(self.links.values()):
                 if now - link.last_heard > self.t.heartbeat_timeout_s:
-                    self.link_failed(link, TransferTimeout(
-                        f"peer {link.name}: silent for {now - link.last_heard:.1f}s"),
-                        fence=True)
+                    self.link_failed(
+                        link,
+                        TransferTimeout(
+                            f"peer {link.name}: silent for {now - link.last_heard:.1f}s"
+                        ),
+                        fence=True,
+                    )
                 else:
                     self.send_msg(link, ping)
 

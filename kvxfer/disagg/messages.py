@@ -4,6 +4,7 @@ All are :mod:`kvxfer.wire` messages (msgpack, tagged, versioned, type-checked on
 Index lists travel as little-endian int64 byte strings (cheap to pack, vectorised to check);
 :func:`ids_from_bytes` validates their length before anything uses them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ def ids_from_bytes(data: bytes, what: str) -> np.ndarray:
 @dataclass
 class BsChallenge(wire.Message):
     """Server -> client on connect: the nonce this connection's request must be bound to."""
+
     TAG = "bs.challenge"
     nonce: bytes
 
@@ -44,6 +46,7 @@ class BsChallenge(wire.Message):
 class BsSealed(wire.Message):
     """An encoded request or reply (``body``) with its HMAC over both nonces and the
     direction (:func:`kvxfer.disagg.bootstrap.seal`); ``nonce`` is the client's."""
+
     TAG = "bs.sealed"
     nonce: bytes
     body: bytes
@@ -54,6 +57,7 @@ class BsSealed(wire.Message):
 @dataclass
 class BsRegister(wire.Message):
     """A prefill rank announces where its engine listens and what it holds."""
+
     TAG = "bs.register"
     name: str
     host: str
@@ -79,6 +83,7 @@ class BsUnregister(wire.Message):
 @dataclass
 class BsLookup(wire.Message):
     """Decode asks for every prefill rank of one DP group."""
+
     TAG = "bs.lookup"
     dp_rank: int
 
@@ -93,8 +98,16 @@ class BsReply(wire.Message):
 
 
 #: the fields every entry of a BsReply must carry, with their types
-ENTRY_FIELDS = {"name": str, "host": str, "port": int, "tp_rank": int, "tp_size": int,
-                "dp_rank": int, "pp_rank": int, "fingerprint": dict}
+ENTRY_FIELDS = {
+    "name": str,
+    "host": str,
+    "port": int,
+    "tp_rank": int,
+    "tp_size": int,
+    "dp_rank": int,
+    "pp_rank": int,
+    "fingerprint": dict,
+}
 #: bounds of an entry's fields (ranks are non-negative and below these)
 MAX_NAME_CHARS = 256
 MAX_HOST_CHARS = 255
@@ -112,15 +125,18 @@ def check_entry(e: Any) -> Dict[str, Any]:
     for k, tp in ENTRY_FIELDS.items():
         v = e.get(k)
         if not (wire.is_int(v) if tp is int else isinstance(v, tp)):
-            raise ProtocolError(f"bootstrap entry field {k!r} is not a {tp.__name__} "
-                                f"({type(v).__name__})")
+            raise ProtocolError(
+                f"bootstrap entry field {k!r} is not a {tp.__name__} ({type(v).__name__})"
+            )
     if not 0 < e["port"] < 65536:
         raise ProtocolError(f"bootstrap entry port {e['port']}")
     if len(e["name"]) > MAX_NAME_CHARS or not 0 < len(e["host"]) <= MAX_HOST_CHARS:
         raise ProtocolError("bootstrap entry: name or host too long (or host empty)")
     if not 0 < e["tp_size"] <= MAX_TP_SIZE or not 0 <= e["tp_rank"] < e["tp_size"]:
-        raise ProtocolError(f"bootstrap entry: tp_rank {e['tp_rank']} not in "
-                            f"[0, tp_size={e['tp_size']}) or tp_size out of range")
+        raise ProtocolError(
+            f"bootstrap entry: tp_rank {e['tp_rank']} not in "
+            f"[0, tp_size={e['tp_size']}) or tp_size out of range"
+        )
     for k in ("dp_rank", "pp_rank"):
         if not 0 <= e[k] < MAX_RANK:
             raise ProtocolError(f"bootstrap entry: {k} {e[k]} not in [0, {MAX_RANK})")
@@ -132,6 +148,7 @@ def check_entry(e: Any) -> Dict[str, Any]:
 @dataclass
 class Hello(wire.Message):
     """Decode -> prefill once per connection: who I am and what I hold."""
+
     TAG = "pd.hello"
     name: str
     tp_rank: int
@@ -151,6 +168,7 @@ class HelloAck(wire.Message):
 @dataclass
 class TransferInfo(wire.Message):
     """Decode -> prefill: where a room's bytes go (dst page ids, state slot ids, aux row)."""
+
     TAG = "pd.info"
     room: int
     dst_kv: bytes
@@ -162,6 +180,7 @@ class TransferInfo(wire.Message):
 @dataclass
 class Chunk(wire.Message):
     """Prefill -> decode (write notify): a non-final chunk's bytes are visible."""
+
     TAG = "pd.chunk"
     room: int
     pages_done: int
@@ -171,6 +190,7 @@ class Chunk(wire.Message):
 @dataclass
 class Done(wire.Message):
     """Prefill -> decode (write notify): the last chunk, state and aux row are visible."""
+
     TAG = "pd.done"
     room: int
     pages: int
@@ -187,6 +207,7 @@ class Abort(wire.Message):
     From prefill it is sent only once no write for the room is in flight any more, so decode
     may release the room's pages as soon as it arrives. ``kind`` names the error class; from
     decode, ``LayoutMismatch`` is its refusal of a prefill whose layout it cannot take."""
+
     TAG = "pd.abort"
     room: int
     reason: str
@@ -197,6 +218,7 @@ class Abort(wire.Message):
 @dataclass
 class AbortAck(wire.Message):
     """Prefill -> decode: no write for ``room`` is in flight and none will be issued."""
+
     TAG = "pd.abort_ack"
     room: int
 
@@ -207,6 +229,7 @@ class Verdict(wire.Message):
     """Decode -> prefill, integrity mode only: decode's outcome for a room whose Done it
     received (``ok`` once every checksum matched; otherwise the error's class name and text).
     Prefill reports the room's Success only after an ok verdict."""
+
     TAG = "pd.verdict"
     room: int
     ok: bool

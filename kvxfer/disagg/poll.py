@@ -8,6 +8,7 @@ Invariants (enforced by :func:`can_advance`, asserted by the room table):
 * ``Success`` and ``Failed`` are terminal; a room that reached one never changes again, and
   once cleared from its manager its id is never resurrected by a late message.
 """
+
 from __future__ import annotations
 
 import enum

@@ -15,6 +15,7 @@ adopted — the KVSender fails at once with the cause (TransferAborted, Transfer
 PeerClosed, LayoutMismatch) — and a claimed one turns its failure into the KVSender's.
 A room never attaches to a dead link: it fails with PeerClosed instead.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -53,6 +54,7 @@ def _item_write() -> Any:
     global _ItemWrite
     if _ItemWrite is None:
         from kvxfer.engine import ItemWrite
+
         _ItemWrite = ItemWrite
     return _ItemWrite
 
@@ -67,11 +69,18 @@ class PrefillSide:
     # ------------------------------------------------------------------ lifecycle
     def _entry(self) -> m.BsRegister:
         a, address = self.mgr.args, self.mgr.address
-        assert address is not None                # called once the engine listens
+        assert address is not None  # called once the engine listens
         host, port = address
-        return m.BsRegister(name=self.mgr.name, host=str(host), port=int(port),
-                            tp_rank=a.tp_rank, tp_size=a.tp_size, dp_rank=a.dp_rank,
-                            pp_rank=a.pp_rank, fingerprint=self.mgr.fingerprint)
+        return m.BsRegister(
+            name=self.mgr.name,
+            host=str(host),
+            port=int(port),
+            tp_rank=a.tp_rank,
+            tp_size=a.tp_size,
+            dp_rank=a.dp_rank,
+            pp_rank=a.pp_rank,
+            fingerprint=self.mgr.fingerprint,
+        )
 
     async def started(self) -> None:
         """Register at the bootstrap server, retrying until it answers (register_s)."""
@@ -79,17 +88,19 @@ class PrefillSide:
         deadline = loop.time() + self.mgr.t.register_s
         delay = 0.02
         addr = self.mgr.bootstrap_addr
-        assert addr is not None                   # KVManager refuses a prefill without one
+        assert addr is not None  # KVManager refuses a prefill without one
         while True:
             try:
-                await bootstrap.request(addr, self._entry(),
-                                        max(0.1, min(5.0, deadline - loop.time())),
-                                        self.mgr.secret)
+                await bootstrap.request(
+                    addr, self._entry(), max(0.1, min(5.0, deadline - loop.time())), self.mgr.secret
+                )
                 return
             except (KvxferError, OSError) as exc:
                 if loop.time() + delay > deadline:
-                    raise TransferTimeout(f"{self.mgr.name}: could not register at bootstrap "
-                                          f"{self.mgr.bootstrap_addr}: {exc}") from exc
+                    raise TransferTimeout(
+                        f"{self.mgr.name}: could not register at bootstrap "
+                        f"{self.mgr.bootstrap_addr}: {exc}"
+                    ) from exc
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
 
@@ -97,9 +108,14 @@ class PrefillSide:
         a, addr = self.mgr.args, self.mgr.bootstrap_addr
         assert addr is not None
         try:
-            await bootstrap.request(addr, m.BsUnregister(
-                name=self.mgr.name, dp_rank=a.dp_rank, tp_rank=a.tp_rank, pp_rank=a.pp_rank), 1.0,
-                self.mgr.secret)
+            await bootstrap.request(
+                addr,
+                m.BsUnregister(
+                    name=self.mgr.name, dp_rank=a.dp_rank, tp_rank=a.tp_rank, pp_rank=a.pp_rank
+                ),
+                1.0,
+                self.mgr.secret,
+            )
         except (KvxferError, OSError):
             pass
 
@@ -120,8 +136,13 @@ class PrefillSide:
     def _adopt(self, r: Room, pending: Optional[Room], cause: Optional[BaseException]) -> None:
         mgr = self.mgr
         if cause is not None:
-            mgr.fail(r, type(cause)(f"room {r.room}: decode's side ended before the KVSender "
-                                    f"existed: {cause}"), notify=False)
+            mgr.fail(
+                r,
+                type(cause)(
+                    f"room {r.room}: decode's side ended before the KVSender existed: {cause}"
+                ),
+                notify=False,
+            )
             return
         if pending is None:
             mgr.arm(r)
@@ -130,26 +151,37 @@ class PrefillSide:
             pending.timer.cancel()
             pending.timer = None
         link = pending.link
-        assert link is not None                  # a pending record is made with its link
+        assert link is not None  # a pending record is made with its link
         link.rooms.discard(pending)
-        if is_terminal(r.state):                 # our scheduler aborted it first
+        if is_terminal(r.state):  # our scheduler aborted it first
             if r.link is None and not link.dead:  # decode never heard: no write was issued
-                mgr.send_msg(link, m.Abort(room=r.room, reason=str(r.exc),
-                                           kind=type(r.exc).__name__))
+                mgr.send_msg(
+                    link, m.Abort(room=r.room, reason=str(r.exc), kind=type(r.exc).__name__)
+                )
             return
-        if r.dst_kv is not None:                 # a second decode raced the adoption
-            self._reject(link, r.room, DuplicateRoom(
-                f"room {r.room} already has a decode destination on prefill {mgr.name}"))
+        if r.dst_kv is not None:  # a second decode raced the adoption
+            self._reject(
+                link,
+                r.room,
+                DuplicateRoom(
+                    f"room {r.room} already has a decode destination on prefill {mgr.name}"
+                ),
+            )
             return
         self._attach(r, link, pending.dst_kv, pending.dst_state, pending.dst_aux)
 
-    def _attach(self, r: Room, link: Link, dst_kv: np.ndarray, dst_state: np.ndarray,
-                dst_aux: Optional[int]) -> None:
+    def _attach(
+        self, r: Room, link: Link, dst_kv: np.ndarray, dst_state: np.ndarray, dst_aux: Optional[int]
+    ) -> None:
         """Give the sender's room its decode destination; flush chunks queued before it."""
         mgr = self.mgr
         if link.dead:
-            mgr.fail(r, PeerClosed(f"room {r.room}: decode {link.name} is gone"),
-                     notify=False, peer_gone=True)
+            mgr.fail(
+                r,
+                PeerClosed(f"room {r.room}: decode {link.name} is gone"),
+                notify=False,
+                peer_gone=True,
+            )
             return
         r.link, r.dst_kv, r.dst_state, r.dst_aux = link, dst_kv, dst_state, dst_aux
         link.rooms.add(r)
@@ -162,8 +194,7 @@ class PrefillSide:
                 break
             self._issue(r, src, st, last)
 
-    def fail_pending(self, p: Room, exc: BaseException, *, notify: bool,
-                     peer_gone: bool) -> None:
+    def fail_pending(self, p: Room, exc: BaseException, *, notify: bool, peer_gone: bool) -> None:
         """A 'pending' record failed (decode aborted, its deadline passed, the link died,
         the manager closes). Retire it — or, if the KVSender claimed it first, make the
         failure the KVSender's (an expiry is moot then: the sender came in time)."""
@@ -171,8 +202,12 @@ class PrefillSide:
         mgr.hook("room_failed", p.room)
         if not mgr.rooms.retire(p, exc):
             r = mgr.rooms.get(p.room)
-            if r is None or r.role is not RoomRole.SENDER or is_terminal(r.state) or \
-                    r.link not in (None, p.link):
+            if (
+                r is None
+                or r.role is not RoomRole.SENDER
+                or is_terminal(r.state)
+                or r.link not in (None, p.link)
+            ):
                 return
             if p.peer_aborted:
                 r.peer_aborted = True
@@ -190,7 +225,7 @@ class PrefillSide:
             p.timer.cancel()
             p.timer = None
         link = p.link
-        assert link is not None                  # a pending record is made with its link
+        assert link is not None  # a pending record is made with its link
         link.rooms.discard(p)
         if not link.dead and not peer_gone:
             if p.peer_aborted:
@@ -209,7 +244,7 @@ class PrefillSide:
         """KVSender.send(), handed over. Runs on: the loop thread."""
         if is_terminal(r.state):
             return
-        if r.dst_kv is None:                  # decode's metadata not here yet: keep order
+        if r.dst_kv is None:  # decode's metadata not here yet: keep order
             r.queued.append((src, src_state, last))
             return
         self._issue(r, src, src_state, last)
@@ -217,21 +252,29 @@ class PrefillSide:
     # ------------------------------------------------------------------ writes
     def _check_counts(self, r: Room) -> bool:
         if r.num_kv is not None and r.num_kv != len(r.dst_kv):
-            self.mgr.fail(r, ShapeMismatch(
-                f"room {r.room}: prefill sends {r.num_kv} pages, decode allocated "
-                f"{len(r.dst_kv)}"))
+            self.mgr.fail(
+                r,
+                ShapeMismatch(
+                    f"room {r.room}: prefill sends {r.num_kv} pages, decode allocated "
+                    f"{len(r.dst_kv)}"
+                ),
+            )
             return False
         return True
 
-    def _issue(self, r: Room, src: np.ndarray, src_state: Optional[np.ndarray],
-               last: bool) -> None:
+    def _issue(self, r: Room, src: np.ndarray, src_state: Optional[np.ndarray], last: bool) -> None:
         mgr = self.mgr
         start = r.pages_queued
-        dst = r.dst_kv[start:start + len(src)]
+        dst = r.dst_kv[start : start + len(src)]
         n_state = 0 if src_state is None else len(src_state)
         if last and len(r.dst_state) != n_state:
-            mgr.fail(r, ShapeMismatch(f"room {r.room}: prefill sends {n_state} state slots, "
-                                      f"decode allocated {len(r.dst_state)}"))
+            mgr.fail(
+                r,
+                ShapeMismatch(
+                    f"room {r.room}: prefill sends {n_state} state slots, "
+                    f"decode allocated {len(r.dst_state)}"
+                ),
+            )
             return
         r.pages_queued += len(src)
         if r.state != KVPoll.Transferring:
@@ -239,28 +282,39 @@ class PrefillSide:
         prev = r.chain
         r.chain = mgr.spawn(self._write(r, prev, src, dst, src_state, last))
 
-    async def _write(self, r: Room, prev: Optional[asyncio.Future], src: np.ndarray,
-                     dst: np.ndarray, src_state: Optional[np.ndarray], last: bool) -> None:
+    async def _write(
+        self,
+        r: Room,
+        prev: Optional[asyncio.Future],
+        src: np.ndarray,
+        dst: np.ndarray,
+        src_state: Optional[np.ndarray],
+        last: bool,
+    ) -> None:
         if prev is not None and not prev.done():
             await asyncio.wait([prev])
         mgr, ItemWrite = self.mgr, _item_write()
         if is_terminal(r.state):
             return
         link = r.link
-        assert link is not None                  # _attach set it before the first _issue
+        assert link is not None  # _attach set it before the first _issue
         if link.dead:
-            mgr.fail(r, PeerClosed(f"room {r.room}: decode {link.name} is gone"),
-                     notify=False, peer_gone=True)
+            mgr.fail(
+                r,
+                PeerClosed(f"room {r.room}: decode {link.name} is gone"),
+                notify=False,
+                peer_gone=True,
+            )
             return
         items = [ItemWrite("kv", src, dst)] if len(src) else []
         if last:
             if len(r.dst_state):
                 items.append(ItemWrite("state", src_state, r.dst_state))
-            assert r.aux_index is not None       # init() came before the last chunk
+            assert r.aux_index is not None  # init() came before the last chunk
             mgr.aux.stamp(r.aux_index, r.room)
             items.append(ItemWrite("aux", [r.aux_index], [r.dst_aux]))
         sums = None
-        if mgr.integrity is not None:            # checksums of exactly what is about to go
+        if mgr.integrity is not None:  # checksums of exactly what is about to go
             sums = await mgr.integrity.source(r, src, src_state, last)
             if is_terminal(r.state) or r.link is None or r.link.dead:
                 return
@@ -274,7 +328,7 @@ class PrefillSide:
         except TransferTimeout as exc:
             # the write may still be in flight: only closing the link's endpoints stops it
             mgr.link_failed(link, exc, fence=True)
-            mgr.fail(r, exc, notify=False, peer_gone=True)   # if the link was gone already
+            mgr.fail(r, exc, notify=False, peer_gone=True)  # if the link was gone already
             return
         except KvxferError as exc:
             mgr.fail(r, exc)
@@ -289,12 +343,12 @@ class PrefillSide:
             return
         if last:
             if mgr.integrity is not None:
-                mgr.integrity.sent(r)            # ends the room on decode's verdict
+                mgr.integrity.sent(r)  # ends the room on decode's verdict
                 return
             mgr.advance(r, KVPoll.Success)
             mgr.release(r)
         else:
-            mgr.arm(r)                           # lease renewed by progress
+            mgr.arm(r)  # lease renewed by progress
 
     def after_fail(self, r: Room, *, notify: bool, peer_gone: bool) -> None:
         mgr = self.mgr
@@ -306,8 +360,9 @@ class PrefillSide:
                 if r.peer_aborted:
                     mgr.send_msg(link, m.AbortAck(room=r.room))
                 elif notify:
-                    mgr.send_msg(link, m.Abort(room=r.room, reason=str(r.exc),
-                                               kind=type(r.exc).__name__))
+                    mgr.send_msg(
+                        link, m.Abort(room=r.room, reason=str(r.exc), kind=type(r.exc).__name__)
+                    )
             mgr.release(r)
 
         if r.chain is None or r.chain.done():
@@ -339,11 +394,17 @@ class PrefillSide:
         mgr = self.mgr
         refused = None
         try:
-            check_compatible(mgr.fingerprint, msg.fingerprint, us=f"prefill {mgr.name}",
-                             them=f"decode {msg.name}")
+            check_compatible(
+                mgr.fingerprint,
+                msg.fingerprint,
+                us=f"prefill {mgr.name}",
+                them=f"decode {msg.name}",
+            )
             if msg.tp_rank != mgr.args.tp_rank:
-                raise LayoutMismatch(f"tp_rank: prefill {mgr.name} is {mgr.args.tp_rank}, "
-                                     f"decode {msg.name} wants {msg.tp_rank}")
+                raise LayoutMismatch(
+                    f"tp_rank: prefill {mgr.name} is {mgr.args.tp_rank}, "
+                    f"decode {msg.name} wants {msg.tp_rank}"
+                )
         except LayoutMismatch as exc:
             log.warning("%s: refused decode %s: %s", mgr.name, msg.name, exc)
             refused = exc
@@ -351,8 +412,7 @@ class PrefillSide:
         if link is None:
             link = mgr.links[peer.id] = Link(peer.id, peer, msg.name)
         link.refused = refused
-        mgr.send_msg(link, m.HelloAck(ok=refused is None, error=str(refused or ""),
-                                      name=mgr.name))
+        mgr.send_msg(link, m.HelloAck(ok=refused is None, error=str(refused or ""), name=mgr.name))
 
     def _reject(self, link: Link, room: int, exc: KvxferError) -> None:
         log.warning("%s: room %d from %s rejected: %s", self.mgr.name, room, link.name, exc)
@@ -368,18 +428,24 @@ class PrefillSide:
                 raise Closed(f"prefill {mgr.name} is closing")
             dst_kv = m.ids_from_bytes(msg.dst_kv, "dst_kv")
             dst_state = m.ids_from_bytes(msg.dst_state, "dst_state")
-            for what, ids, group in (("dst kv page", dst_kv, "kv"),
-                                     ("dst state slot", dst_state, "state"),
-                                     ("dst aux row", np.array([msg.dst_aux]), "aux")):
+            for what, ids, group in (
+                ("dst kv page", dst_kv, "kv"),
+                ("dst state slot", dst_state, "state"),
+                ("dst aux row", np.array([msg.dst_aux]), "aux"),
+            ):
                 lim = link.remote_items.get(group)
                 if lim is not None and ids.size:
                     bad = ids[(ids < 0) | (ids >= lim)]
                     if bad.size:
-                        raise IndexOutOfRange(f"room {room}: {what} {int(bad[0])} not in "
-                                              f"[0, {lim}) on decode {link.name}")
+                        raise IndexOutOfRange(
+                            f"room {room}: {what} {int(bad[0])} not in "
+                            f"[0, {lim}) on decode {link.name}"
+                        )
             if len(dst_state) and not mgr.args.state_data_ptrs:
-                raise ShapeMismatch(f"room {room}: decode sends {len(dst_state)} state slots, "
-                                    f"prefill {mgr.name} has no state buffers")
+                raise ShapeMismatch(
+                    f"room {room}: decode sends {len(dst_state)} state slots, "
+                    f"prefill {mgr.name} has no state buffers"
+                )
         except (ProtocolError, InvalidArgument, LayoutMismatch, Closed) as exc:
             self._reject(link, room, exc)
             r = mgr.rooms.get(room)
@@ -390,22 +456,35 @@ class PrefillSide:
         if r is None:
             tomb = mgr.rooms.tombstone(room)
             if tomb is not None:
-                self._reject(link, room, UnknownRoom(f"room {room} is no longer live on "
-                                                     f"prefill {mgr.name} ({tomb})"))
+                self._reject(
+                    link,
+                    room,
+                    UnknownRoom(f"room {room} is no longer live on prefill {mgr.name} ({tomb})"),
+                )
                 return
             p = Room(room, RoomRole.PENDING)
             p.link, p.dst_kv, p.dst_state, p.dst_aux = link, dst_kv, dst_state, msg.dst_aux
             try:
                 mgr.rooms.insert(p)
-            except DuplicateRoom:                # a KVSender was created meanwhile
+            except DuplicateRoom:  # a KVSender was created meanwhile
                 r = mgr.rooms.get(room)
             else:
                 link.rooms.add(p)
                 mgr.arm(p)
                 return
-        if r is None or r.role is not RoomRole.SENDER or r.dst_kv is not None or is_terminal(r.state):
-            self._reject(link, room, DuplicateRoom(
-                f"room {room} already has a decode destination on prefill {mgr.name}"))
+        if (
+            r is None
+            or r.role is not RoomRole.SENDER
+            or r.dst_kv is not None
+            or is_terminal(r.state)
+        ):
+            self._reject(
+                link,
+                room,
+                DuplicateRoom(
+                    f"room {room} already has a decode destination on prefill {mgr.name}"
+                ),
+            )
             return
         self._attach(r, link, dst_kv, dst_state, msg.dst_aux)
 
@@ -424,6 +503,6 @@ class PrefillSide:
         if r.link is None:
             r.link = link
             link.rooms.add(r)
-        if is_terminal(r.state):                 # already failing: ack once settled
+        if is_terminal(r.state):  # already failing: ack once settled
             return
         mgr.fail(r, cause, notify=False)

@@ -6,6 +6,7 @@ aux row; ``r.send_metadata(page_ids, aux_row, state_slots)``; poll until ``Succe
 visible and the aux row's room stamp checked) or ``Failed``. ``on_done`` runs once the
 room's pages are safe to release (on failure) or hand to the scheduler (on success).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -19,16 +20,19 @@ from kvxfer.errors import InvalidArgument
 class KVReceiver(RoomHandle):
     _mode = DisaggMode.DECODE
 
-    def __init__(self, mgr, bootstrap_addr: str, room: int, *,
-                 on_done: Optional[OnDone] = None) -> None:
+    def __init__(
+        self, mgr, bootstrap_addr: str, room: int, *, on_done: Optional[OnDone] = None
+    ) -> None:
         if mgr.mode is not DisaggMode.DECODE:
-            raise InvalidArgument(f"KVReceiver needs a decode manager, {mgr.name} is {mgr.mode.value}")
+            raise InvalidArgument(
+                f"KVReceiver needs a decode manager, {mgr.name} is {mgr.mode.value}"
+            )
         host, port = parse_addr(bootstrap_addr)
         self.bootstrap_addr = f"{host}:{port}"
         self._inited = False
         self._meta = False
         super().__init__(mgr, room, on_done)
-        self._r.bootstrap_addr = self.bootstrap_addr   # read on the loop only after init/abort
+        self._r.bootstrap_addr = self.bootstrap_addr  # read on the loop only after init/abort
 
     def init(self) -> None:
         """Start looking up and connecting to the prefill rank (non-blocking).
@@ -51,7 +55,10 @@ class KVReceiver(RoomHandle):
         items = self.mgr.items
         kv = as_ids(kv_indices, f"room {self.room}: kv_indices", items["kv"])
         aux = int(as_ids([aux_index], f"room {self.room}: aux_index", items["aux"])[0])
-        st = as_ids([] if state_indices is None else state_indices,
-                    f"room {self.room}: state_indices", items["state"])
+        st = as_ids(
+            [] if state_indices is None else state_indices,
+            f"room {self.room}: state_indices",
+            items["state"],
+        )
         self._meta = True
         self.mgr.call(self.mgr.side.send_metadata, self._r, kv, st, aux)

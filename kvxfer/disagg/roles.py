@@ -9,6 +9,7 @@
 
 Both are ``str`` enums, so each member compares equal to its value.
 """
+
 from __future__ import annotations
 
 import enum

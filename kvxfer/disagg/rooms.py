@@ -17,6 +17,7 @@ exception that ended it, and the KVSender then fails at once with that cause); a
 record is never retired (its failure becomes the KVSender's). So a destination decode was
 told to release is never adopted.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -42,14 +43,38 @@ class Room:
     prefill-side 'pending' record holding decode's metadata until the KVSender exists)."""
 
     __slots__ = (
-        "room", "role", "state", "exc", "link", "timer", "on_done", "released", "waiters",
-        "event", "handle",
+        "room",
+        "role",
+        "state",
+        "exc",
+        "link",
+        "timer",
+        "on_done",
+        "released",
+        "waiters",
+        "event",
+        "handle",
         # prefill (sender) side
-        "num_kv", "aux_index", "dst_kv", "dst_state", "dst_aux", "pages_queued",
-        "pages_done", "chain", "queued", "last_queued", "acks_owed", "peer_aborted",
+        "num_kv",
+        "aux_index",
+        "dst_kv",
+        "dst_state",
+        "dst_aux",
+        "pages_queued",
+        "pages_done",
+        "chain",
+        "queued",
+        "last_queued",
+        "acks_owed",
+        "peer_aborted",
         # decode (receiver) side
-        "bootstrap_addr", "meta_sent", "pending_meta", "dst_aux_row", "expect_pages",
-        "await_ack", "inited",
+        "bootstrap_addr",
+        "meta_sent",
+        "pending_meta",
+        "dst_aux_row",
+        "expect_pages",
+        "await_ack",
+        "inited",
         # a 'pending' record claimed by the KVSender (under the table lock; never retired)
         "superseded",
         # release() was asked while the room's link was being fenced: released after it
@@ -58,9 +83,12 @@ class Room:
         "integrity",
     )
 
-    def __init__(self, room: int, role: Union[RoomRole, str],
-                 on_done: Optional[Callable[[KVPoll, Optional[BaseException]], None]] = None
-                 ) -> None:
+    def __init__(
+        self,
+        room: int,
+        role: Union[RoomRole, str],
+        on_done: Optional[Callable[[KVPoll, Optional[BaseException]], None]] = None,
+    ) -> None:
         self.room = room
         self.role = RoomRole(role)
         self.state = KVPoll.Bootstrapping
@@ -69,12 +97,12 @@ class Room:
         self.timer: Optional[asyncio.TimerHandle] = None
         self.on_done = on_done
         self.released = False
-        self.waiters: List[Any] = []   # asyncio / concurrent futures woken on terminal
+        self.waiters: List[Any] = []  # asyncio / concurrent futures woken on terminal
         self.event: Optional[threading.Event] = None
         self.handle: Any = None
         self.num_kv: Optional[int] = None
         self.aux_index: Optional[int] = None
-        self.dst_kv: Any = None    # ids (ndarray); decode keeps its own destination ids here too
+        self.dst_kv: Any = None  # ids (ndarray); decode keeps its own destination ids here too
         self.dst_state: Any = None
         self.dst_aux: Optional[int] = None
         self.pages_queued = 0
@@ -84,7 +112,7 @@ class Room:
         #: chunks handed to send() before decode's metadata arrived: (src, src_state, last)
         self.queued: List[Tuple[np.ndarray, Optional[np.ndarray], bool]] = []
         self.last_queued = False
-        self.acks_owed = False     # decode asked to abort: ack once no write is in flight
+        self.acks_owed = False  # decode asked to abort: ack once no write is in flight
         self.peer_aborted = False
         self.bootstrap_addr: Optional[str] = None
         self.meta_sent = False
@@ -128,8 +156,10 @@ class RoomTable:
         with self._lock:
             old = self._rooms.get(r.room)
             if old is not None:
-                raise DuplicateRoom(f"room {r.room} is already in flight on this manager "
-                                    f"({old.role.value}, {old.state.name})")
+                raise DuplicateRoom(
+                    f"room {r.room} is already in flight on this manager "
+                    f"({old.role.value}, {old.state.name})"
+                )
             why = self._tombs.get(r.room)
             if why is not None:
                 raise DuplicateRoom(f"room {r.room} was already used on this manager ({why})")
@@ -144,8 +174,10 @@ class RoomTable:
             old = self._rooms.get(r.room)
             if old is not None:
                 if old.role is not RoomRole.PENDING:
-                    raise DuplicateRoom(f"room {r.room} is already in flight on this manager "
-                                        f"({old.role.value}, {old.state.name})")
+                    raise DuplicateRoom(
+                        f"room {r.room} is already in flight on this manager "
+                        f"({old.role.value}, {old.state.name})"
+                    )
                 old.superseded = True
                 self._rooms[r.room] = r
                 return old, None

@@ -5,6 +5,7 @@ Usage (scheduler): ``s = KVSender(mgr, addr, room, on_done=release)``; poll unti
 ``s.init(num_pages, aux_index)``; ``s.send(page_ids)`` per chunk — the chunk that completes
 ``num_pages`` is the last one and also carries ``state_indices`` and the aux row.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -18,10 +19,13 @@ from kvxfer.errors import IndexOutOfRange, InvalidArgument
 class KVSender(RoomHandle):
     _mode = DisaggMode.PREFILL
 
-    def __init__(self, mgr, bootstrap_addr: Optional[str], room: int, *,
-                 on_done: Optional[OnDone] = None) -> None:
+    def __init__(
+        self, mgr, bootstrap_addr: Optional[str], room: int, *, on_done: Optional[OnDone] = None
+    ) -> None:
         if mgr.mode is not DisaggMode.PREFILL:
-            raise InvalidArgument(f"KVSender needs a prefill manager, {mgr.name} is {mgr.mode.value}")
+            raise InvalidArgument(
+                f"KVSender needs a prefill manager, {mgr.name} is {mgr.mode.value}"
+            )
         self.bootstrap_addr = bootstrap_addr
         self._num: Optional[int] = None
         self._sent = 0
@@ -52,18 +56,20 @@ class KVSender(RoomHandle):
         src = as_ids(kv_indices, f"room {self.room}: kv_indices", self.mgr.items["kv"])
         total = self._sent + len(src)
         if total > self._num:
-            raise IndexOutOfRange(f"room {self.room}: chunk ends at page {total} > "
-                                  f"num_kv_indices {self._num}")
+            raise IndexOutOfRange(
+                f"room {self.room}: chunk ends at page {total} > num_kv_indices {self._num}"
+            )
         last = total == self._num
         if not last and len(src) == 0:
             raise InvalidArgument(f"room {self.room}: empty non-final chunk")
         st = None
         if state_indices is not None:
             if not last:
-                raise InvalidArgument(f"room {self.room}: state_indices belong to the last chunk "
-                                      f"(this one ends at page {total} of {self._num})")
-            st = as_ids(state_indices, f"room {self.room}: state_indices",
-                        self.mgr.items["state"])
+                raise InvalidArgument(
+                    f"room {self.room}: state_indices belong to the last chunk "
+                    f"(this one ends at page {total} of {self._num})"
+                )
+            st = as_ids(state_indices, f"room {self.room}: state_indices", self.mgr.items["state"])
         self._sent = total
         self._done_sending = last
         self.mgr.call(self.mgr.side.send, self._r, src, st, last)

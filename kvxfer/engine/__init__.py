@@ -16,6 +16,7 @@ Modules: ``engine`` (TransferEngine), ``host`` (PeerHost: what a peer gets of it
 layouts), ``messages`` (wire types), ``types``. Where each part runs: the threads table in
 docs/engine.md.
 """
+
 from kvxfer.config import EngineConfig
 from kvxfer.engine.engine import TransferEngine
 from kvxfer.engine.peer import Peer

@@ -24,6 +24,7 @@ Invariants
   event (in the default executor, the GIL released), so the event loop never blocks.
 - :meth:`DeviceLane.close` waits for the stream, then unmaps every imported region.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -48,8 +49,14 @@ TILE_BYTES = 1 << 20
 class DeviceLane:
     """Kernel/copy-engine writes into one peer's IPC-mapped CUDA regions."""
 
-    def __init__(self, device: int, blobs: Sequence[bytes], rbase: Sequence[int],
-                 rlen: Sequence[int], local_cuda_memh: Sequence[int]):
+    def __init__(
+        self,
+        device: int,
+        blobs: Sequence[bytes],
+        rbase: Sequence[int],
+        rlen: Sequence[int],
+        local_cuda_memh: Sequence[int],
+    ):
         import torch
 
         from kvxfer.kernels import cuda_driver
@@ -88,14 +95,15 @@ class DeviceLane:
             return np.zeros(ridx.size, dtype=bool)
         return self._usable[ridx.astype(np.intp)] & np.isin(lmemh, self._local)
 
-    def launch(self, laddr: np.ndarray, raddr: np.ndarray, nbytes: np.ndarray,
-               ridx: np.ndarray):
+    def launch(self, laddr: np.ndarray, raddr: np.ndarray, nbytes: np.ndarray, ridx: np.ndarray):
         """Translate, check and launch the copy of these ops; returns the CUDA event that
         completes with it (see :meth:`wait`)."""
         torch = self._torch
         r = ridx.astype(np.intp)
         off = raddr - self._rbase[r]
-        if ((raddr < self._rbase[r]) | (off > self._rlen[r]) | (nbytes > self._rlen[r] - off)).any():
+        if (
+            (raddr < self._rbase[r]) | (off > self._rlen[r]) | (nbytes > self._rlen[r] - off)
+        ).any():
             raise IndexOutOfRange("device lane: an op falls outside its remote region")
         dst = self.mapped[r] + off
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
@@ -109,8 +117,12 @@ class DeviceLane:
                 from kvxfer.kernels.piece_copy import copy_tasks
                 from kvxfer.pools.offload.pieces import split_by_alignment, tile_pieces
 
-                tasks = tile_pieces(laddr.astype(np.int64), dst.astype(np.int64),
-                                    nbytes.astype(np.int64), TILE_BYTES)
+                tasks = tile_pieces(
+                    laddr.astype(np.int64),
+                    dst.astype(np.int64),
+                    nbytes.astype(np.int64),
+                    TILE_BYTES,
+                )
                 for align, part in split_by_alignment(tasks):
                     # from pageable memory the driver stages `part` before returning
                     table = torch.from_numpy(part).to(f"cuda:{self.device}", non_blocking=True)
@@ -166,8 +178,13 @@ def open_lane(config, groups, hostname: str, remote):
     if device is None:
         return None, "off (no device ordinal for the local CUDA memory)"
     try:
-        lane = DeviceLane(device, remote.ipc, remote.bases, remote.lens,
-                          [r.handle for r in groups.cuda_regions(device)])
+        lane = DeviceLane(
+            device,
+            remote.ipc,
+            remote.bases,
+            remote.lens,
+            [r.handle for r in groups.cuda_regions(device)],
+        )
     except Exception as exc:  # no torch / CUDA trouble: UCX carries everything
         log.info("no device lane to a same-host peer: %s", exc)
         return None, f"off ({type(exc).__name__}: {exc})"

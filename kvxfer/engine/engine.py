@@ -5,6 +5,7 @@ Lifecycle: ``register()`` groups → ``await start()`` (UCX registrations + list
 closes every peer (keys and endpoints), then the listener and completion queue, then the
 memory registrations, in that order; idempotent.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -51,16 +52,20 @@ class TransferEngine:
         self._background: Set[asyncio.Task] = set()
         self._state = "new"  # new -> started -> closed
         #: all a peer uses of the engine
-        self._host: PeerHost[Peer] = PeerHost(config, self._groups, self._spawn,
-                                              self._peer_gone, self._dispatch)
+        self._host: PeerHost[Peer] = PeerHost(
+            config, self._groups, self._spawn, self._peer_gone, self._dispatch
+        )
 
     def __repr__(self):
-        return (f"TransferEngine({self.config.name or self.id[:8]}, {self.address}, "
-                f"{self.config.error_mode}, {self._state}, peers={len(self._peers)})")
+        return (
+            f"TransferEngine({self.config.name or self.id[:8]}, {self.address}, "
+            f"{self.config.error_mode}, {self._state}, peers={len(self._peers)})"
+        )
 
     # ---------------------------------------------------------- registration
-    def register(self, name: str, ptrs: Sequence[int], lens: Sequence[int],
-                 item_lens: Sequence[int]) -> None:
+    def register(
+        self, name: str, ptrs: Sequence[int], lens: Sequence[int], item_lens: Sequence[int]
+    ) -> None:
         """Add a named descriptor group (before :meth:`start`). Item ``i`` is
         ``[ptrs[d] + i*item_lens[d], +item_lens[d])`` in every descriptor ``d``."""
         if self._state != "new":
@@ -78,10 +83,15 @@ class TransferEngine:
         (False: CUDA memory UCX can only reach by emulated PUTs, see kvxfer.engine.ipc;
         None: host memory, or not started yet)."""
         g = self._groups
-        return {n: {"lens": grp.lens, "item_lens": grp.item_lens,
-                    "mem_types": g.desc_mem_types(n) if n in g.desc_region else [],
-                    "ipc_capable": g.ipc.get(n)}
-                for n, grp in g.groups.items()}
+        return {
+            n: {
+                "lens": grp.lens,
+                "item_lens": grp.item_lens,
+                "mem_types": g.desc_mem_types(n) if n in g.desc_region else [],
+                "ipc_capable": g.ipc.get(n),
+            }
+            for n, grp in g.groups.items()
+        }
 
     @property
     def registrations(self) -> int:
@@ -118,16 +128,20 @@ class TransferEngine:
         if self._transport is None:
             from kvxfer.transport.ucx import UcxTransport
 
-            self._transport = UcxTransport(cfg.ucx_options,
-                                           resolved(cfg.progress_mode, "progress_mode"))
-        stage = ((cfg.stage_slot_bytes, cfg.stage_slots, cfg.stage_peer_slots,
-                  cfg.stage_host_memory)
-                 if cfg.stage_min_ops > 0 else None)
+            self._transport = UcxTransport(
+                cfg.ucx_options, resolved(cfg.progress_mode, "progress_mode")
+            )
+        stage = (
+            (cfg.stage_slot_bytes, cfg.stage_slots, cfg.stage_peer_slots, cfg.stage_host_memory)
+            if cfg.stage_min_ops > 0
+            else None
+        )
         self._groups.export_ipc = cfg.device_copy == "auto"
         self._groups.freeze(self._transport, cfg.merge_adjacent, stage)
         try:
-            self.address = await self._transport.listen(self.config.host, self.config.port,
-                                                        self._accept)
+            self.address = await self._transport.listen(
+                self.config.host, self.config.port, self._accept
+            )
         except BaseException:
             self._groups.release()
             raise
@@ -156,9 +170,11 @@ class TransferEngine:
         assert task is not None  # the transport runs on_accept as a task
         self._pending.add(task)
         try:
-            peer = await self._establish(ch, handshake.accept_side,
-                                         resolved(self.config.connect_timeout_s,
-                                                  "connect_timeout_s"))
+            peer = await self._establish(
+                ch,
+                handshake.accept_side,
+                resolved(self.config.connect_timeout_s, "connect_timeout_s"),
+            )
         except asyncio.CancelledError:
             return
         except KvxferError as exc:
@@ -177,14 +193,22 @@ class TransferEngine:
             transport = self._transport
             if transport is None:  # set by start(), kept after close()
                 raise Closed("engine not started")
-            res = await side(ch, self._groups, cfg.secret, self.id, cfg.name,
-                             transport.local_address(), timeout,
-                             cfg.refuse_emulated_destinations)
+            res = await side(
+                ch,
+                self._groups,
+                cfg.secret,
+                self.id,
+                cfg.name,
+                transport.local_address(),
+                timeout,
+                cfg.refuse_emulated_destinations,
+            )
             bulk_addr = res.remote.address if cfg.error_mode == "none" else None
             rma = await transport.rma_endpoint(ch, bulk_addr, timeout)
             rma.add_remote_regions(res.remote.bases, res.remote.lens, res.remote.keys)
-            peer = Peer(self._host, ch, rma, res.engine_id, res.name, res.hostname, res.remote,
-                        res.granted)
+            peer = Peer(
+                self._host, ch, rma, res.engine_id, res.name, res.hostname, res.remote, res.granted
+            )
         except BaseException:
             self._groups.release_landing(res.granted if res is not None else {})
             if rma is not None:
@@ -196,8 +220,9 @@ class TransferEngine:
             raise Closed("engine closed during the handshake")
         old = self._peers.get(peer.id)
         if old is not None:
-            log.warning("%r: second connection with engine %s; the new one replaces it",
-                        self, peer.id)
+            log.warning(
+                "%r: second connection with engine %s; the new one replaces it", self, peer.id
+            )
         self._peers[peer.id] = peer
         peer.start()
         self._check_lanes(peer)
@@ -209,17 +234,30 @@ class TransferEngine:
             return
         if any(lane.startswith(FAST_LOCAL_LANES) for lane in peer.lanes):
             if "cuda" in self._groups.mem_types and not any(
-                    lane.startswith("cuda_ipc") for lane in peer.lanes):
-                log.warning("%r: CUDA memory registered but no cuda_ipc lane to same-host "
-                            "peer %s (lanes %s): device data will be staged or emulated",
-                            self, peer.name or peer.id, peer.lanes)
+                lane.startswith("cuda_ipc") for lane in peer.lanes
+            ):
+                log.warning(
+                    "%r: CUDA memory registered but no cuda_ipc lane to same-host "
+                    "peer %s (lanes %s): device data will be staged or emulated",
+                    self,
+                    peer.name or peer.id,
+                    peer.lanes,
+                )
             return
-        hint = (" error_mode='peer' excludes shared-memory lanes for host memory; "
-                "error_mode='none' keeps them (see docs/engine.md)"
-                if self.config.error_mode == "peer" else "")
-        log.warning("%r: bulk data to same-host peer %s goes over %s although shared memory "
-                    "or CUDA IPC was possible.%s", self, peer.name or peer.id,
-                    ",".join(peer.lanes) or "unknown lanes", hint)
+        hint = (
+            " error_mode='peer' excludes shared-memory lanes for host memory; "
+            "error_mode='none' keeps them (see docs/engine.md)"
+            if self.config.error_mode == "peer"
+            else ""
+        )
+        log.warning(
+            "%r: bulk data to same-host peer %s goes over %s although shared memory "
+            "or CUDA IPC was possible.%s",
+            self,
+            peer.name or peer.id,
+            ",".join(peer.lanes) or "unknown lanes",
+            hint,
+        )
 
     # --------------------------------------------------------------- events
     async def _call(self, handler, *args) -> None:
@@ -250,8 +288,7 @@ class TransferEngine:
             if isinstance(exc, KvxferError):
                 log.debug("%r: background task %s: %s", self, task.get_name(), exc)
             else:
-                log.error("%r: background task %s failed", self, task.get_name(),
-                          exc_info=exc)
+                log.error("%r: background task %s failed", self, task.get_name(), exc_info=exc)
 
     def _peer_gone(self, peer: Peer, exc: Exception) -> None:
         if self._peers.get(peer.id) is peer:
@@ -271,8 +308,11 @@ class TransferEngine:
         for t in list(self._pending):
             t.cancel()
         if started:
-            await asyncio.gather(*(p.close() for p in list(self._peers.values())),
-                                 *list(self._background), return_exceptions=True)
+            await asyncio.gather(
+                *(p.close() for p in list(self._peers.values())),
+                *list(self._background),
+                return_exceptions=True,
+            )
             if self._transport is not None:
                 await self._transport.close()
         self._groups.release()

@@ -16,6 +16,7 @@ Invariants (tested against :func:`kvxfer.plan.plan_items` in tests/engine)
   ``int`` (or a single ``int``); any other input returns None and takes the numpy path,
   so both paths see exactly the same validation for everything else.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,9 +48,16 @@ class GroupPair:
     @staticmethod
     def make(local: plan.GroupLayout, remote: plan.GroupLayout, memh, ridx) -> "GroupPair":
         plan.check_compatible(local, remote)
-        return GroupPair(local.name, local.ptrs, remote.ptrs, local.item_lens,
-                         tuple(int(x) for x in memh), tuple(int(x) for x in ridx),
-                         local.num_items, remote.num_items)
+        return GroupPair(
+            local.name,
+            local.ptrs,
+            remote.ptrs,
+            local.item_lens,
+            tuple(int(x) for x in memh),
+            tuple(int(x) for x in ridx),
+            local.num_items,
+            remote.num_items,
+        )
 
 
 def small_ids(values) -> Optional[List[int]]:
@@ -69,12 +77,12 @@ def small_ids(values) -> Optional[List[int]]:
 def _check_range(ids: List[int], n: int, what: str) -> None:
     bad = [v for v in ids if v < 0 or v >= n]
     if bad:
-        raise IndexOutOfRange(f"{what}: item id {bad[0]} out of range [0, {n}) "
-                              f"({len(bad)} bad id(s))")
+        raise IndexOutOfRange(
+            f"{what}: item id {bad[0]} out of range [0, {n}) ({len(bad)} bad id(s))"
+        )
 
 
-def plan_small(g: GroupPair, src: List[int], dst: List[int], out,
-               max_ops: int = SMALL_OPS) -> int:
+def plan_small(g: GroupPair, src: List[int], dst: List[int], out, max_ops: int = SMALL_OPS) -> int:
     """Validate and append the ops of ``src -> dst`` to ``out`` (five lists: laddr, raddr,
     nbytes, memh, ridx). Returns the number of ops, or -1 (nothing appended) when the
     part would need more than ``max_ops``. Raises before appending anything."""

@@ -11,6 +11,7 @@ Local invariants
   registered again piece by piece (overlaps only).
 - Release unmaps every registration once; after it the registry is empty.
 """
+
 from __future__ import annotations
 
 import logging
@@ -62,8 +63,9 @@ class LocalGroups:
         self.groups[name] = g
         return g
 
-    def freeze(self, transport: Transport, merge_adjacent: bool = True, stage=None,
-               ipc_query=None) -> None:
+    def freeze(
+        self, transport: Transport, merge_adjacent: bool = True, stage=None, ipc_query=None
+    ) -> None:
         """Register every span with the transport (once). ``stage``: ``(slot_bytes,
         landing_slots, peer_slots, stage_host_memory)`` to allocate and register the staged path's rings for
         every group on a supported device (their landing regions join the region table).
@@ -75,14 +77,28 @@ class LocalGroups:
         try:
             for span in plan.merge_spans(list(self.groups.values()), merge_adjacent):
                 region = transport.register(span.start, span.length)
-                if span.adjacent_only and region.mem_type != "host" and \
-                        not _one_allocation(span, self.groups):
+                if (
+                    span.adjacent_only
+                    and region.mem_type != "host"
+                    and not _one_allocation(span, self.groups)
+                ):
                     region.release()
-                    ranges = [(self.groups[g].ptrs[i], self.groups[g].ptrs[i] +
-                               self.groups[g].lens[i], (g, i)) for g, i in span.members]
+                    ranges = [
+                        (
+                            self.groups[g].ptrs[i],
+                            self.groups[g].ptrs[i] + self.groups[g].lens[i],
+                            (g, i),
+                        )
+                        for g, i in span.members
+                    ]
                     pieces = plan.merge_ranges(ranges, merge_adjacent=False)
-                    log.debug("%s span [%#x, +%d) split into %d registrations",
-                              region.mem_type, span.start, span.length, len(pieces))
+                    log.debug(
+                        "%s span [%#x, +%d) split into %d registrations",
+                        region.mem_type,
+                        span.start,
+                        span.length,
+                        len(pieces),
+                    )
                 else:
                     self.regions.append(region)
                     for mem in span.members:
@@ -107,8 +123,9 @@ class LocalGroups:
             slot_bytes, landing_slots, self.peer_slots, host = stage
             kinds = {n: self.desc_mem_types(n) for n in self.groups}
             try:
-                self.stages = build_stages(transport, self.groups, kinds, slot_bytes,
-                                           landing_slots, self.peer_slots, host)
+                self.stages = build_stages(
+                    transport, self.groups, kinds, slot_bytes, landing_slots, self.peer_slots, host
+                )
             except BaseException:
                 self.release()
                 raise
@@ -116,9 +133,13 @@ class LocalGroups:
                 assert st.landing_region is not None  # registered by GroupStage()
                 st.region_index = len(self.regions)
                 self.regions.append(st.landing_region)
-        log.info("registered %d group(s), %d descriptor(s) in %d registration(s) (%s)",
-                 len(self.groups), sum(g.count for g in self.groups.values()),
-                 len(self.regions), ",".join(sorted({r.mem_type for r in self.regions})))
+        log.info(
+            "registered %d group(s), %d descriptor(s) in %d registration(s) (%s)",
+            len(self.groups),
+            sum(g.count for g in self.groups.values()),
+            len(self.regions),
+            ",".join(sorted({r.mem_type for r in self.regions})),
+        )
 
     def desc_mem_types(self, name: str) -> List[str]:
         """Memory type of each descriptor's registration in group ``name``."""
@@ -143,14 +164,23 @@ class LocalGroups:
         return {r.mem_type for r in self.regions}
 
     def wire_groups(self) -> dict:
-        return {name: {"ptrs": list(g.ptrs), "lens": list(g.lens),
-                       "item_lens": list(g.item_lens),
-                       "regions": [int(r) for r in self.desc_region[name]]}
-                for name, g in self.groups.items()}
+        return {
+            name: {
+                "ptrs": list(g.ptrs),
+                "lens": list(g.lens),
+                "item_lens": list(g.item_lens),
+                "regions": [int(r) for r in self.desc_region[name]],
+            }
+            for name, g in self.groups.items()
+        }
 
     def region_table(self):
-        return ([r.addr for r in self.regions], [r.length for r in self.regions],
-                [r.packed_key() for r in self.regions], [r.mem_type for r in self.regions])
+        return (
+            [r.addr for r in self.regions],
+            [r.length for r in self.regions],
+            [r.packed_key() for r in self.regions],
+            [r.mem_type for r in self.regions],
+        )
 
     def ipc_blobs(self) -> Optional[List[bytes]]:
         """Per region its CUDA IPC blob or b"" (computed once); None when not offered or
@@ -160,16 +190,18 @@ class LocalGroups:
         if self._blobs is None:
             from kvxfer.kernels.cuda_driver import ipc_export
 
-            self._blobs = [(ipc_export(r.addr) or b"") if r.mem_type == "cuda" else b""
-                           for r in self.regions]
+            self._blobs = [
+                (ipc_export(r.addr) or b"") if r.mem_type == "cuda" else b"" for r in self.regions
+            ]
         return self._blobs if any(self._blobs) else None
 
     def cuda_regions(self, device: int) -> List[Region]:
         """Registrations in CUDA memory of ``device``."""
         from kvxfer.kernels.cuda_driver import device_ordinal
 
-        return [r for r in self.regions if r.mem_type == "cuda"
-                and device_ordinal(r.addr) == device]
+        return [
+            r for r in self.regions if r.mem_type == "cuda" and device_ordinal(r.addr) == device
+        ]
 
     def grant_landing(self) -> Dict[str, dict]:
         """Landing slots for one new peer, per staged group, in Layout.landing form."""
@@ -177,11 +209,18 @@ class LocalGroups:
         for name, st in self.stages.items():
             slots = st.grant(self.peer_slots)
             if slots:
-                out[name] = {"region": st.region_index, "base": st.landing_base,
-                             "slot_bytes": st.slot_bytes, "slots": slots}
+                out[name] = {
+                    "region": st.region_index,
+                    "base": st.landing_base,
+                    "slot_bytes": st.slot_bytes,
+                    "slots": slots,
+                }
             else:
-                log.info("group %r: landing ring exhausted (%d slots); this peer writes "
-                            "unstaged", name, st.landing_slots)
+                log.info(
+                    "group %r: landing ring exhausted (%d slots); this peer writes unstaged",
+                    name,
+                    st.landing_slots,
+                )
         return out
 
     def release_landing(self, grant: Dict[str, dict]) -> None:
@@ -224,8 +263,9 @@ class RemoteGroups:
 
 
 def _int_list(v, where: str) -> List[int]:
-    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool)
-                                          and 0 <= x < 1 << 64 for x in v):
+    if not isinstance(v, list) or not all(
+        isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 64 for x in v
+    ):
         raise ProtocolError(f"{where}: expected a list of unsigned 64-bit ints")
     return v
 
@@ -255,16 +295,25 @@ def parse_remote(msg) -> RemoteGroups:
         if len(cols["regions"]) != g.count:
             raise ProtocolError(f"layout: group {name!r} region column length")
         try:
-            plan.check_inside(g.ptrs, g.lens, bases, lens, cols["regions"],
-                              f"layout group {name!r}")
+            plan.check_inside(
+                g.ptrs, g.lens, bases, lens, cols["regions"], f"layout group {name!r}"
+            )
         except InvalidArgument as exc:
             raise ProtocolError(str(exc)) from None
         groups[name] = g
         desc_region[name] = np.asarray(cols["regions"], dtype=_U64)
     landing = parse_landing(msg.landing, groups, bases, lens)
-    return RemoteGroups(groups, desc_region, bases, lens, list(msg.region_keys),
-                        list(msg.region_types), msg.address, landing,
-                        parse_ipc(msg.region_ipc, n))
+    return RemoteGroups(
+        groups,
+        desc_region,
+        bases,
+        lens,
+        list(msg.region_keys),
+        list(msg.region_types),
+        msg.address,
+        landing,
+        parse_ipc(msg.region_ipc, n),
+    )
 
 
 def parse_ipc(raw, n: int) -> List[bytes]:
@@ -274,10 +323,14 @@ def parse_ipc(raw, n: int) -> List[bytes]:
 
     if raw is None:
         return []
-    if not isinstance(raw, list) or len(raw) != n or not all(
-            isinstance(b, (bytes, bytearray)) and len(b) in (0, IPC_BLOB_BYTES) for b in raw):
-        raise ProtocolError(f"layout: region_ipc must be {n} entries of 0 or "
-                            f"{IPC_BLOB_BYTES} bytes")
+    if (
+        not isinstance(raw, list)
+        or len(raw) != n
+        or not all(isinstance(b, (bytes, bytearray)) and len(b) in (0, IPC_BLOB_BYTES) for b in raw)
+    ):
+        raise ProtocolError(
+            f"layout: region_ipc must be {n} entries of 0 or {IPC_BLOB_BYTES} bytes"
+        )
     return [bytes(b) for b in raw]
 
 
@@ -292,16 +345,23 @@ def parse_landing(raw, groups, bases, lens) -> Dict[str, tuple]:
             raise ProtocolError(f"layout: landing for unknown group {name!r}")
         if not isinstance(body, dict) or set(body) != {"region", "base", "slot_bytes", "slots"}:
             raise ProtocolError(f"layout: landing of group {name!r} is malformed")
-        region, base, slot_bytes = (_int_list([body[k]], f"layout.landing.{name}.{k}")[0]
-                                    for k in ("region", "base", "slot_bytes"))
+        region, base, slot_bytes = (
+            _int_list([body[k]], f"layout.landing.{name}.{k}")[0]
+            for k in ("region", "base", "slot_bytes")
+        )
         slots = _int_list(body["slots"], f"layout.landing.{name}.slots")
         item = groups[name].item_bytes
         if not 0 <= region < len(bases):
             raise ProtocolError(f"layout: landing of {name!r}: region {region} of {len(bases)}")
         if slot_bytes < item or slot_bytes % item or not slots or len(set(slots)) != len(slots):
-            raise ProtocolError(f"layout: landing of {name!r}: slot_bytes {slot_bytes} / slots "
-                                f"{slots} invalid for {item}-byte items")
-        if base < bases[region] or base + (max(slots) + 1) * slot_bytes > bases[region] + lens[region]:
+            raise ProtocolError(
+                f"layout: landing of {name!r}: slot_bytes {slot_bytes} / slots "
+                f"{slots} invalid for {item}-byte items"
+            )
+        if (
+            base < bases[region]
+            or base + (max(slots) + 1) * slot_bytes > bases[region] + lens[region]
+        ):
             raise ProtocolError(f"layout: landing slots of {name!r} outside region {region}")
         out[name] = (region, base, slot_bytes, list(slots))
     return out

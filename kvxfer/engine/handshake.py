@@ -18,6 +18,7 @@ Guarantees
   tells the other with a Reject so both fail the same way.
 - Everything received is validated (:func:`kvxfer.wire.decode`, :func:`groups.parse_remote`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -63,14 +64,28 @@ class HandshakeResult:
     granted: dict = field(default_factory=dict)
 
 
-def _proof(secret: bytes, role: bytes, binding: bytes, hello: m.Hello,
-           ack: m.HelloAck) -> bytes:
+def _proof(secret: bytes, role: bytes, binding: bytes, hello: m.Hello, ack: m.HelloAck) -> bytes:
     """HMAC-SHA256 of the transcript: role (b"S" / b"C"), the connection's binding and every
     field of both Hellos except the proofs, msgpack-encoded (unambiguous field boundaries)."""
     transcript = msgpack.packb(
-        [b"kvxfer-handshake", wire.PROTOCOL_VERSION, role, binding,
-         hello.engine_id, hello.name, hello.nonce, hello.hostname, hello.stage,
-         ack.engine_id, ack.name, ack.nonce, ack.hostname, ack.stage], use_bin_type=True)
+        [
+            b"kvxfer-handshake",
+            wire.PROTOCOL_VERSION,
+            role,
+            binding,
+            hello.engine_id,
+            hello.name,
+            hello.nonce,
+            hello.hostname,
+            hello.stage,
+            ack.engine_id,
+            ack.name,
+            ack.nonce,
+            ack.hostname,
+            ack.stage,
+        ],
+        use_bin_type=True,
+    )
     return hmac.new(secret, transcript, hashlib.sha256).digest()
 
 
@@ -101,7 +116,8 @@ async def _recv(ch: Channel, dl: _Deadline, expected, max_bytes: int = MAX_PREAU
 def _expect(msg, expected):
     if isinstance(msg, m.Reject):
         cls = {"auth": AuthenticationFailed, "incompatible": IncompatiblePeer}.get(
-            msg.kind, ProtocolError)
+            msg.kind, ProtocolError
+        )
         raise cls(f"peer rejected the handshake: {msg.reason}")
     return wire.expect(msg, expected)
 
@@ -117,18 +133,25 @@ async def _recv_hello(ch: Channel, dl: _Deadline) -> m.Hello:
             msg = wire.decode(raw)
         except ProtocolError:
             msg = None
-        if msg is not None and not isinstance(msg, (m.Hello, m.Reject)) and \
-                msg.TAG.startswith("kx."):
-            log.warning("handshake: dropped a stale %s message of an earlier connection",
-                        msg.TAG)
+        if (
+            msg is not None
+            and not isinstance(msg, (m.Hello, m.Reject))
+            and msg.TAG.startswith("kx.")
+        ):
+            log.warning("handshake: dropped a stale %s message of an earlier connection", msg.TAG)
             continue
         ch.adopt_epoch()
         return _expect(_decode(raw), m.Hello)
 
 
 async def _reject(ch: Channel, dl: _Deadline, exc: KvxferError) -> None:
-    kind = ("auth" if isinstance(exc, AuthenticationFailed) else
-            "incompatible" if isinstance(exc, IncompatiblePeer) else "protocol")
+    kind = (
+        "auth"
+        if isinstance(exc, AuthenticationFailed)
+        else "incompatible"
+        if isinstance(exc, IncompatiblePeer)
+        else "protocol"
+    )
     try:
         await ch.send(m.Reject(kind=kind, reason=str(exc)[:500]).encode(), min(dl.left(), 1.0))
     except KvxferError:
@@ -145,17 +168,30 @@ def check_groups(local: LocalGroups, remote: RemoteGroups) -> None:
 
 def _layout(local: LocalGroups, address: bytes, grant: dict) -> bytes:
     bases, lens, keys, types = local.region_table()
-    return m.Layout(groups=local.wire_groups(), region_bases=bases, region_lens=lens,
-                    region_keys=keys, region_types=types, address=address,
-                    landing=grant or None, non_ipc=ipc.non_ipc(local.ipc) or None,
-                    region_ipc=local.ipc_blobs()).encode()
+    return m.Layout(
+        groups=local.wire_groups(),
+        region_bases=bases,
+        region_lens=lens,
+        region_keys=keys,
+        region_types=types,
+        address=address,
+        landing=grant or None,
+        non_ipc=ipc.non_ipc(local.ipc) or None,
+        region_ipc=local.ipc_blobs(),
+    ).encode()
 
 
-def _check_ipc(local: LocalGroups, layout: m.Layout, remote: RemoteGroups, hostname: str,
-               refuse: bool) -> None:
-    ipc.check_destinations(local.groups, remote.groups, ipc.non_ipc(local.ipc),
-                           ipc.parse_non_ipc(layout.non_ipc),
-                           hostname == socket.gethostname(), refuse)
+def _check_ipc(
+    local: LocalGroups, layout: m.Layout, remote: RemoteGroups, hostname: str, refuse: bool
+) -> None:
+    ipc.check_destinations(
+        local.groups,
+        remote.groups,
+        ipc.non_ipc(local.ipc),
+        ipc.parse_non_ipc(layout.non_ipc),
+        hostname == socket.gethostname(),
+        refuse,
+    )
 
 
 async def _guarded(ch: Channel, dl: _Deadline, coro):
@@ -168,12 +204,24 @@ async def _guarded(ch: Channel, dl: _Deadline, coro):
         raise
 
 
-async def connect_side(ch: Channel, local: LocalGroups, secret: bytes, engine_id: str,
-                       name: str, address: bytes, timeout: float,
-                       refuse_emulated: bool = False) -> HandshakeResult:
+async def connect_side(
+    ch: Channel,
+    local: LocalGroups,
+    secret: bytes,
+    engine_id: str,
+    name: str,
+    address: bytes,
+    timeout: float,
+    refuse_emulated: bool = False,
+) -> HandshakeResult:
     dl = _Deadline(timeout)
-    hello = m.Hello(engine_id=engine_id, name=name, nonce=os.urandom(NONCE_BYTES),
-                    hostname=socket.gethostname(), stage=bool(local.stages))
+    hello = m.Hello(
+        engine_id=engine_id,
+        name=name,
+        nonce=os.urandom(NONCE_BYTES),
+        hostname=socket.gethostname(),
+        stage=bool(local.stages),
+    )
     await ch.send(hello.encode(), dl.left())
 
     async def steps():
@@ -184,9 +232,9 @@ async def connect_side(ch: Channel, local: LocalGroups, secret: bytes, engine_id
         if not hmac.compare_digest(_proof(secret, b"S", binding, hello, ack), ack.proof):
             raise AuthenticationFailed(
                 f"peer {ack.name or ack.engine_id} failed the challenge (wrong secret, or "
-                f"a relay: the proof covers this connection's addresses {binding.decode()})")
-        await ch.send(m.Proof(proof=_proof(secret, b"C", binding, hello, ack)).encode(),
-                      dl.left())
+                f"a relay: the proof covers this connection's addresses {binding.decode()})"
+            )
+        await ch.send(m.Proof(proof=_proof(secret, b"C", binding, hello, ack)).encode(), dl.left())
         layout = await _recv(ch, dl, m.Layout, wire.MAX_MESSAGE_BYTES)
         remote = parse_remote(layout)
         check_groups(local, remote)
@@ -205,9 +253,16 @@ async def connect_side(ch: Channel, local: LocalGroups, secret: bytes, engine_id
         raise
 
 
-async def accept_side(ch: Channel, local: LocalGroups, secret: bytes, engine_id: str,
-                      name: str, address: bytes, timeout: float,
-                      refuse_emulated: bool = False) -> HandshakeResult:
+async def accept_side(
+    ch: Channel,
+    local: LocalGroups,
+    secret: bytes,
+    engine_id: str,
+    name: str,
+    address: bytes,
+    timeout: float,
+    refuse_emulated: bool = False,
+) -> HandshakeResult:
     dl = _Deadline(timeout)
 
     async def steps():
@@ -215,8 +270,14 @@ async def accept_side(ch: Channel, local: LocalGroups, secret: bytes, engine_id:
         if len(hello.nonce) != NONCE_BYTES:
             raise ProtocolError("hello: bad nonce length")
         binding = ch.binding()
-        ack = m.HelloAck(engine_id=engine_id, name=name, nonce=os.urandom(NONCE_BYTES),
-                         hostname=socket.gethostname(), stage=bool(local.stages), proof=b"")
+        ack = m.HelloAck(
+            engine_id=engine_id,
+            name=name,
+            nonce=os.urandom(NONCE_BYTES),
+            hostname=socket.gethostname(),
+            stage=bool(local.stages),
+            proof=b"",
+        )
         ack.proof = _proof(secret, b"S", binding, hello, ack)
         await ch.send(ack.encode(), dl.left())
         proof = await _recv(ch, dl, m.Proof)
@@ -224,7 +285,8 @@ async def accept_side(ch: Channel, local: LocalGroups, secret: bytes, engine_id:
             raise AuthenticationFailed(
                 f"peer {hello.name or hello.engine_id} failed the challenge (wrong secret, "
                 f"or a relay: the proof covers this connection's addresses "
-                f"{binding.decode()})")
+                f"{binding.decode()})"
+            )
         if hello.stage:
             grant.update(local.grant_landing())
         await ch.send(_layout(local, address, grant), dl.left())

@@ -4,6 +4,7 @@ The engine builds one :class:`PeerHost` and hands it to every peer it establishe
 touches nothing else of the engine. Everything in it is used on the asyncio loop thread
 (see the threads table in docs/engine.md).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

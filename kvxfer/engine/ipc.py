@@ -16,6 +16,7 @@ Invariants
   every one is reported capable, ``None`` when it holds no CUDA memory or the driver
   could not answer for some descriptor (never a guess).
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,8 +39,9 @@ class Layout(Protocol):
     def ptrs(self) -> Sequence[int]: ...
 
 
-def ipc_report(groups: Mapping[str, Layout], mem_types: Mapping[str, Sequence[str]],
-               query: IpcQuery) -> Dict[str, Optional[bool]]:
+def ipc_report(
+    groups: Mapping[str, Layout], mem_types: Mapping[str, Sequence[str]], query: IpcQuery
+) -> Dict[str, Optional[bool]]:
     """``{group: ipc_capable}``; ``groups`` maps names to layouts with ``ptrs``,
     ``mem_types`` maps names to the memory type of each descriptor's registration."""
     out: Dict[str, Optional[bool]] = {}
@@ -74,13 +76,21 @@ def warn_non_ipc(report: Dict[str, Optional[bool]], who: str = "") -> List[str]:
             "emulated (orders of magnitude below cuda_ipc). Back the "
             "pool with the POSIX-FD share path (%s) for same-host transfers, or set "
             "EngineConfig.refuse_emulated_destinations=True to refuse such peers",
-            who, name, SHARE_PATH_HINT)
+            who,
+            name,
+            SHARE_PATH_HINT,
+        )
     return bad
 
 
-def check_destinations(local_groups: Iterable[str], remote_groups: Iterable[str],
-                       local_non_ipc: Sequence[str], remote_non_ipc: Sequence[str],
-                       same_host: bool, refuse: bool) -> None:
+def check_destinations(
+    local_groups: Iterable[str],
+    remote_groups: Iterable[str],
+    local_non_ipc: Sequence[str],
+    remote_non_ipc: Sequence[str],
+    same_host: bool,
+    refuse: bool,
+) -> None:
     """Handshake check (``refuse_emulated_destinations``): raise ``IncompatiblePeer``
     naming the group when a same-host peer would PUT into our non-IPC memory, or we into
     its. Groups only one side has are never written, so they do not count."""
@@ -93,12 +103,14 @@ def check_destinations(local_groups: Iterable[str], remote_groups: Iterable[str]
         raise IncompatiblePeer(
             f"group {ours[0]!r}: this side's memory is not legacy-IPC capable (CUDA VMM); "
             f"the peer's PUTs into it would be emulated by UCX (far below cuda_ipc). Use the POSIX-FD "
-            f"share path ({SHARE_PATH_HINT}) or turn off refuse_emulated_destinations")
+            f"share path ({SHARE_PATH_HINT}) or turn off refuse_emulated_destinations"
+        )
     if theirs:
         raise IncompatiblePeer(
             f"group {theirs[0]!r}: the peer's memory is not legacy-IPC capable (CUDA VMM); "
             f"PUTs into it would be emulated by UCX (far below cuda_ipc). Use the POSIX-FD share path "
-            f"({SHARE_PATH_HINT}) or turn off refuse_emulated_destinations")
+            f"({SHARE_PATH_HINT}) or turn off refuse_emulated_destinations"
+        )
 
 
 def parse_non_ipc(raw) -> List[str]:

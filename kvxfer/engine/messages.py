@@ -15,6 +15,7 @@ Hello and HelloAck but the proof (:func:`kvxfer.engine.handshake._proof`).
 After it, both directions carry :class:`AppMessage` (application payloads, including the
 completion ``notify`` of a write) and finally :class:`Bye`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

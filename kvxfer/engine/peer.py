@@ -23,6 +23,7 @@ Invariants
   peer learns that nothing more comes from us, and we wait, bounded, for the same from
   it); the engine's peer-closed handlers run exactly once per peer.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -61,9 +62,17 @@ class Peer:
     """One authenticated connection (see the module docstring); built by the engine, which
     hands it a :class:`~kvxfer.engine.host.PeerHost` (all it uses of the engine)."""
 
-    def __init__(self, host: PeerHost["Peer"], channel: Channel, rma: RmaEndpoint,
-                 engine_id: str, name: str, hostname: str, remote: RemoteGroups,
-                 granted: Optional[dict] = None):
+    def __init__(
+        self,
+        host: PeerHost["Peer"],
+        channel: Channel,
+        rma: RmaEndpoint,
+        engine_id: str,
+        name: str,
+        hostname: str,
+        remote: RemoteGroups,
+        granted: Optional[dict] = None,
+    ):
         self._host = host
         self._config = config = host.config
         self._groups = groups = host.groups
@@ -83,17 +92,29 @@ class Peer:
         self._notified = False
         self.lanes: List[str] = rma.lanes()
         #: flushes progressed by the transport's native poller (see config.FLUSH_PROGRESS)
-        self.spin = spin_flushes(resolved(config.flush_progress, "flush_progress"),
-                                 groups.mem_types, remote.types)
+        self.spin = spin_flushes(
+            resolved(config.flush_progress, "flush_progress"), groups.mem_types, remote.types
+        )
         #: the same-host device lane (kvxfer.engine.devcopy) and why there is / is not one
         self._dev, self.device_lane = devcopy.open_lane(config, groups, hostname, remote)
         # staged path: slots we granted the peer (target role) and slots it granted us
         self._granted_raw = granted or {}
         self._staged = StagedPath(
-            StagedLink(name=name or engine_id, loop=self._loop, channel=channel, rma=rma,
-                       spin=self.spin, transfer_timeout_s=self._timeout,
-                       bounded=self._bounded, left=self._left, mark_dead=self._mark_dead),
-            groups, self._granted_raw, remote.landing or {})
+            StagedLink(
+                name=name or engine_id,
+                loop=self._loop,
+                channel=channel,
+                rma=rma,
+                spin=self.spin,
+                transfer_timeout_s=self._timeout,
+                bounded=self._bounded,
+                left=self._left,
+                mark_dead=self._mark_dead,
+            ),
+            groups,
+            self._granted_raw,
+            remote.landing or {},
+        )
         self._planner = WritePlanner(groups, remote, name or engine_id, self._staged.can_stage)
 
     # ------------------------------------------------------------ properties
@@ -120,9 +141,10 @@ class Peer:
         self._channel.on_closed(self._on_channel_closed)
         self._rma.on_failed(self._on_channel_closed)
         self._dead.add_done_callback(lambda f: f.exception())  # never "never retrieved"
-        self._tasks = [self._loop.create_task(self._reader(), name=f"kvxfer-recv-{self.id[:8]}"),
-                       self._loop.create_task(self._dispatcher(),
-                                              name=f"kvxfer-dispatch-{self.id[:8]}")]
+        self._tasks = [
+            self._loop.create_task(self._reader(), name=f"kvxfer-recv-{self.id[:8]}"),
+            self._loop.create_task(self._dispatcher(), name=f"kvxfer-dispatch-{self.id[:8]}"),
+        ]
 
     def _on_channel_closed(self, exc: Exception) -> None:
         """Runs on: the asyncio loop thread (the transport hops there before calling)."""
@@ -151,8 +173,11 @@ class Peer:
                 elif isinstance(msg, m.SlotFree):
                     self._staged.slot_freed(msg)
                 elif isinstance(msg, m.Bye):
-                    self._mark_dead(PeerClosed(
-                        f"peer {self.name or self.id} closed{': ' + msg.reason if msg.reason else ''}"))
+                    self._mark_dead(
+                        PeerClosed(
+                            f"peer {self.name or self.id} closed{': ' + msg.reason if msg.reason else ''}"
+                        )
+                    )
                     return
                 else:
                     raise ProtocolError(f"unexpected {msg.TAG} after the handshake")
@@ -225,11 +250,17 @@ class Peer:
         if res is _DEAD:
             self._check_open()
         if res is _TIMEOUT:
-            raise TransferTimeout(f"{what} to {self.name or self.id} not done after {timeout:.3g} s")
+            raise TransferTimeout(
+                f"{what} to {self.name or self.id} not done after {timeout:.3g} s"
+            )
         return res
 
-    async def write(self, writes: Iterable[Union[ItemWrite, RawWrite]], notify: Optional[bytes] = None,
-                    timeout: Optional[float] = None) -> TransferStats:
+    async def write(
+        self,
+        writes: Iterable[Union[ItemWrite, RawWrite]],
+        notify: Optional[bytes] = None,
+        timeout: Optional[float] = None,
+    ) -> TransferStats:
         """Move the items, flush, then deliver ``notify`` to the peer's message handlers.
         Raises (before any byte moves) UnknownGroup / IndexOutOfRange / InvalidArgument;
         afterwards PeerClosed / TransferTimeout / TransportError."""
@@ -238,22 +269,32 @@ class Peer:
         if notify is not None and not isinstance(notify, (bytes, bytearray, memoryview)):
             raise InvalidArgument(f"notify must be bytes, got {type(notify).__name__}")
         laddr, raddr, nbytes, lmemh, ridx, staged = self._planner.plan(
-            writes, self._config.stage_min_ops)
-        stats = TransferStats(bytes=int(nbytes.sum(dtype=_U64)) if nbytes.size else 0,
-                              ops=int(laddr.size), lanes=list(self.lanes))
+            writes, self._config.stage_min_ops
+        )
+        stats = TransferStats(
+            bytes=int(nbytes.sum(dtype=_U64)) if nbytes.size else 0,
+            ops=int(laddr.size),
+            lanes=list(self.lanes),
+        )
         t0 = time.perf_counter()
         deadline = self._loop.time() + timeout
         launched = None
         if self._dev is not None and laddr.size >= self._config.device_min_ops:
             on_dev = self._dev.select(lmemh, ridx)
             if on_dev.any():
-                launched = self._dev.launch(laddr[on_dev], raddr[on_dev], nbytes[on_dev],
-                                            ridx[on_dev])
+                launched = self._dev.launch(
+                    laddr[on_dev], raddr[on_dev], nbytes[on_dev], ridx[on_dev]
+                )
                 stats.device_ops = int(on_dev.sum())
                 stats.device_bytes = int(nbytes[on_dev].sum(dtype=_U64))
                 keep = ~on_dev
-                laddr, raddr, nbytes, lmemh, ridx = (laddr[keep], raddr[keep], nbytes[keep],
-                                                     lmemh[keep], ridx[keep])
+                laddr, raddr, nbytes, lmemh, ridx = (
+                    laddr[keep],
+                    raddr[keep],
+                    nbytes[keep],
+                    lmemh[keep],
+                    ridx[keep],
+                )
         try:
             if laddr.size:
                 self._rma.put(laddr, raddr, nbytes, lmemh, ridx)
@@ -265,15 +306,19 @@ class Peer:
                 drained += await self._staged.write(group, src, dst, deadline, stats)
                 stats.staged_direct_ops += direct_ops
             if laddr.size:
-                t_done = await self._bounded_future(self._rma.flush_future(self.spin), timeout,
-                                                    "flush")
+                t_done = await self._bounded_future(
+                    self._rma.flush_future(self.spin), timeout, "flush"
+                )
                 stats.flush_s = max(0.0, t_done - m1)
         except PeerClosed as exc:  # the endpoint failed: this peer is gone
             self._mark_dead(exc)
             raise
         if notify is not None:
-            await self._bounded(self._channel.send(m.AppMessage(payload=bytes(notify)).encode(),
-                                                   timeout), timeout, "notify")
+            await self._bounded(
+                self._channel.send(m.AppMessage(payload=bytes(notify)).encode(), timeout),
+                timeout,
+                "notify",
+            )
         if drained:  # complete = bytes in their final place at the peer, as for direct PUTs
             t = self._left(deadline, "staged write")
             await self._bounded(_all(drained), t, "scatter at the peer")
@@ -292,8 +337,11 @@ class Peer:
         if not isinstance(payload, (bytes, bytearray, memoryview)):
             raise InvalidArgument(f"payload must be bytes, got {type(payload).__name__}")
         timeout = self._timeout if timeout is None else timeout
-        await self._bounded(self._channel.send(m.AppMessage(payload=bytes(payload)).encode(),
-                                               timeout), timeout, "send")
+        await self._bounded(
+            self._channel.send(m.AppMessage(payload=bytes(payload)).encode(), timeout),
+            timeout,
+            "send",
+        )
 
     async def close(self) -> None:
         """Say goodbye (bounded), release keys and endpoints; idempotent."""
@@ -325,8 +373,7 @@ class Peer:
         for t in self._tasks:
             if t is not current:
                 t.cancel()
-        await asyncio.gather(*(t for t in self._tasks if t is not current),
-                             return_exceptions=True)
+        await asyncio.gather(*(t for t in self._tasks if t is not current), return_exceptions=True)
         # quiesce both lanes first (the device lane's close waits for its stream): the
         # channel's close tells the peer that nothing more comes from us
         await self._rma.close(grace)

@@ -12,6 +12,7 @@ Invariants
 - Landing slot first, then a staging slot (a fixed order: no deadlock); if the PUT was
   never posted the landing slot returns at once; after a failed PUT it is not reused.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -59,14 +60,14 @@ class Bounded(Protocol):
 class StagedLink:
     """What the staged path uses of its peer (the peer builds it)."""
 
-    name: str                     # the peer's name, for logs
+    name: str  # the peer's name, for logs
     loop: asyncio.AbstractEventLoop
     channel: Channel
     rma: RmaEndpoint
-    spin: bool                    # flushes progressed by the native poller
-    transfer_timeout_s: float     # bound on sending a slot credit back
+    spin: bool  # flushes progressed by the native poller
+    transfer_timeout_s: float  # bound on sending a slot credit back
     bounded: Bounded
-    left: Callable[[float, str], float]     # seconds left to a deadline, or TransferTimeout
+    left: Callable[[float, str], float]  # seconds left to a deadline, or TransferTimeout
     mark_dead: Callable[[Exception], None]  # the peer is gone (idempotent)
 
 
@@ -77,14 +78,20 @@ class StagedPath:
     ((group, slot) plans received and not yet drained). Initiator role: ``landing``
     (group -> the slots the peer granted us)."""
 
-    def __init__(self, link: StagedLink, groups: LocalGroups, granted: Mapping[str, dict],
-                 landing: Mapping[str, tuple]):
+    def __init__(
+        self,
+        link: StagedLink,
+        groups: LocalGroups,
+        granted: Mapping[str, dict],
+        landing: Mapping[str, tuple],
+    ):
         self._link = link
         self._groups = groups  # its ``stages`` are read live (emptied when released)
         self.granted: Dict[str, Set[int]] = {g: set(b["slots"]) for g, b in granted.items()}
         self.busy: Set[Tuple[str, int]] = set()
-        self.landing: Dict[str, Landing] = {g: Landing(*v) for g, v in landing.items()
-                                            if g in groups.stages}
+        self.landing: Dict[str, Landing] = {
+            g: Landing(*v) for g, v in landing.items() if g in groups.stages
+        }
 
     def can_stage(self, group: str) -> bool:
         """Whether writes of ``group`` to this peer may go staged (it granted us slots)."""
@@ -98,11 +105,14 @@ class StagedPath:
         if stage is None or msg.group not in self.granted:
             raise ProtocolError(f"staged write to group {msg.group!r} without a landing grant")
         if msg.slot not in self.granted[msg.group]:
-            raise ProtocolError(f"staged write to landing slot {msg.slot} of {msg.group!r}, "
-                                f"not granted to this peer")
+            raise ProtocolError(
+                f"staged write to landing slot {msg.slot} of {msg.group!r}, "
+                f"not granted to this peer"
+            )
         if (msg.group, msg.slot) in self.busy:
-            raise ProtocolError(f"landing slot {msg.slot} of {msg.group!r} reused before it "
-                                f"was freed")
+            raise ProtocolError(
+                f"landing slot {msg.slot} of {msg.group!r} reused before it was freed"
+            )
         dst = stage.check_plan(msg.slot, msg.offset, msg.nbytes, bytes(msg.dst))
         self.busy.add((msg.group, msg.slot))
         return (stage, msg.slot, msg.offset, dst)
@@ -118,9 +128,13 @@ class StagedPath:
             return
         self.busy.discard((stage.group.name, slot))
         try:
-            await link.bounded(link.channel.send(
-                m.SlotFree(group=stage.group.name, slot=slot).encode(),
-                link.transfer_timeout_s), link.transfer_timeout_s, "slot credit")
+            await link.bounded(
+                link.channel.send(
+                    m.SlotFree(group=stage.group.name, slot=slot).encode(), link.transfer_timeout_s
+                ),
+                link.transfer_timeout_s,
+                "slot credit",
+            )
         except KvxferError:
             pass  # the peer is gone; nothing to give back
 
@@ -136,17 +150,21 @@ class StagedPath:
             fut.set_result(None)
         land.free.put_nowait(msg.slot)
 
-    async def write(self, group: str, src: np.ndarray, dst: np.ndarray, deadline: float,
-                    stats: TransferStats) -> List[asyncio.Future]:
+    async def write(
+        self, group: str, src: np.ndarray, dst: np.ndarray, deadline: float, stats: TransferStats
+    ) -> List[asyncio.Future]:
         """One staged part: chunks of at most a slot, pipelined over the granted slots.
         Returns once every chunk's plan is sent: one future per chunk, resolved when the
         peer reports the slot drained (its items scattered)."""
         stage = self._groups.stages[group]
         land = self.landing[group]
         per = min(stage.items_per_slot, land.slot_bytes // stage.group.item_bytes)
-        tasks = [self._link.loop.create_task(self._stage_chunk(stage, land, src[i:i + per],
-                                                               dst[i:i + per], deadline))
-                 for i in range(0, int(src.size), per)]
+        tasks = [
+            self._link.loop.create_task(
+                self._stage_chunk(stage, land, src[i : i + per], dst[i : i + per], deadline)
+            )
+            for i in range(0, int(src.size), per)
+        ]
         try:
             futs = [await t for t in tasks]
         finally:
@@ -159,8 +177,9 @@ class StagedPath:
         stats.ops += len(tasks)
         return futs
 
-    async def _stage_chunk(self, stage: GroupStage, land: Landing, src: np.ndarray,
-                           dst: np.ndarray, deadline: float) -> asyncio.Future:
+    async def _stage_chunk(
+        self, stage: GroupStage, land: Landing, src: np.ndarray, dst: np.ndarray, deadline: float
+    ) -> asyncio.Future:
         """Landing slot first, then a staging slot (a fixed order: no deadlock), gather, one
         PUT, flush, then the scatter plan. The landing slot returns with the peer's
         SlotFree; if the PUT was never posted it returns at once; after a failed PUT it is
@@ -171,14 +190,19 @@ class StagedPath:
         land.out.add(rslot)
         posted = False
         try:
-            lslot = await link.bounded(stage.staging_free.get(),
-                                       link.left(deadline, "staged write"), "staging slot")
+            lslot = await link.bounded(
+                stage.staging_free.get(), link.left(deadline, "staged write"), "staging slot"
+            )
             try:
                 nbytes = stage.gather(src, lslot)
                 posted = True
-                link.rma.put(_one(stage.staging_addr(lslot)),
-                             _one(land.base + rslot * land.slot_bytes), _one(nbytes),
-                             _one(stage.staging_handle), _one(land.region))
+                link.rma.put(
+                    _one(stage.staging_addr(lslot)),
+                    _one(land.base + rslot * land.slot_bytes),
+                    _one(nbytes),
+                    _one(stage.staging_handle),
+                    _one(land.region),
+                )
                 t = link.left(deadline, "staged flush")
                 await link.bounded(link.rma.flush(t, link.spin), t, "staged flush")
             finally:
@@ -186,10 +210,20 @@ class StagedPath:
             t = link.left(deadline, "scatter plan")
             # registered before the plan leaves: its SlotFree may come back at once
             fut = land.waiters[rslot] = link.loop.create_future()
-            await link.bounded(link.channel.send(m.StagedWrite(
-                group=stage.group.name, slot=rslot, offset=0, nbytes=nbytes,
-                dst=np.ascontiguousarray(dst, dtype="<i8").tobytes()).encode(), t), t,
-                "scatter plan")
+            await link.bounded(
+                link.channel.send(
+                    m.StagedWrite(
+                        group=stage.group.name,
+                        slot=rslot,
+                        offset=0,
+                        nbytes=nbytes,
+                        dst=np.ascontiguousarray(dst, dtype="<i8").tobytes(),
+                    ).encode(),
+                    t,
+                ),
+                t,
+                "scatter plan",
+            )
         except BaseException:
             if not posted:
                 land.out.discard(rslot)

@@ -25,6 +25,7 @@ Invariants
   stream is synchronised), so a PUT never reads a half-written staging slot and a handler
   never sees half-scattered items.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -54,8 +55,13 @@ class _CudaBytes:
     """Minimal ``__cuda_array_interface__`` over raw device bytes (for torch.as_tensor)."""
 
     def __init__(self, ptr: int, n: int):
-        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (ptr, False),
-                                         "version": 3, "strides": None}
+        self.__cuda_array_interface__ = {
+            "shape": (n,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+        }
 
 
 def byte_view(ptr: int, nbytes: int, device: str):
@@ -87,8 +93,15 @@ class GroupStage:
 
     ``slot_bytes`` is a multiple of the group's item bytes (``items_per_slot`` items)."""
 
-    def __init__(self, transport, group: plan.GroupLayout, device: str, slot_bytes: int,
-                 landing_slots: int, staging_slots: int):
+    def __init__(
+        self,
+        transport,
+        group: plan.GroupLayout,
+        device: str,
+        slot_bytes: int,
+        landing_slots: int,
+        staging_slots: int,
+    ):
         self.cuda = device != "cpu"
         if self.cuda:
             import torch
@@ -100,17 +113,23 @@ class GroupStage:
         cap = max(item, min(slot_bytes, group.num_items * item))
         self.items_per_slot = cap // item
         self.slot_bytes = self.items_per_slot * item
-        self.views = [byte_view(p, n, device).reshape(n // il, il)
-                      for p, n, il in zip(group.ptrs, group.lens, group.item_lens)]
+        self.views = [
+            byte_view(p, n, device).reshape(n // il, il)
+            for p, n, il in zip(group.ptrs, group.lens, group.item_lens)
+        ]
         self.landing = self._empty(landing_slots * self.slot_bytes)
         self.staging = self._empty(staging_slots * self.slot_bytes)
         self.landing_region: Optional[Region] = None
         self.staging_region: Optional[Region] = None
         try:
-            self.landing_region = transport.register(self._ptr(self.landing), self.landing.size
-                                                     if not self.cuda else self.landing.numel())
-            self.staging_region = transport.register(self._ptr(self.staging), self.staging.size
-                                                     if not self.cuda else self.staging.numel())
+            self.landing_region = transport.register(
+                self._ptr(self.landing),
+                self.landing.size if not self.cuda else self.landing.numel(),
+            )
+            self.staging_region = transport.register(
+                self._ptr(self.staging),
+                self.staging.size if not self.cuda else self.staging.numel(),
+            )
         except BaseException:
             self.release()
             raise
@@ -133,8 +152,10 @@ class GroupStage:
         return self._ptr(self.landing)
 
     def __repr__(self):
-        return (f"GroupStage({self.group.name!r}, {self.device}, {self.items_per_slot} items x "
-                f"{self.landing_slots} landing / {self._staging_count} staging slots)")
+        return (
+            f"GroupStage({self.group.name!r}, {self.device}, {self.items_per_slot} items x "
+            f"{self.landing_slots} landing / {self._staging_count} staging slots)"
+        )
 
     # ------------------------------------------------------------- landing grants
     def grant(self, n: int) -> List[int]:
@@ -182,7 +203,7 @@ class GroupStage:
         idx = self._ids(src)
         off = slot * self.slot_bytes
         for view, il in zip(self.views, self.group.item_lens):
-            out = self.staging[off:off + n * il].reshape(n, il)
+            out = self.staging[off : off + n * il].reshape(n, il)
             if self.cuda:
                 self._torch.index_select(view, 0, idx, out=out)
             else:
@@ -200,17 +221,22 @@ class GroupStage:
         dst = np.frombuffer(dst_raw, dtype="<i8").astype(np.int64)
         n = int(dst.size)
         if nbytes != n * self.group.item_bytes:
-            raise ProtocolError(f"staged {name!r}: nbytes {nbytes} != {n} items x "
-                                f"{self.group.item_bytes}")
+            raise ProtocolError(
+                f"staged {name!r}: nbytes {nbytes} != {n} items x {self.group.item_bytes}"
+            )
         if not 0 <= slot < self.landing_slots:
             raise ProtocolError(f"staged {name!r}: slot {slot} out of range")
         if offset < 0 or offset + nbytes > self.slot_bytes:
-            raise ProtocolError(f"staged {name!r}: [{offset}, +{nbytes}) outside the "
-                                f"{self.slot_bytes}-byte landing slot")
+            raise ProtocolError(
+                f"staged {name!r}: [{offset}, +{nbytes}) outside the "
+                f"{self.slot_bytes}-byte landing slot"
+            )
         bad = (dst < 0) | (dst >= self.group.num_items)
         if bad.any():
-            raise ProtocolError(f"staged {name!r}: dst item {int(dst[bad][0])} out of range "
-                                f"[0, {self.group.num_items})")
+            raise ProtocolError(
+                f"staged {name!r}: dst item {int(dst[bad][0])} out of range "
+                f"[0, {self.group.num_items})"
+            )
         if np.unique(dst).size != n:
             raise ProtocolError(f"staged {name!r}: duplicate dst items")
         return dst
@@ -221,7 +247,7 @@ class GroupStage:
         idx = self._ids(dst)
         off = slot * self.slot_bytes + offset
         for view, il in zip(self.views, self.group.item_lens):
-            src = self.landing[off:off + n * il].reshape(n, il)
+            src = self.landing[off : off + n * il].reshape(n, il)
             if self.cuda:
                 view.index_copy_(0, idx, src)
             else:
@@ -240,9 +266,15 @@ class GroupStage:
                     log.warning("releasing %r: %s", r, exc)
 
 
-def build_stages(transport, groups: Dict[str, plan.GroupLayout], mem_types: Dict[str, List[str]],
-                 slot_bytes: int, landing_slots: int, staging_slots: int,
-                 host: bool = False) -> Dict[str, GroupStage]:
+def build_stages(
+    transport,
+    groups: Dict[str, plan.GroupLayout],
+    mem_types: Dict[str, List[str]],
+    slot_bytes: int,
+    landing_slots: int,
+    staging_slots: int,
+    host: bool = False,
+) -> Dict[str, GroupStage]:
     """A :class:`GroupStage` for every group whose descriptors sit on one supported device
     (host memory only when ``host``; others are skipped: they always move unstaged)."""
     out: Dict[str, GroupStage] = {}

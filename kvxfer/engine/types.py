@@ -1,4 +1,5 @@
 """Small value types of the engine API."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

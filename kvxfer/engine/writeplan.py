@@ -6,6 +6,7 @@ state but a per-group layout cache: a :class:`~kvxfer.engine.peer.Peer` owns one
 Tiny ItemWrite parts (short lists of ints) are planned in plain Python
 (:mod:`kvxfer.engine.fastplan`, same validation); the rest by :mod:`kvxfer.plan`.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Dict, Iterable, List, Tuple, Union
@@ -31,8 +32,13 @@ class WritePlanner:
     """Plans writes from ``local`` groups to one peer's ``remote`` groups. ``can_stage(group)``:
     whether the peer granted us landing slots for ``group`` (the staged path)."""
 
-    def __init__(self, local: LocalGroups, remote: RemoteGroups, peer_name: str,
-                 can_stage: Callable[[str], bool]):
+    def __init__(
+        self,
+        local: LocalGroups,
+        remote: RemoteGroups,
+        peer_name: str,
+        can_stage: Callable[[str], bool],
+    ):
         self._local, self._remote = local, remote
         self._peer_name = peer_name
         self._can_stage = can_stage
@@ -61,10 +67,13 @@ class WritePlanner:
                     raise UnknownGroup(f"no local group {w.group!r} (have {sorted(local.groups)})")
                 rg = remote.groups.get(w.group)
                 if rg is None:
-                    raise UnknownGroup(f"peer {self._peer_name} has no group {w.group!r} "
-                                       f"(has {sorted(remote.groups)})")
+                    raise UnknownGroup(
+                        f"peer {self._peer_name} has no group {w.group!r} "
+                        f"(has {sorted(remote.groups)})"
+                    )
                 pair = self._pairs[w.group] = fastplan.GroupPair.make(
-                    lg, rg, local.desc_memh[w.group], remote.desc_region[w.group])
+                    lg, rg, local.desc_memh[w.group], remote.desc_region[w.group]
+                )
             if isinstance(w, ItemWrite):
                 src = fastplan.small_ids(w.src_items)
                 dst = None if src is None else fastplan.small_ids(w.dst_items)
@@ -77,22 +86,34 @@ class WritePlanner:
                 lg, rg = local.groups[w.group], remote.groups[w.group]
                 ops = plan.plan_items(lg, rg, w.src_items, w.dst_items)
                 if 0 < stage_min_ops < len(ops) and self._can_stage(w.group):
-                    staged.append((w.group, plan.as_ids(w.src_items, "source"),
-                                   plan.as_ids(w.dst_items, "destination"), len(ops)))
+                    staged.append(
+                        (
+                            w.group,
+                            plan.as_ids(w.src_items, "source"),
+                            plan.as_ids(w.dst_items, "destination"),
+                            len(ops),
+                        )
+                    )
                     continue
             else:
                 lg, rg = local.groups[w.group], remote.groups[w.group]
                 ops = plan.plan_raw(lg, rg, w.desc, w.src_off, w.dst_off, w.nbytes)
             d = ops.desc.astype(np.intp)
-            chunks.append((ops.laddr, ops.raddr, ops.nbytes, local.desc_memh[w.group][d],
-                           remote.desc_region[w.group][d]))
+            chunks.append(
+                (
+                    ops.laddr,
+                    ops.raddr,
+                    ops.nbytes,
+                    local.desc_memh[w.group][d],
+                    remote.desc_region[w.group][d],
+                )
+            )
         if small[0] or not chunks:
             chunks.insert(0, tuple(np.array(c, dtype=_U64) for c in small))
         if len(chunks) == 1:
             laddr, raddr, nbytes, lmemh, ridx = (np.asarray(c, dtype=_U64) for c in chunks[0])
         else:
             laddr, raddr, nbytes, lmemh, ridx = (
-                np.concatenate([c[i] for c in chunks]).astype(_U64, copy=False)
-                for i in range(5))
+                np.concatenate([c[i] for c in chunks]).astype(_U64, copy=False) for i in range(5)
+            )
         return laddr, raddr, nbytes, lmemh, ridx, staged
-

@@ -11,6 +11,7 @@ model configs, layouts, corruptions; no torch), ``hf`` (model <-> pools: store a
 cache), ``hf_worker`` (prefill / decode process), ``hf_corrupt`` (deliberate misplacements),
 ``hf_run`` (parent, report, CLI).
 """
+
 from kvxfer.pd_demo.run import REQUIRED_KEYS, main, run_demo
 
 __all__ = ["REQUIRED_KEYS", "main", "run_demo"]

@@ -30,6 +30,7 @@ prefill-side figures include decode's check and one message back.
 Nothing here writes or verifies content (the demo and tests/disagg do): the numbers are the
 protocol and the transfer, not the synthetic compute.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -58,8 +59,9 @@ class BenchWorker(PDWorker):
                 raise RuntimeError(f"decode pool too small for {len(rooms)} x {n_pages} pages")
             self.open[room] = {"res": res, "length": n_pages * self.model.ps, "verify": False}
             self.open[room]["h"] = self._open_receiver(room, res)
-            out.append({"pages": [int(p) for p in res["pages"]], "slot": res["slot"],
-                        "row": res["row"]})
+            out.append(
+                {"pages": [int(p) for p in res["pages"]], "slot": res["slot"], "row": res["row"]}
+            )
         return out
 
     def settle(self) -> dict:
@@ -68,6 +70,7 @@ class BenchWorker(PDWorker):
     # ------------------------------------------------------------------ prefill
     def _senders(self, rooms: List[int], n_pages: int) -> list:
         from kvxfer.disagg import KVPoll
+
         hs = []
         for room in rooms:
             res = self._alloc(n_pages)
@@ -75,7 +78,7 @@ class BenchWorker(PDWorker):
             self.open[room] = {"res": res, "length": n_pages * self.model.ps, "h": h}
             hs.append((room, h, res))
         end = time.monotonic() + self.deadline_s
-        for _, h, _ in hs:                   # a scheduler loop polling its rooms
+        for _, h, _ in hs:  # a scheduler loop polling its rooms
             while h.poll() != KVPoll.WaitingForInput:
                 if h.poll() == KVPoll.Failed or time.monotonic() > end:
                     raise RuntimeError(f"{h!r}: {h.failure_exception()}")
@@ -90,7 +93,7 @@ class BenchWorker(PDWorker):
         """One 1-page request at a time (the next starts when prefill released the last)."""
         self._begin()
         for room in rooms:
-            (_, h, res), = self._senders([room], 1)
+            ((_, h, res),) = self._senders([room], 1)
             self._send(room, h, res)
             self._settle(self._next_done(True))
         return self._finish()
@@ -107,6 +110,7 @@ class BenchWorker(PDWorker):
         decode's ``dst`` ids over the manager's connection (no protocol). Returns
         (seconds until the flush completed, TransferStats)."""
         from kvxfer.engine import ItemWrite
+
         items = [ItemWrite("kv", res["pages"], dst["pages"])]
         if res["slot"] is not None:
             items.append(ItemWrite("state", [res["slot"]], [dst["slot"]]))
@@ -114,14 +118,15 @@ class BenchWorker(PDWorker):
         peer = next(iter(self.mgr.links.values())).peer
         t0 = time.monotonic()
         stats = asyncio.run_coroutine_threadsafe(
-            peer.write(items, timeout=self.mgr.t.transfer_s), self.mgr.loop).result(120)
+            peer.write(items, timeout=self.mgr.t.transfer_s), self.mgr.loop
+        ).result(120)
         return time.monotonic() - t0, stats
 
     def large(self, room: int, n_pages: int, dst: dict) -> dict:
         """One PD request of ``n_pages`` then the raw engine write of the same bytes to the
         same destinations; returns the send time (PD) and the raw write's duration."""
         self._begin()
-        (_, h, res), = self._senders([room], n_pages)
+        ((_, h, res),) = self._senders([room], n_pages)
         self._send(room, h, res)
         self._settle(self._next_done(True))
         raw_s, stats = self._raw_write(res, dst)
@@ -133,7 +138,7 @@ class BenchWorker(PDWorker):
         """``n`` raw engine writes of a 1-page request's bytes (one at a time), then the PD
         request itself (so decode's announced room completes)."""
         self._begin()
-        (_, h, res), = self._senders([room], 1)
+        ((_, h, res),) = self._senders([room], 1)
         times = [self._raw_write(res, dst)[0] for _ in range(n)]
         self._send(room, h, res)
         self._settle(self._next_done(True))
@@ -147,14 +152,24 @@ def _ids(start: int, n: int) -> List[int]:
 
 
 def bench_mode(args, mode: str, integrity: bool = False) -> dict:
-    spec = ModelSpec(pool_tokens=max(4096, 2 * args.large_pages + 64) * 16,
-                     mamba_slots=args.throughput_requests + 8,
-                     aux_rows=args.throughput_requests + 8, device=args.device)
-    pair = start_pair(spec, {"error_mode": mode, "deadline_s": 120.0, "max_inflight": 1 << 30,
-                             "integrity": integrity}, BenchWorker)
+    spec = ModelSpec(
+        pool_tokens=max(4096, 2 * args.large_pages + 64) * 16,
+        mamba_slots=args.throughput_requests + 8,
+        aux_rows=args.throughput_requests + 8,
+        device=args.device,
+    )
+    pair = start_pair(
+        spec,
+        {"error_mode": mode, "deadline_s": 120.0, "max_inflight": 1 << 30, "integrity": integrity},
+        BenchWorker,
+    )
     info = pair.prefill.info()
-    out = {"mode": mode, "integrity": integrity, "page_bytes": info["page_bytes"],
-           "request_bytes_1page": info["page_bytes"] + info["slot_bytes"] + info["aux_bytes"]}
+    out = {
+        "mode": mode,
+        "integrity": integrity,
+        "page_bytes": info["page_bytes"],
+        "request_bytes_1page": info["page_bytes"] + info["slot_bytes"] + info["aux_bytes"],
+    }
     try:
         # warm-up: connect, and run the code paths once
         warm = _ids(1, 20)
@@ -165,7 +180,7 @@ def bench_mode(args, mode: str, integrity: bool = False) -> dict:
         rooms = _ids(1000, args.latency_requests)
         p_rooms, d_rooms, ops = {}, {}, 0
         for lo in range(0, len(rooms), 50):
-            batch = rooms[lo:lo + 50]
+            batch = rooms[lo : lo + 50]
             pair.decode.announce(batch, 1)
             p, d = pair.both((pair.prefill.latency, batch), (pair.decode.settle,))
             p_rooms.update(p["rooms"])
@@ -174,11 +189,19 @@ def bench_mode(args, mode: str, integrity: bool = False) -> dict:
         ok = [r for r in rooms if d_rooms[r]["state"] == "Success"]
         lat = [(d_rooms[r]["t_done"] - p_rooms[r]["t_send"]) * 1e6 for r in ok]
         p_lat = [(p_rooms[r]["t_done"] - p_rooms[r]["t_send"]) * 1e6 for r in ok]
-        out.update(lat_ok=len(lat), lat_n=len(rooms), p50_us=percentile(lat, 50),
-                   p99_us=percentile(lat, 99), prefill_p50_us=percentile(p_lat, 50),
-                   ops_1page=ops / len(rooms), lanes=p["stats"]["lanes"])
+        out.update(
+            lat_ok=len(lat),
+            lat_n=len(rooms),
+            p50_us=percentile(lat, 50),
+            p99_us=percentile(lat, 99),
+            prefill_p50_us=percentile(p_lat, 50),
+            ops_1page=ops / len(rooms),
+            lanes=p["stats"]["lanes"],
+        )
         dst = pair.decode.announce([999], 1)[0]
-        p, _ = pair.both((pair.prefill.raw_small, 999, dst, args.latency_requests), (pair.decode.settle,))
+        p, _ = pair.both(
+            (pair.prefill.raw_small, 999, dst, args.latency_requests), (pair.decode.settle,)
+        )
         raw = [t * 1e6 for t in p["raw_times"]]
         out.update(raw_p50_us=percentile(raw, 50), raw_p99_us=percentile(raw, 99))
         # throughput
@@ -193,37 +216,45 @@ def bench_mode(args, mode: str, integrity: bool = False) -> dict:
         for i in range(args.iters + 1):
             room = 10**6 + i
             dst = pair.decode.announce([room], args.large_pages)[0]
-            p, d = pair.both((pair.prefill.large, room, args.large_pages, dst), (pair.decode.settle,))
+            p, d = pair.both(
+                (pair.prefill.large, room, args.large_pages, dst), (pair.decode.settle,)
+            )
             if d["rooms"][room]["state"] != "Success":
                 raise RuntimeError(f"large request failed: {d['rooms'][room]}")
             nbytes, ops = p["stats"]["bytes"], p["stats"]["ops"]
             if p["raw_bytes"] != nbytes:
                 raise RuntimeError(f"raw write moved {p['raw_bytes']} B, PD {nbytes} B")
-            if i:                                              # i == 0: warm-up
+            if i:  # i == 0: warm-up
                 pd_s.append(d["rooms"][room]["t_done"] - p["rooms"][room]["t_send"])
                 pf_s.append(p["rooms"][room]["t_done"] - p["rooms"][room]["t_send"])
                 raw_s.append(p["raw_s"])
-        out.update(large_pages=args.large_pages, large_bytes=nbytes, large_ops=ops,
-                   pd_gbps_best=nbytes / min(pd_s) / 1e9,
-                   pd_gbps_median=nbytes / statistics.median(pd_s) / 1e9,
-                   pd_us_median=statistics.median(pd_s) * 1e6,
-                   pd_prefill_us_median=statistics.median(pf_s) * 1e6,
-                   pd_prefill_gbps_median=nbytes / statistics.median(pf_s) / 1e9,
-                   raw_gbps_best=nbytes / min(raw_s) / 1e9,
-                   raw_gbps_median=nbytes / statistics.median(raw_s) / 1e9,
-                   ratio_best=min(raw_s) / min(pd_s),
-                   ratio_median=statistics.median(raw_s) / statistics.median(pd_s))
+        out.update(
+            large_pages=args.large_pages,
+            large_bytes=nbytes,
+            large_ops=ops,
+            pd_gbps_best=nbytes / min(pd_s) / 1e9,
+            pd_gbps_median=nbytes / statistics.median(pd_s) / 1e9,
+            pd_us_median=statistics.median(pd_s) * 1e6,
+            pd_prefill_us_median=statistics.median(pf_s) * 1e6,
+            pd_prefill_gbps_median=nbytes / statistics.median(pf_s) / 1e9,
+            raw_gbps_best=nbytes / min(raw_s) / 1e9,
+            raw_gbps_median=nbytes / statistics.median(raw_s) / 1e9,
+            ratio_best=min(raw_s) / min(pd_s),
+            ratio_median=statistics.median(raw_s) / statistics.median(pd_s),
+        )
     finally:
         pair.close()
     return out
 
 
 def format_rows(rows: List[dict]) -> str:
-    lines = ["| lanes (mode) | 1-page p50 µs | p99 µs | prefill-side p50 µs "
-             "| raw 1-page write p50 µs (p99) | req/s | ops/req "
-             "| large MiB | ops | PD GB/s best (median) | PD prefill-side GB/s (median) "
-             "| raw GB/s best (median) | × raw best (median) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| lanes (mode) | 1-page p50 µs | p99 µs | prefill-side p50 µs "
+        "| raw 1-page write p50 µs (p99) | req/s | ops/req "
+        "| large MiB | ops | PD GB/s best (median) | PD prefill-side GB/s (median) "
+        "| raw GB/s best (median) | × raw best (median) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         label = r["mode"] + (", integrity" if r.get("integrity") else "")
         lines.append(
@@ -234,16 +265,19 @@ def format_rows(rows: List[dict]) -> str:
             f"{r['large_ops']} | {r['pd_gbps_best']:.2f} ({r['pd_gbps_median']:.2f}) | "
             f"{r['pd_prefill_gbps_median']:.2f} | "
             f"{r['raw_gbps_best']:.2f} ({r['raw_gbps_median']:.2f}) | "
-            f"{r['ratio_best']:.2f} ({r['ratio_median']:.2f}) |")
+            f"{r['ratio_best']:.2f} ({r['ratio_median']:.2f}) |"
+        )
     return "\n".join(lines)
 
 
 def format_integrity(rows: List[dict]) -> str:
     """Off vs on, per mode, from the same run: what the integrity check costs."""
-    lines = ["| lanes (mode) | 1-page p50 µs off → on (Δ) | prefill-side p50 µs off → on "
-             "| req/s off → on (×) | large request µs off → on (Δ) "
-             "| large PD GB/s off → on (×) | large prefill-side GB/s off → on |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| lanes (mode) | 1-page p50 µs off → on (Δ) | prefill-side p50 µs off → on "
+        "| req/s off → on (×) | large request µs off → on (Δ) "
+        "| large PD GB/s off → on (×) | large prefill-side GB/s off → on |",
+        "|---|---|---|---|---|---|---|",
+    ]
     by = {(r["mode"], bool(r.get("integrity"))): r for r in rows}
     for mode in dict.fromkeys(r["mode"] for r in rows):
         off, on = by.get((mode, False)), by.get((mode, True))
@@ -259,7 +293,8 @@ def format_integrity(rows: List[dict]) -> str:
             f"({on['pd_us_median'] - off['pd_us_median']:+.0f}) "
             f"| {off['pd_gbps_median']:.2f} → {on['pd_gbps_median']:.2f} "
             f"({on['pd_gbps_median'] / off['pd_gbps_median']:.2f}) "
-            f"| {off['pd_prefill_gbps_median']:.2f} → {on['pd_prefill_gbps_median']:.2f} |")
+            f"| {off['pd_prefill_gbps_median']:.2f} → {on['pd_prefill_gbps_median']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -269,19 +304,29 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="none,peer", help="engine error modes (lane configs)")
     ap.add_argument("--latency-requests", type=int, default=300)
     ap.add_argument("--throughput-requests", type=int, default=1000)
-    ap.add_argument("--large-pages", type=int, default=1024,
-                    help="pages of a large request (32 KiB each with the default model)")
+    ap.add_argument(
+        "--large-pages",
+        type=int,
+        default=1024,
+        help="pages of a large request (32 KiB each with the default model)",
+    )
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--integrity", action="store_true",
-                    help="run every mode twice, with KVManager(integrity=False) then True, and "
-                         "print what the integrity check costs (off vs on, same run)")
+    ap.add_argument(
+        "--integrity",
+        action="store_true",
+        help="run every mode twice, with KVManager(integrity=False) then True, and "
+        "print what the integrity check costs (off vs on, same run)",
+    )
     clitools.add_json_args(ap)
     a = ap.parse_args(argv)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    print(f"PD bench: device={a.device}, demo model (page-major KV + Mamba envelope), "
-          f"{a.latency_requests} sequential + {a.throughput_requests} concurrent 1-page "
-          f"requests, {a.large_pages}-page requests best/median of {a.iters}"
-          f"{', integrity off and on' if a.integrity else ''}", flush=True)
+    print(
+        f"PD bench: device={a.device}, demo model (page-major KV + Mamba envelope), "
+        f"{a.latency_requests} sequential + {a.throughput_requests} concurrent 1-page "
+        f"requests, {a.large_pages}-page requests best/median of {a.iters}"
+        f"{', integrity off and on' if a.integrity else ''}",
+        flush=True,
+    )
     t0 = time.perf_counter()
     rows = []
     runs = [(m, integ) for m in modes for integ in ((False, True) if a.integrity else (False,))]

@@ -20,6 +20,7 @@ slot through the pools' store paths, rebuild its cache from them through their r
 Bitwise equality with :func:`reference` holds when both processes run the same ops on the same
 bytes with the same thread count (the workers use one thread).
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Tuple
@@ -32,6 +33,7 @@ from kvxfer.pd_demo.hf_spec import MODELS, check_layout, split_layout
 def build_model(name: str, seed: int = 0):
     """The tiny ``transformers`` model ``name`` with weights drawn from ``seed``."""
     import transformers
+
     cfg_name, kwargs, _ = MODELS[name]
     config = getattr(transformers, cfg_name)(**kwargs)
     torch.manual_seed(seed)
@@ -41,6 +43,7 @@ def build_model(name: str, seed: int = 0):
 
 def _new_cache(model):
     from transformers import DynamicCache
+
     return DynamicCache(config=model.config)
 
 
@@ -75,12 +78,22 @@ def reference(model, prompt: List[int], n_tokens: int) -> Tuple[List[int], List[
 class PagedModelCache:
     """Pools + allocators + aux rows holding one model's requests in ``layout``."""
 
-    def __init__(self, model, name: str, layout: str, *, page_size: int, pool_tokens: int,
-                 mamba_slots: int = 8, aux_rows: int = 16) -> None:
+    def __init__(
+        self,
+        model,
+        name: str,
+        layout: str,
+        *,
+        page_size: int,
+        pool_tokens: int,
+        mamba_slots: int = 8,
+        aux_rows: int = 16,
+    ) -> None:
         from kvxfer.disagg import KVArgs, MetadataBuffer
         from kvxfer.pools import MHATokenToKVPool, MLATokenToKVPool, PageMajorMHATokenToKVPool
         from kvxfer.pools.allocator import PagedTokenToKVPoolAllocator
         from kvxfer.pools.mamba_alloc import MambaSlotAllocator
+
         check_layout(name, layout)
         self.model, self.layout, self.ps = model, layout, page_size
         kv_layout, mamba_layout = split_layout(layout)
@@ -91,39 +104,55 @@ class PagedModelCache:
         k0, v0 = probe.layers[self.attn_ids[0]].keys, probe.layers[self.attn_ids[0]].values
         dtype, n_attn = k0.dtype, len(self.attn_ids)
         common = (pool_tokens, page_size, dtype)
-        if self.mla:      # keys: latent [B, 1, T, R]; values: roped key [B, 1, T, Dr]
+        if self.mla:  # keys: latent [B, 1, T, R]; values: roped key [B, 1, T, Dr]
             kv = MLATokenToKVPool(*common, k0.shape[-1], v0.shape[-1], n_attn)
         elif kv_layout == "page_major":
-            kv = PageMajorMHATokenToKVPool(*common, k0.shape[1], k0.shape[-1], n_attn,
-                                           v_head_dim=v0.shape[-1])
+            kv = PageMajorMHATokenToKVPool(
+                *common, k0.shape[1], k0.shape[-1], n_attn, v_head_dim=v0.shape[-1]
+            )
         else:
-            kv = MHATokenToKVPool(*common, k0.shape[1], k0.shape[-1], n_attn,
-                                  v_head_dim=v0.shape[-1], layout=kv_layout)
+            kv = MHATokenToKVPool(
+                *common,
+                k0.shape[1],
+                k0.shape[-1],
+                n_attn,
+                v_head_dim=v0.shape[-1],
+                layout=kv_layout,
+            )
         self.kv_pool, self.mamba = kv, None
         if self.mamba_ids:
             from kvxfer.pools.hybrid import HybridLinearKVPool
             from kvxfer.pools.mamba import MambaPool, MambaStateSpec
+
             m0 = probe.layers[self.mamba_ids[0]]
             conv, ssm = m0.conv_states[0], m0.recurrent_states[0]
             self.conv_kernel = conv.shape[-1]
-            spec = MambaStateSpec(conv_shapes=((conv.shape[1], self.conv_kernel - 1),),
-                                  temporal_shape=tuple(ssm.shape[1:]), conv_dtype=conv.dtype,
-                                  temporal_dtype=ssm.dtype, layer_ids=tuple(self.mamba_ids))
+            spec = MambaStateSpec(
+                conv_shapes=((conv.shape[1], self.conv_kernel - 1),),
+                temporal_shape=tuple(ssm.shape[1:]),
+                conv_dtype=conv.dtype,
+                temporal_dtype=ssm.dtype,
+                layer_ids=tuple(self.mamba_ids),
+            )
             self.mamba = MambaPool(mamba_slots, spec, layout=mamba_layout)
             self.pool = HybridLinearKVPool(kv, self.mamba, self.attn_ids)
         else:
-            self.pool = kv             # every layer is attention: pool layer id = model id
+            self.pool = kv  # every layer is attention: pool layer id = model id
         self.pages = PagedTokenToKVPoolAllocator(pool_tokens, page_size)
         self.slots = MambaSlotAllocator(mamba_slots) if self.mamba else None
         self.aux = MetadataBuffer(aux_rows, 64)
-        self.kv_args = KVArgs.from_pools(self.pool, aux=self.aux,
-                                         state_pool=self.pool if self.mamba else None)
+        self.kv_args = KVArgs.from_pools(
+            self.pool, aux=self.aux, state_pool=self.pool if self.mamba else None
+        )
         self._full = self.counts()
 
     # ------------------------------------------------------------------ bookkeeping
     def counts(self) -> dict:
-        return {"pages": self.pages.available_pages(), "aux": self.aux.available(),
-                "slots": self.slots.available_size() if self.slots else 0}
+        return {
+            "pages": self.pages.available_pages(),
+            "aux": self.aux.available(),
+            "slots": self.slots.available_size() if self.slots else 0,
+        }
 
     def leaks(self) -> dict:
         now = self.counts()
@@ -131,21 +160,33 @@ class PagedModelCache:
 
     def describe(self) -> dict:
         a = self.kv_args
-        return {"layout": self.layout, "kv_entries": len(a.kv_data_ptrs),
-                "state_entries": len(a.state_data_ptrs), "page_bytes": sum(a.kv_item_lens),
-                "slot_bytes": sum(a.state_item_lens), "attn_layers": self.attn_ids,
-                "mamba_layers": self.mamba_ids, "page_size": self.ps,
-                "pool": type(self.kv_pool).__name__,
-                "mamba_pool": self.mamba.layout if self.mamba else None}
+        return {
+            "layout": self.layout,
+            "kv_entries": len(a.kv_data_ptrs),
+            "state_entries": len(a.state_data_ptrs),
+            "page_bytes": sum(a.kv_item_lens),
+            "slot_bytes": sum(a.state_item_lens),
+            "attn_layers": self.attn_ids,
+            "mamba_layers": self.mamba_ids,
+            "page_size": self.ps,
+            "pool": type(self.kv_pool).__name__,
+            "mamba_pool": self.mamba.layout if self.mamba else None,
+        }
 
     def alloc(self, n_tokens: int) -> Optional[dict]:
         """Pages for ``n_tokens``, a state slot (hybrid) and an aux row; None if short."""
         n = -(-n_tokens // self.ps)
-        if self.pages.available_pages() < n or not self.aux.available() or (
-                self.slots is not None and not self.slots.available_size()):
+        if (
+            self.pages.available_pages() < n
+            or not self.aux.available()
+            or (self.slots is not None and not self.slots.available_size())
+        ):
             return None
-        return {"pages": self.pages.alloc_pages(n), "row": self.aux.alloc(),
-                "slot": self.slots.alloc(1)[0] if self.slots is not None else None}
+        return {
+            "pages": self.pages.alloc_pages(n),
+            "row": self.aux.alloc(),
+            "slot": self.slots.alloc(1)[0] if self.slots is not None else None,
+        }
 
     def free(self, res: dict) -> None:
         if res.get("pages") is not None and res["pages"].numel():
@@ -163,7 +204,7 @@ class PagedModelCache:
         """Token positions ``[lo, hi)`` of every attention layer of ``cache`` -> ``locs[lo:hi]``."""
         for lid in self.attn_ids:
             lay = cache.layers[lid]
-            k = lay.keys[0, :, lo:hi].transpose(0, 1).contiguous()       # [n, H, D]
+            k = lay.keys[0, :, lo:hi].transpose(0, 1).contiguous()  # [n, H, D]
             v = lay.values[0, :, lo:hi].transpose(0, 1).contiguous()
             if self.mla:
                 self.pool.set_mla_kv_buffer(lid, locs[lo:hi], k, v)
@@ -185,8 +226,10 @@ class PagedModelCache:
                 k, v = self.pool.get_mla_kv_buffer(lid, locs)
             else:
                 k, v = self.pool.get_kv_rows(lid, locs)
-            cache.layers[lid].update(k.transpose(0, 1).unsqueeze(0).contiguous(),
-                                     v.transpose(0, 1).unsqueeze(0).contiguous())
+            cache.layers[lid].update(
+                k.transpose(0, 1).unsqueeze(0).contiguous(),
+                v.transpose(0, 1).unsqueeze(0).contiguous(),
+            )
         for lid in self.mamba_ids:
             mc, lay = self.pool.mamba_layer_cache(lid), cache.layers[lid]
             window = torch.nn.functional.pad(mc.conv[0][slot], (1, 0)).unsqueeze(0)
@@ -196,8 +239,9 @@ class PagedModelCache:
 
 
 @torch.no_grad()
-def decode_step(pmc: PagedModelCache, pages: torch.Tensor, slot: Optional[int], n_cached: int,
-                token: int) -> torch.Tensor:
+def decode_step(
+    pmc: PagedModelCache, pages: torch.Tensor, slot: Optional[int], n_cached: int, token: int
+) -> torch.Tensor:
     """Feed ``token`` at position ``n_cached`` on the cache loaded from ``pages`` / ``slot``
     (which must already cover position ``n_cached``); store its K/V row and the new state
     back. Returns the step's logits ``[vocab]``."""

@@ -9,6 +9,7 @@ in their last bits (the bitwise check), the tokens usually not. A swap that move
 tail of a partial last page into the prompt, swapped heads, swapped or reordered Mamba
 state and a wrong first token change the tokens themselves.
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,7 +30,7 @@ def corrupt_arrival(pmc, name: str, res: dict, prompt_len: int, first: int) -> i
         if pages.numel() < 2:
             raise InvalidArgument("swap_pages needs a request of at least two pages")
         a, b = int(pages[0]), int(pages[-1])
-        for view in pmc.pool.get_item_views():       # every registered KV buffer
+        for view in pmc.pool.get_item_views():  # every registered KV buffer
             view[[a, b]] = view[[b, a]]
     elif name in ("swap_heads", "swap_tokens"):
         _swap_rows(pmc, pmc.locs(pages, prompt_len), heads=name == "swap_heads")

@@ -17,6 +17,7 @@ lengths with ``--page-size 8 --chunk-tokens 16`` are shorter than a page, exactl
 not a multiple of the page size, and four chunks. Exit status 1 on any mismatch, failed
 transfer or leaked page / slot / row / room; the last line with ``--json`` is the report.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,11 +39,21 @@ def start_hf_pair(spec: dict, opts: dict, timeout: float, start_timeout: float) 
     """The pair of :class:`~kvxfer.pd_demo.hf_worker.HFWorker` processes, with a fresh secret
     (passed to both managers and exported to the workers) and transformers kept offline."""
     from kvxfer.pd_demo.hf_worker import HFWorker  # torch: while the workers boot is fine
+
     secret = os.urandom(16).hex()
-    env = {"KVXFER_SECRET": secret, "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_VERBOSITY": os.environ.get("TRANSFORMERS_VERBOSITY", "error")}
-    return Pair(HFWorker, spec, dict(opts, secret=secret), timeout=timeout,
-                start_timeout=start_timeout, env=env)
+    env = {
+        "KVXFER_SECRET": secret,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_VERBOSITY": os.environ.get("TRANSFORMERS_VERBOSITY", "error"),
+    }
+    return Pair(
+        HFWorker,
+        spec,
+        dict(opts, secret=secret),
+        timeout=timeout,
+        start_timeout=start_timeout,
+        env=env,
+    )
 
 
 def prompt_ids(length: int, seed: int, vocab: int) -> List[int]:
@@ -50,32 +61,39 @@ def prompt_ids(length: int, seed: int, vocab: int) -> List[int]:
     return [rng.randrange(vocab) for _ in range(length)]
 
 
-def validate(models, layouts, prompts, n_tokens, retract_after, chunk_tokens, corrupt,
-             page_size, pool_tokens) -> List[tuple]:
+def validate(
+    models, layouts, prompts, n_tokens, retract_after, chunk_tokens, corrupt, page_size, pool_tokens
+) -> List[tuple]:
     """Typed errors for arguments that cannot run; returns the (model, layout) plan."""
     plan = [(m, lay) for m in models for lay in (layouts or MODELS[m][2])]
     for m, lay in plan:
         check_layout(m, lay)
     if page_size < 1 or pool_tokens < page_size or pool_tokens % page_size:
-        raise InvalidArgument(f"--pool-tokens {pool_tokens} must be a positive multiple "
-                              f"of --page-size {page_size}")
+        raise InvalidArgument(
+            f"--pool-tokens {pool_tokens} must be a positive multiple of --page-size {page_size}"
+        )
     if chunk_tokens < 1 or chunk_tokens % page_size:
-        raise InvalidArgument(f"--chunk-tokens {chunk_tokens} must be a positive multiple "
-                              f"of --page-size {page_size} (non-final chunks are "
-                              f"page-aligned)")
+        raise InvalidArgument(
+            f"--chunk-tokens {chunk_tokens} must be a positive multiple "
+            f"of --page-size {page_size} (non-final chunks are "
+            f"page-aligned)"
+        )
     if not prompts or min(prompts) < 1 or n_tokens < 2:
         raise InvalidArgument("need prompts of >= 1 token and --new-tokens >= 2")
     if not 0 <= retract_after < n_tokens - 1:
-        raise InvalidArgument(f"--retract-after {retract_after} must be in [0, "
-                              f"{n_tokens - 1}) (0: no retract)")
+        raise InvalidArgument(
+            f"--retract-after {retract_after} must be in [0, {n_tokens - 1}) (0: no retract)"
+        )
     if corrupt is not None and corrupt not in CORRUPTIONS:
         raise InvalidArgument(f"--corrupt {corrupt!r}: one of {', '.join(CORRUPTIONS)}")
     if corrupt == "restore_reversed" and not retract_after:
         raise InvalidArgument("--corrupt restore_reversed needs --retract-after > 0")
     need = 2 * -(-(max(prompts) + n_tokens) // page_size) + 2
     if pool_tokens // page_size < need:
-        raise InvalidArgument(f"--pool-tokens {pool_tokens} holds fewer than the {need} "
-                              f"pages a retract of the longest prompt needs")
+        raise InvalidArgument(
+            f"--pool-tokens {pool_tokens} holds fewer than the {need} "
+            f"pages a retract of the longest prompt needs"
+        )
     return plan
 
 
@@ -85,16 +103,31 @@ class HFCheck:
     ``timeout`` bounds each transfer and command, ``start_timeout`` the workers' start-up
     (torch + transformers imports and model builds, slow on a loaded machine)."""
 
-    def __init__(self, models: List[str], *, page_size: int = 8, pool_tokens: int = 1024,
-                 seed: int = 0, error_mode: str = "none", timeout: float = 60.0,
-                 start_timeout: float = 180.0) -> None:
+    def __init__(
+        self,
+        models: List[str],
+        *,
+        page_size: int = 8,
+        pool_tokens: int = 1024,
+        seed: int = 0,
+        error_mode: str = "none",
+        timeout: float = 60.0,
+        start_timeout: float = 180.0,
+    ) -> None:
         self.models, self.page_size, self.pool_tokens = list(models), page_size, pool_tokens
         self.seed, self.timeout = seed, timeout
-        spec = {"page_size": page_size, "pool_tokens": pool_tokens, "mamba_slots": 4,
-                "aux_rows": 4, "seed": seed, "models": self.models}
+        spec = {
+            "page_size": page_size,
+            "pool_tokens": pool_tokens,
+            "mamba_slots": 4,
+            "aux_rows": 4,
+            "seed": seed,
+            "models": self.models,
+        }
         t0 = time.perf_counter()
-        self.pair = start_hf_pair(spec, {"error_mode": error_mode, "deadline_s": timeout},
-                                  timeout + 30, start_timeout)
+        self.pair = start_hf_pair(
+            spec, {"error_mode": error_mode, "deadline_s": timeout}, timeout + 30, start_timeout
+        )
         self.info = self.pair.prefill.info()
         self.startup_s = time.perf_counter() - t0
         self._room = 0
@@ -108,75 +141,155 @@ class HFCheck:
     def close(self) -> None:
         self.pair.close()
 
-    def run(self, models: Optional[List[str]] = None, *, layouts: Optional[List[str]] = None,
-            prompts=DEFAULT_PROMPTS, n_tokens: int = 8, retract_after: int = 3,
-            chunk_tokens: int = 16, corrupt: Optional[str] = None) -> dict:
+    def run(
+        self,
+        models: Optional[List[str]] = None,
+        *,
+        layouts: Optional[List[str]] = None,
+        prompts=DEFAULT_PROMPTS,
+        n_tokens: int = 8,
+        retract_after: int = 3,
+        chunk_tokens: int = 16,
+        corrupt: Optional[str] = None,
+    ) -> dict:
         """Every (model, layout, prompt length); returns the report (see :func:`main`)."""
         models = list(models or self.models)
         missing = [m for m in models if m not in self.models]
         if missing:
             raise InvalidArgument(f"models {missing} are not loaded in this pair")
-        plan = validate(models, layouts, prompts, n_tokens, retract_after, chunk_tokens,
-                        corrupt, self.page_size, self.pool_tokens)
+        plan = validate(
+            models,
+            layouts,
+            prompts,
+            n_tokens,
+            retract_after,
+            chunk_tokens,
+            corrupt,
+            self.page_size,
+            self.pool_tokens,
+        )
         t0 = time.perf_counter()
         pair, runs, pools, problems = self.pair, [], [], []
         for model in models:
             vocab = MODELS[model][1]["vocab_size"]
-            refs = {n: pair.prefill.reference(model, prompt_ids(n, self.seed, vocab),
-                                            n_tokens, timeout=self.timeout) for n in prompts}
+            refs = {
+                n: pair.prefill.reference(
+                    model, prompt_ids(n, self.seed, vocab), n_tokens, timeout=self.timeout
+                )
+                for n in prompts
+            }
             for layout in [lay for m, lay in plan if m == model]:
                 desc = pair.prefill.setup(model, layout, timeout=self.timeout)  # registers
-                pair.decode.setup(model, layout, timeout=self.timeout)         # first
+                pair.decode.setup(model, layout, timeout=self.timeout)  # first
                 pools.append(desc)
                 for n in prompts:
                     self._room += 1
                     p, d = pair.both(
-                        (pair.prefill.prefill, self._room, prompt_ids(n, self.seed, vocab),
-                               chunk_tokens),
-                        (pair.decode.decode, self._room, n, n_tokens, retract_after, corrupt))
+                        (
+                            pair.prefill.prefill,
+                            self._room,
+                            prompt_ids(n, self.seed, vocab),
+                            chunk_tokens,
+                        ),
+                        (pair.decode.decode, self._room, n, n_tokens, retract_after, corrupt),
+                    )
                     runs.append(_compare(model, layout, n, refs[n], p, d))
                 pt, dt = pair.both((pair.prefill.teardown,), (pair.decode.teardown,))
                 for side, r in (("prefill", pt), ("decode", dt)):
                     if any(r["leaks"].values()) or r["live_rooms"] or r.get("host_handles"):
                         problems.append(f"{model}/{layout} {side} leaked: {r}")
                 desc["lanes"] = pt["lanes"]
-        return _report(models, pools, prompts, runs, problems, corrupt, self.info,
-                       self.startup_s, time.perf_counter() - t0, chunk_tokens, n_tokens,
-                       retract_after)
+        return _report(
+            models,
+            pools,
+            prompts,
+            runs,
+            problems,
+            corrupt,
+            self.info,
+            self.startup_s,
+            time.perf_counter() - t0,
+            chunk_tokens,
+            n_tokens,
+            retract_after,
+        )
 
 
 def _compare(model, layout, n, ref, p, d) -> dict:
     ok = p["state"] == d["state"] == "Success"
     tokens = d.get("tokens", [])
     logits = d.get("logits", [])
-    return {"model": model, "layout": layout, "prompt_len": n, "transfer": d["state"],
-            "error": p.get("error") or d.get("error"), "chunks": p["chunks"],
-            "pages": p["pages"], "bytes": p["bytes"], "ops": p["ops"],
-            "tokens": tokens, "reference": ref["tokens"],
-            "tokens_match": ok and tokens == ref["tokens"],
-            "logits_equal": ok and logits == ref["logits"],
-            "first_logits_equal": ok and logits[:1] == ref["logits"][:1],
-            "retract": {k: d[k] for k in ("retract_at", "old_pages", "new_pages", "old_slot",
-                                          "new_slot", "offloaded_bytes") if k in d}}
+    return {
+        "model": model,
+        "layout": layout,
+        "prompt_len": n,
+        "transfer": d["state"],
+        "error": p.get("error") or d.get("error"),
+        "chunks": p["chunks"],
+        "pages": p["pages"],
+        "bytes": p["bytes"],
+        "ops": p["ops"],
+        "tokens": tokens,
+        "reference": ref["tokens"],
+        "tokens_match": ok and tokens == ref["tokens"],
+        "logits_equal": ok and logits == ref["logits"],
+        "first_logits_equal": ok and logits[:1] == ref["logits"][:1],
+        "retract": {
+            k: d[k]
+            for k in (
+                "retract_at",
+                "old_pages",
+                "new_pages",
+                "old_slot",
+                "new_slot",
+                "offloaded_bytes",
+            )
+            if k in d
+        },
+    }
 
 
-def _report(models, layouts, prompts, runs, problems, corrupt, info, t_up, run_s,
-            chunk_tokens, n_tokens, retract_after) -> dict:
+def _report(
+    models,
+    layouts,
+    prompts,
+    runs,
+    problems,
+    corrupt,
+    info,
+    t_up,
+    run_s,
+    chunk_tokens,
+    n_tokens,
+    retract_after,
+) -> dict:
     multi = len(models) > 1
 
     def key(r):
         return f"{r['model']}/{r['layout']}" if multi else r["layout"]
+
     generated: Dict[str, Dict[str, List[int]]] = {}
     for r in runs:
         generated.setdefault(key(r), {})[str(r["prompt_len"])] = r["tokens"]
     return {
-        "model": ",".join(models), "layouts": list(generated), "prompts": list(prompts),
+        "model": ",".join(models),
+        "layouts": list(generated),
+        "prompts": list(prompts),
         "tokens_match": bool(runs) and all(r["tokens_match"] for r in runs),
         "logits_equal": bool(runs) and all(r["logits_equal"] for r in runs),
-        "generated": generated, "runs": runs, "pools": layouts, "problems": problems,
-        "corrupt": corrupt, "chunk_tokens": chunk_tokens, "new_tokens": n_tokens,
-        "retract_after": retract_after, "torch": info["torch"],
-        "transformers": info["transformers"], "startup_s": t_up, "run_s": run_s}
+        "generated": generated,
+        "runs": runs,
+        "pools": layouts,
+        "problems": problems,
+        "corrupt": corrupt,
+        "chunk_tokens": chunk_tokens,
+        "new_tokens": n_tokens,
+        "retract_after": retract_after,
+        "torch": info["torch"],
+        "transformers": info["transformers"],
+        "startup_s": t_up,
+        "run_s": run_s,
+    }
 
 
 def report_ok(r: dict) -> bool:
@@ -184,39 +297,60 @@ def report_ok(r: dict) -> bool:
 
 
 def format_table(r: dict) -> str:
-    out = [f"kvxfer demo --model {r['model']}: prefill -> decode over UCX loopback "
-           f"(transformers {r['transformers']}, torch {r['torch']}, seeded random weights, "
-           f"float32, CPU)", ""]
+    out = [
+        f"kvxfer demo --model {r['model']}: prefill -> decode over UCX loopback "
+        f"(transformers {r['transformers']}, torch {r['torch']}, seeded random weights, "
+        f"float32, CPU)",
+        "",
+    ]
     for p in r["pools"]:
-        out.append(f"  {p['layout']:20s} {p['pool']}"
-                   + (f" + Mamba {p['mamba_pool']}" if p["mamba_pool"] else "")
-                   + f": {p['kv_entries']} KV descriptor(s), {p['page_bytes']} B/page of "
-                     f"{p['page_size']} tokens"
-                   + (f", {p['state_entries']} state descriptor(s), {p['slot_bytes']} B/slot"
-                      if p["state_entries"] else "")
-                   + f"; lanes {','.join(p.get('lanes', [])) or '-'}")
-    out += ["", f"  {'model':8s} {'layout':20s} {'prompt':>6s} {'chunks':>6s} {'bytes':>6s}  "
-                f"{'retract at: pages, slot':31s} {'tokens':6s} {'logits':6s} generated"]
+        out.append(
+            f"  {p['layout']:20s} {p['pool']}"
+            + (f" + Mamba {p['mamba_pool']}" if p["mamba_pool"] else "")
+            + f": {p['kv_entries']} KV descriptor(s), {p['page_bytes']} B/page of "
+            f"{p['page_size']} tokens"
+            + (
+                f", {p['state_entries']} state descriptor(s), {p['slot_bytes']} B/slot"
+                if p["state_entries"]
+                else ""
+            )
+            + f"; lanes {','.join(p.get('lanes', [])) or '-'}"
+        )
+    out += [
+        "",
+        f"  {'model':8s} {'layout':20s} {'prompt':>6s} {'chunks':>6s} {'bytes':>6s}  "
+        f"{'retract at: pages, slot':31s} {'tokens':6s} {'logits':6s} generated",
+    ]
     for x in r["runs"]:
         rt = x["retract"]
-        moved = (f"{rt['retract_at']}: {_ids(rt['old_pages'])}->{_ids(rt['new_pages'])}"
-                 + (f", {rt['old_slot']}->{rt['new_slot']}" if rt.get("new_slot") else "")
-                 if rt else "-")
-        out.append(f"  {x['model']:8s} {x['layout']:20s} {x['prompt_len']:6d} {x['chunks']:6d} "
-                   f"{x['bytes']:6d}  {moved:31s} "
-                   f"{'match' if x['tokens_match'] else 'DIFFER':6s} "
-                   f"{'equal' if x['logits_equal'] else 'DIFFER':6s} {x['tokens']}")
+        moved = (
+            f"{rt['retract_at']}: {_ids(rt['old_pages'])}->{_ids(rt['new_pages'])}"
+            + (f", {rt['old_slot']}->{rt['new_slot']}" if rt.get("new_slot") else "")
+            if rt
+            else "-"
+        )
+        out.append(
+            f"  {x['model']:8s} {x['layout']:20s} {x['prompt_len']:6d} {x['chunks']:6d} "
+            f"{x['bytes']:6d}  {moved:31s} "
+            f"{'match' if x['tokens_match'] else 'DIFFER':6s} "
+            f"{'equal' if x['logits_equal'] else 'DIFFER':6s} {x['tokens']}"
+        )
         if not x["tokens_match"]:
-            out.append(f"  {'':8s} {'':20s} {'':6s} {'':6s} {'':6s}  {'reference:':31s} "
-                       f"{'':6s} {'':6s} {x['reference']}")
+            out.append(
+                f"  {'':8s} {'':20s} {'':6s} {'':6s} {'':6s}  {'reference:':31s} "
+                f"{'':6s} {'':6s} {x['reference']}"
+            )
         if x["error"]:
             out.append(f"    transfer {x['transfer']}: {x['error']}")
     out += [f"  {p}" for p in r["problems"]]
     n = len(r["runs"])
-    verdict = (f"all {n} runs token-identical to the single-process run, every decode step's "
-               f"logits bitwise equal" if report_ok(r) else
-               f"MISMATCH: {sum(not x['tokens_match'] for x in r['runs'])} of {n} runs differ "
-               f"in tokens, {sum(not x['logits_equal'] for x in r['runs'])} in logits")
+    verdict = (
+        f"all {n} runs token-identical to the single-process run, every decode step's "
+        f"logits bitwise equal"
+        if report_ok(r)
+        else f"MISMATCH: {sum(not x['tokens_match'] for x in r['runs'])} of {n} runs differ "
+        f"in tokens, {sum(not x['logits_equal'] for x in r['runs'])} in logits"
+    )
     if r["corrupt"]:
         verdict += f"  (deliberate corruption: {r['corrupt']})"
     out += ["", f"{verdict}  ({r['run_s']:.1f} s; worker start-up {r['startup_s']:.1f} s)"]
@@ -231,28 +365,50 @@ def _ids(ids: List[int]) -> str:
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", required=True,
-                    help=f"{', '.join(MODELS)}, a comma list, or 'all'")
-    ap.add_argument("--layouts", default="",
-                    help="comma list of layouts (default: each model's, see kvxfer.pd_demo."
-                         "hf_spec): nhd, hnd, page_major, mla, <kv>+envelope, <kv>+per_layer")
-    ap.add_argument("--prompts", default=",".join(map(str, DEFAULT_PROMPTS)),
-                    help="prompt lengths, tokens")
-    ap.add_argument("--new-tokens", type=int, default=8,
-                    help="tokens generated per prompt (the first comes from prefill)")
-    ap.add_argument("--retract-after", type=int, default=3,
-                    help="decode steps before the request is offloaded and restored (0: never)")
+    ap.add_argument("--model", required=True, help=f"{', '.join(MODELS)}, a comma list, or 'all'")
+    ap.add_argument(
+        "--layouts",
+        default="",
+        help="comma list of layouts (default: each model's, see kvxfer.pd_demo."
+        "hf_spec): nhd, hnd, page_major, mla, <kv>+envelope, <kv>+per_layer",
+    )
+    ap.add_argument(
+        "--prompts", default=",".join(map(str, DEFAULT_PROMPTS)), help="prompt lengths, tokens"
+    )
+    ap.add_argument(
+        "--new-tokens",
+        type=int,
+        default=8,
+        help="tokens generated per prompt (the first comes from prefill)",
+    )
+    ap.add_argument(
+        "--retract-after",
+        type=int,
+        default=3,
+        help="decode steps before the request is offloaded and restored (0: never)",
+    )
     ap.add_argument("--page-size", type=int, default=8)
-    ap.add_argument("--chunk-tokens", type=int, default=16,
-                    help="tokens per sent chunk (a multiple of --page-size)")
+    ap.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=16,
+        help="tokens per sent chunk (a multiple of --page-size)",
+    )
     ap.add_argument("--pool-tokens", type=int, default=1024)
-    ap.add_argument("--corrupt", choices=sorted(CORRUPTIONS), default=None,
-                    help="apply a deliberate misplacement on decode (the check must fail)")
+    ap.add_argument(
+        "--corrupt",
+        choices=sorted(CORRUPTIONS),
+        default=None,
+        help="apply a deliberate misplacement on decode (the check must fail)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="weights and prompts")
     ap.add_argument("--error-mode", choices=("peer", "none"), default="none")
     ap.add_argument("--timeout", type=float, default=60.0)
-    ap.add_argument("--json", action="store_true",
-                    help="also print the report as one JSON object on the last line")
+    ap.add_argument(
+        "--json",
+        action="store_true",
+        help="also print the report as one JSON object on the last line",
+    )
 
 
 def main(argv: Optional[List[str]] = None, check: Optional[HFCheck] = None) -> int:
@@ -266,15 +422,36 @@ def main(argv: Optional[List[str]] = None, check: Optional[HFCheck] = None) -> i
         prompts = [int(x) for x in a.prompts.split(",") if x.strip()]
         layouts = [x.strip() for x in a.layouts.split(",") if x.strip()] or None
         if check is None:
-            validate(models, layouts, prompts, a.new_tokens, a.retract_after, a.chunk_tokens,
-                     a.corrupt, a.page_size, a.pool_tokens)
-        kw = dict(layouts=layouts, prompts=prompts, n_tokens=a.new_tokens,
-                  retract_after=a.retract_after, chunk_tokens=a.chunk_tokens, corrupt=a.corrupt)
+            validate(
+                models,
+                layouts,
+                prompts,
+                a.new_tokens,
+                a.retract_after,
+                a.chunk_tokens,
+                a.corrupt,
+                a.page_size,
+                a.pool_tokens,
+            )
+        kw = dict(
+            layouts=layouts,
+            prompts=prompts,
+            n_tokens=a.new_tokens,
+            retract_after=a.retract_after,
+            chunk_tokens=a.chunk_tokens,
+            corrupt=a.corrupt,
+        )
         if check is not None:
             report = check.run(models, **kw)
         else:
-            with HFCheck(models, page_size=a.page_size, pool_tokens=a.pool_tokens,
-                         seed=a.seed, error_mode=a.error_mode, timeout=a.timeout) as own:
+            with HFCheck(
+                models,
+                page_size=a.page_size,
+                pool_tokens=a.pool_tokens,
+                seed=a.seed,
+                error_mode=a.error_mode,
+                timeout=a.timeout,
+            ) as own:
                 report = own.run(models, **kw)
     except (InvalidArgument, ValueError) as exc:
         ap.error(str(exc))

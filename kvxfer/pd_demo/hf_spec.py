@@ -18,37 +18,71 @@ layer), it is dense (Jamba adds MoE and Mamba1 state), transformers runs it on C
 torch path, and its state is exactly what the Mamba pool holds for SGLang: a conv window
 ``[conv_dim, kernel - 1]`` and an SSM state ``[heads, head_dim, state]``.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Tuple
 
 from kvxfer.errors import InvalidArgument
 
-_COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, rms_norm_eps=1e-5,
-               max_position_embeddings=1024, initializer_range=0.2)
+_COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=1024,
+    initializer_range=0.2,
+)
 
 #: name -> (transformers config class name, config kwargs, layouts run by default)
 MODELS: Dict[str, Tuple[str, dict, Tuple[str, ...]]] = {
     # Llama-style GQA: 4 query heads share 2 KV heads
-    "llama": ("LlamaConfig", dict(_COMMON, num_hidden_layers=3, num_attention_heads=4,
-                                  num_key_value_heads=2),
-              ("nhd", "hnd", "page_major")),
+    "llama": (
+        "LlamaConfig",
+        dict(_COMMON, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2),
+        ("nhd", "hnd", "page_major"),
+    ),
     # Bamba: Mamba2 layers 0, 2 and attention layers 1, 3
-    "bamba": ("BambaConfig", dict(_COMMON, num_hidden_layers=4, num_attention_heads=4,
-                                  num_key_value_heads=2, attn_layer_indices=[1, 3],
-                                  mamba_n_heads=4, mamba_d_state=16, mamba_d_conv=4,
-                                  mamba_expand=2, mamba_chunk_size=16),
-              ("page_major+envelope", "nhd+per_layer")),
+    "bamba": (
+        "BambaConfig",
+        dict(
+            _COMMON,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            attn_layer_indices=[1, 3],
+            mamba_n_heads=4,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=16,
+        ),
+        ("page_major+envelope", "nhd+per_layer"),
+    ),
     # DeepSeek-V3 MLA: the cache holds the normalised latent (32) and the roped key (8);
     # layer 0 dense, layer 1 MoE
-    "deepseek": ("DeepseekV3Config", dict(_COMMON, num_hidden_layers=2, num_attention_heads=4,
-                                          num_key_value_heads=4, kv_lora_rank=32,
-                                          q_lora_rank=None, qk_rope_head_dim=8,
-                                          qk_nope_head_dim=16, v_head_dim=16,
-                                          moe_intermediate_size=32, n_routed_experts=4,
-                                          num_experts_per_tok=2, n_shared_experts=1,
-                                          first_k_dense_replace=1, n_group=1, topk_group=1),
-                 ("mla",)),
+    "deepseek": (
+        "DeepseekV3Config",
+        dict(
+            _COMMON,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+        ),
+        ("mla",),
+    ),
 }
 
 KV_LAYOUTS = ("nhd", "hnd", "page_major", "mla")
@@ -70,8 +104,10 @@ def split_layout(layout: str) -> Tuple[str, str]:
     """``"page_major+envelope"`` -> ``("page_major", "envelope")``; ``"nhd"`` -> ``("nhd", "")``."""
     kv, _, mamba = layout.partition("+")
     if kv not in KV_LAYOUTS or (mamba and mamba not in MAMBA_LAYOUTS):
-        raise InvalidArgument(f"layout {layout!r}: expected <kv>[+<mamba>] with kv in "
-                              f"{KV_LAYOUTS} and mamba in {MAMBA_LAYOUTS}")
+        raise InvalidArgument(
+            f"layout {layout!r}: expected <kv>[+<mamba>] with kv in "
+            f"{KV_LAYOUTS} and mamba in {MAMBA_LAYOUTS}"
+        )
     return kv, mamba
 
 
@@ -80,11 +116,14 @@ def check_layout(model: str, layout: str) -> None:
     kv, mamba = split_layout(layout)
     hybrid = model == "bamba"
     if hybrid != bool(mamba):
-        raise InvalidArgument(f"model {model!r} {'needs' if hybrid else 'has no'} a Mamba "
-                              f"layout (got {layout!r})")
+        raise InvalidArgument(
+            f"model {model!r} {'needs' if hybrid else 'has no'} a Mamba layout (got {layout!r})"
+        )
     if (kv == "mla") != (model == "deepseek"):
-        raise InvalidArgument(f"layout {layout!r} does not fit model {model!r} "
-                              f"(MLA latents need the mla pool, and only there)")
+        raise InvalidArgument(
+            f"layout {layout!r} does not fit model {model!r} "
+            f"(MLA latents need the mla pool, and only there)"
+        )
 
 
 def models_arg(text: str) -> List[str]:

@@ -17,6 +17,7 @@ re-registering replaces its bootstrap entry).
   pages and a new slot, zero and free the old ones, restore, continue.
 * either side ``reference(model, prompt, n)``: the single-process greedy run.
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,7 +42,7 @@ class HFWorker:
         self.mgr = None
         self.offload = None
         self.done_q: "queue.SimpleQueue" = queue.SimpleQueue()
-        for name in spec.get("models", ()):     # at start-up, both processes at once
+        for name in spec.get("models", ()):  # at start-up, both processes at once
             self._model(name)
 
     def _model(self, name: str):
@@ -51,34 +52,54 @@ class HFWorker:
 
     def info(self) -> dict:
         import transformers
-        return {"role": self.role, "torch": torch.__version__,
-                "transformers": transformers.__version__}
+
+        return {
+            "role": self.role,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        }
 
     # ------------------------------------------------------------------ setup
     def setup(self, model: str, layout: str) -> dict:
         from kvxfer.disagg import KVManager
+
         self._close_layout()
         s = self.spec
-        self.pmc = PagedModelCache(self._model(model), model, layout, page_size=s["page_size"],
-                                   pool_tokens=s["pool_tokens"], mamba_slots=s["mamba_slots"],
-                                   aux_rows=s["aux_rows"])
-        self.mgr = KVManager(self.pmc.kv_args, self.role,
-                             bootstrap_addr=self.bootstrap if self.role == "prefill" else None,
-                             secret=self.opts["secret"].encode(),
-                             error_mode=self.opts.get("error_mode", "peer"),
-                             name=f"hf-{self.role}-{model}-{layout}").start_background()
+        self.pmc = PagedModelCache(
+            self._model(model),
+            model,
+            layout,
+            page_size=s["page_size"],
+            pool_tokens=s["pool_tokens"],
+            mamba_slots=s["mamba_slots"],
+            aux_rows=s["aux_rows"],
+        )
+        self.mgr = KVManager(
+            self.pmc.kv_args,
+            self.role,
+            bootstrap_addr=self.bootstrap if self.role == "prefill" else None,
+            secret=self.opts["secret"].encode(),
+            error_mode=self.opts.get("error_mode", "peer"),
+            name=f"hf-{self.role}-{model}-{layout}",
+        ).start_background()
         if self.role == "decode":
             from kvxfer.pools.offload import OffloadManager
-            self.offload = OffloadManager(self.pmc.pool, num_host_pages=s["pool_tokens"]
-                                          // s["page_size"], num_host_slots=2 if
-                                          self.pmc.mamba else 0)
+
+            self.offload = OffloadManager(
+                self.pmc.pool,
+                num_host_pages=s["pool_tokens"] // s["page_size"],
+                num_host_slots=2 if self.pmc.mamba else 0,
+            )
         return self.pmc.describe()
 
     def _close_layout(self) -> dict:
         out = {}
         if self.mgr is not None:
-            out = {"leaks": self.pmc.leaks(), "live_rooms": len(self.mgr.rooms),
-                   "lanes": sorted(self.mgr.stats["lanes"])}
+            out = {
+                "leaks": self.pmc.leaks(),
+                "live_rooms": len(self.mgr.rooms),
+                "lanes": sorted(self.mgr.stats["lanes"]),
+            }
             self.mgr.close_background()
             self.mgr = None
         if self.offload is not None:
@@ -97,17 +118,19 @@ class HFWorker:
     def _on_done(self, room: int):
         q = self.done_q
 
-        def cb(state, exc) -> None:          # manager loop thread: hand over
+        def cb(state, exc) -> None:  # manager loop thread: hand over
             q.put((room, int(state), None if exc is None else f"{type(exc).__name__}: {exc}"))
+
         return cb
 
     def _wait(self, room: int) -> tuple:
         try:
             got = self.done_q.get(timeout=self.deadline_s)
         except queue.Empty:
-            raise SchedulerError(f"{self.role}: room {room} not done within "
-                                 f"{self.deadline_s}s") from None
-        assert got[0] == room, (got, room)   # one room at a time
+            raise SchedulerError(
+                f"{self.role}: room {room} not done within {self.deadline_s}s"
+            ) from None
+        assert got[0] == room, (got, room)  # one room at a time
         return got
 
     def _settle(self, h) -> tuple:
@@ -134,6 +157,7 @@ class HFWorker:
     # ------------------------------------------------------------------ prefill
     def prefill(self, room: int, prompt: List[int], chunk_tokens: int) -> dict:
         from kvxfer.disagg import KVPoll, KVSender
+
         pmc, ps, n = self.pmc, self.pmc.ps, len(prompt)
         res = pmc.alloc(n)
         if res is None:
@@ -154,7 +178,7 @@ class HFWorker:
                         pmc.store_state(cache, res["slot"])
                         state = [res["slot"]]
                     pmc.aux.set_output(res["row"], first)
-                h.send(res["pages"][lo // ps:-(-hi // ps)], state)
+                h.send(res["pages"][lo // ps : -(-hi // ps)], state)
                 chunks += 1
             state, exc = self._settle(h)
             settled = True
@@ -162,15 +186,28 @@ class HFWorker:
             if settled or h is None:
                 pmc.free(res)
         st = {k: v - st0.get(k, 0) for k, v in self._stats().items()}
-        return {"state": KVPoll(state).name, "error": exc, "first_token": first,
-                "chunks": chunks, "pages": int(res["pages"].numel()), "bytes": int(st["bytes"]),
-                "ops": int(st["ops"])}
+        return {
+            "state": KVPoll(state).name,
+            "error": exc,
+            "first_token": first,
+            "chunks": chunks,
+            "pages": int(res["pages"].numel()),
+            "bytes": int(st["bytes"]),
+            "ops": int(st["ops"]),
+        }
 
     # ------------------------------------------------------------------ decode
-    def decode(self, room: int, prompt_len: int, n_tokens: int, retract_after: int = 0,
-                   corrupt: Optional[str] = None) -> dict:
+    def decode(
+        self,
+        room: int,
+        prompt_len: int,
+        n_tokens: int,
+        retract_after: int = 0,
+        corrupt: Optional[str] = None,
+    ) -> dict:
         from kvxfer.disagg import KVPoll, KVReceiver
         from kvxfer.pd_demo.hf_corrupt import corrupt_arrival
+
         pmc = self.pmc
         res = pmc.alloc(prompt_len)
         if res is None:
@@ -179,8 +216,9 @@ class HFWorker:
         try:
             h = KVReceiver(self.mgr, self.bootstrap, room, on_done=self._on_done(room))
             h.init()
-            h.send_metadata(res["pages"], res["row"],
-                            None if res["slot"] is None else [res["slot"]])
+            h.send_metadata(
+                res["pages"], res["row"], None if res["slot"] is None else [res["slot"]]
+            )
             state, exc = self._settle(h)
             settled = True
             out.update(state=KVPoll(state).name, error=exc)
@@ -194,7 +232,7 @@ class HFWorker:
             for step in range(n_tokens - 1):
                 if retract_after and step == retract_after:
                     out.update(self._retract(res, n, reverse=corrupt == "restore_reversed"))
-                if n % pmc.ps == 0:                # position n starts a new page
+                if n % pmc.ps == 0:  # position n starts a new page
                     res["pages"] = torch.cat([res["pages"], self._alloc_pages(1)])
                 row = decode_step(pmc, res["pages"], res["slot"], n, tokens[-1])
                 n += 1
@@ -231,9 +269,18 @@ class HFWorker:
             pmc.slots.free(slots)
         pmc.pages.free_pages(old_pages)
         res["pages"], res["slot"] = new_pages, new_slot
-        off.restore(handle, new_pages.flip(0) if reverse else new_pages,
-                    [] if new_slot is None else [new_slot])
+        off.restore(
+            handle,
+            new_pages.flip(0) if reverse else new_pages,
+            [] if new_slot is None else [new_slot],
+        )
         handle.order_before()
-        return {"retracted": True, "retract_at": n_cached,
-                "old_pages": old_pages.tolist(), "new_pages": new_pages.tolist(),
-                "old_slot": old_slot, "new_slot": new_slot, "offloaded_bytes": handle.nbytes}
+        return {
+            "retracted": True,
+            "retract_at": n_cached,
+            "old_pages": old_pages.tolist(),
+            "new_pages": new_pages.tolist(),
+            "old_slot": old_slot,
+            "new_slot": new_slot,
+            "offloaded_bytes": handle.nbytes,
+        }

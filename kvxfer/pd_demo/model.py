@@ -19,6 +19,7 @@ length in its last page are zero. Prefill writes it with the pools' kernel-backe
 every token row of every page, every state tensor of the slot and the first token, byte for
 byte. Everything is vectorised per layer (no Python loop per token).
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
@@ -44,8 +45,15 @@ def _room_term(room: int, salt: int) -> int:
     return (room * 131 + salt * 17) % 251
 
 
-def kv_rows(room: int, layer: int, kind: int, pos: torch.Tensor, length: int,
-            shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def kv_rows(
+    room: int,
+    layer: int,
+    kind: int,
+    pos: torch.Tensor,
+    length: int,
+    shape: Tuple[int, ...],
+    dtype: torch.dtype,
+) -> torch.Tensor:
     """Rows of ``layer`` (``kind`` 0 = K / latent, 1 = V / rope) at token positions ``pos``:
     the pattern where ``pos < length``, zero past the end of the request."""
     seed = (_room_term(room, kind) + 7 * pos + 13 * layer) % 251
@@ -54,8 +62,9 @@ def kv_rows(room: int, layer: int, kind: int, pos: torch.Tensor, length: int,
     return rows
 
 
-def state_values(room: int, tensor: int, shape: Tuple[int, ...], dtype: torch.dtype,
-                 num_layers: int, device) -> torch.Tensor:
+def state_values(
+    room: int, tensor: int, shape: Tuple[int, ...], dtype: torch.dtype, num_layers: int, device
+) -> torch.Tensor:
     """``[num_layers, *shape]``: state tensor ``tensor`` of every mamba layer of one slot."""
     layers = torch.arange(num_layers, dtype=torch.int64, device=device)
     seed = (_room_term(room, 5 + tensor) + 13 * layers) % 251
@@ -94,11 +103,14 @@ class DemoModel:
             from kvxfer.pools.hybrid import HybridLinearKVPool
             from kvxfer.pools.mamba import MambaPool
             from kvxfer.pools.mamba_spec import MambaStateSpec
+
             mspec = MambaStateSpec(
                 conv_shapes=((s.conv_dim, s.conv_width - 1),),
                 temporal_shape=(s.ssm_heads, s.ssm_head_dim, s.ssm_state),
-                conv_dtype=self.dtype, temporal_dtype=torch.float32,
-                layer_ids=tuple(self.mamba_ids))
+                conv_dtype=self.dtype,
+                temporal_dtype=torch.float32,
+                layer_ids=tuple(self.mamba_ids),
+            )
             self.mamba = MambaPool(s.mamba_slots, mspec, s.device, layout=s.mamba_layout)
             self.pool = HybridLinearKVPool(kv, self.mamba, self.attn_ids)
         else:
@@ -106,8 +118,9 @@ class DemoModel:
         self.pages = PagedTokenToKVPoolAllocator(s.pool_tokens, s.page_size, s.device)
         self.slots = MambaSlotAllocator(s.mamba_slots) if s.has_mamba else None
         self.aux = MetadataBuffer(s.aux_rows, 64)
-        self.kv_args = KVArgs.from_pools(self.pool, aux=self.aux,
-                                         state_pool=self.pool if s.has_mamba else None)
+        self.kv_args = KVArgs.from_pools(
+            self.pool, aux=self.aux, state_pool=self.pool if s.has_mamba else None
+        )
         self.full = self.counts()
 
     # ------------------------------------------------------------------ sizes
@@ -119,17 +132,22 @@ class DemoModel:
 
     def request_bytes(self, n_pages: int) -> int:
         """Bytes one request moves: its pages, its state slot and its aux row."""
-        return (n_pages * self.page_bytes() + (self.slot_bytes() if self.mamba else 0)
-                + self.kv_args.aux_item_lens[0])
+        return (
+            n_pages * self.page_bytes()
+            + (self.slot_bytes() if self.mamba else 0)
+            + self.kv_args.aux_item_lens[0]
+        )
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.ps)
 
     # ------------------------------------------------------------------ allocation
     def counts(self) -> Dict[str, int]:
-        return {"pages": self.pages.available_pages(),
-                "slots": self.slots.available_size() if self.slots is not None else 0,
-                "aux": self.aux.available()}
+        return {
+            "pages": self.pages.available_pages(),
+            "slots": self.slots.available_size() if self.slots is not None else 0,
+            "aux": self.aux.available(),
+        }
 
     def leaks(self) -> Dict[str, int]:
         now = self.counts()
@@ -158,8 +176,9 @@ class DemoModel:
     def _locs(self, pages: torch.Tensor, lo_tok: int, hi_tok: int) -> torch.Tensor:
         return self.pages.pages_to_tokens(pages)[lo_tok:hi_tok]
 
-    def write_tokens(self, room: int, pages: torch.Tensor, lo_tok: int, hi_tok: int,
-                     length: int) -> None:
+    def write_tokens(
+        self, room: int, pages: torch.Tensor, lo_tok: int, hi_tok: int, length: int
+    ) -> None:
         """Prefill 'computes' token positions ``[lo_tok, hi_tok)`` of the request (positions
         past ``length`` are written as zeros) through the pools' kernel-backed stores."""
         loc = self._locs(pages, lo_tok, hi_tok)
@@ -201,7 +220,7 @@ class DemoModel:
             buf = buf[..., :r] if kind == 0 else buf[..., r:]
         else:
             buf = self.pool.get_key_buffer(lid) if kind == 0 else self.pool.get_value_buffer(lid)
-        if buf.dim() == 4:                       # page-major view [pages, page_size, H, D]
+        if buf.dim() == 4:  # page-major view [pages, page_size, H, D]
             return buf[loc // self.ps, loc % self.ps]
         return buf[loc]
 
@@ -216,19 +235,25 @@ class DemoModel:
             for kind in (0, 1):
                 got = self._read_rows(lid, kind, loc)
                 want = kv_rows(room, i, kind, pos, length, tuple(got.shape[1:]), self.dtype)
-                diff = (got.contiguous().view(torch.uint8).view(n_tok, -1)
-                        != want.contiguous().view(torch.uint8).view(n_tok, -1)).any(dim=1)
+                diff = (
+                    got.contiguous().view(torch.uint8).view(n_tok, -1)
+                    != want.contiguous().view(torch.uint8).view(n_tok, -1)
+                ).any(dim=1)
                 if bool(diff.any()):
                     rows = diff.nonzero().flatten()
-                    bad.append(f"layer {lid} {'KV'[kind]}: {rows.numel()} token rows differ "
-                               f"(first at position {int(rows[0])}, page "
-                               f"{int(pages[int(rows[0]) // self.ps])})")
+                    bad.append(
+                        f"layer {lid} {'KV'[kind]}: {rows.numel()} token rows differ "
+                        f"(first at position {int(rows[0])}, page "
+                        f"{int(pages[int(rows[0]) // self.ps])})"
+                    )
         if res["slot"] is not None:
             for j, t in enumerate(self._state_tensors()):
                 want = state_values(room, j, tuple(t.shape[2:]), t.dtype, t.shape[0], t.device)
                 got = t[:, res["slot"]]
-                if not torch.equal(got.contiguous().view(torch.uint8).flatten(),
-                                   want.contiguous().view(torch.uint8).flatten()):
+                if not torch.equal(
+                    got.contiguous().view(torch.uint8).flatten(),
+                    want.contiguous().view(torch.uint8).flatten(),
+                ):
                     bad.append(f"state tensor {j} of slot {res['slot']} differs")
         tok = self.aux.first_token(res["row"])
         if tok != first_token(room):

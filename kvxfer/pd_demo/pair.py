@@ -1,5 +1,6 @@
 """A prefill and a decode worker process with the bootstrap server between them (the demo,
 ``kvxfer bench pd``, the real-model check)."""
+
 from __future__ import annotations
 
 from typing import Any, Dict, Generic, Optional, Tuple, Type, TypeVar
@@ -17,17 +18,39 @@ class Pair(Generic[W]):
     both managers'. ``env``: environment variables the two processes start with. ``timeout``
     bounds every call; ``start_timeout`` the start-up (both processes boot at once)."""
 
-    def __init__(self, cls: Type[W], spec: dict, opts: dict, *, timeout: float,
-                 start_timeout: float = 120.0, env: Optional[Dict[str, str]] = None) -> None:
+    def __init__(
+        self,
+        cls: Type[W],
+        spec: dict,
+        opts: dict,
+        *,
+        timeout: float,
+        start_timeout: float = 120.0,
+        env: Optional[Dict[str, str]] = None,
+    ) -> None:
         from kvxfer.disagg import BootstrapServer
+
         secret = opts["secret"]
         self.timeout = timeout
-        self.bs = BootstrapServer(port=0, secret=secret.encode() if isinstance(secret, str)
-                                  else secret).start_in_thread()
-        self.p, self.d = (Worker(build_worker, cls, role, spec, self.bs.address, opts, name=role,
-                                 env=env, timeout=timeout) for role in ("prefill", "decode"))
+        self.bs = BootstrapServer(
+            port=0, secret=secret.encode() if isinstance(secret, str) else secret
+        ).start_in_thread()
+        self.p, self.d = (
+            Worker(
+                build_worker,
+                cls,
+                role,
+                spec,
+                self.bs.address,
+                opts,
+                name=role,
+                env=env,
+                timeout=timeout,
+            )
+            for role in ("prefill", "decode")
+        )
         try:
-            self.p.launch()              # both boot at once (imports dominate the start-up)
+            self.p.launch()  # both boot at once (imports dominate the start-up)
             self.d.launch()
             self.p.ready(start_timeout)
             self.d.ready(start_timeout)

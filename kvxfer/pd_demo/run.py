@@ -14,6 +14,7 @@ fully computed: what disaggregation adds to time-to-first-token). GB/s = bytes m
 time from the first send to the last ``Success`` (pipelined with prefill's compute, so a lower
 bound on the transfer rate). Exit status 1 when any request failed or did not verify.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,17 @@ from kvxfer.pd_demo.spec import DTYPES, KV_LAYOUTS, MAMBA_LAYOUTS, ModelSpec
 from kvxfer.pd_demo.worker import PDWorker
 
 W = TypeVar("W", bound=PDWorker)
-REQUIRED_KEYS = ("requests", "failed", "verified", "bytes", "gbps", "p50_ms", "p99_ms",
-                 "ops_per_request", "lanes")
+REQUIRED_KEYS = (
+    "requests",
+    "failed",
+    "verified",
+    "bytes",
+    "gbps",
+    "p50_ms",
+    "p99_ms",
+    "ops_per_request",
+    "lanes",
+)
 
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:
@@ -43,38 +53,59 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--heads", type=int, default=d.heads)
     ap.add_argument("--head-dim", type=int, default=d.head_dim)
     ap.add_argument("--page-size", type=int, default=d.page_size)
-    ap.add_argument("--pool-tokens", type=int, default=d.pool_tokens,
-                    help="KV pool capacity per worker, tokens")
+    ap.add_argument(
+        "--pool-tokens", type=int, default=d.pool_tokens, help="KV pool capacity per worker, tokens"
+    )
     ap.add_argument("--mamba-slots", type=int, default=d.mamba_slots)
     ap.add_argument("--aux-rows", type=int, default=d.aux_rows)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype)
-    ap.add_argument("--device", default="cpu",
-                    help="torch device of both workers' pools (cpu, cuda, cuda:1, ...)")
-    ap.add_argument("--error-mode", choices=("peer", "none"), default="none",
-                    help="engine error mode: none (shared-memory cma lanes on host memory) or "
-                         "peer (UCX peer error handling: tcp lanes on host memory)")
-    ap.add_argument("--timeout", type=float, default=120.0,
-                    help="give up when no request finishes for this many seconds")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="torch device of both workers' pools (cpu, cuda, cuda:1, ...)",
+    )
+    ap.add_argument(
+        "--error-mode",
+        choices=("peer", "none"),
+        default="none",
+        help="engine error mode: none (shared-memory cma lanes on host memory) or "
+        "peer (UCX peer error handling: tcp lanes on host memory)",
+    )
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="give up when no request finishes for this many seconds",
+    )
 
 
 def spec_from_args(a) -> ModelSpec:
-    return ModelSpec(kv_layout=a.kv_layout, mamba_layout=a.mamba_layout,
-                     attn_layers=a.attn_layers, mamba_layers=a.mamba_layers, heads=a.heads,
-                     head_dim=a.head_dim, page_size=a.page_size, pool_tokens=a.pool_tokens,
-                     mamba_slots=a.mamba_slots, aux_rows=a.aux_rows, dtype=a.dtype,
-                     device=a.device)
+    return ModelSpec(
+        kv_layout=a.kv_layout,
+        mamba_layout=a.mamba_layout,
+        attn_layers=a.attn_layers,
+        mamba_layers=a.mamba_layers,
+        heads=a.heads,
+        head_dim=a.head_dim,
+        page_size=a.page_size,
+        pool_tokens=a.pool_tokens,
+        mamba_slots=a.mamba_slots,
+        aux_rows=a.aux_rows,
+        dtype=a.dtype,
+        device=a.device,
+    )
 
 
 def start_pair(spec: ModelSpec, opts: dict, cls: Type[W]) -> Pair[W]:
     """The demo's pair of ``cls`` workers (:class:`PDWorker` or a subclass) with a fresh secret;
     calls are bounded by ``opts["deadline_s"]`` + 30 s."""
-    opts = dict(opts, secret=secrets.token_bytes(32))   # one per run: bootstrap + both managers
+    opts = dict(opts, secret=secrets.token_bytes(32))  # one per run: bootstrap + both managers
     return Pair(cls, spec.as_dict(), opts, timeout=float(opts.get("deadline_s", 120.0)) + 30.0)
 
 
 def make_requests(n: int, seed: int, min_len: int, max_len: int) -> List[tuple]:
     rng = random.Random(seed)
-    rooms = rng.sample(range(1, 1 << 62), n)      # room 0: the warm-up
+    rooms = rng.sample(range(1, 1 << 62), n)  # room 0: the warm-up
     return [(room, rng.randint(min_len, max_len)) for room in rooms]
 
 
@@ -85,28 +116,49 @@ def percentile(xs: List[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q / 100.0 * (len(s) - 1))))]
 
 
-def run_demo(spec: ModelSpec, *, requests: int = 64, seed: int = 0, min_len: int = 1,
-             max_len: int = 1024, chunk_tokens: int = 256, error_mode: str = "none",
-             timeout: float = 120.0, window: int = 16, integrity: bool = False,
-             progress=None) -> dict:
+def run_demo(
+    spec: ModelSpec,
+    *,
+    requests: int = 64,
+    seed: int = 0,
+    min_len: int = 1,
+    max_len: int = 1024,
+    chunk_tokens: int = 256,
+    error_mode: str = "none",
+    timeout: float = 120.0,
+    window: int = 16,
+    integrity: bool = False,
+    progress=None,
+) -> dict:
     """Run the demo; returns the report (``REQUIRED_KEYS`` and more). ``progress``: a
     :class:`kvxfer.clitools.Progress` of 3 steps (workers up, warm-up, requests)."""
     if chunk_tokens < 1 or chunk_tokens % spec.page_size:
-        raise InvalidArgument(f"--chunk-tokens {chunk_tokens} must be a positive multiple of "
-                         f"--page-size {spec.page_size} (non-final chunks are page-aligned)")
+        raise InvalidArgument(
+            f"--chunk-tokens {chunk_tokens} must be a positive multiple of "
+            f"--page-size {spec.page_size} (non-final chunks are page-aligned)"
+        )
     if not 1 <= min_len <= max_len:
         raise InvalidArgument(f"need 1 <= --min-len ({min_len}) <= --max-len ({max_len})")
     if -(-max_len // spec.page_size) > spec.pool_tokens // spec.page_size:
-        raise InvalidArgument(f"--max-len {max_len} tokens does not fit --pool-tokens "
-                              f"{spec.pool_tokens}")
+        raise InvalidArgument(
+            f"--max-len {max_len} tokens does not fit --pool-tokens {spec.pool_tokens}"
+        )
     reqs = make_requests(requests, seed, min_len, max_len)
     t0 = time.perf_counter()
     if window < 1:
         raise InvalidArgument(f"--window {window} must be >= 1")
     if progress is not None:
         progress.show("starting the prefill and decode workers")
-    pair = start_pair(spec, {"error_mode": error_mode, "deadline_s": timeout,
-                             "max_inflight": window, "integrity": integrity}, PDWorker)
+    pair = start_pair(
+        spec,
+        {
+            "error_mode": error_mode,
+            "deadline_s": timeout,
+            "max_inflight": window,
+            "integrity": integrity,
+        },
+        PDWorker,
+    )
     t_up = time.perf_counter() - t0
     info = pair.prefill.info()
     if progress is not None:
@@ -116,20 +168,23 @@ def run_demo(spec: ModelSpec, *, requests: int = 64, seed: int = 0, min_len: int
         # which a long-running pair pays once; it is verified like the others, not timed
         warm = [(0, 1)]
         wp, wd = pair.both((pair.prefill.prefill, warm, chunk_tokens), (pair.decode.decode, warm))
-        if not (wp["rooms"][0]["state"] == wd["rooms"][0]["state"] == "Success"
-                and not wd["rooms"][0].get("problems")):
-            raise RuntimeError(f"warm-up request failed: prefill {wp['rooms'][0]}, "
-                               f"decode {wd['rooms'][0]}")
+        if not (
+            wp["rooms"][0]["state"] == wd["rooms"][0]["state"] == "Success"
+            and not wd["rooms"][0].get("problems")
+        ):
+            raise RuntimeError(
+                f"warm-up request failed: prefill {wp['rooms'][0]}, decode {wd['rooms'][0]}"
+            )
         if progress is not None:
             progress.step(f"{len(reqs)} requests")
-        p, d = pair.both((pair.prefill.prefill, reqs, chunk_tokens),
-                         (pair.decode.decode, reqs))
+        p, d = pair.both((pair.prefill.prefill, reqs, chunk_tokens), (pair.decode.decode, reqs))
         if progress is not None:
             progress.step("done")
     finally:
         pair.close()
-    report = summarize(spec, info, reqs, p, d, chunk_tokens, error_mode, window, t_up,
-                       time.perf_counter() - t0)
+    report = summarize(
+        spec, info, reqs, p, d, chunk_tokens, error_mode, window, t_up, time.perf_counter() - t0
+    )
     report["integrity"] = integrity
     return report
 
@@ -143,34 +198,58 @@ def summarize(spec, info, reqs, p, d, chunk_tokens, error_mode, window, t_up, wa
             verified += 1
             lat.append((dr["t_done"] - pr["t_send"]) * 1e3)
         else:
-            failures.append({"room": room, "prefill": pr.get("state"), "decode": dr.get("state"),
-                             "error": pr.get("exc") or dr.get("exc"),
-                             "problems": dr.get("problems", [])[:3]})
+            failures.append(
+                {
+                    "room": room,
+                    "prefill": pr.get("state"),
+                    "decode": dr.get("state"),
+                    "error": pr.get("exc") or dr.get("exc"),
+                    "problems": dr.get("problems", [])[:3],
+                }
+            )
     sends = [r["t_send"] for r in p["rooms"].values() if "t_send" in r]
     dones = [r["t_done"] for r in d["rooms"].values() if r.get("state") == "Success"]
     span = (max(dones) - min(sends)) if sends and dones else 0.0
     st = p["stats"]
     expected = sum(-(-n // spec.page_size) * info["page_bytes"] for _, n in reqs) + len(reqs) * (
-        info["slot_bytes"] + info["aux_bytes"])
-    leaks = {"prefill": dict(p["leaks"], rooms=p["live_rooms"]),
-             "decode": dict(d["leaks"], rooms=d["live_rooms"])}
+        info["slot_bytes"] + info["aux_bytes"]
+    )
+    leaks = {
+        "prefill": dict(p["leaks"], rooms=p["live_rooms"]),
+        "decode": dict(d["leaks"], rooms=d["live_rooms"]),
+    }
     leaked = any(v for side in leaks.values() for v in side.values())
     return {
-        "requests": len(reqs), "failed": len(reqs) - verified, "verified": verified,
-        "bytes": int(st["bytes"]), "expected_bytes": int(expected),
+        "requests": len(reqs),
+        "failed": len(reqs) - verified,
+        "verified": verified,
+        "bytes": int(st["bytes"]),
+        "expected_bytes": int(expected),
         "gbps": st["bytes"] / span / 1e9 if span > 0 else 0.0,
-        "p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99),
+        "p50_ms": percentile(lat, 50),
+        "p99_ms": percentile(lat, 99),
         "max_ms": max(lat, default=0.0),
-        "ops_per_request": st["ops"] / len(reqs) if reqs else 0.0, "ops": int(st["ops"]),
-        "writes": int(st["writes"]), "lanes": st["lanes"],
+        "ops_per_request": st["ops"] / len(reqs) if reqs else 0.0,
+        "ops": int(st["ops"]),
+        "writes": int(st["writes"]),
+        "lanes": st["lanes"],
         "chunked_requests": sum(1 for r in p["rooms"].values() if r.get("chunks", 0) > 1),
         "chunks": sum(r.get("chunks", 0) for r in p["rooms"].values()),
-        "tokens": sum(n for _, n in reqs), "leaks": leaks, "leaked": leaked,
-        "failures": failures[:10], "span_s": span, "startup_s": t_up, "wall_s": wall,
-        "model": spec.as_dict(), "chunk_tokens": chunk_tokens, "error_mode": error_mode,
+        "tokens": sum(n for _, n in reqs),
+        "leaks": leaks,
+        "leaked": leaked,
+        "failures": failures[:10],
+        "span_s": span,
+        "startup_s": t_up,
+        "wall_s": wall,
+        "model": spec.as_dict(),
+        "chunk_tokens": chunk_tokens,
+        "error_mode": error_mode,
         "window": window,
-        "page_bytes": info["page_bytes"], "slot_bytes": info["slot_bytes"],
-        "kv_entries": info["kv_entries"], "state_entries": info["state_entries"],
+        "page_bytes": info["page_bytes"],
+        "slot_bytes": info["slot_bytes"],
+        "kv_entries": info["kv_entries"],
+        "state_entries": info["state_entries"],
     }
 
 
@@ -184,39 +263,68 @@ def _human(n: float) -> str:
 
 def format_table(r: dict) -> str:
     s = r["model"]
-    attn = (f"{s['attn_layers']} full-attention layers ({s['kv_layout']}, {r['kv_entries']} "
-            f"descriptor{'s' * (r['kv_entries'] != 1)}, {_human(r['page_bytes'])}/page of "
-            f"{s['page_size']} tokens)")
-    mamba = ("no Mamba layers" if s["mamba_layout"] == "none" else
-             f"{s['mamba_layers']} Mamba layers ({s['mamba_layout']}, {r['state_entries']} "
-             f"descriptor{'s' * (r['state_entries'] != 1)}, {_human(r['slot_bytes'])}/slot)")
+    attn = (
+        f"{s['attn_layers']} full-attention layers ({s['kv_layout']}, {r['kv_entries']} "
+        f"descriptor{'s' * (r['kv_entries'] != 1)}, {_human(r['page_bytes'])}/page of "
+        f"{s['page_size']} tokens)"
+    )
+    mamba = (
+        "no Mamba layers"
+        if s["mamba_layout"] == "none"
+        else f"{s['mamba_layers']} Mamba layers ({s['mamba_layout']}, {r['state_entries']} "
+        f"descriptor{'s' * (r['state_entries'] != 1)}, {_human(r['slot_bytes'])}/slot)"
+    )
     lk = r["leaks"]
     rows = [
-        ("requests", f"{r['requests']}  ({r['tokens']} tokens; {r['chunked_requests']} chunked,"
-                     f" {r['chunks']} chunks of <= {r['chunk_tokens']} tokens)"),
-        ("verified", f"{r['verified']}  (every token row of every page, every state slot and "
-                     f"first token byte-exact)"),
+        (
+            "requests",
+            f"{r['requests']}  ({r['tokens']} tokens; {r['chunked_requests']} chunked,"
+            f" {r['chunks']} chunks of <= {r['chunk_tokens']} tokens)",
+        ),
+        (
+            "verified",
+            f"{r['verified']}  (every token row of every page, every state slot and "
+            f"first token byte-exact)",
+        ),
         ("failed", str(r["failed"])),
         ("bytes", f"{_human(r['bytes'])}  ({r['bytes']} B; expected {r['expected_bytes']} B)"),
-        ("GB/s", f"{r['gbps']:.3f}  (bytes / {r['span_s'] * 1e3:.0f} ms from first send to "
-                 f"last Success)"),
+        (
+            "GB/s",
+            f"{r['gbps']:.3f}  (bytes / {r['span_s'] * 1e3:.0f} ms from first send to "
+            f"last Success)",
+        ),
         ("latency p50", f"{r['p50_ms']:.2f} ms  (prefill's last send -> decode Success)"),
         ("latency p99", f"{r['p99_ms']:.2f} ms  (max {r['max_ms']:.2f} ms)"),
-        ("ops/request", f"{r['ops_per_request']:.1f}  ({r['ops']} RMA ops in {r['writes']} "
-                        f"writes)"),
+        (
+            "ops/request",
+            f"{r['ops_per_request']:.1f}  ({r['ops']} RMA ops in {r['writes']} writes)",
+        ),
         ("lanes", f"{', '.join(r['lanes']) or '-'}  (error_mode={r['error_mode']})"),
-        ("integrity", "on (every page, state slot and aux row checksummed on both sides "
-                      "before Success)" if r.get("integrity") else "off"),
-        ("leaks", "none (allocators full, no live rooms on either side)" if not r["leaked"]
-         else f"prefill {lk['prefill']}, decode {lk['decode']}"),
+        (
+            "integrity",
+            "on (every page, state slot and aux row checksummed on both sides before Success)"
+            if r.get("integrity")
+            else "off",
+        ),
+        (
+            "leaks",
+            "none (allocators full, no live rooms on either side)"
+            if not r["leaked"]
+            else f"prefill {lk['prefill']}, decode {lk['decode']}",
+        ),
         ("wall", f"{r['wall_s']:.2f} s  (of which {r['startup_s']:.2f} s process startup)"),
     ]
-    out = ["kvxfer demo: prefill -> decode worker pair over UCX loopback",
-           f"model: {attn} + {mamba}, {s['dtype']}", ""]
+    out = [
+        "kvxfer demo: prefill -> decode worker pair over UCX loopback",
+        f"model: {attn} + {mamba}, {s['dtype']}",
+        "",
+    ]
     out += [f"  {k:12s} {v}" for k, v in rows]
     for f in r["failures"]:
-        out.append(f"  FAILED room {f['room']}: prefill {f['prefill']}, decode {f['decode']}: "
-                   f"{f['error'] or '; '.join(f['problems'])}")
+        out.append(
+            f"  FAILED room {f['room']}: prefill {f['prefill']}, decode {f['decode']}: "
+            f"{f['error'] or '; '.join(f['problems'])}"
+        )
     return "\n".join(out)
 
 
@@ -226,36 +334,63 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--min-len", type=int, default=1, help="shortest prompt, tokens")
     ap.add_argument("--max-len", type=int, default=1024, help="longest prompt, tokens")
-    ap.add_argument("--chunk-tokens", type=int, default=256,
-                    help="chunked prefill: tokens per chunk (a multiple of --page-size)")
-    ap.add_argument("--window", type=int, default=16,
-                    help="requests in flight per worker (decode announces at most this many "
-                         "ahead)")
-    ap.add_argument("--pools", action="store_true",
-                    help="run the KV pools demo instead (kvxfer demo --pools --help)")
-    ap.add_argument("--model", default=None,
-                    help="run the real-model check instead: a transformers model split "
-                         "across prefill and decode (kvxfer demo --model llama --help)")
-    ap.add_argument("--integrity", action="store_true",
-                    help="KVManager(integrity=True) on both workers: per-item checksums "
-                         "compared before decode reports Success")
+    ap.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=256,
+        help="chunked prefill: tokens per chunk (a multiple of --page-size)",
+    )
+    ap.add_argument(
+        "--window",
+        type=int,
+        default=16,
+        help="requests in flight per worker (decode announces at most this many ahead)",
+    )
+    ap.add_argument(
+        "--pools",
+        action="store_true",
+        help="run the KV pools demo instead (kvxfer demo --pools --help)",
+    )
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="run the real-model check instead: a transformers model split "
+        "across prefill and decode (kvxfer demo --model llama --help)",
+    )
+    ap.add_argument(
+        "--integrity",
+        action="store_true",
+        help="KVManager(integrity=True) on both workers: per-item checksums "
+        "compared before decode reports Success",
+    )
     clitools.add_json_args(ap)
     add_model_args(ap)
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(x == "--model" or x.startswith("--model=") for x in argv):
         from kvxfer.pd_demo.hf_run import main as hf_main  # its own arguments
+
         return hf_main(argv)
     a = ap.parse_args(argv)
     if a.pools:
         from kvxfer.pools_demo import pools_main
+
         return pools_main([])
     try:
         spec = spec_from_args(a)
         with clitools.Progress(3, "demo", enabled=False if a.json else None) as pr:
-            report = run_demo(spec, requests=a.requests, seed=a.seed, min_len=a.min_len,
-                              max_len=a.max_len, chunk_tokens=a.chunk_tokens,
-                              error_mode=a.error_mode, timeout=a.timeout, window=a.window,
-                              integrity=a.integrity, progress=pr)
+            report = run_demo(
+                spec,
+                requests=a.requests,
+                seed=a.seed,
+                min_len=a.min_len,
+                max_len=a.max_len,
+                chunk_tokens=a.chunk_tokens,
+                error_mode=a.error_mode,
+                timeout=a.timeout,
+                window=a.window,
+                integrity=a.integrity,
+                progress=pr,
+            )
     except InvalidArgument as exc:
         ap.error(str(exc))
     print(format_table(report), flush=True)

@@ -1,5 +1,6 @@
 """Geometry of the demo's synthetic model: plain values, no torch (the parent process of the
 demo never imports torch; the workers build pools from it in :mod:`kvxfer.pd_demo.model`)."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -41,15 +42,23 @@ class ModelSpec:
             raise InvalidArgument(f"mamba_layout {self.mamba_layout!r} not in {MAMBA_LAYOUTS}")
         if self.dtype not in DTYPES:
             raise InvalidArgument(f"dtype {self.dtype!r} not in {sorted(DTYPES)}")
-        for name in ("attn_layers", "heads", "head_dim", "page_size", "pool_tokens",
-                     "mamba_slots", "aux_rows"):
+        for name in (
+            "attn_layers",
+            "heads",
+            "head_dim",
+            "page_size",
+            "pool_tokens",
+            "mamba_slots",
+            "aux_rows",
+        ):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.mamba_layout != "none" and self.mamba_layers < 1:
             raise InvalidArgument(f"mamba_layout {self.mamba_layout!r} needs mamba_layers >= 1")
         if self.pool_tokens % self.page_size:
-            raise InvalidArgument(f"pool_tokens {self.pool_tokens} is not a multiple of "
-                                  f"page_size {self.page_size}")
+            raise InvalidArgument(
+                f"pool_tokens {self.pool_tokens} is not a multiple of page_size {self.page_size}"
+            )
 
     @property
     def has_mamba(self) -> bool:

@@ -11,6 +11,7 @@ a worker's traceback comes back to the parent as :class:`kvxfer.errors.RemoteErr
 Timestamps are ``time.monotonic()`` (CLOCK_MONOTONIC: one clock for every process of the
 host), so decode's completion time minus prefill's send time is an end-to-end latency.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,7 +23,7 @@ from kvxfer.pd_demo.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
-Request = Tuple[int, int]          # (room id, prompt length in tokens)
+Request = Tuple[int, int]  # (room id, prompt length in tokens)
 
 
 class SchedulerError(RuntimeError):
@@ -36,17 +37,21 @@ class PDWorker:
     def __init__(self, role: str, spec: dict, bootstrap: str, opts: dict) -> None:
         from kvxfer.disagg import KVManager, Timeouts
         from kvxfer.pd_demo.model import DemoModel  # torch: in the worker process only
+
         self.role, self.bootstrap, self.opts = role, bootstrap, opts
         self.model = DemoModel(ModelSpec(**spec))
         self.deadline_s = float(opts.get("deadline_s", 120.0))
         self.max_inflight = int(opts.get("max_inflight", 16))
-        self.mgr = KVManager(self.model.kv_args, role,
-                             bootstrap_addr=bootstrap if role == "prefill" else None,
-                             secret=opts.get("secret"),
-                             error_mode=opts.get("error_mode", "peer"),
-                             timeouts=Timeouts(**opts.get("timeouts", {})),
-                             integrity=bool(opts.get("integrity", False)),
-                             name=f"demo-{role}").start_background()
+        self.mgr = KVManager(
+            self.model.kv_args,
+            role,
+            bootstrap_addr=bootstrap if role == "prefill" else None,
+            secret=opts.get("secret"),
+            error_mode=opts.get("error_mode", "peer"),
+            timeouts=Timeouts(**opts.get("timeouts", {})),
+            integrity=bool(opts.get("integrity", False)),
+            name=f"demo-{role}",
+        ).start_background()
         self.done_q: "queue.SimpleQueue" = queue.SimpleQueue()
         self.open: Dict[int, dict] = {}
         self.finished: Dict[int, dict] = {}
@@ -55,9 +60,16 @@ class PDWorker:
     def _on_done(self, room: int):
         q = self.done_q
 
-        def cb(state, exc) -> None:            # manager loop thread: record and hand over
-            q.put((room, int(state), None if exc is None else f"{type(exc).__name__}: {exc}",
-                   time.monotonic()))
+        def cb(state, exc) -> None:  # manager loop thread: record and hand over
+            q.put(
+                (
+                    room,
+                    int(state),
+                    None if exc is None else f"{type(exc).__name__}: {exc}",
+                    time.monotonic(),
+                )
+            )
+
         return cb
 
     def _next_done(self, block: bool) -> Optional[tuple]:
@@ -65,13 +77,16 @@ class PDWorker:
             return self.done_q.get(timeout=self.deadline_s) if block else self.done_q.get_nowait()
         except queue.Empty:
             if block:
-                raise SchedulerError(f"{self.role}: no room finished within {self.deadline_s}s "
-                                     f"({len(self.open)} open)") from None
+                raise SchedulerError(
+                    f"{self.role}: no room finished within {self.deadline_s}s "
+                    f"({len(self.open)} open)"
+                ) from None
             return None
 
     def _settle(self, item: tuple) -> None:
         """A room is terminal and released by the manager: verify (decode), then free."""
         from kvxfer.disagg import KVPoll
+
         room, state, exc, t = item
         rec = self.open.pop(room)
         rec.update(state=KVPoll(state).name, exc=exc, t_done=t)
@@ -96,8 +111,10 @@ class PDWorker:
                 if res is not None:
                     return res
             if not self.open:
-                raise SchedulerError(f"{self.role}: a request of {n_pages} pages does not fit "
-                                     f"an empty pool ({self.model.pages.num_pages} pages)")
+                raise SchedulerError(
+                    f"{self.role}: a request of {n_pages} pages does not fit "
+                    f"an empty pool ({self.model.pages.num_pages} pages)"
+                )
             self._settle(self._next_done(True))
 
     def _begin(self) -> None:
@@ -110,12 +127,17 @@ class PDWorker:
             self._settle(self._next_done(True))
         st = {k: v - self._stats0.get(k, 0) for k, v in self.mgr.stats.items() if k != "lanes"}
         st["lanes"] = sorted(self.mgr.stats["lanes"])
-        return {"rooms": self.finished, "stats": st, "leaks": self.model.leaks(),
-                "live_rooms": len(self.mgr.rooms)}
+        return {
+            "rooms": self.finished,
+            "stats": st,
+            "leaks": self.model.leaks(),
+            "live_rooms": len(self.mgr.rooms),
+        }
 
     # ------------------------------------------------------------------ prefill
     def _open_sender(self, room: int, length: int, res: dict):
         from kvxfer.disagg import KVSender
+
         h = KVSender(self.mgr, self.bootstrap, room, on_done=self._on_done(room))
         h.init(int(res["pages"].numel()), res["row"])
         return h
@@ -143,16 +165,16 @@ class PDWorker:
                 m.ready()
                 rec["t_send"] = time.monotonic()
                 rec["chunks"] += 1
-                h.send(res["pages"][lo // ps:hi // ps], state)
+                h.send(res["pages"][lo // ps : hi // ps], state)
         return self._finish()
 
     # ------------------------------------------------------------------ decode
     def _open_receiver(self, room: int, res: dict):
         from kvxfer.disagg import KVReceiver
+
         h = KVReceiver(self.mgr, self.bootstrap, room, on_done=self._on_done(room))
         h.init()
-        h.send_metadata(res["pages"], res["row"],
-                        None if res["slot"] is None else [res["slot"]])
+        h.send_metadata(res["pages"], res["row"], None if res["slot"] is None else [res["slot"]])
         return h
 
     def decode(self, requests: List[Request], verify: bool = True) -> dict:
@@ -169,10 +191,14 @@ class PDWorker:
 
     def info(self) -> dict:
         m = self.model
-        return {"page_bytes": m.page_bytes(), "slot_bytes": m.slot_bytes(),
-                "aux_bytes": m.kv_args.aux_item_lens[0], "num_pages": m.pages.num_pages,
-                "kv_entries": len(m.kv_args.kv_data_ptrs),
-                "state_entries": len(m.kv_args.state_data_ptrs)}
+        return {
+            "page_bytes": m.page_bytes(),
+            "slot_bytes": m.slot_bytes(),
+            "aux_bytes": m.kv_args.aux_item_lens[0],
+            "num_pages": m.pages.num_pages,
+            "kv_entries": len(m.kv_args.kv_data_ptrs),
+            "state_entries": len(m.kv_args.state_data_ptrs),
+        }
 
     def close(self) -> None:
         self.mgr.close_background()
@@ -185,7 +211,8 @@ def build_worker(cls: type, role: str, spec: dict, bootstrap: Optional[str], opt
     import sys
 
     import torch
-    torch.set_num_threads(1)     # no OpenMP threads starving the manager's event loop
+
+    torch.set_num_threads(1)  # no OpenMP threads starving the manager's event loop
     # the scheduler thread computes while the manager's loop thread moves data: hand the GIL
     # over often so a completion is not held up by a 5 ms switch interval
     sys.setswitchinterval(float(opts.get("switch_interval_s", 0.0005)))

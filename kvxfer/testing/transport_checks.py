@@ -2,6 +2,7 @@
 worker, real loopback endpoints); ``tests/transport`` hosts a :class:`TransportNode` in a
 :class:`kvxfer.procs.Worker` and calls it through a typed proxy.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -68,8 +69,13 @@ class _TransportChecks:
         out = {"mem_types": [rs.mem_type, rd.mem_type], "lanes": rma.lanes()}
         # one good op + one op ending 1 byte past the region: nothing may be posted
         try:
-            rma.put(a(src.ctypes.data, src.ctypes.data), a(rd.addr, rd.addr + 8192 - 15),
-                    a(16, 16), a(rs.handle, rs.handle), a(0, 0))
+            rma.put(
+                a(src.ctypes.data, src.ctypes.data),
+                a(rd.addr, rd.addr + 8192 - 15),
+                a(16, 16),
+                a(rs.handle, rs.handle),
+                a(0, 0),
+            )
             out["bounds"] = "not raised"
         except IndexOutOfRange as exc:
             out["bounds"] = str(exc)
@@ -80,23 +86,33 @@ class _TransportChecks:
             out["bad_region"] = "not raised"
         except IndexOutOfRange as exc:
             out["bad_region"] = str(exc)
-        for bad, name in (((np.zeros(1, np.float64),) + (a(1),) * 4, "float"),
-                          ((a(1, 2),) + (a(1),) * 4, "length")):
+        for bad, name in (
+            ((np.zeros(1, np.float64),) + (a(1),) * 4, "float"),
+            ((a(1, 2),) + (a(1),) * 4, "length"),
+        ):
             try:
                 rma.put(*bad)
                 out[name] = "not raised"
             except (TypeError, ValueError) as exc:
                 out[name] = type(exc).__name__
-        n = rma.put(a(src.ctypes.data, src.ctypes.data + 100), a(rd.addr + 1000, rd.addr + 8192 - 50),
-                    a(100, 50), a(rs.handle, 0), a(0, 0))
+        n = rma.put(
+            a(src.ctypes.data, src.ctypes.data + 100),
+            a(rd.addr + 1000, rd.addr + 8192 - 50),
+            a(100, 50),
+            a(rs.handle, 0),
+            a(0, 0),
+        )
         t_done = await rma.flush(5.0, spin)
         out["t_done_ok"] = isinstance(t_done, float) and t_done <= time.monotonic()
         t_fut = await asyncio.wait_for(rma.flush_future(spin), 5.0)  # the task-free form
         out["t_done_ok"] &= isinstance(t_fut, float) and t_done <= t_fut <= time.monotonic()
         out["posted"] = n
-        out["exact"] = (bytes(dst[1000:1100]) == bytes(src[:100])
-                        and bytes(dst[8142:]) == bytes(src[100:150])
-                        and int(dst[:1000].sum()) == 0 and int(dst[1100:8142].sum()) == 0)
+        out["exact"] = (
+            bytes(dst[1000:1100]) == bytes(src[:100])
+            and bytes(dst[8142:]) == bytes(src[100:150])
+            and int(dst[:1000].sum()) == 0
+            and int(dst[1100:8142].sum()) == 0
+        )
         await t.flush_worker(5.0, spin)
         out["spinning_after"] = t._cq.spinning
         await rma.close(1.0)
@@ -127,8 +143,13 @@ class _TransportChecks:
         rs, rd = t.register(src.ctypes.data, src.nbytes), t.register(dst.ctypes.data, dst.nbytes)
         rma.add_remote_regions([rd.addr], [rd.length], [rd.packed_key()])
         u, off = np.uint64, np.arange(n, dtype=np.uint64) * chunk
-        rma.put(src.ctypes.data + off, rd.addr + off, np.full(n, chunk, u),
-                np.full(n, rs.handle, u), np.zeros(n, u))
+        rma.put(
+            src.ctypes.data + off,
+            rd.addr + off,
+            np.full(n, chunk, u),
+            np.full(n, rs.handle, u),
+            np.zeros(n, u),
+        )
         await rma.close(30.0)
         out = {"landed": bool(np.array_equal(src, dst)), "pending": t._cq.pending}
         await asyncio.gather(client.close(1.0), server.close(1.0))
@@ -162,8 +183,14 @@ class _TransportChecks:
         await asyncio.wait_for(closing, 10.0)
         handshake_s = time.monotonic() - t0
         await t.close()
-        return {"kind": kind, "recv": recv, "send_after": after, "handshake_s": handshake_s,
-                "client_saw_close": client._close_seen, "server_saw_close": server._close_seen}
+        return {
+            "kind": kind,
+            "recv": recv,
+            "send_after": after,
+            "handshake_s": handshake_s,
+            "client_saw_close": client._close_seen,
+            "server_saw_close": server._close_seen,
+        }
 
     @staticmethod
     async def completion_queue():
@@ -192,8 +219,13 @@ class _TransportChecks:
                 await asyncio.wait_for(ev.wait(), 5.0)
                 loop.remove_reader(cq.fileno())
                 got = [(tok, s) for tok, s, _ in cq.drain()]
-            res = {"status": st, "drained": got, "pending": cq.pending, "spinning": cq.spinning,
-                   "poller": cq.poller_live}
+            res = {
+                "status": st,
+                "drained": got,
+                "pending": cq.pending,
+                "spinning": cq.spinning,
+                "poller": cq.poller_live,
+            }
             cq.close()
             cq.close()
             res["poller_after_close"] = cq.poller_live

@@ -16,6 +16,7 @@ A transport provides four things, all asyncio-native with a deadline on every wa
 The only implementation is :mod:`kvxfer.transport.ucx` (UCXX + the ``_rma`` extension); the
 tests run it for real over loopback.
 """
+
 from __future__ import annotations
 
 import abc
@@ -29,7 +30,7 @@ class Region(abc.ABC):
     addr: int
     length: int
     mem_type: str  # "host", "cuda", ... as reported by the transport
-    handle: int    # opaque registration handle passed back in put batches (0 = none)
+    handle: int  # opaque registration handle passed back in put batches (0 = none)
 
     @abc.abstractmethod
     def packed_key(self) -> bytes:
@@ -87,8 +88,9 @@ class RmaEndpoint(abc.ABC):
     """Data plane to one peer."""
 
     @abc.abstractmethod
-    def add_remote_regions(self, bases: Sequence[int], lengths: Sequence[int],
-                           keys: Sequence[bytes]) -> None:
+    def add_remote_regions(
+        self, bases: Sequence[int], lengths: Sequence[int], keys: Sequence[bytes]
+    ) -> None:
         """Unpack the peer's keys; regions are then addressed by index in ``put``."""
 
     @abc.abstractmethod
@@ -144,8 +146,9 @@ class Transport(abc.ABC):
         """Opaque address a peer passes to :meth:`rma_endpoint` (sent only after auth)."""
 
     @abc.abstractmethod
-    async def rma_endpoint(self, channel: Channel, peer_address: Optional[bytes],
-                           timeout: float) -> RmaEndpoint:
+    async def rma_endpoint(
+        self, channel: Channel, peer_address: Optional[bytes], timeout: float
+    ) -> RmaEndpoint:
         """RMA over ``channel``'s own connection (``peer_address`` None) or over a separate
         connection to ``peer_address`` (implementation-defined trade-offs)."""
 

@@ -20,6 +20,7 @@ Facts this module relies on (where each callback runs: the threads table in docs
   without an error handler, and then UCX aborts the process when the peer dies mid-PUT; ours
   (``_rma.CompletionQueue.ep_create``) installs one, and the death is reported instead.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -47,8 +48,9 @@ class UcxTransport(Transport):
         if _core._ctx is None:
             self.ucxx.init(options=dict(ucx_options or {}), progress_mode=progress_mode)
         elif ucx_options:
-            log.warning("UCX already initialised in this process; ignoring ucx_options=%r",
-                        ucx_options)
+            log.warning(
+                "UCX already initialised in this process; ignoring ucx_options=%r", ucx_options
+            )
         self._app = _core._get_ctx()
         self.context_handle = self._app.context.handle
         self.worker_handle = self._app.worker.handle
@@ -97,8 +99,9 @@ class UcxTransport(Transport):
             if watcher is not None:
                 watcher(status)
 
-    async def _start_and_wait(self, start, args, timeout: float, what: str,
-                              *extra) -> Tuple[int, float]:
+    async def _start_and_wait(
+        self, start, args, timeout: float, what: str, *extra
+    ) -> Tuple[int, float]:
         """Start a native request completing through the queue; returns its status and the
         ``time.monotonic()`` at which UCX reported it."""
         loop = self._bind_loop()
@@ -151,8 +154,9 @@ class UcxTransport(Transport):
 
     async def flush_worker(self, timeout: float, spin: bool = False) -> float:
         self._bind_loop()
-        status, t = await self._start_and_wait(self._cq.worker_flush, (self.worker_handle,),
-                                               timeout, "ucp_worker_flush", spin)
+        status, t = await self._start_and_wait(
+            self._cq.worker_flush, (self.worker_handle,), timeout, "ucp_worker_flush", spin
+        )
         if status != self.rma.UCS_OK:
             raise status_error(self.rma, status, "ucp_worker_flush")
         return t
@@ -167,8 +171,9 @@ class UcxTransport(Transport):
         if self._closed:  # the queue is gone: nothing can confirm; leak the context
             return False
         try:
-            status, _ = await self._start_and_wait(self._cq.ep_close, (ep,), timeout,
-                                                   "ucp_ep_close", False)
+            status, _ = await self._start_and_wait(
+                self._cq.ep_close, (ep,), timeout, "ucp_ep_close", False
+            )
         except (TransferTimeout, PeerClosed) as exc:
             log.debug("bulk endpoint close: %s", exc)
             return False
@@ -195,21 +200,26 @@ class UcxTransport(Transport):
                 return
             await on_accept(ch)
 
-        self._listener = self.ucxx.create_listener(_handler, port=port,
-                                                   endpoint_error_handling=True)
+        self._listener = self.ucxx.create_listener(
+            _handler, port=port, endpoint_error_handling=True
+        )
         return host, self._listener.port
 
     async def connect(self, host: str, port: int, timeout: float) -> Channel:
         loop = self._bind_loop()
         # UCXX may finish a cancelled create_endpoint with an error instead: retrieve it
-        task = loop.create_task(self.ucxx.create_endpoint(host, port, endpoint_error_handling=True,
-                                                          connect_timeout=timeout))
+        task = loop.create_task(
+            self.ucxx.create_endpoint(
+                host, port, endpoint_error_handling=True, connect_timeout=timeout
+            )
+        )
         task.add_done_callback(retrieve)
         try:
             ep = await asyncio.wait_for(task, timeout)
         except asyncio.TimeoutError:
-            raise TransferTimeout(f"connecting to {host}:{port}: no answer in {timeout:.3g} s") \
-                from None
+            raise TransferTimeout(
+                f"connecting to {host}:{port}: no answer in {timeout:.3g} s"
+            ) from None
         except ucx_error_types(self.ucxx) as exc:
             raise PeerClosed(f"connecting to {host}:{port}: {exc}") from None
         ch = UcxChannel(ep, loop, self.ucxx, new_epoch())
@@ -222,8 +232,9 @@ class UcxTransport(Transport):
     def local_address(self) -> bytes:
         return bytes(self.ucxx.get_worker_address())
 
-    async def rma_endpoint(self, channel: Channel, peer_address: Optional[bytes],
-                           timeout: float) -> RmaEndpoint:
+    async def rma_endpoint(
+        self, channel: Channel, peer_address: Optional[bytes], timeout: float
+    ) -> RmaEndpoint:
         """``peer_address`` None: RMA over the channel's own (error-handled) endpoint.
         Otherwise a bulk endpoint to the peer's worker address, error mode NONE with an
         error handler (keeps shared-memory lanes; a dead peer is reported, not fatal)."""

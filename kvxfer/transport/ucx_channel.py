@@ -1,6 +1,7 @@
 """The control path of the UCX transport: :class:`UcxChannel`, ordered active messages over
 one UCXX endpoint (peer error handling on), with connection epochs, padding and an orderly
 close (see the class docstring). :mod:`.ucx` makes the endpoints (listener, connect)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +18,7 @@ from kvxfer.transport.ucx_sockaddr import sockaddrs
 log = logging.getLogger(__name__)
 
 _PADDING = bytes(8)  # epoch 0, empty payload (see UcxChannel)
-_CLOSE = b"\xc1"      # payload of a close frame (0xc1 is never a msgpack message)
+_CLOSE = b"\xc1"  # payload of a close frame (0xc1 is never a msgpack message)
 #: bound on sending the opening padding frame of an accepted connection
 OPEN_TIMEOUT_S = 10.0
 
@@ -66,11 +67,11 @@ class UcxChannel(Channel):
         self._closing = False
         self._epoch = epoch  # None: not known yet (accepting side before the handshake)
         self._connecting = epoch is not None  # we opened the connection (chose the epoch)
-        self._rx_epoch = 0   # epoch of the last frame returned while ours was unknown
+        self._rx_epoch = 0  # epoch of the last frame returned while ours was unknown
         self._rx: Optional[asyncio.Future] = None  # the pending receive request
         self._close_seen = False  # the peer's close frame arrived
         self._disconnected = asyncio.Event()  # UCXX reported the endpoint closed or failed
-        self.dropped = 0     # frames of another connection dropped
+        self.dropped = 0  # frames of another connection dropped
         # UCXX keeps the callback (and what it references) in the UCXEndpoint, which its
         # endpoint finalizer keeps alive: a strong reference to us would be a cycle through
         # that global registry that never dies (nor the endpoint, nor its listener).
@@ -208,7 +209,11 @@ class UcxChannel(Channel):
                 (log.warning if self.dropped == 1 else log.debug)(
                     "dropped a %d-byte message of an earlier connection (epoch %#x, this one "
                     "%#x; %d dropped so far, further ones logged at debug level)",
-                    len(frame) - 8, epoch, self._epoch, self.dropped)
+                    len(frame) - 8,
+                    epoch,
+                    self._epoch,
+                    self.dropped,
+                )
                 continue
             if max_bytes is not None and len(frame) - 8 > max_bytes:
                 n = len(frame) - 8
@@ -239,16 +244,17 @@ class UcxChannel(Channel):
             return
         end = self._loop.time() + timeout
         try:
-            await asyncio.wait_for(self._ep.am_send(epoch.to_bytes(8, "little") + _CLOSE),
-                                   timeout)
+            await asyncio.wait_for(self._ep.am_send(epoch.to_bytes(8, "little") + _CLOSE), timeout)
             while not self._close_seen:
                 frame = await self._next_frame(max(0.0, end - self._loop.time()))
-                if len(frame) == 9 and frame[8:] == _CLOSE and \
-                        int.from_bytes(frame[:8], "little") == epoch:
+                if (
+                    len(frame) == 9
+                    and frame[8:] == _CLOSE
+                    and int.from_bytes(frame[:8], "little") == epoch
+                ):
                     self._close_seen = True
             if self._connecting:  # the accepting side aborts first (class docstring)
-                await asyncio.wait_for(self._disconnected.wait(),
-                                       max(0.0, end - self._loop.time()))
+                await asyncio.wait_for(self._disconnected.wait(), max(0.0, end - self._loop.time()))
         except (asyncio.TimeoutError, TransferTimeout, PeerClosed) as exc:
             log.debug("close handshake: %s", exc or type(exc).__name__)
         except ucx_error_types(self._ucxx) as exc:
@@ -261,7 +267,6 @@ def _close_callback(ref) -> None:
     ch = ref()
     if ch is not None:
         ch._on_ucx_close()
-
 
 
 async def _await_request(req):

@@ -1,6 +1,7 @@
 """Loading UCX (UCXX first, then the native ``_rma`` extension, so that both use one
 libucp) and mapping UCX failures to kvxfer's error hierarchy. The rest of the UCX transport
 (:mod:`.ucx`, :mod:`.ucx_channel`, :mod:`.ucx_rma`) builds on these."""
+
 from __future__ import annotations
 
 import os
@@ -36,8 +37,13 @@ def status_error(rma, status: int, what: str) -> TransportError:
     """The kvxfer error for a UCS status: PeerClosed when it means the peer is gone or
     unreachable, TransportError otherwise."""
     text = rma.status_string(status)
-    peerish = {rma.UCS_ERR_CONNECTION_RESET, rma.UCS_ERR_ENDPOINT_TIMEOUT,
-               rma.UCS_ERR_UNREACHABLE, rma.UCS_ERR_NOT_CONNECTED, rma.UCS_ERR_CANCELED}
+    peerish = {
+        rma.UCS_ERR_CONNECTION_RESET,
+        rma.UCS_ERR_ENDPOINT_TIMEOUT,
+        rma.UCS_ERR_UNREACHABLE,
+        rma.UCS_ERR_NOT_CONNECTED,
+        rma.UCS_ERR_CANCELED,
+    }
     cls = PeerClosed if status in peerish else TransportError
     return cls(f"{what}: {text} ({status})")
 

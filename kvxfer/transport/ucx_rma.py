@@ -3,6 +3,7 @@ remote keys, batched PUTs, flush, lanes) of the UCX transport. An endpoint's flu
 bulk-endpoint close go through the transport's completion queue; what it uses of the
 transport is :class:`RmaService` (:class:`kvxfer.transport.ucx.UcxTransport` provides it).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -57,8 +58,10 @@ class UcxRegion(Region):
             self._rma.mem_unmap(self._ctx, h)
 
     def __repr__(self):
-        return (f"UcxRegion({self.addr:#x}, {self.length}, {self.mem_type}, "
-                f"{'live' if self.handle else 'released'})")
+        return (
+            f"UcxRegion({self.addr:#x}, {self.length}, {self.mem_type}, "
+            f"{'live' if self.handle else 'released'})"
+        )
 
 
 # ------------------------------------------------------------- rma endpoint
@@ -70,8 +73,13 @@ class UcxRma(RmaEndpoint):
     ``CompletionQueue.ep_create`` (``error_mode="none"``: shared-memory lanes, failures
     reported through ``err_token`` instead of aborting the process)."""
 
-    def __init__(self, transport: RmaService, ep=None, raw: Optional[Tuple[int, int]] = None,
-                 err_token: int = 0):
+    def __init__(
+        self,
+        transport: RmaService,
+        ep=None,
+        raw: Optional[Tuple[int, int]] = None,
+        err_token: int = 0,
+    ):
         self._t, self._ep, self._raw, self._err_token = transport, ep, raw, err_token
         self._rkeys: List[int] = []
         self._rbase = np.zeros(0, _U64)
@@ -129,8 +137,17 @@ class UcxRma(RmaEndpoint):
     def put(self, laddr, raddr, nbytes, lmemh, ridx) -> int:
         rma = self._t.rma
         try:
-            return rma.put_batch(self._handle(), laddr, raddr, nbytes, lmemh, ridx,
-                                 self._rbase, self._rlen, self._rkey_arr)
+            return rma.put_batch(
+                self._handle(),
+                laddr,
+                raddr,
+                nbytes,
+                lmemh,
+                ridx,
+                self._rbase,
+                self._rlen,
+                self._rkey_arr,
+            )
         except IndexError as exc:
             raise IndexOutOfRange(f"native bounds check: {exc}") from None
         except rma.UcxError as exc:
@@ -181,8 +198,9 @@ class UcxRma(RmaEndpoint):
         else:  # failed or closed: UCX dropped its requests
             quiet = True
         if not quiet:
-            log.warning("RMA endpoint not quiesced in %.3g s: %d remote keys leaked", timeout,
-                        len(rkeys))
+            log.warning(
+                "RMA endpoint not quiesced in %.3g s: %d remote keys leaked", timeout, len(rkeys)
+            )
             return
         for rk in rkeys:
             self._t.rma.rkey_destroy(rk)

@@ -11,6 +11,7 @@ UCXX share it, see :func:`kvxfer.transport.ucx_lib.load_ucx`); ``ucp_ep_attr_t``
 ``uint64_t field_mask; char name[UCP_ENTITY_NAME_MAX]; struct sockaddr_storage local,
 remote; ...`` (UCX >= 1.14).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -25,7 +26,7 @@ from kvxfer.errors import TransportError
 
 _FIELD_LOCAL_SOCKADDR = 1 << 1
 _FIELD_REMOTE_SOCKADDR = 1 << 2
-_NAME_MAX = 32          # UCP_ENTITY_NAME_MAX
+_NAME_MAX = 32  # UCP_ENTITY_NAME_MAX
 _SOCKADDR_STORAGE = 128
 _LOCAL_OFF = 8 + _NAME_MAX
 _REMOTE_OFF = _LOCAL_OFF + _SOCKADDR_STORAGE
@@ -68,5 +69,7 @@ def sockaddrs(ep_handle: int) -> Tuple[Tuple[str, int], Tuple[str, int]]:
     if status != 0:
         raise TransportError(f"ucp_ep_query: UCS status {status}")
     raw = buf.raw
-    return (_parse(raw[_LOCAL_OFF:_LOCAL_OFF + _SOCKADDR_STORAGE]),
-            _parse(raw[_REMOTE_OFF:_REMOTE_OFF + _SOCKADDR_STORAGE]))
+    return (
+        _parse(raw[_LOCAL_OFF : _LOCAL_OFF + _SOCKADDR_STORAGE]),
+        _parse(raw[_REMOTE_OFF : _REMOTE_OFF + _SOCKADDR_STORAGE]),
+    )

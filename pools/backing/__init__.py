@@ -7,6 +7,7 @@
 - :mod:`.owner` -- :class:`BackedBuffers`, what a pool uses: one tensor per
   :class:`~kvxfer.pools.layout.KvBufferDesc`, page 0 backed at once, ``finalize(n)`` later.
 """
+
 from .base import Backing, BackingProvider
 from .memory import make_provider
 from .owner import BackedBuffers

@@ -20,6 +20,7 @@ that :meth:`Backing.decommit` gives back. Invariants:
 A :class:`BackingProvider` holds per-device state (driver context, handle type, granularity)
 and makes backings; one provider serves every buffer of a pool.
 """
+
 from __future__ import annotations
 
 import abc
@@ -67,8 +68,8 @@ class _RangeState:
     can tear it down without keeping the backing alive. Subclasses hold the handles."""
 
     def __init__(self) -> None:
-        self.extents: list[Extent] = []        # sorted by offset
-        self.order: list[Extent] = []          # creation order, for newest-first teardown
+        self.extents: list[Extent] = []  # sorted by offset
+        self.order: list[Extent] = []  # creation order, for newest-first teardown
         self.released = False
 
     def unmap(self, offset: int, nbytes: int) -> None:  # pragma: no cover - abstract
@@ -114,8 +115,14 @@ class Backing(abc.ABC):
     #: True when freshly committed memory is known to read as zeros
     fresh_memory_is_zero: bool = False
 
-    def _setup(self, state: _RangeState, address: int, reserved_bytes: int,
-               granularity: int, max_extent_bytes: int) -> None:
+    def _setup(
+        self,
+        state: _RangeState,
+        address: int,
+        reserved_bytes: int,
+        granularity: int,
+        max_extent_bytes: int,
+    ) -> None:
         self._state = state
         self.address = int(address)
         self.reserved_bytes = int(reserved_bytes)
@@ -171,7 +178,8 @@ class Backing(abc.ABC):
         if offset < 0 or nbytes < 0 or offset + nbytes > self.reserved_bytes:
             raise InvalidArgument(
                 f"range [{offset}, {offset + nbytes}) is outside the reservation "
-                f"[0, {self.reserved_bytes})")
+                f"[0, {self.reserved_bytes})"
+            )
 
     def commit(self, offset: int, nbytes: int) -> list[Extent]:
         """Back every byte of ``[offset, offset + nbytes)`` (rounded out to the granularity).
@@ -240,8 +248,10 @@ class Backing(abc.ABC):
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"backed={self.backed_bytes}"
-        return (f"<{type(self).__name__} {self.address:#x} reserved={self.reserved_bytes} "
-                f"{state} extents={len(self._state.extents)}>")
+        return (
+            f"<{type(self).__name__} {self.address:#x} reserved={self.reserved_bytes} "
+            f"{state} extents={len(self._state.extents)}>"
+        )
 
 
 class BackingProvider(abc.ABC):

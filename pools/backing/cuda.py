@@ -19,6 +19,7 @@ first use, never at import time); every driver failure here is a :class:`Backing
   synchronises the context, then ``cuMemUnmap`` + ``cuMemRelease`` newest extent first, then
   ``cuMemAddressFree``. Fresh extents are *not* zeroed by the driver (the owner zeroes them).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -90,8 +91,7 @@ class _Context:
         self.cu = cu
         self.device_index = device_index
         self.device = _check(cu.cuDeviceGet(device_index), f"cuDeviceGet({device_index})")
-        self.ctx = _check(cu.cuDevicePrimaryCtxRetain(self.device),
-                          "cuDevicePrimaryCtxRetain")
+        self.ctx = _check(cu.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
         self.released = False
 
     @contextlib.contextmanager
@@ -113,8 +113,7 @@ class _Context:
     def release(self) -> None:
         if not self.released:
             self.released = True
-            _check(self.cu.cuDevicePrimaryCtxRelease(self.device),
-                   "cuDevicePrimaryCtxRelease")
+            _check(self.cu.cuDevicePrimaryCtxRelease(self.device), "cuDevicePrimaryCtxRelease")
 
 
 class CudaVmmProvider(BackingProvider):
@@ -122,14 +121,19 @@ class CudaVmmProvider(BackingProvider):
 
     device_type = "cuda"
 
-    def __init__(self, device_index: int = 0, *,
-                 handle_types: Sequence[str] = HANDLE_TYPE_ORDER,
-                 default_max_extent_bytes: int = 256 << 20) -> None:
+    def __init__(
+        self,
+        device_index: int = 0,
+        *,
+        handle_types: Sequence[str] = HANDLE_TYPE_ORDER,
+        default_max_extent_bytes: int = 256 << 20,
+    ) -> None:
         handle_types = tuple(handle_types)
         bad = [h for h in handle_types if h not in _HANDLE_ENUM]
         if not handle_types or bad:
             raise InvalidArgument(
-                f"handle_types must be a non-empty subset of {HANDLE_TYPE_ORDER}, got {handle_types}")
+                f"handle_types must be a non-empty subset of {HANDLE_TYPE_ORDER}, got {handle_types}"
+            )
         if int(device_index) < 0:
             raise InvalidArgument(f"device_index must be >= 0, got {device_index}")
         cu = driver()
@@ -139,20 +143,28 @@ class CudaVmmProvider(BackingProvider):
         self._finalizer = weakref.finalize(self, self._ctx.release)
         try:
             if self._ctx.attribute("CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED") == 0:
-                raise BackingError(f"cuda:{device_index} does not support virtual memory management")
-            self.gpu_direct_rdma = bool(self._ctx.attribute(
-                "CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED"))
+                raise BackingError(
+                    f"cuda:{device_index} does not support virtual memory management"
+                )
+            self.gpu_direct_rdma = bool(
+                self._ctx.attribute("CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED")
+            )
             with self._ctx.current():
-                self.handle_type, self.probe_report, self.prop, self.granularity = \
+                self.handle_type, self.probe_report, self.prop, self.granularity = (
                     self._choose_handle_type(handle_types)
+                )
         except BaseException:
             self._finalizer()
             raise
         self.default_max_extent_bytes = self._extent_cap(default_max_extent_bytes)
-        logger.info("cuda:%d VMM backing: handle type %s (probe: %s), granularity %d, "
-                    "GPUDirect RDMA %s", self.device_index, self.handle_type,
-                    ", ".join(f"{h}={r}" for h, r in self.probe_report), self.granularity,
-                    self.gpu_direct_rdma)
+        logger.info(
+            "cuda:%d VMM backing: handle type %s (probe: %s), granularity %d, GPUDirect RDMA %s",
+            self.device_index,
+            self.handle_type,
+            ", ".join(f"{h}={r}" for h, r in self.probe_report),
+            self.granularity,
+            self.gpu_direct_rdma,
+        )
 
     def _make_prop(self, handle_type: str, rdma: bool):
         cu = self.cu
@@ -176,7 +188,7 @@ class CudaVmmProvider(BackingProvider):
                 report.append((name, "unsupported by device"))
                 continue
             # RDMA-capable first when the device offers it, then plain, before the next type
-            for rdma in ((True, False) if self.gpu_direct_rdma else (False,)):
+            for rdma in (True, False) if self.gpu_direct_rdma else (False,):
                 label = f"{name}+rdma" if rdma else name
                 prop = self._make_prop(name, rdma)
                 gran_flag = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
@@ -195,7 +207,8 @@ class CudaVmmProvider(BackingProvider):
                 return name, report, prop, gran
         raise BackingError(
             f"no usable VMM allocation handle type on cuda:{self.device_index}: "
-            + "; ".join(f"{h}: {r}" for h, r in report))
+            + "; ".join(f"{h}: {r}" for h, r in report)
+        )
 
     @contextlib.contextmanager
     def current(self) -> Iterator[None]:
@@ -209,9 +222,14 @@ class CudaVmmProvider(BackingProvider):
         return CudaVmmBacking(self, self._reserve_size(nbytes), self._extent_cap(max_extent_bytes))
 
     def info(self) -> dict[str, Any]:
-        return {**super().info(), "kind": "cuda_vmm", "device_index": self.device_index,
-                "handle_type": self.handle_type, "handle_probe": list(self.probe_report),
-                "gpu_direct_rdma": self.gpu_direct_rdma}
+        return {
+            **super().info(),
+            "kind": "cuda_vmm",
+            "device_index": self.device_index,
+            "handle_type": self.handle_type,
+            "handle_probe": list(self.probe_report),
+            "gpu_direct_rdma": self.gpu_direct_rdma,
+        }
 
     def close(self) -> None:
         self._finalizer()
@@ -220,7 +238,7 @@ class CudaVmmProvider(BackingProvider):
 class _CudaRange(_RangeState):
     def __init__(self, provider: CudaVmmProvider, ptr: int, nbytes: int) -> None:
         super().__init__()
-        self.provider = provider          # keeps the context retained while the range lives
+        self.provider = provider  # keeps the context retained while the range lives
         self.ptr = ptr
         self.nbytes = nbytes
         self.handles: dict[int, Any] = {}  # extent offset -> allocation handle
@@ -253,10 +271,17 @@ class CudaVmmBacking(Backing):
         cu = provider.cu
         self.provider = provider
         with provider.current():
-            ptr = _check(cu.cuMemAddressReserve(nbytes, provider.granularity, 0, 0),
-                         f"cuMemAddressReserve({nbytes})")
-        self._setup(_CudaRange(provider, int(ptr), nbytes), int(ptr), nbytes,
-                    provider.granularity, max_extent_bytes)
+            ptr = _check(
+                cu.cuMemAddressReserve(nbytes, provider.granularity, 0, 0),
+                f"cuMemAddressReserve({nbytes})",
+            )
+        self._setup(
+            _CudaRange(provider, int(ptr), nbytes),
+            int(ptr),
+            nbytes,
+            provider.granularity,
+            max_extent_bytes,
+        )
         desc = cu.CUmemAccessDesc()
         desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         desc.location.id = provider.device_index
@@ -269,8 +294,9 @@ class CudaVmmBacking(Backing):
         with p.current():
             res = cu.cuMemCreate(nbytes, p.prop, 0)
             if _is_error(cu, res, "CUDA_ERROR_OUT_OF_MEMORY"):
-                raise BackingError(f"cuMemCreate({nbytes}) on cuda:{p.device_index}: "
-                                   f"out of device memory")
+                raise BackingError(
+                    f"cuMemCreate({nbytes}) on cuda:{p.device_index}: out of device memory"
+                )
             handle = _check(res, f"cuMemCreate({nbytes})")
             _map_with_access(cu, addr, nbytes, handle, self._access)
         self._state.handles[offset] = handle
@@ -279,10 +305,14 @@ class CudaVmmBacking(Backing):
         """A ``CU_POINTER_ATTRIBUTE_*`` of the range start (must be backed), for reports."""
         cu = self.provider.cu
         with self.provider.current():
-            v = _check(cu.cuPointerGetAttribute(getattr(cu.CUpointer_attribute, name),
-                                                    self.address), name)
+            v = _check(
+                cu.cuPointerGetAttribute(getattr(cu.CUpointer_attribute, name), self.address), name
+            )
         return getattr(v, "name", None) or int(v)
 
     def info(self) -> dict[str, Any]:
-        return {**super().info(), "handle_type": self.provider.handle_type,
-                "device_index": self.provider.device_index}
+        return {
+            **super().info(),
+            "handle_type": self.provider.handle_type,
+            "device_index": self.provider.device_index,
+        }

@@ -6,6 +6,7 @@ extent drops its pages (``MADV_DONTNEED``) and makes it inaccessible again, so a
 reads zeros. Touching a byte outside the committed extents faults (SIGSEGV): the owner's bounds
 checks exist so that this cannot happen through the pool API.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -34,11 +35,19 @@ def _lib():
     global _libc
     if _libc is None:
         if not sys.platform.startswith("linux"):
-            raise UnsupportedOperation(f"host backing needs Linux mmap/mprotect, not {sys.platform}")
+            raise UnsupportedOperation(
+                f"host backing needs Linux mmap/mprotect, not {sys.platform}"
+            )
         lib = ctypes.CDLL(None, use_errno=True)
         lib.mmap.restype = ctypes.c_void_p
-        lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                             ctypes.c_int, ctypes.c_long]
+        lib.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
         for name in ("munmap", "mprotect", "madvise"):
             fn = getattr(lib, name)
             fn.restype = ctypes.c_int
@@ -81,8 +90,9 @@ class HostBacking(Backing):
 
     def __init__(self, nbytes: int, granularity: int, max_extent_bytes: int) -> None:
         lib = _lib()
-        addr = lib.mmap(None, nbytes, _PROT_NONE,
-                        _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+        addr = lib.mmap(
+            None, nbytes, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0
+        )
         if addr is None or addr == _MAP_FAILED:
             raise _os_error(f"mmap reserve of {nbytes} bytes")
         self._setup(_HostRange(addr, nbytes), addr, nbytes, granularity, max_extent_bytes)
@@ -102,8 +112,9 @@ class HostBackingProvider(BackingProvider):
         self.default_max_extent_bytes = self._extent_cap(default_max_extent_bytes)
 
     def reserve(self, nbytes: int, *, max_extent_bytes: int | None = None) -> HostBacking:
-        return HostBacking(self._reserve_size(nbytes), self.granularity,
-                           self._extent_cap(max_extent_bytes))
+        return HostBacking(
+            self._reserve_size(nbytes), self.granularity, self._extent_cap(max_extent_bytes)
+        )
 
     def info(self) -> dict[str, Any]:
         return {**super().info(), "kind": "host", "handle_type": "none"}

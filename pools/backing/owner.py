@@ -36,6 +36,7 @@ Invariants:
 Not thread-safe. After :meth:`close` the tensors must not be used (the owner drops its own
 references; the pool must drop its views first).
 """
+
 from __future__ import annotations
 
 import logging
@@ -80,24 +81,35 @@ class BackedBuffers:
         provider: a shared :class:`BackingProvider` to use (not closed by :meth:`close`).
     """
 
-    def __init__(self, descs: Sequence[KvBufferDesc], *,
-                 store_dtype: Union[torch.dtype, Sequence[torch.dtype]],
-                 device: Union[str, torch.device] = "cpu", page_size: int,
-                 reserved_num_tokens: int, one_range: bool = False,
-                 handle_types: Optional[Sequence[str]] = None,
-                 max_extent_bytes: Optional[int] = None,
-                 provider: Optional[BackingProvider] = None) -> None:
+    def __init__(
+        self,
+        descs: Sequence[KvBufferDesc],
+        *,
+        store_dtype: Union[torch.dtype, Sequence[torch.dtype]],
+        device: Union[str, torch.device] = "cpu",
+        page_size: int,
+        reserved_num_tokens: int,
+        one_range: bool = False,
+        handle_types: Optional[Sequence[str]] = None,
+        max_extent_bytes: Optional[int] = None,
+        provider: Optional[BackingProvider] = None,
+    ) -> None:
         self.descs = list(descs)
         if not self.descs:
             raise InvalidArgument("BackedBuffers needs at least one buffer descriptor")
         for d in self.descs:
             if not isinstance(d, KvBufferDesc):
                 raise InvalidArgument(f"expected KvBufferDesc, got {type(d).__name__}: {d!r}")
-        dtypes = ([store_dtype] * len(self.descs) if isinstance(store_dtype, torch.dtype)
-                  else list(store_dtype))
+        dtypes = (
+            [store_dtype] * len(self.descs)
+            if isinstance(store_dtype, torch.dtype)
+            else list(store_dtype)
+        )
         if len(dtypes) != len(self.descs) or not all(isinstance(t, torch.dtype) for t in dtypes):
-            raise InvalidArgument(f"store_dtype must be a torch.dtype or one per descriptor "
-                                  f"({len(self.descs)}), got {store_dtype!r}")
+            raise InvalidArgument(
+                f"store_dtype must be a torch.dtype or one per descriptor "
+                f"({len(self.descs)}), got {store_dtype!r}"
+            )
         self.store_dtypes = dtypes
         self.page_size = _int_arg("page_size", page_size, 1)
         self.reserved_num_tokens = _int_arg("reserved_num_tokens", reserved_num_tokens, 0)
@@ -107,15 +119,20 @@ class BackedBuffers:
             self.device = torch.device("cuda", cuda_index(self.device))
 
         self._own_provider = provider is None
-        self.provider = provider if provider is not None else \
-            make_provider(self.device, handle_types=handle_types)
-        if self.provider.device_type != self.device.type or \
-                getattr(self.provider, "device_index", self.device.index) != self.device.index:
+        self.provider = (
+            provider
+            if provider is not None
+            else make_provider(self.device, handle_types=handle_types)
+        )
+        if (
+            self.provider.device_type != self.device.type
+            or getattr(self.provider, "device_index", self.device.index) != self.device.index
+        ):
             raise InvalidArgument(f"provider {self.provider.info()} does not serve {self.device}")
         self.tensors: list[torch.Tensor] = []
         self._bytes: list[torch.Tensor] = []
         self._backings: list[Backing] = []
-        self._slots: list[tuple[Backing, int]] = []   # (backing, offset of buffer i in it)
+        self._slots: list[tuple[Backing, int]] = []  # (backing, offset of buffer i in it)
         self.span_bytes: list[int] = [0] * len(self.descs)
         self.num_tokens: Optional[int] = None
         self._closed = False
@@ -126,8 +143,13 @@ class BackedBuffers:
         except BaseException:
             self.close()
             raise
-        logger.debug("reserved %d bytes over %d buffers on %s; page 0 backed (%d bytes)",
-                     self.reserved_bytes, len(self.descs), self.device, self.backed_bytes)
+        logger.debug(
+            "reserved %d bytes over %d buffers on %s; page 0 backed (%d bytes)",
+            self.reserved_bytes,
+            len(self.descs),
+            self.device,
+            self.backed_bytes,
+        )
 
     # -- construction ---------------------------------------------------------------------
     def _check_descs(self) -> list[int]:
@@ -137,17 +159,21 @@ class BackedBuffers:
             if span <= 0 or not d.shape:
                 raise InvalidArgument(f"{d.name}: empty buffer (shape {d.shape})")
             if span % d.row_bytes:
-                raise ShapeMismatch(f"{d.name}: {span} reserved bytes are not whole rows of "
-                                    f"{d.row_bytes} bytes")
-            lead = span // d.shape[0]   # bytes per index of dim 0
+                raise ShapeMismatch(
+                    f"{d.name}: {span} reserved bytes are not whole rows of {d.row_bytes} bytes"
+                )
+            lead = span // d.shape[0]  # bytes per index of dim 0
             if d.row_bytes % lead:
-                raise ShapeMismatch(f"{d.name}: a row ({d.row_bytes} bytes) is not a whole number "
-                                    f"of dim-0 slices ({lead} bytes) of shape {d.shape}")
+                raise ShapeMismatch(
+                    f"{d.name}: a row ({d.row_bytes} bytes) is not a whole number "
+                    f"of dim-0 slices ({lead} bytes) of shape {d.shape}"
+                )
             need = d.final_span_bytes(self.reserved_num_tokens, self.page_size)
             if need > span:
                 raise ShapeMismatch(
                     f"{d.name}: reserved_num_tokens={self.reserved_num_tokens} needs {need} bytes "
-                    f"but the buffer (shape {d.shape}, {dt}) holds {span}")
+                    f"but the buffer (shape {d.shape}, {dt}) holds {span}"
+                )
             spans.append(span)
         return spans
 
@@ -170,8 +196,9 @@ class BackedBuffers:
         for i, (b, off) in enumerate(self._slots):
             addr = b.address + off
             if addr % align:
-                raise BackingError(f"{self.descs[i].name}: base {addr:#x} is not "
-                                   f"{align}-byte aligned")
+                raise BackingError(
+                    f"{self.descs[i].name}: base {addr:#x} is not {align}-byte aligned"
+                )
 
     def _make_tensors(self) -> None:
         """Built once page 0 is backed (the CUDA array interface queries the base pointer)."""
@@ -179,8 +206,10 @@ class BackedBuffers:
             addr, n = b.address + off, self.reserved_spans[i]
             raw = tensor_over(self.device, addr, n, b)
             if raw.data_ptr() != addr or raw.numel() != n:
-                raise BackingError(f"{d.name}: tensor over {addr:#x} came back at "
-                                   f"{raw.data_ptr():#x} ({raw.numel()} bytes): not a view")
+                raise BackingError(
+                    f"{d.name}: tensor over {addr:#x} came back at "
+                    f"{raw.data_ptr():#x} ({raw.numel()} bytes): not a view"
+                )
             self._bytes.append(raw)
             self.tensors.append(raw.view(dt).view(d.shape))
 
@@ -213,10 +242,15 @@ class BackedBuffers:
         return min(s // d.row_bytes * d.tokens_per_row for s, d in zip(self.span_bytes, self.descs))
 
     def info(self) -> dict[str, Any]:
-        return {**self.provider.info(), "buffers": len(self.descs),
-                "reserved_bytes": self.reserved_bytes, "backed_bytes": self.backed_bytes,
-                "requested_bytes": self.requested_bytes, "num_tokens": self.num_tokens,
-                "usable_tokens": self.usable_tokens if not self._closed else 0}
+        return {
+            **self.provider.info(),
+            "buffers": len(self.descs),
+            "reserved_bytes": self.reserved_bytes,
+            "backed_bytes": self.backed_bytes,
+            "requested_bytes": self.requested_bytes,
+            "num_tokens": self.num_tokens,
+            "usable_tokens": self.usable_tokens if not self._closed else 0,
+        }
 
     def _check_open(self) -> None:
         if self._closed:
@@ -242,8 +276,10 @@ class BackedBuffers:
         if lo < 0:
             raise IndexOutOfRange(f"token id {lo} is negative")
         if hi >= cap:
-            raise IndexOutOfRange(f"token id {hi} is beyond the backed capacity: ids must be "
-                                  f"< {cap} (num_tokens={self.num_tokens})")
+            raise IndexOutOfRange(
+                f"token id {hi} is beyond the backed capacity: ids must be "
+                f"< {cap} (num_tokens={self.num_tokens})"
+            )
 
     def backed_views(self) -> list[torch.Tensor]:
         """``tensors`` narrowed along dim 0 to their backed span (safe to index anywhere)."""
@@ -270,8 +306,11 @@ class BackedBuffers:
     def buf_infos(self) -> tuple[list[int], list[int], list[int]]:
         """``(ptrs, lens, item_lens)``: lens are the usable (backed) spans, never the reserved."""
         self._check_open()
-        return ([t.data_ptr() for t in self._bytes], list(self.span_bytes),
-                [d.item_len_bytes(self.page_size) for d in self.descs])
+        return (
+            [t.data_ptr() for t in self._bytes],
+            list(self.span_bytes),
+            [d.item_len_bytes(self.page_size) for d in self.descs],
+        )
 
     # -- finalize / release ---------------------------------------------------------------
     def _check_n(self, n, upper: int, what: str) -> int:
@@ -298,9 +337,14 @@ class BackedBuffers:
         n = self._check_n(num_tokens, self.reserved_num_tokens, "finalize")
         self._resize(self._targets(n))
         self.num_tokens = n
-        logger.info("backing finalized: %d tokens, requested %d bytes, backed %d bytes "
-                    "(reserved %d) on %s", n, self.requested_bytes, self.backed_bytes,
-                    self.reserved_bytes, self.device)
+        logger.info(
+            "backing finalized: %d tokens, requested %d bytes, backed %d bytes (reserved %d) on %s",
+            n,
+            self.requested_bytes,
+            self.backed_bytes,
+            self.reserved_bytes,
+            self.device,
+        )
 
     def release_beyond(self, num_tokens: int) -> int:
         """Shrink to ``num_tokens`` (<= the finalized count) and give back every extent
@@ -333,10 +377,13 @@ class BackedBuffers:
             old, new = self.span_bytes[i], targets[i]
             if new > old:
                 # fresh host pages read as zeros; everything else is zeroed here
-                holes = ([ext for bb, exts in grown if bb is b for ext in exts]
-                         if b.fresh_memory_is_zero else [])
+                holes = (
+                    [ext for bb, exts in grown if bb is b for ext in exts]
+                    if b.fresh_memory_is_zero
+                    else []
+                )
                 for lo, hi in subtract_ranges(off + old, off + new, holes):
-                    self._bytes[i][lo - off:hi - off].zero_()
+                    self._bytes[i][lo - off : hi - off].zero_()
         shrink = [i for i in range(len(targets)) if targets[i] < self.span_bytes[i]]
         if shrink:
             for b in {id(b): b for b, _ in (self._slots[i] for i in shrink)}.values():
@@ -383,6 +430,8 @@ class BackedBuffers:
     def __repr__(self) -> str:
         if self._closed:
             return "<BackedBuffers closed>"
-        return (f"<BackedBuffers {len(self.descs)} buffers on {self.device} "
-                f"num_tokens={self.num_tokens} backed={self.backed_bytes} "
-                f"reserved={self.reserved_bytes}>")
+        return (
+            f"<BackedBuffers {len(self.descs)} buffers on {self.device} "
+            f"num_tokens={self.num_tokens} backed={self.backed_bytes} "
+            f"reserved={self.reserved_bytes}>"
+        )

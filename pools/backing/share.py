@@ -32,6 +32,7 @@ a later ``finalize_backing``/``release_beyond`` on the exporter needs a new shar
 ``generation`` number lets the two sides tell shares apart). Writers and the owner must not
 touch the same pages concurrently -- the transfer protocol's job, as with RMA.
 """
+
 from __future__ import annotations
 
 import logging
@@ -86,43 +87,58 @@ def export_buffers(owner, *, generation: int = 0) -> tuple[ShareManifest, list]:
         raise UnsupportedOperation(
             f"sharing needs CUDA VMM memory with POSIX-FD handles; this backing is "
             f"{provider.device_type} with handle type {handle_type!r} (build the pool with "
-            f"backing_options={{'handle_types': ('posix_fd',)}})")
+            f"backing_options={{'handle_types': ('posix_fd',)}})"
+        )
     cu = provider.cu
-    backings = owner._backings           # this package's own structures (see owner.py)
+    backings = owner._backings  # this package's own structures (see owner.py)
     index = {id(b): i for i, b in enumerate(backings)}
     ranges, fds = [], []
     try:
         for b in backings:
-            b.sync()                         # queued zero-fills land before any peer write
+            b.sync()  # queued zero-fills land before any peer write
         with provider.current():
             for b in backings:
                 extents = b.extents
                 for off, _ in extents:
-                    res = cu.cuMemExportToShareableHandle(b._state.handles[off],
-                                                          _posix_fd_enum(cu), 0)
+                    res = cu.cuMemExportToShareableHandle(
+                        b._state.handles[off], _posix_fd_enum(cu), 0
+                    )
                     fds.append(int(_check(res, "cuMemExportToShareableHandle(POSIX_FD)")))
                 ranges.append(RangeGrant(b.reserved_bytes, tuple(extents)))
         buffers = tuple(
             BufferGrant(d.name, index[id(b)], off, span, d.item_len_bytes(owner.page_size))
-            for (b, off), d, span in zip(owner._slots, owner.descs, owner.span_bytes))
+            for (b, off), d, span in zip(owner._slots, owner.descs, owner.span_bytes)
+        )
     except BaseException:
         close_fds(fds)
         raise
-    manifest = ShareManifest("posix_fd", provider.granularity, device_uuid(owner.device.index),
-                             generation, tuple(ranges), buffers)
+    manifest = ShareManifest(
+        "posix_fd",
+        provider.granularity,
+        device_uuid(owner.device.index),
+        generation,
+        tuple(ranges),
+        buffers,
+    )
     return manifest, fds
 
 
-def send_share(sock: socket.socket, owner, *, generation: int = 0,
-               timeout: float = 30.0) -> ShareManifest:
+def send_share(
+    sock: socket.socket, owner, *, generation: int = 0, timeout: float = 30.0
+) -> ShareManifest:
     """Export ``owner``'s extents and send them over the connected AF_UNIX stream ``sock``."""
     manifest, fds = export_buffers(owner, generation=generation)
     try:
         send_share_message(sock, manifest, fds, timeout)
     finally:
         close_fds(fds)
-    logger.info("shared %d buffers (%d extents, generation %d) over %s", len(manifest.buffers),
-                len(fds), generation, sock)
+    logger.info(
+        "shared %d buffers (%d extents, generation %d) over %s",
+        len(manifest.buffers),
+        len(fds),
+        generation,
+        sock,
+    )
     return manifest
 
 
@@ -132,6 +148,7 @@ class _ImportContext:
 
     def __init__(self, cu, device_index: int) -> None:
         from .cuda import _Context
+
         self.ctx = _Context(cu, device_index)
         self._finalizer = weakref.finalize(self, self.ctx.release)
 
@@ -147,17 +164,20 @@ class _ImportedState(_RangeState):
 
     def sync(self) -> None:
         from .cuda import _check
+
         with self.holder.ctx.current():
             _check(self.cu.cuCtxSynchronize(), "cuCtxSynchronize")
 
     def unmap(self, offset: int, nbytes: int) -> None:
         from .cuda import _check
+
         with self.holder.ctx.current():
             _check(self.cu.cuMemUnmap(self.ptr + offset, nbytes), "cuMemUnmap")
             _check(self.cu.cuMemRelease(self.handles.pop(offset)), "cuMemRelease")
 
     def free_range(self) -> None:
         from .cuda import _check
+
         with self.holder.ctx.current():
             _check(self.cu.cuMemAddressFree(self.ptr, self.nbytes), "cuMemAddressFree")
 
@@ -165,13 +185,19 @@ class _ImportedState(_RangeState):
 class _ImportedRange:
     """One reserved range holding a peer's extents; the keepalive of tensors over it."""
 
-    def __init__(self, cu, holder: _ImportContext, grant: RangeGrant, granularity: int,
-                 device_index: int) -> None:
+    def __init__(
+        self, cu, holder: _ImportContext, grant: RangeGrant, granularity: int, device_index: int
+    ) -> None:
         from .cuda import _check
+
         self.cu = cu
         with holder.ctx.current():
-            ptr = int(_check(cu.cuMemAddressReserve(grant.reserved_bytes, granularity, 0, 0),
-                             f"cuMemAddressReserve({grant.reserved_bytes})"))
+            ptr = int(
+                _check(
+                    cu.cuMemAddressReserve(grant.reserved_bytes, granularity, 0, 0),
+                    f"cuMemAddressReserve({grant.reserved_bytes})",
+                )
+            )
         self.address = ptr
         self._state = _ImportedState(cu, holder, ptr, grant.reserved_bytes)
         self._finalizer = weakref.finalize(self, self._state.release)
@@ -184,11 +210,14 @@ class _ImportedRange:
     def map(self, offset: int, nbytes: int, fd: int) -> None:
         """Import ``fd`` (the caller closes it) and map it at ``offset``."""
         from .cuda import _check, _map_with_access
+
         cu, st = self.cu, self._state
         addr = self.address + offset
         with st.holder.ctx.current():
-            handle = _check(cu.cuMemImportFromShareableHandle(fd, _posix_fd_enum(cu)),
-                            "cuMemImportFromShareableHandle(POSIX_FD)")
+            handle = _check(
+                cu.cuMemImportFromShareableHandle(fd, _posix_fd_enum(cu)),
+                "cuMemImportFromShareableHandle(POSIX_FD)",
+            )
             _map_with_access(cu, addr, nbytes, handle, self._access)
         st.handles[offset] = handle
         st.order.append((offset, nbytes))
@@ -205,9 +234,14 @@ class ImportedBuffers:
     :attr:`device`. After :meth:`close` the tensors must not be used.
     """
 
-    def __init__(self, manifest: ShareManifest, fds: list,
-                 device: Optional[Union[str, int, torch.device]] = None) -> None:
+    def __init__(
+        self,
+        manifest: ShareManifest,
+        fds: list,
+        device: Optional[Union[str, int, torch.device]] = None,
+    ) -> None:
         from .cuda import driver
+
         if len(fds) != manifest.num_extents:
             raise InvalidArgument(f"{manifest.num_extents} extents but {len(fds)} fds")
         self.manifest = manifest
@@ -220,8 +254,9 @@ class ImportedBuffers:
         try:
             it = iter(fds)
             for grant in manifest.ranges:
-                rng = _ImportedRange(cu, self._holder, grant, manifest.granularity,
-                                     self.device.index)
+                rng = _ImportedRange(
+                    cu, self._holder, grant, manifest.granularity, self.device.index
+                )
                 self._ranges.append(rng)
                 for off, n in grant.extents:
                     rng.map(off, n, next(it))
@@ -229,14 +264,21 @@ class ImportedBuffers:
                 addr = self._ranges[b.range].address + b.offset
                 t = tensor_over(self.device, addr, b.span_bytes, self._ranges[b.range])
                 if t.data_ptr() != addr or t.numel() != b.span_bytes:
-                    raise BackingError(f"{b.name}: tensor over the imported {addr:#x} came back at "
-                                       f"{t.data_ptr():#x} on {t.device}: not a view")
+                    raise BackingError(
+                        f"{b.name}: tensor over the imported {addr:#x} came back at "
+                        f"{t.data_ptr():#x} on {t.device}: not a view"
+                    )
                 self.tensors.append(t)
         except BaseException:
             self.close()
             raise
-        logger.info("imported %d buffers (%d extents, generation %d) on %s",
-                    len(self.tensors), manifest.num_extents, manifest.generation, self.device)
+        logger.info(
+            "imported %d buffers (%d extents, generation %d) on %s",
+            len(self.tensors),
+            manifest.num_extents,
+            manifest.generation,
+            self.device,
+        )
 
     @property
     def closed(self) -> bool:
@@ -265,14 +307,21 @@ class ImportedBuffers:
     def buf_infos(self) -> tuple:
         """``(ptrs, lens, item_lens)`` of the mapped spans in this process."""
         self._check_open()
-        return ([t.data_ptr() for t in self.tensors], self.span_bytes,
-                [b.item_bytes for b in self.manifest.buffers])
+        return (
+            [t.data_ptr() for t in self.tensors],
+            self.span_bytes,
+            [b.item_bytes for b in self.manifest.buffers],
+        )
 
     def info(self) -> dict[str, Any]:
-        return {"device": str(self.device), "buffers": len(self.manifest.buffers),
-                "extents": self.manifest.num_extents, "generation": self.generation,
-                "mapped_bytes": sum(n for r in self.manifest.ranges for _, n in r.extents),
-                "closed": self._closed}
+        return {
+            "device": str(self.device),
+            "buffers": len(self.manifest.buffers),
+            "extents": self.manifest.num_extents,
+            "generation": self.generation,
+            "mapped_bytes": sum(n for r in self.manifest.ranges for _, n in r.extents),
+            "closed": self._closed,
+        }
 
     def close(self) -> None:
         """Synchronise, unmap and release every imported extent, free the ranges, release the
@@ -312,14 +361,17 @@ def _resolve_device(device, uuid: str) -> torch.device:
         dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         if dev.type != "cuda":
             raise InvalidArgument(f"device must be a CUDA device, got {device!r}")
-        return torch.device("cuda", dev.index if dev.index is not None
-                            else torch.cuda.current_device())
+        return torch.device(
+            "cuda", dev.index if dev.index is not None else torch.cuda.current_device()
+        )
     for i in range(torch.cuda.device_count()):
         if device_uuid(i) == uuid:
             return torch.device("cuda", i)
-    raise BackingError(f"the exporter's GPU {uuid} is not visible in this process "
-                       f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
-                       f"pass device= explicitly")
+    raise BackingError(
+        f"the exporter's GPU {uuid} is not visible in this process "
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+        f"pass device= explicitly"
+    )
 
 
 def recv_share(sock: socket.socket, *, device=None, timeout: float = 30.0) -> ImportedBuffers:

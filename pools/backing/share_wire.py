@@ -14,6 +14,7 @@ Everything is validated before anything is mapped: ranges and extents granularit
 extents sorted, disjoint and inside their range, every buffer span fully backed, one fd per
 extent. A malformed frame raises :class:`BackingError`; fds already received are closed.
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,8 +30,15 @@ from kvxfer.kernels.errors import BackingError, InvalidArgument
 
 from .base import subtract_ranges
 
-__all__ = ["SHARE_VERSION", "ShareManifest", "RangeGrant", "BufferGrant", "send_share_message",
-           "recv_share_message", "validate_manifest"]
+__all__ = [
+    "SHARE_VERSION",
+    "ShareManifest",
+    "RangeGrant",
+    "BufferGrant",
+    "send_share_message",
+    "recv_share_message",
+    "validate_manifest",
+]
 
 SHARE_VERSION = 1
 MAGIC = b"KVXS"
@@ -76,14 +84,25 @@ class ShareManifest:
 
     def to_json(self) -> dict:
         return {
-            "version": SHARE_VERSION, "handle_type": self.handle_type,
-            "granularity": self.granularity, "device_uuid": self.device_uuid,
+            "version": SHARE_VERSION,
+            "handle_type": self.handle_type,
+            "granularity": self.granularity,
+            "device_uuid": self.device_uuid,
             "generation": self.generation,
-            "ranges": [{"reserved_bytes": r.reserved_bytes, "extents": [list(e) for e in r.extents]}
-                       for r in self.ranges],
-            "buffers": [{"name": b.name, "range": b.range, "offset": b.offset,
-                         "span_bytes": b.span_bytes, "item_bytes": b.item_bytes}
-                        for b in self.buffers],
+            "ranges": [
+                {"reserved_bytes": r.reserved_bytes, "extents": [list(e) for e in r.extents]}
+                for r in self.ranges
+            ],
+            "buffers": [
+                {
+                    "name": b.name,
+                    "range": b.range,
+                    "offset": b.offset,
+                    "span_bytes": b.span_bytes,
+                    "item_bytes": b.item_bytes,
+                }
+                for b in self.buffers
+            ],
         }
 
 
@@ -109,8 +128,11 @@ def _fields(obj: Any, what: str, allowed: set) -> dict:
 
 def validate_manifest(raw: Any, num_fds: int) -> ShareManifest:
     """Check a decoded manifest against the invariants in the module docstring."""
-    m = _fields(raw, "manifest", {"version", "handle_type", "granularity", "device_uuid",
-                                  "generation", "ranges", "buffers"})
+    m = _fields(
+        raw,
+        "manifest",
+        {"version", "handle_type", "granularity", "device_uuid", "generation", "ranges", "buffers"},
+    )
     if m.get("version") != SHARE_VERSION:
         raise _bad(f"version {m.get('version')!r}, this side speaks {SHARE_VERSION}")
     if m.get("handle_type") != "posix_fd":
@@ -130,13 +152,18 @@ def validate_manifest(raw: Any, num_fds: int) -> ShareManifest:
             raise _bad(f"ranges[{i}].reserved_bytes={size} is not a multiple of {g}")
         exts, end = [], 0
         for e in r.get("extents") if isinstance(r.get("extents"), list) else [None]:
-            if (not isinstance(e, list) or len(e) != 2
-                    or not all(isinstance(x, int) and not isinstance(x, bool) for x in e)):
+            if (
+                not isinstance(e, list)
+                or len(e) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in e)
+            ):
                 raise _bad(f"ranges[{i}].extents entries must be [offset, nbytes], got {e!r}")
             off, n = e
             if off < end or n <= 0 or off % g or n % g or off + n > size:
-                raise _bad(f"ranges[{i}] extent {e} is unaligned, overlapping, unsorted or "
-                           f"outside [0, {size})")
+                raise _bad(
+                    f"ranges[{i}] extent {e} is unaligned, overlapping, unsorted or "
+                    f"outside [0, {size})"
+                )
             exts.append((off, n))
             end = off + n
         ranges.append(RangeGrant(size, tuple(exts)))
@@ -181,8 +208,9 @@ def _io(fn, deadline: _Deadline, sock: socket.socket, what: str):
     try:
         return fn()
     except socket.timeout:
-        raise BackingError(f"share exchange timed out after {deadline.timeout:.1f} s "
-                           f"({what})") from None
+        raise BackingError(
+            f"share exchange timed out after {deadline.timeout:.1f} s ({what})"
+        ) from None
     except OSError as exc:
         raise BackingError(f"share exchange failed ({what}): {exc}") from exc
 
@@ -192,14 +220,16 @@ def _recv_exact(sock: socket.socket, n: int, deadline: _Deadline, what: str) -> 
     while len(buf) < n:
         chunk = _io(functools.partial(sock.recv, n - len(buf)), deadline, sock, what)
         if not chunk:
-            raise BackingError(f"peer closed the share socket ({what}: got {len(buf)} of "
-                               f"{n} bytes)")
+            raise BackingError(
+                f"peer closed the share socket ({what}: got {len(buf)} of {n} bytes)"
+            )
         buf += chunk
     return buf
 
 
-def send_share_message(sock: socket.socket, manifest: ShareManifest, fds: list,
-                       timeout: float = 30.0) -> None:
+def send_share_message(
+    sock: socket.socket, manifest: ShareManifest, fds: list, timeout: float = 30.0
+) -> None:
     """Send ``manifest`` and ``fds`` (one per extent, manifest order). The caller keeps
     ownership of ``fds`` (the receiver gets duplicates)."""
     deadline = _Deadline(timeout)
@@ -211,20 +241,20 @@ def send_share_message(sock: socket.socket, manifest: ShareManifest, fds: list,
     frame = _HEADER.pack(MAGIC, SHARE_VERSION, len(payload), len(fds)) + payload
     _io(functools.partial(sock.sendall, frame), deadline, sock, "manifest")
     for lo in range(0, len(fds), MAX_FDS_PER_MSG):
-        batch = [int(f) for f in fds[lo:lo + MAX_FDS_PER_MSG]]
+        batch = [int(f) for f in fds[lo : lo + MAX_FDS_PER_MSG]]
         count = _COUNT.pack(len(batch))
         sent = _io(functools.partial(socket.send_fds, sock, [count], batch), deadline, sock, "fds")
         if sent < len(count):
             _io(functools.partial(sock.sendall, count[sent:]), deadline, sock, "fds")
 
 
-def recv_share_message(sock: socket.socket, timeout: float = 30.0
-                       ) -> tuple[ShareManifest, list]:
+def recv_share_message(sock: socket.socket, timeout: float = 30.0) -> tuple[ShareManifest, list]:
     """Receive one share message; returns the validated manifest and the received fds, which
     the caller owns (and must close). On any error every received fd is closed."""
     deadline = _Deadline(timeout)
     magic, version, nbytes, nfds = _HEADER.unpack(
-        _recv_exact(sock, _HEADER.size, deadline, "header"))
+        _recv_exact(sock, _HEADER.size, deadline, "header")
+    )
     if magic != MAGIC:
         raise BackingError(f"not a kvxfer share message (magic {magic!r})")
     if version != SHARE_VERSION:
@@ -239,20 +269,22 @@ def recv_share_message(sock: socket.socket, timeout: float = 30.0
     try:
         while len(fds) < nfds:
             want = min(MAX_FDS_PER_MSG, nfds - len(fds))
-            data, got, flags, _ = _io(functools.partial(socket.recv_fds, sock, _COUNT.size, want),
-                                      deadline, sock, "fds")
+            data, got, flags, _ = _io(
+                functools.partial(socket.recv_fds, sock, _COUNT.size, want), deadline, sock, "fds"
+            )
             fds.extend(got)
             if flags & getattr(socket, "MSG_CTRUNC", 0):
-                raise BackingError("file descriptors were truncated in transit "
-                                   "(RLIMIT_NOFILE reached?)")
+                raise BackingError(
+                    "file descriptors were truncated in transit (RLIMIT_NOFILE reached?)"
+                )
             if not data:
-                raise BackingError(f"peer closed the share socket after {len(fds)} of "
-                                   f"{nfds} fds")
+                raise BackingError(f"peer closed the share socket after {len(fds)} of {nfds} fds")
             data += _recv_exact(sock, _COUNT.size - len(data), deadline, "fds")
             (count,) = _COUNT.unpack(data)
             if count != len(got) or count != want:
-                raise BackingError(f"fd batch announced {count} fds, {len(got)} arrived "
-                                   f"({want} expected)")
+                raise BackingError(
+                    f"fd batch announced {count} fds, {len(got)} arrived ({want} expected)"
+                )
         return validate_manifest(raw, len(fds)), fds
     except BaseException:
         close_fds(fds)

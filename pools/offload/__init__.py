@@ -17,6 +17,7 @@ copy_ paths), ``fused`` (one Triton launch over every piece of a request, :mod:`
 machine), ``views`` (a pool's item views and geometry), ``manager`` (validation, path
 choice, streams, events, accounting).
 """
+
 from .handle import OffloadHandle, OffloadState
 from .host_pool import HostBlock, HostPool
 from .manager import OffloadManager, pool_geometry, pool_views

@@ -16,6 +16,7 @@ caller's current stream and never synchronising the device:
 ``Copier.copy`` picks staged when the direct copies would average fewer than
 ``min_chunk_bytes`` bytes and the request has more than one run.
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,27 +34,40 @@ __all__ = ["Copier"]
 class Copier:
     """Copies between device item views and host item views, in one direction."""
 
-    def __init__(self, device: torch.device, to_host: bool, *, staging_bytes: int = 0,
-                 min_chunk_bytes: int = 2 << 20) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        to_host: bool,
+        *,
+        staging_bytes: int = 0,
+        min_chunk_bytes: int = 2 << 20,
+    ) -> None:
         self.device = device
         self.to_host = to_host
         self.non_blocking = device.type == "cuda"
         self.min_chunk_bytes = int(min_chunk_bytes)
         self._foreach = True
-        self.staging = (torch.empty(int(staging_bytes), dtype=torch.uint8, device=device)
-                        if staging_bytes > 0 else None)
+        self.staging = (
+            torch.empty(int(staging_bytes), dtype=torch.uint8, device=device)
+            if staging_bytes > 0
+            else None
+        )
 
-    def copy(self, dev_views, host_views, dev_ids: np.ndarray,
-             host_ids: np.ndarray) -> tuple[int, bool]:
+    def copy(
+        self, dev_views, host_views, dev_ids: np.ndarray, host_ids: np.ndarray
+    ) -> tuple[int, bool]:
         """Issue the copies; returns (number of bus copies, whether staging was used)."""
         if dev_ids.size == 0 or not dev_views:
             return 0, False
         runs = contiguous_runs(dev_ids, host_ids)
         row_bytes = sum(int(v.shape[1]) for v in dev_views)
         direct_chunks = runs.shape[0] * len(dev_views)
-        if (self.staging is not None and runs.shape[0] > 1
-                and self.staging.numel() >= row_bytes
-                and dev_ids.size * row_bytes < self.min_chunk_bytes * direct_chunks):
+        if (
+            self.staging is not None
+            and runs.shape[0] > 1
+            and self.staging.numel() >= row_bytes
+            and dev_ids.size * row_bytes < self.min_chunk_bytes * direct_chunks
+        ):
             return self._staged(dev_views, host_views, dev_ids, host_ids, row_bytes), True
         return self._direct(dev_views, host_views, runs), False
 

@@ -9,6 +9,7 @@ pieces). ``free`` coalesces neighbours and rejects any id that is already free.
 Invariants (checked by the tests after every operation): extents are sorted, disjoint and
 never adjacent; ``free_count + used_count == size``; an allocation is all-or-nothing.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -131,5 +132,7 @@ class ExtentAllocator:
         assert total == self._free
 
     def __repr__(self) -> str:
-        return (f"ExtentAllocator({self.what}: {self.used_count}/{self.size} used, "
-                f"{len(self._lens)} free extents)")
+        return (
+            f"ExtentAllocator({self.what}: {self.used_count}/{self.size} used, "
+            f"{len(self._lens)} free extents)"
+        )

@@ -16,6 +16,7 @@ allocator, which keeps it alive until the upload has run; the device copy is fre
 stream order. On CPU (tests, Triton interpreter) "device" and "host" are both CPU memory
 and ``device_delta`` is 0.
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,8 +45,14 @@ class FusedCopier:
     by :func:`~kvxfer.pools.offload.pieces.pick_tile_bytes`).
     """
 
-    def __init__(self, device: torch.device, to_host: bool, device_delta: int, *,
-                 tile_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        to_host: bool,
+        device_delta: int,
+        *,
+        tile_bytes: int | None = None,
+    ) -> None:
         self.device = device
         self.to_host = bool(to_host)
         self.device_delta = int(device_delta)
@@ -60,9 +67,11 @@ class FusedCopier:
         hit = self._tables.get(key)
         if hit is not None and hit[0] is dev_views and hit[1] is host_views:
             return hit[2]
-        table = PieceTable([v.data_ptr() for v in dev_views],
-                           [h.data_ptr() + self.device_delta for h in host_views],
-                           [int(v.shape[1]) for v in dev_views])
+        table = PieceTable(
+            [v.data_ptr() for v in dev_views],
+            [h.data_ptr() + self.device_delta for h in host_views],
+            [int(v.shape[1]) for v in dev_views],
+        )
         if len(self._tables) >= 8:  # other target pools: keep the cache small
             self._tables.pop(next(iter(self._tables)))
         self._tables[key] = (dev_views, host_views, table)

@@ -11,6 +11,7 @@ caller's current stream at the time of the call. Before the caller overwrites th
 pages of an offload, or reads the pages of a restore, on some stream, it calls
 :meth:`OffloadHandle.order_before` (a stream-side wait, no host block) or :meth:`wait`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -42,8 +43,15 @@ class OffloadState(enum.Enum):
 class OffloadHandle:
     """One request's KV pages (+ state slots) held in the host pool."""
 
-    def __init__(self, owner, pages: np.ndarray, slots: np.ndarray, block: "HostBlock",
-                 geometry: tuple, nbytes: int) -> None:
+    def __init__(
+        self,
+        owner,
+        pages: np.ndarray,
+        slots: np.ndarray,
+        block: "HostBlock",
+        geometry: tuple,
+        nbytes: int,
+    ) -> None:
         self.id = next(_ids)
         self._owner = owner
         self.src_pages = pages
@@ -86,8 +94,11 @@ class OffloadHandle:
 
     def done(self) -> bool:
         """True when no copy of this handle is in flight."""
-        return self.poll() in (OffloadState.OFFLOADED, OffloadState.RESTORED,
-                               OffloadState.DISCARDED)
+        return self.poll() in (
+            OffloadState.OFFLOADED,
+            OffloadState.RESTORED,
+            OffloadState.DISCARDED,
+        )
 
     def _complete(self) -> None:
         self._event = None

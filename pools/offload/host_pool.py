@@ -21,6 +21,7 @@ once and reused across requests; asking for more than is free raises
 objects (CUDA events) of copies that still read host memory that has already been
 returned; the manager orders new writes into the pool after them.
 """
+
 from __future__ import annotations
 
 import logging
@@ -101,8 +102,10 @@ class HostPool:
             if dev is not None:
                 self.device_delta = dev - self._buffer.data_ptr()
             else:
-                logger.info("host pool memory is not mapped for device access; the fused "
-                            "offload path is unavailable")
+                logger.info(
+                    "host pool memory is not mapped for device access; the fused "
+                    "offload path is unavailable"
+                )
         self.page_views: list[torch.Tensor] = []
         self.slot_views: list[torch.Tensor] = []
         off = 0
@@ -145,8 +148,9 @@ class HostPool:
                     f"capacity_bytes={capacity_bytes} cannot hold {num_slots} state slots"
                 )
             num_pages = left // page if page else 0
-        return cls(kv_lens, num_pages, state_item_lens=st_lens, num_slots=num_slots,
-                   pin_memory=pin_memory)
+        return cls(
+            kv_lens, num_pages, state_item_lens=st_lens, num_slots=num_slots, pin_memory=pin_memory
+        )
 
     def _allocate(self, nbytes: int, pin: bool) -> torch.Tensor:
         if not pin or nbytes == 0:
@@ -159,16 +163,16 @@ class HostPool:
         skip = -raw.data_ptr() % page
         buf = raw[skip : skip + nbytes]
         try:
-            rc = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), span,
-                                                         REGISTER_FLAGS))
+            rc = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), span, REGISTER_FLAGS))
         except Exception as exc:  # no usable CUDA runtime
             rc = -1
             logger.debug("cudaHostRegister unavailable: %s", exc)
         if rc == 0:
             self._registered_ptr = buf.data_ptr()
             return buf
-        logger.info("cudaHostRegister(%d bytes) failed (rc=%d); using torch pinned memory",
-                    nbytes, rc)
+        logger.info(
+            "cudaHostRegister(%d bytes) failed (rc=%d); using torch pinned memory", nbytes, rc
+        )
         try:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         except RuntimeError as exc:

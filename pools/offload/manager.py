@@ -36,6 +36,7 @@ Validation happens before any copy or allocation: ids must be 1-D integers insid
 (page 0 and slot 0 are reserved), unique, and a restore must match the handle's page and
 slot counts and the source pool's geometry; violations raise typed errors and write nothing.
 """
+
 from __future__ import annotations
 
 import logging
@@ -100,7 +101,10 @@ class OffloadManager:
         self._cuda = self.device.type == "cuda"
         if host_pool is None:
             host_pool = HostPool.for_views(
-                kv, st, num_pages=num_host_pages, num_slots=num_host_slots,
+                kv,
+                st,
+                num_pages=num_host_pages,
+                num_slots=num_host_slots,
                 capacity_bytes=host_capacity_bytes,
                 pin_memory=self._cuda if pin_memory is None else pin_memory,
             )
@@ -127,20 +131,31 @@ class OffloadManager:
         self._out = Copier(self.device, True, **kw)
         self._in = Copier(self.device, False, **kw)
         self._live: dict[int, OffloadHandle] = {}
-        self.stats = {"offloads": 0, "restores": 0, "discards": 0, "chunks": 0, "bytes": 0,
-                      "staged": 0, "fused": 0}
+        self.stats = {
+            "offloads": 0,
+            "restores": 0,
+            "discards": 0,
+            "chunks": 0,
+            "bytes": 0,
+            "staged": 0,
+            "fused": 0,
+        }
 
     def _setup_fused(self, fused, min_pieces, max_piece_bytes, tile_bytes) -> None:
         if fused not in (None, True, False):
             raise InvalidArgument(f"fused must be None, True or False, got {fused!r}")
-        for name, v in (("fused_min_pieces", min_pieces),
-                        ("fused_max_piece_bytes", max_piece_bytes)):
+        for name, v in (
+            ("fused_min_pieces", min_pieces),
+            ("fused_max_piece_bytes", max_piece_bytes),
+        ):
             if int(v) != v or v < 1:
                 raise InvalidArgument(f"{name} must be an integer >= 1, got {v!r}")
-        if tile_bytes is not None and (int(tile_bytes) != tile_bytes or tile_bytes <= 0
-                                       or tile_bytes % 16):
+        if tile_bytes is not None and (
+            int(tile_bytes) != tile_bytes or tile_bytes <= 0 or tile_bytes % 16
+        ):
             raise InvalidArgument(
-                f"fused_tile_bytes must be a positive multiple of 16, got {tile_bytes!r}")
+                f"fused_tile_bytes must be a positive multiple of 16, got {tile_bytes!r}"
+            )
         self.fused_mode = fused
         self.fused_min_pieces = int(min_pieces)
         self.fused_max_piece_bytes = int(max_piece_bytes)
@@ -182,7 +197,8 @@ class OffloadManager:
         """This pool's cached views, refreshed once if an id lies past them."""
         kv, st = self._views
         if (pages.size and kv and pages.max() >= kv[0].shape[0]) or (
-                slots.size and st and slots.max() >= st[0].shape[0]):
+            slots.size and st and slots.max() >= st[0].shape[0]
+        ):
             self.refresh_views()
             kv, st = self._views
         return kv, st
@@ -197,18 +213,24 @@ class OffloadManager:
 
     def _use_fused(self, pieces: int, nbytes: int) -> bool:
         return bool(self.fused_mode) or wants_fused(
-            pieces, nbytes, min_pieces=self.fused_min_pieces,
-            max_piece_bytes=self.fused_max_piece_bytes)
+            pieces,
+            nbytes,
+            min_pieces=self.fused_min_pieces,
+            max_piece_bytes=self.fused_max_piece_bytes,
+        )
 
-    def _issue(self, to_host: bool, kv, st, pages, host_pages, slots, host_slots,
-               handle: OffloadHandle) -> int:
+    def _issue(
+        self, to_host: bool, kv, st, pages, host_pages, slots, host_slots, handle: OffloadHandle
+    ) -> int:
         """Issue the copies of one operation on the current stream; returns the pieces
         (fused) or bus copies (copy_ paths) and records the path on the handle."""
         fused = self._fused_out if to_host else self._fused_in
         if fused is not None:
             parts, pieces = [], 0
-            for views, hviews, ids, hids in ((kv, self.host.page_views, pages, host_pages),
-                                             (st, self.host.slot_views, slots, host_slots)):
+            for views, hviews, ids, hids in (
+                (kv, self.host.page_views, pages, host_pages),
+                (st, self.host.slot_views, slots, host_slots),
+            ):
                 if ids.size and views:
                     runs = contiguous_runs(ids, hids)
                     parts.append((views, hviews, runs))
@@ -257,14 +279,14 @@ class OffloadManager:
                     self._d2h.wait_stream(cur)
                     for fence in self.host.live_fences():
                         self._d2h.wait_event(fence)
-                    chunks = self._issue(True, kv, st, pages_a, host_pages, slots_a,
-                                         host_slots, handle)
+                    chunks = self._issue(
+                        True, kv, st, pages_a, host_pages, slots_a, host_slots, handle
+                    )
                     ev = torch.cuda.Event()
                     ev.record(self._d2h)
                 handle._event = handle._offload_event = ev
             else:
-                chunks = self._issue(True, kv, st, pages_a, host_pages, slots_a,
-                                     host_slots, handle)
+                chunks = self._issue(True, kv, st, pages_a, host_pages, slots_a, host_slots, handle)
                 handle._state = OffloadState.OFFLOADED
         except BaseException:
             # a failed launch must not leak host memory; copies already queued still write
@@ -282,8 +304,9 @@ class OffloadManager:
         self.stats["bytes"] += handle.nbytes
         return handle
 
-    def restore(self, handle: OffloadHandle, new_pages, new_slots=(), *,
-                pool=None) -> OffloadHandle:
+    def restore(
+        self, handle: OffloadHandle, new_pages, new_slots=(), *, pool=None
+    ) -> OffloadHandle:
         """Copy an offloaded request back into ``new_pages`` / ``new_slots`` (same counts as
         offloaded, in the same order) of ``pool`` (default: this manager's pool; another
         pool must have the same geometry). Host memory is returned at once; the data is in
@@ -305,7 +328,8 @@ class OffloadManager:
                 )
             if (kv or st)[0].device != self.device:
                 raise ShapeMismatch(
-                    f"target pool is on {(kv or st)[0].device}, manager on {self.device}")
+                    f"target pool is on {(kv or st)[0].device}, manager on {self.device}"
+                )
         self._ids(pages_a, kv, "new_pages")
         self._ids(slots_a, st, "new_slots")
         if pages_a.size != handle.num_pages or slots_a.size != handle.num_slots:
@@ -323,16 +347,16 @@ class OffloadManager:
                 off_ev = handle._offload_event
                 if off_ev is not None and not off_ev.query():
                     self._h2d.wait_event(off_ev)
-                chunks = self._issue(False, kv, st, pages_a, host_pages, slots_a,
-                                     host_slots, handle)
+                chunks = self._issue(
+                    False, kv, st, pages_a, host_pages, slots_a, host_slots, handle
+                )
                 ev = torch.cuda.Event()
                 ev.record(self._h2d)
             handle._event = ev
             handle._state = OffloadState.RESTORING
             self.host.free(block, fence=ev)
         else:
-            chunks = self._issue(False, kv, st, pages_a, host_pages, slots_a, host_slots,
-                                 handle)
+            chunks = self._issue(False, kv, st, pages_a, host_pages, slots_a, host_slots, handle)
             handle._event = None
             handle._state = OffloadState.RESTORED
             self.host.free(block)
@@ -377,5 +401,7 @@ class OffloadManager:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"OffloadManager({type(self.pool).__name__} on {self.device}, "
-                f"{len(self._live)} live, {self.host!r})")
+        return (
+            f"OffloadManager({type(self.pool).__name__} on {self.device}, "
+            f"{len(self._live)} live, {self.host!r})"
+        )

@@ -14,6 +14,7 @@ once, in piece order (buffer-major, then run order), each tile starting at a mul
 *alignment* is the largest power of two <= 16 dividing both addresses and its size.
 Everything is vectorised numpy (no Python loop per page or per tile).
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -22,8 +23,16 @@ import numpy as np
 
 from kvxfer.kernels.errors import InvalidArgument, ShapeMismatch
 
-__all__ = ["PieceTable", "plan_tasks", "pick_tile_bytes", "split_by_alignment",
-           "task_alignment", "wants_fused", "MAX_ALIGN", "tile_pieces"]
+__all__ = [
+    "PieceTable",
+    "plan_tasks",
+    "pick_tile_bytes",
+    "split_by_alignment",
+    "task_alignment",
+    "wants_fused",
+    "MAX_ALIGN",
+    "tile_pieces",
+]
 
 MAX_ALIGN = 16
 # tile sizes pick_tile_bytes chooses between (powers of two)
@@ -35,21 +44,25 @@ TARGET_TASKS = 2048  # >= 2 programs per SM on a 132-SM GPU; 48 KiB of table at 
 class PieceTable:
     """Per-buffer ``(src base, dst base, item_len)``: one row per buffer, int64."""
 
-    def __init__(self, src_bases: Sequence[int], dst_bases: Sequence[int],
-                 item_lens: Sequence[int]) -> None:
+    def __init__(
+        self, src_bases: Sequence[int], dst_bases: Sequence[int], item_lens: Sequence[int]
+    ) -> None:
         self.src = np.asarray(src_bases, dtype=np.int64).reshape(-1)
         self.dst = np.asarray(dst_bases, dtype=np.int64).reshape(-1)
         self.lens = np.asarray(item_lens, dtype=np.int64).reshape(-1)
         if not (self.src.shape == self.dst.shape == self.lens.shape):
-            raise ShapeMismatch(f"pointer table columns differ in length: {self.src.size}, "
-                                f"{self.dst.size}, {self.lens.size}")
+            raise ShapeMismatch(
+                f"pointer table columns differ in length: {self.src.size}, "
+                f"{self.dst.size}, {self.lens.size}"
+            )
         if self.lens.size and (self.lens <= 0).any():
             i = int(np.flatnonzero(self.lens <= 0)[0])
             raise InvalidArgument(f"item_lens[{i}] = {int(self.lens[i])} must be positive")
         # every task planned from this table with a tile that is a multiple of MAX_ALIGN is
         # at least this aligned (addresses are base + k * item_len + j * tile)
-        acc = int(np.bitwise_or.reduce(np.concatenate((self.src, self.dst, self.lens,
-                                                       [MAX_ALIGN]))))
+        acc = int(
+            np.bitwise_or.reduce(np.concatenate((self.src, self.dst, self.lens, [MAX_ALIGN])))
+        )
         self.align = acc & -acc
 
     def __len__(self) -> int:
@@ -68,8 +81,9 @@ def wants_fused(pieces: int, nbytes: int, *, min_pieces: int, max_piece_bytes: i
     return pieces >= min_pieces and nbytes <= max_piece_bytes * pieces
 
 
-def pick_tile_bytes(total_bytes: int, *, target_tasks: int = TARGET_TASKS,
-                    lo: int = MIN_TILE, hi: int = MAX_TILE) -> int:
+def pick_tile_bytes(
+    total_bytes: int, *, target_tasks: int = TARGET_TASKS, lo: int = MIN_TILE, hi: int = MAX_TILE
+) -> int:
     """A power of two in ``[lo, hi]`` giving about ``target_tasks`` tiles for the request:
     small requests still spread over many programs, large ones keep the table small."""
     want = max(1, -(-int(total_bytes) // max(1, int(target_tasks))))
@@ -80,8 +94,9 @@ def pick_tile_bytes(total_bytes: int, *, target_tasks: int = TARGET_TASKS,
 def plan_tasks(table: PieceTable, runs: np.ndarray, tile_bytes: int) -> np.ndarray:
     """The int64 ``[T, 3]`` task rows ``(src, dst, nbytes)`` of every (buffer, run) piece."""
     if int(tile_bytes) != tile_bytes or tile_bytes <= 0 or tile_bytes % MAX_ALIGN:
-        raise InvalidArgument(f"tile_bytes must be a positive multiple of {MAX_ALIGN}, "
-                              f"got {tile_bytes!r}")
+        raise InvalidArgument(
+            f"tile_bytes must be a positive multiple of {MAX_ALIGN}, got {tile_bytes!r}"
+        )
     runs = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
     if runs.shape[0] == 0 or len(table) == 0:
         return np.zeros((0, 3), dtype=np.int64)
@@ -94,13 +109,15 @@ def plan_tasks(table: PieceTable, runs: np.ndarray, tile_bytes: int) -> np.ndarr
     return tile_pieces(src, dst, nbytes, tile_bytes)
 
 
-def tile_pieces(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
-                tile_bytes: int) -> np.ndarray:
+def tile_pieces(
+    src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, tile_bytes: int
+) -> np.ndarray:
     """Task rows ``(src, dst, nbytes)`` of pieces (parallel int64 arrays, sizes > 0) cut
     into tiles of at most ``tile_bytes``, in piece order."""
     if int(tile_bytes) != tile_bytes or tile_bytes <= 0 or tile_bytes % MAX_ALIGN:
-        raise InvalidArgument(f"tile_bytes must be a positive multiple of {MAX_ALIGN}, "
-                              f"got {tile_bytes!r}")
+        raise InvalidArgument(
+            f"tile_bytes must be a positive multiple of {MAX_ALIGN}, got {tile_bytes!r}"
+        )
     if nbytes.size == 0:
         return np.zeros((0, 3), dtype=np.int64)
     tile = int(tile_bytes)
@@ -124,7 +141,7 @@ def tile_pieces(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
 
 def task_alignment(tasks: np.ndarray) -> np.ndarray:
     """Per task: the largest power of two <= 16 dividing its two addresses and its size."""
-    acc = (tasks[:, 0] | tasks[:, 1] | tasks[:, 2] | MAX_ALIGN)
+    acc = tasks[:, 0] | tasks[:, 1] | tasks[:, 2] | MAX_ALIGN
     return acc & -acc
 
 
@@ -137,5 +154,7 @@ def split_by_alignment(tasks: np.ndarray) -> list[tuple[int, np.ndarray]]:
     al = task_alignment(tasks)
     if (al == al[0]).all():
         return [(int(al[0]), np.ascontiguousarray(tasks))]
-    return [(int(a), np.ascontiguousarray(tasks[al == a]))
-            for a in sorted(np.unique(al).tolist(), reverse=True)]
+    return [
+        (int(a), np.ascontiguousarray(tasks[al == a]))
+        for a in sorted(np.unique(al).tolist(), reverse=True)
+    ]

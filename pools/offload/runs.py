@@ -8,6 +8,7 @@ Invariants: ``runs`` returned by :func:`contiguous_runs` are ``int64 [R, 3]`` ro
 ``(src_start, dst_start, length)``, in input order, lengths >= 1, summing to ``len(src)``;
 concatenating ``arange(s, s+n)`` over the rows reproduces ``src`` (same for ``dst``).
 """
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -47,9 +48,7 @@ def check_ids(arr: np.ndarray, lo: int, hi: int, what: str) -> None:
         return
     bad = np.flatnonzero((arr < lo) | (arr >= hi))
     if bad.size:
-        raise IndexOutOfRange(
-            f"{what}[{int(bad[0])}] = {int(arr[bad[0]])} is outside [{lo}, {hi})"
-        )
+        raise IndexOutOfRange(f"{what}[{int(bad[0])}] = {int(arr[bad[0]])} is outside [{lo}, {hi})")
     srt = np.sort(arr)
     dup = np.flatnonzero(srt[1:] == srt[:-1])
     if dup.size:

@@ -5,6 +5,7 @@ KV buffer and ``pool.get_state_item_views()`` (where the pool has recurrent stat
 per state buffer (row s = slot s). :func:`pool_geometry` says what one page / slot means,
 byte for byte, so a restore can refuse a pool whose layout differs.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -16,8 +17,9 @@ from kvxfer.kernels.errors import InvalidArgument
 __all__ = ["pool_views", "pool_geometry"]
 
 # describe() keys that depend on capacity, not on the byte layout of one page/slot.
-_SIZE_KEYS = frozenset({"size", "num_pages", "num_slots", "capacity", "lens", "ptrs", "device",
-                        "max_size"})
+_SIZE_KEYS = frozenset(
+    {"size", "num_pages", "num_slots", "capacity", "lens", "ptrs", "device", "max_size"}
+)
 
 
 def _check_view(v: torch.Tensor, what: str) -> None:
@@ -44,8 +46,9 @@ def pool_views(pool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 def _layout_only(value):
     """``describe()`` output without capacity-dependent keys (recursively), canonical order."""
     if isinstance(value, dict):
-        return tuple(sorted((str(k), _layout_only(v)) for k, v in value.items()
-                            if k not in _SIZE_KEYS))
+        return tuple(
+            sorted((str(k), _layout_only(v)) for k, v in value.items() if k not in _SIZE_KEYS)
+        )
     if isinstance(value, (list, tuple)):
         return tuple(_layout_only(v) for v in value)
     return value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)

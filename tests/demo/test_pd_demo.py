@@ -2,6 +2,7 @@
 server, two spawned processes on UCX loopback, chunked requests, byte-exact verification on
 decode, allocators full again on both sides. Plus the verifier itself (it must catch a wrong
 byte), the exit status, argument errors, and the pools mode (`kvxfer demo --pools`)."""
+
 import json
 import os
 import subprocess
@@ -11,8 +12,22 @@ import pytest
 from testenv import DEVICE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SMALL = ["--requests", "12", "--max-len", "200", "--chunk-tokens", "64", "--pool-tokens", "2048",
-         "--head-dim", "16", "--timeout", "60", "--device", DEVICE]
+SMALL = [
+    "--requests",
+    "12",
+    "--max-len",
+    "200",
+    "--chunk-tokens",
+    "64",
+    "--pool-tokens",
+    "2048",
+    "--head-dim",
+    "16",
+    "--timeout",
+    "60",
+    "--device",
+    DEVICE,
+]
 
 
 def _env():
@@ -23,22 +38,29 @@ def _env():
 
 def _check_report(r, requests):
     from kvxfer.pd_demo import REQUIRED_KEYS
+
     missing = [k for k in REQUIRED_KEYS if k not in r]
     assert not missing, missing
     assert r["requests"] == requests
     assert r["failed"] == 0 and r["verified"] == requests, r["failures"]
     assert r["bytes"] == r["expected_bytes"] > 0
-    assert r["chunked_requests"] > 0 and r["chunks"] > requests     # chunked prefill happened
+    assert r["chunked_requests"] > 0 and r["chunks"] > requests  # chunked prefill happened
     assert not r["leaked"], r["leaks"]
     assert r["lanes"] and r["gbps"] > 0 and 0 < r["p50_ms"] <= r["p99_ms"]
-    assert r["ops_per_request"] >= 2              # at least one kv run and the aux row
+    assert r["ops_per_request"] >= 2  # at least one kv run and the aux row
 
 
 @pytest.mark.timeout(150)
 def test_cli_demo_json_last_line():
     """`python -m kvxfer demo ... --json`: the table, then one JSON object on the last line."""
-    proc = subprocess.run([sys.executable, "-m", "kvxfer", "demo", *SMALL, "--json"],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=140)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvxfer", "demo", *SMALL, "--json"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=140,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     report = json.loads(lines[-1])
@@ -49,37 +71,57 @@ def test_cli_demo_json_last_line():
     assert report["model"]["kv_layout"] == "page_major"
     assert report["model"]["mamba_layout"] == "envelope"
     text = "\n".join(lines[:-1])
-    for word in ("requests", "verified", "GB/s", "latency p50", "latency p99", "ops/request",
-                 "lanes"):
+    for word in (
+        "requests",
+        "verified",
+        "GB/s",
+        "latency p50",
+        "latency p99",
+        "ops/request",
+        "lanes",
+    ):
         assert word in text, word
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("kv_layout,mamba_layout,integrity", [("per_layer", "per_layer", True),
-                                                               ("mla", "none", False)])
+@pytest.mark.parametrize(
+    "kv_layout,mamba_layout,integrity", [("per_layer", "per_layer", True), ("mla", "none", False)]
+)
 def test_demo_other_layouts(kv_layout, mamba_layout, integrity):
     """Other layouts; the per-layer run with the integrity check on (`kvxfer demo
     --integrity`): every page, slot and aux row checksummed on both sides, bytes still exact."""
     from kvxfer.pd_demo import run_demo
     from kvxfer.pd_demo.run import format_table
     from kvxfer.pd_demo.spec import ModelSpec
-    spec = ModelSpec(kv_layout=kv_layout, mamba_layout=mamba_layout, attn_layers=2,
-                     mamba_layers=2, head_dim=16, pool_tokens=1024, mamba_slots=16, aux_rows=32,
-                     device=DEVICE)
-    r = run_demo(spec, requests=8, seed=3, max_len=120, chunk_tokens=32, timeout=60,
-                 integrity=integrity)
+
+    spec = ModelSpec(
+        kv_layout=kv_layout,
+        mamba_layout=mamba_layout,
+        attn_layers=2,
+        mamba_layers=2,
+        head_dim=16,
+        pool_tokens=1024,
+        mamba_slots=16,
+        aux_rows=32,
+        device=DEVICE,
+    )
+    r = run_demo(
+        spec, requests=8, seed=3, max_len=120, chunk_tokens=32, timeout=60, integrity=integrity
+    )
     _check_report(r, 8)
     assert r["integrity"] is integrity
     assert ("integrity    on" in format_table(r)) is integrity
     if kv_layout == "per_layer":
-        assert r["kv_entries"] == 4 and r["state_entries"] == 2 * 2   # (conv + temporal) x L
+        assert r["kv_entries"] == 4 and r["state_entries"] == 2 * 2  # (conv + temporal) x L
     else:
         assert r["kv_entries"] == 2 and r["state_entries"] == 0
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("kv_layout,mamba_layout", [("page_major", "envelope"),
-                                                    ("per_layer", "per_layer"), ("mla", "none")])
+@pytest.mark.parametrize(
+    "kv_layout,mamba_layout",
+    [("page_major", "envelope"), ("per_layer", "per_layer"), ("mla", "none")],
+)
 def test_verifier_catches_a_wrong_byte(kv_layout, mamba_layout):
     """In one process: prefill-side content copied page by page (the bytes the transfer moves)
     verifies; one flipped byte in a page, a state slot or the first token does not."""
@@ -87,15 +129,25 @@ def test_verifier_catches_a_wrong_byte(kv_layout, mamba_layout):
 
     from kvxfer.pd_demo.model import DemoModel
     from kvxfer.pd_demo.spec import ModelSpec
-    spec = ModelSpec(kv_layout=kv_layout, mamba_layout=mamba_layout, attn_layers=2,
-                     mamba_layers=2, head_dim=8, page_size=4, pool_tokens=256, mamba_slots=4,
-                     aux_rows=4, device=DEVICE)
+
+    spec = ModelSpec(
+        kv_layout=kv_layout,
+        mamba_layout=mamba_layout,
+        attn_layers=2,
+        mamba_layers=2,
+        head_dim=8,
+        page_size=4,
+        pool_tokens=256,
+        mamba_slots=4,
+        aux_rows=4,
+        device=DEVICE,
+    )
     p, d = DemoModel(spec), DemoModel(spec)
-    room, length = 123456789, 10                     # 3 pages, the last one partly used
+    room, length = 123456789, 10  # 3 pages, the last one partly used
     pres = p.alloc(p.pages_for(length))
-    d.alloc(1)                                       # decode's ids differ from prefill's
+    d.alloc(1)  # decode's ids differ from prefill's
     dres = d.alloc(d.pages_for(length))
-    p.write_tokens(room, pres["pages"], 0, 8, length)        # two chunks, like chunked prefill
+    p.write_tokens(room, pres["pages"], 0, 8, length)  # two chunks, like chunked prefill
     p.write_tokens(room, pres["pages"], 8, 12, length)
     if pres["slot"] is not None:
         p.write_state(room, pres["slot"])
@@ -107,11 +159,11 @@ def test_verifier_catches_a_wrong_byte(kv_layout, mamba_layout):
             dv[dres["slot"]] = pv[pres["slot"]]
     d.aux.data[dres["row"]] = p.aux.data[pres["row"]]
     assert d.verify(room, dres, length) == []
-    assert d.verify(room + 1, dres, length)          # another room's content differs
-    assert d.verify(room, dres, length - 1)          # position 9 must be zero then
+    assert d.verify(room + 1, dres, length)  # another room's content differs
+    assert d.verify(room, dres, length - 1)  # position 9 must be zero then
     view = d.pool.get_item_views()[-1]
     page = int(dres["pages"][2])
-    view[page, -1] ^= 1                              # last byte of the last page
+    view[page, -1] ^= 1  # last byte of the last page
     problems = d.verify(room, dres, length)
     assert len(problems) == 1 and f"page {page}" in problems[0], problems
     view[page, -1] ^= 1
@@ -129,6 +181,7 @@ def test_verifier_catches_a_wrong_byte(kv_layout, mamba_layout):
 
 def test_exit_status_reports_failures(monkeypatch, capsys):
     from kvxfer.pd_demo import run as demo_run
+
     report = {"requests": 2, "failed": 1, "verified": 1, "leaked": False}
     monkeypatch.setattr(demo_run, "run_demo", lambda *a, **k: dict(report))
     monkeypatch.setattr(demo_run, "format_table", lambda r: "table")
@@ -140,15 +193,19 @@ def test_exit_status_reports_failures(monkeypatch, capsys):
     assert demo_run.main([]) == 1
 
 
-@pytest.mark.parametrize("argv,text", [
-    (["--chunk-tokens", "10"], "multiple of --page-size 16"),
-    (["--min-len", "50", "--max-len", "10"], "--min-len (50)"),
-    (["--kv-layout", "blocked"], "invalid choice"),
-    (["--max-len", "5000", "--pool-tokens", "4096"], "--max-len 5000 tokens does not fit"),
-    (["--mamba-layout", "envelope", "--mamba-layers", "0"], "mamba_layers >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv,text",
+    [
+        (["--chunk-tokens", "10"], "multiple of --page-size 16"),
+        (["--min-len", "50", "--max-len", "10"], "--min-len (50)"),
+        (["--kv-layout", "blocked"], "invalid choice"),
+        (["--max-len", "5000", "--pool-tokens", "4096"], "--max-len 5000 tokens does not fit"),
+        (["--mamba-layout", "envelope", "--mamba-layers", "0"], "mamba_layers >= 1"),
+    ],
+)
 def test_bad_arguments_are_refused_before_starting(argv, text, capsys):
     from kvxfer.pd_demo import main
+
     with pytest.raises(SystemExit) as ei:
         main(argv)
     assert ei.value.code == 2
@@ -158,6 +215,7 @@ def test_bad_arguments_are_refused_before_starting(argv, text, capsys):
 @pytest.mark.timeout(60)
 def test_pools_mode(capsys):
     from kvxfer import demo
+
     assert demo.main(["--pools", "--dtype", "float16"]) == 0
     out = capsys.readouterr().out
     assert "MLA latent" in out and "all checks passed" in out
@@ -169,13 +227,32 @@ def test_pd_bench_smoke(tmp_path, capsys):
     """The PD benchmark (demo workers) end to end, tiny: every request succeeds, the raw
     comparison moves exactly the PD request's bytes, 1-page requests cost 3 ops."""
     from kvxfer.pd_demo import bench
+
     out = tmp_path / "pd.json"
-    assert bench.main(["--device", DEVICE, "--modes", "none", "--latency-requests", "10",
-                       "--throughput-requests", "20", "--large-pages", "16", "--iters", "1",
-                       "--json-out", str(out)]) == 0
+    assert (
+        bench.main(
+            [
+                "--device",
+                DEVICE,
+                "--modes",
+                "none",
+                "--latency-requests",
+                "10",
+                "--throughput-requests",
+                "20",
+                "--large-pages",
+                "16",
+                "--iters",
+                "1",
+                "--json-out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     row = json.loads(out.read_text())["rows"][0]
     assert row["lat_ok"] == row["lat_n"] == 10 and row["tput_ok"] == row["tput_n"] == 20
-    assert row["ops_1page"] == 3                     # page run + state slot + aux row
+    assert row["ops_1page"] == 3  # page run + state slot + aux row
     assert row["large_bytes"] == row["request_bytes_1page"] + 15 * row["page_bytes"]
     assert row["large_ops"] >= 3 and row["req_per_s"] > 0 and row["ratio_median"] > 0
     assert "× raw" in capsys.readouterr().out

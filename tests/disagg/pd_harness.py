@@ -17,6 +17,7 @@ Test hooks: ``hook_on(point, room, action, ...)`` arms the manager's ``test_hook
 test can force an interleaving (run a scheduler call on another thread while the loop waits
 at that point, or freeze the whole process there with SIGSTOP).
 """
+
 from __future__ import annotations
 
 import os
@@ -30,10 +31,22 @@ from kvxfer import procs
 
 KINDS = ("mha", "page_major", "mla", "hybrid_per_layer", "hybrid_envelope")
 
-FAST = dict(bootstrap_s=10.0, waiting_s=20.0, transfer_s=20.0, heartbeat_interval_s=0.2,
-            heartbeat_timeout_s=10.0, abort_ack_s=5.0)
-TINY = dict(bootstrap_s=1.5, waiting_s=1.5, transfer_s=1.5, heartbeat_interval_s=0.2,
-            heartbeat_timeout_s=5.0, abort_ack_s=2.0)
+FAST = dict(
+    bootstrap_s=10.0,
+    waiting_s=20.0,
+    transfer_s=20.0,
+    heartbeat_interval_s=0.2,
+    heartbeat_timeout_s=10.0,
+    abort_ack_s=5.0,
+)
+TINY = dict(
+    bootstrap_s=1.5,
+    waiting_s=1.5,
+    transfer_s=1.5,
+    heartbeat_interval_s=0.2,
+    heartbeat_timeout_s=5.0,
+    abort_ack_s=2.0,
+)
 
 #: byte written into every freed item; patterns are ``% 251``, so they never produce it
 SENTINEL = 0xFF
@@ -46,6 +59,7 @@ def _build_pool(kind: str, size: int, page_size: int, device: str = "cpu"):
     import torch
 
     from kvxfer.pools import MHATokenToKVPool, MLATokenToKVPool, PageMajorMHATokenToKVPool
+
     bf = torch.bfloat16
     if kind in ("mha", "mismatch", "many"):
         if kind == "many":
@@ -59,17 +73,26 @@ def _build_pool(kind: str, size: int, page_size: int, device: str = "cpu"):
         from kvxfer.pools.hybrid import HybridLinearKVPool
         from kvxfer.pools.mamba import MambaPool
         from kvxfer.pools.mamba_spec import MambaStateSpec
-        spec = MambaStateSpec(conv_shapes=((4, 3),), temporal_shape=(2, 4, 4), conv_dtype=bf,
-                              temporal_dtype=torch.float32, layer_ids=(1, 3))
+
+        spec = MambaStateSpec(
+            conv_shapes=((4, 3),),
+            temporal_shape=(2, 4, 4),
+            conv_dtype=bf,
+            temporal_dtype=torch.float32,
+            layer_ids=(1, 3),
+        )
         layout = "per_layer" if kind == "hybrid_per_layer" else "envelope"
         kv_cls = MHATokenToKVPool if layout == "per_layer" else PageMajorMHATokenToKVPool
         mamba = MambaPool(64, spec, device, layout=layout)
-        return HybridLinearKVPool(kv_cls(size, page_size, bf, 2, 8, 2, device), mamba, [0, 2]), mamba
+        return HybridLinearKVPool(
+            kv_cls(size, page_size, bf, 2, 8, 2, device), mamba, [0, 2]
+        ), mamba
     raise ValueError(kind)
 
 
 def pattern(room: int, ks, e: int, n: int):
     import torch
+
     ks = torch.as_tensor(ks, dtype=torch.int64)
     return ((room * 31 + e * 13 + 7 * ks[:, None] + torch.arange(n)[None, :]) % 251).to(torch.uint8)
 
@@ -81,13 +104,24 @@ def first_token(room: int) -> int:
 class Node:
     """One pool + allocators + KVManager (background loop) in a worker process."""
 
-    def __init__(self, kind: str, role: str, bootstrap: Optional[str], timeouts: dict,
-                 error_mode: str = "peer", size: int = 1024, page_size: int = 4,
-                 aux_rows: int = 256, name: str = "", device: str = "cpu",
-                 integrity: bool = False) -> None:
+    def __init__(
+        self,
+        kind: str,
+        role: str,
+        bootstrap: Optional[str],
+        timeouts: dict,
+        error_mode: str = "peer",
+        size: int = 1024,
+        page_size: int = 4,
+        aux_rows: int = 256,
+        name: str = "",
+        device: str = "cpu",
+        integrity: bool = False,
+    ) -> None:
         from kvxfer.disagg import KVArgs, KVManager, MetadataBuffer, Timeouts
         from kvxfer.pools.allocator import PagedTokenToKVPoolAllocator
         from kvxfer.pools.mamba_alloc import MambaSlotAllocator
+
         if kind == "mismatch":
             page_size = 8
         self.kind, self.role, self.bootstrap = kind, role, bootstrap
@@ -100,8 +134,9 @@ class Node:
         rows = [self.aux.alloc() for _ in range(aux_rows)]
         for row in rows[1:-1]:
             self.aux.free(row)
-        args = KVArgs.from_pools(self.pool, aux=self.aux,
-                                 state_pool=self.pool if mamba is not None else None)
+        args = KVArgs.from_pools(
+            self.pool, aux=self.aux, state_pool=self.pool if mamba is not None else None
+        )
         self.views = self.pool.get_item_views()
         self.state_views = self.pool.get_state_item_views() if mamba is not None else []
         self.freed = {"pages": set(), "slots": set(), "rows": set()}
@@ -118,16 +153,23 @@ class Node:
         self.widened: Optional[tuple] = None
         self.in_window: Optional[int] = None
         self._thread = None
-        self.mgr = KVManager(args, role, bootstrap_addr=bootstrap if role == "prefill" else None,
-                             timeouts=Timeouts(**timeouts), error_mode=error_mode,
-                             name=f"{role}-{name or kind}",
-                             integrity=integrity).start_background()
+        self.mgr = KVManager(
+            args,
+            role,
+            bootstrap_addr=bootstrap if role == "prefill" else None,
+            timeouts=Timeouts(**timeouts),
+            error_mode=error_mode,
+            name=f"{role}-{name or kind}",
+            integrity=integrity,
+        ).start_background()
         self.rooms: Dict[int, dict] = {}
 
     def _counts(self):
-        return {"pages": self.pages.available_size(),
-                "slots": self.slots.available_size() if self.slots else 0,
-                "aux": self.aux.available()}
+        return {
+            "pages": self.pages.available_size(),
+            "slots": self.slots.available_size() if self.slots else 0,
+            "aux": self.aux.available(),
+        }
 
     # -- resources --
     def _alloc(self, room: int, n: int, state: bool) -> dict:
@@ -147,8 +189,15 @@ class Node:
             self.freed["slots"].discard(slot)
             self.freed["rows"].discard(row)
         import torch
-        return {"pages": pages if pages is not None else torch.zeros(0, dtype=torch.int64),
-                "slot": slot, "row": row, "n": n, "done": threading.Event(), "result": None}
+
+        return {
+            "pages": pages if pages is not None else torch.zeros(0, dtype=torch.int64),
+            "slot": slot,
+            "row": row,
+            "n": n,
+            "done": threading.Event(),
+            "result": None,
+        }
 
     def _free(self, rec: dict) -> None:
         """Fill the room's items with SENTINEL, then free them."""
@@ -170,14 +219,22 @@ class Node:
     def fence_check(self) -> dict:
         """Freed items (not reallocated since) and guard items whose bytes changed."""
         import torch
+
         with self.lock:
             pages = sorted(self.freed["pages"])
             slots = sorted(self.freed["slots"])
             rows = sorted(self.freed["rows"])
-            out = {"pages": [], "slots": [], "rows": [], "guards": [], "checked": {
-                "pages": len(pages), "slots": len(slots), "rows": len(rows)}}
-            for what, views, ids in (("pages", self.views, pages),
-                                     ("slots", self.state_views, slots)):
+            out = {
+                "pages": [],
+                "slots": [],
+                "rows": [],
+                "guards": [],
+                "checked": {"pages": len(pages), "slots": len(slots), "rows": len(rows)},
+            }
+            for what, views, ids in (
+                ("pages", self.views, pages),
+                ("slots", self.state_views, slots),
+            ):
                 for v in views:
                     if ids:
                         bad = (v[torch.tensor(ids, device=v.device)] != SENTINEL).any(dim=1)
@@ -208,6 +265,7 @@ class Node:
         a slow log handler, say — to widen a race window for a hammer test; None stops it.
         While it holds, ``in_window`` names the room."""
         import random
+
         self.widened = (point, seconds, random.Random(0))
         self.mgr.test_hook = self._hook
 
@@ -217,6 +275,7 @@ class Node:
         window for a room not opened yet, that room comes next half of the time — then (its
         forward pass done) send each room's pages, in another random order."""
         import random
+
         rng = random.Random(seed)
         todo = dict(rooms)
         order = rng.sample(list(todo), len(todo))
@@ -233,6 +292,7 @@ class Node:
     def hammer_abort(self, rooms, seed: int, jitter: float) -> None:
         """Hammer, decode's scheduler: abort ``rooms`` in random order at random pacing."""
         import random
+
         rng = random.Random(seed)
         for r in rng.sample(list(rooms), len(rooms)):
             self.abort(r)
@@ -267,27 +327,37 @@ class Node:
                 args[0](self, *args[1:])
             except BaseException:
                 err.append(traceback.format_exc())
+
         t = threading.Thread(target=run)
         t.start()
         t.join(10)
-        self._fired(("error", "".join(err)) if err else
-                    ("done", room) if not t.is_alive() else ("stuck", room))
+        self._fired(
+            ("error", "".join(err))
+            if err
+            else ("done", room)
+            if not t.is_alive()
+            else ("stuck", room)
+        )
 
     def _fired(self, what: tuple) -> None:
         with self.hooks_cv:
             self.hooks_fired.append(what)
             self.hooks_cv.notify_all()
 
-    def wait_fired(self, point: str, room: int, timeout: float = 20.0,
-                   entered: bool = False) -> list:
+    def wait_fired(
+        self, point: str, room: int, timeout: float = 20.0, entered: bool = False
+    ) -> list:
         """Wait (bounded) until the hook armed at ``point`` for ``room`` ran to its end (or,
         ``entered``, began); returns what it recorded (``[(point, room), ("done", room)]``
         when a "call" went well)."""
+
         def seen():
             return [x for x in self.hooks_fired if x[1] == room or x[0] == "error"]
+
         with self.hooks_cv:
-            self.hooks_cv.wait_for(lambda: (point, room) in seen() and
-                                   len(seen()) >= (1 if entered else 2), timeout)
+            self.hooks_cv.wait_for(
+                lambda: (point, room) in seen() and len(seen()) >= (1 if entered else 2), timeout
+            )
             return seen()
 
     def open_gate(self) -> None:
@@ -314,6 +384,7 @@ class Node:
                 res["ok"] = method(self, *args)
             except BaseException as exc:
                 res["err"] = (type(exc).__name__, str(exc), traceback.format_exc())
+
         self._thread = (threading.Thread(target=run, daemon=True), res)
         self._thread[0].start()
 
@@ -330,17 +401,22 @@ class Node:
     def _on_done(self, room: int):
         def cb(state, exc):
             rec = self.rooms[room]
-            rec["result"] = {"state": state.name, "exc": type(exc).__name__ if exc else None,
-                             "msg": str(exc) if exc else ""}
+            rec["result"] = {
+                "state": state.name,
+                "exc": type(exc).__name__ if exc else None,
+                "msg": str(exc) if exc else "",
+            }
             if self.role == "prefill" or state.name != "Success":
                 self._free(rec)
                 rec["freed"] = True
             rec["done"].set()
+
         return cb
 
     # -- prefill --
     def p_open(self, room: int, n: int, state: bool = True, init: bool = True) -> None:
         from kvxfer.disagg import KVSender
+
         rec = self._alloc(room, n, state)
         ks = list(range(n))
         for e, v in enumerate(self.views):
@@ -362,7 +438,7 @@ class Node:
     def p_send(self, room: int, lo: int, hi: int, stamp_room: Optional[int] = None) -> None:
         rec = self.rooms[room]
         st = [rec["slot"]] if hi == rec["n"] and rec["slot"] is not None else None
-        if stamp_room is not None:                 # simulate a scheduler bug: wrong aux stamp
+        if stamp_room is not None:  # simulate a scheduler bug: wrong aux stamp
             aux, real = self.mgr.aux, self.mgr.aux.stamp
             aux.stamp = lambda row, _room: (real(row, stamp_room), delattr(aux, "stamp"))
         rec["h"].send(rec["pages"][lo:hi], st)
@@ -371,9 +447,17 @@ class Node:
         self.rooms[room]["h"].send(kv, state)
 
     # -- decode --
-    def d_open(self, room: int, n: int, state: bool = True, meta: bool = True,
-               addr: Optional[str] = None, init: bool = True) -> None:
+    def d_open(
+        self,
+        room: int,
+        n: int,
+        state: bool = True,
+        meta: bool = True,
+        addr: Optional[str] = None,
+        init: bool = True,
+    ) -> None:
         from kvxfer.disagg import KVReceiver
+
         rec = self._alloc(room, n, state)
         self.rooms[room] = rec
         rec["h"] = KVReceiver(self.mgr, addr or self.bootstrap, room, on_done=self._on_done(room))
@@ -387,8 +471,9 @@ class Node:
 
     def d_meta(self, room: int) -> None:
         rec = self.rooms[room]
-        rec["h"].send_metadata(rec["pages"], rec["row"],
-                               [rec["slot"]] if rec["slot"] is not None else None)
+        rec["h"].send_metadata(
+            rec["pages"], rec["row"], [rec["slot"]] if rec["slot"] is not None else None
+        )
 
     def d_meta_raw(self, room: int, kv, aux, state=None) -> None:
         self.rooms[room]["h"].send_metadata(kv, aux, state)
@@ -397,6 +482,7 @@ class Node:
         """Bad items of a successful room (0 = byte-exact); frees its resources."""
         rec = self.rooms[room]
         import torch
+
         bad = 0
         ks = list(range(rec["n"]))
         for e, v in enumerate(self.views):
@@ -405,20 +491,23 @@ class Node:
                 bad += int((got != pattern(room, ks, e, v.shape[1])).any(dim=1).sum())
         if rec["slot"] is not None:
             for e, v in enumerate(self.state_views):
-                bad += int(not torch.equal(v[rec["slot"]].cpu(),
-                                           pattern(room, [1000], e, v.shape[1])[0]))
+                bad += int(
+                    not torch.equal(v[rec["slot"]].cpu(), pattern(room, [1000], e, v.shape[1])[0])
+                )
         bad += int(self.aux.first_token(rec["row"]) != first_token(room))
         if not rec.get("freed"):
             self._free(rec)
             rec["freed"] = True
         return bad
 
-    def corrupt_before_check(self, room: int, group: str, index: int = 0, entry: int = 0,
-                             byte: int = 0) -> None:
+    def corrupt_before_check(
+        self, room: int, group: str, index: int = 0, entry: int = 0, byte: int = 0
+    ) -> None:
         """Integrity test hook: once ``room``'s bytes have landed and right before decode
         checks them, flip byte ``byte`` of the room's ``index``-th destination item of
         ``group`` ("kv": page, "state": slot, "aux": row) in descriptor ``entry``."""
         import torch
+
         integ = self.mgr.integrity
 
         def flip(r) -> None:
@@ -433,6 +522,7 @@ class Node:
             else:
                 view, row = torch.from_numpy(self.aux.data), rec["row"]
             view[row, byte] = view[row, byte] ^ 0xFF
+
         integ.before_check = flip
 
     # -- both --
@@ -446,6 +536,7 @@ class Node:
     def new_handle(self, room: int) -> None:
         """A second handle for an existing room id (must raise DuplicateRoom)."""
         from kvxfer.disagg import KVReceiver, KVSender
+
         cls = KVSender if self.role == "prefill" else KVReceiver
         cls(self.mgr, self.bootstrap, room)
 
@@ -486,9 +577,12 @@ class Node:
         import asyncio
 
         from kvxfer.errors import InvalidArgument
+
         hs = [self.rooms[r]["h"] for r in rooms]
-        out = {"blocking": [h.wait_blocking(20).name for h in hs],
-               "foreign_loop": [asyncio.run(h.wait(20)).name for h in hs[:2]]}
+        out = {
+            "blocking": [h.wait_blocking(20).name for h in hs],
+            "foreign_loop": [asyncio.run(h.wait(20)).name for h in hs[:2]],
+        }
         try:
             self.mgr.call_wait(hs[0].wait_blocking)
         except InvalidArgument as exc:
@@ -529,7 +623,8 @@ def build_nodes(nodes_spec: dict) -> Dict[str, Node]:
     import logging
 
     import torch
-    torch.set_num_threads(1)     # no OpenMP spinning threads starving the managers' loops
+
+    torch.set_num_threads(1)  # no OpenMP spinning threads starving the managers' loops
     logging.basicConfig(level=os.environ.get("KVXFER_TEST_LOG", "WARNING"))
     nodes: Dict[str, Node] = {}
     try:
@@ -547,8 +642,11 @@ class Worker(procs.Worker):
     a proxy typed as :class:`Node`."""
 
     def __init__(self, nodes_spec: dict) -> None:
-        super().__init__(build_nodes, nodes_spec, name="+".join(
-            f"{kw.get('role', '')}-{n}" for n, kw in nodes_spec.items()))
+        super().__init__(
+            build_nodes,
+            nodes_spec,
+            name="+".join(f"{kw.get('role', '')}-{n}" for n, kw in nodes_spec.items()),
+        )
         self._nodes: Dict[str, Node] = {}
         self.launch()
 

@@ -2,6 +2,7 @@
 state machine of :mod:`kvxfer.disagg.integrity` driven step by step on a real (unstarted)
 KVManager over real host buffers, in the orders a network may produce (e.g. decode's verdict
 before prefill's own write completion)."""
+
 import asyncio
 
 import msgpack
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.timeout(30)
 # ---------------------------------------------------------------------- wire + fingerprint
 def test_done_sums_absent_when_off_and_typed_when_on():
     plain = m.Done(room=3, pages=2).encode()
-    assert "sums" not in msgpack.unpackb(plain)                  # nothing extra on the wire
+    assert "sums" not in msgpack.unpackb(plain)  # nothing extra on the wire
     assert wire.decode(plain).sums is None
     blob = np.arange(3, dtype="<u4").tobytes()
     assert wire.decode(m.Done(room=3, pages=2, sums=blob).encode()).sums == blob
@@ -36,8 +37,7 @@ def test_done_sums_absent_when_off_and_typed_when_on():
 
 
 def test_verdict_round_trip_and_remote_kind():
-    v = wire.decode(m.Verdict(room=9, ok=False, reason="kv item 2", kind="IntegrityError")
-                    .encode())
+    v = wire.decode(m.Verdict(room=9, ok=False, reason="kv item 2", kind="IntegrityError").encode())
     assert (v.room, v.ok, v.kind) == (9, False, "IntegrityError")
     with pytest.raises(ProtocolError):
         wire.decode(msgpack.packb({"t": "pd.verdict", "v": wire.PROTOCOL_VERSION, "room": 9}))
@@ -70,10 +70,21 @@ def _manager(mode: str):
     kv = np.random.default_rng(1).integers(0, 256, (4, 16, 40), dtype=np.uint8)
     aux = MetadataBuffer(8, 64)
     ap, al, ai = aux.buf_infos()
-    args = KVArgs(kv_data_ptrs=[kv[i].ctypes.data for i in range(4)], kv_data_lens=[640] * 4,
-                  kv_item_lens=[40] * 4, aux_data_ptrs=ap, aux_data_lens=al, aux_item_lens=ai)
-    mgr = KVManager(args, mode, bootstrap_addr="127.0.0.1:9", integrity=True,
-                    timeouts=Timeouts(transfer_s=30.0, waiting_s=30.0))
+    args = KVArgs(
+        kv_data_ptrs=[kv[i].ctypes.data for i in range(4)],
+        kv_data_lens=[640] * 4,
+        kv_item_lens=[40] * 4,
+        aux_data_ptrs=ap,
+        aux_data_lens=al,
+        aux_item_lens=ai,
+    )
+    mgr = KVManager(
+        args,
+        mode,
+        bootstrap_addr="127.0.0.1:9",
+        integrity=True,
+        timeouts=Timeouts(transfer_s=30.0, waiting_s=30.0),
+    )
     assert mgr.fingerprint["integrity"] == ALGORITHM
     mgr.loop = asyncio.get_running_loop()
     return mgr, kv, aux, args
@@ -104,16 +115,16 @@ async def test_prefill_ends_on_the_verdict_in_either_order(early):
     r.aux_index = 2
     assert await mgr.integrity.source(r, np.array([1, 2]), None, last=False) is None
     sums = await mgr.integrity.source(r, np.array([5]), np.zeros(0, np.int64), last=True)
-    assert sums == _expected(args, [1, 2, 5], 2)                   # every chunk's pages
+    assert sums == _expected(args, [1, 2, 5], 2)  # every chunk's pages
     ok = m.Verdict(room=11, ok=True)
     if early:
-        mgr.integrity.on_verdict(link, ok)                         # before our completion
+        mgr.integrity.on_verdict(link, ok)  # before our completion
         assert r.state == KVPoll.Transferring and not done
         mgr.integrity.sent(r)
     else:
         mgr.integrity.sent(r)
-        assert r.state == KVPoll.Transferring and not done         # holds its pages
-        mgr.integrity.on_verdict(Link("other", Outbox()), ok)      # another peer: ignored
+        assert r.state == KVPoll.Transferring and not done  # holds its pages
+        mgr.integrity.on_verdict(Link("other", Outbox()), ok)  # another peer: ignored
         mgr.integrity.on_verdict(link, m.Verdict(room=12, ok=True))  # another room: ignored
         assert r.state == KVPoll.Transferring and not done
         mgr.integrity.on_verdict(link, ok)
@@ -128,28 +139,29 @@ async def test_prefill_fails_with_decodes_error():
     r.aux_index = 0
     await mgr.integrity.source(r, np.array([0]), None, last=True)
     mgr.integrity.sent(r)
-    mgr.integrity.on_verdict(link, m.Verdict(room=11, ok=False, reason="kv item 0 bad",
-                                             kind="IntegrityError"))
-    (state, exc), = done
+    mgr.integrity.on_verdict(
+        link, m.Verdict(room=11, ok=False, reason="kv item 0 bad", kind="IntegrityError")
+    )
+    ((state, exc),) = done
     assert state == KVPoll.Failed and isinstance(exc, IntegrityError)
     assert "kv item 0 bad" in str(exc) and exc.room == 11
     await asyncio.sleep(0)
-    assert link.peer.sent == []                                    # nothing owed to decode
+    assert link.peer.sent == []  # nothing owed to decode
 
 
 async def _decode_check(mgr, r, sums):
     mgr.integrity.done_arrived(r)
     mgr.integrity.check(r, m.Done(room=r.room, pages=len(r.dst_kv), sums=sums))
-    for _ in range(50):                                            # the check task's steps
+    for _ in range(50):  # the check task's steps
         if r.released:
             break
         await asyncio.sleep(0)
-    await asyncio.sleep(0)                                         # the verdict's send task
+    await asyncio.sleep(0)  # the verdict's send task
 
 
 def _decode_room(mgr, done):
     r, link = _room(mgr, "receiver", done)
-    r.peer_aborted = True                                          # Done arrived
+    r.peer_aborted = True  # Done arrived
     r.dst_kv, r.dst_state, r.dst_aux_row = np.array([3, 0, 7]), np.zeros(0, np.int64), 4
     return r, link
 
@@ -177,10 +189,10 @@ async def test_decode_rejects_a_flipped_byte_naming_the_item(where, group, index
     done = []
     r, link = _decode_room(mgr, done)
     await _decode_check(mgr, r, sums)
-    (state, exc), = done
+    ((state, exc),) = done
     assert state == KVPoll.Failed and isinstance(exc, IntegrityError)
     assert (exc.room, exc.group, exc.index) == (11, group, index)
-    v, = link.peer.sent
+    (v,) = link.peer.sent
     assert not v.ok and v.kind == "IntegrityError" and f"{group} item {index} " in v.reason
 
 
@@ -191,18 +203,23 @@ async def test_decode_refuses_a_done_without_the_right_checksums(sums):
     done = []
     r, link = _decode_room(mgr, done)
     await _decode_check(mgr, r, sums)
-    (state, exc), = done
+    ((state, exc),) = done
     assert state == KVPoll.Failed and isinstance(exc, ProtocolError)
     assert "checksums" in str(exc) and "16 bytes" in str(exc)
-    v, = link.peer.sent
+    (v,) = link.peer.sent
     assert not v.ok and v.kind == "ProtocolError"
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("kind,cls", [("RoomMismatch", "RoomMismatch"),
-                                      ("TransferTimeout", "TransferTimeout"),
-                                      ("NoSuchError", "TransferAborted"),
-                                      ("Exception", "TransferAborted")])
+@pytest.mark.parametrize(
+    "kind,cls",
+    [
+        ("RoomMismatch", "RoomMismatch"),
+        ("TransferTimeout", "TransferTimeout"),
+        ("NoSuchError", "TransferAborted"),
+        ("Exception", "TransferAborted"),
+    ],
+)
 async def test_prefill_rebuilds_decodes_error_class(kind, cls):
     mgr, *_ = _manager("prefill")
     done = []
@@ -211,5 +228,5 @@ async def test_prefill_rebuilds_decodes_error_class(kind, cls):
     await mgr.integrity.source(r, np.array([0]), None, last=True)
     mgr.integrity.sent(r)
     mgr.integrity.on_verdict(link, m.Verdict(room=11, ok=False, reason="why", kind=kind))
-    (state, exc), = done
+    ((state, exc),) = done
     assert state == KVPoll.Failed and type(exc).__name__ == cls and "peer-x: why" in str(exc)

@@ -1,5 +1,6 @@
 """Abort from each side in each state, and the deadlines of each state: the other side
 always learns (Failed), and every page, slot, aux row and room is released on both sides."""
+
 import time
 
 import pytest
@@ -51,7 +52,7 @@ def test_abort_reaches_the_other_side(cluster, room, side, state):
     res = me[K].wait(r)
     assert res["state"] == "Failed" and res["exc"] == "TransferAborted", res
     if side == "prefill" and state == "Bootstrapping":
-        c.d[K].d_open(r, 4)                              # decode comes late: told at once
+        c.d[K].d_open(r, 4)  # decode comes late: told at once
     res = other[K].wait(r)
     assert res["state"] == "Failed", res
     assert res["exc"] in ("TransferAborted", "UnknownRoom"), res
@@ -76,12 +77,12 @@ def _timed_wait(w, node, r):
     return res, time.monotonic() - t0
 
 
-SLACK = 3.0        # loaded 2-core CI machines
+SLACK = 3.0  # loaded 2-core CI machines
 
 
 def test_deadline_prefill_bootstrapping(cluster, room):
     c, r = cluster, room()
-    c.p["tiny"].p_open(r, 1)                             # decode never shows up
+    c.p["tiny"].p_open(r, 1)  # decode never shows up
     res, dt = _timed_wait(c.p, "tiny", r)
     assert res["state"] == "Failed" and res["exc"] == "TransferTimeout", res
     assert "Bootstrapping" in res["msg"] and dt < TINY["bootstrap_s"] + SLACK
@@ -91,6 +92,7 @@ def test_deadline_prefill_bootstrapping(cluster, room):
 def test_deadline_decode_bootstrapping(cluster, room):
     """No prefill ever registers at this bootstrap server."""
     from kvxfer.disagg import BootstrapServer
+
     c, r = cluster, room()
     empty = BootstrapServer(port=0).start_in_thread()
     try:

@@ -1,6 +1,7 @@
 """The public API in both styles — asyncio (``await start()/wait()``) and a plain-thread
 scheduler over background-loop managers (non-blocking ``poll()``, ``wait_blocking``, waits
 from a foreign event loop) — with both managers in this process on real UCX loopback."""
+
 import asyncio
 import os
 import subprocess
@@ -36,15 +37,24 @@ class Side:
         self.state = rng.integers(0, 255, (4 * 48,), dtype=np.uint8)
         self.aux = MetadataBuffer(8, 64)
         ap, al, ai = self.aux.buf_infos()
-        self.args = KVArgs(kv_data_ptrs=[int(self.kv[i].ctypes.data) for i in range(NBUF)],
-                           kv_data_lens=[PAGES * ITEM] * NBUF, kv_item_lens=[ITEM] * NBUF,
-                           state_data_ptrs=[int(self.state.ctypes.data)], state_data_lens=[192],
-                           state_item_lens=[48], state_types=["mamba"],
-                           aux_data_ptrs=ap, aux_data_lens=al, aux_item_lens=ai,
-                           page_size=2, dtype="uint8", layout={"kv": {"kind": "test"}})
+        self.args = KVArgs(
+            kv_data_ptrs=[int(self.kv[i].ctypes.data) for i in range(NBUF)],
+            kv_data_lens=[PAGES * ITEM] * NBUF,
+            kv_item_lens=[ITEM] * NBUF,
+            state_data_ptrs=[int(self.state.ctypes.data)],
+            state_data_lens=[192],
+            state_item_lens=[48],
+            state_types=["mamba"],
+            aux_data_ptrs=ap,
+            aux_data_lens=al,
+            aux_item_lens=ai,
+            page_size=2,
+            dtype="uint8",
+            layout={"kv": {"kind": "test"}},
+        )
 
     def page(self, p):
-        return self.kv[:, p * ITEM:(p + 1) * ITEM]
+        return self.kv[:, p * ITEM : (p + 1) * ITEM]
 
 
 T = Timeouts(bootstrap_s=5, waiting_s=5, transfer_s=5, heartbeat_interval_s=0.2)
@@ -131,10 +141,12 @@ def test_manager_argument_errors():
 
 
 def test_import_kvxfer_is_cheap():
-    code = ("import sys, kvxfer; from kvxfer import KVArgs, KVPoll, KVManager, KVSender, "
-            "KVReceiver, BootstrapServer; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('ucxx', 'torch', 'rmm')]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, kvxfer; from kvxfer import KVArgs, KVPoll, KVManager, KVSender, "
+        "KVReceiver, BootstrapServer; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('ucxx', 'torch', 'rmm')]; "
+        "assert not bad, bad"
+    )
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60)
 
@@ -155,15 +167,15 @@ async def _late_metadata():
     await bs.start()
     D = Side(3)
     quick = Timeouts(bootstrap_s=0.3, waiting_s=5, transfer_s=5, heartbeat_interval_s=0.2)
-    d = await KVManager(D.args, "decode", timeouts=quick).start()   # no prefill registers
+    d = await KVManager(D.args, "decode", timeouts=quick).start()  # no prefill registers
     done = asyncio.Event()
     try:
         recv = KVReceiver(d, bs.address, 11, on_done=lambda s, e: done.set())
         recv.init()
         await asyncio.wait_for(done.wait(), 10)
         assert recv.poll() == KVPoll.Failed
-        D.aux.data[2, :] = 0xAB                        # row 2 now belongs to someone else
-        recv.send_metadata([0, 1], 2)                  # on the loop thread: handled now
+        D.aux.data[2, :] = 0xAB  # row 2 now belongs to someone else
+        recv.send_metadata([0, 1], 2)  # on the loop thread: handled now
         assert (D.aux.data[2] == 0xAB).all(), "late send_metadata wrote into a released row"
     finally:
         await d.close()

@@ -1,4 +1,5 @@
 """BootstrapServer over real asyncio TCP (in-process, port 0) and as `kvxfer bootstrap`."""
+
 import asyncio
 import os
 import struct
@@ -16,9 +17,16 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def _reg(name, tp_rank, port, tp_size=2, dp_rank=0):
-    return m.BsRegister(name=name, host="127.0.0.1", port=port, tp_rank=tp_rank,
-                        tp_size=tp_size, dp_rank=dp_rank, pp_rank=0,
-                        fingerprint={"page_size": 4})
+    return m.BsRegister(
+        name=name,
+        host="127.0.0.1",
+        port=port,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        dp_rank=dp_rank,
+        pp_rank=0,
+        fingerprint={"page_size": 4},
+    )
 
 
 async def test_register_lookup_replace_unregister():
@@ -32,14 +40,14 @@ async def test_register_lookup_replace_unregister():
         await bootstrap.request(addr, _reg("q0", 0, 2000, dp_rank=1), 5)
         got = await bootstrap.lookup(addr, 0, 5)
         assert [(e["name"], e["port"]) for e in got] == [("p0", 1000), ("p1", 1001)]
-        await bootstrap.request(addr, _reg("p0-restarted", 0, 1002), 5)   # restart replaces
+        await bootstrap.request(addr, _reg("p0-restarted", 0, 1002), 5)  # restart replaces
         got = await bootstrap.lookup(addr, 0, 5)
         assert [(e["name"], e["port"]) for e in got] == [("p0-restarted", 1002), ("p1", 1001)]
-        await bootstrap.request(addr, m.BsUnregister(name="p0", dp_rank=0, tp_rank=0,
-                                                     pp_rank=0), 5)   # stale name: no effect
+        await bootstrap.request(
+            addr, m.BsUnregister(name="p0", dp_rank=0, tp_rank=0, pp_rank=0), 5
+        )  # stale name: no effect
         assert len(await bootstrap.lookup(addr, 0, 5)) == 2
-        await bootstrap.request(addr, m.BsUnregister(name="p1", dp_rank=0, tp_rank=1,
-                                                     pp_rank=0), 5)
+        await bootstrap.request(addr, m.BsUnregister(name="p1", dp_rank=0, tp_rank=1, pp_rank=0), 5)
         assert [e["name"] for e in await bootstrap.lookup(addr, 0, 5)] == ["p0-restarted"]
         with pytest.raises(ProtocolError, match="tp_rank 3"):
             await bootstrap.request(addr, _reg("bad", 3, 1), 5)
@@ -51,6 +59,7 @@ async def _raw(port, payload: bytes):
     """Open a connection, read the challenge, send ``payload``; returns the server's answer
     (a wire message) or None when it closed the connection."""
     from kvxfer import wire
+
     r, w = await asyncio.open_connection("127.0.0.1", port)
     try:
         (n,) = struct.unpack(">I", await r.readexactly(4))
@@ -72,7 +81,7 @@ async def test_garbage_is_refused_and_server_survives():
     try:
         reply = await _raw(srv.port, struct.pack(">I", 5) + b"\xc1junk")
         assert not reply.ok and "ProtocolError" in reply.error
-        reply = await _raw(srv.port, struct.pack(">I", 1 << 30))   # oversized: refused unread
+        reply = await _raw(srv.port, struct.pack(">I", 1 << 30))  # oversized: refused unread
         assert not reply.ok and "exceeds" not in reply.error and str(1 << 30) in reply.error
         assert await bootstrap.lookup(srv.address, 0, 5) == []
     finally:
@@ -101,9 +110,13 @@ def test_in_thread_server():
 
 def test_cli_bootstrap():
     env = dict(os.environ, PYTHONPATH=os.getcwd())
-    p = subprocess.Popen([sys.executable, "-m", "kvxfer", "bootstrap", "--host", "127.0.0.1",
-                          "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=env)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "kvxfer", "bootstrap", "--host", "127.0.0.1", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         line = p.stdout.readline()
         assert "listening on" in line, (line, p.stderr.read() if p.poll() is not None else "")

@@ -1,5 +1,6 @@
 """A peer process SIGKILLed while rooms sit in each state: the survivor fails every affected
 room within its deadline and returns every page, slot, aux row and room; it keeps working."""
+
 import time
 
 import pytest
@@ -35,13 +36,13 @@ def test_prefill_killed_in_each_decode_state(cluster, room):
     assert c.d["mha"].poll_until(W, ["WaitingForInput"]) == "WaitingForInput"
     assert c.d["mha"].poll_until(T, ["Transferring"]) == "Transferring"
     v.kill()
-    c.d["mha"].d_open(B, 3, addr=addr)      # bootstraps towards the dead rank's entry
+    c.d["mha"].d_open(B, 3, addr=addr)  # bootstraps towards the dead rank's entry
     for r in (W, T):
         res = wait_failed(c.d, "mha", r, FAST["heartbeat_timeout_s"])
         assert res["exc"] in ("PeerClosed", "TransferTimeout"), res
     wait_failed(c.d, "mha", B, FAST["bootstrap_s"])
     no_leaks(c.d, "mha")
-    ok = room()                                 # the survivor still works
+    ok = room()  # the survivor still works
     c.d["mha"].d_open(ok, 2)
     c.p["mha"].p_open(ok, 2)
     c.p["mha"].p_send(ok, 0, 2)
@@ -64,7 +65,7 @@ def test_decode_killed_in_each_prefill_state(cluster, room):
     # B last, right before the kill: "tiny" has a 1.5 s Bootstrapping deadline, which the
     # steps above can outlast on a loaded machine
     c.p["tiny"].p_open(B, 3)
-    v["mha"].d_open(B, 3, meta=False, addr=c.bs["tiny"].address)   # connected, no metadata
+    v["mha"].d_open(B, 3, meta=False, addr=c.bs["tiny"].address)  # connected, no metadata
     assert c.p["tiny"].poll(B) == "Bootstrapping"
     assert c.p["mha"].poll(T) == "Transferring"
     v.kill()

@@ -10,6 +10,7 @@ prefill, duplicate and late metadata, and a peer frozen (SIGSTOP) then resumed (
 
 A pair of worker processes of its own (module fixture): the freeze scenarios stop a whole
 process."""
+
 import pytest
 from pd_harness import Node, Worker
 
@@ -20,8 +21,14 @@ N = 4
 #: that never comes (abort_ack_s) is noticed before the silence. bootstrap_s also bounds
 #: decode's connect, so the fixture connects once first: with 1.5 s, a first connect (UCX
 #: start-up) that timed out on a loaded machine was followed by a segfault in UCXX.
-T = dict(bootstrap_s=4.0, waiting_s=1.5, transfer_s=1.5, heartbeat_interval_s=0.2,
-         heartbeat_timeout_s=10.0, abort_ack_s=2.0)
+T = dict(
+    bootstrap_s=4.0,
+    waiting_s=1.5,
+    transfer_s=1.5,
+    heartbeat_interval_s=0.2,
+    heartbeat_timeout_s=10.0,
+    abort_ack_s=2.0,
+)
 NO_LEAKS = {"pages": 0, "slots": 0, "aux": 0, "rooms": 0}
 ENDED = {"Success", "Failed"}
 
@@ -29,14 +36,16 @@ ENDED = {"Success", "Failed"}
 class Pair:
     def __init__(self):
         from kvxfer.disagg import BootstrapServer
+
         self.bs = BootstrapServer(port=0).start_in_thread()
         node = dict(kind=K, timeouts=T, bootstrap=self.bs.address)
         self.p = Worker({"f": dict(node, role="prefill")})
-        self.d = Worker({"f": dict(node, role="decode"),
-                         "f2": dict(node, role="decode", name="second")})
+        self.d = Worker(
+            {"f": dict(node, role="decode"), "f2": dict(node, role="decode", name="second")}
+        )
         for w in (self.p, self.d):
             w.ready()
-        for w, n in ((self.d, "f"), (self.d, "f2")):     # connect once, with no deadline near
+        for w, n in ((self.d, "f"), (self.d, "f2")):  # connect once, with no deadline near
             r = 4_999_999 - len(n)
             self.p["f"].p_open(r, 1)
             w[n].d_open(r, 1)
@@ -47,7 +56,7 @@ class Pair:
 
     def close(self):
         for w in (self.p, self.d):
-            w.resume()                      # never leave a frozen worker behind
+            w.resume()  # never leave a frozen worker behind
             w.request_exit()
         for w in (self.p, self.d):
             w.close()
@@ -94,7 +103,7 @@ def fenced(c):
 def to_state(c, r, state):
     """Both sides open room ``r``; then drive it to ``state`` (decode's view)."""
     c.p["f"].p_open(r, N)
-    if state == "Bootstrapping":                         # decode not even looked up
+    if state == "Bootstrapping":  # decode not even looked up
         c.d["f"].d_open(r, N, meta=False, init=False)
         return
     c.d["f"].d_open(r, N)
@@ -116,7 +125,7 @@ def test_abort_in_each_state(pair, side, state):
     c, r = pair, next(pair.rooms)
     to_state(c, r, state)
     (c.d if side == "decode" else c.p)["f"].abort(r)
-    if state == "Bootstrapping":                         # decode's scheduler goes on
+    if state == "Bootstrapping":  # decode's scheduler goes on
         c.d["f"].batch([(Node.d_init, r), (Node.d_meta, r)])
     settled(c.d, "f", r)
     settled(c.p, "f", r)
@@ -163,7 +172,7 @@ def test_duplicate_and_late_metadata(pair):
     assert settled(c.d, "f", r)["state"] == "Success" and c.d["f"].verify(r) == 0
     assert settled(c.p, "f", r)["state"] == "Success"
     late = next(pair.rooms)
-    c.d["f2"].d_open(late, N)                         # shares no id with the finished one
+    c.d["f2"].d_open(late, N)  # shares no id with the finished one
     c.d["f2"].abort(late)
     settled(c.d, "f2", late)
     fenced(c)

@@ -2,6 +2,7 @@
 pool kind: chunked and unchunked transfers, op counts, concurrency, validation, duplicates,
 layout mismatch, room-id mismatch and unknown rooms. Every test ends with no leaked page,
 state slot, aux row or room on either side."""
+
 import random
 import time
 
@@ -20,8 +21,9 @@ def no_leaks(c, *nodes):
 
 def runs(src, dst):
     """Runs contiguous on both sides (what the engine merges into one op per descriptor)."""
-    return sum(1 for i in range(len(src))
-               if i == 0 or src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1)
+    return sum(
+        1 for i in range(len(src)) if i == 0 or src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1
+    )
 
 
 def expected_ops(c, node, rooms):
@@ -32,7 +34,7 @@ def expected_ops(c, node, rooms):
         s, d = c.p[node].ids(room)["pages"], c.d[node].ids(room)["pages"]
         for lo, hi in zip(bounds, bounds[1:]):
             ops += runs(s[lo:hi], d[lo:hi]) * g["kv_entries"]
-        ops += g["state_entries"] + 1                        # state slot + aux row
+        ops += g["state_entries"] + 1  # state slot + aux row
     return ops
 
 
@@ -88,7 +90,9 @@ def test_concurrent_rooms_random_chunks(cluster, room, kind):
     calls = []
     for r, n in rooms:
         calls.append((Node.p_open, r, n))
-        cuts = sorted(set(rng.sample(range(1, n), k=min(n - 1, rng.randint(0, 3))))) if n > 1 else []
+        cuts = (
+            sorted(set(rng.sample(range(1, n), k=min(n - 1, rng.randint(0, 3))))) if n > 1 else []
+        )
         bounds = [0] + cuts + [n]
         calls += [(Node.p_send, r, lo, hi) for lo, hi in zip(bounds, bounds[1:])]
     c.p[kind].batch(calls)
@@ -110,10 +114,13 @@ def test_thousands_of_rooms_in_flight(cluster, room):
     t2 = time.perf_counter()
     c.p["many"].batch([(Node.p_send, r, 0, 1) for r in ids], timeout=120)
     t3 = time.perf_counter()
-    print(f"{len(ids)} rooms: d_open {t1-t0:.2f}s p_open {t2-t1:.2f}s p_send {t3-t2:.2f}s", end=" ")
+    print(
+        f"{len(ids)} rooms: d_open {t1 - t0:.2f}s p_open {t2 - t1:.2f}s p_send {t3 - t2:.2f}s",
+        end=" ",
+    )
     assert c.d["many"].wait_all(ids, 90.0, timeout=120) == {"Success": len(ids)}
     assert c.p["many"].wait_all(ids, 90.0, timeout=120) == {"Success": len(ids)}
-    print(f"all done {time.perf_counter()-t3:.2f}s after the last send")
+    print(f"all done {time.perf_counter() - t3:.2f}s after the last send")
     assert sum(c.d["many"].batch([(Node.verify, r) for r in ids], timeout=120)) == 0
     no_leaks(c, (c.p, "many"), (c.d, "many"))
 
@@ -138,10 +145,13 @@ def test_bad_indices_rejected_nothing_sent(cluster, room):
     c.d[kind].d_open(r, 2, meta=False)
     ids = c.d[kind].ids(r)
     bad_cases = [
-        (([ids["pages"][0], 10 ** 6], ids["row"], [ids["slot"]]), "IndexOutOfRange", "1000000"),
+        (([ids["pages"][0], 10**6], ids["row"], [ids["slot"]]), "IndexOutOfRange", "1000000"),
         (([ids["pages"][0], -3], ids["row"], [ids["slot"]]), "IndexOutOfRange", "-3"),
-        ((ids["pages"] + ids["pages"][:1], ids["row"], [ids["slot"]]), "InvalidArgument",
-         f"id {ids['pages'][0]} appears more than once"),
+        (
+            (ids["pages"] + ids["pages"][:1], ids["row"], [ids["slot"]]),
+            "InvalidArgument",
+            f"id {ids['pages'][0]} appears more than once",
+        ),
         ((ids["pages"], 99999, [ids["slot"]]), "IndexOutOfRange", "99999"),
         ((ids["pages"], ids["row"], [4242]), "IndexOutOfRange", "4242"),
         (([0.5, 1.5], ids["row"], None), "InvalidArgument", "integers"),
@@ -162,7 +172,7 @@ def test_bad_indices_rejected_nothing_sent(cluster, room):
         with pytest.raises(RemoteError) as ei:
             c.p[kind].p_send_raw(r, *args)
         assert ei.value.kind == kind_ and text in ei.value.msg, ei.value
-    c.d[kind].d_meta(r)                                 # the good calls still work
+    c.d[kind].d_meta(r)  # the good calls still work
     c.p[kind].p_send(r, 0, 2)
     assert c.d[kind].wait(r)["state"] == "Success" and c.d[kind].verify(r) == 0
     assert c.p[kind].wait(r)["state"] == "Success"
@@ -181,7 +191,7 @@ def test_duplicate_rooms(cluster, room):
     c.p[kind].p_send(r, 0, 1)
     assert c.d[kind].wait(r)["state"] == "Success" and c.d[kind].verify(r) == 0
     assert c.p[kind].wait(r)["state"] == "Success"
-    for w in (c.p, c.d):                                  # a cleared room never comes back
+    for w in (c.p, c.d):  # a cleared room never comes back
         with pytest.raises(RemoteError) as ei:
             w[kind].new_handle(r)
         assert ei.value.kind == "DuplicateRoom" and "already used" in ei.value.msg

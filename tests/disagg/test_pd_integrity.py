@@ -4,6 +4,7 @@ flipped on decode after the write and before the check fails the room on BOTH si
 IntegrityError naming the item, and every page/slot/row is released; a side with the setting
 off is refused at connection time. The module runs its own pair of workers (one node per
 kind, integrity on), so the session cluster of the other tests stays as it is."""
+
 import itertools
 
 import pytest
@@ -22,19 +23,35 @@ def room() -> int:
 class Pair:
     def __init__(self):
         from kvxfer.disagg import BootstrapServer
+
         dev = DEVICE
         names = list(KINDS) + ["off"]
         self.bs = {n: BootstrapServer(port=0).start_in_thread() for n in names}
         spec = {k: dict(kind=k, timeouts=FAST, device=dev, integrity=True) for k in KINDS}
-        p_spec = {n: dict(kw, role="prefill", bootstrap=self.bs[n].address)
-                  for n, kw in spec.items()}
-        d_spec = {n: dict(kw, role="decode", bootstrap=self.bs[n].address)
-                  for n, kw in spec.items()}
+        p_spec = {
+            n: dict(kw, role="prefill", bootstrap=self.bs[n].address) for n, kw in spec.items()
+        }
+        d_spec = {
+            n: dict(kw, role="decode", bootstrap=self.bs[n].address) for n, kw in spec.items()
+        }
         # "off": prefill without the check, decode with it
-        p_spec["off"] = dict(kind="mha", role="prefill", bootstrap=self.bs["off"].address,
-                             timeouts=FAST, device=dev, name="off")
-        d_spec["off"] = dict(kind="mha", role="decode", bootstrap=self.bs["off"].address,
-                             timeouts=FAST, device=dev, name="off", integrity=True)
+        p_spec["off"] = dict(
+            kind="mha",
+            role="prefill",
+            bootstrap=self.bs["off"].address,
+            timeouts=FAST,
+            device=dev,
+            name="off",
+        )
+        d_spec["off"] = dict(
+            kind="mha",
+            role="decode",
+            bootstrap=self.bs["off"].address,
+            timeouts=FAST,
+            device=dev,
+            name="off",
+            integrity=True,
+        )
         self.p, self.d = Worker(p_spec), Worker(d_spec)
         self.p.ready()
         self.d.ready()
@@ -83,13 +100,16 @@ def test_checked_rooms_succeed_byte_exact(pair, kind):
     no_leaks(c, (c.p, kind), (c.d, kind))
 
 
-@pytest.mark.parametrize("kind,group,index,entry,byte", [
-    ("hybrid_per_layer", "kv", 0, 3, 5),     # a page of the FIRST chunk, one layer's V
-    ("mha", "kv", 6, 0, 0),                  # a page of the last chunk
-    ("page_major", "kv", 4, 0, 300),         # the second layer of an all-layer page
-    ("hybrid_envelope", "state", 0, 0, 7),   # the Mamba state slot
-    ("mla", "aux", 0, 0, 40),                # the aux row's payload (not its stamped header)
-])
+@pytest.mark.parametrize(
+    "kind,group,index,entry,byte",
+    [
+        ("hybrid_per_layer", "kv", 0, 3, 5),  # a page of the FIRST chunk, one layer's V
+        ("mha", "kv", 6, 0, 0),  # a page of the last chunk
+        ("page_major", "kv", 4, 0, 300),  # the second layer of an all-layer page
+        ("hybrid_envelope", "state", 0, 0, 7),  # the Mamba state slot
+        ("mla", "aux", 0, 0, 40),  # the aux row's payload (not its stamped header)
+    ],
+)
 def test_corrupted_destination_fails_both_sides(pair, kind, group, index, entry, byte):
     c = pair
     r = room()

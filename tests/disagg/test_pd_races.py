@@ -4,6 +4,7 @@ the manager's test hook (see pd_harness ``hook_on``), then hammered with random 
 Every test ends with both sides released (no page, slot, aux row or room left) and no byte of
 a freed item or guard item changed (``fence_check``): a write that lands after its room's
 ``on_done`` fails the test even when both sides report a clean outcome."""
+
 import random
 import time
 
@@ -11,7 +12,7 @@ import pytest
 from pd_harness import FAST, Node
 
 pytestmark = pytest.mark.timeout(120)
-K = "hybrid_per_layer"           # pages + a state slot + an aux row per room
+K = "hybrid_per_layer"  # pages + a state slot + an aux row per room
 NO_LEAKS = {"pages": 0, "slots": 0, "aux": 0, "rooms": 0}
 
 
@@ -47,7 +48,7 @@ def test_decode_abort_races_sender_creation(cluster, room, point):
     fired = _race(c, K, point, r, 3)
     c.d[K].abort(r)
     assert fired()
-    c.p[K].p_send(r, 0, 3)            # the scheduler goes on: nothing may be written
+    c.p[K].p_send(r, 0, 3)  # the scheduler goes on: nothing may be written
     for w in (c.d, c.p):
         res = w[K].wait(r)
         assert res["state"] == "Failed" and res["exc"] == "TransferAborted", res
@@ -92,7 +93,7 @@ def test_decode_death_races_sender_creation(cluster, room, point):
     t0 = time.monotonic()
     v.kill()
     assert fired()
-    assert c.p["mha"].record(b, 10.0, None) is None     # b's pending record failed
+    assert c.p["mha"].record(b, 10.0, None) is None  # b's pending record failed
     c.p["mha"].p_open(b, 2)
     for r in (a, b):
         c.p["mha"].p_send(r, 0, 2)
@@ -186,8 +187,9 @@ def test_decode_close_while_senders_are_created(cluster, room):
     v["mha"].batch([(Node.d_open, r, 2) for r in ids])
     for r in ids[:5]:
         held_pending(c, r, "mha")
-    c.p["mha"].start(Node.batch, [x for r in ids for x in ((Node.p_open, r, 2),
-                                                              (Node.p_send, r, 0, 2))])
+    c.p["mha"].start(
+        Node.batch, [x for r in ids for x in ((Node.p_open, r, 2), (Node.p_send, r, 0, 2))]
+    )
     v["mha"].close(timeout=60)
     c.p["mha"].join()
     t0 = time.monotonic()
@@ -211,7 +213,7 @@ def test_layout_mismatch_reaches_prefill(cluster, room):
     res = c.p["mha"].wait(r)
     assert res["state"] == "Failed" and res["exc"] == "LayoutMismatch", res
     assert time.monotonic() - t0 < FAST["bootstrap_s"] / 2
-    c.d["mismatch"].d_open(late, 2)               # refused before the KVSender exists
+    c.d["mismatch"].d_open(late, 2)  # refused before the KVSender exists
     assert c.d["mismatch"].wait(late)["exc"] == "LayoutMismatch"
     c.p["mha"].p_open(late, 2)
     res = c.p["mha"].wait(late)

@@ -1,5 +1,6 @@
 """Pure parts of the PD protocol: poll machine, KVArgs + fingerprints, aux rows, messages,
 index validation, the room table. No UCX, no torch."""
+
 import itertools
 
 import numpy as np
@@ -27,19 +28,27 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def test_poll_values_match_sglang():
-    assert [int(s) for s in (KVPoll.Failed, KVPoll.Bootstrapping, KVPoll.WaitingForInput,
-                             KVPoll.Transferring, KVPoll.Success)] == [0, 1, 2, 3, 4]
+    assert [
+        int(s)
+        for s in (
+            KVPoll.Failed,
+            KVPoll.Bootstrapping,
+            KVPoll.WaitingForInput,
+            KVPoll.Transferring,
+            KVPoll.Success,
+        )
+    ] == [0, 1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("a,b", list(itertools.product(KVPoll, KVPoll)))
 def test_poll_transitions_exhaustive(a, b):
     ok = can_advance(a, b)
     if is_terminal(a):
-        assert not ok                                  # terminal states are sticky
+        assert not ok  # terminal states are sticky
     elif b == KVPoll.Failed:
-        assert ok                                      # fail from anywhere live
+        assert ok  # fail from anywhere live
     else:
-        assert ok == (b > a)                           # only forward
+        assert ok == (b > a)  # only forward
 
 
 def _aux():
@@ -50,9 +59,17 @@ def _aux():
 def _args(**kw):
     buf, (ap, al, ai) = _aux()
     kv = np.zeros((4, 16, 32), dtype=np.uint8)
-    base = dict(kv_data_ptrs=[kv[i].ctypes.data for i in range(4)], kv_data_lens=[512] * 4,
-                kv_item_lens=[32] * 4, aux_data_ptrs=ap, aux_data_lens=al, aux_item_lens=ai,
-                page_size=4, dtype="bfloat16", layout={"kv": {"kind": "mha", "size": 64}})
+    base = dict(
+        kv_data_ptrs=[kv[i].ctypes.data for i in range(4)],
+        kv_data_lens=[512] * 4,
+        kv_item_lens=[32] * 4,
+        aux_data_ptrs=ap,
+        aux_data_lens=al,
+        aux_item_lens=ai,
+        page_size=4,
+        dtype="bfloat16",
+        layout={"kv": {"kind": "mha", "size": 64}},
+    )
     base.update(kw)
     return KVArgs(**base), (kv, buf)
 
@@ -61,30 +78,44 @@ def test_kv_args_items_and_fingerprint():
     a, _keep = _args()
     assert a.num_items("kv") == 16 and a.num_items("aux") == 8 and a.num_items("state") == 0
     fp = a.fingerprint()
-    assert "size" not in fp["layout"]["kv"]              # capacity may differ between peers
-    wire.decode(m.Hello(name="x", tp_rank=0, fingerprint=fp).encode())   # msgpack-able
+    assert "size" not in fp["layout"]["kv"]  # capacity may differ between peers
+    wire.decode(m.Hello(name="x", tp_rank=0, fingerprint=fp).encode())  # msgpack-able
 
 
-@pytest.mark.parametrize("change,field", [
-    (dict(page_size=8), "page_size"), (dict(dtype="float16"), "dtype"),
-    (dict(kv_item_lens=[16] * 4, kv_data_lens=[512] * 4), "kv_item_lens"),
-    (dict(layout={"kv": {"kind": "mha", "head_dim": 3}}), "layout.kv.head_dim"),
-])
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        (dict(page_size=8), "page_size"),
+        (dict(dtype="float16"), "dtype"),
+        (dict(kv_item_lens=[16] * 4, kv_data_lens=[512] * 4), "kv_item_lens"),
+        (dict(layout={"kv": {"kind": "mha", "head_dim": 3}}), "layout.kv.head_dim"),
+    ],
+)
 def test_fingerprint_mismatch_names_field_and_values(change, field):
     a, _k1 = _args()
     b, _k2 = _args(**change)
     with pytest.raises(LayoutMismatch) as ei:
         check_compatible(a.fingerprint(), b.fingerprint(), us="decode d", them="prefill p")
     assert field in str(ei.value) and isinstance(ei.value, IncompatiblePeer)
-    check_compatible(a.fingerprint(), _args(layout={"kv": {"kind": "mha", "size": 9}})[0]
-                     .fingerprint(), us="a", them="b")    # capacity differences are fine
+    check_compatible(
+        a.fingerprint(),
+        _args(layout={"kv": {"kind": "mha", "size": 9}})[0].fingerprint(),
+        us="a",
+        them="b",
+    )  # capacity differences are fine
 
 
-@pytest.mark.parametrize("bad", [
-    dict(kv_item_lens=[32] * 3), dict(kv_data_lens=[500] * 4), dict(aux_data_ptrs=[],
-                                                                     aux_data_lens=[], aux_item_lens=[]),
-    dict(page_size=0), dict(tp_rank=2, tp_size=2), dict(kv_item_lens=[0] * 4),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(kv_item_lens=[32] * 3),
+        dict(kv_data_lens=[500] * 4),
+        dict(aux_data_ptrs=[], aux_data_lens=[], aux_item_lens=[]),
+        dict(page_size=0),
+        dict(tp_rank=2, tp_size=2),
+        dict(kv_item_lens=[0] * 4),
+    ],
+)
 def test_kv_args_rejects(bad):
     with pytest.raises(InvalidArgument):
         _args(**bad)
@@ -98,7 +129,7 @@ def test_aux_header_stamp_clear_and_garbage():
     assert rows.read_room(3) == 12345
     rows.clear(3)
     assert rows.read_room(3) is None
-    buf.data[4, :16] = 7                                # garbage never validates
+    buf.data[4, :16] = 7  # garbage never validates
     assert rows.read_room(4) is None
     rows.stamp(5, (1 << 63) - 1)
     assert rows.read_room(5) == (1 << 63) - 1
@@ -106,7 +137,7 @@ def test_aux_header_stamp_clear_and_garbage():
         rows.stamp(8, 1)
     buf.set_output(5, -42, b"hi")
     assert buf.first_token(5) == -42 and buf.payload(5, 2) == b"hi"
-    assert rows.read_room(5) == (1 << 63) - 1           # payload leaves the header alone
+    assert rows.read_room(5) == (1 << 63) - 1  # payload leaves the header alone
 
 
 def test_metadata_buffer_rows():
@@ -152,11 +183,31 @@ def test_messages_roundtrip_and_validation():
     with pytest.raises(ProtocolError, match="room"):
         wire.decode(bad)
     with pytest.raises(ProtocolError, match="port"):
-        m.check_entry({"name": "p", "host": "h", "port": 0, "tp_rank": 0, "tp_size": 1,
-                       "dp_rank": 0, "pp_rank": 0, "fingerprint": {}})
+        m.check_entry(
+            {
+                "name": "p",
+                "host": "h",
+                "port": 0,
+                "tp_rank": 0,
+                "tp_size": 1,
+                "dp_rank": 0,
+                "pp_rank": 0,
+                "fingerprint": {},
+            }
+        )
     with pytest.raises(ProtocolError, match="tp_rank"):
-        m.check_entry({"name": "p", "host": "h", "port": 1, "tp_rank": "0", "tp_size": 1,
-                       "dp_rank": 0, "pp_rank": 0, "fingerprint": {}})
+        m.check_entry(
+            {
+                "name": "p",
+                "host": "h",
+                "port": 1,
+                "tp_rank": "0",
+                "tp_size": 1,
+                "dp_rank": 0,
+                "pp_rank": 0,
+                "fingerprint": {},
+            }
+        )
 
 
 def test_room_table_duplicates_and_tombstones():
@@ -168,22 +219,22 @@ def test_room_table_duplicates_and_tombstones():
     p = Room(2, "pending")
     t.insert(p)
     s = Room(2, "sender")
-    assert t.claim(s) == (p, None) and p.superseded       # decode's info merges
+    assert t.claim(s) == (p, None) and p.superseded  # decode's info merges
     assert t.get(2) is s
-    assert not t.retire(p, TransferAborted("late")) and t.get(2) is s   # claimed: not retired
+    assert not t.retire(p, TransferAborted("late")) and t.get(2) is s  # claimed: not retired
     t.remove(a, "done")
     assert t.get(1) is None
     with pytest.raises(DuplicateRoom, match="already used"):
-        t.insert(Room(1, "receiver"))                                 # never resurrected
-    assert t.bury_unless_live(2, TransferAborted("x")) is s          # live: not buried
+        t.insert(Room(1, "receiver"))  # never resurrected
+    assert t.bury_unless_live(2, TransferAborted("x")) is s  # live: not buried
     cause = TransferAborted("decode aborted")
     assert t.bury_unless_live(3, cause) is None
     assert t.bury_unless_live(3, TransferAborted("again")) is None and t.tombstone(3) is cause
     with pytest.raises(DuplicateRoom):
-        t.insert(Room(3, "pending"))                                  # any tomb refuses insert
-    assert t.claim(Room(3, "sender")) == (None, cause)               # soft: created, then fails
+        t.insert(Room(3, "pending"))  # any tomb refuses insert
+    assert t.claim(Room(3, "sender")) == (None, cause)  # soft: created, then fails
     t.remove(Room(4, "receiver"), "done")
-    t.remove(Room(5, "receiver"), "done")                            # bound: 1 forgotten
+    t.remove(Room(5, "receiver"), "done")  # bound: 1 forgotten
     assert t.tombstone(1) is None and t.tombstone(5) == "done"
     t.insert(Room(1, "receiver"))
 

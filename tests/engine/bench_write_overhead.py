@@ -6,6 +6,7 @@ UCX loopback. Not collected by pytest; run::
 
 Prints p50/p90 of the whole write (post + flush + notify), of ``Peer.plan`` alone, and a
 cProfile of the planning step."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +26,9 @@ async def main(n: int) -> dict:
     items = 256
     engines, bufs = [], []
     for name in ("A", "B"):
-        e = TransferEngine(EngineConfig(secret=b"bench", name=name, warn_slow_lanes=False,
-                                        stage_min_ops=0))
+        e = TransferEngine(
+            EngineConfig(secret=b"bench", name=name, warn_slow_lanes=False, stage_min_ops=0)
+        )
         for g, il in groups.items():
             b = np.zeros(items * il, np.uint8)
             bufs.append(b)
@@ -42,8 +44,7 @@ async def main(n: int) -> dict:
 
     def writes(i):
         s, d, x = ids[i]
-        return [ItemWrite("kv", [s], [d]), ItemWrite("state", [x], [x]),
-                ItemWrite("aux", [d], [s])]
+        return [ItemWrite("kv", [s], [d]), ItemWrite("state", [x], [x]), ItemWrite("aux", [d], [s])]
 
     for i in range(50):  # warm up
         await peer.write(writes(i), notify=b"w")
@@ -69,8 +70,13 @@ async def main(n: int) -> dict:
     await b.close()
     await a.close()
     pct = lambda v, q: float(np.percentile(np.asarray(v) * 1e6, q))  # noqa: E731
-    return {"write_p50_us": pct(lat, 50), "write_p90_us": pct(lat, 90),
-            "plan_p50_us": pct(plan, 50), "plan_p90_us": pct(plan, 90), "prof": prof}
+    return {
+        "write_p50_us": pct(lat, 50),
+        "write_p90_us": pct(lat, 90),
+        "plan_p50_us": pct(plan, 50),
+        "plan_p90_us": pct(plan, 90),
+        "prof": prof,
+    }
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ prefill + decode KVManager pair with a room moved between them. No gc.collect() 
 what close() releases must be released when it returns.
 ``tests/engine/test_lifecycle.py`` drives them through a :class:`LifecycleNode` worker
 (:mod:`kvxfer.procs`)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -71,10 +72,17 @@ def _kv_args(seed: int):
     kv = np.random.default_rng(seed).integers(0, 255, (2, pages * item), dtype=np.uint8)
     aux = MetadataBuffer(8, 64)
     ap, al, ai = aux.buf_infos()
-    args = KVArgs(kv_data_ptrs=[int(kv[d].ctypes.data) for d in range(2)],
-                  kv_data_lens=[pages * item] * 2, kv_item_lens=[item] * 2,
-                  aux_data_ptrs=ap, aux_data_lens=al, aux_item_lens=ai, page_size=1,
-                  dtype="uint8", layout={"kv": {"kind": "lifecycle"}})
+    args = KVArgs(
+        kv_data_ptrs=[int(kv[d].ctypes.data) for d in range(2)],
+        kv_data_lens=[pages * item] * 2,
+        kv_item_lens=[item] * 2,
+        aux_data_ptrs=ap,
+        aux_data_lens=al,
+        aux_item_lens=ai,
+        page_size=1,
+        dtype="uint8",
+        layout={"kv": {"kind": "lifecycle"}},
+    )
     return args, kv, aux
 
 
@@ -90,8 +98,9 @@ async def manager_cycles(n: int, mode: str) -> list:
     try:
         for i in range(n):
             (pargs, pkv, _paux), (dargs, dkv, _daux) = _kv_args(2 * i), _kv_args(2 * i + 1)
-            p = await KVManager(pargs, "prefill", bootstrap_addr=bs.address, timeouts=t,
-                                error_mode=mode).start()
+            p = await KVManager(
+                pargs, "prefill", bootstrap_addr=bs.address, timeouts=t, error_mode=mode
+            ).start()
             d = await KVManager(dargs, "decode", timeouts=t, error_mode=mode).start()
             ports = [p.address[1], d.address[1]]
             room = 100 + i
@@ -103,7 +112,7 @@ async def manager_cycles(n: int, mode: str) -> list:
             send.send([1, 2])
             assert await recv.wait(10) == KVPoll.Success
             assert await send.wait(10) == KVPoll.Success
-            assert np.array_equal(dkv[:, 5 * 64:7 * 64], pkv[:, 64:3 * 64])
+            assert np.array_equal(dkv[:, 5 * 64 : 7 * 64], pkv[:, 64 : 3 * 64])
             await asyncio.gather(p.close(), d.close())
             out.append(_cycle_result(ports))
     finally:
@@ -132,9 +141,16 @@ def _hammer_engine(name: str, mode: str):
     from kvxfer.config import EngineConfig
     from kvxfer.engine import TransferEngine
 
-    eng = TransferEngine(EngineConfig(secret=b"hammer", name=name, error_mode=mode,
-                                      connect_timeout_s=10.0, transfer_timeout_s=10.0,
-                                      warn_slow_lanes=False))
+    eng = TransferEngine(
+        EngineConfig(
+            secret=b"hammer",
+            name=name,
+            error_mode=mode,
+            connect_timeout_s=10.0,
+            transfer_timeout_s=10.0,
+            warn_slow_lanes=False,
+        )
+    )
     # freed when the next cycle allocates its own: a PUT landing after close() returned
     # would write into whatever the heap put there (the target process then crashes)
     buf = np.zeros(64 * 4096, np.uint8)
@@ -182,8 +198,7 @@ async def _hammer_initiator(ports, go, cycles: int, mode: str) -> None:
         async def writer(peer=peer):
             while True:
                 try:
-                    await peer.write([ItemWrite("kv", list(range(16)), list(range(16)))],
-                                     b"n", 5.0)
+                    await peer.write([ItemWrite("kv", list(range(16)), list(range(16)))], b"n", 5.0)
                 except Exception:
                     return
 

@@ -2,6 +2,7 @@
 B: initiator) on one event loop over real UCX loopback endpoints, host-memory groups.
 ``tests/engine/test_robustness.py`` drives them through a :class:`RobustNode` worker
 (:mod:`kvxfer.procs`)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +28,11 @@ class _Pair:
         self.bufs = {}
         self.engines = {}
         for key in ("A", "B"):
-            eng = TransferEngine(EngineConfig(secret=SECRET, name=key, connect_timeout_s=10.0,
-                                              transfer_timeout_s=10.0, **cfg))
+            eng = TransferEngine(
+                EngineConfig(
+                    secret=SECRET, name=key, connect_timeout_s=10.0, transfer_timeout_s=10.0, **cfg
+                )
+            )
             self.bufs[key] = {}
             for g, ils in _groups().items():
                 bufs = [np.zeros(ITEMS * il, dtype=np.uint8) for il in ils]
@@ -176,12 +180,16 @@ class Reconnects:
                 else:
                     out["stale_delivered"] += 1
                 closed = asyncio.get_running_loop().create_future()
-                pair.engines["B"]._closed_handlers[:] = [lambda p, e, closed=closed: (
-                    closed.done() or closed.set_result(type(e).__name__))]
-                bad = m.StagedWrite(group="kv", slot=0, offset=0, nbytes=ITEM,
-                                    dst=np.zeros(1, "<i8").tobytes()).encode()
-                sends = [pb._channel.send(m.AppMessage(payload=b"old-%d-%d" % (r, k)).encode(),
-                                          5.0) for k in range(burst)]
+                pair.engines["B"]._closed_handlers[:] = [
+                    lambda p, e, closed=closed: closed.done() or closed.set_result(type(e).__name__)
+                ]
+                bad = m.StagedWrite(
+                    group="kv", slot=0, offset=0, nbytes=ITEM, dst=np.zeros(1, "<i8").tobytes()
+                ).encode()
+                sends = [
+                    pb._channel.send(m.AppMessage(payload=b"old-%d-%d" % (r, k)).encode(), 5.0)
+                    for k in range(burst)
+                ]
                 sends.insert(burst // 4, pb._channel.send(bad, 5.0))
                 await asyncio.gather(*sends, return_exceptions=True)
                 await asyncio.wait_for(closed, 10.0)

@@ -1,5 +1,6 @@
 """Engine node for the staged-path tests: :class:`kvxfer.bench.engine_node.EngineNode` plus methods
 that report the staged statistics, inspect landing slots, and inject a raw scatter plan."""
+
 from kvxfer.bench.engine_node import EngineNode, _result
 
 
@@ -7,8 +8,15 @@ class StagedNode(EngineNode):
     def write(self, key, peer_id, parts, notify=None, timeout=None):
         def go():
             st = self._peer(key, peer_id).write(self._writes(parts), notify, timeout)
-            return {"bytes": st.bytes, "ops": st.ops, "lanes": st.lanes, "staged": st.staged,
-                    "staged_bytes": st.staged_bytes, "staged_direct_ops": st.staged_direct_ops}
+            return {
+                "bytes": st.bytes,
+                "ops": st.ops,
+                "lanes": st.lanes,
+                "staged": st.staged,
+                "staged_bytes": st.staged_bytes,
+                "staged_direct_ops": st.staged_direct_ops,
+            }
+
         return _result(go)
 
     def landing(self, key, peer_id, group):
@@ -34,11 +42,15 @@ class StagedNode(EngineNode):
 
         sp = self._peer(key, peer_id)
         peer = sp._peer
-        msg = m.StagedWrite(group=group, slot=slot, offset=offset, nbytes=nbytes,
-                            dst=np.asarray(dst, dtype="<i8").tobytes())
+        msg = m.StagedWrite(
+            group=group,
+            slot=slot,
+            offset=offset,
+            nbytes=nbytes,
+            dst=np.asarray(dst, dtype="<i8").tobytes(),
+        )
 
         async def go():
             await peer._channel.send(msg.encode(), 5.0)
 
         return _result(lambda: sp._owner._run(go(), 10.0))
-

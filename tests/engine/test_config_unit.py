@@ -1,4 +1,5 @@
 """EngineConfig validation and the flush-progress choice (torch- and UCX-free)."""
+
 import pytest
 
 from kvxfer.config import FLUSH_PROGRESS, EngineConfig, spin_flushes
@@ -16,12 +17,15 @@ def test_flush_progress_default_and_validation():
         EngineConfig(secret=b"s", progress_mode="polling")
 
 
-@pytest.mark.parametrize("local,remote,auto", [
-    ({"host"}, ["host", "host"], False),
-    ({"host", "cuda"}, ["host"], True),
-    ({"host"}, ["cuda"], True),
-    (set(), [], False),
-])
+@pytest.mark.parametrize(
+    "local,remote,auto",
+    [
+        ({"host"}, ["host", "host"], False),
+        ({"host", "cuda"}, ["host"], True),
+        ({"host"}, ["cuda"], True),
+        (set(), [], False),
+    ],
+)
 def test_spin_flushes(local, remote, auto):
     assert spin_flushes("auto", local, remote) is auto
     assert spin_flushes("spin", local, remote) is True

@@ -1,5 +1,6 @@
 """The device lane's wire part and arithmetic (no GPU needed); the lane itself runs in
 tests/engine/test_engine.py with KVXFER_TEST_DEVICE=cuda (same-host CUDA peers)."""
+
 import pytest
 
 from kvxfer.engine.groups import parse_ipc
@@ -15,8 +16,17 @@ def test_parse_ipc_accepts():
     assert parse_ipc([b"", BLOB, bytearray(BLOB)], 3) == [b"", BLOB, BLOB]
 
 
-@pytest.mark.parametrize("raw", [[b""], [b"", b"", b"", b""], "abc", [b"", b"x", b""],
-                                 [b"", None, b""], [b"", BLOB + b"!", b""]])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        [b""],
+        [b"", b"", b"", b""],
+        "abc",
+        [b"", b"x", b""],
+        [b"", None, b""],
+        [b"", BLOB + b"!", b""],
+    ],
+)
 def test_parse_ipc_rejects(raw):
     with pytest.raises(ProtocolError, match="region_ipc"):
         parse_ipc(raw, 3)

@@ -5,6 +5,7 @@ peer, module scope) and V (a victim killed mid-transfer, one test). Every engine
 kvxfer.sync.SyncEngine inside kvxfer.bench.engine_node.EngineNode; buffers are numpy host
 memory, or torch CUDA memory when KVXFER_TEST_DEVICE=cuda (the same tests on the GPU machine).
 """
+
 import time
 
 import numpy as np
@@ -20,8 +21,8 @@ pytestmark = pytest.mark.timeout(90)
 FAST_LANES = ("cuda_ipc",) if DEVICE == "cuda" else ("cma",)
 
 SECRET = b"test-secret"
-L = 3                      # layers -> 2*L per-layer descriptors
-ITEM = 256                 # bytes per page per descriptor
+L = 3  # layers -> 2*L per-layer descriptors
+ITEM = 256  # bytes per page per descriptor
 A_ITEMS, B_ITEMS = 64, 48  # pools are sized independently on each side
 BIG_ITEM, BIG_ITEMS = 1 << 20, 16
 
@@ -43,8 +44,14 @@ def eng(config, groups_):
 
 def cfg(name, mode="peer", secret=SECRET, **kw):
     kw.setdefault("device_min_ops", 1)  # on CUDA every write of the default engines takes the lane
-    return dict(secret=secret, name=name, error_mode=mode, connect_timeout_s=10.0,
-                transfer_timeout_s=10.0, **kw)
+    return dict(
+        secret=secret,
+        name=name,
+        error_mode=mode,
+        connect_timeout_s=10.0,
+        transfer_timeout_s=10.0,
+        **kw,
+    )
 
 
 def _port(w: Worker) -> int:
@@ -54,27 +61,40 @@ def _port(w: Worker) -> int:
 
 @pytest.fixture(scope="module")
 def nodes():
-    a = Worker(EngineNode, {"engines": {"main": eng(cfg("A"), groups(A_ITEMS))}},
-              name="A")
-    b = Worker(EngineNode, {"engines": {
-        "main": eng(cfg("B"), groups(B_ITEMS, big=True)),
-        # UCX-only engines (device_copy="off"): on CUDA they keep the cuda_ipc PUT path tested
-        "fast": eng(cfg("B-fast", mode="none", device_copy="off"), groups(B_ITEMS, big=True)),
-        "spin": eng(cfg("B-spin", flush_progress="spin", device_copy="off"),
-                    groups(B_ITEMS, big=True)),
-        "badsecret": eng(cfg("B-bad", secret=b"wrong"), groups(B_ITEMS)),
-        "badlayout": eng(cfg("B-layout"), groups(B_ITEMS, item=128)),
-    }}, name="B")
-    c = Worker(EngineNode, {"engines": {"main": eng(cfg("C"), groups(B_ITEMS))}},
-              name="C")
+    a = Worker(EngineNode, {"engines": {"main": eng(cfg("A"), groups(A_ITEMS))}}, name="A")
+    b = Worker(
+        EngineNode,
+        {
+            "engines": {
+                "main": eng(cfg("B"), groups(B_ITEMS, big=True)),
+                # UCX-only engines (device_copy="off"): on CUDA they keep the cuda_ipc PUT path tested
+                "fast": eng(
+                    cfg("B-fast", mode="none", device_copy="off"), groups(B_ITEMS, big=True)
+                ),
+                "spin": eng(
+                    cfg("B-spin", flush_progress="spin", device_copy="off"),
+                    groups(B_ITEMS, big=True),
+                ),
+                "badsecret": eng(cfg("B-bad", secret=b"wrong"), groups(B_ITEMS)),
+                "badlayout": eng(cfg("B-layout"), groups(B_ITEMS, item=128)),
+            }
+        },
+        name="B",
+    )
+    c = Worker(EngineNode, {"engines": {"main": eng(cfg("C"), groups(B_ITEMS))}}, name="C")
     try:
         ports = {"A": _port(a)}
         b.start()
         c.start()
         pid = b.proxy(EngineNode).connect("main", "127.0.0.1", ports["A"])
         assert "ok" in pid, pid
-        yield {"A": a.proxy(EngineNode), "B": b.proxy(EngineNode), "C": c.proxy(EngineNode),
-               "ports": ports, "B->A": pid["ok"]}
+        yield {
+            "A": a.proxy(EngineNode),
+            "B": b.proxy(EngineNode),
+            "C": c.proxy(EngineNode),
+            "ports": ports,
+            "B->A": pid["ok"],
+        }
     finally:
         for w in (b, c, a):  # initiators first: their endpoints point at A
             w.close()
@@ -101,8 +121,9 @@ def test_random_pages_byte_exact(nodes, group):
     n = 30
     src = rng.choice(B_ITEMS, n, replace=False)
     # half contiguous runs, half scattered
-    dst = np.concatenate([np.arange(10, 10 + n // 2), rng.choice(np.arange(40, A_ITEMS), n - n // 2,
-                                                                 replace=False)])
+    dst = np.concatenate(
+        [np.arange(10, 10 + n // 2), rng.choice(np.arange(40, A_ITEMS), n - n // 2, replace=False)]
+    )
     src[: n // 2] = np.arange(3, 3 + n // 2)
     stats = _check_write(nodes, group, src.tolist(), dst.tolist())
     runs = len(plan.merge_runs(src.astype(np.int64), dst.astype(np.int64))[0])
@@ -113,8 +134,9 @@ def test_random_pages_byte_exact(nodes, group):
     if DEVICE == "cuda":  # peer error handling keeps CUDA IPC
         assert any(lane.startswith("cuda_ipc") for lane in stats["lanes"]), stats["lanes"]
         # same host, CUDA on both sides: every run went over the device lane (one launch)
-        assert stats["device_bytes"] == stats["bytes"] and stats["device_ops"] == stats["ops"], \
+        assert stats["device_bytes"] == stats["bytes"] and stats["device_ops"] == stats["ops"], (
             stats["device_lane"]
+        )
     else:
         assert stats["device_bytes"] == 0
 
@@ -183,15 +205,18 @@ def test_two_peers_at_once(nodes):
     assert a.items("main", "pm", [32 + i for i in ids]) == c.items("main", "pm", ids)
 
 
-@pytest.mark.parametrize("parts,error", [
-    ([("kv", [0, 1], [2, A_ITEMS])], "IndexOutOfRange"),        # dst beyond A's pool
-    ([("kv", [B_ITEMS], [0])], "IndexOutOfRange"),              # src beyond B's pool
-    ([("kv", [-1], [0])], "IndexOutOfRange"),
-    ([("kv", [0], [3]), ("nope", [0], [0])], "UnknownGroup"),   # one bad part: nothing moves
-    ([("big", [0], [0])], "UnknownGroup"),                      # A has no "big"
-    ([("kv", [0, 1], [5, 5])], "InvalidArgument"),              # duplicate destination
-    ([("kv", [0, 1, 2], [5, 6])], "InvalidArgument"),           # length mismatch
-])
+@pytest.mark.parametrize(
+    "parts,error",
+    [
+        ([("kv", [0, 1], [2, A_ITEMS])], "IndexOutOfRange"),  # dst beyond A's pool
+        ([("kv", [B_ITEMS], [0])], "IndexOutOfRange"),  # src beyond B's pool
+        ([("kv", [-1], [0])], "IndexOutOfRange"),
+        ([("kv", [0], [3]), ("nope", [0], [0])], "UnknownGroup"),  # one bad part: nothing moves
+        ([("big", [0], [0])], "UnknownGroup"),  # A has no "big"
+        ([("kv", [0, 1], [5, 5])], "InvalidArgument"),  # duplicate destination
+        ([("kv", [0, 1, 2], [5, 6])], "InvalidArgument"),  # length mismatch
+    ],
+)
 def test_rejected_before_any_byte_moves(nodes, parts, error):
     a, b = nodes["A"], nodes["B"]
     b.fill("main", "kv", 5)
@@ -259,13 +284,16 @@ def test_spin_flush_byte_exact(nodes):
 
 
 KILL_KEYS = pytest.mark.parametrize(
-    "key", ["main", "fast", "spin"],
-    ids=["error_mode=peer", "error_mode=none", "flush_progress=spin"])
+    "key",
+    ["main", "fast", "spin"],
+    ids=["error_mode=peer", "error_mode=none", "flush_progress=spin"],
+)
 
 
 def _victim():
-    return Worker(EngineNode, {"engines": {"main": eng(cfg("V"), groups(B_ITEMS, big=True))}},
-                 name="V")
+    return Worker(
+        EngineNode, {"engines": {"main": eng(cfg("V"), groups(B_ITEMS, big=True))}}, name="V"
+    )
 
 
 @KILL_KEYS

@@ -1,5 +1,6 @@
 """The plain-Python planner for tiny writes agrees with kvxfer.plan.plan_items: same ops
 (as a set: order within a write is free), same error types for the same bad input."""
+
 import random
 
 import numpy as np
@@ -13,10 +14,18 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _pair(item_lens=(64, 32, 16), n_local=12, n_remote=9):
-    lg = plan.make_group("g", [0x10000 * (i + 1) for i in range(len(item_lens))],
-                         [il * n_local for il in item_lens], list(item_lens))
-    rg = plan.make_group("g", [0x900000 + 0x10000 * i for i in range(len(item_lens))],
-                         [il * n_remote for il in item_lens], list(item_lens))
+    lg = plan.make_group(
+        "g",
+        [0x10000 * (i + 1) for i in range(len(item_lens))],
+        [il * n_local for il in item_lens],
+        list(item_lens),
+    )
+    rg = plan.make_group(
+        "g",
+        [0x900000 + 0x10000 * i for i in range(len(item_lens))],
+        [il * n_remote for il in item_lens],
+        list(item_lens),
+    )
     memh = list(range(100, 100 + len(item_lens)))
     ridx = list(range(len(item_lens)))
     return lg, rg, fastplan.GroupPair.make(lg, rg, memh, ridx), memh, ridx
@@ -25,8 +34,15 @@ def _pair(item_lens=(64, 32, 16), n_local=12, n_remote=9):
 def _reference(lg, rg, memh, ridx, src, dst):
     ops = plan.plan_items(lg, rg, src, dst)
     d = ops.desc.astype(int)
-    return sorted(zip(ops.laddr.tolist(), ops.raddr.tolist(), ops.nbytes.tolist(),
-                      [memh[i] for i in d], [ridx[i] for i in d]))
+    return sorted(
+        zip(
+            ops.laddr.tolist(),
+            ops.raddr.tolist(),
+            ops.nbytes.tolist(),
+            [memh[i] for i in d],
+            [ridx[i] for i in d],
+        )
+    )
 
 
 def _small(g, src, dst):
@@ -39,26 +55,37 @@ def _small(g, src, dst):
 def test_matches_numpy_planner_on_every_small_case(item_lens):
     lg, rg, g, memh, ridx = _pair(item_lens)
     rng = random.Random(5)
-    cases = [([], []), ([0], [0]), ([11], [8]), ([3, 4, 5], [6, 7, 8]), ([5, 4, 3], [8, 7, 6]),
-             ([1, 2, 3], [4, 5, 7]), ([2, 2], [0, 1]), ([0, 1, 2, 3], [3, 2, 1, 0])]
+    cases = [
+        ([], []),
+        ([0], [0]),
+        ([11], [8]),
+        ([3, 4, 5], [6, 7, 8]),
+        ([5, 4, 3], [8, 7, 6]),
+        ([1, 2, 3], [4, 5, 7]),
+        ([2, 2], [0, 1]),
+        ([0, 1, 2, 3], [3, 2, 1, 0]),
+    ]
     for _ in range(400):
         k = rng.randint(1, fastplan.SMALL_IDS)
         cases.append(([rng.randrange(12) for _ in range(k)], rng.sample(range(9), min(k, 9))))
         if len(cases[-1][0]) != len(cases[-1][1]):
-            cases[-1] = (cases[-1][0][:len(cases[-1][1])], cases[-1][1])
+            cases[-1] = (cases[-1][0][: len(cases[-1][1])], cases[-1][1])
     for src, dst in cases:
         n, got = _small(g, src, dst)
         assert got == _reference(lg, rg, memh, ridx, src, dst), (src, dst)
         assert n == len(got)
 
 
-@pytest.mark.parametrize("src,dst,err,text", [
-    ([12], [0], IndexOutOfRange, "item id 12"),
-    ([-1], [0], IndexOutOfRange, "item id -1"),
-    ([0], [9], IndexOutOfRange, "item id 9"),
-    ([0, 1], [3, 3], InvalidArgument, "destination item 3 appears 2 times"),
-    ([0, 1], [3], InvalidArgument, "2 source ids but 1 destination ids"),
-])
+@pytest.mark.parametrize(
+    "src,dst,err,text",
+    [
+        ([12], [0], IndexOutOfRange, "item id 12"),
+        ([-1], [0], IndexOutOfRange, "item id -1"),
+        ([0], [9], IndexOutOfRange, "item id 9"),
+        ([0, 1], [3, 3], InvalidArgument, "destination item 3 appears 2 times"),
+        ([0, 1], [3], InvalidArgument, "2 source ids but 1 destination ids"),
+    ],
+)
 def test_same_errors_as_numpy_planner(src, dst, err, text):
     lg, rg, g, memh, ridx = _pair()
     with pytest.raises(err, match=text):
@@ -72,8 +99,15 @@ def test_same_errors_as_numpy_planner(src, dst, err, text):
 def test_only_short_lists_of_plain_ints_take_the_fast_path():
     assert fastplan.small_ids([1, 2]) == [1, 2] and fastplan.small_ids((3,)) == [3]
     assert fastplan.small_ids(7) == [7]
-    for other in ([True], [1.0], np.array([1]), [np.int64(1)], list(range(fastplan.SMALL_IDS + 1)),
-                  "ab", None):
+    for other in (
+        [True],
+        [1.0],
+        np.array([1]),
+        [np.int64(1)],
+        list(range(fastplan.SMALL_IDS + 1)),
+        "ab",
+        None,
+    ):
         assert fastplan.small_ids(other) is None, other
 
 

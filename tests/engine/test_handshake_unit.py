@@ -1,4 +1,5 @@
 """Handshake and layout validation pieces that need no UCX (pure functions)."""
+
 import msgpack
 import numpy as np
 import pytest
@@ -13,10 +14,21 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def layout(**over):
-    body = dict(groups={"kv": {"ptrs": [0x1000, 0x2000], "lens": [256, 256],
-                               "item_lens": [32, 32], "regions": [0, 0]}},
-                region_bases=[0x1000], region_lens=[0x1100], region_keys=[b"k"],
-                region_types=["host"], address=None)
+    body = dict(
+        groups={
+            "kv": {
+                "ptrs": [0x1000, 0x2000],
+                "lens": [256, 256],
+                "item_lens": [32, 32],
+                "regions": [0, 0],
+            }
+        },
+        region_bases=[0x1000],
+        region_lens=[0x1100],
+        region_keys=[b"k"],
+        region_types=["host"],
+        address=None,
+    )
     body.update(over)
     return m.Layout(**body)
 
@@ -26,18 +38,35 @@ def test_parse_remote_ok():
     assert r.groups["kv"].num_items == 8 and r.desc_region["kv"].tolist() == [0, 0]
 
 
-@pytest.mark.parametrize("over,msg", [
-    ({"region_lens": [0x100]}, "outside region"),
-    ({"region_keys": [b""]}, "no key"),
-    ({"region_types": []}, "differ in length"),
-    ({"groups": {"kv": {"ptrs": [1]}}}, "malformed"),
-    ({"groups": {"kv": {"ptrs": [0x1000], "lens": [250], "item_lens": [32], "regions": [0]}}},
-     "multiple"),
-    ({"groups": {"kv": {"ptrs": [0x1000], "lens": [256], "item_lens": [32], "regions": [3]}}},
-     "region 3"),
-    ({"groups": {"kv": {"ptrs": [-5], "lens": [256], "item_lens": [32], "regions": [0]}}},
-     "unsigned"),
-])
+@pytest.mark.parametrize(
+    "over,msg",
+    [
+        ({"region_lens": [0x100]}, "outside region"),
+        ({"region_keys": [b""]}, "no key"),
+        ({"region_types": []}, "differ in length"),
+        ({"groups": {"kv": {"ptrs": [1]}}}, "malformed"),
+        (
+            {
+                "groups": {
+                    "kv": {"ptrs": [0x1000], "lens": [250], "item_lens": [32], "regions": [0]}
+                }
+            },
+            "multiple",
+        ),
+        (
+            {
+                "groups": {
+                    "kv": {"ptrs": [0x1000], "lens": [256], "item_lens": [32], "regions": [3]}
+                }
+            },
+            "region 3",
+        ),
+        (
+            {"groups": {"kv": {"ptrs": [-5], "lens": [256], "item_lens": [32], "regions": [0]}}},
+            "unsigned",
+        ),
+    ],
+)
 def test_parse_remote_rejects(over, msg):
     with pytest.raises(ProtocolError, match=msg):
         parse_remote(layout(**over))
@@ -52,13 +81,18 @@ def test_foreign_protocol_version_is_incompatible():
 
 
 def _hello(**over):
-    return m.Hello(**dict(dict(engine_id="a", name="A", nonce=b"1" * 32, hostname="h",
-                               stage=False), **over))
+    return m.Hello(
+        **dict(dict(engine_id="a", name="A", nonce=b"1" * 32, hostname="h", stage=False), **over)
+    )
 
 
 def _ack(**over):
-    return m.HelloAck(**dict(dict(engine_id="b", name="B", nonce=b"2" * 32, hostname="h",
-                                  stage=False, proof=b""), **over))
+    return m.HelloAck(
+        **dict(
+            dict(engine_id="b", name="B", nonce=b"2" * 32, hostname="h", stage=False, proof=b""),
+            **over,
+        )
+    )
 
 
 def test_proofs_bind_role_transcript_and_connection():
@@ -84,9 +118,19 @@ def test_check_groups_names_group_and_field():
     local = LocalGroups()
     local.add("kv", [0x1000, 0x2000], [256, 256], [32, 32])
     local.add("state", [0x9000], [64], [8])
-    remote = parse_remote(layout(groups={
-        "kv": {"ptrs": [0x1000, 0x2000], "lens": [512, 512], "item_lens": [64, 64],
-               "regions": [0, 0]}}, region_lens=[0x1200]))
+    remote = parse_remote(
+        layout(
+            groups={
+                "kv": {
+                    "ptrs": [0x1000, 0x2000],
+                    "lens": [512, 512],
+                    "item_lens": [64, 64],
+                    "regions": [0, 0],
+                }
+            },
+            region_lens=[0x1200],
+        )
+    )
     with pytest.raises(IncompatiblePeer, match=r"'kv'.*item_lens"):
         handshake.check_groups(local, remote)
     ok = parse_remote(layout())  # same item sizes, other item count, no "state": fine

@@ -1,6 +1,7 @@
 """Detection of CUDA memory UCX can only reach by emulated PUTs (VMM, not legacy-IPC
 capable): the decision logic with the driver query injected (no GPU needed), the warning,
 the Layout field and the refuse_emulated_destinations handshake check."""
+
 import logging
 
 import pytest
@@ -20,14 +21,16 @@ VMM = {0x7000_0000, 0x7100_0000}  # "cuMemCreate" pointers in these tests
 
 
 def query(addr):
-    return None if addr == 0x7f00_0000 else addr not in VMM
+    return None if addr == 0x7F00_0000 else addr not in VMM
 
 
 def groups():
-    return {"kv": plan.make_group("kv", [0x6000_0000, 0x7000_0000], [4096, 4096], [64, 64]),
-            "state": plan.make_group("state", [0x6800_0000], [1024], [128]),
-            "aux": plan.make_group("aux", [0x1000], [640], [64]),
-            "odd": plan.make_group("odd", [0x7f00_0000], [64], [64])}
+    return {
+        "kv": plan.make_group("kv", [0x6000_0000, 0x7000_0000], [4096, 4096], [64, 64]),
+        "state": plan.make_group("state", [0x6800_0000], [1024], [128]),
+        "aux": plan.make_group("aux", [0x1000], [640], [64]),
+        "odd": plan.make_group("odd", [0x7F00_0000], [64], [64]),
+    }
 
 
 def test_report_per_group():
@@ -99,13 +102,16 @@ def test_freeze_fills_the_report_and_layout_carries_it(caplog):
     assert wire.decode(handshake._layout(host_only, b"", {})).non_ipc is None
 
 
-@pytest.mark.parametrize("same_host,refuse,ours,theirs,error", [
-    (True, True, ["kv"], [], "this side's memory"),
-    (True, True, [], ["kv"], "the peer's memory"),
-    (True, True, ["only_here"], ["only_there"], None),  # groups not shared: never written
-    (True, False, ["kv"], ["kv"], None),                 # off: warn only
-    (False, True, ["kv"], ["kv"], None),                 # other host: no cuda_ipc anyway
-])
+@pytest.mark.parametrize(
+    "same_host,refuse,ours,theirs,error",
+    [
+        (True, True, ["kv"], [], "this side's memory"),
+        (True, True, [], ["kv"], "the peer's memory"),
+        (True, True, ["only_here"], ["only_there"], None),  # groups not shared: never written
+        (True, False, ["kv"], ["kv"], None),  # off: warn only
+        (False, True, ["kv"], ["kv"], None),  # other host: no cuda_ipc anyway
+    ],
+)
 def test_refuse_emulated_destinations(same_host, refuse, ours, theirs, error):
     local_g, remote_g = ["kv", "only_here"], ["kv", "only_there"]
     if error is None:
@@ -120,10 +126,14 @@ def test_handshake_check_reads_the_peer_layout():
     import socket
 
     local = frozen({"aux": groups()["aux"]})
-    lay = m.Layout(groups={"aux": {"ptrs": [0x1000], "lens": [640], "item_lens": [64],
-                                   "regions": [0]}},
-                   region_bases=[0x1000], region_lens=[640], region_keys=[b"k"],
-                   region_types=["host"], non_ipc=["aux"])
+    lay = m.Layout(
+        groups={"aux": {"ptrs": [0x1000], "lens": [640], "item_lens": [64], "regions": [0]}},
+        region_bases=[0x1000],
+        region_lens=[640],
+        region_keys=[b"k"],
+        region_types=["host"],
+        non_ipc=["aux"],
+    )
     remote = parse_remote(lay)
     with pytest.raises(IncompatiblePeer, match="peer's memory"):
         handshake._check_ipc(local, lay, remote, socket.gethostname(), True)
@@ -141,8 +151,7 @@ def test_config_flag_is_validated():
         EngineConfig(secret=b"s", refuse_emulated_destinations=1)
 
 
-@pytest.mark.skipif(DEVICE != "cuda",
-                    reason="needs the CUDA driver (KVXFER_TEST_DEVICE=cuda)")
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs the CUDA driver (KVXFER_TEST_DEVICE=cuda)")
 def test_driver_query_on_cuda():
     """cudaMalloc memory is legacy-IPC capable; VMM (cuMemCreate) memory is not; host
     memory is not device memory (None)."""

@@ -2,6 +2,7 @@
 or manager leaves no listening socket behind, in both error modes, and the process's count
 of listening sockets does not grow with the cycles. Long variant: two processes cycling
 with writes in flight while both sides close (the SIGSEGV hunt), behind ``-m long``."""
+
 import multiprocessing as mp
 
 import pytest
@@ -53,8 +54,10 @@ def test_cycles_with_writes_in_flight_while_both_close(mode):
     error-handler context."""
     ctx = mp.get_context("spawn")
     ports, go = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=hammer_side, args=(role, ports, go, 60, mode), daemon=True)
-             for role in ("target", "initiator")]
+    procs = [
+        ctx.Process(target=hammer_side, args=(role, ports, go, 60, mode), daemon=True)
+        for role in ("target", "initiator")
+    ]
     for p in procs:
         p.start()
     for p in procs:

@@ -1,6 +1,7 @@
 """Engine robustness over real UCX loopback (two engines in one spawned process): bounded
 waits are O(1) each and fail together when the peer dies; abandoned tasks never leave an
 unretrieved exception behind."""
+
 import pytest
 from robust_nodes import RobustNode
 
@@ -29,8 +30,10 @@ def test_many_waits_do_not_pile_on_the_dead_future(node):
 @pytest.mark.parametrize("mode", ["timeout", "peer_death"])
 def test_abandoned_task_exception_is_retrieved(node, mode):
     out = node.abandoned_task(mode)
-    assert out["outcome"] == ("TransferTimeout" if mode == "timeout" else "Closed") or \
-        out["outcome"] == "PeerClosed", out
+    assert (
+        out["outcome"] == ("TransferTimeout" if mode == "timeout" else "Closed")
+        or out["outcome"] == "PeerClosed"
+    ), out
     assert not [r for r in out["reports"] if "never retrieved" in r], out["reports"]
 
 

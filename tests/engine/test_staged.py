@@ -16,36 +16,53 @@ pytestmark = pytest.mark.timeout(90)
 SECRET = b"staged-secret"
 L, ITEM = 3, 256
 A_ITEMS, B_ITEMS = 64, 48
-PER_SLOT = 4            # items per landing slot
+PER_SLOT = 4  # items per landing slot
 PEER_SLOTS = 2
 
 
 def groups(items):
-    return {"kv": {"item_lens": [ITEM] * (2 * L), "items": items, "contiguous": True},
-            "pm": {"item_lens": [2 * L * ITEM], "items": items},
-            "state": {"item_lens": [96, 32], "items": 8}}
+    return {
+        "kv": {"item_lens": [ITEM] * (2 * L), "items": items, "contiguous": True},
+        "pm": {"item_lens": [2 * L * ITEM], "items": items},
+        "state": {"item_lens": [96, 32], "items": 8},
+    }
 
 
 def eng(name, min_ops=8, slots=6):
-    cfg = dict(secret=SECRET, name=name, connect_timeout_s=10.0, transfer_timeout_s=10.0,
-               stage_min_ops=min_ops, stage_slot_bytes=PER_SLOT * 2 * L * ITEM,
-               stage_slots=slots, stage_peer_slots=PEER_SLOTS, stage_host_memory=True)
-    return {"config": cfg, "groups": groups(A_ITEMS if name == "A" else B_ITEMS),
-            "device": DEVICE}
+    cfg = dict(
+        secret=SECRET,
+        name=name,
+        connect_timeout_s=10.0,
+        transfer_timeout_s=10.0,
+        stage_min_ops=min_ops,
+        stage_slot_bytes=PER_SLOT * 2 * L * ITEM,
+        stage_slots=slots,
+        stage_peer_slots=PEER_SLOTS,
+        stage_host_memory=True,
+    )
+    return {"config": cfg, "groups": groups(A_ITEMS if name == "A" else B_ITEMS), "device": DEVICE}
 
 
 @pytest.fixture(scope="module")
 def nodes():
     a = Worker(StagedNode, {"engines": {"main": eng("A")}}, name="A")
-    b = Worker(StagedNode, {"engines": {"main": eng("B"), "evil": eng("B-evil"),
-                                        "nostage": eng("B-nostage", min_ops=0)}}, name="B")
+    b = Worker(
+        StagedNode,
+        {
+            "engines": {
+                "main": eng("B"),
+                "evil": eng("B-evil"),
+                "nostage": eng("B-nostage", min_ops=0),
+            }
+        },
+        name="B",
+    )
     try:
         port = a.start().proxy(StagedNode).ports()["main"]
         b.start()
         pid = b.proxy(StagedNode).connect("main", "127.0.0.1", port)
         assert "ok" in pid, pid
-        yield {"A": a.proxy(StagedNode), "B": b.proxy(StagedNode), "port": port,
-               "B->A": pid["ok"]}
+        yield {"A": a.proxy(StagedNode), "B": b.proxy(StagedNode), "port": port, "B->A": pid["ok"]}
     finally:
         b.close()
         a.close()
@@ -53,8 +70,10 @@ def nodes():
 
 def _pages(seed, n, lo=0):
     rng = np.random.default_rng(seed)
-    return (rng.choice(B_ITEMS, n, replace=False).tolist(),
-            (lo + rng.choice(A_ITEMS - lo, n, replace=False)).tolist())
+    return (
+        rng.choice(B_ITEMS, n, replace=False).tolist(),
+        (lo + rng.choice(A_ITEMS - lo, n, replace=False)).tolist(),
+    )
 
 
 def _untouched_zero(a, group, dst, n_items=A_ITEMS):
@@ -88,7 +107,7 @@ def test_many_staged_in_flight_recycle_slots(nodes):
     b.fill("main", "pm", 8)
     a.zero("main", "pm")
     rng = np.random.default_rng(11)
-    dst_all = rng.permutation(A_ITEMS)[:60].reshape(6, 10)   # disjoint destinations
+    dst_all = rng.permutation(A_ITEMS)[:60].reshape(6, 10)  # disjoint destinations
     pairs = [(rng.choice(B_ITEMS, 10, replace=False), dst_all[i]) for i in range(6)]
     batches = [([("pm", s.tolist(), d.tolist())], b"m%d" % i) for i, (s, d) in enumerate(pairs)]
     res = b.write_many("main", nodes["B->A"], batches)
@@ -102,14 +121,17 @@ def test_many_staged_in_flight_recycle_slots(nodes):
     # rounds of concurrent writes to the same destinations: the last round wins everywhere
     for seed in (1, 2, 3):
         b.fill("main", "pm", 20 + seed)
-        rnd = [([("pm", list(range(10 * k, 10 * k + 10)), dst_all[k].tolist())], b"r")
-               for k in range(4)]
+        rnd = [
+            ([("pm", list(range(10 * k, 10 * k + 10)), dst_all[k].tolist())], b"r")
+            for k in range(4)
+        ]
         res = b.write_many("main", nodes["B->A"], rnd)
         assert all("ok" in r for r in res), res
         a.messages("main", 4, 10.0)
         for k in range(4):
-            assert a.items("main", "pm", dst_all[k].tolist()) == \
-                b.items("main", "pm", list(range(10 * k, 10 * k + 10)))
+            assert a.items("main", "pm", dst_all[k].tolist()) == b.items(
+                "main", "pm", list(range(10 * k, 10 * k + 10))
+            )
 
 
 def test_mixed_staged_and_unstaged(nodes):
@@ -118,9 +140,11 @@ def test_mixed_staged_and_unstaged(nodes):
         b.fill("main", g, 40)
         a.zero("main", g)
     ksrc, kdst = _pages(9, 20)
-    parts = [("kv", ksrc, kdst),                       # ~20 runs x 6 descriptors: staged
-             ("pm", list(range(5, 15)), list(range(30, 40))),  # one run: direct
-             ("state", [0, 5, 7], [7, 1, 2])]          # 3 runs x 2: direct
+    parts = [
+        ("kv", ksrc, kdst),  # ~20 runs x 6 descriptors: staged
+        ("pm", list(range(5, 15)), list(range(30, 40))),  # one run: direct
+        ("state", [0, 5, 7], [7, 1, 2]),
+    ]  # 3 runs x 2: direct
     res = b.write("main", nodes["B->A"], parts, b"mixed")
     assert "ok" in res, res
     st = res["ok"]
@@ -129,8 +153,7 @@ def test_mixed_staged_and_unstaged(nodes):
     assert st["bytes"] == 30 * 2 * L * ITEM + 3 * 128
     assert [p for _, p in a.messages("main", 1, 10.0)] == [b"mixed"]
     assert a.items("main", "kv", kdst) == b.items("main", "kv", ksrc)
-    assert a.items("main", "pm", list(range(30, 40))) == \
-        b.items("main", "pm", list(range(5, 15)))
+    assert a.items("main", "pm", list(range(30, 40))) == b.items("main", "pm", list(range(5, 15)))
     assert a.items("main", "state", [7, 1, 2]) == b.items("main", "state", [0, 5, 7])
     # below the threshold, or staging disabled: the direct path
     small = b.write("main", nodes["B->A"], [("pm", [1, 3], [2, 4])])["ok"]
@@ -147,14 +170,18 @@ def test_mixed_staged_and_unstaged(nodes):
 NB = 2 * 2 * L * ITEM  # two pm items
 
 
-@pytest.mark.parametrize("slot,offset,nbytes,dst,why", [
-    (None, 0, NB, [3, A_ITEMS], "out of range"),
-    (None, 0, NB, [-1, 2], "out of range"),
-    (None, 0, NB, [3, 3], "duplicate"),
-    (None, 0, NB + 1, [3, 4], "nbytes"),
-    (None, PER_SLOT * 2 * L * ITEM - NB + 8, NB, [3, 4], "outside"),
-    (99, 0, NB, [3, 4], "not granted"),
-], ids=["dst-beyond", "dst-negative", "dst-duplicate", "nbytes", "offset", "slot"])
+@pytest.mark.parametrize(
+    "slot,offset,nbytes,dst,why",
+    [
+        (None, 0, NB, [3, A_ITEMS], "out of range"),
+        (None, 0, NB, [-1, 2], "out of range"),
+        (None, 0, NB, [3, 3], "duplicate"),
+        (None, 0, NB + 1, [3, 4], "nbytes"),
+        (None, PER_SLOT * 2 * L * ITEM - NB + 8, NB, [3, 4], "outside"),
+        (99, 0, NB, [3, 4], "not granted"),
+    ],
+    ids=["dst-beyond", "dst-negative", "dst-duplicate", "nbytes", "offset", "slot"],
+)
 def test_bad_scatter_plan_rejected(nodes, slot, offset, nbytes, dst, why):
     """A bad plan is a ProtocolError at the target: the connection closes, nothing is
     scattered, no handler runs, and the landing slots granted to that peer come back."""
@@ -165,8 +192,7 @@ def test_bad_scatter_plan_rejected(nodes, slot, offset, nbytes, dst, why):
     closed_before = a.closed("main")
     pid = b.connect("evil", "127.0.0.1", nodes["port"])["ok"]
     # a real PUT into a granted slot first, so a wrong scatter would write non-zero bytes
-    good = b.write("evil", pid, [("pm", list(range(0, 24, 2)), list(range(0, 24, 2)))],
-                  b"good")
+    good = b.write("evil", pid, [("pm", list(range(0, 24, 2)), list(range(0, 24, 2)))], b"good")
     assert good["ok"]["staged"], good
     assert [p for _, p in a.messages("main", 1, 10.0)] == [b"good"]  # scattered
     a.zero("main", "pm")
@@ -199,7 +225,7 @@ def _wait_closed(a, engine_id, before, timeout=10.0):
 
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        new = a.closed("main")[len(before):]
+        new = a.closed("main")[len(before) :]
         for p, why in new:
             if p == engine_id:
                 return why

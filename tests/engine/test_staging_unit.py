@@ -1,4 +1,5 @@
 """Validation of the staged path's wire data and configuration (no UCX, no processes)."""
+
 import pytest
 
 from kvxfer import wire
@@ -11,10 +12,21 @@ ITEM = 64  # kv: two descriptors of 32-byte items
 
 
 def layout(landing):
-    return m.Layout(groups={"kv": {"ptrs": [0x1000, 0x2000], "lens": [256, 256],
-                                   "item_lens": [32, 32], "regions": [0, 0]}},
-                    region_bases=[0x1000, 0x8000], region_lens=[0x1100, 4 * 128],
-                    region_keys=[b"k", b"l"], region_types=["host", "host"], landing=landing)
+    return m.Layout(
+        groups={
+            "kv": {
+                "ptrs": [0x1000, 0x2000],
+                "lens": [256, 256],
+                "item_lens": [32, 32],
+                "regions": [0, 0],
+            }
+        },
+        region_bases=[0x1000, 0x8000],
+        region_lens=[0x1100, 4 * 128],
+        region_keys=[b"k", b"l"],
+        region_types=["host", "host"],
+        landing=landing,
+    )
 
 
 def land(**over):
@@ -29,19 +41,33 @@ def test_landing_parsed():
     assert parse_remote(layout(None)).landing == {}
 
 
-@pytest.mark.parametrize("bad", [
-    {"nope": land()["kv"]},                      # unknown group
-    land(region=2),                              # region not in the table
-    land(slots=[4]),                             # slot 4 ends past the region
-    land(base=0x7fff),                           # starts before the region
-    land(slot_bytes=96),                         # not a multiple of the 64-byte item
-    land(slot_bytes=32),                         # smaller than one item
-    land(slots=[1, 1]),                          # duplicate slot
-    land(slots=[]),                              # nothing granted
-    land(slots=[-1]),                            # not unsigned
-    {"kv": {"region": 1, "base": 0x8000, "slot_bytes": 128}},   # field missing
-], ids=["group", "region", "slot-end", "base", "multiple", "small", "dup", "empty", "negative",
-        "missing"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"nope": land()["kv"]},  # unknown group
+        land(region=2),  # region not in the table
+        land(slots=[4]),  # slot 4 ends past the region
+        land(base=0x7FFF),  # starts before the region
+        land(slot_bytes=96),  # not a multiple of the 64-byte item
+        land(slot_bytes=32),  # smaller than one item
+        land(slots=[1, 1]),  # duplicate slot
+        land(slots=[]),  # nothing granted
+        land(slots=[-1]),  # not unsigned
+        {"kv": {"region": 1, "base": 0x8000, "slot_bytes": 128}},  # field missing
+    ],
+    ids=[
+        "group",
+        "region",
+        "slot-end",
+        "base",
+        "multiple",
+        "small",
+        "dup",
+        "empty",
+        "negative",
+        "missing",
+    ],
+)
 def test_bad_landing_rejected(bad):
     with pytest.raises(ProtocolError):
         parse_remote(layout(bad))
@@ -56,10 +82,18 @@ def test_staged_messages_roundtrip_and_types():
         wire.decode(bad.encode())
 
 
-@pytest.mark.parametrize("kw", [{"stage_min_ops": -1}, {"stage_slot_bytes": 0},
-                                {"stage_slots": 0}, {"stage_peer_slots": 0},
-                                {"stage_slots": 2, "stage_peer_slots": 3},
-                                {"stage_min_ops": True}, {"stage_host_memory": 1}])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"stage_min_ops": -1},
+        {"stage_slot_bytes": 0},
+        {"stage_slots": 0},
+        {"stage_peer_slots": 0},
+        {"stage_slots": 2, "stage_peer_slots": 3},
+        {"stage_min_ops": True},
+        {"stage_host_memory": 1},
+    ],
+)
 def test_config_rejects(kw):
     with pytest.raises(InvalidArgument, match="stage_"):
         EngineConfig(secret=b"s", **kw)

@@ -5,6 +5,7 @@ replays into freshly backed memory after it, and a real out-of-memory finalize r
 Run on the GPU machine: ``KVXFER_TEST_DEVICE=cuda python -m pytest -q tests/gpu/test_backing_cuda.py``
 (``bench/gpu/backing.sh`` does it and adds the measurements).
 """
+
 import pytest
 import torch
 
@@ -39,11 +40,12 @@ def _assert_device_use(base, expected, slack=8 * MiB):
 
 def test_handle_type_probe_order_and_report():
     from kvxfer.pools.backing.cuda import HANDLE_TYPE_ORDER, CudaVmmProvider
+
     p = CudaVmmProvider(0)
     try:
         # entries are "type" or "type+rdma" (RDMA-capable attempt first when offered)
         tried = list(dict.fromkeys(h.split("+")[0] for h, _ in p.probe_report))
-        assert tried == list(HANDLE_TYPE_ORDER[: len(tried)])     # FABRIC -> POSIX_FD -> NONE
+        assert tried == list(HANDLE_TYPE_ORDER[: len(tried)])  # FABRIC -> POSIX_FD -> NONE
         last, outcome = p.probe_report[-1]
         assert outcome == "ok" and last.split("+")[0] == p.handle_type
         assert (last.endswith("+rdma")) == p.gpu_direct_rdma
@@ -60,14 +62,20 @@ def test_handle_type_probe_order_and_report():
 @pytest.mark.parametrize("handle_type", ["posix_fd", "none"])
 def test_forced_handle_type_is_used(handle_type):
     from kvxfer.pools.backing.cuda import CudaVmmProvider
+
     p = CudaVmmProvider(0, handle_types=(handle_type,))
     try:
         assert p.handle_type == handle_type
         b = p.reserve(3 * p.granularity)
         b.commit(0, p.granularity)
         mem_type = b.pointer_attribute("CU_POINTER_ATTRIBUTE_MEMORY_TYPE")
-        print(handle_type, "memory type", mem_type, "legacy IPC capable",
-              b.pointer_attribute("CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE"))
+        print(
+            handle_type,
+            "memory type",
+            mem_type,
+            "legacy IPC capable",
+            b.pointer_attribute("CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE"),
+        )
         b.close()
     finally:
         p.close()
@@ -76,12 +84,19 @@ def test_forced_handle_type_is_used(handle_type):
 def _vmm_lifecycle(check_use):
     """Reserve -> finalize -> write -> release_beyond -> close on 8 per-layer buffers;
     ``check_use(expected)`` is called wherever the device should have lost ``expected`` bytes."""
-    layers, H, D = 4, 8, 128                      # bf16 rows of 2 KiB
-    rows = 64 * 1024 + PS                         # 128 MiB per buffer, 1 GiB reserved
-    descs = (per_layer_descs("k", layers, (rows, H, D), 2, 1)
-             + per_layer_descs("v", layers, (rows, H, D), 2, 1))
-    owner = BackedBuffers(descs, store_dtype=torch.bfloat16, device=DEV, page_size=PS,
-                          reserved_num_tokens=rows - PS, max_extent_bytes=32 * MiB)
+    layers, H, D = 4, 8, 128  # bf16 rows of 2 KiB
+    rows = 64 * 1024 + PS  # 128 MiB per buffer, 1 GiB reserved
+    descs = per_layer_descs("k", layers, (rows, H, D), 2, 1) + per_layer_descs(
+        "v", layers, (rows, H, D), 2, 1
+    )
+    owner = BackedBuffers(
+        descs,
+        store_dtype=torch.bfloat16,
+        device=DEV,
+        page_size=PS,
+        reserved_num_tokens=rows - PS,
+        max_extent_bytes=32 * MiB,
+    )
     try:
         g = owner.provider.granularity
         assert owner.reserved_bytes >= 8 * rows * H * D * 2
@@ -94,11 +109,13 @@ def _vmm_lifecycle(check_use):
         assert owner.requested_bytes == sum(spans)
         assert owner.backed_bytes == sum(round_up(s, g) for s in spans)
         check_use(owner.backed_bytes)
-        print(f"requested {owner.requested_bytes} backed {owner.backed_bytes} "
-              f"reserved {owner.reserved_bytes} granularity {g}")
+        print(
+            f"requested {owner.requested_bytes} backed {owner.backed_bytes} "
+            f"reserved {owner.reserved_bytes} granularity {g}"
+        )
         assert [t.data_ptr() for t in owner.tensors] == ptrs
         views = owner.backed_views()
-        assert all(not v.any() for v in views)     # fresh VMM memory is zeroed by the owner
+        assert all(not v.any() for v in views)  # fresh VMM memory is zeroed by the owner
         for i, v in enumerate(views):
             v.fill_(i + 1)
         for i, t in enumerate(owner.tensors):
@@ -125,8 +142,10 @@ def test_vmm_lifecycle_matches_driver_accounting():
     cold = _free()
     lazy = []
     _vmm_lifecycle(lambda expected: lazy.append(cold - _free() - expected))
-    print(f"warm-up pass: lazily initialised device memory {max(lazy) / MiB:.1f} MiB "
-          f"(per step: {[round(x / MiB, 1) for x in lazy]})")
+    print(
+        f"warm-up pass: lazily initialised device memory {max(lazy) / MiB:.1f} MiB "
+        f"(per step: {[round(x / MiB, 1) for x in lazy]})"
+    )
     base = _free()
     _vmm_lifecycle(lambda expected: _assert_device_use(base, expected))
 
@@ -138,8 +157,10 @@ def _ops(kind):
         def write(cache, loc, x):
             store.store_kv(cache, None, loc, x, None, backend="triton")
     else:
+
         def write(cache, loc, x):
             cache.index_copy_(0, loc, x)
+
     return write
 
 
@@ -151,10 +172,11 @@ def test_graph_captured_before_finalize_replays_after(kind):
     H, D, B = 4, 64, 32
     rows = 128 * 1024 + PS
     descs = per_layer_descs("k", 2, (rows, H, D), 2, 1)
-    with BackedBuffers(descs, store_dtype=torch.bfloat16, device=DEV, page_size=PS,
-                       reserved_num_tokens=rows - PS) as owner:
+    with BackedBuffers(
+        descs, store_dtype=torch.bfloat16, device=DEV, page_size=PS, reserved_num_tokens=rows - PS
+    ) as owner:
         k0, k1 = owner.tensors
-        loc = torch.zeros(B, dtype=torch.int64, device=DEV)          # dummy: padding slot 0
+        loc = torch.zeros(B, dtype=torch.int64, device=DEV)  # dummy: padding slot 0
         src = torch.randn(B, H, D, device=DEV).to(torch.bfloat16)
         out = torch.empty(B, H, D, device=DEV, dtype=torch.bfloat16)
 
@@ -166,7 +188,7 @@ def test_graph_captured_before_finalize_replays_after(kind):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            step()                                                   # warm-up (JIT, allocator)
+            step()  # warm-up (JIT, allocator)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -177,7 +199,7 @@ def test_graph_captured_before_finalize_replays_after(kind):
 
         n = rows - PS
         owner.finalize(n)
-        ids = torch.randperm(n, device=DEV)[:B] + PS                # far beyond page 0
+        ids = torch.randperm(n, device=DEV)[:B] + PS  # far beyond page 0
         loc.copy_(ids)
         src.copy_(torch.randn(B, H, D, device=DEV).to(torch.bfloat16))
         owner.check_token_ids(loc)
@@ -196,13 +218,19 @@ def test_out_of_memory_finalize_rolls_back():
     rows = (total + total // 4) // row + PS
     desc = KvBufferDesc("huge", (rows, row), row_bytes=row, tokens_per_row=1)
     base = _free()
-    with BackedBuffers([desc], store_dtype=torch.uint8, device=DEV, page_size=PS,
-                       reserved_num_tokens=rows - PS, max_extent_bytes=1 << 30) as owner:
+    with BackedBuffers(
+        [desc],
+        store_dtype=torch.uint8,
+        device=DEV,
+        page_size=PS,
+        reserved_num_tokens=rows - PS,
+        max_extent_bytes=1 << 30,
+    ) as owner:
         after_page0 = owner.backed_bytes
         with pytest.raises(BackingError, match="memory"):
             owner.finalize(rows - PS)
         assert owner.backed_bytes == after_page0 and owner.num_tokens is None
         _assert_device_use(base, after_page0)
-        owner.finalize(64)                                            # still usable afterwards
+        owner.finalize(64)  # still usable afterwards
         assert owner.usable_tokens == 64 + PS
     _assert_device_use(base, 0)

@@ -10,6 +10,7 @@ Run on the GPU machine:
 ``KVXFER_TEST_DEVICE=cuda python -m pytest -q -s tests/gpu/test_vmm_share.py``
 (``bench/gpu/backing.sh`` does it and keeps the ``vmm-share`` lines).
 """
+
 import socket
 
 import pytest
@@ -57,7 +58,7 @@ class VmmWriter:
 
     def __init__(self) -> None:
         self.imports: list = []
-        torch.zeros(1, device=DEV)                      # CUDA context before the parent counts
+        torch.zeros(1, device=DEV)  # CUDA context before the parent counts
 
     def import_share(self, path) -> dict:
         from kvxfer.pools.backing.share import recv_share
@@ -67,8 +68,12 @@ class VmmWriter:
             s.connect(path)
             imp = recv_share(s, timeout=60)
         self.imports.append(imp)
-        return {"spans": imp.span_bytes, "device": str(imp.device),
-                "generation": imp.generation, "info": imp.info()}
+        return {
+            "spans": imp.span_bytes,
+            "device": str(imp.device),
+            "generation": imp.generation,
+            "info": imp.info(),
+        }
 
     def fill(self, k, seed) -> None:
         imp = self.imports[k]
@@ -90,19 +95,25 @@ class VmmWriter:
         rows = src[: pages.numel() * items.shape[1]].view(-1, items.shape[1])
         moved = rows.numel()
         scatter = _rate(lambda: items.index_copy_(0, pages, rows), moved, iters)
-        items.index_copy_(0, pages, rows)             # the bytes the parent checks
+        items.index_copy_(0, pages, rows)  # the bytes the parent checks
         torch.cuda.synchronize(imp.device)
-        return {"bytes": n, "vmm_gbps": vmm, "d2d_gbps": d2d, "scatter_gbps": scatter,
-                "page_bytes": items.shape[1], "pages": pages.tolist()}
+        return {
+            "bytes": n,
+            "vmm_gbps": vmm,
+            "d2d_gbps": d2d,
+            "scatter_gbps": scatter,
+            "page_bytes": items.shape[1],
+            "pages": pages.tolist(),
+        }
 
     def trim(self) -> None:
         torch.cuda.synchronize()
-        torch.cuda.empty_cache()                        # the parent counts device memory
+        torch.cuda.empty_cache()  # the parent counts device memory
 
     def close(self) -> list:
         for imp in self.imports:
             imp.close()
-            imp.close()                                 # idempotent
+            imp.close()  # idempotent
         self.trim()
         return [imp.closed for imp in self.imports]
 
@@ -111,9 +122,17 @@ class VmmWriter:
 def _pool(cls, size, extent_mib, **kw):
     opts = {**POSIX_FD, "max_extent_bytes": extent_mib * MiB}
     try:
-        return cls(size, PS, torch.bfloat16, layer_num=kw.pop("layers"), device=DEV,
-                   post_capture_active=True, backing_options=opts, **kw)
-    except BackingError as exc:       # no cuda-bindings, no VMM, no POSIX-FD handles
+        return cls(
+            size,
+            PS,
+            torch.bfloat16,
+            layer_num=kw.pop("layers"),
+            device=DEV,
+            post_capture_active=True,
+            backing_options=opts,
+            **kw,
+        )
+    except BackingError as exc:  # no cuda-bindings, no VMM, no POSIX-FD handles
         pytest.skip(f"no POSIX-FD VMM backing here: {exc}")
 
 
@@ -158,13 +177,12 @@ def test_child_writes_into_vmm_pool_at_device_copy_rate(tmp_path):
         # per-layer NHD pool: 4 buffers, several extents each (small max_extent_bytes)
         nhd = _pool(MHATokenToKVPool, 64 * 1024, 4, layers=2, head_num=4, head_dim=64)
         # page-major pool for the rate: pages of 4 layers x 16 tokens x 8 heads x 128 x bf16 x K/V
-        pm = _pool(PageMajorMHATokenToKVPool, 4096 * PS, 256, layers=4, head_num=8,
-                   head_dim=128)
+        pm = _pool(PageMajorMHATokenToKVPool, 4096 * PS, 256, layers=4, head_num=8, head_dim=128)
         srv.bind(str(tmp_path / "share.sock"))
         srv.listen(1)
         srv.settimeout(60)
         nhd.finalize_backing(40_000)
-        pm.finalize_backing(2048 * PS)                # 512 MiB of 1 GiB reserved
+        pm.finalize_backing(2048 * PS)  # 512 MiB of 1 GiB reserved
         ptrs = [nhd.get_contiguous_buf_infos()[0], pm.get_contiguous_buf_infos()[0]]
 
         got = _share(writer, srv, nhd, generation=1)
@@ -179,11 +197,13 @@ def test_child_writes_into_vmm_pool_at_device_copy_rate(tmp_path):
         r = writer.bench(1, 5, 20, timeout=120)
         _check_benched(pm, r, 5)
         ratio = r["vmm_gbps"] / r["d2d_gbps"]
-        print(f"vmm-share: {r['bytes'] / MiB:.0f} MiB copy into the peer's VMM pool "
-              f"{r['vmm_gbps']:.1f} GB/s; same-process ordinary D2D {r['d2d_gbps']:.1f} GB/s "
-              f"(ratio {ratio:.2f}); page scatter ({r['page_bytes'] // 1024} KiB pages, "
-              f"index_copy_) {r['scatter_gbps']:.1f} GB/s; issue target 0.8 x 1100 GB/s "
-              f"cuda_ipc = 880 GB/s: {'met' if r['vmm_gbps'] >= 880 else 'NOT met'}")
+        print(
+            f"vmm-share: {r['bytes'] / MiB:.0f} MiB copy into the peer's VMM pool "
+            f"{r['vmm_gbps']:.1f} GB/s; same-process ordinary D2D {r['d2d_gbps']:.1f} GB/s "
+            f"(ratio {ratio:.2f}); page scatter ({r['page_bytes'] // 1024} KiB pages, "
+            f"index_copy_) {r['scatter_gbps']:.1f} GB/s; issue target 0.8 x 1100 GB/s "
+            f"cuda_ipc = 880 GB/s: {'met' if r['vmm_gbps'] >= 880 else 'NOT met'}"
+        )
         # the emulated UCX lane is ~0.7 GB/s: anything near device-copy speed proves the path
         assert ratio >= 0.3, r
 
@@ -200,11 +220,13 @@ def test_child_writes_into_vmm_pool_at_device_copy_rate(tmp_path):
         free1 = _free()
         assert writer.close(timeout=60) == [True, True]
         free2 = _free()
-        print(f"vmm-share teardown: {shared / MiB:.0f} MiB exported; owner closed -> "
-              f"{(free1 - free0) / MiB:.0f} MiB returned; importer closed too -> "
-              f"{(free2 - free0) / MiB:.0f} MiB returned")
-        assert free1 - free0 <= 64 * MiB                 # the importer still holds it all
-        assert abs(free2 - free0 - shared) <= 64 * MiB   # both released: every byte back
+        print(
+            f"vmm-share teardown: {shared / MiB:.0f} MiB exported; owner closed -> "
+            f"{(free1 - free0) / MiB:.0f} MiB returned; importer closed too -> "
+            f"{(free2 - free0) / MiB:.0f} MiB returned"
+        )
+        assert free1 - free0 <= 64 * MiB  # the importer still holds it all
+        assert abs(free2 - free0 - shared) <= 64 * MiB  # both released: every byte back
     finally:
         w.close()
         srv.close()
@@ -219,8 +241,17 @@ def test_export_refuses_unshareable_backing():
 
     pool = None
     try:
-        pool = MHATokenToKVPool(1024, PS, torch.bfloat16, 2, 64, 1, DEV, post_capture_active=True,
-                                backing_options={"handle_types": ("none",)})
+        pool = MHATokenToKVPool(
+            1024,
+            PS,
+            torch.bfloat16,
+            2,
+            64,
+            1,
+            DEV,
+            post_capture_active=True,
+            backing_options={"handle_types": ("none",)},
+        )
     except BackingError as exc:
         pytest.skip(f"no VMM backing here: {exc}")
     try:

@@ -9,6 +9,7 @@ One worker pair (two spawned processes, real UCX on loopback) holds all three ti
 for the whole module: its start-up (torch + transformers imports) dominates the run time.
 ``transformers`` is pinned in the test dependencies; without it the workers fail loudly.
 """
+
 import json
 
 import pytest
@@ -16,10 +17,10 @@ import pytest
 from kvxfer.pd_demo.hf_run import HFCheck, main, report_ok
 from kvxfer.pd_demo.hf_spec import MODELS
 
-pytestmark = pytest.mark.timeout(300)       # the first test also starts the pair (<= 180 s)
+pytestmark = pytest.mark.timeout(300)  # the first test also starts the pair (<= 180 s)
 
 PAGE, CHUNK = 8, 16
-PROMPTS = (5, 8, 21, 50)     # shorter than a page, a page, not a multiple, four chunks
+PROMPTS = (5, 8, 21, 50)  # shorter than a page, a page, not a multiple, four chunks
 RUN = dict(prompts=PROMPTS, n_tokens=5, retract_after=2, chunk_tokens=CHUNK)
 
 
@@ -39,15 +40,21 @@ def test_every_layout_is_token_identical(check, model):
         assert x["transfer"] == "Success" and x["first_logits_equal"]
         assert x["tokens"] == x["reference"] and len(x["tokens"]) == 5
         assert x["chunks"] == -(-x["prompt_len"] // CHUNK)
-        rt = x["retract"]                   # moved to other pages (and slot) mid-generation
+        rt = x["retract"]  # moved to other pages (and slot) mid-generation
         assert rt["retract_at"] == x["prompt_len"] + 2
         assert len(rt["new_pages"]) == len(rt["old_pages"]) == -(-rt["retract_at"] // PAGE)
         assert not set(rt["new_pages"]) & set(rt["old_pages"])
         if model == "bamba":
             assert rt["new_slot"] != rt["old_slot"]
     entries = {p["layout"]: (p["kv_entries"], p["state_entries"]) for p in r["pools"]}
-    expected = {"nhd": (6, 0), "hnd": (6, 0), "page_major": (1, 0),
-                "page_major+envelope": (1, 1), "nhd+per_layer": (4, 4), "mla": (2, 0)}
+    expected = {
+        "nhd": (6, 0),
+        "hnd": (6, 0),
+        "page_major": (1, 0),
+        "page_major+envelope": (1, 1),
+        "nhd+per_layer": (4, 4),
+        "mla": (2, 0),
+    }
     assert entries == {k: expected[k] for k in entries}
 
 
@@ -67,15 +74,23 @@ CORRUPT = [
 ]
 
 
-@pytest.mark.parametrize("model,layout,n,corrupt,tokens_differ", CORRUPT,
-                         ids=[f"{c[0]}-{c[1]}-{c[3]}" for c in CORRUPT])
+@pytest.mark.parametrize(
+    "model,layout,n,corrupt,tokens_differ", CORRUPT, ids=[f"{c[0]}-{c[1]}-{c[3]}" for c in CORRUPT]
+)
 def test_misplacement_is_caught(check, model, layout, n, corrupt, tokens_differ):
-    r = check.run([model], layouts=[layout], prompts=(n,), n_tokens=5, retract_after=2,
-                  chunk_tokens=CHUNK, corrupt=corrupt)
+    r = check.run(
+        [model],
+        layouts=[layout],
+        prompts=(n,),
+        n_tokens=5,
+        retract_after=2,
+        chunk_tokens=CHUNK,
+        corrupt=corrupt,
+    )
     (x,) = r["runs"]
     assert x["transfer"] == "Success" and not r["problems"]
     assert not report_ok(r) and not r["logits_equal"]
-    if corrupt == "restore_reversed":       # fine until the restore
+    if corrupt == "restore_reversed":  # fine until the restore
         assert x["first_logits_equal"] and x["tokens"][:3] == x["reference"][:3]
     else:
         assert not x["first_logits_equal"]
@@ -84,8 +99,19 @@ def test_misplacement_is_caught(check, model, layout, n, corrupt, tokens_differ)
 
 
 def test_cli_json_last_line_and_exit_status(check, capsys):
-    argv = ["--model", "llama", "--layouts", "page_major", "--prompts", "5,21",
-            "--new-tokens", "4", "--retract-after", "1", "--json"]
+    argv = [
+        "--model",
+        "llama",
+        "--layouts",
+        "page_major",
+        "--prompts",
+        "5,21",
+        "--new-tokens",
+        "4",
+        "--retract-after",
+        "1",
+        "--json",
+    ]
     assert main(argv, check=check) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     r = json.loads(lines[-1])
@@ -99,15 +125,19 @@ def test_cli_json_last_line_and_exit_status(check, capsys):
     assert json.loads(lines[-1])["tokens_match"] is False and "MISMATCH" in lines[-2]
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--model", "gpt2"], "choose from"),
-    (["--model", "llama", "--layouts", "mla"], "does not fit"),
-    (["--model", "bamba", "--layouts", "nhd"], "needs a Mamba layout"),
-    (["--model", "llama", "--chunk-tokens", "12"], "multiple of --page-size"),
-    (["--model", "llama", "--retract-after", "9"], "--retract-after"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--model", "gpt2"], "choose from"),
+        (["--model", "llama", "--layouts", "mla"], "does not fit"),
+        (["--model", "bamba", "--layouts", "nhd"], "needs a Mamba layout"),
+        (["--model", "llama", "--chunk-tokens", "12"], "multiple of --page-size"),
+        (["--model", "llama", "--retract-after", "9"], "--retract-after"),
+    ],
+)
 def test_bad_arguments_exit_2_before_starting_workers(argv, message, capsys):
     from kvxfer.demo import main as demo_main  # `kvxfer demo --model ...` routes here
+
     with pytest.raises(SystemExit) as exc:
         demo_main(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err

@@ -4,6 +4,7 @@ On CPU (default) the Triton kernels run under the interpreter and are compared w
 torch reference; with ``KVXFER_TEST_DEVICE=cuda`` the same tests run the compiled kernels
 on the GPU against the reference on the GPU.
 """
+
 from __future__ import annotations
 
 import testenv
@@ -42,18 +43,27 @@ def guarded(shape, dtype, g: torch.Generator, guard_rows: int = 4):
     the guard rows, which tests compare against their original bytes.
     """
     full = rand((shape[0] + 2 * guard_rows, *shape[1:]), dtype, g)
-    return full, full[guard_rows:guard_rows + shape[0]]
+    return full, full[guard_rows : guard_rows + shape[0]]
 
 
-def page_major_views(raw_buf: torch.Tensor, *, layers: int, num_pages: int, page_size: int,
-                     heads: int, head_dim: int, v_head_dim: int, dtype: torch.dtype):
+def page_major_views(
+    raw_buf: torch.Tensor,
+    *,
+    layers: int,
+    num_pages: int,
+    page_size: int,
+    heads: int,
+    head_dim: int,
+    v_head_dim: int,
+    dtype: torch.dtype,
+):
     """Per-layer K/V 4-D views over one uint8 buffer in the page-major layout.
 
     A page holds all layers; within it, layer ``l`` is K rows ``[page_size, H, D]`` then V
     rows ``[page_size, H, Dv]``.
     """
     isz = torch.empty(0, dtype=dtype).element_size()
-    k_row, v_row = heads * head_dim, heads * v_head_dim      # elements per token row
+    k_row, v_row = heads * head_dim, heads * v_head_dim  # elements per token row
     layer_elems = page_size * (k_row + v_row)
     page_elems = layers * layer_elems
     assert raw_buf.numel() == num_pages * page_elems * isz
@@ -61,8 +71,16 @@ def page_major_views(raw_buf: torch.Tensor, *, layers: int, num_pages: int, page
     ks, vs = [], []
     for layer in range(layers):
         off = layer * layer_elems
-        ks.append(typed.as_strided((num_pages, page_size, heads, head_dim),
-                                   (page_elems, k_row, head_dim, 1), off))
-        vs.append(typed.as_strided((num_pages, page_size, heads, v_head_dim),
-                                   (page_elems, v_row, v_head_dim, 1), off + page_size * k_row))
+        ks.append(
+            typed.as_strided(
+                (num_pages, page_size, heads, head_dim), (page_elems, k_row, head_dim, 1), off
+            )
+        )
+        vs.append(
+            typed.as_strided(
+                (num_pages, page_size, heads, v_head_dim),
+                (page_elems, v_row, v_head_dim, 1),
+                off + page_size * k_row,
+            )
+        )
     return ks, vs

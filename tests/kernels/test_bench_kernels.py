@@ -1,4 +1,5 @@
 """Smoke test of `kvxfer bench kernels` at toy sizes (the real run is on the GPU)."""
+
 import gc
 import json
 
@@ -14,9 +15,28 @@ pytestmark = pytest.mark.timeout(60)
 
 def test_bench_kernels_reports_every_kernel(tmp_path, capsys):
     out = tmp_path / "k.json"
-    rc = bench.main(["--device", DEVICE.type, "--tokens", "32", "--layers", "2", "--heads", "1",
-                     "--head-dim", "8", "--mla-nope", "8", "--mla-rope", "4", "--rep-ms", "1",
-                     "--json-out", str(out)])
+    rc = bench.main(
+        [
+            "--device",
+            DEVICE.type,
+            "--tokens",
+            "32",
+            "--layers",
+            "2",
+            "--heads",
+            "1",
+            "--head-dim",
+            "8",
+            "--mla-nope",
+            "8",
+            "--mla-rope",
+            "4",
+            "--rep-ms",
+            "1",
+            "--json-out",
+            str(out),
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "| kernel | tokens |" in text and "| graph us | host us |" in text

@@ -1,6 +1,7 @@
 """kernels.checksum: the Triton kernel (interpreter on CPU), the numpy host path and the plain
 oracle agree on every layout; the checksum sees misplaced pages, tokens, heads and layers and
 every single-word change; the launcher refuses malformed tables."""
+
 import numpy as np
 import pytest
 import torch
@@ -14,8 +15,9 @@ pytestmark = pytest.mark.timeout(120)
 
 def _triton(views, ids):
     """Kernel checksums of items ``ids`` over ``views`` (one descriptor each, items on dim 0)."""
-    out = ck.item_checksums([v.data_ptr() for v in views], [_item_bytes(v) for v in views],
-                            ids, device=DEVICE)
+    out = ck.item_checksums(
+        [v.data_ptr() for v in views], [_item_bytes(v) for v in views], ids, device=DEVICE
+    )
     return out.cpu().numpy().view(np.uint32)
 
 
@@ -34,8 +36,10 @@ def _all_three(views, ids):
     assert want.dtype == np.uint32 and want.shape == (len(ids),)
     np.testing.assert_array_equal(_host(views, ids), want)
     np.testing.assert_array_equal(_triton(views, ids), want)
-    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # read-only
-               for a, b in zip(before, views))
+    assert all(
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # read-only
+        for a, b in zip(before, views)
+    )
     return want
 
 
@@ -67,7 +71,7 @@ def test_unaligned_buffers(shift):
     """Buffers starting 1/2/4/8 bytes past an aligned address (alignment classes 1 and 4)."""
     g = gen(shift)
     raw = rand((10 * 96 + 16,), torch.uint8, g)
-    views = [raw[shift:shift + 10 * 96].view(10, 96), rand((10, 40), torch.uint8, g)]
+    views = [raw[shift : shift + 10 * 96].view(10, 96), rand((10, 40), torch.uint8, g)]
     _all_three(views, list(range(10)))
 
 
@@ -89,8 +93,8 @@ def test_tiling_is_invisible():
         tasks = ck.item_tasks(ptrs, lens, ck.word_offsets(lens), [1, 3], tile)
         out = torch.zeros(2, dtype=torch.int32, device=DEVICE)
         widest = int(ck.task_alignment(tasks).min())
-        assert widest == 4                                   # 52-byte items: word aligned
-        for align in (4, 1):          # a word-aligned table also runs on the byte path
+        assert widest == 4  # 52-byte items: word aligned
+        for align in (4, 1):  # a word-aligned table also runs on the byte path
             out.zero_()
             ck.checksum_tasks(torch.from_numpy(tasks).to(DEVICE), out, align, host_tasks=tasks)
             np.testing.assert_array_equal(out.cpu().numpy().view(np.uint32), want)
@@ -144,7 +148,7 @@ def test_every_single_word_change_is_seen():
     for _ in range(300):
         t = rows.copy()
         w = int(rng.integers(0, 1024))
-        t[0, 4 * w:4 * w + 4] ^= rng.integers(0, 256, 4, dtype=np.uint8) | np.uint8(1)
+        t[0, 4 * w : 4 * w + 4] ^= rng.integers(0, 256, 4, dtype=np.uint8) | np.uint8(1)
         assert ck.checksum_rows(t, 7)[0] != base
     # the kernel sees a flipped top bit of the last byte too
     flipped = rows.copy()
@@ -169,13 +173,18 @@ def test_per_task_partials_add_up_to_the_item_sums():
     tasks = ck.item_tasks(ptrs, lens, ck.word_offsets(lens), ids, tile_bytes=64)
     align = int(ck.task_alignment(tasks).min())
     part = torch.full((tasks.shape[0] + 3,), -1, dtype=torch.int32, device=DEVICE)  # no zeroing
-    assert ck.checksum_tasks(torch.from_numpy(tasks).to(DEVICE), part, align, host_tasks=tasks,
-                             per_task=True) == tasks.shape[0]
-    got = ck.add_partials(tasks, part[:tasks.shape[0]].cpu().numpy(), len(ids))
+    assert (
+        ck.checksum_tasks(
+            torch.from_numpy(tasks).to(DEVICE), part, align, host_tasks=tasks, per_task=True
+        )
+        == tasks.shape[0]
+    )
+    got = ck.add_partials(tasks, part[: tasks.shape[0]].cpu().numpy(), len(ids))
     np.testing.assert_array_equal(got, ck.checksum_items_reference(views, ids))
-    with pytest.raises(ShapeMismatch):                       # one partial per task
-        ck.checksum_tasks(torch.from_numpy(tasks).to(DEVICE), part[:2], align,
-                          host_tasks=tasks, per_task=True)
+    with pytest.raises(ShapeMismatch):  # one partial per task
+        ck.checksum_tasks(
+            torch.from_numpy(tasks).to(DEVICE), part[:2], align, host_tasks=tasks, per_task=True
+        )
 
 
 # ---------------------------------------------------------------------- launcher checks
@@ -192,14 +201,14 @@ def test_launcher_refuses_malformed_tables():
     with pytest.raises(IndexOutOfRange):
         ck.checksum_tasks(dev_tasks, out[:1], 16, host_tasks=tasks)
     with pytest.raises(InvalidArgument):
-        ck.checksum_tasks(dev_tasks, out, 8, host_tasks=tasks)             # not an alignment
+        ck.checksum_tasks(dev_tasks, out, 8, host_tasks=tasks)  # not an alignment
     bad = tasks.copy()
     bad[0, 0] += 2
     with pytest.raises(InvalidArgument):
         ck.checksum_tasks(torch.from_numpy(bad).to(DEVICE), out, 4, host_tasks=bad)
     if ON_CUDA:
         with pytest.raises(InvalidArgument):
-            ck.checksum_tasks(dev_tasks, out, 16)                          # no host copy
+            ck.checksum_tasks(dev_tasks, out, 16)  # no host copy
     with pytest.raises(InvalidArgument):
         ck.item_tasks([buf.data_ptr()], [64], [0], [0], tile_bytes=24)
     with pytest.raises(IndexOutOfRange):

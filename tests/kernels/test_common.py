@@ -1,6 +1,7 @@
 """The launchers' host-side helpers (kernels._common): unit choice, memoised tile choice and
 the row-contiguity check, each against its plain definition (they run on every launch, so
 they were rewritten for speed; these tests pin their meaning)."""
+
 import itertools
 import random
 
@@ -32,8 +33,10 @@ def test_pick_tile_memo_and_clamp_do_not_change_the_choice():
     assert C.TILE_BYTES & (C.TILE_BYTES - 1) == 0  # the clamp relies on a power of two
     plain = C._pick_tile.__wrapped__
     for row_units, unit, n in itertools.product(
-            (1, 3, 17, 32, 64, 100, 144, 288, 512, 576, 1024, 2048, 5000), (1, 2, 4),
-            (1, 2, 3, 7, 100, 4095, 8191, 8192, 8193, 65536, 10 ** 7)):
+        (1, 3, 17, 32, 64, 100, 144, 288, 512, 576, 1024, 2048, 5000),
+        (1, 2, 4),
+        (1, 2, 3, 7, 100, 4095, 8191, 8192, 8193, 65536, 10**7),
+    ):
         tok, block, warps = C.pick_tile(row_units, unit, n)
         assert (tok, block, warps) == plain(row_units, unit, n)
         assert tok * block * unit <= max(C.TILE_BYTES, block * unit)
@@ -53,11 +56,22 @@ def _rows_contiguous_by_definition(t, lead):
 @pytest.mark.parametrize("lead", [1, 2])
 def test_rows_contiguous_fast_path_agrees(lead):
     base = torch.empty(6, 4, 3, 5)
-    views = [base, base[::2], base[:, 1:3], base.transpose(0, 1), base[..., ::2],
-             base.transpose(2, 3), base[:, :, :1], base.permute(1, 0, 2, 3)[:2],
-             torch.empty(0, 3, 4, 5), torch.empty(1, 1, 1, 1).expand(3, 1, 1, 1)]
+    views = [
+        base,
+        base[::2],
+        base[:, 1:3],
+        base.transpose(0, 1),
+        base[..., ::2],
+        base.transpose(2, 3),
+        base[:, :, :1],
+        base.permute(1, 0, 2, 3)[:2],
+        torch.empty(0, 3, 4, 5),
+        torch.empty(1, 1, 1, 1).expand(3, 1, 1, 1),
+    ]
     for v in views:
-        assert C.rows_contiguous(v, lead) == _rows_contiguous_by_definition(v, lead), \
-            (tuple(v.shape), v.stride())
+        assert C.rows_contiguous(v, lead) == _rows_contiguous_by_definition(v, lead), (
+            tuple(v.shape),
+            v.stride(),
+        )
     # no elements, no bytes to address: any strides are acceptable
     assert C.rows_contiguous(torch.empty_strided((0, 3, 4, 5), (1, 1, 1, 1)), lead)

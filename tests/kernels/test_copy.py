@@ -1,4 +1,5 @@
 """KvCopyTable / move_kv: one launch moves rows in every layer's K and V."""
+
 import pytest
 import torch
 from _kernels_testlib import (
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.timeout(60)
 def _moves(n, rows, g, dtype=torch.int64):
     """Disjoint targets and sources (the Triton path's documented precondition)."""
     perm = torch.randperm(rows, generator=g)
-    return perm[:n].to(dtype).to(DEVICE), perm[n:2 * n].to(dtype).to(DEVICE)
+    return perm[:n].to(dtype).to(DEVICE), perm[n : 2 * n].to(dtype).to(DEVICE)
 
 
 def _per_layer(dtype, g, layers=3, rows=40, heads=2, dim=3, vdim=5):
@@ -51,8 +52,15 @@ def test_move_page_major_views_across_layers(dtype):
     g = gen(21)
     layers, num_pages, ps = 3, 6, 4
     isz = torch.empty(0, dtype=dtype).element_size()
-    geo = dict(layers=layers, num_pages=num_pages, page_size=ps, heads=2, head_dim=3,
-               v_head_dim=5, dtype=dtype)
+    geo = dict(
+        layers=layers,
+        num_pages=num_pages,
+        page_size=ps,
+        heads=2,
+        head_dim=3,
+        v_head_dim=5,
+        dtype=dtype,
+    )
     buf = rand((num_pages * layers * ps * 2 * 8 * isz,), torch.uint8, g)
     ref = buf.clone()
     ks, vs = page_major_views(buf, **geo)
@@ -70,13 +78,29 @@ def test_move_mixed_buffer_kinds_in_one_table():
     g = gen(22)
     flat = _per_layer(torch.float32, g, layers=1, rows=24, heads=1, dim=4, vdim=2)
     buf = rand((6 * 2 * 4 * 1 * (4 + 6) * 2,), torch.uint8, g)
-    ks, vs = page_major_views(buf, layers=2, num_pages=6, page_size=4, heads=1, head_dim=4,
-                              v_head_dim=6, dtype=torch.float16)
+    ks, vs = page_major_views(
+        buf,
+        layers=2,
+        num_pages=6,
+        page_size=4,
+        heads=1,
+        head_dim=4,
+        v_head_dim=6,
+        dtype=torch.float16,
+    )
     bufs = flat + ks + vs
     refs = [b.clone() for b in flat]
     ref_buf = buf.clone()
-    kr, vr = page_major_views(ref_buf, layers=2, num_pages=6, page_size=4, heads=1, head_dim=4,
-                              v_head_dim=6, dtype=torch.float16)
+    kr, vr = page_major_views(
+        ref_buf,
+        layers=2,
+        num_pages=6,
+        page_size=4,
+        heads=1,
+        head_dim=4,
+        v_head_dim=6,
+        dtype=torch.float16,
+    )
     tgt, src = _moves(8, 24, g)
     table = kcopy.KvCopyTable(bufs)
     assert len(table) == 6 and table.rows == 24
@@ -103,7 +127,7 @@ def test_move_empty_and_out_of_range(backend):
         torch.cuda.synchronize()
         for (full, _), b in zip(guards, before):
             expect = b.view(18, -1).clone()
-            expect[4 + 1] = expect[4 + 2]   # the in-range pair moved, the other never wrote
+            expect[4 + 1] = expect[4 + 2]  # the in-range pair moved, the other never wrote
             assert torch.equal(raw(full).view(18, -1), expect)
         return
     with pytest.raises(IndexOutOfRange, match="10"):

@@ -1,4 +1,5 @@
 """Backend selection: "auto" follows the device unless force_backend overrides it."""
+
 import pytest
 import torch
 from _kernels_testlib import DEVICE, ON_CUDA, gen, rand
@@ -15,7 +16,7 @@ def test_resolve_and_force_backend_nesting():
     assert dispatch.resolve("auto", cuda) == "triton"
     with dispatch.force_backend("triton"):
         assert dispatch.resolve("auto", cpu) == "triton"
-        assert dispatch.resolve("torch", cpu) == "torch"      # explicit argument wins
+        assert dispatch.resolve("torch", cpu) == "torch"  # explicit argument wins
         with dispatch.force_backend("torch"):
             assert dispatch.resolve("auto", cuda) == "torch"
             with dispatch.force_backend("auto"):

@@ -1,5 +1,6 @@
 """Block-FP4 quantize / dequantize / store: Triton (interpreter on CPU) vs the torch reference,
 the format (packing, scale, rounding) and the stated error bound."""
+
 import pytest
 import torch
 from _kernels_testlib import DEVICE, ON_CUDA, distinct, gen
@@ -26,7 +27,10 @@ def test_triton_matches_reference_bytes(dtype, shape):
     x = randn(shape, dtype, seed=shape[0])
     q_t, s_t = fp4.quantize_fp4(x, backend="triton")
     q_r, s_r = fp4.quantize_fp4(x, backend="torch")
-    assert q_t.shape == (*shape[:-1], shape[-1] // 2) and s_t.shape == (*shape[:-1], shape[-1] // 16)
+    assert q_t.shape == (*shape[:-1], shape[-1] // 2) and s_t.shape == (
+        *shape[:-1],
+        shape[-1] // 16,
+    )
     assert torch.equal(q_t, q_r) and torch.equal(s_t, s_r)
     d_t = fp4.dequantize_fp4(q_t, s_t, dtype=dtype, backend="triton")
     d_r = fp4.dequantize_fp4(q_t, s_t, dtype=dtype, backend="torch")
@@ -52,7 +56,7 @@ def test_error_bound(dtype):
 
 def test_grid_values_round_trip_exactly_and_packing_layout():
     vals = torch.tensor(GRID + [-v for v in GRID[1:]] + [0.0])  # 16 values, amax 6 -> s = 1
-    x = (vals * 2.0 ** -3).to(DEVICE)[None]                      # s = 2**-3
+    x = (vals * 2.0**-3).to(DEVICE)[None]  # s = 2**-3
     for backend in ("triton", "torch"):
         q, s = fp4.quantize_fp4(x, backend=backend)
         assert int(s[0, 0]) == 127 - 3
@@ -77,7 +81,7 @@ def test_ties_round_to_even_code_and_zero_is_unsigned():
 def test_zero_and_extreme_blocks():
     x = torch.zeros(2, 32, device=DEVICE)
     x[1, 16:] = 3.0e38  # near fp32 max: scale 2**126
-    x[1, :16] = 1e-40   # subnormal: scale clamps to 2**-126, values flush to 0
+    x[1, :16] = 1e-40  # subnormal: scale clamps to 2**-126, values flush to 0
     for backend in ("triton", "torch"):
         q, s = fp4.quantize_fp4(x, backend=backend)
         assert s[0].tolist() == [1, 1] and s[1].tolist() == [1, 253]
@@ -91,12 +95,13 @@ def test_zero_and_extreme_blocks():
 def test_largest_scale_codes_4_and_6_saturate_to_dtype_max(dtype):
     """At s = 2**126 (scale byte 253) codes 4 and 6 would be 2**128 and 1.5 * 2**128, past
     fp32 and bf16: they come out as +-finfo(dtype).max; every other code is exact."""
-    codes = list(range(16))                    # magnitudes 0..7, then the same negated
-    packed = torch.tensor([[codes[i] | codes[i + 1] << 4 for i in range(0, 16, 2)]],
-                          dtype=torch.uint8, device=DEVICE)
+    codes = list(range(16))  # magnitudes 0..7, then the same negated
+    packed = torch.tensor(
+        [[codes[i] | codes[i + 1] << 4 for i in range(0, 16, 2)]], dtype=torch.uint8, device=DEVICE
+    )
     scales = torch.tensor([[253]], dtype=torch.uint8, device=DEVICE)
     big = torch.finfo(dtype).max
-    mags = [min(v * 2.0 ** 126, big) for v in GRID]
+    mags = [min(v * 2.0**126, big) for v in GRID]
     want = mags + [-m for m in mags]
     for backend in ("triton", "torch"):
         out = fp4.dequantize_fp4(packed, scales, dtype=dtype, backend=backend)
@@ -127,7 +132,9 @@ def test_store_fp4_scatter_matches_reference(with_mask):
     caches = []
     for backend in ("triton", "torch"):
         q = torch.randint(0, 256, (rows, H, D // 2), dtype=torch.uint8, generator=gen(1)).to(DEVICE)
-        s = torch.randint(0, 256, (rows, H * D // 16), dtype=torch.uint8, generator=gen(2)).to(DEVICE)
+        s = torch.randint(0, 256, (rows, H * D // 16), dtype=torch.uint8, generator=gen(2)).to(
+            DEVICE
+        )
         fp4.store_fp4(q, s, loc, x, mask=mask, backend=backend)
         caches.append((q, s))
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
@@ -138,8 +145,9 @@ def test_store_fp4_scatter_matches_reference(with_mask):
     assert torch.equal(q.reshape(rows, -1)[lk[keep.to(DEVICE)]], ref_q[keep.to(DEVICE)])
     assert torch.equal(s[lk[keep.to(DEVICE)]], ref_s[keep.to(DEVICE)])
     if with_mask:  # masked-off rows untouched
-        untouched = torch.randint(0, 256, (rows, H, D // 2), dtype=torch.uint8,
-                                  generator=gen(1)).to(DEVICE)
+        untouched = torch.randint(
+            0, 256, (rows, H, D // 2), dtype=torch.uint8, generator=gen(1)
+        ).to(DEVICE)
         dropped = lk[~keep.to(DEVICE)]
         assert torch.equal(q[dropped], untouched[dropped])
 
@@ -176,8 +184,13 @@ def test_out_of_range_raises_before_writing():
 def test_cuda_kernel_masks_out_of_range_rows():
     full = torch.zeros(12, 8, dtype=torch.uint8, device=DEVICE)
     q, s = full[2:10], torch.zeros(8, 1, dtype=torch.uint8, device=DEVICE)
-    fp4.store_fp4(q, s, torch.tensor([-1, 8, 3], device=DEVICE), torch.ones(3, 16, device=DEVICE),
-                  backend="triton")
+    fp4.store_fp4(
+        q,
+        s,
+        torch.tensor([-1, 8, 3], device=DEVICE),
+        torch.ones(3, 16, device=DEVICE),
+        backend="triton",
+    )
     assert bool(full[5].any()) and not bool(full[:5].any()) and not bool(full[6:].any())
 
 
@@ -188,11 +201,19 @@ def test_argument_errors():
         fp4.quantize_fp4(torch.zeros(2, 16, dtype=torch.int32, device=DEVICE))
     q = torch.zeros(4, 8, dtype=torch.uint8, device=DEVICE)
     with pytest.raises(ShapeMismatch, match="scale"):
-        fp4.store_fp4(q, torch.zeros(4, 2, dtype=torch.uint8, device=DEVICE),
-                      torch.tensor([0], device=DEVICE), torch.zeros(1, 16, device=DEVICE))
+        fp4.store_fp4(
+            q,
+            torch.zeros(4, 2, dtype=torch.uint8, device=DEVICE),
+            torch.tensor([0], device=DEVICE),
+            torch.zeros(1, 16, device=DEVICE),
+        )
     with pytest.raises(ShapeMismatch, match="x has shape"):
-        fp4.store_fp4(q, torch.zeros(4, 1, dtype=torch.uint8, device=DEVICE),
-                      torch.tensor([0], device=DEVICE), torch.zeros(1, 32, device=DEVICE))
+        fp4.store_fp4(
+            q,
+            torch.zeros(4, 1, dtype=torch.uint8, device=DEVICE),
+            torch.tensor([0], device=DEVICE),
+            torch.zeros(1, 32, device=DEVICE),
+        )
     with pytest.raises(InvalidArgument, match="dtype"):
         fp4.dequantize_fp4(q, torch.zeros(4, 1, dtype=torch.uint8, device=DEVICE), dtype=torch.int8)
 

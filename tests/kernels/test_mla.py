@@ -1,4 +1,5 @@
 """MLA (nope, rope) store into one row and the inverse gather."""
+
 import pytest
 import torch
 from _kernels_testlib import DEVICE, DTYPE_IDS, DTYPES, ON_CUDA, distinct, gen, guarded, rand, raw
@@ -29,7 +30,7 @@ def test_store_and_gather_match_reference(dtype, dn, dr, n):
     for a, b in zip(got, want):
         assert a.shape == b.shape and a.dtype == dtype
         assert torch.equal(raw(a), raw(b))
-    got = mla.gather_mla(cache, loc, dn, backend="triton")     # round trip
+    got = mla.gather_mla(cache, loc, dn, backend="triton")  # round trip
     assert torch.equal(raw(got[0]), raw(nope)) and torch.equal(raw(got[1]), raw(rope))
 
 
@@ -84,7 +85,7 @@ def test_mla_out_of_range_masked_in_kernel():
     assert torch.equal(raw(full).view(18, -1), expect)
     nope, rope = mla._launch_gather(cache, loc, 4)
     assert torch.equal(raw(nope[1]), raw(n_src[1])) and torch.equal(raw(rope[1]), raw(r_src[1]))
-    assert not raw(nope[0]).any() and not raw(rope[2]).any()   # out of range reads as zeros
+    assert not raw(nope[0]).any() and not raw(rope[2]).any()  # out of range reads as zeros
 
 
 def test_mla_invalid_arguments():

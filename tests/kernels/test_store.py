@@ -1,4 +1,5 @@
 """store_kv / masked store / prefix-valid store: Triton vs the torch reference."""
+
 import pytest
 import torch
 from _kernels_testlib import DEVICE, DTYPE_IDS, DTYPES, ON_CUDA, distinct, gen, guarded, rand, raw
@@ -33,15 +34,16 @@ def test_store_strided_rows_and_sources():
     g = gen(1)
     rows, heads, dim, n = 24, 2, 8, 9
     backing = rand((rows, heads * dim + 6), torch.float16, g)
-    kc = backing[:, :heads * dim].unflatten(1, (heads, dim))
+    kc = backing[:, : heads * dim].unflatten(1, (heads, dim))
     vc = rand((rows, heads, dim), torch.float16, g)
     ref_backing, ref_vc = backing.clone(), vc.clone()
     qkv = rand((n, 3, heads, dim), torch.float16, g)
     k, v = qkv[:, 1], qkv[:, 2]
     loc = distinct(n, rows, g)
     store.store_kv(kc, vc, loc, k, v, backend="triton")
-    store.store_kv(ref_backing[:, :heads * dim].unflatten(1, (heads, dim)), ref_vc, loc, k, v,
-                   backend="torch")
+    store.store_kv(
+        ref_backing[:, : heads * dim].unflatten(1, (heads, dim)), ref_vc, loc, k, v, backend="torch"
+    )
     assert torch.equal(raw(backing), raw(ref_backing)) and torch.equal(raw(vc), raw(ref_vc))
 
 
@@ -63,7 +65,7 @@ def test_masked_store(dtype):
     rows, n = 30, 33
     (kc, vc), (kr, vr) = _pair((rows, 2, 5), (rows, 2, 3), dtype, g)
     mask = torch.rand(n, generator=g) < 0.5
-    loc = torch.full((n,), -1, dtype=torch.int64)       # masked-off rows hold garbage
+    loc = torch.full((n,), -1, dtype=torch.int64)  # masked-off rows hold garbage
     loc[mask] = torch.randperm(rows, generator=g)[: int(mask.sum())]
     loc, mask = loc.to(DEVICE), mask.to(DEVICE)
     k, v = rand((n, 2, 5), dtype, g), rand((n, 2, 3), dtype, g)
@@ -81,7 +83,7 @@ def test_prefix_valid_store(dtype):
     g = gen(4)
     rows, B, T = 40, 4, 5
     (kc, vc), (kr, vr) = _pair((rows, 1, 7), (rows, 1, 7), dtype, g)
-    commit = torch.tensor([0, 3, 5, 9], dtype=torch.int32)   # 9 > T: clamps to T
+    commit = torch.tensor([0, 3, 5, 9], dtype=torch.int32)  # 9 > T: clamps to T
     valid = torch.arange(T)[None, :] < commit[:, None].long()
     loc_2d = torch.full((B, T), -7, dtype=torch.int64)
     loc_2d[valid] = torch.randperm(rows, generator=g)[: int(valid.sum())]
@@ -104,8 +106,15 @@ def test_empty_inputs_are_noops(backend):
     store.store_kv(kc, vc, empty, kv, kv, backend=backend)
     store.store_kv(kc, vc, empty, kv, kv, mask=empty.bool(), backend=backend)
     store.store_kv_prefix_valid(kc, vc, empty.view(0, 4), empty, kv, kv, backend=backend)
-    store.store_kv_prefix_valid(kc, vc, empty.view(3, 0), torch.ones(3, dtype=torch.int64,
-                                device=DEVICE), kv, kv, backend=backend)
+    store.store_kv_prefix_valid(
+        kc,
+        vc,
+        empty.view(3, 0),
+        torch.ones(3, dtype=torch.int64, device=DEVICE),
+        kv,
+        kv,
+        backend=backend,
+    )
     assert torch.equal(raw(kc), before[0]) and torch.equal(raw(vc), before[1])
 
 

@@ -1,4 +1,5 @@
 """store_kv_paged into page-major 4-D strided views over one raw uint8 buffer."""
+
 import pytest
 import torch
 from _kernels_testlib import (
@@ -23,8 +24,15 @@ def _page_major(dtype, g, *, layers=3, num_pages=5, page_size=4, heads=2, dim=3,
     isz = torch.empty(0, dtype=dtype).element_size()
     nbytes = num_pages * layers * page_size * heads * (dim + vdim) * isz
     buf = rand((nbytes,), torch.uint8, g)
-    geo = dict(layers=layers, num_pages=num_pages, page_size=page_size, heads=heads,
-               head_dim=dim, v_head_dim=vdim, dtype=dtype)
+    geo = dict(
+        layers=layers,
+        num_pages=num_pages,
+        page_size=page_size,
+        heads=heads,
+        head_dim=dim,
+        v_head_dim=vdim,
+        dtype=dtype,
+    )
     return buf, geo
 
 
@@ -50,8 +58,9 @@ def test_paged_store_matches_reference(dtype, n):
 
 def test_paged_store_page_size_one_and_k_only():
     g = gen(11)
-    buf, geo = _page_major(torch.float16, g, layers=2, num_pages=9, page_size=1, heads=1, dim=8,
-                           vdim=4)
+    buf, geo = _page_major(
+        torch.float16, g, layers=2, num_pages=9, page_size=1, heads=1, dim=8, vdim=4
+    )
     ref = buf.clone()
     ks, _ = page_major_views(buf, **geo)
     kr, _ = page_major_views(ref, **geo)
@@ -141,15 +150,15 @@ def test_paged_num_tokens_bounds_ids_inside_the_last_page(backend):
     for bad in (limit, rows - 1):
         loc = torch.tensor([2, bad, 5], device=DEVICE)
         if ON_CUDA and backend == "triton":
-            store_paged.store_kv_paged(ks[1], vs[1], loc, k, v, backend=backend,
-                                       num_tokens=limit)
+            store_paged.store_kv_paged(ks[1], vs[1], loc, k, v, backend=backend, num_tokens=limit)
             torch.cuda.synchronize()
             keep = torch.tensor([0, 2], device=DEVICE)
             store_paged.store_kv_paged(kr[1], vr[1], loc[keep], k[keep], v[keep], backend="torch")
         else:
             with pytest.raises(IndexOutOfRange, match=f"{bad}, outside \\[0, {limit}\\)"):
-                store_paged.store_kv_paged(ks[1], vs[1], loc, k, v, backend=backend,
-                                           num_tokens=limit)
+                store_paged.store_kv_paged(
+                    ks[1], vs[1], loc, k, v, backend=backend, num_tokens=limit
+                )
         assert torch.equal(buf, ref)
     with pytest.raises(InvalidArgument, match="num_tokens"):
         store_paged.store_kv_paged(ks[1], vs[1], good, k[:2], v[:2], num_tokens=rows + 1)

@@ -1,4 +1,5 @@
 """Shared helpers for the offload tests: small real pools of every kind, byte snapshots."""
+
 from __future__ import annotations
 
 import torch
@@ -14,22 +15,41 @@ def mamba_pool(num_slots: int, layout: str, device: str = DEVICE, layer_ids=(0, 
     from kvxfer.pools.mamba import MambaPool
     from kvxfer.pools.mamba_spec import MambaStateSpec
 
-    spec = MambaStateSpec(conv_shapes=((8, 3), (4, 3)), temporal_shape=(2, 4, 4),
-                          conv_dtype=torch.bfloat16, temporal_dtype=torch.float32,
-                          layer_ids=tuple(layer_ids))
+    spec = MambaStateSpec(
+        conv_shapes=((8, 3), (4, 3)),
+        temporal_shape=(2, 4, 4),
+        conv_dtype=torch.bfloat16,
+        temporal_dtype=torch.float32,
+        layer_ids=tuple(layer_ids),
+    )
     return MambaPool(num_slots - 1, spec, device, layout=layout)
 
 
-def make_pool(kind: str, num_pages: int = 24, num_slots: int = 8, device: str = DEVICE, *,
-              head_dim: int = 8, layers: int = 2):
+def make_pool(
+    kind: str,
+    num_pages: int = 24,
+    num_slots: int = 8,
+    device: str = DEVICE,
+    *,
+    head_dim: int = 8,
+    layers: int = 2,
+):
     """A real pool whose item views have ``num_pages`` rows (state: ``num_slots`` rows)."""
     size = (num_pages - 1) * PAGE_SIZE
     dt = torch.bfloat16
     if kind in ("mha", "mha_hnd"):
         from kvxfer.pools.mha import MHATokenToKVPool
 
-        return MHATokenToKVPool(size, PAGE_SIZE, dt, 2, head_dim, layers, device,
-                                layout="hnd" if kind == "mha_hnd" else "nhd")
+        return MHATokenToKVPool(
+            size,
+            PAGE_SIZE,
+            dt,
+            2,
+            head_dim,
+            layers,
+            device,
+            layout="hnd" if kind == "mha_hnd" else "nhd",
+        )
     if kind == "page_major":
         from kvxfer.pools.page_major import PageMajorMHATokenToKVPool
 
@@ -93,8 +113,9 @@ def clobber_rows(pool, nkv, pages, slots, gen):
         ids = pages if i < nkv else slots
         if len(ids):
             idx = torch.as_tensor(list(ids), device=v.device)
-            v[idx] = torch.randint(0, 256, (len(ids), v.shape[1]), dtype=torch.uint8,
-                                   generator=gen).to(v.device)
+            v[idx] = torch.randint(
+                0, 256, (len(ids), v.shape[1]), dtype=torch.uint8, generator=gen
+            ).to(v.device)
 
 
 def is_page_locked(t: torch.Tensor) -> bool:

@@ -1,4 +1,5 @@
 """The retract/restore example runs end to end (it verifies every byte itself)."""
+
 import importlib.util
 import os
 

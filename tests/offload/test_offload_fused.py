@@ -2,6 +2,7 @@
 kernel against its torch reference (interpreter on CPU), and the manager's fused path over
 every pool kind (on CPU forced with ``fused=True``; on CUDA also chosen automatically, with
 the device loading/storing the mapped host pool directly)."""
+
 import random
 
 import numpy as np
@@ -87,8 +88,9 @@ def test_plan_edge_cases_and_validation():
     assert plan_tasks(PieceTable([], [], []), [[0, 0, 1]], 64).shape == (0, 3)
     # a 100-item run of 32 B in 1 KiB tiles: 4 tiles, last one partial
     t = plan_tasks(table, [[2, 5, 100]], 1024)
-    assert t.tolist() == [[64 + i * 1024, 4096 + 160 + i * 1024, 1024] for i in range(3)] + \
-        [[64 + 3072, 4096 + 160 + 3072, 128]]
+    assert t.tolist() == [[64 + i * 1024, 4096 + 160 + i * 1024, 1024] for i in range(3)] + [
+        [64 + 3072, 4096 + 160 + 3072, 128]
+    ]
     for bad in (0, 8, 100, -16, 16.5):
         with pytest.raises(InvalidArgument, match="tile_bytes"):
             plan_tasks(table, [[0, 0, 1]], bad)
@@ -120,12 +122,14 @@ def test_tile_choice_alignment_classes_and_threshold():
 
 # -- the kernel against its torch reference -------------------------------------------------
 def _views(lens, rows, gen, device=DEVICE):
-    return [torch.randint(0, 256, (rows, n), dtype=torch.uint8, generator=gen).to(device)
-            for n in lens]
+    return [
+        torch.randint(0, 256, (rows, n), dtype=torch.uint8, generator=gen).to(device) for n in lens
+    ]
 
 
-@pytest.mark.parametrize("lens,tile", [((64, 32, 16), 4096), ((48, 24, 6), 48),
-                                       ((4096 + 16,), 4096)])
+@pytest.mark.parametrize(
+    "lens,tile", [((64, 32, 16), 4096), ((48, 24, 6), 48), ((4096 + 16,), 4096)]
+)
 def test_kernel_gathers_and_scatters_like_the_reference(lens, tile):
     """Gather device rows into a "host" arena along fragmented runs and scatter them back
     into other rows; every byte equals the torch reference's, nothing else is touched
@@ -147,8 +151,9 @@ def test_kernel_gathers_and_scatters_like_the_reference(lens, tile):
     # scatter back into other rows
     back = contiguous_runs(host_ids, np.array([1, 2, 3, 9, 10, 0]))
     dev_ref = [d.clone() for d in dev]
-    tasks = plan_tasks(PieceTable([h.data_ptr() for h in host], [v.data_ptr() for v in dev],
-                                  lens), back, tile)
+    tasks = plan_tasks(
+        PieceTable([h.data_ptr() for h in host], [v.data_ptr() for v in dev], lens), back, tile
+    )
     for align, group in split_by_alignment(tasks):
         copy_tasks(torch.from_numpy(group).to(DEVICE), align, host_tasks=group)
     copy_item_runs_reference(host_ref, dev_ref, back)
@@ -198,12 +203,15 @@ def test_kernel_compiles_to_16_byte_vectors_for_sm90():
         pytest.skip(f"this Triton cannot compile offline: {exc}")
     kern = piece_copy._copy_tasks_kernel
     fn = kern if isinstance(kern, JITFunction) else JITFunction(kern.fn)
-    src = ASTSource(fn=fn, signature={"tasks": "*i64", "ALIGN": "constexpr",
-                                      "BLOCK": "constexpr"},
-                    constexprs={"ALIGN": 16, "BLOCK": piece_copy.BLOCK_BYTES})
+    src = ASTSource(
+        fn=fn,
+        signature={"tasks": "*i64", "ALIGN": "constexpr", "BLOCK": "constexpr"},
+        constexprs={"ALIGN": 16, "BLOCK": piece_copy.BLOCK_BYTES},
+    )
     try:
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": piece_copy.NUM_WARPS})
+        k = triton.compile(
+            src, target=GPUTarget("cuda", 90, 32), options={"num_warps": piece_copy.NUM_WARPS}
+        )
     except Exception as exc:  # no NVIDIA backend / ptxas in this install
         pytest.skip(f"offline CUDA compile unavailable: {type(exc).__name__}: {exc}")
     ptx = k.asm["ptx"]
@@ -230,8 +238,13 @@ def test_fused_restore_is_byte_exact_for_every_pool_kind(kind):
     _, nkv = views(pool)
     st = _has_state(kind)
     kv = _has_kv(kind)
-    mgr = OffloadManager(pool, num_host_pages=12, num_host_slots=3 if st else 0, fused=True,
-                         fused_tile_bytes=64 if DEVICE == "cpu" else None)
+    mgr = OffloadManager(
+        pool,
+        num_host_pages=12,
+        num_host_slots=3 if st else 0,
+        fused=True,
+        fused_tile_bytes=64 if DEVICE == "cpu" else None,
+    )
     assert mgr.fused_available
     hold = mgr.offload([1, 2] if kv else [], [1] if st else [])  # host pages [0, 2)
     filler = mgr.offload([3] if kv else [], [2] if st else [])
@@ -250,8 +263,9 @@ def test_fused_restore_is_byte_exact_for_every_pool_kind(kind):
     before = snapshot(pool)
     mgr.restore(h, dst, sdst).wait()
     assert h.path == "fused" and h.state is OffloadState.RESTORED
-    assert_same(snapshot(pool), expected_after_restore(before, orig, nkv, src, dst, ssrc, sdst),
-                kind)
+    assert_same(
+        snapshot(pool), expected_after_restore(before, orig, nkv, src, dst, ssrc, sdst), kind
+    )
     assert mgr.stats["fused"] >= 2
     mgr.close()
     assert mgr.host.is_empty and filler.state is OffloadState.DISCARDED
@@ -267,16 +281,24 @@ def test_fused_and_copy_paths_produce_identical_host_bytes():
     ha, hb = a.offload(src, slots).wait(), b.offload(src, slots).wait()
     # without the fused path, CUDA gathers fragmented runs through its staging buffer
     assert (ha.path, hb.path) == ("fused", "staged" if DEVICE == "cuda" else "direct")
-    assert_same([v.clone() for v in a.host.page_views + a.host.slot_views],
-                [v.clone() for v in b.host.page_views + b.host.slot_views], "host bytes")
+    assert_same(
+        [v.clone() for v in a.host.page_views + a.host.slot_views],
+        [v.clone() for v in b.host.page_views + b.host.slot_views],
+        "host bytes",
+    )
     a.close()
     b.close()
 
 
 def test_fused_options_are_validated():
     pool = make_pool("mha")
-    for kw in (dict(fused="yes"), dict(fused_min_pieces=0), dict(fused_max_piece_bytes=0),
-               dict(fused_tile_bytes=24), dict(fused_tile_bytes=0)):
+    for kw in (
+        dict(fused="yes"),
+        dict(fused_min_pieces=0),
+        dict(fused_max_piece_bytes=0),
+        dict(fused_tile_bytes=24),
+        dict(fused_tile_bytes=0),
+    ):
         with pytest.raises(InvalidArgument):
             OffloadManager(pool, num_host_pages=2, **kw)
     off = OffloadManager(pool, num_host_pages=4, fused=False)

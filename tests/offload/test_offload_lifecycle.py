@@ -1,4 +1,5 @@
 """Host memory accounting (leak test), abort/discard, stream ordering on CUDA."""
+
 import random
 
 import pytest
@@ -19,9 +20,15 @@ def _rows(pool, nkv, pages, slots):
     return out
 
 
-@pytest.mark.parametrize("kind,seed,staging", [("hybrid_envelope", 0, None),
-                                               ("hybrid_per_layer", 1, 4096),
-                                               ("page_major", 2, None), ("mha", 3, 2048)])
+@pytest.mark.parametrize(
+    "kind,seed,staging",
+    [
+        ("hybrid_envelope", 0, None),
+        ("hybrid_per_layer", 1, 4096),
+        ("page_major", 2, None),
+        ("mha", 3, 2048),
+    ],
+)
 def test_host_pool_returns_to_empty_after_any_sequence(kind, seed, staging):
     """Random offload / restore / discard / abort (discard while possibly in flight), with
     the real page and slot allocators; host usage always equals what live handles hold,
@@ -38,8 +45,11 @@ def test_host_pool_returns_to_empty_after_any_sequence(kind, seed, staging):
     has_state = len(nviews) > nkv
     pages_alloc = PagedTokenToKVPoolAllocator((num_pages - 1) * 4, 4)
     slots_alloc = MambaSlotAllocator(num_slots - 1) if has_state else None
-    extra = ({} if staging is None  # default paths (fused on CUDA for fragmented requests)
-             else dict(staging_bytes=staging, min_chunk_bytes=1 << 30, fused=False))
+    extra = (
+        {}
+        if staging is None  # default paths (fused on CUDA for fragmented requests)
+        else dict(staging_bytes=staging, min_chunk_bytes=1 << 30, fused=False)
+    )
     mgr = OffloadManager(pool, num_host_pages=16, num_host_slots=4 if has_state else 0, **extra)
     live = {}  # handle -> expected rows
     counts = {"restore": 0, "discard": 0, "abort": 0, "oom": 0}

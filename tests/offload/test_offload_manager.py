@@ -1,4 +1,5 @@
 """Offload/restore over every pool kind: bytes, pages/slots remapping, chunking, validation."""
+
 import asyncio
 
 import numpy as np
@@ -52,8 +53,9 @@ def test_restore_into_different_pages_and_slots(kind):
         mgr.restore(h, torch.tensor(dst), np.array(sdst, dtype=np.int32)).wait()
         assert h.state is OffloadState.RESTORED and mgr.host.is_empty
         # targets hold the offloaded bytes; every other row of every buffer is untouched
-        assert_same(snapshot(pool), expected_after_restore(before, orig, nkv, src, dst, ssrc, sdst),
-                    kind)
+        assert_same(
+            snapshot(pool), expected_after_restore(before, orig, nkv, src, dst, ssrc, sdst), kind
+        )
 
 
 @pytest.mark.parametrize("kind", ["mha", "mha_hnd", "page_major", "mla", "hybrid_envelope"])
@@ -93,8 +95,9 @@ def test_partial_last_page_tokens_survive(kind):
     assert k_shape  # the pool really has layer buffers
 
 
-@pytest.mark.parametrize("kind", ["mha", "mha_hnd", "page_major", "mla", "hybrid_per_layer",
-                                  "hybrid_envelope"])
+@pytest.mark.parametrize(
+    "kind", ["mha", "mha_hnd", "page_major", "mla", "hybrid_per_layer", "hybrid_envelope"]
+)
 def test_chunking_one_copy_per_run_per_buffer(kind):
     gen = torch.Generator().manual_seed(3)
     pool = make_pool(kind, num_pages=40)
@@ -103,8 +106,13 @@ def test_chunking_one_copy_per_run_per_buffer(kind):
     nbuf_kv, nbuf_st = nkv, len(nviews) - nkv
     if kind == "page_major":
         assert nbuf_kv == 1  # one chunk per page run across all layers
-    with OffloadManager(pool, num_host_pages=12, num_host_slots=2 if _has_state(kind) else 0,
-                        staging_bytes=0, fused=False) as mgr:  # counts copy_ calls
+    with OffloadManager(
+        pool,
+        num_host_pages=12,
+        num_host_slots=2 if _has_state(kind) else 0,
+        staging_bytes=0,
+        fused=False,
+    ) as mgr:  # counts copy_ calls
         # one device run into one host extent: one chunk per buffer
         h1 = mgr.offload(list(range(10, 16)))
         assert h1.num_chunks == nbuf_kv and h1.block.pages == [(0, 6)]
@@ -131,14 +139,19 @@ def test_chunking_one_copy_per_run_per_buffer(kind):
         dst = [1, 2, 3, 4, 5, 6, 7]  # contiguous target: host split is the only boundary
         mgr.restore(h5, dst, [1] if nbuf_st else []).wait()
         assert h5.num_chunks == 2 * nbuf_kv + nbuf_st
-        assert_same(snapshot(pool), expected_after_restore(
-            before, orig, nkv, src, dst, [3] if nbuf_st else [], [1] if nbuf_st else []))
+        assert_same(
+            snapshot(pool),
+            expected_after_restore(
+                before, orig, nkv, src, dst, [3] if nbuf_st else [], [1] if nbuf_st else []
+            ),
+        )
         mgr.discard(h4)
         assert mgr.host.is_empty
 
 
-@pytest.mark.parametrize("kind", ["mha", "mha_hnd", "page_major", "mla", "hybrid_per_layer",
-                                  "hybrid_envelope"])
+@pytest.mark.parametrize(
+    "kind", ["mha", "mha_hnd", "page_major", "mla", "hybrid_per_layer", "hybrid_envelope"]
+)
 def test_concurrent_offloads_restored_out_of_order(kind):
     gen = torch.Generator().manual_seed(4)
     pool = make_pool(kind, num_pages=40, num_slots=8)
@@ -165,8 +178,9 @@ def test_concurrent_offloads_restored_out_of_order(kind):
         for i in (3, 1, 0, 2):
             p, s = targets[i]
             mgr.restore(handles[i], p, s if st else [])
-            expected = expected_after_restore(expected, orig, nkv, reqs[i][0], p,
-                                              reqs[i][1] if st else [], s if st else [])
+            expected = expected_after_restore(
+                expected, orig, nkv, reqs[i][0], p, reqs[i][1] if st else [], s if st else []
+            )
         for h in handles:
             h.wait()
         assert_same(snapshot(pool), expected)
@@ -196,8 +210,11 @@ def test_validation_errors_write_nothing():
     with pytest.raises(InvalidArgument, match="integers"):
         mgr.restore(h, [5.0, 6.0], [1])
     # a pool of another geometry (other head_dim, or other mamba layout)
-    for other in (make_pool("hybrid_per_layer", head_dim=16), make_pool("hybrid_envelope"),
-                  make_pool("mha")):
+    for other in (
+        make_pool("hybrid_per_layer", head_dim=16),
+        make_pool("hybrid_envelope"),
+        make_pool("mha"),
+    ):
         other_snap = snapshot(other)
         with pytest.raises(ShapeMismatch):
             mgr.restore(h, [5, 6], [1], pool=other)
@@ -262,8 +279,14 @@ def test_staged_path_for_fragmented_requests(kind):
     nviews, nkv = views(pool)
     row = sum(int(v.shape[1]) for v in nviews[:nkv])
     st = _has_state(kind)
-    mgr = OffloadManager(pool, num_host_pages=12, num_host_slots=2 if st else 0,
-                         staging_bytes=3 * row + 5, min_chunk_bytes=1 << 30, fused=False)
+    mgr = OffloadManager(
+        pool,
+        num_host_pages=12,
+        num_host_slots=2 if st else 0,
+        staging_bytes=3 * row + 5,
+        min_chunk_bytes=1 << 30,
+        fused=False,
+    )
     hold = mgr.offload([1, 2])  # host [0, 2)
     filler = mgr.offload([3])  # host [2, 3)
     mgr.discard(hold)  # free host: [0, 2) and [3, 12): the next 10-page request splits
@@ -279,8 +302,10 @@ def test_staged_path_for_fragmented_requests(kind):
     before = snapshot(pool)
     mgr.restore(h, dst, [6] if st else []).wait()
     assert h.staged
-    assert_same(snapshot(pool), expected_after_restore(before, orig, nkv, src, dst,
-                                                       [4] if st else [], [6] if st else []))
+    assert_same(
+        snapshot(pool),
+        expected_after_restore(before, orig, nkv, src, dst, [4] if st else [], [6] if st else []),
+    )
     h2 = mgr.offload(list(range(20, 29)))  # one run: direct even with staging available
     assert h2.block.pages == [(3, 9)] and not h2.staged and h2.num_chunks == nkv
     mgr.close()

@@ -1,4 +1,5 @@
 """Torch-free arithmetic of the offload path: run merging and the host extent allocator."""
+
 import random
 
 import numpy as np

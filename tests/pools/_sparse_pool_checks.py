@@ -1,5 +1,6 @@
 """Checks shared by the FP4 / DSA / MiniMax pool tests (imported by name; pytest puts this
 folder on sys.path). The device comes from KVXFER_TEST_DEVICE (default cpu)."""
+
 from __future__ import annotations
 
 import msgpack
@@ -11,8 +12,17 @@ DEVICE = torch.device(testenv.DEVICE)
 # CUDA (no host sync) the kernels never write those rows and the other rows are written as
 # usual, and reads of out-of-range positions return zeros. Tests branch on this flag.
 ON_CUDA = DEVICE.type == "cuda"
-REQUIRED_KEYS = {"kind", "dtype", "page_size", "layer_num", "head_num", "head_dim",
-                 "v_head_dim", "layout", "item_lens"}
+REQUIRED_KEYS = {
+    "kind",
+    "dtype",
+    "page_size",
+    "layer_num",
+    "head_num",
+    "head_dim",
+    "v_head_dim",
+    "layout",
+    "item_lens",
+}
 
 
 def loc(values) -> torch.Tensor:

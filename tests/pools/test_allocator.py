@@ -1,4 +1,5 @@
 """Token / paged allocators and ReqToTokenPool: semantics, typed errors, seeded fuzzing."""
+
 import random
 
 import pytest
@@ -226,7 +227,9 @@ def test_alloc_extend_matches_oracle_and_decode_continues(page_size):
         pos += n
     seq_dec = [s + 1 for s in seqs]
     dec = a.alloc_decode(
-        torch.tensor(seq_dec, device=DEVICE), torch.tensor(seq_dec), torch.tensor(last_after, device=DEVICE)
+        torch.tensor(seq_dec, device=DEVICE),
+        torch.tensor(seq_dec),
+        torch.tensor(last_after, device=DEVICE),
     )
     want_dec = _extend_oracle(
         lambda n: shadow.alloc_pages(n).tolist(), page_size, seqs, seq_dec, last_after

@@ -16,7 +16,7 @@ from kvxfer.pools.layout import KvBufferDesc, PageMajorGeometry, per_layer_descs
 
 pytestmark = pytest.mark.timeout(60)
 
-PS = 16      # page size
+PS = 16  # page size
 H, D = 2, 16  # heads, head dim -> bf16 row = 64 bytes
 
 
@@ -38,12 +38,20 @@ def _geometry(provider, granules=6):
 def _nhd_owner(provider, layers=2, granules=6, shared=True, **kw):
     """Per-layer NHD-like owner; ``shared``: use ``provider`` (else the owner makes its own)."""
     reserved, rows = _geometry(provider, granules)
-    descs = (per_layer_descs("k", layers, (rows, H, D), 2, 1)
-             + per_layer_descs("v", layers, (rows, H, D), 2, 1))
+    descs = per_layer_descs("k", layers, (rows, H, D), 2, 1) + per_layer_descs(
+        "v", layers, (rows, H, D), 2, 1
+    )
     if shared:
         kw["provider"] = provider
-    owner = BackedBuffers(descs, store_dtype=torch.bfloat16, device=DEVICE, page_size=PS,
-                          reserved_num_tokens=reserved, max_extent_bytes=provider.granularity, **kw)
+    owner = BackedBuffers(
+        descs,
+        store_dtype=torch.bfloat16,
+        device=DEVICE,
+        page_size=PS,
+        reserved_num_tokens=reserved,
+        max_extent_bytes=provider.granularity,
+        **kw,
+    )
     return owner, reserved
 
 
@@ -54,7 +62,7 @@ def _fill(t, seed):
 
 def test_lifecycle_addresses_stable_and_data_kept():
     """Own provider (closed with the owner); the whole lifecycle of issue 4."""
-    p = make_provider(DEVICE)      # only for the granularity
+    p = make_provider(DEVICE)  # only for the granularity
     g = p.granularity
     p.close()
     owner, reserved = _nhd_owner(p, shared=False)
@@ -62,7 +70,7 @@ def test_lifecycle_addresses_stable_and_data_kept():
         assert owner.num_tokens is None and not owner.finalized
         assert owner.usable_tokens == PS
         assert owner.span_bytes == [d.prefix_span_bytes(PS, PS) for d in owner.descs]
-        assert owner.backed_bytes == len(owner.descs) * g          # page 0: one granule each
+        assert owner.backed_bytes == len(owner.descs) * g  # page 0: one granule each
         assert owner.reserved_bytes >= sum(owner.reserved_spans)
         ptrs = [t.data_ptr() for t in owner.tensors]
         assert all(tuple(t.shape) == d.shape for t, d in zip(owner.tensors, owner.descs))
@@ -74,14 +82,14 @@ def test_lifecycle_addresses_stable_and_data_kept():
             t[:PS] = x
         assert owner.byte_views()[0].numel() == PS * H * D * 2
 
-        n = reserved - 3 * PS - 5                   # not a page multiple on purpose
+        n = reserved - 3 * PS - 5  # not a page multiple on purpose
         owner.finalize(n)
         assert owner.num_tokens == n and owner.usable_tokens == n + PS
         assert [t.data_ptr() for t in owner.tensors] == ptrs
         spans = [d.final_span_bytes(n, PS) for d in owner.descs]
         assert owner.span_bytes == spans and owner.requested_bytes == sum(spans)
         assert owner.backed_bytes == sum(round_up(s, g) for s in spans)
-        for t, x in zip(owner.tensors, page0):      # page 0 survived finalize
+        for t, x in zip(owner.tensors, page0):  # page 0 survived finalize
             assert torch.equal(t[:PS], x)
 
         # full use of every backed row; everything past page 0 read zeros before
@@ -99,8 +107,10 @@ def test_lifecycle_addresses_stable_and_data_kept():
         freed = owner.release_beyond(m)
         assert owner.num_tokens == m and owner.usable_tokens == m + PS
         assert freed == before - owner.backed_bytes > 0
-        assert owner.backed_bytes == sum(round_up(d.final_span_bytes(m, PS), g) for d in owner.descs)
-        for t, x in zip(owner.tensors, data):        # the kept prefix is intact
+        assert owner.backed_bytes == sum(
+            round_up(d.final_span_bytes(m, PS), g) for d in owner.descs
+        )
+        for t, x in zip(owner.tensors, data):  # the kept prefix is intact
             assert torch.equal(t[: m + PS], x[: m + PS])
         with pytest.raises(IndexOutOfRange, match=str(m + PS)):
             owner.check_token_ids(m + PS)
@@ -109,14 +119,19 @@ def test_lifecycle_addresses_stable_and_data_kept():
         owner.finalize(n)
         for t, x in zip(owner.tensors, data):
             assert torch.equal(t[: m + PS], x[: m + PS])
-            assert not t[m + PS: n + PS].any()
+            assert not t[m + PS : n + PS].any()
         assert [t.data_ptr() for t in owner.tensors] == ptrs
     finally:
         owner.close()
-    owner.close()                                    # idempotent
+    owner.close()  # idempotent
     assert owner.closed and owner.tensors == []
-    for call in (lambda: owner.finalize(1), owner.byte_views, owner.backed_views,
-                 lambda: owner.check_token_ids(0), owner.buf_infos):
+    for call in (
+        lambda: owner.finalize(1),
+        owner.byte_views,
+        owner.backed_views,
+        lambda: owner.check_token_ids(0),
+        owner.buf_infos,
+    ):
         with pytest.raises(BackingError, match="closed"):
             call()
 
@@ -134,19 +149,26 @@ def test_buf_infos_report_backed_span_not_reserved(provider):
         iv = owner.item_views()
         assert [tuple(v.shape) for v in iv] == [(6, PS * H * D * 2)] * 2
         assert iv[1].data_ptr() == owner.tensors[1].data_ptr()
-        iv[1][5].fill_(7)                            # item row p = page p
-        assert (owner.tensors[1][5 * PS: 6 * PS].view(torch.uint8) == 7).all()
+        iv[1][5].fill_(7)  # item row p = page p
+        assert (owner.tensors[1][5 * PS : 6 * PS].view(torch.uint8) == 7).all()
 
 
 def test_page_rows_round_up_partial_last_page(provider):
     """Page-major buffer (uint8, rows are pages): n=17, page=16 backs 3 pages, not 2."""
     g = provider.granularity
     size = 4 * g // 64
-    geo = PageMajorGeometry.for_pool(size=size, page_size=PS, layer_num=2, head_num=1,
-                                     head_dim=8, v_head_dim=8, itemsize=1)
+    geo = PageMajorGeometry.for_pool(
+        size=size, page_size=PS, layer_num=2, head_num=1, head_dim=8, v_head_dim=8, itemsize=1
+    )
     desc = geo.buffer_desc("kv")
-    with BackedBuffers([desc], store_dtype=torch.uint8, device=DEVICE, page_size=PS,
-                       reserved_num_tokens=size, provider=provider) as owner:
+    with BackedBuffers(
+        [desc],
+        store_dtype=torch.uint8,
+        device=DEVICE,
+        page_size=PS,
+        reserved_num_tokens=size,
+        provider=provider,
+    ) as owner:
         assert owner.usable_tokens == PS and owner.span_bytes == [geo.page_bytes]
         owner.finalize(17)
         assert owner.span_bytes == [3 * geo.page_bytes] and owner.usable_tokens == 3 * PS
@@ -202,7 +224,7 @@ def test_finalize_rejects_bad_counts_without_changing_anything(provider):
             assert owner.num_tokens is None
         with pytest.raises(BackingError, match="before finalize"):
             owner.release_beyond(0)
-        owner.finalize(reserved)                     # the full reservation is allowed
+        owner.finalize(reserved)  # the full reservation is allowed
         assert owner.usable_tokens == reserved + PS
         with pytest.raises(InvalidArgument, match=str(reserved + 1)):
             owner.release_beyond(reserved + 1)

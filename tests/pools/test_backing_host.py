@@ -1,6 +1,7 @@
 """The backing layer below BackedBuffers, on the host: extent bookkeeping of the contract,
 mmap reserve / mprotect commit for real (an unbacked byte faults), rollback, and the CUDA
 module's behaviour on a machine without CUDA."""
+
 import ctypes
 import itertools
 import multiprocessing as mp
@@ -53,10 +54,10 @@ def test_extents_are_aligned_capped_and_given_back_whole():
     try:
         assert b.reserved_bytes == 11 * g and b.address % g == 0
         assert b.backed_bytes == 0 and b.extents == []
-        created = b.commit(g + 5, 6 * g)              # rounds out to [g, 8g)
+        created = b.commit(g + 5, 6 * g)  # rounds out to [g, 8g)
         assert created == [(g, 2 * g), (3 * g, 3 * g), (6 * g, 2 * g)]  # split on the 3g grid
         assert b.backed_bytes == 7 * g and b.is_backed(g, 7 * g) and not b.is_backed(0, g)
-        assert b.commit(2 * g, 3 * g) == []            # already backed: nothing new
+        assert b.commit(2 * g, 3 * g) == []  # already backed: nothing new
         assert b.commit(0, 1) == [(0, g)]
         _byte(b, 0).value = 9
         _byte(b, 8 * g - 1).value = 7
@@ -65,7 +66,7 @@ def test_extents_are_aligned_capped_and_given_back_whole():
         assert b.extents == [(0, g), (g, 2 * g)] and b.backed_bytes == 3 * g
         assert _byte(b, 0).value == 9
         b.commit(6 * g, 2 * g)
-        assert _byte(b, 8 * g - 1).value == 0          # given back pages come back zeroed
+        assert _byte(b, 8 * g - 1).value == 0  # given back pages come back zeroed
         with pytest.raises(InvalidArgument, match="outside the reservation"):
             b.commit(10 * g, 2 * g)
         with pytest.raises(InvalidArgument):
@@ -89,16 +90,19 @@ def test_provider_rejects_bad_sizes():
 
 def test_large_reservation_costs_no_memory():
     """An 8 GiB reservation with page 0 backed and written adds next to nothing to RSS."""
+
     def rss():
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * 4096
 
-    layers, rows = 4, (1 << 30) // 2048               # 4 x 2 buffers of 1 GiB (bf16 [rows,8,128])
-    descs = (per_layer_descs("k", layers, (rows, 8, 128), 2, 1)
-             + per_layer_descs("v", layers, (rows, 8, 128), 2, 1))
+    layers, rows = 4, (1 << 30) // 2048  # 4 x 2 buffers of 1 GiB (bf16 [rows,8,128])
+    descs = per_layer_descs("k", layers, (rows, 8, 128), 2, 1) + per_layer_descs(
+        "v", layers, (rows, 8, 128), 2, 1
+    )
     before = rss()
-    with BackedBuffers(descs, store_dtype=torch.bfloat16, page_size=16,
-                       reserved_num_tokens=rows - 16) as owner:
+    with BackedBuffers(
+        descs, store_dtype=torch.bfloat16, page_size=16, reserved_num_tokens=rows - 16
+    ) as owner:
         assert owner.reserved_bytes == 8 << 30
         for t in owner.tensors:
             t[:16] = 1
@@ -115,14 +119,15 @@ def _touch_unbacked(conn):
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the fault is expected: no core dump
     try:
         descs = per_layer_descs("k", 1, (4096 + 16, 4, 16), 2, 1)
-        owner = BackedBuffers(descs, store_dtype=torch.bfloat16, page_size=16,
-                              reserved_num_tokens=4096)
+        owner = BackedBuffers(
+            descs, store_dtype=torch.bfloat16, page_size=16, reserved_num_tokens=4096
+        )
         t = owner.tensors[0]
-        t[:16] = 1                                     # page 0: backed
+        t[:16] = 1  # page 0: backed
         owner.finalize(100)
         t[:116] = 2
-        conn.send("backed-ok")                         # a pipe send is synchronous
-        t[3000] = 3                                    # reserved but unbacked: must fault
+        conn.send("backed-ok")  # a pipe send is synchronous
+        t[3000] = 3  # reserved but unbacked: must fault
         conn.send("no-fault")
     except BaseException:  # noqa: BLE001
         conn.send(traceback.format_exc())
@@ -171,19 +176,28 @@ class _FailingProvider(HostBackingProvider):
         self.counter, self.fail_at = [0], fail_at
 
     def reserve(self, nbytes, *, max_extent_bytes=None):
-        return _FailingBacking(self._reserve_size(nbytes), self.granularity,
-                               self._extent_cap(max_extent_bytes),
-                               injector=self)
+        return _FailingBacking(
+            self._reserve_size(nbytes),
+            self.granularity,
+            self._extent_cap(max_extent_bytes),
+            injector=self,
+        )
 
 
 def test_failed_finalize_rolls_back_everything():
     """A mapping failure in the 3rd buffer undoes the extents committed for buffers 1-2."""
     p = _FailingProvider(fail_at=None)
-    descs = per_layer_descs("k", 4, (2048 + 16, 4, 16), 2, 1)   # 4 x 256 KiB
-    owner = BackedBuffers(descs, store_dtype=torch.bfloat16, page_size=16,
-                          reserved_num_tokens=2048, provider=p, max_extent_bytes=64 << 10)
+    descs = per_layer_descs("k", 4, (2048 + 16, 4, 16), 2, 1)  # 4 x 256 KiB
+    owner = BackedBuffers(
+        descs,
+        store_dtype=torch.bfloat16,
+        page_size=16,
+        reserved_num_tokens=2048,
+        provider=p,
+        max_extent_bytes=64 << 10,
+    )
     with owner:
-        assert p.counter[0] == 4                              # page 0 of each buffer
+        assert p.counter[0] == 4  # page 0 of each buffer
         backed, spans = owner.backed_bytes, list(owner.span_bytes)
         extents = [b.extents for b in owner._backings]
         # each buffer grows by 5 extents (64 KiB grid): fail on the 3rd extent of buffer 3
@@ -212,6 +226,7 @@ def test_make_provider_devices():
 
 def test_cuda_provider_validates_before_touching_the_driver():
     from kvxfer.pools.backing.cuda import CudaVmmProvider
+
     with pytest.raises(InvalidArgument, match="bogus"):
         CudaVmmProvider(0, handle_types=("fabric", "bogus"))
     with pytest.raises(InvalidArgument):
@@ -225,9 +240,15 @@ def test_cuda_backing_without_cuda_is_a_clear_error():
     descs = per_layer_descs("k", 1, (64 + 16, 2, 16), 2, 1)
     for device in ("cuda:0", "cuda"):
         with pytest.raises(BackingError, match="no usable CUDA device"):
-            BackedBuffers(descs, store_dtype=torch.bfloat16, device=device, page_size=16,
-                          reserved_num_tokens=64)
+            BackedBuffers(
+                descs,
+                store_dtype=torch.bfloat16,
+                device=device,
+                page_size=16,
+                reserved_num_tokens=64,
+            )
     from kvxfer.pools.backing.cuda import CudaVmmProvider
+
     with pytest.raises(BackingError, match="cuda-bindings|CUDA driver"):  # no package / no driver
         CudaVmmProvider(0)
 
@@ -235,8 +256,14 @@ def test_cuda_backing_without_cuda_is_a_clear_error():
 def test_provider_must_match_the_device():
     descs = per_layer_descs("k", 1, (64 + 16, 2, 16), 2, 1)
     with pytest.raises(InvalidArgument, match="does not serve"):
-        BackedBuffers(descs, store_dtype=torch.bfloat16, device="meta", page_size=16,
-                      reserved_num_tokens=64, provider=HostBackingProvider())
+        BackedBuffers(
+            descs,
+            store_dtype=torch.bfloat16,
+            device="meta",
+            page_size=16,
+            reserved_num_tokens=64,
+            provider=HostBackingProvider(),
+        )
 
 
 def _mapped(address):
@@ -251,15 +278,15 @@ def _mapped(address):
 def test_forgotten_owner_keeps_memory_until_last_tensor_dies():
     """Without close(), the mapping lives exactly as long as some tensor over it."""
     import gc
+
     descs = per_layer_descs("k", 1, (256 + 16, 4, 16), 2, 1)
-    owner = BackedBuffers(descs, store_dtype=torch.bfloat16, page_size=16,
-                          reserved_num_tokens=256)
+    owner = BackedBuffers(descs, store_dtype=torch.bfloat16, page_size=16, reserved_num_tokens=256)
     owner.finalize(256)
     view = owner.tensors[0][10:20]
     addr = owner.tensors[0].data_ptr()
     del owner
     gc.collect()
-    view.fill_(5)                                     # still mapped: no fault
+    view.fill_(5)  # still mapped: no fault
     assert _mapped(addr) and bool((view == 5).all())
     del view
     gc.collect()

@@ -2,6 +2,7 @@
 over a socketpair (with pipes standing in for the exported CUDA handles), manifest validation,
 deadlines, and no fd leaked on any failure. The CUDA mapping itself is tests/gpu/test_vmm_share.py.
 """
+
 import copy
 import os
 import socket
@@ -30,8 +31,14 @@ G = 4096
 
 def _manifest(n_extents: int) -> ShareManifest:
     exts = tuple((i * G, G) for i in range(n_extents))
-    return ShareManifest("posix_fd", G, "GPU-test", 3, (RangeGrant(n_extents * G + G, exts),),
-                         (BufferGrant("kv", 0, 0, n_extents * G, 2 * G),))
+    return ShareManifest(
+        "posix_fd",
+        G,
+        "GPU-test",
+        3,
+        (RangeGrant(n_extents * G + G, exts),),
+        (BufferGrant("kv", 0, 0, n_extents * G, 2 * G),),
+    )
 
 
 def _open_fds() -> int:
@@ -48,7 +55,7 @@ def pair():
 
 def test_roundtrip_passes_every_fd_in_batches(pair):
     a, b = pair
-    n = 2 * MAX_FDS_PER_MSG + 22                       # three batches
+    n = 2 * MAX_FDS_PER_MSG + 22  # three batches
     pipes = [os.pipe() for _ in range(n)]
     try:
         man = _manifest(n)
@@ -57,7 +64,7 @@ def test_roundtrip_passes_every_fd_in_batches(pair):
         try:
             assert got == man and len(fds) == n
             for i, (fd, (r, _)) in enumerate(zip(fds, pipes)):
-                os.write(fd, struct.pack("<I", i))         # the received fd IS that pipe
+                os.write(fd, struct.pack("<I", i))  # the received fd IS that pipe
                 assert struct.unpack("<I", os.read(r, 4))[0] == i
         finally:
             for fd in fds:
@@ -72,22 +79,25 @@ def _raw(man: ShareManifest) -> dict:
     return copy.deepcopy(man.to_json())
 
 
-@pytest.mark.parametrize("mutate, match", [
-    (lambda m: m.update(version=2), "version"),
-    (lambda m: m.update(handle_type="fabric"), "posix_fd"),
-    (lambda m: m.update(granularity=0), "granularity"),
-    (lambda m: m.update(extra=1), "unknown fields"),
-    (lambda m: m["ranges"][0].update(reserved_bytes=G * 3 + 1), "multiple"),
-    (lambda m: m["ranges"][0]["extents"].reverse(), "overlapping, unsorted"),
-    (lambda m: m["ranges"][0]["extents"][0].__setitem__(0, 1), "unaligned"),
-    (lambda m: m["ranges"][0]["extents"][1].__setitem__(1, 99 * G), "outside"),
-    (lambda m: m["ranges"][0]["extents"].__setitem__(0, [0, "x"]), "offset, nbytes"),
-    (lambda m: m["buffers"][0].update(range=1), "range"),
-    (lambda m: m["buffers"][0].update(span_bytes=3 * G), "not fully backed"),
-    (lambda m: m["buffers"][0].update(offset=G, span_bytes=3 * G), "exceeds"),
-    (lambda m: m["buffers"][0].update(name=5), "name"),
-    (lambda m: m.update(generation=-1), "generation"),
-])
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda m: m.update(version=2), "version"),
+        (lambda m: m.update(handle_type="fabric"), "posix_fd"),
+        (lambda m: m.update(granularity=0), "granularity"),
+        (lambda m: m.update(extra=1), "unknown fields"),
+        (lambda m: m["ranges"][0].update(reserved_bytes=G * 3 + 1), "multiple"),
+        (lambda m: m["ranges"][0]["extents"].reverse(), "overlapping, unsorted"),
+        (lambda m: m["ranges"][0]["extents"][0].__setitem__(0, 1), "unaligned"),
+        (lambda m: m["ranges"][0]["extents"][1].__setitem__(1, 99 * G), "outside"),
+        (lambda m: m["ranges"][0]["extents"].__setitem__(0, [0, "x"]), "offset, nbytes"),
+        (lambda m: m["buffers"][0].update(range=1), "range"),
+        (lambda m: m["buffers"][0].update(span_bytes=3 * G), "not fully backed"),
+        (lambda m: m["buffers"][0].update(offset=G, span_bytes=3 * G), "exceeds"),
+        (lambda m: m["buffers"][0].update(name=5), "name"),
+        (lambda m: m.update(generation=-1), "generation"),
+    ],
+)
 def test_malformed_manifests_are_rejected(mutate, match):
     raw = _raw(_manifest(2))
     assert validate_manifest(raw, 2) == _manifest(2)
@@ -106,8 +116,9 @@ def test_fd_count_must_match_extents(pair):
 def test_received_fds_are_closed_when_the_manifest_is_bad(pair):
     a, b = pair
     man = _manifest(3)
-    bad = ShareManifest("posix_fd", G, "GPU-test", 0, man.ranges,
-                        (BufferGrant("kv", 0, 0, 4 * G, G),))         # span not backed
+    bad = ShareManifest(
+        "posix_fd", G, "GPU-test", 0, man.ranges, (BufferGrant("kv", 0, 0, 4 * G, G),)
+    )  # span not backed
     pipes = [os.pipe() for _ in range(3)]
     try:
         before = _open_fds()
@@ -124,7 +135,7 @@ def test_received_fds_are_closed_when_the_manifest_is_bad(pair):
 def test_deadline_peer_close_and_foreign_frames(pair):
     a, b = pair
     with pytest.raises(BackingError, match="timed out"):
-        recv_share_message(b, timeout=0.2)                 # nothing sent
+        recv_share_message(b, timeout=0.2)  # nothing sent
     a.sendall(b"XXXX" + bytes(10))
     with pytest.raises(BackingError, match="magic"):
         recv_share_message(b, timeout=5)
@@ -144,8 +155,13 @@ def test_host_backing_cannot_be_exported():
     from kvxfer.pools.backing.share import export_buffers
     from kvxfer.pools.layout import per_layer_descs
 
-    with BackedBuffers(per_layer_descs("k", 1, (64, 2, 16), 2, 1), store_dtype=torch.bfloat16,
-                       device="cpu", page_size=16, reserved_num_tokens=48) as owner:
+    with BackedBuffers(
+        per_layer_descs("k", 1, (64, 2, 16), 2, 1),
+        store_dtype=torch.bfloat16,
+        device="cpu",
+        page_size=16,
+        reserved_num_tokens=48,
+    ) as owner:
         with pytest.raises(UnsupportedOperation, match="POSIX-FD"):
             export_buffers(owner)
     with pytest.raises(BackingError, match="closed"):

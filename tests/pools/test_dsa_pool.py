@@ -1,6 +1,7 @@
 """DSATokenToKVPool: indexer buffer layout, set/get of index keys and scales (single and fused
 batch gets), lockstep moves, host copy/restore including the indexer (no foreign index data
 after a retract), and the indexer as a state descriptor group."""
+
 import pytest
 import torch
 from _sparse_pool_checks import (
@@ -46,19 +47,22 @@ def test_indexer_layout_matches_the_documented_byte_map():
     k, s = index_data(2, 1)
     p.set_index_k_scale_buffer(1, loc([9, 14]), k, s)  # page 2 slot 1, page 3 slot 2
     kb = k.view(torch.uint8)
-    assert torch.equal(buf[2, 1 * DI:2 * DI], kb[0]) and torch.equal(buf[3, 2 * DI:3 * DI], kb[1])
+    assert torch.equal(buf[2, 1 * DI : 2 * DI], kb[0]) and torch.equal(
+        buf[3, 2 * DI : 3 * DI], kb[1]
+    )
     tail = PS * DI
-    assert torch.equal(buf[2, tail + 4:tail + 8].view(torch.float32), s[0])
-    assert torch.equal(buf[3, tail + 8:tail + 12].view(torch.float32), s[1])
+    assert torch.equal(buf[2, tail + 4 : tail + 8].view(torch.float32), s[0])
+    assert torch.equal(buf[3, tail + 8 : tail + 12].view(torch.float32), s[1])
     assert int(buf.count_nonzero()) == int(kb.count_nonzero()) + int(
-        s.view(torch.uint8).count_nonzero())  # nothing else written
+        s.view(torch.uint8).count_nonzero()
+    )  # nothing else written
     assert not bool(p.get_index_k_with_scale_buffer(0).any())
 
 
 def test_single_and_fused_gets():
     p = pool()
     k, s = index_data(SIZE, 2)
-    tokens = loc(range(PS, SIZE + PS))                    # pages 1..4
+    tokens = loc(range(PS, SIZE + PS))  # pages 1..4
     p.set_index_k_scale_buffer(0, tokens, k, s)
     kb = k.view(torch.uint8)
     sb = s.contiguous().view(torch.uint8).reshape(SIZE, 4)
@@ -79,8 +83,10 @@ def test_single_and_fused_gets():
         past = p.get_index_k_continuous(0, 9, loc([3, 1]))
         assert torch.equal(past, torch.cat((kb[want_a], kb[2:4], zero)))
         assert torch.equal(p.get_index_k_continuous(0, 2, loc([PAGES])), zero.expand(2, DI))
-        assert torch.equal(p.get_index_k_scale_continuous(0, 2, loc([PAGES])),
-                           torch.zeros(2, 4, dtype=torch.uint8, device=DEVICE))
+        assert torch.equal(
+            p.get_index_k_scale_continuous(0, 2, loc([PAGES])),
+            torch.zeros(2, 4, dtype=torch.uint8, device=DEVICE),
+        )
     else:
         with pytest.raises(ShapeMismatch, match="page column"):
             p.get_index_k_continuous(0, 9, loc([3, 1]))
@@ -96,15 +102,18 @@ def test_single_and_fused_gets():
 def test_set_index_accepts_raw_scale_bytes_and_rejects_bad_input():
     a, b = pool(), pool(kernel_backend="torch")
     k, s = index_data(3, 3)
-    a.set_index_k_scale_buffer(0, KVWriteLoc(loc([1, 2, 3])), k, s[:, 0])   # [N] fp32
-    b.set_index_k_scale_buffer(0, loc([1, 2, 3]), k.view(torch.uint8),
-                               s.contiguous().view(torch.uint8))          # raw bytes
+    a.set_index_k_scale_buffer(0, KVWriteLoc(loc([1, 2, 3])), k, s[:, 0])  # [N] fp32
+    b.set_index_k_scale_buffer(
+        0, loc([1, 2, 3]), k.view(torch.uint8), s.contiguous().view(torch.uint8)
+    )  # raw bytes
     assert torch.equal(a.index_k_with_scale_buffer[0], b.index_k_with_scale_buffer[0])
     if ON_CUDA:  # no raise, no sync: tokens 1 and 2 are written, the out-of-range one nowhere
         a.set_index_k_scale_buffer(0, loc([1, SIZE + PS, 2]), k, s)
         b.set_index_k_scale_buffer(0, loc([1, 2]), k.view(torch.uint8)[[0, 2]], s[[0, 2]])
-        assert_same_views(a.get_state_item_views() + a.get_item_views(),
-                          b.get_state_item_views() + b.get_item_views())
+        assert_same_views(
+            a.get_state_item_views() + a.get_item_views(),
+            b.get_state_item_views() + b.get_item_views(),
+        )
     before = a.index_k_with_scale_buffer[0].clone()
     if not ON_CUDA:
         with pytest.raises(IndexOutOfRange, match=str(SIZE + PS)):
@@ -140,7 +149,7 @@ def test_set_index_refuses_ids_past_num_slots_inside_the_last_page(backend):
         assert_same_views(a.get_state_item_views(), b.get_state_item_views())
     # slots 66..79 of the last page (page 4, slots 2..15) were never written
     kb = a.index_k_with_scale_buffer[0][4]
-    assert not bool(kb[2 * DI:ps * DI].any()) and not bool(kb[ps * DI + 2 * 4:].any())
+    assert not bool(kb[2 * DI : ps * DI].any()) and not bool(kb[ps * DI + 2 * 4 :].any())
 
 
 def test_two_scales_per_token():
@@ -168,19 +177,21 @@ def test_move_is_lockstep_latent_and_indexer(backend):
         got_k = p.get_index_k_with_scale_buffer(layer)[pages].reshape(3, -1)
         for i, t in enumerate(tgt.tolist()):
             slot = t % PS
-            assert torch.equal(got_k[i, slot * DI:(slot + 1) * DI], idx[layer][0][i].view(torch.uint8))
+            assert torch.equal(
+                got_k[i, slot * DI : (slot + 1) * DI], idx[layer][0][i].view(torch.uint8)
+            )
 
 
 def test_retract_restore_brings_back_own_index_data_only():
     p = pool()
-    req_tokens = loc(range(4, 12))                      # pages 1, 2
+    req_tokens = loc(range(4, 12))  # pages 1, 2
     rows = latent(8, 30)
     k, s = index_data(8, 31)
     for layer in range(L):
         p.set_kv_buffer(layer, req_tokens, rows)
         p.set_index_k_scale_buffer(layer, req_tokens, k, s)
     copy = p.get_cpu_copy(req_tokens)
-    assert len(copy.tensors) == 3 * L                   # latent, index keys, index scales
+    assert len(copy.tensors) == 3 * L  # latent, index keys, index scales
     # the pages go to another request, which writes its own latent + index data
     fk, fs = index_data(8, 32)
     for layer in range(L):
@@ -199,8 +210,10 @@ def test_retract_restore_brings_back_own_index_data_only():
 
 def test_registration_and_state_group():
     p = pool()
-    views = check_registration(p)                       # the latent buffers (KV group)
-    assert len(views) == L and p.get_contiguous_buf_infos()[0] == [b.data_ptr() for b in p.kv_buffer]
+    views = check_registration(p)  # the latent buffers (KV group)
+    assert len(views) == L and p.get_contiguous_buf_infos()[0] == [
+        b.data_ptr() for b in p.kv_buffer
+    ]
     ptrs, lens, items = p.get_state_buf_infos()
     st = p.get_state_item_views()
     assert len(ptrs) == len(st) == L and p.get_state_dim_per_tensor() == [None] * L
@@ -211,8 +224,8 @@ def test_registration_and_state_group():
     assert d["kind"] == "dsa" and d["index_head_dim"] == DI and d["index_item_lens"] == items
     before_kv, before_st = views_snapshot(views), views_snapshot(st)
     k, s = index_data(1, 40)
-    p.set_index_k_scale_buffer(1, loc([10]), k, s)      # page 2 of layer 1's indexer only
-    p.set_kv_buffer(0, loc([10]), latent(1, 41))        # page 2 of layer 0's latent only
+    p.set_index_k_scale_buffer(1, loc([10]), k, s)  # page 2 of layer 1's indexer only
+    p.set_kv_buffer(0, loc([10]), latent(1, 41))  # page 2 of layer 0's latent only
     assert [i for i, (a, b) in enumerate(zip(before_st, st)) if not torch.equal(a, b)] == [1]
     assert (before_st[1] != st[1]).any(dim=1).nonzero().flatten().tolist() == [2]
     assert (before_kv[0] != views[0]).any(dim=1).nonzero().flatten().tolist() == [2]
@@ -233,8 +246,10 @@ def test_offload_manager_moves_indexer_pages_as_state_items():
         h = mgr.offload([1, 2], state_slots=[1, 2])
         h.wait()
         fk, fs = index_data(8, 52)
-        p.set_index_k_scale_buffer(0, loc(range(4, 12)), fk, fs)   # pages reused
+        p.set_index_k_scale_buffer(0, loc(range(4, 12)), fk, fs)  # pages reused
         mgr.restore(h, [4, 3], [4, 3]).wait()
     assert torch.equal(p.get_key_buffer(0)[16:20], rows[:4])
     assert torch.equal(p.get_index_k_continuous(0, 8, loc([4, 3])), k.view(torch.uint8))
-    assert torch.equal(p.get_index_k_scale_fp32(0, loc(list(range(16, 20)) + list(range(12, 16)))), s)
+    assert torch.equal(
+        p.get_index_k_scale_fp32(0, loc(list(range(16, 20)) + list(range(12, 16)))), s
+    )

@@ -1,6 +1,7 @@
 """MHATokenToKVPoolFP4 / MLATokenToKVPoolFP4: quantization error bound on read-back, the
 Triton and torch paths writing identical bytes, registration, host copy -> restore into other
 slots, moves, KVWriteLoc, and argument errors (nothing written)."""
+
 import pytest
 import torch
 from _sparse_pool_checks import (
@@ -74,10 +75,17 @@ def test_mha_fp4_registration_and_item_views_alias_the_buffers():
     views = check_registration(pool)
     ptrs, lens, items = pool.get_contiguous_buf_infos()
     assert len(ptrs) == 4 * L
-    assert ptrs == [b.data_ptr() for b in pool.k_buffer + pool.v_buffer + pool.k_scale_buffer
-                    + pool.v_scale_buffer]
-    assert items == [PS * H * D // 2] * L + [PS * H * DV // 2] * L + \
-        [PS * H * D // 16] * L + [PS * H * DV // 16] * L
+    assert ptrs == [
+        b.data_ptr()
+        for b in pool.k_buffer + pool.v_buffer + pool.k_scale_buffer + pool.v_scale_buffer
+    ]
+    assert (
+        items
+        == [PS * H * D // 2] * L
+        + [PS * H * DV // 2] * L
+        + [PS * H * D // 16] * L
+        + [PS * H * DV // 16] * L
+    )
     assert lens == [(SIZE + PS) * it // PS for it in items]
     d = pool.describe()
     assert d["kind"] == "mha_fp4" and d["kv_quant"] == KV_QUANT and d["dtype"] == "bfloat16"
@@ -120,8 +128,9 @@ def test_mha_fp4_prefix_valid_write_loc_and_scale():
     written = pool.get_key_buffer(0)
     assert bool(written[[4, 5, 8]].any(dim=(1, 2)).all()) and not bool(written[[6, 9, 10]].any())
     other = mha()
-    other.set_kv_buffer(0, KVWriteLoc(loc([4, 5, 8]), full_loc=loc([1, 2, 3, 4])),
-                        k[[0, 1, 3]], v[[0, 1, 3]])
+    other.set_kv_buffer(
+        0, KVWriteLoc(loc([4, 5, 8]), full_loc=loc([1, 2, 3, 4])), k[[0, 1, 3]], v[[0, 1, 3]]
+    )
     for a, b in zip(pool.get_item_views(), other.get_item_views()):
         assert torch.equal(a, b)
     scaled = mha()
@@ -159,8 +168,9 @@ def test_fp4_argument_errors_write_nothing():
     with pytest.raises(ShapeMismatch):
         pool.set_kv_buffer(0, loc([1]), rnd((1, H, DV), 1), rnd((1, H, DV), 2))
     with pytest.raises(InvalidArgument, match="int64"):
-        pool.set_kv_buffer(0, loc([1]), torch.zeros(1, H, D, dtype=torch.int64, device=DEVICE),
-                           rnd((1, H, DV), 2))
+        pool.set_kv_buffer(
+            0, loc([1]), torch.zeros(1, H, D, dtype=torch.int64, device=DEVICE), rnd((1, H, DV), 2)
+        )
     with pytest.raises(IndexOutOfRange):
         pool.set_kv_buffer(L, loc([1]), rnd((1, H, D), 1), rnd((1, H, DV), 2))
     assert all(torch.equal(a, b) for a, b in zip(before, pool.get_item_views()))
@@ -222,5 +232,6 @@ def test_post_capture_backing_is_refused():
     with pytest.raises(UnsupportedOperation):
         DSATokenToKVPool(SIZE, PS, torch.bfloat16, R, DR, L, DEVICE, post_capture_active=True)
     with pytest.raises(UnsupportedOperation):
-        MiniMaxSparseKVPool(SIZE, PS, torch.bfloat16, H, D, 4, [0], [1], DEVICE,
-                            post_capture_active=True)
+        MiniMaxSparseKVPool(
+            SIZE, PS, torch.bfloat16, H, D, 4, [0], [1], DEVICE, post_capture_active=True
+        )

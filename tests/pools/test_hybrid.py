@@ -1,4 +1,5 @@
 """HybridReqToTokenPool (ping-pong, donation, no leaks) and HybridLinearKVPool."""
+
 import random
 
 import pytest
@@ -26,11 +27,18 @@ FULL_IDS = (1, 4)
 SPEC = MambaStateSpec([(3, 1), (4, 3)], (2, 2, 2), torch.bfloat16, torch.float32, MAMBA_IDS)
 
 
-def make_req_pool(mamba_size=8, size=4, *, extra=False, lazy=False, overlap=True, layout="per_layer"):
+def make_req_pool(
+    mamba_size=8, size=4, *, extra=False, lazy=False, overlap=True, layout="per_layer"
+):
     mp = MambaPool(mamba_size, SPEC, DEVICE, layout=layout)
     return HybridReqToTokenPool(
-        size, 16, mp, DEVICE, enable_mamba_extra_buffer=extra,
-        enable_mamba_extra_buffer_lazy=lazy, enable_overlap_schedule=overlap,
+        size,
+        16,
+        mp,
+        DEVICE,
+        enable_mamba_extra_buffer=extra,
+        enable_mamba_extra_buffer_lazy=lazy,
+        enable_overlap_schedule=overlap,
     )
 
 
@@ -120,7 +128,10 @@ def test_donate_validates_replacement():
     new = pool.mamba_allocator.alloc(1)
     old = pool.donate_mamba_ping_pong_slot(r, torch.tensor(new))
     assert old == before[1] and r.mamba_ping_pong_track_buffer == [before[0], new[0]]
-    assert pool.req_index_to_mamba_ping_pong_track_buffer_mapping[r.req_pool_idx].tolist() == [before[0], new[0]]
+    assert pool.req_index_to_mamba_ping_pong_track_buffer_mapping[r.req_pool_idx].tolist() == [
+        before[0],
+        new[0],
+    ]
 
 
 @pytest.mark.parametrize("lazy", [False, True])
@@ -199,8 +210,15 @@ def test_req_pool_layer_cache_and_state_infos():
 
 # ---------------------------------------------------------------------------- hybrid KV pool
 def make_hybrid(kind, mamba_layout, page_size=2):
-    kw = dict(size=16, page_size=page_size, dtype=torch.float16, head_num=2, head_dim=4,
-              layer_num=len(FULL_IDS), device=DEVICE)
+    kw = dict(
+        size=16,
+        page_size=page_size,
+        dtype=torch.float16,
+        head_num=2,
+        head_dim=4,
+        layer_num=len(FULL_IDS),
+        device=DEVICE,
+    )
     if kind == "page_major":
         kv = PageMajorMHATokenToKVPool(**kw)
     else:
@@ -240,14 +258,19 @@ def test_hybrid_layer_translation_and_descriptors(kind, mamba_layout):
         with pytest.raises(IndexOutOfRange):
             pool.set_kv_buffer(bad, loc, k, v)
     assert pool.get_contiguous_buf_infos() == inner.get_contiguous_buf_infos()
-    assert [x.data_ptr() for x in pool.get_item_views()] == [x.data_ptr() for x in inner.get_item_views()]
+    assert [x.data_ptr() for x in pool.get_item_views()] == [
+        x.data_ptr() for x in inner.get_item_views()
+    ]
     assert pool.get_state_buf_infos() == pool.mamba_pool.get_state_buf_infos()
     assert pool.get_state_dim_per_tensor() == pool.mamba_pool.get_state_dim_per_tensor()
     if kind == "page_major":
         assert len(pool.get_contiguous_buf_infos()[0]) == 1
     d = pool.describe()
     assert d["kind"] == "hybrid_linear" and d["mamba"]["layout"] == mamba_layout
-    assert d["item_lens"] == inner.describe()["item_lens"] and d["full_attention_layer_ids"] == [1, 4]
+    assert d["item_lens"] == inner.describe()["item_lens"] and d["full_attention_layer_ids"] == [
+        1,
+        4,
+    ]
     mlc = pool.mamba_layer_cache(2)
     assert len(mlc.conv) == 2
 
@@ -278,9 +301,9 @@ def test_hybrid_writes_full_attention_layers_at_kv_write_loc_full_loc(kind):
     shape = (3, 1, 24) if kind == "mla" else (3, 2, 16)
     k, v = (torch.randn(shape, generator=g).to(DEVICE, torch.float16) for _ in range(2))
     loc, full = _ids([5, 6, 7]), _ids([20, 21, 22])
-    pool.set_kv_buffer(4, KVWriteLoc(loc, full_loc=full), k, v)   # model layer 4 = inner 1
+    pool.set_kv_buffer(4, KVWriteLoc(loc, full_loc=full), k, v)  # model layer 4 = inner 1
     twin.set_kv_buffer(1, loc if kind == "mla" else full, k, v)
-    pool.set_kv_buffer(1, KVWriteLoc(_ids([8, 9, 10])), k, v)       # no full_loc: at loc
+    pool.set_kv_buffer(1, KVWriteLoc(_ids([8, 9, 10])), k, v)  # no full_loc: at loc
     twin.set_kv_buffer(0, _ids([8, 9, 10]), k, v)
     views, want = pool.get_item_views(), twin.get_item_views()
     assert any(bool(x.any()) for x in want)
@@ -301,7 +324,7 @@ def test_hybrid_get_kv_rows_uses_model_layer_ids(kind):
         got_k, got_v = pool.get_kv_rows(lid, loc)
         assert torch.equal(got_k, k) and torch.equal(got_v, -k)
     with pytest.raises(IndexOutOfRange):
-        pool.get_kv_rows(MAMBA_IDS[0], loc)      # a mamba layer has no KV rows
+        pool.get_kv_rows(MAMBA_IDS[0], loc)  # a mamba layer has no KV rows
 
 
 def test_hybrid_constructor_errors():
@@ -321,8 +344,12 @@ def test_hybrid_cpu_copy_restore_into_new_slots(kind, mamba_layout):
     pool = make_hybrid(kind, mamba_layout)
     src_tok = torch.tensor([4, 5, 6, 7], device=DEVICE)
     for lid in FULL_IDS:
-        pool.set_kv_buffer(lid, src_tok, torch.randn(4, 2, 4).to(DEVICE, torch.float16),
-                           torch.randn(4, 2, 4).to(DEVICE, torch.float16))
+        pool.set_kv_buffer(
+            lid,
+            src_tok,
+            torch.randn(4, 2, 4).to(DEVICE, torch.float16),
+            torch.randn(4, 2, 4).to(DEVICE, torch.float16),
+        )
     mp = pool.mamba_pool
     g = torch.Generator().manual_seed(3)
     for t in [*mp.conv, mp.temporal]:
@@ -346,8 +373,12 @@ def test_hybrid_cpu_copy_restore_into_new_slots(kind, mamba_layout):
 def test_hybrid_bad_restore_writes_nothing():
     pool = make_hybrid("nhd", "envelope")
     tok = torch.tensor([2, 3], device=DEVICE)
-    pool.set_kv_buffer(1, tok, torch.ones(2, 2, 4, device=DEVICE, dtype=torch.float16),
-                       torch.ones(2, 2, 4, device=DEVICE, dtype=torch.float16))
+    pool.set_kv_buffer(
+        1,
+        tok,
+        torch.ones(2, 2, 4, device=DEVICE, dtype=torch.float16),
+        torch.ones(2, 2, 4, device=DEVICE, dtype=torch.float16),
+    )
     pool.mamba_pool.temporal[:, 1] = 7.0
     good = pool.get_cpu_copy(tok, [1])
     kv_snap = [b.clone() for b in pool.kv_pool.get_item_views()]
@@ -358,7 +389,9 @@ def test_hybrid_bad_restore_writes_nothing():
         m = all(torch.equal(a, b) for a, b in zip(m_snap, pool.mamba_pool.get_state_item_views()))
         return kv and m
 
-    other_spec = MambaStateSpec([(3, 1), (4, 3)], (2, 2, 3), torch.bfloat16, torch.float32, MAMBA_IDS)
+    other_spec = MambaStateSpec(
+        [(3, 1), (4, 3)], (2, 2, 3), torch.bfloat16, torch.float32, MAMBA_IDS
+    )
     foreign = HybridCpuCopy(good.kv, MambaPool(3, other_spec, DEVICE).get_cpu_copy([1]))
     with pytest.raises(ShapeMismatch):
         pool.load_cpu_copy(foreign, torch.tensor([8, 9]), [3])
@@ -372,7 +405,9 @@ def test_hybrid_bad_restore_writes_nothing():
         pool.load_cpu_copy(good.kv, torch.tensor([8, 9]))
     other_kv = MHATokenToKVPool(16, 2, torch.float16, 2, 8, 2, DEVICE)
     with pytest.raises(ShapeMismatch):
-        pool.load_cpu_copy(HybridCpuCopy(other_kv.get_cpu_copy(tok), good.mamba), torch.tensor([8, 9]), [3])
+        pool.load_cpu_copy(
+            HybridCpuCopy(other_kv.get_cpu_copy(tok), good.mamba), torch.tensor([8, 9]), [3]
+        )
     assert unchanged()
 
 

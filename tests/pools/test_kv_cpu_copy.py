@@ -42,13 +42,21 @@ def fill(pool, loc, seed):
     n = loc.numel()
     for layer in range(L):
         if isinstance(pool, MLATokenToKVPool):
-            pool.set_mla_kv_buffer(layer, loc, torch.randn(n, 1, 6, generator=g).to(pool.dtype),
-                                   torch.randn(n, 1, 2, generator=g).to(pool.dtype))
+            pool.set_mla_kv_buffer(
+                layer,
+                loc,
+                torch.randn(n, 1, 6, generator=g).to(pool.dtype),
+                torch.randn(n, 1, 2, generator=g).to(pool.dtype),
+            )
         elif isinstance(pool, MHATokenToKOnlyPool):
             pool.set_kv_buffer(layer, loc, torch.randn(n, H, D, generator=g).to(pool.dtype), None)
         else:
-            pool.set_kv_buffer(layer, loc, torch.randn(n, H, D, generator=g).to(pool.dtype),
-                               torch.randn(n, H, DV, generator=g).to(pool.dtype))
+            pool.set_kv_buffer(
+                layer,
+                loc,
+                torch.randn(n, H, D, generator=g).to(pool.dtype),
+                torch.randn(n, H, DV, generator=g).to(pool.dtype),
+            )
 
 
 def rows_at(pool, loc):
@@ -147,12 +155,20 @@ def test_restore_validation_writes_nothing(kind):
     other_dtype = make(kind, torch.bfloat16)
     with pytest.raises(ShapeMismatch, match="dtype"):
         other_dtype.load_cpu_copy(copy, [1, 2, 3])
-    bad = KvCpuCopy(tensors=copy.tensors[:-1], num_tokens=3, store_dtype=copy.store_dtype,
-                    row_shapes=copy.row_shapes[:-1])
+    bad = KvCpuCopy(
+        tensors=copy.tensors[:-1],
+        num_tokens=3,
+        store_dtype=copy.store_dtype,
+        row_shapes=copy.row_shapes[:-1],
+    )
     with pytest.raises(ShapeMismatch, match="buffers"):
         pool.load_cpu_copy(bad, [1, 2, 3])
-    truncated = KvCpuCopy(tensors=[t[:2] for t in copy.tensors], num_tokens=3,
-                          store_dtype=copy.store_dtype, row_shapes=copy.row_shapes)
+    truncated = KvCpuCopy(
+        tensors=[t[:2] for t in copy.tensors],
+        num_tokens=3,
+        store_dtype=copy.store_dtype,
+        row_shapes=copy.row_shapes,
+    )
     with pytest.raises(ShapeMismatch, match="shape"):
         pool.load_cpu_copy(truncated, [1, 2, 3])
     assert_unchanged(pool, before)

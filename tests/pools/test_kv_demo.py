@@ -1,4 +1,5 @@
 """The temporary pools demo (`kvxfer demo`) runs its checks and prints the descriptor table."""
+
 import pytest
 
 from kvxfer import demo

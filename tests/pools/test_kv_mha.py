@@ -239,7 +239,7 @@ def test_get_kv_rows_reads_what_set_kv_buffer_stored(layout, dtype):
     with different rows, each read back in the caller's order (heads and tokens in place);
     rows never written read as zero; bad ids raise."""
     pool = make_pool(layout, dtype)
-    loc = torch.tensor([13, 2, 7, 4, 9], device=DEVICE)      # across pages, out of order
+    loc = torch.tensor([13, 2, 7, 4, 9], device=DEVICE)  # across pages, out of order
     rows = {}
     for layer in range(L):
         k, v = rand(5, D, dtype, 10 + layer), rand(5, DV, dtype, 20 + layer)
@@ -252,7 +252,7 @@ def test_get_kv_rows_reads_what_set_kv_buffer_stored(layout, dtype):
         assert tuple(k.shape) == (5, H, D) and tuple(v.shape) == (5, H, DV)
         assert torch.equal(raw(k), raw(rows[layer][0][order]))
         assert torch.equal(raw(v), raw(rows[layer][1][order]))
-    k, v = pool.get_kv_rows(1, torch.tensor([3, 8], device=DEVICE))   # never written
+    k, v = pool.get_kv_rows(1, torch.tensor([3, 8], device=DEVICE))  # never written
     assert not raw(k).any() and not raw(v).any()
     for bad in ([3, SIZE + PS], [-1, 3]):
         with pytest.raises(IndexOutOfRange):

@@ -69,8 +69,9 @@ def test_mla_errors():
     pool = MLATokenToKVPool(SIZE, PS, torch.float16, R, DR, L, DEVICE)
     loc = torch.tensor([1, 2], device=DEVICE)
     with pytest.raises(ShapeMismatch):
-        pool.set_mla_kv_buffer(0, loc, rnd((2, 1, R + 1), torch.float16, 1),
-                               rnd((2, 1, DR), torch.float16, 2))
+        pool.set_mla_kv_buffer(
+            0, loc, rnd((2, 1, R + 1), torch.float16, 1), rnd((2, 1, DR), torch.float16, 2)
+        )
     with pytest.raises(ShapeMismatch):
         pool.set_kv_buffer(0, loc, rnd((2, 1, R), torch.float16, 1))
     with pytest.raises(IndexOutOfRange):
@@ -80,8 +81,12 @@ def test_mla_errors():
     if DEVICE == "cpu":
         before = [b.clone() for b in pool.kv_buffer]
         with pytest.raises(IndexOutOfRange):
-            pool.set_mla_kv_buffer(0, torch.tensor([1, SIZE + PS], device=DEVICE),
-                                   rnd((2, 1, R), torch.float16, 1), rnd((2, 1, DR), torch.float16, 2))
+            pool.set_mla_kv_buffer(
+                0,
+                torch.tensor([1, SIZE + PS], device=DEVICE),
+                rnd((2, 1, R), torch.float16, 1),
+                rnd((2, 1, DR), torch.float16, 2),
+            )
         assert all(torch.equal(a, b) for a, b in zip(pool.kv_buffer, before))
 
 
@@ -113,7 +118,9 @@ def test_noop_pool_keeps_capacity_but_stores_nothing():
     assert k.shape == (PS, H, D) and v.shape == (PS, H, 3) and k.dtype == torch.bfloat16
     loc = torch.tensor([1], device=DEVICE)
     with pytest.raises(UnsupportedOperation, match="set_kv_buffer"):
-        pool.set_kv_buffer(0, loc, rnd((1, H, D), torch.bfloat16, 1), rnd((1, H, 3), torch.bfloat16, 2))
+        pool.set_kv_buffer(
+            0, loc, rnd((1, H, D), torch.bfloat16, 1), rnd((1, H, 3), torch.bfloat16, 2)
+        )
     with pytest.raises(UnsupportedOperation):
         pool.set_kv_buffer_prefix_valid(0, loc[None], torch.tensor([1]), None, None)
     pool.move_kv_cache(loc, loc)  # no-op

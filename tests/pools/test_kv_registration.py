@@ -20,7 +20,8 @@ pytestmark = pytest.mark.timeout(60)
 
 SIZE, PS, H, D, DV, L = 12, 4, 2, 4, 3, 3
 DTYPES = [torch.bfloat16, torch.float32] + (
-    [torch.float8_e4m3fn] if hasattr(torch, "float8_e4m3fn") else [])
+    [torch.float8_e4m3fn] if hasattr(torch, "float8_e4m3fn") else []
+)
 
 
 def mha(layout, dtype, size=SIZE):
@@ -39,8 +40,9 @@ def test_per_layer_mha_descriptors(layout, size, dtype):
     ptrs, lens, items = pool.get_contiguous_buf_infos()
     assert len(ptrs) == len(lens) == len(items) == 2 * L
     assert ptrs == [b.data_ptr() for b in pool.k_buffer + pool.v_buffer]  # k0..kL-1, v0..vL-1
-    assert [d.name for d in pool.get_buffer_descs()] == [f"k{i}" for i in range(L)] + \
-        [f"v{i}" for i in range(L)]
+    assert [d.name for d in pool.get_buffer_descs()] == [f"k{i}" for i in range(L)] + [
+        f"v{i}" for i in range(L)
+    ]
     k_page, v_page = PS * H * D * isz, PS * H * DV * isz
     assert items == [k_page] * L + [v_page] * L
     if layout == "nhd":  # rows = size + page_size token slots, exactly
@@ -53,8 +55,9 @@ def test_per_layer_mha_descriptors(layout, size, dtype):
 
 def test_page_major_has_exactly_one_entry():
     pool = PageMajorMHATokenToKVPool(SIZE, PS, torch.float16, H, D, L, DEVICE, v_head_dim=DV)
-    g = PageMajorGeometry.for_pool(size=SIZE, page_size=PS, layer_num=L, head_num=H,
-                                   head_dim=D, v_head_dim=DV, itemsize=2)
+    g = PageMajorGeometry.for_pool(
+        size=SIZE, page_size=PS, layer_num=L, head_num=H, head_dim=D, v_head_dim=DV, itemsize=2
+    )
     ptrs, lens, items = pool.get_contiguous_buf_infos()
     assert ptrs == [pool.raw.data_ptr()]
     assert lens == [g.total_bytes] == [pool.raw.numel()]
@@ -142,11 +145,14 @@ def test_pool_writes_show_up_in_the_expected_item_row(dtype):
         entry, chunks = _expected_k_offset(pool, layer, token)
         views = pool.get_item_views()
         row = views[entry][token // PS]
-        got = torch.cat([row[o:o + n] for o, n in chunks])
+        got = torch.cat([row[o : o + n] for o, n in chunks])
         assert torch.equal(got.cpu(), _as_bytes(k).cpu()), type(pool).__name__
         # nothing else in the registered bytes is non-zero, except V of the same token
-        nonzero_pages = {(e, p) for e, v in enumerate(views)
-                         for p in torch.nonzero(v.any(dim=1)).flatten().tolist()}
+        nonzero_pages = {
+            (e, p)
+            for e, v in enumerate(views)
+            for p in torch.nonzero(v.any(dim=1)).flatten().tolist()
+        }
         assert {p for _, p in nonzero_pages} == {token // PS}, type(pool).__name__
 
 
@@ -161,21 +167,35 @@ def test_item_view_writes_show_up_in_pool_getters():
         elif getattr(pool, "layout", "nhd") == "hnd":
             assert torch.isnan(ks[3]).all() and not torch.isnan(ks[:3]).any()
         else:
-            assert torch.isnan(ks[3 * PS:4 * PS]).all() and not torch.isnan(ks[:3 * PS]).any()
+            assert torch.isnan(ks[3 * PS : 4 * PS]).all() and not torch.isnan(ks[: 3 * PS]).any()
 
 
 def test_describe_is_a_plain_fingerprint():
     seen = {}
     for pool in all_pools(torch.bfloat16):
         d = pool.describe()
-        assert set(d) >= {"kind", "dtype", "page_size", "layer_num", "head_num", "head_dim",
-                          "v_head_dim", "layout", "item_lens"}
+        assert set(d) >= {
+            "kind",
+            "dtype",
+            "page_size",
+            "layer_num",
+            "head_num",
+            "head_dim",
+            "v_head_dim",
+            "layout",
+            "item_lens",
+        }
         assert d["dtype"] == "bfloat16" and d["page_size"] == PS and d["layer_num"] == L
         assert d["item_lens"] == pool.get_contiguous_buf_infos()[2]
         assert msgpack.unpackb(msgpack.packb(d)) == d
         seen[(d["kind"], d["layout"])] = d
-    assert set(seen) == {("mha", "nhd"), ("mha", "hnd"), ("mha_page_major", "page_major"),
-                         ("mla", "nhd"), ("k_only", "nhd")}
+    assert set(seen) == {
+        ("mha", "nhd"),
+        ("mha", "hnd"),
+        ("mha_page_major", "page_major"),
+        ("mla", "nhd"),
+        ("k_only", "nhd"),
+    }
     assert seen[("mla", "nhd")]["head_dim"] == 8 and seen[("mla", "nhd")]["v_head_dim"] == 6
     # the fingerprint ignores capacity: two sizes of one geometry describe identically
     assert mha("nhd", torch.bfloat16, 12).describe() == mha("nhd", torch.bfloat16, 40).describe()

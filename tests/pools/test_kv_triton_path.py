@@ -44,20 +44,28 @@ def workload(pool):
             pool.set_kv_buffer(layer, loc + 2, rnd((4, H, D), dt, 5), None, mask=mask)
         else:
             pool.set_kv_buffer(layer, loc, rnd((4, H, D), dt, layer), rnd((4, H, DV), dt, 7))
-            pool.set_kv_buffer(layer, loc + 2, rnd((4, H, D), dt, 8), rnd((4, H, DV), dt, 6),
-                               mask=mask)
+            pool.set_kv_buffer(
+                layer, loc + 2, rnd((4, H, D), dt, 8), rnd((4, H, DV), dt, 6), mask=mask
+            )
             pool.set_kv_buffer_prefix_valid(
-                layer, torch.tensor([[1, 2], [3, 11]], device=DEVICE),
+                layer,
+                torch.tensor([[1, 2], [3, 11]], device=DEVICE),
                 torch.tensor([1, 2], dtype=torch.int32, device=DEVICE),
-                rnd((4, H, D), dt, 10), rnd((4, H, DV), dt, 11))
-    pool.move_kv_cache(torch.tensor([0, 10, 2], device=DEVICE),
-                       torch.tensor([4, 5, 9], device=DEVICE))
+                rnd((4, H, D), dt, 10),
+                rnd((4, H, DV), dt, 11),
+            )
+    pool.move_kv_cache(
+        torch.tensor([0, 10, 2], device=DEVICE), torch.tensor([4, 5, 9], device=DEVICE)
+    )
 
 
 @pytest.mark.parametrize("kind", ["nhd", "hnd", "page_major", "mla", "k_only"])
 def test_triton_and_torch_kernels_agree_through_the_pools(kind):
-    dtype = torch.float8_e4m3fn if kind == "page_major" and hasattr(torch, "float8_e4m3fn") \
+    dtype = (
+        torch.float8_e4m3fn
+        if kind == "page_major" and hasattr(torch, "float8_e4m3fn")
         else torch.bfloat16
+    )
     results = {}
     for backend in ("torch", "triton"):
         pool = make(kind, dtype)

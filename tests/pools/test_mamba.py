@@ -129,12 +129,20 @@ def test_speculative_buffers_never_in_descriptors(layout, dedup):
     spec = make_spec()
     base = MambaPool(SIZE, spec, DEVICE, layout=layout)
     pool = MambaPool(
-        SIZE, spec, DEVICE, layout=layout, speculative_num_draft_tokens=3, spec_state_size=2,
+        SIZE,
+        spec,
+        DEVICE,
+        layout=layout,
+        speculative_num_draft_tokens=3,
+        spec_state_size=2,
         conv_window_dedup=dedup,
     )
     assert base.intermediate_ssm is None and base.intermediate_conv_window is None
     assert tuple(pool.intermediate_ssm.shape) == (3, 3, 3, 2, 3, 2)
-    assert [tuple(w.shape) for w in pool.intermediate_conv_window] == [(3, 3, 3, 3, 1), (3, 3, 3, 4, 3)]
+    assert [tuple(w.shape) for w in pool.intermediate_conv_window] == [
+        (3, 3, 3, 3, 1),
+        (3, 3, 3, 4, 3),
+    ]
     _, lens_b, items_b = base.get_state_buf_infos()
     ptrs, lens, items = pool.get_state_buf_infos()
     assert (lens, items) == (lens_b, items_b)
@@ -165,8 +173,14 @@ def test_speculative_argument_errors():
     with pytest.raises(InvalidArgument, match="2-D"):
         MambaPool(2, bad3d, DEVICE, speculative_num_draft_tokens=2, conv_window_dedup=True)
     with pytest.raises(InvalidArgument, match="linear draft chain"):
-        MambaPool(2, spec, DEVICE, speculative_num_draft_tokens=2, conv_window_dedup=True,
-                  speculative_eagle_topk=4)
+        MambaPool(
+            2,
+            spec,
+            DEVICE,
+            speculative_num_draft_tokens=2,
+            conv_window_dedup=True,
+            speculative_eagle_topk=4,
+        )
     with pytest.raises(InvalidArgument, match="unknown mamba layout"):
         MambaPool(2, spec, DEVICE, layout="page")
     with pytest.raises(InvalidArgument):

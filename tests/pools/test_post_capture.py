@@ -7,6 +7,7 @@ same operations (host copies of every valid id must agree), and its descriptors 
 descriptor arithmetic. Out-of-span ids must raise IndexOutOfRange before anything is touched
 (on the host, touching them would be a SIGSEGV).
 """
+
 from types import SimpleNamespace
 
 import pytest
@@ -31,9 +32,9 @@ from kvxfer.pools.page_major import PageMajorMHATokenToKVPool
 pytestmark = pytest.mark.timeout(90)
 
 PS = 16
-H, D = 2, 16                  # bf16 NHD row = 64 bytes
+H, D = 2, 16  # bf16 NHD row = 64 bytes
 LAYERS = 2
-GRANULES = 4                  # each per-layer buffer spans this many allocation granules
+GRANULES = 4  # each per-layer buffer spans this many allocation granules
 KINDS = ["mha_nhd", "mha_hnd", "page_major", "mla", "hybrid"]
 
 
@@ -64,8 +65,9 @@ def _build(kind: str, size: int, *, post_capture: bool, g: int, **kw):
     if kind != "hybrid":
         return inner
     spec = MambaStateSpec([(3, 1)], (2, 2), torch.bfloat16, torch.float32, (0, 2))
-    return HybridLinearKVPool(inner, MambaPool(4, spec, DEVICE), (1, 3),
-                              post_capture_active=post_capture)
+    return HybridLinearKVPool(
+        inner, MambaPool(4, spec, DEVICE), (1, 3), post_capture_active=post_capture
+    )
 
 
 def _layer_ids(pool):
@@ -116,8 +118,9 @@ def _assert_rejected(pool, bad: int) -> None:
             pool.move_kv_cache(ok, loc)
         if hasattr(pool, "set_kv_buffer_prefix_valid") and not isinstance(pool, MLATokenToKVPool):
             with pytest.raises(IndexOutOfRange):
-                pool.set_kv_buffer_prefix_valid(layer, loc.view(1, 1), torch.ones(1, device=DEVICE,
-                                                dtype=torch.int64), k, v)
+                pool.set_kv_buffer_prefix_valid(
+                    layer, loc.view(1, 1), torch.ones(1, device=DEVICE, dtype=torch.int64), k, v
+                )
         if isinstance(pool, MLATokenToKVPool):
             with pytest.raises(IndexOutOfRange):
                 pool.get_mla_kv_buffer(layer, loc)
@@ -136,7 +139,7 @@ def _spans(pool, n: int):
 def test_lifecycle(kind, granularity):
     g = granularity
     reserved = _reserved_size(g)
-    pool = _build(kind, reserved - 5, post_capture=True, g=g)      # rounded up to whole pages
+    pool = _build(kind, reserved - 5, post_capture=True, g=g)  # rounded up to whole pages
     try:
         assert pool.post_capture_active and pool.size == reserved
         descs = pool.get_buffer_descs()
@@ -144,7 +147,7 @@ def test_lifecycle(kind, granularity):
         assert pool.post_capture_backed_bytes == sum(round_up(s, g) for s in page0)
         assert pool.token_limit == PS
         ptrs, lens, items = pool.get_contiguous_buf_infos()
-        assert lens == page0 == items                                  # page 0 only
+        assert lens == page0 == items  # page 0 only
         assert [v.shape[0] for v in pool.get_item_views()] == [1] * len(descs)
         key0 = pool.get_key_buffer(_layer_ids(pool)[0])
         full_shape = tuple(key0.shape)
@@ -165,8 +168,8 @@ def test_lifecycle(kind, granularity):
         assert pool.post_capture_backed_bytes == sum(round_up(s, g) for s in lens2)
         assert pool.get_kv_size_bytes() == sum(lens2)
         assert [v.shape[0] * v.shape[1] for v in pool.get_item_views()] == lens2
-        _assert_same(pool, ref, list(range(PS)))                       # page 0 survived
-        _assert_same(pool, ref, list(range(PS, n + PS)))               # fresh memory reads 0
+        _assert_same(pool, ref, list(range(PS)))  # page 0 survived
+        _assert_same(pool, ref, list(range(PS, n + PS)))  # fresh memory reads 0
 
         # full use: every valid id, moves, host copy and restore
         _write([pool, ref], list(range(PS, n + PS)), seed=2)
@@ -192,7 +195,7 @@ def test_lifecycle(kind, granularity):
         _assert_rejected(pool, m + PS)
     finally:
         pool.close()
-    pool.close()                                                       # idempotent
+    pool.close()  # idempotent
     assert pool.closed and pool.post_capture_backed_bytes == 0 and pool.token_limit == 0
     with pytest.raises(BackingError):
         pool.get_contiguous_buf_infos()
@@ -216,12 +219,12 @@ def test_finalize_checks_before_committing(granularity):
             assert pool.post_capture_backed_bytes == backed and pool.size == reserved
             assert pool.token_limit == PS
         with pytest.raises(BackingError):
-            pool.release_beyond(PS)                                    # before finalize
+            pool.release_beyond(PS)  # before finalize
         pool.finalize_backing(SimpleNamespace(max_total_num_tokens=4 * PS))  # engine config
         assert pool.size == 4 * PS and pool.token_limit == 5 * PS
         with pytest.raises(InvalidArgument):
-            pool.release_beyond(5 * PS)                                # beyond the finalized
-        pool.finalize_backing(reserved)                                # grow again: whole range
+            pool.release_beyond(5 * PS)  # beyond the finalized
+        pool.finalize_backing(reserved)  # grow again: whole range
         assert pool.token_limit == reserved + PS
         assert pool.get_contiguous_buf_infos()[1] == _spans(pool, reserved)
         # an unaligned count: the NHD span is exact, ids past it are rejected
@@ -241,29 +244,39 @@ def test_ordinary_and_unsupported_pools(granularity):
         plain.finalize_backing(32)
     with pytest.raises(UnsupportedOperation):
         plain.release_beyond(32)
-    plain.close()                                                      # no-op
+    plain.close()  # no-op
     plain.set_kv_buffer(0, [1], *_rows(plain, 1, 3))
     with pytest.raises(InvalidArgument):
         MHATokenToKVPool(64, PS, torch.bfloat16, H, D, 0, DEVICE, post_capture_active=True)
     with pytest.raises(InvalidArgument):
-        MHATokenToKVPool(64, PS, torch.bfloat16, H, D, 1, DEVICE,
-                         backing_options={"max_extent_bytes": g})
+        MHATokenToKVPool(
+            64, PS, torch.bfloat16, H, D, 1, DEVICE, backing_options={"max_extent_bytes": g}
+        )
     with pytest.raises(InvalidArgument):
-        MHATokenToKVPool(64, PS, torch.bfloat16, H, D, 1, DEVICE, post_capture_active=True,
-                         backing_options={"bogus": 1})
+        MHATokenToKVPool(
+            64,
+            PS,
+            torch.bfloat16,
+            H,
+            D,
+            1,
+            DEVICE,
+            post_capture_active=True,
+            backing_options={"bogus": 1},
+        )
     from kvxfer.pools.quantized import MHATokenToKVPoolFP4
+
     with pytest.raises(UnsupportedOperation):
         MHATokenToKVPoolFP4(64, PS, torch.bfloat16, H, D, 1, DEVICE, post_capture_active=True)
     spec = MambaStateSpec([(3, 1)], (2, 2), torch.bfloat16, torch.float32, (0, 2))
-    with pytest.raises(InvalidArgument):                               # flag must match inner
+    with pytest.raises(InvalidArgument):  # flag must match inner
         HybridLinearKVPool(plain, MambaPool(2, spec, DEVICE), (1, 3), post_capture_active=True)
 
 
 def test_triton_path_limits_to_backed_span(granularity):
     """The Triton kernels (interpreter on CPU) get the backed span as their row limit."""
     g = granularity
-    pool = _build("page_major", _reserved_size(g), post_capture=True, g=g,
-                  kernel_backend="triton")
+    pool = _build("page_major", _reserved_size(g), post_capture=True, g=g, kernel_backend="triton")
     ref = _build("page_major", 2 * PS, post_capture=False, g=g, kernel_backend="triton")
     try:
         loc = list(range(0, PS, 3))
@@ -275,8 +288,9 @@ def test_triton_path_limits_to_backed_span(granularity):
         ids = [PS + 1, 2 * PS + 7, 3 * PS - 1]
         _write([pool, ref], ids, seed=9)
         for p in (pool, ref):
-            p.move_kv_cache(torch.tensor([PS + 2], device=DEVICE), torch.tensor([PS + 1],
-                                                                                device=DEVICE))
+            p.move_kv_cache(
+                torch.tensor([PS + 2], device=DEVICE), torch.tensor([PS + 1], device=DEVICE)
+            )
         _assert_same(pool, ref, list(range(3 * PS)))
         if DEVICE == "cpu":
             with pytest.raises(IndexOutOfRange):
@@ -331,7 +345,7 @@ def test_cuda_graph_captured_before_finalize_replays_after(granularity):
         assert pool.token_limit == 2 * PS
         pool.set_kv_buffer(layers[0], torch.tensor([2 * PS], device=DEVICE), *_rows(pool, 1, 14))
         torch.cuda.synchronize()
-        assert torch.equal(pool.get_key_buffer(layers[0])[2 * PS: 2 * PS + 1], old_k)
-        assert torch.equal(pool.get_value_buffer(layers[0])[2 * PS: 2 * PS + 1], old_v)
+        assert torch.equal(pool.get_key_buffer(layers[0])[2 * PS : 2 * PS + 1], old_k)
+        assert torch.equal(pool.get_value_buffer(layers[0])[2 * PS : 2 * PS + 1], old_v)
     finally:
         pool.close()

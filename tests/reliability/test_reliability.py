@@ -1,6 +1,7 @@
 """Reliability scenarios of docs/RELIABILITY.md, driven through kvxfer.testing.reliability
 (real worker processes, real UCX, real pools). The quick variants run in CI; the full ones
 are marked ``long`` (``make test-long``). Each assertion names the counts it saw."""
+
 import json
 
 import pytest
@@ -18,12 +19,24 @@ def _show(summary: dict) -> str:
 def _bad_cells(m: dict) -> list:
     out = []
     for g in m["groups"]:
-        out += [f"{g['victim']} {g['signal']} {st}: {c}" for st, c in g["cells"].items()
-                if not c.get("ok")]
+        out += [
+            f"{g['victim']} {g['signal']} {st}: {c}"
+            for st, c in g["cells"].items()
+            if not c.get("ok")
+        ]
         if not g["ok"]:
-            out.append({k: g.get(k) for k in ("served_after", "survivor_final",
-                                              "partner_final", "victim_after_resume",
-                                              "victim_after_close")})
+            out.append(
+                {
+                    k: g.get(k)
+                    for k in (
+                        "served_after",
+                        "survivor_final",
+                        "partner_final",
+                        "victim_after_resume",
+                        "victim_after_close",
+                    )
+                }
+            )
     return out
 
 

@@ -11,6 +11,7 @@ of random shape, random bytes, or a message just past the receiver's size limit.
 messages with meaningless values (unknown slots, ids out of range, wrong nonce lengths) are
 part of the mix: they must be refused by the checks behind decoding.
 """
+
 from __future__ import annotations
 
 import random
@@ -24,8 +25,20 @@ _BAD_VERSIONS = [True, False, 1.0, "1", b"\x01", 0, 2, -1, None, [1], {"v": 1}, 
 
 
 def _ints(rng: random.Random) -> int:
-    return rng.choice([0, 1, -1, 7, 255, 1 << 31, (1 << 63) - 1, -(1 << 63), (1 << 64) - 1,
-                       rng.randrange(-1 << 40, 1 << 40)])
+    return rng.choice(
+        [
+            0,
+            1,
+            -1,
+            7,
+            255,
+            1 << 31,
+            (1 << 63) - 1,
+            -(1 << 63),
+            (1 << 64) - 1,
+            rng.randrange(-1 << 40, 1 << 40),
+        ]
+    )
 
 
 def rand_value(rng: random.Random, depth: int = 0):
@@ -48,8 +61,10 @@ def rand_value(rng: random.Random, depth: int = 0):
         return rng.randbytes(rng.choice([0, 1, 8, 31, 32, 33, 100]))
     if k == "list":
         return [rand_value(rng, depth + 1) for _ in range(rng.randrange(0, 6))]
-    return {str(rand_value(rng, depth + 1))[:20]: rand_value(rng, depth + 1)
-            for _ in range(rng.randrange(0, 6))}
+    return {
+        str(rand_value(rng, depth + 1))[:20]: rand_value(rng, depth + 1)
+        for _ in range(rng.randrange(0, 6))
+    }
 
 
 def wrong_type(rng: random.Random, value):
@@ -73,20 +88,38 @@ def wrong_type(rng: random.Random, value):
 
 def _templates() -> Dict[str, List[Callable[[random.Random], dict]]]:
     def hello(r):
-        return {"t": "kx.hello", "v": V, "engine_id": r.randbytes(16).hex(), "name": "x",
-                "nonce": r.randbytes(32), "hostname": "h", "stage": False}
+        return {
+            "t": "kx.hello",
+            "v": V,
+            "engine_id": r.randbytes(16).hex(),
+            "name": "x",
+            "nonce": r.randbytes(32),
+            "hostname": "h",
+            "stage": False,
+        }
 
     def hello_ack(r):
-        return {"t": "kx.hello_ack", "v": V, "engine_id": "e", "name": "n",
-                "nonce": r.randbytes(32), "proof": r.randbytes(32), "hostname": "h",
-                "stage": r.random() < 0.5}
+        return {
+            "t": "kx.hello_ack",
+            "v": V,
+            "engine_id": "e",
+            "name": "n",
+            "nonce": r.randbytes(32),
+            "proof": r.randbytes(32),
+            "hostname": "h",
+            "stage": r.random() < 0.5,
+        }
 
     def proof(r):
         return {"t": "kx.proof", "v": V, "proof": r.randbytes(r.choice([0, 32, 64]))}
 
     def reject(r):
-        return {"t": "kx.reject", "v": V, "kind": r.choice(["auth", "protocol", "x"]),
-                "reason": "r"}
+        return {
+            "t": "kx.reject",
+            "v": V,
+            "kind": r.choice(["auth", "protocol", "x"]),
+            "reason": "r",
+        }
 
     def layout(r):
         return layout_body(r)
@@ -95,13 +128,18 @@ def _templates() -> Dict[str, List[Callable[[random.Random], dict]]]:
         return {"t": "kx.app", "v": V, "payload": r.randbytes(r.randrange(0, 64))}
 
     def staged(r):
-        return {"t": "kx.staged", "v": V, "group": r.choice(["kv", "nope", ""]),
-                "slot": _ints(r), "offset": _ints(r), "nbytes": _ints(r),
-                "dst": r.randbytes(8 * r.randrange(0, 4) + r.choice([0, 0, 3]))}
+        return {
+            "t": "kx.staged",
+            "v": V,
+            "group": r.choice(["kv", "nope", ""]),
+            "slot": _ints(r),
+            "offset": _ints(r),
+            "nbytes": _ints(r),
+            "dst": r.randbytes(8 * r.randrange(0, 4) + r.choice([0, 0, 3])),
+        }
 
     def slot_free(r):
-        return {"t": "kx.slot_free", "v": V, "group": r.choice(["kv", "nope"]),
-                "slot": _ints(r)}
+        return {"t": "kx.slot_free", "v": V, "group": r.choice(["kv", "nope"]), "slot": _ints(r)}
 
     def bye(r):
         return {"t": "kx.bye", "v": V, "reason": "bye"}
@@ -109,8 +147,7 @@ def _templates() -> Dict[str, List[Callable[[random.Random], dict]]]:
     def ready(r):
         return {"t": "kx.ready", "v": V}
 
-    return {"engine": [hello, hello_ack, proof, reject, layout, app, staged, slot_free, bye,
-                       ready]}
+    return {"engine": [hello, hello_ack, proof, reject, layout, app, staged, slot_free, bye, ready]}
 
 
 def layout_body(r: random.Random, keys=None) -> dict:
@@ -119,18 +156,35 @@ def layout_body(r: random.Random, keys=None) -> dict:
     without, random bytes (fine for anything that stops before unpacking them)."""
     n = r.choice([1, 2])
     bases = [0x10000 * (i + 1) for i in range(n)]
-    region_keys = [keys[i % len(keys)] if keys else r.randbytes(r.choice([1, 16, 200]))
-                   for i in range(n)]
-    return {"t": "kx.layout", "v": V,
-            "groups": {"kv": {"ptrs": [bases[0], bases[0] + 0x1000], "lens": [0x1000, 0x1000],
-                              "item_lens": [256, 256], "regions": [0, 0]}},
-            "region_bases": bases, "region_lens": [0x2000] * n, "region_keys": region_keys,
-            "region_types": ["host"] * n, "address": None,
-            "landing": r.choice([None, {"kv": {"region": 0, "base": bases[0],
-                                               "slot_bytes": 512, "slots": [0, 1]}},
-                                 {"nope": {}}]),
-            "non_ipc": r.choice([None, ["kv"], ["zz"]]),
-            "region_ipc": r.choice([None, [b""] * n, [b"x"] * n])}
+    region_keys = [
+        keys[i % len(keys)] if keys else r.randbytes(r.choice([1, 16, 200])) for i in range(n)
+    ]
+    return {
+        "t": "kx.layout",
+        "v": V,
+        "groups": {
+            "kv": {
+                "ptrs": [bases[0], bases[0] + 0x1000],
+                "lens": [0x1000, 0x1000],
+                "item_lens": [256, 256],
+                "regions": [0, 0],
+            }
+        },
+        "region_bases": bases,
+        "region_lens": [0x2000] * n,
+        "region_keys": region_keys,
+        "region_types": ["host"] * n,
+        "address": None,
+        "landing": r.choice(
+            [
+                None,
+                {"kv": {"region": 0, "base": bases[0], "slot_bytes": 512, "slots": [0, 1]}},
+                {"nope": {}},
+            ]
+        ),
+        "non_ipc": r.choice([None, ["kv"], ["zz"]]),
+        "region_ipc": r.choice([None, [b""] * n, [b"x"] * n]),
+    }
 
 
 def _mutate(r: random.Random, body: dict) -> dict:
@@ -147,8 +201,9 @@ def _mutate(r: random.Random, body: dict) -> dict:
     elif how == 3:
         body["v"] = r.choice(_BAD_VERSIONS)
     elif how == 4:
-        body["t"] = r.choice([None, 1, True, b"kx.hello", "kx.nope", "bs.register", "",
-                              "kx.hello" * 20])
+        body["t"] = r.choice(
+            [None, 1, True, b"kx.hello", "kx.nope", "bs.register", "", "kx.hello" * 20]
+        )
     elif how == 5:
         body.pop(r.choice(["t", "v"]), None)
     elif how == 6 and fields:  # nested damage inside containers
@@ -167,8 +222,13 @@ def _mutate(r: random.Random, body: dict) -> dict:
     elif how == 7 and fields:  # well-formed but meaningless values
         k = r.choice(fields)
         v = body[k]
-        body[k] = (_ints(r) if isinstance(v, int) and not isinstance(v, bool) else
-                   r.randbytes(r.choice([0, 31, 33])) if isinstance(v, bytes) else v)
+        body[k] = (
+            _ints(r)
+            if isinstance(v, int) and not isinstance(v, bool)
+            else r.randbytes(r.choice([0, 31, 33]))
+            if isinstance(v, bytes)
+            else v
+        )
     # how == 8: well-formed as is (semantic checks behind decoding must refuse or accept it)
     return body
 
@@ -177,16 +237,16 @@ def _encode(r: random.Random, body, limit: int) -> bytes:
     raw = msgpack.packb(body, use_bin_type=True)
     how = r.randrange(20)
     if how == 0:
-        return raw[:r.randrange(0, max(1, len(raw)))]        # truncated
+        return raw[: r.randrange(0, max(1, len(raw)))]  # truncated
     if how == 1:
-        return raw + r.randbytes(r.randrange(1, 16))          # trailing garbage
+        return raw + r.randbytes(r.randrange(1, 16))  # trailing garbage
     if how == 2:
-        return r.randbytes(r.randrange(0, 256))               # noise
+        return r.randbytes(r.randrange(0, 256))  # noise
     if how == 3:
         return msgpack.packb(rand_value(r), use_bin_type=True)  # random shape
-    if how == 4 and r.random() < 0.2:                          # just past the limit
+    if how == 4 and r.random() < 0.2:  # just past the limit
         return msgpack.packb(dict(body, pad=bytes(limit + 1)), use_bin_type=True)
-    if how == 5:                                               # deep nesting
+    if how == 5:  # deep nesting
         return b"\x91" * r.randrange(100, 3000) + b"\xc0"
     return raw
 
@@ -201,21 +261,27 @@ def engine_payloads(r: random.Random, n: int, authenticated: bool) -> List[bytes
 
 def layout_payloads(r: random.Random, n: int, keys) -> List[bytes]:
     """Malformed Layouts whose remote keys are ``keys`` (real ones) wherever they survive."""
-    return [_encode(r, _mutate(r, _mutate(r, layout_body(r, keys))), 1 << 20)
-            for _ in range(n)]
+    return [_encode(r, _mutate(r, _mutate(r, layout_body(r, keys))), 1 << 20) for _ in range(n)]
 
 
 # -------------------------------------------------------------------------- bootstrap
 def _bs_templates():
     def register(r):
-        return {"t": "bs.register", "v": V, "name": "p", "host": "127.0.0.1",
-                "port": r.choice([1, 8000, 65535, 0, 70000]), "tp_rank": r.randrange(0, 3),
-                "tp_size": r.choice([1, 2, 4]), "dp_rank": r.randrange(0, 3),
-                "pp_rank": r.choice([0, 0, 1]), "fingerprint": {"page_size": 16}}
+        return {
+            "t": "bs.register",
+            "v": V,
+            "name": "p",
+            "host": "127.0.0.1",
+            "port": r.choice([1, 8000, 65535, 0, 70000]),
+            "tp_rank": r.randrange(0, 3),
+            "tp_size": r.choice([1, 2, 4]),
+            "dp_rank": r.randrange(0, 3),
+            "pp_rank": r.choice([0, 0, 1]),
+            "fingerprint": {"page_size": 16},
+        }
 
     def unregister(r):
-        return {"t": "bs.unregister", "v": V, "name": "p", "dp_rank": 0, "tp_rank": 0,
-                "pp_rank": 0}
+        return {"t": "bs.unregister", "v": V, "name": "p", "dp_rank": 0, "tp_rank": 0, "pp_rank": 0}
 
     def lookup(r):
         return {"t": "bs.lookup", "v": V, "dp_rank": r.randrange(0, 3)}
@@ -242,14 +308,21 @@ def bootstrap_frames(r: random.Random, n: int) -> List[bytes]:
     out = []
     for _ in range(n):
         if r.random() < 0.4:
-            body = {"t": "bs.sealed", "v": V, "nonce": r.randbytes(r.choice([32, 32, 31])),
-                    "body": msgpack.packb(r.choice(t)(r), use_bin_type=True),
-                    "mac": r.randbytes(r.choice([32, 0]))}
+            body = {
+                "t": "bs.sealed",
+                "v": V,
+                "nonce": r.randbytes(r.choice([32, 32, 31])),
+                "body": msgpack.packb(r.choice(t)(r), use_bin_type=True),
+                "mac": r.randbytes(r.choice([32, 0])),
+            }
             raw = _encode(r, _mutate(r, body) if r.random() < 0.5 else body, 32 << 10)
         else:
             raw = _encode(r, _mutate(r, r.choice(t)(r)), 32 << 10)
         how = r.randrange(10)
-        n_decl = (len(raw) if how < 7 else r.choice([0, len(raw) + 5, max(0, len(raw) - 3),
-                                                     1 << 30, (32 << 10) + 1]))
+        n_decl = (
+            len(raw)
+            if how < 7
+            else r.choice([0, len(raw) + 5, max(0, len(raw) - 3), 1 << 30, (32 << 10) + 1])
+        )
         out.append(n_decl.to_bytes(4, "big") + raw)
     return out

@@ -10,6 +10,7 @@ through typed proxies).
 
 Everything runs over real UCX on loopback; messages are real msgpack.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,10 +30,24 @@ ITEM, ITEMS = 256, 32
 
 def engine_spec(name: str, secret: bytes = SECRET, **cfg) -> dict:
     """One engine ``main`` with one host group ``kv`` (2 descriptors)."""
-    config = dict(dict(secret=secret, name=name, connect_timeout_s=5.0,
-                       transfer_timeout_s=10.0, warn_slow_lanes=False), **cfg)
-    return {"engines": {"main": {"config": config,
-                                 "groups": {"kv": {"item_lens": [ITEM, ITEM], "items": ITEMS}}}}}
+    config = dict(
+        dict(
+            secret=secret,
+            name=name,
+            connect_timeout_s=5.0,
+            transfer_timeout_s=10.0,
+            warn_slow_lanes=False,
+        ),
+        **cfg,
+    )
+    return {
+        "engines": {
+            "main": {
+                "config": config,
+                "groups": {"kv": {"item_lens": [ITEM, ITEM], "items": ITEMS}},
+            }
+        }
+    }
 
 
 def rss_mb(pid: int, field: str = "VmRSS") -> float:
@@ -53,8 +68,10 @@ class _Errors(logging.Handler):
         self.records = []
 
     def emit(self, record):
-        self.records.append(f"{record.name}: {record.getMessage()}"
-                            + (f" ({record.exc_info[0].__name__})" if record.exc_info else ""))
+        self.records.append(
+            f"{record.name}: {record.getMessage()}"
+            + (f" ({record.exc_info[0].__name__})" if record.exc_info else "")
+        )
 
 
 class TargetNode(EngineNode):
@@ -80,6 +97,7 @@ def _tag(raw: bytes):
     """The wire tag of a message (None: undecodable)."""
     from kvxfer import wire
     from kvxfer.engine import messages  # noqa: F401  (registers the kx. tags)
+
     try:
         return wire.decode(raw).TAG
     except Exception:
@@ -93,15 +111,16 @@ class Attacker:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
-        self._relayed = []       # (direction, payload) through the relay
+        self._relayed = []  # (direction, payload) through the relay
         self.pumps_ended = 0
-        self._fake_seen = []     # tags received by the fake engine
-        self._reconnects = 0     # connection attempts retried (see _connect)
+        self._fake_seen = []  # tags received by the fake engine
+        self._reconnects = 0  # connection attempts retried (see _connect)
         self.t = self._run(self._transport(), 60)
-        self._extra = []        # one transport per listener (a transport has one)
+        self._extra = []  # one transport per listener (a transport has one)
 
     async def _transport(self):
         from kvxfer.transport.ucx import UcxTransport
+
         t = UcxTransport()
         t._bind_loop()
         return t
@@ -164,8 +183,9 @@ class Attacker:
             except KvxferError:
                 await client.close(1.0)
                 return
-            await asyncio.gather(pump(client, server, "to-target"),
-                                 pump(server, client, "to-initiator"))
+            await asyncio.gather(
+                pump(client, server, "to-target"), pump(server, client, "to-initiator")
+            )
 
         return self._run(self._listen(on_accept), 30)
 
@@ -176,9 +196,11 @@ class Attacker:
         deadline = time.monotonic() + timeout
         while self.pumps_ended < pumps and time.monotonic() < deadline:
             time.sleep(0.01)  # polling a condition under a deadline (the relay's own loop)
-        return {"tags": [(d, _tag(raw)) for d, raw in self._relayed],
-                "ended": self.pumps_ended,
-                "with_needle": sum(any(n in raw for n in needles) for _, raw in self._relayed)}
+        return {
+            "tags": [(d, _tag(raw)) for d, raw in self._relayed],
+            "ended": self.pumps_ended,
+            "with_needle": sum(any(n in raw for n in needles) for _, raw in self._relayed),
+        }
 
     # -- wrong secret, in either role
     def wrong_secret_client(self, host: str, port: int, n: int) -> dict:
@@ -194,12 +216,17 @@ class Attacker:
             for _ in range(n):
                 ch = await self.t.connect(host, port, 10.0)
                 try:
-                    hello = m.Hello(engine_id="mallory", name="mallory",
-                                    nonce=os.urandom(32), hostname="h")
+                    hello = m.Hello(
+                        engine_id="mallory", name="mallory", nonce=os.urandom(32), hostname="h"
+                    )
                     await ch.send(hello.encode(), 5.0)
                     ack = handshake._decode(await ch.recv(5.0))
-                    await ch.send(m.Proof(proof=handshake._proof(
-                        WRONG, b"C", ch.binding(), hello, ack)).encode(), 5.0)
+                    await ch.send(
+                        m.Proof(
+                            proof=handshake._proof(WRONG, b"C", ch.binding(), hello, ack)
+                        ).encode(),
+                        5.0,
+                    )
                     try:
                         while True:
                             got = _tag(await ch.recv(5.0))
@@ -211,6 +238,7 @@ class Attacker:
                 finally:
                     await ch.close(1.0)
             return stats
+
         return self._run(go(), 60 + 10 * n)
 
     def fake_engine_start(self, secret: bytes) -> int:
@@ -224,8 +252,14 @@ class Attacker:
             try:
                 hello = handshake._decode(await ch.recv(10.0))
                 ch.adopt_epoch()
-                ack = m.HelloAck(engine_id="fake", name="fake", nonce=os.urandom(32),
-                                 hostname="h", stage=False, proof=b"")
+                ack = m.HelloAck(
+                    engine_id="fake",
+                    name="fake",
+                    nonce=os.urandom(32),
+                    hostname="h",
+                    stage=False,
+                    proof=b"",
+                )
                 ack.proof = handshake._proof(secret, b"S", ch.binding(), hello, ack)
                 await ch.send(ack.encode(), 5.0)
                 while True:
@@ -254,8 +288,9 @@ class Attacker:
             got = []
             try:
                 payloads = [bytes(n) for n in sizes]
-                sent = await asyncio.gather(*(ch.send(p, timeout) for p in payloads),
-                                            return_exceptions=True)
+                sent = await asyncio.gather(
+                    *(ch.send(p, timeout) for p in payloads), return_exceptions=True
+                )
                 del payloads
                 try:
                     while True:
@@ -265,10 +300,12 @@ class Attacker:
                 return {"sent": sum(s is None for s in sent), "got": got, "ended": ended}
             finally:
                 await ch.close(1.0)
+
         return self._run(go(), timeout + 30)
 
-    def fuzz_preauth(self, host: str, port: int, seed: int, n: int, second: bool,
-                         concurrency: int = 8) -> dict:
+    def fuzz_preauth(
+        self, host: str, port: int, seed: int, n: int, second: bool, concurrency: int = 8
+    ) -> dict:
         """``n`` malformed messages, one connection each: the first message of the
         connection, or (``second``) the message after a well-formed Hello. Counts how the
         target answered; any Layout received is counted in ``layouts``."""
@@ -279,8 +316,9 @@ class Attacker:
 
         payloads = engine_payloads(random.Random(seed), n, authenticated=False)
         stats = {"sent": 0, "answers": {}, "layouts": 0}
-        hello = m.Hello(engine_id="fuzz", name="fuzz", nonce=os.urandom(32),
-                        hostname="fuzz").encode()
+        hello = m.Hello(
+            engine_id="fuzz", name="fuzz", nonce=os.urandom(32), hostname="fuzz"
+        ).encode()
 
         async def one(payload):
             ch = await self._connect(host, port)
@@ -308,12 +346,13 @@ class Attacker:
             async def bounded(p):
                 async with sem:
                     await one(p)
+
             await asyncio.gather(*(bounded(p) for p in payloads))
             return stats
+
         return self._run(go(), 60 + n * 0.5)
 
-    def fuzz_layout(self, host: str, port: int, seed: int, n: int,
-                        concurrency: int = 8) -> dict:
+    def fuzz_layout(self, host: str, port: int, seed: int, n: int, concurrency: int = 8) -> dict:
         """After authenticating with the right secret (a hand-run connecting side), send a
         malformed Layout instead of ours; one connection per message."""
         # real remote keys (of a buffer of ours): a forged packed key is parsed by libucp
@@ -325,17 +364,20 @@ class Attacker:
         from kvxfer.engine import handshake
         from kvxfer.engine import messages as m
         from kvxfer.errors import KvxferError
+
         self._keep = np.zeros(2 << 20, dtype=np.uint8)
-        regions = [self.t.register(self._keep.ctypes.data + i * (1 << 20), 1 << 20)
-                   for i in range(2)]
+        regions = [
+            self.t.register(self._keep.ctypes.data + i * (1 << 20), 1 << 20) for i in range(2)
+        ]
         payloads = layout_payloads(random.Random(seed), n, [g.packed_key() for g in regions])
         stats = {"sent": 0, "answers": {}}
 
         async def one(payload):
             ch = await self._connect(host, port)
             try:
-                hello = m.Hello(engine_id="fuzz-auth", name="fuzz", nonce=os.urandom(32),
-                                hostname="fuzz")
+                hello = m.Hello(
+                    engine_id="fuzz-auth", name="fuzz", nonce=os.urandom(32), hostname="fuzz"
+                )
                 await ch.send(hello.encode(), 5.0)
                 ack = handshake._decode(await ch.recv(5.0))
                 proof = handshake._proof(SECRET, b"C", ch.binding(), hello, ack)
@@ -359,8 +401,10 @@ class Attacker:
             async def bounded(p):
                 async with sem:
                     await one(p)
+
             await asyncio.gather(*(bounded(p) for p in payloads))
             return stats
+
         try:
             return self._run(go(), 60 + n * 0.5)
         finally:
@@ -381,11 +425,18 @@ class Attacker:
         stats = {"sent": 0}
 
         async def go():
-            eng = TransferEngine(EngineConfig(secret=SECRET, name="fuzz-peer",
-                                              connect_timeout_s=5.0, warn_slow_lanes=False))
+            eng = TransferEngine(
+                EngineConfig(
+                    secret=SECRET, name="fuzz-peer", connect_timeout_s=5.0, warn_slow_lanes=False
+                )
+            )
             buf = np.zeros(ITEM * ITEMS * 2, dtype=np.uint8)
-            eng.register("kv", [buf.ctypes.data, buf.ctypes.data + ITEM * ITEMS],
-                         [ITEM * ITEMS] * 2, [ITEM, ITEM])
+            eng.register(
+                "kv",
+                [buf.ctypes.data, buf.ctypes.data + ITEM * ITEMS],
+                [ITEM * ITEMS] * 2,
+                [ITEM, ITEM],
+            )
             await eng.start()
             try:
                 for payload in payloads:
@@ -405,6 +456,7 @@ class Attacker:
             finally:
                 await eng.close()
             return stats
+
         return self._run(go(), 120 + n * 0.5)
 
     def check_answers(self, host: str, port: int, secret: bytes = SECRET) -> dict:
@@ -417,11 +469,15 @@ class Attacker:
         from kvxfer.engine import ItemWrite, TransferEngine
 
         async def go():
-            eng = TransferEngine(EngineConfig(secret=secret, name="checker",
-                                              connect_timeout_s=10.0, warn_slow_lanes=False))
+            eng = TransferEngine(
+                EngineConfig(
+                    secret=secret, name="checker", connect_timeout_s=10.0, warn_slow_lanes=False
+                )
+            )
             bufs = [np.full(ITEM * ITEMS, 7 + d, dtype=np.uint8) for d in range(2)]
-            eng.register("kv", [b.ctypes.data for b in bufs], [b.nbytes for b in bufs],
-                         [ITEM, ITEM])
+            eng.register(
+                "kv", [b.ctypes.data for b in bufs], [b.nbytes for b in bufs], [ITEM, ITEM]
+            )
             await eng.start()
             try:
                 t0 = time.monotonic()
@@ -430,4 +486,5 @@ class Attacker:
                 return {"ok": True, "s": time.monotonic() - t0}
             finally:
                 await eng.close()
+
         return self._run(go(), 60)

@@ -5,6 +5,7 @@ a sealed reply or a registry entry, and both servers still answer afterwards.
 
 Quick variants run in CI; the long ones (``make test-long``) send >= 10,000 messages to each
 of the four targets (bootstrap / engine x before / after authentication)."""
+
 import asyncio
 import logging
 import os
@@ -25,8 +26,14 @@ pytestmark = pytest.mark.timeout(300)
 
 BS_SECRET = b"fuzz-secret"
 QUICK = {"bs_unauth": 400, "bs_auth": 400, "first": 120, "second": 40, "layout": 60, "peer": 20}
-LONG = {"bs_unauth": 10_000, "bs_auth": 10_000, "first": 7_500, "second": 2_500,
-        "layout": 5_000, "peer": 5_000}
+LONG = {
+    "bs_unauth": 10_000,
+    "bs_auth": 10_000,
+    "first": 7_500,
+    "second": 2_500,
+    "layout": 5_000,
+    "peer": 5_000,
+}
 
 
 def test_generator_matches_the_protocol():
@@ -59,18 +66,22 @@ async def _sealed(port: int, body: bytes) -> m.BsReply:
         (n,) = struct.unpack(">I", await r.readexactly(4))
         challenge = wire.decode(await r.readexactly(n))
         nonce_c = os.urandom(32)
-        frame = m.BsSealed(nonce=nonce_c, body=body, mac=seal(BS_SECRET, b"request",
-                                                                challenge.nonce, nonce_c, body))
+        frame = m.BsSealed(
+            nonce=nonce_c,
+            body=body,
+            mac=seal(BS_SECRET, b"request", challenge.nonce, nonce_c, body),
+        )
         raw = frame.encode()
         w.write(struct.pack(">I", len(raw)) + raw)
         await w.drain()
         (n,) = struct.unpack(">I", await asyncio.wait_for(r.readexactly(4), 10))
         answer = wire.decode(await r.readexactly(n))
-        if isinstance(answer, m.BsReply):   # refused before authentication: the frame size
+        if isinstance(answer, m.BsReply):  # refused before authentication: the frame size
             assert not answer.ok and "frame" in answer.error, answer
             return answer
         assert answer.nonce == nonce_c and answer.mac == seal(
-            BS_SECRET, b"reply", challenge.nonce, nonce_c, answer.body)
+            BS_SECRET, b"reply", challenge.nonce, nonce_c, answer.body
+        )
         return wire.expect(wire.decode(answer.body), m.BsReply)
     finally:
         w.close()
@@ -86,21 +97,34 @@ async def _fuzz_bootstrap(n_unauth: int, n_auth: int, seed: int) -> dict:
     await srv.start()
     stats = {"unauth": 0, "auth": 0, "auth_ok": 0}
     try:
-        await bootstrap.request(srv.address, m.BsRegister(
-            name="prefill", host="127.0.0.1", port=1234, tp_rank=0, tp_size=1, dp_rank=0,
-            pp_rank=0, fingerprint={"page_size": 16}), 5, BS_SECRET)
+        await bootstrap.request(
+            srv.address,
+            m.BsRegister(
+                name="prefill",
+                host="127.0.0.1",
+                port=1234,
+                tp_rank=0,
+                tp_size=1,
+                dp_rank=0,
+                pp_rank=0,
+                fingerprint={"page_size": 16},
+            ),
+            5,
+            BS_SECRET,
+        )
         rng = random.Random(seed)
         for frame in fuzzgen.bootstrap_frames(rng, n_unauth):
             answer = await _unsealed(srv.port, frame)
             # never anything sealed, never an entry: a refusal at most
-            assert answer is None or (isinstance(answer, m.BsReply) and not answer.ok and
-                                      answer.entries == []), answer
+            assert answer is None or (
+                isinstance(answer, m.BsReply) and not answer.ok and answer.entries == []
+            ), answer
             stats["unauth"] += 1
         for body in fuzzgen.bootstrap_bodies(rng, n_auth):
             reply = await _sealed(srv.port, body)
             stats["auth"] += 1
             stats["auth_ok"] += reply.ok
-        for e in srv.entries():      # whatever got in is well formed
+        for e in srv.entries():  # whatever got in is well formed
             m.check_entry(e)
         assert sum(srv._per_dp.values()) == len(srv.entries())
         got = await bootstrap.lookup(srv.address, 0, 5, BS_SECRET)  # still answers, right
@@ -142,14 +166,14 @@ def engine_pair():
 def _fuzz_engine(target, mallory, port, counts, seed) -> dict:
     out = {}
     big = 600.0 + sum(counts.values())
-    out["first"] = mallory.fuzz_preauth("127.0.0.1", port, seed, counts["first"],
-                                False, timeout=big)
-    out["second"] = mallory.fuzz_preauth("127.0.0.1", port, seed + 1,
-                                 counts["second"], True, timeout=big)
-    out["layout"] = mallory.fuzz_layout("127.0.0.1", port, seed + 2, counts["layout"],
-                                 timeout=big)
-    out["peer"] = mallory.fuzz_peer("127.0.0.1", port, seed + 3, counts["peer"],
-                               timeout=big)
+    out["first"] = mallory.fuzz_preauth(
+        "127.0.0.1", port, seed, counts["first"], False, timeout=big
+    )
+    out["second"] = mallory.fuzz_preauth(
+        "127.0.0.1", port, seed + 1, counts["second"], True, timeout=big
+    )
+    out["layout"] = mallory.fuzz_layout("127.0.0.1", port, seed + 2, counts["layout"], timeout=big)
+    out["peer"] = mallory.fuzz_peer("127.0.0.1", port, seed + 3, counts["peer"], timeout=big)
     print("engine fuzz:", out)
     # before authentication nothing of the target's layout came back
     assert out["first"]["layouts"] == 0 and out["second"]["layouts"] == 0, out
@@ -159,8 +183,7 @@ def _fuzz_engine(target, mallory, port, counts, seed) -> dict:
     assert mallory.check_answers("127.0.0.1", port)["ok"]
     got = target.messages("main", 1, 10.0)  # (with the fuzz's well-formed ones)
     assert b"still-here" in [p for _, p in got], got
-    assert target.items("main", "kv", [4, 5, 6, 7]) == bytes([7]) * 4 * ITEM + \
-        bytes([8]) * 4 * ITEM
+    assert target.items("main", "kv", [4, 5, 6, 7]) == bytes([7]) * 4 * ITEM + bytes([8]) * 4 * ITEM
     assert target.errors() == []
     return out
 

@@ -9,6 +9,7 @@ Now a message over ``MAX_PREAUTH_BYTES`` from a peer that has not proved the sec
 dropped where it arrives (no copy, no decode) and the queue is drained on close. UCXX still
 allocates each incoming message before any of our code runs (bounded by what the sender
 sends while we read its first message); that is the ``hwm`` bound below."""
+
 import pytest
 from sec_nodes import Attacker, TargetNode, engine_spec
 
@@ -36,7 +37,7 @@ def pair():
 
 def _refused(res):
     assert res["sent"] >= 1 and res["ended"] == "PeerClosed", res
-    assert set(res["got"]) <= {"kx.reject"}, res   # nothing but a refusal came back
+    assert set(res["got"]) <= {"kx.reject"}, res  # nothing but a refusal came back
 
 
 def test_two_huge_first_messages_leave_nothing_behind(pair):
@@ -47,8 +48,8 @@ def test_two_huge_first_messages_leave_nothing_behind(pair):
     after = target.rss()
     grew = after["rss"] - before["rss"]
     peak = after["hwm"] - before["rss"]
-    assert grew < 32, (before, after)            # not held after the connections ended
-    assert peak < 128 + 64, (before, after)      # one UCXX receive buffer at a time, no copies
+    assert grew < 32, (before, after)  # not held after the connections ended
+    assert peak < 128 + 64, (before, after)  # one UCXX receive buffer at a time, no copies
     assert mallory.check_answers("127.0.0.1", port)["ok"]
     assert target.errors() == []
 
@@ -57,8 +58,8 @@ def test_unread_messages_are_dropped_when_the_channel_closes():
     """64 messages of 1 MiB that a peer pushed and nobody read: UCXX keeps them in its queue
     for the endpoint handle (never freed) unless the closing channel drains it."""
     out = run_in_child(_drain, timeout=120)
-    assert out["held"] > 48, out           # they were there, in UCXX's queue
-    assert out["after"] < 8, out           # and went with the channel
+    assert out["held"] > 48, out  # they were there, in UCXX's queue
+    assert out["after"] < 8, out  # and went with the channel
 
 
 def _drain() -> dict:
@@ -80,7 +81,7 @@ def _drain() -> dict:
         for _ in range(64):  # a rendezvous send completes once the receiver holds the bytes
             await client.send(payload, 30.0)
         del payload
-        await server.recv(10.0)              # the first one is read, 63 stay queued
+        await server.recv(10.0)  # the first one is read, 63 stay queued
         held = rss_mb(os.getpid()) - base
         await server.close(2.0)
         after = rss_mb(os.getpid()) - base

@@ -5,6 +5,7 @@ The relay is a real forwarding program (:meth:`sec_nodes.Attacker.relay_start`):
 connects to it believing it is prefill, it connects to the real prefill and forwards every
 message both ways. Before the handshake bound its proofs to the connection, both Layouts
 crossed it (and with them prefill's remote keys: write access to its pool)."""
+
 import pytest
 from sec_nodes import SECRET, WRONG, Attacker, TargetNode, engine_spec
 
@@ -15,15 +16,22 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def net():
-    workers = [Worker(TargetNode, engine_spec("prefill"), name="prefill"),
-               Worker(TargetNode, engine_spec("decode"), name="decode"),
-               Worker(Attacker, name="mallory")]
+    workers = [
+        Worker(TargetNode, engine_spec("prefill"), name="prefill"),
+        Worker(TargetNode, engine_spec("decode"), name="decode"),
+        Worker(Attacker, name="mallory"),
+    ]
     try:
         for w in workers:
             w.start()
         prefill, decode = (w.proxy(TargetNode) for w in workers[:2])
-        yield {"prefill": prefill, "decode": decode, "mallory": workers[2].proxy(Attacker),
-               "port": prefill.ports()["main"], "dport": decode.ports()["main"]}
+        yield {
+            "prefill": prefill,
+            "decode": decode,
+            "mallory": workers[2].proxy(Attacker),
+            "port": prefill.ports()["main"],
+            "dport": decode.ports()["main"],
+        }
     finally:
         for w in workers:
             w.close()
@@ -107,9 +115,16 @@ def _manager_relay() -> dict:
 
     def args():
         kv, aux = np.zeros(8 * 64, dtype=np.uint8), np.zeros(8 * 16, dtype=np.uint8)
-        a = KVArgs(kv_data_ptrs=[int(kv.ctypes.data)], kv_data_lens=[kv.nbytes],
-                   kv_item_lens=[64], aux_data_ptrs=[int(aux.ctypes.data)],
-                   aux_data_lens=[aux.nbytes], aux_item_lens=[16], page_size=1, dtype="uint8")
+        a = KVArgs(
+            kv_data_ptrs=[int(kv.ctypes.data)],
+            kv_data_lens=[kv.nbytes],
+            kv_item_lens=[64],
+            aux_data_ptrs=[int(aux.ctypes.data)],
+            aux_data_lens=[aux.nbytes],
+            aux_item_lens=[16],
+            page_size=1,
+            dtype="uint8",
+        )
         a._keep = (kv, aux)
         return a
 
@@ -117,8 +132,9 @@ def _manager_relay() -> dict:
         t = Timeouts(bootstrap_s=10, waiting_s=10, transfer_s=10, heartbeat_interval_s=0.2)
         bs = BootstrapServer(port=0, secret=SECRET)
         await bs.start()
-        p = await KVManager(args(), "prefill", bootstrap_addr=bs.address, secret=SECRET,
-                            timeouts=t).start()
+        p = await KVManager(
+            args(), "prefill", bootstrap_addr=bs.address, secret=SECRET, timeouts=t
+        ).start()
         d = await KVManager(args(), "decode", secret=SECRET, timeouts=t).start()
         relay, relayed = UcxTransport(), []
 
@@ -142,9 +158,9 @@ def _manager_relay() -> dict:
         _, rport = await relay.listen("127.0.0.1", 0, on_accept)
         try:
             entry = next(iter(bs._entries.values()))
-            entry["port"] = rport            # decode will be sent to the relay
+            entry["port"] = rport  # decode will be sent to the relay
             recv = KVReceiver(d, bs.address, 42)
-            recv.init()                      # decode looks prefill up and connects
+            recv.init()  # decode looks prefill up and connects
             state = await recv.wait(30)
             tags = []
             for raw in relayed:
@@ -153,11 +169,14 @@ def _manager_relay() -> dict:
                 except Exception:
                     tags.append(None)
             keys = p.engine._groups.region_table()[2] + d.engine._groups.region_table()[2]
-            return {"state": KVPoll(state).name,
-                    "exc": type(recv.failure_exception()).__name__, "tags": tags,
-                    "msg": str(recv.failure_exception()),
-                    "with_key": sum(any(k in raw for k in keys) for raw in relayed),
-                    "prefill_links": len(p.links)}
+            return {
+                "state": KVPoll(state).name,
+                "exc": type(recv.failure_exception()).__name__,
+                "tags": tags,
+                "msg": str(recv.failure_exception()),
+                "with_key": sum(any(k in raw for k in keys) for raw in relayed),
+                "prefill_links": len(p.links),
+            }
         finally:
             await d.close()
             await p.close()

@@ -1,6 +1,7 @@
 """No default secret: a KVManager, a BootstrapServer and `kvxfer bootstrap` refuse to start
 without one (``secret=`` or ``$KVXFER_SECRET``). Before, KVManager fell back to the public
 ``b"kvxfer"`` and the bootstrap server took no secret at all."""
+
 import asyncio
 import os
 import subprocess
@@ -21,9 +22,16 @@ pytestmark = pytest.mark.timeout(60)
 def args():
     kv = np.zeros(4 * 64, dtype=np.uint8)
     aux = np.zeros(4 * 16, dtype=np.uint8)
-    a = KVArgs(kv_data_ptrs=[int(kv.ctypes.data)], kv_data_lens=[kv.nbytes], kv_item_lens=[64],
-               aux_data_ptrs=[int(aux.ctypes.data)], aux_data_lens=[aux.nbytes],
-               aux_item_lens=[16], page_size=1, dtype="uint8")
+    a = KVArgs(
+        kv_data_ptrs=[int(kv.ctypes.data)],
+        kv_data_lens=[kv.nbytes],
+        kv_item_lens=[64],
+        aux_data_ptrs=[int(aux.ctypes.data)],
+        aux_data_lens=[aux.nbytes],
+        aux_item_lens=[16],
+        page_size=1,
+        dtype="uint8",
+    )
     a._keep = (kv, aux)
     return a
 
@@ -50,8 +58,13 @@ def test_secret_from_the_caller_or_the_environment(args, monkeypatch):
 def test_cli_bootstrap_refuses_without_a_secret(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
     env["PYTHONPATH"] = os.getcwd()
-    p = subprocess.run([sys.executable, "-m", "kvxfer", "bootstrap", "--host", "127.0.0.1",
-                        "--port", "0"], capture_output=True, text=True, env=env, timeout=30)
+    p = subprocess.run(
+        [sys.executable, "-m", "kvxfer", "bootstrap", "--host", "127.0.0.1", "--port", "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
+    )
     assert p.returncode == 2 and SECRET_ENV in p.stderr, (p.returncode, p.stdout, p.stderr)
 
 
@@ -60,9 +73,24 @@ def test_cli_bootstrap_serves_only_holders_of_the_secret_file(tmp_path):
     secret_file.write_bytes(b"file-secret\n")
     env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
     env["PYTHONPATH"] = os.getcwd()
-    p = subprocess.Popen([sys.executable, "-m", "kvxfer", "bootstrap", "--host", "127.0.0.1",
-                          "--port", "0", "--secret-file", str(secret_file)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvxfer",
+            "bootstrap",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--secret-file",
+            str(secret_file),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         line = p.stdout.readline()
         assert "listening on" in line, (line, p.stderr.read() if p.poll() is not None else "")

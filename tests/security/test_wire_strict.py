@@ -1,5 +1,6 @@
 """Strict wire types: the protocol version and every field typed ``int`` take Python ints only
 (``True == 1`` and ``1.0 == 1`` in Python, so an equality check let them through)."""
+
 import dataclasses
 import typing
 
@@ -69,16 +70,16 @@ def test_every_int_field_refuses_bool_and_float():
         cls = wire._REGISTRY[tag]
         for name, tp in cls._field_types.items():
             optional = typing.get_origin(tp) is typing.Union
-            inner = [a for a in typing.get_args(tp) if a is not type(None)] if optional \
-                else [tp]
+            inner = [a for a in typing.get_args(tp) if a is not type(None)] if optional else [tp]
             bads = [b for b in NOT_INTS if not (optional and b is None)]
             if inner[0] is int:
                 for bad in bads:
                     with pytest.raises(ProtocolError, match=name):
                         wire.decode(_pack(dict(body, **{name: bad})))
                 checked += 1
-            elif typing.get_origin(inner[0]) in (list, typing.List) and \
-                    typing.get_args(inner[0]) == (int,):
+            elif typing.get_origin(inner[0]) in (list, typing.List) and typing.get_args(
+                inner[0]
+            ) == (int,):
                 for bad in bads:
                     with pytest.raises(ProtocolError, match=name):
                         wire.decode(_pack(dict(body, **{name: [1, bad]})))
@@ -87,8 +88,16 @@ def test_every_int_field_refuses_bool_and_float():
 
 
 def test_bootstrap_entries_refuse_bool_and_float_ranks():
-    entry = {"name": "p", "host": "h", "port": 80, "tp_rank": 0, "tp_size": 1, "dp_rank": 0,
-             "pp_rank": 0, "fingerprint": {}}
+    entry = {
+        "name": "p",
+        "host": "h",
+        "port": 80,
+        "tp_rank": 0,
+        "tp_size": 1,
+        "dp_rank": 0,
+        "pp_rank": 0,
+        "fingerprint": {},
+    }
     pd.check_entry(dict(entry))
     for k in ("port", "tp_rank", "tp_size", "dp_rank", "pp_rank"):
         for bad in (True, 1.0):

@@ -14,6 +14,7 @@ from ``get_kv_class(TransferBackend("kvxfer"), ...)``.
 Content is deterministic: token ``t`` of room ``R`` in layer-buffer ``e`` holds
 ``(R*31 + t*7 + e*13 + byte) % 251``; Mamba slot state of room ``R`` uses ``t = 100000``.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,7 +42,7 @@ def _setup_process(mode: str, extra_args=(), dp_rank=None):
     if any(ep.name == "kvxfer" for ep in entry_points(group="sglang.srt.plugins")):
         load_plugins()
         PLUGIN_VIA = "entry_point"
-    else:                      # a source checkout that was not pip-installed
+    else:  # a source checkout that was not pip-installed
         PLUGIN_VIA = "register"
         from sglang.srt.plugins.hook_registry import HookRegistry
 
@@ -52,9 +53,21 @@ def _setup_process(mode: str, extra_args=(), dp_rank=None):
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import prepare_server_args
 
-    argv = ["--model-path", "dummy", "--device", "cpu", "--host", "127.0.0.1",
-            "--page-size", str(PAGE), "--disaggregation-mode", mode,
-            "--disaggregation-transfer-backend", "kvxfer", *extra_args]
+    argv = [
+        "--model-path",
+        "dummy",
+        "--device",
+        "cpu",
+        "--host",
+        "127.0.0.1",
+        "--page-size",
+        str(PAGE),
+        "--disaggregation-mode",
+        mode,
+        "--disaggregation-transfer-backend",
+        "kvxfer",
+        *extra_args,
+    ]
     sa = prepare_server_args(argv)
     publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=dp_rank, gpu_id=0))
     from sglang.srt.runtime_context import get_parallel
@@ -70,21 +83,46 @@ def _pools(kind: str):
 
     bf = torch.bfloat16
     if kind == "mha":
-        return MHATokenToKVPool(size=POOL_TOKENS, page_size=PAGE, dtype=bf, head_num=HEADS,
-                                head_dim=DIM, layer_num=LAYERS, device="cpu",
-                                enable_memory_saver=False)
+        return MHATokenToKVPool(
+            size=POOL_TOKENS,
+            page_size=PAGE,
+            dtype=bf,
+            head_num=HEADS,
+            head_dim=DIM,
+            layer_num=LAYERS,
+            device="cpu",
+            enable_memory_saver=False,
+        )
     if kind == "mamba":
         from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
         from sglang.srt.mem_cache.memory_pool import MambaPool
 
-        shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=32, n_groups=1,
-                                        num_heads=4, head_dim=8, state_size=4, conv_kernel=4)
-        mamba = MambaPool(size=MAMBA_SLOTS, spec_state_size=0, device="cpu",
-                          cache_params=Mamba2CacheParams(shape=shape, layers=[1, 3]),
-                          mamba_layer_ids=[1, 3])
-        return HybridLinearKVPool(size=POOL_TOKENS, dtype=bf, page_size=PAGE, head_num=HEADS,
-                                  head_dim=DIM, full_attention_layer_ids=[0, 2], device="cpu",
-                                  mamba_pool=mamba)
+        shape = Mamba2StateShape.create(
+            tp_world_size=1,
+            intermediate_size=32,
+            n_groups=1,
+            num_heads=4,
+            head_dim=8,
+            state_size=4,
+            conv_kernel=4,
+        )
+        mamba = MambaPool(
+            size=MAMBA_SLOTS,
+            spec_state_size=0,
+            device="cpu",
+            cache_params=Mamba2CacheParams(shape=shape, layers=[1, 3]),
+            mamba_layer_ids=[1, 3],
+        )
+        return HybridLinearKVPool(
+            size=POOL_TOKENS,
+            dtype=bf,
+            page_size=PAGE,
+            head_num=HEADS,
+            head_dim=DIM,
+            full_attention_layer_ids=[0, 2],
+            device="cpu",
+            mamba_pool=mamba,
+        )
     raise ValueError(kind)
 
 
@@ -121,8 +159,9 @@ class Node:
         get_context().override("test", disaggregation_bootstrap_port=int(bootstrap_port))
         backend = TransferBackend("kvxfer")
         pool = _pools(kind)
-        meta = MetadataBuffers(META_ROWS, hidden_size=16, hidden_states_dtype=torch.float32,
-                               max_sampling_mask_tokens=4)
+        meta = MetadataBuffers(
+            META_ROWS, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=4
+        )
         kv_args = get_kv_class(backend, KVClassType.KVARGS)()
         kv_args.engine_rank = 0
         kv_args.pp_rank = 0
@@ -138,26 +177,31 @@ class Node:
         kv_args.kv_layer_ids = []
         kv_args.kv_head_num, kv_args.total_kv_head_num = HEADS, HEADS
         kv_args.page_size = PAGE
-        (kv_args.aux_data_ptrs, kv_args.aux_data_lens,
-         kv_args.aux_item_lens) = meta.get_buf_infos()
+        (kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens) = meta.get_buf_infos()
         kv_args.ib_device = None
         kv_args.gpu_id = 0
         setup_state_kv_args(kv_args, pool, None, LAYERS)
         mode = DisaggregationMode(self.mode)
         saved = os.environ.get("KVXFER_SECRET")
-        if secret is not None:                   # this manager only (read at construction)
+        if secret is not None:  # this manager only (read at construction)
             os.environ["KVXFER_SECRET"] = secret
         try:
-            mgr = get_kv_class(backend, KVClassType.MANAGER)(kv_args, mode, self.server_args,
-                                                             False)
+            mgr = get_kv_class(backend, KVClassType.MANAGER)(kv_args, mode, self.server_args, False)
         finally:
             if saved is not None:
                 os.environ["KVXFER_SECRET"] = saved
         self.scen[name] = dict(kind=kind, pool=pool, meta=meta, mgr=mgr, backend=backend)
-        return {"cls": type(mgr).__name__, "rank_port": mgr.rank_port,
-                "engine": list(mgr.engine.address), "system_dp_rank": mgr.system_dp_rank,
-                "item_lens": [list(kv_args.kv_item_lens), list(kv_args.aux_item_lens),
-                              [list(x) for x in kv_args.state_item_lens]]}
+        return {
+            "cls": type(mgr).__name__,
+            "rank_port": mgr.rank_port,
+            "engine": list(mgr.engine.address),
+            "system_dp_rank": mgr.system_dp_rank,
+            "item_lens": [
+                list(kv_args.kv_item_lens),
+                list(kv_args.aux_item_lens),
+                [list(x) for x in kv_args.state_item_lens],
+            ],
+        }
 
     def _bufs(self, name):
         """The KV layer buffers as uint8 ``[tokens, bytes]`` views, then the Mamba state
@@ -166,14 +210,17 @@ class Node:
 
         pool = self.scen[name]["pool"]
         kvp = getattr(pool, "full_kv_pool", pool)
-        kv = [b.view(b.shape[0], -1).view(torch.uint8)
-              for b in list(kvp.k_buffer) + list(kvp.v_buffer)]
+        kv = [
+            b.view(b.shape[0], -1).view(torch.uint8)
+            for b in list(kvp.k_buffer) + list(kvp.v_buffer)
+        ]
         states = []
         mamba = getattr(pool, "mamba_pool", None)
         if mamba is not None:
             for t in list(mamba.mamba_cache.conv) + [mamba.mamba_cache.temporal]:
-                states += [t[layer].view(t.shape[1], -1).view(torch.uint8)
-                           for layer in range(t.shape[0])]
+                states += [
+                    t[layer].view(t.shape[1], -1).view(torch.uint8) for layer in range(t.shape[0])
+                ]
         return kv, states
 
     # ------------------------------------------------------------------ content
@@ -204,8 +251,9 @@ class Node:
         pos = list(range(prefix_pages * PAGE, (prefix_pages + n_pages) * PAGE))
         out = [pattern(room, pos, e, b.shape[1]).tobytes() for e, b in enumerate(kv)]
         if mamba:
-            out += [pattern(room, [100000], e, b.shape[1])[0].tobytes()
-                    for e, b in enumerate(states)]
+            out += [
+                pattern(room, [100000], e, b.shape[1])[0].tobytes() for e, b in enumerate(states)
+            ]
         return out
 
     # ------------------------------------------------------------------ handles
@@ -232,7 +280,7 @@ class Node:
     def failure(self, room):
         try:
             self.handles[room].failure_exception()
-        except Exception as exc:      # noqa: BLE001 - the point is what it raises
+        except Exception as exc:  # noqa: BLE001 - the point is what it raises
             return [type(exc).__name__, str(exc)]
         return None
 
@@ -264,7 +312,7 @@ class Node:
         args.state_types = [StateType(state_type)]
         try:
             type(mgr)(args, DisaggregationMode(self.mode), self.server_args, False)
-        except Exception as exc:          # noqa: BLE001 - the point is what it raises
+        except Exception as exc:  # noqa: BLE001 - the point is what it raises
             return [type(exc).__name__, str(exc)]
         return None
 
@@ -286,9 +334,12 @@ class PrefillNode(Node):
 
         s = self.scen[name]
         cls = get_kv_class(s["backend"], KVClassType.SENDER)
-        self.handles[room] = cls(mgr=s["mgr"], bootstrap_addr=f"{bootstrap_host}:"
-                                 f"{bootstrap_port}", bootstrap_room=room,
-                                 req_has_disagg_prefill_dp_rank=False)
+        self.handles[room] = cls(
+            mgr=s["mgr"],
+            bootstrap_addr=f"{bootstrap_host}:{bootstrap_port}",
+            bootstrap_room=room,
+            req_has_disagg_prefill_dp_rank=False,
+        )
         return type(self.handles[room]).__name__
 
     def start(self, name, room, n_tokens, aux_row, first_token):
@@ -311,12 +362,15 @@ class PrefillNode(Node):
         h = self.handles[room]
         state = None
         if last and mamba_slot is not None:
-            state = [[np.array(mamba_slot)]]         # SGLang's _mamba_payload shape
+            state = [[np.array(mamba_slot)]]  # SGLang's _mamba_payload shape
         if not h.should_send_kv_chunk(len(pages), last):
             return False
         t = time.monotonic()
-        h.send(np.asarray(pages, dtype=np.int32), state,
-               num_kv_tokens=num_kv_tokens if num_kv_tokens is not None else len(pages) * PAGE)
+        h.send(
+            np.asarray(pages, dtype=np.int32),
+            state,
+            num_kv_tokens=num_kv_tokens if num_kv_tokens is not None else len(pages) * PAGE,
+        )
         self.t_send = t
         return True
 
@@ -329,12 +383,21 @@ class PrefillNode(Node):
 
         mgr = self.scen[name]["mgr"]
         a = mgr.kv_args
-        reg = dict(endpoint="127.0.0.1", port=1, engine_host="127.0.0.1", engine_port=2,
-                   name="x", tp_size=1, tp_rank=0, page_size=a.page_size,
-                   dtype=a.kv_cache_dtype_str, kv_item_lens=list(a.kv_item_lens),
-                   aux_item_lens=list(a.aux_item_lens),
-                   state_types=[s.value for s in a.state_types],
-                   state_item_lens=[list(x) for x in a.state_item_lens])
+        reg = dict(
+            endpoint="127.0.0.1",
+            port=1,
+            engine_host="127.0.0.1",
+            engine_port=2,
+            name="x",
+            tp_size=1,
+            tp_rank=0,
+            page_size=a.page_size,
+            dtype=a.kv_cache_dtype_str,
+            kv_item_lens=list(a.kv_item_lens),
+            aux_item_lens=list(a.aux_item_lens),
+            state_types=[s.value for s in a.state_types],
+            state_item_lens=[list(x) for x in a.state_item_lens],
+        )
         reg.update(changes or {})
         return mgr.path._incompatible(SglRegister(**reg))
 
@@ -356,7 +419,9 @@ class PrefillNode(Node):
             async def before(room):
                 gate["n"] += 1
                 await gate["ev"].wait()
+
             mgr.path.before_write = before
+
         mgr.engine.loop.call_soon_threadsafe(install)
         self._gate = gate
         return True
@@ -370,6 +435,7 @@ class PrefillNode(Node):
         def go():
             mgr.path.before_write = None
             self._gate["ev"].set()
+
         mgr.engine.loop.call_soon_threadsafe(go)
         return True
 
@@ -411,8 +477,9 @@ class DecodeNode(Node):
         state = [[np.array(mamba_slot)]] if mamba_slot is not None else None
         if s["mgr"].kv_args.state_types and state is None:
             state = [None]
-        self.handles[room].send_metadata(np.asarray(pages, dtype=np.int32), aux_row, state,
-                                         decode_prefix_len=prefix_tokens)
+        self.handles[room].send_metadata(
+            np.asarray(pages, dtype=np.int32), aux_row, state, decode_prefix_len=prefix_tokens
+        )
         return True
 
     def first_token(self, name, aux_row):
@@ -428,8 +495,12 @@ class DecodeNode(Node):
             sa = prepare_server_args(list(argv))
         except SystemExit as exc:
             return ["exit", exc.code]
-        return ["ok", sa.disaggregation_transfer_backend, PLUGIN_VIA,
-                os.environ.get("KVXFER_SECRET_FILE")]
+        return [
+            "ok",
+            sa.disaggregation_transfer_backend,
+            PLUGIN_VIA,
+            os.environ.get("KVXFER_SECRET_FILE"),
+        ]
 
     def release_safe(self, name, room, acks=1):
         return bool(self.scen[name]["mgr"].is_abort_release_safe(room, acks))

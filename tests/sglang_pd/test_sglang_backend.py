@@ -6,13 +6,16 @@ Real parts only: sglang==0.5.23's own classes (server-argument parser, runtime c
 over UCX on loopback, one process per role (spawn). The decode process is DP rank 1 of 2
 while prefill has one DP rank, so every transfer here crosses differing DP ranks.
 """
+
 import random
 from importlib.metadata import entry_points
 
 import pytest
 
-pytest.importorskip("sglang", reason="sglang is not installed here: `make test-sglang` "
-                                     "runs these tests in .venv-sglang")
+pytest.importorskip(
+    "sglang",
+    reason="sglang is not installed here: `make test-sglang` runs these tests in .venv-sglang",
+)
 
 import sgl_nodes as N  # noqa: E402
 
@@ -20,8 +23,12 @@ from kvxfer.procs import Worker  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
-ENV = {"SGLANG_HOST_IP": "127.0.0.1", "UCX_NET_DEVICES": "lo", "KVXFER_SECRET": "pd-test",
-       "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2"}
+ENV = {
+    "SGLANG_HOST_IP": "127.0.0.1",
+    "UCX_NET_DEVICES": "lo",
+    "KVXFER_SECRET": "pd-test",
+    "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",
+}
 FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = range(5)
 DONE = [SUCCESS, FAILED]
 
@@ -36,17 +43,21 @@ def _start(*workers, timeout=300):
 
 @pytest.fixture(scope="module")
 def cluster():
-    workers = [Worker(N.BootstrapServers, 5, name="bootstrap", env=ENV),
-               Worker(N.node, "prefill", name="prefill", env=ENV),
-               Worker(N.node, "decode", ("--dp-size", "2"), 1, name="decode", env=ENV)]
+    workers = [
+        Worker(N.BootstrapServers, 5, name="bootstrap", env=ENV),
+        Worker(N.node, "prefill", name="prefill", env=ENV),
+        Worker(N.node, "decode", ("--dp-size", "2"), 1, name="decode", env=ENV),
+    ]
     try:
         _start(*workers)
         ports = workers[0].proxy(N.BootstrapServers).ports()
         pf, dc = workers[1].proxy(N.PrefillNode), workers[2].proxy(N.DecodeNode)
         info = {}
         for scen, kind, port in (("mha", "mha", ports[0]), ("mamba", "mamba", ports[1])):
-            info[scen] = (pf.add(scen, kind, port, timeout=120),
-                          dc.add(scen, kind, port, timeout=120))
+            info[scen] = (
+                pf.add(scen, kind, port, timeout=120),
+                dc.add(scen, kind, port, timeout=120),
+            )
         yield dict(pf=pf, dc=dc, ports=ports, info=info)
     finally:
         for w in reversed(workers):
@@ -57,8 +68,9 @@ def _pages(rng, n, exclude=()):
     return rng.sample([p for p in range(1, 60) if p not in exclude], n)
 
 
-def _open(pf, dc, scen, port, room, d_pages, d_aux, p_aux, first, n_tokens, mamba_d=None,
-          prefix_tokens=0):
+def _open(
+    pf, dc, scen, port, room, d_pages, d_aux, p_aux, first, n_tokens, mamba_d=None, prefix_tokens=0
+):
     """Both ends of a room up to the point where prefill may send."""
     assert pf.sender(scen, room, "127.0.0.1", port) == "KvxferKVSender"
     got = dc.receiver(scen, room, f"127.0.0.1:{port}")
@@ -81,13 +93,18 @@ def test_server_args_accept_kvxfer(cluster):
     dc = cluster["dc"]
     base = ["--model-path", "dummy", "--device", "cpu", "--disaggregation-mode", "decode"]
     ok, backend, via, secret_file = dc.parse(
-        base + ["--disaggregation-transfer-backend", "kvxfer",
-                "--kvxfer-secret-file", "/run/kvxfer.secret"])
+        base
+        + [
+            "--disaggregation-transfer-backend",
+            "kvxfer",
+            "--kvxfer-secret-file",
+            "/run/kvxfer.secret",
+        ]
+    )
     assert (ok, backend, secret_file) == ("ok", "kvxfer", "/run/kvxfer.secret")
     installed = any(ep.name == "kvxfer" for ep in entry_points(group="sglang.srt.plugins"))
     assert via == ("entry_point" if installed else "register")
-    assert dc.parse(base + ["--disaggregation-transfer-backend", "kvxferx"]) == \
-        ["exit", 2]
+    assert dc.parse(base + ["--disaggregation-transfer-backend", "kvxferx"]) == ["exit", 2]
 
 
 @pytest.mark.parametrize("chunks", [[4], [1, 2, 1], [2, 2]])
@@ -103,7 +120,7 @@ def test_mha_chunked_byte_exact_first_token(cluster, chunks):
     at = 0
     for i, c in enumerate(chunks):
         last = i == len(chunks) - 1
-        assert pf.send(room, p_pages[at:at + c], last) is True
+        assert pf.send(room, p_pages[at : at + c], last) is True
         at += c
         if not last:
             assert pf.poll(room) in (WAITING, TRANSFERRING)
@@ -130,12 +147,10 @@ def test_hybrid_mamba_byte_exact(cluster):
     pf.send(room, p_pages[3:], True, 2)
     assert pf.wait(room, DONE, 30) == SUCCESS
     assert dc.wait(room, DONE, 30) == SUCCESS
-    assert dc.read("mamba", d_pages, 5) == dc.expected("mamba", room, 5,
-                                                             0, True)
+    assert dc.read("mamba", d_pages, 5) == dc.expected("mamba", room, 5, 0, True)
     assert dc.first_token("mamba", 6) == [777, room]
     kv_items, aux_items, state_items = cluster["info"]["mamba"][0]["item_lens"]
-    assert pf.metric(room)[0] == 5 * sum(kv_items) + sum(aux_items) + \
-        sum(state_items[0])
+    assert pf.metric(room)[0] == 5 * sum(kv_items) + sum(aux_items) + sum(state_items[0])
     pf.clear(room)
     dc.clear(room)
 
@@ -146,17 +161,17 @@ def test_decode_prefix_sends_only_the_suffix(cluster):
     p_pages = _pages(rng, 6)
     d_suffix = _pages(rng, 4)
     before = dc.read("mha", d_suffix)
-    pf.fill("mha", room, p_pages)           # prefill computed all 6 pages
-    started = _open(pf, dc, "mha", port, room, d_suffix, 2, 2, 99, 6 * N.PAGE,
-                    prefix_tokens=2 * N.PAGE)
+    pf.fill("mha", room, p_pages)  # prefill computed all 6 pages
+    started = _open(
+        pf, dc, "mha", port, room, d_suffix, 2, 2, 99, 6 * N.PAGE, prefix_tokens=2 * N.PAGE
+    )
     assert started == {"prefix": 2 * N.PAGE, "pages": 4}
     pf.send(room, p_pages[2:], True)
     assert dc.wait(room, DONE, 30) == SUCCESS
     got = dc.read("mha", d_suffix)
     assert got == dc.expected("mha", room, 4, 2) != before
     kv_items = cluster["info"]["mha"][0]["item_lens"][0]
-    assert pf.metric(room)[0] == 4 * sum(kv_items) + \
-        sum(cluster["info"]["mha"][0]["item_lens"][1])
+    assert pf.metric(room)[0] == 4 * sum(kv_items) + sum(cluster["info"]["mha"][0]["item_lens"][1])
     pf.clear(room)
     dc.clear(room)
 
@@ -170,7 +185,7 @@ def test_abort_from_decode_acks_only_after_the_write_settled(cluster):
     pf.hold_writes("mha")
     try:
         pf.send(room, p_pages, True)
-        for _ in range(2000):                       # the write is parked in flight
+        for _ in range(2000):  # the write is parked in flight
             if pf.parked():
                 break
         assert pf.parked() == 1
@@ -220,11 +235,9 @@ def test_unsupported_is_refused_with_the_reason(cluster):
     kind, msg = dc.refused("mha", "swa")
     assert kind == "UnsupportedOperation" and "'swa' is not supported" in msg
     assert pf.incompatible("mamba") is None
-    assert "heterogeneous TP" in pf.incompatible("mamba",
-                                         {"tp_size": 2, "tp_rank": 1})
+    assert "heterogeneous TP" in pf.incompatible("mamba", {"tp_size": 2, "tp_rank": 1})
     assert "kv_item_lens" in pf.incompatible("mha", {"kv_item_lens": [64] * 6})
-    assert "state_item_lens" in pf.incompatible("mamba",
-                                        {"state_item_lens": [[8] * 4]})
+    assert "state_item_lens" in pf.incompatible("mamba", {"state_item_lens": [[8] * 4]})
 
 
 def test_wrong_secret_moves_nothing_and_fails_the_room(cluster):
@@ -243,7 +256,7 @@ def test_wrong_secret_moves_nothing_and_fails_the_room(cluster):
     assert "Authentication" in dc.failure(room)[1]
     assert "Authentication" in pf.failure(room)[1]
     assert dc.read("intruder", d_pages) == before
-    assert dc.first_token("intruder", 1)[1] == 0       # metadata row untouched
+    assert dc.first_token("intruder", 1)[1] == 0  # metadata row untouched
 
 
 def test_killed_prefill_fails_decode_room(cluster):
@@ -259,7 +272,7 @@ def test_killed_prefill_fails_decode_room(cluster):
         dc.receiver("victim", room, f"127.0.0.1:{port}")
         dc.metadata("victim", room, [1, 2], 9)
         assert victim.wait(room, [WAITING, FAILED], 30) == WAITING
-        assert dc.peers("victim") == 1     # prefill's engine reached ours
+        assert dc.peers("victim") == 1  # prefill's engine reached ours
         vw.kill()
         assert dc.wait(room, DONE, 60) == FAILED
         kind, msg = dc.failure(room)
@@ -288,8 +301,7 @@ def test_killed_decode_fails_prefill_room(cluster):
         assert pf.wait(room, DONE, 60) == FAILED
         kind, msg = pf.failure(room)
         assert kind == "KVTransferError"
-        assert pf.send(room, [1, 2], True) is True     # a late send is a no-op
+        assert pf.send(room, [1, 2], True) is True  # a late send is a no-op
         assert pf.poll(room) == FAILED
     finally:
         vw.kill()
-

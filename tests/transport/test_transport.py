@@ -1,4 +1,5 @@
 """The UCX transport and the native _rma extension, in a spawned child over loopback."""
+
 import pytest
 
 from kvxfer.procs import Worker

@@ -1,5 +1,6 @@
 """The CLI conventions every subcommand follows: --json is a switch (JSON on stdout's last
 line), --json-out PATH writes a file, defaults show in --help, progress only on a TTY."""
+
 import io
 import json
 import subprocess
@@ -38,23 +39,33 @@ def test_progress_only_on_a_tty():
         p.step("one")
         p.step("two")
     assert "[1/2] x: one" in tty.getvalue() and "[2/2] x: two" in tty.getvalue()
-    assert tty.getvalue().endswith("\r")                  # the line is cleared at the end
+    assert tty.getvalue().endswith("\r")  # the line is cleared at the end
     with clitools.Progress(2, "x", stream=pipe) as p:
         p.step("one")
-    with clitools.Progress(2, "x", stream=_Tty(), enabled=False) as p:   # --json
+    with clitools.Progress(2, "x", stream=_Tty(), enabled=False) as p:  # --json
         p.step("one")
     assert pipe.getvalue() == ""
 
 
-@pytest.mark.parametrize("cmd", [["info"], ["demo"], ["bench", "transfer"], ["bench", "pd"],
-                                 ["bench", "offload"], ["bench", "kernels"]])
+@pytest.mark.parametrize(
+    "cmd",
+    [
+        ["info"],
+        ["demo"],
+        ["bench", "transfer"],
+        ["bench", "pd"],
+        ["bench", "offload"],
+        ["bench", "kernels"],
+    ],
+)
 def test_every_command_has_the_json_flags_and_defaults_in_help(cmd):
-    out = subprocess.run([sys.executable, "-m", "kvxfer", *cmd, "--help"], capture_output=True,
-                         text=True, timeout=50)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvxfer", *cmd, "--help"], capture_output=True, text=True, timeout=50
+    )
     assert out.returncode == 0, out.stderr
     text = " ".join(out.stdout.split())
     assert "[--json]" in text and "--json-out PATH" in text
-    assert cmd == ["info"] or "(default:" in text          # info has no defaults to show
+    assert cmd == ["info"] or "(default:" in text  # info has no defaults to show
 
 
 def test_json_is_a_switch_everywhere():

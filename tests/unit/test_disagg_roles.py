@@ -1,4 +1,5 @@
 """kvxfer.disagg.roles: the mode and room-role enums keep accepting the public spellings."""
+
 import enum
 
 import pytest
@@ -8,18 +9,24 @@ from kvxfer.disagg.rooms import Room
 from kvxfer.errors import InvalidArgument
 
 
-class _SglangMode(enum.Enum):            # SGLang's DisaggregationMode has these values
+class _SglangMode(enum.Enum):  # SGLang's DisaggregationMode has these values
     NULL = "null"
     PREFILL = "prefill"
     DECODE = "decode"
 
 
-@pytest.mark.parametrize("given,want", [
-    (DisaggMode.PREFILL, DisaggMode.PREFILL), ("decode", DisaggMode.DECODE),
-    (_SglangMode.PREFILL, DisaggMode.PREFILL), (_SglangMode.DECODE, DisaggMode.DECODE)])
+@pytest.mark.parametrize(
+    "given,want",
+    [
+        (DisaggMode.PREFILL, DisaggMode.PREFILL),
+        ("decode", DisaggMode.DECODE),
+        (_SglangMode.PREFILL, DisaggMode.PREFILL),
+        (_SglangMode.DECODE, DisaggMode.DECODE),
+    ],
+)
 def test_mode_parse(given, want):
     assert DisaggMode.parse(given) is want
-    assert want == want.value                          # a str enum: equal to its value
+    assert want == want.value  # a str enum: equal to its value
 
 
 @pytest.mark.parametrize("bad", ["sender", _SglangMode.NULL, None, 1])

@@ -1,4 +1,5 @@
 """Exhaustive checks of the torch-free layout math (pools/layout.py) against brute force."""
+
 import itertools
 import math
 
@@ -40,8 +41,10 @@ def test_kv_buffer_desc_spans_brute_force(tokens_per_row_is_page):
             d = KvBufferDesc("k0", (7, 2, 3), row_bytes=row_bytes, tokens_per_row=tpr)
             for n in range(-2, 40):
                 assert d.prefix_span_bytes(n, page_size) == _brute_rows(max(n, 0), tpr) * row_bytes
-                assert d.final_span_bytes(n, page_size) == \
-                    _brute_rows(max(n, 0) + page_size, tpr) * row_bytes
+                assert (
+                    d.final_span_bytes(n, page_size)
+                    == _brute_rows(max(n, 0) + page_size, tpr) * row_bytes
+                )
             assert d.item_len_bytes(page_size) == page_size // tpr * row_bytes
             assert d.reserved_span_bytes(2) == 7 * 2 * 3 * 2
 
@@ -163,12 +166,14 @@ def test_page_major_pages_are_contiguous_item_ranges(L, ps, H, D, Dv, isz, P):
 
 
 def test_page_major_for_pool_and_errors():
-    g = PageMajorGeometry.for_pool(size=8, page_size=4, layer_num=2, head_num=1, head_dim=2,
-                                   v_head_dim=2, itemsize=2)
+    g = PageMajorGeometry.for_pool(
+        size=8, page_size=4, layer_num=2, head_num=1, head_dim=2, v_head_dim=2, itemsize=2
+    )
     assert g.num_pages == 3
     with pytest.raises(InvalidArgument):
-        PageMajorGeometry.for_pool(size=9, page_size=4, layer_num=2, head_num=1, head_dim=2,
-                                   v_head_dim=2, itemsize=2)
+        PageMajorGeometry.for_pool(
+            size=9, page_size=4, layer_num=2, head_num=1, head_dim=2, v_head_dim=2, itemsize=2
+        )
     with pytest.raises(InvalidArgument, match="layer_num"):
         PageMajorGeometry(0, 1, 1, 1, 1, 1, 1)
     with pytest.raises(InvalidArgument, match="kind"):

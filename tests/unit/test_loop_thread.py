@@ -1,4 +1,5 @@
 """kvxfer.loop_thread.LoopThread: bounded waits, start failures surfaced, idempotent stop."""
+
 import asyncio
 import threading
 import time
@@ -42,7 +43,7 @@ def test_start_failure_is_raised_and_leaves_no_thread():
         lt.start(main(), 5.0)
     assert not lt.running and lt.loop.is_closed()
     assert not [t for t in threading.enumerate() if t.name == "kvxfer-test-fail"]
-    lt.stop(1.0)                                        # idempotent after a failed start
+    lt.stop(1.0)  # idempotent after a failed start
     with pytest.raises(Closed):
         lt.run(asyncio.sleep(0), 1.0)
 
@@ -75,7 +76,7 @@ def test_run_is_bounded_and_cancels_the_coroutine():
         assert isinstance(info.value, TimeoutError) and "slow call" in str(info.value)
         assert time.monotonic() - t0 < 5.0
         assert cancelled.wait(5.0)
-        with pytest.raises(KeyError):                   # the coroutine's error, unchanged
+        with pytest.raises(KeyError):  # the coroutine's error, unchanged
             lt.run(_raise_key(), 5.0)
     finally:
         lt.stop(5.0)

@@ -1,4 +1,5 @@
 """Exhaustive checks of the torch-free Mamba envelope / plain-layout arithmetic."""
+
 import itertools
 
 import pytest

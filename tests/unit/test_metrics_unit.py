@@ -1,4 +1,5 @@
 """kvxfer.metrics: in-process counters, and their Prometheus export when available."""
+
 import pytest
 
 from kvxfer.errors import InvalidArgument, TransferTimeout
@@ -43,7 +44,7 @@ def test_prometheus_export():
     m.add_bytes(4096)
     m.succeeded(0.02)
     m.failed("PeerClosed")
-    TransferMetrics("unit-prom").add_bytes(1)          # a second instance shares the series
+    TransferMetrics("unit-prom").add_bytes(1)  # a second instance shares the series
     get = REGISTRY.get_sample_value
     assert get("kvxfer_transfer_bytes_total", {"role": "unit-prom"}) == 4097
     assert get("kvxfer_requests_total", {"role": "unit-prom", "outcome": "success"}) == 1

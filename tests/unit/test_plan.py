@@ -1,4 +1,5 @@
 """Exhaustive tests of kvxfer.plan (pure arithmetic, no UCX, no torch)."""
+
 import itertools
 
 import numpy as np
@@ -40,19 +41,22 @@ def test_make_group_ok():
     assert g.count == 2 and g.num_items == 8 and g.item_bytes == 48 and g.nbytes == 8 * 48
 
 
-@pytest.mark.parametrize("args,msg", [
-    (("", [1], [8], [8]), "name"),
-    (("g", [], [], []), "no descriptors"),
-    (("g", [1, 2], [8], [8, 8]), "ptrs"),
-    (("g", [0], [8], [8]), "> 0"),
-    (("g", [8], [0], [8]), "> 0"),
-    (("g", [8], [8], [0]), "> 0"),
-    (("g", [8], [12], [8]), "multiple"),
-    (("g", [8, 64], [16, 32], [8, 8]), "item counts"),
-    (("g", [2 ** 64 - 8], [16], [8]), "overflows"),
-    (("g", [1.5], [8], [8]), "not an integer"),
-    (("g", [True], [8], [8]), "not an integer"),
-])
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (("", [1], [8], [8]), "name"),
+        (("g", [], [], []), "no descriptors"),
+        (("g", [1, 2], [8], [8, 8]), "ptrs"),
+        (("g", [0], [8], [8]), "> 0"),
+        (("g", [8], [0], [8]), "> 0"),
+        (("g", [8], [8], [0]), "> 0"),
+        (("g", [8], [12], [8]), "multiple"),
+        (("g", [8, 64], [16, 32], [8, 8]), "item counts"),
+        (("g", [2**64 - 8], [16], [8]), "overflows"),
+        (("g", [1.5], [8], [8]), "not an integer"),
+        (("g", [True], [8], [8]), "not an integer"),
+    ],
+)
 def test_make_group_rejects(args, msg):
     with pytest.raises(InvalidArgument, match=msg):
         plan.make_group(*args)
@@ -72,8 +76,9 @@ def test_check_compatible_names_field():
 # ------------------------------------------------------------------- ids
 
 
-@pytest.mark.parametrize("value", [[1, 2], (1, 2), np.array([1, 2], np.int32),
-                                   np.array([1, 2], np.uint64), range(1, 3)])
+@pytest.mark.parametrize(
+    "value", [[1, 2], (1, 2), np.array([1, 2], np.int32), np.array([1, 2], np.uint64), range(1, 3)]
+)
 def test_as_ids_accepts(value):
     out = plan.as_ids(value, "x")
     assert out.dtype == np.int64 and out.tolist() == [1, 2]
@@ -84,10 +89,15 @@ def test_as_ids_torch_cpu():
     assert plan.as_ids(torch.tensor([3, 4]), "x").tolist() == [3, 4]
 
 
-@pytest.mark.parametrize("value,exc", [([1.0, 2.0], InvalidArgument),
-                                       ([[1, 2]], InvalidArgument),
-                                       ([True], InvalidArgument),
-                                       (np.array([2 ** 63], np.uint64), IndexOutOfRange)])
+@pytest.mark.parametrize(
+    "value,exc",
+    [
+        ([1.0, 2.0], InvalidArgument),
+        ([[1, 2]], InvalidArgument),
+        ([True], InvalidArgument),
+        (np.array([2**63], np.uint64), IndexOutOfRange),
+    ],
+)
 def test_as_ids_rejects(value, exc):
     with pytest.raises(exc):
         plan.as_ids(value, "x")
@@ -139,12 +149,21 @@ def test_merge_runs_random_large():
             dst[: n // 2] = np.arange(n // 2) + 3
             src[: n // 2] = np.arange(n // 2) + 500
         s0, d0, ln = plan.merge_runs(src.astype(np.int64), dst.astype(np.int64))
-        assert list(zip(s0.tolist(), d0.tolist(), ln.tolist())) == brute_runs(src.tolist(), dst.tolist())
+        assert list(zip(s0.tolist(), d0.tolist(), ln.tolist())) == brute_runs(
+            src.tolist(), dst.tolist()
+        )
         assert ln.sum() == n
 
 
-@pytest.mark.parametrize("src,dst", [([1, 1, 2], [4, 5, 6]), ([0, 0, 2], [5, 6, 7]),
-                                     ([0, 2, 2], [5, 6, 7]), ([3, 4, 5], [7, 8, 9])])
+@pytest.mark.parametrize(
+    "src,dst",
+    [
+        ([1, 1, 2], [4, 5, 6]),
+        ([0, 0, 2], [5, 6, 7]),
+        ([0, 2, 2], [5, 6, 7]),
+        ([3, 4, 5], [7, 8, 9]),
+    ],
+)
 def test_merge_runs_duplicate_sources_break_runs(src, dst):
     s0, d0, ln = plan.merge_runs(np.array(src), np.array(dst))
     assert ln.sum() == 3 and list(zip(s0, d0, ln)) == brute_runs(src, dst)
@@ -160,12 +179,22 @@ def test_merge_runs_duplicates_and_orders_match_brute_force():
             src = np.sort(src)
         dst = rng.choice(100, n, replace=False)
         s0, d0, ln = plan.merge_runs(src.astype(np.int64), dst.astype(np.int64))
-        assert list(zip(s0.tolist(), d0.tolist(), ln.tolist())) == \
-            brute_runs(src.tolist(), dst.tolist())
+        assert list(zip(s0.tolist(), d0.tolist(), ln.tolist())) == brute_runs(
+            src.tolist(), dst.tolist()
+        )
 
 
-@pytest.mark.parametrize("ids,dup", [([], False), ([3], False), ([1, 2, 3], False),
-                                     ([3, 1, 2], False), ([1, 2, 2], True), ([5, 1, 5], True)])
+@pytest.mark.parametrize(
+    "ids,dup",
+    [
+        ([], False),
+        ([3], False),
+        ([1, 2, 3], False),
+        ([3, 1, 2], False),
+        ([1, 2, 2], True),
+        ([5, 1, 5], True),
+    ],
+)
 def test_has_duplicates(ids, dup):
     assert plan.has_duplicates(np.array(ids, dtype=np.int64)) is dup
 
@@ -175,9 +204,13 @@ def test_has_duplicates(ids, dup):
 
 def test_plan_items_exhaustive_bytes():
     """The byte mapping of the ops equals the reference for many layouts and id sets."""
-    layouts = [((0x1000,), (16,)), ((0x1000, 0x8000), (8, 24)), ((0x1000, 0x1080, 0x1100), (4, 4, 4))]
+    layouts = [
+        ((0x1000,), (16,)),
+        ((0x1000, 0x8000), (8, 24)),
+        ((0x1000, 0x1080, 0x1100), (4, 4, 4)),
+    ]
     rng = np.random.default_rng(1)
-    for (lptrs, ils) in layouts:
+    for lptrs, ils in layouts:
         local = grp(ptrs=lptrs, items=8, item_lens=ils)
         remote = grp(ptrs=tuple(p + 0x100000 for p in lptrs), items=10, item_lens=ils)
         for _ in range(60):
@@ -190,15 +223,18 @@ def test_plan_items_exhaustive_bytes():
             assert len(ops) == runs * local.count
             assert ops.total_bytes == n * sum(ils)
             # every op inside its descriptors on both sides
-            for la, ra, nb, d in zip(ops.laddr.tolist(), ops.raddr.tolist(),
-                                     ops.nbytes.tolist(), ops.desc.tolist()):
+            for la, ra, nb, d in zip(
+                ops.laddr.tolist(), ops.raddr.tolist(), ops.nbytes.tolist(), ops.desc.tolist()
+            ):
                 assert local.ptrs[d] <= la and la + nb <= local.ptrs[d] + local.lens[d]
                 assert remote.ptrs[d] <= ra and ra + nb <= remote.ptrs[d] + remote.lens[d]
 
 
 def test_plan_items_page_major_vs_per_layer_ops():
     L = 4
-    per_layer = grp(ptrs=[0x10000 * (i + 1) for i in range(2 * L)], items=32, item_lens=[64] * (2 * L))
+    per_layer = grp(
+        ptrs=[0x10000 * (i + 1) for i in range(2 * L)], items=32, item_lens=[64] * (2 * L)
+    )
     page_major = grp(ptrs=(0x100000,), items=32, item_lens=(64 * 2 * L,))
     src, dst = [0, 1, 2, 7, 9], [3, 4, 5, 0, 20]
     a = plan.plan_items(per_layer, per_layer, src, dst)
@@ -207,14 +243,17 @@ def test_plan_items_page_major_vs_per_layer_ops():
     assert a.total_bytes == b.total_bytes
 
 
-@pytest.mark.parametrize("src,dst,exc,msg", [
-    ([0, 8], [0, 1], IndexOutOfRange, "source: item id 8"),
-    ([0, 1], [0, 10], IndexOutOfRange, "destination: item id 10"),
-    ([-1], [0], IndexOutOfRange, "item id -1"),
-    ([0, 1], [3, 3], InvalidArgument, "destination item 3 appears 2 times"),
-    ([0, 1], [3], InvalidArgument, "2 source ids but 1"),
-    ([0.5], [1], InvalidArgument, "integers"),
-])
+@pytest.mark.parametrize(
+    "src,dst,exc,msg",
+    [
+        ([0, 8], [0, 1], IndexOutOfRange, "source: item id 8"),
+        ([0, 1], [0, 10], IndexOutOfRange, "destination: item id 10"),
+        ([-1], [0], IndexOutOfRange, "item id -1"),
+        ([0, 1], [3, 3], InvalidArgument, "destination item 3 appears 2 times"),
+        ([0, 1], [3], InvalidArgument, "2 source ids but 1"),
+        ([0.5], [1], InvalidArgument, "integers"),
+    ],
+)
 def test_plan_items_rejects(src, dst, exc, msg):
     local, remote = grp(items=8), grp(items=10, ptrs=(0x9000,))
     with pytest.raises(exc, match=msg):
@@ -266,7 +305,11 @@ def test_merge_spans_overlap_adjacent_gap():
     assert set(spans[0].members) == {("a", 0), ("a", 1), ("b", 0)}
     assert plan.span_index(spans, b).tolist() == [0, 1]
     spans2 = plan.merge_spans([a, b], merge_adjacent=False)
-    assert [(s.start, s.end) for s in spans2] == [(0x1000, 0x1100), (0x1100, 0x1280), (0x4000, 0x4100)]
+    assert [(s.start, s.end) for s in spans2] == [
+        (0x1000, 0x1100),
+        (0x1100, 0x1280),
+        (0x4000, 0x4100),
+    ]
 
 
 def test_merge_spans_random_cover():
@@ -329,7 +372,7 @@ def test_tp_sources_cover_every_head_once(heads):
 
 def test_tp_heads_examples_and_errors():
     assert plan.tp_heads(8, 4, 3) == (6, 2)
-    assert plan.tp_heads(2, 8, 5) == (1, 1)      # replicated KV heads
+    assert plan.tp_heads(2, 8, 5) == (1, 1)  # replicated KV heads
     assert plan.tp_sources(8, 2, 4, 1) == [(0, 2, 0, 2)]
     assert plan.tp_sources(8, 4, 2, 1) == [(2, 0, 0, 2), (3, 0, 2, 2)]
     with pytest.raises(InvalidArgument):

@@ -1,5 +1,6 @@
 """Torch- and SGLang-free parts of the SGLang backend: the secret's sources and the
 validation of its control messages."""
+
 import numpy as np
 import pytest
 
@@ -34,9 +35,16 @@ def test_unreadable_or_empty_secret_file_is_refused(tmp_path):
 
 
 def _room(**kw):
-    base = dict(room=5, endpoint="127.0.0.1", port=9, dst_kv=m.ids_to_bytes([3, 1]),
-                dst_aux=2, required_dst_info_num=1, dst_state=[m.ids_to_bytes([4]), None],
-                decode_prefix_len=8)
+    base = dict(
+        room=5,
+        endpoint="127.0.0.1",
+        port=9,
+        dst_kv=m.ids_to_bytes([3, 1]),
+        dst_aux=2,
+        required_dst_info_num=1,
+        dst_state=[m.ids_to_bytes([4]), None],
+        decode_prefix_len=8,
+    )
     base.update(kw)
     return m.SglRoom(**base)
 
@@ -48,27 +56,51 @@ def test_room_roundtrip():
     assert msg.decode_prefix_len == 8
 
 
-@pytest.mark.parametrize("bad", [dict(dst_kv=b"\x01\x02\x03"),
-                                 dict(dst_kv=np.array([-1], dtype="<i8").tobytes()),
-                                 dict(dst_state=[7]), dict(required_dst_info_num=0),
-                                 dict(dst_aux=-1)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(dst_kv=b"\x01\x02\x03"),
+        dict(dst_kv=np.array([-1], dtype="<i8").tobytes()),
+        dict(dst_state=[7]),
+        dict(required_dst_info_num=0),
+        dict(dst_aux=-1),
+    ],
+)
 def test_malformed_room_is_refused(bad):
     with pytest.raises(ProtocolError):
         m.decode_frames([m.FRAME_TAG, _room(**bad).encode()]).arrays()
 
 
 def _reg(**kw):
-    base = dict(endpoint="127.0.0.1", port=9, engine_host="127.0.0.1", engine_port=10,
-                name="sglang-decode@127.0.0.1:9", tp_size=1, tp_rank=0, page_size=4,
-                dtype="bfloat16", kv_item_lens=[128], aux_item_lens=[64], state_types=[],
-                state_item_lens=[])
+    base = dict(
+        endpoint="127.0.0.1",
+        port=9,
+        engine_host="127.0.0.1",
+        engine_port=10,
+        name="sglang-decode@127.0.0.1:9",
+        tp_size=1,
+        tp_rank=0,
+        page_size=4,
+        dtype="bfloat16",
+        kv_item_lens=[128],
+        aux_item_lens=[64],
+        state_types=[],
+        state_item_lens=[],
+    )
     base.update(kw)
     return m.SglRegister(**base)
 
 
-@pytest.mark.parametrize("bad", [dict(tp_rank=1), dict(port=0), dict(page_size=0),
-                                 dict(state_types=["mamba"]),
-                                 dict(state_types=["mamba"], state_item_lens=[["x"]])])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(tp_rank=1),
+        dict(port=0),
+        dict(page_size=0),
+        dict(state_types=["mamba"]),
+        dict(state_types=["mamba"], state_item_lens=[["x"]]),
+    ],
+)
 def test_malformed_register_is_refused(bad):
     with pytest.raises(ProtocolError):
         m.decode_frames([m.FRAME_TAG, _reg(**bad).encode()])

@@ -9,6 +9,7 @@ mapping, heartbeats); the data path - every byte of KV, state and metadata rows 
 completion that lets decode use them go through kvxfer's engine (authenticated peers, bounded
 waits, per-room ordered writes). Importing this package imports neither SGLang nor UCX.
 """
+
 BACKEND_NAME = "kvxfer"
 
 __all__ = ["BACKEND_NAME"]

@@ -6,6 +6,7 @@ sender's ``get_transfer_metric`` reports the bytes and time of its room's kvxfer
 ``abort`` also tells decode (once no write of the room is in flight - SGLang's common sender
 tells nobody); the receiver tracks which prefill ranks may complete its room.
 """
+
 from __future__ import annotations
 
 from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferMetric
@@ -19,8 +20,13 @@ from kvxfer.integrations.sglang.manager import KvxferKVManager, RoomStats
 
 
 class KvxferKVSender(CommonKVSender):
-    def __init__(self, mgr: KvxferKVManager, bootstrap_addr: str, bootstrap_room: int,
-                 req_has_disagg_prefill_dp_rank: bool = False) -> None:
+    def __init__(
+        self,
+        mgr: KvxferKVManager,
+        bootstrap_addr: str,
+        bootstrap_room: int,
+        req_has_disagg_prefill_dp_rank: bool = False,
+    ) -> None:
         self.stats = RoomStats()
         with mgr.room_lock:
             mgr.room_stats[int(bootstrap_room)] = self.stats
@@ -29,14 +35,14 @@ class KvxferKVSender(CommonKVSender):
     def get_transfer_metric(self) -> KVTransferMetric:
         """Bytes the room's kvxfer writes moved, and the time from the first write's start
         to the last one's completion (None before any write)."""
-        return KVTransferMetric(transfer_latency_s=self.stats.latency_s,
-                                transfer_total_bytes=self.stats.bytes)
+        return KVTransferMetric(
+            transfer_latency_s=self.stats.latency_s, transfer_total_bytes=self.stats.bytes
+        )
 
     def abort(self) -> None:
         """Runs on: the scheduler thread."""
         mgr = self.kv_mgr
-        failed = KVPoll.Failed in (mgr.request_status.get(self.bootstrap_room),
-                                   self.conclude_state)
+        failed = KVPoll.Failed in (mgr.request_status.get(self.bootstrap_room), self.conclude_state)
         targets = mgr.path.targets(self.bootstrap_room)
         super().abort()
         if not failed:

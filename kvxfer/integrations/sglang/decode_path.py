@@ -6,6 +6,7 @@ room was bootstrapped with. Prefill's ZMQ status messages (unauthenticated) can 
 room. A prefill engine that goes away fails its rooms at once (no waiting for SGLang's HTTP
 heartbeat, which does not notice a dead scheduler behind a live bootstrap server).
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,16 +42,17 @@ class DecodePath:
         self.mgr = mgr
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self._rooms: Dict[int, Set[str]] = {}        # room -> prefill endpoints ("ip:port")
-        self._meta_t: Dict[int, float] = {}          # room -> when its metadata went out
+        self._rooms: Dict[int, Set[str]] = {}  # room -> prefill endpoints ("ip:port")
+        self._meta_t: Dict[int, float] = {}  # room -> when its metadata went out
         self._lock = threading.Lock()
 
     def start(self) -> None:
         eng = self.mgr.engine.engine
         eng.on_message(self._on_engine_message)
         eng.on_peer_closed(self._peer_closed)
-        self._thread = threading.Thread(target=self._listen, daemon=True,
-                                        name=f"kvxfer-sgl-listen-{self.mgr.rank_port}")
+        self._thread = threading.Thread(
+            target=self._listen, daemon=True, name=f"kvxfer-sgl-listen-{self.mgr.rank_port}"
+        )
         self._thread.start()
         self.mgr._start_heartbeat_checker_thread()
 
@@ -64,34 +66,58 @@ class DecodePath:
         mgr, a = self.mgr, self.mgr.kv_args
         host, port = mgr.engine.address
         reg = SglRegister(
-            endpoint=mgr.local_ip, port=mgr.rank_port, engine_host=str(host),
-            engine_port=int(port), name=mgr.engine.config.name, tp_size=mgr.attn_tp_size,
-            tp_rank=int(a.engine_rank) % mgr.attn_tp_size, page_size=int(a.page_size),
-            dtype=str(a.kv_cache_dtype_str), kv_item_lens=[int(x) for x in a.kv_item_lens],
+            endpoint=mgr.local_ip,
+            port=mgr.rank_port,
+            engine_host=str(host),
+            engine_port=int(port),
+            name=mgr.engine.config.name,
+            tp_size=mgr.attn_tp_size,
+            tp_rank=int(a.engine_rank) % mgr.attn_tp_size,
+            page_size=int(a.page_size),
+            dtype=str(a.kv_cache_dtype_str),
+            kv_item_lens=[int(x) for x in a.kv_item_lens],
             aux_item_lens=[int(x) for x in a.aux_item_lens],
             state_types=[str(getattr(s, "value", s)) for s in a.state_types or []],
-            state_item_lens=[[int(x) for x in lens] for lens in a.state_item_lens or []])
+            state_item_lens=[[int(x) for x in lens] for lens in a.state_item_lens or []],
+        )
         return [FRAME_TAG, reg.encode()]
 
-    def metadata_message(self, room, required_dst_info_num, kv_indices, aux_index,
-                         state_indices, decode_prefix_len, is_dummy) -> List[bytes]:
+    def metadata_message(
+        self,
+        room,
+        required_dst_info_num,
+        kv_indices,
+        aux_index,
+        state_indices,
+        decode_prefix_len,
+        is_dummy,
+    ) -> List[bytes]:
         mgr = self.mgr
         states = []
         for s in (state_indices or []) if not is_dummy else []:
             states.append(None if s is None else ids_to_bytes(np.asarray(s).reshape(-1)))
-        msg = SglRoom(room=int(room), endpoint=mgr.local_ip, port=mgr.rank_port,
-                      dst_kv=b"" if is_dummy else ids_to_bytes(kv_indices),
-                      dst_aux=int(aux_index if aux_index is not None else 0),
-                      required_dst_info_num=int(required_dst_info_num), dst_state=states,
-                      decode_prefix_len=int(decode_prefix_len or 0), is_dummy=bool(is_dummy))
+        msg = SglRoom(
+            room=int(room),
+            endpoint=mgr.local_ip,
+            port=mgr.rank_port,
+            dst_kv=b"" if is_dummy else ids_to_bytes(kv_indices),
+            dst_aux=int(aux_index if aux_index is not None else 0),
+            required_dst_info_num=int(required_dst_info_num),
+            dst_state=states,
+            decode_prefix_len=int(decode_prefix_len or 0),
+            is_dummy=bool(is_dummy),
+        )
         with self._lock:
             self._meta_t[int(room)] = time.perf_counter()
         return [FRAME_TAG, msg.encode()]
 
     # ------------------------------------------------------------------ room tracking
     def track(self, room: int, bootstrap_infos) -> None:
-        eps = {f"{i['rank_ip']}:{i['rank_port']}" for i in bootstrap_infos or []
-               if not i.get("is_dummy")}
+        eps = {
+            f"{i['rank_ip']}:{i['rank_port']}"
+            for i in bootstrap_infos or []
+            if not i.get("is_dummy")
+        }
         with self._lock:
             self._rooms[room] = eps
 
@@ -122,11 +148,17 @@ class DecodePath:
                     continue
                 room, status, rank, reason = parsed
                 if status != KVPoll.Failed:
-                    log.warning("%r: room %d: ignored status %d over ZMQ (only the "
-                                "authenticated engine reports success)", mgr, room, status)
+                    log.warning(
+                        "%r: room %d: ignored status %d over ZMQ (only the "
+                        "authenticated engine reports success)",
+                        mgr,
+                        room,
+                        status,
+                    )
                     continue
-                self._failed(room, reason or mgr.DEFAULT_PREFILL_FAILURE_REASON, rank,
-                             "PrefillFailed")
+                self._failed(
+                    room, reason or mgr.DEFAULT_PREFILL_FAILURE_REASON, rank, "PrefillFailed"
+                )
             except Exception:
                 log.exception("%r: control message failed", mgr)
 
@@ -146,22 +178,31 @@ class DecodePath:
             eps = self._rooms.get(msg.room)
             t_meta = self._meta_t.get(msg.room)
         if eps is None or ep not in eps:
-            log.warning("%r: room %d: completion from %s, which this room was not "
-                        "bootstrapped with; ignored", mgr, msg.room, peer.name)
+            log.warning(
+                "%r: room %d: completion from %s, which this room was not "
+                "bootstrapped with; ignored",
+                mgr,
+                msg.room,
+                peer.name,
+            )
             return
         was = mgr.request_status.get(msg.room)
-        mgr.apply_prefill_status(bootstrap_room=msg.room, status=KVPoll.Success,
-                                 prefill_rank=msg.prefill_rank)
-        if was not in (KVPoll.Success, KVPoll.Failed) and \
-                mgr.request_status.get(msg.room) == KVPoll.Success:
+        mgr.apply_prefill_status(
+            bootstrap_room=msg.room, status=KVPoll.Success, prefill_rank=msg.prefill_rank
+        )
+        if (
+            was not in (KVPoll.Success, KVPoll.Failed)
+            and mgr.request_status.get(msg.room) == KVPoll.Success
+        ):
             mgr.metrics.succeeded(None if t_meta is None else time.perf_counter() - t_meta)
 
     def _failed(self, room: int, reason: str, rank: int, cause: str) -> None:
         """Runs on: the listener thread or the engine's loop thread."""
         mgr = self.mgr
         was = mgr.request_status.get(room)
-        mgr.apply_prefill_status(bootstrap_room=room, status=KVPoll.Failed,
-                                 prefill_rank=rank, failure_reason=reason)
+        mgr.apply_prefill_status(
+            bootstrap_room=room, status=KVPoll.Failed, prefill_rank=rank, failure_reason=reason
+        )
         if was not in (None, KVPoll.Success, KVPoll.Failed):
             mgr.metrics.failed(cause)
 

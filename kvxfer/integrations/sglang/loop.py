@@ -6,6 +6,7 @@ thread is a :class:`kvxfer.loop_thread.LoopThread`.
 Every task the backend creates on the loop is owned by its creator and ends before
 :meth:`EngineLoop.close` returns (the engine's close closes peers, so pending writes end).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple

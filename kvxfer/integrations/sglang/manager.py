@@ -16,6 +16,7 @@ PP/CP/DCP of 1, state type ``mamba``, any decode/prefill DP mapping SGLang resol
 prefix (radix) lengths. Everything else is refused here, before anything starts, with the
 reason (see docs/integrations.md).
 """
+
 from __future__ import annotations
 
 import logging
@@ -61,29 +62,39 @@ class RoomStats:
 def check_supported(args: KVArgs) -> None:
     """Raise UnsupportedOperation for what this backend does not do (before anything starts)."""
     par, disagg = get_parallel(), get_disagg()
-    limits = (("pipeline parallelism", par.pp_size), ("attention context parallelism",
-              par.attn_cp_size), ("decode context parallelism", par.attn_dcp_size))
+    limits = (
+        ("pipeline parallelism", par.pp_size),
+        ("attention context parallelism", par.attn_cp_size),
+        ("decode context parallelism", par.attn_dcp_size),
+    )
     for what, size in limits:
         if size != 1:
-            raise UnsupportedOperation(f"kvxfer transfer backend: {what} of size {size} is "
-                                       "not supported (only 1)")
+            raise UnsupportedOperation(
+                f"kvxfer transfer backend: {what} of size {size} is not supported (only 1)"
+            )
     if par.enable_kv_cache_sharding:
-        raise UnsupportedOperation("kvxfer transfer backend: --enable-kv-cache-sharding is "
-                                   "not supported")
+        raise UnsupportedOperation(
+            "kvxfer transfer backend: --enable-kv-cache-sharding is not supported"
+        )
     if disagg.disaggregation_decode_allocation_policy != "early":
-        raise UnsupportedOperation("kvxfer transfer backend: only the 'early' decode "
-                                   "allocation policy is supported")
+        raise UnsupportedOperation(
+            "kvxfer transfer backend: only the 'early' decode allocation policy is supported"
+        )
     if envs.SGLANG_DISAGG_STAGING_BUFFER.get():
-        raise UnsupportedOperation("kvxfer transfer backend: SGLANG_DISAGG_STAGING_BUFFER "
-                                   "(heterogeneous-TP staging) is not supported")
+        raise UnsupportedOperation(
+            "kvxfer transfer backend: SGLANG_DISAGG_STAGING_BUFFER "
+            "(heterogeneous-TP staging) is not supported"
+        )
     for st in getattr(args, "state_types", None) or []:
         if StateType(st) not in SUPPORTED_STATE_TYPES:
             raise UnsupportedOperation(
                 f"kvxfer transfer backend: state type {StateType(st).value!r} is not "
-                f"supported (supported: {sorted(s.value for s in SUPPORTED_STATE_TYPES)})")
+                f"supported (supported: {sorted(s.value for s in SUPPORTED_STATE_TYPES)})"
+            )
     if getattr(args, "host_kv_data_ptrs", None):
-        raise UnsupportedOperation("kvxfer transfer backend: decode host KV destinations "
-                                   "are not supported")
+        raise UnsupportedOperation(
+            "kvxfer transfer backend: decode host KV destinations are not supported"
+        )
 
 
 class KvxferKVManager(CommonKVManager):
@@ -93,27 +104,39 @@ class KvxferKVManager(CommonKVManager):
     # the prefill side acks a decode's abort only once no write of the room is in flight
     supports_deferred_decode_kv_release = True
 
-    def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode,
-                 server_args: ServerArgs, is_mla_backend: Optional[bool] = False) -> None:
-        secret = resolve_secret()                      # no secret: nothing starts
+    def __init__(
+        self,
+        args: KVArgs,
+        disaggregation_mode: DisaggregationMode,
+        server_args: ServerArgs,
+        is_mla_backend: Optional[bool] = False,
+    ) -> None:
+        secret = resolve_secret()  # no secret: nothing starts
         check_supported(args)
         self._closed = False
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         role = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
         self.role = role
         self.metrics = TransferMetrics(role)
-        self.room_lock = threading.Lock()      # _staging_outstanding, transfer_infos, stats
+        self.room_lock = threading.Lock()  # _staging_outstanding, transfer_infos, stats
         self.room_stats: Dict[int, RoomStats] = {}
-        self.engine = EngineLoop(EngineConfig(
-            secret=secret, host=self.local_ip, port=0,
-            name=f"sglang-{role}@{self.local_ip}:{self.rank_port}"))
+        self.engine = EngineLoop(
+            EngineConfig(
+                secret=secret,
+                host=self.local_ip,
+                port=0,
+                name=f"sglang-{role}@{self.local_ip}:{self.rank_port}",
+            )
+        )
         try:
             self.engine.start(self._groups())
             if role == "prefill":
                 from kvxfer.integrations.sglang.prefill_path import PrefillPath
+
                 self.path = PrefillPath(self)
             else:
                 from kvxfer.integrations.sglang.decode_path import DecodePath
+
                 self.path = DecodePath(self)
             self.path.start()
         except BaseException:
@@ -126,11 +149,12 @@ class KvxferKVManager(CommonKVManager):
 
     def _groups(self):
         a = self.kv_args
-        groups = {"kv": (a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens),
-                  "aux": (a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens)}
+        groups = {
+            "kv": (a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens),
+            "aux": (a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens),
+        }
         for i, _ in enumerate(a.state_types or []):
-            groups[f"state{i}"] = (a.state_data_ptrs[i], a.state_data_lens[i],
-                                   a.state_item_lens[i])
+            groups[f"state{i}"] = (a.state_data_ptrs[i], a.state_data_lens[i], a.state_item_lens[i])
         return groups
 
     # ------------------------------------------------------------------ base-class hooks
@@ -138,21 +162,46 @@ class KvxferKVManager(CommonKVManager):
         """Runs on: the scheduler thread (a dict read)."""
         return self.request_status.get(bootstrap_room, KVPoll.WaitingForInput)
 
-    def add_transfer_request(self, bootstrap_room, kv_indices, index_slice, is_last_chunk,
-                             aux_index=None, state_indices=None, num_kv_tokens=None, **_):
+    def add_transfer_request(
+        self,
+        bootstrap_room,
+        kv_indices,
+        index_slice,
+        is_last_chunk,
+        aux_index=None,
+        state_indices=None,
+        num_kv_tokens=None,
+        **_,
+    ):
         """Runs on: the scheduler thread (handed to the engine's loop)."""
-        self.path.add_transfer_request(bootstrap_room, kv_indices, index_slice,
-                                       is_last_chunk, aux_index, state_indices)
+        self.path.add_transfer_request(
+            bootstrap_room, kv_indices, index_slice, is_last_chunk, aux_index, state_indices
+        )
 
     def build_receiver_registration_message(self):
         return self.path.registration_message()
 
-    def build_receiver_metadata_message(self, *, bootstrap_room, required_dst_info_num,
-                                        kv_indices, aux_index, state_indices,
-                                        decode_prefix_len, is_dummy, device_kv_indices=None):
-        return self.path.metadata_message(bootstrap_room, required_dst_info_num, kv_indices,
-                                          aux_index, state_indices, decode_prefix_len,
-                                          is_dummy)
+    def build_receiver_metadata_message(
+        self,
+        *,
+        bootstrap_room,
+        required_dst_info_num,
+        kv_indices,
+        aux_index,
+        state_indices,
+        decode_prefix_len,
+        is_dummy,
+        device_kv_indices=None,
+    ):
+        return self.path.metadata_message(
+            bootstrap_room,
+            required_dst_info_num,
+            kv_indices,
+            aux_index,
+            state_indices,
+            decode_prefix_len,
+            is_dummy,
+        )
 
     # ------------------------------------------------------------------ lifecycle
     def close(self, timeout: float = 10.0) -> None:

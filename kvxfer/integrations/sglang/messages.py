@@ -11,6 +11,7 @@ every write of the room completed (bytes visible at decode). Decode accepts a ro
 success from nowhere else. Validation (:func:`decode_frames`, :meth:`SglRoom.arrays`)
 happens before anything acts on a message.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,11 +45,11 @@ def ids_from_bytes(data: bytes, what: str) -> np.ndarray:
 @dataclass
 class SglRegister(wire.Message):
     TAG = "sgl.register"
-    endpoint: str            # decode's ZMQ host (its identity, with port)
-    port: int                # decode's ZMQ port
+    endpoint: str  # decode's ZMQ host (its identity, with port)
+    port: int  # decode's ZMQ port
     engine_host: str
     engine_port: int
-    name: str                # decode engine's name (what prefill's engine sees at handshake)
+    name: str  # decode engine's name (what prefill's engine sees at handshake)
     tp_size: int
     tp_rank: int
     page_size: int
@@ -56,19 +57,21 @@ class SglRegister(wire.Message):
     kv_item_lens: List[int]
     aux_item_lens: List[int]
     state_types: List[str]
-    state_item_lens: list    # one list[int] per state type
+    state_item_lens: list  # one list[int] per state type
 
     def check(self) -> "SglRegister":
         if not 0 < self.port < 65536 or not 0 < self.engine_port < 65536:
             raise ProtocolError(f"register: bad port {self.port} / {self.engine_port}")
         if not 0 <= self.tp_rank < self.tp_size or self.page_size <= 0:
-            raise ProtocolError(f"register: tp {self.tp_rank}/{self.tp_size}, "
-                                f"page_size {self.page_size}")
+            raise ProtocolError(
+                f"register: tp {self.tp_rank}/{self.tp_size}, page_size {self.page_size}"
+            )
         if len(self.state_item_lens) != len(self.state_types):
             raise ProtocolError("register: state_item_lens and state_types differ in length")
         for lens in self.state_item_lens:
             if not isinstance(lens, list) or not all(
-                    isinstance(v, int) and not isinstance(v, bool) for v in lens):
+                isinstance(v, int) and not isinstance(v, bool) for v in lens
+            ):
                 raise ProtocolError("register: state_item_lens must be lists of ints")
         return self
 
@@ -83,14 +86,18 @@ class SglRoom(wire.Message):
     dst_kv: bytes
     dst_aux: int
     required_dst_info_num: int
-    dst_state: list          # per state type: bytes of int64 ids, or None
+    dst_state: list  # per state type: bytes of int64 ids, or None
     decode_prefix_len: int = 0
     is_dummy: bool = False
 
     def arrays(self):
         """``(dst_kv, [dst_state or None ...])`` as int64 arrays; ProtocolError if malformed."""
-        if self.room < 0 or self.dst_aux < 0 or self.required_dst_info_num <= 0 \
-                or self.decode_prefix_len < 0:
+        if (
+            self.room < 0
+            or self.dst_aux < 0
+            or self.required_dst_info_num <= 0
+            or self.decode_prefix_len < 0
+        ):
             raise ProtocolError(f"room {self.room}: negative id or count")
         states: List[Optional[np.ndarray]] = []
         for i, s in enumerate(self.dst_state):
@@ -99,8 +106,7 @@ class SglRoom(wire.Message):
             elif isinstance(s, (bytes, bytearray)):
                 states.append(ids_from_bytes(bytes(s), f"room {self.room}: dst_state[{i}]"))
             else:
-                raise ProtocolError(f"room {self.room}: dst_state[{i}] is "
-                                    f"{type(s).__name__}")
+                raise ProtocolError(f"room {self.room}: dst_state[{i}] is {type(s).__name__}")
         return ids_from_bytes(self.dst_kv, f"room {self.room}: dst_kv"), states
 
 

@@ -14,6 +14,7 @@ SGLang calls :func:`register` in every process before parsing arguments. It
 
 Idempotent: a second call changes nothing.
 """
+
 from __future__ import annotations
 
 import os
@@ -48,17 +49,22 @@ def _get_kv_class(original, transfer_backend, class_type):
         return KVArgs
     from kvxfer.integrations.sglang import conn
 
-    return {KVClassType.MANAGER: conn.KvxferKVManager,
-            KVClassType.SENDER: conn.KvxferKVSender,
-            KVClassType.RECEIVER: conn.KvxferKVReceiver,
-            KVClassType.BOOTSTRAP_SERVER: conn.KvxferKVBootstrapServer}.get(class_type)
+    return {
+        KVClassType.MANAGER: conn.KvxferKVManager,
+        KVClassType.SENDER: conn.KvxferKVSender,
+        KVClassType.RECEIVER: conn.KvxferKVReceiver,
+        KVClassType.BOOTSTRAP_SERVER: conn.KvxferKVBootstrapServer,
+    }.get(class_type)
 
 
 def _add_cli_args(result, parser):
     parser.add_argument(
-        "--kvxfer-secret-file", type=str, default=None,
+        "--kvxfer-secret-file",
+        type=str,
+        default=None,
         help="File holding the shared secret of the kvxfer transfer backend (the same on "
-             "every prefill and decode server); alternative to the env var KVXFER_SECRET.")
+        "every prefill and decode server); alternative to the env var KVXFER_SECRET.",
+    )
 
 
 def register() -> None:
@@ -75,10 +81,12 @@ def register() -> None:
         add_disagg_transfer_backend_choices([BACKEND_NAME])
     HookRegistry.register(f"{_UTILS}.TransferBackend._missing_", _missing, HookType.AROUND)
     HookRegistry.register(f"{_UTILS}.get_kv_class", _get_kv_class, HookType.AROUND)
-    HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", _add_cli_args,
-                          HookType.AFTER)
-    HookRegistry.register("sglang.srt.server_args.ServerArgs.from_cli_args",
-                          _from_cli_args_hook, HookType.BEFORE)
+    HookRegistry.register(
+        "sglang.srt.server_args.ServerArgs.add_cli_args", _add_cli_args, HookType.AFTER
+    )
+    HookRegistry.register(
+        "sglang.srt.server_args.ServerArgs.from_cli_args", _from_cli_args_hook, HookType.BEFORE
+    )
     _done = True
 
 

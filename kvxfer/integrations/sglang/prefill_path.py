@@ -14,6 +14,7 @@ pages are released only after it) is sent when that count reaches zero - never w
 write may still land. A write that timed out is not known to have settled: its room is
 poisoned (no ack, decode keeps its pages until its own release timeout).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -48,7 +49,7 @@ class Decode:
 
     def __init__(self, key: str, reg: SglRegister, reason: Optional[str]) -> None:
         self.key, self.reg, self.reason = key, reg, reason
-        self.task: Optional[asyncio.Task] = None     # connect, on the engine loop
+        self.task: Optional[asyncio.Task] = None  # connect, on the engine loop
 
     def __repr__(self) -> str:
         return f"Decode({self.key}, {self.reason or 'ok'})"
@@ -57,8 +58,17 @@ class Decode:
 class RoomInfo:
     """Destination of one room on one decode rank (from :class:`SglRoom`)."""
 
-    __slots__ = ("key", "endpoint", "port", "dst_kv", "dst_state", "dst_aux",
-                 "required_dst_info_num", "decode_prefix_len", "is_dummy")
+    __slots__ = (
+        "key",
+        "endpoint",
+        "port",
+        "dst_kv",
+        "dst_state",
+        "dst_aux",
+        "required_dst_info_num",
+        "decode_prefix_len",
+        "is_dummy",
+    )
 
     def __init__(self, key: str, msg: SglRoom) -> None:
         self.key, self.endpoint, self.port = key, msg.endpoint, msg.port
@@ -75,16 +85,21 @@ class Chunk:
     def __init__(self, kv, index_slice, last, aux_index, state) -> None:
         self.kv = np.asarray(kv, dtype=np.int64).reshape(-1).copy()
         self.index_slice, self.last, self.aux_index = index_slice, bool(last), aux_index
-        self.state = None if state is None else [
-            None if s is None else np.asarray(s, dtype=np.int64).reshape(-1).copy()
-            for s in state]
+        self.state = (
+            None
+            if state is None
+            else [
+                None if s is None else np.asarray(s, dtype=np.int64).reshape(-1).copy()
+                for s in state
+            ]
+        )
 
 
 class PrefillPath:
     def __init__(self, mgr) -> None:
         self.mgr = mgr
-        self.decodes: Dict[str, Decode] = {}          # guarded by mgr.room_lock
-        self.chains: Dict[int, asyncio.Task] = {}      # engine loop only
+        self.decodes: Dict[str, Decode] = {}  # guarded by mgr.room_lock
+        self.chains: Dict[int, asyncio.Task] = {}  # engine loop only
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.notifier = concurrent.futures.ThreadPoolExecutor(1, "kvxfer-sgl-notify")
@@ -93,8 +108,9 @@ class PrefillPath:
 
     def start(self) -> None:
         self.mgr.engine.engine.on_peer_closed(self._peer_closed)
-        self._thread = threading.Thread(target=self._control, daemon=True,
-                                        name=f"kvxfer-sgl-control-{self.mgr.rank_port}")
+        self._thread = threading.Thread(
+            target=self._control, daemon=True, name=f"kvxfer-sgl-control-{self.mgr.rank_port}"
+        )
         self._thread.start()
 
     def stop(self, timeout: float) -> None:
@@ -106,7 +122,7 @@ class PrefillPath:
         try:
             self.mgr.engine.run(self._cancel_tasks(), timeout)
         except KvxferError:
-            pass                                       # the loop is already closed
+            pass  # the loop is already closed
         self.notifier.shutdown(wait=True, cancel_futures=True)
 
     async def _cancel_tasks(self) -> None:
@@ -150,23 +166,39 @@ class PrefillPath:
 
     def _incompatible(self, reg: SglRegister) -> Optional[str]:
         mgr, a = self.mgr, self.mgr.kv_args
-        ours = {"tp_size": mgr.attn_tp_size, "page_size": a.page_size,
-                "dtype": str(a.kv_cache_dtype_str), "kv_item_lens": list(a.kv_item_lens),
-                "aux_item_lens": list(a.aux_item_lens),
-                "state_types": [str(getattr(s, "value", s)) for s in a.state_types or []],
-                "state_item_lens": [list(x) for x in a.state_item_lens or []]}
-        theirs = {"tp_size": reg.tp_size, "page_size": reg.page_size, "dtype": reg.dtype,
-                  "kv_item_lens": reg.kv_item_lens, "aux_item_lens": reg.aux_item_lens,
-                  "state_types": reg.state_types, "state_item_lens": reg.state_item_lens}
+        ours = {
+            "tp_size": mgr.attn_tp_size,
+            "page_size": a.page_size,
+            "dtype": str(a.kv_cache_dtype_str),
+            "kv_item_lens": list(a.kv_item_lens),
+            "aux_item_lens": list(a.aux_item_lens),
+            "state_types": [str(getattr(s, "value", s)) for s in a.state_types or []],
+            "state_item_lens": [list(x) for x in a.state_item_lens or []],
+        }
+        theirs = {
+            "tp_size": reg.tp_size,
+            "page_size": reg.page_size,
+            "dtype": reg.dtype,
+            "kv_item_lens": reg.kv_item_lens,
+            "aux_item_lens": reg.aux_item_lens,
+            "state_types": reg.state_types,
+            "state_item_lens": reg.state_item_lens,
+        }
         for k, v in ours.items():
             if theirs[k] != v:
-                what = ("heterogeneous TP is not supported by the kvxfer backend"
-                        if k == "tp_size" else "layouts differ")
-                return (f"decode {reg.endpoint}:{reg.port} has {k}={theirs[k]!r}, prefill "
-                        f"has {v!r}: {what}")
+                what = (
+                    "heterogeneous TP is not supported by the kvxfer backend"
+                    if k == "tp_size"
+                    else "layouts differ"
+                )
+                return (
+                    f"decode {reg.endpoint}:{reg.port} has {k}={theirs[k]!r}, prefill "
+                    f"has {v!r}: {what}"
+                )
         if reg.tp_rank != mgr.attn_tp_rank:
-            return f"decode tp_rank {reg.tp_rank} registered with prefill tp_rank " \
-                   f"{mgr.attn_tp_rank}"
+            return (
+                f"decode tp_rank {reg.tp_rank} registered with prefill tp_rank {mgr.attn_tp_rank}"
+            )
         return None
 
     def _on_register(self, reg: SglRegister) -> None:
@@ -190,12 +222,15 @@ class PrefillPath:
 
     async def _connect(self, d: Decode):
         eng = self.mgr.engine
-        peer = await eng.engine.connect(d.reg.engine_host, d.reg.engine_port,
-                                        eng.config.connect_timeout_s)
+        peer = await eng.engine.connect(
+            d.reg.engine_host, d.reg.engine_port, eng.config.connect_timeout_s
+        )
         if peer.name != d.reg.name:
             await peer.close()
-            raise IncompatiblePeer(f"decode {d.key} registered engine {d.reg.name!r}, "
-                                   f"{d.reg.engine_host}:{d.reg.engine_port} is {peer.name!r}")
+            raise IncompatiblePeer(
+                f"decode {d.key} registered engine {d.reg.name!r}, "
+                f"{d.reg.engine_host}:{d.reg.engine_port} is {peer.name!r}"
+            )
         return peer
 
     def _on_room(self, msg: SglRoom) -> None:
@@ -209,8 +244,7 @@ class PrefillPath:
             complete = len(infos) == info.required_dst_info_num
             if complete:
                 mgr.req_to_decode_prefix_len[room] = info.decode_prefix_len
-        reason = ("decode sent room metadata before registering" if d is None
-                  else d.reason)
+        reason = "decode sent room metadata before registering" if d is None else d.reason
         if reason is not None and not info.is_dummy:
             mgr.update_status(room, KVPoll.WaitingForInput)
             self._fail(room, reason, "IncompatiblePeer", notify=[(info.endpoint, info.port)])
@@ -222,8 +256,10 @@ class PrefillPath:
         if n is None:
             return
         mgr, room = self.mgr, n.room
-        if room in mgr.request_status and mgr.check_status(room) not in (KVPoll.Success,
-                                                                          KVPoll.Failed):
+        if room in mgr.request_status and mgr.check_status(room) not in (
+            KVPoll.Success,
+            KVPoll.Failed,
+        ):
             mgr.record_failure(room, "Aborted by decode")
             mgr.update_status(room, KVPoll.Failed)
             mgr.metrics.failed("TransferAborted")
@@ -233,14 +269,15 @@ class PrefillPath:
             self.notifier.submit(mgr._maybe_ack_drained_abort, room)
 
     # ------------------------------------------------------------------ scheduler thread
-    def add_transfer_request(self, room, kv_indices, index_slice, last, aux_index,
-                             state_indices) -> None:
+    def add_transfer_request(
+        self, room, kv_indices, index_slice, last, aux_index, state_indices
+    ) -> None:
         """Runs on: the scheduler thread (the writes run on the engine's loop)."""
         mgr = self.mgr
         with mgr.room_lock:
             infos = mgr.transfer_infos.get(room)
             if not infos:
-                return                                 # cleared, or a dummy rank
+                return  # cleared, or a dummy rank
             infos = list(infos.values())
             mgr._staging_outstanding[room] += 1
             stats = mgr.room_stats.get(room)
@@ -266,9 +303,14 @@ class PrefillPath:
         prev = self.chains.get(room)
 
         def send(_=None):
-            self.notifier.submit(self.mgr.send_kv_status_message, targets=targets,
-                                 bootstrap_room=room, status=KVPoll.Failed,
-                                 failure_reason="Aborted by prefill")
+            self.notifier.submit(
+                self.mgr.send_kv_status_message,
+                targets=targets,
+                bootstrap_room=room,
+                status=KVPoll.Failed,
+                failure_reason="Aborted by prefill",
+            )
+
         if prev is None or prev.done():
             send()
         else:
@@ -278,8 +320,7 @@ class PrefillPath:
     def _enqueue(self, room: int, chunk: Chunk, infos, stats) -> None:
         """Runs on: the engine's loop thread (handed over by the scheduler thread)."""
         prev = self.chains.get(room)
-        task = asyncio.get_running_loop().create_task(
-            self._run(room, chunk, infos, stats, prev))
+        task = asyncio.get_running_loop().create_task(self._run(room, chunk, infos, stats, prev))
         self.chains[room] = task
         task.add_done_callback(lambda t: self._settled(room, t))
 
@@ -288,7 +329,7 @@ class PrefillPath:
             await asyncio.wait([prev])
         mgr = self.mgr
         if mgr.request_status.get(room, KVPoll.Failed) == KVPoll.Failed:
-            return                                     # failed or cleared: nothing is sent
+            return  # failed or cleared: nothing is sent
         mgr.update_status(room, KVPoll.Transferring)
         peers = []
         try:
@@ -317,12 +358,14 @@ class PrefillPath:
             mgr.update_status(room, KVPoll.Success)
             mgr.metrics.succeeded(stats.latency_s if stats is not None else None)
         except (KvxferError, OSError) as exc:
-            targets = [] if isinstance(exc, (PeerClosed, TransferTimeout)) else \
-                [(i.endpoint, i.port) for i in infos if not i.is_dummy]
+            targets = (
+                []
+                if isinstance(exc, (PeerClosed, TransferTimeout))
+                else [(i.endpoint, i.port) for i in infos if not i.is_dummy]
+            )
             if isinstance(exc, TransferTimeout):
-                mgr.poison_deferred_ack_room(room)     # a write may still land: no ack
-            self._fail(room, f"{type(exc).__name__}: {exc}", type(exc).__name__,
-                       notify=targets)
+                mgr.poison_deferred_ack_room(room)  # a write may still land: no ack
+            self._fail(room, f"{type(exc).__name__}: {exc}", type(exc).__name__, notify=targets)
 
     async def _peer(self, key: str):
         d = self.decodes.get(key)
@@ -337,22 +380,27 @@ class PrefillPath:
 
         dst = info.dst_kv[chunk.index_slice]
         if len(dst) != len(chunk.kv):
-            raise ShapeMismatch(f"room {room}: chunk of {len(chunk.kv)} pages for decode "
-                                f"pages {chunk.index_slice} of {len(info.dst_kv)}")
+            raise ShapeMismatch(
+                f"room {room}: chunk of {len(chunk.kv)} pages for decode "
+                f"pages {chunk.index_slice} of {len(info.dst_kv)}"
+            )
         writes = [ItemWrite("kv", chunk.kv, dst)] if len(dst) else []
         if not chunk.last:
             return writes
         if chunk.index_slice.stop != len(info.dst_kv):
-            raise ShapeMismatch(f"room {room}: prefill sent {chunk.index_slice.stop} pages, "
-                                f"decode allocated {len(info.dst_kv)}")
+            raise ShapeMismatch(
+                f"room {room}: prefill sent {chunk.index_slice.stop} pages, "
+                f"decode allocated {len(info.dst_kv)}"
+            )
         for i in range(len(self.mgr.kv_args.state_types or [])):
             src = chunk.state[i] if chunk.state and i < len(chunk.state) else None
             dst_s = info.dst_state[i] if i < len(info.dst_state) else None
             n_src = 0 if src is None else len(src)
             n_dst = 0 if dst_s is None else len(dst_s)
             if n_src != n_dst:
-                raise ShapeMismatch(f"room {room}: state {i}: prefill sends {n_src} items, "
-                                    f"decode allocated {n_dst}")
+                raise ShapeMismatch(
+                    f"room {room}: state {i}: prefill sends {n_src} items, decode allocated {n_dst}"
+                )
             if n_src:
                 writes.append(ItemWrite(f"state{i}", src, dst_s))
         if chunk.aux_index is None:
@@ -386,9 +434,13 @@ class PrefillPath:
         mgr.update_status(room, KVPoll.Failed)
         mgr.metrics.failed(cause)
         if notify and not self._stop.is_set():
-            self.notifier.submit(mgr.send_kv_status_message, targets=notify,
-                                 bootstrap_room=room, status=KVPoll.Failed,
-                                 failure_reason=reason)
+            self.notifier.submit(
+                mgr.send_kv_status_message,
+                targets=notify,
+                bootstrap_room=room,
+                status=KVPoll.Failed,
+                failure_reason=reason,
+            )
 
     def _peer_closed(self, peer, exc) -> None:
         """A decode engine went away: fail its live rooms (nothing to notify).

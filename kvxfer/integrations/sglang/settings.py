@@ -6,6 +6,7 @@
   ``--kvxfer-secret-file PATH`` server argument sets this variable for the scheduler
   processes SGLang starts. Nothing else is accepted: there is no default secret.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,7 +31,8 @@ def resolve_secret(env: Optional[Mapping[str, str]] = None) -> bytes:
             raise InvalidArgument(
                 f"the kvxfer transfer backend needs a shared secret: set {SECRET_ENV} (or "
                 f"{SECRET_FILE_ENV}, or pass --kvxfer-secret-file) to the same value on every "
-                "prefill and decode server")
+                "prefill and decode server"
+            )
         try:
             with open(path, "rb") as f:
                 value = f.read().strip()

@@ -3,6 +3,7 @@
 Runs one scenario of docs/RELIABILITY.md, prints its summary (one JSON object on the last
 line with ``--json``) and exits 0 only when every count that must be zero is zero.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,24 +18,35 @@ def figure(s: dict) -> str:
         return f"skipped: {s['skipped']}"
     if s["scenario"] == "kill_matrix":
         cells = [c for g in s["groups"] for c in g["cells"].values()]
-        bad = [f"{g['victim']}/{g['signal']}/{st}" for g in s["groups"]
-               for st, c in g["cells"].items() if not c.get("ok")]
+        bad = [
+            f"{g['victim']}/{g['signal']}/{st}"
+            for g in s["groups"]
+            for st, c in g["cells"].items()
+            if not c.get("ok")
+        ]
         groups_bad = [f"{g['victim']}/{g['signal']}" for g in s["groups"] if not g["ok"]]
         worst = max((c["t_s"] for c in cells if c.get("t_s") is not None), default=0.0)
         n_groups = len(s["groups"])
-        return (f"{len(cells) - len(bad)}/{len(cells)} cells ok, {n_groups - len(groups_bad)}"
-                f"/{n_groups} groups ok (failing: {', '.join(bad + groups_bad) or '-'}); "
-                f"slowest on_done {worst:.2f} s after the signal; {s['wall_s']:.0f} s")
+        return (
+            f"{len(cells) - len(bad)}/{len(cells)} cells ok, {n_groups - len(groups_bad)}"
+            f"/{n_groups} groups ok (failing: {', '.join(bad + groups_bad) or '-'}); "
+            f"slowest on_done {worst:.2f} s after the signal; {s['wall_s']:.0f} s"
+        )
     c = s["counts"]
     rss = "; ".join(f"{k} RSS {v[0]:.0f}->{v[1]:.0f} MiB" for k, v in s["rss_mib"].items())
-    extra = (f"; {s['impairment']}; dropped: {s.get('dropped')}"
-             if s["scenario"].startswith("netns") else "")
-    return (f"{s['requests']} requests: {s['succeeded']} ok, {s['aborted']} aborted, "
-            f"unexpected {c['unexpected_outcomes']}, corrupt rooms {c['corrupt_rooms']} "
-            f"({s['pages_verified']} pages verified), late writes {c['late_writes']}, guard hits "
-            f"{c['guard_hits']}, on_done twice {c['on_done_twice']}, unreleased "
-            f"{c['unreleased']}, hung {c['hung']}, leaked {c['leaked']}; {rss}; "
-            f"{s['soak_s']:.0f} s soak / {s['wall_s']:.0f} s wall{extra}")
+    extra = (
+        f"; {s['impairment']}; dropped: {s.get('dropped')}"
+        if s["scenario"].startswith("netns")
+        else ""
+    )
+    return (
+        f"{s['requests']} requests: {s['succeeded']} ok, {s['aborted']} aborted, "
+        f"unexpected {c['unexpected_outcomes']}, corrupt rooms {c['corrupt_rooms']} "
+        f"({s['pages_verified']} pages verified), late writes {c['late_writes']}, guard hits "
+        f"{c['guard_hits']}, on_done twice {c['on_done_twice']}, unreleased "
+        f"{c['unreleased']}, hung {c['hung']}, leaked {c['leaked']}; {rss}; "
+        f"{s['soak_s']:.0f} s soak / {s['wall_s']:.0f} s wall{extra}"
+    )
 
 
 def _print(summary: dict, as_json: bool) -> None:
@@ -46,8 +58,9 @@ def _print(summary: dict, as_json: bool) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvxfer.testing.reliability",
-                                 description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m kvxfer.testing.reliability", description=__doc__.splitlines()[0]
+    )
     sub = ap.add_subparsers(dest="scenario", required=True)
     s = sub.add_parser("soak", help="random sizes, chunking and aborts between one pair")
     s.add_argument("--requests", type=int, default=10000)
@@ -58,26 +71,40 @@ def main(argv: Optional[List[str]] = None) -> int:
     s.add_argument("--error-mode", choices=("peer", "none"), default="peer")
     k = sub.add_parser("kill", help="SIGKILL / SIGSTOP+SIGCONT a peer in each room state")
     k.add_argument("--victims", default="prefill,decode")
-    k.add_argument("--signals", default="KILL,STOP,CLOSE",
-                   help="KILL (SIGKILL), STOP (SIGSTOP, later SIGCONT), CLOSE (graceful)")
+    k.add_argument(
+        "--signals",
+        default="KILL,STOP,CLOSE",
+        help="KILL (SIGKILL), STOP (SIGSTOP, later SIGCONT), CLOSE (graceful)",
+    )
     n = sub.add_parser("netns", help="prefill and decode in two network namespaces (veth)")
     n.add_argument("--requests", type=int, default=500)
-    n.add_argument("--impair", action="store_true",
-                   help="tc netem delay + loss on the veth pair (or the fallback, see docs)")
+    n.add_argument(
+        "--impair",
+        action="store_true",
+        help="tc netem delay + loss on the veth pair (or the fallback, see docs)",
+    )
     n.add_argument("--seed", type=int, default=0)
     for p in (s, k, n):
         p.add_argument("--json", action="store_true", help="one JSON line")
     a = ap.parse_args(argv)
     if a.scenario == "soak":
         from kvxfer.testing.reliability.soak import run_soak
-        out = run_soak(requests=a.requests, seed=a.seed, window=a.window,
-                       max_pages=a.max_pages, abort_rate=a.abort_rate,
-                       error_mode=a.error_mode)
+
+        out = run_soak(
+            requests=a.requests,
+            seed=a.seed,
+            window=a.window,
+            max_pages=a.max_pages,
+            abort_rate=a.abort_rate,
+            error_mode=a.error_mode,
+        )
     elif a.scenario == "kill":
         from kvxfer.testing.reliability.kill_matrix import run_matrix
+
         out = run_matrix(victims=a.victims.split(","), signals=a.signals.split(","))
     else:
         from kvxfer.testing.reliability.netns import run_netns
+
         out = run_netns(requests=a.requests, impair=a.impair, seed=a.seed)
     _print(out, a.json)
     return 0 if out.get("ok") or out.get("skipped") else 1

@@ -30,6 +30,7 @@ victim: its longest state deadline plus the same additions.
 
 ``python -m kvxfer.testing.reliability kill --json``
 """
+
 from __future__ import annotations
 
 import random
@@ -40,9 +41,15 @@ from typing import Dict, List, Optional
 from kvxfer import procs
 from kvxfer.testing.reliability.cluster import MATRIX_SPEC, Worker, ensure_secret
 
-MATRIX_TIMEOUTS = dict(bootstrap_s=4.0, waiting_s=10.0, transfer_s=10.0,
-                       heartbeat_interval_s=0.25, heartbeat_timeout_s=3.0, abort_ack_s=3.0,
-                       decode_grace_s=1.0)
+MATRIX_TIMEOUTS = dict(
+    bootstrap_s=4.0,
+    waiting_s=10.0,
+    transfer_s=10.0,
+    heartbeat_interval_s=0.25,
+    heartbeat_timeout_s=3.0,
+    abort_ack_s=3.0,
+    decode_grace_s=1.0,
+)
 #: allowance on top of every bound for a loaded 2-core machine (stated in the report)
 SLACK_S = 3.0
 BIG = 2048
@@ -71,37 +78,64 @@ def bound_s(state: str, survivor: str, t: dict = MATRIX_TIMEOUTS, sig: str = "KI
 
 
 def resume_bound_s(t: dict = MATRIX_TIMEOUTS) -> float:
-    return (max(t["waiting_s"], t["transfer_s"]) + t["bootstrap_s"] + t["decode_grace_s"]
-            + t["abort_ack_s"])
+    return (
+        max(t["waiting_s"], t["transfer_s"])
+        + t["bootstrap_s"]
+        + t["decode_grace_s"]
+        + t["abort_ack_s"]
+    )
 
 
 def _victim(victim: str, sig: str, addr: str, opts: dict) -> Worker:
-    return Worker(victim, MATRIX_SPEC, addr if victim == "prefill" else None, opts,
-                  name=f"victim-{victim}-{sig}")
+    return Worker(
+        victim,
+        MATRIX_SPEC,
+        addr if victim == "prefill" else None,
+        opts,
+        name=f"victim-{victim}-{sig}",
+    )
 
 
-def run_group(victim: str, sig: str, survivor: Worker, addr: str, rng: random.Random,
-              opts: dict, v: Optional[Worker] = None) -> dict:
+def run_group(
+    victim: str,
+    sig: str,
+    survivor: Worker,
+    addr: str,
+    rng: random.Random,
+    opts: dict,
+    v: Optional[Worker] = None,
+) -> dict:
     """One victim side x one signal (``v``: the victim, when already spawned); see the
     module docstring."""
     surv_role = survivor.role
     v = (v or _victim(victim, sig, addr, opts)).ready()
     P, D = (v, survivor) if victim == "prefill" else (survivor, v)
-    rid = lambda: rng.randrange(1, 1 << 62)                    # noqa: E731
+    rid = lambda: rng.randrange(1, 1 << 62)  # noqa: E731
     before = survivor.node.check()
     rooms: Dict[str, int] = {s: rid() for s in STATES}
     out: dict = {"victim": victim, "signal": sig, "cells": {}}
     partner = None
     try:
-        S, W, T, B, M = (rooms[s] for s in ("after Success", "WaitingForInput", "Transferring",
-                                            "Bootstrapping", "mid-write"))
+        S, W, T, B, M = (
+            rooms[s]
+            for s in (
+                "after Success",
+                "WaitingForInput",
+                "Transferring",
+                "Bootstrapping",
+                "mid-write",
+            )
+        )
         D.node.open(S, 2, True, True, addr)
         P.node.open(S, 2)
         P.node.send(S, 0, 2)
         pre = {S: (D.node.wait(S, 30.0)["state"], P.node.wait(S, 30.0)["state"])}
         D.node.open(W, 3, True, True, addr)
         P.node.open(W, 3)
-        pre[W] = (D.node.poll_until(W, ["WaitingForInput"]), P.node.poll_until(W, ["WaitingForInput"]))
+        pre[W] = (
+            D.node.poll_until(W, ["WaitingForInput"]),
+            P.node.poll_until(W, ["WaitingForInput"]),
+        )
         D.node.open(T, 3, True, True, addr)
         P.node.open(T, 3)
         P.node.send(T, 0, 1)
@@ -111,17 +145,17 @@ def run_group(victim: str, sig: str, survivor: Worker, addr: str, rng: random.Ra
         P.node.poll_until(M, ["WaitingForInput"])
         D.node.poll_until(M, ["WaitingForInput"])
         # B last: its Bootstrapping deadline runs from here
-        if victim == "prefill":                 # decode survivor: receiver not yet init()-ed
+        if victim == "prefill":  # decode survivor: receiver not yet init()-ed
             D.node.open(B, 3, False, False, addr)
-        else:                                   # prefill survivor: decode connected, no metadata
+        else:  # prefill survivor: decode connected, no metadata
             D.node.open(B, 3, True, False, addr)
             D.node.poll_until(B, ["WaitingForInput"])
             P.node.open(B, 3)
         pre[B] = (D.node.poll(B), P.node.poll(B))
         pre[M] = (D.node.poll(M), P.node.poll(M))
         P.node.send(M, 0, BIG)
-        landing = D.node.wait_landed(M, 10.0)       # its first page is there: bytes are flowing
-        if sig == "CLOSE":                      # graceful: KVManager.close() in the victim
+        landing = D.node.wait_landed(M, 10.0)  # its first page is there: bytes are flowing
+        if sig == "CLOSE":  # graceful: KVManager.close() in the victim
             t_sig = time.monotonic()
             closing = procs.post(v.node.close_manager)
         else:
@@ -135,10 +169,12 @@ def run_group(victim: str, sig: str, survivor: Worker, addr: str, rng: random.Ra
         for state in ("WaitingForInput", "Transferring", "after Success"):
             cell = out["cells"][state]
             cell["reached"] = cell["decode_before"] == state.replace("after ", "")
-        out["cells"]["Bootstrapping"]["reached"] = \
+        out["cells"]["Bootstrapping"]["reached"] = (
             out["cells"]["Bootstrapping"][f"{surv_role}_before"] == "Bootstrapping"
+        )
         out["cells"]["mid-write"]["reached"] = (
-            out["cells"]["mid-write"]["prefill_before"] == "WaitingForInput" and landing)
+            out["cells"]["mid-write"]["prefill_before"] == "WaitingForInput" and landing
+        )
         # -- the survivor
         ok = True
         for state in STATES:
@@ -148,25 +184,43 @@ def run_group(victim: str, sig: str, survivor: Worker, addr: str, rng: random.Ra
             bound = bound_s(state, surv_role, sig=sig)
             left = t_sig + bound + SLACK_S - time.monotonic()
             res = survivor.node.wait(room, max(0.1, left), timeout=max(0.1, left) + 30)
-            cell.update(survivor=surv_role, state=res["state"], exc=res["exc"],
-                        t_s=None if res["t_done"] is None else round(res["t_done"] - t_sig, 2),
-                        bound_s=bound, landed=res["landed"], msg=res["msg"])
+            cell.update(
+                survivor=surv_role,
+                state=res["state"],
+                exc=res["exc"],
+                t_s=None if res["t_done"] is None else round(res["t_done"] - t_sig, 2),
+                bound_s=bound,
+                landed=res["landed"],
+                msg=res["msg"],
+            )
             if res["state"] == "Success":
                 # the 32 MiB write finished before the signal took effect: acceptable only
                 # for the mid-write cell, and only byte-exact
                 cell["note"] = "write completed before the signal took effect"
-                cell["ok"] = (state == "mid-write" and cell["reached"] and res["calls"] == 1
-                              and not res["bad"])
+                cell["ok"] = (
+                    state == "mid-write"
+                    and cell["reached"]
+                    and res["calls"] == 1
+                    and not res["bad"]
+                )
             else:
-                cell["ok"] = (cell["reached"] and res["state"] == "Failed"
-                              and res["calls"] == 1 and cell["t_s"] is not None
-                              and cell["t_s"] <= bound + SLACK_S)
+                cell["ok"] = (
+                    cell["reached"]
+                    and res["state"] == "Failed"
+                    and res["calls"] == 1
+                    and cell["t_s"] is not None
+                    and cell["t_s"] <= bound + SLACK_S
+                )
             ok &= cell["ok"]
         s_res = survivor.node.results([S])[S]
-        out["cells"]["after Success"].update(survivor=surv_role, state=s_res["state"],
-                                             calls=s_res["calls"],
-                                             ok=s_res["state"] == "Success" and s_res["calls"] == 1
-                                             and out["cells"]["after Success"]["reached"])
+        out["cells"]["after Success"].update(
+            survivor=surv_role,
+            state=s_res["state"],
+            calls=s_res["calls"],
+            ok=s_res["state"] == "Success"
+            and s_res["calls"] == 1
+            and out["cells"]["after Success"]["reached"],
+        )
         ok &= out["cells"]["after Success"]["ok"]
         after_fail = survivor.node.check()
         out["survivor_after_signal"] = _summary(before, after_fail)
@@ -174,12 +228,16 @@ def run_group(victim: str, sig: str, survivor: Worker, addr: str, rng: random.Ra
         if sig == "STOP":
             t_cont = v.signal(signal.SIGCONT)
             vc = v.node.check(resume_bound_s() + SLACK_S, timeout=resume_bound_s() + 60)
-            out["victim_after_resume"] = dict(_summary(None, vc), s=round(time.monotonic()
-                                                                          - t_cont, 2))
+            out["victim_after_resume"] = dict(
+                _summary(None, vc), s=round(time.monotonic() - t_cont, 2)
+            )
             ok &= _clean(out["victim_after_resume"])
             vres = v.node.results([rooms[s] for s in STATES])
-            out["victim_rooms"] = {s: f"{vres[rooms[s]]['state']}:{vres[rooms[s]]['exc']}"
-                                   for s in STATES if rooms[s] in vres}
+            out["victim_rooms"] = {
+                s: f"{vres[rooms[s]]['state']}:{vres[rooms[s]]['exc']}"
+                for s in STATES
+                if rooms[s] in vres
+            }
             partner = v
         else:
             if sig == "CLOSE":
@@ -189,8 +247,13 @@ def run_group(victim: str, sig: str, survivor: Worker, addr: str, rng: random.Ra
                 ok &= _clean(out["victim_after_close"])
                 v.stop()
             v.worker.proc.join(10)
-            partner = Worker(victim, MATRIX_SPEC, addr if victim == "prefill" else None, opts,
-                             name=f"restarted-{victim}").ready()
+            partner = Worker(
+                victim,
+                MATRIX_SPEC,
+                addr if victim == "prefill" else None,
+                opts,
+                name=f"restarted-{victim}",
+            ).ready()
         P2, D2 = (partner, survivor) if victim == "prefill" else (survivor, partner)
         R = rid()
         D2.node.open(R, 5, True, True, addr)
@@ -198,10 +261,13 @@ def run_group(victim: str, sig: str, survivor: Worker, addr: str, rng: random.Ra
         P2.node.send(R, 0, 2)
         P2.node.send(R, 2, 5)
         rd, rp = D2.node.wait(R, 30.0), P2.node.wait(R, 30.0)
-        out["served_after"] = {"peer": "resumed victim" if sig == "STOP" else
-                               "restarted victim (same bootstrap key)",
-                               "decode": rd["state"], "prefill": rp["state"], "bad": rd["bad"],
-                               "exc": rd["exc"] or rp["exc"]}
+        out["served_after"] = {
+            "peer": "resumed victim" if sig == "STOP" else "restarted victim (same bootstrap key)",
+            "decode": rd["state"],
+            "prefill": rp["state"],
+            "bad": rd["bad"],
+            "exc": rd["exc"] or rp["exc"],
+        }
         served = rd["state"] == rp["state"] == "Success" and rd["bad"] == 0
         final = survivor.node.check()
         out["survivor_final"] = _summary(before, final)
@@ -227,20 +293,39 @@ def _summary(before, c: dict) -> dict:
         guard -= sum(before["guard_hits"].values())
         twice -= before["on_done_twice"]
         corrupt -= before["corrupt_rooms"]
-    return {"late_writes": late, "late_examples": c["late_examples"][-3:], "guard_hits": guard,
-            "on_done_twice": twice, "corrupt_rooms": corrupt, "leaks": c["leaks"],
-            "unreleased": c["unreleased"], "fds": c["fds"], "rss_mib": c["rss_mib"]}
+    return {
+        "late_writes": late,
+        "late_examples": c["late_examples"][-3:],
+        "guard_hits": guard,
+        "on_done_twice": twice,
+        "corrupt_rooms": corrupt,
+        "leaks": c["leaks"],
+        "unreleased": c["unreleased"],
+        "fds": c["fds"],
+        "rss_mib": c["rss_mib"],
+    }
 
 
 def _clean(s: dict) -> bool:
-    return not (s["late_writes"] or s["guard_hits"] or s["on_done_twice"] or s["corrupt_rooms"]
-                or s["unreleased"] or any(s["leaks"].values()))
+    return not (
+        s["late_writes"]
+        or s["guard_hits"]
+        or s["on_done_twice"]
+        or s["corrupt_rooms"]
+        or s["unreleased"]
+        or any(s["leaks"].values())
+    )
 
 
-def run_matrix(victims: List[str] = ("prefill", "decode"), signals: List[str] = KINDS,
-               seed: int = 0, error_mode: str = "peer") -> dict:
+def run_matrix(
+    victims: List[str] = ("prefill", "decode"),
+    signals: List[str] = KINDS,
+    seed: int = 0,
+    error_mode: str = "peer",
+) -> dict:
     """Run every (victim, signal) group against long-lived survivors; returns the summary."""
     from kvxfer.testing.reliability.node import bootstrap_server
+
     ensure_secret()
     t0 = time.monotonic()
     rng = random.Random(seed)
@@ -251,13 +336,13 @@ def run_matrix(victims: List[str] = ("prefill", "decode"), signals: List[str] = 
     first = None
     try:
         if "decode" in victims:
-            survivors["prefill"] = Worker("prefill", MATRIX_SPEC, bs_s.address, opts,
-                                          name="survivor-prefill")
+            survivors["prefill"] = Worker(
+                "prefill", MATRIX_SPEC, bs_s.address, opts, name="survivor-prefill"
+            )
         if "prefill" in victims:
-            survivors["decode"] = Worker("decode", MATRIX_SPEC, None, opts,
-                                         name="survivor-decode")
+            survivors["decode"] = Worker("decode", MATRIX_SPEC, None, opts, name="survivor-decode")
         addr_of = {"prefill": bs_v.address, "decode": bs_s.address}
-        first = _victim(victims[0], signals[0], addr_of[victims[0]], opts)   # boots alongside
+        first = _victim(victims[0], signals[0], addr_of[victims[0]], opts)  # boots alongside
         for w in survivors.values():
             w.ready()
         for victim in victims:
@@ -274,6 +359,11 @@ def run_matrix(victims: List[str] = ("prefill", "decode"), signals: List[str] = 
                 w.stop()
         bs_s.stop_thread()
         bs_v.stop_thread()
-    return {"scenario": "kill_matrix", "ok": all(g["ok"] for g in groups), "groups": groups,
-            "timeouts": MATRIX_TIMEOUTS, "slack_s": SLACK_S,
-            "wall_s": round(time.monotonic() - t0, 1)}
+    return {
+        "scenario": "kill_matrix",
+        "ok": all(g["ok"] for g in groups),
+        "groups": groups,
+        "timeouts": MATRIX_TIMEOUTS,
+        "slack_s": SLACK_S,
+        "wall_s": round(time.monotonic() - t0, 1),
+    }

@@ -15,6 +15,7 @@ cleanly (a typed error, everything released, no late write, no corruption).
 Where namespaces cannot be made (not root, no ``ip``, no permission) the scenario returns
 ``{"skipped": reason}``. ``python -m kvxfer.testing.reliability netns [--impair] --json``
 """
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,14 @@ import shutil
 import subprocess
 from typing import List, Optional
 
-NETNS_TIMEOUTS = dict(bootstrap_s=30.0, waiting_s=60.0, transfer_s=60.0,
-                      heartbeat_interval_s=0.5, heartbeat_timeout_s=30.0, abort_ack_s=15.0)
+NETNS_TIMEOUTS = dict(
+    bootstrap_s=30.0,
+    waiting_s=60.0,
+    transfer_s=60.0,
+    heartbeat_interval_s=0.5,
+    heartbeat_timeout_s=30.0,
+    abort_ack_s=15.0,
+)
 NETEM = "delay 10ms 2ms loss 1%"
 
 
@@ -81,29 +88,86 @@ class VethPair:
     def _impair(self) -> str:
         try:
             for ns, dev in zip(self.ns, self.dev):
-                _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root",
-                    "netem", *NETEM.split())
+                _sh(
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    dev,
+                    "root",
+                    "netem",
+                    *NETEM.split(),
+                )
             return f"tc netem {NETEM} (each direction)"
         except (subprocess.CalledProcessError, OSError) as exc:
             netem_err = _why(exc)
         if shutil.which("nft") is None or shutil.which("tc") is None:
-            raise Unavailable(f"tc netem unavailable ({netem_err}) and no nft/tc for the "
-                              "stand-in impairment")
+            raise Unavailable(
+                f"tc netem unavailable ({netem_err}) and no nft/tc for the stand-in impairment"
+            )
         try:
             for ns, dev in zip(self.ns, self.dev):
-                _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                    "rate", "200mbit", "burst", "64kb", "latency", "50ms")
+                _sh(
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    dev,
+                    "root",
+                    "tbf",
+                    "rate",
+                    "200mbit",
+                    "burst",
+                    "64kb",
+                    "latency",
+                    "50ms",
+                )
                 nft = ["ip", "netns", "exec", ns, "nft"]
                 _sh(*nft, "add", "table", "inet", "kvx")
-                _sh(*nft, "add", "chain", "inet", "kvx", "out",
-                    "{ type filter hook output priority 0 ; }")
-                _sh(*nft, "add", "rule", "inet", "kvx", "out", "meta", "l4proto", "tcp",
-                    "numgen", "random", "mod", "100", "<", "1", "counter", "drop")
+                _sh(
+                    *nft,
+                    "add",
+                    "chain",
+                    "inet",
+                    "kvx",
+                    "out",
+                    "{ type filter hook output priority 0 ; }",
+                )
+                _sh(
+                    *nft,
+                    "add",
+                    "rule",
+                    "inet",
+                    "kvx",
+                    "out",
+                    "meta",
+                    "l4proto",
+                    "tcp",
+                    "numgen",
+                    "random",
+                    "mod",
+                    "100",
+                    "<",
+                    "1",
+                    "counter",
+                    "drop",
+                )
         except (subprocess.CalledProcessError, OSError) as exc:
-            raise Unavailable(f"tc netem unavailable ({netem_err}); stand-in failed too: "
-                              f"{_why(exc)}") from None
-        return (f"netem unavailable in this kernel ({netem_err}); stand-in: nftables drops 1% "
-                "of TCP segments at random + tc tbf 200 Mbit/s (each direction)")
+            raise Unavailable(
+                f"tc netem unavailable ({netem_err}); stand-in failed too: {_why(exc)}"
+            ) from None
+        return (
+            f"netem unavailable in this kernel ({netem_err}); stand-in: nftables drops 1% "
+            "of TCP segments at random + tc tbf 200 Mbit/s (each direction)"
+        )
 
     def dropped(self) -> Optional[str]:
         """What the impairment dropped so far (tc / nft counters), as reported by the tools."""
@@ -116,8 +180,9 @@ class VethPair:
                     st = _sh("ip", "netns", "exec", ns, "tc", "-s", "qdisc", "show", "dev", dev)
                     line = next((l.strip() for l in st.splitlines() if "dropped" in l), "?")
                 else:
-                    st = _sh("ip", "netns", "exec", ns, "nft", "list", "chain", "inet", "kvx",
-                             "out")
+                    st = _sh(
+                        "ip", "netns", "exec", ns, "nft", "list", "chain", "inet", "kvx", "out"
+                    )
                     line = next((l.strip() for l in st.splitlines() if "counter" in l), "?")
             except (subprocess.CalledProcessError, OSError) as exc:
                 line = _why(exc)
@@ -136,35 +201,53 @@ def _why(exc: BaseException) -> str:
     return str(exc)
 
 
-def run_netns(requests: int = 500, impair: bool = False, seed: int = 0,
-              abort_rate: float = 0.0) -> dict:
+def run_netns(
+    requests: int = 500, impair: bool = False, seed: int = 0, abort_rate: float = 0.0
+) -> dict:
     """The soak between two namespaces; ``{"skipped": reason}`` where they cannot be made."""
     from kvxfer.testing.reliability.soak import run_soak
+
     try:
         net = VethPair(impair).__enter__()
     except Unavailable as exc:
-        return {"scenario": "netns-impaired" if impair else "netns", "ok": None,
-                "skipped": str(exc)}
+        return {
+            "scenario": "netns-impaired" if impair else "netns",
+            "ok": None,
+            "skipped": str(exc),
+        }
     try:
-        ucx = lambda dev: {"UCX_TLS": "tcp", "UCX_NET_DEVICES": dev}     # noqa: E731
+        ucx = lambda dev: {"UCX_TLS": "tcp", "UCX_NET_DEVICES": dev}  # noqa: E731
         placement = {
-            "prefill": dict(netns=net.ns[0], host=net.ip[0], serve_bootstrap=True,
-                            env=ucx(net.dev[0])),
+            "prefill": dict(
+                netns=net.ns[0], host=net.ip[0], serve_bootstrap=True, env=ucx(net.dev[0])
+            ),
             "decode": dict(netns=net.ns[1], host=net.ip[1], env=ucx(net.dev[1])),
         }
-        out = run_soak(requests=requests, seed=seed, abort_rate=abort_rate,
-                       timeouts=NETNS_TIMEOUTS, placement=placement, deadline_s=120.0)
+        out = run_soak(
+            requests=requests,
+            seed=seed,
+            abort_rate=abort_rate,
+            timeouts=NETNS_TIMEOUTS,
+            placement=placement,
+            deadline_s=120.0,
+        )
         out["dropped"] = net.dropped()
     finally:
         net.__exit__()
-    lanes_ok = bool(out["lanes"]) and all(l.split("/")[-1].split(".")[0] in net.dev
-                                          for l in out["lanes"])
+    lanes_ok = bool(out["lanes"]) and all(
+        l.split("/")[-1].split(".")[0] in net.dev for l in out["lanes"]
+    )
     c = out["counts"]
     # under impairment a request may also fail, as long as it fails cleanly: a typed error
     # on both sides (a room never released is counted by "unreleased" / "hung")
     must_be_zero = [k for k in c if not (impair and k == "unexpected_outcomes")]
-    out.update(scenario="netns-impaired" if impair else "netns",
-               namespaces=list(net.ns), addresses=list(net.ip), devices=list(net.dev),
-               impairment=net.impairment or "none", lanes_on_veth_only=lanes_ok,
-               ok=lanes_ok and not any(c[k] for k in must_be_zero))
+    out.update(
+        scenario="netns-impaired" if impair else "netns",
+        namespaces=list(net.ns),
+        addresses=list(net.ip),
+        devices=list(net.dev),
+        impairment=net.impairment or "none",
+        lanes_on_veth_only=lanes_ok,
+        ok=lanes_ok and not any(c[k] for k in must_be_zero),
+    )
     return out

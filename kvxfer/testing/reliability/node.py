@@ -27,6 +27,7 @@ in one of three places, and each is checked:
 ``on_done`` calls are counted per room (a second call is counted, never acted upon); leaks
 are allocator counts and live rooms; RSS and open fds are sampled for the report.
 """
+
 from __future__ import annotations
 
 import collections
@@ -91,6 +92,7 @@ def bootstrap_server(host: str = "127.0.0.1"):
     import inspect
 
     from kvxfer.disagg import BootstrapServer
+
     kw = secret_kw() if "secret" in inspect.signature(BootstrapServer).parameters else {}
     return BootstrapServer(host, 0, **kw).start_in_thread()
 
@@ -104,10 +106,12 @@ def pattern(room: int, ks, e: int, nbytes: int):
     a sentinel row. Rows are gathered from a table of the 251 possible rows (one per start
     value), so building 2048 pages of 16 KiB costs one 32 MiB copy."""
     import torch
+
     table = _TABLES.get(nbytes)
     if table is None:
-        table = _TABLES[nbytes] = ((torch.arange(251)[:, None] + torch.arange(nbytes)[None, :])
-                                   % 251).to(torch.uint8)
+        table = _TABLES[nbytes] = (
+            (torch.arange(251)[:, None] + torch.arange(nbytes)[None, :]) % 251
+        ).to(torch.uint8)
     ks = torch.as_tensor(ks, dtype=torch.int64)
     return table[((room % 251) * 31 + e * 13 + 7 * ks) % 251]
 
@@ -152,22 +156,25 @@ class RelNode:
         g = int(opts.get("guard", 2))
         self.views = m.pool.get_item_views()
         self.state_views = m.pool.get_state_item_views() if m.mamba is not None else []
-        n_pages = self.views[0].shape[0] - 1              # ids 1..n_pages, 0 = padding
+        n_pages = self.views[0].shape[0] - 1  # ids 1..n_pages, 0 = padding
         n_slots = self.state_views[0].shape[0] - 1 if self.state_views else 0
         n_rows = m.aux.rows
         self.pages = PagedTokenToKVPoolAllocator((n_pages - g) * m.ps, m.ps)
         self.slots = MambaSlotAllocator(n_slots - g) if n_slots else None
         self.aux = m.aux
-        rows = [self.aux.alloc() for _ in range(n_rows)]          # rows 0..n_rows-1
-        for r in reversed(rows[g:n_rows - g]):                     # next alloc: row g first
+        rows = [self.aux.alloc() for _ in range(n_rows)]  # rows 0..n_rows-1
+        for r in reversed(rows[g : n_rows - g]):  # next alloc: row g first
             self.aux.free(r)
-        self.guard_ids = {"kv": [0] + list(range(n_pages - g + 1, n_pages + 1)),
-                          "state": ([0] + list(range(n_slots - g + 1, n_slots + 1))
-                                    if n_slots else []),
-                          "aux": rows[:g] + rows[n_rows - g:]}
-        self.free_ids = {"kv": set(range(1, n_pages - g + 1)),
-                         "state": set(range(1, n_slots - g + 1)) if n_slots else set(),
-                         "aux": set(rows[g:n_rows - g])}
+        self.guard_ids = {
+            "kv": [0] + list(range(n_pages - g + 1, n_pages + 1)),
+            "state": ([0] + list(range(n_slots - g + 1, n_slots + 1)) if n_slots else []),
+            "aux": rows[:g] + rows[n_rows - g :],
+        }
+        self.free_ids = {
+            "kv": set(range(1, n_pages - g + 1)),
+            "state": set(range(1, n_slots - g + 1)) if n_slots else set(),
+            "aux": set(rows[g : n_rows - g]),
+        }
         self.last_owner: Dict[str, Dict[int, int]] = {"kv": {}, "state": {}, "aux": {}}
         self.full = self._counts()
         for v in self.views + self.state_views:
@@ -177,17 +184,22 @@ class RelNode:
         self.recs: Dict[int, dict] = {}
         self.events: "queue.SimpleQueue[int]" = queue.SimpleQueue()
         self.tally: collections.Counter = collections.Counter()
-        self.late: List[dict] = []                 # first few late-write findings
+        self.late: List[dict] = []  # first few late-write findings
         self.late_by: collections.Counter = collections.Counter()
-        self.kind_of: Dict[int, str] = {}          # soak: room -> how the plan aborts it
-        self.aborted_in: collections.Counter = collections.Counter()   # soak: state at abort
+        self.kind_of: Dict[int, str] = {}  # soak: room -> how the plan aborts it
+        self.aborted_in: collections.Counter = collections.Counter()  # soak: state at abort
         self.outcomes: Dict[int, str] = {}
         self._torch = torch
-        self.mgr = KVManager(m.kv_args, role,
-                             bootstrap_addr=bootstrap if role == "prefill" else None,
-                             host=self.host, error_mode=opts.get("error_mode", "peer"),
-                             timeouts=Timeouts(**opts.get("timeouts", {})),
-                             name=f"rel-{role}-{os.getpid()}", **secret_kw()).start_background()
+        self.mgr = KVManager(
+            m.kv_args,
+            role,
+            bootstrap_addr=bootstrap if role == "prefill" else None,
+            host=self.host,
+            error_mode=opts.get("error_mode", "peer"),
+            timeouts=Timeouts(**opts.get("timeouts", {})),
+            name=f"rel-{role}-{os.getpid()}",
+            **secret_kw(),
+        ).start_background()
         self.rss0, self.fds0 = rss_mib(), open_fds()
 
     # ------------------------------------------------------------------ plumbing
@@ -197,14 +209,20 @@ class RelNode:
             self.bs.stop_thread()
 
     def info(self) -> dict:
-        return {"pid": os.getpid(), "bootstrap": self.bootstrap,
-                "address": list(self.mgr.address), "free": self.full,
-                "page_bytes": sum(int(v.shape[1]) for v in self.views)}
+        return {
+            "pid": os.getpid(),
+            "bootstrap": self.bootstrap,
+            "address": list(self.mgr.address),
+            "free": self.full,
+            "page_bytes": sum(int(v.shape[1]) for v in self.views),
+        }
 
     def _counts(self) -> dict:
-        return {"pages": self.pages.available_pages(),
-                "slots": self.slots.available_size() if self.slots is not None else 0,
-                "aux": self.aux.available()}
+        return {
+            "pages": self.pages.available_pages(),
+            "slots": self.slots.available_size() if self.slots is not None else 0,
+            "aux": self.aux.available(),
+        }
 
     # ------------------------------------------------------------------ items
     def _item_views(self, group: str):
@@ -230,8 +248,14 @@ class RelNode:
             last = self.last_owner[group].get(i)
             self.late_by[f"{group} of a room {self.kind_of.get(last, 'not aborted')}"] += 1
             if len(self.late) < 8:
-                self.late.append({"group": group, "item": i, "found": when,
-                                  "last_room": self.last_owner[group].get(i)})
+                self.late.append(
+                    {
+                        "group": group,
+                        "item": i,
+                        "found": when,
+                        "last_room": self.last_owner[group].get(i),
+                    }
+                )
 
     def _alloc(self, n: int) -> Optional[dict]:
         """Pages + state slot + aux row (caller holds the lock), checking that each item
@@ -245,10 +269,21 @@ class RelNode:
             return None
         slot = self.slots.alloc(1)[0] if self.slots is not None else None
         row = self.aux.alloc()
-        rec = {"pages": pages, "ids": [int(p) for p in pages], "slot": slot, "row": row,
-               "n": n, "calls": 0, "done": threading.Event(), "state": None}
-        for group, ids in (("kv", rec["ids"]), ("state", [] if slot is None else [slot]),
-                           ("aux", [row])):
+        rec = {
+            "pages": pages,
+            "ids": [int(p) for p in pages],
+            "slot": slot,
+            "row": row,
+            "n": n,
+            "calls": 0,
+            "done": threading.Event(),
+            "state": None,
+        }
+        for group, ids in (
+            ("kv", rec["ids"]),
+            ("state", [] if slot is None else [slot]),
+            ("aux", [row]),
+        ):
             self.free_ids[group].difference_update(ids)
             self._late(group, ids, "reuse")
         return rec
@@ -267,9 +302,11 @@ class RelNode:
         if rec["slot"] is not None:
             self.slots.free([rec["slot"]])
         self.aux.free(rec["row"])
-        for group, ids in (("kv", rec["ids"]),
-                           ("state", [] if rec["slot"] is None else [rec["slot"]]),
-                           ("aux", [rec["row"]])):
+        for group, ids in (
+            ("kv", rec["ids"]),
+            ("state", [] if rec["slot"] is None else [rec["slot"]]),
+            ("aux", [rec["row"]]),
+        ):
             self.free_ids[group].update(ids)
             for i in ids:
                 self.last_owner[group][i] = room
@@ -296,22 +333,27 @@ class RelNode:
         bad = n - int(ok.sum())
         if rec["slot"] is not None:
             for e, v in enumerate(self.state_views):
-                bad += int(not torch.equal(v[rec["slot"]], pattern(room, [1000], e,
-                                                                    v.shape[1])[0]))
+                bad += int(not torch.equal(v[rec["slot"]], pattern(room, [1000], e, v.shape[1])[0]))
         want = pattern(room, [2000], 0, self.aux.row_bytes - 24)[0].numpy().tobytes()
-        bad += int(self.aux.first_token(rec["row"]) != first_token(room)
-                   or self.aux.payload(rec["row"], self.aux.row_bytes - 24) != want)
+        bad += int(
+            self.aux.first_token(rec["row"]) != first_token(room)
+            or self.aux.payload(rec["row"], self.aux.row_bytes - 24) != want
+        )
         return int(ok.sum()), bad
 
     def _on_done(self, rec: dict):
-        def cb(state, exc) -> None:       # manager loop thread
+        def cb(state, exc) -> None:  # manager loop thread
             with self.lock:
                 rec["calls"] += 1
                 if rec["calls"] > 1:
                     self.tally["on_done_twice"] += 1
                     return
-                rec.update(state=state.name, exc=type(exc).__name__ if exc else None,
-                           msg=str(exc)[:300] if exc else "", t_done=time.monotonic())
+                rec.update(
+                    state=state.name,
+                    exc=type(exc).__name__ if exc else None,
+                    msg=str(exc)[:300] if exc else "",
+                    t_done=time.monotonic(),
+                )
                 if self.role == "decode":
                     rec["landed"], bad = self._landed(rec)
                     if state.name == "Success":
@@ -322,15 +364,23 @@ class RelNode:
                             self.tally["corrupt_items"] += bad
                         rec["bad"] = bad
                 self._release(rec)
-                self.outcomes[rec["room"]] = (state.name if exc is None
-                                              else f"{state.name}:{type(exc).__name__}")
+                self.outcomes[rec["room"]] = (
+                    state.name if exc is None else f"{state.name}:{type(exc).__name__}"
+                )
             rec["done"].set()
             self.events.put(rec["room"])
+
         return cb
 
     # ------------------------------------------------------------------ rooms (RPC)
-    def open(self, room: int, n: int, init: bool = True, meta: bool = True,
-                 bootstrap: Optional[str] = None) -> None:
+    def open(
+        self,
+        room: int,
+        n: int,
+        init: bool = True,
+        meta: bool = True,
+        bootstrap: Optional[str] = None,
+    ) -> None:
         """Allocate and open a room. Prefill: fill the pattern, KVSender, ``init`` declares
         it. Decode: KVReceiver, ``init`` connects, ``meta`` sends the destination."""
         with self.lock:
@@ -348,6 +398,7 @@ class RelNode:
 
     def _open(self, rec: dict, bootstrap: str) -> None:
         from kvxfer.disagg import KVReceiver, KVSender
+
         cls = KVSender if self.role == "prefill" else KVReceiver
         self.recs[rec["room"]] = rec
         rec["h"] = cls(self.mgr, bootstrap, rec["room"], on_done=self._on_done(rec))
@@ -361,14 +412,16 @@ class RelNode:
 
     def meta(self, room: int) -> None:
         rec = self.recs[room]
-        rec["h"].send_metadata(rec["pages"], rec["row"],
-                               None if rec["slot"] is None else [rec["slot"]])
+        rec["h"].send_metadata(
+            rec["pages"], rec["row"], None if rec["slot"] is None else [rec["slot"]]
+        )
 
     def send(self, room: int, lo: int, hi: int) -> None:
         rec = self.recs[room]
         last = hi == rec["n"]
-        rec["h"].send(rec["pages"][lo:hi],
-                      [rec["slot"]] if last and rec["slot"] is not None else None)
+        rec["h"].send(
+            rec["pages"][lo:hi], [rec["slot"]] if last and rec["slot"] is not None else None
+        )
 
     def abort(self, room: int) -> None:
         self.recs[room]["h"].abort()
@@ -403,8 +456,9 @@ class RelNode:
         return False
 
     def _result(self, rec: dict) -> dict:
-        return {k: rec.get(k) for k in ("state", "exc", "msg", "t_done", "calls", "landed",
-                                        "bad", "n")}
+        return {
+            k: rec.get(k) for k in ("state", "exc", "msg", "t_done", "calls", "landed", "bad", "n")
+        }
 
     def wait(self, room: int, timeout: float) -> dict:
         """Block until the room was released (``on_done`` ran) or ``timeout``; its result
@@ -453,24 +507,33 @@ class RelNode:
         leaks["rooms"] = len(self.mgr.rooms)
         unreleased = [r for r, rec in self.recs.items() if rec["calls"] == 0]
         t = self.tally
-        return {"leaks": leaks, "unreleased": len(unreleased),
-                "late_writes": {g: t[f"late_writes_{g}"] for g in ("kv", "state", "aux")},
-                "late_examples": list(self.late), "late_by": dict(self.late_by),
-                "guard_hits": {g: t[f"guard_{g}"] for g in ("kv", "state", "aux")},
-                "on_done_twice": t["on_done_twice"], "corrupt_rooms": t["corrupt_rooms"],
-                "corrupt_items": t["corrupt_items"], "rooms_verified": t["rooms_verified"],
-                "pages_verified": t["pages_verified"],
-                "late_calls": {k[10:]: v for k, v in t.items() if k.startswith("late_call_")},
-                "rss_mib": [round(self.rss0, 1), round(rss_mib(), 1)],
-                "fds": [self.fds0, open_fds()], "lanes": sorted(self.mgr.stats["lanes"])}
+        return {
+            "leaks": leaks,
+            "unreleased": len(unreleased),
+            "late_writes": {g: t[f"late_writes_{g}"] for g in ("kv", "state", "aux")},
+            "late_examples": list(self.late),
+            "late_by": dict(self.late_by),
+            "guard_hits": {g: t[f"guard_{g}"] for g in ("kv", "state", "aux")},
+            "on_done_twice": t["on_done_twice"],
+            "corrupt_rooms": t["corrupt_rooms"],
+            "corrupt_items": t["corrupt_items"],
+            "rooms_verified": t["rooms_verified"],
+            "pages_verified": t["pages_verified"],
+            "late_calls": {k[10:]: v for k, v in t.items() if k.startswith("late_call_")},
+            "rss_mib": [round(self.rss0, 1), round(rss_mib(), 1)],
+            "fds": [self.fds0, open_fds()],
+            "lanes": sorted(self.mgr.stats["lanes"]),
+        }
 
     # ------------------------------------------------------------------ soak
-    def soak(self, plan_kw: dict, window: int, deadline_s: float,
-                 bootstrap: Optional[str] = None) -> dict:
+    def soak(
+        self, plan_kw: dict, window: int, deadline_s: float, bootstrap: Optional[str] = None
+    ) -> dict:
         """Run every request of ``make_plan(**plan_kw)`` as this side's scheduler: at most
         ``window`` rooms open, pages allocated per request, aborts where the plan says.
         Returns per-room outcomes ("Success" / "Failed:<error type>")."""
         from kvxfer.testing.reliability.plan import make_plan
+
         plan = make_plan(**plan_kw)
         self.kind_of = {q.room: f"aborted by {q.abort[0]} {q.abort[1]}" for q in plan if q.abort}
         bootstrap = bootstrap or self.bootstrap
@@ -499,10 +562,15 @@ class RelNode:
         for rec in list(open_.values()):
             rec["done"].wait(max(0.0, end - time.monotonic()))
         hung = [r for r, rec in open_.items() if not rec["done"].is_set()]
-        return {"outcomes": dict(self.outcomes), "stuck": stuck,
-                "aborted_in": dict(self.aborted_in), "hung": hung[:20],
-                "n_hung": len(hung), "wall_s": time.monotonic() - t0,
-                "rss_mib": [round(rss0, 1), round(rss_mib(), 1)]}
+        return {
+            "outcomes": dict(self.outcomes),
+            "stuck": stuck,
+            "aborted_in": dict(self.aborted_in),
+            "hung": hung[:20],
+            "n_hung": len(hung),
+            "wall_s": time.monotonic() - t0,
+            "rss_mib": [round(rss0, 1), round(rss_mib(), 1)],
+        }
 
     def _admit(self, q, open_: dict, window: int, deadline_s: float) -> dict:
         """Allocate for ``q``, settling released rooms until it fits the window and pools."""
@@ -525,8 +593,9 @@ class RelNode:
             try:
                 self._settled(open_, self.events.get(timeout=deadline_s))
             except queue.Empty:
-                raise Stuck(f"{self.role}: no room released within {deadline_s}s "
-                            f"({len(open_)} open)") from None
+                raise Stuck(
+                    f"{self.role}: no room released within {deadline_s}s ({len(open_)} open)"
+                ) from None
 
     def _settled(self, open_: dict, room: int) -> None:
         """A released room leaves the scheduler (its outcome stays in ``outcomes``)."""
@@ -546,8 +615,9 @@ class RelNode:
             lo = 0
             for c, hi in enumerate(q.cuts):
                 last = hi == rec["n"]
-                h.send(rec["pages"][lo:hi],
-                       [rec["slot"]] if last and rec["slot"] is not None else None)
+                h.send(
+                    rec["pages"][lo:hi], [rec["slot"]] if last and rec["slot"] is not None else None
+                )
                 lo = hi
                 if mine and point == "after_chunk" and c == arg:
                     self._abort(h)
@@ -559,20 +629,23 @@ class RelNode:
                 if point == "meta_after_release":
                     self._late_call(rec)
                 return None
-            h.send_metadata(rec["pages"], rec["row"],
-                            None if rec["slot"] is None else [rec["slot"]])
+            h.send_metadata(
+                rec["pages"], rec["row"], None if rec["slot"] is None else [rec["slot"]]
+            )
         return arg if mine and point == "lag" else None
 
     def _late_call(self, rec: dict) -> None:
         """``send_metadata()`` on a room whose ``on_done`` already ran (see the plan)."""
         from kvxfer.errors import KvxferError
+
         ack_s = self.opts.get("timeouts", {}).get("abort_ack_s", 10.0)
         if not rec["done"].wait(ack_s + 5.0):
             self.tally["late_call_unreleased"] += 1
             return
         try:
-            rec["h"].send_metadata(rec["pages"], rec["row"],
-                                   None if rec["slot"] is None else [rec["slot"]])
+            rec["h"].send_metadata(
+                rec["pages"], rec["row"], None if rec["slot"] is None else [rec["slot"]]
+            )
             self.tally["late_call_accepted"] += 1
         except KvxferError:
             self.tally["late_call_rejected"] += 1

@@ -17,6 +17,7 @@ A request is ``(room, pages, cuts, abort)``:
     once its ``on_done`` ran — a scheduler that loses the race against a failure on the
     manager's loop; the call must not touch the items it names any more.
 """
+
 from __future__ import annotations
 
 import random
@@ -30,8 +31,9 @@ class Request(NamedTuple):
     abort: Optional[Tuple[str, str, int]]
 
 
-def make_plan(requests: int, seed: int = 0, max_pages: int = 16,
-              abort_rate: float = 0.1) -> List[Request]:
+def make_plan(
+    requests: int, seed: int = 0, max_pages: int = 16, abort_rate: float = 0.1
+) -> List[Request]:
     rng = random.Random(seed)
     rooms = rng.sample(range(1, 1 << 62), requests)
     out = []

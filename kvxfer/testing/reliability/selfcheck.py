@@ -3,6 +3,7 @@ transfer layer's back one changed byte per check — a source page after prefill
 (decode must report the room corrupt), a free page, a free state slot and a free aux row on
 decode (late writes), a guard item of each group (guard hits) — plus a room left open
 (leak, unreleased). ``run_self_check()`` returns what each check reported."""
+
 from __future__ import annotations
 
 import random
@@ -13,6 +14,7 @@ from kvxfer.testing.reliability.soak import SOAK_TIMEOUTS
 
 def run_self_check(seed: int = 0) -> dict:
     from kvxfer.testing.reliability.node import bootstrap_server
+
     rng = random.Random(seed)
     bs = bootstrap_server()
     opts = dict(timeouts=SOAK_TIMEOUTS)
@@ -25,8 +27,10 @@ def run_self_check(seed: int = 0) -> dict:
         d.ready()
         addr = bs.address
         clean = d.node.check()
-        out["clean"] = {k: clean[k] for k in ("late_writes", "guard_hits", "corrupt_rooms",
-                                               "leaks", "unreleased")}
+        out["clean"] = {
+            k: clean[k]
+            for k in ("late_writes", "guard_hits", "corrupt_rooms", "leaks", "unreleased")
+        }
         # corruption: one byte of a source page changed after the pattern was written
         r1 = rng.randrange(1, 1 << 62)
         d.node.open(r1, 4, True, True, addr)
@@ -34,10 +38,13 @@ def run_self_check(seed: int = 0) -> dict:
         p.node.poke("kv", p.node.ids(r1)["kv"][2])
         p.node.send(r1, 0, 4)
         res = d.node.wait(r1, 30.0)
-        out["corrupt"] = {"state": res["state"], "bad_items": res["bad"],
-                          "corrupt_rooms": d.node.check()["corrupt_rooms"]}
+        out["corrupt"] = {
+            "state": res["state"],
+            "bad_items": res["bad"],
+            "corrupt_rooms": d.node.check()["corrupt_rooms"],
+        }
         # late writes: one byte in a free item of each group; guards: one per group
-        free = d.node.ids(r1)                       # released, so free again
+        free = d.node.ids(r1)  # released, so free again
         d.node.poke("kv", free["kv"][0])
         d.node.poke("state", free["state"])
         d.node.poke("aux", free["aux"])

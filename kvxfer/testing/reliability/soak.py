@@ -10,6 +10,7 @@ called twice, rooms never released, allocator / room-table leaks; and RSS at sta
 
 ``python -m kvxfer.testing.reliability soak --requests 10000 --json``
 """
+
 from __future__ import annotations
 
 import collections
@@ -20,14 +21,27 @@ from kvxfer import procs
 from kvxfer.testing.reliability.cluster import SOAK_SPEC, Worker
 from kvxfer.testing.reliability.plan import make_plan
 
-SOAK_TIMEOUTS = dict(bootstrap_s=15.0, waiting_s=30.0, transfer_s=30.0,
-                     heartbeat_interval_s=0.5, heartbeat_timeout_s=15.0, abort_ack_s=10.0)
+SOAK_TIMEOUTS = dict(
+    bootstrap_s=15.0,
+    waiting_s=30.0,
+    transfer_s=30.0,
+    heartbeat_interval_s=0.5,
+    heartbeat_timeout_s=15.0,
+    abort_ack_s=10.0,
+)
 
 
-def run_soak(requests: int = 10000, seed: int = 0, window: int = 16, max_pages: int = 16,
-             abort_rate: float = 0.1, timeouts: Optional[dict] = None,
-             error_mode: str = "peer", placement: Optional[dict] = None,
-             deadline_s: float = 60.0) -> dict:
+def run_soak(
+    requests: int = 10000,
+    seed: int = 0,
+    window: int = 16,
+    max_pages: int = 16,
+    abort_rate: float = 0.1,
+    timeouts: Optional[dict] = None,
+    error_mode: str = "peer",
+    placement: Optional[dict] = None,
+    deadline_s: float = 60.0,
+) -> dict:
     """Run the soak; returns the summary (``ok`` True when every count that must be zero is).
 
     ``placement`` (used by the netns scenario): ``{"prefill": opts, "decode": opts}`` merged
@@ -41,6 +55,7 @@ def run_soak(requests: int = 10000, seed: int = 0, window: int = 16, max_pages: 
     bs = None
     if not p_opts.get("serve_bootstrap"):
         from kvxfer.testing.reliability.node import bootstrap_server
+
         bs = bootstrap_server()
     p = d = None
     try:
@@ -51,7 +66,7 @@ def run_soak(requests: int = 10000, seed: int = 0, window: int = 16, max_pages: 
         addr = p.info["bootstrap"]
         t_up = time.monotonic() - t0
         plan_kw = dict(requests=requests, seed=seed, max_pages=max_pages, abort_rate=abort_rate)
-        budget = deadline_s * 4 + requests * 1.0          # answer bound; the workers' own
+        budget = deadline_s * 4 + requests * 1.0  # answer bound; the workers' own
         # decode announces up to ``window`` rooms ahead; prefill works on a quarter of that,
         # so its rooms meet decode's metadata in every order (before / after init, mid-send)
         d_soak = procs.post(d.node.soak, plan_kw, window, deadline_s, addr)  # deadlines end
@@ -91,30 +106,45 @@ def summarize(plan, ps: dict, ds: dict, pc: dict, dc: dict, t_up: float, wall: f
     aborts = {q.room: q.abort for q in plan}
     counts = {
         "unexpected_outcomes": sum(unexpected.values()),
-        "corrupt_rooms": dc["corrupt_rooms"], "corrupt_items": dc["corrupt_items"],
-        "late_writes": total("late_writes"), "guard_hits": total("guard_hits"),
-        "on_done_twice": total("on_done_twice"), "unreleased": total("unreleased"),
-        "hung": ps["n_hung"] + ds["n_hung"], "stuck": int(bool(ps["stuck"] or ds["stuck"])),
+        "corrupt_rooms": dc["corrupt_rooms"],
+        "corrupt_items": dc["corrupt_items"],
+        "late_writes": total("late_writes"),
+        "guard_hits": total("guard_hits"),
+        "on_done_twice": total("on_done_twice"),
+        "unreleased": total("unreleased"),
+        "hung": ps["n_hung"] + ds["n_hung"],
+        "stuck": int(bool(ps["stuck"] or ds["stuck"])),
         "leaked": sum(v for side in leaks.values() for v in side.values()),
     }
     return {
-        "scenario": "soak", "ok": not any(counts.values()), "counts": counts,
-        "requests": len(plan), "succeeded": ok_rooms, "aborted": aborted,
-        "pages_verified": dc["pages_verified"], "rooms_verified": dc["rooms_verified"],
+        "scenario": "soak",
+        "ok": not any(counts.values()),
+        "counts": counts,
+        "requests": len(plan),
+        "succeeded": ok_rooms,
+        "aborted": aborted,
+        "pages_verified": dc["pages_verified"],
+        "rooms_verified": dc["rooms_verified"],
         "unexpected": dict(unexpected.most_common(10)),
         "abort_outcomes": dict(sorted(kinds.items())),
         "aborted_in_state": {"prefill": ps["aborted_in"], "decode": ds["aborted_in"]},
         "late_writes": {"prefill": pc["late_writes"], "decode": dc["late_writes"]},
-        "late_examples": [dict(x, last_room_abort=aborts.get(x["last_room"]))
-                          for x in pc["late_examples"] + dc["late_examples"]],
+        "late_examples": [
+            dict(x, last_room_abort=aborts.get(x["last_room"]))
+            for x in pc["late_examples"] + dc["late_examples"]
+        ],
         "late_calls": dc["late_calls"],
         "late_by": {"prefill": pc["late_by"], "decode": dc["late_by"]},
-        "stuck": [ps["stuck"], ds["stuck"]], "hung_rooms": ps["hung"] + ds["hung"],
+        "stuck": [ps["stuck"], ds["stuck"]],
+        "hung_rooms": ps["hung"] + ds["hung"],
         "leaks": leaks,
-        "rss_mib": {"prefill": [ps["rss_mib"][0], pc["rss_mib"][1]],
-                    "decode": [ds["rss_mib"][0], dc["rss_mib"][1]]},
+        "rss_mib": {
+            "prefill": [ps["rss_mib"][0], pc["rss_mib"][1]],
+            "decode": [ds["rss_mib"][0], dc["rss_mib"][1]],
+        },
         "fds": {"prefill": pc["fds"], "decode": dc["fds"]},
         "lanes": sorted(set(pc["lanes"]) | set(dc["lanes"])),
         "soak_s": round(max(ps["wall_s"], ds["wall_s"]), 2),
-        "startup_s": round(t_up, 2), "wall_s": round(wall, 2),
+        "startup_s": round(t_up, 2),
+        "wall_s": round(wall, 2),
     }

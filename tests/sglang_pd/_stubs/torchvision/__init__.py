@@ -6,6 +6,7 @@ to a CPU torch; the kvxfer tests never run multimodal code. Every attribute is a
 that raises if called. tests/sglang_pd/conftest.py puts this on sys.path only when no real
 torchvision imports.
 """
+
 __version__ = "0.0+stub"
 from torchvision import transforms  # noqa: E402,F401
 from torchvision._placeholder import module_getattr as __getattr__  # noqa: E402,F401

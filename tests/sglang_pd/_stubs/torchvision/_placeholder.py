@@ -11,8 +11,10 @@ class _Placeholder:
         return _Placeholder(f"{self._name}.{attr}")
 
     def __call__(self, *args, **kwargs):
-        raise RuntimeError(f"torchvision.{self._name}: torchvision is stubbed in the kvxfer "
-                           "SGLang test environment")
+        raise RuntimeError(
+            f"torchvision.{self._name}: torchvision is stubbed in the kvxfer "
+            "SGLang test environment"
+        )
 
     def __repr__(self) -> str:
         return f"<torchvision stub {self._name}>"
