@@ -34,7 +34,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m kvxfer demo
 
-test: $(STAMP)
+test: lint
 	$(PY) -m pytest -q
 	$(MAKE) test-sglang
 
