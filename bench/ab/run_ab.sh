@@ -4,7 +4,7 @@
 # Each tree is copied to $WORK/{old,new} (the originals stay untouched), gets its native extension
 # built in place and kvxfer/pools, kvxfer/kernels links (no install: PYTHONPATH picks the tree). The benchmarks alternate A B A B (ROUNDS, default 2), so
 # machine drift hits both; bench/ab/compare.py prints the table. Writes $OUT/ab-*.json.
-# Env: ROUNDS, PD_ARGS, TR_ARGS (extra arguments for `kvxfer bench pd` / `bench transfer`).
+# Env: ROUNDS, BENCH (pd,transfer by default), PD_ARGS, TR_ARGS (extra arguments for `kvxfer bench pd` / `bench transfer`).
 set -eu
 DEV=${3:-cpu}
 OUT=${OUT:-/tmp/ab_out}; mkdir -p "$OUT"
@@ -15,6 +15,7 @@ for side in old new; do
 done
 OLD=$WORK/old; NEW=$WORK/new
 ROUNDS=${ROUNDS:-2}
+BENCH=${BENCH:-pd,transfer}
 PD_ARGS=${PD_ARGS:-}
 TR_ARGS=${TR_ARGS:---sizes 1,16,128,512 --paths direct --pagesets random,contiguous --iters 5}
 export UCX_WARN_UNUSED_ENV_VARS=n PYTHONUNBUFFERED=1
@@ -27,9 +28,9 @@ for r in $(seq 1 "$ROUNDS"); do
     for side in old new; do
         t=$OLD; [ $side = new ] && t=$NEW
         echo "### round $r $side ($t)"
-        (cd /tmp && PYTHONPATH="$t${base:+:$base}" timeout 300 python3 -m kvxfer bench pd --device "$DEV" $PD_ARGS \
+        [[ $BENCH == *pd* ]] && (cd /tmp && PYTHONPATH="$t${base:+:$base}" timeout 300 python3 -m kvxfer bench pd --device "$DEV" $PD_ARGS \
             --json-out "$OUT/ab-pd-$side-$r.json" 2>&1 | grep -v "UCX  WARN" | tail -12)
-        (cd /tmp && PYTHONPATH="$t${base:+:$base}" timeout 400 python3 -m kvxfer bench transfer --device "$DEV" $TR_ARGS \
+        [[ $BENCH == *transfer* ]] && (cd /tmp && PYTHONPATH="$t${base:+:$base}" timeout 400 python3 -m kvxfer bench transfer --device "$DEV" $TR_ARGS \
             --json-out "$OUT/ab-transfer-$side-$r.json" 2>&1 | grep -v "UCX  WARN" | tail -25)
     done
 done
