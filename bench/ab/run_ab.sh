@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Before/after benchmark of two kvxfer trees in the same run (a refactor must not move the
 # figures): `bash bench/ab/run_ab.sh OLD_TREE NEW_TREE [device]`, from anywhere.
+# Rounds alternate the order (old new, new old, ...) so that an order effect (a warm GPU, the
+# previous process's teardown) hits both trees alike.
 # Each tree is copied to $WORK/{old,new} (the originals stay untouched), gets its native extension
 # built in place and kvxfer/pools, kvxfer/kernels links (no install: PYTHONPATH picks the tree). The benchmarks alternate A B A B (ROUNDS, default 2), so
 # machine drift hits both; bench/ab/compare.py prints the table. Writes $OUT/ab-*.json.
@@ -25,7 +27,8 @@ for t in "$OLD" "$NEW"; do
 done
 base=${PYTHONPATH:-}
 for r in $(seq 1 "$ROUNDS"); do
-    for side in old new; do
+    order="old new"; [ $((r % 2)) = 0 ] && order="new old"
+    for side in $order; do
         t=$OLD; [ $side = new ] && t=$NEW
         echo "### round $r $side ($t)"
         [[ $BENCH == *pd* ]] && (cd /tmp && PYTHONPATH="$t${base:+:$base}" timeout 300 python3 -m kvxfer bench pd --device "$DEV" $PD_ARGS \
