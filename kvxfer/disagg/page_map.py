@@ -1,0 +1,160 @@
+"""Token geometry of the kv descriptors, and the byte runs that move tokens ``[start, end)``
+between two page sizes (torch-free, vectorised numpy).
+
+Geometry. One item (page) of kv descriptor ``d`` is a sequence of *segments*; segment ``j``
+holds ``page_size`` token rows of ``segments[d][j]`` bytes each, one after the other. So token
+``t`` (``0 <= t < page_size``) of segment ``j`` lies at byte
+``page_size * sum(segments[d][:j]) + t * segments[d][j]`` of the item, and the item is
+``page_size * sum(segments[d])`` bytes. Examples: per-layer NHD (and MLA): one segment of
+``H*D*esize``; per-layer HND ``[H, page_size, D]``: ``H`` segments of ``D*esize``; page-major:
+per layer a K segment ``H*D*esize`` then a V segment ``H*Dv*esize``. The segments do not depend
+on the page size, so two peers with the same segments can pair any two page sizes.
+
+Runs. :func:`plan_runs` maps the tokens ``[start, end)`` of one request — held by source
+pages of ``src_page_size`` and destination pages of ``dst_page_size`` — to byte ranges
+``(desc, src_off, dst_off, nbytes)`` per descriptor (offsets from the descriptor's base, the
+form of :class:`kvxfer.engine.RawWrite`). Invariants: every byte of tokens ``[start, end)`` is
+covered exactly once and no byte of any other token is; runs that touch in both source and
+destination are merged, so equal page sizes with consecutive page ids collapse to one run per
+descriptor per page run (the op count of an ItemWrite). Cost: numpy over
+``pieces x segments``, where a piece is the token span inside one source page and one
+destination page; no Python loop per page.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+import numpy as np
+
+from kvxfer.errors import IndexOutOfRange, InvalidArgument
+
+
+@dataclass(frozen=True)
+class TokenGeometry:
+    """Per kv descriptor, the token-row bytes of each segment of an item (see module doc)."""
+
+    segments: Tuple[Tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        segs = tuple(tuple(int(b) for b in s) for s in self.segments)
+        if not segs or any(not s or min(s) <= 0 for s in segs):
+            raise InvalidArgument(f"token geometry needs positive segments per descriptor: {segs}")
+        object.__setattr__(self, "segments", segs)
+
+    @classmethod
+    def of(cls, segments: Optional[Sequence[Sequence[int]]]) -> Optional["TokenGeometry"]:
+        """``None`` (the pool states no geometry) or the geometry of ``segments``."""
+        return None if not segments else cls(tuple(tuple(s) for s in segments))
+
+    def item_lens(self, page_size: int) -> Tuple[int, ...]:
+        """Bytes of one page per descriptor at ``page_size``."""
+        return tuple(page_size * sum(s) for s in self.segments)
+
+    def as_list(self) -> list:
+        """The plain (msgpack-able) form carried in fingerprints."""
+        return [list(s) for s in self.segments]
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Byte runs per descriptor (equal-length int64 arrays), descriptor-major."""
+
+    desc: np.ndarray
+    src_off: np.ndarray
+    dst_off: np.ndarray
+    nbytes: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.desc.size)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.nbytes.sum())
+
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def pieces(
+    start: int, end: int, src_page_size: int, dst_page_size: int
+) -> Tuple[np.ndarray, np.ndarray]:
+    """Token spans ``[lo, hi)`` of ``[start, end)`` that each lie in one page of either size."""
+    if end <= start:
+        return _EMPTY, _EMPTY
+    cuts = [
+        np.arange(-(-start // p) * p, end, p, dtype=np.int64)
+        for p in (src_page_size, dst_page_size)
+    ]
+    b = np.union1d(np.union1d(cuts[0], cuts[1]), np.array([start, end], dtype=np.int64))
+    b = b[(b >= start) & (b <= end)]
+    return b[:-1], b[1:]
+
+
+def plan_runs(
+    geom: TokenGeometry,
+    src_pages: np.ndarray,
+    src_page_size: int,
+    dst_pages: np.ndarray,
+    dst_page_size: int,
+    start: int,
+    end: int,
+    *,
+    src_first_page: int = 0,
+) -> Runs:
+    """Byte runs moving tokens ``[start, end)``. ``src_pages[i]`` holds tokens
+    ``[(src_first_page + i) * src_page_size, +src_page_size)``; ``dst_pages[i]`` holds tokens
+    ``[i * dst_page_size, +dst_page_size)``. Raises :class:`IndexOutOfRange` when the pages do
+    not cover ``[start, end)``."""
+    ps, pd = int(src_page_size), int(dst_page_size)
+    if ps <= 0 or pd <= 0 or start < 0:
+        raise InvalidArgument(f"page sizes {ps}/{pd} and start {start} must be positive")
+    src = np.asarray(src_pages, dtype=np.int64)
+    dst = np.asarray(dst_pages, dtype=np.int64)
+    if end <= start:
+        return Runs(_EMPTY, _EMPTY, _EMPTY, _EMPTY)
+    lo_tok, hi_tok = src_first_page * ps, (src_first_page + src.size) * ps
+    if start < lo_tok or end > hi_tok:
+        raise IndexOutOfRange(
+            f"tokens [{start}, {end}) not inside the source pages' [{lo_tok}, {hi_tok})"
+        )
+    if end > dst.size * pd:
+        raise IndexOutOfRange(
+            f"tokens [{start}, {end}) need {-(-end // pd)} destination pages of {pd}, "
+            f"got {dst.size}"
+        )
+    lo, hi = pieces(start, end, ps, pd)
+    s_page = src[lo // ps - src_first_page]
+    d_page = dst[lo // pd]
+    s_slot, d_slot, ntok = lo % ps, lo % pd, hi - lo
+    # segments of every descriptor, flattened descriptor-major
+    seg_desc = np.concatenate(
+        [np.full(len(s), d, dtype=np.int64) for d, s in enumerate(geom.segments)]
+    )
+    seg_tb = np.concatenate([np.asarray(s, dtype=np.int64) for s in geom.segments])
+    seg_cum = np.concatenate(
+        [np.cumsum((0,) + s[:-1], dtype=np.int64) for s in geom.segments]
+    )  # bytes of one token row in the segments before, per descriptor
+    item_tb = np.asarray([sum(s) for s in geom.segments], dtype=np.int64)[seg_desc]
+    # (S, P): segment-major rows, piece columns
+    tb = seg_tb[:, None]
+    so = s_page[None, :] * (ps * item_tb)[:, None] + ps * seg_cum[:, None] + s_slot[None, :] * tb
+    do = d_page[None, :] * (pd * item_tb)[:, None] + pd * seg_cum[:, None] + d_slot[None, :] * tb
+    nb = ntok[None, :] * tb
+    # order: descriptor, piece, segment (a whole page's segments then touch: they merge)
+    n_p = lo.size
+    key = (seg_desc[:, None] * n_p + np.arange(n_p, dtype=np.int64)[None, :]).ravel()
+    order = np.argsort(key, kind="stable")
+    desc = np.broadcast_to(seg_desc[:, None], so.shape).ravel()[order]
+    so, do, nb = so.ravel()[order], do.ravel()[order], nb.ravel()[order]
+    # merge runs that continue the previous one in both source and destination
+    cont = np.zeros(desc.size, dtype=bool)
+    cont[1:] = (
+        (desc[1:] == desc[:-1]) & (so[1:] == so[:-1] + nb[:-1]) & (do[1:] == do[:-1] + nb[:-1])
+    )
+    first = np.flatnonzero(~cont)
+    return Runs(desc[first], so[first], do[first], np.add.reduceat(nb, first))
+
+
+__all__ = ["TokenGeometry", "Runs", "plan_runs", "pieces"]
