@@ -250,6 +250,16 @@ class KVCache(PostCaptureMixin, abc.ABC):
             views.append(byte_rows_view(t, span // item, item))
         return views
 
+    def kv_token_segments(self) -> Optional[list[list[int]]]:
+        """Token geometry of the registered descriptors (see :mod:`kvxfer.disagg.page_map`):
+        per descriptor, the bytes of one token row in each segment of an item, in item order;
+        ``None`` when the pool cannot say (transfers then need equal page sizes). Default: a
+        descriptor whose rows are single tokens is one segment of ``row_bytes``."""
+        descs = [d for _, d in self._registered()]
+        if any(d.tokens_per_row != 1 for d in descs):
+            return None
+        return [[d.row_bytes] for d in descs]
+
     def describe(self) -> dict:
         """Layout fingerprint (msgpack-able) that two peers compare before transferring."""
         return {

@@ -344,6 +344,10 @@ class DSATokenToKVPool(MLATokenToKVPool):
         """The indexer is not split across TP ranks: no sliceable dim."""
         return [None] * self.layer_num
 
+    def kv_token_segments(self) -> None:
+        """None: DSA: the indexer buffers are not modelled as token geometry; transfers need equal page sizes."""
+        return None
+
     def describe(self) -> dict:
         d = super().describe()
         d.update(

@@ -255,6 +255,9 @@ class HybridLinearKVPool(KVCache):
     def _token_buffers(self):
         return self.kv_pool._token_buffers()
 
+    def kv_token_segments(self):
+        return self.kv_pool.kv_token_segments()
+
     def get_contiguous_buf_infos(self):
         return self.kv_pool.get_contiguous_buf_infos()
 

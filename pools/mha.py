@@ -179,6 +179,16 @@ class MHATokenToKVPool(KVCache):
     def _registered(self) -> list[tuple[torch.Tensor, KvBufferDesc]]:
         return list(zip(self.k_buffer + self.v_buffer, self._buffer_descs()))
 
+    def kv_token_segments(self) -> Optional[list[list[int]]]:
+        """NHD: one segment of ``H*D`` per layer buffer; HND ``[H, page_size, D]``: ``H``
+        segments of ``D`` (bytes of one token row)."""
+        if self.layout != "hnd":
+            return super().kv_token_segments()
+        isz, H = self.store_dtype.itemsize, self.head_num
+        return [[self.head_dim * isz] * H] * self.layer_num + [
+            [self.v_head_dim * isz] * H
+        ] * self.layer_num
+
     def _token_buffers(self) -> list[TokenBuffer]:
         indexing = "hnd" if self.layout == "hnd" else "rows"
         return [TokenBuffer(b, indexing) for b in self.k_buffer + self.v_buffer]

@@ -227,6 +227,10 @@ class MiniMaxSparseKVPool(KVCache):
                 items += c
         return ptrs, lens, items
 
+    def kv_token_segments(self) -> None:
+        """None: MiniMax sparse: sub-pools are not modelled as token geometry; transfers need equal page sizes."""
+        return None
+
     def describe(self) -> dict:
         d = super().describe()
         d.update(

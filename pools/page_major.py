@@ -18,6 +18,7 @@ With ``post_capture_active=True`` the raw buffer is reserved (one descriptor, st
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 
@@ -81,6 +82,13 @@ class PageMajorMHATokenToKVPool(MHATokenToKVPool):
         if not self.layer_num:
             return []
         return [(self.raw, self.geometry.buffer_desc("kv"))]
+
+    def kv_token_segments(self) -> Optional[list[list[int]]]:
+        """One descriptor; per layer a K segment then a V segment (token row bytes)."""
+        if not self.layer_num:
+            return []
+        g = self.geometry
+        return [[g.token_bytes("k"), g.token_bytes("v")] * self.layer_num]
 
     def _token_buffers(self) -> list[TokenBuffer]:
         return [TokenBuffer(b, "paged") for b in self.k_buffer + self.v_buffer]

@@ -234,6 +234,10 @@ class MHATokenToKVPoolFP4(MHATokenToKVPool):
             layer, loc_2d.reshape(-1), k, v, mask=keep, k_scale=k_scale, v_scale=v_scale
         )
 
+    def kv_token_segments(self) -> None:
+        """None: FP4: values and their scale buffers pair by token with different granularities; transfers need equal page sizes (not modelled as token geometry)."""
+        return None
+
     def describe(self) -> dict:
         d = super().describe()
         d["kv_quant"] = KV_QUANT
@@ -400,6 +404,10 @@ class MLATokenToKVPoolFP4(MLATokenToKVPool):
         # blocks never straddle the latent/rope boundary (both dims are multiples of 16), so
         # quantizing the concatenated row equals quantizing the parts separately
         self._store(idx, loc, torch.cat((k_nope, k_rope), dim=-1))
+
+    def kv_token_segments(self) -> None:
+        """None: FP4: values and their scale buffers pair by token with different granularities; transfers need equal page sizes (not modelled as token geometry)."""
+        return None
 
     def describe(self) -> dict:
         d = super().describe()
