@@ -9,6 +9,10 @@ Three descriptor groups, each three equal-length lists ``(ptrs, lens, item_lens)
 * ``aux``   — item = one metadata row, **host memory**; the first entry's row starts with the
   16-byte header kvxfer stamps (room id; see :mod:`kvxfer.disagg.aux`).
 
+``kv_segments`` is the pool's token geometry (:mod:`kvxfer.disagg.page_map`; empty when the
+pool states none): with it on both sides, peers of different page sizes pair (the segments
+must match instead); without it the page sizes must be equal.
+
 Invariants checked by :meth:`KVArgs.validate`: equal list lengths per group, positive item
 sizes, every ``len`` a multiple of its ``item_len``, a non-empty ``kv`` group, a non-empty
 ``aux`` group whose first row is at least :data:`~kvxfer.disagg.aux.HEADER_BYTES` long.
@@ -44,6 +48,8 @@ class KVArgs:
     state_dim_per_tensor: List[int] = field(default_factory=list)
     page_size: int = 1
     dtype: str = ""
+    #: token geometry per kv descriptor (``pool.kv_token_segments()``); empty: none stated
+    kv_segments: List[List[int]] = field(default_factory=list)
     #: layout fingerprint: the pools' ``describe()`` dicts, e.g. ``{"kv": {...}, "state": {...}}``
     layout: Dict[str, Any] = field(default_factory=dict)
     tp_rank: int = 0
@@ -69,6 +75,7 @@ class KVArgs:
         # None (a state tensor with no per-TP-rank split dimension) travels as -1
         self.state_dim_per_tensor = [-1 if v is None else int(v) for v in self.state_dim_per_tensor]
         self.state_types = [str(v) for v in self.state_types]
+        self.kv_segments = [[int(b) for b in seg] for seg in self.kv_segments or ()]
         self.validate()
 
     # ------------------------------------------------------------------ construction
@@ -92,6 +99,7 @@ class KVArgs:
         ``state_pool`` at once."""
         ptrs, lens, items = kv_pool.get_contiguous_buf_infos()
         layout: Dict[str, Any] = {"kv": _plain(kv_pool.describe())}
+        segments = getattr(kv_pool, "kv_token_segments", None)
         kw: Dict[str, Any] = {}
         if state_pool is not None:
             sp, sl, si = state_pool.get_state_buf_infos()
@@ -114,6 +122,7 @@ class KVArgs:
             kv_item_lens=items,
             page_size=int(kv_pool.page_size),
             dtype=_dtype_name(kv_pool),
+            kv_segments=(segments() if segments is not None else None) or [],
             layout=layout,
             tp_rank=tp_rank,
             tp_size=tp_size,
@@ -149,6 +158,15 @@ class KVArgs:
             raise InvalidArgument(f"KVArgs: page_size {self.page_size}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise InvalidArgument(f"KVArgs: tp_rank {self.tp_rank} not in [0, {self.tp_size})")
+        if self.kv_segments:
+            if len(self.kv_segments) != len(self.kv_data_ptrs) or any(
+                not seg or min(seg) <= 0 or self.page_size * sum(seg) != it
+                for seg, it in zip(self.kv_segments, self.kv_item_lens)
+            ):
+                raise InvalidArgument(
+                    f"KVArgs: kv_segments {self.kv_segments} do not make the kv item_lens "
+                    f"{self.kv_item_lens} at page_size {self.page_size}"
+                )
         if self.state_types and len(self.state_types) != len(self.state_data_ptrs):
             raise InvalidArgument(
                 f"KVArgs: {len(self.state_types)} state_types for "
@@ -169,8 +187,9 @@ class KVArgs:
 
     # ------------------------------------------------------------------ fingerprint
     def fingerprint(self) -> Dict[str, Any]:
-        """Plain msgpack-able dict two peers must agree on (capacity excluded)."""
-        return {
+        """Plain msgpack-able dict two peers must agree on (capacity excluded; the page size
+        only when either side has no ``kv_segments``)."""
+        fp = {
             "page_size": self.page_size,
             "dtype": self.dtype,
             "kv_item_lens": list(self.kv_item_lens),
@@ -181,13 +200,20 @@ class KVArgs:
             "layout": _strip_local(self.layout),
             "tp_size": self.tp_size,
         }
+        if self.kv_segments:
+            fp["kv_segments"] = [list(s) for s in self.kv_segments]
+        return fp
 
 
 def check_compatible(
     ours: Dict[str, Any], theirs: Dict[str, Any], *, us: str, them: str, ignore_tp: bool = False
 ) -> None:
-    """Raise :class:`LayoutMismatch` naming the first field that differs (with both values)."""
+    """Raise :class:`LayoutMismatch` naming the first field that differs (with both values).
+
+    When both sides state ``kv_segments`` (token geometry) those must be equal instead of the
+    page size and the kv item sizes that follow from it: the page sizes may then differ."""
     order = (
+        "kv_segments",
         "page_size",
         "dtype",
         "kv_item_lens",
@@ -201,12 +227,19 @@ def check_compatible(
     )
     if not isinstance(theirs, dict):
         raise LayoutMismatch(f"{them} sent a fingerprint of type {type(theirs).__name__}")
+    paged = bool(ours.get("kv_segments")) and bool(theirs.get("kv_segments"))
     for key in order:
         if ignore_tp and key == "tp_size":
+            continue
+        if key in ("page_size", "kv_item_lens") and paged:
+            continue  # implied by kv_segments at each side's own page size
+        if key == "kv_segments" and not paged:
             continue
         a, b = ours.get(key), theirs.get(key)
         if key == "layout":
             b = _strip_local(b) if isinstance(b, dict) else b
+            if paged and isinstance(a, dict) and isinstance(b, dict):
+                a, b = _strip_paging(a), _strip_paging(b)
             diff = _first_diff(a, b, "layout")
             if diff is not None:
                 path, va, vb = diff
@@ -235,6 +268,22 @@ def _strip_local(d):
     if isinstance(d, dict):
         return {k: _strip_local(v) for k, v in d.items() if k not in _LOCAL_KEYS}
     return d
+
+
+def _strip_paging(layout: Dict[str, Any]) -> Dict[str, Any]:
+    """``layout`` without what follows from the page size in its kv part (``page_size``,
+    ``item_lens``; a nested ``mamba`` description is kept whole)."""
+
+    def strip(d):
+        if not isinstance(d, dict):
+            return d
+        return {
+            k: (v if k == "mamba" else strip(v))
+            for k, v in d.items()
+            if k not in ("page_size", "item_lens")
+        }
+
+    return {k: (strip(v) if k == "kv" else v) for k, v in layout.items()}
 
 
 def _plain(v):

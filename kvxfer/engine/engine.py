@@ -64,13 +64,24 @@ class TransferEngine:
 
     # ---------------------------------------------------------- registration
     def register(
-        self, name: str, ptrs: Sequence[int], lens: Sequence[int], item_lens: Sequence[int]
+        self,
+        name: str,
+        ptrs: Sequence[int],
+        lens: Sequence[int],
+        item_lens: Sequence[int],
+        *,
+        item_lens_may_differ: bool = False,
     ) -> None:
         """Add a named descriptor group (before :meth:`start`). Item ``i`` is
-        ``[ptrs[d] + i*item_lens[d], +item_lens[d])`` in every descriptor ``d``."""
+        ``[ptrs[d] + i*item_lens[d], +item_lens[d])`` in every descriptor ``d``.
+
+        The handshake refuses a peer whose group of the same name has other item sizes,
+        unless ``item_lens_may_differ`` (set on our side): then only the descriptor counts
+        must match, :class:`RawWrite` addresses the group by bytes, and an
+        :class:`ItemWrite` between different item sizes fails when planned."""
         if self._state != "new":
             raise Closed("register() must come before start()")
-        self._groups.add(name, ptrs, lens, item_lens)
+        self._groups.add(name, ptrs, lens, item_lens, item_lens_may_differ=item_lens_may_differ)
 
     @property
     def groups(self) -> Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -38,8 +38,10 @@ def _one_allocation(span: plan.Span, groups) -> bool:
 
 
 class LocalGroups:
-    def __init__(self):
+    def __init__(self) -> None:
         self.groups: Dict[str, plan.GroupLayout] = {}
+        #: groups whose peer may have other item sizes (only RawWrite pairs them then)
+        self.loose: Set[str] = set()
         self.regions: List[Region] = []
         self.desc_region: Dict[str, np.ndarray] = {}
         self.desc_memh: Dict[str, np.ndarray] = {}
@@ -54,13 +56,15 @@ class LocalGroups:
         self._blobs: Optional[List[bytes]] = None
         self.frozen = False
 
-    def add(self, name, ptrs, lens, item_lens) -> plan.GroupLayout:
+    def add(self, name, ptrs, lens, item_lens, *, item_lens_may_differ=False) -> plan.GroupLayout:
         if self.frozen:
             raise Closed("groups are registered before start(); the engine already started")
         if name in self.groups:
             raise InvalidArgument(f"group {name!r} is already registered")
         g = plan.make_group(name, ptrs, lens, item_lens)
         self.groups[name] = g
+        if item_lens_may_differ:
+            self.loose.add(name)
         return g
 
     def freeze(

@@ -160,8 +160,11 @@ async def _reject(ch: Channel, dl: _Deadline, exc: KvxferError) -> None:
 
 def check_groups(local: LocalGroups, remote: RemoteGroups) -> None:
     for name in sorted(set(local.groups) & set(remote.groups)):
+        lg, rg = local.groups[name], remote.groups[name]
+        if name in local.loose and lg.count == rg.count:
+            continue  # item sizes may differ: byte-addressed (RawWrite) only
         try:
-            plan.check_compatible(local.groups[name], remote.groups[name])
+            plan.check_compatible(lg, rg)
         except plan.IncompatibleLayout as exc:
             raise IncompatiblePeer(str(exc)) from None
 

@@ -60,21 +60,20 @@ class WritePlanner:
         for w in writes:
             if not isinstance(w, (ItemWrite, RawWrite)):
                 raise InvalidArgument(f"expected ItemWrite or RawWrite, got {type(w).__name__}")
-            pair = self._pairs.get(w.group)
-            if pair is None:
-                lg = local.groups.get(w.group)
-                if lg is None:
-                    raise UnknownGroup(f"no local group {w.group!r} (have {sorted(local.groups)})")
-                rg = remote.groups.get(w.group)
-                if rg is None:
-                    raise UnknownGroup(
-                        f"peer {self._peer_name} has no group {w.group!r} "
-                        f"(has {sorted(remote.groups)})"
-                    )
-                pair = self._pairs[w.group] = fastplan.GroupPair.make(
-                    lg, rg, local.desc_memh[w.group], remote.desc_region[w.group]
+            lg = local.groups.get(w.group)
+            if lg is None:
+                raise UnknownGroup(f"no local group {w.group!r} (have {sorted(local.groups)})")
+            rg = remote.groups.get(w.group)
+            if rg is None:
+                raise UnknownGroup(
+                    f"peer {self._peer_name} has no group {w.group!r} (has {sorted(remote.groups)})"
                 )
             if isinstance(w, ItemWrite):
+                pair = self._pairs.get(w.group)
+                if pair is None:  # checks the item sizes (RawWrite needs no pair)
+                    pair = self._pairs[w.group] = fastplan.GroupPair.make(
+                        lg, rg, local.desc_memh[w.group], remote.desc_region[w.group]
+                    )
                 src = fastplan.small_ids(w.src_items)
                 dst = None if src is None else fastplan.small_ids(w.dst_items)
                 if src is not None and dst is not None:
@@ -83,7 +82,6 @@ class WritePlanner:
                         limit = min(limit, stage_min_ops)
                     if fastplan.plan_small(pair, src, dst, small, limit) >= 0:
                         continue
-                lg, rg = local.groups[w.group], remote.groups[w.group]
                 ops = plan.plan_items(lg, rg, w.src_items, w.dst_items)
                 if 0 < stage_min_ops < len(ops) and self._can_stage(w.group):
                     staged.append(
@@ -96,7 +94,6 @@ class WritePlanner:
                     )
                     continue
             else:
-                lg, rg = local.groups[w.group], remote.groups[w.group]
                 ops = plan.plan_raw(lg, rg, w.desc, w.src_off, w.dst_off, w.nbytes)
             d = ops.desc.astype(np.intp)
             chunks.append(

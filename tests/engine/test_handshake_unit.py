@@ -136,3 +136,28 @@ def test_check_groups_names_group_and_field():
     ok = parse_remote(layout())  # same item sizes, other item count, no "state": fine
     handshake.check_groups(local, ok)
     assert np.array_equal(ok.desc_region["kv"], [0, 0])
+
+
+def test_check_groups_item_lens_may_differ():
+    """A group registered with item_lens_may_differ pairs a peer of other item sizes (only
+    the descriptor count must match); the others stay strict."""
+    remote = parse_remote(
+        layout(
+            groups={
+                "kv": {
+                    "ptrs": [0x1000, 0x2000],
+                    "lens": [512, 512],
+                    "item_lens": [128, 128],
+                    "regions": [0, 0],
+                }
+            },
+            region_lens=[0x1200],
+        )
+    )
+    local = LocalGroups()
+    local.add("kv", [0x1000, 0x2000], [256, 256], [32, 32], item_lens_may_differ=True)
+    handshake.check_groups(local, remote)
+    three = LocalGroups()
+    three.add("kv", [0x1000, 0x2000, 0x3000], [256] * 3, [32] * 3, item_lens_may_differ=True)
+    with pytest.raises(IncompatiblePeer, match=r"'kv'.*count"):
+        handshake.check_groups(three, remote)
