@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -57,6 +57,7 @@ _KINDS = {
         kerr.IncompatiblePeer,
         kerr.ProtocolError,
         kerr.UnknownGroup,
+        kerr.UnsupportedOperation,
         derr.DuplicateRoom,
         derr.UnknownRoom,
         derr.LayoutMismatch,
@@ -111,7 +112,14 @@ class DecodeSide:
         r.bootstrap_addr = addr
         self._link_future(addr).add_done_callback(lambda f: self._linked(r, f))
 
-    def send_metadata(self, r: Room, dst_kv: np.ndarray, dst_state: np.ndarray, aux: int) -> None:
+    def send_metadata(
+        self,
+        r: Room,
+        dst_kv: np.ndarray,
+        dst_state: np.ndarray,
+        aux: int,
+        span: Tuple[int, Optional[int]] = (0, None),
+    ) -> None:
         """KVReceiver.send_metadata(), handed over. Nothing is written for a room that
         already ended: its aux row may be back in the scheduler's allocator (and another
         request's) by now. Runs on: the loop thread."""
@@ -119,7 +127,7 @@ class DecodeSide:
             return
         self.mgr.aux.clear(aux)  # a stale stamp in a reused row can never validate
         r.pending_meta = (dst_kv, dst_state, aux)
-        r.dst_kv, r.dst_state = dst_kv, dst_state
+        r.dst_kv, r.dst_state, r.dst_span = dst_kv, dst_state, span
         r.dst_aux_row, r.expect_pages = aux, len(dst_kv)
         if r.link is not None:
             self._send_meta(r)
@@ -127,6 +135,7 @@ class DecodeSide:
     def _send_meta(self, r: Room) -> None:
         assert r.pending_meta is not None and r.link is not None
         dst_kv, dst_state, aux = r.pending_meta
+        prefix, tokens = r.dst_span
         r.pending_meta = None
         r.meta_sent = True
         self.mgr.send_msg(
@@ -136,6 +145,8 @@ class DecodeSide:
                 dst_kv=m.ids_to_bytes(dst_kv),
                 dst_state=m.ids_to_bytes(dst_state),
                 dst_aux=aux,
+                prefix=prefix or None,
+                tokens=tokens,
             ),
         )
         self.mgr.arm(r)  # WaitingForInput now counts prefill's queueing + compute

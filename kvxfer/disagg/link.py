@@ -26,6 +26,7 @@ class Link:
         "fencing",
         "refused",
         "remote_items",
+        "page_size",
     )
 
     def __init__(self, key: str, peer: Any, name: str = "") -> None:
@@ -40,6 +41,8 @@ class Link:
         #: carry each room's refusal
         self.refused: Optional[KvxferError] = None
         self.remote_items: Dict[str, int] = {}
+        #: the peer's page size (from its hello's fingerprint; prefill side), 0: not known
+        self.page_size = 0
         groups = getattr(peer, "remote_groups", None) or {}
         for g, (lens, item_lens) in groups.items():
             self.remote_items[g] = min(

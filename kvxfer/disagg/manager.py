@@ -158,7 +158,14 @@ class KVManager:
         self._loop_tid = threading.get_ident()
         self.engine = engine = self._make_engine()
         a = self.args
-        engine.register("kv", a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens)
+        # with token geometry a peer of another page size (other kv item sizes) pairs too
+        engine.register(
+            "kv",
+            a.kv_data_ptrs,
+            a.kv_data_lens,
+            a.kv_item_lens,
+            item_lens_may_differ=bool(a.kv_segments),
+        )
         if a.state_data_ptrs:
             engine.register("state", a.state_data_ptrs, a.state_data_lens, a.state_item_lens)
         engine.register("aux", a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens)

@@ -167,19 +167,27 @@ class HelloAck(wire.Message):
 @wire.register
 @dataclass
 class TransferInfo(wire.Message):
-    """Decode -> prefill: where a room's bytes go (dst page ids, state slot ids, aux row)."""
+    """Decode -> prefill: where a room's bytes go (dst page ids, state slot ids, aux row).
+
+    ``dst_kv`` covers the request's tokens from token 0 (prefix pages included). Only when
+    decode declares them (absent otherwise, so peers without them still interoperate):
+    ``prefix`` — decode already holds tokens ``[0, prefix)``, prefill writes none of their
+    bytes; ``tokens`` — the request's token count (else: the slots both sides' pages hold)."""
 
     TAG = "pd.info"
     room: int
     dst_kv: bytes
     dst_state: bytes
     dst_aux: int
+    prefix: Optional[int] = None
+    tokens: Optional[int] = None
 
 
 @wire.register
 @dataclass
 class Chunk(wire.Message):
-    """Prefill -> decode (write notify): a non-final chunk's bytes are visible."""
+    """Prefill -> decode (write notify): a non-final chunk's bytes are visible; ``pages_done``
+    counts decode's pages (its page size) written so far, in full or in part."""
 
     TAG = "pd.chunk"
     room: int

@@ -28,7 +28,7 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
-from kvxfer.errors import IndexOutOfRange, InvalidArgument
+from kvxfer.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch, UnsupportedOperation
 
 
 @dataclass(frozen=True)
@@ -157,4 +157,114 @@ def plan_runs(
     return Runs(desc[first], so[first], do[first], np.add.reduceat(nb, first))
 
 
-__all__ = ["TokenGeometry", "Runs", "plan_runs", "pieces"]
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_span(
+    num_pages: int, page_size: int, prefix: int, tokens: Optional[int], who: str
+) -> None:
+    """Decode's declaration, checked where it is made: ``tokens`` (when given) needs exactly
+    ``ceil(tokens / page_size)`` pages and ``0 <= prefix <= tokens`` (else ``<=`` the pages'
+    slots)."""
+    if tokens is not None and _ceil(tokens, page_size) != num_pages:
+        raise ShapeMismatch(
+            f"{who}: {tokens} tokens need {_ceil(tokens, page_size)} pages of {page_size}, "
+            f"got {num_pages} kv_indices"
+        )
+    limit = num_pages * page_size if tokens is None else tokens
+    if not 0 <= prefix <= limit:
+        raise InvalidArgument(f"{who}: prefix_len {prefix} not in [0, {limit}]")
+
+
+@dataclass(frozen=True)
+class RoomPages:
+    """How one room's tokens travel (prefill's view): tokens ``[prefix, tokens)`` of source
+    pages of ``src_page_size`` into destination pages of ``dst_page_size``; by whole pages
+    (``geom`` None: equal page sizes and a page-aligned prefix, an ItemWrite) or by byte runs
+    of the token geometry ``geom``."""
+
+    prefix: int
+    tokens: int
+    src_page_size: int
+    dst_page_size: int
+    geom: Optional[TokenGeometry]
+
+    @classmethod
+    def make(
+        cls,
+        *,
+        num_src: int,
+        num_dst: int,
+        src_page_size: int,
+        dst_page_size: int,
+        prefix: int,
+        tokens: Optional[int],
+        geom: Optional[TokenGeometry],
+        exact: bool,
+        who: str,
+    ) -> "RoomPages":
+        """Validate both sides' page counts against the token count and pick the path.
+        ``tokens`` None: the slots both sides hold (``min(num_src*Ps, num_dst*Pd)``; with equal
+        page sizes, whole pages as before). ``exact``: the bytes must be checkable page by page
+        (integrity mode), so only the whole-page path is allowed. Raises ShapeMismatch,
+        InvalidArgument or UnsupportedOperation, naming both sides' shapes."""
+        ps, pd = src_page_size, dst_page_size
+        n = min(num_src * ps, num_dst * pd) if tokens is None else tokens
+        if ps == pd and tokens is None and num_src != num_dst:
+            raise ShapeMismatch(f"{who}: prefill sends {num_src} pages, decode allocated {num_dst}")
+        for side, count, size in (("prefill", num_src, ps), ("decode", num_dst, pd)):
+            if _ceil(n, size) != count:
+                raise ShapeMismatch(
+                    f"{who}: {n} tokens need {_ceil(n, size)} {side} pages of {size}, "
+                    f"{side} has {count}"
+                )
+        if not 0 <= prefix <= n:
+            raise InvalidArgument(f"{who}: decode prefix {prefix} not in [0, {n}] tokens")
+        whole = ps == pd and prefix % ps == 0
+        if exact and not (whole and prefix == 0):
+            raise UnsupportedOperation(
+                f"{who}: integrity checks whole pages; prefill page size {ps}, decode {pd}, "
+                f"decode prefix {prefix} need byte runs"
+            )
+        if not whole and geom is None:
+            raise UnsupportedOperation(
+                f"{who}: prefill page size {ps}, decode {pd}, decode prefix {prefix}: the pool "
+                f"states no token geometry, so only equal page sizes and page-aligned prefixes"
+            )
+        return cls(prefix, n, ps, pd, None if whole else geom)
+
+    def chunk_tokens(self, first_page: int, num_pages: int) -> Tuple[int, int]:
+        """Tokens to move for source pages ``[first_page, first_page + num_pages)``."""
+        lo = max(first_page * self.src_page_size, self.prefix)
+        return lo, max(lo, min((first_page + num_pages) * self.src_page_size, self.tokens))
+
+    def whole_pages(
+        self, src: np.ndarray, first_page: int, dst: np.ndarray
+    ) -> Tuple[np.ndarray, np.ndarray]:
+        """Whole-page path: the (source, destination) ids of a chunk, prefix pages left out."""
+        skip = max(0, self.prefix // self.src_page_size - first_page)
+        return src[skip:], dst[first_page + skip : first_page + len(src)]
+
+    def runs(self, src: np.ndarray, first_page: int, dst: np.ndarray) -> Runs:
+        """Byte-run path: the runs of a chunk of source pages starting at ``first_page``."""
+        assert self.geom is not None
+        lo, hi = self.chunk_tokens(first_page, len(src))
+        return plan_runs(
+            self.geom,
+            src,
+            self.src_page_size,
+            dst,
+            self.dst_page_size,
+            lo,
+            hi,
+            src_first_page=first_page,
+        )
+
+    def dst_pages_done(self, src_pages_done: int) -> int:
+        """Destination pages complete once ``src_pages_done`` source pages were sent."""
+        end = min(src_pages_done * self.src_page_size, self.tokens)
+        return _ceil(end, self.dst_page_size)
+
+
+__all__ = ["TokenGeometry", "Runs", "RoomPages", "plan_runs", "pieces", "check_span"]

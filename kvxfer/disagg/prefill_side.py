@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import numpy as np
 
@@ -31,6 +31,7 @@ from kvxfer.disagg.errors import DuplicateRoom, LayoutMismatch, UnknownRoom
 from kvxfer.disagg.handle import OnDone
 from kvxfer.disagg.kv_args import check_compatible
 from kvxfer.disagg.link import Link
+from kvxfer.disagg.page_map import RoomPages, TokenGeometry
 from kvxfer.disagg.poll import KVPoll, is_terminal
 from kvxfer.disagg.roles import RoomRole
 from kvxfer.disagg.rooms import Room
@@ -44,19 +45,22 @@ from kvxfer.errors import (
     ShapeMismatch,
     TransferAborted,
     TransferTimeout,
+    UnsupportedOperation,
 )
+from kvxfer.wire import is_int
 
 log = logging.getLogger(__name__)
-_ItemWrite: Any = None
+_Writes: Any = None
 
 
-def _item_write() -> Any:
-    global _ItemWrite
-    if _ItemWrite is None:
-        from kvxfer.engine import ItemWrite
+def _writes() -> Any:
+    """``(ItemWrite, RawWrite)``, imported on first use (the engine pulls in UCX)."""
+    global _Writes
+    if _Writes is None:
+        from kvxfer.engine import ItemWrite, RawWrite
 
-        _ItemWrite = ItemWrite
-    return _ItemWrite
+        _Writes = (ItemWrite, RawWrite)
+    return _Writes
 
 
 class PrefillSide:
@@ -168,10 +172,16 @@ class PrefillSide:
                 ),
             )
             return
-        self._attach(r, link, pending.dst_kv, pending.dst_state, pending.dst_aux)
+        self._attach(r, link, pending.dst_kv, pending.dst_state, pending.dst_aux, pending.dst_span)
 
     def _attach(
-        self, r: Room, link: Link, dst_kv: np.ndarray, dst_state: np.ndarray, dst_aux: Optional[int]
+        self,
+        r: Room,
+        link: Link,
+        dst_kv: np.ndarray,
+        dst_state: np.ndarray,
+        dst_aux: Optional[int],
+        dst_span: Tuple[int, Optional[int]],
     ) -> None:
         """Give the sender's room its decode destination; flush chunks queued before it."""
         mgr = self.mgr
@@ -184,6 +194,7 @@ class PrefillSide:
             )
             return
         r.link, r.dst_kv, r.dst_state, r.dst_aux = link, dst_kv, dst_state, dst_aux
+        r.dst_span = dst_span
         link.rooms.add(r)
         if r.num_kv is not None and not self._check_counts(r):
             return
@@ -251,21 +262,45 @@ class PrefillSide:
 
     # ------------------------------------------------------------------ writes
     def _check_counts(self, r: Room) -> bool:
-        if r.num_kv is not None and r.num_kv != len(r.dst_kv):
-            self.mgr.fail(
-                r,
-                ShapeMismatch(
-                    f"room {r.room}: prefill sends {r.num_kv} pages, decode allocated "
-                    f"{len(r.dst_kv)}"
-                ),
+        """Both sides' page counts are known: check them against the token count and decide
+        how the room's tokens travel (``r.pages_map``); fail the room if they cannot."""
+        mgr, link = self.mgr, r.link
+        assert r.num_kv is not None and link is not None
+        prefix, tokens = r.dst_span
+        try:
+            r.pages_map = RoomPages.make(
+                num_src=r.num_kv,
+                num_dst=len(r.dst_kv),
+                src_page_size=mgr.args.page_size,
+                dst_page_size=link.page_size or mgr.args.page_size,
+                prefix=prefix,
+                tokens=tokens,
+                geom=TokenGeometry.of(mgr.args.kv_segments),
+                exact=mgr.integrity is not None,
+                who=f"room {r.room}",
             )
+        except (InvalidArgument, UnsupportedOperation) as exc:
+            mgr.fail(r, exc)
             return False
         return True
+
+    def _kv_part(self, r: Room, src: np.ndarray, first: int) -> Any:
+        """The kv write of a chunk of source pages starting at page ``first``: an ItemWrite
+        of whole pages or a RawWrite of byte runs (``r.pages_map``); None if nothing moves."""
+        ItemWrite, RawWrite = _writes()
+        pm = r.pages_map
+        if pm.geom is None:
+            s, d = pm.whole_pages(src, first, r.dst_kv)
+            return ItemWrite("kv", s, d) if len(s) else None
+        runs = pm.runs(src, first, r.dst_kv)
+        if not len(runs):
+            return None
+        return RawWrite("kv", runs.src_off, runs.dst_off, runs.nbytes, runs.desc)
 
     def _issue(self, r: Room, src: np.ndarray, src_state: Optional[np.ndarray], last: bool) -> None:
         mgr = self.mgr
         start = r.pages_queued
-        dst = r.dst_kv[start : start + len(src)]
+        kv = self._kv_part(r, src, start)
         n_state = 0 if src_state is None else len(src_state)
         if last and len(r.dst_state) != n_state:
             mgr.fail(
@@ -280,20 +315,22 @@ class PrefillSide:
         if r.state != KVPoll.Transferring:
             mgr.advance(r, KVPoll.Transferring)
         prev = r.chain
-        r.chain = mgr.spawn(self._write(r, prev, src, dst, src_state, last))
+        r.chain = mgr.spawn(self._write(r, prev, src, kv, src_state, last))
 
     async def _write(
         self,
         r: Room,
         prev: Optional[asyncio.Future],
         src: np.ndarray,
-        dst: np.ndarray,
+        kv: Any,
         src_state: Optional[np.ndarray],
         last: bool,
     ) -> None:
+        """Write one chunk: ``kv`` (its ItemWrite/RawWrite, or None), then with the last
+        chunk the state slots and the aux row. ``src``: the chunk's source pages."""
         if prev is not None and not prev.done():
             await asyncio.wait([prev])
-        mgr, ItemWrite = self.mgr, _item_write()
+        mgr, ItemWrite = self.mgr, _writes()[0]
         if is_terminal(r.state):
             return
         link = r.link
@@ -306,7 +343,7 @@ class PrefillSide:
                 peer_gone=True,
             )
             return
-        items = [ItemWrite("kv", src, dst)] if len(src) else []
+        items = [kv] if kv is not None else []
         if last:
             if len(r.dst_state):
                 items.append(ItemWrite("state", src_state, r.dst_state))
@@ -321,7 +358,8 @@ class PrefillSide:
         if last:
             notify = m.Done(room=r.room, pages=len(r.dst_kv), sums=sums).encode()
         else:
-            notify = m.Chunk(room=r.room, pages_done=r.pages_done + len(src)).encode()
+            done = r.pages_map.dst_pages_done(r.pages_done + len(src))
+            notify = m.Chunk(room=r.room, pages_done=done).encode()
         mgr.hook("before_write", r.room)
         try:
             stats = await link.peer.write(items, notify=notify, timeout=mgr.t.transfer_s)
@@ -393,6 +431,7 @@ class PrefillSide:
         fail at once instead of holding their pages until ``bootstrap_s``."""
         mgr = self.mgr
         refused = None
+        page_size: Any = msg.fingerprint.get("page_size")
         try:
             check_compatible(
                 mgr.fingerprint,
@@ -405,6 +444,8 @@ class PrefillSide:
                     f"tp_rank: prefill {mgr.name} is {mgr.args.tp_rank}, "
                     f"decode {msg.name} wants {msg.tp_rank}"
                 )
+            if not is_int(page_size) or int(page_size) <= 0:
+                raise LayoutMismatch(f"decode {msg.name}: page_size {page_size!r}")
         except LayoutMismatch as exc:
             log.warning("%s: refused decode %s: %s", mgr.name, msg.name, exc)
             refused = exc
@@ -412,6 +453,7 @@ class PrefillSide:
         if link is None:
             link = mgr.links[peer.id] = Link(peer.id, peer, msg.name)
         link.refused = refused
+        link.page_size = int(page_size) if refused is None else 0
         mgr.send_msg(link, m.HelloAck(ok=refused is None, error=str(refused or ""), name=mgr.name))
 
     def _reject(self, link: Link, room: int, exc: KvxferError) -> None:
@@ -428,6 +470,10 @@ class PrefillSide:
                 raise Closed(f"prefill {mgr.name} is closing")
             dst_kv = m.ids_from_bytes(msg.dst_kv, "dst_kv")
             dst_state = m.ids_from_bytes(msg.dst_state, "dst_state")
+            for what, v in (("prefix", msg.prefix), ("tokens", msg.tokens)):
+                if v is not None and v < 0:
+                    raise ProtocolError(f"room {room}: {what} {v} < 0")
+            span = (msg.prefix or 0, msg.tokens)
             for what, ids, group in (
                 ("dst kv page", dst_kv, "kv"),
                 ("dst state slot", dst_state, "state"),
@@ -464,6 +510,7 @@ class PrefillSide:
                 return
             p = Room(room, RoomRole.PENDING)
             p.link, p.dst_kv, p.dst_state, p.dst_aux = link, dst_kv, dst_state, msg.dst_aux
+            p.dst_span = span
             try:
                 mgr.rooms.insert(p)
             except DuplicateRoom:  # a KVSender was created meanwhile
@@ -486,7 +533,7 @@ class PrefillSide:
                 ),
             )
             return
-        self._attach(r, link, dst_kv, dst_state, msg.dst_aux)
+        self._attach(r, link, dst_kv, dst_state, msg.dst_aux, span)
 
     def _on_abort(self, link: Link, msg: m.Abort) -> None:
         """Decode gave up on a room (or refused it: LayoutMismatch). Acked once no write for

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from typing import Optional
 
+from kvxfer.argcheck import as_int
 from kvxfer.disagg.bootstrap import parse_addr
 from kvxfer.disagg.handle import OnDone, RoomHandle, as_ids
+from kvxfer.disagg.page_map import check_span
 from kvxfer.disagg.roles import DisaggMode
 from kvxfer.errors import InvalidArgument
 
@@ -43,9 +45,27 @@ class KVReceiver(RoomHandle):
         self._inited = True
         self.mgr.call(self.mgr.side.init, self._r, self.bootstrap_addr)
 
-    def send_metadata(self, kv_indices, aux_index: int, state_indices=None) -> None:
+    def send_metadata(
+        self,
+        kv_indices,
+        aux_index: int,
+        state_indices=None,
+        *,
+        prefix_len: int = 0,
+        num_tokens: Optional[int] = None,
+    ) -> None:
         """Tell prefill where this room's bytes go. Validated here (ids in range of our
         registered buffers, no duplicates); a bad call raises and sends nothing.
+
+        ``kv_indices`` cover the request from token 0 (page ``i`` holds tokens
+        ``[i*page_size, +page_size)``), the pages of a reused prefix included.
+        ``prefix_len``: we already hold tokens ``[0, prefix_len)`` (our prefix cache; need
+        not be page-aligned): prefill writes no byte of them, only tokens
+        ``[prefix_len, num_tokens)``. ``num_tokens``: the request's token count, when a last
+        partial page must not be written past it (with a page size other than prefill's it
+        also says where the request ends; by default, the slots both sides' pages hold).
+        Raises ShapeMismatch (``num_tokens`` needs another page count) or InvalidArgument
+        (``prefix_len`` past the tokens). Shapes supported: docs/shapes.md.
 
         Runs on: the scheduler's thread (validated there; sent from the loop)."""
         if not self._inited:
@@ -60,5 +80,10 @@ class KVReceiver(RoomHandle):
             f"room {self.room}: state_indices",
             items["state"],
         )
+        prefix = as_int(prefix_len, f"room {self.room}: prefix_len", 0)
+        tokens = (
+            None if num_tokens is None else as_int(num_tokens, f"room {self.room}: num_tokens", 0)
+        )
+        check_span(len(kv), self.mgr.args.page_size, prefix, tokens, f"room {self.room}")
         self._meta = True
-        self.mgr.call(self.mgr.side.send_metadata, self._r, kv, st, aux)
+        self.mgr.call(self.mgr.side.send_metadata, self._r, kv, st, aux, (prefix, tokens))

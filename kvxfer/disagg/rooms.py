@@ -62,6 +62,8 @@ class Room:
         "dst_aux",
         "pages_queued",
         "pages_done",
+        "dst_span",
+        "pages_map",
         "chain",
         "queued",
         "last_queued",
@@ -107,6 +109,11 @@ class Room:
         self.dst_aux: Optional[int] = None
         self.pages_queued = 0
         self.pages_done = 0
+        #: decode's (prefix_len, num_tokens or None), from its TransferInfo
+        self.dst_span: Tuple[int, Optional[int]] = (0, None)
+        #: how the room's tokens travel (kvxfer.disagg.page_map.RoomPages), once both sides'
+        #: page counts are known
+        self.pages_map: Any = None
         #: the task of the last issued write (writes are ordered)
         self.chain: Optional[asyncio.Future] = None
         #: chunks handed to send() before decode's metadata arrived: (src, src_state, last)

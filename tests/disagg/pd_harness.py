@@ -52,6 +52,8 @@ TINY = dict(
 SENTINEL = 0xFF
 #: byte of the never-allocated first and last item of every registered buffer
 GUARD = 0xFE
+#: byte decode's pages hold before a token-keyed transfer (tests of page sizes and prefixes)
+UNWRITTEN = 0xFD
 
 
 # ====================================================================== child side
@@ -119,6 +121,7 @@ class Node:
         integrity: bool = False,
     ) -> None:
         from kvxfer.disagg import KVArgs, KVManager, MetadataBuffer, Timeouts
+        from kvxfer.disagg.kv_args import replace
         from kvxfer.pools.allocator import PagedTokenToKVPoolAllocator
         from kvxfer.pools.mamba_alloc import MambaSlotAllocator
 
@@ -137,6 +140,8 @@ class Node:
         args = KVArgs.from_pools(
             self.pool, aux=self.aux, state_pool=self.pool if mamba is not None else None
         )
+        if kind == "mismatch":  # a pool stating no token geometry: page sizes must be equal
+            args = replace(args, kv_segments=[])
         self.views = self.pool.get_item_views()
         self.state_views = self.pool.get_state_item_views() if mamba is not None else []
         self.freed = {"pages": set(), "slots": set(), "rows": set()}
@@ -524,6 +529,103 @@ class Node:
             view[row, byte] = view[row, byte] ^ 0xFF
 
         integ.before_check = flip
+
+    # -- token-keyed content (different page sizes, decode prefixes) --
+    def _token_bytes(self, room: int, pages: int):
+        """Per kv descriptor, ``uint8 [pages, item_len]``: the request's first ``pages``
+        pages at our page size, each byte keyed by (token, segment, byte in the token row)
+        through our token geometry (``kv_segments``), so any page size sees the same tokens."""
+        import torch
+
+        ps, out = self.pool.page_size, []
+        for e, segs in enumerate(self.mgr.args.kv_segments):
+            cols = []
+            for j, tb in enumerate(segs):
+                t = torch.arange(pages * ps)[:, None]
+                b = torch.arange(tb)[None, :]
+                cols.append(((room * 31 + e * 13 + j * 5 + 7 * t + 3 * b) % 251).reshape(pages, -1))
+            out.append(torch.cat(cols, dim=1).to(torch.uint8))
+        return out
+
+    def p_open_tokens(self, room: int, tokens: int, state: bool = True) -> None:
+        """Prefill a request of ``tokens`` tokens (last page partial if so) with token-keyed
+        content; send with :meth:`p_send` (pages)."""
+        from kvxfer.disagg import KVSender
+
+        n = -(-tokens // self.pool.page_size)
+        rec = self._alloc(room, n, state)
+        rec["tokens"] = tokens
+        for v, want in zip(self.views, self._token_bytes(room, n)):
+            if n:
+                v[rec["pages"].to(v.device)] = want.to(v.device)
+        if rec["slot"] is not None:
+            for e, v in enumerate(self.state_views):
+                v[rec["slot"]] = pattern(room, [1000], e, v.shape[1])[0].to(v.device)
+        self.aux.set_output(rec["row"], first_token(room))
+        self.rooms[room] = rec
+        rec["h"] = KVSender(self.mgr, self.bootstrap, room, on_done=self._on_done(room))
+        rec["h"].init(n, rec["row"])
+
+    def d_open_tokens(
+        self,
+        room: int,
+        tokens: int,
+        prefix: int = 0,
+        addr: Optional[str] = None,
+        declare: bool = True,
+        state: bool = True,
+        pages: Optional[int] = None,
+    ) -> None:
+        """Decode a request of ``tokens`` tokens of which we hold the first ``prefix``: every
+        byte of our pages starts as UNWRITTEN; ``declare``: pass ``num_tokens``; ``pages``:
+        allocate that many pages instead of the tokens' count (a scheduler bug)."""
+        from kvxfer.disagg import KVReceiver
+
+        n = -(-tokens // self.pool.page_size) if pages is None else pages
+        rec = self._alloc(room, n, state)
+        rec["tokens"] = tokens
+        for v in self.views:
+            if n:
+                v[rec["pages"].to(v.device)] = UNWRITTEN
+        self.rooms[room] = rec
+        rec["h"] = KVReceiver(self.mgr, addr or self.bootstrap, room, on_done=self._on_done(room))
+        rec["h"].init()
+        rec["h"].send_metadata(
+            rec["pages"],
+            rec["row"],
+            [rec["slot"]] if rec["slot"] is not None else None,
+            prefix_len=prefix,
+            num_tokens=tokens if declare else None,
+        )
+
+    def verify_tokens(self, room: int, prefix: int, upto: int) -> dict:
+        """Bytes off of a successful token-keyed room: token slots ``[prefix, upto)`` must
+        hold the content, every other byte of our pages must still be UNWRITTEN (``upto``:
+        the request's tokens, or further when slots past them were copied too — whole pages,
+        or an undeclared token count). Frees the room's resources."""
+        import torch
+
+        rec = self.rooms[room]
+        ps, n, hi = self.pool.page_size, rec["n"], upto
+        out = {"content": 0, "untouched": 0, "state_aux": 0}
+        for v, want, segs in zip(self.views, self._token_bytes(room, n), self.mgr.args.kv_segments):
+            got = v[rec["pages"].to(v.device)].cpu()
+            # token index of every byte of a page, then of the request's pages
+            tok = torch.cat([torch.arange(ps).repeat_interleave(tb) for tb in segs])
+            tok = tok[None, :] + ps * torch.arange(n)[:, None]
+            moved = (tok >= prefix) & (tok < hi)
+            out["content"] += int((got[moved] != want[moved]).sum())
+            out["untouched"] += int((got[~moved] != UNWRITTEN).sum())
+        if rec["slot"] is not None:
+            for e, v in enumerate(self.state_views):
+                out["state_aux"] += int(
+                    not torch.equal(v[rec["slot"]].cpu(), pattern(room, [1000], e, v.shape[1])[0])
+                )
+        out["state_aux"] += int(self.aux.first_token(rec["row"]) != first_token(room))
+        if not rec.get("freed"):
+            self._free(rec)
+            rec["freed"] = True
+        return out
 
     # -- both --
     def ids(self, room: int) -> dict:
