@@ -106,3 +106,68 @@ def test_bad_ranges_raise():
     with pytest.raises(InvalidArgument):
         TokenGeometry.of([[1], []])
     assert len(plan_runs(geom, np.arange(2), 4, np.arange(2), 4, 5, 5)) == 0
+
+
+def _make(**kw):
+    from kvxfer.disagg.page_map import RoomPages
+
+    args = dict(
+        num_src=10,
+        num_dst=3,
+        src_page_size=16,
+        dst_page_size=64,
+        prefix=0,
+        tokens=150,
+        geom=TokenGeometry.of([[4]]),
+        exact=False,
+        who="room 1",
+    )
+    args.update(kw)
+    return RoomPages.make(**args)
+
+
+def test_room_pages_picks_the_path_and_checks_counts():
+    from kvxfer.errors import ShapeMismatch, UnsupportedOperation
+
+    assert _make().geom is not None  # 16 -> 64: byte runs
+    same = _make(num_dst=10, dst_page_size=16, prefix=32)
+    assert same.geom is None  # equal sizes, aligned prefix: whole pages
+    src, dst = same.whole_pages(np.arange(100, 104), 1, np.arange(200, 210))
+    assert src.tolist() == [101, 102, 103] and dst.tolist() == [202, 203, 204]
+    assert _make(num_dst=10, dst_page_size=16, prefix=33).geom is not None
+    assert _make(tokens=None).tokens == 160  # the slots both sides hold
+    with pytest.raises(ShapeMismatch, match="prefill sends 10 pages, decode allocated 9"):
+        _make(num_dst=9, dst_page_size=16, tokens=None)
+    with pytest.raises(ShapeMismatch, match="250 tokens"):
+        _make(tokens=250)
+    with pytest.raises(InvalidArgument, match="prefix 151"):
+        _make(prefix=151)
+    with pytest.raises(UnsupportedOperation, match="no token geometry"):
+        _make(geom=None)
+    with pytest.raises(UnsupportedOperation, match="integrity"):
+        _make(exact=True)
+    assert _make().dst_pages_done(2) == 1 and _make().dst_pages_done(10) == 3
+
+
+def test_fingerprints_with_geometry_pair_other_page_sizes():
+    from kvxfer.disagg.errors import LayoutMismatch
+    from kvxfer.disagg.kv_args import check_compatible
+
+    def fp(ps, segs, kind="mha"):
+        out = {
+            "page_size": ps,
+            "dtype": "bfloat16",
+            "kv_item_lens": [ps * sum(s) for s in segs] if segs else [ps * 4],
+            "layout": {"kv": {"kind": kind, "page_size": ps, "item_lens": [ps * 4]}},
+        }
+        if segs:
+            out["kv_segments"] = segs
+        return out
+
+    check_compatible(fp(16, [[4]]), fp(64, [[4]]), us="a", them="b")
+    with pytest.raises(LayoutMismatch, match="kv_segments"):
+        check_compatible(fp(16, [[4]]), fp(64, [[2, 2]]), us="a", them="b")
+    with pytest.raises(LayoutMismatch, match="page_size"):  # one side states no geometry
+        check_compatible(fp(16, [[4]]), fp(64, None), us="a", them="b")
+    with pytest.raises(LayoutMismatch, match="layout.kv.kind"):
+        check_compatible(fp(16, [[4]]), fp(64, [[4]], kind="mla"), us="a", them="b")
