@@ -271,8 +271,10 @@ def _strip_local(d):
 
 
 def _strip_paging(layout: Dict[str, Any]) -> Dict[str, Any]:
-    """``layout`` without what follows from the page size in its kv part (``page_size``,
-    ``item_lens``; a nested ``mamba`` description is kept whole)."""
+    """``layout`` without what follows from the kv page size: ``page_size`` and ``item_lens``
+    (of a kv pool's description, also where a hybrid pool's description carries them as the
+    state pool's; a nested ``mamba`` description is kept whole, and the state item sizes are
+    compared as ``state_item_lens`` anyway)."""
 
     def strip(d):
         if not isinstance(d, dict):
@@ -283,7 +285,7 @@ def _strip_paging(layout: Dict[str, Any]) -> Dict[str, Any]:
             if k not in ("page_size", "item_lens")
         }
 
-    return {k: (strip(v) if k == "kv" else v) for k, v in layout.items()}
+    return {k: strip(v) for k, v in layout.items()}
 
 
 def _plain(v):

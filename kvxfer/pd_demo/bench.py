@@ -58,7 +58,7 @@ class BenchWorker(PDWorker):
             if res is None:
                 raise RuntimeError(f"decode pool too small for {len(rooms)} x {n_pages} pages")
             self.open[room] = {"res": res, "length": n_pages * self.model.ps, "verify": False}
-            self.open[room]["h"] = self._open_receiver(room, res)
+            self.open[room]["h"] = self._open_receiver(room, res, n_pages * self.model.ps)
             out.append(
                 {"pages": [int(p) for p in res["pages"]], "slot": res["slot"], "row": res["row"]}
             )

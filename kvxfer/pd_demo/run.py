@@ -52,7 +52,27 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mamba-layers", type=int, default=d.mamba_layers)
     ap.add_argument("--heads", type=int, default=d.heads)
     ap.add_argument("--head-dim", type=int, default=d.head_dim)
-    ap.add_argument("--page-size", type=int, default=d.page_size)
+    ap.add_argument(
+        "--page-size",
+        "--prefill-page-size",
+        dest="page_size",
+        type=int,
+        default=d.page_size,
+        help="tokens per KV page (prefill's; decode's too unless --decode-page-size)",
+    )
+    ap.add_argument(
+        "--decode-page-size",
+        type=int,
+        default=None,
+        help="decode's page size when it differs from prefill's (docs/shapes.md)",
+    )
+    ap.add_argument(
+        "--decode-prefix",
+        type=int,
+        default=0,
+        help="decode already holds each request's first K tokens (its prefix cache; capped "
+        "at the request's length); prefill sends only the rest",
+    )
     ap.add_argument(
         "--pool-tokens", type=int, default=d.pool_tokens, help="KV pool capacity per worker, tokens"
     )
@@ -128,10 +148,20 @@ def run_demo(
     timeout: float = 120.0,
     window: int = 16,
     integrity: bool = False,
+    decode_page_size: Optional[int] = None,
+    decode_prefix: int = 0,
     progress=None,
 ) -> dict:
     """Run the demo; returns the report (``REQUIRED_KEYS`` and more). ``progress``: a
-    :class:`kvxfer.clitools.Progress` of 3 steps (workers up, warm-up, requests)."""
+    :class:`kvxfer.clitools.Progress` of 3 steps (workers up, warm-up, requests).
+    ``decode_page_size`` (None: prefill's) and ``decode_prefix`` (tokens decode holds of
+    each request, capped at its length): the shapes of docs/shapes.md."""
+    dps = spec.page_size if decode_page_size is None else decode_page_size
+    if dps < 1 or spec.pool_tokens % dps or decode_prefix < 0:
+        raise InvalidArgument(
+            f"--decode-page-size {dps} must divide --pool-tokens {spec.pool_tokens}; "
+            f"--decode-prefix {decode_prefix} must be >= 0"
+        )
     if chunk_tokens < 1 or chunk_tokens % spec.page_size:
         raise InvalidArgument(
             f"--chunk-tokens {chunk_tokens} must be a positive multiple of "
@@ -139,7 +169,7 @@ def run_demo(
         )
     if not 1 <= min_len <= max_len:
         raise InvalidArgument(f"need 1 <= --min-len ({min_len}) <= --max-len ({max_len})")
-    if -(-max_len // spec.page_size) > spec.pool_tokens // spec.page_size:
+    if -(-max_len // min(spec.page_size, dps)) > spec.pool_tokens // max(spec.page_size, dps):
         raise InvalidArgument(
             f"--max-len {max_len} tokens does not fit --pool-tokens {spec.pool_tokens}"
         )
@@ -156,11 +186,15 @@ def run_demo(
             "deadline_s": timeout,
             "max_inflight": window,
             "integrity": integrity,
+            "decode_page_size": decode_page_size,
+            "decode_prefix": decode_prefix,
         },
         PDWorker,
     )
     t_up = time.perf_counter() - t0
     info = pair.prefill.info()
+    info["decode_page_size"] = dps
+    info["decode_prefix"] = decode_prefix
     if progress is not None:
         progress.step("warm-up request")
     try:
@@ -211,7 +245,7 @@ def summarize(spec, info, reqs, p, d, chunk_tokens, error_mode, window, t_up, wa
     dones = [r["t_done"] for r in d["rooms"].values() if r.get("state") == "Success"]
     span = (max(dones) - min(sends)) if sends and dones else 0.0
     st = p["stats"]
-    expected = sum(-(-n // spec.page_size) * info["page_bytes"] for _, n in reqs) + len(reqs) * (
+    expected = sum(_kv_bytes(spec.page_size, info, n) for _, n in reqs) + len(reqs) * (
         info["slot_bytes"] + info["aux_bytes"]
     )
     leaks = {
@@ -250,7 +284,18 @@ def summarize(spec, info, reqs, p, d, chunk_tokens, error_mode, window, t_up, wa
         "slot_bytes": info["slot_bytes"],
         "kv_entries": info["kv_entries"],
         "state_entries": info["state_entries"],
+        "decode_page_size": info["decode_page_size"],
+        "decode_prefix": info["decode_prefix"],
     }
+
+
+def _kv_bytes(ps: int, info: dict, n: int) -> int:
+    """KV bytes one request of ``n`` tokens moves: whole pages when the page sizes are equal
+    and decode's prefix is page-aligned, else exactly the tokens past the prefix."""
+    k = min(info["decode_prefix"], n)
+    if info["decode_page_size"] == ps and k % ps == 0:
+        return (-(-n // ps) - k // ps) * info["page_bytes"]
+    return (n - k) * info["page_bytes"] // ps
 
 
 def _human(n: float) -> str:
@@ -268,6 +313,11 @@ def format_table(r: dict) -> str:
         f"descriptor{'s' * (r['kv_entries'] != 1)}, {_human(r['page_bytes'])}/page of "
         f"{s['page_size']} tokens)"
     )
+    if r.get("decode_page_size", s["page_size"]) != s["page_size"] or r.get("decode_prefix"):
+        attn += (
+            f"; decode: {r['decode_page_size']}-token pages, holds the first "
+            f"{r['decode_prefix']} tokens of each request"
+        )
     mamba = (
         "no Mamba layers"
         if s["mamba_layout"] == "none"
@@ -389,6 +439,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 timeout=a.timeout,
                 window=a.window,
                 integrity=a.integrity,
+                decode_page_size=a.decode_page_size,
+                decode_prefix=a.decode_prefix,
                 progress=pr,
             )
     except InvalidArgument as exc:

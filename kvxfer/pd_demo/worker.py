@@ -39,6 +39,12 @@ class PDWorker:
         from kvxfer.pd_demo.model import DemoModel  # torch: in the worker process only
 
         self.role, self.bootstrap, self.opts = role, bootstrap, opts
+        if role == "decode" and opts.get("decode_page_size"):
+            spec = dict(spec, page_size=int(opts["decode_page_size"]))
+        #: decode: tokens of each request it already holds (its prefix cache), at most all
+        self.prefix = int(opts.get("decode_prefix", 0))
+        #: decode declares prefix and token count (else SGLang's plain call)
+        self.shaped = self.prefix > 0 or bool(opts.get("decode_page_size"))
         self.model = DemoModel(ModelSpec(**spec))
         self.deadline_s = float(opts.get("deadline_s", 120.0))
         self.max_inflight = int(opts.get("max_inflight", 16))
@@ -169,12 +175,23 @@ class PDWorker:
         return self._finish()
 
     # ------------------------------------------------------------------ decode
-    def _open_receiver(self, room: int, res: dict):
+    def _open_receiver(self, room: int, res: dict, length: int):
         from kvxfer.disagg import KVReceiver
 
         h = KVReceiver(self.mgr, self.bootstrap, room, on_done=self._on_done(room))
         h.init()
-        h.send_metadata(res["pages"], res["row"], None if res["slot"] is None else [res["slot"]])
+        state = None if res["slot"] is None else [res["slot"]]
+        if not self.shaped:
+            h.send_metadata(res["pages"], res["row"], state)
+            return h
+        # we hold tokens [0, prefix) ourselves (as a prefix cache would) and our slots past
+        # the request (zeros): prefill writes exactly the tokens in between
+        m, k = self.model, min(self.prefix, length)
+        for lo, hi in ((0, k), (length, res["pages"].numel() * m.ps)):
+            if lo < hi:
+                m.write_tokens(room, res["pages"], lo, hi, length)
+        m.ready()
+        h.send_metadata(res["pages"], res["row"], state, prefix_len=k, num_tokens=length)
         return h
 
     def decode(self, requests: List[Request], verify: bool = True) -> dict:
@@ -186,7 +203,7 @@ class PDWorker:
             res = self._alloc(m.pages_for(length))
             self._drain()
             self.open[room] = {"res": res, "length": length, "verify": verify}
-            self.open[room]["h"] = self._open_receiver(room, res)
+            self.open[room]["h"] = self._open_receiver(room, res, length)
         return self._finish()
 
     def info(self) -> dict:
@@ -196,6 +213,7 @@ class PDWorker:
             "slot_bytes": m.slot_bytes(),
             "aux_bytes": m.kv_args.aux_item_lens[0],
             "num_pages": m.pages.num_pages,
+            "page_size": m.ps,
             "kv_entries": len(m.kv_args.kv_data_ptrs),
             "state_entries": len(m.kv_args.state_data_ptrs),
         }

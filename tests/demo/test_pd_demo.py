@@ -117,6 +117,40 @@ def test_demo_other_layouts(kv_layout, mamba_layout, integrity):
         assert r["kv_entries"] == 2 and r["state_entries"] == 0
 
 
+@pytest.mark.timeout(150)
+def test_demo_page_sizes_and_decode_prefix():
+    """`kvxfer demo --page-size 16 --decode-page-size 64 --decode-prefix 37`: decode holds
+    each request's first 37 tokens itself and verifies every token row; exactly the bytes of
+    the tokens past the prefix move (docs/shapes.md)."""
+    from kvxfer.pd_demo import run_demo
+    from kvxfer.pd_demo.run import format_table
+    from kvxfer.pd_demo.spec import ModelSpec
+
+    spec = ModelSpec(
+        attn_layers=2,
+        mamba_layers=2,
+        head_dim=16,
+        page_size=16,
+        pool_tokens=2048,
+        mamba_slots=16,
+        aux_rows=32,
+        device=DEVICE,
+    )
+    r = run_demo(
+        spec,
+        requests=8,
+        seed=5,
+        max_len=200,
+        chunk_tokens=32,
+        timeout=60,
+        decode_page_size=64,
+        decode_prefix=37,
+    )
+    _check_report(r, 8)
+    assert r["decode_page_size"] == 64 and r["decode_prefix"] == 37
+    assert "decode: 64-token pages, holds the first 37 tokens" in format_table(r)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "kv_layout,mamba_layout",
