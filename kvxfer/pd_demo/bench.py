@@ -27,6 +27,12 @@ cost, off → on: the 1-page and prefill-side latencies, requests/s, the large r
 and GB/s. With the check on, prefill's ``Success`` waits for decode's verdict, so the
 prefill-side figures include decode's check and one message back.
 
+With ``--prefill-page-size A --decode-page-size B --decode-prefix K`` (any of them) it measures
+shapes instead (docs/shapes.md), per mode: ``--shape-tokens``-token requests one at a time,
+PD time as for the bandwidth above, for two fresh worker pairs in the same run — prefill and
+decode both at page size A, then decode at B — both with decode holding the first K tokens;
+the rows give ops per request and GB/s of each and the ratio to the equal-page-size row.
+
 Nothing here writes or verifies content (the demo and tests/disagg do): the numbers are the
 protocol and the transfer, not the synthetic compute.
 """
@@ -41,7 +47,7 @@ from typing import List
 
 from kvxfer import clitools
 from kvxfer.pd_demo.run import percentile, start_pair
-from kvxfer.pd_demo.spec import ModelSpec
+from kvxfer.pd_demo.spec import KV_LAYOUTS, ModelSpec
 from kvxfer.pd_demo.worker import PDWorker
 
 
@@ -66,6 +72,17 @@ class BenchWorker(PDWorker):
 
     def settle(self) -> dict:
         return self._finish()
+
+    def announce_tokens(self, rooms: List[int], tokens: int) -> None:
+        """Allocate and send metadata for ``rooms`` of ``tokens`` tokens each (no
+        verification; with a shape, our prefix and slots past the end written first)."""
+        self._begin()
+        for room in rooms:
+            res = self.model.alloc(self.model.pages_for(tokens))
+            if res is None:
+                raise RuntimeError(f"decode pool too small for {len(rooms)} x {tokens} tokens")
+            self.open[room] = {"res": res, "length": tokens, "verify": False}
+            self.open[room]["h"] = self._open_receiver(room, res, tokens)
 
     # ------------------------------------------------------------------ prefill
     def _senders(self, rooms: List[int], n_pages: int) -> list:
@@ -133,6 +150,14 @@ class BenchWorker(PDWorker):
         out = self._finish()
         out.update(raw_s=raw_s, raw_bytes=int(stats.bytes), raw_ops=int(stats.ops))
         return out
+
+    def large_tokens(self, room: int, tokens: int) -> dict:
+        """One PD request of ``tokens`` tokens (all its pages in one send)."""
+        self._begin()
+        ((_, h, res),) = self._senders([room], self.model.pages_for(tokens))
+        self._send(room, h, res)
+        self._settle(self._next_done(True))
+        return self._finish()
 
     def raw_small(self, room: int, dst: dict, n: int) -> dict:
         """``n`` raw engine writes of a 1-page request's bytes (one at a time), then the PD
@@ -247,6 +272,79 @@ def bench_mode(args, mode: str, integrity: bool = False) -> dict:
     return out
 
 
+def bench_shapes(args, mode: str) -> List[dict]:
+    """Equal page sizes, then decode's own page size, same requests and prefix (module doc)."""
+    ps = args.prefill_page_size or ModelSpec().page_size
+    dps, k, tokens = args.decode_page_size or ps, args.decode_prefix, args.shape_tokens
+    unit = max(ps, dps)
+    pool = (-(-(2 * tokens) // unit) + 4) * unit
+    rows = []
+    for d_ps in dict.fromkeys((ps, dps)):
+        spec = ModelSpec(
+            kv_layout=args.kv_layout, page_size=ps, pool_tokens=pool, device=args.device
+        )
+        opts = {
+            "error_mode": mode,
+            "deadline_s": 120.0,
+            "max_inflight": 1 << 30,
+            "decode_page_size": d_ps if d_ps != ps else None,
+            "decode_prefix": k,
+        }
+        pair = start_pair(spec, opts, BenchWorker)
+        try:
+            times, nbytes, ops, lanes = [], 0, 0, []
+            for i in range(args.iters + 1):
+                room = 10**6 + i
+                pair.decode.announce_tokens([room], tokens)
+                p, d = pair.both((pair.prefill.large_tokens, room, tokens), (pair.decode.settle,))
+                if d["rooms"][room]["state"] != "Success":
+                    raise RuntimeError(f"request failed: {d['rooms'][room]}")
+                nbytes, ops, lanes = p["stats"]["bytes"], p["stats"]["ops"], p["stats"]["lanes"]
+                if i:  # i == 0: warm-up (connects)
+                    times.append(d["rooms"][room]["t_done"] - p["rooms"][room]["t_send"])
+        finally:
+            pair.close()
+        rows.append(
+            {
+                "mode": mode,
+                "lanes": lanes,
+                "kv_layout": args.kv_layout,
+                "prefill_page_size": ps,
+                "decode_page_size": d_ps,
+                "decode_prefix": k,
+                "tokens": tokens,
+                "bytes": nbytes,
+                "ops": ops,
+                "us_median": statistics.median(times) * 1e6,
+                "gbps_best": nbytes / min(times) / 1e9,
+                "gbps_median": nbytes / statistics.median(times) / 1e9,
+            }
+        )
+    return rows
+
+
+def format_shapes(rows: List[dict]) -> str:
+    lines = [
+        "| lanes (mode) | KV layout | prefill → decode page | decode prefix | tokens | MiB | ops/request "
+        "| µs median | GB/s best (median) | × equal pages (median) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    base = {}
+    for r in rows:
+        if r["prefill_page_size"] == r["decode_page_size"]:
+            base[r["mode"], r["kv_layout"]] = r["gbps_median"]
+        key = (r["mode"], r["kv_layout"])
+        ratio = r["gbps_median"] / base[key] if key in base else float("nan")
+        lines.append(
+            f"| {','.join(r['lanes'])} ({r['mode']}) | {r['kv_layout']} | "
+            f"{r['prefill_page_size']} → "
+            f"{r['decode_page_size']} | {r['decode_prefix']} | {r['tokens']} | "
+            f"{r['bytes'] / 2**20:.1f} | {r['ops']} | {r['us_median']:.0f} | "
+            f"{r['gbps_best']:.2f} ({r['gbps_median']:.2f}) | {ratio:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def format_rows(rows: List[dict]) -> str:
     lines = [
         "| lanes (mode) | 1-page p50 µs | p99 µs | prefill-side p50 µs "
@@ -317,9 +415,18 @@ def main(argv=None) -> int:
         help="run every mode twice, with KVManager(integrity=False) then True, and "
         "print what the integrity check costs (off vs on, same run)",
     )
+    ap.add_argument("--prefill-page-size", type=int, default=None, help="shapes: see above")
+    ap.add_argument("--decode-page-size", type=int, default=None, help="shapes: see above")
+    ap.add_argument("--decode-prefix", type=int, default=0, help="shapes: see above")
+    ap.add_argument("--shape-tokens", type=int, default=16000, help="shapes: tokens per request")
+    ap.add_argument(
+        "--kv-layout", choices=KV_LAYOUTS, default=ModelSpec().kv_layout, help="shapes: KV layout"
+    )
     clitools.add_json_args(ap)
     a = ap.parse_args(argv)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    if a.prefill_page_size or a.decode_page_size or a.decode_prefix:
+        return _shapes_main(a, modes)
     print(
         f"PD bench: device={a.device}, demo model (page-major KV + Mamba envelope), "
         f"{a.latency_requests} sequential + {a.throughput_requests} concurrent 1-page "
@@ -340,6 +447,25 @@ def main(argv=None) -> int:
     if a.integrity:
         print("\nIntegrity check cost (same run; Δ = on - off, × = on / off):\n")
         print(format_integrity(rows))
+    print(f"\n(total {time.perf_counter() - t0:.1f} s)")
+    clitools.emit_json(a, {"args": vars(a), "rows": rows})
+    return 0
+
+
+def _shapes_main(a, modes: List[str]) -> int:
+    print(
+        f"PD bench, shapes: device={a.device}, demo model ({a.kv_layout} KV + Mamba envelope), "
+        f"{a.shape_tokens}-token requests, best/median of {a.iters}",
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    rows: List[dict] = []
+    with clitools.Progress(len(modes), "bench pd", enabled=False if a.json else None) as pr:
+        for m in modes:
+            pr.show(f"mode {m}")
+            rows += bench_shapes(a, m)
+            pr.step(f"mode {m} done")
+    print(format_shapes(rows))
     print(f"\n(total {time.perf_counter() - t0:.1f} s)")
     clitools.emit_json(a, {"args": vars(a), "rows": rows})
     return 0
