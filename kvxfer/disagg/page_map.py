@@ -18,7 +18,8 @@ covered exactly once and no byte of any other token is; runs that touch in both 
 destination are merged, so equal page sizes with consecutive page ids collapse to one run per
 descriptor per page run (the op count of an ItemWrite). Cost: numpy over
 ``pieces x segments``, where a piece is the token span inside one source page and one
-destination page; no Python loop per page.
+destination page; no Python loop per page. Ops this costs per layout:
+bench/results/pages-cpu.md; the shapes supported: docs/shapes.md.
 """
 
 from __future__ import annotations
