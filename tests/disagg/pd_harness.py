@@ -67,6 +67,8 @@ def _build_pool(kind: str, size: int, page_size: int, device: str = "cpu"):
         if kind == "many":
             return MHATokenToKVPool(size, page_size, bf, 1, 8, 1, device), None
         return MHATokenToKVPool(size, page_size, bf, 2, 8, 2, device), None
+    if kind == "mha_hnd":  # per-layer [pages, H, page_size, D]
+        return MHATokenToKVPool(size, page_size, bf, 2, 8, 2, device, layout="hnd"), None
     if kind == "page_major":
         return PageMajorMHATokenToKVPool(size, page_size, bf, 2, 8, 2, device), None
     if kind == "mla":

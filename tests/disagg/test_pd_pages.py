@@ -10,7 +10,7 @@ from pd_harness import FAST, Worker
 from testenv import DEVICE
 
 #: (pool kind, page size) of the nodes on each side; node name = kind + page size
-NODES = [("mha", 16), ("mha", 64), ("page_major", 16), ("page_major", 64), ("mla", 16), ("mla", 64)]
+NODES = [(kind, ps) for kind in ("mha", "mha_hnd", "page_major", "mla") for ps in (16, 64)]
 
 
 def _name(kind, ps):
@@ -49,12 +49,17 @@ def _clean(*nodes):
         assert f["pages"] == f["slots"] == f["rows"] == f["guards"] == [], (n, f)
 
 
-def _run(pc, room, kind, pp, pd, tokens, prefix, declare=True):
-    """One request ``kind`` from page size ``pp`` to ``pd``; returns decode's verdict."""
+def _run(pc, room, kind, pp, pd, tokens, prefix, declare=True, decode_first=False):
+    """One request ``kind`` from page size ``pp`` to ``pd``, every byte checked.
+    ``decode_first``: decode's metadata reaches prefill before its KVSender exists."""
     p, d = pc
     pn, dn = _name(kind, pp), _name(kind, pd)
+    if decode_first:
+        d[dn].d_open_tokens(room, tokens, prefix, addr=p.bs[pn].address, declare=declare)
+        assert p[pn].record(room) == "pending"
     p[pn].p_open_tokens(room, tokens)
-    d[dn].d_open_tokens(room, tokens, prefix, addr=p.bs[pn].address, declare=declare)
+    if not decode_first:
+        d[dn].d_open_tokens(room, tokens, prefix, addr=p.bs[pn].address, declare=declare)
     n_src = -(-tokens // pp)
     p[pn].p_send(room, 0, min(2, n_src))  # two chunks: the first ends mid decode page
     if n_src > 2:
@@ -85,6 +90,8 @@ CASES = [
     ("mha", 16, 16, 150, 37),  # equal page sizes, unaligned prefix: byte runs
     ("mha", 16, 16, 150, 32),  # equal page sizes, aligned prefix: whole pages
     ("mha", 16, 64, 128, 0),  # no partial page
+    ("mha_hnd", 16, 64, 150, 37),  # H segments per page
+    ("mha_hnd", 64, 16, 150, 0),
     ("page_major", 16, 64, 130, 5),
     ("page_major", 64, 16, 130, 70),
     ("page_major", 64, 64, 130, 100),
@@ -101,7 +108,12 @@ def test_pages_and_prefix_byte_exact(pc, room, kind, pp, pd, tokens, prefix):
 def test_undeclared_token_count_moves_the_shared_slots(pc, room):
     """SGLang's unchanged call (no num_tokens): the slots both sides' pages hold move."""
     _run(pc, room(), "mha", 16, 64, 150, 0, declare=False)
-    _run(pc, room(), "mha", 64, 16, 150, 20, declare=False)
+    _run(pc, room(), "mha", 64, 16, 150, 20, declare=False, decode_first=True)
+
+
+def test_shape_reaches_prefill_before_its_sender(pc, room):
+    """Decode's prefix and token count wait in prefill's 'pending' record."""
+    _run(pc, room(), "page_major", 16, 64, 100, 33, decode_first=True)
 
 
 def test_bad_shapes_are_refused(pc, room):
