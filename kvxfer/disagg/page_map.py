@@ -89,7 +89,6 @@ def pieces(
         for p in (src_page_size, dst_page_size)
     ]
     b = np.union1d(np.union1d(cuts[0], cuts[1]), np.array([start, end], dtype=np.int64))
-    b = b[(b >= start) & (b <= end)]
     return b[:-1], b[1:]
 
 
@@ -110,7 +109,7 @@ def plan_runs(
     not cover ``[start, end)``."""
     ps, pd = int(src_page_size), int(dst_page_size)
     if ps <= 0 or pd <= 0 or start < 0:
-        raise InvalidArgument(f"page sizes {ps}/{pd} and start {start} must be positive")
+        raise InvalidArgument(f"page sizes {ps}/{pd} must be > 0 and start {start} >= 0")
     src = np.asarray(src_pages, dtype=np.int64)
     dst = np.asarray(dst_pages, dtype=np.int64)
     if end <= start:
