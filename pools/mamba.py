@@ -39,6 +39,7 @@ from kvxfer.pools.mamba_layout import (
     dedup_conv_window_width,
     envelope_geometry,
     plain_state_dims,
+    plain_state_parts,
 )
 from kvxfer.pools.mamba_spec import MambaCpuCopy, MambaStateSpec  # noqa: F401
 
@@ -352,6 +353,16 @@ class MambaPool:
             return [None]
         return plain_state_dims(self.num_layers, self.spec.conv_shapes, self.spec.temporal_shape)
 
+    def get_state_parts_per_tensor(self) -> List[List[int]]:
+        """Per descriptor entry (as :meth:`get_state_dim_per_tensor`): this rank's row
+        counts of the parts its first dim is made of, each split over TP ranks on its own
+        (conv ``x | B | C``: ``spec.conv_parts``; otherwise one part). The envelope's
+        single entry has no sliceable dim: ``[[]]`` (use :meth:`get_state_item_regions`)."""
+        if self._raw is not None:
+            return [[]]
+        conv_parts = [self.spec.parts_of(i) for i in range(len(self.spec.conv_shapes))]
+        return plain_state_parts(self.num_layers, conv_parts, self.spec.temporal_shape)
+
     def get_state_item_regions(self) -> List[Dict[str, Any]]:
         """Byte regions inside one item (envelope) or per entry (per-layer), for TP planners."""
         if self._geom is not None:
@@ -362,8 +373,9 @@ class MambaPool:
                     "layer_bytes": r.layer_bytes,
                     "num_layers": r.num_layers,
                     "sliceable_dim": r.shape[0],
+                    "parts": list(self._parts(i)),
                 }
-                for r in self._geom.regions
+                for i, r in enumerate(self._geom.regions)
             ]
         names = [f"conv{i}" for i in range(len(self.conv))] + ["temporal"]
         return [
@@ -373,10 +385,17 @@ class MambaPool:
                 "layer_bytes": int(t[0][0].nbytes),
                 "num_layers": 1,
                 "sliceable_dim": int(t.shape[2]),
+                "parts": list(self._parts(i)),
             }
-            for n, t in zip(names, self._state_tensors())
+            for i, (n, t) in enumerate(zip(names, self._state_tensors()))
             for _ in range(self.num_layers)
         ]
+
+    def _parts(self, kind: int) -> Tuple[int, ...]:
+        """Parts of state kind ``kind`` (conv tensors first, then the temporal tensor)."""
+        if kind < len(self.spec.conv_shapes):
+            return self.spec.parts_of(kind)
+        return (self.spec.temporal_shape[0],)
 
     def describe(self) -> Dict[str, Any]:
         """Plain values: the layout fingerprint two peers compare."""
