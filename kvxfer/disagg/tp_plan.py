@@ -59,6 +59,7 @@ __all__ = [
     "check_tp_compatible",
     "decode_peers",
     "envelope_state_geometry",
+    "gather_items",
     "gather_runs",
     "hnd_item",
     "item_runs",
@@ -71,6 +72,7 @@ __all__ = [
     "plan_pages",
     "prefill_peers",
     "replicated_item",
+    "scatter_items",
     "scatter_runs",
     "state_geometries",
     "state_item",
@@ -570,6 +572,63 @@ def scatter_runs(buf: np.ndarray, offs: np.ndarray, nbytes: np.ndarray, src: np.
     for n in np.unique(nbytes):
         k = nbytes == n
         _windows(buf, int(n))[offs[k]] = _windows(src, int(n))[pos[k]]
+
+
+def _item_view(buf: np.ndarray, item_bytes: int, ro: np.ndarray, rn: np.ndarray):
+    """``[items, runs, n]`` strided view of ``buf`` when one item's runs are equal-sized at a
+    constant step (NHD / HND / page-major head slices are), else None."""
+    if not rn.size or bool((rn != rn[0]).any()):
+        return None
+    step = int(ro[1] - ro[0]) if ro.size > 1 else int(rn[0])
+    if step < int(rn[0]) or (ro.size > 1 and bool((np.diff(ro) != step).any())):
+        return None
+    n, first = int(rn[0]), int(ro[0])
+    items = (buf.size - first - (ro.size - 1) * step - n) // item_bytes + 1
+    return np.lib.stride_tricks.as_strided(
+        buf[first:], shape=(items, ro.size, n), strides=(item_bytes, step, 1)
+    )
+
+
+def gather_items(
+    buf: np.ndarray,
+    item_bytes: int,
+    items: np.ndarray,
+    ro: np.ndarray,
+    rn: np.ndarray,
+    out: np.ndarray,
+) -> int:
+    """Pack the runs ``(ro, rn)`` (:func:`item_runs`, one side) of every item ``items[k]``
+    of ``buf`` back to back into ``out``, item-major: the order :func:`scatter_items` unpacks
+    with the other side's runs. One strided copy when the runs are regular (the head-slice
+    "gather kernel" of the staged path, host memory), else :func:`gather_runs`. Ids must be
+    valid (not checked)."""
+    items = np.asarray(items, dtype=np.int64)
+    total = int(rn.sum()) * items.size
+    v = _item_view(buf, item_bytes, ro, rn)
+    if v is None:
+        offs = (items[:, None] * item_bytes + ro[None, :]).ravel()
+        return gather_runs(buf, offs, np.tile(rn, items.size), out)
+    np.take(v, items, axis=0, out=out[:total].reshape(items.size, *v.shape[1:]), mode="clip")
+    return total
+
+
+def scatter_items(
+    buf: np.ndarray,
+    item_bytes: int,
+    items: np.ndarray,
+    ro: np.ndarray,
+    rn: np.ndarray,
+    src: np.ndarray,
+) -> None:
+    """Inverse of :func:`gather_items` on the receiving side (its own runs and items)."""
+    items = np.asarray(items, dtype=np.int64)
+    total = int(rn.sum()) * items.size
+    v = _item_view(buf, item_bytes, ro, rn)
+    if v is None:
+        offs = (items[:, None] * item_bytes + ro[None, :]).ravel()
+        scatter_runs(buf, offs, np.tile(rn, items.size), src)
+        return
+    v[items] = src[:total].reshape(items.size, *v.shape[1:])
 
 
 # ---------------------------------------------------------------------------- handshake

@@ -7,6 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
+from kvxfer.disagg import tp_plan as tp
 from kvxfer.disagg.errors import LayoutMismatch, TpShapeMismatch
 from kvxfer.disagg.tp_plan import (
     ItemGeometry,
@@ -250,6 +251,35 @@ def test_gather_scatter_equals_direct_runs():
     out = np.zeros(8, np.uint8)
     gather_runs(np.arange(20, dtype=np.uint8), offs, sizes, out)
     assert out.tolist() == [0, 1, 10, 11, 12, 13, 14, 3]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda t: tp.nhd_item(8, 6, 8, t),
+        lambda t: tp.hnd_item(8, 6, 8, t),
+        lambda t: tp.page_major_item(2, 8, 6, 4, 8, t),  # K/V dims differ: irregular
+        lambda t: tp.state_item(6, [16, 4, 4], t),
+    ],
+)
+@pytest.mark.parametrize("tp_p,tp_d", [(1, 2), (2, 1), (1, 4), (4, 2)])
+def test_gather_scatter_items_equal_direct_runs(make, tp_p, tp_d):
+    rng = np.random.default_rng(2)
+    sg, dg = make(tp_p), make(tp_d)
+    src = rng.integers(0, 255, 9 * sg.item_bytes, np.uint8)
+    si, di = np.array([1, 5, 6, 8]), np.array([3, 0, 1, 2])
+    for d in range(tp_d):
+        for p in tp.decode_peers(d, tp_p, tp_d):
+            ro, rd, rn = tp.item_runs(sg, dg, p, d, tp_p, tp_d)
+            plan = tp.plan_pages([sg], [dg], p, d, tp_p, tp_d, si, di)
+            direct = np.zeros(4 * dg.item_bytes, np.uint8)
+            for so, do, n in zip(plan.src_off, plan.dst_off, plan.nbytes):
+                direct[do : do + n] = src[so : so + n]
+            packed = np.zeros(plan.total_bytes + 7, np.uint8)
+            assert tp.gather_items(src, sg.item_bytes, si, ro, rn, packed) == plan.total_bytes
+            staged = np.zeros_like(direct)
+            tp.scatter_items(staged, dg.item_bytes, di, rd, rn, packed)
+            np.testing.assert_array_equal(staged, direct)
 
 
 def test_handshake_check():
