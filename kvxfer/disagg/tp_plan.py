@@ -187,10 +187,15 @@ class AxisPlan:
         return tuple(sorted({d for d, _ in self.sends(prefill_rank)}))
 
 
-@lru_cache(maxsize=512)
 def plan_axis(total: int, prefill_tp: int, decode_tp: int, salt: int = 0) -> AxisPlan:
     """The slices of an axis of ``total`` units between ``prefill_tp`` and ``decode_tp``
-    ranks (module rules). TpShapeMismatch names both shapes when they cannot be joined."""
+    ranks (module rules). TpShapeMismatch names both shapes when they cannot be joined.
+    Cached; ``salt`` only matters modulo ``prefill_tp`` (replica counts divide it)."""
+    return _plan_axis(total, prefill_tp, decode_tp, int(salt) % _pos("prefill tp", prefill_tp))
+
+
+@lru_cache(maxsize=512)
+def _plan_axis(total: int, prefill_tp: int, decode_tp: int, salt: int) -> AxisPlan:
     try:
         check_ratio(prefill_tp, decode_tp)
         local_units(total, prefill_tp, "prefill")
@@ -487,6 +492,7 @@ def item_runs(
     ``prefill_rank`` writes into ``decode_rank``'s item (empty: it sends nothing). Raises
     TpShapeMismatch naming both geometries when they cannot be joined. Cached (read-only
     arrays)."""
+    salt = int(salt) % _pos("prefill tp", prefill_tp)  # as plan_axis: bounded cache keys
     return _item_runs_cached(src, dst, prefill_rank, decode_rank, prefill_tp, decode_tp, salt)
 
 

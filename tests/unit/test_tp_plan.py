@@ -87,6 +87,8 @@ def test_replicated_senders_rotate_with_salt(tp_p, tp_d):
         senders = [plan_axis(1, tp_p, tp_d, salt).receives(d) for salt in range(k)]
         assert all(len(s) == 1 for s in senders)
         assert sorted(s[0].prefill_rank for s in senders) == list(decode_peers(d, tp_p, tp_d))
+    # a room id as salt: only salt % tp_p matters (bounded caches)
+    assert plan_axis(1, tp_p, tp_d, 10**12 + 1) == plan_axis(1, tp_p, tp_d, (10**12 + 1) % tp_p)
 
 
 @pytest.mark.parametrize(
