@@ -18,8 +18,8 @@ Every method's decode bytes are checked against the prefill ranks' heads. Run::
 
     PYTHONPATH=. python bench/tp_slice.py [--tokens 1024 4096] [--ratios 1:2 2:1]
 
-Prints a markdown table: median ms and GB/s per request over ``--iters`` runs, ops per
-request, and the ratio to equal-TP. Results: bench/results/tp-slice-cpu.md.
+Prints a markdown table: median ms and GB/s per request over ``--iters`` rounds (the
+methods alternate within a round), ops per request, and the ratio to equal-TP. Results: bench/results/tp-slice-cpu.md.
 """
 
 from __future__ import annotations
@@ -161,27 +161,30 @@ async def run_ratio(a, tp_p: int, tp_d: int, tokens: int) -> List[Dict]:
         "hnd": (lambda: strided("hnd"), "hnd"),
         "equal-tp": (equal, None),
     }
-    rows = []
     total = pair_bytes * len(pairs)
-    for name, (fn, layout) in methods.items():
-        times, plans_s, ops = [], [], 0
-        for it in range(a.iters + 1):
-            dt, t_plan, ops = await fn()
+    times: Dict[str, List[float]] = {m: [] for m in methods}
+    plans: Dict[str, List[float]] = {m: [] for m in methods}
+    ops: Dict[str, int] = {}
+    for it in range(a.iters + 1):  # round-robin: load changes hit every method alike
+        for name, (fn, layout) in methods.items():
+            dt, t_plan, ops[name] = await fn()
             if layout is not None:
                 verify(layout)
-            if it:  # the first run warms up (registrations, connections, caches)
-                times.append(dt)
-                plans_s.append(t_plan)
-        t = statistics.median(times)
+            if it:  # the first round warms up (registrations, connections, caches)
+                times[name].append(dt)
+                plans[name].append(t_plan)
+    rows = []
+    for name in methods:
+        t = statistics.median(times[name])
         rows.append(
             dict(
                 ratio=f"{tp_p}:{tp_d}",
                 tokens=tokens,
                 method=name,
                 ms=t * 1e3,
-                plan_ms=statistics.median(plans_s) * 1e3,
+                plan_ms=statistics.median(plans[name]) * 1e3,
                 gbps=total / t / 1e9,
-                ops=ops,
+                ops=ops[name],
                 mib=total / 2**20,
             )
         )
