@@ -219,8 +219,7 @@ def _plan_axis(total: int, prefill_tp: int, decode_tp: int, salt: int) -> AxisPl
             start = owned(p, prefill_tp, total)[0]
             slices.append(Slice(p, (lo - start, hi - start), (lo - need[0], hi - need[0])))
         # owned blocks are aligned, so overlaps are disjoint or equal: they tile ``need``
-        assert [s.dst for s in slices] and slices[0].dst[0] == 0
-        assert slices[-1].dst[1] == need[1] - need[0]
+        assert slices and slices[0].dst[0] == 0 and slices[-1].dst[1] == need[1] - need[0]
         by_decode.append(tuple(slices))
     return AxisPlan(total, prefill_tp, decode_tp, salt, tuple(by_decode))
 

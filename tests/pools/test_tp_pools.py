@@ -1,7 +1,7 @@
-"""MambaPool's per-part TP metadata (``conv_parts``) drives a heterogeneous-TP state move:
-prefill and decode pools of different TP sizes, per-layer and envelope layouts, moved by the
-byte plan of kvxfer.disagg.tp_plan; every decode slot must hold its rank's rows of every
-part (Mamba2's conv ``x | B | C`` split part by part)."""
+"""Pools under heterogeneous TP (kvxfer.disagg.tp_plan): the KV geometries match the
+pools' items, and MambaPool's per-part metadata (``conv_parts``) drives a state move between
+pools of different TP sizes, per-layer and envelope layouts; every decode slot must hold its
+rank's rows of every part (Mamba2's conv ``x | B | C`` split part by part)."""
 
 import itertools
 
@@ -10,12 +10,19 @@ import torch
 
 from kvxfer.disagg.tp_plan import (
     envelope_state_geometry,
+    hnd_item,
+    kv_geometries,
+    nhd_item,
+    page_major_item,
     plan_axis,
     plan_pages,
     state_geometries,
 )
 from kvxfer.pools.errors import InvalidArgument
 from kvxfer.pools.mamba import MambaPool, MambaStateSpec
+from kvxfer.pools.mha import MHATokenToKVPool
+from kvxfer.pools.mla import MLATokenToKVPool
+from kvxfer.pools.page_major import PageMajorMHATokenToKVPool
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -107,3 +114,24 @@ def test_hetero_tp_state_move(layout, tp_p, tp_d):
             )
     # each decode rank's rows came from as many prefill ranks as own them
     assert len(plan_axis(X, tp_p, tp_d).receives(0)) == max(1, tp_p // tp_d)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_kv_geometries_match_pools(tp):
+    """The KV geometries kv_geometries builds have the pools' item sizes and layouts."""
+    heads, L, ps = 8, 3, 4
+    kw = dict(size=16, page_size=ps, dtype=torch.bfloat16, head_num=heads // tp, layer_num=L)
+    nhd = MHATokenToKVPool(head_dim=8, v_head_dim=4, **kw)
+    assert (
+        kv_geometries(nhd, heads, tp)
+        == [nhd_item(ps, 16, heads, tp)] * L + [nhd_item(ps, 8, heads, tp)] * L
+    )
+    hnd = MHATokenToKVPool(head_dim=8, layout="hnd", **kw)
+    assert kv_geometries(hnd, heads, tp) == [hnd_item(ps, 16, heads, tp)] * (2 * L)
+    pm = PageMajorMHATokenToKVPool(head_dim=8, v_head_dim=4, **kw)
+    assert kv_geometries(pm, heads, tp) == [page_major_item(L, ps, 16, 8, heads, tp)]
+    mla = MLATokenToKVPool(16, ps, torch.bfloat16, 8, 4, L)
+    (il,) = set(mla.get_contiguous_buf_infos()[2])
+    assert [g.item_bytes for g in kv_geometries(mla, 1, tp)] == [il] * L
+    with pytest.raises(InvalidArgument, match="item sizes"):
+        kv_geometries(nhd, heads * 2, tp)  # the pool holds half the heads that implies
