@@ -39,7 +39,6 @@ from kvxfer.pools.mamba_layout import (
     dedup_conv_window_width,
     envelope_geometry,
     plain_state_dims,
-    plain_state_parts,
 )
 from kvxfer.pools.mamba_spec import MambaCpuCopy, MambaStateSpec  # noqa: F401
 
@@ -360,8 +359,8 @@ class MambaPool:
         single entry has no sliceable dim: ``[[]]`` (use :meth:`get_state_item_regions`)."""
         if self._raw is not None:
             return [[]]
-        conv_parts = [self.spec.parts_of(i) for i in range(len(self.spec.conv_shapes))]
-        return plain_state_parts(self.num_layers, conv_parts, self.spec.temporal_shape)
+        kinds = len(self.spec.conv_shapes) + 1
+        return [list(self._parts(k)) for k in range(kinds) for _ in range(self.num_layers)]
 
     def get_state_item_regions(self) -> List[Dict[str, Any]]:
         """Byte regions inside one item (envelope) or per entry (per-layer), for TP planners."""

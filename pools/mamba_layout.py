@@ -163,20 +163,6 @@ def plain_state_dims(
     return dims
 
 
-def plain_state_parts(
-    num_layers: int,
-    conv_parts: Sequence[Sequence[int]],
-    temporal_shape: Sequence[int],
-) -> List[List[int]]:
-    """Row counts of the independently TP-split parts of each plain descriptor's first dim
-    (kind-major, then layer, as :func:`plain_state_buf_lens`): ``conv_parts[i]`` for conv
-    tensor ``i``, one part for the temporal tensor."""
-    out: List[List[int]] = []
-    for parts in [list(p) for p in conv_parts] + [[int(temporal_shape[0])]]:
-        out += [[int(x) for x in parts] for _ in range(num_layers)]
-    return out
-
-
 def dedup_conv_window_width(draft_tokens: int, window: int) -> int:
     """Columns of the shared sliding-window buffer: ``D + (K-1) - 1`` instead of ``D*(K-1)``."""
     return draft_tokens + window - 1
