@@ -279,6 +279,9 @@ class HybridLinearKVPool(KVCache):
     def get_state_dim_per_tensor(self):
         return self.mamba_pool.get_state_dim_per_tensor()
 
+    def get_state_parts_per_tensor(self):
+        return self.mamba_pool.get_state_parts_per_tensor()
+
     def describe(self) -> Dict[str, Any]:
         d = self.kv_pool.describe()
         d = dict(d)

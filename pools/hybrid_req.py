@@ -159,6 +159,9 @@ class HybridReqToTokenPool(ReqToTokenPool):
     def get_state_dim_per_tensor(self):
         return self.mamba_pool.get_state_dim_per_tensor()
 
+    def get_state_parts_per_tensor(self):
+        return self.mamba_pool.get_state_parts_per_tensor()
+
     # ------------------------------------------------------------------ ping-pong
     def _require_extra(self) -> None:
         if not self.enable_mamba_extra_buffer:

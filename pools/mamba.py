@@ -352,6 +352,16 @@ class MambaPool:
             return [None]
         return plain_state_dims(self.num_layers, self.spec.conv_shapes, self.spec.temporal_shape)
 
+    def get_state_parts_per_tensor(self) -> List[List[int]]:
+        """Per descriptor entry (as :meth:`get_state_dim_per_tensor`): this rank's row
+        counts of the parts its first dim is made of, each split over TP ranks on its own
+        (conv ``x | B | C``: ``spec.conv_parts``; otherwise one part). The envelope's
+        single entry has no sliceable dim: ``[[]]`` (use :meth:`get_state_item_regions`)."""
+        if self._raw is not None:
+            return [[]]
+        kinds = len(self.spec.conv_shapes) + 1
+        return [list(self._parts(k)) for k in range(kinds) for _ in range(self.num_layers)]
+
     def get_state_item_regions(self) -> List[Dict[str, Any]]:
         """Byte regions inside one item (envelope) or per entry (per-layer), for TP planners."""
         if self._geom is not None:
@@ -362,8 +372,9 @@ class MambaPool:
                     "layer_bytes": r.layer_bytes,
                     "num_layers": r.num_layers,
                     "sliceable_dim": r.shape[0],
+                    "parts": list(self._parts(i)),
                 }
-                for r in self._geom.regions
+                for i, r in enumerate(self._geom.regions)
             ]
         names = [f"conv{i}" for i in range(len(self.conv))] + ["temporal"]
         return [
@@ -373,10 +384,17 @@ class MambaPool:
                 "layer_bytes": int(t[0][0].nbytes),
                 "num_layers": 1,
                 "sliceable_dim": int(t.shape[2]),
+                "parts": list(self._parts(i)),
             }
-            for n, t in zip(names, self._state_tensors())
+            for i, (n, t) in enumerate(zip(names, self._state_tensors()))
             for _ in range(self.num_layers)
         ]
+
+    def _parts(self, kind: int) -> Tuple[int, ...]:
+        """Parts of state kind ``kind`` (conv tensors first, then the temporal tensor)."""
+        if kind < len(self.spec.conv_shapes):
+            return self.spec.parts_of(kind)
+        return (self.spec.temporal_shape[0],)
 
     def describe(self) -> Dict[str, Any]:
         """Plain values: the layout fingerprint two peers compare."""

@@ -2,7 +2,11 @@
 
 ``MambaStateSpec`` replaces model-config objects: per-layer conv state shapes (a list of
 ``(dim, kernel - 1)``-like shapes), the temporal / SSM state shape (e.g. ``(heads, head_dim,
-state)``), their dtypes and the model layer ids that are mamba layers.
+state)``), their dtypes and the model layer ids that are mamba layers. ``conv_parts``
+optionally says how a conv tensor's first (TP-split) dim is made of projections split
+independently over TP ranks, e.g. Mamba2's ``x | B | C`` or GDN's ``q | k | v``: this
+rank's row counts of each part, back to back, summing to ``conv_shapes[i][0]`` (default:
+one part). Heterogeneous TP slices each part on its own (:mod:`kvxfer.disagg.tp_plan`).
 
 ``MambaCpuCopy`` is what :meth:`MambaPool.get_cpu_copy` returns: the state of ``n`` slots on
 the host in logical form (``conv[i]: [L, n, *conv_shapes[i]]``, ``temporal: [L, n,
@@ -44,6 +48,7 @@ class MambaStateSpec:
     conv_dtype: torch.dtype
     temporal_dtype: torch.dtype
     layer_ids: Tuple[int, ...]
+    conv_parts: Tuple[Tuple[int, ...], ...] = ()
 
     def __post_init__(self):
         conv = tuple(_shape(s, f"conv_shapes[{i}]") for i, s in enumerate(self.conv_shapes))
@@ -57,6 +62,14 @@ class MambaStateSpec:
         if len(set(ids)) != len(ids) or min(ids) < 0:
             raise InvalidArgument(f"layer_ids must be distinct non-negative ints, got {ids}")
         object.__setattr__(self, "layer_ids", ids)
+        parts = tuple(_shape(p, f"conv_parts[{i}]") for i, p in enumerate(self.conv_parts))
+        if parts and (len(parts) != len(conv) or any(sum(p) != s[0] for p, s in zip(parts, conv))):
+            raise InvalidArgument(
+                f"conv_parts {[list(p) for p in parts]} must list, for each of "
+                f"{len(conv)} conv shapes, row counts summing to its first dim "
+                f"{[s[0] for s in conv]}"
+            )
+        object.__setattr__(self, "conv_parts", parts)
         for name in ("conv_dtype", "temporal_dtype"):
             if not isinstance(getattr(self, name), torch.dtype):
                 raise InvalidArgument(f"{name} must be a torch.dtype, got {getattr(self, name)!r}")
@@ -64,6 +77,10 @@ class MambaStateSpec:
     @property
     def num_layers(self) -> int:
         return len(self.layer_ids)
+
+    def parts_of(self, i: int) -> Tuple[int, ...]:
+        """Row counts of the parts of conv tensor ``i`` (one part unless ``conv_parts``)."""
+        return self.conv_parts[i] if self.conv_parts else (self.conv_shapes[i][0],)
 
     @property
     def slot_bytes(self) -> int:
@@ -74,14 +91,18 @@ class MambaStateSpec:
         return self.num_layers * (conv + prod(self.temporal_shape) * self.temporal_dtype.itemsize)
 
     def fingerprint(self) -> Dict[str, Any]:
-        """Plain (msgpack-able) values that must agree for a state copy to be restorable."""
-        return {
+        """Plain (msgpack-able) values that must agree for a state copy to be restorable
+        (``conv_parts`` only when given, so single-part specs keep their fingerprint)."""
+        out: Dict[str, Any] = {
             "conv_shapes": [list(s) for s in self.conv_shapes],
             "temporal_shape": list(self.temporal_shape),
             "conv_dtype": str(self.conv_dtype),
             "temporal_dtype": str(self.temporal_dtype),
             "num_layers": self.num_layers,
         }
+        if self.conv_parts:
+            out["conv_parts"] = [list(p) for p in self.conv_parts]
+        return out
 
 
 @dataclass

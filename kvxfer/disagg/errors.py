@@ -21,6 +21,12 @@ class LayoutMismatch(IncompatiblePeer):
     """Prefill and decode disagree on page size, dtype, descriptor geometry or layout."""
 
 
+class TpShapeMismatch(LayoutMismatch):
+    """Prefill and decode tensor-parallel shapes that no head / state-row mapping can join
+    (e.g. a head count not divisible by a TP size, or a TP ratio that is not an integer);
+    the message names both shapes (see :mod:`kvxfer.disagg.tp_plan`)."""
+
+
 class RoomMismatch(KvxferError):
     """The metadata row delivered to a room carries another room's id: data rejected."""
 
