@@ -260,6 +260,15 @@ class KVCache(PostCaptureMixin, abc.ABC):
             return None
         return [[d.row_bytes] for d in descs]
 
+    def kv_token_heads(self) -> Optional[list[list[tuple[int, int]]]]:
+        """Which of this rank's KV heads each token segment holds (what a TP split needs on
+        top of :meth:`kv_token_segments`): per descriptor, per segment, ``(first, count)``:
+        one token row of the segment is ``count`` equal head rows, heads ``first ..
+        first + count - 1`` (NHD ``[(0, H)]``; HND ``[(0, 1), ..., (H - 1, 1)]``). An empty
+        list: the descriptor is the same on every TP rank (MLA's latent). ``None``: the pool
+        cannot say (no heterogeneous TP). Default: ``None``."""
+        return None
+
     def describe(self) -> dict:
         """Layout fingerprint (msgpack-able) that two peers compare before transferring."""
         return {

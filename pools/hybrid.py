@@ -258,6 +258,9 @@ class HybridLinearKVPool(KVCache):
     def kv_token_segments(self):
         return self.kv_pool.kv_token_segments()
 
+    def kv_token_heads(self):
+        return self.kv_pool.kv_token_heads()
+
     def get_contiguous_buf_infos(self):
         return self.kv_pool.get_contiguous_buf_infos()
 

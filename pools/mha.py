@@ -189,6 +189,16 @@ class MHATokenToKVPool(KVCache):
             [self.v_head_dim * isz] * H
         ] * self.layer_num
 
+    def kv_token_heads(self) -> Optional[list[list[tuple[int, int]]]]:
+        """Every NHD row (per layer or page-major) holds the ``H`` heads; an HND segment is
+        one head."""
+        segs = self.kv_token_segments()
+        if segs is None:
+            return None
+        if self.layout == "hnd":
+            return [[(h, 1) for h in range(self.head_num)] for _ in segs]
+        return [[(0, self.head_num)] * len(s) for s in segs]
+
     def _token_buffers(self) -> list[TokenBuffer]:
         indexing = "hnd" if self.layout == "hnd" else "rows"
         return [TokenBuffer(b, indexing) for b in self.k_buffer + self.v_buffer]

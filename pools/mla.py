@@ -129,6 +129,10 @@ class MLATokenToKVPool(KVCache):
     def _token_buffers(self) -> list[TokenBuffer]:
         return [TokenBuffer(b, "rows") for b in self.kv_buffer]
 
+    def kv_token_heads(self) -> list[list[tuple[int, int]]]:
+        """The latent is replicated over TP ranks: no KV heads (DSA, FP4 alike)."""
+        return [[] for _ in self._registered()]
+
     # -- getters ------------------------------------------------------------------------------
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         """Whole rows ``[num_slots, 1, R + Dr]`` (latent + rope)."""

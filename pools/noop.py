@@ -146,6 +146,10 @@ class MHATokenToKOnlyPool(KVCache):
     def _token_buffers(self) -> list[TokenBuffer]:
         return [TokenBuffer(b, "rows") for b in self.k_buffer]
 
+    def kv_token_heads(self) -> list[list[tuple[int, int]]]:
+        """NHD rows: every row holds the ``H`` heads."""
+        return [[(0, self.head_num)] for _ in self.k_buffer]
+
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         idx = self.layer_index(layer_id)
         self._wait_layer(idx)
