@@ -25,12 +25,16 @@ Rank rules (SGLang's, so a mixed deployment pairs the same ranks)
 Item geometry
     A transfer item (one page of one descriptor, or one state slot) holds one or more
     :class:`Segment`\\s: unit ``u`` of repetition ``i`` is the byte range
-    ``[offset + i*stride + u*unit_bytes, +unit_bytes)``. NHD pages put heads inside every
-    token (``reps = page_size``); HND pages make each head one block (``reps = 1``,
-    ``unit_bytes = page_size * head_bytes``); a page-major page is one NHD segment per
-    (layer, K|V); a Mamba state slot is one segment per part of each tensor (conv ``x|B|C``
-    parts are split independently). A head range of a segment is one byte run per
-    repetition, so a head slice costs ``reps`` runs per item: tokens for NHD, one for HND.
+    ``[offset + i*stride + u*unit_bytes, +unit_bytes)``. A KV item is derived from the
+    token geometry its pool states (``kv_token_segments()`` + ``kv_token_heads()``,
+    :func:`token_item`; no layout switch here): heads inside every token row (NHD, each
+    (layer, K|V) of a page-major page) give ``reps = page_size``; one segment per head
+    (HND) gives ``reps = 1``, ``unit_bytes = page_size * head_bytes``; a pool's KV without
+    heads (MLA / DSA latent) is replicated. A Mamba state slot is one segment per part of
+    each tensor (conv ``x|B|C`` parts are split independently). A head range of a segment
+    is one byte run per repetition, so a head slice costs ``reps`` runs per item: tokens
+    for NHD, one for HND. A rank's single head is one contiguous block in either layout and
+    joins a peer of either form (:func:`_recut`).
 
 Invariants (tests/unit/test_tp_plan.py checks them exhaustively against a brute force)
     every unit a decode rank owns is written exactly once per room, from a prefill rank
@@ -42,7 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
@@ -52,6 +56,7 @@ from kvxfer.errors import InvalidArgument
 __all__ = [
     "AxisPlan",
     "ItemGeometry",
+    "KvTokenGeometry",
     "RawPlan",
     "Segment",
     "Slice",
@@ -76,6 +81,7 @@ __all__ = [
     "scatter_runs",
     "state_geometries",
     "state_item",
+    "token_item",
     "tp_fingerprint",
 ]
 
@@ -288,25 +294,56 @@ def _seg_tuple(s: Segment) -> Tuple[int, ...]:
     return (s.offset, s.reps, s.stride, s.units, s.unit_bytes, s.total)
 
 
-def nhd_item(
-    page_size: int, head_bytes: int, total_heads: int, tp: int, blocks: int = 1
+def token_item(
+    page_size: int,
+    rows: Sequence[int],
+    heads: Sequence[Tuple[int, int]],
+    total_heads: int,
+    tp: int,
 ) -> ItemGeometry:
-    """``blocks`` x ``[page_size, heads, head_bytes]`` (per-layer NHD: ``blocks=1``;
-    page-major with equal K/V dims: ``blocks = 2 * layers``): heads inside every token."""
+    """The item of one KV descriptor from its token geometry (``pool.kv_token_segments()``:
+    ``rows``, the bytes of one token row of each segment; ``pool.kv_token_heads()``:
+    ``heads``, which of the rank's ``h`` heads each row holds), ``h`` from the rank rules:
+
+    * a segment whose rows hold heads ``(0, h)``, ``h > 1``: the heads lie inside every
+      token (NHD, page-major): ``reps = page_size``, unit = one head row;
+    * ``h`` consecutive segments holding heads ``(0, 1), ..., (h - 1, 1)`` (HND; also a
+      rank's single head): the heads are blocks, ``reps = 1``, unit = a head's page.
+
+    Anything else (heads that are not this rank's ``h``) is an InvalidArgument."""
     h = local_units(total_heads, tp, "kv heads")
-    block = page_size * h * head_bytes
-    segs = tuple(
-        Segment(b * block, page_size, h * head_bytes, h, head_bytes, total_heads)
-        for b in range(blocks)
-    )
-    return ItemGeometry(blocks * block, segs)
+    if len(rows) != len(heads):
+        raise InvalidArgument(f"{len(rows)} token segments but {len(heads)} head ranges")
+    blocks = [(i, 1) for i in range(h)]
+    segs: List[Segment] = []
+    off = j = 0
+    while j < len(rows):
+        row = int(rows[j])
+        if h > 1 and tuple(heads[j]) == (0, h) and row % h == 0:
+            segs.append(Segment(off, page_size, row, h, row // h, total_heads))
+            off, j = off + page_size * row, j + 1
+        elif [tuple(x) for x in heads[j : j + h]] == blocks and set(rows[j : j + h]) == {row}:
+            block = page_size * row
+            segs.append(Segment(off, 1, h * block, h, block, total_heads))
+            off, j = off + h * block, j + h
+        else:
+            raise InvalidArgument(
+                f"token segment {j} holds heads {tuple(heads[j])} in {row}-byte rows: not the "
+                f"{h} heads of a rank of tp {tp} ({total_heads} kv heads)"
+            )
+    return ItemGeometry(off, tuple(segs))
+
+
+def nhd_item(page_size: int, head_bytes: int, total_heads: int, tp: int) -> ItemGeometry:
+    """``[page_size, heads, head_bytes]``: heads inside every token."""
+    h = local_units(total_heads, tp, "kv heads")
+    return token_item(page_size, [h * head_bytes], [(0, h)], total_heads, tp)
 
 
 def hnd_item(page_size: int, head_bytes: int, total_heads: int, tp: int) -> ItemGeometry:
     """``[heads, page_size, head_bytes]``: each head one block of the page."""
     h = local_units(total_heads, tp, "kv heads")
-    seg = Segment(0, 1, h * page_size * head_bytes, h, page_size * head_bytes, total_heads)
-    return ItemGeometry(h * page_size * head_bytes, (seg,))
+    return token_item(page_size, [head_bytes] * h, [(i, 1) for i in range(h)], total_heads, tp)
 
 
 def page_major_item(
@@ -320,13 +357,8 @@ def page_major_item(
     """The page-major page (:class:`kvxfer.pools.layout.PageMajorGeometry`): per layer the
     K rows ``[page_size, H, D]`` then the V rows ``[page_size, H, Dv]``."""
     h = local_units(total_heads, tp, "kv heads")
-    segs: List[Segment] = []
-    off = 0
-    for _ in range(layers):
-        for hb in (k_head_bytes, v_head_bytes):
-            segs.append(Segment(off, page_size, h * hb, h, hb, total_heads))
-            off += page_size * h * hb
-    return ItemGeometry(off, tuple(segs))
+    rows = [h * k_head_bytes, h * v_head_bytes] * layers
+    return token_item(page_size, rows, [(0, h)] * len(rows), total_heads, tp)
 
 
 def replicated_item(item_bytes: int) -> ItemGeometry:
@@ -389,25 +421,36 @@ def envelope_state_geometry(
     return ItemGeometry(int(entry_bytes), tuple(segs))
 
 
-def kv_geometries(pool: Any, total_heads: int, tp: int) -> List[ItemGeometry]:
-    """Geometry of every KV descriptor of a kvxfer pool (duck-typed: ``kind``, ``layout``,
-    ``page_size``, ``head_dim``, ``v_head_dim``, ``layer_num``, ``store_dtype``): MLA / DSA
-    pages are replicated; MHA pages are NHD, HND or page-major. ``total_heads``: the
-    model's KV heads over all ranks. Checked against the pool's item sizes."""
+class KvTokenGeometry(Protocol):
+    """What :func:`kv_geometries` reads of a KV pool (kvxfer.pools' ``KVCache``): its
+    token geometry, stated once by the pool (docs/shapes.md)."""
+
+    page_size: int
+
+    def get_contiguous_buf_infos(self) -> Tuple[List[int], List[int], List[int]]: ...
+
+    def kv_token_segments(self) -> Optional[List[List[int]]]: ...
+
+    def kv_token_heads(self) -> Optional[List[List[Tuple[int, int]]]]: ...
+
+
+def kv_geometries(pool: KvTokenGeometry, total_heads: int, tp: int) -> List[ItemGeometry]:
+    """Geometry of every KV descriptor of a pool, from its token geometry
+    (:func:`token_item`); a descriptor without KV heads (MLA / DSA latent) is replicated.
+    ``total_heads``: the model's KV heads over all ranks. Checked against the pool's item
+    sizes."""
     _, _, items = pool.get_contiguous_buf_infos()
-    if getattr(pool, "kind", "") in ("mla", "dsa"):
-        return [replicated_item(int(il)) for il in items]
-    layout = getattr(pool, "layout", None)
-    isz = int(pool.store_dtype.itemsize)
-    ps, kb, vb = int(pool.page_size), pool.head_dim * isz, pool.v_head_dim * isz
-    if layout == "page_major":
-        geoms = [page_major_item(pool.layer_num, ps, kb, vb, total_heads, tp)]
-    elif layout in ("nhd", "hnd"):
-        make = nhd_item if layout == "nhd" else hnd_item
-        n = len(items) // 2
-        geoms = [make(ps, kb, total_heads, tp)] * n + [make(ps, vb, total_heads, tp)] * n
-    else:
-        raise InvalidArgument(f"no TP geometry for a {type(pool).__name__} (layout {layout!r})")
+    heads = pool.kv_token_heads()
+    if heads is None or len(heads) != len(items):
+        raise InvalidArgument(f"a {type(pool).__name__} states no TP geometry")
+    segs = pool.kv_token_segments() if any(heads) else []
+    if segs is None or (segs and len(segs) != len(heads)):
+        raise InvalidArgument(f"a {type(pool).__name__} states KV heads but no token segments")
+    ps = int(pool.page_size)
+    geoms = [
+        token_item(ps, segs[i], h, total_heads, tp) if h else replicated_item(int(items[i]))
+        for i, h in enumerate(heads)
+    ]
     got = [g.item_bytes for g in geoms]
     if got != [int(x) for x in items]:
         raise InvalidArgument(f"TP geometry item sizes {got} != the pool's {list(items)}")
@@ -415,7 +458,22 @@ def kv_geometries(pool: Any, total_heads: int, tp: int) -> List[ItemGeometry]:
 
 
 # ---------------------------------------------------------------------------- byte runs
-def _check_pair(src: ItemGeometry, dst: ItemGeometry, prefill_tp: int, decode_tp: int) -> None:
+def _recut(s: Segment, reps: int) -> Optional[Segment]:
+    """A single-unit contiguous segment as ``reps`` equal repetitions, None if ``s`` is not
+    one: a rank's only head is the same bytes whether its layout puts heads inside the token
+    rows (NHD) or makes each a block (HND), so it joins a peer of either form."""
+    size = s.reps * s.unit_bytes
+    if s.units != 1 or (s.reps > 1 and s.stride != s.unit_bytes) or size % reps:
+        return None
+    return Segment(s.offset, reps, size // reps, 1, size // reps, s.total)
+
+
+def _pair(
+    src: ItemGeometry, dst: ItemGeometry, prefill_tp: int, decode_tp: int
+) -> Tuple[Tuple[Segment, Segment], ...]:
+    """The segments of the two sides, paired (a single-unit segment recut to its peer's
+    repetitions, :func:`_recut`); TpShapeMismatch naming both when they cannot be joined."""
+
     def bad(why: str) -> TpShapeMismatch:
         return TpShapeMismatch(
             f"{why}: prefill tp {prefill_tp} {src.describe()}, "
@@ -424,7 +482,13 @@ def _check_pair(src: ItemGeometry, dst: ItemGeometry, prefill_tp: int, decode_tp
 
     if len(src.segments) != len(dst.segments):
         raise bad(f"{len(src.segments)} vs {len(dst.segments)} segments")
+    out = []
     for i, (s, t) in enumerate(zip(src.segments, dst.segments)):
+        if (s.reps, s.unit_bytes) != (t.reps, t.unit_bytes):
+            if s.units == 1:
+                s = _recut(s, t.reps) or s
+            elif t.units == 1:
+                t = _recut(t, s.reps) or t
         if (s.total, s.unit_bytes, s.reps) != (t.total, t.unit_bytes, t.reps):
             raise bad(f"segment {i} differs ({s.describe()} vs {t.describe()})")
         try:
@@ -433,6 +497,8 @@ def _check_pair(src: ItemGeometry, dst: ItemGeometry, prefill_tp: int, decode_tp
             raise bad(f"segment {i}: {exc}") from None
         if (ns, nt) != (s.units, t.units):
             raise bad(f"segment {i} holds {s.units} / {t.units} units, not {ns} / {nt}")
+        out.append((s, t))
+    return tuple(out)
 
 
 def coalesce(
@@ -459,9 +525,8 @@ def _item_runs_cached(
     decode_tp: int,
     salt: int,
 ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    _check_pair(src, dst, prefill_tp, decode_tp)
     so, do, nb = [], [], []
-    for s, t in zip(src.segments, dst.segments):
+    for s, t in _pair(src, dst, prefill_tp, decode_tp):
         for sl in plan_axis(s.total, prefill_tp, decode_tp, salt).receives(decode_rank):
             if sl.prefill_rank != prefill_rank:
                 continue
@@ -672,6 +737,6 @@ def check_tp_compatible(prefill: Dict[str, Any], decode: Dict[str, Any]) -> None
             )
         for i, (s, t) in enumerate(zip(src, dst)):
             try:
-                _check_pair(s, t, tp_p, tp_d)
+                _pair(s, t, tp_p, tp_d)
             except TpShapeMismatch as exc:
                 raise TpShapeMismatch(f"group {g!r} descriptor {i}: {exc}") from None

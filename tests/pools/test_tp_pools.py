@@ -9,13 +9,17 @@ import pytest
 import torch
 
 from kvxfer.disagg.tp_plan import (
+    decode_peers,
     envelope_state_geometry,
     hnd_item,
     kv_geometries,
+    local_units,
     nhd_item,
+    owned,
     page_major_item,
     plan_axis,
     plan_pages,
+    replicated_item,
     state_geometries,
 )
 from kvxfer.pools.errors import InvalidArgument
@@ -133,5 +137,67 @@ def test_kv_geometries_match_pools(tp):
     mla = MLATokenToKVPool(16, ps, torch.bfloat16, 8, 4, L)
     (il,) = set(mla.get_contiguous_buf_infos()[2])
     assert [g.item_bytes for g in kv_geometries(mla, 1, tp)] == [il] * L
-    with pytest.raises(InvalidArgument, match="item sizes"):
+    with pytest.raises(InvalidArgument, match="not the .* heads of a rank"):
         kv_geometries(nhd, heads * 2, tp)  # the pool holds half the heads that implies
+
+
+def _kv_pool(layout: str, heads: int, tp: int):
+    kw = dict(size=16, page_size=4, dtype=torch.bfloat16, head_num=local_units(heads, tp))
+    kw.update(head_dim=8, v_head_dim=4 if layout != "hnd" else 8, layer_num=2)
+    if layout == "page_major":
+        return PageMajorMHATokenToKVPool(**kw)
+    return MHATokenToKVPool(layout=layout, **kw)
+
+
+@pytest.mark.parametrize("layout", ["nhd", "hnd", "page_major"])
+@pytest.mark.parametrize("tp_p,tp_d", [(1, 2), (2, 1), (2, 8), (8, 2), (1, 8), (4, 4)])
+def test_hetero_tp_kv_move(layout, tp_p, tp_d):
+    """Real pools, geometries from their token statement (kv_token_segments + heads): every
+    decode rank's pages end up as if it had stored its own heads (4 heads: tp 8 replicates
+    them, a rank's single head joins a peer holding several)."""
+    torch.manual_seed(0)
+    H, ps, pages = 4, 4, [1, 2, 3]
+    ref = _kv_pool(layout, H, 1)
+    k = [torch.randn(12, H, ref.head_dim).bfloat16() for _ in range(2)]
+    v = [torch.randn(12, H, ref.v_head_dim).bfloat16() for _ in range(2)]
+
+    def filled(rank, tp, at):
+        pool = _kv_pool(layout, H, tp)
+        a, b = owned(rank, tp, H)
+        loc = torch.tensor([p * ps + s for p in at for s in range(ps)])
+        for layer in range(2):
+            pool.set_kv_buffer(layer, loc, k[layer][:, a:b], v[layer][:, a:b])
+        return pool
+
+    src = [filled(p, tp_p, pages) for p in range(tp_p)]
+    dst_pages = [3, 0, 2]
+    for d in range(tp_d):
+        got = _kv_pool(layout, H, tp_d)
+        views = [x.numpy().reshape(-1) for x in got.get_item_views()]
+        for p in decode_peers(d, tp_p, tp_d):
+            sg, dg = kv_geometries(src[p], H, tp_p), kv_geometries(got, H, tp_d)
+            plan = plan_pages(sg, dg, p, d, tp_p, tp_d, pages, dst_pages, salt=7)
+            sviews = [x.numpy().reshape(-1) for x in src[p].get_item_views()]
+            for di, so, do, n in zip(plan.desc, plan.src_off, plan.dst_off, plan.nbytes):
+                views[di][do : do + n] = sviews[di][so : so + n]
+        want = filled(d, tp_d, dst_pages)
+        for mine, ref_view in zip(got.get_item_views(), want.get_item_views()):
+            assert torch.equal(mine[dst_pages], ref_view[dst_pages])
+
+
+def test_pools_state_their_heads():
+    """MLA-family latents are replicated; FP4 MHA states no TP geometry."""
+    from kvxfer.pools.dsa import DSATokenToKVPool
+    from kvxfer.pools.quantized import MHATokenToKVPoolFP4
+
+    dsa = DSATokenToKVPool(16, 4, torch.bfloat16, 16, 8, 2)
+    (il,) = set(dsa.get_contiguous_buf_infos()[2])
+    assert dsa.kv_token_segments() is None  # no page-size change, yet replicated under TP
+    assert kv_geometries(dsa, 8, 4) == [replicated_item(il)] * 2
+    fp4 = MHATokenToKVPoolFP4(16, 4, torch.bfloat16, 2, 16, 2)
+    assert fp4.kv_token_heads() is None
+    with pytest.raises(InvalidArgument, match="no TP geometry"):
+        kv_geometries(fp4, 4, 2)
+    hnd = _kv_pool("hnd", 4, 2)
+    assert hnd.kv_token_heads() == [[(0, 1), (1, 1)]] * 4
+    assert _kv_pool("page_major", 4, 2).kv_token_heads() == [[(0, 2)] * 4]

@@ -106,7 +106,8 @@ def test_refusals_name_both_shapes(total, tp_p, tp_d):
 # ------------------------------------------------------------------ byte level
 def side_buffers(geoms, tp, total_of_seg, pages, rng_global, rank):
     """Items of ``rank`` filled from the global content: ``rng_global[(desc, seg)]`` is a
-    ``[pages, reps, total, unit_bytes]`` uint8 array; bytes outside segments stay 0."""
+    ``[pages, total, reps * unit_bytes]`` uint8 array (a unit's repetitions back to back, so
+    either side may cut a single-unit segment differently); bytes outside segments stay 0."""
     bufs = []
     for di, g in enumerate(geoms):
         buf = np.zeros(pages * g.item_bytes, np.uint8)
@@ -117,7 +118,8 @@ def side_buffers(geoms, tp, total_of_seg, pages, rng_global, rank):
                 for i in range(s.reps):
                     for j, u in enumerate(units):
                         o = page * g.item_bytes + s.offset + i * s.stride + j * s.unit_bytes
-                        buf[o : o + s.unit_bytes] = glob[page, i, u]
+                        ub = s.unit_bytes
+                        buf[o : o + ub] = glob[page, u, i * ub : (i + 1) * ub]
         bufs.append(buf)
     return bufs
 
@@ -131,7 +133,8 @@ def check_transfer(make, tp_p, tp_d, pages=3, salt=0, perm=True):
     glob = {}
     for di, g in enumerate(src_geoms[0]):
         for si, s in enumerate(g.segments):
-            glob[(di, si)] = rng.integers(1, 255, (pages, s.reps, s.total, s.unit_bytes), np.uint8)
+            shape = (pages, s.total, s.reps * s.unit_bytes)
+            glob[(di, si)] = rng.integers(1, 255, shape, np.uint8)
     src_pages = np.arange(pages)
     dst_pages = rng.permutation(pages) if perm else np.arange(pages)
     for d in range(tp_d):
