@@ -31,6 +31,7 @@ from kvxfer.disagg.link import Link
 from kvxfer.disagg.poll import KVPoll, is_terminal
 from kvxfer.disagg.roles import RoomRole
 from kvxfer.disagg.rooms import Room
+from kvxfer.disagg.trace import mark
 from kvxfer.errors import (
     Closed,
     KvxferError,
@@ -383,6 +384,8 @@ class DecodeSide:
             else:
                 mgr.advance(r, KVPoll.Transferring)
         elif isinstance(msg, m.Done):
+            if r.trace is not None:
+                mark(r.trace, "recv")
             self._on_done(r, msg)
         else:
             raise ProtocolError(f"unexpected {msg.TAG} on a decode manager")
@@ -421,6 +424,8 @@ class DecodeSide:
             mgr.integrity.check(r, msg)  # Success once every checksum matched
             return
         mgr.advance(r, KVPoll.Success)
+        if r.trace is not None:
+            mark(r.trace, "handled")
         mgr.release(r)
 
 

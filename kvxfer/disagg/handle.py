@@ -10,6 +10,7 @@ import numpy as np
 
 from kvxfer.disagg.poll import KVPoll, is_terminal
 from kvxfer.disagg.roles import DisaggMode
+from kvxfer.disagg.trace import mark
 from kvxfer.errors import IndexOutOfRange, InvalidArgument, TransferAborted, TransferTimeout
 
 #: ``on_done(state: KVPoll, exc: Exception | None)``: called once, when the room is terminal
@@ -59,7 +60,10 @@ class RoomHandle:
 
     def poll(self) -> KVPoll:
         """Current state; non-blocking. Runs on: any thread (the scheduler's)."""
-        return KVPoll(self._r.state)
+        r = self._r
+        if r.trace is not None and r.state == KVPoll.Success:
+            mark(r.trace, "seen")
+        return KVPoll(r.state)
 
     def failure_exception(self) -> Optional[BaseException]:
         """Why the room failed (a typed KvxferError), or None."""

@@ -31,7 +31,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from typing import Any, Callable, Coroutine, Dict, Optional, Set, Tuple, Union
+from typing import Any, Callable, Coroutine, Dict, List, Optional, Set, Tuple, Union
 
 from kvxfer import wire
 from kvxfer.disagg import messages as m
@@ -45,6 +45,8 @@ from kvxfer.disagg.poll import KVPoll, can_advance, is_terminal
 from kvxfer.disagg.prefill_side import PrefillSide
 from kvxfer.disagg.roles import DisaggMode, RoomRole
 from kvxfer.disagg.rooms import Room, RoomTable
+from kvxfer.disagg.trace import StageTrace
+from kvxfer.disagg.trace import enabled as trace_enabled
 from kvxfer.errors import (
     Closed,
     InvalidArgument,
@@ -85,9 +87,11 @@ class KVManager:
         name: Optional[str] = None,
         max_tombstones: int = 65536,
         integrity: bool = False,
+        trace: Optional[bool] = None,
     ) -> None:
         """``mode``: :class:`DisaggMode`, SGLang's ``DisaggregationMode`` or
-        ``"prefill"`` / ``"decode"``."""
+        ``"prefill"`` / ``"decode"``. ``trace``: record per-request stage timestamps
+        (:mod:`kvxfer.disagg.trace`; None: ``$KVXFER_TRACE``), read by :meth:`drain_trace`."""
         from kvxfer.config import resolve_secret
 
         if not isinstance(args, KVArgs):
@@ -121,6 +125,7 @@ class KVManager:
         self.items = {g: args.num_items(g) for g in ("kv", "state", "aux")}
         self.aux = AuxRows(args.aux_data_ptrs[0], args.aux_data_lens[0], args.aux_item_lens[0])
         self.rooms = RoomTable(max_tombstones)
+        self.trace: Optional[StageTrace] = StageTrace() if trace_enabled(trace) else None
         self.links: Dict[str, Link] = {}  # peer.id -> Link
         self.engine: Any = None  # kvxfer.engine.TransferEngine once started
         self.loop: Optional[asyncio.AbstractEventLoop] = None
@@ -340,7 +345,15 @@ class KVManager:
         Runs on: the caller's thread (the scheduler's)."""
         room = check_room(room)
         self._check_open()
-        return self.side.new_room(room, on_done)
+        r = self.side.new_room(room, on_done)
+        if self.trace is not None:
+            r.trace = self.trace.start(room, self.mode.value)
+        return r
+
+    def drain_trace(self) -> List[Dict[str, Any]]:
+        """The stage records of the rooms made since the last drain (at most the store's
+        bound, the newest), as plain dicts; [] when tracing is off. Runs on: any thread."""
+        return [] if self.trace is None else self.trace.drain()
 
     def advance(self, r: Room, state: KVPoll, exc: Optional[BaseException] = None) -> bool:
         """Move ``r`` forward (or to Failed), re-arm its deadline, wake waiters on terminal."""

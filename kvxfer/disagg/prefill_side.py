@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Optional, Tuple
 
 import numpy as np
@@ -35,6 +36,7 @@ from kvxfer.disagg.page_map import RoomPages, TokenGeometry
 from kvxfer.disagg.poll import KVPoll, is_terminal
 from kvxfer.disagg.roles import RoomRole
 from kvxfer.disagg.rooms import Room
+from kvxfer.disagg.trace import mark, mark_write
 from kvxfer.errors import (
     Closed,
     IndexOutOfRange,
@@ -253,6 +255,8 @@ class PrefillSide:
 
     def send(self, r: Room, src: np.ndarray, src_state: Optional[np.ndarray], last: bool) -> None:
         """KVSender.send(), handed over. Runs on: the loop thread."""
+        if last and r.trace is not None:
+            mark(r.trace, "loop")
         if is_terminal(r.state):
             return
         if r.dst_kv is None:  # decode's metadata not here yet: keep order
@@ -301,6 +305,8 @@ class PrefillSide:
         mgr = self.mgr
         start = r.pages_queued
         kv = self._kv_part(r, src, start)
+        if last and r.trace is not None:
+            mark(r.trace, "plan")
         n_state = 0 if src_state is None else len(src_state)
         if last and len(r.dst_state) != n_state:
             mgr.fail(
@@ -361,6 +367,7 @@ class PrefillSide:
             done = r.pages_map.dst_pages_done(r.pages_done + len(src))
             notify = m.Chunk(room=r.room, pages_done=done).encode()
         mgr.hook("before_write", r.room)
+        t_call = time.monotonic_ns() if last and r.trace is not None else 0
         try:
             stats = await link.peer.write(items, notify=notify, timeout=mgr.t.transfer_s)
         except TransferTimeout as exc:
@@ -371,6 +378,9 @@ class PrefillSide:
         except KvxferError as exc:
             mgr.fail(r, exc)
             return
+        if t_call:
+            assert r.trace is not None
+            mark_write(r.trace, t_call, time.monotonic_ns(), stats)
         st = mgr.stats
         st["writes"] += 1
         st["bytes"] += int(getattr(stats, "bytes", 0))

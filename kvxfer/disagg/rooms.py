@@ -83,6 +83,8 @@ class Room:
         "held",
         # integrity mode (kvxfer.disagg.integrity): that module's per-room record
         "integrity",
+        # stage timestamps (kvxfer.disagg.trace), None unless the manager traces
+        "trace",
     )
 
     def __init__(
@@ -102,6 +104,7 @@ class Room:
         self.waiters: List[Any] = []  # asyncio / concurrent futures woken on terminal
         self.event: Optional[threading.Event] = None
         self.handle: Any = None
+        self.trace: Optional[Dict[str, Any]] = None
         self.num_kv: Optional[int] = None
         self.aux_index: Optional[int] = None
         self.dst_kv: Any = None  # ids (ndarray); decode keeps its own destination ids here too

@@ -13,6 +13,7 @@ from typing import Optional
 from kvxfer.argcheck import as_int
 from kvxfer.disagg.handle import OnDone, RoomHandle, as_ids
 from kvxfer.disagg.roles import DisaggMode
+from kvxfer.disagg.trace import mark
 from kvxfer.errors import IndexOutOfRange, InvalidArgument
 
 
@@ -72,4 +73,6 @@ class KVSender(RoomHandle):
             st = as_ids(state_indices, f"room {self.room}: state_indices", self.mgr.items["state"])
         self._sent = total
         self._done_sending = last
+        if last and self._r.trace is not None:
+            mark(self._r.trace, "send")
         self.mgr.call(self.mgr.side.send, self._r, src, st, last)

@@ -310,6 +310,7 @@ class Peer:
                     self._rma.flush_future(self.spin), timeout, "flush"
                 )
                 stats.flush_s = max(0.0, t_done - m1)
+                stats.wake_s = max(0.0, time.monotonic() - m1)
         except PeerClosed as exc:  # the endpoint failed: this peer is gone
             self._mark_dead(exc)
             raise

@@ -33,8 +33,8 @@ class TransferStats:
     """What one ``Peer.write`` did. ``post_s``: time spent posting the native batch;
     ``complete_s``: from the end of posting until the flush completed (bytes visible at the
     target) and the notification was handed to UCX; ``flush_s``: from the end of posting until
-    UCX reported the flush complete (the rest of ``complete_s`` is waking the event loop and
-    the notification). ``lanes``: UCX transports carrying RMA. ``device_bytes`` of ``bytes``
+    UCX reported the flush complete; ``wake_s``: from the end of posting until the event loop
+    resumed after that report (the rest of ``complete_s`` is the notification). ``lanes``: UCX transports carrying RMA. ``device_bytes`` of ``bytes``
     (in ``device_ops`` of the ``ops`` runs) went over the same-host device lane (one copy
     launch into the peer's IPC-mapped memory, kvxfer.engine.devcopy) instead of UCX.
     ``staged``: at least one part went through the staged path (gather → one PUT per
@@ -47,6 +47,7 @@ class TransferStats:
     post_s: float = 0.0
     complete_s: float = 0.0
     flush_s: float = 0.0
+    wake_s: float = 0.0
     device_bytes: int = 0
     device_ops: int = 0
     lanes: List[str] = field(default_factory=list)
