@@ -33,6 +33,14 @@ PD time as for the bandwidth above, for two fresh worker pairs in the same run �
 decode both at page size A, then decode at B — both with decode holding the first K tokens;
 the rows give ops per request and GB/s of each and the ratio to the equal-page-size row.
 
+With ``--stages`` both managers trace (``KVManager(trace=True)``, :mod:`kvxfer.disagg.trace`)
+and a table per mode gives the sequential 1-page requests' stages (p50/p90 µs: thread and task
+hops, planning, post, flush, wake-up, notify, decode's handling, the scheduler's poll), their
+sum against the end-to-end p50, the raw engine write with and without a notification, and
+``ucx_perftest`` ``ucp_put_lat`` / ``ucp_am_lat`` of the same size on loopback, run in the
+same invocation (``perftest_put_lat_us`` / ``perftest_am_lat_us`` in the ``--json`` rows;
+None when the libucx wheel has no ucx_perftest).
+
 Nothing here writes or verifies content (the demo and tests/disagg do): the numbers are the
 protocol and the transfer, not the synthetic compute.
 """
@@ -40,10 +48,14 @@ protocol and the transfer, not the synthetic compute.
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import socket
 import statistics
+import subprocess
 import sys
 import time
-from typing import List
+from typing import List, Optional
 
 from kvxfer import clitools
 from kvxfer.pd_demo.run import percentile, start_pair
@@ -102,6 +114,18 @@ class BenchWorker(PDWorker):
                 time.sleep(0.0002)
         return hs
 
+    def _settle(self, item: tuple) -> None:
+        """Poll the room's handle once first: the scheduler seeing its terminal state (the
+        ``seen`` stage of a traced room)."""
+        h = self.open[item[0]].get("h")
+        if h is not None:
+            h.poll()
+        super()._settle(item)
+
+    def drain_trace(self) -> List[dict]:
+        """The manager's stage records (``KVManager.drain_trace``)."""
+        return self.mgr.drain_trace()
+
     def _send(self, room: int, h, res: dict) -> None:
         self.open[room]["t_send"] = time.monotonic()
         h.send(res["pages"], None if res["slot"] is None else [res["slot"]])
@@ -122,10 +146,12 @@ class BenchWorker(PDWorker):
             self._send(room, h, res)
         return self._finish()
 
-    def _raw_write(self, res: dict, dst: dict) -> tuple:
+    def _raw_write(self, res: dict, dst: dict, notify: bool = False) -> tuple:
         """The engine alone: the request's kv pages, state slot and aux row written to
-        decode's ``dst`` ids over the manager's connection (no protocol). Returns
-        (seconds until the flush completed, TransferStats)."""
+        decode's ``dst`` ids over the manager's connection (no protocol; with ``notify`` a
+        Ping that decode's manager drops, as the notification). Returns (seconds until the
+        flush completed and any notification was handed to UCX, TransferStats)."""
+        from kvxfer.disagg.messages import Ping
         from kvxfer.engine import ItemWrite
 
         items = [ItemWrite("kv", res["pages"], dst["pages"])]
@@ -135,7 +161,12 @@ class BenchWorker(PDWorker):
         peer = next(iter(self.mgr.links.values())).peer
         t0 = time.monotonic()
         stats = asyncio.run_coroutine_threadsafe(
-            peer.write(items, timeout=self.mgr.t.transfer_s), self.mgr.loop
+            peer.write(
+                items,
+                notify=Ping(seq=0).encode() if notify else None,
+                timeout=self.mgr.t.transfer_s,
+            ),
+            self.mgr.loop,
         ).result(120)
         return time.monotonic() - t0, stats
 
@@ -165,11 +196,129 @@ class BenchWorker(PDWorker):
         self._begin()
         ((_, h, res),) = self._senders([room], 1)
         times = [self._raw_write(res, dst)[0] for _ in range(n)]
+        notify_times = [self._raw_write(res, dst, notify=True)[0] for _ in range(n)]
         self._send(room, h, res)
         self._settle(self._next_done(True))
         out = self._finish()
-        out["raw_times"] = times
+        out.update(raw_times=times, raw_notify_times=notify_times)
         return out
+
+
+#: rooms of the warm-up; rooms decode announces at once in the latency run
+WARM_ROOMS, LATENCY_BATCH = 20, 50
+
+#: the 1-page request's path, as (row label, from stamp, to stamp); prefill's stamps, then
+#: decode's (``d:``) — consecutive, so the rows add up to ``seen`` - ``send``
+#: (kvxfer.disagg.trace names the stamps)
+STAGES = (
+    ("send → loop pickup (thread hop)", "send", "loop"),
+    ("page map (plan)", "loop", "plan"),
+    ("write task start (task hop)", "plan", "write"),
+    ("engine plan (ItemWrite planning)", "write", "planned"),
+    ("native post (+ device launch)", "planned", "posted"),
+    ("flush (post → UCX reports it)", "posted", "flushed"),
+    ("completion wake-up (loop resumes)", "flushed", "woken"),
+    ("notify → decode receipt (cross-process)", "woken", "d:recv"),
+    ("protocol handling (→ Success)", "d:recv", "d:handled"),
+    ("scheduler sees Success (poll)", "d:handled", "d:seen"),
+)
+#: not on the path above (overlaps the receipt): prefill handing the notification to UCX
+SIDE_STAGES = (("notify send (woken → handed to UCX)", "woken", "notified"),)
+
+
+def stage_table(prefill: List[dict], decode: List[dict], rooms: List[int]) -> dict:
+    """Per stage, p50/p90 µs over ``rooms`` from both sides' trace records; ``sum_p50_us``
+    over the path's stages and ``path_p50_us`` (``seen`` - ``send``) beside them."""
+    p = {r["room"]: r for r in prefill}
+    d = {r["room"]: {f"d:{k}": v for k, v in r.items()} for r in decode}
+    recs = [dict(p[r], **d[r]) for r in rooms if r in p and r in d]
+    rows = []
+    for name, a, b in STAGES + SIDE_STAGES:
+        xs = [(x[b] - x[a]) / 1e3 for x in recs if a in x and b in x]
+        rows.append(
+            {
+                "stage": name,
+                "n": len(xs),
+                "p50_us": percentile(xs, 50) if xs else float("nan"),
+                "p90_us": percentile(xs, 90) if xs else float("nan"),
+                "on_path": (name, a, b) in STAGES,
+            }
+        )
+    path = [(x["d:seen"] - x["send"]) / 1e3 for x in recs if "d:seen" in x and "send" in x]
+    return {
+        "rows": rows,
+        "requests": len(recs),
+        "sum_p50_us": sum(r["p50_us"] for r in rows if r["on_path"]),
+        "path_p50_us": percentile(path, 50) if path else float("nan"),
+    }
+
+
+def perftest_lat(test: str, size: int, device: str) -> Optional[float]:
+    """``ucx_perftest -t test`` (ucp_put_lat / ucp_am_lat: half a ping-pong) of ``size`` bytes
+    on loopback, memory on ``device`` (cpu: host, else cuda); its p50 µs, or None when the
+    libucx wheel's ucx_perftest is missing or fails."""
+    try:
+        import libucx  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    root = os.path.dirname(libucx.__file__)
+    exe = os.path.join(root, "bin", "ucx_perftest")
+    if not os.path.exists(exe):
+        return None
+    env = dict(os.environ, LD_LIBRARY_PATH=os.path.join(root, "lib"), UCX_WARN_UNUSED_ENV_VARS="n")
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        port = so.getsockname()[1]
+    mem = [] if device == "cpu" else ["-m", "cuda,cuda"]
+    srv = subprocess.Popen(
+        [exe, "-p", str(port), *mem],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        time.sleep(1.0)  # the server listens
+        cmd = [exe, "127.0.0.1", "-p", str(port), "-t", test, "-s", str(size)]
+        cmd += ["-n", "2000", "-w", "100", "-f", *mem]
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        srv.kill()
+        srv.wait()
+    rows = [ln.split() for ln in res.stdout.splitlines() if re.match(r"^\s+\d+\s+[\d.]+\s", ln)]
+    return float(rows[-1][1]) if rows else None
+
+
+def format_stages(rows: List[dict]) -> str:
+    """One table per mode: the stages of the sequential 1-page requests, with the
+    end-to-end p50, the raw engine write (+ notify) and ucx_perftest beside them."""
+    out = []
+    for r in rows:
+        st = r.get("stages")
+        if not st:
+            continue
+        label = r["mode"] + (", integrity" if r.get("integrity") else "")
+        out += [
+            f"\n{','.join(r['lanes'])} ({label}), {st['requests']} sequential 1-page requests "
+            f"({r['request_bytes_1page']} B):\n",
+            "| stage | p50 µs | p90 µs |",
+            "|---|---|---|",
+        ]
+        for s in st["rows"]:
+            name = s["stage"] if s["on_path"] else f"({s['stage']}, off the path)"
+            out.append(f"| {name} | {s['p50_us']:.1f} | {s['p90_us']:.1f} |")
+        pt = [r.get("perftest_put_lat_us"), r.get("perftest_am_lat_us")]
+        floor = "n/a" if None in pt else f"{pt[0]:.1f} + {pt[1]:.1f} = {pt[0] + pt[1]:.1f}"
+        out += [
+            f"| **sum of the path's p50s** | {st['sum_p50_us']:.1f} | |",
+            f"| path p50 (decode poll sees Success − prefill send) | {st['path_p50_us']:.1f} | |",
+            f"| end-to-end p50 (decode on_done − prefill send) | {r['p50_us']:.1f} | |",
+            f"| raw engine write p50 (no notify) | {r['raw_p50_us']:.1f} | |",
+            f"| raw engine write + notify p50 | {r['raw_notify_p50_us']:.1f} | |",
+            f"| ucx_perftest ucp_put_lat + ucp_am_lat p50 (same size, loopback) | {floor} | |",
+        ]
+    return "\n".join(out)
 
 
 def _ids(start: int, n: int) -> List[int]:
@@ -177,17 +326,23 @@ def _ids(start: int, n: int) -> List[int]:
 
 
 def bench_mode(args, mode: str, integrity: bool = False) -> dict:
+    # every room announced at once holds a state slot and an aux row: the warm-up's, a
+    # latency batch's or the throughput run's, whichever is most
+    rooms_at_once = max(WARM_ROOMS, LATENCY_BATCH, args.throughput_requests)
     spec = ModelSpec(
         pool_tokens=max(4096, 2 * args.large_pages + 64) * 16,
-        mamba_slots=args.throughput_requests + 8,
-        aux_rows=args.throughput_requests + 8,
+        mamba_slots=rooms_at_once + 8,
+        aux_rows=rooms_at_once + 8,
         device=args.device,
     )
-    pair = start_pair(
-        spec,
-        {"error_mode": mode, "deadline_s": 120.0, "max_inflight": 1 << 30, "integrity": integrity},
-        BenchWorker,
-    )
+    opts = {
+        "error_mode": mode,
+        "deadline_s": 120.0,
+        "max_inflight": 1 << 30,
+        "integrity": integrity,
+        "trace": args.stages,
+    }
+    pair = start_pair(spec, opts, BenchWorker)
     info = pair.prefill.info()
     out = {
         "mode": mode,
@@ -197,15 +352,18 @@ def bench_mode(args, mode: str, integrity: bool = False) -> dict:
     }
     try:
         # warm-up: connect, and run the code paths once
-        warm = _ids(1, 20)
+        warm = _ids(1, WARM_ROOMS)
         pair.decode.announce(warm, 1)
         pair.both((pair.prefill.latency, warm), (pair.decode.settle,))
+        if args.stages:  # only the latency requests' records
+            pair.prefill.drain_trace()
+            pair.decode.drain_trace()
         # latency: decode announces a batch ahead of prefill (prefill holds announced rooms
         # only bootstrap_s before its KVSender must exist), prefill sends one at a time
         rooms = _ids(1000, args.latency_requests)
         p_rooms, d_rooms, ops = {}, {}, 0
-        for lo in range(0, len(rooms), 50):
-            batch = rooms[lo : lo + 50]
+        for lo in range(0, len(rooms), LATENCY_BATCH):
+            batch = rooms[lo : lo + LATENCY_BATCH]
             pair.decode.announce(batch, 1)
             p, d = pair.both((pair.prefill.latency, batch), (pair.decode.settle,))
             p_rooms.update(p["rooms"])
@@ -223,12 +381,24 @@ def bench_mode(args, mode: str, integrity: bool = False) -> dict:
             ops_1page=ops / len(rooms),
             lanes=p["stats"]["lanes"],
         )
+        if args.stages:
+            out["stages"] = stage_table(pair.prefill.drain_trace(), pair.decode.drain_trace(), ok)
         dst = pair.decode.announce([999], 1)[0]
         p, _ = pair.both(
             (pair.prefill.raw_small, 999, dst, args.latency_requests), (pair.decode.settle,)
         )
         raw = [t * 1e6 for t in p["raw_times"]]
-        out.update(raw_p50_us=percentile(raw, 50), raw_p99_us=percentile(raw, 99))
+        raw_n = [t * 1e6 for t in p["raw_notify_times"]]
+        out.update(
+            raw_p50_us=percentile(raw, 50),
+            raw_p99_us=percentile(raw, 99),
+            raw_notify_p50_us=percentile(raw_n, 50),
+            raw_notify_p99_us=percentile(raw_n, 99),
+        )
+        if args.stages:
+            size = out["request_bytes_1page"]
+            out["perftest_put_lat_us"] = perftest_lat("ucp_put_lat", size, args.device)
+            out["perftest_am_lat_us"] = perftest_lat("ucp_am_lat", size, args.device)
         # throughput
         rooms = _ids(100000, args.throughput_requests)
         pair.decode.announce(rooms, 1)
@@ -422,6 +592,13 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--kv-layout", choices=KV_LAYOUTS, default=ModelSpec().kv_layout, help="shapes: KV layout"
     )
+    ap.add_argument(
+        "--stages",
+        action="store_true",
+        help="trace the sequential 1-page requests (KVManager(trace=True)) and print their "
+        "per-stage p50/p90 µs beside the end-to-end p50, the raw engine write (+ notify) and "
+        "ucx_perftest ucp_put_lat / ucp_am_lat of the same size",
+    )
     clitools.add_json_args(ap)
     a = ap.parse_args(argv)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
@@ -444,6 +621,9 @@ def main(argv=None) -> int:
             rows.append(bench_mode(a, m, integ))
             pr.step(f"{label} done")
     print(format_rows(rows))
+    if a.stages:
+        print("\nStages of a 1-page PD request (same run; kvxfer.disagg.trace names them):")
+        print(format_stages(rows))
     if a.integrity:
         print("\nIntegrity check cost (same run; Δ = on - off, × = on / off):\n")
         print(format_integrity(rows))
