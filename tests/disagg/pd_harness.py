@@ -121,6 +121,7 @@ class Node:
         name: str = "",
         device: str = "cpu",
         integrity: bool = False,
+        trace: bool = False,
     ) -> None:
         from kvxfer.disagg import KVArgs, KVManager, MetadataBuffer, Timeouts
         from kvxfer.disagg.kv_args import replace
@@ -168,8 +169,13 @@ class Node:
             error_mode=error_mode,
             name=f"{role}-{name or kind}",
             integrity=integrity,
+            trace=trace,
         ).start_background()
         self.rooms: Dict[int, dict] = {}
+
+    def drain_trace(self) -> list:
+        """The manager's stage records (``KVManager.drain_trace``)."""
+        return self.mgr.drain_trace()
 
     def _counts(self):
         return {
