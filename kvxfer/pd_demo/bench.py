@@ -214,7 +214,7 @@ STAGES = (
     ("send → loop pickup (thread hop)", "send", "loop"),
     ("page map (plan)", "loop", "plan"),
     ("write task start (task hop)", "plan", "write"),
-    ("engine plan (ItemWrite planning)", "write", "planned"),
+    ("engine plan (Peer.write called → post starts)", "write", "planned"),
     ("native post (+ device launch)", "planned", "posted"),
     ("flush (post → UCX reports it)", "posted", "flushed"),
     ("completion wake-up (loop resumes)", "flushed", "woken"),
