@@ -12,8 +12,8 @@ names (prefill stamps the last chunk only; decode its Done):
 * prefill: ``send`` (``KVSender.send`` on the scheduler thread), ``loop`` (picked up on the
   loop thread), ``plan`` (page map done), ``write`` (``Peer.write`` called, after the task
   hop), then from the engine's :class:`~kvxfer.engine.types.TransferStats`: ``planned``
-  (ItemWrite planning done), ``posted`` (native post, with any device launch, returned),
-  ``flushed`` (UCX reported the flush), ``woken`` (the loop resumed after it), ``notified``
+  (its planning done: the post starts), ``posted`` (native post, with any device launch,
+  returned), ``flushed`` (UCX reported the flush), ``woken`` (the loop resumed after it), ``notified``
   (the notification handed to UCX and ``Peer.write`` returned).
 * decode: ``recv`` (Done decoded on the loop, room found), ``handled`` (room at Success),
   ``seen`` (the first ``poll()`` that saw Success, on the scheduler thread).

@@ -340,7 +340,7 @@ def bench_mode(args, mode: str, integrity: bool = False) -> dict:
         "deadline_s": 120.0,
         "max_inflight": 1 << 30,
         "integrity": integrity,
-        "trace": args.stages,
+        "trace": True if args.stages else None,
     }
     pair = start_pair(spec, opts, BenchWorker)
     info = pair.prefill.info()

@@ -56,7 +56,7 @@ class PDWorker:
             error_mode=opts.get("error_mode", "peer"),
             timeouts=Timeouts(**opts.get("timeouts", {})),
             integrity=bool(opts.get("integrity", False)),
-            trace=bool(opts.get("trace", False)),
+            trace=opts.get("trace"),  # None: $KVXFER_TRACE
             name=f"demo-{role}",
         ).start_background()
         self.done_q: "queue.SimpleQueue" = queue.SimpleQueue()
