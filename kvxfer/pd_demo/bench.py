@@ -36,7 +36,8 @@ the rows give ops per request and GB/s of each and the ratio to the equal-page-s
 With ``--stages`` both managers trace (``KVManager(trace=True)``, :mod:`kvxfer.disagg.trace`)
 and a table per mode gives the sequential 1-page requests' stages (p50/p90 µs: thread and task
 hops, planning, post, flush, wake-up, notify, decode's handling, the scheduler's poll), their
-sum against the end-to-end p50, the raw engine write with and without a notification, and
+sum against the end-to-end p50, the raw engine write with and without a notification (the
+latter until prefill handed it to UCX and until decode's loop had it), and
 ``ucx_perftest`` ``ucp_put_lat`` / ``ucp_am_lat`` of the same size on loopback, run in the
 same invocation (``perftest_put_lat_us`` / ``perftest_am_lat_us`` in the ``--json`` rows;
 None when the libucx wheel has no ucx_perftest).
@@ -55,16 +56,47 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from kvxfer import clitools
 from kvxfer.pd_demo.run import percentile, start_pair
 from kvxfer.pd_demo.spec import KV_LAYOUTS, ModelSpec
 from kvxfer.pd_demo.worker import PDWorker
 
+#: Ping sequence numbers of the raw writes' notifications (above any heartbeat's)
+RAW_SEQ = 1 << 40
+
 
 class BenchWorker(PDWorker):
     """PDWorker plus the benchmark's timing loops (run in the worker's scheduler thread)."""
+
+    def __init__(self, role: str, spec: dict, bootstrap: str, opts: dict) -> None:
+        super().__init__(role, spec, bootstrap, opts)
+        self._raw_seq = RAW_SEQ
+        #: decode: Ping seq -> monotonic_ns its arrival was handled (raw write + notify)
+        self._raw_recv: Dict[int, int] = {}
+        if role == "decode":
+            self.mgr.engine.on_message(self._on_raw_notify)
+
+    def _on_raw_notify(self, peer, payload: bytes) -> None:
+        """Stamp a raw write's notification (the manager drops it). Runs on: the manager's
+        loop thread (an engine message handler)."""
+        from kvxfer import wire
+        from kvxfer.disagg.messages import Ping
+        from kvxfer.errors import ProtocolError
+
+        t = time.monotonic_ns()
+        try:
+            msg = wire.decode(payload)
+        except ProtocolError:  # the manager's own handler reports malformed messages
+            return
+        if isinstance(msg, Ping) and msg.seq >= RAW_SEQ:
+            self._raw_recv[msg.seq] = t
+
+    def raw_receipts(self) -> Dict[int, int]:
+        """Decode: the raw notifications' arrival stamps since the last call."""
+        out, self._raw_recv = self._raw_recv, {}
+        return out
 
     # ------------------------------------------------------------------ decode
     def announce(self, rooms: List[int], n_pages: int) -> List[dict]:
@@ -150,7 +182,8 @@ class BenchWorker(PDWorker):
         """The engine alone: the request's kv pages, state slot and aux row written to
         decode's ``dst`` ids over the manager's connection (no protocol; with ``notify`` a
         Ping that decode's manager drops, as the notification). Returns (seconds until the
-        flush completed and any notification was handed to UCX, TransferStats)."""
+        flush completed and any notification was handed to UCX, TransferStats, the Ping's
+        seq or None, monotonic_ns at the start)."""
         from kvxfer.disagg.messages import Ping
         from kvxfer.engine import ItemWrite
 
@@ -159,16 +192,20 @@ class BenchWorker(PDWorker):
             items.append(ItemWrite("state", [res["slot"]], [dst["slot"]]))
         items.append(ItemWrite("aux", [res["row"]], [dst["row"]]))
         peer = next(iter(self.mgr.links.values())).peer
+        seq = None
+        if notify:
+            seq, self._raw_seq = self._raw_seq, self._raw_seq + 1
+        t0_ns = time.monotonic_ns()
         t0 = time.monotonic()
         stats = asyncio.run_coroutine_threadsafe(
             peer.write(
                 items,
-                notify=Ping(seq=0).encode() if notify else None,
+                notify=None if seq is None else Ping(seq=seq).encode(),
                 timeout=self.mgr.t.transfer_s,
             ),
             self.mgr.loop,
         ).result(120)
-        return time.monotonic() - t0, stats
+        return time.monotonic() - t0, stats, seq, t0_ns
 
     def large(self, room: int, n_pages: int, dst: dict) -> dict:
         """One PD request of ``n_pages`` then the raw engine write of the same bytes to the
@@ -177,7 +214,7 @@ class BenchWorker(PDWorker):
         ((_, h, res),) = self._senders([room], n_pages)
         self._send(room, h, res)
         self._settle(self._next_done(True))
-        raw_s, stats = self._raw_write(res, dst)
+        raw_s, stats, _, _ = self._raw_write(res, dst)
         out = self._finish()
         out.update(raw_s=raw_s, raw_bytes=int(stats.bytes), raw_ops=int(stats.ops))
         return out
@@ -196,11 +233,15 @@ class BenchWorker(PDWorker):
         self._begin()
         ((_, h, res),) = self._senders([room], 1)
         times = [self._raw_write(res, dst)[0] for _ in range(n)]
-        notify_times = [self._raw_write(res, dst, notify=True)[0] for _ in range(n)]
+        notified = [self._raw_write(res, dst, notify=True) for _ in range(n)]
         self._send(room, h, res)
         self._settle(self._next_done(True))
         out = self._finish()
-        out.update(raw_times=times, raw_notify_times=notify_times)
+        out.update(
+            raw_times=times,
+            raw_notify_times=[w[0] for w in notified],
+            raw_notify_starts={w[2]: w[3] for w in notified},
+        )
         return out
 
 
@@ -315,7 +356,10 @@ def format_stages(rows: List[dict]) -> str:
             f"| path p50 (decode poll sees Success − prefill send) | {st['path_p50_us']:.1f} | |",
             f"| end-to-end p50 (decode on_done − prefill send) | {r['p50_us']:.1f} | |",
             f"| raw engine write p50 (no notify) | {r['raw_p50_us']:.1f} | |",
-            f"| raw engine write + notify p50 | {r['raw_notify_p50_us']:.1f} | |",
+            f"| raw engine write + notify p50 (notify handed to UCX) "
+            f"| {r['raw_notify_p50_us']:.1f} | |",
+            f"| raw engine write + notify p50, until decode's handler has it "
+            f"| {r['raw_receipt_p50_us']:.1f} | |",
             f"| ucx_perftest ucp_put_lat + ucp_am_lat p50 (same size, loopback) | {floor} | |",
         ]
     return "\n".join(out)
@@ -389,11 +433,15 @@ def bench_mode(args, mode: str, integrity: bool = False) -> dict:
         )
         raw = [t * 1e6 for t in p["raw_times"]]
         raw_n = [t * 1e6 for t in p["raw_notify_times"]]
+        got = pair.decode.raw_receipts()
+        starts = p["raw_notify_starts"]
+        raw_rx = [(got[q] - t0) / 1e3 for q, t0 in starts.items() if q in got]
         out.update(
             raw_p50_us=percentile(raw, 50),
             raw_p99_us=percentile(raw, 99),
             raw_notify_p50_us=percentile(raw_n, 50),
             raw_notify_p99_us=percentile(raw_n, 99),
+            raw_receipt_p50_us=percentile(raw_rx, 50) if raw_rx else float("nan"),
         )
         if args.stages:
             size = out["request_bytes_1page"]
