@@ -29,7 +29,10 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
+from kvxfer.disagg.runs import Runs
 from kvxfer.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch, UnsupportedOperation
+
+_EMPTY = np.zeros(0, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -56,26 +59,6 @@ class TokenGeometry:
     def as_list(self) -> list:
         """The plain (msgpack-able) form carried in fingerprints."""
         return [list(s) for s in self.segments]
-
-
-@dataclass(frozen=True)
-class Runs:
-    """Byte runs per descriptor (equal-length int64 arrays), descriptor-major."""
-
-    desc: np.ndarray
-    src_off: np.ndarray
-    dst_off: np.ndarray
-    nbytes: np.ndarray
-
-    def __len__(self) -> int:
-        return int(self.desc.size)
-
-    @property
-    def total_bytes(self) -> int:
-        return int(self.nbytes.sum())
-
-
-_EMPTY = np.zeros(0, dtype=np.int64)
 
 
 def pieces(
@@ -113,7 +96,7 @@ def plan_runs(
     src = np.asarray(src_pages, dtype=np.int64)
     dst = np.asarray(dst_pages, dtype=np.int64)
     if end <= start:
-        return Runs(_EMPTY, _EMPTY, _EMPTY, _EMPTY)
+        return Runs.empty()
     lo_tok, hi_tok = src_first_page * ps, (src_first_page + src.size) * ps
     if start < lo_tok or end > hi_tok:
         raise IndexOutOfRange(
@@ -148,13 +131,7 @@ def plan_runs(
     order = np.argsort(key, kind="stable")
     desc = np.broadcast_to(seg_desc[:, None], so.shape).ravel()[order]
     so, do, nb = so.ravel()[order], do.ravel()[order], nb.ravel()[order]
-    # merge runs that continue the previous one in both source and destination
-    cont = np.zeros(desc.size, dtype=bool)
-    cont[1:] = (
-        (desc[1:] == desc[:-1]) & (so[1:] == so[:-1] + nb[:-1]) & (do[1:] == do[:-1] + nb[:-1])
-    )
-    first = np.flatnonzero(~cont)
-    return Runs(desc[first], so[first], do[first], np.add.reduceat(nb, first))
+    return Runs.merged(desc, so, do, nb)
 
 
 def _ceil(a: int, b: int) -> int:

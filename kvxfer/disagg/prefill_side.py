@@ -52,17 +52,17 @@ from kvxfer.errors import (
 from kvxfer.wire import is_int
 
 log = logging.getLogger(__name__)
-_Writes: Any = None
+_ItemWrite: Any = None
 
 
-def _writes() -> Any:
-    """``(ItemWrite, RawWrite)``, imported on first use (the engine pulls in UCX)."""
-    global _Writes
-    if _Writes is None:
-        from kvxfer.engine import ItemWrite, RawWrite
+def _item_write() -> Any:
+    """``ItemWrite``, imported on first use (the engine pulls in UCX)."""
+    global _ItemWrite
+    if _ItemWrite is None:
+        from kvxfer.engine import ItemWrite
 
-        _Writes = (ItemWrite, RawWrite)
-    return _Writes
+        _ItemWrite = ItemWrite
+    return _ItemWrite
 
 
 class PrefillSide:
@@ -291,15 +291,14 @@ class PrefillSide:
     def _kv_part(self, r: Room, src: np.ndarray, first: int) -> Any:
         """The kv write of a chunk of source pages starting at page ``first``: an ItemWrite
         of whole pages or a RawWrite of byte runs (``r.pages_map``); None if nothing moves."""
-        ItemWrite, RawWrite = _writes()
         pm = r.pages_map
         if pm.geom is None:
             s, d = pm.whole_pages(src, first, r.dst_kv)
-            return ItemWrite("kv", s, d) if len(s) else None
+            return _item_write()("kv", s, d) if len(s) else None
         runs = pm.runs(src, first, r.dst_kv)
         if not len(runs):
             return None
-        return RawWrite("kv", runs.src_off, runs.dst_off, runs.nbytes, runs.desc)
+        return runs.raw_write("kv")
 
     def _issue(self, r: Room, src: np.ndarray, src_state: Optional[np.ndarray], last: bool) -> None:
         mgr = self.mgr
@@ -336,7 +335,7 @@ class PrefillSide:
         chunk the state slots and the aux row. ``src``: the chunk's source pages."""
         if prev is not None and not prev.done():
             await asyncio.wait([prev])
-        mgr, ItemWrite = self.mgr, _writes()[0]
+        mgr, ItemWrite = self.mgr, _item_write()
         if is_terminal(r.state):
             return
         link = r.link

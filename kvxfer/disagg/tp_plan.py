@@ -51,13 +51,13 @@ from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 import numpy as np
 
 from kvxfer.disagg.errors import TpShapeMismatch
+from kvxfer.disagg.runs import Runs, run_starts
 from kvxfer.errors import InvalidArgument
 
 __all__ = [
     "AxisPlan",
     "ItemGeometry",
     "KvTokenGeometry",
-    "RawPlan",
     "Segment",
     "Slice",
     "check_ratio",
@@ -505,13 +505,9 @@ def coalesce(
     src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray
 ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Merge consecutive runs contiguous on both sides (order kept)."""
-    if src.size < 2:
+    starts = run_starts(src, dst, nbytes)
+    if starts.size == src.size:
         return src, dst, nbytes
-    brk = np.ones(src.size, dtype=bool)
-    brk[1:] = (src[1:] != src[:-1] + nbytes[:-1]) | (dst[1:] != dst[:-1] + nbytes[:-1])
-    if brk.all():
-        return src, dst, nbytes
-    starts = np.flatnonzero(brk)
     return src[starts], dst[starts], np.add.reduceat(nbytes, starts)
 
 
@@ -560,30 +556,6 @@ def item_runs(
     return _item_runs_cached(src, dst, prefill_rank, decode_rank, prefill_tp, decode_tp, salt)
 
 
-@dataclass(frozen=True)
-class RawPlan:
-    """RawWrite columns of one group: ``desc``, ``src_off``, ``dst_off``, ``nbytes``
-    (int64 arrays, one entry per PUT)."""
-
-    desc: np.ndarray
-    src_off: np.ndarray
-    dst_off: np.ndarray
-    nbytes: np.ndarray
-
-    def __len__(self) -> int:
-        return int(self.nbytes.size)
-
-    @property
-    def total_bytes(self) -> int:
-        return int(self.nbytes.sum())
-
-    def raw_write(self, group: str) -> Any:
-        """The engine's :class:`~kvxfer.engine.types.RawWrite` of this plan."""
-        from kvxfer.engine.types import RawWrite
-
-        return RawWrite(group, self.src_off, self.dst_off, self.nbytes, self.desc)
-
-
 def plan_pages(
     src: Sequence[ItemGeometry],
     dst: Sequence[ItemGeometry],
@@ -594,7 +566,7 @@ def plan_pages(
     src_items: Any,
     dst_items: Any,
     salt: int = 0,
-) -> RawPlan:
+) -> Runs:
     """The runs moving items ``src_items[k]`` (prefill ids) into ``dst_items[k]`` (decode
     ids) of every descriptor ``i`` (geometries ``src[i]`` / ``dst[i]``), from
     ``prefill_rank`` to ``decode_rank``; runs contiguous on both sides are merged (whole
@@ -615,9 +587,8 @@ def plan_pages(
         so, do, nb = coalesce(so, do, np.tile(rn, si.size))
         cols.append((np.full(so.size, d, dtype=np.int64), so, do, nb))
     if not cols:
-        z = np.zeros(0, dtype=np.int64)
-        return RawPlan(z, z, z, z)
-    return RawPlan(*(np.concatenate([c[i] for c in cols]) for i in range(4)))
+        return Runs.empty()
+    return Runs(*(np.concatenate([c[i] for c in cols]) for i in range(4)))
 
 
 # ---------------------------------------------------------------------------- staging
