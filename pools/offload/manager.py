@@ -91,7 +91,7 @@ class OffloadManager:
         min_chunk_bytes: int = 2 << 20,
         fused: bool | None = None,
         fused_min_pieces: int = 4,
-        fused_max_piece_bytes: int = 4 << 20,
+        fused_max_piece_bytes: int = 2 << 20,
         fused_tile_bytes: int | None = None,
     ) -> None:
         self.pool = pool
