@@ -1002,9 +1002,16 @@ typedef struct {
     uint64_t token;
     int spin;
     uint64_t hdr; /* the receiver's note token: the AM header */
+    int state;    /* CH_* (atomic): who ends the chain, the starter or a callback */
+    int final;    /* the chain's status, when a callback left it to the starter */
     size_t len;
     char data[];
 } chain_t;
+
+/* A chain's starter may progress the worker itself for a bounded time (inline_us): while
+ * it does (CH_STARTER), a completing callback leaves the result to it (CH_DONE) instead of
+ * queueing it, so a chain that completes meanwhile returns to Python in the same call. */
+enum { CH_STARTER = 0, CH_QUEUE = 1, CH_DONE = 2 };
 
 /* Release a chain; push (token, st) unless the starter returns st itself. */
 static void chain_release(chain_t *ch, int push, ucs_status_t st)
@@ -1025,10 +1032,21 @@ static void chain_release(chain_t *ch, int push, ucs_status_t st)
     free(ch);
 }
 
+/* A callback ends the chain: hand the status to a starter still progressing, else queue. */
+static void chain_end(chain_t *ch, ucs_status_t st)
+{
+    int expect = CH_STARTER;
+    ch->final  = (int)st;
+    if (__atomic_compare_exchange_n(&ch->state, &expect, CH_DONE, 0, __ATOMIC_ACQ_REL,
+                                    __ATOMIC_ACQUIRE))
+        return; /* the starter releases it */
+    chain_release(ch, 1, st);
+}
+
 static void chain_am_cb(void *request, ucs_status_t st, void *user)
 {
-    chain_release((chain_t *)user, 1, st);
     ucp_request_free(request);
+    chain_end((chain_t *)user, st);
 }
 
 /* Post the notification. Returns 1 if pending (chain_am_cb releases the chain), else 0
@@ -1068,13 +1086,16 @@ static void chain_flush_cb(void *request, ucs_status_t st, void *user)
     ucp_request_free(request);
     if (st == UCS_OK && chain_post_am(ch, &st))
         return;
-    chain_release(ch, 1, st);
+    chain_end(ch, st);
 }
 
 /*
- * flush_notify(ep, token, spin, ctx, note_token, payload) -> None if pending (token appears
- * in drain() once the notification completed locally or the chain failed), else the final
- * ucs status (flush and notification both completed inline).
+ * flush_notify(ep, token, spin, ctx, note_token, payload, inline_us=0) -> None if pending
+ * (token appears in drain() once the notification completed locally or the chain failed),
+ * else the final ucs status (the chain ended within the call). inline_us: progress the
+ * worker on the calling thread (GIL released) for up to that long first; a flush whose
+ * completion signals nothing (shared memory) then ends in microseconds instead of at the
+ * progress thread's next wake-up, and the loop sees no completion event at all.
  */
 static PyObject *cq_flush_notify(CompletionQueue *self, PyObject *args)
 {
@@ -1088,8 +1109,10 @@ static PyObject *cq_flush_notify(CompletionQueue *self, PyObject *args)
     ucs_status_ptr_t sp;
     ucs_status_t st = UCS_OK;
     int pending     = 0;
+    double inline_us = 0.0;
     cq_core_t *c    = cq_core(self);
-    if (c == NULL || !PyArg_ParseTuple(args, "OKpKKy*", &ep_o, &token, &spin, &ctx, &note, &pl))
+    if (c == NULL || !PyArg_ParseTuple(args, "OKpKKy*|d", &ep_o, &token, &spin, &ctx, &note, &pl,
+                                       &inline_us))
         return NULL;
     if (get_handle(ep_o, &ep, "endpoint") < 0) {
         PyBuffer_Release(&pl);
@@ -1111,6 +1134,8 @@ static PyObject *cq_flush_notify(CompletionQueue *self, PyObject *args)
     ch->token = token;
     ch->spin  = spin;
     ch->hdr   = note;
+    ch->state = CH_STARTER;
+    ch->final = UCS_OK;
     ch->len   = (size_t)pl.len;
     memcpy(ch->data, pl.buf, (size_t)pl.len);
     PyBuffer_Release(&pl);
@@ -1154,6 +1179,20 @@ static PyObject *cq_flush_notify(CompletionQueue *self, PyObject *args)
         st = UCS_PTR_STATUS(sp);
     else
         pending = chain_post_am(ch, &st);
+    if (pending && inline_us > 0 && c->worker != NULL) {
+        double until = mono_now() + 1e-6 * inline_us;
+        while (__atomic_load_n(&ch->state, __ATOMIC_ACQUIRE) == CH_STARTER &&
+               mono_now() < until)
+            ucp_worker_progress(c->worker);
+    }
+    if (pending) {
+        int expect = CH_STARTER; /* give the chain to the callbacks, unless one ended it */
+        if (!__atomic_compare_exchange_n(&ch->state, &expect, CH_QUEUE, 0, __ATOMIC_ACQ_REL,
+                                         __ATOMIC_ACQUIRE)) {
+            pending = 0;
+            st      = (ucs_status_t)ch->final;
+        }
+    }
     if (!pending)
         chain_release(ch, 0, st);
     Py_END_ALLOW_THREADS
@@ -1252,9 +1291,10 @@ static PyMethodDef cq_methods[] = {
      "ep_close(ep, token, force, ctx=0) -> None if pending, else ucs status; ctx: the "
      "endpoint's ep_create context (no chain sends a notification on it afterwards)"},
     {"flush_notify", (PyCFunction)cq_flush_notify, METH_VARARGS,
-     "flush_notify(ep, token, spin, ctx, note_token, payload) -> None if pending, else ucs "
-     "status: flush ep, then (from the flush's completion callback, no Python) send payload "
-     "as an active message to the receiver's note_token; ctx: ep_create's context or 0"},
+     "flush_notify(ep, token, spin, ctx, note_token, payload, inline_us=0) -> None if "
+     "pending, else ucs status: flush ep, then (from the flush's completion callback, no "
+     "Python) send payload as an active message to the receiver's note_token; ctx: "
+     "ep_create's context or 0; inline_us: progress the worker here that long first"},
     {"note_listen", (PyCFunction)cq_note_listen, METH_VARARGS,
      "note_listen(token): queue notifications carrying token as (token, NOTE, t, payload)"},
     {"note_unlisten", (PyCFunction)cq_note_unlisten, METH_VARARGS,

@@ -38,6 +38,12 @@ from kvxfer.transport.ucx_rma import UcxRegion, UcxRma
 
 log = logging.getLogger(__name__)
 
+#: default bound (µs) on progressing the worker inside a chain's starting call: a shared
+#: memory flush completes in a few µs but signals nothing, so without it the flush waited
+#: for UCXX's progress thread's next wake-up (up to its 1 ms epoll timeout); figures in
+#: bench/results/latency-cpu.md
+CHAIN_INLINE_US = 50.0
+
 
 class UcxTransport(Transport):
     """One per engine; all engines of a process share UCXX's context and worker."""
@@ -62,6 +68,9 @@ class UcxTransport(Transport):
         self._flushes: Dict[int, asyncio.Future] = {}  # token -> t future (flush_future)
         self._watch: Dict[int, Callable[[int], None]] = {}  # endpoint error tokens
         self._notes: Dict[int, Callable[[bytes], None]] = {}  # note token -> receiver
+        #: how long a chain's starter progresses the worker itself before it leaves the
+        #: chain to the progress thread / poller (KVXFER_CHAIN_INLINE_US; 0: never)
+        self.chain_inline_us = float(os.environ.get("KVXFER_CHAIN_INLINE_US", CHAIN_INLINE_US))
         self._listener: Any = None  # ucxx.Listener
         self._closed = False
 
@@ -160,7 +169,9 @@ class UcxTransport(Transport):
     ) -> asyncio.Future:
         """Start a native chain (``_rma`` ``flush_notify``): flush ``ep_handle``; its
         completion callback, on whichever thread progresses the worker, sends ``payload``
-        as an active message to the peer's ``note_token``. The future resolves to the
+        as an active message to the peer's ``note_token``. The call itself progresses the
+        worker for up to :attr:`chain_inline_us` first: a chain that ends meanwhile
+        returns a resolved future (no completion event, no wake-up of the loop). The future resolves to the
         monotonic time the chain ended (or fails: the flush failed and nothing was sent,
         PeerClosed / TransportError; or the endpoint was closing, PeerClosed). Like
         :meth:`flush_future`, unbounded, and set directly by the eventfd callback."""
@@ -168,7 +179,9 @@ class UcxTransport(Transport):
         token = next(self._tokens)
         fut = loop.create_future()
         try:
-            status = self._cq.flush_notify(ep_handle, token, spin, ctx, note_token, payload)
+            status = self._cq.flush_notify(
+                ep_handle, token, spin, ctx, note_token, payload, self.chain_inline_us
+            )
         except ValueError as exc:  # NULL handle
             fut.set_exception(PeerClosed(str(exc)))
             return fut
