@@ -1058,6 +1058,10 @@ static int chain_post_am(chain_t *ch, ucs_status_t *st)
     ucp_request_param_t p;
     ucs_status_ptr_t sp;
     int closing = 0;
+    if (ch->hdr == 0) { /* a plain flush: nothing to send */
+        *st = UCS_OK;
+        return 0;
+    }
     if (ch->x != NULL) {
         pthread_mutex_lock(&ch->core->mu);
         closing = ch->x->closing;
@@ -1096,6 +1100,7 @@ static void chain_flush_cb(void *request, ucs_status_t st, void *user)
  * worker on the calling thread (GIL released) for up to that long first; a flush whose
  * completion signals nothing (shared memory) then ends in microseconds instead of at the
  * progress thread's next wake-up, and the loop sees no completion event at all.
+ * note_token 0: a plain flush (nothing is sent), with the same inline progress.
  */
 static PyObject *cq_flush_notify(CompletionQueue *self, PyObject *args)
 {
@@ -1140,7 +1145,7 @@ static PyObject *cq_flush_notify(CompletionQueue *self, PyObject *args)
     memcpy(ch->data, pl.buf, (size_t)pl.len);
     PyBuffer_Release(&pl);
     pthread_mutex_lock(&c->mu);
-    if (ch->x != NULL && ch->x->closing) {
+    if (ch->x != NULL && ch->x->closing && note != 0) {
         pthread_mutex_unlock(&c->mu);
         free(ch);
         return PyLong_FromLong(UCS_ERR_CANCELED);

@@ -190,7 +190,8 @@ class UcxTransport(Transport):
         elif status == self.rma.UCS_OK:
             fut.set_result(time.monotonic())
         else:
-            fut.set_exception(status_error(self.rma, status, "flush + notify"))
+            what = "flush + notify" if note_token else "ucp_ep_flush"
+            fut.set_exception(status_error(self.rma, status, what))
         return fut
 
     def note_listen(self, callback: Callable[[bytes], None]) -> int:

@@ -164,7 +164,10 @@ class UcxRma(RmaEndpoint):
         return await self._t.flush_ep(self._handle(), timeout, spin)
 
     def flush_future(self, spin: bool = False):
-        return self._t.flush_future(self._handle(), spin)
+        """A chain without a notification (note token 0): the same flush, with the
+        chain's bounded inline progress (see UcxTransport.chain_future)."""
+        ctx = self._raw[1] if self._raw is not None else 0
+        return self._t.chain_future(self._handle(), spin, ctx, 0, b"")
 
     def flush_notify_future(self, note_token: int, payload: bytes, spin: bool = False):
         """The native chain flush -> notify (see base.RmaEndpoint). On an owned endpoint the
