@@ -920,12 +920,15 @@ static PyObject *cq_note_listen(CompletionQueue *self, PyObject *args)
     for (i = 0; i < g_nworkers; i++)
         have |= g_note_workers[i] == c->worker;
     if (!have) {
+        /* Never call into libucp holding g_note_mu: the handler takes it under the worker
+         * lock. Two first registrations racing set the same handler twice (harmless). */
         ucp_am_handler_param_t hp;
         if (g_nworkers == (int)(sizeof(g_note_workers) / sizeof(g_note_workers[0]))) {
             pthread_mutex_unlock(&g_note_mu);
             PyErr_SetString(PyExc_RuntimeError, "too many UCP workers");
             return NULL;
         }
+        pthread_mutex_unlock(&g_note_mu);
         hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
                         UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
         hp.id    = KVX_AM_ID;
@@ -935,11 +938,20 @@ static PyObject *cq_note_listen(CompletionQueue *self, PyObject *args)
         Py_BEGIN_ALLOW_THREADS
         st = ucp_worker_set_am_recv_handler(c->worker, &hp);
         Py_END_ALLOW_THREADS
-        if (st != UCS_OK) {
-            pthread_mutex_unlock(&g_note_mu);
+        if (st != UCS_OK)
             return raise_ucx(st, "ucp_worker_set_am_recv_handler", 0);
-        }
-        g_note_workers[g_nworkers++] = c->worker;
+        pthread_mutex_lock(&g_note_mu);
+        have = 0;
+        for (i = 0; i < g_nworkers; i++)
+            have |= g_note_workers[i] == c->worker;
+        if (!have && g_nworkers < (int)(sizeof(g_note_workers) / sizeof(g_note_workers[0])))
+            g_note_workers[g_nworkers++] = c->worker;
+        for (k = 0; k < g_nnotes; k++) /* re-check: another thread may have taken it */
+            if (g_notes[k].token == token) {
+                pthread_mutex_unlock(&g_note_mu);
+                PyErr_SetString(PyExc_ValueError, "note token already registered");
+                return NULL;
+            }
     }
     if (g_nnotes == g_capnotes) {
         size_t cap      = g_capnotes ? 2 * g_capnotes : 16;
