@@ -204,14 +204,25 @@ class EngineNode:
     def closed(self, key):
         return list(self._closed[key])
 
+    def chain_state(self, key, peer_id=None):
+        """Chained notifications: how many the peer's writes sent, and what the engine's
+        transport still holds (flush/chain futures, completion-queue references)."""
+        eng = self.engines[key].engine
+        t = eng._transport
+        out = {"flushes": len(t._flushes), "waiters": len(t._waiters), "notes": len(t._notes)}
+        if peer_id is not None and peer_id in eng._peers:
+            out["sent"] = eng._peers[peer_id]._notes_sent
+        return out
+
     def registrations(self, key):
         return self.engines[key].engine.registrations
 
-    def stream_start(self, key, peer_id, group, n_items, timeout, hold_after=0):
+    def stream_start(self, key, peer_id, group, n_items, timeout, hold_after=0, notify=None):
         """Write items 0..n-1 to the same ids on the peer, over and over, in a thread, until
         a write fails. ``hold_after=k``: after the k-th successful write the thread waits
         for ``stream_release`` before it writes again (the parent then knows exactly which
-        writes completed before what it does meanwhile)."""
+        writes completed before what it does meanwhile). ``notify``: every write's
+        notification (chained where the peer takes it)."""
         st = self.streams[key] = {
             "count": 0,
             "error": None,
@@ -226,7 +237,7 @@ class EngineNode:
         def loop():
             try:
                 while True:
-                    peer.write(self._writes([(group, ids, ids)]), None, timeout)
+                    peer.write(self._writes([(group, ids, ids)]), notify, timeout)
                     st["count"] += 1
                     if st["count"] == hold_after:
                         st["held"].set()

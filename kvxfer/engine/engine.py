@@ -19,6 +19,7 @@ from kvxfer.config import EngineConfig
 from kvxfer.engine import handshake
 from kvxfer.engine.groups import LocalGroups
 from kvxfer.engine.host import PeerHost, resolved
+from kvxfer.engine.notes import NoteBox
 from kvxfer.engine.peer import Peer
 from kvxfer.errors import Closed, InvalidArgument, KvxferError
 from kvxfer.transport.base import Channel, RmaEndpoint, Transport
@@ -200,10 +201,12 @@ class TransferEngine:
         cfg = self.config
         rma: Optional[RmaEndpoint] = None
         res: Optional[handshake.HandshakeResult] = None
+        notes: Optional[NoteBox] = None
         try:
             transport = self._transport
             if transport is None:  # set by start(), kept after close()
                 raise Closed("engine not started")
+            notes = NoteBox(transport)
             res = await side(
                 ch,
                 self._groups,
@@ -213,14 +216,25 @@ class TransferEngine:
                 transport.local_address(),
                 timeout,
                 cfg.refuse_emulated_destinations,
+                note_token=notes.token,
             )
             bulk_addr = res.remote.address if cfg.error_mode == "none" else None
             rma = await transport.rma_endpoint(ch, bulk_addr, timeout)
             rma.add_remote_regions(res.remote.bases, res.remote.lens, res.remote.keys)
             peer = Peer(
-                self._host, ch, rma, res.engine_id, res.name, res.hostname, res.remote, res.granted
+                self._host,
+                ch,
+                rma,
+                res.engine_id,
+                res.name,
+                res.hostname,
+                res.remote,
+                res.granted,
+                notes,
             )
         except BaseException:
+            if notes is not None:
+                notes.close()
             self._groups.release_landing(res.granted if res is not None else {})
             if rma is not None:
                 await rma.close(cfg.close_timeout_s)

@@ -13,14 +13,17 @@ Invariants (tested against :func:`kvxfer.plan.plan_items` in tests/engine)
   (``InvalidArgument``), one op per run per descriptor, descriptor-major, runs maximal and
   ordered by source id, every op inside its descriptor on both sides.
 - Used only when both id lists are ``list``/``tuple`` of at most :data:`SMALL_IDS` plain
-  ``int`` (or a single ``int``); any other input returns None and takes the numpy path,
-  so both paths see exactly the same validation for everything else.
+  ``int``, 1-D integer numpy arrays of at most as many ids, or a single ``int``; any other
+  input returns None and takes the numpy path, so both paths see exactly the same
+  validation for everything else.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import List, Optional, Set, Tuple
+
+import numpy as np
 
 from kvxfer import plan
 from kvxfer.errors import IndexOutOfRange, InvalidArgument
@@ -66,6 +69,10 @@ def small_ids(values) -> Optional[List[int]]:
     t = type(values)
     if t is int:
         return [values]
+    if t is np.ndarray:  # a short 1-D integer array: its ints (tolist gives plain ints)
+        if values.ndim == 1 and values.size <= SMALL_IDS and values.dtype.kind in "iu":
+            return values.tolist()
+        return None
     if (t is list or t is tuple) and len(values) <= SMALL_IDS:
         for v in values:
             if type(v) is not int:

@@ -264,6 +264,8 @@ class RemoteGroups:
     landing: Dict[str, tuple] = field(default_factory=dict)
     #: per region the peer's CUDA IPC blob or b"" (empty list: none offered)
     ipc: List[bytes] = field(default_factory=list)
+    #: the peer's token for chained notifications (0: the peer takes AppMessages only)
+    note_token: int = 0
 
 
 def _int_list(v, where: str) -> List[int]:
@@ -307,6 +309,9 @@ def parse_remote(msg) -> RemoteGroups:
         groups[name] = g
         desc_region[name] = np.asarray(cols["regions"], dtype=_U64)
     landing = parse_landing(msg.landing, groups, bases, lens)
+    note = msg.note_token
+    if not isinstance(note, int) or isinstance(note, bool) or not 0 <= note < 1 << 64:
+        raise ProtocolError("layout: note_token must be an unsigned 64-bit int")
     return RemoteGroups(
         groups,
         desc_region,
@@ -317,6 +322,7 @@ def parse_remote(msg) -> RemoteGroups:
         msg.address,
         landing,
         parse_ipc(msg.region_ipc, n),
+        note,
     )
 
 

@@ -169,7 +169,7 @@ def check_groups(local: LocalGroups, remote: RemoteGroups) -> None:
             raise IncompatiblePeer(str(exc)) from None
 
 
-def _layout(local: LocalGroups, address: bytes, grant: dict) -> bytes:
+def _layout(local: LocalGroups, address: bytes, grant: dict, note_token: int = 0) -> bytes:
     bases, lens, keys, types = local.region_table()
     return m.Layout(
         groups=local.wire_groups(),
@@ -181,6 +181,7 @@ def _layout(local: LocalGroups, address: bytes, grant: dict) -> bytes:
         landing=grant or None,
         non_ipc=ipc.non_ipc(local.ipc) or None,
         region_ipc=local.ipc_blobs(),
+        note_token=note_token,
     ).encode()
 
 
@@ -216,6 +217,7 @@ async def connect_side(
     address: bytes,
     timeout: float,
     refuse_emulated: bool = False,
+    note_token: int = 0,
 ) -> HandshakeResult:
     dl = _Deadline(timeout)
     hello = m.Hello(
@@ -244,7 +246,7 @@ async def connect_side(
         _check_ipc(local, layout, remote, ack.hostname, refuse_emulated)
         if ack.stage:
             grant.update(local.grant_landing())
-        await ch.send(_layout(local, address, grant), dl.left())
+        await ch.send(_layout(local, address, grant, note_token), dl.left())
         await _recv(ch, dl, m.Ready, wire.MAX_MESSAGE_BYTES)
         return HandshakeResult(ack.engine_id, ack.name, ack.hostname, remote, dict(grant))
 
@@ -265,6 +267,7 @@ async def accept_side(
     address: bytes,
     timeout: float,
     refuse_emulated: bool = False,
+    note_token: int = 0,
 ) -> HandshakeResult:
     dl = _Deadline(timeout)
 
@@ -292,7 +295,7 @@ async def accept_side(
             )
         if hello.stage:
             grant.update(local.grant_landing())
-        await ch.send(_layout(local, address, grant), dl.left())
+        await ch.send(_layout(local, address, grant, note_token), dl.left())
         layout = await _recv(ch, dl, m.Layout, wire.MAX_MESSAGE_BYTES)
         remote = parse_remote(layout)
         check_groups(local, remote)

@@ -91,6 +91,9 @@ class Layout(wire.Message):
     #: per region: its legacy CUDA IPC blob (kvxfer.kernels.cuda_driver) or b"" (host
     #: memory, not IPC capable, or the sender does not offer the device lane)
     region_ipc: Optional[List[bytes]] = None
+    #: the receiver's token for chained notifications (Peer.write's native flush -> notify;
+    #: kvxfer.transport.base.Transport.note_listen); 0: send notifications as AppMessage
+    note_token: int = 0
 
 
 @wire.register
@@ -135,5 +138,9 @@ class SlotFree(wire.Message):
 @wire.register
 @dataclass
 class Bye(wire.Message):
+    """``notes``: chained notifications the sender completed before this Bye (they travel
+    outside the channel); the receiver delivers that many before it acts on the Bye."""
+
     TAG = "kx.bye"
     reason: str = field(default="")
+    notes: int = 0

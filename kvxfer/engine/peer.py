@@ -4,7 +4,10 @@ Invariants
 - ``write`` validates every part (groups exist on both sides, ids in range, unique
   destinations, addresses inside the peer's registered regions) before one byte moves;
   then posts one native batch, flushes, and only then sends ``notify``: the peer's message
-  handler therefore runs after the bytes are visible there.
+  handler therefore runs after the bytes are visible there. Where the peer takes chained
+  notifications (:mod:`kvxfer.engine.notes`) the flush and the notify are one native
+  chain (the flush's completion callback sends it; the loop sees only the end), with the
+  same rule: nothing is sent unless the flush succeeded.
 - Every await is bounded (``timeout`` or the engine's ``transfer_timeout_s``) and also
   ends as soon as the peer is known dead (``PeerClosed``), whichever comes first.
 - Messages from the peer reach the engine's handlers in arrival order, one at a time; those
@@ -40,6 +43,7 @@ from kvxfer.engine import devcopy
 from kvxfer.engine import messages as m
 from kvxfer.engine.groups import RemoteGroups
 from kvxfer.engine.host import PeerHost, resolved
+from kvxfer.engine.notes import NoteBox, chainable
 from kvxfer.engine.peer_staged import StagedLink, StagedPath
 from kvxfer.engine.types import ItemWrite, RawWrite, TransferStats
 from kvxfer.engine.writeplan import WritePlanner
@@ -72,6 +76,7 @@ class Peer:
         hostname: str,
         remote: RemoteGroups,
         granted: Optional[dict] = None,
+        notes: Optional[NoteBox] = None,
     ):
         self._host = host
         self._config = config = host.config
@@ -90,6 +95,12 @@ class Peer:
         self._tasks: List[asyncio.Task] = []
         self._closing = False
         self._notified = False
+        #: chained notifications: ours to receive (token in our Layout) and the peer's token
+        self._notes = notes
+        if notes is not None:
+            notes.attach(self._inbox.put_nowait)
+        self._note_to = remote.note_token
+        self._notes_sent = 0  # chained notifications completed (told to the peer in Bye)
         self.lanes: List[str] = rma.lanes()
         #: flushes progressed by the transport's native poller (see config.FLUSH_PROGRESS)
         self.spin = spin_flushes(
@@ -173,6 +184,16 @@ class Peer:
                 elif isinstance(msg, m.SlotFree):
                     self._staged.slot_freed(msg)
                 elif isinstance(msg, m.Bye):
+                    if self._notes is not None and msg.notes > self._notes.received:
+                        # its chained notifications travel outside the channel
+                        got = await self._notes.wait_for(msg.notes, self._config.close_timeout_s)
+                        if not got:
+                            log.warning(
+                                "peer %s: %d of %d chained notifications before its Bye",
+                                self,
+                                self._notes.received,
+                                msg.notes,
+                            )
                     self._mark_dead(
                         PeerClosed(
                             f"peer {self.name or self.id} closed{': ' + msg.reason if msg.reason else ''}"
@@ -305,7 +326,17 @@ class Peer:
             for group, src, dst, direct_ops in staged:
                 drained += await self._staged.write(group, src, dst, deadline, stats)
                 stats.staged_direct_ops += direct_ops
-            if laddr.size:
+            chain = None
+            if chainable(self._note_to, notify, bool(staged), bool(laddr.size)):
+                assert notify is not None
+                chain = self._rma.flush_notify_future(self._note_to, bytes(notify), self.spin)
+            if chain is not None:  # flush -> notify natively: one wake-up at the end
+                t_done = await self._bounded_future(chain, timeout, "flush + notify")
+                self._notes_sent += 1
+                notify = None
+                stats.flush_s = max(0.0, t_done - m1)
+                stats.wake_s = max(0.0, time.monotonic() - m1)
+            elif laddr.size:
                 t_done = await self._bounded_future(
                     self._rma.flush_future(self.spin), timeout, "flush"
                 )
@@ -357,7 +388,8 @@ class Peer:
         grace = self._config.close_timeout_s
         if send_bye:
             try:
-                await self._channel.send(m.Bye(reason="closed").encode(), grace)
+                bye = m.Bye(reason="closed", notes=self._notes_sent)
+                await self._channel.send(bye.encode(), grace)
             except KvxferError:
                 pass
         self._mark_dead(Closed(f"peer {self.name or self.id} closed locally"))
@@ -381,6 +413,8 @@ class Peer:
         if self._dev is not None:
             self._dev.close()
         await self._channel.close(grace)
+        if self._notes is not None:  # the dispatcher is done: late notifications are dropped
+            self._notes.close()
         self._groups.release_landing(self._granted_raw)
         self._granted_raw = {}
 

@@ -33,9 +33,10 @@ class TransferStats:
     """What one ``Peer.write`` did. ``post_s``: time spent posting the native batch;
     ``complete_s``: from the end of posting until the flush completed (bytes visible at the
     target) and the notification was handed to UCX; ``flush_s``: from the end of posting until
-    UCX reported the flush complete; ``wake_s``: from the end of posting until the event loop
-    resumed after that report (the rest of ``complete_s`` is the notification; both 0 without
-    UCX PUTs). ``lanes``: UCX transports carrying RMA. ``device_bytes`` of ``bytes`` (in
+    UCX reported the flush complete (a chained notification, kvxfer.engine.notes: until the
+    chain ended, its notification included); ``wake_s``: from the end of posting until the
+    event loop resumed after that report (the rest of ``complete_s`` is the notification; both
+    0 without UCX PUTs). ``lanes``: UCX transports carrying RMA. ``device_bytes`` of ``bytes`` (in
     ``device_ops`` of the ``ops`` runs) went over the same-host device lane (one copy launch
     into the peer's IPC-mapped memory, kvxfer.engine.devcopy) instead of UCX.
     ``staged``: at least one part went through the staged path (gather → one PUT per

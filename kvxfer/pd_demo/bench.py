@@ -257,14 +257,18 @@ STAGES = (
     ("write task start (task hop)", "plan", "write"),
     ("engine plan (Peer.write called → post starts)", "write", "planned"),
     ("native post (+ device launch)", "planned", "posted"),
-    ("flush (post → UCX reports it)", "posted", "flushed"),
-    ("completion wake-up (loop resumes)", "flushed", "woken"),
-    ("notify → decode receipt (cross-process)", "woken", "d:recv"),
+    # a chained write (kvxfer.engine.notes) sends the notify from the flush's completion:
+    # decode may have it before prefill's loop resumes, so the path goes post -> receipt
+    ("flush + notify → decode receipt (cross-process)", "posted", "d:recv"),
     ("protocol handling (→ Success)", "d:recv", "d:handled"),
     ("scheduler sees Success (poll)", "d:handled", "d:seen"),
 )
-#: not on the path above (overlaps the receipt): prefill handing the notification to UCX
-SIDE_STAGES = (("notify send (woken → handed to UCX)", "woken", "notified"),)
+#: prefill's own stamps after the post, beside the path (they overlap the receipt)
+SIDE_STAGES = (
+    ("flush (+ chained notify): post → UCX reports it", "posted", "flushed"),
+    ("completion wake-up (loop resumes)", "flushed", "woken"),
+    ("notify send (woken → handed to UCX; 0 when chained)", "woken", "notified"),
+)
 
 
 def stage_table(prefill: List[dict], decode: List[dict], rooms: List[int]) -> dict:

@@ -218,7 +218,7 @@ class _TransportChecks:
                 loop.add_reader(cq.fileno(), ev.set)
                 await asyncio.wait_for(ev.wait(), 5.0)
                 loop.remove_reader(cq.fileno())
-                got = [(tok, s) for tok, s, _ in cq.drain()]
+                got = [(tok, s) for tok, s, _t, _p in cq.drain()]
             res = {
                 "status": st,
                 "drained": got,

@@ -362,6 +362,8 @@ typedef struct {
     uint64_t token;
     int status;
     double t; /* CLOCK_MONOTONIC seconds when UCX reported it (= Python's time.monotonic) */
+    void *data; /* a received notification's payload (malloc'd), else NULL */
+    size_t len;
 } cq_item_t;
 
 typedef struct {
@@ -398,10 +400,44 @@ static void cq_core_unref_locked(cq_core_t *c, int *free_it)
 
 static void cq_core_free(cq_core_t *c)
 {
+    size_t i;
+    for (i = 0; i < c->n; i++)
+        free(c->items[i].data);
     pthread_cond_destroy(&c->cv);
     pthread_mutex_destroy(&c->mu);
     free(c->items);
     free(c);
+}
+
+/* Queue (token, status, payload) and signal the eventfd; caller holds c->mu. The queue
+ * owns `data` (malloc'd or NULL) from here on: freed if it cannot be queued. */
+static void cq_push_data_locked(cq_core_t *c, uint64_t token, int status, void *data, size_t len)
+{
+    uint64_t one = 1;
+    if (c->fd < 0) {
+        free(data);
+        return;
+    }
+    if (c->n == c->cap) {
+        size_t cap     = c->cap ? 2 * c->cap : 16;
+        cq_item_t *tmp = realloc(c->items, cap * sizeof(*tmp));
+        if (tmp != NULL) {
+            c->items = tmp;
+            c->cap   = cap;
+        }
+    }
+    if (c->n < c->cap) {
+        c->items[c->n].token  = token;
+        c->items[c->n].status = status;
+        c->items[c->n].t      = mono_now();
+        c->items[c->n].data   = data;
+        c->items[c->n].len    = len;
+        c->n++;
+    } else {
+        free(data);
+    }
+    if (write(c->fd, &one, sizeof(one)) < 0) { /* counter overflow only: ignore */
+    }
 }
 
 /* Queue (token, status) and signal the eventfd; caller holds c->mu. */
@@ -422,6 +458,8 @@ static void cq_push_locked(cq_core_t *c, uint64_t token, ucs_status_t status)
         c->items[c->n].token  = token;
         c->items[c->n].status = (int)status;
         c->items[c->n].t      = mono_now();
+        c->items[c->n].data   = NULL;
+        c->items[c->n].len    = 0;
         c->n++;
     }
     if (write(c->fd, &one, sizeof(one)) < 0) { /* counter overflow only: ignore */
@@ -515,6 +553,8 @@ static int cq_init(CompletionQueue *self, PyObject *args, PyObject *kw)
     return 0;
 }
 
+static int note_remove(cq_core_t *c, uint64_t token);
+
 static void cq_release(CompletionQueue *self)
 {
     cq_core_t *c = self->core;
@@ -522,6 +562,12 @@ static void cq_release(CompletionQueue *self)
     if (c == NULL)
         return;
     self->core = NULL;
+    {
+        int n = note_remove(c, 0); /* no notification is routed here any more */
+        pthread_mutex_lock(&c->mu);
+        c->refs -= n;
+        pthread_mutex_unlock(&c->mu);
+    }
     pthread_mutex_lock(&c->mu);
     if (c->thread_live) { /* stop and join the poller before anything else goes */
         pthread_t th = c->thread;
@@ -640,7 +686,21 @@ static PyObject *cq_worker_flush(CompletionQueue *self, PyObject *args) { return
 typedef struct {
     cq_core_t *core;
     uint64_t err_token;
+    int refs;    /* ep_create's (dropped by ep_ctx_free) + chains in flight; under core->mu */
+    int closing; /* ep_close was called: a chain completing later sends no notification */
 } ep_ctx_t;
+
+/* Drop one reference of an endpoint context; caller holds x->core->mu. Returns whether
+ * the core lost its last reference (the caller frees it after unlocking). */
+static int ep_ctx_unref_locked(ep_ctx_t *x)
+{
+    int free_core = 0;
+    if (--x->refs == 0) {
+        cq_core_unref_locked(x->core, &free_core);
+        free(x);
+    }
+    return free_core;
+}
 
 static void ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
 {
@@ -675,6 +735,8 @@ static PyObject *cq_ep_create(CompletionQueue *self, PyObject *args)
     }
     x->core      = c;
     x->err_token = token;
+    x->refs      = 1;
+    x->closing   = 0;
     pthread_mutex_lock(&c->mu);
     c->refs++; /* held by the endpoint context until ep_ctx_free */
     pthread_mutex_unlock(&c->mu);
@@ -712,10 +774,16 @@ static PyObject *cq_ep_close(CompletionQueue *self, PyObject *args)
     cq_req_t *r;
     ucp_request_param_t p;
     ucs_status_ptr_t sp;
-    if (c == NULL || !PyArg_ParseTuple(args, "OKp", &ep_o, &token, &force))
+    unsigned long long ctx = 0;
+    if (c == NULL || !PyArg_ParseTuple(args, "OKp|K", &ep_o, &token, &force, &ctx))
         return NULL;
     if (get_handle(ep_o, &ep, "endpoint") < 0)
         return NULL;
+    if (ctx != 0) { /* from now on no chain sends a notification on this endpoint */
+        pthread_mutex_lock(&c->mu);
+        ((ep_ctx_t *)(uintptr_t)ctx)->closing = 1;
+        pthread_mutex_unlock(&c->mu);
+    }
     r = malloc(sizeof(*r));
     if (r == NULL)
         return PyErr_NoMemory();
@@ -755,13 +823,399 @@ static PyObject *py_ep_ctx_free(PyObject *self, PyObject *args)
         return NULL;
     if (get_handle(x_o, (void **)&x, "endpoint context") < 0)
         return NULL;
-    pthread_mutex_lock(&x->core->mu);
-    cq_core_unref_locked(x->core, &free_it);
-    pthread_mutex_unlock(&x->core->mu);
-    if (free_it)
-        cq_core_free(x->core);
-    free(x);
+    {
+        cq_core_t *c = x->core;
+        pthread_mutex_lock(&c->mu);
+        free_it = ep_ctx_unref_locked(x); /* x may be gone now (no chain holds it) */
+        pthread_mutex_unlock(&c->mu);
+        if (free_it)
+            cq_core_free(c);
+    }
     Py_RETURN_NONE;
+}
+
+/* ----------------------------------------------- chains: put -> flush -> notify */
+
+/*
+ * A chain finishes a write without returning to Python between its steps: flush_notify()
+ * starts an endpoint flush whose completion callback (on whichever thread progresses the
+ * worker: UCXX's progress thread or the queue's poller) itself sends the notification as
+ * a UCP active message (our id KVX_AM_ID, eager, header = the receiver's 64-bit note
+ * token) on the same endpoint; the AM's local completion queues (token, status) once.
+ * A failed flush queues its status and sends nothing: the notification is only ever sent
+ * after UCX reported every earlier PUT on the endpoint remotely complete.
+ *
+ * Receiving: note_listen(token) routes active messages carrying `token` into this queue
+ * as (token, KVX_NOTE, t, payload) (a process-wide registry: UCP has one AM handler per id
+ * per worker, and all transports of a process share UCXX's worker).
+ */
+#define KVX_AM_ID 107 /* our active-message id ('k'); UCXX uses its own */
+#define KVX_NOTE 1    /* status of a queued received notification (UCS statuses are <= 0) */
+
+typedef struct {
+    uint64_t token;
+    cq_core_t *core;
+} note_reg_t;
+
+static pthread_mutex_t g_note_mu = PTHREAD_MUTEX_INITIALIZER;
+static note_reg_t *g_notes;
+static size_t g_nnotes, g_capnotes;
+static ucp_worker_h g_note_workers[16];
+static int g_nworkers;
+
+static ucs_status_t note_am_cb(void *arg, const void *header, size_t header_length, void *data,
+                               size_t length, const ucp_am_recv_param_t *param)
+{
+    uint64_t token;
+    void *copy;
+    size_t i;
+    if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) { /* senders force eager: drop it */
+        ucp_am_data_release((ucp_worker_h)arg, data);
+        return UCS_OK;
+    }
+    if (header_length != sizeof(token))
+        return UCS_OK;
+    memcpy(&token, header, sizeof(token));
+    copy = malloc(length ? length : 1); /* non-NULL marks a notification in the queue */
+    if (copy == NULL)
+        return UCS_OK;
+    if (length)
+        memcpy(copy, data, length);
+    pthread_mutex_lock(&g_note_mu);
+    for (i = 0; i < g_nnotes; i++)
+        if (g_notes[i].token == token) {
+            cq_core_t *c = g_notes[i].core;
+            pthread_mutex_lock(&c->mu);
+            cq_push_data_locked(c, token, KVX_NOTE, copy, length);
+            pthread_mutex_unlock(&c->mu);
+            copy = NULL;
+            break;
+        }
+    pthread_mutex_unlock(&g_note_mu);
+    free(copy); /* unknown token (a closed peer's late notification): dropped */
+    return UCS_OK;
+}
+
+/* note_listen(token): notifications carrying `token` are queued here */
+static PyObject *cq_note_listen(CompletionQueue *self, PyObject *args)
+{
+    unsigned long long token;
+    cq_core_t *c = cq_core(self);
+    ucs_status_t st = UCS_OK;
+    int i, have = 0;
+    size_t k;
+    if (c == NULL || !PyArg_ParseTuple(args, "K", &token))
+        return NULL;
+    if (c->worker == NULL) {
+        PyErr_SetString(PyExc_ValueError, "note_listen on a CompletionQueue made without a worker");
+        return NULL;
+    }
+    pthread_mutex_lock(&g_note_mu);
+    for (k = 0; k < g_nnotes; k++)
+        if (g_notes[k].token == token) {
+            pthread_mutex_unlock(&g_note_mu);
+            PyErr_SetString(PyExc_ValueError, "note token already registered");
+            return NULL;
+        }
+    for (i = 0; i < g_nworkers; i++)
+        have |= g_note_workers[i] == c->worker;
+    if (!have) {
+        /* Never call into libucp holding g_note_mu: the handler takes it under the worker
+         * lock. Two first registrations racing set the same handler twice (harmless). */
+        ucp_am_handler_param_t hp;
+        if (g_nworkers == (int)(sizeof(g_note_workers) / sizeof(g_note_workers[0]))) {
+            pthread_mutex_unlock(&g_note_mu);
+            PyErr_SetString(PyExc_RuntimeError, "too many UCP workers");
+            return NULL;
+        }
+        pthread_mutex_unlock(&g_note_mu);
+        hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                        UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+        hp.id    = KVX_AM_ID;
+        hp.cb    = note_am_cb;
+        hp.arg   = c->worker;
+        hp.flags = UCP_AM_FLAG_WHOLE_MSG;
+        Py_BEGIN_ALLOW_THREADS
+        st = ucp_worker_set_am_recv_handler(c->worker, &hp);
+        Py_END_ALLOW_THREADS
+        if (st != UCS_OK)
+            return raise_ucx(st, "ucp_worker_set_am_recv_handler", 0);
+        pthread_mutex_lock(&g_note_mu);
+        have = 0;
+        for (i = 0; i < g_nworkers; i++)
+            have |= g_note_workers[i] == c->worker;
+        if (!have && g_nworkers < (int)(sizeof(g_note_workers) / sizeof(g_note_workers[0])))
+            g_note_workers[g_nworkers++] = c->worker;
+        for (k = 0; k < g_nnotes; k++) /* re-check: another thread may have taken it */
+            if (g_notes[k].token == token) {
+                pthread_mutex_unlock(&g_note_mu);
+                PyErr_SetString(PyExc_ValueError, "note token already registered");
+                return NULL;
+            }
+    }
+    if (g_nnotes == g_capnotes) {
+        size_t cap      = g_capnotes ? 2 * g_capnotes : 16;
+        note_reg_t *tmp = realloc(g_notes, cap * sizeof(*tmp));
+        if (tmp == NULL) {
+            pthread_mutex_unlock(&g_note_mu);
+            return PyErr_NoMemory();
+        }
+        g_notes    = tmp;
+        g_capnotes = cap;
+    }
+    g_notes[g_nnotes].token  = token;
+    g_notes[g_nnotes++].core = c;
+    pthread_mutex_lock(&c->mu);
+    c->refs++; /* held by the registry entry */
+    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_unlock(&g_note_mu);
+    Py_RETURN_NONE;
+}
+
+/* Remove the registry entries of core `c` (token 0: all of them); returns how many. */
+static int note_remove(cq_core_t *c, uint64_t token)
+{
+    size_t i = 0;
+    int n = 0;
+    pthread_mutex_lock(&g_note_mu);
+    while (i < g_nnotes) {
+        if (g_notes[i].core == c && (token == 0 || g_notes[i].token == token)) {
+            g_notes[i] = g_notes[--g_nnotes];
+            n++;
+        } else {
+            i++;
+        }
+    }
+    pthread_mutex_unlock(&g_note_mu);
+    return n;
+}
+
+/* note_unlisten(token) -> bool: stop routing `token` here (late ones are dropped) */
+static PyObject *cq_note_unlisten(CompletionQueue *self, PyObject *args)
+{
+    unsigned long long token;
+    cq_core_t *c = cq_core(self);
+    int n;
+    if (c == NULL || !PyArg_ParseTuple(args, "K", &token))
+        return NULL;
+    if (token == 0)
+        return PyBool_FromLong(0);
+    n = note_remove(c, token);
+    pthread_mutex_lock(&c->mu);
+    c->refs -= n; /* the Python object still holds one: never reaches 0 here */
+    pthread_mutex_unlock(&c->mu);
+    return PyBool_FromLong(n > 0);
+}
+
+typedef struct {
+    cq_core_t *core;
+    ep_ctx_t *x; /* owned endpoint's context (closing flag), or NULL (borrowed endpoint) */
+    ucp_ep_h ep;
+    uint64_t token;
+    int spin;
+    uint64_t hdr; /* the receiver's note token: the AM header */
+    int state;    /* CH_* (atomic): who ends the chain, the starter or a callback */
+    int final;    /* the chain's status, when a callback left it to the starter */
+    size_t len;
+    char data[];
+} chain_t;
+
+/* A chain's starter may progress the worker itself for a bounded time (inline_us): while
+ * it does (CH_STARTER), a completing callback leaves the result to it (CH_DONE) instead of
+ * queueing it, so a chain that completes meanwhile returns to Python in the same call. */
+enum { CH_STARTER = 0, CH_QUEUE = 1, CH_DONE = 2 };
+
+/* Release a chain; push (token, st) unless the starter returns st itself. */
+static void chain_release(chain_t *ch, int push, ucs_status_t st)
+{
+    cq_core_t *c  = ch->core;
+    int free_core = 0, free2 = 0;
+    pthread_mutex_lock(&c->mu);
+    if (push)
+        cq_push_locked(c, ch->token, st);
+    if (ch->spin)
+        __atomic_fetch_sub(&c->spinning, 1, __ATOMIC_RELEASE);
+    cq_core_unref_locked(c, &free_core); /* the chain's own; x (if any) still holds one */
+    if (ch->x != NULL)
+        free2 = ep_ctx_unref_locked(ch->x);
+    pthread_mutex_unlock(&c->mu);
+    if (free_core || free2)
+        cq_core_free(c);
+    free(ch);
+}
+
+/* A callback ends the chain: hand the status to a starter still progressing, else queue. */
+static void chain_end(chain_t *ch, ucs_status_t st)
+{
+    int expect = CH_STARTER;
+    ch->final  = (int)st;
+    if (__atomic_compare_exchange_n(&ch->state, &expect, CH_DONE, 0, __ATOMIC_ACQ_REL,
+                                    __ATOMIC_ACQUIRE))
+        return; /* the starter releases it */
+    chain_release(ch, 1, st);
+}
+
+static void chain_am_cb(void *request, ucs_status_t st, void *user)
+{
+    ucp_request_free(request);
+    chain_end((chain_t *)user, st);
+}
+
+/* Post the notification. Returns 1 if pending (chain_am_cb releases the chain), else 0
+ * with *st set (the caller releases it). Runs with the worker lock held (inside a flush
+ * callback) or on the thread that started the chain; ep_close runs on that thread too and
+ * needs the worker lock, so `closing` cannot change between the check and the post. */
+static int chain_post_am(chain_t *ch, ucs_status_t *st)
+{
+    ucp_request_param_t p;
+    ucs_status_ptr_t sp;
+    int closing = 0;
+    if (ch->hdr == 0) { /* a plain flush: nothing to send */
+        *st = UCS_OK;
+        return 0;
+    }
+    if (ch->x != NULL) {
+        pthread_mutex_lock(&ch->core->mu);
+        closing = ch->x->closing;
+        pthread_mutex_unlock(&ch->core->mu);
+    }
+    if (closing) {
+        *st = UCS_ERR_CANCELED;
+        return 0;
+    }
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                     UCP_OP_ATTR_FIELD_FLAGS;
+    p.cb.send   = chain_am_cb;
+    p.user_data = ch;
+    p.flags     = UCP_AM_SEND_FLAG_EAGER;
+    sp = ucp_am_send_nbx(ch->ep, KVX_AM_ID, &ch->hdr, sizeof(ch->hdr), ch->data, ch->len, &p);
+    if (sp != NULL && !UCS_PTR_IS_ERR(sp))
+        return 1;
+    *st = sp == NULL ? UCS_OK : UCS_PTR_STATUS(sp);
+    return 0;
+}
+
+/* The chain's flush completed (any thread): notify, or report the flush's failure. */
+static void chain_flush_cb(void *request, ucs_status_t st, void *user)
+{
+    chain_t *ch = (chain_t *)user;
+    ucp_request_free(request);
+    if (st == UCS_OK && chain_post_am(ch, &st))
+        return;
+    chain_end(ch, st);
+}
+
+/*
+ * flush_notify(ep, token, spin, ctx, note_token, payload, inline_us=0) -> None if pending
+ * (token appears in drain() once the notification completed locally or the chain failed),
+ * else the final ucs status (the chain ended within the call). inline_us: progress the
+ * worker on the calling thread (GIL released) for up to that long first; a flush whose
+ * completion signals nothing (shared memory) then ends in microseconds instead of at the
+ * progress thread's next wake-up, and the loop sees no completion event at all.
+ * note_token 0: a plain flush (nothing is sent), with the same inline progress.
+ */
+static PyObject *cq_flush_notify(CompletionQueue *self, PyObject *args)
+{
+    PyObject *ep_o;
+    unsigned long long token, ctx, note;
+    int spin;
+    Py_buffer pl;
+    void *ep;
+    chain_t *ch;
+    ucp_request_param_t p;
+    ucs_status_ptr_t sp;
+    ucs_status_t st = UCS_OK;
+    int pending     = 0;
+    double inline_us = 0.0;
+    cq_core_t *c    = cq_core(self);
+    if (c == NULL || !PyArg_ParseTuple(args, "OKpKKy*|d", &ep_o, &token, &spin, &ctx, &note, &pl,
+                                       &inline_us))
+        return NULL;
+    if (get_handle(ep_o, &ep, "endpoint") < 0) {
+        PyBuffer_Release(&pl);
+        return NULL;
+    }
+    if (spin && c->worker == NULL) {
+        PyBuffer_Release(&pl);
+        PyErr_SetString(PyExc_ValueError, "spin flush on a CompletionQueue made without a worker");
+        return NULL;
+    }
+    ch = malloc(sizeof(*ch) + (size_t)pl.len);
+    if (ch == NULL) {
+        PyBuffer_Release(&pl);
+        return PyErr_NoMemory();
+    }
+    ch->core  = c;
+    ch->x     = (ep_ctx_t *)(uintptr_t)ctx;
+    ch->ep    = (ucp_ep_h)ep;
+    ch->token = token;
+    ch->spin  = spin;
+    ch->hdr   = note;
+    ch->state = CH_STARTER;
+    ch->final = UCS_OK;
+    ch->len   = (size_t)pl.len;
+    memcpy(ch->data, pl.buf, (size_t)pl.len);
+    PyBuffer_Release(&pl);
+    pthread_mutex_lock(&c->mu);
+    if (ch->x != NULL && ch->x->closing && note != 0) {
+        pthread_mutex_unlock(&c->mu);
+        free(ch);
+        return PyLong_FromLong(UCS_ERR_CANCELED);
+    }
+    c->refs++; /* held by the chain until it is released */
+    if (ch->x != NULL)
+        ch->x->refs++;
+    if (spin) {
+        if (!c->thread_live) {
+            int err = pthread_create(&c->thread, NULL, cq_poller_main, c);
+            if (err != 0) {
+                int f = 0;
+                c->refs--;
+                if (ch->x != NULL)
+                    f = ep_ctx_unref_locked(ch->x);
+                pthread_mutex_unlock(&c->mu);
+                (void)f; /* the Python object holds a core reference */
+                free(ch);
+                errno = err;
+                return PyErr_SetFromErrno(PyExc_OSError);
+            }
+            c->thread_live = 1;
+        }
+        __atomic_fetch_add(&c->spinning, 1, __ATOMIC_RELEASE);
+        pthread_cond_signal(&c->cv);
+    }
+    pthread_mutex_unlock(&c->mu);
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.send      = chain_flush_cb;
+    p.user_data    = ch;
+    Py_BEGIN_ALLOW_THREADS
+    sp = ucp_ep_flush_nbx((ucp_ep_h)ep, &p);
+    if (sp != NULL && !UCS_PTR_IS_ERR(sp))
+        pending = 1; /* chain_flush_cb owns the chain */
+    else if (sp != NULL)
+        st = UCS_PTR_STATUS(sp);
+    else
+        pending = chain_post_am(ch, &st);
+    if (pending && inline_us > 0 && c->worker != NULL) {
+        double until = mono_now() + 1e-6 * inline_us;
+        while (__atomic_load_n(&ch->state, __ATOMIC_ACQUIRE) == CH_STARTER &&
+               mono_now() < until)
+            ucp_worker_progress(c->worker);
+    }
+    if (pending) {
+        int expect = CH_STARTER; /* give the chain to the callbacks, unless one ended it */
+        if (!__atomic_compare_exchange_n(&ch->state, &expect, CH_QUEUE, 0, __ATOMIC_ACQ_REL,
+                                         __ATOMIC_ACQUIRE)) {
+            pending = 0;
+            st      = (ucs_status_t)ch->final;
+        }
+    }
+    if (!pending)
+        chain_release(ch, 0, st);
+    Py_END_ALLOW_THREADS
+    if (pending)
+        Py_RETURN_NONE;
+    return PyLong_FromLong((long)st);
 }
 
 static PyObject *cq_drain(CompletionQueue *self, PyObject *noargs)
@@ -783,14 +1237,21 @@ static PyObject *cq_drain(CompletionQueue *self, PyObject *noargs)
     pthread_mutex_unlock(&c->mu);
     out = PyList_New((Py_ssize_t)n);
     for (i = 0; out != NULL && i < n; i++) {
-        PyObject *t = Py_BuildValue("(Kid)", (unsigned long long)items[i].token, items[i].status,
-                                    items[i].t);
+        PyObject *t;
+        if (items[i].data != NULL)
+            t = Py_BuildValue("(Kidy#)", (unsigned long long)items[i].token, items[i].status,
+                              items[i].t, (const char *)items[i].data, (Py_ssize_t)items[i].len);
+        else
+            t = Py_BuildValue("(KidO)", (unsigned long long)items[i].token, items[i].status,
+                              items[i].t, Py_None);
         if (t == NULL) {
             Py_CLEAR(out);
             break;
         }
         PyList_SET_ITEM(out, (Py_ssize_t)i, t);
     }
+    for (i = 0; i < n; i++)
+        free(items[i].data);
     free(items);
     return out;
 }
@@ -844,10 +1305,21 @@ static PyMethodDef cq_methods[] = {
      "ep_create(worker, address, err_token) -> (ep, ctx): bulk endpoint, error mode NONE "
      "with an error handler that queues (err_token, status)"},
     {"ep_close", (PyCFunction)cq_ep_close, METH_VARARGS,
-     "ep_close(ep, token, force) -> None if pending, else ucs status"},
+     "ep_close(ep, token, force, ctx=0) -> None if pending, else ucs status; ctx: the "
+     "endpoint's ep_create context (no chain sends a notification on it afterwards)"},
+    {"flush_notify", (PyCFunction)cq_flush_notify, METH_VARARGS,
+     "flush_notify(ep, token, spin, ctx, note_token, payload, inline_us=0) -> None if "
+     "pending, else ucs status: flush ep, then (from the flush's completion callback, no "
+     "Python) send payload as an active message to the receiver's note_token; ctx: "
+     "ep_create's context or 0; inline_us: progress the worker here that long first"},
+    {"note_listen", (PyCFunction)cq_note_listen, METH_VARARGS,
+     "note_listen(token): queue notifications carrying token as (token, NOTE, t, payload)"},
+    {"note_unlisten", (PyCFunction)cq_note_unlisten, METH_VARARGS,
+     "note_unlisten(token) -> bool: stop routing token here"},
     {"drain", (PyCFunction)cq_drain, METH_NOARGS,
-     "drain() -> [(token, status, t)] completed since the last drain (t: time.monotonic() "
-     "when UCX reported it); clears the eventfd"},
+     "drain() -> [(token, status, t, payload)] completed since the last drain (t: "
+     "time.monotonic() when UCX reported it; payload: bytes of a received notification "
+     "(status NOTE), else None); clears the eventfd"},
     {"fileno", (PyCFunction)cq_fileno, METH_NOARGS, "the eventfd to watch for readability"},
     {"close", (PyCFunction)cq_close, METH_NOARGS,
      "close the eventfd; late callbacks are dropped safely"},
@@ -912,6 +1384,8 @@ PyMODINIT_FUNC PyInit__rma(void)
     Py_INCREF(&CompletionQueueType);
     PyModule_AddObject(m, "CompletionQueue", (PyObject *)&CompletionQueueType);
     PyModule_AddIntConstant(m, "UCS_OK", UCS_OK);
+    PyModule_AddIntConstant(m, "NOTE", KVX_NOTE);
+    PyModule_AddIntConstant(m, "AM_ID", KVX_AM_ID);
     PyModule_AddIntConstant(m, "UCS_ERR_CANCELED", UCS_ERR_CANCELED);
     PyModule_AddIntConstant(m, "UCS_ERR_CONNECTION_RESET", UCS_ERR_CONNECTION_RESET);
     PyModule_AddIntConstant(m, "UCS_ERR_ENDPOINT_TIMEOUT", UCS_ERR_ENDPOINT_TIMEOUT);

@@ -114,6 +114,18 @@ class RmaEndpoint(abc.ABC):
     def lanes(self) -> List[str]:
         """Transports carrying RMA, e.g. ``["cma/memory"]`` or ``["tcp/lo"]``."""
 
+    def flush_notify_future(
+        self, note_token: int, payload: bytes, spin: bool = False
+    ) -> "Optional[asyncio.Future]":
+        """Flush, then send ``payload`` to the peer's notification listener ``note_token``
+        (:meth:`Transport.note_listen`) without returning to Python in between: the
+        transport chains the two natively; the payload is only sent once every PUT posted
+        so far is visible at the target, and a failed flush sends nothing. The future
+        resolves (``time.monotonic()`` of the chain's end) when the payload left, or fails
+        with PeerClosed / TransportError; unbounded (the caller bounds it). None: this
+        endpoint cannot chain (the caller flushes and sends the message itself)."""
+        return None
+
     def on_failed(self, callback: Callable[[Exception], None]) -> None:
         """Call ``callback(exc)`` if a data-plane endpoint of its own fails (Runs on: the
         asyncio loop thread). Endpoints that share the channel's connection never call it (the channel
@@ -154,6 +166,16 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def register(self, addr: int, length: int) -> Region: ...
+
+    def note_listen(self, callback: Callable[[bytes], None]) -> int:
+        """Receive chained notifications (:meth:`RmaEndpoint.flush_notify_future`): returns
+        the token a peer sends them to (0: not supported); ``callback(payload)`` runs on
+        the asyncio loop thread, in arrival order, until :meth:`note_unlisten`."""
+        return 0
+
+    def note_unlisten(self, token: int) -> None:
+        """Stop receiving notifications for ``token`` (late ones are dropped)."""
+        return None
 
     @abc.abstractmethod
     async def close(self) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -36,6 +37,12 @@ from kvxfer.transport.ucx_lib import load_ucx, status_error, ucx_error_types
 from kvxfer.transport.ucx_rma import UcxRegion, UcxRma
 
 log = logging.getLogger(__name__)
+
+#: default bound (µs) on progressing the worker inside a chain's starting call: a shared
+#: memory flush completes in a few µs but signals nothing, so without it the flush waited
+#: for UCXX's progress thread's next wake-up (up to its 1 ms epoll timeout); figures in
+#: bench/results/latency-cpu.md
+CHAIN_INLINE_US = 50.0
 
 
 class UcxTransport(Transport):
@@ -60,6 +67,10 @@ class UcxTransport(Transport):
         self._waiters: Dict[int, asyncio.Future] = {}  # token -> (status, t) future
         self._flushes: Dict[int, asyncio.Future] = {}  # token -> t future (flush_future)
         self._watch: Dict[int, Callable[[int], None]] = {}  # endpoint error tokens
+        self._notes: Dict[int, Callable[[bytes], None]] = {}  # note token -> receiver
+        #: how long a chain's starter progresses the worker itself before it leaves the
+        #: chain to the progress thread / poller (KVXFER_CHAIN_INLINE_US; 0: never)
+        self.chain_inline_us = float(os.environ.get("KVXFER_CHAIN_INLINE_US", CHAIN_INLINE_US))
         self._listener: Any = None  # ucxx.Listener
         self._closed = False
 
@@ -81,7 +92,16 @@ class UcxTransport(Transport):
         Runs on: the asyncio loop thread (``add_reader`` on the completion queue's eventfd,
         which the native callbacks signal from UCXX's progress thread or the native poller
         thread)."""
-        for token, status, t in self._cq.drain():
+        note = self.rma.NOTE
+        for token, status, t, payload in self._cq.drain():
+            if status == note:
+                receiver = self._notes.get(token)
+                if receiver is not None:
+                    try:
+                        receiver(payload)
+                    except Exception:  # a receiver's bug must not stop the others
+                        log.exception("notification receiver failed")
+                continue
             fut = self._flushes.pop(token, None)
             if fut is not None:
                 if not fut.done():
@@ -144,6 +164,52 @@ class UcxTransport(Transport):
             fut.set_exception(status_error(self.rma, status, "ucp_ep_flush"))
         return fut
 
+    def chain_future(
+        self, ep_handle: int, spin: bool, ctx: int, note_token: int, payload: bytes
+    ) -> asyncio.Future:
+        """Start a native chain (``_rma`` ``flush_notify``): flush ``ep_handle``; its
+        completion callback, on whichever thread progresses the worker, sends ``payload``
+        as an active message to the peer's ``note_token``. The call itself progresses the
+        worker for up to :attr:`chain_inline_us` first: a chain that ends meanwhile
+        returns a resolved future (no completion event, no wake-up of the loop). The future resolves to the
+        monotonic time the chain ended (or fails: the flush failed and nothing was sent,
+        PeerClosed / TransportError; or the endpoint was closing, PeerClosed). Like
+        :meth:`flush_future`, unbounded, and set directly by the eventfd callback."""
+        loop = self._bind_loop()
+        token = next(self._tokens)
+        fut = loop.create_future()
+        try:
+            status = self._cq.flush_notify(
+                ep_handle, token, spin, ctx, note_token, payload, self.chain_inline_us
+            )
+        except ValueError as exc:  # NULL handle
+            fut.set_exception(PeerClosed(str(exc)))
+            return fut
+        if status is None:
+            self._flushes[token] = fut
+        elif status == self.rma.UCS_OK:
+            fut.set_result(time.monotonic())
+        else:
+            what = "flush + notify" if note_token else "ucp_ep_flush"
+            fut.set_exception(status_error(self.rma, status, what))
+        return fut
+
+    def note_listen(self, callback: Callable[[bytes], None]) -> int:
+        """A fresh random 64-bit token routed to ``callback`` (see base.Transport): tokens
+        are unguessable, so a notification reaches only the peer that was given it."""
+        self._bind_loop()
+        while True:
+            token = int.from_bytes(os.urandom(8), "little")
+            if token and token not in self._notes:
+                break
+        self._cq.note_listen(token)
+        self._notes[token] = callback
+        return token
+
+    def note_unlisten(self, token: int) -> None:
+        if self._notes.pop(token, None) is not None and self._cq is not None:
+            self._cq.note_unlisten(token)
+
     async def flush_ep(self, ep_handle: int, timeout: float, spin: bool = False) -> float:
         """Flush one endpoint; ``spin``: the queue's native poller progresses the worker
         until it completes. Returns the monotonic time UCX reported completion."""
@@ -172,7 +238,7 @@ class UcxTransport(Transport):
             return False
         try:
             status, _ = await self._start_and_wait(
-                self._cq.ep_close, (ep,), timeout, "ucp_ep_close", False
+                self._cq.ep_close, (ep,), timeout, "ucp_ep_close", False, ctx
             )
         except (TransferTimeout, PeerClosed) as exc:
             log.debug("bulk endpoint close: %s", exc)
@@ -269,6 +335,7 @@ class UcxTransport(Transport):
                 fut.set_exception(Closed("transport closed"))
         self._waiters.clear()
         self._flushes.clear()
+        self._notes.clear()
         if self._cq is not None:
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.remove_reader(self._cq.fileno())

@@ -30,6 +30,10 @@ class RmaService(Protocol):
 
     def flush_future(self, ep_handle: int, spin: bool = False) -> "asyncio.Future[float]": ...
 
+    def chain_future(
+        self, ep_handle: int, spin: bool, ctx: int, note_token: int, payload: bytes
+    ) -> "asyncio.Future[float]": ...
+
     async def flush_ep(self, ep_handle: int, timeout: float, spin: bool = False) -> float: ...
 
     async def close_bulk(self, ep: int, ctx: int, err_token: int, timeout: float) -> bool: ...
@@ -160,7 +164,17 @@ class UcxRma(RmaEndpoint):
         return await self._t.flush_ep(self._handle(), timeout, spin)
 
     def flush_future(self, spin: bool = False):
-        return self._t.flush_future(self._handle(), spin)
+        """A chain without a notification (note token 0): the same flush, with the
+        chain's bounded inline progress (see UcxTransport.chain_future)."""
+        ctx = self._raw[1] if self._raw is not None else 0
+        return self._t.chain_future(self._handle(), spin, ctx, 0, b"")
+
+    def flush_notify_future(self, note_token: int, payload: bytes, spin: bool = False):
+        """The native chain flush -> notify (see base.RmaEndpoint). On an owned endpoint the
+        chain holds its error-handler context, and a close started before the flush
+        completed cancels the notification (UCX forbids posting on a closing endpoint)."""
+        ctx = self._raw[1] if self._raw is not None else 0
+        return self._t.chain_future(self._handle(), spin, ctx, note_token, payload)
 
     def info(self) -> str:
         return self._t.rma.ep_info(self._handle())

@@ -264,6 +264,25 @@ def test_error_mode_none_uses_shared_memory(nodes):
     assert nodes["A"].items("main", "kv", dst) == b.items("fast", "kv", src)
 
 
+@pytest.mark.parametrize("key", ["main", "fast", "spin"])
+def test_notify_is_chained(nodes, key):
+    """A plain PUT write's notify goes through the native chain (flush -> active message),
+    arrives once, after the bytes, and in order with the writes before it."""
+    a, b = nodes["A"], nodes["B"]
+    pid = _peer_of(nodes, key)
+    before = b.chain_state(key, pid)["sent"]
+    b.fill(key, "pm", 17)
+    a.zero("main", "pm")
+    pend = [([("pm", [i], [i])], b"n%d" % i) for i in range(20)]
+    assert b.write_many(key, pid, pend) == [{"ok": 2 * L * ITEM}] * 20
+    msgs = a.messages("main", 20, 10.0)
+    assert [p for _, p in msgs] == [b"n%d" % i for i in range(20)]
+    assert a.items("main", "pm", list(range(20))) == b.items(key, "pm", list(range(20)))
+    st = b.chain_state(key, pid)
+    assert st["sent"] == before + 20, st
+    assert st["flushes"] == 0 and st["waiters"] == 0, st
+
+
 def test_spin_flush_byte_exact(nodes):
     """flush_progress="spin": the transport's native poller progresses the worker during
     the flush (on CPU it is optional; on CUDA it is what "auto" picks)."""
@@ -339,6 +358,35 @@ def test_peer_killed_mid_transfer(nodes, key):
     assert "ok" in res, res
     assert a.messages("main", 1, 10.0)[0][1] == b"alive"
     assert a.items("main", "pm", [4, 5, 6]) == b.items(key, "pm", [1, 2, 3])
+
+
+@KILL_KEYS
+def test_peer_killed_mid_chain(nodes, key):
+    """Writes with chained notifications in flight when the peer dies: the stream ends
+    with a typed error within the deadline, the death is reported once, and the
+    survivor's transport holds no chain of that peer any more."""
+    b = nodes["B"]
+    v = _victim()
+    try:
+        vid = b.connect(key, "127.0.0.1", _port(v))["ok"]
+        b.stream_start(key, vid, "big", BIG_ITEMS, 10.0, 0, b"chained")
+        deadline = time.monotonic() + 30
+        while b.stream_status(key)["count"] < 2:
+            assert time.monotonic() < deadline, "stream did not start"
+        assert b.chain_state(key, vid)["sent"] >= 2  # the chain was in use
+        t_kill = time.monotonic()
+        v.kill()
+        st = b.stream_join(key, 20.0)
+    finally:
+        v.kill()
+    assert not st["alive"], st
+    assert st["error"] and st["error"][0] in ("PeerClosed", "TransferTimeout"), st
+    assert st["t_end"] - t_kill < 10.0 + 1.0
+    assert (vid, "PeerClosed") in b.closed(key)
+    deadline = time.monotonic() + 10
+    while b.chain_state(key)["flushes"]:  # late native completions drain (bounded)
+        assert time.monotonic() < deadline, b.chain_state(key)
+        time.sleep(0.01)
 
 
 @KILL_KEYS

@@ -99,10 +99,17 @@ def test_same_errors_as_numpy_planner(src, dst, err, text):
 def test_only_short_lists_of_plain_ints_take_the_fast_path():
     assert fastplan.small_ids([1, 2]) == [1, 2] and fastplan.small_ids((3,)) == [3]
     assert fastplan.small_ids(7) == [7]
+    # short 1-D integer arrays too (what the PD protocol hands the engine), as plain ints
+    for arr in (np.array([1, 5]), np.array([1, 5], np.int32), np.array([1, 5], np.uint64)):
+        got = fastplan.small_ids(arr)
+        assert got == [1, 5] and all(type(v) is int for v in got), arr
     for other in (
         [True],
         [1.0],
-        np.array([1]),
+        np.array([[1]]),
+        np.array([True]),
+        np.array([1.0]),
+        np.arange(fastplan.SMALL_IDS + 1),
         [np.int64(1)],
         list(range(fastplan.SMALL_IDS + 1)),
         "ab",

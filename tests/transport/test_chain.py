@@ -1,0 +1,53 @@
+"""The native put -> flush -> notify chain (``_rma.CompletionQueue.flush_notify``) and the
+notification receiver (``note_listen``), in a spawned child over loopback."""
+
+import pytest
+
+from kvxfer.procs import Worker
+from kvxfer.testing.chain_checks import ChainNode
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture(scope="module")
+def node():
+    w = Worker(ChainNode, name="chain").start()
+    yield w.proxy(ChainNode, timeout=80.0)
+    w.close()
+
+
+@pytest.mark.parametrize("spin", [False, True], ids=["event", "spin"])
+@pytest.mark.parametrize("mode", ["peer", "none"])
+def test_notify_never_before_bytes(node, mode, spin):
+    # 8 MiB per round: the flush takes long enough for an early notification to show
+    out = node.ordering(mode, 12, 8, spin)
+    assert out["seen"] == [f"round-{i}" for i in range(12)], out
+    assert all(out["visible"]), out  # the receiver saw every byte when the notify arrived
+    assert out["times_ok"] and out["flushes_left"] == 0, out
+
+
+@pytest.mark.parametrize("mode", ["peer", "none"])
+def test_many_concurrent_chains(node, mode):
+    out = node.many(mode, 300)
+    assert out["errors"] == [] and out["count"] == 300 and out["order_ok"], out
+    assert out["bytes_ok"], out
+    # every chain released its queue reference, no spin flush left, no future left
+    assert out["pending_delta"] == 0 and out["spinning"] == 0 and out["flushes_left"] == 0, out
+
+
+def test_close_cancels_pending_chain(node):
+    out = node.cancelled_by_close(64)
+    # the flush was pending when close() marked the endpoint closing: typed failure, and
+    # the notification was never sent (only the later chain's arrived)
+    assert out["first"] in ("PeerClosed", "completed"), out
+    if out["first"] == "PeerClosed":
+        assert out["got"] == ["later"], out
+    else:  # the flush beat the close: then the notification went out before it
+        assert out["got"] == ["never", "later"], out
+    assert out["after_close"] == "Closed", out
+    assert out["pending"] == 0 and out["pending_after_unlisten"] == 0, out
+
+
+def test_unknown_token_dropped(node):
+    out = node.unknown_token()
+    assert out["got"] == ["2:live"] and out["ok"], out
