@@ -293,17 +293,21 @@ def prefill_adopt(side: PrefillSide, r: Room, pending: Room) -> None:
                     link, m.Abort(room=r.room, reason=str(r.exc), kind=type(r.exc).__name__)
                 )
         return
-    r.legs = Legs(r, plegs.expect)
-    assert r.legs.history is not None
-    r.legs.history.extend(r.queued)
-    r.queued = []
+    if r.legs is None:  # (another peer's metadata may have come between claim and adoption)
+        r.legs = Legs(r, plegs.expect)
+        assert r.legs.history is not None
+        r.legs.history.extend(r.queued)
+        r.queued = []
     for rank, meta in sorted(plegs.pending.items()):
-        if is_terminal(r.state):  # an earlier leg failed the room
+        if is_terminal(r.state) or rank in r.legs.by_rank:  # failed meanwhile / twice
             link = meta[0]
+            exc = (
+                r.exc
+                if is_terminal(r.state)
+                else DuplicateRoom(f"room {r.room}: rank {rank} twice")
+            )
             if not link.dead:
-                mgr.send_msg(
-                    link, m.Abort(room=r.room, reason=str(r.exc), kind=type(r.exc).__name__)
-                )
+                mgr.send_msg(link, m.Abort(room=r.room, reason=str(exc), kind=type(exc).__name__))
             continue
         attach_leg(side, r, rank, meta)
 
