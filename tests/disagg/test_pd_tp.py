@@ -22,6 +22,9 @@ DEPLOY = {
     "env21": ("hybrid_envelope", 4, 2, 1),  # page-major KV + envelope state slot
     "rep14": ("mha", 2, 1, 4),  # 2 heads over 4 decode ranks: decode replicates
     "rep41": ("mha_hnd", 2, 4, 1),  # 2 heads over 4 prefill ranks: prefill replicates
+    # one rank in its own process, killed by the test (VICTIMS)
+    "die21": ("mha_hnd", 4, 2, 1),
+    "die12": ("mha", 4, 1, 2),
     # refused at the handshake (TpShapeMismatch naming both shapes)
     "bad_heads_p": ("mha", 6, 2, None),  # prefill: 6 heads over 2 ranks
     "bad_heads_d": ("mha", 4, None, 4),  # decode: 4 heads over 4 ranks
@@ -30,6 +33,8 @@ DEPLOY = {
 }
 #: a refused pairing: decode deployment -> the prefill deployment it looks up
 REFUSED = {"bad_heads_d": "bad_heads_p", "bad_form_d": "bad_form_p"}
+#: (deployment, role, rank) hosted alone in a worker that a test kills
+VICTIMS = {("die21", "prefill", 1), ("die12", "decode", 1)}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +54,8 @@ def tpc():
             for r in range(tp or 0):
                 if name.startswith("bad") and r:
                     continue  # a refusal needs rank 0 only
-                specs[(role, r)][name] = dict(
+                key = ("victim", name) if (name, role, r) in VICTIMS else (role, r)
+                specs.setdefault(key, {})[name] = dict(
                     kind=kind,
                     role=role,
                     bootstrap=bs[name].address,
@@ -79,9 +85,12 @@ def tpc():
 def _ranks(tpc, name):
     workers, _ = tpc
     kind, heads, tp_p, tp_d = DEPLOY[name]
-    p = [workers[("prefill", r)][name] for r in range(tp_p)]
-    d = [workers[("decode", r)][name] for r in range(tp_d)]
-    return p, d
+
+    def at(role, r):
+        key = ("victim", name) if (name, role, r) in VICTIMS else (role, r)
+        return workers[key][name]
+
+    return [at("prefill", r) for r in range(tp_p)], [at("decode", r) for r in range(tp_d)]
 
 
 def _clean(nodes):
@@ -122,7 +131,7 @@ def _request(tpc, name, room, pages=7, decode_first=False):
     return [n.stats()["bytes"] - b for n, b in zip(p, before)]
 
 
-@pytest.mark.parametrize("name", [n for n in DEPLOY if not n.startswith("bad")])
+@pytest.mark.parametrize("name", [n for n in DEPLOY if not n.startswith(("bad", "die"))])
 def test_hetero_tp_byte_exact(tpc, room, name):
     kind, heads, tp_p, tp_d = DEPLOY[name]
     for pages, decode_first in ((7, False), (5, True)):
@@ -196,3 +205,42 @@ def test_one_decode_rank_aborts(tpc, room):
     assert res["state"] == "Failed", res
     assert d[1].wait(r)["state"] == "Failed"
     _clean(p + d)
+
+
+def test_prefill_rank_dies(tpc, room):
+    """2:1: prefill rank 1's process is killed mid-room: decode's room fails (its leg to rank
+    1 saw the peer go), rank 0 is told and fails too; both survivors release everything."""
+    workers, _ = tpc
+    p, d = _ranks(tpc, "die21")
+    r = room()
+    for n in p:
+        n.p_open_tp(r, 6)
+    d[0].d_open(r, 6)
+    p[0].p_send(r, 0, 3)
+    assert d[0].poll_until(r, ["Transferring"]) == "Transferring"
+    workers[("victim", "die21")].kill()
+    res = d[0].wait(r, timeout=FAST["heartbeat_timeout_s"] + 10)
+    assert res is not None and res["state"] == "Failed", res
+    assert res["exc"] in ("PeerClosed", "TransferTimeout"), res
+    res = p[0].wait(r, timeout=FAST["abort_ack_s"] + 10)
+    assert res is not None and res["state"] == "Failed", res
+    _clean([p[0], d[0]])
+
+
+def test_decode_rank_dies(tpc, room):
+    """1:2: decode rank 1's process is killed: prefill's room fails, decode rank 0 is told;
+    prefill and decode rank 0 release everything."""
+    workers, _ = tpc
+    p, d = _ranks(tpc, "die12")
+    r = room()
+    p[0].p_open_tp(r, 6)
+    for n in d:
+        n.d_open(r, 6)
+    p[0].p_send(r, 0, 3)
+    assert d[0].poll_until(r, ["Transferring"]) == "Transferring"
+    workers[("victim", "die12")].kill()
+    res = p[0].wait(r, timeout=FAST["heartbeat_timeout_s"] + 10)
+    assert res is not None and res["state"] == "Failed", res
+    res = d[0].wait(r, timeout=FAST["abort_ack_s"] + 10)
+    assert res is not None and res["state"] == "Failed", res
+    _clean([p[0], d[0]])
