@@ -104,21 +104,21 @@ def check_hetero(
     tp_a, tp_b = ours.get("tp_size"), theirs.get("tp_size")
     a, b = ours.get("tp"), theirs.get("tp")
     if not a or not b:
-        who = us if not a else them
+        who = f"{us} (tp {tp_a})" if not a else f"{them} (tp {tp_b})"
         raise TpShapeMismatch(
             f"tp_size: {us} has {tp_a}, {them} has {tp_b}, and {who} states no TP geometry "
             f"(its pool cannot be split by heads): only equal TP sizes pair"
+        )
+    if ours.get("page_size") != theirs.get("page_size"):
+        raise TpShapeMismatch(
+            f"page_size: {us} (tp {tp_a}) has {ours.get('page_size')}, {them} (tp {tp_b}) "
+            f"has {theirs.get('page_size')}; heterogeneous TP needs equal page sizes"
         )
     prefill, decode = (a, b) if ours_is_prefill else (b, a)
     try:
         check_tp_compatible(prefill, decode)
     except TpShapeMismatch as exc:
         raise TpShapeMismatch(f"{us} (tp {tp_a}) and {them} (tp {tp_b}): {exc}") from None
-    if ours.get("page_size") != theirs.get("page_size"):
-        raise TpShapeMismatch(
-            f"page_size: {us} (tp {tp_a}) has {ours.get('page_size')}, {them} (tp {tp_b}) "
-            f"has {theirs.get('page_size')}; heterogeneous TP needs equal page sizes"
-        )
     if ours.get("integrity") or theirs.get("integrity"):
         raise TpShapeMismatch(
             f"integrity mode checksums whole pages: not supported between {us} (tp {tp_a}) "
