@@ -2,7 +2,9 @@
 ``"tp"``) and the handshake check between two ranks of different TP sizes.
 
 A rank's TP shape is :func:`kvxfer.disagg.tp_plan.tp_fingerprint` of its TP size and the item
-geometry of every ``kv`` and ``state`` descriptor, derived from its pools' own statement
+geometry of every ``kv`` and ``state`` descriptor (carried run-length encoded, ``"runs"``:
+``[[count, geometry], ...]`` per group, since consecutive layers repeat one geometry;
+:func:`expand` restores the plain form), derived from its pools' own statement
 (``kv_token_segments`` / ``kv_token_heads``; ``get_state_dim_per_tensor`` /
 ``get_state_parts_per_tensor``, or ``get_state_item_regions`` for an envelope pool). A pool
 that states no TP geometry (FP4 MHA, MiniMax sparse) gives no shape: such a rank pairs only
@@ -75,7 +77,33 @@ def tp_shape_of(
             groups["state"] = state_geometry(state_pool, tp_size)
     except (InvalidArgument, TpShapeMismatch):
         return {}
-    return tp_fingerprint(tp_size, groups)
+    plain = tp_fingerprint(tp_size, groups)
+    runs: Dict[str, List[List[Any]]] = {}
+    for g, geoms in plain["groups"].items():
+        out: List[List[Any]] = []
+        runs[g] = out
+        for v in geoms:
+            if out and out[-1][1] == v:
+                out[-1][0] += 1
+            else:
+                out.append([1, v])
+    return {"tp_size": plain["tp_size"], "runs": runs}
+
+
+def expand(shape: Dict[str, Any]) -> Dict[str, Any]:
+    """The plain form (:func:`~kvxfer.disagg.tp_plan.tp_fingerprint`) of a TP shape;
+    TpShapeMismatch when it is malformed."""
+    if not isinstance(shape, dict) or "runs" not in shape:
+        return shape
+    try:
+        groups = {
+            g: [v for n, v in runs for _ in range(int(n))] for g, runs in shape["runs"].items()
+        }
+        if sum(len(x) for x in groups.values()) > 1 << 16:
+            raise ValueError("more than 65536 descriptors")
+        return {"tp_size": shape["tp_size"], "groups": groups}
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise TpShapeMismatch(f"malformed TP shape: {exc}") from None
 
 
 def state_geometry(state_pool: Any, tp_size: int) -> List[ItemGeometry]:
@@ -93,7 +121,10 @@ def state_geometry(state_pool: Any, tp_size: int) -> List[ItemGeometry]:
 
 def groups_of(shape: Dict[str, Any]) -> Dict[str, List[ItemGeometry]]:
     """The item geometries of a (validated) TP shape, per group."""
-    return {g: [ItemGeometry.from_plain(v) for v in geoms] for g, geoms in shape["groups"].items()}
+    return {
+        g: [ItemGeometry.from_plain(v) for v in geoms]
+        for g, geoms in expand(shape)["groups"].items()
+    }
 
 
 def check_hetero(
@@ -116,7 +147,7 @@ def check_hetero(
         )
     prefill, decode = (a, b) if ours_is_prefill else (b, a)
     try:
-        check_tp_compatible(prefill, decode)
+        check_tp_compatible(expand(prefill), expand(decode))
     except TpShapeMismatch as exc:
         raise TpShapeMismatch(f"{us} (tp {tp_a}) and {them} (tp {tp_b}): {exc}") from None
     if ours.get("integrity") or theirs.get("integrity"):
@@ -136,6 +167,7 @@ def strip_tp(layout: Any) -> Any:
 __all__ = [
     "TP_KEYS",
     "check_hetero",
+    "expand",
     "groups_of",
     "local_kv_heads",
     "state_geometry",

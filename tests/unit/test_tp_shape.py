@@ -79,3 +79,19 @@ def test_equal_tp_unchanged():
     with pytest.raises(LayoutMismatch) as e:  # no side named: the equal-TP check, as before
         check_compatible(fp(1), fp(2), us="a", them="b")
     assert type(e.value) is LayoutMismatch
+
+
+def test_shape_run_length_encoded():
+    """Layers repeat one geometry: the shape stays small (bootstrap entries are bounded) and
+    expands to one plain geometry per descriptor."""
+    import msgpack
+
+    from kvxfer.disagg.tp_plan import kv_geometries, tp_fingerprint
+    from kvxfer.disagg.tp_shape import expand
+
+    pool = MHATokenToKVPool(64, 16, torch.bfloat16, 4, 128, 128)
+    shape = KVArgs.from_pools(pool, aux=AUX, tp_size=2).tp_shape
+    assert len(msgpack.packb(shape)) < 200
+    assert expand(shape) == tp_fingerprint(2, {"kv": kv_geometries(pool, 8, 2)})
+    with pytest.raises(TpShapeMismatch, match="malformed"):
+        expand({"tp_size": 2, "runs": {"kv": [[1]]}})
