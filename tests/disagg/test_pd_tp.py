@@ -244,3 +244,26 @@ def test_decode_rank_dies(tpc, room):
     res = d[0].wait(r, timeout=FAST["abort_ack_s"] + 10)
     assert res is not None and res["state"] == "Failed", res
     _clean([p[0], d[0]])
+
+
+def test_decode_peers_arrive_apart(tpc, room):
+    """1:4: decode rank 0's metadata waits in prefill's pending record, the KVSender adopts
+    it and sends a first chunk, then the other decode ranks' metadata arrives: the chunk sent
+    so far is replayed to each new leg; every byte checked on every rank."""
+    p, d = _ranks(tpc, "pm14")
+    r, pages = room(), 6
+    d[0].d_open(r, pages)
+    assert p[0].record(r) == "pending"
+    p[0].p_open_tp(r, pages)
+    p[0].p_send(r, 0, 2)
+    for n in d[1:3]:
+        n.d_open(r, pages)
+    p[0].p_send(r, 2, 4)
+    d[3].d_open(r, pages)
+    p[0].p_send(r, 4, pages)
+    for n in d:
+        assert n.wait(r)["state"] == "Success"
+    assert p[0].wait(r)["state"] == "Success"
+    for n in d:
+        assert n.verify_tp(r) == {"kv": 0, "state": 0, "aux": 0}
+    _clean(p + d)
