@@ -446,11 +446,17 @@ class DecodeSide:
             )
             return
         if r.parent is not None:  # a leg: the room checks the aux row once all are done
+            if mgr.integrity is not None:
+                mgr.integrity.check(r, msg)  # this pair's bytes; Success once they match
+                return
             mgr.advance(r, KVPoll.Success)
-            tp_rooms.leg_succeeded(mgr, r, lambda parent: self._accept(parent, None))
             mgr.release(r)
             return
         self._accept(r, msg)
+
+    def leg_succeeded(self, leg: Room) -> None:
+        """A leg of a room with several prefill peers succeeded (the manager's hook)."""
+        tp_rooms.leg_succeeded(self.mgr, leg, lambda parent: self._accept(parent, None))
 
     def _accept(self, r: Room, msg: Optional[m.Done]) -> None:
         """Every byte of the room landed: accept it if its aux row names it (``msg``: the

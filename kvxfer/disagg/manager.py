@@ -370,14 +370,17 @@ class KVManager:
         if exc is not None:
             r.exc = exc
         self.arm(r)
-        if is_terminal(state) and r.parent is None:  # a leg counts through its parent
-            self.stats["succeeded" if state == KVPoll.Success else "failed"] += 1
+        if is_terminal(state):
+            if r.parent is None:  # a leg counts through its room
+                self.stats["succeeded" if state == KVPoll.Success else "failed"] += 1
             if self.integrity is not None:
                 self.integrity.terminal(r)
             waiters, r.waiters = r.waiters, []
             for w in waiters:
                 if not w.done():
                     w.set_result(r.state)
+        if state == KVPoll.Success and r.parent is not None:
+            self.side.leg_succeeded(r)  # its room succeeds once every leg did
         return True
 
     def arm(self, r: Room, seconds: Optional[float] = None) -> None:

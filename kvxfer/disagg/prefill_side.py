@@ -413,15 +413,13 @@ class PrefillSide:
                 mgr.integrity.sent(r)  # ends the room on decode's verdict
                 return
             mgr.advance(r, KVPoll.Success)
-            if r.parent is not None:
-                tp_rooms.leg_succeeded(mgr, r, self._legs_done)
             mgr.release(r)
         else:
             mgr.arm(r)  # lease renewed by progress
 
-    def _legs_done(self, r: Room) -> None:
-        """Every leg of a room with several decode peers succeeded."""
-        self.mgr.advance(r, KVPoll.Success)
+    def leg_succeeded(self, leg: Room) -> None:
+        """A leg of a room with several decode peers succeeded (the manager's hook)."""
+        tp_rooms.leg_succeeded(self.mgr, leg, lambda r: self.mgr.advance(r, KVPoll.Success))
 
     def after_fail(self, r: Room, *, notify: bool, peer_gone: bool) -> None:
         mgr = self.mgr

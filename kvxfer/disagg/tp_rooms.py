@@ -185,7 +185,7 @@ def leg_released(mgr: Any, parent: Room) -> None:
         mgr.release(parent)
 
 
-def leg_succeeded(mgr: Any, leg: Room, on_all: Callable[[Room], None]) -> None:
+def leg_succeeded(mgr: Any, leg: Room, on_all: Callable[[Room], Any]) -> None:
     """A leg reached Success; ``on_all(parent)`` once every expected leg did."""
     parent = leg.parent
     assert parent is not None

@@ -12,8 +12,8 @@ with a rank of its own TP size.
 
 Handshake (:func:`check_hetero`, called by :func:`kvxfer.disagg.kv_args.check_compatible`
 when the TP sizes differ): both shapes must join (:func:`~kvxfer.disagg.tp_plan.
-check_tp_compatible`), the page sizes must be equal (a page pairs with one page) and integrity
-mode must be off (it checksums whole pages); every other fingerprint key that does not depend
+check_tp_compatible`) and the page sizes must be equal (a page pairs with one page); every
+other fingerprint key that does not depend
 on the TP size must still match. Failures raise :class:`TpShapeMismatch` naming both shapes.
 Torch-free.
 """
@@ -150,11 +150,6 @@ def check_hetero(
         check_tp_compatible(expand(prefill), expand(decode))
     except TpShapeMismatch as exc:
         raise TpShapeMismatch(f"{us} (tp {tp_a}) and {them} (tp {tp_b}): {exc}") from None
-    if ours.get("integrity") or theirs.get("integrity"):
-        raise TpShapeMismatch(
-            f"integrity mode checksums whole pages: not supported between {us} (tp {tp_a}) "
-            f"and {them} (tp {tp_b})"
-        )
 
 
 def strip_tp(layout: Any) -> Any:

@@ -25,6 +25,9 @@ DEPLOY = {
     # one rank in its own process, killed by the test (VICTIMS)
     "die21": ("mha_hnd", 4, 2, 1),
     "die12": ("mha", 4, 1, 2),
+    # integrity mode (checksums per prefill -> decode pair)
+    "int21": ("mha_hnd", 4, 2, 1),
+    "int12": ("hybrid_per_layer", 4, 1, 2),
     # refused at the handshake (TpShapeMismatch naming both shapes)
     "bad_heads_p": ("mha", 6, 2, None),  # prefill: 6 heads over 2 ranks
     "bad_heads_d": ("mha", 4, None, 4),  # decode: 4 heads over 4 ranks
@@ -33,6 +36,7 @@ DEPLOY = {
 }
 #: a refused pairing: decode deployment -> the prefill deployment it looks up
 REFUSED = {"bad_heads_d": "bad_heads_p", "bad_form_d": "bad_form_p"}
+INTEGRITY = {"int21", "int12"}
 #: (deployment, role, rank) hosted alone in a worker that a test kills
 VICTIMS = {("die21", "prefill", 1), ("die12", "decode", 1)}
 
@@ -66,6 +70,7 @@ def tpc():
                     aux_rows=64,
                     name=f"{name}-{role[0]}{r}",
                     tp=(r, tp, heads),
+                    integrity=name in INTEGRITY,
                 )
     workers = {k: TpWorker(v, name=f"tp-{k[0]}{k[1]}") for k, v in specs.items() if v}
     for w in workers.values():
@@ -266,4 +271,30 @@ def test_decode_peers_arrive_apart(tpc, room):
     assert p[0].wait(r)["state"] == "Success"
     for n in d:
         assert n.verify_tp(r) == {"kv": 0, "state": 0, "aux": 0}
+    _clean(p + d)
+
+
+@pytest.mark.parametrize("name", sorted(INTEGRITY))
+def test_integrity_per_pair(tpc, room, name):
+    """Integrity mode: each pair's bytes checksummed on both ends (byte-exact rooms pass);
+    one flipped byte in a decode page fails the room on decode and on every prefill rank."""
+    _request(tpc, name, room())
+    p, d = _ranks(tpc, name)
+    r = room()
+    for n in p:
+        n.p_open_tp(r, 4)
+    for n in d:
+        n.d_open(r, 4)
+    # byte 3 of a page: head 0, which prefill rank 0 sends; only rank 0 sends (a byte the
+    # hook flips before its writer's bytes landed would be overwritten: no corruption)
+    d[0].corrupt_before_check(r, "kv", index=1, entry=0, byte=3)
+    p[0].p_send(r, 0, 4)
+    res = d[0].wait(r)
+    assert res["state"] == "Failed" and res["exc"] == "IntegrityError", res
+    for n in p:  # rank 0 from decode's verdict, the others from decode's Abort
+        res = n.wait(r)
+        assert res["state"] == "Failed", res
+    for n in d[1:]:
+        if n.wait(r)["state"] == "Success":
+            assert n.verify_tp(r) == {"kv": 0, "state": 0, "aux": 0}
     _clean(p + d)
