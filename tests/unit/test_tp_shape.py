@@ -43,6 +43,12 @@ def test_replicated_heads_need_the_total():
         check(p, fp(4, heads=2))  # without the total, decode claims 4 heads
 
 
+def test_integrity_pairs_per_pair():
+    check(fp(1, integrity="x"), fp(2, integrity="x"))  # checksummed per pair (integrity.py)
+    with pytest.raises(LayoutMismatch, match="integrity"):
+        check(fp(1, integrity="x"), fp(2))
+
+
 def test_mla_latent_replicated():
     def mla(tp):
         pool = MLATokenToKVPool(16, 4, torch.bfloat16, 16, 8, 2)
@@ -57,7 +63,6 @@ def test_mla_latent_replicated():
         (dict(tp=2, heads=6), dict(tp=4, heads=4), "decode tp 4"),  # heads disagree
         (dict(tp=1, layout="hnd"), dict(tp=2), "segment 0 differs"),  # HND 4 vs NHD 2
         (dict(tp=1), dict(tp=2, page=8), "page_size"),
-        (dict(tp=1, integrity="crc32"), dict(tp=2, integrity="crc32"), "integrity"),
         (dict(tp=1, tp_x=None), dict(tp=2), "states no TP geometry"),
     ],
 )
