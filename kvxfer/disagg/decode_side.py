@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from kvxfer import errors as kerr
-from kvxfer.disagg import bootstrap
+from kvxfer.disagg import bootstrap, tp_rooms
 from kvxfer.disagg import errors as derr
 from kvxfer.disagg import messages as m
 from kvxfer.disagg.context import DecodeContext
@@ -40,7 +40,6 @@ from kvxfer.errors import (
     ShapeMismatch,
     TransferAborted,
     TransferTimeout,
-    UnsupportedOperation,
 )
 
 log = logging.getLogger(__name__)
@@ -62,6 +61,7 @@ _KINDS = {
         derr.DuplicateRoom,
         derr.UnknownRoom,
         derr.LayoutMismatch,
+        derr.TpShapeMismatch,
         derr.IntegrityError,
     )
 }
@@ -78,7 +78,9 @@ class DecodeSide:
 
     def __init__(self, mgr: DecodeContext) -> None:
         self.mgr = mgr
-        self._links: Dict[str, asyncio.Future] = {}  # bootstrap addr -> Future[Link]
+        #: bootstrap addr -> Future[Tuple[Link, ...]]: the links to the prefill peers of our
+        #: rank (one, or several under heterogeneous TP)
+        self._links: Dict[str, asyncio.Future] = {}
         self._hello: Dict[str, asyncio.Future] = {}  # peer id -> Future[HelloAck]
         self._refusals: Optional[asyncio.Future] = None  # Future[engine without memory]
 
@@ -132,6 +134,8 @@ class DecodeSide:
         r.dst_aux_row, r.expect_pages = aux, len(dst_kv)
         if r.link is not None:
             self._send_meta(r)
+        elif r.legs is not None:  # several prefill peers (hetero TP): each gets it
+            tp_rooms.decode_send_meta(self, r)
 
     def _send_meta(self, r: Room) -> None:
         assert r.pending_meta is not None and r.link is not None
@@ -157,7 +161,11 @@ class DecodeSide:
         fut = self._links.get(addr)
         if fut is not None and (
             not fut.done()
-            or (not fut.cancelled() and fut.exception() is None and not fut.result().dead)
+            or (
+                not fut.cancelled()
+                and fut.exception() is None
+                and not any(lk.dead for lk in fut.result())
+            )
         ):
             return fut
         fut = asyncio.get_running_loop().create_future()
@@ -172,13 +180,13 @@ class DecodeSide:
             and fut.done()
             and not fut.cancelled()
             and fut.exception() is None
-            and fut.result() is link
+            and link in fut.result()
         ):
             del self._links[link.key]
 
     async def _connect(self, addr: str, fut: asyncio.Future) -> None:
         try:
-            link = await asyncio.wait_for(self._establish(addr), self.mgr.t.bootstrap_s)
+            links = await asyncio.wait_for(self._establish(addr), self.mgr.t.bootstrap_s)
         except asyncio.TimeoutError:
             exc: BaseException = TransferTimeout(
                 f"decode {self.mgr.name}: no usable prefill at bootstrap {addr} within "
@@ -188,52 +196,58 @@ class DecodeSide:
             exc = e
         else:
             if not fut.done():
-                fut.set_result(link)
+                fut.set_result(links)
             return
         if self._links.get(addr) is fut:
             del self._links[addr]
         if not fut.done():
             fut.set_exception(exc)
 
-    async def _pick(self, addr: str) -> Dict[str, Any]:
+    async def _pick(self, addr: str) -> List[Dict[str, Any]]:
+        """The bootstrap entries of our rank's prefill peers (the equal rank, or every rank
+        of ``tp_plan.decode_peers`` under heterogeneous TP), once all are registered."""
         mgr, a = self.mgr, self.mgr.args
         delay = 0.02
         while True:
             entries = await bootstrap.lookup(addr, a.dp_rank, 5.0, mgr.secret)
             if entries:
-                sizes = {e["tp_size"] for e in entries}
-                if sizes != {a.tp_size}:
-                    raise UnsupportedOperation(
-                        f"heterogeneous TP: prefill tp_size {sorted(sizes)}, decode "
-                        f"{mgr.name} tp_size {a.tp_size}"
-                    )
-                for e in entries:
-                    if e["tp_rank"] == a.tp_rank and e["pp_rank"] == a.pp_rank:
-                        return e
+                got = tp_rooms.check_peers(entries, a.tp_rank, a.tp_size, a.pp_rank)
+                if got is not None:
+                    return got
             await asyncio.sleep(delay)  # prefill not registered yet: retry
             delay = min(delay * 2, 0.5)
 
-    async def _establish(self, addr: str) -> Link:
+    async def _establish(self, addr: str) -> Tuple[Link, ...]:
+        """Link to every prefill peer of our rank (:meth:`_establish_one` each)."""
+        return tuple([await self._establish_one(addr, e) for e in await self._pick(addr)])
+
+    async def _establish_one(self, addr: str, entry: Dict[str, Any]) -> Link:
         """Connect and say hello. A prefill whose layout differs refuses the hello; the link
         is kept anyway (``link.refused``) so that each room can send its refusal over it.
         Our engine cannot even connect to it when the buffer geometry differs (the engine
         handshake refuses mismatched groups), so then the connection is made by an engine
         without registered memory, which carries messages only."""
         mgr = self.mgr
-        entry = await self._pick(addr)
+        ours: Optional[derr.LayoutMismatch] = None
         try:
             check_compatible(
                 mgr.fingerprint,
                 entry["fingerprint"],
                 us=f"decode {mgr.name}",
                 them=f"prefill {entry['name']}",
+                ours_is_prefill=False,
             )
-        except derr.LayoutMismatch:
+        except derr.LayoutMismatch as exc:
+            ours = exc
             refusals = await self._refusal_engine()
             peer = await refusals.connect(entry["host"], entry["port"])
         else:
             peer = await mgr.connect(entry["host"], entry["port"])
         link = Link(addr, peer, entry["name"])
+        if ours is None and entry["tp_size"] != mgr.args.tp_size:
+            link.tp = tp_rooms.TpPair.make(
+                mgr.fingerprint, entry["fingerprint"], mgr.args.tp_rank, entry["tp_rank"], False
+            )
         mgr.links[peer.id] = link
         ack_fut = asyncio.get_running_loop().create_future()
         self._hello[peer.id] = ack_fut
@@ -252,7 +266,11 @@ class DecodeSide:
         finally:
             self._hello.pop(peer.id, None)
         if not ack.ok:
-            link.refused = derr.LayoutMismatch(f"prefill {entry['name']} refused: {ack.error}")
+            link.refused = (
+                ours
+                if isinstance(ours, derr.TpShapeMismatch)
+                else derr.LayoutMismatch(f"prefill {entry['name']} refused: {ack.error}")
+            )
         return link
 
     async def _refusal_engine(self) -> Any:
@@ -276,25 +294,35 @@ class DecodeSide:
         if exc is not None:
             mgr.fail(r, exc, notify=False, peer_gone=True)
             return
-        link = f.result()
-        if link.dead:
+        links: Tuple[Link, ...] = f.result()
+        dead = [lk for lk in links if lk.dead]
+        if dead:
+            for lk in links:
+                if not lk.dead:
+                    mgr.send_msg(lk, m.Abort(room=r.room, reason="peer gone", kind="PeerClosed"))
             mgr.fail(
                 r,
-                PeerClosed(f"room {r.room}: prefill {link.name} closed"),
+                PeerClosed(f"room {r.room}: prefill {dead[0].name} closed"),
                 notify=False,
                 peer_gone=True,
             )
             return
         if is_terminal(r.state):  # aborted while bootstrapping: tell prefill
-            mgr.send_msg(link, m.Abort(room=r.room, reason=str(r.exc), kind=type(r.exc).__name__))
+            for lk in links:
+                mgr.send_msg(lk, m.Abort(room=r.room, reason=str(r.exc), kind=type(r.exc).__name__))
             return
-        refused = link.refused
+        refused = next((lk.refused for lk in links if lk.refused is not None), None)
         if refused is not None:  # prefill's KVSender must not wait for us
-            mgr.send_msg(
-                link, m.Abort(room=r.room, reason=str(refused), kind=type(refused).__name__)
-            )
+            for lk in links:
+                mgr.send_msg(
+                    lk, m.Abort(room=r.room, reason=str(refused), kind=type(refused).__name__)
+                )
             mgr.fail(r, type(refused)(f"room {r.room}: {refused}"), notify=False, peer_gone=True)
             return
+        if len(links) > 1:  # several prefill peers (hetero TP): one leg each
+            tp_rooms.decode_linked(self, r, links)
+            return
+        (link,) = links
         r.link = link
         link.rooms.add(r)
         mgr.advance(r, KVPoll.WaitingForInput)
@@ -304,6 +332,9 @@ class DecodeSide:
     # ------------------------------------------------------------------ failure
     def after_fail(self, r: Room, *, notify: bool, peer_gone: bool) -> None:
         mgr, link = self.mgr, r.link
+        if r.legs is not None:  # several prefill peers: each leg settles with its own
+            tp_rooms.fail_legs(mgr, r, notify)
+            return
         if (
             link is None
             and notify
@@ -329,6 +360,8 @@ class DecodeSide:
     # ------------------------------------------------------------------ messages
     def _room_of(self, link: Link, room: int, tag: str) -> Optional[Room]:
         r = self.mgr.rooms.get(room)
+        if r is not None and r.legs is not None:  # the leg of that prefill peer
+            r = r.legs.of(link, False)
         if r is None or r.role is not RoomRole.RECEIVER or r.link is not link:
             lvl = logging.DEBUG if self.mgr.rooms.tombstone(room) else logging.WARNING
             log.log(
@@ -354,6 +387,8 @@ class DecodeSide:
             raise ProtocolError(f"{msg.TAG} from unknown peer {peer.id}")
         if isinstance(msg, m.AbortAck):
             r = mgr.rooms.get(msg.room)
+            if r is not None and r.legs is not None:
+                r = r.legs.of(link, False)
             if r is not None and r.await_ack and r.link is link:
                 mgr.release(r)
             return
@@ -383,6 +418,8 @@ class DecodeSide:
                 mgr.arm(r)  # lease renewed by progress
             else:
                 mgr.advance(r, KVPoll.Transferring)
+                if r.parent is not None:
+                    mgr.advance(r.parent, KVPoll.Transferring)
         elif isinstance(msg, m.Done):
             if r.trace is not None:
                 mark(r.trace, "recv")
@@ -408,6 +445,23 @@ class DecodeSide:
                 notify=False,
             )
             return
+        if r.parent is not None:  # a leg: the room checks the aux row once all are done
+            if mgr.integrity is not None:
+                mgr.integrity.check(r, msg)  # this pair's bytes; Success once they match
+                return
+            mgr.advance(r, KVPoll.Success)
+            mgr.release(r)
+            return
+        self._accept(r, msg)
+
+    def leg_succeeded(self, leg: Room) -> None:
+        """A leg of a room with several prefill peers succeeded (the manager's hook)."""
+        tp_rooms.leg_succeeded(self.mgr, leg, lambda parent: self._accept(parent, None))
+
+    def _accept(self, r: Room, msg: Optional[m.Done]) -> None:
+        """Every byte of the room landed: accept it if its aux row names it (``msg``: the
+        Done, None for a room of several prefill peers, which integrity mode refuses)."""
+        mgr = self.mgr
         assert r.dst_aux_row is not None  # set by send_metadata, before any Done
         got = mgr.aux.read_room(r.dst_aux_row)
         if got != r.room:
@@ -420,7 +474,7 @@ class DecodeSide:
                 notify=False,
             )
             return
-        if mgr.integrity is not None:
+        if mgr.integrity is not None and msg is not None:
             mgr.integrity.check(r, msg)  # Success once every checksum matched
             return
         mgr.advance(r, KVPoll.Success)

@@ -16,6 +16,12 @@ host memory, chosen per buffer by where its memory lives) and compared before de
 * decode then sends prefill one :class:`~kvxfer.disagg.messages.Verdict` for every ``Done``
   it received, whatever ended the room; prefill holds its room (and its pages) until then
   and ends it with decode's outcome, so both schedulers see the same result.
+* **heterogeneous TP** (a link with ``link.tp``): per prefill → decode pair, each item's
+  checksum covers exactly the bytes that pair moves — the item's runs of
+  :func:`kvxfer.disagg.tp_plan.item_runs`, one after the other as one stream
+  (:func:`pair_sums`); both sides derive the same runs from the geometries validated at the
+  handshake. The aux row counts only from the peer that writes it (0 from the others). A
+  room with several peers checks and reports per leg (one Verdict per pair).
 
 Invariants
 - Both sides must agree: the setting is part of the manager's fingerprint, so a mismatch
@@ -216,6 +222,51 @@ def _nothing() -> None:
     pass
 
 
+def pair_sums(sums: "ItemSums", tp, group: str, ids, prefill_side: bool, salt: int) -> np.ndarray:
+    """uint32 checksum of each item of ``ids`` (a group's items on one side of the pair
+    ``tp``, a :class:`kvxfer.disagg.tp_rooms.TpPair`) over the bytes that pair moves: per
+    descriptor, in order, the item's runs (``tp_plan.item_runs``) as one stream, each run
+    padded to whole words. Host descriptors by numpy, device ones in one batch per device."""
+    from kvxfer.disagg.tp_plan import item_runs
+    from kvxfer.kernels.checksum import TILE_BYTES, checksum_rows
+
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    out = np.zeros(ids.size, dtype=np.uint32)
+    if not ids.size or group not in tp.src:
+        return out
+    host = dict(zip(np.flatnonzero(sums.host).tolist(), sums._host_views))
+    dev_of = {int(d): dev for dev, ds in sums.devices.items() for d in ds}
+    tables: Dict[int, list] = {}
+    pos = 0
+    for d, (s, t) in enumerate(zip(tp.src[group], tp.dst[group])):
+        ro, rd, rn = item_runs(
+            s, t, tp.prefill_rank, tp.decode_rank, tp.prefill_tp, tp.decode_tp, salt
+        )
+        offs = ro if prefill_side else rd
+        words = -(-rn // 4)
+        starts = pos + np.concatenate(([0], np.cumsum(words)[:-1])).astype(np.int64)
+        pos += int(words.sum())
+        if d in host:
+            rows = host[d][0]
+            for o, n, p0 in zip(offs.tolist(), rn.tolist(), starts.tolist()):
+                out += checksum_rows(rows[:, o : o + n], p0, ids)
+            continue
+        k = -(-rn // TILE_BYTES)  # tiles per run
+        run = np.repeat(np.arange(rn.size), k)
+        t_off = (np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)) * TILE_BYTES
+        task = np.empty((run.size, ids.size, 4), dtype=np.int64)
+        base = int(sums.ptrs[d]) + ids * int(sums.lens[d])
+        task[:, :, 0] = (offs[run] + t_off)[:, None] + base[None, :]
+        task[:, :, 1] = np.minimum(TILE_BYTES, rn[run] - t_off)[:, None]
+        task[:, :, 2] = np.arange(ids.size)[None, :]
+        task[:, :, 3] = (starts[run] + t_off // 4)[:, None]
+        tables.setdefault(dev_of[d], []).append(task.reshape(-1, 4))
+    for dev, ts in tables.items():
+        batch = sums.batches.setdefault(dev, _DeviceBatch(dev))
+        out += batch.run(np.concatenate(ts), ids.size, _nothing)
+    return out
+
+
 class _Sending:
     """Prefill's per-room record: kv checksums so far, decode's verdict if it came early."""
 
@@ -266,7 +317,8 @@ class Integrity:
         if last:
             parts += [("state", [] if src_state is None else src_state), ("aux", [r.aux_index])]
         try:
-            got = await self._compute(parts)
+            tp = r.link.tp if r.link is not None else None
+            got = self._pair(r, tp, parts, True) if tp is not None else await self._compute(parts)
         except Exception as exc:  # a device or driver error
             self.mgr.fail(
                 r,
@@ -281,6 +333,18 @@ class Integrity:
             return None
         return np.concatenate(st.kv + got[1:]).astype("<u4").tobytes()
 
+    def _pair(self, r, tp, parts, prefill_side: bool) -> List[np.ndarray]:
+        """:func:`pair_sums` of ``parts`` (the aux row: its item sum from the peer that
+        writes it, 0 from the others). Runs on: the loop thread."""
+        out = []
+        for g, ids in parts:
+            if g == "aux":
+                writes = tp.writes_aux(r.room)
+                out.append(self._sums([(g, ids)])[0] if writes else np.zeros(1, np.uint32))
+            else:
+                out.append(pair_sums(self.groups[g], tp, g, ids, prefill_side, r.room))
+        return out
+
     def sent(self, r) -> None:
         """Prefill's last write completed: end the room on decode's verdict (now, if it is
         already here; else hold the room under its Transferring lease)."""
@@ -293,6 +357,8 @@ class Integrity:
 
     def on_verdict(self, link, msg: m.Verdict) -> None:
         r = self.mgr.rooms.get(msg.room)
+        if r is not None and r.legs is not None:  # the leg of that decode peer
+            r = r.legs.of(link, True)
         if (
             r is None
             or r.role is not RoomRole.SENDER
@@ -375,7 +441,10 @@ class Integrity:
     async def _verify(self, r, expected: np.ndarray, parts) -> None:
         mgr = self.mgr
         try:
-            got = np.concatenate(await self._compute(parts))
+            tp = r.link.tp if r.link is not None else None
+            got = np.concatenate(
+                self._pair(r, tp, parts, False) if tp is not None else await self._compute(parts)
+            )
         except Exception as exc:  # a device or driver error: cannot verify
             if not is_terminal(r.state):
                 mgr.fail(

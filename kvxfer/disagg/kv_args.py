@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from kvxfer.argcheck import as_int
 from kvxfer.disagg.aux import HEADER_BYTES
 from kvxfer.disagg.errors import LayoutMismatch
+from kvxfer.disagg.tp_shape import TP_KEYS, check_hetero, strip_tp, tp_shape_of
 from kvxfer.errors import InvalidArgument
 
 #: keys of a pool's ``describe()`` that legitimately differ between peers (capacity, device).
@@ -52,6 +53,9 @@ class KVArgs:
     kv_segments: List[List[int]] = field(default_factory=list)
     #: layout fingerprint: the pools' ``describe()`` dicts, e.g. ``{"kv": {...}, "state": {...}}``
     layout: Dict[str, Any] = field(default_factory=dict)
+    #: TP shape (:mod:`kvxfer.disagg.tp_shape`): TP size + item geometry per kv / state
+    #: descriptor; empty: none stated (only equal TP sizes pair then)
+    tp_shape: Dict[str, Any] = field(default_factory=dict)
     tp_rank: int = 0
     tp_size: int = 1
     dp_rank: int = 0
@@ -91,12 +95,14 @@ class KVArgs:
         dp_rank: int = 0,
         pp_rank: int = 0,
         state_type: str = "mamba",
+        total_kv_heads: Optional[int] = None,
     ) -> "KVArgs":
         """Fill from a KV pool (``get_contiguous_buf_infos``/``describe``), an optional state
         pool (``get_state_buf_infos``/``get_state_dim_per_tensor``/``describe``) and an aux
         buffer (anything with ``buf_infos() -> (ptrs, lens, item_lens)``, e.g. MetadataBuffer).
         A hybrid pool exposing both KV and state descriptors may be passed as ``kv_pool`` and
-        ``state_pool`` at once."""
+        ``state_pool`` at once. ``total_kv_heads``: the model's KV heads over all TP ranks
+        (needed for the TP shape only when ``tp_size`` exceeds it: replicated heads)."""
         ptrs, lens, items = kv_pool.get_contiguous_buf_infos()
         layout: Dict[str, Any] = {"kv": _plain(kv_pool.describe())}
         segments = getattr(kv_pool, "kv_token_segments", None)
@@ -124,6 +130,7 @@ class KVArgs:
             dtype=_dtype_name(kv_pool),
             kv_segments=(segments() if segments is not None else None) or [],
             layout=layout,
+            tp_shape=tp_shape_of(kv_pool, state_pool, tp_size, total_kv_heads),
             tp_rank=tp_rank,
             tp_size=tp_size,
             dp_rank=dp_rank,
@@ -202,16 +209,27 @@ class KVArgs:
         }
         if self.kv_segments:
             fp["kv_segments"] = [list(s) for s in self.kv_segments]
+        if self.tp_shape:
+            fp["tp"] = self.tp_shape
         return fp
 
 
 def check_compatible(
-    ours: Dict[str, Any], theirs: Dict[str, Any], *, us: str, them: str, ignore_tp: bool = False
+    ours: Dict[str, Any],
+    theirs: Dict[str, Any],
+    *,
+    us: str,
+    them: str,
+    ignore_tp: bool = False,
+    ours_is_prefill: Optional[bool] = None,
 ) -> None:
     """Raise :class:`LayoutMismatch` naming the first field that differs (with both values).
 
     When both sides state ``kv_segments`` (token geometry) those must be equal instead of the
-    page size and the kv item sizes that follow from it: the page sizes may then differ."""
+    page size and the kv item sizes that follow from it: the page sizes may then differ.
+    When the TP sizes differ (and ``ours_is_prefill`` says which side is which) the TP
+    shapes must join instead of the keys that follow from the TP size
+    (:func:`kvxfer.disagg.tp_shape.check_hetero`; TpShapeMismatch)."""
     order = (
         "kv_segments",
         "page_size",
@@ -227,8 +245,18 @@ def check_compatible(
     )
     if not isinstance(theirs, dict):
         raise LayoutMismatch(f"{them} sent a fingerprint of type {type(theirs).__name__}")
+    hetero = (
+        not ignore_tp
+        and ours_is_prefill is not None
+        and ours.get("tp_size") != theirs.get("tp_size")
+    )
+    if hetero:
+        assert ours_is_prefill is not None
+        check_hetero(ours, theirs, us=us, them=them, ours_is_prefill=ours_is_prefill)
     paged = bool(ours.get("kv_segments")) and bool(theirs.get("kv_segments"))
     for key in order:
+        if hetero and key in TP_KEYS:
+            continue
         if ignore_tp and key == "tp_size":
             continue
         if key in ("page_size", "kv_item_lens") and paged:
@@ -240,6 +268,8 @@ def check_compatible(
             b = _strip_local(b) if isinstance(b, dict) else b
             if paged and isinstance(a, dict) and isinstance(b, dict):
                 a, b = _strip_paging(a), _strip_paging(b)
+            if hetero:
+                a, b = strip_tp(a), strip_tp(b)
             diff = _first_diff(a, b, "layout")
             if diff is not None:
                 path, va, vb = diff

@@ -27,6 +27,7 @@ class Link:
         "refused",
         "remote_items",
         "page_size",
+        "tp",
     )
 
     def __init__(self, key: str, peer: Any, name: str = "") -> None:
@@ -43,6 +44,9 @@ class Link:
         self.remote_items: Dict[str, int] = {}
         #: the peer's page size (from its hello's fingerprint; prefill side), 0: not known
         self.page_size = 0
+        #: heterogeneous TP (kvxfer.disagg.tp_rooms.TpPair): the peer's TP rank and size and
+        #: both sides' item geometries; None when both TP sizes are equal
+        self.tp: Any = None
         groups = getattr(peer, "remote_groups", None) or {}
         for g, (lens, item_lens) in groups.items():
             self.remote_items[g] = min(

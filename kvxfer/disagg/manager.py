@@ -163,16 +163,23 @@ class KVManager:
         self._loop_tid = threading.get_ident()
         self.engine = engine = self._make_engine()
         a = self.args
-        # with token geometry a peer of another page size (other kv item sizes) pairs too
+        # with token geometry a peer of another page size (other kv item sizes) pairs too;
+        # with a TP shape a peer of another TP size (other kv / state item sizes) does
         engine.register(
             "kv",
             a.kv_data_ptrs,
             a.kv_data_lens,
             a.kv_item_lens,
-            item_lens_may_differ=bool(a.kv_segments),
+            item_lens_may_differ=bool(a.kv_segments) or bool(a.tp_shape),
         )
         if a.state_data_ptrs:
-            engine.register("state", a.state_data_ptrs, a.state_data_lens, a.state_item_lens)
+            engine.register(
+                "state",
+                a.state_data_ptrs,
+                a.state_data_lens,
+                a.state_item_lens,
+                item_lens_may_differ=bool(a.tp_shape),
+            )
         engine.register("aux", a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens)
         engine.on_message(self._on_message)
         engine.on_peer_closed(self._on_peer_closed)
@@ -244,7 +251,7 @@ class KVManager:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.engine is not None:
             await self.engine.close()
-        for r in self.rooms.rooms():  # no endpoint is left to write through
+        for r in _with_legs(self.rooms.rooms()):  # no endpoint is left to write through
             if r.link is not None:
                 r.link.fencing = False
             if is_terminal(r.state):
@@ -364,13 +371,16 @@ class KVManager:
             r.exc = exc
         self.arm(r)
         if is_terminal(state):
-            self.stats["succeeded" if state == KVPoll.Success else "failed"] += 1
+            if r.parent is None:  # a leg counts through its room
+                self.stats["succeeded" if state == KVPoll.Success else "failed"] += 1
             if self.integrity is not None:
                 self.integrity.terminal(r)
             waiters, r.waiters = r.waiters, []
             for w in waiters:
                 if not w.done():
                     w.set_result(r.state)
+        if state == KVPoll.Success and r.parent is not None:
+            self.side.leg_succeeded(r)  # its room succeeds once every leg did
         return True
 
     def arm(self, r: Room, seconds: Optional[float] = None) -> None:
@@ -380,8 +390,8 @@ class KVManager:
             r.timer.cancel()
             r.timer = None
         if seconds is None:
-            if is_terminal(r.state):
-                return
+            if is_terminal(r.state) or (r.legs is not None and r.legs.complete):
+                return  # a room with all its legs: the legs carry the deadlines
             t = self.t
             seconds = {
                 KVPoll.Bootstrapping: t.bootstrap_s,
@@ -443,6 +453,9 @@ class KVManager:
         self.hook("room_failed", r.room)
         self.advance(r, KVPoll.Failed, exc)
         self.side.after_fail(r, notify=notify, peer_gone=peer_gone)
+        parent = r.parent
+        if parent is not None and not is_terminal(parent.state):
+            self.fail(parent, exc)  # a leg's failure is its room's; the other legs hear it
 
     def release(self, r: Room) -> None:
         """Terminal and safe: drop the room, run the scheduler's ``on_done`` exactly once
@@ -452,13 +465,16 @@ class KVManager:
         if r.link is not None and r.link.fencing:
             r.held = True  # released by _fence once the link is closed
             return
+        if r.legs is not None and not r.legs.all_released():
+            return  # released by its last leg's release (kvxfer.disagg.tp_rooms)
         r.released = True
         if r.timer is not None:
             r.timer.cancel()
             r.timer = None
         if r.link is not None:
             r.link.rooms.discard(r)
-        self.rooms.remove(r, "aborted" if r.state == KVPoll.Failed else "done")
+        if r.parent is None:
+            self.rooms.remove(r, "aborted" if r.state == KVPoll.Failed else "done")
         if r.on_done is not None:
             try:
                 r.on_done(r.state, r.exc)
@@ -573,3 +589,13 @@ class KVManager:
             await link.peer.close()
         except KvxferError:
             pass
+
+
+def _with_legs(rooms: List[Room]) -> List[Room]:
+    """``rooms`` with the legs of each before it (a room goes after its legs)."""
+    out: List[Room] = []
+    for r in rooms:
+        if r.legs is not None:
+            out.extend(r.legs.legs())
+        out.append(r)
+    return out

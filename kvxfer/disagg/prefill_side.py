@@ -25,10 +25,10 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from kvxfer.disagg import bootstrap
+from kvxfer.disagg import bootstrap, tp_rooms
 from kvxfer.disagg import messages as m
 from kvxfer.disagg.context import PrefillContext
-from kvxfer.disagg.errors import DuplicateRoom, LayoutMismatch, UnknownRoom
+from kvxfer.disagg.errors import DuplicateRoom, LayoutMismatch, TpShapeMismatch, UnknownRoom
 from kvxfer.disagg.handle import OnDone
 from kvxfer.disagg.kv_args import check_compatible
 from kvxfer.disagg.link import Link
@@ -156,6 +156,9 @@ class PrefillSide:
         if pending.timer is not None:
             pending.timer.cancel()
             pending.timer = None
+        if pending.legs is not None:  # metadata of several decode peers (hetero TP)
+            tp_rooms.prefill_adopt(self, r, pending)
+            return
         link = pending.link
         assert link is not None  # a pending record is made with its link
         link.rooms.discard(pending)
@@ -213,6 +216,9 @@ class PrefillSide:
         failure the KVSender's (an expiry is moot then: the sender came in time)."""
         mgr = self.mgr
         mgr.hook("room_failed", p.room)
+        if p.legs is not None:
+            tp_rooms.prefill_fail_pending(self, p, exc)
+            return
         if not mgr.rooms.retire(p, exc):
             r = mgr.rooms.get(p.room)
             if (
@@ -250,6 +256,10 @@ class PrefillSide:
     def init(self, r: Room, num_kv: int, aux_index: int) -> None:
         """KVSender.init(), handed over. Runs on: the loop thread."""
         r.num_kv, r.aux_index = num_kv, aux_index
+        if r.legs is not None:
+            for leg in r.legs.legs():
+                self.init(leg, num_kv, aux_index)
+            return
         if not is_terminal(r.state) and r.dst_kv is not None:
             self._check_counts(r)
 
@@ -258,6 +268,9 @@ class PrefillSide:
         if last and r.trace is not None:
             mark(r.trace, "loop")
         if is_terminal(r.state):
+            return
+        if r.legs is not None:  # several decode peers (hetero TP)
+            tp_rooms.prefill_send(self, r, (src, src_state, last))
             return
         if r.dst_kv is None:  # decode's metadata not here yet: keep order
             r.queued.append((src, src_state, last))
@@ -279,7 +292,8 @@ class PrefillSide:
                 dst_page_size=link.page_size or mgr.args.page_size,
                 prefix=prefix,
                 tokens=tokens,
-                geom=TokenGeometry.of(mgr.args.kv_segments),
+                # hetero TP pairs whole pages (equal page sizes, checked at the hello)
+                geom=None if link.tp is not None else TokenGeometry.of(mgr.args.kv_segments),
                 exact=mgr.integrity is not None,
                 who=f"room {r.room}",
             )
@@ -294,6 +308,8 @@ class PrefillSide:
         pm = r.pages_map
         if pm.geom is None:
             s, d = pm.whole_pages(src, first, r.dst_kv)
+            if r.link is not None and r.link.tp is not None:  # this pair's heads of them
+                return r.link.tp.write("kv", s, d, r.room)
             return _item_write()("kv", s, d) if len(s) else None
         runs = pm.runs(src, first, r.dst_kv)
         if not len(runs):
@@ -349,9 +365,13 @@ class PrefillSide:
             )
             return
         items = [kv] if kv is not None else []
-        if last:
-            if len(r.dst_state):
-                items.append(ItemWrite("state", src_state, r.dst_state))
+        tp = link.tp
+        if last and tp is not None:  # this pair's rows of the state; the aux row from one
+            st = tp.write("state", src_state, r.dst_state, r.room) if len(r.dst_state) else None
+            items += [st] if st is not None else []
+        elif last and len(r.dst_state):
+            items.append(ItemWrite("state", src_state, r.dst_state))
+        if last and (tp is None or tp.writes_aux(r.room)):
             assert r.aux_index is not None  # init() came before the last chunk
             mgr.aux.stamp(r.aux_index, r.room)
             items.append(ItemWrite("aux", [r.aux_index], [r.dst_aux]))
@@ -397,8 +417,15 @@ class PrefillSide:
         else:
             mgr.arm(r)  # lease renewed by progress
 
+    def leg_succeeded(self, leg: Room) -> None:
+        """A leg of a room with several decode peers succeeded (the manager's hook)."""
+        tp_rooms.leg_succeeded(self.mgr, leg, lambda r: self.mgr.advance(r, KVPoll.Success))
+
     def after_fail(self, r: Room, *, notify: bool, peer_gone: bool) -> None:
         mgr = self.mgr
+        if r.legs is not None:  # several decode peers: each leg settles with its own
+            tp_rooms.fail_legs(mgr, r, notify)
+            return
 
         def settle(_: Any = None) -> None:
             """Runs on: the loop thread (now, or as the write chain's done callback)."""
@@ -440,6 +467,7 @@ class PrefillSide:
         fail at once instead of holding their pages until ``bootstrap_s``."""
         mgr = self.mgr
         refused = None
+        tp = None
         page_size: Any = msg.fingerprint.get("page_size")
         try:
             check_compatible(
@@ -447,8 +475,19 @@ class PrefillSide:
                 msg.fingerprint,
                 us=f"prefill {mgr.name}",
                 them=f"decode {msg.name}",
+                ours_is_prefill=True,
             )
-            if msg.tp_rank != mgr.args.tp_rank:
+            if msg.fingerprint.get("tp_size") != mgr.args.tp_size:
+                tp = tp_rooms.TpPair.make(
+                    mgr.fingerprint, msg.fingerprint, mgr.args.tp_rank, msg.tp_rank, True
+                )
+                if msg.tp_rank not in tp.prefill_peers():
+                    raise TpShapeMismatch(
+                        f"decode {msg.name} rank {msg.tp_rank} of tp {tp.decode_tp} is no "
+                        f"peer of prefill {mgr.name} rank {mgr.args.tp_rank} of tp "
+                        f"{tp.prefill_tp} (its peers: {list(tp.prefill_peers())})"
+                    )
+            elif msg.tp_rank != mgr.args.tp_rank:
                 raise LayoutMismatch(
                     f"tp_rank: prefill {mgr.name} is {mgr.args.tp_rank}, "
                     f"decode {msg.name} wants {msg.tp_rank}"
@@ -463,6 +502,7 @@ class PrefillSide:
             link = mgr.links[peer.id] = Link(peer.id, peer, msg.name)
         link.refused = refused
         link.page_size = int(page_size) if refused is None else 0
+        link.tp = tp if refused is None else None
         mgr.send_msg(link, m.HelloAck(ok=refused is None, error=str(refused or ""), name=mgr.name))
 
     def _reject(self, link: Link, room: int, exc: KvxferError) -> None:
@@ -474,7 +514,7 @@ class PrefillSide:
         room = msg.room
         try:
             if link.refused is not None:
-                raise LayoutMismatch(str(link.refused))
+                raise type(link.refused)(str(link.refused))
             if mgr.closed:
                 raise Closed(f"prefill {mgr.name} is closing")
             dst_kv = m.ids_from_bytes(msg.dst_kv, "dst_kv")
@@ -506,6 +546,9 @@ class PrefillSide:
             r = mgr.rooms.get(room)
             if r is not None and r.role is RoomRole.SENDER and r.link is None:
                 mgr.fail(r, exc, notify=False)
+            return
+        if tp_rooms.fanout(link, True) > 1:  # one of several decode peers of the room
+            tp_rooms.prefill_info(self, link, room, (link, dst_kv, dst_state, msg.dst_aux, span))
             return
         r = mgr.rooms.get(room)
         if r is None:
@@ -549,9 +592,14 @@ class PrefillSide:
         it is in flight; before the KVSender exists the cause is kept as a soft tombstone."""
         mgr = self.mgr
         mgr.hook("abort_received", msg.room)
-        cls = LayoutMismatch if msg.kind == LayoutMismatch.__name__ else TransferAborted
+        cls = {c.__name__: c for c in (LayoutMismatch, TpShapeMismatch)}.get(
+            msg.kind, TransferAborted
+        )
         cause = cls(f"room {msg.room} aborted by decode {link.name}: {msg.reason}")
         r = mgr.rooms.bury_unless_live(msg.room, cause)
+        if r is not None and r.legs is not None:  # a room of several decode peers
+            tp_rooms.prefill_abort(self, link, r, cause)
+            return
         if r is None or (r.link is not None and r.link is not link):
             mgr.send_msg(link, m.AbortAck(room=msg.room))
             return

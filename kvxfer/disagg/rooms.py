@@ -85,6 +85,10 @@ class Room:
         "integrity",
         # stage timestamps (kvxfer.disagg.trace), None unless the manager traces
         "trace",
+        # heterogeneous TP (kvxfer.disagg.tp_rooms): a room with several peers has one
+        # *leg* per peer link (``legs``, a Legs); a leg names its room as ``parent``
+        "legs",
+        "parent",
     )
 
     def __init__(
@@ -135,6 +139,8 @@ class Room:
         self.superseded = False
         self.held = False
         self.integrity: Any = None
+        self.legs: Any = None
+        self.parent: Optional["Room"] = None
 
     def __repr__(self) -> str:
         return f"Room({self.room}, {self.role.value}, {self.state.name})"

@@ -33,6 +33,16 @@ PD time as for the bandwidth above, for two fresh worker pairs in the same run �
 decode both at page size A, then decode at B — both with decode holding the first K tokens;
 the rows give ops per request and GB/s of each and the ratio to the equal-page-size row.
 
+With ``--prefill-tp N --decode-tp M`` it measures heterogeneous TP instead (docs/shapes.md),
+per mode and per ``--kv-layout`` (a comma list): ``--shape-tokens``-token requests one at a
+time through one worker process per TP rank, first with equal TP — ``N:N`` (as many
+senders) and ``M:M`` (as many receivers; both move the same bytes) — then ``N:M``, fresh
+processes each, same run; PD time =
+the last decode rank's ``Success`` - the first prefill rank's ``send()``; bytes and ops are
+summed over the prefill ranks (ops per request: the RMA ops every rank posted); the ratios
+are the GB/s of ``N:M`` over that of ``N:N`` and of ``M:M``. The model's KV heads (``--tp-heads``) and Mamba
+heads split over both TP sizes.
+
 With ``--stages`` both managers trace (``KVManager(trace=True)``, :mod:`kvxfer.disagg.trace`)
 and a table per mode gives the sequential 1-page requests' stages (p50/p90 µs: thread and task
 hops, planning, post, flush, wake-up, notify, decode's handling, the scheduler's poll), their
@@ -545,6 +555,84 @@ def bench_shapes(args, mode: str) -> List[dict]:
     return rows
 
 
+def bench_tp(args, mode: str, kv_layout: str) -> List[dict]:
+    """Equal TP (prefill's size, then decode's, on both sides), then the asked
+    prefill:decode ratio, same requests (module doc)."""
+    tp_p, tp_d, tokens = args.prefill_tp, args.decode_tp, args.shape_tokens
+    ps = args.prefill_page_size or ModelSpec().page_size
+    pool = (-(-(2 * tokens) // ps) + 4) * ps
+    rows = []
+    for pair_tp in dict.fromkeys(((tp_p, tp_p), (tp_d, tp_d), (tp_p, tp_d))):
+        spec = ModelSpec(
+            kv_layout=kv_layout,
+            heads=args.tp_heads,
+            ssm_heads=args.tp_heads,
+            page_size=ps,
+            pool_tokens=pool,
+            device=args.device,
+        )
+        opts = {"error_mode": mode, "deadline_s": 120.0, "max_inflight": 1 << 30}
+        pair = start_pair(spec, opts, BenchWorker, *pair_tp)
+        try:
+            times, nbytes, ops, lanes = [], 0, 0, []
+            for i in range(args.iters + 1):
+                room = 10**6 + i
+                pair.each(None, ("announce_tokens", [room], tokens))
+                p, d = pair.each(("large_tokens", room, tokens), ("settle",))
+                bad = [x["rooms"][room] for x in d if x["rooms"][room]["state"] != "Success"]
+                if bad:
+                    raise RuntimeError(f"request failed: {bad[0]}")
+                nbytes = sum(x["stats"]["bytes"] for x in p)
+                ops = sum(x["stats"]["ops"] for x in p)
+                lanes = sorted({ln for x in p for ln in x["stats"]["lanes"]})
+                if i:  # i == 0: warm-up (connects)
+                    t_send = min(x["rooms"][room]["t_send"] for x in p)
+                    times.append(max(x["rooms"][room]["t_done"] for x in d) - t_send)
+        finally:
+            pair.close()
+        rows.append(
+            {
+                "mode": mode,
+                "lanes": lanes,
+                "kv_layout": kv_layout,
+                "prefill_tp": pair_tp[0],
+                "decode_tp": pair_tp[1],
+                "tokens": tokens,
+                "bytes": nbytes,
+                "ops": ops,
+                "us_median": statistics.median(times) * 1e6,
+                "gbps_best": nbytes / min(times) / 1e9,
+                "gbps_median": nbytes / statistics.median(times) / 1e9,
+            }
+        )
+    return rows
+
+
+def format_tp(rows: List[dict]) -> str:
+    lines = [
+        "| lanes (mode) | KV layout | prefill TP → decode TP | tokens | MiB | ops/request "
+        "| µs median | GB/s best (median) | × N:N (median) | × M:M (median) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    base = {}
+    for r in rows:
+        if r["prefill_tp"] == r["decode_tp"]:
+            base[r["mode"], r["kv_layout"], r["prefill_tp"]] = r["gbps_median"]
+    for r in rows:
+        ratios = []
+        for t in (r["prefill_tp"], r["decode_tp"]):
+            b = base.get((r["mode"], r["kv_layout"], t))
+            ratios.append(r["gbps_median"] / b if b else float("nan"))
+        lines.append(
+            f"| {','.join(r['lanes'])} ({r['mode']}) | {r['kv_layout']} | "
+            f"{r['prefill_tp']} → {r['decode_tp']} | {r['tokens']} | "
+            f"{r['bytes'] / 2**20:.1f} | {r['ops']} | {r['us_median']:.0f} | "
+            f"{r['gbps_best']:.2f} ({r['gbps_median']:.2f}) | {ratios[0]:.2f} | "
+            f"{ratios[1]:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def format_shapes(rows: List[dict]) -> str:
     lines = [
         "| lanes (mode) | KV layout | prefill → decode page | decode prefix | tokens | MiB | ops/request "
@@ -642,8 +730,13 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-prefix", type=int, default=0, help="shapes: see above")
     ap.add_argument("--shape-tokens", type=int, default=16000, help="shapes: tokens per request")
     ap.add_argument(
-        "--kv-layout", choices=KV_LAYOUTS, default=ModelSpec().kv_layout, help="shapes: KV layout"
+        "--kv-layout",
+        default=ModelSpec().kv_layout,
+        help=f"shapes / TP: KV layout ({', '.join(KV_LAYOUTS)}; TP: a comma list)",
     )
+    ap.add_argument("--prefill-tp", type=int, default=None, help="TP: see above")
+    ap.add_argument("--decode-tp", type=int, default=None, help="TP: see above")
+    ap.add_argument("--tp-heads", type=int, default=8, help="TP: the model's KV / Mamba heads")
     ap.add_argument(
         "--stages",
         action="store_true",
@@ -654,6 +747,13 @@ def main(argv=None) -> int:
     clitools.add_json_args(ap)
     a = ap.parse_args(argv)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    layouts = [x.strip() for x in a.kv_layout.split(",") if x.strip()]
+    bad = [x for x in layouts if x not in KV_LAYOUTS]
+    if bad or not layouts or (len(layouts) > 1 and not (a.prefill_tp or a.decode_tp)):
+        ap.error(f"--kv-layout {a.kv_layout!r}: one of {KV_LAYOUTS} (a comma list with TP)")
+    if a.prefill_tp or a.decode_tp:
+        a.prefill_tp, a.decode_tp = a.prefill_tp or 1, a.decode_tp or 1
+        return _tp_main(a, modes, layouts)
     if a.prefill_page_size or a.decode_page_size or a.decode_prefix:
         return _shapes_main(a, modes)
     print(
@@ -679,6 +779,27 @@ def main(argv=None) -> int:
     if a.integrity:
         print("\nIntegrity check cost (same run; Δ = on - off, × = on / off):\n")
         print(format_integrity(rows))
+    print(f"\n(total {time.perf_counter() - t0:.1f} s)")
+    clitools.emit_json(a, {"args": vars(a), "rows": rows})
+    return 0
+
+
+def _tp_main(a, modes: List[str], layouts: List[str]) -> int:
+    print(
+        f"PD bench, heterogeneous TP {a.prefill_tp} → {a.decode_tp} vs equal TP "
+        f"{a.prefill_tp} → {a.prefill_tp} and {a.decode_tp} → {a.decode_tp}: device={a.device}, demo model ({a.tp_heads} KV heads, "
+        f"Mamba envelope), {a.shape_tokens}-token requests, best/median of {a.iters}",
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    rows: List[dict] = []
+    runs = [(m, lay) for m in modes for lay in layouts]
+    with clitools.Progress(len(runs), "bench pd", enabled=False if a.json else None) as pr:
+        for m, lay in runs:
+            pr.show(f"mode {m}, {lay}")
+            rows += bench_tp(a, m, lay)
+            pr.step(f"mode {m}, {lay} done")
+    print(format_tp(rows))
     print(f"\n(total {time.perf_counter() - t0:.1f} s)")
     clitools.emit_json(a, {"args": vars(a), "rows": rows})
     return 0

@@ -80,12 +80,22 @@ class DemoModel:
 
     def __init__(self, spec: ModelSpec) -> None:
         from kvxfer.disagg import KVArgs, MetadataBuffer
+        from kvxfer.disagg.tp_plan import local_units, owned
         from kvxfer.pools import MHATokenToKVPool, MLATokenToKVPool, PageMajorMHATokenToKVPool
         from kvxfer.pools.allocator import PagedTokenToKVPoolAllocator
         from kvxfer.pools.mamba_alloc import MambaSlotAllocator
 
         self.spec = s = spec
         self.dtype = DTYPES[s.dtype]
+        tp, rank = s.tp_size, s.tp_rank
+        #: this rank's KV heads [lo, hi) of the model's (MLA: the replicated latent)
+        self.heads = (0, s.heads) if tp == 1 else owned(rank, tp, s.heads)
+        h = self.heads[1] - self.heads[0]
+        #: this rank's rows of each state tensor (conv channels, ssm heads) [lo, hi)
+        self.state_rows = [
+            (rank * n // tp, (rank + 1) * n // tp) for n in (s.conv_dim, s.ssm_heads)
+        ]
+        assert h == local_units(s.heads, tp) or s.kv_layout == "mla"
         self.ps = s.page_size
         self.attn_ids, self.mamba_ids = s.layer_ids()
         n_attn = len(self.attn_ids)
@@ -94,9 +104,10 @@ class DemoModel:
             self.mla_dims = (s.heads * s.head_dim, max(1, s.head_dim // 2))
             kv = MLATokenToKVPool(*common, *self.mla_dims, n_attn, s.device)
         elif s.kv_layout == "page_major":
-            kv = PageMajorMHATokenToKVPool(*common, s.heads, s.head_dim, n_attn, s.device)
+            kv = PageMajorMHATokenToKVPool(*common, h, s.head_dim, n_attn, s.device)
         else:
-            kv = MHATokenToKVPool(*common, s.heads, s.head_dim, n_attn, s.device)
+            layout = "hnd" if s.kv_layout == "hnd" else "nhd"
+            kv = MHATokenToKVPool(*common, h, s.head_dim, n_attn, s.device, layout=layout)
         self.kv_pool = kv
         self.mamba = None
         if s.has_mamba:
@@ -105,8 +116,8 @@ class DemoModel:
             from kvxfer.pools.mamba_spec import MambaStateSpec
 
             mspec = MambaStateSpec(
-                conv_shapes=((s.conv_dim, s.conv_width - 1),),
-                temporal_shape=(s.ssm_heads, s.ssm_head_dim, s.ssm_state),
+                conv_shapes=((s.conv_dim // tp, s.conv_width - 1),),
+                temporal_shape=(s.ssm_heads // tp, s.ssm_head_dim, s.ssm_state),
                 conv_dtype=self.dtype,
                 temporal_dtype=torch.float32,
                 layer_ids=tuple(self.mamba_ids),
@@ -119,7 +130,12 @@ class DemoModel:
         self.slots = MambaSlotAllocator(s.mamba_slots) if s.has_mamba else None
         self.aux = MetadataBuffer(s.aux_rows, 64)
         self.kv_args = KVArgs.from_pools(
-            self.pool, aux=self.aux, state_pool=self.pool if s.has_mamba else None
+            self.pool,
+            aux=self.aux,
+            state_pool=self.pool if s.has_mamba else None,
+            tp_rank=rank,
+            tp_size=tp,
+            total_kv_heads=s.heads,
         )
         self.full = self.counts()
 
@@ -191,17 +207,24 @@ class DemoModel:
                 rope = kv_rows(room, i, 1, pos, length, (1, dr), self.dtype)
                 self.pool.set_mla_kv_buffer(lid, loc, nope, rope)
             else:
+                a, b = self.heads  # this rank's heads of the model's rows
                 k = kv_rows(room, i, 0, pos, length, (s.heads, s.head_dim), self.dtype)
                 v = kv_rows(room, i, 1, pos, length, (s.heads, s.head_dim), self.dtype)
-                self.pool.set_kv_buffer(lid, loc, k, v)
+                self.pool.set_kv_buffer(lid, loc, k[:, a:b], v[:, a:b])
 
     def _state_tensors(self) -> List[torch.Tensor]:
         return [*self.mamba.conv, self.mamba.temporal]
 
+    def _state_want(self, room: int, j: int, t: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of state tensor ``j`` of the request (every layer)."""
+        a, b = self.state_rows[min(j, 1)]  # conv tensors, then the temporal one
+        shape = (self.spec.tp_size * (b - a), *t.shape[3:])
+        return state_values(room, j, shape, t.dtype, t.shape[0], t.device)[:, a:b]
+
     def write_state(self, room: int, slot: int) -> None:
         """The request's final Mamba state (every layer, every state tensor) into ``slot``."""
         for j, t in enumerate(self._state_tensors()):
-            t[:, slot] = state_values(room, j, tuple(t.shape[2:]), t.dtype, t.shape[0], t.device)
+            t[:, slot] = self._state_want(room, j, t)
 
     def ready(self) -> None:
         """Make the stores visible to the transfer (RMA does not order with CUDA streams):
@@ -220,6 +243,8 @@ class DemoModel:
             buf = buf[..., :r] if kind == 0 else buf[..., r:]
         else:
             buf = self.pool.get_key_buffer(lid) if kind == 0 else self.pool.get_value_buffer(lid)
+        if self.spec.kv_layout == "hnd":  # [pages, H, page_size, D]
+            return buf[loc // self.ps, :, loc % self.ps]
         if buf.dim() == 4:  # page-major view [pages, page_size, H, D]
             return buf[loc // self.ps, loc % self.ps]
         return buf[loc]
@@ -234,7 +259,11 @@ class DemoModel:
         for i, lid in enumerate(self.attn_ids):
             for kind in (0, 1):
                 got = self._read_rows(lid, kind, loc)
-                want = kv_rows(room, i, kind, pos, length, tuple(got.shape[1:]), self.dtype)
+                shape = tuple(got.shape[1:])
+                if self.spec.kv_layout != "mla":
+                    shape = (self.spec.heads, *shape[1:])
+                a, b = self.heads if self.spec.kv_layout != "mla" else (0, shape[0])
+                want = kv_rows(room, i, kind, pos, length, shape, self.dtype)[:, a:b]
                 diff = (
                     got.contiguous().view(torch.uint8).view(n_tok, -1)
                     != want.contiguous().view(torch.uint8).view(n_tok, -1)
@@ -248,7 +277,7 @@ class DemoModel:
                     )
         if res["slot"] is not None:
             for j, t in enumerate(self._state_tensors()):
-                want = state_values(room, j, tuple(t.shape[2:]), t.dtype, t.shape[0], t.device)
+                want = self._state_want(room, j, t)
                 got = t[:, res["slot"]]
                 if not torch.equal(
                     got.contiguous().view(torch.uint8).flatten(),

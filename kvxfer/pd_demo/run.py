@@ -77,6 +77,9 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
         "--pool-tokens", type=int, default=d.pool_tokens, help="KV pool capacity per worker, tokens"
     )
     ap.add_argument("--mamba-slots", type=int, default=d.mamba_slots)
+    ap.add_argument(
+        "--ssm-heads", type=int, default=d.ssm_heads, help="Mamba heads (split under TP)"
+    )
     ap.add_argument("--aux-rows", type=int, default=d.aux_rows)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype)
     ap.add_argument(
@@ -110,17 +113,55 @@ def spec_from_args(a) -> ModelSpec:
         page_size=a.page_size,
         pool_tokens=a.pool_tokens,
         mamba_slots=a.mamba_slots,
+        ssm_heads=a.ssm_heads,
         aux_rows=a.aux_rows,
         dtype=a.dtype,
         device=a.device,
     )
 
 
-def start_pair(spec: ModelSpec, opts: dict, cls: Type[W]) -> Pair[W]:
-    """The demo's pair of ``cls`` workers (:class:`PDWorker` or a subclass) with a fresh secret;
-    calls are bounded by ``opts["deadline_s"]`` + 30 s."""
+def start_pair(
+    spec: ModelSpec, opts: dict, cls: Type[W], prefill_tp: int = 1, decode_tp: int = 1
+) -> Pair[W]:
+    """The demo's pair of ``cls`` workers (:class:`PDWorker` or a subclass) with a fresh secret
+    (one process per TP rank of each side); calls are bounded by ``opts["deadline_s"]`` +
+    30 s."""
     opts = dict(opts, secret=secrets.token_bytes(32))  # one per run: bootstrap + both managers
-    return Pair(cls, spec.as_dict(), opts, timeout=float(opts.get("deadline_s", 120.0)) + 30.0)
+    return Pair(
+        cls,
+        spec.as_dict(),
+        opts,
+        timeout=float(opts.get("deadline_s", 120.0)) + 30.0,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+    )
+
+
+def merge_ranks(results: List[dict]) -> dict:
+    """One side's per-rank results (``PDWorker.prefill`` / ``decode``) as one: a room
+    succeeded when it did on every rank (its times: the latest rank's), stats and leaks
+    summed. One rank's result is returned as it is."""
+    if len(results) == 1:
+        return results[0]
+    rooms: dict = {}
+    for rank, res in enumerate(results):
+        for room, rec in res["rooms"].items():
+            out = rooms.setdefault(room, dict(rec, problems=[]))
+            if rec.get("state") != "Success" and out.get("state") == "Success":
+                out.update(state=rec.get("state"), exc=rec.get("exc"))
+            for k in ("t_send", "t_done", "chunks"):
+                if k in rec:
+                    out[k] = max(out.get(k, rec[k]), rec[k])
+            out["problems"] += [f"rank {rank}: {p}" for p in rec.get("problems", [])]
+    stats = {k: sum(r["stats"][k] for r in results) for k in results[0]["stats"] if k != "lanes"}
+    stats["lanes"] = sorted({x for r in results for x in r["stats"]["lanes"]})
+    leaks = {k: sum(r["leaks"][k] for r in results) for k in results[0]["leaks"]}
+    return {
+        "rooms": rooms,
+        "stats": stats,
+        "leaks": leaks,
+        "live_rooms": sum(r["live_rooms"] for r in results),
+    }
 
 
 def make_requests(n: int, seed: int, min_len: int, max_len: int) -> List[tuple]:
@@ -150,12 +191,21 @@ def run_demo(
     integrity: bool = False,
     decode_page_size: Optional[int] = None,
     decode_prefix: int = 0,
+    prefill_tp: int = 1,
+    decode_tp: int = 1,
     progress=None,
 ) -> dict:
     """Run the demo; returns the report (``REQUIRED_KEYS`` and more). ``progress``: a
     :class:`kvxfer.clitools.Progress` of 3 steps (workers up, warm-up, requests).
     ``decode_page_size`` (None: prefill's) and ``decode_prefix`` (tokens decode holds of
-    each request, capped at its length): the shapes of docs/shapes.md."""
+    each request, capped at its length): the shapes of docs/shapes.md. ``prefill_tp`` /
+    ``decode_tp``: one worker process per TP rank of each side (heterogeneous TP: equal
+    page sizes, no decode prefix)."""
+    if (prefill_tp, decode_tp) != (1, 1) and (decode_page_size or decode_prefix):
+        raise InvalidArgument(
+            "--prefill-tp / --decode-tp: heterogeneous TP pairs equal page sizes and no "
+            "decode prefix in the demo"
+        )
     dps = spec.page_size if decode_page_size is None else decode_page_size
     if dps < 1 or spec.pool_tokens % dps or decode_prefix < 0:
         raise InvalidArgument(
@@ -190,9 +240,15 @@ def run_demo(
             "decode_prefix": decode_prefix,
         },
         PDWorker,
+        prefill_tp,
+        decode_tp,
     )
     t_up = time.perf_counter() - t0
     info = pair.prefill.info()
+    if len(pair.decodes) > 1 or len(pair.prefills) > 1:  # what decode's ranks hold, summed
+        d_infos = [x.info() for x in pair.decodes]
+        for k in ("page_bytes", "slot_bytes", "aux_bytes"):
+            info[k] = sum(i[k] for i in d_infos)
     info["decode_page_size"] = dps
     info["decode_prefix"] = decode_prefix
     if progress is not None:
@@ -201,7 +257,7 @@ def run_demo(
         # one 1-page request first: connects decode to prefill (bootstrap lookup, handshake),
         # which a long-running pair pays once; it is verified like the others, not timed
         warm = [(0, 1)]
-        wp, wd = pair.both((pair.prefill.prefill, warm, chunk_tokens), (pair.decode.decode, warm))
+        wp, wd = _both(pair, ("prefill", warm, chunk_tokens), ("decode", warm))
         if not (
             wp["rooms"][0]["state"] == wd["rooms"][0]["state"] == "Success"
             and not wd["rooms"][0].get("problems")
@@ -211,7 +267,7 @@ def run_demo(
             )
         if progress is not None:
             progress.step(f"{len(reqs)} requests")
-        p, d = pair.both((pair.prefill.prefill, reqs, chunk_tokens), (pair.decode.decode, reqs))
+        p, d = _both(pair, ("prefill", reqs, chunk_tokens), ("decode", reqs))
         if progress is not None:
             progress.step("done")
     finally:
@@ -220,7 +276,14 @@ def run_demo(
         spec, info, reqs, p, d, chunk_tokens, error_mode, window, t_up, time.perf_counter() - t0
     )
     report["integrity"] = integrity
+    report["prefill_tp"], report["decode_tp"] = prefill_tp, decode_tp
     return report
+
+
+def _both(pair: Pair, p_call: tuple, d_call: tuple) -> tuple:
+    """A call on every rank of both sides, each side's results merged (:func:`merge_ranks`)."""
+    ps, ds = pair.each(p_call, d_call)
+    return merge_ranks(ps), merge_ranks(ds)
 
 
 def summarize(spec, info, reqs, p, d, chunk_tokens, error_mode, window, t_up, wall) -> dict:
@@ -364,6 +427,9 @@ def format_table(r: dict) -> str:
         ),
         ("wall", f"{r['wall_s']:.2f} s  (of which {r['startup_s']:.2f} s process startup)"),
     ]
+    tp = (r.get("prefill_tp", 1), r.get("decode_tp", 1))
+    if tp != (1, 1):
+        attn += f"; TP prefill {tp[0]} -> decode {tp[1]} (one process per rank)"
     out = [
         "kvxfer demo: prefill -> decode worker pair over UCX loopback",
         f"model: {attn} + {mamba}, {s['dtype']}",
@@ -413,6 +479,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="KVManager(integrity=True) on both workers: per-item checksums "
         "compared before decode reports Success",
     )
+    ap.add_argument(
+        "--prefill-tp",
+        type=int,
+        default=1,
+        help="prefill TP size: one worker process per rank (heterogeneous TP, docs/shapes.md)",
+    )
+    ap.add_argument("--decode-tp", type=int, default=1, help="decode TP size (as --prefill-tp)")
     clitools.add_json_args(ap)
     add_model_args(ap)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -426,7 +499,12 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         return pools_main([])
     try:
+        if a.prefill_tp < 1 or a.decode_tp < 1:
+            raise InvalidArgument("--prefill-tp and --decode-tp must be >= 1")
         spec = spec_from_args(a)
+        # the model must split over both sides' TP sizes (checked by the workers' specs too)
+        for tp in {a.prefill_tp, a.decode_tp}:
+            ModelSpec(**dict(spec.as_dict(), tp_size=tp))
         with clitools.Progress(3, "demo", enabled=False if a.json else None) as pr:
             report = run_demo(
                 spec,
@@ -441,6 +519,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 integrity=a.integrity,
                 decode_page_size=a.decode_page_size,
                 decode_prefix=a.decode_prefix,
+                prefill_tp=a.prefill_tp,
+                decode_tp=a.decode_tp,
                 progress=pr,
             )
     except InvalidArgument as exc:

@@ -8,7 +8,7 @@ from typing import List, Tuple
 
 from kvxfer.errors import InvalidArgument
 
-KV_LAYOUTS = ("page_major", "per_layer", "mla")
+KV_LAYOUTS = ("page_major", "per_layer", "hnd", "mla")
 MAMBA_LAYOUTS = ("envelope", "per_layer", "none")
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -34,6 +34,10 @@ class ModelSpec:
     ssm_state: int = 16
     dtype: str = "bfloat16"
     device: str = "cpu"
+    #: this worker's TP rank and size: ``heads`` (KV heads), ``conv_dim`` and ``ssm_heads``
+    #: are the model's, split over the ranks (docs/shapes.md); MLA latents are replicated
+    tp_rank: int = 0
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.kv_layout not in KV_LAYOUTS:
@@ -55,6 +59,20 @@ class ModelSpec:
                 raise InvalidArgument(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.mamba_layout != "none" and self.mamba_layers < 1:
             raise InvalidArgument(f"mamba_layout {self.mamba_layout!r} needs mamba_layers >= 1")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise InvalidArgument(f"tp_rank {self.tp_rank} not in [0, tp_size {self.tp_size})")
+        if self.tp_size > 1:
+            if self.kv_layout != "mla" and max(self.heads, self.tp_size) % min(
+                self.heads, self.tp_size
+            ):
+                raise InvalidArgument(
+                    f"{self.heads} KV heads cannot be split or replicated over tp {self.tp_size}"
+                )
+            if self.has_mamba and (self.conv_dim % self.tp_size or self.ssm_heads % self.tp_size):
+                raise InvalidArgument(
+                    f"conv_dim {self.conv_dim} and ssm_heads {self.ssm_heads} must split over "
+                    f"tp {self.tp_size}"
+                )
         if self.pool_tokens % self.page_size:
             raise InvalidArgument(
                 f"pool_tokens {self.pool_tokens} is not a multiple of page_size {self.page_size}"

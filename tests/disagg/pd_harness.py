@@ -57,20 +57,27 @@ UNWRITTEN = 0xFD
 
 
 # ====================================================================== child side
-def _build_pool(kind: str, size: int, page_size: int, device: str = "cpu"):
+def _build_pool(kind: str, size: int, page_size: int, device: str = "cpu", tp=None):
+    """``tp``: ``(rank, size, total kv heads)`` of a TP rank (heads and Mamba rows split);
+    None: the single-rank pools."""
     import torch
 
     from kvxfer.pools import MHATokenToKVPool, MLATokenToKVPool, PageMajorMHATokenToKVPool
 
     bf = torch.bfloat16
+    h, tps = 2, 1
+    if tp is not None:
+        from kvxfer.disagg.tp_plan import local_units
+
+        h, tps = local_units(tp[2], tp[1]), tp[1]
     if kind in ("mha", "mismatch", "many"):
         if kind == "many":
             return MHATokenToKVPool(size, page_size, bf, 1, 8, 1, device), None
-        return MHATokenToKVPool(size, page_size, bf, 2, 8, 2, device), None
+        return MHATokenToKVPool(size, page_size, bf, h, 8, 2, device), None
     if kind == "mha_hnd":  # per-layer [pages, H, page_size, D]
-        return MHATokenToKVPool(size, page_size, bf, 2, 8, 2, device, layout="hnd"), None
+        return MHATokenToKVPool(size, page_size, bf, h, 8, 2, device, layout="hnd"), None
     if kind == "page_major":
-        return PageMajorMHATokenToKVPool(size, page_size, bf, 2, 8, 2, device), None
+        return PageMajorMHATokenToKVPool(size, page_size, bf, h, 8, 2, device), None
     if kind == "mla":
         return MLATokenToKVPool(size, page_size, bf, 16, 8, 2, device), None
     if kind.startswith("hybrid_"):
@@ -85,11 +92,20 @@ def _build_pool(kind: str, size: int, page_size: int, device: str = "cpu"):
             temporal_dtype=torch.float32,
             layer_ids=(1, 3),
         )
+        if tp is not None:  # Mamba2-like: conv x | B | C = 8 | 4 | 4 rows, 4 heads, split
+            spec = MambaStateSpec(
+                conv_shapes=((16 // tps, 3),),
+                temporal_shape=(4 // tps, 4, 4),
+                conv_dtype=bf,
+                temporal_dtype=torch.float32,
+                layer_ids=(1, 3),
+                conv_parts=[(8 // tps, 4 // tps, 4 // tps)],
+            )
         layout = "per_layer" if kind == "hybrid_per_layer" else "envelope"
         kv_cls = MHATokenToKVPool if layout == "per_layer" else PageMajorMHATokenToKVPool
         mamba = MambaPool(64, spec, device, layout=layout)
         return HybridLinearKVPool(
-            kv_cls(size, page_size, bf, 2, 8, 2, device), mamba, [0, 2]
+            kv_cls(size, page_size, bf, h, 8, 2, device), mamba, [0, 2]
         ), mamba
     raise ValueError(kind)
 
@@ -122,6 +138,7 @@ class Node:
         device: str = "cpu",
         integrity: bool = False,
         trace: bool = False,
+        tp: Optional[tuple] = None,
     ) -> None:
         from kvxfer.disagg import KVArgs, KVManager, MetadataBuffer, Timeouts
         from kvxfer.disagg.kv_args import replace
@@ -131,7 +148,8 @@ class Node:
         if kind == "mismatch":
             page_size = 8
         self.kind, self.role, self.bootstrap = kind, role, bootstrap
-        self.pool, mamba = _build_pool(kind, size, page_size, device)
+        self.pool, mamba = _build_pool(kind, size, page_size, device, tp)
+        self.tp, self.device = tp, device
         self.lock = threading.Lock()
         # item 0 (padding) and the last item are never allocated: guards
         self.pages = PagedTokenToKVPoolAllocator(size - page_size, page_size)
@@ -140,8 +158,14 @@ class Node:
         rows = [self.aux.alloc() for _ in range(aux_rows)]
         for row in rows[1:-1]:
             self.aux.free(row)
+        rank, tps, heads = tp if tp is not None else (0, 1, None)
         args = KVArgs.from_pools(
-            self.pool, aux=self.aux, state_pool=self.pool if mamba is not None else None
+            self.pool,
+            aux=self.aux,
+            state_pool=self.pool if mamba is not None else None,
+            tp_rank=rank,
+            tp_size=tps,
+            total_kv_heads=heads,
         )
         if kind == "mismatch":  # a pool stating no token geometry: page sizes must be equal
             args = replace(args, kv_segments=[])

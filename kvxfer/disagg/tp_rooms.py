@@ -1,0 +1,435 @@
+"""Heterogeneous TP in the protocol: rooms with several peers (*legs*) and the byte plan of
+one prefill → decode pair.
+
+Peers. A decode rank ``d`` of ``Td`` takes a room from the prefill ranks
+``decode_peers(d, Tp, Td)`` and a prefill rank ``p`` serves it to the decode ranks
+``prefill_peers(p, Tp, Td)`` (:mod:`kvxfer.disagg.tp_plan`): several on decode when
+``Tp > Td``, several on prefill when ``Tp < Td``. Decode finds every peer of its rank through
+the bootstrap server and links to each; prefill accepts a decode rank's hello when the rank is
+one of its peers (:class:`TpPair` on the link: both ranks, both TP sizes, both sides' item
+geometries, validated at the handshake).
+
+Legs. A room whose rank has one peer runs the protocol as before (``room.link``). A room with
+``k > 1`` peers keeps its record (the *parent*: the scheduler's handle, the room table's entry)
+and gets one *leg* per peer link: a :class:`~kvxfer.disagg.rooms.Room` of the same id and role,
+not in the table, that runs the unchanged single-link protocol with that peer (its writes or
+its receipt, Chunk/Done, Abort/AbortAck, its deadlines, the fenced release of its link). The
+parent (:class:`Legs`) joins them:
+
+* Success once every expected leg succeeded (decode then checks the aux row, which one prefill
+  peer wrote: :meth:`TpPair.writes_aux`);
+* the first leg that fails fails the parent, and the parent's failure fails every other leg
+  (each tells its peer: Abort, then AbortAck or a fenced link before its release);
+* the parent is released (its ``on_done``) only once every leg is released: no peer can
+  still write into (decode) or read from (prefill) the room's items.
+
+On prefill, decode's metadata comes once per decode peer; metadata that arrives before the
+KVSender exists waits in one 'pending' record holding every peer's part (``Legs.pending``);
+chunks sent before every peer's metadata arrived are kept (``Legs.history``) and replayed to
+each leg as it attaches. A prefill rank with no units for a decode rank (a replica that is
+not the room's sender) still sends Chunk/Done, writing no byte.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+
+import numpy as np
+
+from kvxfer.disagg import messages as m
+from kvxfer.disagg.errors import DuplicateRoom, TpShapeMismatch, UnknownRoom
+from kvxfer.disagg.link import Link
+from kvxfer.disagg.poll import KVPoll, is_terminal
+from kvxfer.disagg.roles import RoomRole
+from kvxfer.disagg.rooms import Room
+from kvxfer.disagg.tp_plan import ItemGeometry, decode_peers, plan_pages, prefill_peers
+from kvxfer.disagg.tp_shape import groups_of
+
+#: the prefill / decode protocol object calling in (PrefillSide / DecodeSide; typed loosely:
+#: they import this module)
+PrefillSide = Any
+DecodeSide = Any
+#: a prefill chunk as KVSender.send hands it over: (src pages, state slots, last)
+Chunk = Tuple[np.ndarray, Optional[np.ndarray], bool]
+#: one decode peer's metadata for a room: (link, dst_kv, dst_state, dst_aux, (prefix, tokens))
+Meta = Tuple[Link, np.ndarray, np.ndarray, int, Tuple[int, Optional[int]]]
+
+
+@dataclass(frozen=True)
+class TpPair:
+    """One prefill rank and one decode rank of different TP sizes, with both sides' item
+    geometries per group (prefill's ``src``, decode's ``dst``), as validated at the
+    handshake. Lives on the link (``link.tp``) on both sides."""
+
+    prefill_rank: int
+    prefill_tp: int
+    decode_rank: int
+    decode_tp: int
+    src: Dict[str, List[ItemGeometry]]
+    dst: Dict[str, List[ItemGeometry]]
+
+    @classmethod
+    def make(
+        cls,
+        ours: Dict[str, Any],
+        theirs: Dict[str, Any],
+        our_rank: int,
+        their_rank: int,
+        ours_is_prefill: bool,
+    ) -> "TpPair":
+        """From both fingerprints (checked by ``check_compatible`` already) and ranks."""
+        a, b = groups_of(ours["tp"]), groups_of(theirs["tp"])
+        tp_a, tp_b = int(ours["tp_size"]), int(theirs["tp_size"])
+        if ours_is_prefill:
+            return cls(our_rank, tp_a, their_rank, tp_b, a, b)
+        return cls(their_rank, tp_b, our_rank, tp_a, b, a)
+
+    def decode_peers(self) -> Tuple[int, ...]:
+        return decode_peers(self.decode_rank, self.prefill_tp, self.decode_tp)
+
+    def prefill_peers(self) -> Tuple[int, ...]:
+        return prefill_peers(self.prefill_rank, self.prefill_tp, self.decode_tp)
+
+    def writes_aux(self, salt: int) -> bool:
+        """Whether this prefill rank writes the room's aux row (one of the decode rank's
+        peers does: the ``salt % k``-th, as the replicated units' sender)."""
+        peers = self.decode_peers()
+        return peers[int(salt) % len(peers)] == self.prefill_rank
+
+    def write(self, group: str, src_items: Any, dst_items: Any, salt: int) -> Any:
+        """The RawWrite moving this pair's share of items ``src_items[k] -> dst_items[k]``
+        of ``group``, or None when this prefill rank moves no byte of them."""
+        if group not in self.src or not len(src_items):
+            return None
+        runs = plan_pages(
+            self.src[group],
+            self.dst[group],
+            self.prefill_rank,
+            self.decode_rank,
+            self.prefill_tp,
+            self.decode_tp,
+            src_items,
+            dst_items,
+            salt=salt,
+        )
+        return runs.raw_write(group) if len(runs) else None
+
+
+def peer_rank(link: Link, ours_is_prefill: bool) -> int:
+    """The TP rank of the peer behind a hetero-TP link."""
+    tp: TpPair = link.tp
+    return tp.decode_rank if ours_is_prefill else tp.prefill_rank
+
+
+def fanout(link: Link, ours_is_prefill: bool) -> int:
+    """How many peers of the link's kind a room of ours has (1: the single-link protocol)."""
+    tp: Optional[TpPair] = link.tp
+    if tp is None:
+        return 1
+    return len(tp.prefill_peers() if ours_is_prefill else tp.decode_peers())
+
+
+class Legs:
+    """The legs of a parent room (see the module docstring). Runs on: the loop thread."""
+
+    __slots__ = ("parent", "expect", "by_rank", "pending", "aborted", "history", "ok", "gone")
+
+    def __init__(self, parent: Room, expect: int) -> None:
+        self.parent = parent
+        self.expect = expect
+        #: peer TP rank -> leg
+        self.by_rank: Dict[int, Room] = {}
+        #: prefill, before the KVSender exists: peer TP rank -> that peer's metadata
+        self.pending: Dict[int, Meta] = {}
+        #: prefill, pending: links whose decode aborted the room (owed an AbortAck)
+        self.aborted: Set[Link] = set()
+        #: prefill: chunks sent so far, replayed to legs that attach later (None once all did)
+        self.history: Optional[List[Chunk]] = []
+        self.ok = 0  # legs that succeeded
+        self.gone = 0  # legs released
+
+    @property
+    def complete(self) -> bool:
+        """Every expected peer has its leg."""
+        return len(self.by_rank) >= self.expect
+
+    def all_released(self) -> bool:
+        return self.gone >= len(self.by_rank)
+
+    def of(self, link: Link, ours_is_prefill: bool) -> Optional[Room]:
+        if link.tp is None:
+            return None
+        leg = self.by_rank.get(peer_rank(link, ours_is_prefill))
+        return leg if leg is not None and leg.link is link else None
+
+    def legs(self) -> List[Room]:
+        return list(self.by_rank.values())
+
+
+def new_leg(mgr: Any, parent: Room, rank: int, link: Link) -> Room:
+    """A leg of ``parent`` for the peer of TP rank ``rank`` behind ``link`` (not attached to
+    the link yet). Its release counts towards the parent's (:func:`leg_released`)."""
+    legs: Legs = parent.legs
+    leg = Room(parent.room, parent.role, lambda _s, _e: leg_released(mgr, parent))
+    leg.parent = parent
+    legs.by_rank[rank] = leg
+    return leg
+
+
+def leg_released(mgr: Any, parent: Room) -> None:
+    """A leg's ``on_done``: the parent goes once it is terminal and every leg went."""
+    legs: Legs = parent.legs
+    legs.gone += 1
+    if is_terminal(parent.state) and legs.all_released():
+        mgr.release(parent)
+
+
+def leg_succeeded(mgr: Any, leg: Room, on_all: Callable[[Room], Any]) -> None:
+    """A leg reached Success; ``on_all(parent)`` once every expected leg did."""
+    parent = leg.parent
+    assert parent is not None
+    legs: Legs = parent.legs
+    legs.ok += 1
+    if legs.ok >= legs.expect and not is_terminal(parent.state):
+        on_all(parent)
+
+
+def fail_legs(mgr: Any, parent: Room, notify: bool) -> None:
+    """The parent failed: fail every live leg (each tells its peer when ``notify``), and
+    release the parent now if no leg is left to wait for."""
+    legs: Legs = parent.legs
+    for leg in legs.legs():
+        if not is_terminal(leg.state):
+            mgr.fail(leg, parent.exc, notify=notify)
+    if legs.all_released():
+        mgr.release(parent)
+
+
+# ====================================================================== prefill
+def prefill_info(
+    side: PrefillSide,
+    link: Link,
+    room: int,
+    meta: Meta,
+) -> None:
+    """TransferInfo from one of several decode peers of a room (``Tp < Td``)."""
+    mgr = side.mgr
+    rank = peer_rank(link, True)
+    r = mgr.rooms.get(room)
+    if r is None:
+        tomb = mgr.rooms.tombstone(room)
+        if tomb is not None:
+            side._reject(
+                link,
+                room,
+                UnknownRoom(f"room {room} is no longer live on prefill {mgr.name} ({tomb})"),
+            )
+            return
+        p = Room(room, RoomRole.PENDING)
+        p.legs = Legs(p, fanout(link, True))
+        try:
+            mgr.rooms.insert(p)
+        except DuplicateRoom:  # a KVSender was created meanwhile
+            r = mgr.rooms.get(room)
+        else:
+            p.legs.pending[rank] = meta
+            link.rooms.add(p)
+            mgr.arm(p)
+            return
+    if r is not None and r.role is RoomRole.PENDING and r.legs is not None:
+        if rank in r.legs.pending or is_terminal(r.state):
+            side._reject(link, room, DuplicateRoom(f"room {room}: decode rank {rank} twice"))
+            return
+        r.legs.pending[rank] = meta
+        link.rooms.add(r)
+        return
+    if r is None or r.role is not RoomRole.SENDER or r.link is not None or r.dst_kv is not None:
+        side._reject(
+            link,
+            room,
+            DuplicateRoom(f"room {room} already has a decode destination on prefill {mgr.name}"),
+        )
+        return
+    if is_terminal(r.state):
+        exc = r.exc
+        side._reject(link, room, UnknownRoom(f"room {room} ended on prefill {mgr.name}: {exc}"))
+        return
+    if r.legs is None:
+        r.legs = Legs(r, fanout(link, True))
+        assert r.legs.history is not None
+        r.legs.history.extend(r.queued)
+        r.queued = []
+    if rank in r.legs.by_rank:
+        side._reject(link, room, DuplicateRoom(f"room {room}: decode rank {rank} twice"))
+        return
+    attach_leg(side, r, rank, meta)
+
+
+def attach_leg(side: PrefillSide, r: Room, rank: int, meta: Meta) -> None:
+    """Give the sender's room ``r`` its leg to the decode rank ``rank``; replay the chunks
+    sent so far to it."""
+    mgr, legs = side.mgr, r.legs
+    link, dst_kv, dst_state, dst_aux, span = meta
+    leg = new_leg(mgr, r, rank, link)
+    leg.num_kv, leg.aux_index = r.num_kv, r.aux_index
+    leg.queued = list(legs.history or ())
+    if legs.complete:
+        legs.history = None
+    side._attach(leg, link, dst_kv, dst_state, dst_aux, span)
+    if legs.complete and r.state == KVPoll.Bootstrapping and not is_terminal(leg.state):
+        mgr.advance(r, KVPoll.WaitingForInput)
+
+
+def prefill_adopt(side: PrefillSide, r: Room, pending: Room) -> None:
+    """The KVSender ``r`` claimed a pending record of several decode peers."""
+    mgr, plegs = side.mgr, pending.legs
+    for link, *_ in plegs.pending.values():
+        link.rooms.discard(pending)
+    if is_terminal(r.state):  # our scheduler aborted it first: no write was issued
+        for link, *_ in plegs.pending.values():
+            if not link.dead:
+                mgr.send_msg(
+                    link, m.Abort(room=r.room, reason=str(r.exc), kind=type(r.exc).__name__)
+                )
+        return
+    if r.legs is None:  # (another peer's metadata may have come between claim and adoption)
+        r.legs = Legs(r, plegs.expect)
+        assert r.legs.history is not None
+        r.legs.history.extend(r.queued)
+        r.queued = []
+    for rank, meta in sorted(plegs.pending.items()):
+        if is_terminal(r.state) or rank in r.legs.by_rank:  # failed meanwhile / twice
+            link = meta[0]
+            exc = (
+                r.exc
+                if is_terminal(r.state)
+                else DuplicateRoom(f"room {r.room}: rank {rank} twice")
+            )
+            if not link.dead:
+                mgr.send_msg(link, m.Abort(room=r.room, reason=str(exc), kind=type(exc).__name__))
+            continue
+        attach_leg(side, r, rank, meta)
+
+
+def prefill_send(side: PrefillSide, r: Room, chunk: Chunk) -> None:
+    """KVSender.send on a room with legs: every attached leg sends the chunk; the chunk is
+    kept for the legs still to come."""
+    legs: Legs = r.legs
+    if legs.history is not None:
+        legs.history.append(chunk)
+    if legs.complete and r.state != KVPoll.Transferring:
+        side.mgr.advance(r, KVPoll.Transferring)
+    for leg in legs.legs():
+        side.send(leg, *chunk)
+
+
+def prefill_fail_pending(side: PrefillSide, p: Room, exc: BaseException) -> None:
+    """A pending record of several decode peers failed: every peer still connected hears it
+    (an AbortAck for a peer that aborted, else an Abort: no write was ever issued)."""
+    mgr = side.mgr
+    if not mgr.rooms.retire(p, exc):  # the KVSender claimed it: the failure becomes its
+        r = mgr.rooms.get(p.room)
+        if r is not None and r.role is RoomRole.SENDER and not is_terminal(r.state):
+            mgr.fail(r, exc, notify=False)
+        return
+    p.state, p.exc = KVPoll.Failed, exc
+    if p.timer is not None:
+        p.timer.cancel()
+        p.timer = None
+    legs: Legs = p.legs
+    links = {meta[0] for meta in legs.pending.values()} | legs.aborted
+    for link in links:
+        link.rooms.discard(p)
+        if link.dead:
+            continue
+        if link in legs.aborted:
+            mgr.send_msg(link, m.AbortAck(room=p.room))
+        else:
+            mgr.send_msg(link, m.Abort(room=p.room, reason=str(exc), kind=type(exc).__name__))
+    mgr.room_gone()
+
+
+def prefill_abort(side: PrefillSide, link: Link, r: Room, cause: BaseException) -> None:
+    """Decode peer ``link`` aborted room ``r`` (parent or pending) of several peers."""
+    mgr = side.mgr
+    if r.role is RoomRole.PENDING:
+        r.legs.aborted.add(link)
+        if not is_terminal(r.state):
+            mgr.fail(r, cause, notify=False)
+        return
+    leg = r.legs.of(link, True)
+    if leg is None:  # no leg to it (its metadata never came): nothing in flight to it
+        mgr.send_msg(link, m.AbortAck(room=r.room))
+        if not is_terminal(r.state):
+            mgr.fail(r, cause)
+        return
+    leg.peer_aborted = True
+    if not is_terminal(leg.state):
+        mgr.fail(leg, cause, notify=False)
+
+
+# ====================================================================== decode
+def decode_linked(side: DecodeSide, r: Room, links: Tuple[Link, ...]) -> None:
+    """The receiver's room ``r`` has several prefill peers: one leg per link."""
+    mgr = side.mgr
+    r.legs = Legs(r, len(links))
+    for link in links:
+        leg = new_leg(mgr, r, peer_rank(link, False), link)
+        leg.link = link
+        link.rooms.add(leg)
+        mgr.advance(leg, KVPoll.WaitingForInput)
+    mgr.advance(r, KVPoll.WaitingForInput)
+    if r.pending_meta is not None:
+        decode_send_meta(side, r)
+
+
+def decode_send_meta(side: DecodeSide, r: Room) -> None:
+    """Decode's metadata goes to every prefill peer of the room."""
+    meta, r.pending_meta = r.pending_meta, None
+    r.meta_sent = True
+    for leg in r.legs.legs():
+        if is_terminal(leg.state):
+            continue
+        leg.pending_meta = meta
+        leg.dst_kv, leg.dst_state, leg.dst_span = r.dst_kv, r.dst_state, r.dst_span
+        leg.dst_aux_row, leg.expect_pages = r.dst_aux_row, r.expect_pages
+        side._send_meta(leg)
+
+
+def check_peers(entries: List[Dict[str, Any]], rank: int, tp: int, pp: int) -> Any:
+    """The bootstrap entries of the prefill ranks a decode rank ``rank`` of ``tp`` pairs
+    with (every one of ``decode_peers``), None while some are not registered yet;
+    TpShapeMismatch when the TP sizes cannot pair."""
+    sizes = {int(e["tp_size"]) for e in entries}
+    if len(sizes) != 1:
+        return None  # registrations in flux (a rank restarting with another TP size)
+    (tp_p,) = sizes
+    by_rank = {int(e["tp_rank"]): e for e in entries if int(e["pp_rank"]) == pp}
+    if tp_p == tp:
+        return [by_rank[rank]] if rank in by_rank else None
+    try:
+        want = decode_peers(rank, tp_p, tp)
+    except TpShapeMismatch as exc:
+        raise TpShapeMismatch(f"prefill tp {tp_p}, decode tp {tp}: {exc}") from None
+    if any(p not in by_rank for p in want):
+        return None
+    return [by_rank[p] for p in want]
+
+
+__all__ = [
+    "Legs",
+    "TpPair",
+    "attach_leg",
+    "check_peers",
+    "decode_linked",
+    "decode_send_meta",
+    "fail_legs",
+    "fanout",
+    "leg_succeeded",
+    "prefill_abort",
+    "prefill_adopt",
+    "prefill_fail_pending",
+    "prefill_info",
+    "prefill_send",
+]
