@@ -21,7 +21,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 from kvxfer import errors as kerr
-from kvxfer.disagg import bootstrap
+from kvxfer.disagg import bootstrap, layerwise
 from kvxfer.disagg import errors as derr
 from kvxfer.disagg import messages as m
 from kvxfer.disagg.context import DecodeContext
@@ -383,6 +383,8 @@ class DecodeSide:
                 mgr.arm(r)  # lease renewed by progress
             else:
                 mgr.advance(r, KVPoll.Transferring)
+        elif isinstance(msg, m.LayerDone):
+            layerwise.on_layer_done(mgr, r, msg)
         elif isinstance(msg, m.Done):
             if r.trace is not None:
                 mark(r.trace, "recv")

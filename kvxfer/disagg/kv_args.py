@@ -202,6 +202,9 @@ class KVArgs:
         }
         if self.kv_segments:
             fp["kv_segments"] = [list(s) for s in self.kv_segments]
+        # a capability, not compared (check_compatible reads only its own keys): this side
+        # takes LayerDone notifications (kvxfer.disagg.layerwise)
+        fp["layer_notify"] = True
         return fp
 
 

@@ -27,6 +27,7 @@ class Link:
         "refused",
         "remote_items",
         "page_size",
+        "layer_notify",
     )
 
     def __init__(self, key: str, peer: Any, name: str = "") -> None:
@@ -43,6 +44,8 @@ class Link:
         self.remote_items: Dict[str, int] = {}
         #: the peer's page size (from its hello's fingerprint; prefill side), 0: not known
         self.page_size = 0
+        #: the peer takes LayerDone notifications (its hello's fingerprint; prefill side)
+        self.layer_notify = False
         groups = getattr(peer, "remote_groups", None) or {}
         for g, (lens, item_lens) in groups.items():
             self.remote_items[g] = min(
