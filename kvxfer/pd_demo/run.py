@@ -150,6 +150,7 @@ def run_demo(
     integrity: bool = False,
     decode_page_size: Optional[int] = None,
     decode_prefix: int = 0,
+    layerwise: bool = False,
     progress=None,
 ) -> dict:
     """Run the demo; returns the report (``REQUIRED_KEYS`` and more). ``progress``: a
@@ -188,6 +189,7 @@ def run_demo(
             "integrity": integrity,
             "decode_page_size": decode_page_size,
             "decode_prefix": decode_prefix,
+            "layerwise": layerwise,
         },
         PDWorker,
     )
@@ -220,6 +222,7 @@ def run_demo(
         spec, info, reqs, p, d, chunk_tokens, error_mode, window, t_up, time.perf_counter() - t0
     )
     report["integrity"] = integrity
+    report["layerwise"] = layerwise
     return report
 
 
@@ -357,6 +360,12 @@ def format_table(r: dict) -> str:
             else "off",
         ),
         (
+            "streaming",
+            "layer-wise (begin_chunk + layer_ready per kv layer)"
+            if r.get("layerwise")
+            else "whole chunks (send)",
+        ),
+        (
             "leaks",
             "none (allocators full, no live rooms on either side)"
             if not r["leaked"]
@@ -413,6 +422,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="KVManager(integrity=True) on both workers: per-item checksums "
         "compared before decode reports Success",
     )
+    ap.add_argument(
+        "--layerwise",
+        action="store_true",
+        help="prefill streams each chunk layer by layer (KVSender.begin_chunk + "
+        "layer_ready; docs/layerwise.md)",
+    )
     clitools.add_json_args(ap)
     add_model_args(ap)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -441,6 +456,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 integrity=a.integrity,
                 decode_page_size=a.decode_page_size,
                 decode_prefix=a.decode_prefix,
+                layerwise=a.layerwise,
                 progress=pr,
             )
     except InvalidArgument as exc:
