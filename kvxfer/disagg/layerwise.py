@@ -16,12 +16,12 @@ per-layer pools (MHA K then V buffers, MLA, HND) own whole descriptors (descript
 layer ``d % num_layers``); a page-major pool's single descriptor holds every layer in each
 page, so a layer is a byte sub-range of each page (its K and V segments) — one run per page
 and layer instead of one per page run. ``layers_per_write`` (``begin_chunk``) groups that
-many ready layers per write; whatever becomes ready while a write is in flight is coalesced
-into the next one anyway. Which wins for which sizes: bench/results/layerwise-cpu.md.
+many ready layers per write. Which wins for which sizes: bench/results/layerwise-cpu.md.
 
-Invariants (those of whole-chunk sends, kept): a room's writes form one chain (each awaits
-the previous), so the completing write's notify is issued after every earlier layer write of
-the room is flushed; ``after_fail`` waits for the chain, so aborts, deadlines and the fenced
+Invariants (those of whole-chunk sends, kept): a room's writes form one chain — a layer
+write is posted at once (several may be on the wire) but completes only after the previous
+write of the chain did, and the chunk's completing write posts only after that — so the
+completing write's notify is issued after every earlier layer write of the room is flushed; ``after_fail`` waits for the chain, so aborts, deadlines and the fenced
 release hold exactly as before; a layer write that times out fences the link. Layers are
 declared in any order, each once per chunk; a chunk begins only after every layer of the
 previous one was declared. Before decode's metadata arrives nothing can be planned: a chunk
@@ -186,7 +186,6 @@ class LayerStream:
         self._poll: Optional[asyncio.TimerHandle] = None
         self._poll_s = EVENT_POLL_MIN_S
         self._poll_until: Optional[float] = None
-        self._after_chain = False  # a pump is due when the room's current write ends
 
     def begin(self, src: np.ndarray, state: Optional[np.ndarray], last: bool, group: int) -> None:
         self.chunks.append(_Chunk(src, state, last, group))
@@ -221,22 +220,12 @@ class LayerStream:
             complete = len(c.sent) + len(todo) == L
             if not todo:
                 return
-            if not complete:
-                if len(todo) < c.group:
-                    return
-                if r.chain is not None and not r.chain.done():  # coalesce what comes next
-                    if not self._after_chain:
-                        self._after_chain = True
-                        r.chain.add_done_callback(self._chain_done)
-                    return
+            if not complete and len(todo) < c.group:
+                return
             self._issue(c, todo, complete)
             if not complete:
                 return
             self.chunks.popleft()
-
-    def _chain_done(self, _: Any) -> None:
-        self._after_chain = False
-        self.pump()
 
     def _events_done(self, c: _Chunk) -> Optional[List[int]]:
         """Declared layers whose CUDA event (if any) completed; schedules a re-poll for the
@@ -311,10 +300,19 @@ class LayerStream:
 async def _write_part(
     mgr: Any, r: Any, prev: Optional[asyncio.Future], kv: Any, notify: Optional[m.LayerDone]
 ) -> None:
-    """One layer write of a room's chain (no state, no aux, no chunk accounting): awaits the
-    previous write, then moves ``kv``; failures as in ``PrefillSide._write``."""
-    if prev is not None and not prev.done():
-        await asyncio.wait([prev])
+    """One layer write of a room's chain (no state, no aux, no chunk accounting): posts
+    ``kv`` at once (layer writes of a room overlap on the wire), then awaits the previous
+    write of the chain before it completes — so the chain's last task is done only once every
+    earlier write is, which is what the completing write and ``after_fail`` wait for.
+    Failures as in ``PrefillSide._write``."""
+    try:
+        await _post_part(mgr, r, kv, notify)
+    finally:
+        if prev is not None and not prev.done():
+            await asyncio.wait([prev])
+
+
+async def _post_part(mgr: Any, r: Any, kv: Any, notify: Optional[m.LayerDone]) -> None:
     if is_terminal(r.state):
         return
     link = r.link

@@ -81,7 +81,7 @@ def test_decode_sees_layers_before_success(cluster, room):
 
 @pytest.mark.parametrize("kind", ["mha", "hybrid_envelope"])
 def test_prefill_abort_while_a_layer_write_is_posted(cluster, room, kind):
-    """Prefill's scheduler aborts just as layer 1's write is posted: the write lands before
+    """Prefill's scheduler aborts just as a layer write is posted: the write lands before
     decode is told (Abort only once the chain settled), nothing is written after either
     side released, the later layer_ready calls are ignored."""
     c = cluster
@@ -89,12 +89,12 @@ def test_prefill_abort_while_a_layer_write_is_posted(cluster, room, kind):
     c.p[kind].p_open(r, 4)
     c.d[kind].d_open(r, 4)
     assert c.p[kind].poll_until(r, ["WaitingForInput"]) == "WaitingForInput"
-    n = c.p[kind].p_begin(r, 0, 4)
-    c.p[kind].p_layer(r, 0)
+    c.p[kind].p_send_layers(r, 0, 2)
+    n = c.p[kind].p_begin(r, 2, 4)
     c.p[kind].hook_on("before_layer_write", r, "call", Node.abort, r)
-    c.p[kind].p_layer(r, 1)
+    c.p[kind].p_layer(r, 0)
     assert c.p[kind].wait_fired("before_layer_write", r)[-1] == ("done", r)
-    for layer in range(2, n):
+    for layer in range(1, n):
         c.p[kind].p_layer(r, layer)
     res = c.p[kind].wait(r)
     assert res["state"] == "Failed" and res["exc"] == "TransferAborted", res
