@@ -37,6 +37,12 @@ from kvxfer.pd_demo.worker import PDWorker
 class LayerBenchWorker(PDWorker):
     """The demo's worker plus one timed request per call (see the module docstring)."""
 
+    def __init__(self, role: str, spec: dict, bootstrap: str, opts: dict) -> None:
+        from kvxfer.disagg import layerwise
+
+        layerwise.OVERLAP_WRITES = not opts.get("serial", False)
+        super().__init__(role, spec, bootstrap, opts)
+
     def _wait_room(self, room: int) -> float:
         while True:
             item = self._next_done(True)
@@ -163,7 +169,9 @@ def run(a) -> List[dict]:
                 device=a.device,
             )
             pair = start_pair(
-                spec, {"error_mode": a.error_mode, "deadline_s": 60.0}, LayerBenchWorker
+                spec,
+                {"error_mode": a.error_mode, "deadline_s": 60.0, "serial": a.serial},
+                LayerBenchWorker,
             )
             try:
                 info = pair.prefill.info()
@@ -267,6 +275,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--error-mode", choices=("peer", "none"), default="none")
+    ap.add_argument(
+        "--serial",
+        action="store_true",
+        help="post a room's layer writes one at a time (layerwise.OVERLAP_WRITES = False)",
+    )
     ap.add_argument("--progress", action="store_true", help="print each row when measured")
     clitools.add_json_args(ap)
     a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))

@@ -70,6 +70,10 @@ from kvxfer.errors import (
 #: CUDA event polling: first and longest wait between two ``query()`` calls, seconds
 EVENT_POLL_MIN_S = 50e-6
 EVENT_POLL_MAX_S = 1e-3
+#: a room's layer writes are posted as soon as their layer is ready (True), or each only
+#: once the previous write of the room completed (False: one write on the wire at a time;
+#: ``kvxfer bench layerwise --serial`` compares the two)
+OVERLAP_WRITES = True
 
 
 @dataclass(frozen=True)
@@ -305,6 +309,8 @@ async def _write_part(
     write of the chain before it completes — so the chain's last task is done only once every
     earlier write is, which is what the completing write and ``after_fail`` wait for.
     Failures as in ``PrefillSide._write``."""
+    if not OVERLAP_WRITES and prev is not None and not prev.done():
+        await asyncio.wait([prev])
     try:
         await _post_part(mgr, r, kv, notify)
     finally:
