@@ -4,14 +4,13 @@ One prefill and one decode process (the demo's workers and synthetic model, no M
 unless ``--mamba-layout``) per (kv layout, layer count). Per request (one chunk of
 ``--tokens`` tokens, one at a time, decode's metadata already at prefill): prefill runs a
 synthetic forward pass of ``L`` layers — on CPU a timed wait per layer of ``--per-layer-ms``
-or ``--per-token-us`` x tokens, whichever is longer,
-with ``--device cuda`` ``--matmul-reps`` bf16 matmuls of ``--matmul-n`` squared per layer —
-and either
+or ``--per-token-us`` x tokens, whichever is longer; with ``--device cuda`` (pools on the GPU)
+``--matmul-reps`` bf16 matmuls of ``--matmul-n`` squared per layer — and either
 
 * ``whole``: sends the chunk once every layer is computed (``send``), or
 * ``layer`` / ``groupG``: declares each layer as it finishes (``begin_chunk`` +
   ``layer_ready``; CUDA: with an event recorded after the layer's kernels), writes of
-  1 / G layers (what becomes ready while a write is in flight joins the next one).
+  1 / G layers (``--serial``: each posted only after the previous one completed).
 
 end to end = decode's ``Success`` (its ``on_done``) - the first layer's start, both
 CLOCK_MONOTONIC; compute = the last layer's end - the first layer's start (CUDA: after a
@@ -71,7 +70,7 @@ class LayerBenchWorker(PDWorker):
         if cuda:
             n = int(mm["n"])
             x = torch.randn(n, n, device=m.pages.device, dtype=torch.bfloat16)
-            w = torch.randn(n, n, device=m.pages.device, dtype=torch.bfloat16)
+            w = torch.randn(n, n, device=m.pages.device, dtype=torch.bfloat16) / n**0.5
             torch.cuda.synchronize(m.pages.device)
         stream = mode != "whole"
         group = int(mode[5:]) if mode.startswith("group") else 1
@@ -85,7 +84,7 @@ class LayerBenchWorker(PDWorker):
                 for _ in range(int(mm["reps"])):
                     x = x @ w
                 ev = torch.cuda.Event()
-                ev.record()
+                ev.record(torch.cuda.current_stream(m.pages.device))
             else:
                 _wait_until(time.monotonic() + per_layer_s)
             t_ready.append(time.monotonic())
