@@ -489,6 +489,10 @@ class Node:
         for layer in order if order is not None else range(n):
             self.p_layer(room, layer)
 
+    def p_send_layers_on_loop(self, room: int, lo: int, hi: int) -> None:
+        """:meth:`p_send_layers` run on the manager's own loop (an asyncio scheduler)."""
+        self.mgr.call_wait(self.p_send_layers, room, lo, hi)
+
     def d_wait_layer(self, room: int, layer: int, timeout: float = 10.0) -> dict:
         h = self.rooms[room]["h"]
         h.wait_layer(layer, timeout)

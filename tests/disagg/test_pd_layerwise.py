@@ -55,6 +55,17 @@ def test_mixed_whole_and_layerwise_chunks(cluster, room, kind):
     _success(c, kind, r)
 
 
+def test_layerwise_from_the_managers_loop(cluster, room):
+    """An asyncio scheduler on the manager's loop: the calls run inline there."""
+    c, k = cluster, "page_major"
+    r = room()
+    c.p[k].p_open(r, 4)
+    c.d[k].d_open(r, 4)
+    c.p[k].p_send_layers_on_loop(r, 0, 2)
+    c.p[k].p_send_layers_on_loop(r, 2, 4)
+    _success(c, k, r)
+
+
 def test_decode_sees_layers_before_success(cluster, room):
     """The last chunk's early layers are visible on decode while its last write is held."""
     c, k = cluster, "page_major"
