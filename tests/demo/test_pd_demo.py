@@ -324,3 +324,21 @@ def test_pd_bench_smoke(tmp_path, capsys):
     assert row["large_bytes"] == row["request_bytes_1page"] + 15 * row["page_bytes"]
     assert row["large_ops"] >= 3 and row["req_per_s"] > 0 and row["ratio_median"] > 0
     assert "× raw" in capsys.readouterr().out
+
+
+def test_layerwise_bench_smoke(tmp_path):
+    """`kvxfer bench layerwise`, tiny: every mode's request succeeds on both sides, the
+    streaming runs measure one layer's transfer, the table has a row per size."""
+    from kvxfer.bench import layerwise
+
+    out = tmp_path / "lw.json"
+    argv = ["--device", DEVICE, "--kv-layout", "page_major", "--layers", "4"]
+    argv += ["--tokens", "64,256", "--iters", "1", "--per-layer-ms", "2"]
+    argv += ["--mamba-layout", "envelope", "--json-out", str(out)]
+    assert layerwise.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["tokens"] for r in rows] == [64, 256]
+    for r in rows:
+        assert set(r["tail_ms"]) == {"whole", "layer", "group4"}
+        assert r["t1_ms"] is not None and r["t1_ms"] > 0
+        assert r["compute_ms"]["layer"] >= 4 * 2.0
