@@ -15,6 +15,7 @@ BENCHES = {
     "transfer": "KV transfer bandwidth / latency over UCX vs raw UCX and memcpy",
     "pd": "prefill/decode worker pair: end-to-end request transfer",
     "offload": "offload / restore of retracted requests to host memory",
+    "layerwise": "layer-wise streaming vs whole-chunk sends, end to end",
 }
 
 

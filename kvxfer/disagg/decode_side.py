@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from kvxfer import errors as kerr
-from kvxfer.disagg import bootstrap, tp_rooms
+from kvxfer.disagg import bootstrap, layerwise, tp_rooms
 from kvxfer.disagg import errors as derr
 from kvxfer.disagg import messages as m
 from kvxfer.disagg.context import DecodeContext
@@ -420,6 +420,8 @@ class DecodeSide:
                 mgr.advance(r, KVPoll.Transferring)
                 if r.parent is not None:
                     mgr.advance(r.parent, KVPoll.Transferring)
+        elif isinstance(msg, m.LayerDone):
+            layerwise.on_layer_done(mgr, r, msg)
         elif isinstance(msg, m.Done):
             if r.trace is not None:
                 mark(r.trace, "recv")

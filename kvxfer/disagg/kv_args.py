@@ -211,6 +211,9 @@ class KVArgs:
             fp["kv_segments"] = [list(s) for s in self.kv_segments]
         if self.tp_shape:
             fp["tp"] = self.tp_shape
+        # a capability, not compared (check_compatible reads only its own keys): this side
+        # takes LayerDone notifications (kvxfer.disagg.layerwise)
+        fp["layer_notify"] = True
         return fp
 
 

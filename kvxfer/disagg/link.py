@@ -28,6 +28,7 @@ class Link:
         "remote_items",
         "page_size",
         "tp",
+        "layer_notify",
     )
 
     def __init__(self, key: str, peer: Any, name: str = "") -> None:
@@ -47,6 +48,8 @@ class Link:
         #: heterogeneous TP (kvxfer.disagg.tp_rooms.TpPair): the peer's TP rank and size and
         #: both sides' item geometries; None when both TP sizes are equal
         self.tp: Any = None
+        #: the peer takes LayerDone notifications (its hello's fingerprint; prefill side)
+        self.layer_notify = False
         groups = getattr(peer, "remote_groups", None) or {}
         for g, (lens, item_lens) in groups.items():
             self.remote_items[g] = min(

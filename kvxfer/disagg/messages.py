@@ -196,6 +196,19 @@ class Chunk(wire.Message):
 
 @wire.register
 @dataclass
+class LayerDone(wire.Message):
+    """Prefill -> decode (write notify), layer-wise streaming of a room's last chunk only
+    (:mod:`kvxfer.disagg.layerwise`), and only to a decode whose hello fingerprint says
+    ``layer_notify``: every byte of the layers set in ``mask`` (bit ``i`` of byte ``i // 8``)
+    is visible for the whole request."""
+
+    TAG = "pd.layer_done"
+    room: int
+    mask: bytes
+
+
+@wire.register
+@dataclass
 class Done(wire.Message):
     """Prefill -> decode (write notify): the last chunk, state and aux row are visible."""
 

@@ -85,11 +85,14 @@ def plan_runs(
     end: int,
     *,
     src_first_page: int = 0,
+    keep: Optional[np.ndarray] = None,
 ) -> Runs:
     """Byte runs moving tokens ``[start, end)``. ``src_pages[i]`` holds tokens
     ``[(src_first_page + i) * src_page_size, +src_page_size)``; ``dst_pages[i]`` holds tokens
     ``[i * dst_page_size, +dst_page_size)``. Raises :class:`IndexOutOfRange` when the pages do
-    not cover ``[start, end)``."""
+    not cover ``[start, end)``. ``keep``: a bool mask over every descriptor's segments
+    (flattened descriptor-major): only those segments' bytes move (one layer's, say:
+    :mod:`kvxfer.disagg.layerwise`)."""
     ps, pd = int(src_page_size), int(dst_page_size)
     if ps <= 0 or pd <= 0 or start < 0:
         raise InvalidArgument(f"page sizes {ps}/{pd} must be > 0 and start {start} >= 0")
@@ -125,6 +128,9 @@ def plan_runs(
     so = s_page[None, :] * (ps * item_tb)[:, None] + ps * seg_cum[:, None] + s_slot[None, :] * tb
     do = d_page[None, :] * (pd * item_tb)[:, None] + pd * seg_cum[:, None] + d_slot[None, :] * tb
     nb = ntok[None, :] * tb
+    if keep is not None:
+        rows = np.flatnonzero(np.asarray(keep, dtype=bool))
+        so, do, nb, seg_desc = so[rows], do[rows], nb[rows], seg_desc[rows]
     # order: descriptor, piece, segment (a whole page's segments then touch: they merge)
     n_p = lo.size
     key = (seg_desc[:, None] * n_p + np.arange(n_p, dtype=np.int64)[None, :]).ravel()

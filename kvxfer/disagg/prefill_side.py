@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
 
@@ -209,6 +209,9 @@ class PrefillSide:
             if is_terminal(r.state):
                 break
             self._issue(r, src, st, last)
+        stream = getattr(r.handle, "layer_stream", None)
+        if stream is not None:  # layers declared before decode's metadata (layerwise.py)
+            stream.pump()
 
     def fail_pending(self, p: Room, exc: BaseException, *, notify: bool, peer_gone: bool) -> None:
         """A 'pending' record failed (decode aborted, its deadline passed, the link died,
@@ -316,10 +319,19 @@ class PrefillSide:
             return None
         return runs.raw_write("kv")
 
-    def _issue(self, r: Room, src: np.ndarray, src_state: Optional[np.ndarray], last: bool) -> None:
+    def _issue(
+        self,
+        r: Room,
+        src: np.ndarray,
+        src_state: Optional[np.ndarray],
+        last: bool,
+        kv_part: Optional[Callable[[Room, np.ndarray, int], Any]] = None,
+    ) -> None:
+        """Chain the write of a chunk. ``kv_part``: builds its kv write instead of
+        :meth:`_kv_part` (layer-wise streaming: the chunk's last layers only)."""
         mgr = self.mgr
         start = r.pages_queued
-        kv = self._kv_part(r, src, start)
+        kv = (kv_part or self._kv_part)(r, src, start)
         if last and r.trace is not None:
             mark(r.trace, "plan")
         n_state = 0 if src_state is None else len(src_state)
@@ -503,6 +515,7 @@ class PrefillSide:
         link.refused = refused
         link.page_size = int(page_size) if refused is None else 0
         link.tp = tp if refused is None else None
+        link.layer_notify = refused is None and msg.fingerprint.get("layer_notify") is True
         mgr.send_msg(link, m.HelloAck(ok=refused is None, error=str(refused or ""), name=mgr.name))
 
     def _reject(self, link: Link, room: int, exc: KvxferError) -> None:

@@ -14,6 +14,7 @@ from typing import Optional
 from kvxfer.argcheck import as_int
 from kvxfer.disagg.bootstrap import parse_addr
 from kvxfer.disagg.handle import OnDone, RoomHandle, as_ids
+from kvxfer.disagg.layerwise import LayerReadiness
 from kvxfer.disagg.page_map import check_span
 from kvxfer.disagg.roles import DisaggMode
 from kvxfer.errors import InvalidArgument
@@ -35,6 +36,8 @@ class KVReceiver(RoomHandle):
         self._meta = False
         super().__init__(mgr, room, on_done)
         self._r.bootstrap_addr = self.bootstrap_addr  # read on the loop only after init/abort
+        #: per-layer readiness (layer-wise streaming, kvxfer.disagg.layerwise)
+        self.layers = LayerReadiness(self)
 
     def init(self) -> None:
         """Start looking up and connecting to the prefill rank (non-blocking).
@@ -87,3 +90,14 @@ class KVReceiver(RoomHandle):
         check_span(len(kv), self.mgr.args.page_size, prefix, tokens, f"room {self.room}")
         self._meta = True
         self.mgr.call(self.mgr.side.send_metadata, self._r, kv, st, aux, (prefix, tokens))
+
+    def layers_ready(self) -> int:
+        """How many leading kv layers are visible: layers ``[0, n)`` (all at Success).
+        Earlier than Success only when prefill streams layer-wise. Runs on: any thread."""
+        return self.layers.count()
+
+    def wait_layer(self, layer: int, timeout: float = 60.0) -> None:
+        """Block until every byte of kv layer ``layer`` of this request is visible (state
+        slots and the aux row: only at Success). Raises the room's failure, or
+        TransferTimeout. Runs on: any thread but the manager's loop."""
+        self.layers.wait(layer, timeout)

@@ -193,14 +193,23 @@ class DemoModel:
         return self.pages.pages_to_tokens(pages)[lo_tok:hi_tok]
 
     def write_tokens(
-        self, room: int, pages: torch.Tensor, lo_tok: int, hi_tok: int, length: int
+        self,
+        room: int,
+        pages: torch.Tensor,
+        lo_tok: int,
+        hi_tok: int,
+        length: int,
+        layers: Optional[List[int]] = None,
     ) -> None:
         """Prefill 'computes' token positions ``[lo_tok, hi_tok)`` of the request (positions
-        past ``length`` are written as zeros) through the pools' kernel-backed stores."""
+        past ``length`` are written as zeros) through the pools' kernel-backed stores;
+        ``layers``: only those kv layers (indices into the full-attention layers)."""
         loc = self._locs(pages, lo_tok, hi_tok)
         pos = torch.arange(lo_tok, hi_tok, device=loc.device)
         s = self.spec
         for i, lid in enumerate(self.attn_ids):
+            if layers is not None and i not in layers:
+                continue
             if s.kv_layout == "mla":
                 r, dr = self.mla_dims
                 nope = kv_rows(room, i, 0, pos, length, (1, r), self.dtype)

@@ -193,6 +193,7 @@ def run_demo(
     decode_prefix: int = 0,
     prefill_tp: int = 1,
     decode_tp: int = 1,
+    layerwise: bool = False,
     progress=None,
 ) -> dict:
     """Run the demo; returns the report (``REQUIRED_KEYS`` and more). ``progress``: a
@@ -238,6 +239,7 @@ def run_demo(
             "integrity": integrity,
             "decode_page_size": decode_page_size,
             "decode_prefix": decode_prefix,
+            "layerwise": layerwise,
         },
         PDWorker,
         prefill_tp,
@@ -277,6 +279,7 @@ def run_demo(
     )
     report["integrity"] = integrity
     report["prefill_tp"], report["decode_tp"] = prefill_tp, decode_tp
+    report["layerwise"] = layerwise
     return report
 
 
@@ -420,6 +423,12 @@ def format_table(r: dict) -> str:
             else "off",
         ),
         (
+            "streaming",
+            "layer-wise (begin_chunk + layer_ready per kv layer)"
+            if r.get("layerwise")
+            else "whole chunks (send)",
+        ),
+        (
             "leaks",
             "none (allocators full, no live rooms on either side)"
             if not r["leaked"]
@@ -486,6 +495,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="prefill TP size: one worker process per rank (heterogeneous TP, docs/shapes.md)",
     )
     ap.add_argument("--decode-tp", type=int, default=1, help="decode TP size (as --prefill-tp)")
+    ap.add_argument(
+        "--layerwise",
+        action="store_true",
+        help="prefill streams each chunk layer by layer (KVSender.begin_chunk + "
+        "layer_ready; docs/layerwise.md)",
+    )
     clitools.add_json_args(ap)
     add_model_args(ap)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -521,6 +536,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 decode_prefix=a.decode_prefix,
                 prefill_tp=a.prefill_tp,
                 decode_tp=a.decode_tp,
+                layerwise=a.layerwise,
                 progress=pr,
             )
     except InvalidArgument as exc:

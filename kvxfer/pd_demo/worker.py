@@ -163,17 +163,41 @@ class PDWorker:
             n_tok = n * ps
             for lo in range(0, n_tok, chunk_tokens):
                 hi = min(lo + chunk_tokens, n_tok)
-                m.write_tokens(room, res["pages"], lo, hi, length)
                 last = hi == n_tok
-                state = None
-                if last and res["slot"] is not None:
+                state = [res["slot"]] if last and res["slot"] is not None else None
+                rec["chunks"] += 1
+                if self.opts.get("layerwise"):
+                    self._chunk_layerwise(h, rec, room, res, lo, hi, length, state)
+                    continue
+                m.write_tokens(room, res["pages"], lo, hi, length)
+                if state is not None:
                     m.write_state(room, res["slot"])
-                    state = [res["slot"]]
                 m.ready()
                 rec["t_send"] = time.monotonic()
-                rec["chunks"] += 1
                 h.send(res["pages"][lo // ps : hi // ps], state)
         return self._finish()
+
+    def _chunk_layerwise(self, h, rec, room, res, lo, hi, length, state) -> None:
+        """One chunk streamed layer by layer (kvxfer.disagg.layerwise): each kv layer is
+        'computed' (written), then declared ready — on CUDA with an event recorded after
+        its stores, which the manager's loop polls; the Mamba state, final only after the
+        chunk's last token, is written before the last layer is declared."""
+        import torch
+
+        m, ps = self.model, self.model.ps
+        h.begin_chunk(res["pages"][lo // ps : hi // ps], state)
+        n_layers = len(m.attn_ids)
+        for i in range(n_layers):
+            m.write_tokens(room, res["pages"], lo, hi, length, layers=[i])
+            if i == n_layers - 1 and state is not None:
+                m.write_state(room, res["slot"])
+            ev = None
+            if m.pages.device.type == "cuda":
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(m.pages.device))
+            if i == n_layers - 1:
+                rec["t_send"] = time.monotonic()
+            h.layer_ready(i, ev)
 
     # ------------------------------------------------------------------ decode
     def _open_receiver(self, room: int, res: dict, length: int):

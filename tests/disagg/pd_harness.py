@@ -121,6 +121,19 @@ def first_token(room: int) -> int:
     return room % 1000003
 
 
+class _FakeEvent:
+    """A CUDA event stand-in: ``query()`` is False ``polls`` times, then True (-1: never)."""
+
+    def __init__(self, polls: int) -> None:
+        self.left = polls
+
+    def query(self) -> bool:
+        if self.left < 0:
+            return False
+        self.left -= 1
+        return self.left < 0
+
+
 class Node:
     """One pool + allocators + KVManager (background loop) in a worker process."""
 
@@ -479,6 +492,38 @@ class Node:
             aux, real = self.mgr.aux, self.mgr.aux.stamp
             aux.stamp = lambda row, _room: (real(row, stamp_room), delattr(aux, "stamp"))
         rec["h"].send(rec["pages"][lo:hi], st)
+
+    # -- layer-wise streaming (kvxfer.disagg.layerwise) --
+    def p_begin(self, room: int, lo: int, hi: int, group: int = 1) -> int:
+        """``begin_chunk`` of pages ``[lo, hi)`` (state with the last); the layer count."""
+        rec = self.rooms[room]
+        st = [rec["slot"]] if hi == rec["n"] and rec["slot"] is not None else None
+        rec["h"].begin_chunk(rec["pages"][lo:hi], st, layers_per_write=group)
+        return rec["h"].num_layers
+
+    def p_layer(self, room: int, layer: int, polls: int = 0) -> None:
+        """``layer_ready(layer)``; ``polls`` > 0: with a fake CUDA event whose ``query()``
+        is False that many times (-1: never True)."""
+        ev = _FakeEvent(polls) if polls else None
+        self.rooms[room]["h"].layer_ready(layer, ev)
+
+    def p_send_layers(self, room: int, lo: int, hi: int, order=None, group: int = 1) -> None:
+        """A whole chunk layer-wise: begin it, declare its layers (in ``order``)."""
+        n = self.p_begin(room, lo, hi, group)
+        for layer in order if order is not None else range(n):
+            self.p_layer(room, layer)
+
+    def p_send_layers_on_loop(self, room: int, lo: int, hi: int) -> None:
+        """:meth:`p_send_layers` run on the manager's own loop (an asyncio scheduler)."""
+        self.mgr.call_wait(self.p_send_layers, room, lo, hi)
+
+    def d_wait_layer(self, room: int, layer: int, timeout: float = 10.0) -> dict:
+        h = self.rooms[room]["h"]
+        h.wait_layer(layer, timeout)
+        return {"ready": h.layers_ready(), "state": h.poll().name}
+
+    def d_layers_ready(self, room: int) -> int:
+        return self.rooms[room]["h"].layers_ready()
 
     def p_send_raw(self, room: int, kv, state=None) -> None:
         self.rooms[room]["h"].send(kv, state)
