@@ -148,21 +148,9 @@ class UcxTransport(Transport):
         the queue's eventfd callback sets it) to the monotonic time UCX reported completion,
         or fails with PeerClosed / TransportError. The caller bounds the wait and may
         complete the future itself (timeout, peer death); a late callback is ignored."""
-        loop = self._bind_loop()
-        token = next(self._tokens)
-        fut = loop.create_future()
-        try:
-            status = self._cq.ep_flush(ep_handle, token, spin)
-        except ValueError as exc:  # NULL handle
-            fut.set_exception(PeerClosed(str(exc)))
-            return fut
-        if status is None:
-            self._flushes[token] = fut
-        elif status == self.rma.UCS_OK:
-            fut.set_result(time.monotonic())
-        else:
-            fut.set_exception(status_error(self.rma, status, "ucp_ep_flush"))
-        return fut
+        return self._started(
+            lambda token: self._cq.ep_flush(ep_handle, token, spin), "ucp_ep_flush"
+        )
 
     def chain_future(
         self, ep_handle: int, spin: bool, ctx: int, note_token: int, payload: bytes
@@ -175,13 +163,22 @@ class UcxTransport(Transport):
         monotonic time the chain ended (or fails: the flush failed and nothing was sent,
         PeerClosed / TransportError; or the endpoint was closing, PeerClosed). Like
         :meth:`flush_future`, unbounded, and set directly by the eventfd callback."""
+        return self._started(
+            lambda token: self._cq.flush_notify(
+                ep_handle, token, spin, ctx, note_token, payload, self.chain_inline_us
+            ),
+            "flush + notify" if note_token else "ucp_ep_flush",
+        )
+
+    def _started(self, start: Callable[[int], Optional[int]], what: str) -> asyncio.Future:
+        """Run ``start(token)`` (a native flush or chain) and return its future: resolved now
+        when it ended inline, failed now when it could not start, else registered under
+        ``token`` for the completion queue's callback."""
         loop = self._bind_loop()
         token = next(self._tokens)
         fut = loop.create_future()
         try:
-            status = self._cq.flush_notify(
-                ep_handle, token, spin, ctx, note_token, payload, self.chain_inline_us
-            )
+            status = start(token)
         except ValueError as exc:  # NULL handle
             fut.set_exception(PeerClosed(str(exc)))
             return fut
@@ -190,7 +187,6 @@ class UcxTransport(Transport):
         elif status == self.rma.UCS_OK:
             fut.set_result(time.monotonic())
         else:
-            what = "flush + notify" if note_token else "ucp_ep_flush"
             fut.set_exception(status_error(self.rma, status, what))
         return fut
 
