@@ -11,6 +11,7 @@ always wins.
 - ``KVXFER_FLUSH_PROGRESS`` = ``auto`` | ``spin`` | ``event`` — default of
   :attr:`EngineConfig.flush_progress`.
 - ``KVXFER_DEVICE_COPY`` = ``auto`` | ``off`` — default of :attr:`EngineConfig.device_copy`.
+- ``KVXFER_DEVICE_SMALL_OPS`` = an int — default of :attr:`EngineConfig.device_small_ops`.
 - ``KVXFER_SECRET`` — the shared secret of a ``KVManager``, ``BootstrapServer`` or bootstrap
   client built without ``secret=``, read when it is built (:func:`resolve_secret`; never part
   of :func:`env_defaults`, which ``kvxfer info`` prints). There is no built-in default:
@@ -70,6 +71,8 @@ def env_defaults() -> dict:
         out["flush_progress"] = env["KVXFER_FLUSH_PROGRESS"].strip().lower()
     if env.get("KVXFER_DEVICE_COPY"):
         out["device_copy"] = env["KVXFER_DEVICE_COPY"].strip().lower()
+    if env.get("KVXFER_DEVICE_SMALL_OPS"):
+        out["device_small_ops"] = int(env["KVXFER_DEVICE_SMALL_OPS"])
     for key, name in (
         ("connect_timeout_s", "KVXFER_CONNECT_TIMEOUT_S"),
         ("transfer_timeout_s", "KVXFER_TRANSFER_TIMEOUT_S"),
@@ -147,6 +150,11 @@ class EngineConfig:
     #: scattered writes of many runs faster as one launch (device vs direct rows in
     #: bench/results/transfer-h200.md, launch costs in bench/results/transfer-h200-diag.md)
     device_min_ops: int = 128
+    #: a write of at most this many runs also takes the device lane: one copy-engine
+    #: ``cuMemcpyDtoDAsync`` per run and an event polled inline, no kernel launch and no UCX
+    #: flush (small writes: latency rows in bench/results/stages-h200.md); 0: never.
+    #: None -> env KVXFER_DEVICE_SMALL_OPS or 0
+    device_small_ops: Optional[int] = None
     #: staged path (see kvxfer.engine.staging): an ItemWrite part that would need more than
     #: this many PUTs is gathered into a registered staging slot, PUT as one op per chunk into
     #: the peer's landing ring and scattered there before the notification; 0 disables staging
@@ -197,6 +205,8 @@ class EngineConfig:
             raise InvalidArgument(
                 f"EngineConfig.device_copy={self.device_copy!r}; expected one of {DEVICE_COPY}"
             )
+        if self.device_small_ops is None:
+            self.device_small_ops = env.get("device_small_ops", 0)
         if self.connect_timeout_s is None:
             self.connect_timeout_s = env.get("connect_timeout_s", 10.0)
         if self.transfer_timeout_s is None:
@@ -217,6 +227,7 @@ class EngineConfig:
                 raise InvalidArgument(f"EngineConfig.{name}={v!r} must be > 0")
         for name, low in (
             ("device_min_ops", 1),
+            ("device_small_ops", 0),
             ("stage_min_ops", 0),
             ("stage_slot_bytes", 1),
             ("stage_slots", 1),

@@ -67,15 +67,19 @@ class LayerBenchWorker(PDWorker):
                 raise RuntimeError(f"room {room}: still {h.poll().name}")
             time.sleep(0.0002)
         cuda = m.pages.device.type == "cuda"
+        evs: list = []
         if cuda:
             n = int(mm["n"])
             x = torch.randn(n, n, device=m.pages.device, dtype=torch.bfloat16)
             w = torch.randn(n, n, device=m.pages.device, dtype=torch.bfloat16) / n**0.5
             torch.cuda.synchronize(m.pages.device)
+            ev0 = torch.cuda.Event(enable_timing=True)
         stream = mode != "whole"
         group = int(mode[5:]) if mode.startswith("group") else 1
         t_ready: List[float] = []
         t0 = time.monotonic()
+        if cuda:  # the GPU is idle: this event completes at ~t0 (the clock of the layer ends)
+            ev0.record(torch.cuda.current_stream(m.pages.device))
         if stream:
             h.begin_chunk(res["pages"], state, layers_per_write=group)
         for i in range(n_layers):
@@ -83,8 +87,9 @@ class LayerBenchWorker(PDWorker):
             if cuda:
                 for _ in range(int(mm["reps"])):
                     x = x @ w
-                ev = torch.cuda.Event()
+                ev = torch.cuda.Event(enable_timing=True)
                 ev.record(torch.cuda.current_stream(m.pages.device))
+                evs.append(ev)
             else:
                 _wait_until(time.monotonic() + per_layer_s)
             t_ready.append(time.monotonic())
@@ -92,16 +97,22 @@ class LayerBenchWorker(PDWorker):
                 h.layer_ready(i, ev)
         if cuda:
             torch.cuda.synchronize(m.pages.device)
-        t_compute = time.monotonic()
+            # a layer is ready when its kernels ended on the GPU, not when they were queued
+            t_ready = [t0 + ev0.elapsed_time(ev) / 1e3 for ev in evs]
+            t_compute = t_ready[-1]
+        else:
+            t_compute = time.monotonic()
         if not stream:
             h.send(res["pages"], state)
         t_done = self._wait_room(room)
+        trace = [t for t in self.mgr.drain_trace() if t.get("room") == room]
         return {
             "t0": t0,
             "t_compute": t_compute,
             "t_ready": t_ready,
             "t_done": t_done,
             "state": self.finished[room]["state"],
+            "trace": trace[0] if trace else None,
         }
 
     # ------------------------------------------------------------------ decode
@@ -169,7 +180,12 @@ def run(a) -> List[dict]:
             )
             pair = start_pair(
                 spec,
-                {"error_mode": a.error_mode, "deadline_s": 60.0, "serial": a.serial},
+                {
+                    "error_mode": a.error_mode,
+                    "deadline_s": 60.0,
+                    "serial": a.serial,
+                    "trace": True if a.stages else None,
+                },
                 LayerBenchWorker,
             )
             try:
@@ -196,6 +212,7 @@ def run(a) -> List[dict]:
                             if it:
                                 per[mode].append({"p": p, "d": d})
                     rows.append(_row(layout, n_layers, tokens, info, per))
+                    rows[-1]["device_lanes"] = pair.prefill.device_lanes()
                     if a.progress:
                         print(_fmt_row(rows[-1], modes), file=sys.stderr, flush=True)
             finally:
@@ -220,7 +237,61 @@ def _row(layout: str, n_layers: int, tokens: int, info: dict, per: Dict[str, Lis
         out["tail_ms"][mode] = med([(r["d"]["t_done"] - r["p"]["t_compute"]) * 1e3 for r in runs])
     t1 = [x for r in per.get("layer", []) if (x := _layer_time(r["p"], r["d"])) is not None]
     out["t1_ms"] = med(t1) * 1e3 if t1 else None
+    stages = [x for r in per.get("layer", []) for x in _layer_stages(r["p"], r["d"])]
+    if stages:
+        out["layer_stages_us"] = {k: med([x[k] for x in stages]) for k in STAGES}
     return out
+
+
+#: one single-layer write, in µs (``--stages``): ``event`` layer's end on the GPU (or the
+#: scheduler's layer_ready) -> the loop saw it; ``hop`` -> ``Peer.write`` called; ``post`` /
+#: ``flush`` the engine's stages; ``write`` the whole ``Peer.write``; ``receipt`` -> decode's
+#: loop handled the LayerDone; ``ops`` / ``device_ops`` of the write (counts, not µs)
+STAGES = ("event", "hop", "post", "flush", "write", "receipt", "ops", "device_ops")
+
+
+def _layer_stages(p: dict, d: dict) -> List[dict]:
+    tr = p.get("trace") or {}
+    seen, writes = tr.get("layer_seen", {}), tr.get("layer_writes", [])
+    done = {}
+    for t, bits in d["layers"]:
+        if bits and bits & (bits - 1) == 0:
+            done[bits.bit_length() - 1] = t
+    out = []
+    for w in writes:
+        if len(w["layers"]) != 1 or w["layers"][0] not in done:
+            continue
+        i = w["layers"][0]
+        ready = p["t_ready"][i] * 1e9
+        t_seen = seen.get(i, ready)  # no event: layer_ready's call is when the loop may see it
+        out.append(
+            {
+                "event": (t_seen - ready) / 1e3,
+                "hop": (w["call"] - t_seen) / 1e3,
+                "post": w["post_us"],
+                "flush": w["flush_us"],
+                "write": (w["ret"] - w["call"]) / 1e3,
+                "receipt": (done[i] * 1e9 - w["ret"]) / 1e3,
+                "ops": w["ops"],
+                "device_ops": w["device_ops"],
+            }
+        )
+    return out
+
+
+def stage_table(rows: List[dict]) -> str:
+    head = ["kv layout", "layers", "tokens"] + [f"{k} µs" for k in STAGES[:6]] + list(STAGES[6:])
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        st = r.get("layer_stages_us")
+        if not st:
+            continue
+        cells = [r["kv_layout"], str(r["layers"]), str(r["tokens"])]
+        cells += [f"{st[k]:.0f}" for k in STAGES]
+        out.append("| " + " | ".join(cells) + " |")
+    lanes = sorted({f"{k}: {v}" for r in rows for k, v in r.get("device_lanes", {}).items()})
+    out += ["", "prefill's device lanes: " + ("; ".join(lanes) or "-")]
+    return "\n".join(out)
 
 
 def _fmt_row(r: dict, modes: List[str]) -> str:
@@ -280,10 +351,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="post a room's layer writes one at a time (layerwise.OVERLAP_WRITES = False)",
     )
     ap.add_argument("--progress", action="store_true", help="print each row when measured")
+    ap.add_argument(
+        "--stages",
+        action="store_true",
+        help="trace both managers and print the stages of the single-layer writes",
+    )
     clitools.add_json_args(ap)
     a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     rows = run(a)
     print(table(rows, a.modes.split(",")), flush=True)
+    if a.stages:
+        print("\nStages of a single-layer write (medians, `layer` mode):", flush=True)
+        print(stage_table(rows), flush=True)
     clitools.emit_json(a, {"rows": rows, "args": vars(a)})
     return 0
 

@@ -28,8 +28,15 @@ previous one was declared. Before decode's metadata arrives nothing can be plann
 whose layers are all declared by then is queued whole (as ``send()`` would).
 
 CUDA: ``layer_ready(i, event=ev)`` with an event recorded after the layer's kernels; the
-loop polls ``ev.query()`` (backing off 50 us .. 1 ms, bounded by ``transfer_s``: a room whose
-event never completes fails with TransferTimeout) before it posts that layer.
+layer is posted once the event completed: :mod:`kvxfer.disagg.event_wait` wakes the loop
+then (bounded by ``transfer_s``: a room whose event never completes fails with
+TransferTimeout).
+
+Writes in flight: at most ``MAX_INFLIGHT_WRITES`` layer writes of a room are on the wire;
+layers that become ready meanwhile go together in the next write (their runs merge where
+they are adjacent: a page-major page holds consecutive layers side by side). So a write's
+fixed cost (ops posted one by one on the loop, a flush, a notification) is paid once per
+batch of ready layers, not per layer, and the loop is never queued up behind posts.
 
 Decode: prefill sends ``LayerDone`` (the layers of the request's last chunk just made
 visible) to a decode that advertised ``layer_notify``; :class:`LayerReadiness` (one per
@@ -53,6 +60,7 @@ from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
 
+from kvxfer.disagg import event_wait
 from kvxfer.disagg import messages as m
 from kvxfer.disagg.kv_args import KVArgs
 from kvxfer.disagg.page_map import TokenGeometry, plan_runs
@@ -67,9 +75,8 @@ from kvxfer.errors import (
     UnsupportedOperation,
 )
 
-#: CUDA event polling: first and longest wait between two ``query()`` calls, seconds
-EVENT_POLL_MIN_S = 50e-6
-EVENT_POLL_MAX_S = 1e-3
+#: layer writes of one room on the wire at once (the chunk's completing write not counted)
+MAX_INFLIGHT_WRITES = 1
 #: a room's layer writes are posted as soon as their layer is ready (True), or each only
 #: once the previous write of the room completed (False: one write on the wire at a time;
 #: ``kvxfer bench layerwise --serial`` compares the two)
@@ -173,12 +180,13 @@ class _Chunk:
     """One declared chunk (loop side): its pages, the layers declared ready (with their
     CUDA events), the layers whose write was issued."""
 
-    __slots__ = ("src", "state", "last", "group", "ready", "sent")
+    __slots__ = ("src", "state", "last", "group", "ready", "sent", "watched")
 
     def __init__(self, src: np.ndarray, state: Optional[np.ndarray], last: bool, group: int):
         self.src, self.state, self.last, self.group = src, state, last, group
         self.ready: Dict[int, Any] = {}  # layer -> CUDA event or None
         self.sent: set = set()
+        self.watched: set = set()  # layers whose event was handed to event_wait
 
 
 class LayerStream:
@@ -187,9 +195,8 @@ class LayerStream:
     def __init__(self, mgr: Any, r: Any, lmap: LayerMap) -> None:
         self.mgr, self.r, self.lmap = mgr, r, lmap
         self.chunks: Deque[_Chunk] = deque()
-        self._poll: Optional[asyncio.TimerHandle] = None
-        self._poll_s = EVENT_POLL_MIN_S
-        self._poll_until: Optional[float] = None
+        self._bound: Optional[asyncio.TimerHandle] = None  # a layer's event: transfer_s
+        self.inflight = 0  # layer writes of this room not yet complete
 
     def begin(self, src: np.ndarray, state: Optional[np.ndarray], last: bool, group: int) -> None:
         self.chunks.append(_Chunk(src, state, last, group))
@@ -201,9 +208,6 @@ class LayerStream:
     # ------------------------------------------------------------------ the pump
     def pump(self, _: Any = None) -> None:
         """Issue every write that may go now (see the module docstring)."""
-        if self._poll is not None:
-            self._poll.cancel()
-            self._poll = None
         r, side = self.r, self.mgr.side
         L = self.lmap.num_layers
         while self.chunks:
@@ -231,7 +235,7 @@ class LayerStream:
             complete = len(c.sent) + len(todo) == L
             if not todo:
                 return
-            if not complete and len(todo) < c.group:
+            if not complete and (len(todo) < c.group or self.inflight >= MAX_INFLIGHT_WRITES):
                 return
             self._issue(c, todo, complete)
             if not complete:
@@ -257,27 +261,34 @@ class LayerStream:
             if ok:
                 c.ready[layer] = None
                 out.append(layer)
+                if self.r.trace is not None:  # when the loop saw the layer's event done
+                    self.r.trace.setdefault("layer_seen", {})[layer] = time.monotonic_ns()
             else:
                 waiting = True
-        loop = asyncio.get_running_loop()
+                if layer not in c.watched:
+                    c.watched.add(layer)
+                    event_wait.watch(ev, asyncio.get_running_loop(), self.pump)
         if not waiting:
-            self._poll_s, self._poll_until = EVENT_POLL_MIN_S, None
-        elif self._poll is None:
-            now = loop.time()
-            if self._poll_until is None:
-                self._poll_until = now + self.mgr.t.transfer_s
-            elif now > self._poll_until:
-                self.mgr.fail(
-                    self.r,
-                    TransferTimeout(
-                        f"room {self.r.room}: a layer's CUDA event did not complete within "
-                        f"{self.mgr.t.transfer_s:g}s"
-                    ),
-                )
-                return None
-            self._poll = loop.call_later(self._poll_s, self.pump)
-            self._poll_s = min(self._poll_s * 2, EVENT_POLL_MAX_S)
+            if self._bound is not None:
+                self._bound.cancel()
+                self._bound = None
+        elif self._bound is None:
+            self._bound = asyncio.get_running_loop().call_later(
+                self.mgr.t.transfer_s, self._expired
+            )
         return out
+
+    def _expired(self) -> None:
+        """A layer's event was still pending ``transfer_s`` after the wait began."""
+        self._bound = None
+        if self.chunks and not is_terminal(self.r.state):
+            self.mgr.fail(
+                self.r,
+                TransferTimeout(
+                    f"room {self.r.room}: a layer's CUDA event did not complete within "
+                    f"{self.mgr.t.transfer_s:g}s"
+                ),
+            )
 
     def _issue(self, c: _Chunk, layers: List[int], complete: bool) -> None:
         mgr, r = self.mgr, self.r
@@ -305,11 +316,24 @@ class LayerStream:
         if r.state != KVPoll.Transferring:
             mgr.advance(r, KVPoll.Transferring)
         prev = r.chain
-        r.chain = mgr.spawn(_write_part(mgr, r, prev, runs.raw_write("kv"), notify))
+        self.inflight += 1
+        r.chain = mgr.spawn(_write_part(mgr, r, prev, runs.raw_write("kv"), notify, layers))
+        r.chain.add_done_callback(self._write_done)
+
+    def _write_done(self, _: Any) -> None:
+        """A layer write completed (or failed): layers that became ready meanwhile may go.
+        Runs on: the loop thread."""
+        self.inflight -= 1
+        self.pump()
 
 
 async def _write_part(
-    mgr: Any, r: Any, prev: Optional[asyncio.Future], kv: Any, notify: Optional[m.LayerDone]
+    mgr: Any,
+    r: Any,
+    prev: Optional[asyncio.Future],
+    kv: Any,
+    notify: Optional[m.LayerDone],
+    layers: Sequence[int],
 ) -> None:
     """One layer write of a room's chain (no state, no aux, no chunk accounting): posts
     ``kv`` at once (layer writes of a room overlap on the wire), then awaits the previous
@@ -319,13 +343,15 @@ async def _write_part(
     if not OVERLAP_WRITES and prev is not None and not prev.done():
         await asyncio.wait([prev])
     try:
-        await _post_part(mgr, r, kv, notify)
+        await _post_part(mgr, r, kv, notify, layers)
     finally:
         if prev is not None and not prev.done():
             await asyncio.wait([prev])
 
 
-async def _post_part(mgr: Any, r: Any, kv: Any, notify: Optional[m.LayerDone]) -> None:
+async def _post_part(
+    mgr: Any, r: Any, kv: Any, notify: Optional[m.LayerDone], layers: Sequence[int]
+) -> None:
     if is_terminal(r.state):
         return
     link = r.link
@@ -333,6 +359,7 @@ async def _post_part(mgr: Any, r: Any, kv: Any, notify: Optional[m.LayerDone]) -
         mgr.fail(r, PeerClosed(f"room {r.room}: decode is gone"), notify=False, peer_gone=True)
         return
     mgr.hook("before_layer_write", r.room)
+    t_call = time.monotonic_ns()
     try:
         stats = await link.peer.write(
             [kv], notify=None if notify is None else notify.encode(), timeout=mgr.t.transfer_s
@@ -344,6 +371,8 @@ async def _post_part(mgr: Any, r: Any, kv: Any, notify: Optional[m.LayerDone]) -
     except KvxferError as exc:
         mgr.fail(r, exc)
         return
+    if r.trace is not None:
+        r.trace.setdefault("layer_writes", []).append(layer_write_record(t_call, stats, layers))
     st = mgr.stats
     st["writes"] += 1
     st["bytes"] += int(getattr(stats, "bytes", 0))
@@ -351,6 +380,22 @@ async def _post_part(mgr: Any, r: Any, kv: Any, notify: Optional[m.LayerDone]) -
     st["lanes"].update(getattr(stats, "lanes", ()) or ())
     if not is_terminal(r.state):
         mgr.arm(r)  # lease renewed by progress
+
+
+def layer_write_record(t_call: int, stats: Any, layers: Sequence[int]) -> Dict[str, Any]:
+    """What a traced room keeps of one layer write (``trace["layer_writes"]``): its layers,
+    the ``Peer.write`` call and return (monotonic ns), its ops (device-lane ops among them)
+    and the engine's stage durations in µs."""
+    return {
+        "layers": [int(x) for x in layers],
+        "call": t_call,
+        "ret": time.monotonic_ns(),
+        "ops": int(getattr(stats, "ops", 0)),
+        "device_ops": int(getattr(stats, "device_ops", 0)),
+        "post_us": float(getattr(stats, "post_s", 0.0)) * 1e6,
+        "flush_us": float(getattr(stats, "flush_s", 0.0)) * 1e6,
+        "complete_us": float(getattr(stats, "complete_s", 0.0)) * 1e6,
+    }
 
 
 class SenderLayers:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from typing import List, Sequence
 
 import numpy as np
@@ -44,6 +45,9 @@ _U64 = np.uint64
 MEMCPY_MAX_RUNS = 4
 #: bytes per kernel task (one GPU program each)
 TILE_BYTES = 1 << 20
+#: how long :meth:`DeviceLane.wait` polls a launch's event on the loop before it waits in a
+#: thread, seconds
+WAIT_SPIN_S = 50e-6
 
 
 class DeviceLane:
@@ -133,12 +137,18 @@ class DeviceLane:
         return ev
 
     @staticmethod
-    async def wait(ev) -> None:
-        """Until the launch's event completed (bytes visible at the peer); the event loop
-        keeps running. Runs on: the asyncio loop thread; ``ev.synchronize`` runs in the
-        default executor."""
-        if not ev.query():
-            await asyncio.get_running_loop().run_in_executor(None, ev.synchronize)
+    async def wait(ev, spin_s: float = WAIT_SPIN_S) -> None:
+        """Until the launch's event completed (bytes visible at the peer). Polls the event
+        inline for up to ``spin_s`` (a small copy is done within microseconds: no thread
+        hop), then waits in the default executor, the event loop running on. Runs on: the
+        asyncio loop thread; ``ev.synchronize`` runs in the default executor."""
+        if ev.query():
+            return
+        end = time.perf_counter() + spin_s
+        while time.perf_counter() < end:
+            if ev.query():
+                return
+        await asyncio.get_running_loop().run_in_executor(None, ev.synchronize)
 
     def close(self) -> None:
         """Wait for the stream, then unmap every imported region; idempotent."""

@@ -7,7 +7,9 @@ Invariants
   handler therefore runs after the bytes are visible there. Where the peer takes chained
   notifications (:mod:`kvxfer.engine.notes`) the flush and the notify are one native
   chain (the flush's completion callback sends it; the loop sees only the end), with the
-  same rule: nothing is sent unless the flush succeeded.
+  same rule: nothing is sent unless the flush succeeded. Notifications leave in the order
+  the writes were called: a write hands its notify over only after the previous notifying
+  write's was (flushes of concurrent writes may complete out of order, e.g. over cuda_ipc).
 - Every await is bounded (``timeout`` or the engine's ``transfer_timeout_s``) and also
   ends as soon as the peer is known dead (``PeerClosed``), whichever comes first.
 - Messages from the peer reach the engine's handlers in arrival order, one at a time; those
@@ -101,6 +103,8 @@ class Peer:
             notes.attach(self._inbox.put_nowait)
         self._note_to = remote.note_token
         self._notes_sent = 0  # chained notifications completed (told to the peer in Bye)
+        #: the last notifying write's gate: done once its notify was handed to UCX
+        self._note_gate: Optional[asyncio.Future] = None
         self.lanes: List[str] = rma.lanes()
         #: flushes progressed by the transport's native poller (see config.FLUSH_PROGRESS)
         self.spin = spin_flushes(
@@ -300,7 +304,10 @@ class Peer:
         t0 = time.perf_counter()
         deadline = self._loop.time() + timeout
         launched = None
-        if self._dev is not None and laddr.size >= self._config.device_min_ops:
+        cfg = self._config
+        if self._dev is not None and (
+            laddr.size >= cfg.device_min_ops or 0 < laddr.size <= (cfg.device_small_ops or 0)
+        ):
             on_dev = self._dev.select(lmemh, ridx)
             if on_dev.any():
                 launched = self._dev.launch(
@@ -316,46 +323,66 @@ class Peer:
                     lmemh[keep],
                     ridx[keep],
                 )
-        try:
-            if laddr.size:
-                self._rma.put(laddr, raddr, nbytes, lmemh, ridx)
-            t1, m1 = time.perf_counter(), time.monotonic()
-            if launched is not None:
-                await self._bounded(self._dev.wait(launched), timeout, "device copy")
-            drained = []  # one future per staged chunk: the peer scattered it
-            for group, src, dst, direct_ops in staged:
-                drained += await self._staged.write(group, src, dst, deadline, stats)
-                stats.staged_direct_ops += direct_ops
-            chain = None
-            if chainable(self._note_to, notify, bool(staged), bool(laddr.size)):
-                assert notify is not None
-                chain = self._rma.flush_notify_future(self._note_to, bytes(notify), self.spin)
-            if chain is not None:  # flush -> notify natively: one wake-up at the end
-                t_done = await self._bounded_future(chain, timeout, "flush + notify")
-                self._notes_sent += 1
-                notify = None
-                stats.flush_s = max(0.0, t_done - m1)
-                stats.wake_s = max(0.0, time.monotonic() - m1)
-            elif laddr.size:
-                t_done = await self._bounded_future(
-                    self._rma.flush_future(self.spin), timeout, "flush"
-                )
-                stats.flush_s = max(0.0, t_done - m1)
-                stats.wake_s = max(0.0, time.monotonic() - m1)
-        except PeerClosed as exc:  # the endpoint failed: this peer is gone
-            self._mark_dead(exc)
-            raise
+        # notifications leave in call order: this one waits until the previous notifying
+        # write's was handed to UCX (concurrent writes may flush out of order: cuda_ipc)
+        gate_prev = gate = None
         if notify is not None:
-            await self._bounded(
-                self._channel.send(m.AppMessage(payload=bytes(notify)).encode(), timeout),
-                timeout,
-                "notify",
-            )
-        if drained:  # complete = bytes in their final place at the peer, as for direct PUTs
-            t = self._left(deadline, "staged write")
-            await self._bounded(_all(drained), t, "scatter at the peer")
-        stats.post_s, stats.complete_s = t1 - t0, time.perf_counter() - t1
-        return stats
+            gate_prev, gate = self._note_gate, self._loop.create_future()
+            self._note_gate = gate
+        try:
+            try:
+                if laddr.size:
+                    self._rma.put(laddr, raddr, nbytes, lmemh, ridx)
+                t1, m1 = time.perf_counter(), time.monotonic()
+                if launched is not None:
+                    await self._bounded(self._dev.wait(launched), timeout, "device copy")
+                drained = []  # one future per staged chunk: the peer scattered it
+                for group, src, dst, direct_ops in staged:
+                    drained += await self._staged.write(group, src, dst, deadline, stats)
+                    stats.staged_direct_ops += direct_ops
+                if gate_prev is not None and not gate_prev.done():
+                    await self._bounded(
+                        asyncio.wait([gate_prev]),
+                        self._left(deadline, "notify order"),
+                        "notify order",
+                    )
+                chain = None
+                # a device launch counts as posted: its bytes are visible (awaited above), the
+                # flush of an idle endpoint completes at once and sends the notification natively
+                if chainable(
+                    self._note_to, notify, bool(staged), bool(laddr.size) or launched is not None
+                ):
+                    assert notify is not None
+                    chain = self._rma.flush_notify_future(self._note_to, bytes(notify), self.spin)
+                if chain is not None:  # flush -> notify natively: one wake-up at the end
+                    t_done = await self._bounded_future(chain, timeout, "flush + notify")
+                    self._notes_sent += 1
+                    notify = None
+                    stats.flush_s = max(0.0, t_done - m1)
+                    stats.wake_s = max(0.0, time.monotonic() - m1)
+                elif laddr.size:
+                    t_done = await self._bounded_future(
+                        self._rma.flush_future(self.spin), timeout, "flush"
+                    )
+                    stats.flush_s = max(0.0, t_done - m1)
+                    stats.wake_s = max(0.0, time.monotonic() - m1)
+            except PeerClosed as exc:  # the endpoint failed: this peer is gone
+                self._mark_dead(exc)
+                raise
+            if notify is not None:
+                await self._bounded(
+                    self._channel.send(m.AppMessage(payload=bytes(notify)).encode(), timeout),
+                    timeout,
+                    "notify",
+                )
+            if drained:  # complete = bytes in their final place at the peer, as for direct PUTs
+                t = self._left(deadline, "staged write")
+                await self._bounded(_all(drained), t, "scatter at the peer")
+            stats.post_s, stats.complete_s = t1 - t0, time.perf_counter() - t1
+            return stats
+        finally:
+            if gate is not None and not gate.done():
+                gate.set_result(None)
 
     def _left(self, deadline: float, what: str) -> float:
         left = deadline - self._loop.time()

@@ -243,6 +243,15 @@ class PDWorker:
             "state_entries": len(m.kv_args.state_data_ptrs),
         }
 
+    def device_lanes(self) -> Dict[str, str]:
+        """Each linked peer's device-lane status (``Peer.device_lane``: why it is off, or
+        where it is active), by peer name."""
+        out: Dict[str, str] = {}
+        for link in list(self.mgr.links.values()):
+            peer = getattr(link.peer, "_peer", link.peer)
+            out[link.name or link.key] = str(getattr(peer, "device_lane", "?"))
+        return out
+
     def close(self) -> None:
         self.mgr.close_background()
 

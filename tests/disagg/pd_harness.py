@@ -122,16 +122,24 @@ def first_token(room: int) -> int:
 
 
 class _FakeEvent:
-    """A CUDA event stand-in: ``query()`` is False ``polls`` times, then True (-1: never)."""
+    """A CUDA event stand-in: ``query()`` is False ``polls`` times, then True (-1: never);
+    ``synchronize()`` (the waiter thread's) completes it, except one that never completes
+    (it returns at once, as if the wait had failed: the room's bound must then fail it)."""
 
     def __init__(self, polls: int) -> None:
         self.left = polls
+        self.synced = 0
 
     def query(self) -> bool:
         if self.left < 0:
             return False
         self.left -= 1
         return self.left < 0
+
+    def synchronize(self) -> None:
+        self.synced += 1
+        if self.left >= 0:
+            self.left = 0
 
 
 class Node:
