@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Tuple
 
 from kvxfer.argcheck import as_int
 from kvxfer.errors import InvalidArgument
@@ -177,6 +177,16 @@ class EngineConfig:
     #: bench/results/transfer-cpu.md); CUDA groups, where a PUT costs more host time, are
     #: where the staged path can pay
     stage_host_memory: bool = False
+    #: strided slices (kvxfer.engine.slices, ``SliceWrite``): > 0 gives every staged group
+    #: (host memory included: on CPU, gathering head slices beats tens of thousands of tiny
+    #: PUTs, bench/results/tp-pd-cpu.md) staging and landing rings, so a ``SliceWrite`` can
+    #: go to peers that do the same; it is also the threshold callers apply: a write whose
+    #: direct plan needs more PUTs than this goes as a SliceWrite (the disagg layer's
+    #: heterogeneous-TP kv writes: ``KVManager(tp_stage_min_ops=...)``). 0: no slice writes
+    stage_slice_min_ops: int = 0
+    #: the groups that get staging rings (None: every group; e.g. ``("kv",)`` keeps the
+    #: rings off small groups such as aux rows)
+    stage_groups: Optional[Tuple[str, ...]] = None
     #: refuse (IncompatiblePeer at the handshake) a same-host peer when either side would
     #: have to PUT into CUDA memory that is not legacy-IPC capable (CUDA VMM): UCX emulates
     #: such PUTs in software, far below the copy engines. Off: such groups only get a loud
@@ -232,6 +242,7 @@ class EngineConfig:
             ("stage_slot_bytes", 1),
             ("stage_slots", 1),
             ("stage_peer_slots", 1),
+            ("stage_slice_min_ops", 0),
         ):
             setattr(self, name, as_int(getattr(self, name), f"EngineConfig.{name}", low))
         if not isinstance(self.refuse_emulated_destinations, bool):
@@ -243,6 +254,14 @@ class EngineConfig:
             raise InvalidArgument(
                 f"EngineConfig.stage_host_memory={self.stage_host_memory!r} must be a bool"
             )
+        if self.stage_groups is not None:
+            if isinstance(self.stage_groups, str) or not all(
+                isinstance(g, str) for g in self.stage_groups
+            ):
+                raise InvalidArgument(
+                    f"EngineConfig.stage_groups={self.stage_groups!r} must be group names"
+                )
+            self.stage_groups = tuple(self.stage_groups)
         if self.stage_peer_slots > self.stage_slots:
             raise InvalidArgument(
                 f"EngineConfig.stage_peer_slots={self.stage_peer_slots} "

@@ -12,7 +12,7 @@
 
 Modules: ``engine`` (TransferEngine), ``host`` (PeerHost: what a peer gets of its engine),
 ``peer`` (Peer: write/send/close), ``writeplan`` (validating and planning a peer's writes),
-``peer_staged`` (a peer's staged path), ``handshake``, ``groups`` (registrations, remote
+``peer_staged`` (a peer's staged path), ``slices`` (strided slice plans), ``handshake``, ``groups`` (registrations, remote
 layouts), ``messages`` (wire types), ``types``. Where each part runs: the threads table in
 docs/engine.md.
 """
@@ -20,6 +20,14 @@ docs/engine.md.
 from kvxfer.config import EngineConfig
 from kvxfer.engine.engine import TransferEngine
 from kvxfer.engine.peer import Peer
-from kvxfer.engine.types import ItemWrite, RawWrite, TransferStats
+from kvxfer.engine.types import ItemWrite, RawWrite, SliceWrite, TransferStats
 
-__all__ = ["TransferEngine", "EngineConfig", "ItemWrite", "RawWrite", "TransferStats", "Peer"]
+__all__ = [
+    "TransferEngine",
+    "EngineConfig",
+    "ItemWrite",
+    "RawWrite",
+    "SliceWrite",
+    "TransferStats",
+    "Peer",
+]

@@ -144,8 +144,14 @@ class TransferEngine:
                 cfg.ucx_options, resolved(cfg.progress_mode, "progress_mode")
             )
         stage = (
-            (cfg.stage_slot_bytes, cfg.stage_slots, cfg.stage_peer_slots, cfg.stage_host_memory)
-            if cfg.stage_min_ops > 0
+            (
+                cfg.stage_slot_bytes,
+                cfg.stage_slots,
+                cfg.stage_peer_slots,
+                cfg.stage_host_memory or cfg.stage_slice_min_ops > 0,
+                cfg.stage_groups,
+            )
+            if cfg.stage_min_ops > 0 or cfg.stage_slice_min_ops > 0
             else None
         )
         self._groups.export_ipc = cfg.device_copy == "auto"

@@ -71,8 +71,9 @@ class LocalGroups:
         self, transport: Transport, merge_adjacent: bool = True, stage=None, ipc_query=None
     ) -> None:
         """Register every span with the transport (once). ``stage``: ``(slot_bytes,
-        landing_slots, peer_slots, stage_host_memory)`` to allocate and register the staged path's rings for
-        every group on a supported device (their landing regions join the region table).
+        landing_slots, peer_slots, stage_host_memory, groups or None)`` to allocate and
+        register the staged path's rings for every group (of ``groups``, when given) on a
+        supported device (their landing regions join the region table).
         ``ipc_query(addr) -> Optional[bool]``: the legacy-IPC capability query used for
         CUDA groups (default: the CUDA driver, loaded only when a CUDA group exists)."""
         assert not self.frozen
@@ -124,11 +125,12 @@ class LocalGroups:
         if stage is not None:
             from kvxfer.engine.staging import build_stages
 
-            slot_bytes, landing_slots, self.peer_slots, host = stage
+            slot_bytes, landing_slots, self.peer_slots, host, only = stage
             kinds = {n: self.desc_mem_types(n) for n in self.groups}
+            staged = {n: g for n, g in self.groups.items() if only is None or n in only}
             try:
                 self.stages = build_stages(
-                    transport, self.groups, kinds, slot_bytes, landing_slots, self.peer_slots, host
+                    transport, staged, kinds, slot_bytes, landing_slots, self.peer_slots, host
                 )
             except BaseException:
                 self.release()

@@ -127,6 +127,23 @@ class StagedWrite(wire.Message):
 
 @wire.register
 @dataclass
+class SliceChunk(wire.Message):
+    """One staged chunk of a SliceWrite, sent after its PUT into landing slot ``slot`` was
+    flushed: the slices of items ``dst`` (little-endian int64 ids), packed as
+    :mod:`kvxfer.engine.slices` says, ``nbytes`` of them. The target unpacks them with the
+    runs it registered under ``key`` (never with offsets from the wire), then answers
+    :class:`SlotFree`."""
+
+    TAG = "kx.slice"
+    group: str
+    slot: int
+    key: int
+    nbytes: int
+    dst: bytes
+
+
+@wire.register
+@dataclass
 class SlotFree(wire.Message):
     """Landing slot ``slot`` of ``group`` is drained; the initiator may reuse it."""
 

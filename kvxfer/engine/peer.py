@@ -46,8 +46,8 @@ from kvxfer.engine import messages as m
 from kvxfer.engine.groups import RemoteGroups
 from kvxfer.engine.host import PeerHost, resolved
 from kvxfer.engine.notes import NoteBox, chainable
-from kvxfer.engine.peer_staged import StagedLink, StagedPath
-from kvxfer.engine.types import ItemWrite, RawWrite, TransferStats
+from kvxfer.engine.peer_staged import SliceScatter, StagedLink, StagedPath
+from kvxfer.engine.types import ItemWrite, RawWrite, SliceWrite, TransferStats
 from kvxfer.engine.writeplan import WritePlanner
 from kvxfer.errors import (
     Closed,
@@ -185,6 +185,8 @@ class Peer:
                     self._inbox.put_nowait(bytes(msg.payload))
                 elif isinstance(msg, m.StagedWrite):
                     self._inbox.put_nowait(self._staged.check_plan(msg))
+                elif isinstance(msg, m.SliceChunk):
+                    self._inbox.put_nowait(self._staged.check_slice(msg))
                 elif isinstance(msg, m.SlotFree):
                     self._staged.slot_freed(msg)
                 elif isinstance(msg, m.Bye):
@@ -222,6 +224,9 @@ class Peer:
             if isinstance(payload, tuple):  # a validated scatter plan: drain before dispatching on
                 await self._staged.scatter(*payload)
                 continue
+            if isinstance(payload, SliceScatter):  # likewise, a validated slice chunk
+                await self._staged.scatter_slice(payload)
+                continue
             await self._host.dispatch(self, payload)
 
     # ------------------------------------------------------------------ data
@@ -231,6 +236,24 @@ class Peer:
             if isinstance(exc, Closed):
                 raise Closed(f"peer {self.name or self.id} is closed")
             raise PeerClosed(f"peer {self.name or self.id} is gone: {exc}")
+
+    def expect_slices(self, key: int, group: str, items: Any, runs: Any) -> None:
+        """Accept :class:`SliceWrite` chunks from this peer under ``key``: the slices
+        ``runs`` (OUR item-relative runs per descriptor, ``runs[d] = (offs, lens)``, no two
+        overlapping) of ``items`` of ``group``, each item once. Chunks that name other items
+        or byte counts close the peer (ProtocolError) before anything of them is written;
+        the key is dropped once every item arrived, or by :meth:`forget_slices`."""
+        self._check_open()
+        self._staged.expect_slices(key, group, items, runs)
+
+    def forget_slices(self, key: int) -> None:
+        """Stop accepting slices under ``key`` (idempotent; e.g. when a request ends)."""
+        self._staged.forget_slices(key)
+
+    def can_slice(self, group: str) -> bool:
+        """Whether :class:`SliceWrite` of ``group`` can go to this peer (it granted us
+        landing slots: both engines with ``stage_slice_min_ops > 0``)."""
+        return self._staged.can_stage(group)
 
     def plan(self, writes: Iterable[Union[ItemWrite, RawWrite]]):
         """Validate and plan ``writes`` (nothing is posted), all unstaged. Returns the native
@@ -282,7 +305,7 @@ class Peer:
 
     async def write(
         self,
-        writes: Iterable[Union[ItemWrite, RawWrite]],
+        writes: Iterable[Union[ItemWrite, RawWrite, SliceWrite]],
         notify: Optional[bytes] = None,
         timeout: Optional[float] = None,
     ) -> TransferStats:
@@ -293,9 +316,16 @@ class Peer:
         timeout = self._timeout if timeout is None else timeout
         if notify is not None and not isinstance(notify, (bytes, bytearray, memoryview)):
             raise InvalidArgument(f"notify must be bytes, got {type(notify).__name__}")
-        laddr, raddr, nbytes, lmemh, ridx, staged = self._planner.plan(
+        laddr, raddr, nbytes, lmemh, ridx, staged, sliced = self._planner.plan(
             writes, self._config.stage_min_ops
         )
+        for group, _, _, runs, _ in sliced:
+            cap = self._staged.slice_cap(group)
+            if runs.per_item > cap:
+                raise InvalidArgument(
+                    f"slice write of {group!r}: one item's slices ({runs.per_item} B) exceed "
+                    f"the {cap}-byte staging slot"
+                )
         stats = TransferStats(
             bytes=int(nbytes.sum(dtype=_U64)) if nbytes.size else 0,
             ops=int(laddr.size),
@@ -340,6 +370,10 @@ class Peer:
                 for group, src, dst, direct_ops in staged:
                     drained += await self._staged.write(group, src, dst, deadline, stats)
                     stats.staged_direct_ops += direct_ops
+                for group, src, dst, runs, key in sliced:
+                    drained += await self._staged.write_slices(
+                        group, src, dst, runs, key, deadline, stats
+                    )
                 if gate_prev is not None and not gate_prev.done():
                     await self._bounded(
                         asyncio.wait([gate_prev]),
@@ -350,7 +384,10 @@ class Peer:
                 # a device launch counts as posted: its bytes are visible (awaited above), the
                 # flush of an idle endpoint completes at once and sends the notification natively
                 if chainable(
-                    self._note_to, notify, bool(staged), bool(laddr.size) or launched is not None
+                    self._note_to,
+                    notify,
+                    bool(staged or sliced),
+                    bool(laddr.size) or launched is not None,
                 ):
                     assert notify is not None
                     chain = self._rma.flush_notify_future(self._note_to, bytes(notify), self.spin)

@@ -16,6 +16,7 @@ Invariants
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from dataclasses import dataclass
 from typing import (
@@ -34,19 +35,47 @@ from typing import (
 
 import numpy as np
 
+from kvxfer import plan
 from kvxfer.engine import messages as m
+from kvxfer.engine import slices
 from kvxfer.engine.groups import LocalGroups
 from kvxfer.engine.staging import GroupStage
 from kvxfer.engine.types import TransferStats
-from kvxfer.errors import KvxferError, ProtocolError
+from kvxfer.errors import InvalidArgument, KvxferError, ProtocolError
 from kvxfer.transport.base import Channel, RmaEndpoint
 
 log = logging.getLogger(__name__)
 _U64 = np.uint64
 T = TypeVar("T")
 
+#: packs one chunk into a staging slot: ``gather(staging slot) -> bytes``
+Gather = Callable[[int], int]
+#: the chunk's message: ``make_msg(landing slot, bytes) -> encoded``
+MakeMsg = Callable[[int, int], bytes]
 #: a validated scatter plan: (stage, landing slot, byte offset, destination item ids)
 ScatterPlan = Tuple[GroupStage, int, int, np.ndarray]
+
+
+@dataclass(frozen=True)
+class SliceScatter:
+    """A validated slice chunk: unpack landing slot ``slot`` of ``stage`` into ``items``
+    by ``runs`` (this side's own plan, from :meth:`StagedPath.expect_slices`)."""
+
+    stage: GroupStage
+    slot: int
+    items: np.ndarray
+    runs: slices.SliceRuns
+
+
+class Expected:
+    """The slices a peer may write under one key (target role): ``items`` (sorted unique
+    ids) of ``group`` by ``runs``; ``got[i]``: item ``items[i]`` arrived (each once)."""
+
+    __slots__ = ("group", "items", "runs", "got")
+
+    def __init__(self, group: str, items: np.ndarray, runs: slices.SliceRuns):
+        self.group, self.items, self.runs = group, items, runs
+        self.got = np.zeros(items.size, dtype=bool)
 
 
 class Bounded(Protocol):
@@ -92,6 +121,8 @@ class StagedPath:
         self.landing: Dict[str, Landing] = {
             g: Landing(*v) for g, v in landing.items() if g in groups.stages
         }
+        #: target role: slices the peer may write, by key (Peer.expect_slices)
+        self.expected: Dict[int, Expected] = {}
 
     def can_stage(self, group: str) -> bool:
         """Whether writes of ``group`` to this peer may go staged (it granted us slots)."""
@@ -101,18 +132,7 @@ class StagedPath:
     def check_plan(self, msg: m.StagedWrite) -> ScatterPlan:
         """Validate a scatter plan off the wire (ProtocolError: the reader closes the peer
         and nothing of it is written)."""
-        stage = self._groups.stages.get(msg.group)
-        if stage is None or msg.group not in self.granted:
-            raise ProtocolError(f"staged write to group {msg.group!r} without a landing grant")
-        if msg.slot not in self.granted[msg.group]:
-            raise ProtocolError(
-                f"staged write to landing slot {msg.slot} of {msg.group!r}, "
-                f"not granted to this peer"
-            )
-        if (msg.group, msg.slot) in self.busy:
-            raise ProtocolError(
-                f"landing slot {msg.slot} of {msg.group!r} reused before it was freed"
-            )
+        stage = self._granted_stage(msg.group, msg.slot)
         dst = stage.check_plan(msg.slot, msg.offset, msg.nbytes, bytes(msg.dst))
         self.busy.add((msg.group, msg.slot))
         return (stage, msg.slot, msg.offset, dst)
@@ -126,6 +146,11 @@ class StagedPath:
             log.exception("peer %s: scatter into %r failed", link.name, stage)
             link.mark_dead(ProtocolError(f"scatter into {stage.group.name!r} failed"))
             return
+        await self._slot_free(stage, slot)
+
+    async def _slot_free(self, stage: GroupStage, slot: int) -> None:
+        """The slot is drained: send its credit back (SlotFree)."""
+        link = self._link
         self.busy.discard((stage.group.name, slot))
         try:
             await link.bounded(
@@ -137,6 +162,87 @@ class StagedPath:
             )
         except KvxferError:
             pass  # the peer is gone; nothing to give back
+
+    # ------------------------------------------------------- slices: target side
+    def expect_slices(self, key: int, group: str, items: Any, runs: Any) -> None:
+        """Let the peer write the slices ``runs`` (ours: ``runs[d] = (offs, lens)`` per
+        item of descriptor ``d``) of ``items`` of ``group`` under ``key``. Validated here
+        (InvalidArgument / IndexOutOfRange / UnknownGroup); replaces an earlier key."""
+        stage = self._groups.stages.get(group)
+        if stage is None or group not in self.granted:
+            raise InvalidArgument(
+                f"no landing slots of group {group!r} granted to {self._link.name}: slice "
+                f"writes need stage_slice_min_ops > 0 on both engines"
+            )
+        ids = plan.as_ids(items, "expected items")
+        plan.check_ids(ids, stage.group.num_items, "expected items")
+        ids = np.unique(ids)
+        if ids.size == 0:
+            raise InvalidArgument("expect_slices: no items")
+        sr = runs if isinstance(runs, slices.SliceRuns) else None
+        if sr is None:
+            sr = slices.SliceRuns.make(runs, stage.group.item_lens, exclusive=True)
+        elif sr.descriptors != len(stage.group.item_lens):
+            raise InvalidArgument(f"slice plan of {sr.descriptors} descriptors for {group!r}")
+        self.expected[int(key)] = Expected(group, ids, sr)
+
+    def forget_slices(self, key: int) -> None:
+        """Stop accepting slices under ``key`` (idempotent)."""
+        self.expected.pop(int(key), None)
+
+    def check_slice(self, msg: m.SliceChunk) -> SliceScatter:
+        """Validate a slice chunk off the wire against what we expect under its key
+        (ProtocolError: the reader closes the peer and nothing of it is written)."""
+        stage = self._granted_stage(msg.group, msg.slot)
+        exp = self.expected.get(msg.key)
+        if exp is None or exp.group != msg.group:
+            raise ProtocolError(f"slice chunk for {msg.group!r} under unexpected key {msg.key}")
+        raw = bytes(msg.dst)
+        if len(raw) == 0 or len(raw) % 8:
+            raise ProtocolError(f"slice chunk: dst ids field of {len(raw)} bytes")
+        dst = np.frombuffer(raw, dtype="<i8").astype(np.int64)
+        want = int(dst.size) * exp.runs.per_item
+        if msg.nbytes != want or want > stage.slot_bytes:
+            raise ProtocolError(
+                f"slice chunk of {msg.group!r}: {msg.nbytes} bytes for {dst.size} items "
+                f"(we expect {want}, landing slot {stage.slot_bytes})"
+            )
+        pos = np.searchsorted(exp.items, dst)
+        inside = pos < exp.items.size
+        inside[inside] = exp.items[pos[inside]] == dst[inside]
+        if not inside.all():
+            raise ProtocolError(
+                f"slice chunk under key {msg.key}: item {int(dst[~inside][0])} not expected"
+            )
+        if np.unique(pos).size != pos.size or exp.got[pos].any():
+            raise ProtocolError(f"slice chunk under key {msg.key}: an item written twice")
+        exp.got[pos] = True
+        if exp.got.all():
+            del self.expected[msg.key]
+        self.busy.add((msg.group, msg.slot))
+        return SliceScatter(stage, msg.slot, dst, exp.runs)
+
+    async def scatter_slice(self, p: SliceScatter) -> None:
+        """Unpack a validated slice chunk, then give the slot back to the peer."""
+        try:
+            p.stage.scatter_slices(p.items, p.runs, p.slot)
+        except Exception:  # internal: the chunk was validated
+            log.exception("peer %s: slice scatter into %r failed", self._link.name, p.stage)
+            self._link.mark_dead(ProtocolError(f"scatter into {p.stage.group.name!r} failed"))
+            return
+        await self._slot_free(p.stage, p.slot)
+
+    def _granted_stage(self, group: str, slot: int) -> GroupStage:
+        stage = self._groups.stages.get(group)
+        if stage is None or group not in self.granted:
+            raise ProtocolError(f"staged write to group {group!r} without a landing grant")
+        if slot not in self.granted[group]:
+            raise ProtocolError(
+                f"staged write to landing slot {slot} of {group!r}, not granted to this peer"
+            )
+        if (group, slot) in self.busy:
+            raise ProtocolError(f"landing slot {slot} of {group!r} reused before it was freed")
+        return stage
 
     # ---------------------------------------------------- staged: initiator side
     def slot_freed(self, msg: m.SlotFree) -> None:
@@ -159,31 +265,88 @@ class StagedPath:
         stage = self._groups.stages[group]
         land = self.landing[group]
         per = min(stage.items_per_slot, land.slot_bytes // stage.group.item_bytes)
+
+        def part(i: int, j: int):
+            s, d = src[i:j], dst[i:j]
+
+            def msg(rslot: int, nbytes: int) -> bytes:
+                ids = np.ascontiguousarray(d, dtype="<i8").tobytes()
+                return m.StagedWrite(
+                    group=group, slot=rslot, offset=0, nbytes=nbytes, dst=ids
+                ).encode()
+
+            return functools.partial(stage.gather, s), msg
+
+        ranges = [(i, min(i + per, int(src.size))) for i in range(0, int(src.size), per)]
+        futs = await self._chunks(stage, land, [part(i, j) for i, j in ranges], deadline)
+        stats.staged = True
+        stats.staged_bytes += int(src.size) * stage.group.item_bytes
+        stats.bytes += int(src.size) * stage.group.item_bytes
+        stats.ops += len(ranges)
+        return futs
+
+    def slice_cap(self, group: str) -> int:
+        """Bytes one slice chunk may hold to this peer (staging and landing slot)."""
+        return min(self._groups.stages[group].slot_bytes, self.landing[group].slot_bytes)
+
+    async def write_slices(
+        self,
+        group: str,
+        src: np.ndarray,
+        dst: np.ndarray,
+        runs: slices.SliceRuns,
+        key: int,
+        deadline: float,
+        stats: TransferStats,
+    ) -> List[asyncio.Future]:
+        """One SliceWrite (validated): chunks of whole items of at most a slot, pipelined
+        over the granted slots; one future per chunk, resolved by the peer's SlotFree."""
+        stage = self._groups.stages[group]
+        land = self.landing[group]
+        ranges = slices.chunks(int(src.size), runs.per_item, self.slice_cap(group))
+
+        def part(i: int, j: int):
+            s, d = src[i:j], dst[i:j]
+
+            def msg(rslot: int, nbytes: int) -> bytes:
+                ids = np.ascontiguousarray(d, dtype="<i8").tobytes()
+                return m.SliceChunk(
+                    group=group, slot=rslot, key=key, nbytes=nbytes, dst=ids
+                ).encode()
+
+            return functools.partial(stage.gather_slices, s, runs), msg
+
+        futs = await self._chunks(stage, land, [part(i, j) for i, j in ranges], deadline)
+        nbytes = int(src.size) * runs.per_item
+        stats.staged = True
+        stats.staged_bytes += nbytes
+        stats.bytes += nbytes
+        stats.ops += len(ranges)
+        stats.staged_direct_ops += slices.direct_ops(runs, stage.group.item_lens, src)
+        return futs
+
+    async def _chunks(
+        self, stage: GroupStage, land: "Landing", parts: List[Tuple[Gather, MakeMsg]], deadline
+    ) -> List[asyncio.Future]:
+        """Run the chunks concurrently (bounded by the granted slots); their futures."""
         tasks = [
-            self._link.loop.create_task(
-                self._stage_chunk(stage, land, src[i : i + per], dst[i : i + per], deadline)
-            )
-            for i in range(0, int(src.size), per)
+            self._link.loop.create_task(self._stage_chunk(stage, land, g, mk, deadline))
+            for g, mk in parts
         ]
         try:
-            futs = [await t for t in tasks]
+            return [await t for t in tasks]
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        stats.staged = True
-        stats.staged_bytes += int(src.size) * stage.group.item_bytes
-        stats.bytes += int(src.size) * stage.group.item_bytes
-        stats.ops += len(tasks)
-        return futs
 
     async def _stage_chunk(
-        self, stage: GroupStage, land: Landing, src: np.ndarray, dst: np.ndarray, deadline: float
+        self, stage: GroupStage, land: "Landing", gather: Gather, make_msg: MakeMsg, deadline
     ) -> asyncio.Future:
         """Landing slot first, then a staging slot (a fixed order: no deadlock), gather, one
-        PUT, flush, then the scatter plan. The landing slot returns with the peer's
-        SlotFree; if the PUT was never posted it returns at once; after a failed PUT it is
-        not reused (its bytes may still land)."""
+        PUT, flush, then the chunk's message (``make_msg(landing slot, bytes)``). The
+        landing slot returns with the peer's SlotFree; if the PUT was never posted it
+        returns at once; after a failed PUT it is not reused (its bytes may still land)."""
         link = self._link
         t = link.left(deadline, "staged write")
         rslot = await link.bounded(land.free.get(), t, "landing slot")
@@ -194,7 +357,7 @@ class StagedPath:
                 stage.staging_free.get(), link.left(deadline, "staged write"), "staging slot"
             )
             try:
-                nbytes = stage.gather(src, lslot)
+                nbytes = gather(lslot)
                 posted = True
                 link.rma.put(
                     _one(stage.staging_addr(lslot)),
@@ -210,20 +373,7 @@ class StagedPath:
             t = link.left(deadline, "scatter plan")
             # registered before the plan leaves: its SlotFree may come back at once
             fut = land.waiters[rslot] = link.loop.create_future()
-            await link.bounded(
-                link.channel.send(
-                    m.StagedWrite(
-                        group=stage.group.name,
-                        slot=rslot,
-                        offset=0,
-                        nbytes=nbytes,
-                        dst=np.ascontiguousarray(dst, dtype="<i8").tobytes(),
-                    ).encode(),
-                    t,
-                ),
-                t,
-                "scatter plan",
-            )
+            await link.bounded(link.channel.send(make_msg(rslot, nbytes), t), t, "scatter plan")
         except BaseException:
             if not posted:
                 land.out.discard(rslot)

@@ -36,6 +36,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from kvxfer import plan
+from kvxfer.engine import slices
 from kvxfer.errors import Closed, ProtocolError
 from kvxfer.transport.base import Region
 
@@ -254,6 +255,69 @@ class GroupStage:
                 view[idx] = src
             off += n * il
         self._sync()
+
+    # ------------------------------------------------------------- strided slices
+    def gather_slices(self, items: np.ndarray, runs: slices.SliceRuns, slot: int) -> int:
+        """Pack the slices ``runs`` of items ``items`` (validated ids) into staging slot
+        ``slot``, descriptor-major (:mod:`kvxfer.engine.slices`); returns bytes packed."""
+        off = base = slot * self.slot_bytes
+        for d, (view, il) in enumerate(zip(self.views, self.group.item_lens)):
+            o, n = runs.offs[d], runs.lens[d]
+            if not n.size:
+                continue
+            k = int(items.size) * int(n.sum())
+            assert off + k <= base + self.slot_bytes
+            out = self.staging[off : off + k]
+            if self.cuda:
+                self._slices_cuda(view.reshape(-1), il, items, o, n, out, gather=True)
+            else:
+                slices.gather_host(view.reshape(-1), il, items, o, n, out)
+            off += k
+        self._sync()
+        return off - base
+
+    def scatter_slices(self, items: np.ndarray, runs: slices.SliceRuns, slot: int) -> None:
+        """Unpack landing slot ``slot`` into the slices ``runs`` (this side's own, validated)
+        of items ``items`` (validated ids)."""
+        off = slot * self.slot_bytes
+        for d, (view, il) in enumerate(zip(self.views, self.group.item_lens)):
+            o, n = runs.offs[d], runs.lens[d]
+            if not n.size:
+                continue
+            k = int(items.size) * int(n.sum())
+            src = self.landing[off : off + k]
+            if self.cuda:
+                self._slices_cuda(view.reshape(-1), il, items, o, n, src, gather=False)
+            else:
+                slices.scatter_host(view.reshape(-1), il, items, o, n, src)
+            off += k
+        self._sync()
+
+    def _slices_cuda(self, flat, il: int, items, o, n, packed, gather: bool) -> None:
+        """CUDA gather (``packed`` <- runs) or scatter (runs <- ``packed``) of one
+        descriptor: one strided index_select / index_copy_ for regular runs, else a byte
+        index (one element per byte moved)."""
+        torch = self._torch
+        idx = self._ids(items)
+        shape = slices.regular(o, n)
+        if shape is not None:
+            first, step, count, size = shape
+            total = (flat.numel() - first - (count - 1) * step - size) // il + 1
+            v = flat.as_strided((total, count, size), (il, step, 1), flat.storage_offset() + first)
+            rows = packed.view(int(items.size), count, size)
+            if gather:
+                torch.index_select(v, 0, idx, out=rows)
+            else:
+                v.index_copy_(0, idx, rows)
+            return
+        offs, lens = slices.direct_runs(slices.SliceRuns((o,), (n,)), [il], items, 0)
+        pos = np.concatenate(([0], np.cumsum(lens)[:-1]))
+        byte = np.repeat(offs - pos, lens) + np.arange(int(lens.sum()))
+        bidx = torch.from_numpy(byte).to(self.device)
+        if gather:
+            torch.index_select(flat, 0, bidx, out=packed)
+        else:
+            flat.index_copy_(0, bidx, packed)
 
     def release(self) -> None:
         for attr in ("staging_region", "landing_region"):

@@ -28,6 +28,24 @@ class RawWrite:
     desc: Any = 0
 
 
+@dataclass(frozen=True)
+class SliceWrite:
+    """Strided slices of items (:mod:`kvxfer.engine.slices`): the runs ``runs[d] = (offs,
+    lens)`` (relative to one item of local descriptor ``d``) of every item ``src_items[k]`` of
+    local group ``group`` land in item ``dst_items[k]`` of the peer's group of the same name,
+    at the runs *the peer* derived itself and registered under ``key``
+    (:meth:`~kvxfer.engine.peer.Peer.expect_slices`); nothing but item ids and byte counts
+    travels. Always staged: gathered into staging memory, one PUT per landing-slot chunk,
+    scattered by the peer before the write's ``notify`` is delivered. Needs landing slots
+    from the peer (both engines with ``stage_slice_min_ops > 0``)."""
+
+    group: str
+    src_items: Any
+    dst_items: Any
+    runs: Any
+    key: int
+
+
 @dataclass
 class TransferStats:
     """What one ``Peer.write`` did. ``post_s``: time spent posting the native batch;

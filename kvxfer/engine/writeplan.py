@@ -14,18 +14,25 @@ from typing import Callable, Dict, Iterable, List, Tuple, Union
 import numpy as np
 
 from kvxfer import plan
-from kvxfer.engine import fastplan
+from kvxfer.engine import fastplan, slices
 from kvxfer.engine.groups import LocalGroups, RemoteGroups
-from kvxfer.engine.types import ItemWrite, RawWrite
-from kvxfer.errors import InvalidArgument, UnknownGroup
+from kvxfer.engine.types import ItemWrite, RawWrite, SliceWrite
+from kvxfer.errors import InvalidArgument, UnknownGroup, UnsupportedOperation
+from kvxfer.plan import GroupLayout
 
 _U64 = np.uint64
 
-Writes = Union[ItemWrite, RawWrite, Iterable[Union[ItemWrite, RawWrite]]]
+Write = Union[ItemWrite, RawWrite, SliceWrite]
+Writes = Union[Write, Iterable[Write]]
 #: a staged part: (group, source ids, destination ids, PUTs it would need unstaged)
 StagedPart = Tuple[str, np.ndarray, np.ndarray, int]
-#: ``(laddr, raddr, nbytes, lmemh, ridx, staged parts)``: uint64 columns of the direct PUTs
-Planned = Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, List[StagedPart]]
+#: a validated SliceWrite: (group, source ids, destination ids, source runs, key)
+SlicePart = Tuple[str, np.ndarray, np.ndarray, slices.SliceRuns, int]
+#: ``(laddr, raddr, nbytes, lmemh, ridx, staged parts, slice parts)``: uint64 columns of
+#: the direct PUTs, then the staged parts
+Planned = Tuple[
+    np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, List[StagedPart], List[SlicePart]
+]
 
 
 class WritePlanner:
@@ -57,9 +64,14 @@ class WritePlanner:
         small: Tuple[List[int], ...] = ([], [], [], [], [])
         chunks: List[Tuple[np.ndarray, ...]] = []
         staged: List[StagedPart] = []
+        sliced: List[SlicePart] = []
+        if isinstance(writes, SliceWrite):
+            writes = [writes]
         for w in writes:
-            if not isinstance(w, (ItemWrite, RawWrite)):
-                raise InvalidArgument(f"expected ItemWrite or RawWrite, got {type(w).__name__}")
+            if not isinstance(w, (ItemWrite, RawWrite, SliceWrite)):
+                raise InvalidArgument(
+                    f"expected ItemWrite, RawWrite or SliceWrite, got {type(w).__name__}"
+                )
             lg = local.groups.get(w.group)
             if lg is None:
                 raise UnknownGroup(f"no local group {w.group!r} (have {sorted(local.groups)})")
@@ -68,6 +80,9 @@ class WritePlanner:
                 raise UnknownGroup(
                     f"peer {self._peer_name} has no group {w.group!r} (has {sorted(remote.groups)})"
                 )
+            if isinstance(w, SliceWrite):
+                sliced.append(self._slice_part(w, lg, rg))
+                continue
             if isinstance(w, ItemWrite):
                 pair = self._pairs.get(w.group)
                 if pair is None:  # checks the item sizes (RawWrite needs no pair)
@@ -113,4 +128,28 @@ class WritePlanner:
             laddr, raddr, nbytes, lmemh, ridx = (
                 np.concatenate([c[i] for c in chunks]).astype(_U64, copy=False) for i in range(5)
             )
-        return laddr, raddr, nbytes, lmemh, ridx, staged
+        return laddr, raddr, nbytes, lmemh, ridx, staged, sliced
+
+    def _slice_part(self, w: SliceWrite, lg: GroupLayout, rg: GroupLayout) -> SlicePart:
+        """Validate a SliceWrite (ids in range on both sides, our runs inside our items)."""
+        if not self._can_stage(w.group):
+            raise UnsupportedOperation(
+                f"peer {self._peer_name} granted no landing slots of {w.group!r}: slice "
+                f"writes need stage_slice_min_ops > 0 on both engines"
+            )
+        src = plan.as_ids(w.src_items, "source")
+        dst = plan.as_ids(w.dst_items, "destination")
+        if src.size != dst.size:
+            raise InvalidArgument(f"{src.size} source items but {dst.size} destination items")
+        plan.check_ids(src, lg.num_items, "source")
+        plan.check_ids(dst, rg.num_items, "destination")
+        if plan.has_duplicates(dst):
+            raise InvalidArgument("slice write: duplicate destination items")
+        runs = w.runs
+        if not isinstance(runs, slices.SliceRuns):
+            runs = slices.SliceRuns.make(runs, lg.item_lens)
+        elif runs.descriptors != len(lg.item_lens):
+            raise InvalidArgument(f"slice plan of {runs.descriptors} descriptors for {w.group!r}")
+        if isinstance(w.key, bool) or not isinstance(w.key, (int, np.integer)) or w.key < 0:
+            raise InvalidArgument(f"slice write key must be an int >= 0, got {w.key!r}")
+        return (w.group, src, dst, runs, int(w.key))
