@@ -132,6 +132,10 @@ class PrefillContext(SideContext, Protocol):
     @property
     def stats(self) -> Dict[str, Any]: ...
 
+    @property
+    def tp_stage_min_ops(self) -> int:
+        """Hetero-TP kv writes of more PUTs than this go staged (0: never)."""
+
     def hook(self, point: str, room: int) -> None: ...
 
     def room_gone(self) -> None: ...

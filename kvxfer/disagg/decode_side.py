@@ -143,6 +143,7 @@ class DecodeSide:
         prefix, tokens = r.dst_span
         r.pending_meta = None
         r.meta_sent = True
+        tp_rooms.expect_slices(r.link, r.room, dst_kv)  # hetero TP: staged head slices
         self.mgr.send_msg(
             r.link,
             m.TransferInfo(

@@ -34,6 +34,7 @@ import time
 from typing import Any, Callable, Coroutine, Dict, List, Optional, Set, Tuple, Union
 
 from kvxfer import wire
+from kvxfer.argcheck import as_int
 from kvxfer.disagg import messages as m
 from kvxfer.disagg.aux import AuxRows, check_room
 from kvxfer.disagg.context import IntegrityOps, Timeouts
@@ -56,6 +57,15 @@ from kvxfer.errors import (
     TransferTimeout,
 )
 from kvxfer.loop_thread import LoopThread
+
+#: default of ``KVManager(tp_stage_min_ops=...)``: a hetero-TP kv write of more PUTs than
+#: this goes staged (head slices of NHD / page-major pages cost one PUT per token row)
+TP_STAGE_MIN_OPS = 256
+#: the kv group's staging memory for slice writes (per process: 8 landing slots granted two
+#: per peer, 2 staging slots; each chunk of a bigger write reuses them)
+TP_STAGE_ENGINE: Dict[str, Any] = dict(
+    stage_groups=("kv",), stage_slot_bytes=4 << 20, stage_slots=8, stage_peer_slots=2
+)
 
 # re-exported: their home moved below the manager, their public name did not
 __all__ = ["DisaggMode", "KVManager", "Link", "Timeouts"]
@@ -88,10 +98,15 @@ class KVManager:
         max_tombstones: int = 65536,
         integrity: bool = False,
         trace: Optional[bool] = None,
+        tp_stage_min_ops: int = TP_STAGE_MIN_OPS,
     ) -> None:
         """``mode``: :class:`DisaggMode`, SGLang's ``DisaggregationMode`` or
         ``"prefill"`` / ``"decode"``. ``trace``: record per-request stage timestamps
-        (:mod:`kvxfer.disagg.trace`; None: ``$KVXFER_TRACE``), read by :meth:`drain_trace`."""
+        (:mod:`kvxfer.disagg.trace`; None: ``$KVXFER_TRACE``), read by :meth:`drain_trace`.
+        ``tp_stage_min_ops``: with a TP shape, a kv write to a peer of another TP size whose
+        direct plan needs more PUTs than this (head slices inside token rows) goes staged
+        as a :class:`~kvxfer.engine.types.SliceWrite` (docs/shapes.md "The staged path");
+        0: always direct. Both sides need it > 0 (it gives the kv group staging memory)."""
         from kvxfer.config import resolve_secret
 
         if not isinstance(args, KVArgs):
@@ -114,6 +129,11 @@ class KVManager:
             transfer_timeout_s=self.t.transfer_s,
             name=self.name,
         )
+        self.tp_stage_min_ops = (
+            as_int(tp_stage_min_ops, "tp_stage_min_ops", 0) if args.tp_shape else 0
+        )
+        if self.tp_stage_min_ops:
+            self._engine_kw.update(TP_STAGE_ENGINE, stage_slice_min_ops=self.tp_stage_min_ops)
         self.fingerprint: Dict[str, Any] = args.fingerprint()
         #: end-to-end checksums of every item (kvxfer.disagg.integrity); None when off
         self.integrity: Optional[IntegrityOps] = None
@@ -473,6 +493,8 @@ class KVManager:
             r.timer = None
         if r.link is not None:
             r.link.rooms.discard(r)
+            if r.link.tp is not None and r.role is RoomRole.RECEIVER:
+                r.link.peer.forget_slices(r.room)  # nothing more comes for it
         if r.parent is None:
             self.rooms.remove(r, "aborted" if r.state == KVPoll.Failed else "done")
         if r.on_done is not None:

@@ -311,8 +311,10 @@ class PrefillSide:
         pm = r.pages_map
         if pm.geom is None:
             s, d = pm.whole_pages(src, first, r.dst_kv)
-            if r.link is not None and r.link.tp is not None:  # this pair's heads of them
-                return r.link.tp.write("kv", s, d, r.room)
+            link = r.link
+            if link is not None and link.tp is not None:  # this pair's heads of them
+                stage = self.mgr.tp_stage_min_ops if link.peer.can_slice("kv") else 0
+                return link.tp.write("kv", s, d, r.room, stage_min_ops=stage)
             return _item_write()("kv", s, d) if len(s) else None
         runs = pm.runs(src, first, r.dst_kv)
         if not len(runs):

@@ -43,7 +43,13 @@ from kvxfer.disagg.link import Link
 from kvxfer.disagg.poll import KVPoll, is_terminal
 from kvxfer.disagg.roles import RoomRole
 from kvxfer.disagg.rooms import Room
-from kvxfer.disagg.tp_plan import ItemGeometry, decode_peers, plan_pages, prefill_peers
+from kvxfer.disagg.tp_plan import (
+    ItemGeometry,
+    decode_peers,
+    item_runs,
+    plan_pages,
+    prefill_peers,
+)
 from kvxfer.disagg.tp_shape import groups_of
 
 #: the prefill / decode protocol object calling in (PrefillSide / DecodeSide; typed loosely:
@@ -97,11 +103,24 @@ class TpPair:
         peers = self.decode_peers()
         return peers[int(salt) % len(peers)] == self.prefill_rank
 
-    def write(self, group: str, src_items: Any, dst_items: Any, salt: int) -> Any:
+    def write(
+        self, group: str, src_items: Any, dst_items: Any, salt: int, stage_min_ops: int = 0
+    ) -> Any:
         """The RawWrite moving this pair's share of items ``src_items[k] -> dst_items[k]``
-        of ``group``, or None when this prefill rank moves no byte of them."""
+        of ``group``, or None when this prefill rank moves no byte of them. With
+        ``stage_min_ops > 0``, a plan of more runs than that which costs more than one run
+        per item and descriptor (head slices inside token rows) is a SliceWrite under key
+        ``salt`` instead (the decode side expects it: :meth:`dst_slice_sides`)."""
         if group not in self.src or not len(src_items):
             return None
+        if stage_min_ops > 0:
+            sides = self.slice_sides(group, salt, src=True)
+            if sides is not None and sum(len(n) for _, n in sides) > len(sides):
+                from kvxfer.engine.types import SliceWrite
+
+                n_ops = len(src_items) * sum(len(n) for _, n in sides)
+                if n_ops > stage_min_ops:  # (before merging across pages: an upper bound)
+                    return SliceWrite(group, src_items, dst_items, sides, int(salt))
         runs = plan_pages(
             self.src[group],
             self.dst[group],
@@ -114,6 +133,35 @@ class TpPair:
             salt=salt,
         )
         return runs.raw_write(group) if len(runs) else None
+
+    def slice_sides(self, group: str, salt: int, src: bool) -> Optional[List[Tuple[Any, Any]]]:
+        """One side's item-relative runs ``(offs, lens)`` per descriptor of what this pair
+        moves of each item of ``group`` (prefill's with ``src``, else decode's: both sides
+        derive them from the geometries validated at the handshake), None if nothing."""
+        out = []
+        for s, t in zip(self.src[group], self.dst[group]):
+            ro, rd, rn = item_runs(
+                s, t, self.prefill_rank, self.decode_rank, self.prefill_tp, self.decode_tp, salt
+            )
+            out.append((ro if src else rd, rn))
+        return out if any(len(n) for _, n in out) else None
+
+    def dst_slice_sides(self, group: str, salt: int) -> Optional[List[Tuple[Any, Any]]]:
+        """Decode's runs of :meth:`slice_sides` (what it registers: :func:`expect_slices`)."""
+        return self.slice_sides(group, salt, src=False)
+
+
+def expect_slices(link: Link, room: int, dst_kv: Any) -> None:
+    """Decode, before its metadata goes to the prefill peer behind ``link``: accept that
+    peer's staged head slices of the room's pages, unpacked by the runs decode derives
+    itself (the peer only names pages). No-op unless the engine takes slice writes."""
+    tp: Optional[TpPair] = link.tp
+    peer = link.peer
+    if tp is None or not len(dst_kv) or not peer.accepts_slices("kv"):
+        return
+    sides = tp.dst_slice_sides("kv", room)
+    if sides is not None:
+        peer.expect_slices(room, "kv", dst_kv, sides)
 
 
 def peer_rank(link: Link, ours_is_prefill: bool) -> int:
@@ -424,6 +472,7 @@ __all__ = [
     "check_peers",
     "decode_linked",
     "decode_send_meta",
+    "expect_slices",
     "fail_legs",
     "fanout",
     "leg_succeeded",

@@ -250,6 +250,11 @@ class Peer:
         """Stop accepting slices under ``key`` (idempotent; e.g. when a request ends)."""
         self._staged.forget_slices(key)
 
+    def accepts_slices(self, group: str) -> bool:
+        """Whether we granted this peer landing slots of ``group`` (it may then send us
+        slice writes we registered with :meth:`expect_slices`)."""
+        return group in self._staged.granted and group in self._groups.stages
+
     def can_slice(self, group: str) -> bool:
         """Whether :class:`SliceWrite` of ``group`` can go to this peer (it granted us
         landing slots: both engines with ``stage_slice_min_ops > 0``)."""

@@ -160,6 +160,7 @@ class Node:
         integrity: bool = False,
         trace: bool = False,
         tp: Optional[tuple] = None,
+        tp_stage_min_ops: Optional[int] = None,
     ) -> None:
         from kvxfer.disagg import KVArgs, KVManager, MetadataBuffer, Timeouts
         from kvxfer.disagg.kv_args import replace
@@ -215,6 +216,7 @@ class Node:
             name=f"{role}-{name or kind}",
             integrity=integrity,
             trace=trace,
+            **({} if tp_stage_min_ops is None else {"tp_stage_min_ops": tp_stage_min_ops}),
         ).start_background()
         self.rooms: Dict[int, dict] = {}
 

@@ -22,6 +22,13 @@ DEPLOY = {
     "env21": ("hybrid_envelope", 4, 2, 1),  # page-major KV + envelope state slot
     "rep14": ("mha", 2, 1, 4),  # 2 heads over 4 decode ranks: decode replicates
     "rep41": ("mha_hnd", 2, 4, 1),  # 2 heads over 4 prefill ranks: prefill replicates
+    # the staged path forced (tp_stage_min_ops=1: STAGED): head slices of NHD / page-major
+    # pages gathered, one PUT per chunk, scattered by decode's own plan
+    "st12": ("mha", 4, 1, 2),
+    "st21": ("mha", 4, 2, 1),
+    "st14": ("page_major", 4, 1, 4),
+    "st41": ("mha", 4, 4, 1),
+    "st24": ("page_major", 4, 2, 4),
     # one rank in its own process, killed by the test (VICTIMS)
     "die21": ("mha_hnd", 4, 2, 1),
     "die12": ("mha", 4, 1, 2),
@@ -37,6 +44,7 @@ DEPLOY = {
 #: a refused pairing: decode deployment -> the prefill deployment it looks up
 REFUSED = {"bad_heads_d": "bad_heads_p", "bad_form_d": "bad_form_p"}
 INTEGRITY = {"int21", "int12"}
+STAGED = {"st12", "st21", "st14", "st41", "st24"}
 #: (deployment, role, rank) hosted alone in a worker that a test kills
 VICTIMS = {("die21", "prefill", 1), ("die12", "decode", 1)}
 
@@ -71,6 +79,7 @@ def tpc():
                     name=f"{name}-{role[0]}{r}",
                     tp=(r, tp, heads),
                     integrity=name in INTEGRITY,
+                    tp_stage_min_ops=1 if name in STAGED else 0,
                 )
     workers = {k: TpWorker(v, name=f"tp-{k[0]}{k[1]}") for k, v in specs.items() if v}
     for w in workers.values():
@@ -298,3 +307,17 @@ def test_integrity_per_pair(tpc, room, name):
         if n.wait(r)["state"] == "Success":
             assert n.verify_tp(r) == {"kv": 0, "state": 0, "aux": 0}
     _clean(p + d)
+
+
+@pytest.mark.parametrize("name", sorted(STAGED))
+def test_staged_ops_per_chunk_not_per_token(tpc, room, name):
+    """The staged path (forced): each prefill rank posts one PUT per chunk per decode rank
+    it feeds (two chunks here) plus its aux rows, not one per token row and head range; the
+    bytes are exact (checked in _request) and pages return to the allocators."""
+    kind, heads, tp_p, tp_d = DEPLOY[name]
+    p, _ = _ranks(tpc, name)
+    before = [n.stats()["ops"] for n in p]
+    _request(tpc, name, room(), pages=7)
+    ops = [n.stats()["ops"] - b for n, b in zip(p, before)]
+    targets = max(1, tp_d // tp_p)
+    assert all(o <= 3 * targets for o in ops), ops

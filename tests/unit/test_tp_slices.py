@@ -1,0 +1,172 @@
+"""kvxfer.engine.slices: slice plans, chunking and the host gather / scatter, checked
+exhaustively over small shapes against a brute force (byte masks), and against the real
+head-slice plans of kvxfer.disagg.tp_plan for every layout and ratio."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from kvxfer.disagg import tp_plan as tp
+from kvxfer.engine import slices
+from kvxfer.errors import InvalidArgument
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _brute_pack(buf, item_bytes, items, offs, lens):
+    """Reference packing: a Python loop over items and runs."""
+    out = []
+    for i in items:
+        for o, n in zip(offs, lens):
+            out.append(buf[i * item_bytes + o : i * item_bytes + o + n])
+    return np.concatenate(out) if out else np.zeros(0, np.uint8)
+
+
+def _all_runs(item_bytes, max_runs=3):
+    """Every non-empty, non-overlapping run list of up to ``max_runs`` runs of an item of
+    ``item_bytes`` (run order: ascending and also reversed, which packs differently)."""
+    cuts = range(item_bytes + 1)
+    for k in range(1, max_runs + 1):
+        for pts in itertools.combinations(cuts, 2 * k):
+            offs = np.array(pts[0::2], dtype=np.int64)
+            lens = np.array(pts[1::2], dtype=np.int64) - offs
+            if (lens <= 0).any():
+                continue
+            yield offs, lens
+            if k > 1:
+                yield offs[::-1].copy(), lens[::-1].copy()
+
+
+@pytest.mark.parametrize("item_bytes", [1, 2, 5, 8])
+def test_gather_scatter_exhaustive(item_bytes):
+    """Every run list of small items (regular and irregular): gather packs exactly the
+    brute-force bytes, scatter writes exactly the run bytes of the named items and nothing
+    else, for several item subsets (ordered, reversed, gapped)."""
+    rng = np.random.default_rng(item_bytes)
+    n_items = 5
+    buf = rng.integers(1, 255, n_items * item_bytes, dtype=np.uint8)
+    subsets = [np.array(s) for s in ([0], [4], [1, 2, 3], [3, 0], [4, 2, 0], [0, 1, 2, 3, 4])]
+    for offs, lens in _all_runs(item_bytes, 3 if item_bytes <= 5 else 2):
+        for items in subsets:
+            want = _brute_pack(buf, item_bytes, items, offs, lens)
+            out = np.zeros(want.size + 3, np.uint8)
+            got = slices.gather_host(buf, item_bytes, items, offs, lens, out)
+            assert got == want.size
+            assert (out[: want.size] == want).all() and (out[want.size :] == 0).all()
+            dst = np.zeros_like(buf)
+            slices.scatter_host(dst, item_bytes, items, offs, lens, out)
+            mask = np.zeros(buf.size, bool)
+            for i in items:
+                for o, n in zip(offs, lens):
+                    mask[i * item_bytes + o : i * item_bytes + o + n] = True
+            assert (dst[mask] == buf[mask]).all() and (dst[~mask] == 0).all()
+
+
+def test_regular_detects_strided_runs():
+    assert slices.regular(np.array([2, 10, 18]), np.array([4, 4, 4])) == (2, 8, 3, 4)
+    assert slices.regular(np.array([5]), np.array([3])) == (5, 3, 1, 3)
+    assert slices.regular(np.array([0, 4]), np.array([4, 4])) == (0, 4, 2, 4)  # touching
+    assert slices.regular(np.array([0, 8, 20]), np.array([4, 4, 4])) is None  # uneven step
+    assert slices.regular(np.array([0, 8]), np.array([4, 2])) is None  # uneven sizes
+    assert slices.regular(np.array([8, 0]), np.array([4, 4])) is None  # descending
+    assert slices.regular(np.array([0, 2]), np.array([4, 4])) is None  # overlapping
+    assert slices.regular(np.zeros(0, np.int64), np.zeros(0, np.int64)) is None
+
+
+@pytest.mark.parametrize("n", range(0, 12))
+@pytest.mark.parametrize("per_item", [1, 3, 7])
+@pytest.mark.parametrize("cap", [7, 8, 21, 100])
+def test_chunks_cover_once_within_cap(n, per_item, cap):
+    cs = slices.chunks(n, per_item, cap)
+    covered = [i for a, b in cs for i in range(a, b)]
+    assert covered == list(range(n))
+    assert all((b - a) * per_item <= cap and b > a for a, b in cs)
+    assert len(cs) == -(-n // (cap // per_item))  # as few as fit
+
+
+def test_chunks_refuse_an_item_larger_than_a_slot():
+    with pytest.raises(InvalidArgument, match="exceed"):
+        slices.chunks(3, 9, 8)
+    with pytest.raises(InvalidArgument):
+        slices.chunks(3, 0, 8)
+
+
+def test_slice_runs_validation():
+    ok = slices.SliceRuns.make([([0, 8], [4, 4]), ([], [])], [16, 16])
+    assert ok.per_item == 8 and ok.ops_per_item == 2 and ok.desc_bytes == (8, 0)
+    assert ok.offs[0].flags.writeable is False
+    bad = [
+        ([([0], [4])], [16, 16]),  # descriptor count
+        ([([0, 8], [4])], [16]),  # offsets vs lengths
+        ([([14], [4])], [16]),  # leaves the item
+        ([([-1], [2])], [16]),  # negative
+        ([([0], [0])], [16]),  # empty run
+        ([([], [])], [16]),  # moves nothing
+    ]
+    for runs, il in bad:
+        with pytest.raises(InvalidArgument):
+            slices.SliceRuns.make(runs, il)
+    # overlapping runs: fine to read from, refused for a target (a byte written twice)
+    slices.SliceRuns.make([([0, 2], [4, 4])], [16])
+    with pytest.raises(InvalidArgument, match="overlap"):
+        slices.SliceRuns.make([([0, 2], [4, 4])], [16], exclusive=True)
+    with pytest.raises(InvalidArgument, match="overlap"):
+        slices.SliceRuns.make([([8, 0], [4, 10])], [16], exclusive=True)
+    assert ok.matches(slices.SliceRuns.make([([1, 9], [4, 4]), ([], [])], [16, 16]))
+    assert not ok.matches(slices.SliceRuns.make([([0], [8]), ([], [])], [16, 16]))
+
+
+def test_direct_ops_merges_touching_runs():
+    runs = slices.SliceRuns.make([([0], [16])], [16])  # whole items
+    assert slices.direct_ops(runs, [16], np.array([3, 4, 5, 9])) == 2
+    runs = slices.SliceRuns.make([([0, 8], [4, 4])], [16])
+    assert slices.direct_ops(runs, [16], np.array([3, 4])) == 4
+    runs = slices.SliceRuns.make([([0, 8], [8, 8])], [16])  # whole item in two runs
+    assert slices.direct_ops(runs, [16], np.array([3, 4])) == 1
+
+
+#: (layout, total kv heads, prefill tp, decode tp)
+SHAPES = [
+    (lay, heads, a, b)
+    for lay in ("nhd", "hnd", "pm")
+    for heads in (1, 2, 4, 8)
+    for a, b in ((1, 2), (2, 1), (1, 4), (4, 1), (2, 4), (4, 2), (2, 2))
+]
+
+
+def _geom(lay, ps, hb, heads, t):
+    if lay == "nhd":
+        return tp.nhd_item(ps, hb, heads, t)
+    if lay == "hnd":
+        return tp.hnd_item(ps, hb, heads, t)
+    return tp.page_major_item(2, ps, hb, hb, heads, t)
+
+
+@pytest.mark.parametrize("lay,heads,tp_p,tp_d", SHAPES)
+def test_head_slices_through_stream_match_direct_runs(lay, heads, tp_p, tp_d):
+    """The real head-slice plans (tp_plan.item_runs): gather with the prefill side's runs,
+    scatter with decode's own, for every rank pair — decode's pages end up exactly as the
+    direct runs (tp_plan.plan_pages) would leave them."""
+    ps, hb, n = 4, 2, 6
+    rng = np.random.default_rng(heads * 100 + tp_p * 10 + tp_d)
+    src_items = np.array([5, 1, 2, 3])
+    dst_items = np.array([0, 4, 3, 5])
+    for p in range(tp_p):
+        for d in range(tp_d):
+            s, t = _geom(lay, ps, hb, heads, tp_p), _geom(lay, ps, hb, heads, tp_d)
+            ro, rd, rn = tp.item_runs(s, t, p, d, tp_p, tp_d)
+            if not rn.size:
+                continue
+            src = rng.integers(1, 255, n * s.item_bytes, dtype=np.uint8)
+            want = np.zeros(n * t.item_bytes, np.uint8)
+            runs = tp.plan_pages([s], [t], p, d, tp_p, tp_d, src_items, dst_items)
+            for so, do, nb in zip(runs.src_off, runs.dst_off, runs.nbytes):
+                want[do : do + nb] = src[so : so + nb]
+            stream = np.zeros(src_items.size * int(rn.sum()), np.uint8)
+            slices.gather_host(src, s.item_bytes, src_items, ro, rn, stream)
+            got = np.zeros_like(want)
+            slices.scatter_host(got, t.item_bytes, dst_items, rd, rn, stream)
+            assert (got == want).all(), (lay, heads, tp_p, tp_d, p, d)
+            sr = slices.SliceRuns.make([(rd, rn)], [t.item_bytes], exclusive=True)
+            assert sr.per_item * src_items.size == stream.size
