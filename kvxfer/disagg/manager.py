@@ -64,7 +64,7 @@ TP_STAGE_MIN_OPS = 256
 #: the kv group's staging memory for slice writes (per process: 8 landing slots granted two
 #: per peer, 2 staging slots; each chunk of a bigger write reuses them)
 TP_STAGE_ENGINE: Dict[str, Any] = dict(
-    stage_groups=("kv",), stage_slot_bytes=4 << 20, stage_slots=8, stage_peer_slots=2
+    stage_groups=("kv",), stage_slot_bytes=16 << 20, stage_slots=4, stage_peer_slots=1
 )
 
 # re-exported: their home moved below the manager, their public name did not

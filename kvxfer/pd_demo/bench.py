@@ -41,7 +41,10 @@ processes each, same run; PD time =
 the last decode rank's ``Success`` - the first prefill rank's ``send()``; bytes and ops are
 summed over the prefill ranks (ops per request: the RMA ops every rank posted); the ratios
 are the GB/s of ``N:M`` over that of ``N:N`` and of ``M:M``. The model's KV heads (``--tp-heads``) and Mamba
-heads split over both TP sizes.
+heads split over both TP sizes. With ``--tp-paths`` the ``N:M`` pair runs twice, the kv
+head slices ``direct`` (``KVManager(tp_stage_min_ops=0)``: one PUT per run) and ``staged``
+(``tp_stage_min_ops=1``: every slice write gathered, one PUT per chunk, scattered by decode;
+layouts whose slices are already one run per page, HND, stay direct either way).
 
 With ``--stages`` both managers trace (``KVManager(trace=True)``, :mod:`kvxfer.disagg.trace`)
 and a table per mode gives the sequential 1-page requests' stages (p50/p90 µs: thread and task
@@ -66,7 +69,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from kvxfer import clitools
 from kvxfer.pd_demo.run import percentile, start_pair
@@ -562,7 +565,14 @@ def bench_tp(args, mode: str, kv_layout: str) -> List[dict]:
     ps = args.prefill_page_size or ModelSpec().page_size
     pool = (-(-(2 * tokens) // ps) + 4) * ps
     rows = []
-    for pair_tp in dict.fromkeys(((tp_p, tp_p), (tp_d, tp_d), (tp_p, tp_d))):
+    runs: List[Tuple[Tuple[int, int], Optional[str]]] = [
+        (t, None) for t in dict.fromkeys(((tp_p, tp_p), (tp_d, tp_d)))
+    ]
+    if getattr(args, "tp_paths", False):
+        runs += [((tp_p, tp_d), "direct"), ((tp_p, tp_d), "staged")]
+    else:
+        runs += [((tp_p, tp_d), None)] if tp_p != tp_d else []
+    for pair_tp, path in runs:
         spec = ModelSpec(
             kv_layout=kv_layout,
             heads=args.tp_heads,
@@ -571,7 +581,9 @@ def bench_tp(args, mode: str, kv_layout: str) -> List[dict]:
             pool_tokens=pool,
             device=args.device,
         )
-        opts = {"error_mode": mode, "deadline_s": 120.0, "max_inflight": 1 << 30}
+        opts: Dict[str, Any] = {"error_mode": mode, "deadline_s": 120.0, "max_inflight": 1 << 30}
+        if path is not None:  # direct: never staged; staged: every slice write staged
+            opts["tp_stage_min_ops"] = 0 if path == "direct" else 1
         pair = start_pair(spec, opts, BenchWorker, *pair_tp)
         try:
             times, nbytes, ops, lanes = [], 0, 0, []
@@ -597,6 +609,7 @@ def bench_tp(args, mode: str, kv_layout: str) -> List[dict]:
                 "kv_layout": kv_layout,
                 "prefill_tp": pair_tp[0],
                 "decode_tp": pair_tp[1],
+                "path": path or ("equal" if pair_tp[0] == pair_tp[1] else "default"),
                 "tokens": tokens,
                 "bytes": nbytes,
                 "ops": ops,
@@ -610,9 +623,9 @@ def bench_tp(args, mode: str, kv_layout: str) -> List[dict]:
 
 def format_tp(rows: List[dict]) -> str:
     lines = [
-        "| lanes (mode) | KV layout | prefill TP → decode TP | tokens | MiB | ops/request "
-        "| µs median | GB/s best (median) | × N:N (median) | × M:M (median) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| lanes (mode) | KV layout | prefill TP → decode TP | path | tokens | MiB "
+        "| ops/request | µs median | GB/s best (median) | × N:N (median) | × M:M (median) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = {}
     for r in rows:
@@ -625,7 +638,7 @@ def format_tp(rows: List[dict]) -> str:
             ratios.append(r["gbps_median"] / b if b else float("nan"))
         lines.append(
             f"| {','.join(r['lanes'])} ({r['mode']}) | {r['kv_layout']} | "
-            f"{r['prefill_tp']} → {r['decode_tp']} | {r['tokens']} | "
+            f"{r['prefill_tp']} → {r['decode_tp']} | {r.get('path', '')} | {r['tokens']} | "
             f"{r['bytes'] / 2**20:.1f} | {r['ops']} | {r['us_median']:.0f} | "
             f"{r['gbps_best']:.2f} ({r['gbps_median']:.2f}) | {ratios[0]:.2f} | "
             f"{ratios[1]:.2f} |"
@@ -737,6 +750,12 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-tp", type=int, default=None, help="TP: see above")
     ap.add_argument("--decode-tp", type=int, default=None, help="TP: see above")
     ap.add_argument("--tp-heads", type=int, default=8, help="TP: the model's KV / Mamba heads")
+    ap.add_argument(
+        "--tp-paths",
+        action="store_true",
+        help="TP: N:M twice, direct (tp_stage_min_ops=0: one PUT per run) and staged "
+        "(tp_stage_min_ops=1: head slices gathered, one PUT per chunk), beside equal TP",
+    )
     ap.add_argument(
         "--stages",
         action="store_true",

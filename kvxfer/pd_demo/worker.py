@@ -57,6 +57,11 @@ class PDWorker:
             timeouts=Timeouts(**opts.get("timeouts", {})),
             integrity=bool(opts.get("integrity", False)),
             trace=opts.get("trace"),  # None: $KVXFER_TRACE
+            **(
+                {"tp_stage_min_ops": int(opts["tp_stage_min_ops"])}
+                if "tp_stage_min_ops" in opts
+                else {}
+            ),
             name=f"demo-{role}",
         ).start_background()
         self.done_q: "queue.SimpleQueue" = queue.SimpleQueue()
