@@ -104,22 +104,34 @@ class TpPair:
         return peers[int(salt) % len(peers)] == self.prefill_rank
 
     def write(
-        self, group: str, src_items: Any, dst_items: Any, salt: int, stage_min_ops: int = 0
+        self,
+        group: str,
+        src_items: Any,
+        dst_items: Any,
+        salt: int,
+        stage_min_ops: int = 0,
+        stage_blocks: bool = False,
     ) -> Any:
         """The RawWrite moving this pair's share of items ``src_items[k] -> dst_items[k]``
         of ``group``, or None when this prefill rank moves no byte of them. With
         ``stage_min_ops > 0``, a plan of more runs than that which costs more than one run
-        per item and descriptor (head slices inside token rows) is a SliceWrite under key
-        ``salt`` instead (the decode side expects it: :meth:`dst_slice_sides`)."""
+        per item and descriptor (head slices inside token rows; with ``stage_blocks`` any
+        plan) is a SliceWrite under key ``salt`` instead (the decode side expects it:
+        :meth:`dst_slice_sides`)."""
         if group not in self.src or not len(src_items):
             return None
         if stage_min_ops > 0:
             sides = self.slice_sides(group, salt, src=True)
-            if sides is not None and sum(len(n) for _, n in sides) > len(sides):
+            n_runs = 0 if sides is None else sum(len(n) for _, n in sides)
+            moved = 0 if sides is None else sum(int(n.sum()) for _, n in sides)
+            whole = all(  # whole pages on both sides (replicated: MLA): as equal TP
+                moved == sum(g.item_bytes for g in side)
+                for side in (self.src[group], self.dst[group])
+            )
+            if sides is not None and not whole and (stage_blocks or n_runs > len(sides)):
                 from kvxfer.engine.types import SliceWrite
 
-                n_ops = len(src_items) * sum(len(n) for _, n in sides)
-                if n_ops > stage_min_ops:  # (before merging across pages: an upper bound)
+                if len(src_items) * n_runs > stage_min_ops:  # (an upper bound: unmerged)
                     return SliceWrite(group, src_items, dst_items, sides, int(salt))
         runs = plan_pages(
             self.src[group],

@@ -234,7 +234,8 @@ def _wait_closed(a, engine_id, before, timeout=10.0):
 
 
 # ------------------------------------------------------------------ SliceWrite (slices)
-# In-process pairs of engines (one asyncio loop, real UCX on loopback, host memory): the
+# In-process pairs of engines (one asyncio loop, real UCX on loopback; host memory, or
+# CUDA memory with KVXFER_TEST_DEVICE=cuda: the torch gather / scatter): the
 # initiator gathers head slices of NHD-like pages, PUTs one op per landing-slot chunk, the
 # target scatters them by the runs IT registered (Peer.expect_slices).
 
@@ -260,12 +261,20 @@ class _SlicePair:
 
         from kvxfer.engine import EngineConfig, TransferEngine
 
-        self.bufs = {
-            n: [np.zeros(SL_ITEMS * SL_ITEM, np.uint8) for _ in range(SL_DESCS)] for n in "ab"
-        }
         rng = np.random.default_rng(7)
-        for buf in self.bufs["a"]:
-            buf[:] = rng.integers(1, 255, buf.size, dtype=np.uint8)
+        n_bytes = SL_ITEMS * SL_ITEM
+        host = {
+            "a": [rng.integers(1, 255, n_bytes, dtype=np.uint8) for _ in range(SL_DESCS)],
+            "b": [np.zeros(n_bytes, np.uint8) for _ in range(SL_DESCS)],
+        }
+        if DEVICE == "cuda":
+            import torch
+
+            self.bufs = {n: [torch.from_numpy(b).cuda() for b in v] for n, v in host.items()}
+            ptrs = {n: [b.data_ptr() for b in v] for n, v in self.bufs.items()}
+        else:
+            self.bufs = host
+            ptrs = {n: [b.ctypes.data for b in v] for n, v in self.bufs.items()}
         self.engines = {}
         for n in "ab":
             e = TransferEngine(
@@ -280,10 +289,7 @@ class _SlicePair:
                     transfer_timeout_s=10.0,
                 )
             )
-            bufs = self.bufs[n]
-            e.register(
-                "kv", [b.ctypes.data for b in bufs], [b.size for b in bufs], [SL_ITEM] * SL_DESCS
-            )
+            e.register("kv", ptrs[n], [n_bytes] * SL_DESCS, [SL_ITEM] * SL_DESCS)
             await e.start()
             self.engines[n] = e
         self.seen = []  # (payload, copy of B's pages when the handler ran)
@@ -294,7 +300,7 @@ class _SlicePair:
         async def on_msg(peer, payload):
             if payload == b"block" and self.block is not None:
                 await self.block.wait()
-            self.seen.append((payload, [b.copy() for b in self.bufs["b"]]))
+            self.seen.append((payload, self.host("b")))
             self.msg.put_nowait(payload)
 
         self.engines["b"].on_message(on_msg)
@@ -308,8 +314,14 @@ class _SlicePair:
         for e in self.engines.values():
             await e.close()
 
+    def host(self, side):
+        """Copies of one side's descriptors as numpy bytes."""
+        if DEVICE == "cuda":
+            return [b.cpu().numpy() for b in self.bufs[side]]
+        return [b.copy() for b in self.bufs[side]]
+
     def pages(self, side, items):
-        return [b.reshape(SL_ITEMS, PS, HEADS, HB)[items] for b in self.bufs[side]]
+        return [b.reshape(SL_ITEMS, PS, HEADS, HB)[items] for b in self.host(side)]
 
 
 def _run(coro):
@@ -338,7 +350,7 @@ def test_slice_write_byte_exact_before_notify():
                 assert (snap[dst][:, :, 0:2] == a[:, :, 1:3]).all()
                 assert (b[:, :, 0:2] == a[:, :, 1:3]).all() and not b[:, :, 2:].any()
                 rest = np.setdiff1d(np.arange(SL_ITEMS), dst)
-                assert not p.bufs["b"][d].reshape(SL_ITEMS, -1)[rest].any()
+                assert not p.host("b")[d].reshape(SL_ITEMS, -1)[rest].any()
             assert 42 not in p.b._staged.expected  # every item arrived: key dropped
             # irregular runs (two sizes) and a single chunk
             irr = [(np.array([0, 40, 96]), np.array([8, 16, 8]))] * SL_DESCS
@@ -377,16 +389,16 @@ def test_slice_write_bounds_refused():
             p.b.expect_slices(9, "kv", [4, 5], _rows(0, 2))
             with pytest.raises(KvxferError):
                 await p.a.write([SliceWrite("kv", [1, 2], [4, 5], _rows(0, 3), 9)], b"x")
-            assert p.b.closed and not any(b.any() for b in p.bufs["b"])
+            assert p.b.closed and not any(b.any() for b in p.host("b"))
         async with _SlicePair() as p:  # an item outside the expected ones: refused too
             p.b.expect_slices(9, "kv", [4, 5], _rows(0, 2))
             with pytest.raises(KvxferError):
                 await p.a.write([SliceWrite("kv", [1, 2], [4, 6], _rows(0, 2), 9)], b"x")
-            assert p.b.closed and not any(b.any() for b in p.bufs["b"])
+            assert p.b.closed and not any(b.any() for b in p.host("b"))
         async with _SlicePair() as p:  # an unknown key
             with pytest.raises(KvxferError):
                 await p.a.write([SliceWrite("kv", [1], [4], _rows(0, 2), 77)], b"x")
-            assert p.b.closed and not any(b.any() for b in p.bufs["b"])
+            assert p.b.closed and not any(b.any() for b in p.host("b"))
 
     _run(go())
 

@@ -170,3 +170,41 @@ def test_head_slices_through_stream_match_direct_runs(lay, heads, tp_p, tp_d):
             assert (got == want).all(), (lay, heads, tp_p, tp_d, p, d)
             sr = slices.SliceRuns.make([(rd, rn)], [t.item_bytes], exclusive=True)
             assert sr.per_item * src_items.size == stream.size
+
+
+@pytest.mark.parametrize("tp_p,tp_d", [(1, 2), (2, 1), (1, 4), (4, 1), (2, 4)])
+def test_tp_pair_write_picks_the_staged_path(tp_p, tp_d):
+    """TpPair.write: head slices inside token rows (NHD, page-major) past the threshold go
+    as a SliceWrite whose runs pair with decode's own (dst_slice_sides); HND only with
+    stage_blocks (device memory); replicated MLA pages never; below the threshold or with 0,
+    the direct RawWrite."""
+    from kvxfer.disagg.tp_rooms import TpPair
+    from kvxfer.engine.types import RawWrite, SliceWrite
+
+    def pair(make, heads=8):
+        p, d = (0, 0)
+        return TpPair(
+            p, tp_p, d, tp_d, {"kv": [make(heads, tp_p)] * 2}, {"kv": [make(heads, tp_d)] * 2}
+        )
+
+    src, dst = list(range(10)), list(range(20, 30))
+    for make in (
+        lambda h, t: tp.nhd_item(4, 2, h, t),
+        lambda h, t: tp.page_major_item(2, 4, 2, 2, h, t),
+    ):
+        pr = pair(make)
+        w = pr.write("kv", src, dst, 3, stage_min_ops=1)
+        assert isinstance(w, SliceWrite) and w.key == 3
+        mine = slices.SliceRuns.make(w.runs, [g.item_bytes for g in pr.src["kv"]])
+        theirs = slices.SliceRuns.make(
+            pr.dst_slice_sides("kv", 3), [g.item_bytes for g in pr.dst["kv"]], exclusive=True
+        )
+        assert mine.matches(theirs)
+        assert isinstance(pr.write("kv", src, dst, 3, stage_min_ops=10**6), RawWrite)
+        assert isinstance(pr.write("kv", src, dst, 3), RawWrite)
+    hnd = pair(lambda h, t: tp.hnd_item(4, 2, h, t))
+    assert isinstance(hnd.write("kv", src, dst, 0, stage_min_ops=1), RawWrite)
+    assert isinstance(hnd.write("kv", src, dst, 0, stage_min_ops=1, stage_blocks=True), SliceWrite)
+    mla = pair(lambda h, t: tp.replicated_item(64), heads=1)
+    w = mla.write("kv", src, dst, 0, stage_min_ops=1, stage_blocks=True)
+    assert w is None or isinstance(w, RawWrite)
