@@ -30,3 +30,16 @@ def test_spin_flushes(local, remote, auto):
     assert spin_flushes("auto", local, remote) is auto
     assert spin_flushes("spin", local, remote) is True
     assert spin_flushes("event", local, remote) is False
+
+
+def test_slice_staging_validation():
+    c = EngineConfig(secret=b"s")
+    assert c.stage_slice_min_ops == 0 and c.stage_groups is None
+    c = EngineConfig(secret=b"s", stage_slice_min_ops=256, stage_groups=["kv"])
+    assert c.stage_slice_min_ops == 256 and c.stage_groups == ("kv",)
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(InvalidArgument, match="stage_slice_min_ops"):
+            EngineConfig(secret=b"s", stage_slice_min_ops=bad)
+    for bad in ("kv", [1], ("kv", None)):
+        with pytest.raises(InvalidArgument, match="stage_groups"):
+            EngineConfig(secret=b"s", stage_groups=bad)
