@@ -34,7 +34,7 @@ DEPLOY = {
     "die12": ("mha", 4, 1, 2),
     # integrity mode (checksums per prefill -> decode pair)
     "int21": ("mha_hnd", 4, 2, 1),
-    "int12": ("hybrid_per_layer", 4, 1, 2),
+    "int12": ("hybrid_per_layer", 4, 1, 2),  # staged (NHD kv slices; the path forced)
     # refused at the handshake (TpShapeMismatch naming both shapes)
     "bad_heads_p": ("mha", 6, 2, None),  # prefill: 6 heads over 2 ranks
     "bad_heads_d": ("mha", 4, None, 4),  # decode: 4 heads over 4 ranks
@@ -79,7 +79,7 @@ def tpc():
                     name=f"{name}-{role[0]}{r}",
                     tp=(r, tp, heads),
                     integrity=name in INTEGRITY,
-                    tp_stage_min_ops=1 if name in STAGED else 0,
+                    tp_stage_min_ops=1 if name in STAGED or name == "int12" else 0,
                 )
     workers = {k: TpWorker(v, name=f"tp-{k[0]}{k[1]}") for k, v in specs.items() if v}
     for w in workers.values():
