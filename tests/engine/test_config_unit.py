@@ -30,3 +30,13 @@ def test_spin_flushes(local, remote, auto):
     assert spin_flushes("auto", local, remote) is auto
     assert spin_flushes("spin", local, remote) is True
     assert spin_flushes("event", local, remote) is False
+
+
+def test_device_small_ops_and_notify_order():
+    c = EngineConfig(secret=b"s")
+    assert c.device_small_ops == 0 and c.notify_order is True
+    assert EngineConfig(secret=b"s", notify_order=False).notify_order is False
+    with pytest.raises(InvalidArgument, match="notify_order"):
+        EngineConfig(secret=b"s", notify_order=0)
+    with pytest.raises(InvalidArgument, match="device_small_ops"):
+        EngineConfig(secret=b"s", device_small_ops=-1)
