@@ -105,7 +105,6 @@ class PagedModelCache:
         tp: Tuple[int, int] = (0, 1),
     ) -> None:
         from kvxfer.disagg import KVArgs, MetadataBuffer
-        from kvxfer.disagg.tp_plan import owned
         from kvxfer.pools import MHATokenToKVPool, MLATokenToKVPool, PageMajorMHATokenToKVPool
         from kvxfer.pools.allocator import PagedTokenToKVPoolAllocator
         from kvxfer.pools.mamba_alloc import MambaSlotAllocator
@@ -121,7 +120,20 @@ class PagedModelCache:
         dtype, n_attn = k0.dtype, len(self.attn_ids)
         self.tp = rank, size = int(tp[0]), int(tp[1])
         self.total_heads = int(k0.shape[1])
-        self.heads = (0, 1) if self.mla else owned(rank, size, self.total_heads)
+        self._conv_parts: Tuple[int, ...] = ()
+        self._ssm_total = 0
+        if self.mamba_ids:
+            m0 = probe.layers[self.mamba_ids[0]]
+            conv, ssm = m0.conv_states[0], m0.recurrent_states[0]
+            self._conv_parts = conv_parts(model.config)
+            self._ssm_total = int(ssm.shape[1])
+            assert sum(self._conv_parts) == conv.shape[1], (self._conv_parts, conv.shape)
+        share = self.share_of(rank)
+        self.heads, self.conv_rows, self.ssm_heads = (
+            share["heads"],
+            share["conv_rows"],
+            share["ssm_heads"],
+        )
         h = self.heads[1] - self.heads[0]
         common = (pool_tokens, page_size, dtype)
         if self.mla:  # keys: latent [B, 1, T, R]; values: roped key [B, 1, T, Dr]
@@ -140,30 +152,18 @@ class PagedModelCache:
                 layout=kv_layout,
             )
         self.kv_pool, self.mamba = kv, None
-        self.conv_rows: List[int] = []
-        self.ssm_heads = (0, 0)
         if self.mamba_ids:
             from kvxfer.pools.hybrid import HybridLinearKVPool
             from kvxfer.pools.mamba import MambaPool, MambaStateSpec
 
-            m0 = probe.layers[self.mamba_ids[0]]
-            conv, ssm = m0.conv_states[0], m0.recurrent_states[0]
             self.conv_kernel = conv.shape[-1]
-            parts = conv_parts(model.config)
-            assert sum(parts) == conv.shape[1], (parts, conv.shape)
-            base = 0
-            for n in parts:  # each part split over the ranks on its own
-                a, b = owned(rank, size, n)
-                self.conv_rows += range(base + a, base + b)
-                base += n
-            self.ssm_heads = owned(rank, size, int(ssm.shape[1]))
             spec = MambaStateSpec(
                 conv_shapes=((len(self.conv_rows), self.conv_kernel - 1),),
                 temporal_shape=(self.ssm_heads[1] - self.ssm_heads[0], *ssm.shape[2:]),
                 conv_dtype=conv.dtype,
                 temporal_dtype=ssm.dtype,
                 layer_ids=tuple(self.mamba_ids),
-                conv_parts=(tuple(n // size for n in parts),),
+                conv_parts=(tuple(n // size for n in self._conv_parts),),
             )
             self.mamba = MambaPool(mamba_slots, spec, layout=mamba_layout)
             self.pool = HybridLinearKVPool(kv, self.mamba, self.attn_ids)
@@ -237,12 +237,34 @@ class PagedModelCache:
     def locs(self, pages: torch.Tensor, n_tokens: int) -> torch.Tensor:
         return self.pages.pages_to_tokens(pages)[:n_tokens]
 
+    def share_of(self, rank: int) -> dict:
+        """Where TP rank ``rank`` (of this cache's TP size) sits in the model: ``heads``
+        ``[lo, hi)`` of the KV heads (MLA: ``(0, 1)``, replicated), ``conv_rows`` (each conv
+        part ``x | B | C`` split on its own, in pool row order), ``ssm_heads`` ``[lo, hi)``."""
+        from kvxfer.disagg.tp_plan import owned
+
+        size = self.tp[1]
+        rows: List[int] = []
+        base = 0
+        for n in self._conv_parts:
+            a, b = owned(rank, size, n)
+            rows += range(base + a, base + b)
+            base += n
+        return {
+            "heads": (0, 1) if self.mla else owned(rank, size, self.total_heads),
+            "conv_rows": rows,
+            "ssm_heads": owned(rank, size, self._ssm_total) if self._ssm_total else (0, 0),
+        }
+
     # ------------------------------------------------------------------ store / load
-    def store_rows(self, cache, locs: torch.Tensor, lo: int, hi: int) -> None:
-        """Token positions ``[lo, hi)`` of every attention layer of ``cache`` -> ``locs[lo:hi]``."""
+    def store_rows(
+        self, cache, locs: torch.Tensor, lo: int, hi: int, rank: Optional[int] = None
+    ) -> None:
+        """Token positions ``[lo, hi)`` of every attention layer of ``cache`` (this rank's
+        heads; ``rank``: another rank's, a deliberate misplacement) -> ``locs[lo:hi]``."""
+        a, b = self.heads if rank is None else self.share_of(rank)["heads"]
         for lid in self.attn_ids:
             lay = cache.layers[lid]
-            a, b = self.heads  # this rank's heads (MLA: the one latent "head")
             k = lay.keys[0, a:b, lo:hi].transpose(0, 1).contiguous()  # [n, h, D]
             v = lay.values[0, a:b, lo:hi].transpose(0, 1).contiguous()
             if self.mla:
@@ -250,10 +272,11 @@ class PagedModelCache:
             else:
                 self.pool.set_kv_buffer(lid, locs[lo:hi], k, v)
 
-    def store_state(self, cache, slot: int) -> None:
-        """Every Mamba layer's conv window and SSM state of ``cache`` (this rank's rows) ->
-        state ``slot``."""
-        rows, (a, b) = torch.tensor(self.conv_rows), self.ssm_heads
+    def store_state(self, cache, slot: int, rank: Optional[int] = None) -> None:
+        """Every Mamba layer's conv window and SSM state of ``cache`` (this rank's rows;
+        ``rank``: another rank's) -> state ``slot``."""
+        share = self.share_of(self.tp[0] if rank is None else rank)
+        rows, (a, b) = torch.tensor(share["conv_rows"]), share["ssm_heads"]
         for lid in self.mamba_ids:
             lay, mc = cache.layers[lid], self.pool.mamba_layer_cache(lid)
             mc.conv[0][slot] = lay.conv_states[0][0, rows, 1:]

@@ -122,6 +122,8 @@ def validate(
         raise InvalidArgument(f"--corrupt {corrupt!r}: one of {', '.join(CORRUPTIONS)}")
     if corrupt == "restore_reversed" and not retract_after:
         raise InvalidArgument("--corrupt restore_reversed needs --retract-after > 0")
+    if corrupt == "swap_ranks" and max(prefill_tp, decode_tp) < 2:
+        raise InvalidArgument("--corrupt swap_ranks needs --prefill-tp or --decode-tp > 1")
     need = 2 * -(-(max(prompts) + n_tokens) // page_size) + 2
     if pool_tokens // page_size < need:
         raise InvalidArgument(
@@ -308,7 +310,11 @@ class HFCheck:
                     self._room += 1
                     prompt = prompt_ids(n, self.seed, vocab)
                     d_calls = [(x.receive, self._room, n) for x in ds]
-                    p_calls = [(x.prefill, self._room, prompt, chunk_tokens) for x in ps]
+                    swap = corrupt == "swap_ranks" and tp_p > 1  # else decode swaps
+                    p_calls = [
+                        (x.prefill, self._room, prompt, chunk_tokens, (r ^ 1) if swap else None)
+                        for r, x in enumerate(ps)
+                    ]
                     got = each(d_calls + p_calls)  # decode's first
                     dr, pr = got[:tp_d], got[tp_d:]
                     p = _merge(pr)
@@ -320,7 +326,7 @@ class HFCheck:
                             [x["share"] for x in dr],
                             n_tokens,
                             retract_after,
-                            corrupt,
+                            None if swap else corrupt,
                             timeout=to,
                         )
                         if d["replicas_differ"] or len(set(d["first_tokens"])) != 1:

@@ -97,6 +97,9 @@ CORRUPTIONS = {
     "conv_window": "reverse the token order of the conv window on arrival",
     "first_token": "add 1 to the first token read from the aux row",
     "restore_reversed": "restore a retracted request into its new pages in reverse order",
+    "swap_ranks": "heterogeneous TP: TP ranks 2i and 2i+1 exchange their shares (each prefill "
+    "rank stores and sends the other's heads and state rows; with one prefill rank, decode "
+    "rank 0 gathers decode ranks 0 and 1's shares each in the other's place)",
 }
 
 

@@ -182,7 +182,11 @@ class HFWorker:
         return {"tokens": tokens, "logits": logits, "s": time.perf_counter() - t0}
 
     # ------------------------------------------------------------------ prefill
-    def prefill(self, room: int, prompt: List[int], chunk_tokens: int) -> dict:
+    def prefill(
+        self, room: int, prompt: List[int], chunk_tokens: int, store_rank: Optional[int] = None
+    ) -> dict:
+        """``store_rank``: store TP rank ``store_rank``'s share instead of ours (the
+        ``swap_ranks`` misplacement)."""
         from kvxfer.disagg import KVPoll, KVSender
 
         pmc, ps, n = self.pmc, self.pmc.ps, len(prompt)
@@ -198,11 +202,11 @@ class HFWorker:
             chunks = 0
             for lo in range(0, n, chunk_tokens):
                 hi = min(lo + chunk_tokens, n)
-                pmc.store_rows(cache, locs, lo, hi)
+                pmc.store_rows(cache, locs, lo, hi, store_rank)
                 state = None
                 if hi == n:
                     if res["slot"] is not None:
-                        pmc.store_state(cache, res["slot"])
+                        pmc.store_state(cache, res["slot"], store_rank)
                         state = [res["slot"]]
                     pmc.aux.set_output(res["row"], first)
                 h.send(res["pages"][lo // ps : -(-hi // ps)], state)
@@ -310,16 +314,21 @@ class HFWorker:
             raise SchedulerError(f"decode: no room for a {prompt_len}-token prompt")
         gen.aux.free(res.pop("row"))
         try:
-            differ = gen.write_shares(shares, gen.locs(res["pages"], prompt_len), res["slot"])
             out = {
                 "room": room,
                 "retracted": False,
                 "state": "Success",
                 "error": None,
-                "replicas_differ": differ,
                 "first_tokens": [sh["first"] for sh in shares],
             }
             first = shares[0]["first"]
+            if corrupt == "swap_ranks" and len(shares) > 1:  # data of one rank, place of other
+                data = ("k", "v", "conv", "ssm")
+                a = dict(shares[0], **{x: shares[1][x] for x in data})
+                b = dict(shares[1], **{x: shares[0][x] for x in data})
+                shares = [a, b, *shares[2:]]
+            differ = gen.write_shares(shares, gen.locs(res["pages"], prompt_len), res["slot"])
+            out["replicas_differ"] = differ
             out.update(self._generate(res, prompt_len, first, n_tokens, retract_after, corrupt))
             return out
         finally:
@@ -339,7 +348,7 @@ class HFWorker:
         from kvxfer.pd_demo.hf_corrupt import corrupt_arrival
 
         pmc, out = self.gen, {}
-        if corrupt and corrupt != "restore_reversed":
+        if corrupt and corrupt not in ("restore_reversed", "swap_ranks"):
             first = corrupt_arrival(pmc, corrupt, res, prompt_len, first)
         tokens, logits, n = [first], [], prompt_len
         for step in range(n_tokens - 1):
