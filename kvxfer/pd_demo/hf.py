@@ -335,6 +335,8 @@ class PagedModelCache:
         from kvxfer.errors import InvalidArgument
 
         assert self.tp[1] == 1, "write_shares() fills a whole-model cache"
+        if not shares:
+            raise InvalidArgument("write_shares() needs at least one rank's share")
         differ = 0
         n_conv, n_ssm = len(self.conv_rows), self.ssm_heads[1]
 
@@ -354,7 +356,7 @@ class PagedModelCache:
             covered = torch.zeros(heads, dtype=torch.bool)
             for sh in shares:
                 idx = torch.arange(*sh["heads"])
-                place(k, covered.clone(), idx, sh["k"][i])
+                place(k, covered.clone(), idx, sh["k"][i])  # v marks the heads covered
                 place(v, covered, idx, sh["v"][i])
             if not covered.all():
                 raise InvalidArgument(f"layer {lid}: the shares cover heads {covered.tolist()}")

@@ -587,6 +587,12 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--error-mode", choices=("peer", "none"), default="none")
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument(
+        "--start-timeout",
+        type=float,
+        default=180.0,
+        help="seconds for the worker processes' start-up (imports; slow on a loaded machine)",
+    )
+    ap.add_argument(
         "--json",
         action="store_true",
         help="also print the report as one JSON object on the last line",
@@ -637,6 +643,7 @@ def main(argv: Optional[List[str]] = None, check: Optional[HFCheck] = None) -> i
                 seed=a.seed,
                 error_mode=a.error_mode,
                 timeout=a.timeout,
+                start_timeout=a.start_timeout,
                 prefill_tp=a.prefill_tp,
                 decode_tp=a.decode_tp,
             ) as own:

@@ -23,7 +23,7 @@ import pytest
 from kvxfer.pd_demo.hf_run import HFCheck, main, report_ok
 from kvxfer.pd_demo.hf_spec import MODELS
 
-pytestmark = pytest.mark.timeout(300)  # the first test also starts the pair (<= 180 s)
+pytestmark = pytest.mark.timeout(360)  # the first test also starts the workers (<= 240 s)
 
 PAGE, CHUNK = 8, 16
 PROMPTS = (5, 8, 21, 50)  # shorter than a page, a page, not a multiple, four chunks
@@ -33,7 +33,13 @@ RUN = dict(prompts=PROMPTS, n_tokens=5, retract_after=2, chunk_tokens=CHUNK)
 @pytest.fixture(scope="module")
 def check():
     with HFCheck(
-        list(MODELS), page_size=PAGE, pool_tokens=512, timeout=60.0, prefill_tp=2, decode_tp=2
+        list(MODELS),
+        page_size=PAGE,
+        pool_tokens=512,
+        timeout=60.0,
+        start_timeout=240.0,
+        prefill_tp=2,
+        decode_tp=2,
     ) as c:
         yield c
 
