@@ -17,7 +17,8 @@ Invariants
   used CUDA yet they answer None, and a parent that only probed its memory can still fork
   children that use CUDA. :func:`driver` (the VMM backing's entry) initialises it.
 - Pointers, sizes and stream handles go in and come out as Python ints.
-- :func:`ipc_export` answers only for memory the driver reports legacy-IPC capable
+- :func:`ipc_export` works on any thread (it makes the memory's primary context current for
+  its one context-bound call) and answers only for memory the driver reports legacy-IPC capable
   (``cudaMalloc``-style; not CUDA VMM); the blob is :data:`IPC_BLOB_BYTES` bytes: the
   64-byte ``CUipcMemHandle`` of the whole allocation, then the little-endian u64 offset of
   ``addr`` inside it, so the importer can rebuild ``addr``'s image.
@@ -29,9 +30,10 @@ Invariants
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import struct
-from typing import Any, Optional, Tuple
+from typing import Any, Iterator, Optional, Tuple
 
 from kvxfer.kernels.errors import CudaError, InvalidArgument
 
@@ -179,10 +181,41 @@ def ipc_export(addr: int) -> Optional[bytes]:
     rng = alloc_range(addr)
     if rng is None or not ipc_capable(addr):
         return None
-    err, handle = bindings().cuIpcGetMemHandle(rng[0])
+    cu = bindings()
+    with _primary_context(addr):
+        err, handle = cu.cuIpcGetMemHandle(rng[0])
     if err != _OK:
         return None
     return pack_blob(ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES), addr - rng[0])
+
+
+@contextlib.contextmanager
+def _primary_context(addr: int) -> Iterator[None]:
+    """The primary context of ``addr``'s device current on this thread for the block (the
+    caller's own afterwards): a thread the runtime never bound (an event loop's) has none,
+    and the driver then refuses context-bound calls such as ``cuIpcGetMemHandle``."""
+    cu = bindings()
+    ordinal = _attr("DEVICE_ORDINAL", addr)
+    if ordinal is None:
+        yield
+        return
+    err, dev = cu.cuDeviceGet(ordinal)
+    if err != _OK:
+        yield
+        return
+    err, ctx = cu.cuDevicePrimaryCtxRetain(dev)
+    if err != _OK:
+        yield
+        return
+    try:
+        (err,) = cu.cuCtxPushCurrent(ctx)
+        try:
+            yield
+        finally:
+            if err == _OK:
+                cu.cuCtxPopCurrent()
+    finally:
+        cu.cuDevicePrimaryCtxRelease(dev)
 
 
 def pack_blob(handle: bytes, offset: int) -> bytes:

@@ -12,6 +12,7 @@ always wins.
   :attr:`EngineConfig.flush_progress`.
 - ``KVXFER_DEVICE_COPY`` = ``auto`` | ``off`` — default of :attr:`EngineConfig.device_copy`.
 - ``KVXFER_DEVICE_SMALL_OPS`` = an int — default of :attr:`EngineConfig.device_small_ops`.
+- ``KVXFER_NOTIFY_ORDER`` = ``1`` | ``0`` — default of :attr:`EngineConfig.notify_order`.
 - ``KVXFER_SECRET`` — the shared secret of a ``KVManager``, ``BootstrapServer`` or bootstrap
   client built without ``secret=``, read when it is built (:func:`resolve_secret`; never part
   of :func:`env_defaults`, which ``kvxfer info`` prints). There is no built-in default:
@@ -73,6 +74,8 @@ def env_defaults() -> dict:
         out["device_copy"] = env["KVXFER_DEVICE_COPY"].strip().lower()
     if env.get("KVXFER_DEVICE_SMALL_OPS"):
         out["device_small_ops"] = int(env["KVXFER_DEVICE_SMALL_OPS"])
+    if env.get("KVXFER_NOTIFY_ORDER"):
+        out["notify_order"] = env["KVXFER_NOTIFY_ORDER"].strip() not in ("0", "false", "off")
     for key, name in (
         ("connect_timeout_s", "KVXFER_CONNECT_TIMEOUT_S"),
         ("transfer_timeout_s", "KVXFER_TRANSFER_TIMEOUT_S"),
@@ -152,9 +155,15 @@ class EngineConfig:
     device_min_ops: int = 128
     #: a write of at most this many runs also takes the device lane: one copy-engine
     #: ``cuMemcpyDtoDAsync`` per run and an event polled inline, no kernel launch and no UCX
-    #: flush (small writes: latency rows in bench/results/stages-h200.md); 0: never.
-    #: None -> env KVXFER_DEVICE_SMALL_OPS or 0
+    #: flush; 0: never. Measured slower than PUTs for 1-page requests on the H200 (the A/B
+    #: in bench/results/stages-h200.md), hence 0. None -> env KVXFER_DEVICE_SMALL_OPS or 0
     device_small_ops: Optional[int] = None
+    #: notifying writes of a peer hand their notifications to UCX in call order: a write
+    #: whose flush completed first waits for the previous notifying write's (concurrent
+    #: cuda_ipc flushes complete out of order). False: each notification leaves when its own
+    #: write completed (in-order delivery only for writes that do not overlap). None -> env
+    #: KVXFER_NOTIFY_ORDER or True
+    notify_order: Optional[bool] = None
     #: staged path (see kvxfer.engine.staging): an ItemWrite part that would need more than
     #: this many PUTs is gathered into a registered staging slot, PUT as one op per chunk into
     #: the peer's landing ring and scattered there before the notification; 0 disables staging
@@ -217,6 +226,10 @@ class EngineConfig:
             )
         if self.device_small_ops is None:
             self.device_small_ops = env.get("device_small_ops", 0)
+        if self.notify_order is None:
+            self.notify_order = env.get("notify_order", True)
+        if not isinstance(self.notify_order, bool):
+            raise InvalidArgument(f"EngineConfig.notify_order={self.notify_order!r} must be a bool")
         if self.connect_timeout_s is None:
             self.connect_timeout_s = env.get("connect_timeout_s", 10.0)
         if self.transfer_timeout_s is None:

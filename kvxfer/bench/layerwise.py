@@ -10,7 +10,7 @@ or ``--per-token-us`` x tokens, whichever is longer; with ``--device cuda`` (poo
 * ``whole``: sends the chunk once every layer is computed (``send``), or
 * ``layer`` / ``groupG``: declares each layer as it finishes (``begin_chunk`` +
   ``layer_ready``; CUDA: with an event recorded after the layer's kernels), writes of
-  1 / G layers (``--serial``: each posted only after the previous one completed).
+  1 / G layers (``--max-inflight N``: layer writes of a room on the wire at once, default 1).
 
 end to end = decode's ``Success`` (its ``on_done``) - the first layer's start, both
 CLOCK_MONOTONIC; compute = the last layer's end - the first layer's start (CUDA: after a
@@ -39,7 +39,7 @@ class LayerBenchWorker(PDWorker):
     def __init__(self, role: str, spec: dict, bootstrap: str, opts: dict) -> None:
         from kvxfer.disagg import layerwise
 
-        layerwise.OVERLAP_WRITES = not opts.get("serial", False)
+        layerwise.MAX_INFLIGHT_WRITES = int(opts.get("max_inflight", 1))
         super().__init__(role, spec, bootstrap, opts)
 
     def _wait_room(self, room: int) -> float:
@@ -183,7 +183,7 @@ def run(a) -> List[dict]:
                 {
                     "error_mode": a.error_mode,
                     "deadline_s": 60.0,
-                    "serial": a.serial,
+                    "max_inflight": a.max_inflight,
                     "trace": True if a.stages else None,
                 },
                 LayerBenchWorker,
@@ -346,9 +346,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--error-mode", choices=("peer", "none"), default="none")
     ap.add_argument(
-        "--serial",
-        action="store_true",
-        help="post a room's layer writes one at a time (layerwise.OVERLAP_WRITES = False)",
+        "--max-inflight",
+        type=int,
+        default=1,
+        help="layer writes of a room on the wire at once (layerwise.MAX_INFLIGHT_WRITES)",
     )
     ap.add_argument("--progress", action="store_true", help="print each row when measured")
     ap.add_argument(

@@ -75,12 +75,9 @@ from kvxfer.errors import (
     UnsupportedOperation,
 )
 
-#: layer writes of one room on the wire at once (the chunk's completing write not counted)
+#: layer writes of one room on the wire at once (the chunk's completing write not counted;
+#: ``kvxfer bench layerwise --max-inflight N`` compares values)
 MAX_INFLIGHT_WRITES = 1
-#: a room's layer writes are posted as soon as their layer is ready (True), or each only
-#: once the previous write of the room completed (False: one write on the wire at a time;
-#: ``kvxfer bench layerwise --serial`` compares the two)
-OVERLAP_WRITES = True
 
 
 @dataclass(frozen=True)
@@ -336,12 +333,10 @@ async def _write_part(
     layers: Sequence[int],
 ) -> None:
     """One layer write of a room's chain (no state, no aux, no chunk accounting): posts
-    ``kv`` at once (layer writes of a room overlap on the wire), then awaits the previous
+    ``kv`` at once (``MAX_INFLIGHT_WRITES`` layer writes of a room on the wire), then awaits the previous
     write of the chain before it completes — so the chain's last task is done only once every
     earlier write is, which is what the completing write and ``after_fail`` wait for.
     Failures as in ``PrefillSide._write``."""
-    if not OVERLAP_WRITES and prev is not None and not prev.done():
-        await asyncio.wait([prev])
     try:
         await _post_part(mgr, r, kv, notify, layers)
     finally:

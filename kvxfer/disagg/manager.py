@@ -35,6 +35,7 @@ from typing import Any, Callable, Coroutine, Dict, List, Optional, Set, Tuple, U
 
 from kvxfer import wire
 from kvxfer.argcheck import as_int
+from kvxfer.config import env_defaults
 from kvxfer.disagg import messages as m
 from kvxfer.disagg.aux import AuxRows, check_room
 from kvxfer.disagg.context import IntegrityOps, Timeouts
@@ -128,6 +129,12 @@ class KVManager:
             connect_timeout_s=min(10.0, self.t.bootstrap_s),
             transfer_timeout_s=self.t.transfer_s,
             name=self.name,
+            # a room's writes are chained (each starts once the previous one, its notification
+            # included, completed), so its notifications are in order without the engine's
+            # call-order gate; across rooms order means nothing, and the gate serialises
+            # concurrent rooms' flushes (1-page req/s ~1.8x without it:
+            # bench/results/stages-h200.md). KVXFER_NOTIFY_ORDER still decides when set.
+            notify_order=env_defaults().get("notify_order", False),
         )
         self.tp_stage_min_ops = (
             as_int(tp_stage_min_ops, "tp_stage_min_ops", 0) if args.tp_shape else 0

@@ -8,8 +8,9 @@ Invariants
   notifications (:mod:`kvxfer.engine.notes`) the flush and the notify are one native
   chain (the flush's completion callback sends it; the loop sees only the end), with the
   same rule: nothing is sent unless the flush succeeded. Notifications leave in the order
-  the writes were called: a write hands its notify over only after the previous notifying
-  write's was (flushes of concurrent writes may complete out of order, e.g. over cuda_ipc).
+  the writes were called (``EngineConfig.notify_order``, default): a write hands its notify
+  over only after the previous notifying write's was (flushes of concurrent writes may
+  complete out of order, e.g. over cuda_ipc).
 - Every await is bounded (``timeout`` or the engine's ``transfer_timeout_s``) and also
   ends as soon as the peer is known dead (``PeerClosed``), whichever comes first.
 - Messages from the peer reach the engine's handlers in arrival order, one at a time; those
@@ -365,7 +366,7 @@ class Peer:
         # notifications leave in call order: this one waits until the previous notifying
         # write's was handed to UCX (concurrent writes may flush out of order: cuda_ipc)
         gate_prev = gate = None
-        if notify is not None:
+        if notify is not None and cfg.notify_order:
             gate_prev, gate = self._note_gate, self._loop.create_future()
             self._note_gate = gate
         try:

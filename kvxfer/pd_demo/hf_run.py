@@ -11,6 +11,17 @@ paths and generates greedily from the pools alone; after ``--retract-after`` ste
 offloads the request to host, restores it into different pages and slot, and goes on. The
 single-process reference (the model's own cache) runs in the prefill process.
 
+Heterogeneous TP (``--prefill-tp N --decode-tp M``, one of them dividing the other): one
+process per rank and side, each its own ``KVManager`` on pools of its rank's real geometry
+(its KV heads, its rows of each Mamba state tensor; MLA: the replicated latent) and
+``KVArgs`` with its ``tp_rank`` / ``tp_size`` / ``total_kv_heads``, so the transfer is the
+real heterogeneous-TP one. *Emulated*: the model itself does not run tensor-parallel. Every
+prefill rank runs the whole model forward and stores (and sends) only its rank's share of the
+cache; every decode rank receives only its share and reads it back from its pools; decode
+rank 0 puts the ranks' shares (those bytes, nothing recomputed) into a whole-model cache and
+generates from it. Checked in addition: the decode ranks' copies of anything replicated
+(MLA latents, heads when TP exceeds them) and their aux rows' first tokens agree.
+
 Checked per run: the generated token ids equal the reference's, and every decode step's
 logits are bitwise equal to the reference's (so the first step's are). The default prompt
 lengths with ``--page-size 8 --chunk-tokens 16`` are shorter than a page, exactly a page,
@@ -29,15 +40,24 @@ import time
 from typing import Dict, List, Optional
 
 from kvxfer.errors import InvalidArgument
-from kvxfer.pd_demo.hf_spec import CORRUPTIONS, MODELS, check_layout, models_arg
+from kvxfer.pd_demo.hf_spec import CORRUPTIONS, MODELS, check_layout, check_tp, models_arg
 from kvxfer.pd_demo.pair import Pair
 
 DEFAULT_PROMPTS = (5, 8, 21, 50)
 
 
-def start_hf_pair(spec: dict, opts: dict, timeout: float, start_timeout: float) -> Pair:
-    """The pair of :class:`~kvxfer.pd_demo.hf_worker.HFWorker` processes, with a fresh secret
-    (passed to both managers and exported to the workers) and transformers kept offline."""
+def start_hf_pair(
+    spec: dict,
+    opts: dict,
+    timeout: float,
+    start_timeout: float,
+    prefill_tp: int = 1,
+    decode_tp: int = 1,
+) -> Pair:
+    """The :class:`~kvxfer.pd_demo.hf_worker.HFWorker` processes (``prefill_tp`` prefill and
+    ``decode_tp`` decode ones), with a fresh secret (passed to every manager and exported to
+    the workers) and transformers kept offline. A worker's TP rank and size are given per
+    ``setup``, so the processes can run any ratio up to their numbers."""
     from kvxfer.pd_demo.hf_worker import HFWorker  # torch: while the workers boot is fine
 
     secret = os.urandom(16).hex()
@@ -53,6 +73,8 @@ def start_hf_pair(spec: dict, opts: dict, timeout: float, start_timeout: float) 
         timeout=timeout,
         start_timeout=start_timeout,
         env=env,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
     )
 
 
@@ -62,12 +84,24 @@ def prompt_ids(length: int, seed: int, vocab: int) -> List[int]:
 
 
 def validate(
-    models, layouts, prompts, n_tokens, retract_after, chunk_tokens, corrupt, page_size, pool_tokens
+    models,
+    layouts,
+    prompts,
+    n_tokens,
+    retract_after,
+    chunk_tokens,
+    corrupt,
+    page_size,
+    pool_tokens,
+    prefill_tp: int = 1,
+    decode_tp: int = 1,
 ) -> List[tuple]:
     """Typed errors for arguments that cannot run; returns the (model, layout) plan."""
     plan = [(m, lay) for m in models for lay in (layouts or MODELS[m][2])]
     for m, lay in plan:
         check_layout(m, lay)
+    for m in models:
+        check_tp(m, prefill_tp, decode_tp)
     if page_size < 1 or pool_tokens < page_size or pool_tokens % page_size:
         raise InvalidArgument(
             f"--pool-tokens {pool_tokens} must be a positive multiple of --page-size {page_size}"
@@ -88,6 +122,8 @@ def validate(
         raise InvalidArgument(f"--corrupt {corrupt!r}: one of {', '.join(CORRUPTIONS)}")
     if corrupt == "restore_reversed" and not retract_after:
         raise InvalidArgument("--corrupt restore_reversed needs --retract-after > 0")
+    if corrupt == "swap_ranks" and max(prefill_tp, decode_tp) < 2:
+        raise InvalidArgument("--corrupt swap_ranks needs --prefill-tp or --decode-tp > 1")
     need = 2 * -(-(max(prompts) + n_tokens) // page_size) + 2
     if pool_tokens // page_size < need:
         raise InvalidArgument(
@@ -100,6 +136,8 @@ def validate(
 class HFCheck:
     """A worker pair holding ``models`` (pools of ``page_size`` x ``pool_tokens``): run any
     number of checks on it with :meth:`run`, then :meth:`close` (or use ``with``).
+    ``prefill_tp`` / ``decode_tp``: processes per side, the default TP sizes of :meth:`run`
+    (which may run any smaller ratio on the first ranks).
     ``timeout`` bounds each transfer and command, ``start_timeout`` the workers' start-up
     (torch + transformers imports and model builds, slow on a loaded machine)."""
 
@@ -113,8 +151,11 @@ class HFCheck:
         error_mode: str = "none",
         timeout: float = 60.0,
         start_timeout: float = 180.0,
+        prefill_tp: int = 1,
+        decode_tp: int = 1,
     ) -> None:
         self.models, self.page_size, self.pool_tokens = list(models), page_size, pool_tokens
+        self.prefill_tp, self.decode_tp = prefill_tp, decode_tp
         self.seed, self.timeout = seed, timeout
         spec = {
             "page_size": page_size,
@@ -126,7 +167,12 @@ class HFCheck:
         }
         t0 = time.perf_counter()
         self.pair = start_hf_pair(
-            spec, {"error_mode": error_mode, "deadline_s": timeout}, timeout + 30, start_timeout
+            spec,
+            {"error_mode": error_mode, "deadline_s": timeout},
+            timeout + 30,
+            start_timeout,
+            prefill_tp,
+            decode_tp,
         )
         self.info = self.pair.prefill.info()
         self.startup_s = time.perf_counter() - t0
@@ -151,12 +197,22 @@ class HFCheck:
         retract_after: int = 3,
         chunk_tokens: int = 16,
         corrupt: Optional[str] = None,
+        prefill_tp: Optional[int] = None,
+        decode_tp: Optional[int] = None,
     ) -> dict:
-        """Every (model, layout, prompt length); returns the report (see :func:`main`)."""
+        """Every (model, layout, prompt length) at ``prefill_tp`` : ``decode_tp`` (default:
+        the pair's sizes); returns the report (see :func:`main`)."""
         models = list(models or self.models)
         missing = [m for m in models if m not in self.models]
         if missing:
             raise InvalidArgument(f"models {missing} are not loaded in this pair")
+        tp_p = self.prefill_tp if prefill_tp is None else prefill_tp
+        tp_d = self.decode_tp if decode_tp is None else decode_tp
+        if tp_p > self.prefill_tp or tp_d > self.decode_tp:
+            raise InvalidArgument(
+                f"TP {tp_p}:{tp_d} needs more processes than this pair's "
+                f"{self.prefill_tp}:{self.decode_tp}"
+            )
         plan = validate(
             models,
             layouts,
@@ -167,7 +223,13 @@ class HFCheck:
             corrupt,
             self.page_size,
             self.pool_tokens,
+            tp_p,
+            tp_d,
         )
+        if (tp_p, tp_d) != (1, 1):
+            return self._run_tp(
+                models, plan, prompts, n_tokens, retract_after, chunk_tokens, corrupt, tp_p, tp_d
+            )
         t0 = time.perf_counter()
         pair, runs, pools, problems = self.pair, [], [], []
         for model in models:
@@ -213,6 +275,101 @@ class HFCheck:
             n_tokens,
             retract_after,
         )
+
+    def _run_tp(
+        self, models, plan, prompts, n_tokens, retract_after, chunk_tokens, corrupt, tp_p, tp_d
+    ) -> dict:
+        """:meth:`run` at heterogeneous TP: prefill ranks ``0..tp_p-1`` and decode ranks
+        ``0..tp_d-1`` (module docstring)."""
+        from kvxfer.procs import post
+
+        t0, to = time.perf_counter(), self.timeout
+        pair, runs, pools, problems = self.pair, [], [], []
+        ps, ds = pair.prefills[:tp_p], pair.decodes[:tp_d]
+
+        def each(calls):
+            futs = [post(*c) for c in calls]
+            return [f.result(pair.timeout) for f in futs]
+
+        for model in models:
+            vocab = MODELS[model][1]["vocab_size"]
+            refs = {
+                n: pair.prefill.reference(
+                    model, prompt_ids(n, self.seed, vocab), n_tokens, timeout=to
+                )
+                for n in prompts
+            }
+            for layout in [lay for m, lay in plan if m == model]:
+                descs = each([(x.setup, model, layout, r, tp_p) for r, x in enumerate(ps)])
+                d_descs = each(  # after prefill registered
+                    [(x.setup, model, layout, r, tp_d, r == 0) for r, x in enumerate(ds)]
+                )
+                desc = dict(descs[0], decode=d_descs[0])
+                pools.append(desc)
+                for n in prompts:
+                    self._room += 1
+                    prompt = prompt_ids(n, self.seed, vocab)
+                    d_calls = [(x.receive, self._room, n) for x in ds]
+                    swap = corrupt == "swap_ranks" and tp_p > 1  # else decode swaps
+                    p_calls = [
+                        (x.prefill, self._room, prompt, chunk_tokens, (r ^ 1) if swap else None)
+                        for r, x in enumerate(ps)
+                    ]
+                    got = each(d_calls + p_calls)  # decode's first
+                    dr, pr = got[:tp_d], got[tp_d:]
+                    p = _merge(pr)
+                    d = _merge(dr)
+                    if d["state"] == "Success":
+                        d = pair.decode.decode_shares(
+                            self._room,
+                            n,
+                            [x["share"] for x in dr],
+                            n_tokens,
+                            retract_after,
+                            None if swap else corrupt,
+                            timeout=to,
+                        )
+                        if d["replicas_differ"] or len(set(d["first_tokens"])) != 1:
+                            problems.append(
+                                f"{model}/{layout} prompt {n}: decode ranks disagree: "
+                                f"{d['replicas_differ']} replicated elements differ, first "
+                                f"tokens {d['first_tokens']}"
+                            )
+                    runs.append(_compare(model, layout, n, refs[n], p, d))
+                torn = each([(x.teardown,) for x in ps + ds])
+                for i, r in enumerate(torn):
+                    side = f"prefill{i}" if i < tp_p else f"decode{i - tp_p}"
+                    if any(r["leaks"].values()) or r["live_rooms"] or r.get("host_handles"):
+                        problems.append(f"{model}/{layout} {side} leaked: {r}")
+                desc["lanes"] = sorted({ln for r in torn[:tp_p] for ln in r["lanes"]})
+        return _report(
+            models,
+            pools,
+            prompts,
+            runs,
+            problems,
+            corrupt,
+            self.info,
+            self.startup_s,
+            time.perf_counter() - t0,
+            chunk_tokens,
+            n_tokens,
+            retract_after,
+            tp=(tp_p, tp_d),
+        )
+
+
+def _merge(ranks: List[dict]) -> dict:
+    """One side's answer from its ranks': the first rank's, with the first failure's state
+    and error, and bytes / ops summed over the ranks."""
+    out = dict(ranks[0])
+    bad = [r for r in ranks if r["state"] != "Success"]
+    if bad:
+        out.update(state=bad[0]["state"], error=bad[0].get("error"))
+    for k in ("bytes", "ops"):
+        if k in out:
+            out[k] = sum(int(r[k]) for r in ranks)
+    return out
 
 
 def _compare(model, layout, n, ref, p, d) -> dict:
@@ -262,6 +419,7 @@ def _report(
     chunk_tokens,
     n_tokens,
     retract_after,
+    tp=(1, 1),
 ) -> dict:
     multi = len(models) > 1
 
@@ -285,6 +443,8 @@ def _report(
         "chunk_tokens": chunk_tokens,
         "new_tokens": n_tokens,
         "retract_after": retract_after,
+        "prefill_tp": tp[0],
+        "decode_tp": tp[1],
         "torch": info["torch"],
         "transformers": info["transformers"],
         "startup_s": t_up,
@@ -297,8 +457,12 @@ def report_ok(r: dict) -> bool:
 
 
 def format_table(r: dict) -> str:
+    tp = r.get("prefill_tp", 1), r.get("decode_tp", 1)
+    ratio = f" at TP {tp[0]}:{tp[1]} (emulated TP model, real TP pools and transfer)"
     out = [
-        f"kvxfer demo --model {r['model']}: prefill -> decode over UCX loopback "
+        f"kvxfer demo --model {r['model']}: prefill -> decode over UCX loopback"
+        + (ratio if tp != (1, 1) else "")
+        + " "
         f"(transformers {r['transformers']}, torch {r['torch']}, seeded random weights, "
         f"float32, CPU)",
         "",
@@ -315,6 +479,11 @@ def format_table(r: dict) -> str:
                 else ""
             )
             + f"; lanes {','.join(p.get('lanes', [])) or '-'}"
+            + (
+                f"; per rank: prefill heads {_share(p)}, decode heads {_share(p['decode'])}"
+                if "decode" in p
+                else ""
+            )
         )
     out += [
         "",
@@ -355,6 +524,12 @@ def format_table(r: dict) -> str:
         verdict += f"  (deliberate corruption: {r['corrupt']})"
     out += ["", f"{verdict}  ({r['run_s']:.1f} s; worker start-up {r['startup_s']:.1f} s)"]
     return "\n".join(out)
+
+
+def _share(desc: dict) -> str:
+    """``"1 of 2 (1 B..."``: a rank pool's heads and its page bytes."""
+    a, b = desc["heads"]
+    return f"{b - a} ({desc['page_bytes']} B/page)"
 
 
 def _ids(ids: List[int]) -> str:
@@ -401,9 +576,22 @@ def add_args(ap: argparse.ArgumentParser) -> None:
         default=None,
         help="apply a deliberate misplacement on decode (the check must fail)",
     )
+    ap.add_argument(
+        "--prefill-tp",
+        type=int,
+        default=1,
+        help="prefill TP ranks, one process each (heterogeneous TP: see the module doc)",
+    )
+    ap.add_argument("--decode-tp", type=int, default=1, help="decode TP ranks, one process each")
     ap.add_argument("--seed", type=int, default=0, help="weights and prompts")
     ap.add_argument("--error-mode", choices=("peer", "none"), default="none")
     ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument(
+        "--start-timeout",
+        type=float,
+        default=180.0,
+        help="seconds for the worker processes' start-up (imports; slow on a loaded machine)",
+    )
     ap.add_argument(
         "--json",
         action="store_true",
@@ -432,6 +620,8 @@ def main(argv: Optional[List[str]] = None, check: Optional[HFCheck] = None) -> i
                 a.corrupt,
                 a.page_size,
                 a.pool_tokens,
+                a.prefill_tp,
+                a.decode_tp,
             )
         kw = dict(
             layouts=layouts,
@@ -440,6 +630,8 @@ def main(argv: Optional[List[str]] = None, check: Optional[HFCheck] = None) -> i
             retract_after=a.retract_after,
             chunk_tokens=a.chunk_tokens,
             corrupt=a.corrupt,
+            prefill_tp=a.prefill_tp,
+            decode_tp=a.decode_tp,
         )
         if check is not None:
             report = check.run(models, **kw)
@@ -451,6 +643,9 @@ def main(argv: Optional[List[str]] = None, check: Optional[HFCheck] = None) -> i
                 seed=a.seed,
                 error_mode=a.error_mode,
                 timeout=a.timeout,
+                start_timeout=a.start_timeout,
+                prefill_tp=a.prefill_tp,
+                decode_tp=a.decode_tp,
             ) as own:
                 report = own.run(models, **kw)
     except (InvalidArgument, ValueError) as exc:

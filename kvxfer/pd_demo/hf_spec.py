@@ -97,6 +97,9 @@ CORRUPTIONS = {
     "conv_window": "reverse the token order of the conv window on arrival",
     "first_token": "add 1 to the first token read from the aux row",
     "restore_reversed": "restore a retracted request into its new pages in reverse order",
+    "swap_ranks": "heterogeneous TP: TP ranks 2i and 2i+1 exchange their shares (each prefill "
+    "rank stores and sends the other's heads and state rows; with one prefill rank, decode "
+    "rank 0 gathers decode ranks 0 and 1's shares each in the other's place)",
 }
 
 
@@ -132,3 +135,25 @@ def models_arg(text: str) -> List[str]:
     if bad or not names:
         raise InvalidArgument(f"--model {text!r}: choose from {', '.join(MODELS)} or 'all'")
     return names
+
+
+def check_tp(model: str, prefill_tp: int, decode_tp: int) -> None:
+    """Typed error unless ``model`` splits over both TP sizes: one size divides the other,
+    the KV heads split over (or are replicated by) each size (MLA: the latent is replicated,
+    any size), and for a hybrid the SSM heads and each conv part (``x | B | C``) split."""
+    if min(prefill_tp, decode_tp) < 1 or max(prefill_tp, decode_tp) % min(prefill_tp, decode_tp):
+        raise InvalidArgument(
+            f"--prefill-tp {prefill_tp} / --decode-tp {decode_tp}: one must divide the other"
+        )
+    cfg = MODELS[model][1]
+    for tp in {prefill_tp, decode_tp}:
+        heads = cfg["num_key_value_heads"]
+        if model != "deepseek" and max(heads, tp) % min(heads, tp):
+            raise InvalidArgument(f"model {model!r}: {heads} KV heads do not split over tp {tp}")
+        if model == "bamba":
+            bc = cfg.get("mamba_n_groups", 1) * cfg["mamba_d_state"]
+            units = (cfg["mamba_n_heads"], cfg["mamba_expand"] * cfg["hidden_size"], bc)
+            if any(u % tp for u in units):
+                raise InvalidArgument(
+                    f"model {model!r}: SSM heads / conv parts {units} do not split over tp {tp}"
+                )

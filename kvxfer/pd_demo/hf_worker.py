@@ -16,6 +16,16 @@ re-registering replaces its bootstrap entry).
   steps offload the request to host (:class:`~kvxfer.pools.offload.OffloadManager`), take *new*
   pages and a new slot, zero and free the old ones, restore, continue.
 * either side ``reference(model, prompt, n)``: the single-process greedy run.
+
+Heterogeneous TP (``setup(model, layout, tp_rank, tp_size)``; one process per rank, each its
+own :class:`~kvxfer.disagg.KVManager` on pools of its rank's geometry): every prefill rank
+runs ``prefill`` (the whole model forward, only its share stored and sent); every decode rank
+runs ``receive(room, prompt_len)``, which waits for ``Success`` and returns its share as read
+back from its pools (the bytes that moved through kvxfer); decode rank 0 (``gather=True`` at
+setup: it also holds a whole-model cache) runs ``decode_shares(room, shares, ...)``, which
+puts every rank's share into that cache and generates from it as ``decode`` does. Running the
+model whole in every process and gathering the shares for generation is the emulated part;
+the pools' geometry, the TP shapes and the transfer are the real heterogeneous-TP ones.
 """
 
 from __future__ import annotations
@@ -39,6 +49,9 @@ class HFWorker:
         self.deadline_s = float(opts.get("deadline_s", 60.0))
         self.models: dict = {}
         self.pmc: Optional[PagedModelCache] = None
+        #: the cache decode generates from: ``pmc`` at equal TP, a whole-model one when
+        #: gathering a heterogeneous-TP rank's shares
+        self.gen: Optional[PagedModelCache] = None
         self.mgr = None
         self.offload = None
         self.done_q: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -60,43 +73,57 @@ class HFWorker:
         }
 
     # ------------------------------------------------------------------ setup
-    def setup(self, model: str, layout: str) -> dict:
+    def setup(
+        self, model: str, layout: str, tp_rank: int = 0, tp_size: int = 1, gather: bool = False
+    ) -> dict:
+        """Pools + manager for ``model`` in ``layout`` as TP rank ``tp_rank`` of ``tp_size``;
+        ``gather`` (decode): also a whole-model cache that :meth:`decode_shares` fills."""
         from kvxfer.disagg import KVManager
 
         self._close_layout()
         s = self.spec
-        self.pmc = PagedModelCache(
-            self._model(model),
-            model,
-            layout,
-            page_size=s["page_size"],
-            pool_tokens=s["pool_tokens"],
-            mamba_slots=s["mamba_slots"],
-            aux_rows=s["aux_rows"],
-        )
+
+        def cache(tp):
+            return PagedModelCache(
+                self._model(model),
+                model,
+                layout,
+                page_size=s["page_size"],
+                pool_tokens=s["pool_tokens"],
+                mamba_slots=s["mamba_slots"],
+                aux_rows=s["aux_rows"],
+                tp=tp,
+            )
+
+        self.pmc = cache((tp_rank, tp_size))
+        self.gen = cache((0, 1)) if gather else self.pmc
+        tp = f"-tp{tp_rank}of{tp_size}" if tp_size > 1 or gather else ""
         self.mgr = KVManager(
             self.pmc.kv_args,
             self.role,
             bootstrap_addr=self.bootstrap if self.role == "prefill" else None,
             secret=self.opts["secret"].encode(),
             error_mode=self.opts.get("error_mode", "peer"),
-            name=f"hf-{self.role}-{model}-{layout}",
+            name=f"hf-{self.role}-{model}-{layout}{tp}",
         ).start_background()
-        if self.role == "decode":
+        if self.role == "decode" and (gather or tp_size == 1):
             from kvxfer.pools.offload import OffloadManager
 
             self.offload = OffloadManager(
-                self.pmc.pool,
+                self.gen.pool,
                 num_host_pages=s["pool_tokens"] // s["page_size"],
-                num_host_slots=2 if self.pmc.mamba else 0,
+                num_host_slots=2 if self.gen.mamba else 0,
             )
         return self.pmc.describe()
 
     def _close_layout(self) -> dict:
         out = {}
         if self.mgr is not None:
+            leaks = self.pmc.leaks()
+            if self.gen is not None and self.gen is not self.pmc:
+                leaks = {k: v + self.gen.leaks()[k] for k, v in leaks.items()}
             out = {
-                "leaks": self.pmc.leaks(),
+                "leaks": leaks,
                 "live_rooms": len(self.mgr.rooms),
                 "lanes": sorted(self.mgr.stats["lanes"]),
             }
@@ -155,7 +182,11 @@ class HFWorker:
         return {"tokens": tokens, "logits": logits, "s": time.perf_counter() - t0}
 
     # ------------------------------------------------------------------ prefill
-    def prefill(self, room: int, prompt: List[int], chunk_tokens: int) -> dict:
+    def prefill(
+        self, room: int, prompt: List[int], chunk_tokens: int, store_rank: Optional[int] = None
+    ) -> dict:
+        """``store_rank``: store TP rank ``store_rank``'s share instead of ours (the
+        ``swap_ranks`` misplacement)."""
         from kvxfer.disagg import KVPoll, KVSender
 
         pmc, ps, n = self.pmc, self.pmc.ps, len(prompt)
@@ -171,11 +202,11 @@ class HFWorker:
             chunks = 0
             for lo in range(0, n, chunk_tokens):
                 hi = min(lo + chunk_tokens, n)
-                pmc.store_rows(cache, locs, lo, hi)
+                pmc.store_rows(cache, locs, lo, hi, store_rank)
                 state = None
                 if hi == n:
                     if res["slot"] is not None:
-                        pmc.store_state(cache, res["slot"])
+                        pmc.store_state(cache, res["slot"], store_rank)
                         state = [res["slot"]]
                     pmc.aux.set_output(res["row"], first)
                 h.send(res["pages"][lo // ps : -(-hi // ps)], state)
@@ -205,54 +236,142 @@ class HFWorker:
         retract_after: int = 0,
         corrupt: Optional[str] = None,
     ) -> dict:
-        from kvxfer.disagg import KVPoll, KVReceiver
-        from kvxfer.pd_demo.hf_corrupt import corrupt_arrival
+        from kvxfer.disagg import KVPoll
 
         pmc = self.pmc
         res = pmc.alloc(prompt_len)
         if res is None:
             raise SchedulerError(f"decode: no room for a {prompt_len}-token prompt")
-        out, h, settled = {"room": room, "retracted": False}, None, False
+        out, held, settled = {"room": room, "retracted": False}, [], False
         try:
-            h = KVReceiver(self.mgr, self.bootstrap, room, on_done=self._on_done(room))
-            h.init()
-            h.send_metadata(
-                res["pages"], res["row"], None if res["slot"] is None else [res["slot"]]
-            )
-            state, exc = self._settle(h)
+            state, exc = self._receive(room, res, held)
             settled = True
             out.update(state=KVPoll(state).name, error=exc)
             if state != KVPoll.Success:
                 return out
             first = pmc.aux.first_token(res["row"])
             pmc.aux.free(res.pop("row"))
-            if corrupt and corrupt != "restore_reversed":
-                first = corrupt_arrival(pmc, corrupt, res, prompt_len, first)
-            tokens, logits, n = [first], [], prompt_len
-            for step in range(n_tokens - 1):
-                if retract_after and step == retract_after:
-                    out.update(self._retract(res, n, reverse=corrupt == "restore_reversed"))
-                if n % pmc.ps == 0:  # position n starts a new page
-                    res["pages"] = torch.cat([res["pages"], self._alloc_pages(1)])
-                row = decode_step(pmc, res["pages"], res["slot"], n, tokens[-1])
-                n += 1
-                logits.append(row.numpy().tobytes())
-                tokens.append(int(row.argmax()))
-            out.update(tokens=tokens, logits=logits, pages=int(res["pages"].numel()))
+            out.update(self._generate(res, prompt_len, first, n_tokens, retract_after, corrupt))
             return out
         finally:
-            if settled or h is None:
+            if settled or not held:
                 pmc.free(res)
 
+    def _receive(self, room: int, res: dict, held: list) -> tuple:
+        """Announce ``res`` for ``room`` and wait for its end: ``(state, error)``. ``held``
+        gets the receiver once it exists: from then on ``res`` may be written into until
+        the room settled (the caller frees ``res`` only if this returned or ``held`` is
+        empty)."""
+        from kvxfer.disagg import KVReceiver
+
+        h = KVReceiver(self.mgr, self.bootstrap, room, on_done=self._on_done(room))
+        held.append(h)
+        h.init()
+        h.send_metadata(res["pages"], res["row"], None if res["slot"] is None else [res["slot"]])
+        return self._settle(h)
+
+    def receive(self, room: int, prompt_len: int) -> dict:
+        """Heterogeneous TP, every decode rank: receive ``room`` into this rank's pools; on
+        ``Success`` read this rank's share of it back from the pools
+        (:meth:`~kvxfer.pd_demo.hf.PagedModelCache.read_share`, plus ``first``: the aux
+        row's token) and free the request. Returns the transfer's state, error and the
+        share (None unless ``Success``)."""
+        from kvxfer.disagg import KVPoll
+
+        pmc = self.pmc
+        res = pmc.alloc(prompt_len)
+        if res is None:
+            raise SchedulerError(f"decode: no room for a {prompt_len}-token prompt")
+        held, settled = [], False
+        try:
+            state, exc = self._receive(room, res, held)
+            settled = True
+            sh = None
+            if state == KVPoll.Success:
+                sh = pmc.read_share(pmc.locs(res["pages"], prompt_len), res["slot"])
+                sh["first"] = pmc.aux.first_token(res["row"])
+            return {"state": KVPoll(state).name, "error": exc, "share": sh}
+        finally:
+            if settled or not held:
+                pmc.free(res)
+
+    def decode_shares(
+        self,
+        room: int,
+        prompt_len: int,
+        shares: List[dict],
+        n_tokens: int,
+        retract_after: int = 0,
+        corrupt: Optional[str] = None,
+    ) -> dict:
+        """Heterogeneous TP, decode rank 0 (``gather``): put every decode rank's share of
+        ``room`` into the whole-model cache and generate from it as :meth:`decode` does.
+        ``replicas_differ``: elements where two ranks' copies of a replicated head, latent or
+        state row disagree; ``first_tokens``: each rank's aux row."""
+        gen = self.gen
+        res = gen.alloc(prompt_len)
+        if res is None:
+            raise SchedulerError(f"decode: no room for a {prompt_len}-token prompt")
+        gen.aux.free(res.pop("row"))
+        try:
+            out = {
+                "room": room,
+                "retracted": False,
+                "state": "Success",
+                "error": None,
+                "first_tokens": [sh["first"] for sh in shares],
+            }
+            first = shares[0]["first"]
+            if corrupt == "swap_ranks" and len(shares) > 1:  # data of one rank, place of other
+                data = ("k", "v", "conv", "ssm")
+                a = dict(shares[0], **{x: shares[1][x] for x in data})
+                b = dict(shares[1], **{x: shares[0][x] for x in data})
+                shares = [a, b, *shares[2:]]
+            differ = gen.write_shares(shares, gen.locs(res["pages"], prompt_len), res["slot"])
+            out["replicas_differ"] = differ
+            out.update(self._generate(res, prompt_len, first, n_tokens, retract_after, corrupt))
+            return out
+        finally:
+            gen.free(res)
+
+    def _generate(
+        self,
+        res: dict,
+        prompt_len: int,
+        first: int,
+        n_tokens: int,
+        retract_after: int,
+        corrupt: Optional[str],
+    ) -> dict:
+        """Greedy generation from the pools alone (``self.gen``: the request in ``res``),
+        growing its page list; retract / corrupt as :meth:`decode` documents."""
+        from kvxfer.pd_demo.hf_corrupt import corrupt_arrival
+
+        pmc, out = self.gen, {}
+        if corrupt and corrupt not in ("restore_reversed", "swap_ranks"):
+            first = corrupt_arrival(pmc, corrupt, res, prompt_len, first)
+        tokens, logits, n = [first], [], prompt_len
+        for step in range(n_tokens - 1):
+            if retract_after and step == retract_after:
+                out.update(self._retract(res, n, reverse=corrupt == "restore_reversed"))
+            if n % pmc.ps == 0:  # position n starts a new page
+                res["pages"] = torch.cat([res["pages"], self._alloc_pages(1)])
+            row = decode_step(pmc, res["pages"], res["slot"], n, tokens[-1])
+            n += 1
+            logits.append(row.numpy().tobytes())
+            tokens.append(int(row.argmax()))
+        out.update(tokens=tokens, logits=logits, pages=int(res["pages"].numel()))
+        return out
+
     def _alloc_pages(self, n: int) -> torch.Tensor:
-        pages = self.pmc.pages.alloc_pages(n)
+        pages = self.gen.pages.alloc_pages(n)
         if pages is None:
             raise SchedulerError(f"decode: out of pages ({n} needed)")
         return pages
 
     def _retract(self, res: dict, n_cached: int, reverse: bool) -> dict:
         """Offload the running request, move it to new pages / slot, restore, in place."""
-        pmc, off = self.pmc, self.offload
+        pmc, off = self.gen, self.offload
         old_pages, old_slot = res["pages"], res["slot"]
         slots = [] if old_slot is None else [old_slot]
         handle = off.offload(old_pages, slots)

@@ -76,8 +76,8 @@ def _build_pool(kind: str, size: int, page_size: int, device: str = "cpu", tp=No
         return MHATokenToKVPool(size, page_size, bf, h, 8, 2, device), None
     if kind == "mha_hnd":  # per-layer [pages, H, page_size, D]
         return MHATokenToKVPool(size, page_size, bf, h, 8, 2, device, layout="hnd"), None
-    if kind == "page_major":
-        return PageMajorMHATokenToKVPool(size, page_size, bf, h, 8, 2, device), None
+    if kind == "page_major":  # 4 layers: layer-wise writes batch several (test_pd_layerwise)
+        return PageMajorMHATokenToKVPool(size, page_size, bf, h, 8, 4, device), None
     if kind == "mla":
         return MLATokenToKVPool(size, page_size, bf, 16, 8, 2, device), None
     if kind.startswith("hybrid_"):
@@ -422,6 +422,24 @@ class Node:
 
     def open_gate(self) -> None:
         self._gate.set()
+
+    def note_layers_sent(self, room: int) -> None:
+        """A "call" hook action: records ``("sent", room, layers, inflight)``: the layers of
+        the room's open layer-wise chunk handed to writes so far and the layer writes not yet
+        complete (the loop is blocked while it runs)."""
+        stream = self.rooms[room]["h"].layer_stream
+        sent = tuple(sorted(stream.chunks[0].sent)) if stream.chunks else ()
+        self._fired(("sent", room, sent, stream.inflight))
+
+    def wait_record(self, what: str, room: int, timeout: float = 20.0) -> Optional[tuple]:
+        """Wait (bounded) for a hook record ``(what, room, ...)``; None when none came."""
+
+        def found():
+            return next((x for x in self.hooks_fired if x[0] == what and x[1] == room), None)
+
+        with self.hooks_cv:
+            self.hooks_cv.wait_for(lambda: found() is not None, timeout)
+            return found()
 
     def record(self, room: int, timeout: float = 10.0, role: str = "pending") -> Optional[str]:
         """Wait (bounded) until the manager's room table holds a ``role`` record for

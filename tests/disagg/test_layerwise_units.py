@@ -32,7 +32,7 @@ def _args(kind, page_size=4):
         ("mha", 2, False),
         ("mha_hnd", 2, False),
         ("mla", 2, False),
-        ("page_major", 2, True),
+        ("page_major", 4, True),
         ("hybrid_per_layer", 2, False),
         ("hybrid_envelope", 2, True),
     ],
@@ -43,7 +43,7 @@ def test_layer_map_of_each_pool(kind, layers, page_major):
     assert lm.num_layers == layers
     if page_major:
         assert list(lm.desc_layer) == [-1]
-        assert list(lm.seg_layer) == [0, 0, 1, 1]  # K, V per layer
+        assert list(lm.seg_layer) == [x for l in range(layers) for x in (l, l)]  # K, V per layer
     else:
         assert list(lm.desc_layer) == [d % layers for d in range(len(a.kv_data_ptrs))]
 
@@ -97,7 +97,7 @@ def test_layer_runs_partition_the_chunk(kind, ps, pd, tokens, prefix, exact_geom
         lo, hi = pm.chunk_tokens(first, cnt)
         whole = plan_runs(geom, src, ps, dst, pd, lo, hi, src_first_page=first)
         want = _bytes(whole, None)
-        parts = [_bytes(lm.runs(a, r, src, first, [layer]), None) for layer in range(2)]
+        parts = [_bytes(lm.runs(a, r, src, first, [x]), None) for x in range(lm.num_layers)]
         got = np.concatenate(parts)
         assert len(got) == len(want)  # each byte once
         key = lambda x: np.lexsort(x.T[::-1])  # noqa: E731
@@ -106,7 +106,7 @@ def test_layer_runs_partition_the_chunk(kind, ps, pd, tokens, prefix, exact_geom
         if len(parts[1]) and lm.seg_layer is not None and list(lm.desc_layer) == [-1]:
             segs = a.kv_segments[0]
             off = (parts[1][:, 1] % (ps * sum(segs))) // ps
-            assert off.min() >= sum(segs[:2])
+            assert off.min() >= sum(segs[:2]) and off.max() < sum(segs[:4])
         elif len(parts[1]):
             assert set(parts[1][:, 0].tolist()) <= {
                 d for d in range(len(a.kv_data_ptrs)) if lm.desc_layer[d] == 1

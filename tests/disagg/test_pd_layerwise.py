@@ -90,6 +90,29 @@ def test_decode_sees_layers_before_success(cluster, room):
     _success(c, k, r)
 
 
+def test_layers_ready_during_a_write_go_in_the_next_one(cluster, room):
+    """One layer write of a room on the wire at a time: layers declared while it is held
+    (the loop blocked in its post) go together in the next write, not one write each."""
+    c, k = cluster, "page_major"
+    r = room()
+    c.p[k].p_open(r, 4)
+    c.d[k].d_open(r, 4)
+    assert c.p[k].poll_until(r, ["WaitingForInput"]) == "WaitingForInput"
+    n = c.p[k].p_begin(r, 0, 4)
+    assert n >= 4
+    c.p[k].hook_on("before_layer_write", r, "gate")
+    c.p[k].p_layer(r, 0)
+    c.p[k].wait_fired("before_layer_write", r, entered=True)
+    c.p[k].hook_on("before_layer_write", r, "call", Node.note_layers_sent, r)
+    c.p[k].p_layer(r, 1)
+    c.p[k].p_layer(r, 2)
+    c.p[k].open_gate()
+    assert c.p[k].wait_record("sent", r) == ("sent", r, (0, 1, 2), 1)  # one write: [1, 2]
+    for layer in range(3, n):
+        c.p[k].p_layer(r, layer)
+    _success(c, k, r)
+
+
 @pytest.mark.parametrize("kind", ["mha", "hybrid_envelope"])
 def test_prefill_abort_while_a_layer_write_is_posted(cluster, room, kind):
     """Prefill's scheduler aborts just as a layer write is posted: the write lands before

@@ -43,3 +43,13 @@ def test_slice_staging_validation():
     for bad in ("kv", [1], ("kv", None)):
         with pytest.raises(InvalidArgument, match="stage_groups"):
             EngineConfig(secret=b"s", stage_groups=bad)
+
+
+def test_device_small_ops_and_notify_order():
+    c = EngineConfig(secret=b"s")
+    assert c.device_small_ops == 0 and c.notify_order is True
+    assert EngineConfig(secret=b"s", notify_order=False).notify_order is False
+    with pytest.raises(InvalidArgument, match="notify_order"):
+        EngineConfig(secret=b"s", notify_order=0)
+    with pytest.raises(InvalidArgument, match="device_small_ops"):
+        EngineConfig(secret=b"s", device_small_ops=-1)

@@ -264,15 +264,7 @@ def test_error_mode_none_uses_shared_memory(nodes):
     assert nodes["A"].items("main", "kv", dst) == b.items("fast", "kv", src)
 
 
-_NOT_CHAINED_ON_CUDA = pytest.mark.xfail(
-    DEVICE == "cuda",
-    reason="on the H200 the 'main' engine's notifies were not chained (chain counter 0; bytes "
-    "and order right; 'fast' and 'spin' were): open in issue 15, bench/results/stages-h200.md",
-    strict=False,
-)
-
-
-@pytest.mark.parametrize("key", [pytest.param("main", marks=_NOT_CHAINED_ON_CUDA), "fast", "spin"])
+@pytest.mark.parametrize("key", ["main", "fast", "spin"])
 def test_notify_is_chained(nodes, key):
     """A plain PUT write's notify goes through the native chain (flush -> active message),
     arrives once, after the bytes, and in order with the writes before it."""

@@ -172,3 +172,33 @@ def test_driver_query_on_cuda():
         b.close()
     finally:
         prov.close()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs the CUDA driver (KVXFER_TEST_DEVICE=cuda)")
+def test_ipc_export_from_a_thread_without_context():
+    """A thread the CUDA runtime never touched (an event loop's) has no current context;
+    ipc_export still answers a handle there (the engine exports from its loop thread), and the
+    thread is left as it was (no context current afterwards)."""
+    import threading
+
+    import torch
+
+    from kvxfer.kernels import cuda_driver
+
+    t = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    out = {}
+
+    def work():
+        cu = cuda_driver.bindings()
+        out["blob"] = cuda_driver.ipc_export(t.data_ptr() + 4096)
+        err, ctx = cu.cuCtxGetCurrent()
+        out["after"] = int(ctx) if err == 0 else -1
+
+    th = threading.Thread(target=work)
+    th.start()
+    th.join(30)
+    blob = out["blob"]
+    assert blob is not None and len(blob) == cuda_driver.IPC_BLOB_BYTES
+    base = cuda_driver.alloc_range(t.data_ptr())[0]
+    assert cuda_driver.unpack_blob(blob)[1] == t.data_ptr() + 4096 - base
+    assert out["after"] == 0
