@@ -14,26 +14,23 @@ from tp_harness import TpWorker
 
 pytestmark = pytest.mark.timeout(120)
 
-#: deployment -> (pool kind, total kv heads, prefill tp, decode tp, prefill page, decode page)
+#: deployment -> (pool kind, total kv heads, prefill tp, decode tp, prefill page, decode page);
+#: every ratio, both page-size directions and equal pages, every pool form (NHD, HND,
+#: page-major, MLA latent, hybrid with Mamba state), heads replicated on decode (pm14)
 DEPLOY = {
     "nhd12_16_64": ("mha", 4, 1, 2, 16, 64),
-    "nhd21_64_16": ("mha", 4, 2, 1, 64, 16),
-    "hnd14_64_16": ("mha_hnd", 4, 1, 4, 64, 16),
-    "hnd41_16_64": ("mha_hnd", 4, 4, 1, 16, 64),
-    "hnd24_16_64": ("mha_hnd", 4, 2, 4, 16, 64),
-    "pm21_16_64": ("page_major", 4, 2, 1, 16, 64),
-    "pm12_16_16": ("page_major", 4, 1, 2, 16, 16),
-    "mla14_16_64": ("mla", 1, 1, 4, 16, 64),
-    "mla41_64_16": ("mla", 1, 4, 1, 64, 16),
-    "nhd24_64_64": ("mha", 4, 2, 4, 64, 64),
-    "hyb24_64_16": ("hybrid_per_layer", 4, 2, 4, 64, 16),
-    "rep14_16_64": ("mha_hnd", 2, 1, 4, 16, 64),  # 2 heads over 4 decode ranks
-    "int21_16_64": ("mha_hnd", 4, 2, 1, 16, 64),  # integrity mode: byte runs refused
+    "hnd21_64_16": ("mha_hnd", 4, 2, 1, 64, 16),
+    "pm14_64_16": ("page_major", 2, 1, 4, 64, 16),  # 2 heads over 4 decode ranks
+    "mla41_16_64": ("mla", 1, 4, 1, 16, 64),  # one of four prefill ranks sends
+    "hyb24_16_64": ("hybrid_per_layer", 4, 2, 4, 16, 64),  # + conv x|B|C and temporal rows
+    "hnd12_16_16": ("mha_hnd", 4, 1, 2, 16, 16),  # equal pages: unaligned prefix, partial end
+    "int12_16_64": ("mha_hnd", 4, 1, 2, 16, 64),  # integrity mode: byte runs refused
 }
-INTEGRITY = {"int21_16_64"}
-#: (tokens, decode prefix): whole pages on both sides, a page-aligned prefix (16 and 64),
-#: an unaligned prefix with a partial last page on both sides
-REQUESTS = ((256, 0), (200, 64), (150, 37))
+INTEGRITY = {"int12_16_64"}
+#: (tokens, decode prefix): whole pages on both sides; a prefix aligned to both page sizes;
+#: an unaligned prefix with a partial last page on both sides; a request inside one page of
+#: either size; only the last token left to move
+REQUESTS = ((256, 0), (200, 64), (150, 37), (33, 17), (100, 99))
 
 
 @pytest.fixture(scope="module")
@@ -98,10 +95,12 @@ def _open(workers, name, room, tokens, prefix, decode_first):
         for n in d:
             n.d_open_tokens(room, tokens, prefix)
     n_src = -(-tokens // DEPLOY[name][4])
-    for n in p:  # two chunks: the first ends inside a decode page when the sizes differ
-        n.p_send(room, 0, 1)
+    cut = 1 if n_src > 1 else 0  # two chunks (the first ends inside a decode page when the
+    for n in p:  # sizes differ), one when the request is one page
+        if cut:
+            n.p_send(room, 0, cut)
     for n in p:
-        n.p_send(room, 1, n_src)
+        n.p_send(room, cut, n_src)
     return p, d
 
 
@@ -126,13 +125,13 @@ def test_integrity_refuses_byte_runs_naming_the_shape(tpc, room):
     """Integrity checksums whole pages: a hetero-TP room that needs byte runs fails on every
     rank with UnsupportedOperation naming both TP sizes and page sizes (never silently)."""
     r = room()
-    p, d = _open(tpc, "int21_16_64", r, 150, 0, decode_first=False)
+    p, d = _open(tpc, "int12_16_64", r, 150, 0, decode_first=False)
     for n in p + d:
         res = n.wait(r)
         assert res is not None and res["state"] == "Failed", res
     msg = p[0].wait(r)
     assert msg["exc"] == "UnsupportedOperation", msg
-    assert "prefill tp 2, decode tp 1" in msg["msg"] and "page size 16, decode 64" in msg["msg"]
+    assert "prefill tp 1, decode tp 2" in msg["msg"] and "page size 16, decode 64" in msg["msg"]
     for n in d:
         n.verify_tp_tokens(r, 0, 0)  # frees
     _clean(p + d)
