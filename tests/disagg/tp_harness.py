@@ -132,7 +132,7 @@ class TpNode(Node):
                 for j, tb in enumerate(segs):
                     b = torch.arange(tb)[None, :]
                     val = ((room * 31 + e * 13 + j * 5 + 7 * t[:, None] + 3 * b) % 251).to(v.dtype)
-                    seg = v[:, at : at + ps * tb].reshape(v.shape[0], ps, tb)
+                    seg = v[:, at : at + ps * tb].view(v.shape[0], ps, tb)  # one segment: a view
                     seg[page.to(v.device), (t % ps).to(v.device)] = val.to(v.device)
                     at += ps * tb
             return
