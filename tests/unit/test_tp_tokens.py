@@ -247,3 +247,44 @@ def test_window_outside_the_pages_is_refused():
     with pytest.raises(IndexOutOfRange):
         plan.runs(np.arange(2), np.arange(1), 0, 4, src_first_page=1)
     assert len(plan.runs(np.arange(2), np.arange(1), 3, 3)) == 0
+
+
+# ------------------------------------------------------------------ the room's choice
+def test_room_pages_pick_whole_pages_or_the_pairs_token_runs():
+    from kvxfer.disagg.page_map import RoomPages
+    from kvxfer.disagg.tp_rooms import TpPair
+    from kvxfer.errors import UnsupportedOperation
+
+    def pair(ps, pd):
+        return TpPair(
+            0, 1, 1, 2, {"kv": layouts(4, 1, ps)["hnd"]}, {"kv": layouts(4, 2, pd)["hnd"]}, ps, pd
+        )
+
+    def make(ps, pd, prefix, tokens, exact=False):
+        return RoomPages.make(
+            num_src=-(-tokens // ps),
+            num_dst=-(-tokens // pd),
+            src_page_size=ps,
+            dst_page_size=pd,
+            prefix=prefix,
+            tokens=tokens,
+            geom=None,
+            exact=exact,
+            who="room 9",
+            tp=pair(ps, pd),
+            tp_sizes=(1, 2),
+            salt=9,
+        )
+
+    assert not make(4, 4, 8, 30).by_runs  # whole pages: the pair's plan_pages
+    pm = make(4, 8, 3, 30)
+    assert pm.by_runs and pm.salt == 9
+    runs = pm.runs(np.arange(2), 0, np.arange(4))  # first chunk: source pages 0, 1
+    plan = TokenPlan(
+        tuple(layouts(4, 1, 4)["hnd"]), tuple(layouts(4, 2, 8)["hnd"]), 4, 8, 0, 1, 1, 2
+    )
+    want = plan.runs(np.arange(2), np.arange(4), 3, 8)
+    assert np.array_equal(runs.dst_off, want.dst_off) and runs.total_bytes == want.total_bytes
+    assert make(4, 4, 5, 30).by_runs  # unaligned prefix
+    with pytest.raises(UnsupportedOperation, match="prefill tp 1, decode tp 2, prefill page"):
+        make(4, 8, 0, 30, exact=True)
