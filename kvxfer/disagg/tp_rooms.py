@@ -70,7 +70,7 @@ class TpPair:
     decode_tp: int
     src: Dict[str, List[ItemGeometry]]
     dst: Dict[str, List[ItemGeometry]]
-    #: both sides' kv page sizes (0: equal, unknown: whole items only)
+    #: both sides' kv page sizes (from the fingerprints; 0: not stated)
     src_page_size: int = 0
     dst_page_size: int = 0
 

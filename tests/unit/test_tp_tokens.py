@@ -16,7 +16,6 @@ from kvxfer.disagg.tp_plan import (
     nhd_item,
     owned,
     page_major_item,
-    plan_axis,
     plan_pages,
     replicated_item,
 )
@@ -184,8 +183,6 @@ def test_equal_pages_whole_window_is_plan_pages():
             sg, dg = layouts(heads, tp_p, 4)[kind], layouts(heads, tp_d, 4)[kind]
             ids_s, ids_d = np.array([3, 0, 1, 5]), np.array([2, 3, 4, 0])
             a = TokenPlan(tuple(sg), tuple(dg), 4, 4, p, r, tp_p, tp_d).runs(ids_s, ids_d, 0, 16)
-            salted = plan_axis(1, tp_p, tp_d).by_decode  # salt 0 on both
-            assert salted
             b = plan_pages(sg, dg, p, r, tp_p, tp_d, ids_s, ids_d)
             for x, y in zip(
                 (a.desc, a.src_off, a.dst_off, a.nbytes), (b.desc, b.src_off, b.dst_off, b.nbytes)
