@@ -41,7 +41,10 @@ processes each, same run; PD time =
 the last decode rank's ``Success`` - the first prefill rank's ``send()``; bytes and ops are
 summed over the prefill ranks (ops per request: the RMA ops every rank posted); the ratios
 are the GB/s of ``N:M`` over that of ``N:N`` and of ``M:M``. The model's KV heads (``--tp-heads``) and Mamba
-heads split over both TP sizes.
+heads split over both TP sizes. With ``--decode-page-size B`` / ``--decode-prefix K`` as well,
+the three run first with equal page sizes and no prefix (the equal shape), then with the
+asked shape (decode at B holding the first K tokens), and a last ratio gives each row's GB/s
+over the equal shape's of the same TP sizes.
 
 With ``--stages`` both managers trace (``KVManager(trace=True)``, :mod:`kvxfer.disagg.trace`)
 and a table per mode gives the sequential 1-page requests' stages (p50/p90 µs: thread and task
@@ -560,9 +563,17 @@ def bench_tp(args, mode: str, kv_layout: str) -> List[dict]:
     prefill:decode ratio, same requests (module doc)."""
     tp_p, tp_d, tokens = args.prefill_tp, args.decode_tp, args.shape_tokens
     ps = args.prefill_page_size or ModelSpec().page_size
-    pool = (-(-(2 * tokens) // ps) + 4) * ps
+    dps, k = args.decode_page_size or ps, args.decode_prefix
+    unit = max(ps, dps)
+    pool = (-(-(2 * tokens) // unit) + 4) * unit
     rows = []
-    for pair_tp in dict.fromkeys(((tp_p, tp_p), (tp_d, tp_d), (tp_p, tp_d))):
+    # the equal shape first (equal page sizes, no prefix), then the asked one, if it differs
+    runs = [
+        (pair_tp, shape)
+        for shape in dict.fromkeys(((ps, 0), (dps, k)))
+        for pair_tp in dict.fromkeys(((tp_p, tp_p), (tp_d, tp_d), (tp_p, tp_d)))
+    ]
+    for pair_tp, (d_ps, kk) in runs:
         spec = ModelSpec(
             kv_layout=kv_layout,
             heads=args.tp_heads,
@@ -571,7 +582,13 @@ def bench_tp(args, mode: str, kv_layout: str) -> List[dict]:
             pool_tokens=pool,
             device=args.device,
         )
-        opts = {"error_mode": mode, "deadline_s": 120.0, "max_inflight": 1 << 30}
+        opts = {
+            "error_mode": mode,
+            "deadline_s": 120.0,
+            "max_inflight": 1 << 30,
+            "decode_page_size": d_ps if d_ps != ps else None,
+            "decode_prefix": kk,
+        }
         pair = start_pair(spec, opts, BenchWorker, *pair_tp)
         try:
             times, nbytes, ops, lanes = [], 0, 0, []
@@ -597,6 +614,9 @@ def bench_tp(args, mode: str, kv_layout: str) -> List[dict]:
                 "kv_layout": kv_layout,
                 "prefill_tp": pair_tp[0],
                 "decode_tp": pair_tp[1],
+                "prefill_page_size": ps,
+                "decode_page_size": d_ps,
+                "decode_prefix": kk,
                 "tokens": tokens,
                 "bytes": nbytes,
                 "ops": ops,
@@ -609,26 +629,39 @@ def bench_tp(args, mode: str, kv_layout: str) -> List[dict]:
 
 
 def format_tp(rows: List[dict]) -> str:
+    """Ratios: against equal TP of the same page sizes and prefix (``N:N``, ``M:M``) and
+    against the same TP sizes with equal page sizes and no prefix (the equal shape)."""
     lines = [
-        "| lanes (mode) | KV layout | prefill TP → decode TP | tokens | MiB | ops/request "
-        "| µs median | GB/s best (median) | × N:N (median) | × M:M (median) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| lanes (mode) | KV layout | prefill TP → decode TP | page prefill → decode | decode "
+        "prefix | tokens | MiB | ops/request | µs median | GB/s best (median) | × N:N (median) "
+        "| × M:M (median) | × equal shape (median) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    base = {}
+
+    def shape(r: dict) -> tuple:
+        return (r.get("decode_page_size", 0), r.get("decode_prefix", 0))
+
+    def ratio(r: dict, b: Optional[float]) -> float:
+        return r["gbps_median"] / b if b else float("nan")
+
+    gbps = {
+        (r["mode"], r["kv_layout"], r["prefill_tp"], r["decode_tp"], shape(r)): r["gbps_median"]
+        for r in rows
+    }
     for r in rows:
-        if r["prefill_tp"] == r["decode_tp"]:
-            base[r["mode"], r["kv_layout"], r["prefill_tp"]] = r["gbps_median"]
-    for r in rows:
-        ratios = []
-        for t in (r["prefill_tp"], r["decode_tp"]):
-            b = base.get((r["mode"], r["kv_layout"], t))
-            ratios.append(r["gbps_median"] / b if b else float("nan"))
+        key = (r["mode"], r["kv_layout"])
+        ratios = [
+            ratio(r, gbps.get((*key, t, t, shape(r)))) for t in (r["prefill_tp"], r["decode_tp"])
+        ]
+        equal = (r.get("prefill_page_size", 0), 0)
+        ratios.append(ratio(r, gbps.get((*key, r["prefill_tp"], r["decode_tp"], equal))))
         lines.append(
             f"| {','.join(r['lanes'])} ({r['mode']}) | {r['kv_layout']} | "
-            f"{r['prefill_tp']} → {r['decode_tp']} | {r['tokens']} | "
+            f"{r['prefill_tp']} → {r['decode_tp']} | {r.get('prefill_page_size')} → "
+            f"{r.get('decode_page_size')} | {r.get('decode_prefix', 0)} | {r['tokens']} | "
             f"{r['bytes'] / 2**20:.1f} | {r['ops']} | {r['us_median']:.0f} | "
             f"{r['gbps_best']:.2f} ({r['gbps_median']:.2f}) | {ratios[0]:.2f} | "
-            f"{ratios[1]:.2f} |"
+            f"{ratios[1]:.2f} | {ratios[2]:.2f} |"
         )
     return "\n".join(lines)
 
@@ -788,7 +821,13 @@ def _tp_main(a, modes: List[str], layouts: List[str]) -> int:
     print(
         f"PD bench, heterogeneous TP {a.prefill_tp} → {a.decode_tp} vs equal TP "
         f"{a.prefill_tp} → {a.prefill_tp} and {a.decode_tp} → {a.decode_tp}: device={a.device}, demo model ({a.tp_heads} KV heads, "
-        f"Mamba envelope), {a.shape_tokens}-token requests, best/median of {a.iters}",
+        f"Mamba envelope), {a.shape_tokens}-token requests, best/median of {a.iters}"
+        + (
+            f"; prefill page {a.prefill_page_size or ModelSpec().page_size}, decode page "
+            f"{a.decode_page_size or 'equal'}, decode prefix {a.decode_prefix}"
+            if a.decode_page_size or a.decode_prefix
+            else ""
+        ),
         flush=True,
     )
     t0 = time.perf_counter()
