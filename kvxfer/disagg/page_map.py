@@ -25,7 +25,7 @@ bench/results/pages-cpu.md; the shapes supported: docs/shapes.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Any, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
@@ -160,18 +160,36 @@ def check_span(
         raise InvalidArgument(f"{who}: prefix_len {prefix} not in [0, {limit}]")
 
 
+class TokenWindows(Protocol):
+    """A heterogeneous-TP pair's kv runs for a token window
+    (:meth:`kvxfer.disagg.tp_rooms.TpPair.tokens`)."""
+
+    def tokens(
+        self, src_pages: Any, dst_pages: Any, start: int, end: int, first_page: int, salt: int
+    ) -> Runs: ...
+
+
 @dataclass(frozen=True)
 class RoomPages:
     """How one room's tokens travel (prefill's view): tokens ``[prefix, tokens)`` of source
     pages of ``src_page_size`` into destination pages of ``dst_page_size``; by whole pages
-    (``geom`` None: equal page sizes and a page-aligned prefix, an ItemWrite) or by byte runs
-    of the token geometry ``geom``."""
+    (:attr:`by_runs` False: equal page sizes and a page-aligned prefix, an ItemWrite, or the
+    pair's whole-item plan with heterogeneous TP) or by byte runs: of the token geometry
+    ``geom`` (equal TP) or of the TP pair ``tp`` (its heads of the window, salted by
+    ``salt``, the room id: :mod:`kvxfer.disagg.tp_tokens`)."""
 
     prefix: int
     tokens: int
     src_page_size: int
     dst_page_size: int
     geom: Optional[TokenGeometry]
+    tp: Optional[TokenWindows] = None
+    salt: int = 0
+
+    @property
+    def by_runs(self) -> bool:
+        """Whether the room moves byte runs (else whole pages)."""
+        return self.geom is not None or self.tp is not None
 
     @classmethod
     def make(
@@ -186,12 +204,17 @@ class RoomPages:
         geom: Optional[TokenGeometry],
         exact: bool,
         who: str,
+        tp: Optional[TokenWindows] = None,
+        tp_sizes: Tuple[int, int] = (1, 1),
+        salt: int = 0,
     ) -> "RoomPages":
         """Validate both sides' page counts against the token count and pick the path.
         ``tokens`` None: the slots both sides hold (``min(num_src*Ps, num_dst*Pd)``; with equal
         page sizes, whole pages as before). ``exact``: the bytes must be checkable page by page
         (integrity mode), so only the whole-page path is allowed. Raises ShapeMismatch,
-        InvalidArgument or UnsupportedOperation, naming both sides' shapes."""
+        InvalidArgument or UnsupportedOperation, naming both sides' shapes. ``tp``: the pair
+        of a heterogeneous-TP room (``tp_sizes``: prefill's and decode's TP sizes), whose
+        runs replace ``geom``'s."""
         ps, pd = src_page_size, dst_page_size
         n = min(num_src * ps, num_dst * pd) if tokens is None else tokens
         if ps == pd and tokens is None and num_src != num_dst:
@@ -205,17 +228,22 @@ class RoomPages:
         if not 0 <= prefix <= n:
             raise InvalidArgument(f"{who}: decode prefix {prefix} not in [0, {n}] tokens")
         whole = ps == pd and prefix % ps == 0
+        tps = f"prefill tp {tp_sizes[0]}, decode tp {tp_sizes[1]}, " if tp is not None else ""
         if exact and not (whole and prefix == 0):
             raise UnsupportedOperation(
-                f"{who}: integrity checks whole pages; prefill page size {ps}, decode {pd}, "
+                f"{who}: integrity checks whole pages; {tps}prefill page size {ps}, decode {pd}, "
                 f"decode prefix {prefix} need byte runs"
             )
-        if not whole and geom is None:
+        if whole:
+            return cls(prefix, n, ps, pd, None)
+        if tp is not None:
+            return cls(prefix, n, ps, pd, None, tp, int(salt))
+        if geom is None:
             raise UnsupportedOperation(
                 f"{who}: prefill page size {ps}, decode {pd}, decode prefix {prefix}: the pool "
                 f"states no token geometry, so only equal page sizes and page-aligned prefixes"
             )
-        return cls(prefix, n, ps, pd, None if whole else geom)
+        return cls(prefix, n, ps, pd, geom)
 
     def chunk_tokens(self, first_page: int, num_pages: int) -> Tuple[int, int]:
         """Tokens to move for source pages ``[first_page, first_page + num_pages)``."""
@@ -231,8 +259,10 @@ class RoomPages:
 
     def runs(self, src: np.ndarray, first_page: int, dst: np.ndarray) -> Runs:
         """Byte-run path: the runs of a chunk of source pages starting at ``first_page``."""
-        assert self.geom is not None
         lo, hi = self.chunk_tokens(first_page, len(src))
+        if self.tp is not None:
+            return self.tp.tokens(src, dst, lo, hi, first_page, self.salt)
+        assert self.geom is not None
         return plan_runs(
             self.geom,
             src,
@@ -250,4 +280,12 @@ class RoomPages:
         return _ceil(end, self.dst_page_size)
 
 
-__all__ = ["TokenGeometry", "Runs", "RoomPages", "plan_runs", "pieces", "check_span"]
+__all__ = [
+    "TokenGeometry",
+    "TokenWindows",
+    "Runs",
+    "RoomPages",
+    "plan_runs",
+    "pieces",
+    "check_span",
+]

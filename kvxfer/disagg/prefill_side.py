@@ -295,10 +295,13 @@ class PrefillSide:
                 dst_page_size=link.page_size or mgr.args.page_size,
                 prefix=prefix,
                 tokens=tokens,
-                # hetero TP pairs whole pages (equal page sizes, checked at the hello)
                 geom=None if link.tp is not None else TokenGeometry.of(mgr.args.kv_segments),
                 exact=mgr.integrity is not None,
                 who=f"room {r.room}",
+                # hetero TP: whole items when they pair one to one, else its token runs
+                tp=link.tp,
+                tp_sizes=(link.tp.prefill_tp, link.tp.decode_tp) if link.tp else (1, 1),
+                salt=r.room,
             )
         except (InvalidArgument, UnsupportedOperation) as exc:
             mgr.fail(r, exc)
@@ -309,7 +312,7 @@ class PrefillSide:
         """The kv write of a chunk of source pages starting at page ``first``: an ItemWrite
         of whole pages or a RawWrite of byte runs (``r.pages_map``); None if nothing moves."""
         pm = r.pages_map
-        if pm.geom is None:
+        if not pm.by_runs:
             s, d = pm.whole_pages(src, first, r.dst_kv)
             link = r.link
             if link is not None and link.tp is not None:  # this pair's heads of them

@@ -43,6 +43,7 @@ from kvxfer.disagg.link import Link
 from kvxfer.disagg.poll import KVPoll, is_terminal
 from kvxfer.disagg.roles import RoomRole
 from kvxfer.disagg.rooms import Room
+from kvxfer.disagg.runs import Runs
 from kvxfer.disagg.tp_plan import (
     ItemGeometry,
     decode_peers,
@@ -51,6 +52,7 @@ from kvxfer.disagg.tp_plan import (
     prefill_peers,
 )
 from kvxfer.disagg.tp_shape import groups_of
+from kvxfer.disagg.tp_tokens import plan_of
 
 #: the prefill / decode protocol object calling in (PrefillSide / DecodeSide; typed loosely:
 #: they import this module)
@@ -74,6 +76,9 @@ class TpPair:
     decode_tp: int
     src: Dict[str, List[ItemGeometry]]
     dst: Dict[str, List[ItemGeometry]]
+    #: both sides' kv page sizes (from the fingerprints; 0: not stated)
+    src_page_size: int = 0
+    dst_page_size: int = 0
 
     @classmethod
     def make(
@@ -87,9 +92,10 @@ class TpPair:
         """From both fingerprints (checked by ``check_compatible`` already) and ranks."""
         a, b = groups_of(ours["tp"]), groups_of(theirs["tp"])
         tp_a, tp_b = int(ours["tp_size"]), int(theirs["tp_size"])
+        ps_a, ps_b = int(ours.get("page_size") or 0), int(theirs.get("page_size") or 0)
         if ours_is_prefill:
-            return cls(our_rank, tp_a, their_rank, tp_b, a, b)
-        return cls(their_rank, tp_b, our_rank, tp_a, b, a)
+            return cls(our_rank, tp_a, their_rank, tp_b, a, b, ps_a, ps_b)
+        return cls(their_rank, tp_b, our_rank, tp_a, b, a, ps_b, ps_a)
 
     def decode_peers(self) -> Tuple[int, ...]:
         return decode_peers(self.decode_rank, self.prefill_tp, self.decode_tp)
@@ -102,6 +108,17 @@ class TpPair:
         peers does: the ``salt % k``-th, as the replicated units' sender)."""
         peers = self.decode_peers()
         return peers[int(salt) % len(peers)] == self.prefill_rank
+
+    def tokens(
+        self, src_pages: Any, dst_pages: Any, start: int, end: int, first_page: int, salt: int
+    ) -> Runs:
+        """The kv runs moving this pair's heads of the token window ``[start, end)``
+        (:class:`kvxfer.disagg.tp_tokens.TokenPlan`: any two page sizes, any window);
+        ``src_pages`` hold tokens from page ``first_page`` on, ``dst_pages`` from token 0."""
+        plan = self.__dict__.get("_tokens")
+        if plan is None:  # (frozen: cached by hand)
+            plan = self.__dict__["_tokens"] = plan_of(self, "kv")
+        return plan.runs(src_pages, dst_pages, start, end, src_first_page=first_page, salt=salt)
 
     def write(
         self,
@@ -171,7 +188,12 @@ def expect_slices(link: Link, room: int, dst_kv: Any) -> None:
     peer = link.peer
     if tp is None or not len(dst_kv) or not peer.accepts_slices("kv"):
         return
-    sides = tp.dst_slice_sides("kv", room)
+    if tp.src_page_size and tp.dst_page_size and tp.src_page_size != tp.dst_page_size:
+        return  # pages do not pair one to one: prefill sends token runs (TpPair.tokens)
+    try:
+        sides = tp.dst_slice_sides("kv", room)
+    except TpShapeMismatch:  # items that do not pair whole: never a slice write either
+        return
     if sides is not None:
         peer.expect_slices(room, "kv", dst_kv, sides)
 

@@ -12,9 +12,10 @@ with a rank of its own TP size.
 
 Handshake (:func:`check_hetero`, called by :func:`kvxfer.disagg.kv_args.check_compatible`
 when the TP sizes differ): both shapes must join (:func:`~kvxfer.disagg.tp_plan.
-check_tp_compatible`) and the page sizes must be equal (a page pairs with one page); every
-other fingerprint key that does not depend
-on the TP size must still match. Failures raise :class:`TpShapeMismatch` naming both shapes.
+check_tp_compatible`); with different page sizes the kv items are compared token by token
+instead (:func:`~kvxfer.disagg.tp_tokens.check_kv_tokens`: the same heads per token row, and
+no rows of several heads against blocks of several heads). Every other fingerprint key that
+does not depend on the TP size must still match. Failures raise :class:`TpShapeMismatch` naming both shapes.
 Torch-free.
 """
 
@@ -31,6 +32,7 @@ from kvxfer.disagg.tp_plan import (
     state_geometries,
     tp_fingerprint,
 )
+from kvxfer.disagg.tp_tokens import check_kv_tokens
 from kvxfer.errors import InvalidArgument
 
 #: keys of a pool's ``describe()`` that follow from the rank's share of the heads / rows
@@ -140,16 +142,28 @@ def check_hetero(
             f"tp_size: {us} has {tp_a}, {them} has {tp_b}, and {who} states no TP geometry "
             f"(its pool cannot be split by heads): only equal TP sizes pair"
         )
-    if ours.get("page_size") != theirs.get("page_size"):
-        raise TpShapeMismatch(
-            f"page_size: {us} (tp {tp_a}) has {ours.get('page_size')}, {them} (tp {tp_b}) "
-            f"has {theirs.get('page_size')}; heterogeneous TP needs equal page sizes"
-        )
     prefill, decode = (a, b) if ours_is_prefill else (b, a)
+    pp, pd = (ours, theirs) if ours_is_prefill else (theirs, ours)
+    ps_p, ps_d = pp.get("page_size"), pd.get("page_size")
     try:
-        check_tp_compatible(expand(prefill), expand(decode))
+        fp_p, fp_d = expand(prefill), expand(decode)
+        if ps_p != ps_d:  # the kv items pair token by token (tp_tokens), the rest as items
+            if not (isinstance(ps_p, int) and isinstance(ps_d, int) and ps_p > 0 and ps_d > 0):
+                raise TpShapeMismatch(f"page sizes {ps_p!r} / {ps_d!r}")
+            if set(fp_p["groups"]) != set(fp_d["groups"]):
+                raise TpShapeMismatch(
+                    f"prefill has groups {sorted(fp_p['groups'])}, decode {sorted(fp_d['groups'])}"
+                )
+            kv_p, kv_d = groups_of(prefill).get("kv", []), groups_of(decode).get("kv", [])
+            check_kv_tokens(kv_p, kv_d, ps_p, ps_d, int(fp_p["tp_size"]), int(fp_d["tp_size"]))
+            fp_p = {**fp_p, "groups": {g: v for g, v in fp_p["groups"].items() if g != "kv"}}
+            fp_d = {**fp_d, "groups": {g: v for g, v in fp_d["groups"].items() if g != "kv"}}
+        check_tp_compatible(fp_p, fp_d)
     except TpShapeMismatch as exc:
-        raise TpShapeMismatch(f"{us} (tp {tp_a}) and {them} (tp {tp_b}): {exc}") from None
+        raise TpShapeMismatch(
+            f"{us} (tp {tp_a}, page {ours.get('page_size')}) and {them} (tp {tp_b}, page "
+            f"{theirs.get('page_size')}): {exc}"
+        ) from None
 
 
 def strip_tp(layout: Any) -> Any:

@@ -41,10 +41,14 @@ processes each, same run; PD time =
 the last decode rank's ``Success`` - the first prefill rank's ``send()``; bytes and ops are
 summed over the prefill ranks (ops per request: the RMA ops every rank posted); the ratios
 are the GB/s of ``N:M`` over that of ``N:N`` and of ``M:M``. The model's KV heads (``--tp-heads``) and Mamba
-heads split over both TP sizes. With ``--tp-paths`` the ``N:M`` pair runs twice, the kv
-head slices ``direct`` (``KVManager(tp_stage_min_ops=0)``: one PUT per run) and ``staged``
-(``tp_stage_min_ops=1``: every slice write gathered, one PUT per chunk, scattered by decode;
-layouts whose slices are already one run per page, HND, stay direct either way).
+heads split over both TP sizes. With ``--decode-page-size B`` / ``--decode-prefix K`` as well,
+the three run first with equal page sizes and no prefix (the equal shape), then with the
+asked shape (decode at B holding the first K tokens), and a last ratio gives each row's GB/s
+over the equal shape's of the same TP sizes. With ``--tp-paths`` the ``N:M`` pair runs twice,
+the kv head slices ``direct`` (``KVManager(tp_stage_min_ops=0)``: one PUT per run) and
+``staged`` (``tp_stage_min_ops=1``: every slice write gathered, one PUT per chunk, scattered
+by decode; layouts whose slices are already one run per page, HND, stay direct on host
+memory).
 
 With ``--stages`` both managers trace (``KVManager(trace=True)``, :mod:`kvxfer.disagg.trace`)
 and a table per mode gives the sequential 1-page requests' stages (p50/p90 µs: thread and task
@@ -563,16 +567,22 @@ def bench_tp(args, mode: str, kv_layout: str) -> List[dict]:
     prefill:decode ratio, same requests (module doc)."""
     tp_p, tp_d, tokens = args.prefill_tp, args.decode_tp, args.shape_tokens
     ps = args.prefill_page_size or ModelSpec().page_size
-    pool = (-(-(2 * tokens) // ps) + 4) * ps
+    dps, k = args.decode_page_size or ps, args.decode_prefix
+    unit = max(ps, dps)
+    pool = (-(-(2 * tokens) // unit) + 4) * unit
     rows = []
-    runs: List[Tuple[Tuple[int, int], Optional[str]]] = [
-        (t, None) for t in dict.fromkeys(((tp_p, tp_p), (tp_d, tp_d)))
+    # the equal shape first (equal page sizes, no prefix), then the asked one, if it differs;
+    # with --tp-paths the N:M pair twice: direct, then staged
+    paths: Tuple[Optional[str], ...] = (
+        ("direct", "staged") if getattr(args, "tp_paths", False) else (None,)
+    )
+    runs = [
+        (pair_tp, shape, path if pair_tp[0] != pair_tp[1] else None)
+        for shape in dict.fromkeys(((ps, 0), (dps, k)))
+        for pair_tp in dict.fromkeys(((tp_p, tp_p), (tp_d, tp_d), (tp_p, tp_d)))
+        for path in (paths if pair_tp[0] != pair_tp[1] else (None,))
     ]
-    if getattr(args, "tp_paths", False):
-        runs += [((tp_p, tp_d), "direct"), ((tp_p, tp_d), "staged")]
-    else:
-        runs += [((tp_p, tp_d), None)] if tp_p != tp_d else []
-    for pair_tp, path in runs:
+    for pair_tp, (d_ps, kk), path in runs:
         spec = ModelSpec(
             kv_layout=kv_layout,
             heads=args.tp_heads,
@@ -581,7 +591,13 @@ def bench_tp(args, mode: str, kv_layout: str) -> List[dict]:
             pool_tokens=pool,
             device=args.device,
         )
-        opts: Dict[str, Any] = {"error_mode": mode, "deadline_s": 120.0, "max_inflight": 1 << 30}
+        opts: Dict[str, Any] = {
+            "error_mode": mode,
+            "deadline_s": 120.0,
+            "max_inflight": 1 << 30,
+            "decode_page_size": d_ps if d_ps != ps else None,
+            "decode_prefix": kk,
+        }
         if path is not None:  # direct: never staged; staged: every slice write staged
             opts["tp_stage_min_ops"] = 0 if path == "direct" else 1
         pair = start_pair(spec, opts, BenchWorker, *pair_tp)
@@ -610,6 +626,9 @@ def bench_tp(args, mode: str, kv_layout: str) -> List[dict]:
                 "prefill_tp": pair_tp[0],
                 "decode_tp": pair_tp[1],
                 "path": path or ("equal" if pair_tp[0] == pair_tp[1] else "default"),
+                "prefill_page_size": ps,
+                "decode_page_size": d_ps,
+                "decode_prefix": kk,
                 "tokens": tokens,
                 "bytes": nbytes,
                 "ops": ops,
@@ -622,26 +641,44 @@ def bench_tp(args, mode: str, kv_layout: str) -> List[dict]:
 
 
 def format_tp(rows: List[dict]) -> str:
+    """Ratios: against equal TP of the same page sizes and prefix (``N:N``, ``M:M``) and
+    against the same TP sizes with equal page sizes and no prefix (the equal shape)."""
     lines = [
-        "| lanes (mode) | KV layout | prefill TP → decode TP | path | tokens | MiB "
-        "| ops/request | µs median | GB/s best (median) | × N:N (median) | × M:M (median) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| lanes (mode) | KV layout | prefill TP → decode TP | path | page prefill → decode "
+        "| decode prefix | tokens | MiB | ops/request | µs median | GB/s best (median) "
+        "| × N:N (median) | × M:M (median) | × equal shape (median) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    base = {}
+
+    def shape(r: dict) -> tuple:
+        return (r.get("decode_page_size", 0), r.get("decode_prefix", 0))
+
+    def ratio(r: dict, b: Optional[float]) -> float:
+        return r["gbps_median"] / b if b else float("nan")
+
+    gbps = {
+        (r["mode"], r["kv_layout"], r["prefill_tp"], r["decode_tp"], shape(r), r.get("path")): r[
+            "gbps_median"
+        ]
+        for r in rows
+    }
     for r in rows:
-        if r["prefill_tp"] == r["decode_tp"]:
-            base[r["mode"], r["kv_layout"], r["prefill_tp"]] = r["gbps_median"]
-    for r in rows:
-        ratios = []
-        for t in (r["prefill_tp"], r["decode_tp"]):
-            b = base.get((r["mode"], r["kv_layout"], t))
-            ratios.append(r["gbps_median"] / b if b else float("nan"))
+        key = (r["mode"], r["kv_layout"])
+        ratios = [
+            ratio(r, gbps.get((*key, t, t, shape(r), "equal")))
+            for t in (r["prefill_tp"], r["decode_tp"])
+        ]
+        equal = (r.get("prefill_page_size", 0), 0)
+        same = (*key, r["prefill_tp"], r["decode_tp"], equal, r.get("path"))
+        ratios.append(ratio(r, gbps.get(same)))
         lines.append(
             f"| {','.join(r['lanes'])} ({r['mode']}) | {r['kv_layout']} | "
-            f"{r['prefill_tp']} → {r['decode_tp']} | {r.get('path', '')} | {r['tokens']} | "
+            f"{r['prefill_tp']} → {r['decode_tp']} | {r.get('path', '')} | "
+            f"{r.get('prefill_page_size')} → {r.get('decode_page_size')} | "
+            f"{r.get('decode_prefix', 0)} | {r['tokens']} | "
             f"{r['bytes'] / 2**20:.1f} | {r['ops']} | {r['us_median']:.0f} | "
             f"{r['gbps_best']:.2f} ({r['gbps_median']:.2f}) | {ratios[0]:.2f} | "
-            f"{ratios[1]:.2f} |"
+            f"{ratios[1]:.2f} | {ratios[2]:.2f} |"
         )
     return "\n".join(lines)
 
@@ -807,7 +844,13 @@ def _tp_main(a, modes: List[str], layouts: List[str]) -> int:
     print(
         f"PD bench, heterogeneous TP {a.prefill_tp} → {a.decode_tp} vs equal TP "
         f"{a.prefill_tp} → {a.prefill_tp} and {a.decode_tp} → {a.decode_tp}: device={a.device}, demo model ({a.tp_heads} KV heads, "
-        f"Mamba envelope), {a.shape_tokens}-token requests, best/median of {a.iters}",
+        f"Mamba envelope), {a.shape_tokens}-token requests, best/median of {a.iters}"
+        + (
+            f"; prefill page {a.prefill_page_size or ModelSpec().page_size}, decode page "
+            f"{a.decode_page_size or 'equal'}, decode prefix {a.decode_prefix}"
+            if a.decode_page_size or a.decode_prefix
+            else ""
+        ),
         flush=True,
     )
     t0 = time.perf_counter()

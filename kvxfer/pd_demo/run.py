@@ -200,13 +200,8 @@ def run_demo(
     :class:`kvxfer.clitools.Progress` of 3 steps (workers up, warm-up, requests).
     ``decode_page_size`` (None: prefill's) and ``decode_prefix`` (tokens decode holds of
     each request, capped at its length): the shapes of docs/shapes.md. ``prefill_tp`` /
-    ``decode_tp``: one worker process per TP rank of each side (heterogeneous TP: equal
-    page sizes, no decode prefix)."""
-    if (prefill_tp, decode_tp) != (1, 1) and (decode_page_size or decode_prefix):
-        raise InvalidArgument(
-            "--prefill-tp / --decode-tp: heterogeneous TP pairs equal page sizes and no "
-            "decode prefix in the demo"
-        )
+    ``decode_tp``: one worker process per TP rank of each side (heterogeneous TP; with the
+    shapes above too: every decode rank writes its own prefix and checks it untouched)."""
     dps = spec.page_size if decode_page_size is None else decode_page_size
     if dps < 1 or spec.pool_tokens % dps or decode_prefix < 0:
         raise InvalidArgument(
@@ -251,6 +246,7 @@ def run_demo(
         d_infos = [x.info() for x in pair.decodes]
         for k in ("page_bytes", "slot_bytes", "aux_bytes"):
             info[k] = sum(i[k] for i in d_infos)
+        info["bytes_page_size"] = dps  # page_bytes: decode's pages
     info["decode_page_size"] = dps
     info["decode_prefix"] = decode_prefix
     if progress is not None:
@@ -359,9 +355,10 @@ def _kv_bytes(ps: int, info: dict, n: int) -> int:
     """KV bytes one request of ``n`` tokens moves: whole pages when the page sizes are equal
     and decode's prefix is page-aligned, else exactly the tokens past the prefix."""
     k = min(info["decode_prefix"], n)
+    per = info.get("bytes_page_size", ps)  # the page size ``page_bytes`` is of
     if info["decode_page_size"] == ps and k % ps == 0:
-        return (-(-n // ps) - k // ps) * info["page_bytes"]
-    return (n - k) * info["page_bytes"] // ps
+        return (-(-n // ps) - k // ps) * info["page_bytes"] * ps // per
+    return (n - k) * info["page_bytes"] // per
 
 
 def _human(n: float) -> str:

@@ -185,6 +185,48 @@ def test_demo_page_sizes_and_decode_prefix():
     assert "decode: 64-token pages, holds the first 37 tokens" in format_table(r)
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    "tp,kv_layout,pages,prefix",
+    [((1, 2), "hnd", (16, 64), 37), ((2, 1), "per_layer", (64, 16), 64)],
+)
+def test_demo_hetero_tp_with_page_sizes_and_decode_prefix(tp, kv_layout, pages, prefix):
+    """`kvxfer demo --prefill-tp N --decode-tp M --page-size A --decode-page-size B
+    --decode-prefix K`: every decode rank writes its own prefix (and slots past the end),
+    then verifies every token row of its heads; exactly the tokens past the prefix move."""
+    from kvxfer.pd_demo import run_demo
+    from kvxfer.pd_demo.spec import ModelSpec
+
+    spec = ModelSpec(
+        kv_layout=kv_layout,
+        mamba_layout="per_layer",
+        attn_layers=2,
+        mamba_layers=2,
+        heads=4,
+        ssm_heads=4,
+        head_dim=16,
+        page_size=pages[0],
+        pool_tokens=2048,
+        mamba_slots=16,
+        aux_rows=32,
+        device=DEVICE,
+    )
+    r = run_demo(
+        spec,
+        requests=6,
+        seed=3,
+        max_len=200,
+        chunk_tokens=64,
+        timeout=60,
+        decode_page_size=pages[1],
+        decode_prefix=prefix,
+        prefill_tp=tp[0],
+        decode_tp=tp[1],
+    )
+    _check_report(r, 6)
+    assert (r["prefill_tp"], r["decode_tp"]) == tp and r["decode_prefix"] == prefix
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "kv_layout,mamba_layout",

@@ -36,6 +36,14 @@ def test_hetero_pairs(tp_p, tp_d, layout):
     check(p, d)
 
 
+@pytest.mark.parametrize("tp_p,tp_d", [(1, 2), (2, 1), (1, 4), (4, 1), (2, 4)])
+@pytest.mark.parametrize("layout", ["nhd", "hnd"])
+@pytest.mark.parametrize("pages", [(4, 16), (16, 4)])
+def test_hetero_pairs_across_page_sizes(tp_p, tp_d, layout, pages):
+    p, d = fp(tp_p, layout=layout, page=pages[0]), fp(tp_d, layout=layout, page=pages[1])
+    check(p, d)
+
+
 def test_replicated_heads_need_the_total():
     p, d = fp(1, heads=2), fp(4, heads=2, total=2)  # decode replicates 2 heads over 4 ranks
     check(p, d)
@@ -50,11 +58,13 @@ def test_integrity_pairs_per_pair():
 
 
 def test_mla_latent_replicated():
-    def mla(tp):
-        pool = MLATokenToKVPool(16, 4, torch.bfloat16, 16, 8, 2)
+    def mla(tp, page=4):
+        pool = MLATokenToKVPool(16, page, torch.bfloat16, 16, 8, 2)
         return KVArgs.from_pools(pool, aux=AUX, tp_size=tp).fingerprint()
 
     check(mla(1), mla(4))
+    check(mla(1, 16), mla(4, 4))
+    check(mla(4, 4), mla(2, 16))
 
 
 @pytest.mark.parametrize(
@@ -62,7 +72,8 @@ def test_mla_latent_replicated():
     [
         (dict(tp=2, heads=6), dict(tp=4, heads=4), "decode tp 4"),  # heads disagree
         (dict(tp=1, layout="hnd"), dict(tp=2), "segment 0 differs"),  # HND 4 vs NHD 2
-        (dict(tp=1), dict(tp=2, page=8), "page_size"),
+        (dict(tp=1, layout="hnd"), dict(tp=2, page=8), "blocks of 4 heads against rows of 2"),
+        (dict(tp=2, heads=6, page=8), dict(tp=4, heads=4), "decode tp 4"),
         (dict(tp=1, tp_x=None), dict(tp=2), "states no TP geometry"),
     ],
 )
