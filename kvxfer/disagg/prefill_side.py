@@ -316,11 +316,11 @@ class PrefillSide:
             s, d = pm.whole_pages(src, first, r.dst_kv)
             link = r.link
             if link is not None and link.tp is not None:  # this pair's heads of them
-                peer = link.peer
-                stage = self.mgr.tp_stage_min_ops if peer.can_slice("kv") else 0
-                # on a device a PUT's posting cost makes one-run-per-page slices (HND) pay too
-                blocks = bool(stage) and "cuda" in peer.local_mem_types("kv")
-                return link.tp.write("kv", s, d, r.room, stage_min_ops=stage, stage_blocks=blocks)
+                # one-run-per-page slices (HND) stay direct, on CUDA too: there the device
+                # lane copies them (staged 0.04-0.06x vs direct 0.23-0.37x of equal TP on the
+                # H200, bench/results/tp-pd-h200.md)
+                stage = self.mgr.tp_stage_min_ops if link.peer.can_slice("kv") else 0
+                return link.tp.write("kv", s, d, r.room, stage_min_ops=stage)
             return _item_write()("kv", s, d) if len(s) else None
         runs = pm.runs(src, first, r.dst_kv)
         if not len(runs):

@@ -256,10 +256,6 @@ class Peer:
         slice writes we registered with :meth:`expect_slices`)."""
         return group in self._staged.granted and group in self._groups.stages
 
-    def local_mem_types(self, group: str) -> List[str]:
-        """Memory type of each of our descriptors of ``group`` ("host", "cuda")."""
-        return self._groups.desc_mem_types(group)
-
     def can_slice(self, group: str) -> bool:
         """Whether :class:`SliceWrite` of ``group`` can go to this peer (it granted us
         landing slots: both engines with ``stage_slice_min_ops > 0``)."""
