@@ -62,8 +62,8 @@ from kvxfer.loop_thread import LoopThread
 #: default of ``KVManager(tp_stage_min_ops=...)``: a hetero-TP kv write of more PUTs than
 #: this goes staged (head slices of NHD / page-major pages cost one PUT per token row)
 TP_STAGE_MIN_OPS = 256
-#: the kv group's staging memory for slice writes (per process: 8 landing slots granted two
-#: per peer, 2 staging slots; each chunk of a bigger write reuses them)
+#: the kv group's staging memory for slice writes (per process: 4 landing slots of 16 MiB,
+#: one granted per peer, and one staging slot; each chunk of a bigger write reuses them)
 TP_STAGE_ENGINE: Dict[str, Any] = dict(
     stage_groups=("kv",), stage_slot_bytes=16 << 20, stage_slots=4, stage_peer_slots=1
 )

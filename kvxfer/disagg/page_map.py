@@ -162,7 +162,10 @@ def check_span(
 
 class TokenWindows(Protocol):
     """A heterogeneous-TP pair's kv runs for a token window
-    (:meth:`kvxfer.disagg.tp_rooms.TpPair.tokens`)."""
+    (:meth:`kvxfer.disagg.tp_rooms.TpPair.tokens`); its TP sizes name the shape in errors."""
+
+    prefill_tp: int
+    decode_tp: int
 
     def tokens(
         self, src_pages: Any, dst_pages: Any, start: int, end: int, first_page: int, salt: int
@@ -205,7 +208,6 @@ class RoomPages:
         exact: bool,
         who: str,
         tp: Optional[TokenWindows] = None,
-        tp_sizes: Tuple[int, int] = (1, 1),
         salt: int = 0,
     ) -> "RoomPages":
         """Validate both sides' page counts against the token count and pick the path.
@@ -213,8 +215,7 @@ class RoomPages:
         page sizes, whole pages as before). ``exact``: the bytes must be checkable page by page
         (integrity mode), so only the whole-page path is allowed. Raises ShapeMismatch,
         InvalidArgument or UnsupportedOperation, naming both sides' shapes. ``tp``: the pair
-        of a heterogeneous-TP room (``tp_sizes``: prefill's and decode's TP sizes), whose
-        runs replace ``geom``'s."""
+        of a heterogeneous-TP room, whose runs replace ``geom``'s."""
         ps, pd = src_page_size, dst_page_size
         n = min(num_src * ps, num_dst * pd) if tokens is None else tokens
         if ps == pd and tokens is None and num_src != num_dst:
@@ -228,7 +229,7 @@ class RoomPages:
         if not 0 <= prefix <= n:
             raise InvalidArgument(f"{who}: decode prefix {prefix} not in [0, {n}] tokens")
         whole = ps == pd and prefix % ps == 0
-        tps = f"prefill tp {tp_sizes[0]}, decode tp {tp_sizes[1]}, " if tp is not None else ""
+        tps = f"prefill tp {tp.prefill_tp}, decode tp {tp.decode_tp}, " if tp is not None else ""
         if exact and not (whole and prefix == 0):
             raise UnsupportedOperation(
                 f"{who}: integrity checks whole pages; {tps}prefill page size {ps}, decode {pd}, "

@@ -300,7 +300,6 @@ class PrefillSide:
                 who=f"room {r.room}",
                 # hetero TP: whole items when they pair one to one, else its token runs
                 tp=link.tp,
-                tp_sizes=(link.tp.prefill_tp, link.tp.decode_tp) if link.tp else (1, 1),
                 salt=r.room,
             )
         except (InvalidArgument, UnsupportedOperation) as exc:

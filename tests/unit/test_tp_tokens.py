@@ -269,7 +269,6 @@ def test_room_pages_pick_whole_pages_or_the_pairs_token_runs():
             exact=exact,
             who="room 9",
             tp=pair(ps, pd),
-            tp_sizes=(1, 2),
             salt=9,
         )
 
