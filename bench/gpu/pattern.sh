@@ -5,7 +5,8 @@
 # per ratio for NHD, page-major, HND and MLA (default path = pattern, against equal TP in the
 # same run) and one ratio with --tp-paths (direct / staged / pattern side by side). Writes
 # $OUT/pattern.md (+ JSON rows). Env PAT_RATIOS (default "1:2 2:1 4:1 2:4"), PAT_TOKENS
-# (default 16000), PAT_TESTS=0 skips tests and demos.
+# (default 16000), PAT_TESTS=0 skips tests and demos, PAT_TEST_FILES narrows the tests,
+# PAT_PATHS=0 skips the --tp-paths run.
 set -o pipefail
 export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD}
@@ -16,14 +17,14 @@ rc=0
 echo "# Heterogeneous TP, pattern launch on CUDA ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), $(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null))"
 if [ "${PAT_TESTS:-1}" != 0 ]; then
 echo; echo "## tests with KVXFER_TEST_DEVICE=cuda"; echo '```'
-KVXFER_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_pattern_copy.py \
+KVXFER_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider ${PAT_TEST_FILES:-tests/kernels/test_pattern_copy.py \
     tests/unit/test_pattern_runs.py tests/unit/test_tp_slices.py tests/engine/test_engine.py \
-    tests/disagg/test_pd_tp.py 2>&1 | tail -8 || rc=1
+    tests/disagg/test_pd_tp.py} 2>&1 | tail -8 || rc=1
 echo '```'
-for shape in "2 1 per_layer" "1 2 page_major" "4 1 hnd" "2 4 per_layer"; do
+for shape in "2 1 per_layer" "1 2 page_major" "4 1 hnd --ssm-heads 4" "2 4 per_layer --ssm-heads 4"; do
     set -- $shape
-    echo; echo "## kvxfer demo --device cuda --prefill-tp $1 --decode-tp $2 --kv-layout $3"; echo '```'
-    timeout 60 python3 -m kvxfer demo --device cuda --prefill-tp "$1" --decode-tp "$2" --kv-layout "$3" 2>&1 | grep -v "UCX  WARN" | tail -4 || rc=1
+    echo; echo "## kvxfer demo --device cuda --prefill-tp $1 --decode-tp $2 --kv-layout $3 ${4:-} ${5:-}"; echo '```'
+    timeout 60 python3 -m kvxfer demo --device cuda --prefill-tp "$1" --decode-tp "$2" --kv-layout "$3" ${4:-} ${5:-} 2>&1 | grep -v "UCX  WARN" | tail -4 || rc=1
     echo '```'
 done
 fi

@@ -172,6 +172,7 @@ class KVManager:
             "failed": 0,
             "bytes": 0,
             "ops": 0,
+            "device_bytes": 0,  # of "bytes": copied by the same-host device lane
             "writes": 0,
             "lanes": set(),
         }

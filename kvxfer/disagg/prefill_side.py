@@ -424,6 +424,7 @@ class PrefillSide:
         st["writes"] += 1
         st["bytes"] += int(getattr(stats, "bytes", 0))
         st["ops"] += int(getattr(stats, "ops", 0))
+        st["device_bytes"] += int(getattr(stats, "device_bytes", 0))
         st["lanes"].update(getattr(stats, "lanes", ()) or ())
         r.pages_done += len(src)
         if is_terminal(r.state):

@@ -161,6 +161,7 @@ class Node:
         trace: bool = False,
         tp: Optional[tuple] = None,
         tp_stage_min_ops: Optional[int] = None,
+        tp_pattern: bool = True,
     ) -> None:
         from kvxfer.disagg import KVArgs, KVManager, MetadataBuffer, Timeouts
         from kvxfer.disagg.kv_args import replace
@@ -217,6 +218,7 @@ class Node:
             integrity=integrity,
             trace=trace,
             **({} if tp_stage_min_ops is None else {"tp_stage_min_ops": tp_stage_min_ops}),
+            tp_pattern=tp_pattern,
         ).start_background()
         self.rooms: Dict[int, dict] = {}
 
