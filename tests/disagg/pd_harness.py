@@ -806,6 +806,20 @@ class Node:
         s["lanes"] = sorted(s["lanes"])
         return s
 
+    def device_lanes(self) -> dict:
+        """Per linked peer: the device lane's status and why regions stayed on UCX, and
+        whether PatternWrites of kv go over it (diagnostics for assertion messages)."""
+        out = {}
+        for key, link in list(self.mgr.links.items()):
+            peer = link.peer
+            dev = getattr(peer, "_dev", None)
+            out[key] = (
+                peer.device_lane,
+                list(getattr(dev, "failures", []) or []),
+                peer.can_pattern("kv"),
+            )
+        return out
+
     # -- batches (thousands of rooms without thousands of RPCs) --
     def batch(self, calls) -> list:
         """``[(Node.method, *args), ...]``, called in order; returns their results."""

@@ -158,7 +158,8 @@ def test_hetero_tp_byte_exact(tpc, room, name):
         dev = [n.stats()["device_bytes"] - b for n, b in zip(p, dev)]
         if DEVICE == "cuda" and kind != "mla" and name not in STAGED:
             # same host, CUDA pools: head slices go as one device-lane pattern launch
-            assert all(d > 0 for d, b in zip(dev, moved) if b > 64), (dev, moved)
+            lanes = [n.device_lanes() for n in p]
+            assert all(d > 0 for d, b in zip(dev, moved) if b > 64), (dev, moved, lanes)
         elif DEVICE != "cuda":
             assert not any(dev), dev
         if tp_p > tp_d and heads < tp_p:
