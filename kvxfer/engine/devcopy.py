@@ -88,7 +88,7 @@ class DeviceLane:
                 if not blob:
                     continue
                 try:
-                    image, base = cuda_driver.ipc_open(bytes(blob))
+                    image, base = cuda_driver.ipc_open(bytes(blob), device)
                 except (cuda_driver.CudaError, ValueError) as exc:
                     log.info("device lane: region %d stays on UCX (%s)", i, exc)
                     self.failures.append(f"region {i}: {exc}")
@@ -221,7 +221,7 @@ class DeviceLane:
             self._stream.synchronize()
             for base in self._bases:
                 try:
-                    ipc_close(base)
+                    ipc_close(base, self.device)
                 except CudaError as exc:
                     log.warning("device lane: unmapping a peer region: %s", exc)
         self._bases = []
