@@ -82,7 +82,7 @@ class StagedLink:
     channel: Channel
     rma: RmaEndpoint
     spin: bool  # flushes progressed by the native poller
-    transfer_timeout_s: float  # bound on sending a slot credit back
+    transfer_timeout_s: float  # bound on a control message (credit, abandon) or reclaim flush
     bounded: Bounded
     left: Callable[[float, str], float]  # seconds left to a deadline, or TransferTimeout
     mark_dead: Callable[[Exception], None]  # the peer is gone (idempotent)
