@@ -194,12 +194,22 @@ def _primary_context(addr: int) -> Iterator[None]:
     """The primary context of ``addr``'s device current on this thread for the block (the
     caller's own afterwards): a thread the runtime never bound (an event loop's) has none,
     and the driver then refuses context-bound calls such as ``cuIpcGetMemHandle``."""
+    with device_context(_attr("DEVICE_ORDINAL", addr)):
+        yield
+
+
+@contextlib.contextmanager
+def device_context(ordinal: Optional[int]) -> Iterator[None]:
+    """Device ``ordinal``'s primary context current on this thread for the block, the
+    caller's own (or none) afterwards; a no-op for None or when the driver refuses (the
+    call inside then reports its own error). For driver calls on threads the CUDA runtime
+    may never have bound (an event loop's): ``cuIpcOpenMemHandle`` there fails with
+    CUDA_ERROR_INVALID_CONTEXT otherwise."""
     cu = bindings()
-    ordinal = _attr("DEVICE_ORDINAL", addr)
-    if ordinal is None:
+    if ordinal is None or cu is None:
         yield
         return
-    err, dev = cu.cuDeviceGet(ordinal)
+    err, dev = cu.cuDeviceGet(int(ordinal))
     if err != _OK:
         yield
         return
@@ -230,24 +240,31 @@ def unpack_blob(blob: bytes) -> Tuple[bytes, int]:
     return bytes(blob[:IPC_HANDLE_BYTES]), struct.unpack("<Q", bytes(blob[IPC_HANDLE_BYTES:]))[0]
 
 
-def ipc_open(blob: bytes) -> Tuple[int, int]:
-    """Map a peer's blob into this process: ``(image of the peer's addr, mapped base)``;
-    the base is what :func:`ipc_close` takes. Raises CudaError / InvalidArgument."""
+def ipc_open(blob: bytes, device: Optional[int] = None) -> Tuple[int, int]:
+    """Map a peer's blob into this process (on device ``device``: its primary context is
+    made current for the call, see :func:`device_context`): ``(image of the peer's addr,
+    mapped base)``; the base is what :func:`ipc_close` takes. Raises CudaError /
+    InvalidArgument."""
     raw, offset = unpack_blob(blob)
     cu = bindings()
     if cu is None:
         raise CudaError("cuIpcOpenMemHandle", CudaError.NO_DRIVER, _why_not)
     handle = cu.CUipcMemHandle()
     ctypes.memmove(handle.getPtr(), raw, IPC_HANDLE_BYTES)
-    base = int(check(cu.cuIpcOpenMemHandle(handle, _LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle"))
+    with device_context(device):
+        res = cu.cuIpcOpenMemHandle(handle, _LAZY_ENABLE_PEER_ACCESS)
+    base = int(check(res, "cuIpcOpenMemHandle"))
     return base + offset, base
 
 
-def ipc_close(base: int) -> None:
-    """Unmap what :func:`ipc_open` mapped at ``base``; raises CudaError."""
+def ipc_close(base: int, device: Optional[int] = None) -> None:
+    """Unmap what :func:`ipc_open` mapped at ``base`` (on ``device``, as there); raises
+    CudaError."""
     cu = bindings()
     if cu is not None:
-        check(cu.cuIpcCloseMemHandle(base), "cuIpcCloseMemHandle")
+        with device_context(device):
+            res = cu.cuIpcCloseMemHandle(base)
+        check(res, "cuIpcCloseMemHandle")
 
 
 def memcpy_dtod_async(dst: int, src: int, nbytes: int, stream: int) -> None:

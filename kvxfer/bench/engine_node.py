@@ -153,11 +153,12 @@ class EngineNode:
         return [int(self._host(b).sum(dtype=self.np.uint64)) for b in self.buffers[key][group]]
 
     def _writes(self, parts):
-        """``(group, src_ids, dst_ids)`` → ItemWrite; ``(group, src_off, dst_off, nbytes,
-        desc)`` → RawWrite."""
-        from kvxfer.engine import ItemWrite, RawWrite
+        """``(group, src_ids, dst_ids)`` → ItemWrite; ``(group, src_ids, dst_ids, runs)`` →
+        PatternWrite; ``(group, src_off, dst_off, nbytes, desc)`` → RawWrite."""
+        from kvxfer.engine import ItemWrite, PatternWrite, RawWrite
 
-        return [ItemWrite(*p) if len(p) == 3 else RawWrite(*p) for p in parts]
+        kinds = {3: ItemWrite, 4: PatternWrite}
+        return [kinds.get(len(p), RawWrite)(*p) for p in parts]
 
     def write(self, key, peer_id, parts, notify=None, timeout=None):
         def go():

@@ -136,6 +136,10 @@ class PrefillContext(SideContext, Protocol):
     def tp_stage_min_ops(self) -> int:
         """Hetero-TP kv writes of more PUTs than this go staged (0: never)."""
 
+    @property
+    def tp_pattern(self) -> bool:
+        """Hetero-TP kv writes to a peer whose device lane covers kv are PatternWrites."""
+
     def hook(self, point: str, room: int) -> None: ...
 
     def room_gone(self) -> None: ...

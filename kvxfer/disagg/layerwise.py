@@ -372,6 +372,7 @@ async def _post_part(
     st["writes"] += 1
     st["bytes"] += int(getattr(stats, "bytes", 0))
     st["ops"] += int(getattr(stats, "ops", 0))
+    st["device_bytes"] += int(getattr(stats, "device_bytes", 0))
     st["lanes"].update(getattr(stats, "lanes", ()) or ())
     if not is_terminal(r.state):
         mgr.arm(r)  # lease renewed by progress

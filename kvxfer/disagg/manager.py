@@ -100,6 +100,7 @@ class KVManager:
         integrity: bool = False,
         trace: Optional[bool] = None,
         tp_stage_min_ops: int = TP_STAGE_MIN_OPS,
+        tp_pattern: bool = True,
     ) -> None:
         """``mode``: :class:`DisaggMode`, SGLang's ``DisaggregationMode`` or
         ``"prefill"`` / ``"decode"``. ``trace``: record per-request stage timestamps
@@ -107,7 +108,11 @@ class KVManager:
         ``tp_stage_min_ops``: with a TP shape, a kv write to a peer of another TP size whose
         direct plan needs more PUTs than this (head slices inside token rows) goes staged
         as a :class:`~kvxfer.engine.types.SliceWrite` (docs/shapes.md "The staged path");
-        0: always direct. Both sides need it > 0 (it gives the kv group staging memory)."""
+        0: always direct. Both sides need it > 0 (it gives the kv group staging memory).
+        ``tp_pattern``: with a TP shape, a kv write whose share is not whole pages, to a
+        same-host peer whose device lane covers the kv group (CUDA on both sides), is one
+        :class:`~kvxfer.engine.types.PatternWrite` (one copy launch) before any of the
+        above is considered; False: never."""
         from kvxfer.config import resolve_secret
 
         if not isinstance(args, KVArgs):
@@ -141,6 +146,7 @@ class KVManager:
         )
         if self.tp_stage_min_ops:
             self._engine_kw.update(TP_STAGE_ENGINE, stage_slice_min_ops=self.tp_stage_min_ops)
+        self.tp_pattern = bool(tp_pattern)
         self.fingerprint: Dict[str, Any] = args.fingerprint()
         #: end-to-end checksums of every item (kvxfer.disagg.integrity); None when off
         self.integrity: Optional[IntegrityOps] = None
@@ -166,6 +172,7 @@ class KVManager:
             "failed": 0,
             "bytes": 0,
             "ops": 0,
+            "device_bytes": 0,  # of "bytes": copied by the same-host device lane
             "writes": 0,
             "lanes": set(),
         }

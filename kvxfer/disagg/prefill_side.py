@@ -315,11 +315,12 @@ class PrefillSide:
             s, d = pm.whole_pages(src, first, r.dst_kv)
             link = r.link
             if link is not None and link.tp is not None:  # this pair's heads of them
-                # one-run-per-page slices (HND) stay direct, on CUDA too: there the device
-                # lane copies them (staged 0.04-0.06x vs direct 0.23-0.37x of equal TP on the
-                # H200, bench/results/tp-pd-h200.md)
+                # a same-host CUDA peer: one pattern launch on the device lane, whatever the
+                # layout; else head slices inside token rows are staged, one-run-per-page
+                # slices (HND) stay direct (bench/results/tp-pd-h200.md)
+                pattern = self.mgr.tp_pattern and link.peer.can_pattern("kv")
                 stage = self.mgr.tp_stage_min_ops if link.peer.can_slice("kv") else 0
-                return link.tp.write("kv", s, d, r.room, stage_min_ops=stage)
+                return link.tp.write("kv", s, d, r.room, stage_min_ops=stage, pattern=pattern)
             return _item_write()("kv", s, d) if len(s) else None
         runs = pm.runs(src, first, r.dst_kv)
         if not len(runs):
@@ -423,6 +424,7 @@ class PrefillSide:
         st["writes"] += 1
         st["bytes"] += int(getattr(stats, "bytes", 0))
         st["ops"] += int(getattr(stats, "ops", 0))
+        st["device_bytes"] += int(getattr(stats, "device_bytes", 0))
         st["lanes"].update(getattr(stats, "lanes", ()) or ())
         r.pages_done += len(src)
         if is_terminal(r.state):

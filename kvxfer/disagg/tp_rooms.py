@@ -128,15 +128,24 @@ class TpPair:
         salt: int,
         stage_min_ops: int = 0,
         stage_blocks: bool = False,
+        pattern: bool = False,
     ) -> Any:
         """The RawWrite moving this pair's share of items ``src_items[k] -> dst_items[k]``
         of ``group``, or None when this prefill rank moves no byte of them. With
-        ``stage_min_ops > 0``, a plan of more runs than that which costs more than one run
-        per item and descriptor (head slices inside token rows; with ``stage_blocks`` any
-        plan) is a SliceWrite under key ``salt`` instead (the decode side expects it:
-        :meth:`dst_slice_sides`)."""
+        ``pattern`` (the peer's device lane copies PatternWrites: ``peer.can_pattern``), a
+        share that is not whole items is one PatternWrite (one launch, however many runs).
+        Else with ``stage_min_ops > 0``, a plan of more runs than that which costs more than
+        one run per item and descriptor (head slices inside token rows; with
+        ``stage_blocks`` any plan) is a SliceWrite under key ``salt`` instead (the decode
+        side expects it: :meth:`dst_slice_sides`)."""
         if group not in self.src or not len(src_items):
             return None
+        if pattern:
+            runs = self.pattern_runs(group, salt)
+            if runs is not None:
+                from kvxfer.engine.types import PatternWrite
+
+                return PatternWrite(group, src_items, dst_items, runs)
         if stage_min_ops > 0:
             sides = self.slice_sides(group, salt, src=True)
             n_runs = 0 if sides is None else sum(len(n) for _, n in sides)
@@ -162,6 +171,42 @@ class TpPair:
             salt=salt,
         )
         return runs.raw_write(group) if len(runs) else None
+
+    def pattern_runs(self, group: str, salt: int) -> Any:
+        """The validated :class:`~kvxfer.engine.slices.PatternRuns` of this pair's share of
+        one item of ``group`` (both sides' runs), None when it moves nothing or whole items
+        (those go as ItemWrites). Cached per ``salt % prefill_tp`` (the same object each
+        time: the device lane keeps its run table per pattern object)."""
+        key = f"_pattern/{group}/{int(salt) % self.prefill_tp}"
+        if key not in self.__dict__:  # (frozen: cached by hand)
+            from kvxfer.engine.slices import PatternRuns
+
+            out = None
+            runs = [
+                item_runs(
+                    s,
+                    t,
+                    self.prefill_rank,
+                    self.decode_rank,
+                    self.prefill_tp,
+                    self.decode_tp,
+                    salt,
+                )
+                for s, t in zip(self.src[group], self.dst[group])
+            ]
+            moved = sum(int(n.sum()) for _, _, n in runs)
+            whole = all(
+                moved == sum(g.item_bytes for g in side)
+                for side in (self.src[group], self.dst[group])
+            )
+            if moved and not whole:
+                out = PatternRuns.make(
+                    runs,
+                    [g.item_bytes for g in self.src[group]],
+                    [g.item_bytes for g in self.dst[group]],
+                )
+            self.__dict__[key] = out
+        return self.__dict__[key]
 
     def slice_sides(self, group: str, salt: int, src: bool) -> Optional[List[Tuple[Any, Any]]]:
         """One side's item-relative runs ``(offs, lens)`` per descriptor of what this pair

@@ -20,7 +20,7 @@ docs/engine.md.
 from kvxfer.config import EngineConfig
 from kvxfer.engine.engine import TransferEngine
 from kvxfer.engine.peer import Peer
-from kvxfer.engine.types import ItemWrite, RawWrite, SliceWrite, TransferStats
+from kvxfer.engine.types import ItemWrite, PatternWrite, RawWrite, SliceWrite, TransferStats
 
 __all__ = [
     "TransferEngine",
@@ -28,6 +28,7 @@ __all__ = [
     "ItemWrite",
     "RawWrite",
     "SliceWrite",
+    "PatternWrite",
     "TransferStats",
     "Peer",
 ]

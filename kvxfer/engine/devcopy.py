@@ -22,6 +22,13 @@ Invariants
   unless every op fits.
 - Launches go to one stream per lane on the local memory's device; a write awaits its own
   event (in the default executor, the GIL released), so the event loop never blocks.
+- A PatternWrite (:meth:`DeviceLane.launch_pattern`) is one launch of
+  :func:`kvxfer.kernels.pattern_copy.copy_pattern`: its run table (a few hundred rows per
+  page geometry) is built and uploaded once per pattern object and cached (bounded); per
+  write only the item-pair table travels. The lane takes it only when every descriptor of
+  the group is local CUDA memory and lies whole inside a mapped remote region
+  (:meth:`DeviceLane.covers`), so every byte a program writes is inside a descriptor the
+  peer registered (the planner checked ids and runs against both layouts).
 - :meth:`DeviceLane.close` waits for the stream, then unmaps every imported region.
 """
 
@@ -31,7 +38,7 @@ import asyncio
 import logging
 import socket
 import time
-from typing import List, Sequence
+from typing import Dict, List, Sequence
 
 import numpy as np
 
@@ -48,6 +55,8 @@ TILE_BYTES = 1 << 20
 #: how long :meth:`DeviceLane.wait` polls a launch's event on the loop before it waits in a
 #: thread, seconds
 WAIT_SPIN_S = 50e-6
+#: pattern run tables kept on the device (per pattern object, least recently used dropped)
+PATTERN_CACHE = 16
 
 
 class DeviceLane:
@@ -79,7 +88,7 @@ class DeviceLane:
                 if not blob:
                     continue
                 try:
-                    image, base = cuda_driver.ipc_open(bytes(blob))
+                    image, base = cuda_driver.ipc_open(bytes(blob), device)
                 except (cuda_driver.CudaError, ValueError) as exc:
                     log.info("device lane: region %d stays on UCX (%s)", i, exc)
                     self.failures.append(f"region {i}: {exc}")
@@ -88,6 +97,9 @@ class DeviceLane:
                 self._bases.append(base)
         self._usable = self.mapped != 0
         self.closed = False
+        #: id(pattern) -> (pattern, local bases, host rows, device rows, align); the pattern
+        #: is held so that its id is not reused while cached
+        self._patterns: Dict[int, tuple] = {}
 
     @property
     def active(self) -> bool:
@@ -136,6 +148,53 @@ class DeviceLane:
             ev.record(self._stream)
         return ev
 
+    def covers(self, lmemh: np.ndarray, rptrs, rlens, ridx: np.ndarray) -> bool:
+        """Whether every descriptor (local registration ``lmemh[d]``; remote ``[rptrs[d],
+        +rlens[d])`` in region ``ridx[d]``) is local CUDA memory inside a mapped region."""
+        if not self.select(lmemh, ridx).all():
+            return False
+        r = ridx.astype(np.intp)
+        p, n = np.asarray(rptrs, dtype=_U64), np.asarray(rlens, dtype=_U64)
+        return bool(((p >= self._rbase[r]) & (p - self._rbase[r] + n <= self._rlen[r])).all())
+
+    def launch_pattern(self, pattern, lptrs, rptrs, ridx: np.ndarray, src, dst):
+        """Launch the copy of ``pattern`` (a validated :class:`~kvxfer.engine.slices.
+        PatternRuns`) for item pairs ``src[k] -> dst[k]`` (validated ids) between local
+        descriptors at ``lptrs`` and the peer's at ``rptrs`` (regions ``ridx``, checked by
+        :meth:`covers`); returns the CUDA event that completes with it."""
+        torch = self._torch
+        from kvxfer.kernels.pattern_copy import copy_pattern, pattern_rows, row_alignment
+
+        entry = self._patterns.pop(id(pattern), None)
+        if entry is None or entry[1] != tuple(lptrs):
+            r = ridx.astype(np.intp)
+            rp = np.asarray(rptrs, dtype=_U64)
+            dst_bases = (self.mapped[r] + (rp - self._rbase[r])).astype(np.int64)
+            host = pattern_rows(
+                np.asarray(lptrs, dtype=np.int64),
+                dst_bases,
+                np.asarray(pattern.src_item_lens, dtype=np.int64),
+                np.asarray(pattern.dst_item_lens, dtype=np.int64),
+                list(zip(pattern.src, pattern.dst, pattern.lens)),
+            )
+            # uploaded on the lane's stream: every launch that reads it is ordered after it
+            with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+                rows = torch.from_numpy(host).to(f"cuda:{self.device}", non_blocking=True)
+            entry = (pattern, tuple(lptrs), host, rows, row_alignment(host))
+            while len(self._patterns) >= PATTERN_CACHE:
+                self._patterns.pop(next(iter(self._patterns)))
+        self._patterns[id(pattern)] = entry
+        _, _, host, rows, align = entry
+        pairs = np.empty((len(src), 2), dtype=np.int64)
+        pairs[:, 0], pairs[:, 1] = src, dst
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            items = torch.from_numpy(pairs).to(f"cuda:{self.device}", non_blocking=True)
+            items.record_stream(self._stream)
+            copy_pattern(rows, items, align, host_rows=host)
+            ev = torch.cuda.Event()
+            ev.record(self._stream)
+        return ev
+
     @staticmethod
     async def wait(ev, spin_s: float = WAIT_SPIN_S) -> None:
         """Until the launch's event completed (bytes visible at the peer). Polls the event
@@ -162,10 +221,11 @@ class DeviceLane:
             self._stream.synchronize()
             for base in self._bases:
                 try:
-                    ipc_close(base)
+                    ipc_close(base, self.device)
                 except CudaError as exc:
                     log.warning("device lane: unmapping a peer region: %s", exc)
         self._bases = []
+        self._patterns.clear()
         self.mapped[:] = 0
         self._usable[:] = False
 

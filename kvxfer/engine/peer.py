@@ -54,7 +54,7 @@ from kvxfer.engine.landing import Chunk
 from kvxfer.engine.notes import NoteBox, chainable
 from kvxfer.engine.peer_staged import Reclaim, SliceScatter, StagedPath
 from kvxfer.engine.staged_send import StagedLink
-from kvxfer.engine.types import ItemWrite, RawWrite, SliceWrite, TransferStats
+from kvxfer.engine.types import ItemWrite, PatternWrite, RawWrite, SliceWrite, TransferStats
 from kvxfer.engine.writeplan import WritePlanner
 from kvxfer.errors import (
     Closed,
@@ -137,7 +137,10 @@ class Peer:
             self._granted_raw,
             remote.landing or {},
         )
-        self._planner = WritePlanner(groups, remote, name or engine_id, self._staged.can_stage)
+        self._pattern_ok: Dict[str, bool] = {}  # can_pattern per group, resolved once
+        self._planner = WritePlanner(
+            groups, remote, name or engine_id, self._staged.can_stage, self.can_pattern
+        )
 
     # ------------------------------------------------------------ properties
     @property
@@ -275,10 +278,33 @@ class Peer:
         landing slots: both engines with ``stage_slice_min_ops > 0``)."""
         return self._staged.can_stage(group)
 
-    def plan(self, writes: Iterable[Union[ItemWrite, RawWrite]]):
-        """Validate and plan ``writes`` (nothing is posted), all unstaged. Returns the native
-        arrays ``(laddr, raddr, nbytes, lmemh, ridx)``."""
-        return self._planner.plan(writes)[:5]
+    def can_pattern(self, group: str) -> bool:
+        """Whether a :class:`PatternWrite` of ``group`` to this peer is one device-lane launch
+        (same host, every descriptor of the group local CUDA memory inside a region the lane
+        mapped); otherwise its runs go as PUTs."""
+        ok = self._pattern_ok.get(group)
+        if ok is None:
+            lg, rg = self._groups.groups.get(group), self._remote.groups.get(group)
+            ok = (
+                self._dev is not None
+                and lg is not None
+                and rg is not None
+                and lg.count == rg.count
+                and self._dev.covers(
+                    self._groups.desc_memh[group],
+                    rg.ptrs,
+                    rg.lens,
+                    self._remote.desc_region[group],
+                )
+            )
+            self._pattern_ok[group] = ok
+        return ok and self._dev is not None and self._dev.active
+
+    def plan(self, writes: Iterable[Union[ItemWrite, RawWrite, PatternWrite]]):
+        """Validate and plan ``writes`` (nothing is posted), all unstaged and as PUTs (a
+        PatternWrite expanded). Returns the native arrays ``(laddr, raddr, nbytes, lmemh,
+        ridx)``."""
+        return self._planner.plan(writes, patterns=False)[:5]
 
     async def _bounded(self, coro: Coroutine[Any, Any, T], timeout: float, what: str) -> T:
         """Await ``coro`` until done, ``timeout``, or the peer's death, whichever first.
@@ -325,7 +351,7 @@ class Peer:
 
     async def write(
         self,
-        writes: Iterable[Union[ItemWrite, RawWrite, SliceWrite]],
+        writes: Iterable[Union[ItemWrite, RawWrite, SliceWrite, PatternWrite]],
         notify: Optional[bytes] = None,
         timeout: Optional[float] = None,
     ) -> TransferStats:
@@ -336,7 +362,7 @@ class Peer:
         timeout = self._timeout if timeout is None else timeout
         if notify is not None and not isinstance(notify, (bytes, bytearray, memoryview)):
             raise InvalidArgument(f"notify must be bytes, got {type(notify).__name__}")
-        laddr, raddr, nbytes, lmemh, ridx, staged, sliced = self._planner.plan(
+        laddr, raddr, nbytes, lmemh, ridx, staged, sliced, patterned = self._planner.plan(
             writes, self._config.stage_min_ops
         )
         for group, _, _, runs, _ in sliced:
@@ -373,6 +399,18 @@ class Peer:
                     lmemh[keep],
                     ridx[keep],
                 )
+        for group, src, dst, pattern in patterned:  # (only planned while the lane covers it)
+            assert self._dev is not None
+            lg, rg = self._groups.groups[group], self._remote.groups[group]
+            launched = self._dev.launch_pattern(
+                pattern, lg.ptrs, rg.ptrs, self._remote.desc_region[group], src, dst
+            )
+            n = pattern.runs_per_item * int(src.size)
+            b = pattern.bytes_per_item * int(src.size)
+            stats.ops += n
+            stats.device_ops += n
+            stats.bytes += b
+            stats.device_bytes += b
         # notifications leave in call order: this one waits until the previous notifying
         # write's was handed to UCX (concurrent writes may flush out of order: cuda_ipc)
         gate_prev = gate = None

@@ -220,3 +220,94 @@ def scatter_host(
     for size in np.unique(n):
         k = n == size
         _windows(buf, int(size))[o[k]] = _windows(src, int(size))[pos[k]]
+
+
+# ---------------------------------------------------------------- patterns (both sides' runs)
+@dataclass(frozen=True, eq=False)
+class PatternRuns:
+    """The byte plan of a :class:`~kvxfer.engine.types.PatternWrite`: per descriptor ``d``,
+    paired item-relative runs ``src[d][r] -> dst[d][r]`` of ``lens[d][r]`` bytes, validated
+    once against both sides' item sizes (``src_item_lens`` / ``dst_item_lens``, kept so that
+    a plan made for one pair of layouts is refused by another).
+
+    Invariants: every run is non-empty and inside its descriptor's item on both sides; no two
+    destination runs of a descriptor overlap (so distinct destination items receive disjoint
+    bytes and a copy may run in any order)."""
+
+    src: Tuple[np.ndarray, ...]
+    dst: Tuple[np.ndarray, ...]
+    lens: Tuple[np.ndarray, ...]
+    src_item_lens: Tuple[int, ...]
+    dst_item_lens: Tuple[int, ...]
+
+    @classmethod
+    def make(
+        cls,
+        runs: Sequence[Tuple[Any, Any, Any]],
+        src_item_lens: Sequence[int],
+        dst_item_lens: Sequence[int],
+    ) -> "PatternRuns":
+        """Validated plan from ``runs[d] = (src offs, dst offs, lens)``; InvalidArgument
+        names the first problem."""
+        sil, dil = tuple(int(x) for x in src_item_lens), tuple(int(x) for x in dst_item_lens)
+        if not len(runs) == len(sil) == len(dil):
+            raise InvalidArgument(
+                f"pattern has {len(runs)} descriptors, the groups {len(sil)} / {len(dil)}"
+            )
+        cols: Tuple[List[np.ndarray], ...] = ([], [], [])
+        for d, run in enumerate(runs):
+            try:
+                so, do, n = (np.array(a, dtype=_I64).reshape(-1) for a in run)
+            except (TypeError, ValueError) as exc:
+                raise InvalidArgument(f"descriptor {d}: malformed pattern runs ({exc})") from None
+            if not so.size == do.size == n.size:
+                raise InvalidArgument(f"descriptor {d}: run columns differ in length")
+            if n.size:
+                if int(n.min()) <= 0 or int(so.min()) < 0 or int(do.min()) < 0:
+                    raise InvalidArgument(f"descriptor {d}: an empty run or a negative offset")
+                if int((so + n).max()) > sil[d] or int((do + n).max()) > dil[d]:
+                    raise InvalidArgument(
+                        f"descriptor {d}: a run leaves the item ({sil[d]} / {dil[d]} bytes)"
+                    )
+                order = np.argsort(do, kind="stable")
+                if bool(((do[order] + n[order])[:-1] > do[order][1:]).any()):
+                    raise InvalidArgument(f"descriptor {d}: destination runs overlap")
+            for col, a in zip(cols, (so, do, n)):
+                col.append(_ro(a))
+        if not any(n.size for n in cols[2]):
+            raise InvalidArgument("pattern moves no byte")
+        return cls(tuple(cols[0]), tuple(cols[1]), tuple(cols[2]), sil, dil)
+
+    @property
+    def runs_per_item(self) -> int:
+        return sum(int(n.size) for n in self.lens)
+
+    @property
+    def bytes_per_item(self) -> int:
+        return sum(int(n.sum()) for n in self.lens)
+
+    def expand(
+        self, src_items: np.ndarray, dst_items: np.ndarray
+    ) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(desc, src offs, dst offs, lens)`` from each descriptor's base of every run of
+        every item pair, descriptor-major then item then run, runs that continue the previous
+        one on both sides merged (what the unpatterned path PUTs)."""
+        si = np.asarray(src_items, dtype=_I64).reshape(-1)
+        di = np.asarray(dst_items, dtype=_I64).reshape(-1)
+        parts = []
+        for d, (so, do, n) in enumerate(zip(self.src, self.dst, self.lens)):
+            if not n.size or not si.size:
+                continue
+            s = (si[:, None] * self.src_item_lens[d] + so[None, :]).reshape(-1)
+            t = (di[:, None] * self.dst_item_lens[d] + do[None, :]).reshape(-1)
+            nb = np.tile(n, si.size)
+            cont = np.zeros(s.size, dtype=bool)
+            cont[1:] = (s[1:] == s[:-1] + nb[:-1]) & (t[1:] == t[:-1] + nb[:-1])
+            first = np.flatnonzero(~cont)
+            if first.size != s.size:
+                s, t, nb = s[first], t[first], np.add.reduceat(nb, first)
+            parts.append((np.full(s.size, d, dtype=_I64), s, t, nb))
+        if not parts:
+            z = np.zeros(0, dtype=_I64)
+            return z, z, z, z
+        return tuple(np.concatenate([p[i] for p in parts]) for i in range(4))  # type: ignore[return-value]

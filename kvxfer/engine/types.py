@@ -46,6 +46,22 @@ class SliceWrite:
     key: int
 
 
+@dataclass(frozen=True)
+class PatternWrite:
+    """The same item-relative runs of every item pair: per descriptor ``d`` of ``group``,
+    ``runs[d] = (src offs, dst offs, lens)`` (relative to one item on each side; a validated
+    :class:`~kvxfer.engine.slices.PatternRuns` is taken as is) copy from item
+    ``src_items[k]`` into the peer's item ``dst_items[k]`` (distinct). To a same-host peer
+    with a device lane that covers the group it is ONE copy launch whatever the run count
+    (:mod:`kvxfer.kernels.pattern_copy`); otherwise the runs go as PUTs, exactly as the
+    RawWrite of the expanded runs would (:meth:`~kvxfer.engine.peer.Peer.can_pattern`)."""
+
+    group: str
+    src_items: Any
+    dst_items: Any
+    runs: Any
+
+
 @dataclass
 class TransferStats:
     """What one ``Peer.write`` did. ``post_s``: time spent posting the native batch;

@@ -16,28 +16,38 @@ import numpy as np
 from kvxfer import plan
 from kvxfer.engine import fastplan, slices
 from kvxfer.engine.groups import LocalGroups, RemoteGroups
-from kvxfer.engine.types import ItemWrite, RawWrite, SliceWrite
+from kvxfer.engine.types import ItemWrite, PatternWrite, RawWrite, SliceWrite
 from kvxfer.errors import InvalidArgument, UnknownGroup, UnsupportedOperation
 from kvxfer.plan import GroupLayout
 
 _U64 = np.uint64
 
-Write = Union[ItemWrite, RawWrite, SliceWrite]
+Write = Union[ItemWrite, RawWrite, SliceWrite, PatternWrite]
 Writes = Union[Write, Iterable[Write]]
 #: a staged part: (group, source ids, destination ids, PUTs it would need unstaged)
 StagedPart = Tuple[str, np.ndarray, np.ndarray, int]
 #: a validated SliceWrite: (group, source ids, destination ids, source runs, key)
 SlicePart = Tuple[str, np.ndarray, np.ndarray, slices.SliceRuns, int]
-#: ``(laddr, raddr, nbytes, lmemh, ridx, staged parts, slice parts)``: uint64 columns of
-#: the direct PUTs, then the staged parts
+#: a validated PatternWrite for the device lane: (group, source ids, destination ids, runs)
+PatternPart = Tuple[str, np.ndarray, np.ndarray, slices.PatternRuns]
+#: ``(laddr, raddr, nbytes, lmemh, ridx, staged parts, slice parts, pattern parts)``: uint64
+#: columns of the direct PUTs, then the staged parts, then the device-lane patterns
 Planned = Tuple[
-    np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, List[StagedPart], List[SlicePart]
+    np.ndarray,
+    np.ndarray,
+    np.ndarray,
+    np.ndarray,
+    np.ndarray,
+    List[StagedPart],
+    List[SlicePart],
+    List[PatternPart],
 ]
 
 
 class WritePlanner:
     """Plans writes from ``local`` groups to one peer's ``remote`` groups. ``can_stage(group)``:
-    whether the peer granted us landing slots for ``group`` (the staged path)."""
+    whether the peer granted us landing slots for ``group`` (the staged path);
+    ``can_pattern(group)``: whether the device lane copies PatternWrites of ``group``."""
 
     def __init__(
         self,
@@ -45,16 +55,20 @@ class WritePlanner:
         remote: RemoteGroups,
         peer_name: str,
         can_stage: Callable[[str], bool],
+        can_pattern: Callable[[str], bool] = lambda group: False,
     ):
         self._local, self._remote = local, remote
         self._peer_name = peer_name
         self._can_stage = can_stage
+        self._can_pattern = can_pattern
         self._pairs: Dict[str, fastplan.GroupPair] = {}  # static layout per group, resolved once
 
-    def plan(self, writes: Writes, stage_min_ops: int = 0) -> Planned:
+    def plan(self, writes: Writes, stage_min_ops: int = 0, patterns: bool = True) -> Planned:
         """Validate every part, then split: ``(laddr, raddr, nbytes, lmemh, ridx, staged)``
         for the direct PUTs and ``staged = [(group, src ids, dst ids)]`` for the ItemWrite
-        parts that need more than ``stage_min_ops`` PUTs (0: none) and can be staged.
+        parts that need more than ``stage_min_ops`` PUTs (0: none) and can be staged; then
+        the SliceWrite parts, then the PatternWrite parts the device lane copies (with
+        ``patterns`` and ``can_pattern``; the others are expanded into direct PUTs).
         Tiny ItemWrite parts (short lists of ints) are planned in plain Python
         (:mod:`kvxfer.engine.fastplan`, same validation); the rest by :mod:`kvxfer.plan`."""
         local, remote = self._local, self._remote
@@ -65,12 +79,14 @@ class WritePlanner:
         chunks: List[Tuple[np.ndarray, ...]] = []
         staged: List[StagedPart] = []
         sliced: List[SlicePart] = []
-        if isinstance(writes, SliceWrite):
+        patterned: List[PatternPart] = []
+        if isinstance(writes, (SliceWrite, PatternWrite)):
             writes = [writes]
         for w in writes:
-            if not isinstance(w, (ItemWrite, RawWrite, SliceWrite)):
+            if not isinstance(w, (ItemWrite, RawWrite, SliceWrite, PatternWrite)):
                 raise InvalidArgument(
-                    f"expected ItemWrite, RawWrite or SliceWrite, got {type(w).__name__}"
+                    "expected ItemWrite, RawWrite, SliceWrite or PatternWrite, got "
+                    f"{type(w).__name__}"
                 )
             lg = local.groups.get(w.group)
             if lg is None:
@@ -83,7 +99,14 @@ class WritePlanner:
             if isinstance(w, SliceWrite):
                 sliced.append(self._slice_part(w, lg, rg))
                 continue
-            if isinstance(w, ItemWrite):
+            if isinstance(w, PatternWrite):
+                part = self._pattern_part(w, lg, rg)
+                if patterns and self._can_pattern(w.group):
+                    patterned.append(part)
+                    continue
+                d, so, do, nb = part[3].expand(part[1], part[2])
+                ops = plan.plan_raw(lg, rg, d, so, do, nb)
+            elif isinstance(w, ItemWrite):
                 pair = self._pairs.get(w.group)
                 if pair is None:  # checks the item sizes (RawWrite needs no pair)
                     pair = self._pairs[w.group] = fastplan.GroupPair.make(
@@ -128,7 +151,30 @@ class WritePlanner:
             laddr, raddr, nbytes, lmemh, ridx = (
                 np.concatenate([c[i] for c in chunks]).astype(_U64, copy=False) for i in range(5)
             )
-        return laddr, raddr, nbytes, lmemh, ridx, staged, sliced
+        return laddr, raddr, nbytes, lmemh, ridx, staged, sliced, patterned
+
+    def _pattern_part(self, w: PatternWrite, lg: GroupLayout, rg: GroupLayout) -> PatternPart:
+        """Validate a PatternWrite: ids in range on both sides, destinations distinct, every
+        run inside one item of its descriptor on both sides (a PatternRuns made for other
+        item sizes is refused)."""
+        src = plan.as_ids(w.src_items, "source")
+        dst = plan.as_ids(w.dst_items, "destination")
+        if src.size != dst.size:
+            raise InvalidArgument(f"{src.size} source items but {dst.size} destination items")
+        plan.check_ids(src, lg.num_items, "source")
+        plan.check_ids(dst, rg.num_items, "destination")
+        if plan.has_duplicates(dst):
+            raise InvalidArgument("pattern write: duplicate destination items")
+        if lg.count != rg.count:
+            raise InvalidArgument(
+                f"pattern write of {w.group!r}: {lg.count} local vs {rg.count} peer descriptors"
+            )
+        runs = w.runs
+        if not isinstance(runs, slices.PatternRuns):
+            runs = slices.PatternRuns.make(runs, lg.item_lens, rg.item_lens)
+        elif (runs.src_item_lens, runs.dst_item_lens) != (lg.item_lens, rg.item_lens):
+            raise InvalidArgument(f"pattern of {w.group!r} made for other item sizes")
+        return (w.group, src, dst, runs)
 
     def _slice_part(self, w: SliceWrite, lg: GroupLayout, rg: GroupLayout) -> SlicePart:
         """Validate a SliceWrite (ids in range on both sides, our runs inside our items)."""

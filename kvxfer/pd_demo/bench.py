@@ -48,7 +48,8 @@ over the equal shape's of the same TP sizes. With ``--tp-paths`` the ``N:M`` pai
 the kv head slices ``direct`` (``KVManager(tp_stage_min_ops=0)``: one PUT per run) and
 ``staged`` (``tp_stage_min_ops=1``: every slice write gathered, one PUT per chunk, scattered
 by decode; layouts whose slices are already one run per page, HND, stay direct on host
-memory).
+memory), both without the device lane's pattern launch, and on CUDA a third time ``pattern``
+(``KVManager(tp_pattern=True)``, the default: one PatternWrite launch per kv write).
 
 With ``--stages`` both managers trace (``KVManager(trace=True)``, :mod:`kvxfer.disagg.trace`)
 and a table per mode gives the sequential 1-page requests' stages (p50/p90 µs: thread and task
@@ -76,6 +77,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from kvxfer import clitools
+from kvxfer.disagg.manager import TP_STAGE_MIN_OPS
 from kvxfer.pd_demo.run import percentile, start_pair
 from kvxfer.pd_demo.spec import KV_LAYOUTS, ModelSpec
 from kvxfer.pd_demo.worker import PDWorker
@@ -576,9 +578,9 @@ def bench_tp(
     rows = []
     # the equal shape first (equal page sizes, no prefix), then the asked one, if it differs;
     # with --tp-paths the N:M pair twice: direct, then staged
-    paths: Tuple[Optional[str], ...] = (
-        ("direct", "staged") if getattr(args, "tp_paths", False) else (None,)
-    )
+    paths: Tuple[Optional[str], ...] = (None,)
+    if getattr(args, "tp_paths", False):  # pattern: the device lane's, CUDA only
+        paths = ("direct", "staged") + (("pattern",) if args.device.startswith("cuda") else ())
     runs = [
         (pair_tp, shape, path if pair_tp[0] != pair_tp[1] else None)
         for shape in dict.fromkeys(((ps, 0), (dps, k)))
@@ -601,8 +603,10 @@ def bench_tp(
             "decode_page_size": d_ps if d_ps != ps else None,
             "decode_prefix": kk,
         }
-        if path is not None:  # direct: never staged; staged: every slice write staged
-            opts["tp_stage_min_ops"] = 0 if path == "direct" else 1
+        if path is not None:  # direct: never staged; staged: every slice write staged;
+            # pattern: one device-lane launch per write (the others without it)
+            opts["tp_stage_min_ops"] = {"direct": 0, "staged": 1}.get(path, TP_STAGE_MIN_OPS)
+            opts["tp_pattern"] = path == "pattern"
         t_start = time.perf_counter()
         pair = start_pair(spec, opts, BenchWorker, *pair_tp)
         t_up = time.perf_counter()
@@ -810,7 +814,8 @@ def main(argv=None) -> int:
         "--tp-paths",
         action="store_true",
         help="TP: N:M twice, direct (tp_stage_min_ops=0: one PUT per run) and staged "
-        "(tp_stage_min_ops=1: head slices gathered, one PUT per chunk), beside equal TP",
+        "(tp_stage_min_ops=1: head slices gathered, one PUT per chunk), and on CUDA a third "
+        "time, pattern (one device-lane launch per write), beside equal TP",
     )
     ap.add_argument(
         "--stages",

@@ -57,11 +57,7 @@ class PDWorker:
             timeouts=Timeouts(**opts.get("timeouts", {})),
             integrity=bool(opts.get("integrity", False)),
             trace=opts.get("trace"),  # None: $KVXFER_TRACE
-            **(
-                {"tp_stage_min_ops": int(opts["tp_stage_min_ops"])}
-                if "tp_stage_min_ops" in opts
-                else {}
-            ),
+            **{k: opts[k] for k in ("tp_stage_min_ops", "tp_pattern") if k in opts},
             name=f"demo-{role}",
         ).start_background()
         self.done_q: "queue.SimpleQueue" = queue.SimpleQueue()

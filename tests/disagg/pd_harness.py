@@ -161,6 +161,7 @@ class Node:
         trace: bool = False,
         tp: Optional[tuple] = None,
         tp_stage_min_ops: Optional[int] = None,
+        tp_pattern: bool = True,
     ) -> None:
         from kvxfer.disagg import KVArgs, KVManager, MetadataBuffer, Timeouts
         from kvxfer.disagg.kv_args import replace
@@ -217,6 +218,7 @@ class Node:
             integrity=integrity,
             trace=trace,
             **({} if tp_stage_min_ops is None else {"tp_stage_min_ops": tp_stage_min_ops}),
+            tp_pattern=tp_pattern,
         ).start_background()
         self.rooms: Dict[int, dict] = {}
 
@@ -803,6 +805,20 @@ class Node:
         s = dict(self.mgr.stats)
         s["lanes"] = sorted(s["lanes"])
         return s
+
+    def device_lanes(self) -> dict:
+        """Per linked peer: the device lane's status and why regions stayed on UCX, and
+        whether PatternWrites of kv go over it (diagnostics for assertion messages)."""
+        out = {}
+        for key, link in list(self.mgr.links.items()):
+            peer = link.peer
+            dev = getattr(peer, "_dev", None)
+            out[key] = (
+                peer.device_lane,
+                list(getattr(dev, "failures", []) or []),
+                peer.can_pattern("kv"),
+            )
+        return out
 
     # -- batches (thousands of rooms without thousands of RPCs) --
     def batch(self, calls) -> list:

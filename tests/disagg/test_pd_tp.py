@@ -80,6 +80,9 @@ def tpc():
                     tp=(r, tp, heads),
                     integrity=name in INTEGRITY,
                     tp_stage_min_ops=1 if name in STAGED or name == "int12" else 0,
+                    # the staged deployments keep the staged path on CUDA too (the others
+                    # take the device lane's pattern launch there)
+                    tp_pattern=name not in STAGED,
                 )
     workers = {k: TpWorker(v, name=f"tp-{k[0]}{k[1]}") for k, v in specs.items() if v}
     for w in workers.values():
@@ -148,8 +151,17 @@ def _request(tpc, name, room, pages=7, decode_first=False):
 @pytest.mark.parametrize("name", [n for n in DEPLOY if not n.startswith(("bad", "die", "int"))])
 def test_hetero_tp_byte_exact(tpc, room, name):
     kind, heads, tp_p, tp_d = DEPLOY[name]
+    p, _ = _ranks(tpc, name)
     for pages, decode_first in ((7, False), (5, True)):
+        dev = [n.stats()["device_bytes"] for n in p]
         moved = _request(tpc, name, room(), pages, decode_first)
+        dev = [n.stats()["device_bytes"] - b for n, b in zip(p, dev)]
+        if DEVICE == "cuda" and kind != "mla" and name not in STAGED:
+            # same host, CUDA pools: head slices go as one device-lane pattern launch
+            lanes = [n.device_lanes() for n in p]
+            assert all(d > 0 for d, b in zip(dev, moved) if b > 64), (dev, moved, lanes)
+        elif DEVICE != "cuda":
+            assert not any(dev), dev
         if tp_p > tp_d and heads < tp_p:
             # replicated units: of each group of replicas one sends (the room picks it), the
             # others take part moving nothing (at most the 64-byte aux row)

@@ -408,3 +408,79 @@ def test_write_to_killed_peer_never_succeeds(nodes, key):
     assert not st["alive"], st
     assert st["count"] == 2, st
     assert st["error"] and st["error"][0] in ("PeerClosed", "TransferTimeout"), st
+
+
+def _pattern_runs(seed):
+    """Per kv descriptor, a few item-relative runs with disjoint destinations."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(2 * L):
+        dst = np.sort(rng.choice(np.arange(0, ITEM, 32), 3, replace=False))
+        n = rng.integers(1, 3, 3) * 16
+        src = rng.integers(0, ITEM - 32, 3) // 16 * 16
+        out.append((src.tolist(), dst.tolist(), n.tolist()))
+    return out
+
+
+def test_pattern_write_byte_exact(nodes):
+    """A PatternWrite moves exactly its runs of every item pair (one device-lane launch on
+    CUDA, PUTs of the expanded runs on CPU) and nothing else."""
+    a, b = nodes["A"], nodes["B"]
+    runs = _pattern_runs(5)
+    src, dst = [3, 4, 5, 40, 7], [60, 2, 3, 9, 33]
+    b.fill("main", "kv", 9)
+    a.zero("main", "kv")
+    res = b.write("main", nodes["B->A"], [("kv", src, dst, runs)], b"pattern")
+    assert "ok" in res, res
+    assert a.messages("main", 1, 10.0)[0][1] == b"pattern"
+    total = 0
+    for d, (so, do, n) in enumerate(runs):
+        for s, t in zip(src, dst):
+            for x, y, k in zip(so, do, n):
+                assert a.bytes("main", "kv", d, t * ITEM + y, k) == b.bytes(
+                    "main", "kv", d, s * ITEM + x, k
+                )
+                total += k
+    # nothing outside the runs: the checksum of A is that of the copied bytes alone
+    moved = [
+        sum(sum(a.bytes("main", "kv", d, t * ITEM + y, k)) for t in dst for y, k in zip(do, n))
+        for d, (_, do, n) in enumerate(runs)
+    ]
+    assert a.checksum("main", "kv") == moved
+    st = res["ok"]
+    assert st["bytes"] == total
+    if DEVICE == "cuda":
+        assert st["device_bytes"] == total, st["device_lane"]
+    else:
+        assert st["device_bytes"] == 0 and st["ops"] >= 1
+
+
+@pytest.mark.parametrize(
+    "case,error",
+    [
+        ("run_leaves_item", "InvalidArgument"),
+        ("overlapping_destinations", "InvalidArgument"),
+        ("duplicate_destination_items", "InvalidArgument"),
+        ("destination_item_out_of_range", "IndexOutOfRange"),
+        ("descriptor_count", "InvalidArgument"),
+    ],
+)
+def test_pattern_write_refused_before_any_byte(nodes, case, error):
+    a, b = nodes["A"], nodes["B"]
+    runs, src, dst = _pattern_runs(6), [1, 2], [3, 4]
+    if case == "run_leaves_item":
+        runs[2] = ([0], [ITEM - 16], [32])
+    elif case == "overlapping_destinations":
+        runs[0] = ([0, 64], [0, 16], [32, 32])
+    elif case == "duplicate_destination_items":
+        dst = [3, 3]
+    elif case == "destination_item_out_of_range":
+        dst = [3, A_ITEMS]
+    else:
+        runs = runs[:-1]
+    b.fill("main", "kv", 3)
+    a.zero("main", "kv")
+    res = b.write("main", nodes["B->A"], [("kv", src, dst, runs)], b"never")
+    assert res.get("error") == error, res
+    assert not any(a.checksum("main", "kv")), "a refused write moved bytes"
+    assert a.messages("main", 0, 0.2) == []

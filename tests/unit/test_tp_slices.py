@@ -208,3 +208,47 @@ def test_tp_pair_write_picks_the_staged_path(tp_p, tp_d):
     mla = pair(lambda h, t: tp.replicated_item(64), heads=1)
     w = mla.write("kv", src, dst, 0, stage_min_ops=1, stage_blocks=True)
     assert w is None or isinstance(w, RawWrite)
+
+
+@pytest.mark.parametrize("tp_p,tp_d", [(1, 2), (2, 1), (1, 4), (4, 1), (2, 4)])
+@pytest.mark.parametrize("salt", [0, 1, 3])
+def test_tp_pair_pattern_moves_what_the_direct_plan_moves(tp_p, tp_d, salt):
+    """TpPair.write(pattern=True): every layout whose share is not whole pages is one
+    PatternWrite whose expanded runs are exactly the direct plan's, for every rank pair;
+    replicated MLA pages stay ItemWrite-like (RawWrite/None); the pattern object is cached."""
+    from kvxfer.disagg.tp_rooms import TpPair
+    from kvxfer.engine.types import PatternWrite, RawWrite
+
+    src, dst = np.array([4, 0, 7, 8, 9]), np.array([1, 2, 3, 30, 12])
+    makes = {
+        "nhd": lambda h, t: tp.nhd_item(4, 2, h, t),
+        "hnd": lambda h, t: tp.hnd_item(4, 2, h, t),
+        "page_major": lambda h, t: tp.page_major_item(2, 4, 2, 2, h, t),
+    }
+    for name, make in makes.items():
+        for p in range(tp_p):
+            for d in range(tp_d):
+                pr = TpPair(
+                    p, tp_p, d, tp_d, {"kv": [make(8, tp_p)] * 2}, {"kv": [make(8, tp_d)] * 2}
+                )
+                direct = pr.write("kv", src, dst, salt)
+                w = pr.write("kv", src, dst, salt, pattern=True)
+                if direct is None:
+                    assert w is None, (name, p, d)
+                    continue
+                assert isinstance(w, PatternWrite), (name, p, d)
+                assert pr.write("kv", src, dst, salt + tp_p, pattern=True).runs is w.runs
+                desc, so, do, nb = w.runs.expand(src, dst)
+                assert isinstance(direct, RawWrite)
+                for x, y in (
+                    (desc, direct.desc),
+                    (so, direct.src_off),
+                    (do, direct.dst_off),
+                    (nb, direct.nbytes),
+                ):
+                    assert np.array_equal(x, y), (name, p, d)
+    mla = TpPair(
+        0, tp_p, 0, tp_d, {"kv": [tp.replicated_item(64)] * 2}, {"kv": [tp.replicated_item(64)] * 2}
+    )
+    w = mla.write("kv", src, dst, 0, pattern=True)
+    assert w is None or isinstance(w, RawWrite)

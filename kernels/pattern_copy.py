@@ -1,0 +1,185 @@
+"""Copy one per-item run pattern of many item pairs in ONE launch (same-host device lane).
+
+A heterogeneous-TP page moves as the same handful of byte runs in every page (a rank's head
+rows of each token, a rank's head blocks, ...): per descriptor ``d``, runs ``(so, do, n)``
+relative to one item on each side, applied to every item pair ``(s_k, t_k)``. Expanded, that
+is ``pages x runs`` rows (hundreds of thousands for a long request); here the run table is a
+few hundred rows built once per geometry, the item pairs one ``[P, 2]`` table per write, and
+program ``(i, k)`` computes its own addresses:
+
+    src = src_row[i] + s_k * src_stride[i],   dst = dst_row[i] + t_k * dst_stride[i]
+
+A *row* is ``(src address, dst address, nbytes, src item stride, dst item stride)`` int64:
+the descriptor's base plus the run's in-item offset, and the descriptor's item size on each
+side (:func:`pattern_rows` builds the table; runs longer than ``tile`` bytes are cut so that
+many programs share them).
+
+Invariants:
+
+* every address, size and stride handed to a launch with ``align=A`` is a multiple of ``A``
+  (a power of two <= 16): :func:`copy_pattern` checks the host copy of the row table and the
+  bases it was built from;
+* item ids are checked by the caller (the engine's planner: every id names an item of its
+  side, every run lies inside one item on both sides), so each program reads and writes inside
+  the named items only;
+* destinations of distinct (row, item pair) programs do not overlap (the caller's runs are
+  disjoint within an item and destination items are distinct), so programs run in any order.
+
+:func:`copy_pattern_reference` is the plain-torch oracle.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from kvxfer.kernels import dispatch
+from kvxfer.kernels.errors import InvalidArgument, ShapeMismatch
+
+__all__ = [
+    "ROW_COLS",
+    "MAX_ITEMS_PER_LAUNCH",
+    "pattern_rows",
+    "row_alignment",
+    "copy_pattern",
+    "copy_pattern_reference",
+]
+
+#: columns of a row: src address, dst address, nbytes, src item stride, dst item stride
+ROW_COLS = 5
+#: CUDA's grid y limit: a launch covers at most this many item pairs (more: several launches)
+MAX_ITEMS_PER_LAUNCH = 65535
+#: bytes a program moves at most (a run longer than this is cut into rows of this size)
+TILE_BYTES = 1 << 16
+_ALIGNMENTS = (1, 2, 4, 8, 16)
+
+
+@triton.jit
+def _copy_pattern_kernel(
+    rows, items, n_rows, ROWS: tl.constexpr, ALIGN: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Program ``(i, k)`` copies rows ``i*ROWS .. i*ROWS+ROWS-1`` of item pair ``k``."""
+    k = tl.program_id(1).to(tl.int64)
+    sid = tl.load(items + 2 * k)
+    did = tl.load(items + 2 * k + 1)
+    offs = tl.arange(0, BLOCK)
+    for j in range(ROWS):
+        r = tl.program_id(0).to(tl.int64) * ROWS + j
+        if r < n_rows:
+            row = rows + r * 5
+            src = (tl.load(row) + sid * tl.load(row + 3)).to(tl.pointer_type(tl.int8))
+            dst = (tl.load(row + 1) + did * tl.load(row + 4)).to(tl.pointer_type(tl.int8))
+            nbytes = tl.load(row + 2)
+            if ALIGN > 1:
+                src = tl.multiple_of(src, ALIGN)
+                dst = tl.multiple_of(dst, ALIGN)
+                nbytes = tl.multiple_of(nbytes, ALIGN)
+            for b in range(0, tl.cdiv(nbytes, BLOCK)):
+                o = b * BLOCK + offs
+                m = o < nbytes
+                x = tl.load(src + o, mask=m)
+                tl.store(dst + o, x, mask=m)
+
+
+def pattern_rows(
+    src_bases: np.ndarray,
+    dst_bases: np.ndarray,
+    src_strides: np.ndarray,
+    dst_strides: np.ndarray,
+    runs,
+    tile: int = TILE_BYTES,
+) -> np.ndarray:
+    """The int64 row table ``[R, 5]`` of ``runs[d] = (src offs, dst offs, lens)`` (item-
+    relative) of descriptors with bases ``src_bases[d]`` / ``dst_bases[d]`` and item sizes
+    ``src_strides[d]`` / ``dst_strides[d]``; runs over ``tile`` bytes cut into tiles."""
+    if tile <= 0 or tile % 16:
+        raise InvalidArgument(f"tile must be a positive multiple of 16, got {tile}")
+    parts = []
+    for d, (so, do, n) in enumerate(runs):
+        so, do, n = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (so, do, n))
+        if not n.size:
+            continue
+        k = -(-n // tile)
+        if int(k.max()) > 1:  # cut long runs
+            rep = np.repeat(np.arange(n.size), k)
+            cut = (np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)) * tile
+            so, do, n = so[rep] + cut, do[rep] + cut, np.minimum(tile, n[rep] - cut)
+        t = np.empty((n.size, ROW_COLS), dtype=np.int64)
+        t[:, 0] = int(src_bases[d]) + so
+        t[:, 1] = int(dst_bases[d]) + do
+        t[:, 2] = n
+        t[:, 3] = int(src_strides[d])
+        t[:, 4] = int(dst_strides[d])
+        parts.append(t)
+    if not parts:
+        return np.zeros((0, ROW_COLS), dtype=np.int64)
+    return np.ascontiguousarray(np.concatenate(parts))
+
+
+def row_alignment(rows: np.ndarray) -> int:
+    """The widest power of two <= 16 dividing every entry of ``rows``."""
+    if not rows.size:
+        return 16
+    acc = int(np.bitwise_or.reduce(rows, axis=None)) | 16
+    return acc & -acc
+
+
+def _block(rows: np.ndarray) -> int:
+    """Bytes per vector loop iteration: the longest row rounded up to a power of two,
+    between 512 and 4096."""
+    longest = int(rows[:, 2].max()) if rows.size else 1
+    return min(4096, max(512, 1 << (longest - 1).bit_length()))
+
+
+def copy_pattern(
+    rows: torch.Tensor, items: torch.Tensor, align: int, *, host_rows: np.ndarray
+) -> int:
+    """Launch the copy of every row of ``rows`` for every item pair of ``items`` (int64
+    ``[P, 2]``, on the same device) on the current stream; returns the programs launched.
+    ``host_rows``: the row table as numpy (alignment is checked there, no read-back)."""
+    for name, t, cols in (("rows", rows, ROW_COLS), ("items", items, 2)):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgument(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.int64 or t.dim() != 2 or t.shape[1] != cols or not t.is_contiguous():
+            raise ShapeMismatch(
+                f"{name} must be contiguous int64 [N, {cols}], got {t.dtype} {tuple(t.shape)}"
+            )
+    if items.device != rows.device:
+        raise InvalidArgument(f"rows on {rows.device}, items on {items.device}")
+    if host_rows.shape != tuple(rows.shape):
+        raise ShapeMismatch(f"host_rows {host_rows.shape} != rows {tuple(rows.shape)}")
+    if align not in _ALIGNMENTS or row_alignment(host_rows) % align:
+        raise InvalidArgument(f"the row table is not {align}-byte aligned (or {align} invalid)")
+    if host_rows.size and (host_rows[:, 2] <= 0).any():
+        raise InvalidArgument("row sizes must be > 0")
+    n_rows, n_items = int(rows.shape[0]), int(items.shape[0])
+    if not n_rows or not n_items:
+        return 0
+    dispatch.require_runnable(_copy_pattern_kernel, rows.device)
+    block = _block(host_rows)
+    per = max(1, 8192 // block)  # rows per program: ~8 KiB of small runs each
+    warps = max(1, min(4, block // 512))
+    launched = 0
+    with dispatch.launch_context(rows.device):
+        for first in range(0, n_items, MAX_ITEMS_PER_LAUNCH):
+            part = items[first : first + MAX_ITEMS_PER_LAUNCH]
+            grid = (-(-n_rows // per), int(part.shape[0]))
+            _copy_pattern_kernel[grid](
+                rows, part, n_rows, ROWS=per, ALIGN=align, BLOCK=block, num_warps=warps
+            )
+            launched += grid[0] * grid[1]
+    return launched
+
+
+def copy_pattern_reference(
+    src: torch.Tensor, dst: torch.Tensor, rows: np.ndarray, items: np.ndarray
+) -> None:
+    """Torch oracle over two flat uint8 tensors whose row addresses are *offsets* into
+    ``src`` / ``dst``: for every row and item pair, the row's bytes of item ``s`` land in
+    item ``t``."""
+    for so, do, n, ss, ds in np.asarray(rows, dtype=np.int64).tolist():
+        for s, t in np.asarray(items, dtype=np.int64).reshape(-1, 2).tolist():
+            a, b = so + s * ss, do + t * ds
+            dst[b : b + n] = src[a : a + n]

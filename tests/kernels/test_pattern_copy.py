@@ -1,0 +1,121 @@
+"""The pattern copy kernel (one per-item run pattern x many item pairs, one launch) against
+its torch oracle: NHD head rows, HND head blocks, page-major rows, long runs cut into tiles,
+several descriptors with different item sizes, unaligned runs; bad tables rejected."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from _kernels_testlib import DEVICE, gen
+
+from kvxfer.kernels.errors import InvalidArgument, ShapeMismatch
+from kvxfer.kernels.pattern_copy import (
+    copy_pattern,
+    copy_pattern_reference,
+    pattern_rows,
+    row_alignment,
+)
+
+
+def _case(runs, src_item, dst_item, n_src, n_dst, pairs, tile=1 << 16, seed=0):
+    """Descriptors laid end to end in one flat buffer per side; returns (kernel, oracle)."""
+    g = gen(seed)
+    nd = len(runs)
+    s_off = np.cumsum([0] + [src_item[d] * n_src for d in range(nd)])[:-1]
+    d_off = np.cumsum([0] + [dst_item[d] * n_dst for d in range(nd)])[:-1]
+    src = torch.randint(0, 256, (int(s_off[-1] + src_item[-1] * n_src),), generator=g)
+    src = src.to(torch.uint8).to(DEVICE)
+    dst = torch.randint(0, 256, (int(d_off[-1] + dst_item[-1] * n_dst),), generator=g)
+    dst = dst.to(torch.uint8).to(DEVICE)
+    want = dst.clone()
+    rel = pattern_rows(s_off, d_off, np.array(src_item), np.array(dst_item), runs, tile)
+    items = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+    copy_pattern_reference(src.cpu(), want_cpu := want.cpu(), rel, items)
+    rows = pattern_rows(
+        s_off + src.data_ptr(),
+        d_off + dst.data_ptr(),
+        np.array(src_item),
+        np.array(dst_item),
+        runs,
+        tile,
+    )
+    align = row_alignment(rows)
+    copy_pattern(
+        torch.from_numpy(rows).to(DEVICE),
+        torch.from_numpy(items).to(DEVICE),
+        align,
+        host_rows=rows,
+    )
+    return dst.cpu(), want_cpu
+
+
+def _heads_in_rows(page, heads, head_b, lo, hi):
+    """NHD: heads [lo, hi) of every token row of one page, into a full-width row."""
+    i = np.arange(page, dtype=np.int64)
+    row = heads * head_b
+    return i * row + lo * head_b, i * row + lo * head_b, np.full(page, (hi - lo) * head_b)
+
+
+@pytest.mark.parametrize("page,heads,head_b", [(16, 8, 256), (4, 4, 6), (3, 2, 16)])
+def test_nhd_half_heads(page, heads, head_b):
+    so, do, n = _heads_in_rows(page, heads, head_b, 0, heads // 2)
+    # prefill item holds only its half of the heads: its rows are half as wide
+    so = np.arange(page, dtype=np.int64) * (heads // 2) * head_b
+    item_s, item_d = page * heads // 2 * head_b, page * heads * head_b
+    runs = [(so, do, n), (so, do + n, n)]  # desc 1: the other half's position
+    pairs = [(0, 5), (3, 1), (1, 0), (7, 7)]
+    got, want = _case(runs, [item_s, item_s], [item_d, item_d], 8, 9, pairs)
+    assert torch.equal(got, want)
+
+
+def test_hnd_blocks_and_long_runs_cut():
+    page, head_b = 64, 256
+    block = page * head_b  # 16 KiB per head, cut into 4 KiB tiles
+    runs = [(np.array([0]), np.array([2 * block]), np.array([2 * block]))]
+    pairs = [(k, 9 - k) for k in range(10)]
+    got, want = _case(runs, [2 * block], [4 * block], 10, 10, pairs, tile=4096)
+    assert torch.equal(got, want)
+
+
+def test_many_rows_per_program_and_uneven_lengths():
+    rng = np.random.default_rng(3)
+    runs = []
+    for _d in range(3):
+        starts = np.sort(rng.choice(np.arange(0, 4000, 40), 30, replace=False))
+        n = rng.integers(1, 40, starts.size)
+        runs.append((starts, starts[::-1].copy(), n))
+    pairs = [(i, (i * 7) % 11) for i in range(11)]
+    got, want = _case(runs, [4096] * 3, [4096] * 3, 11, 11, pairs)
+    assert torch.equal(got, want)
+
+
+def test_empty_descriptor_and_no_items():
+    runs = [
+        (np.zeros(0), np.zeros(0), np.zeros(0)),
+        (np.array([16]), np.array([0]), np.array([32])),
+    ]
+    got, want = _case(runs, [64, 64], [64, 64], 2, 2, [(1, 0)])
+    assert torch.equal(got, want)
+    rows = pattern_rows(np.zeros(2), np.zeros(2), np.full(2, 64), np.full(2, 64), runs)
+    none = torch.zeros((0, 2), dtype=torch.int64, device=DEVICE)
+    assert copy_pattern(torch.from_numpy(rows).to(DEVICE), none, 16, host_rows=rows) == 0
+
+
+def test_bad_tables_are_refused():
+    rows = np.array([[16, 32, 48, 64, 64]], dtype=np.int64)
+    items = torch.zeros((1, 2), dtype=torch.int64, device=DEVICE)
+    t = torch.from_numpy(rows).to(DEVICE)
+    with pytest.raises(InvalidArgument):
+        copy_pattern(t, items, 32, host_rows=rows)  # 32 is not a valid alignment
+    skew = rows + np.array([[1, 0, 0, 0, 0]])
+    with pytest.raises(InvalidArgument):
+        copy_pattern(torch.from_numpy(skew).to(DEVICE), items, 16, host_rows=skew)
+    with pytest.raises(ShapeMismatch):
+        copy_pattern(t[:, :4].contiguous(), items, 16, host_rows=rows[:, :4])
+    with pytest.raises(ShapeMismatch):
+        copy_pattern(t, items.to(torch.int32), 16, host_rows=rows)
+    zero = rows * np.array([[1, 1, 0, 1, 1]])
+    with pytest.raises(InvalidArgument):
+        copy_pattern(torch.from_numpy(zero).to(DEVICE), items, 16, host_rows=zero)
+    assert row_alignment(rows) == 16 and row_alignment(skew) == 1
