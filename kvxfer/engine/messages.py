@@ -154,6 +154,30 @@ class SlotFree(wire.Message):
 
 @wire.register
 @dataclass
+class SlotAbandon(wire.Message):
+    """The initiator gives up the chunk of landing slot ``slot`` of ``group`` (its write was
+    cancelled or failed). Sent after the chunk's plan, if that was sent at all (the channel
+    is ordered): the target drops a plan of that slot it has not scattered yet, and answers
+    :class:`SlotReclaimed` once every message of the slot before it was handled."""
+
+    TAG = "kx.slot_abandon"
+    group: str
+    slot: int
+
+
+@wire.register
+@dataclass
+class SlotReclaimed(wire.Message):
+    """Answer to :class:`SlotAbandon`: nothing of the slot's abandoned chunk will be
+    scattered, and no SlotFree for it follows; the initiator may reuse the slot."""
+
+    TAG = "kx.slot_reclaimed"
+    group: str
+    slot: int
+
+
+@wire.register
+@dataclass
 class Bye(wire.Message):
     """``notes``: chained notifications the sender completed before this Bye (they travel
     outside the channel); the receiver delivers that many before it acts on the Bye."""

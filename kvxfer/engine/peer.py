@@ -20,6 +20,10 @@ Invariants
   SlotFree for it), is gathered, PUT as one op, flushed, and its scatter plan is sent; the
   peer validates the plan, scatters and frees the slot before it dispatches anything that
   arrived after the plan (the notify), so handlers still run after the bytes are in place.
+  A staged write that ends early (cancelled, timed out, failed) before its notify was
+  handed over abandons its chunks whose plans are out: the peer drops those it has not
+  scattered yet and every landing slot comes back (:mod:`kvxfer.engine.landing`); once
+  the notify left, the chunks are scattered before it is delivered, as for a completed write.
 - Same-host CUDA->CUDA ops go over the device lane when there is one
   (:mod:`kvxfer.engine.devcopy`); the write waits for its launch AND its UCX flush before
   ``notify``, so the same visibility rule holds for both lanes.
@@ -46,8 +50,10 @@ from kvxfer.engine import devcopy
 from kvxfer.engine import messages as m
 from kvxfer.engine.groups import RemoteGroups
 from kvxfer.engine.host import PeerHost, resolved
+from kvxfer.engine.landing import Chunk
 from kvxfer.engine.notes import NoteBox, chainable
-from kvxfer.engine.peer_staged import SliceScatter, StagedLink, StagedPath
+from kvxfer.engine.peer_staged import Reclaim, SliceScatter, StagedPath
+from kvxfer.engine.staged_send import StagedLink
 from kvxfer.engine.types import ItemWrite, PatternWrite, RawWrite, SliceWrite, TransferStats
 from kvxfer.engine.writeplan import WritePlanner
 from kvxfer.errors import (
@@ -193,6 +199,11 @@ class Peer:
                     self._inbox.put_nowait(self._staged.check_slice(msg))
                 elif isinstance(msg, m.SlotFree):
                     self._staged.slot_freed(msg)
+                elif isinstance(msg, m.SlotAbandon):
+                    self._inbox.put_nowait(self._staged.abandon_received(msg))
+                    await self._staged.at("abandon")
+                elif isinstance(msg, m.SlotReclaimed):
+                    self._staged.slot_reclaimed(msg)
                 elif isinstance(msg, m.Bye):
                     if self._notes is not None and msg.notes > self._notes.received:
                         # its chained notifications travel outside the channel
@@ -230,6 +241,9 @@ class Peer:
                 continue
             if isinstance(payload, SliceScatter):  # likewise, a validated slice chunk
                 await self._staged.scatter_slice(payload)
+                continue
+            if isinstance(payload, Reclaim):  # after every plan of the abandoned slot
+                await self._staged.reclaim(payload)
                 continue
             await self._host.dispatch(self, payload)
 
@@ -403,6 +417,8 @@ class Peer:
         if notify is not None and cfg.notify_order:
             gate_prev, gate = self._note_gate, self._loop.create_future()
             self._note_gate = gate
+        chunks: List[Chunk] = []  # staged chunks whose plans are out: given up on failure
+        promised = False  # the notify was handed over: it vouches for every chunk
         try:
             try:
                 if laddr.size:
@@ -410,12 +426,11 @@ class Peer:
                 t1, m1 = time.perf_counter(), time.monotonic()
                 if launched is not None:
                     await self._bounded(self._dev.wait(launched), timeout, "device copy")
-                drained = []  # one future per staged chunk: the peer scattered it
                 for group, src, dst, direct_ops in staged:
-                    drained += await self._staged.write(group, src, dst, deadline, stats)
+                    chunks += await self._staged.write(group, src, dst, deadline, stats)
                     stats.staged_direct_ops += direct_ops
                 for group, src, dst, runs, key in sliced:
-                    drained += await self._staged.write_slices(
+                    chunks += await self._staged.write_slices(
                         group, src, dst, runs, key, deadline, stats
                     )
                 if gate_prev is not None and not gate_prev.done():
@@ -434,6 +449,7 @@ class Peer:
                     bool(laddr.size) or launched is not None,
                 ):
                     assert notify is not None
+                    promised = True
                     chain = self._rma.flush_notify_future(self._note_to, bytes(notify), self.spin)
                 if chain is not None:  # flush -> notify natively: one wake-up at the end
                     t_done = await self._bounded_future(chain, timeout, "flush + notify")
@@ -451,16 +467,25 @@ class Peer:
                 self._mark_dead(exc)
                 raise
             if notify is not None:
+                promised = True
                 await self._bounded(
                     self._channel.send(m.AppMessage(payload=bytes(notify)).encode(), timeout),
                     timeout,
                     "notify",
                 )
-            if drained:  # complete = bytes in their final place at the peer, as for direct PUTs
+            if chunks:  # complete = bytes in their final place at the peer, as for direct PUTs
+                await self._staged.at("drain")
                 t = self._left(deadline, "staged write")
-                await self._bounded(_all(drained), t, "scatter at the peer")
+                await self._bounded(_all([c.drained for c in chunks]), t, "scatter at the peer")
             stats.post_s, stats.complete_s = t1 - t0, time.perf_counter() - t1
             return stats
+        except BaseException:
+            # cancelled, timed out or failed before a notify vouched for the chunks: the peer
+            # drops what it has not scattered yet and gives the landing slots back
+            # (kvxfer.engine.peer_staged); after it, they are scattered before the notify
+            if chunks and not promised and not self._dead.done():
+                self._staged.abandon(chunks)
+            raise
         finally:
             if gate is not None and not gate.done():
                 gate.set_result(None)
@@ -501,6 +526,7 @@ class Peer:
             except KvxferError:
                 pass
         self._mark_dead(Closed(f"peer {self.name or self.id} closed locally"))
+        await self._staged.close()  # background reclaims (they use the endpoint)
         current = asyncio.current_task()
         if self._tasks:  # deliver what already arrived (bounded), then stop both tasks
             reader, dispatcher = self._tasks

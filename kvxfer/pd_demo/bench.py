@@ -74,7 +74,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from kvxfer import clitools
 from kvxfer.disagg.manager import TP_STAGE_MIN_OPS
@@ -564,9 +564,12 @@ def bench_shapes(args, mode: str) -> List[dict]:
     return rows
 
 
-def bench_tp(args, mode: str, kv_layout: str) -> List[dict]:
+def bench_tp(
+    args, mode: str, kv_layout: str, on_row: Optional[Callable[[dict], None]] = None
+) -> List[dict]:
     """Equal TP (prefill's size, then decode's, on both sides), then the asked
-    prefill:decode ratio, same requests (module doc)."""
+    prefill:decode ratio, same requests (module doc). ``on_row(row)`` as each pair is done
+    (every row comes after the rows its ratios refer to: :func:`format_tp_row`)."""
     tp_p, tp_d, tokens = args.prefill_tp, args.decode_tp, args.shape_tokens
     ps = args.prefill_page_size or ModelSpec().page_size
     dps, k = args.decode_page_size or ps, args.decode_prefix
@@ -604,7 +607,9 @@ def bench_tp(args, mode: str, kv_layout: str) -> List[dict]:
             # pattern: one device-lane launch per write (the others without it)
             opts["tp_stage_min_ops"] = {"direct": 0, "staged": 1}.get(path, TP_STAGE_MIN_OPS)
             opts["tp_pattern"] = path == "pattern"
+        t_start = time.perf_counter()
         pair = start_pair(spec, opts, BenchWorker, *pair_tp)
+        t_up = time.perf_counter()
         try:
             times, nbytes, ops, lanes = [], 0, 0, []
             for i in range(args.iters + 1):
@@ -621,38 +626,53 @@ def bench_tp(args, mode: str, kv_layout: str) -> List[dict]:
                     t_send = min(x["rooms"][room]["t_send"] for x in p)
                     times.append(max(x["rooms"][room]["t_done"] for x in d) - t_send)
         finally:
+            t_req = time.perf_counter()
             pair.close()
-        rows.append(
-            {
-                "mode": mode,
-                "lanes": lanes,
-                "kv_layout": kv_layout,
-                "prefill_tp": pair_tp[0],
-                "decode_tp": pair_tp[1],
-                "path": path or ("equal" if pair_tp[0] == pair_tp[1] else "default"),
-                "prefill_page_size": ps,
-                "decode_page_size": d_ps,
-                "decode_prefix": kk,
-                "tokens": tokens,
-                "bytes": nbytes,
-                "ops": ops,
-                "us_median": statistics.median(times) * 1e6,
-                "gbps_best": nbytes / min(times) / 1e9,
-                "gbps_median": nbytes / statistics.median(times) / 1e9,
-            }
-        )
+        row = {
+            "mode": mode,
+            "lanes": lanes,
+            "kv_layout": kv_layout,
+            "prefill_tp": pair_tp[0],
+            "decode_tp": pair_tp[1],
+            "path": path or ("equal" if pair_tp[0] == pair_tp[1] else "default"),
+            "prefill_page_size": ps,
+            "decode_page_size": d_ps,
+            "decode_prefix": kk,
+            "tokens": tokens,
+            "bytes": nbytes,
+            "ops": ops,
+            "us_median": statistics.median(times) * 1e6,
+            "gbps_best": nbytes / min(times) / 1e9,
+            "gbps_median": nbytes / statistics.median(times) / 1e9,
+            # where the run's wall time went (most of it: starting the worker processes)
+            "workers_up_s": t_up - t_start,
+            "requests_s": t_req - t_up,
+            "close_s": time.perf_counter() - t_req,
+        }
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
     return rows
 
 
+TP_HEADER = (
+    "| lanes (mode) | KV layout | prefill TP → decode TP | path | page prefill → decode "
+    "| decode prefix | tokens | MiB | ops/request | µs median | GB/s best (median) "
+    "| × N:N (median) | × M:M (median) | × equal shape (median) | s: workers up / requests |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
 def format_tp(rows: List[dict]) -> str:
-    """Ratios: against equal TP of the same page sizes and prefix (``N:N``, ``M:M``) and
-    against the same TP sizes with equal page sizes and no prefix (the equal shape)."""
-    lines = [
-        "| lanes (mode) | KV layout | prefill TP → decode TP | path | page prefill → decode "
-        "| decode prefix | tokens | MiB | ops/request | µs median | GB/s best (median) "
-        "| × N:N (median) | × M:M (median) | × equal shape (median) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    """The table of :func:`format_tp_row` rows under :data:`TP_HEADER`."""
+    return "\n".join([TP_HEADER] + [format_tp_row(r, rows) for r in rows])
+
+
+def format_tp_row(r: dict, rows: List[dict]) -> str:
+    """One row; ratios against ``rows`` (those of the run so far are enough: bench_tp runs
+    the rows a ratio refers to first): against equal TP of the same page sizes and prefix
+    (``N:N``, ``M:M``) and against the same TP sizes with equal page sizes and no prefix
+    (the equal shape)."""
 
     def shape(r: dict) -> tuple:
         return (r.get("decode_page_size", 0), r.get("decode_prefix", 0))
@@ -666,25 +686,24 @@ def format_tp(rows: List[dict]) -> str:
         ]
         for r in rows
     }
-    for r in rows:
-        key = (r["mode"], r["kv_layout"])
-        ratios = [
-            ratio(r, gbps.get((*key, t, t, shape(r), "equal")))
-            for t in (r["prefill_tp"], r["decode_tp"])
-        ]
-        equal = (r.get("prefill_page_size", 0), 0)
-        same = (*key, r["prefill_tp"], r["decode_tp"], equal, r.get("path"))
-        ratios.append(ratio(r, gbps.get(same)))
-        lines.append(
-            f"| {','.join(r['lanes'])} ({r['mode']}) | {r['kv_layout']} | "
-            f"{r['prefill_tp']} → {r['decode_tp']} | {r.get('path', '')} | "
-            f"{r.get('prefill_page_size')} → {r.get('decode_page_size')} | "
-            f"{r.get('decode_prefix', 0)} | {r['tokens']} | "
-            f"{r['bytes'] / 2**20:.1f} | {r['ops']} | {r['us_median']:.0f} | "
-            f"{r['gbps_best']:.2f} ({r['gbps_median']:.2f}) | {ratios[0]:.2f} | "
-            f"{ratios[1]:.2f} | {ratios[2]:.2f} |"
-        )
-    return "\n".join(lines)
+    key = (r["mode"], r["kv_layout"])
+    ratios = [
+        ratio(r, gbps.get((*key, t, t, shape(r), "equal")))
+        for t in (r["prefill_tp"], r["decode_tp"])
+    ]
+    equal = (r.get("prefill_page_size", 0), 0)
+    same = (*key, r["prefill_tp"], r["decode_tp"], equal, r.get("path"))
+    ratios.append(ratio(r, gbps.get(same)))
+    return (
+        f"| {','.join(r['lanes'])} ({r['mode']}) | {r['kv_layout']} | "
+        f"{r['prefill_tp']} → {r['decode_tp']} | {r.get('path', '')} | "
+        f"{r.get('prefill_page_size')} → {r.get('decode_page_size')} | "
+        f"{r.get('decode_prefix', 0)} | {r['tokens']} | "
+        f"{r['bytes'] / 2**20:.1f} | {r['ops']} | {r['us_median']:.0f} | "
+        f"{r['gbps_best']:.2f} ({r['gbps_median']:.2f}) | {ratios[0]:.2f} | "
+        f"{ratios[1]:.2f} | {ratios[2]:.2f} | "
+        f"{r.get('workers_up_s', float('nan')):.1f} / {r.get('requests_s', float('nan')):.1f} |"
+    )
 
 
 def format_shapes(rows: List[dict]) -> str:
@@ -861,12 +880,19 @@ def _tp_main(a, modes: List[str], layouts: List[str]) -> int:
     t0 = time.perf_counter()
     rows: List[dict] = []
     runs = [(m, lay) for m in modes for lay in layouts]
+    # rows print as each worker pair is done (a run cut short by a timeout keeps them)
+    print(TP_HEADER, flush=True)
+
+    def row_done(r: dict) -> None:
+        rows.append(r)
+        pr.close()
+        print(format_tp_row(r, rows), flush=True)
+
     with clitools.Progress(len(runs), "bench pd", enabled=False if a.json else None) as pr:
         for m, lay in runs:
             pr.show(f"mode {m}, {lay}")
-            rows += bench_tp(a, m, lay)
+            bench_tp(a, m, lay, on_row=row_done)
             pr.step(f"mode {m}, {lay} done")
-    print(format_tp(rows))
     print(f"\n(total {time.perf_counter() - t0:.1f} s)")
     clitools.emit_json(a, {"args": vars(a), "rows": rows})
     return 0

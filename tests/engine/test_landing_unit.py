@@ -66,7 +66,7 @@ def test_reclaiming_slot_refuses_slot_free_and_idle_waits():
         with pytest.raises(ProtocolError):  # no plan was sent for it
             land.freed("kv", s)
         idle = asyncio.ensure_future(land.idle())
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one loop turn: idle() is waiting
         assert not idle.done()
         land.give_back(s)  # the reclaim flush completed
         await idle

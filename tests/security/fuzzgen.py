@@ -141,13 +141,31 @@ def _templates() -> Dict[str, List[Callable[[random.Random], dict]]]:
     def slot_free(r):
         return {"t": "kx.slot_free", "v": V, "group": r.choice(["kv", "nope"]), "slot": _ints(r)}
 
+    def slot_abandon(r):
+        tag = r.choice(["kx.slot_abandon", "kx.slot_reclaimed"])
+        return {"t": tag, "v": V, "group": r.choice(["kv", "nope"]), "slot": _ints(r)}
+
     def bye(r):
         return {"t": "kx.bye", "v": V, "reason": "bye"}
 
     def ready(r):
         return {"t": "kx.ready", "v": V}
 
-    return {"engine": [hello, hello_ack, proof, reject, layout, app, staged, slot_free, bye, ready]}
+    return {
+        "engine": [
+            hello,
+            hello_ack,
+            proof,
+            reject,
+            layout,
+            app,
+            staged,
+            slot_free,
+            slot_abandon,
+            bye,
+            ready,
+        ]
+    }
 
 
 def layout_body(r: random.Random, keys=None) -> dict:

@@ -1,0 +1,57 @@
+"""`kvxfer bench pd --prefill-tp N --decode-tp M` prints each row as its worker pair is done
+(a run cut short by a timeout keeps the rows it finished): the streamed rows equal the table
+formatted from all rows at the end, because every ratio refers to rows run before it."""
+
+import math
+
+import pytest
+
+from kvxfer.pd_demo.bench import TP_HEADER, format_tp, format_tp_row
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _rows():
+    """Rows in bench_tp's order: the equal shape, then the asked one; N:N, M:M, N:M each
+    (with --tp-paths the N:M pair twice)."""
+    out, gbps = [], 1.0
+    for d_ps, k in ((16, 0), (64, 37)):
+        for tp, path in (
+            ((2, 2), "equal"),
+            ((1, 1), "equal"),
+            ((2, 1), "direct"),
+            ((2, 1), "staged"),
+        ):
+            gbps += 0.25
+            out.append(
+                {
+                    "mode": "none",
+                    "lanes": ["cma/memory.0"],
+                    "kv_layout": "hnd",
+                    "prefill_tp": tp[0],
+                    "decode_tp": tp[1],
+                    "path": path,
+                    "prefill_page_size": 16,
+                    "decode_page_size": d_ps,
+                    "decode_prefix": k,
+                    "tokens": 1024,
+                    "bytes": 8 << 20,
+                    "ops": 20,
+                    "us_median": 1000.0,
+                    "gbps_best": gbps,
+                    "gbps_median": gbps,
+                    "workers_up_s": 5.0,
+                    "requests_s": 1.0,
+                }
+            )
+    return out
+
+
+def test_streamed_rows_equal_the_final_table():
+    rows = _rows()
+    streamed = [format_tp_row(r, rows[: i + 1]) for i, r in enumerate(rows)]
+    assert "\n".join([TP_HEADER] + streamed) == format_tp(rows)
+    for line in streamed:  # every ratio found its reference row
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert not any(math.isnan(float(c)) for c in cells[11:14]), line
+        assert cells[14] == "5.0 / 1.0"
