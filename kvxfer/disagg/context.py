@@ -137,8 +137,9 @@ class PrefillContext(SideContext, Protocol):
         """Hetero-TP kv writes of more PUTs than this go staged (0: never)."""
 
     @property
-    def tp_pattern(self) -> bool:
-        """Hetero-TP kv writes to a peer whose device lane covers kv are PatternWrites."""
+    def tp_pattern(self) -> str:
+        """When hetero-TP kv writes are PatternWrites: "auto" (the peer's device lane covers
+        kv), "always", "off"."""
 
     def hook(self, point: str, room: int) -> None: ...
 

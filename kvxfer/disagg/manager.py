@@ -59,6 +59,8 @@ from kvxfer.errors import (
 )
 from kvxfer.loop_thread import LoopThread
 
+#: values of ``KVManager(tp_pattern=...)``
+TP_PATTERN = ("auto", "always", "off")
 #: default of ``KVManager(tp_stage_min_ops=...)``: a hetero-TP kv write of more PUTs than
 #: this goes staged (head slices of NHD / page-major pages cost one PUT per token row)
 TP_STAGE_MIN_OPS = 256
@@ -100,7 +102,7 @@ class KVManager:
         integrity: bool = False,
         trace: Optional[bool] = None,
         tp_stage_min_ops: int = TP_STAGE_MIN_OPS,
-        tp_pattern: bool = True,
+        tp_pattern: str = "auto",
     ) -> None:
         """``mode``: :class:`DisaggMode`, SGLang's ``DisaggregationMode`` or
         ``"prefill"`` / ``"decode"``. ``trace``: record per-request stage timestamps
@@ -109,10 +111,11 @@ class KVManager:
         direct plan needs more PUTs than this (head slices inside token rows) goes staged
         as a :class:`~kvxfer.engine.types.SliceWrite` (docs/shapes.md "The staged path");
         0: always direct. Both sides need it > 0 (it gives the kv group staging memory).
-        ``tp_pattern``: with a TP shape, a kv write whose share is not whole pages, to a
-        same-host peer whose device lane covers the kv group (CUDA on both sides), is one
-        :class:`~kvxfer.engine.types.PatternWrite` (one copy launch) before any of the
-        above is considered; False: never."""
+        ``tp_pattern``: with a TP shape, a kv write whose share is not whole pages is one
+        :class:`~kvxfer.engine.types.PatternWrite` before any of the above is considered:
+        ``"auto"`` to a same-host peer whose device lane covers the kv group (CUDA on both
+        sides: one copy launch), ``"always"`` to any peer (without a lane the engine posts
+        its expanded runs, the direct plan's PUTs), ``"off"`` never."""
         from kvxfer.config import resolve_secret
 
         if not isinstance(args, KVArgs):
@@ -146,7 +149,9 @@ class KVManager:
         )
         if self.tp_stage_min_ops:
             self._engine_kw.update(TP_STAGE_ENGINE, stage_slice_min_ops=self.tp_stage_min_ops)
-        self.tp_pattern = bool(tp_pattern)
+        if tp_pattern not in TP_PATTERN:
+            raise InvalidArgument(f"tp_pattern must be one of {TP_PATTERN}, got {tp_pattern!r}")
+        self.tp_pattern = tp_pattern
         self.fingerprint: Dict[str, Any] = args.fingerprint()
         #: end-to-end checksums of every item (kvxfer.disagg.integrity); None when off
         self.integrity: Optional[IntegrityOps] = None

@@ -25,7 +25,7 @@ bench/results/pages-cpu.md; the shapes supported: docs/shapes.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Sequence, Tuple
+from typing import Any, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
@@ -171,6 +171,10 @@ class TokenWindows(Protocol):
         self, src_pages: Any, dst_pages: Any, start: int, end: int, first_page: int, salt: int
     ) -> Runs: ...
 
+    def token_patterns(
+        self, src_pages: Any, dst_pages: Any, start: int, end: int, first_page: int, salt: int
+    ) -> List[Any]: ...
+
 
 @dataclass(frozen=True)
 class RoomPages:
@@ -274,6 +278,13 @@ class RoomPages:
             hi,
             src_first_page=first_page,
         )
+
+    def patterns(self, src: np.ndarray, first_page: int, dst: np.ndarray) -> List[Any]:
+        """The byte-run path of a heterogeneous-TP pair as PatternWrites (the same bytes as
+        :meth:`runs`, one per piece class: ``TpPair.token_patterns``)."""
+        assert self.tp is not None
+        lo, hi = self.chunk_tokens(first_page, len(src))
+        return self.tp.token_patterns(src, dst, lo, hi, first_page, self.salt)
 
     def dst_pages_done(self, src_pages_done: int) -> int:
         """Destination pages complete once ``src_pages_done`` source pages were sent."""

@@ -309,7 +309,9 @@ class PrefillSide:
 
     def _kv_part(self, r: Room, src: np.ndarray, first: int) -> Any:
         """The kv write of a chunk of source pages starting at page ``first``: an ItemWrite
-        of whole pages or a RawWrite of byte runs (``r.pages_map``); None if nothing moves."""
+        of whole pages, a RawWrite of byte runs (``r.pages_map``), with heterogeneous TP a
+        PatternWrite (or a list of them: one per piece class of different page sizes);
+        None if nothing moves."""
         pm = r.pages_map
         if not pm.by_runs:
             s, d = pm.whole_pages(src, first, r.dst_kv)
@@ -318,14 +320,22 @@ class PrefillSide:
                 # a same-host CUDA peer: one pattern launch on the device lane, whatever the
                 # layout; else head slices inside token rows are staged, one-run-per-page
                 # slices (HND) stay direct (bench/results/tp-pd-h200.md)
-                pattern = self.mgr.tp_pattern and link.peer.can_pattern("kv")
+                pattern = self._pattern(link)
                 stage = self.mgr.tp_stage_min_ops if link.peer.can_slice("kv") else 0
                 return link.tp.write("kv", s, d, r.room, stage_min_ops=stage, pattern=pattern)
             return _item_write()("kv", s, d) if len(s) else None
+        link = r.link
+        if link is not None and link.tp is not None and self._pattern(link):
+            return pm.patterns(src, first, r.dst_kv) or None  # one launch per piece class
         runs = pm.runs(src, first, r.dst_kv)
         if not len(runs):
             return None
         return runs.raw_write("kv")
+
+    def _pattern(self, link: Link) -> bool:
+        """Whether this pair's kv slices go as PatternWrites (``KVManager(tp_pattern=)``)."""
+        mode = self.mgr.tp_pattern
+        return mode == "always" or (mode == "auto" and link.peer.can_pattern("kv"))
 
     def _issue(
         self,
@@ -384,7 +394,7 @@ class PrefillSide:
                 peer_gone=True,
             )
             return
-        items = [kv] if kv is not None else []
+        items = list(kv) if isinstance(kv, list) else [kv] if kv is not None else []
         tp = link.tp
         if last and tp is not None:  # this pair's rows of the state; the aux row from one
             st = tp.write("state", src_state, r.dst_state, r.room) if len(r.dst_state) else None

@@ -120,6 +120,24 @@ class TpPair:
             plan = self.__dict__["_tokens"] = plan_of(self, "kv")
         return plan.runs(src_pages, dst_pages, start, end, src_first_page=first_page, salt=salt)
 
+    def token_patterns(
+        self, src_pages: Any, dst_pages: Any, start: int, end: int, first_page: int, salt: int
+    ) -> List[Any]:
+        """:meth:`tokens` as PatternWrites, one per piece class
+        (:meth:`kvxfer.disagg.tp_tokens.TokenPlan.patterns`): the same bytes, one device-lane
+        launch each."""
+        from kvxfer.engine.types import PatternWrite
+
+        plan = self.__dict__.get("_tokens")
+        if plan is None:  # (frozen: cached by hand)
+            plan = self.__dict__["_tokens"] = plan_of(self, "kv")
+        return [
+            PatternWrite("kv", s, d, runs)
+            for s, d, runs in plan.patterns(
+                src_pages, dst_pages, start, end, src_first_page=first_page, salt=salt
+            )
+        ]
+
     def write(
         self,
         group: str,

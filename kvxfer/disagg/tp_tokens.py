@@ -198,6 +198,48 @@ class TokenPlan:
         order = np.lexsort((pos, head, sl, seg, piece, desc))
         return Runs.merged(desc[order], so[order], do[order], nb[order])
 
+    def patterns(
+        self,
+        src_pages: Any,
+        dst_pages: Any,
+        start: int,
+        end: int,
+        *,
+        src_first_page: int = 0,
+        salt: int = 0,
+    ) -> List[Tuple[np.ndarray, np.ndarray, Any]]:
+        """The runs of :meth:`runs` as per-page patterns: ``[(src ids, dst ids, runs)]``,
+        one entry per piece class (a piece's source slot, destination slot and length: with
+        page sizes dividing one another and an aligned window, one class per slot of the
+        smaller page in the larger plus the partial pieces at the ends); ``runs``: a
+        :class:`~kvxfer.engine.slices.PatternRuns` relative to one page on each side
+        (:func:`piece_runs`, cached). Applying every
+        entry's runs to its page pairs moves exactly the bytes of :meth:`runs`; within an
+        entry the destination pages are distinct."""
+        ps, pd = self.src_page_size, self.dst_page_size
+        src = np.asarray(src_pages, dtype=np.int64).reshape(-1)
+        dst = np.asarray(dst_pages, dtype=np.int64).reshape(-1)
+        if end <= start:
+            return []
+        lo_tok, hi_tok = src_first_page * ps, (src_first_page + src.size) * ps
+        if start < 0 or start < lo_tok or end > hi_tok or end > dst.size * pd:
+            raise IndexOutOfRange(
+                f"tokens [{start}, {end}) not inside the source pages' [{lo_tok}, {hi_tok}) "
+                f"and the {dst.size} destination pages of {pd}"
+            )
+        lo, hi = pieces(start, end, ps, pd)
+        keys = np.stack([lo % ps, lo % pd, hi - lo], axis=1)
+        classes, which = np.unique(keys, axis=0, return_inverse=True)
+        which = which.reshape(-1)
+        out = []
+        for c, (a, b, n) in enumerate(classes.tolist()):
+            k = np.flatnonzero(which == c)
+            runs = piece_runs(self, a, b, n, int(salt) % self.prefill_tp)
+            if runs is None:
+                continue
+            out.append((src[lo[k] // ps - src_first_page], dst[lo[k] // pd], runs))
+        return out
+
     def _segment(
         self,
         d: int,
@@ -256,6 +298,35 @@ class TokenPlan:
                 )
             )
         return out
+
+
+@lru_cache(maxsize=256)
+def piece_runs(plan: TokenPlan, a: int, b: int, n: int, salt: int) -> Any:
+    """The :class:`~kvxfer.engine.slices.PatternRuns` of one piece of ``n`` tokens at source
+    slot ``a`` and destination slot ``b``, relative to its two pages
+    (:meth:`TokenPlan.patterns`), None when the pair moves nothing of it. Cached (the same
+    object each time: the device lane keeps its run table per pattern object)."""
+    ps, pd = plan.src_page_size, plan.dst_page_size
+    # a token t with t % ps == a and t % pd == b (a piece of this class exists, so one does)
+    t = next(t for t in range(a, ps * pd + a, ps) if t % pd == b)
+    runs = plan.runs(
+        np.zeros(1, dtype=np.int64),
+        np.zeros(t // pd + 1, dtype=np.int64),
+        t,
+        t + n,
+        src_first_page=t // ps,
+        salt=salt,
+    )
+    if not len(runs):
+        return None
+    from kvxfer.engine.slices import PatternRuns
+
+    by_desc = [runs.desc == d for d in range(len(plan.src))]
+    return PatternRuns.make(
+        [(runs.src_off[k], runs.dst_off[k], runs.nbytes[k]) for k in by_desc],
+        [g.item_bytes for g in plan.src],
+        [g.item_bytes for g in plan.dst],
+    )
 
 
 def plan_of(pair: Any, group: str = "kv") -> TokenPlan:

@@ -49,7 +49,7 @@ the kv head slices ``direct`` (``KVManager(tp_stage_min_ops=0)``: one PUT per ru
 ``staged`` (``tp_stage_min_ops=1``: every slice write gathered, one PUT per chunk, scattered
 by decode; layouts whose slices are already one run per page, HND, stay direct on host
 memory), both without the device lane's pattern launch, and on CUDA a third time ``pattern``
-(``KVManager(tp_pattern=True)``, the default: one PatternWrite launch per kv write).
+(``KVManager(tp_pattern="auto")``, the default: one PatternWrite launch per kv write).
 
 With ``--stages`` both managers trace (``KVManager(trace=True)``, :mod:`kvxfer.disagg.trace`)
 and a table per mode gives the sequential 1-page requests' stages (p50/p90 µs: thread and task
@@ -606,7 +606,7 @@ def bench_tp(
         if path is not None:  # direct: never staged; staged: every slice write staged;
             # pattern: one device-lane launch per write (the others without it)
             opts["tp_stage_min_ops"] = {"direct": 0, "staged": 1}.get(path, TP_STAGE_MIN_OPS)
-            opts["tp_pattern"] = path == "pattern"
+            opts["tp_pattern"] = "auto" if path == "pattern" else "off"
         t_start = time.perf_counter()
         pair = start_pair(spec, opts, BenchWorker, *pair_tp)
         t_up = time.perf_counter()

@@ -161,7 +161,7 @@ class Node:
         trace: bool = False,
         tp: Optional[tuple] = None,
         tp_stage_min_ops: Optional[int] = None,
-        tp_pattern: bool = True,
+        tp_pattern: str = "auto",
     ) -> None:
         from kvxfer.disagg import KVArgs, KVManager, MetadataBuffer, Timeouts
         from kvxfer.disagg.kv_args import replace

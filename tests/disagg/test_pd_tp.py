@@ -29,6 +29,11 @@ DEPLOY = {
     "st14": ("page_major", 4, 1, 4),
     "st41": ("mha", 4, 4, 1),
     "st24": ("page_major", 4, 2, 4),
+    # PatternWrite forced (tp_pattern="always", PATTERN): one launch on a CUDA lane; on CPU
+    # the engine posts the expanded runs
+    "pat12": ("mha", 4, 1, 2),
+    "pat41": ("page_major", 4, 4, 1),
+    "pat24": ("mha_hnd", 4, 2, 4),
     # one rank in its own process, killed by the test (VICTIMS)
     "die21": ("mha_hnd", 4, 2, 1),
     "die12": ("mha", 4, 1, 2),
@@ -45,6 +50,7 @@ DEPLOY = {
 REFUSED = {"bad_heads_d": "bad_heads_p", "bad_form_d": "bad_form_p"}
 INTEGRITY = {"int21", "int12"}
 STAGED = {"st12", "st21", "st14", "st41", "st24"}
+PATTERN = {"pat12", "pat41", "pat24"}
 #: (deployment, role, rank) hosted alone in a worker that a test kills
 VICTIMS = {("die21", "prefill", 1), ("die12", "decode", 1)}
 
@@ -82,7 +88,9 @@ def tpc():
                     tp_stage_min_ops=1 if name in STAGED or name == "int12" else 0,
                     # the staged deployments keep the staged path on CUDA too (the others
                     # take the device lane's pattern launch there)
-                    tp_pattern=name not in STAGED,
+                    tp_pattern=(
+                        "off" if name in STAGED else "always" if name in PATTERN else "auto"
+                    ),
                 )
     workers = {k: TpWorker(v, name=f"tp-{k[0]}{k[1]}") for k, v in specs.items() if v}
     for w in workers.values():

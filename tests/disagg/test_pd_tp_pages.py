@@ -25,8 +25,13 @@ DEPLOY = {
     "hyb24_16_64": ("hybrid_per_layer", 4, 2, 4, 16, 64),  # + conv x|B|C and temporal rows
     "hnd12_16_16": ("mha_hnd", 4, 1, 2, 16, 16),  # equal pages: unaligned prefix, partial end
     "int12_16_64": ("mha_hnd", 4, 1, 2, 16, 64),  # integrity mode: byte runs refused
+    # PatternWrite forced (tp_pattern="always", PATTERN): one per piece class (a device-lane
+    # launch each on CUDA, where "auto" picks it for every deployment; expanded runs on CPU)
+    "pat12_16_64": ("mha", 4, 1, 2, 16, 64),
+    "pat41_64_16": ("page_major", 4, 4, 1, 64, 16),
 }
 INTEGRITY = {"int12_16_64"}
+PATTERN = {"pat12_16_64", "pat41_64_16"}
 #: (tokens, decode prefix): whole pages on both sides; a prefix aligned to both page sizes;
 #: an unaligned prefix with a partial last page on both sides; a request inside one page of
 #: either size; only the last token left to move
@@ -54,6 +59,7 @@ def tpc():
                     name=f"{name}-{role[0]}{r}",
                     tp=(r, tp, heads),
                     integrity=name in INTEGRITY,
+                    tp_pattern="always" if name in PATTERN else "auto",
                 )
     workers = {k: TpWorker(v, name=f"tpg-{k[0]}{k[1]}") for k, v in specs.items()}
     for w in workers.values():

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kvxfer.disagg.errors import TpShapeMismatch
+from kvxfer.disagg.runs import Runs
 from kvxfer.disagg.tp_plan import (
     ItemGeometry,
     Segment,
@@ -103,7 +104,9 @@ def apply(runs, src_bufs, dst_bufs, counts):
         counts[d][do : do + n] += 1
 
 
-def check_window(kind, heads, tp_p, tp_d, ps, pd, tokens, start, end, chunk, rng):
+def check_window(kind, heads, tp_p, tp_d, ps, pd, tokens, start, end, chunk, rng, patterns=False):
+    """Every decode rank's bytes after every prefill rank's runs of the window (or, with
+    ``patterns``, their per-page patterns expanded) equal the brute force; no byte twice."""
     n_src, n_dst = -(-tokens // ps), -(-tokens // pd)
     src_pages = rng.permutation(n_src + 3)[:n_src]
     dst_pages = rng.permutation(n_dst + 3)[:n_dst]
@@ -120,6 +123,13 @@ def check_window(kind, heads, tp_p, tp_d, ps, pd, tokens, start, end, chunk, rng
             for first in range(0, n_src, chunk):
                 lo = max(first * ps, start)
                 hi = max(lo, min((first + chunk) * ps, end))
+                if patterns:
+                    for s, t, pr in plan.patterns(
+                        src_pages[first : first + chunk], dst_pages, lo, hi, src_first_page=first
+                    ):
+                        assert np.unique(t).size == t.size
+                        apply(Runs(*pr.expand(s, t)), src, got, counts)
+                    continue
                 runs = plan.runs(
                     src_pages[first : first + chunk], dst_pages, lo, hi, src_first_page=first
                 )
@@ -147,6 +157,30 @@ def test_windows_match_brute_force(kind, heads, tp_p, tp_d, ps, pd):
     windows.add((0, 0))
     for start, end in sorted(windows):
         check_window(kind, heads, tp_p, tp_d, ps, pd, tokens, start, end, 2, rng)
+
+
+@pytest.mark.parametrize("kind,heads,tp_p,tp_d,ps,pd", CASES[::3])
+def test_patterns_move_the_windows_bytes(kind, heads, tp_p, tp_d, ps, pd):
+    """TokenPlan.patterns (one PatternWrite per piece class: the device lane's form of
+    different page sizes and unaligned windows) moves exactly what runs() moves."""
+    rng = np.random.default_rng(hash((kind, heads, tp_p, tp_d, ps, pd, 1)) % (1 << 32))
+    tokens = 2 * max(ps, pd) + 1
+    for start, end in sorted({(0, tokens), (1, tokens), (pd, tokens), (tokens - 1, tokens)}):
+        check_window(kind, heads, tp_p, tp_d, ps, pd, tokens, start, end, 2, rng, True)
+
+
+def test_patterns_are_few_and_cached():
+    """Pages 4 -> 16 (aligned): four classes of whole pieces (the four slots of a 4-token
+    page in a 16-token one); each class's runs are the same object on every call."""
+    plan = TokenPlan(
+        tuple(layouts(4, 1, 4)["nhd"]), tuple(layouts(4, 2, 16)["nhd"]), 4, 16, 0, 1, 1, 2
+    )
+    pats = plan.patterns(np.arange(64), np.arange(16), 0, 256)
+    assert len(pats) == 4 and sum(s.size for s, _, _ in pats) == 64
+    again = plan.patterns(np.arange(64), np.arange(16), 0, 256)
+    assert all(a[2] is b[2] for a, b in zip(pats, again))
+    odd = plan.patterns(np.arange(64), np.arange(16), 37, 250)  # unaligned both ends
+    assert len(odd) <= 6
 
 
 def test_chunking_does_not_matter():
