@@ -169,18 +169,9 @@ class TokenPlan:
         tokens ``[(src_first_page + i) * Ps, +Ps)``, ``dst_pages[i]`` tokens ``[i * Pd,
         +Pd)``; IndexOutOfRange when the pages do not cover the window."""
         ps, pd = self.src_page_size, self.dst_page_size
-        src = np.asarray(src_pages, dtype=np.int64).reshape(-1)
-        dst = np.asarray(dst_pages, dtype=np.int64).reshape(-1)
-        if start < 0:
-            raise InvalidArgument(f"token window starts at {start}")
+        src, dst = self._window(src_pages, dst_pages, start, end, src_first_page)
         if end <= start:
             return Runs.empty()
-        lo_tok, hi_tok = src_first_page * ps, (src_first_page + src.size) * ps
-        if start < lo_tok or end > hi_tok or end > dst.size * pd:
-            raise IndexOutOfRange(
-                f"tokens [{start}, {end}) not inside the source pages' [{lo_tok}, {hi_tok}) "
-                f"and the {dst.size} destination pages of {pd}"
-            )
         lo, hi = pieces(start, end, ps, pd)
         tok = np.arange(start, end, dtype=np.int64)
         cols: List[Tuple[np.ndarray, ...]] = []
@@ -197,6 +188,24 @@ class TokenPlan:
         piece = np.searchsorted(lo, pos, side="right") - 1
         order = np.lexsort((pos, head, sl, seg, piece, desc))
         return Runs.merged(desc[order], so[order], do[order], nb[order])
+
+    def _window(
+        self, src_pages: Any, dst_pages: Any, start: int, end: int, src_first_page: int
+    ) -> Tuple[np.ndarray, np.ndarray]:
+        """The page arrays, once the window is checked: InvalidArgument for a negative start,
+        IndexOutOfRange when a non-empty window is not inside the pages."""
+        ps, pd = self.src_page_size, self.dst_page_size
+        src = np.asarray(src_pages, dtype=np.int64).reshape(-1)
+        dst = np.asarray(dst_pages, dtype=np.int64).reshape(-1)
+        if start < 0:
+            raise InvalidArgument(f"token window starts at {start}")
+        lo_tok, hi_tok = src_first_page * ps, (src_first_page + src.size) * ps
+        if end > start and (start < lo_tok or end > hi_tok or end > dst.size * pd):
+            raise IndexOutOfRange(
+                f"tokens [{start}, {end}) not inside the source pages' [{lo_tok}, {hi_tok}) "
+                f"and the {dst.size} destination pages of {pd}"
+            )
+        return src, dst
 
     def patterns(
         self,
@@ -217,16 +226,9 @@ class TokenPlan:
         entry's runs to its page pairs moves exactly the bytes of :meth:`runs`; within an
         entry the destination pages are distinct."""
         ps, pd = self.src_page_size, self.dst_page_size
-        src = np.asarray(src_pages, dtype=np.int64).reshape(-1)
-        dst = np.asarray(dst_pages, dtype=np.int64).reshape(-1)
+        src, dst = self._window(src_pages, dst_pages, start, end, src_first_page)
         if end <= start:
             return []
-        lo_tok, hi_tok = src_first_page * ps, (src_first_page + src.size) * ps
-        if start < 0 or start < lo_tok or end > hi_tok or end > dst.size * pd:
-            raise IndexOutOfRange(
-                f"tokens [{start}, {end}) not inside the source pages' [{lo_tok}, {hi_tok}) "
-                f"and the {dst.size} destination pages of {pd}"
-            )
         lo, hi = pieces(start, end, ps, pd)
         keys = np.stack([lo % ps, lo % pd, hi - lo], axis=1)
         classes, which = np.unique(keys, axis=0, return_inverse=True)

@@ -157,14 +157,7 @@ class WritePlanner:
         """Validate a PatternWrite: ids in range on both sides, destinations distinct, every
         run inside one item of its descriptor on both sides (a PatternRuns made for other
         item sizes is refused)."""
-        src = plan.as_ids(w.src_items, "source")
-        dst = plan.as_ids(w.dst_items, "destination")
-        if src.size != dst.size:
-            raise InvalidArgument(f"{src.size} source items but {dst.size} destination items")
-        plan.check_ids(src, lg.num_items, "source")
-        plan.check_ids(dst, rg.num_items, "destination")
-        if plan.has_duplicates(dst):
-            raise InvalidArgument("pattern write: duplicate destination items")
+        src, dst = _item_pairs(w.src_items, w.dst_items, lg, rg, "pattern write")
         if lg.count != rg.count:
             raise InvalidArgument(
                 f"pattern write of {w.group!r}: {lg.count} local vs {rg.count} peer descriptors"
@@ -183,14 +176,7 @@ class WritePlanner:
                 f"peer {self._peer_name} granted no landing slots of {w.group!r}: slice "
                 f"writes need stage_slice_min_ops > 0 on both engines"
             )
-        src = plan.as_ids(w.src_items, "source")
-        dst = plan.as_ids(w.dst_items, "destination")
-        if src.size != dst.size:
-            raise InvalidArgument(f"{src.size} source items but {dst.size} destination items")
-        plan.check_ids(src, lg.num_items, "source")
-        plan.check_ids(dst, rg.num_items, "destination")
-        if plan.has_duplicates(dst):
-            raise InvalidArgument("slice write: duplicate destination items")
+        src, dst = _item_pairs(w.src_items, w.dst_items, lg, rg, "slice write")
         runs = w.runs
         if not isinstance(runs, slices.SliceRuns):
             runs = slices.SliceRuns.make(runs, lg.item_lens)
@@ -199,3 +185,19 @@ class WritePlanner:
         if isinstance(w.key, bool) or not isinstance(w.key, (int, np.integer)) or w.key < 0:
             raise InvalidArgument(f"slice write key must be an int >= 0, got {w.key!r}")
         return (w.group, src, dst, runs, int(w.key))
+
+
+def _item_pairs(
+    src_items, dst_items, lg: GroupLayout, rg: GroupLayout, what: str
+) -> Tuple[np.ndarray, np.ndarray]:
+    """Source / destination ids of a slice or pattern write: equal counts, each in range of
+    its side, destinations distinct (InvalidArgument / IndexOutOfRange)."""
+    src = plan.as_ids(src_items, "source")
+    dst = plan.as_ids(dst_items, "destination")
+    if src.size != dst.size:
+        raise InvalidArgument(f"{src.size} source items but {dst.size} destination items")
+    plan.check_ids(src, lg.num_items, "source")
+    plan.check_ids(dst, rg.num_items, "destination")
+    if plan.has_duplicates(dst):
+        raise InvalidArgument(f"{what}: duplicate destination items")
+    return src, dst
