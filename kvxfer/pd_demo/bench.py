@@ -607,9 +607,12 @@ def bench_tp(
             # pattern: one device-lane launch per write (the others without it)
             opts["tp_stage_min_ops"] = {"direct": 0, "staged": 1}.get(path, TP_STAGE_MIN_OPS)
             opts["tp_pattern"] = "auto" if path == "pattern" else "off"
+        if getattr(args, "stages", False):
+            opts["trace"] = True
         t_start = time.perf_counter()
         pair = start_pair(spec, opts, BenchWorker, *pair_tp)
         t_up = time.perf_counter()
+        stages: Dict[str, float] = {}
         try:
             times, nbytes, ops, lanes = [], 0, 0, []
             for i in range(args.iters + 1):
@@ -625,6 +628,12 @@ def bench_tp(
                 if i:  # i == 0: warm-up (connects)
                     t_send = min(x["rooms"][room]["t_send"] for x in p)
                     times.append(max(x["rooms"][room]["t_done"] for x in d) - t_send)
+            if "trace" in opts:
+                stages = tp_stages(
+                    [x.drain_trace() for x in pair.prefills],
+                    [x.drain_trace() for x in pair.decodes],
+                    [10**6 + i for i in range(1, args.iters + 1)],
+                )
         finally:
             t_req = time.perf_counter()
             pair.close()
@@ -649,10 +658,56 @@ def bench_tp(
             "requests_s": t_req - t_up,
             "close_s": time.perf_counter() - t_req,
         }
+        if stages:
+            row["stages"] = stages
         rows.append(row)
         if on_row is not None:
             on_row(row)
     return rows
+
+
+def tp_stages(prefill: List[List[dict]], decode: List[List[dict]], rooms: List[int]) -> dict:
+    """Per stage of every rank's trace records (``prefill[r]`` / ``decode[r]``: a rank's
+    drained records), the p50 over ``rooms`` of its time after the room's first prefill
+    ``send``, µs; keys ``p<rank>.<stage>`` / ``d<rank>.<stage>``, a room's further records
+    on a rank (its legs) as ``p<rank>.leg<i>.<stage>``. Rooms without a ``send`` stamp are
+    left out."""
+    per: Dict[str, List[float]] = {}
+    for room in rooms:
+        recs = []
+        for side, ranks in (("p", prefill), ("d", decode)):
+            for rank, records in enumerate(ranks):
+                mine = [x for x in records if x.get("room") == room]
+                for i, rec in enumerate(mine):
+                    recs.append((f"{side}{rank}" + (f".leg{i}" if i else ""), rec))
+        sends = [rec["send"] for _, rec in recs if isinstance(rec.get("send"), int)]
+        if not sends:
+            continue
+        t0 = min(sends)
+        for who, rec in recs:
+            for stage, t in rec.items():
+                if stage not in ("room", "role") and isinstance(t, int) and t >= t0:
+                    per.setdefault(f"{who}.{stage}", []).append((t - t0) / 1e3)
+    return {
+        k: statistics.median(v)
+        for k, v in sorted(per.items(), key=lambda kv: statistics.median(kv[1]))
+    }
+
+
+def format_tp_stages(rows: List[dict]) -> str:
+    """One line per row with stages (``--stages``): each rank's stage p50s after the first
+    prefill send, in time order."""
+    out = []
+    for r in rows:
+        st = r.get("stages")
+        if not st:
+            continue
+        cells = ", ".join(f"{k} {v:.0f}" for k, v in st.items())
+        out.append(
+            f"- {r['kv_layout']} {r['prefill_tp']} → {r['decode_tp']} ({r['path']}), "
+            f"µs after the first send, p50: {cells}"
+        )
+    return "\n".join(out)
 
 
 TP_HEADER = (
@@ -822,7 +877,8 @@ def main(argv=None) -> int:
         action="store_true",
         help="trace the sequential 1-page requests (KVManager(trace=True)) and print their "
         "per-stage p50/p90 µs beside the end-to-end p50, the raw engine write (+ notify) and "
-        "ucx_perftest ucp_put_lat / ucp_am_lat of the same size",
+        "ucx_perftest ucp_put_lat / ucp_am_lat of the same size; with --prefill-tp / "
+        "--decode-tp: every rank's stages of the TP requests, after the first prefill send",
     )
     clitools.add_json_args(ap)
     a = ap.parse_args(argv)
@@ -893,6 +949,8 @@ def _tp_main(a, modes: List[str], layouts: List[str]) -> int:
             pr.show(f"mode {m}, {lay}")
             bench_tp(a, m, lay, on_row=row_done)
             pr.step(f"mode {m}, {lay} done")
+    if a.stages:
+        print("\nStages (KVManager(trace=True), every rank):\n" + format_tp_stages(rows))
     print(f"\n(total {time.perf_counter() - t0:.1f} s)")
     clitools.emit_json(a, {"args": vars(a), "rows": rows})
     return 0

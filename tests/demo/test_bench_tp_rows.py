@@ -55,3 +55,29 @@ def test_streamed_rows_equal_the_final_table():
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert not any(math.isnan(float(c)) for c in cells[11:14]), line
         assert cells[14] == "5.0 / 1.0"
+
+
+def test_tp_stages_per_rank_after_the_first_send():
+    """``--stages`` with TP: each rank's stages as p50 µs after the room's first prefill
+    send; a rank's further records of a room (its legs) are told apart; rooms without a
+    send stamp and other rooms are left out."""
+    from kvxfer.pd_demo.bench import format_tp_stages, tp_stages
+
+    def rec(room, **st):
+        return dict(room=room, role="x", **{k: int(v * 1000) for k, v in st.items()})
+
+    prefill = [
+        [rec(1, send=100, write=150), rec(2, send=200, write=260), rec(9, send=0)],
+        [rec(1, send=110, write=170), rec(2, send=205, write=275)],
+    ]
+    decode = [[rec(1, handled=300), rec(1, recv=250), rec(2, handled=400), rec(2, recv=350)]]
+    st = tp_stages(prefill, decode, [1, 2, 3])
+    assert st["p0.send"] == 0 and st["p1.send"] == 7.5  # (10 + 5) / 2
+    assert st["p0.write"] == 55 and st["p1.write"] == 72.5
+    assert st["d0.handled"] == 200 and st["d0.leg1.recv"] == 150
+    assert list(st) == sorted(st, key=st.get)  # time order
+    text = format_tp_stages(
+        [dict(kv_layout="hnd", prefill_tp=2, decode_tp=1, path="default", stages=st)]
+    )
+    assert text.startswith("- hnd 2 → 1 (default)") and "d0.leg1.recv 150" in text
+    assert format_tp_stages([dict(kv_layout="hnd")]) == ""
