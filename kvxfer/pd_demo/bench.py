@@ -38,7 +38,10 @@ per mode and per ``--kv-layout`` (a comma list): ``--shape-tokens``-token reques
 time through one worker process per TP rank, first with equal TP — ``N:N`` (as many
 senders) and ``M:M`` (as many receivers; both move the same bytes) — then ``N:M``, fresh
 processes each, same run; PD time =
-the last decode rank's ``Success`` - the first prefill rank's ``send()``; bytes and ops are
+the last decode rank's ``Success`` - the first prefill rank's ``send()`` (every prefill rank
+sends at one agreed monotonic time, :meth:`BenchWorker.fire`, as the ranks of a prefill
+instance finish a forward pass together; ``send_skew_us`` in the rows is the largest
+spread of their sends); bytes and ops are
 summed over the prefill ranks (ops per request: the RMA ops every rank posted); the ratios
 are the GB/s of ``N:M`` over that of ``N:N`` and of ``M:M``. The model's KV heads (``--tp-heads``) and Mamba
 heads split over both TP sizes. With ``--decode-page-size B`` / ``--decode-prefix K`` as well,
@@ -81,6 +84,10 @@ from kvxfer.disagg.manager import TP_STAGE_MIN_OPS
 from kvxfer.pd_demo.run import percentile, start_pair
 from kvxfer.pd_demo.spec import KV_LAYOUTS, ModelSpec
 from kvxfer.pd_demo.worker import PDWorker
+
+#: How far ahead of now the TP bench sets its ranks' common send time (s): past one command
+#: round trip to every worker process
+FIRE_LEAD_S = 0.02
 
 #: Ping sequence numbers of the raw writes' notifications (above any heartbeat's)
 RAW_SEQ = 1 << 40
@@ -242,6 +249,26 @@ class BenchWorker(PDWorker):
         """One PD request of ``tokens`` tokens (all its pages in one send)."""
         self._begin()
         ((_, h, res),) = self._senders([room], self.model.pages_for(tokens))
+        self._send(room, h, res)
+        self._settle(self._next_done(True))
+        return self._finish()
+
+    def arm_tokens(self, room: int, tokens: int) -> None:
+        """Prefill: open the sender of a ``tokens``-token room until it is
+        ``WaitingForInput``; :meth:`fire` sends it."""
+        self._begin()
+        ((_, h, res),) = self._senders([room], self.model.pages_for(tokens))
+        self._armed = (room, h, res)
+
+    def fire(self, t_at: float) -> dict:
+        """Prefill: send the armed room at ``time.monotonic() >= t_at`` (the last 2 ms
+        spinning), then settle it. The TP bench gives every prefill rank the same ``t_at``: the
+        ranks of one prefill instance end a forward pass together, so their sends start
+        together too, not a command round trip apart."""
+        room, h, res = self._armed
+        time.sleep(max(0.0, t_at - time.monotonic() - 0.002))  # the last 2 ms spinning
+        while time.monotonic() < t_at:
+            pass
         self._send(room, h, res)
         self._settle(self._next_done(True))
         return self._finish()
@@ -614,11 +641,12 @@ def bench_tp(
         t_up = time.perf_counter()
         stages: Dict[str, float] = {}
         try:
-            times, nbytes, ops, lanes = [], 0, 0, []
+            times, skews, nbytes, ops, lanes = [], [], 0, 0, []
             for i in range(args.iters + 1):
                 room = 10**6 + i
                 pair.each(None, ("announce_tokens", [room], tokens))
-                p, d = pair.each(("large_tokens", room, tokens), ("settle",))
+                pair.each(("arm_tokens", room, tokens), None)
+                p, d = pair.each(("fire", time.monotonic() + FIRE_LEAD_S), ("settle",))
                 bad = [x["rooms"][room] for x in d if x["rooms"][room]["state"] != "Success"]
                 if bad:
                     raise RuntimeError(f"request failed: {bad[0]}")
@@ -626,8 +654,9 @@ def bench_tp(
                 ops = sum(x["stats"]["ops"] for x in p)
                 lanes = sorted({ln for x in p for ln in x["stats"]["lanes"]})
                 if i:  # i == 0: warm-up (connects)
-                    t_send = min(x["rooms"][room]["t_send"] for x in p)
-                    times.append(max(x["rooms"][room]["t_done"] for x in d) - t_send)
+                    sends = [x["rooms"][room]["t_send"] for x in p]
+                    times.append(max(x["rooms"][room]["t_done"] for x in d) - min(sends))
+                    skews.append(max(sends) - min(sends))
             if "trace" in opts:
                 stages = tp_stages(
                     [x.drain_trace() for x in pair.prefills],
@@ -653,6 +682,8 @@ def bench_tp(
             "us_median": statistics.median(times) * 1e6,
             "gbps_best": nbytes / min(times) / 1e9,
             "gbps_median": nbytes / statistics.median(times) / 1e9,
+            # prefill ranks' send() spread (fire(): one start time for all), max over requests
+            "send_skew_us": max(skews) * 1e6,
             # where the run's wall time went (most of it: starting the worker processes)
             "workers_up_s": t_up - t_start,
             "requests_s": t_req - t_up,
@@ -713,8 +744,9 @@ def format_tp_stages(rows: List[dict]) -> str:
 TP_HEADER = (
     "| lanes (mode) | KV layout | prefill TP → decode TP | path | page prefill → decode "
     "| decode prefix | tokens | MiB | ops/request | µs median | GB/s best (median) "
-    "| × N:N (median) | × M:M (median) | × equal shape (median) | s: workers up / requests |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| × N:N (median) | × M:M (median) | × equal shape (median) | send skew µs (max) "
+    "| s: workers up / requests |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -756,7 +788,7 @@ def format_tp_row(r: dict, rows: List[dict]) -> str:
         f"{r.get('decode_prefix', 0)} | {r['tokens']} | "
         f"{r['bytes'] / 2**20:.1f} | {r['ops']} | {r['us_median']:.0f} | "
         f"{r['gbps_best']:.2f} ({r['gbps_median']:.2f}) | {ratios[0]:.2f} | "
-        f"{ratios[1]:.2f} | {ratios[2]:.2f} | "
+        f"{ratios[1]:.2f} | {ratios[2]:.2f} | {r.get('send_skew_us', float('nan')):.0f} | "
         f"{r.get('workers_up_s', float('nan')):.1f} / {r.get('requests_s', float('nan')):.1f} |"
     )
 

@@ -40,6 +40,7 @@ def _rows():
                     "us_median": 1000.0,
                     "gbps_best": gbps,
                     "gbps_median": gbps,
+                    "send_skew_us": 12.0,
                     "workers_up_s": 5.0,
                     "requests_s": 1.0,
                 }
@@ -54,7 +55,8 @@ def test_streamed_rows_equal_the_final_table():
     for line in streamed:  # every ratio found its reference row
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert not any(math.isnan(float(c)) for c in cells[11:14]), line
-        assert cells[14] == "5.0 / 1.0"
+        assert cells[14] == "12"
+        assert cells[15] == "5.0 / 1.0"
 
 
 def test_tp_stages_per_rank_after_the_first_send():
