@@ -362,7 +362,7 @@ class Peer:
         timeout = self._timeout if timeout is None else timeout
         if notify is not None and not isinstance(notify, (bytes, bytearray, memoryview)):
             raise InvalidArgument(f"notify must be bytes, got {type(notify).__name__}")
-        laddr, raddr, nbytes, lmemh, ridx, staged, sliced, patterned = self._planner.plan(
+        laddr, raddr, nbytes, lmemh, ridx, staged, sliced, patterned, nb = self._planner.plan(
             writes, self._config.stage_min_ops
         )
         for group, _, _, runs, _ in sliced:
@@ -372,11 +372,7 @@ class Peer:
                     f"slice write of {group!r}: one item's slices ({runs.per_item} B) exceed "
                     f"the {cap}-byte staging slot"
                 )
-        stats = TransferStats(
-            bytes=int(nbytes.sum(dtype=_U64)) if nbytes.size else 0,
-            ops=int(laddr.size),
-            lanes=list(self.lanes),
-        )
+        stats = TransferStats(bytes=nb, ops=laddr.size, lanes=list(self.lanes))
         t0 = time.perf_counter()
         deadline = self._loop.time() + timeout
         launched = None

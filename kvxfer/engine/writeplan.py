@@ -3,8 +3,9 @@ split it into direct PUTs (the native batch's columns) and staged parts. No I/O 
 state but a per-group layout cache: a :class:`~kvxfer.engine.peer.Peer` owns one
 :class:`WritePlanner` and posts what it returns.
 
-Tiny ItemWrite parts (short lists of ints) are planned in plain Python
-(:mod:`kvxfer.engine.fastplan`, same validation); the rest by :mod:`kvxfer.plan`.
+ItemWrite parts are planned by :mod:`kvxfer.engine.fastplan` (same validation as
+:func:`kvxfer.plan.plan_items`, a fixed cost of a few µs); RawWrite and expanded PatternWrite
+parts by :mod:`kvxfer.plan`. Costs: bench/plan_cost.py, bench/results/plan-cpu.md.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ StagedPart = Tuple[str, np.ndarray, np.ndarray, int]
 SlicePart = Tuple[str, np.ndarray, np.ndarray, slices.SliceRuns, int]
 #: a validated PatternWrite for the device lane: (group, source ids, destination ids, runs)
 PatternPart = Tuple[str, np.ndarray, np.ndarray, slices.PatternRuns]
-#: ``(laddr, raddr, nbytes, lmemh, ridx, staged parts, slice parts, pattern parts)``: uint64
-#: columns of the direct PUTs, then the staged parts, then the device-lane patterns
+#: ``(laddr, raddr, nbytes, lmemh, ridx, staged parts, slice parts, pattern parts, bytes)``:
+#: uint64 columns of the direct PUTs, then the staged parts, then the device-lane patterns,
+#: then the direct PUTs' total bytes
 Planned = Tuple[
     np.ndarray,
     np.ndarray,
@@ -41,6 +43,7 @@ Planned = Tuple[
     List[StagedPart],
     List[SlicePart],
     List[PatternPart],
+    int,
 ]
 
 
@@ -68,34 +71,46 @@ class WritePlanner:
         for the direct PUTs and ``staged = [(group, src ids, dst ids)]`` for the ItemWrite
         parts that need more than ``stage_min_ops`` PUTs (0: none) and can be staged; then
         the SliceWrite parts, then the PatternWrite parts the device lane copies (with
-        ``patterns`` and ``can_pattern``; the others are expanded into direct PUTs).
-        Tiny ItemWrite parts (short lists of ints) are planned in plain Python
-        (:mod:`kvxfer.engine.fastplan`, same validation); the rest by :mod:`kvxfer.plan`."""
-        local, remote = self._local, self._remote
-        if isinstance(writes, (ItemWrite, RawWrite)):
+        ``patterns`` and ``can_pattern``; the others are expanded into direct PUTs), then
+        the direct PUTs' total bytes. ItemWrite parts are planned by
+        :mod:`kvxfer.engine.fastplan` (same validation as :func:`kvxfer.plan.plan_items`;
+        plans of a few ops in Python ints, collected into one array per column at the end);
+        the rest by :mod:`kvxfer.plan`."""
+        if isinstance(writes, (ItemWrite, RawWrite, SliceWrite, PatternWrite)):
             writes = [writes]
-        # laddr, raddr, nbytes, memh, ridx of the tiny parts
-        small: Tuple[List[int], ...] = ([], [], [], [], [])
-        chunks: List[Tuple[np.ndarray, ...]] = []
+        # laddr, raddr, nbytes, memh, ridx of the parts planned in Python ints
+        small: fastplan.Columns = ([], [], [], [], [])
+        blocks: List[Tuple[np.ndarray, ...]] = []  # the parts planned as uint64 columns
         staged: List[StagedPart] = []
         sliced: List[SlicePart] = []
         patterned: List[PatternPart] = []
-        if isinstance(writes, (SliceWrite, PatternWrite)):
-            writes = [writes]
         for w in writes:
+            if isinstance(w, ItemWrite):  # the hot path: no other lookups once the pair is known
+                pair = self._pairs.get(w.group)
+                if pair is None:
+                    pair = self._pair(w)
+                stage = stage_min_ops > 0 and self._can_stage(w.group)
+                src = fastplan.small_ids(w.src_items)
+                dst = None if src is None else fastplan.small_ids(w.dst_items)
+                if src is not None and dst is not None:
+                    limit = min(fastplan.SMALL_OPS, stage_min_ops) if stage else fastplan.SMALL_OPS
+                    if fastplan.plan_small(pair, src, dst, small, limit) >= 0:
+                        continue
+                s0, d0, n, si, di = fastplan.item_runs(pair, w.src_items, w.dst_items)
+                n_ops = s0.size * len(pair.item_lens)
+                if stage and n_ops > stage_min_ops:
+                    staged.append((w.group, si, di, n_ops))
+                    continue
+                block = fastplan.emit(pair, s0, d0, n, small)
+                if block is not None:
+                    blocks.append(block)
+                continue
             if not isinstance(w, (ItemWrite, RawWrite, SliceWrite, PatternWrite)):
                 raise InvalidArgument(
                     "expected ItemWrite, RawWrite, SliceWrite or PatternWrite, got "
                     f"{type(w).__name__}"
                 )
-            lg = local.groups.get(w.group)
-            if lg is None:
-                raise UnknownGroup(f"no local group {w.group!r} (have {sorted(local.groups)})")
-            rg = remote.groups.get(w.group)
-            if rg is None:
-                raise UnknownGroup(
-                    f"peer {self._peer_name} has no group {w.group!r} (has {sorted(remote.groups)})"
-                )
+            lg, rg = self._layouts(w.group)
             if isinstance(w, SliceWrite):
                 sliced.append(self._slice_part(w, lg, rg))
                 continue
@@ -106,52 +121,57 @@ class WritePlanner:
                     continue
                 d, so, do, nb = part[3].expand(part[1], part[2])
                 ops = plan.plan_raw(lg, rg, d, so, do, nb)
-            elif isinstance(w, ItemWrite):
-                pair = self._pairs.get(w.group)
-                if pair is None:  # checks the item sizes (RawWrite needs no pair)
-                    pair = self._pairs[w.group] = fastplan.GroupPair.make(
-                        lg, rg, local.desc_memh[w.group], remote.desc_region[w.group]
-                    )
-                src = fastplan.small_ids(w.src_items)
-                dst = None if src is None else fastplan.small_ids(w.dst_items)
-                if src is not None and dst is not None:
-                    limit = fastplan.SMALL_OPS
-                    if stage_min_ops > 0 and self._can_stage(w.group):
-                        limit = min(limit, stage_min_ops)
-                    if fastplan.plan_small(pair, src, dst, small, limit) >= 0:
-                        continue
-                ops = plan.plan_items(lg, rg, w.src_items, w.dst_items)
-                if 0 < stage_min_ops < len(ops) and self._can_stage(w.group):
-                    staged.append(
-                        (
-                            w.group,
-                            plan.as_ids(w.src_items, "source"),
-                            plan.as_ids(w.dst_items, "destination"),
-                            len(ops),
-                        )
-                    )
-                    continue
             else:
                 ops = plan.plan_raw(lg, rg, w.desc, w.src_off, w.dst_off, w.nbytes)
             d = ops.desc.astype(np.intp)
-            chunks.append(
+            blocks.append(
                 (
                     ops.laddr,
                     ops.raddr,
                     ops.nbytes,
-                    local.desc_memh[w.group][d],
-                    remote.desc_region[w.group][d],
+                    self._local.desc_memh[w.group][d],
+                    self._remote.desc_region[w.group][d],
                 )
             )
-        if small[0] or not chunks:
-            chunks.insert(0, tuple(np.array(c, dtype=_U64) for c in small))
-        if len(chunks) == 1:
-            laddr, raddr, nbytes, lmemh, ridx = (np.asarray(c, dtype=_U64) for c in chunks[0])
+        total = sum(small[2])
+        if not blocks:  # one array for the five columns: each row is a contiguous column
+            cols = np.array(small, dtype=_U64)
+            laddr, raddr, nbytes, lmemh, ridx = cols
         else:
-            laddr, raddr, nbytes, lmemh, ridx = (
-                np.concatenate([c[i] for c in chunks]).astype(_U64, copy=False) for i in range(5)
+            if small[0]:
+                blocks.insert(0, tuple(np.array(small, dtype=_U64)))
+            total += sum(int(b[2].sum(dtype=_U64)) for b in blocks[1 if small[0] else 0 :])
+            if len(blocks) == 1:
+                laddr, raddr, nbytes, lmemh, ridx = (
+                    np.ascontiguousarray(c, dtype=_U64) for c in blocks[0]
+                )
+            else:
+                laddr, raddr, nbytes, lmemh, ridx = (
+                    np.concatenate([b[i] for b in blocks]).astype(_U64, copy=False)
+                    for i in range(5)
+                )
+        return laddr, raddr, nbytes, lmemh, ridx, staged, sliced, patterned, total
+
+    def _layouts(self, group: str) -> Tuple[GroupLayout, GroupLayout]:
+        """Both sides' layouts of ``group`` (UnknownGroup naming the side that lacks it)."""
+        lg = self._local.groups.get(group)
+        if lg is None:
+            raise UnknownGroup(f"no local group {group!r} (have {sorted(self._local.groups)})")
+        rg = self._remote.groups.get(group)
+        if rg is None:
+            raise UnknownGroup(
+                f"peer {self._peer_name} has no group {group!r} (has {sorted(self._remote.groups)})"
             )
-        return laddr, raddr, nbytes, lmemh, ridx, staged, sliced, patterned
+        return lg, rg
+
+    def _pair(self, w: ItemWrite) -> fastplan.GroupPair:
+        """The static layout of an ItemWrite's group, resolved once (checks the item sizes;
+        a RawWrite needs no pair)."""
+        lg, rg = self._layouts(w.group)
+        pair = self._pairs[w.group] = fastplan.GroupPair.make(
+            lg, rg, self._local.desc_memh[w.group], self._remote.desc_region[w.group]
+        )
+        return pair
 
     def _pattern_part(self, w: PatternWrite, lg: GroupLayout, rg: GroupLayout) -> PatternPart:
         """Validate a PatternWrite: ids in range on both sides, destinations distinct, every
@@ -192,12 +212,13 @@ def _item_pairs(
 ) -> Tuple[np.ndarray, np.ndarray]:
     """Source / destination ids of a slice or pattern write: equal counts, each in range of
     its side, destinations distinct (InvalidArgument / IndexOutOfRange)."""
-    src = plan.as_ids(src_items, "source")
-    dst = plan.as_ids(dst_items, "destination")
+    src = fastplan.as_ids(src_items, "source")
+    dst = fastplan.as_ids(dst_items, "destination")
     if src.size != dst.size:
         raise InvalidArgument(f"{src.size} source items but {dst.size} destination items")
-    plan.check_ids(src, lg.num_items, "source")
-    plan.check_ids(dst, rg.num_items, "destination")
-    if plan.has_duplicates(dst):
+    _, increasing = fastplan.check_ids(
+        src, dst, lg.num_items, rg.num_items, "source", "destination"
+    )
+    if not increasing and plan.has_duplicates(dst):
         raise InvalidArgument(f"{what}: duplicate destination items")
     return src, dst

@@ -1,0 +1,300 @@
+"""The id-array planner (fastplan.item_runs + emit) and the WritePlanner built on it agree
+with kvxfer.plan.plan_items: the same ops in the same order (descriptor-major, runs by
+source id), the same error type and message for the same bad input, nothing appended
+before an error; both the Python-int output (few ops) and the numpy block (many)."""
+
+import random
+
+import numpy as np
+import pytest
+
+from kvxfer import plan
+from kvxfer.engine import fastplan
+from kvxfer.engine.types import ItemWrite, PatternWrite, RawWrite
+from kvxfer.engine.writeplan import WritePlanner
+from kvxfer.errors import IndexOutOfRange, InvalidArgument
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _pair(item_lens=(64, 32, 16), n_local=40, n_remote=30):
+    lg = plan.make_group(
+        "g",
+        [0x100000 * (i + 1) for i in range(len(item_lens))],
+        [il * n_local for il in item_lens],
+        list(item_lens),
+    )
+    rg = plan.make_group(
+        "g",
+        [0x9000000 + 0x100000 * i for i in range(len(item_lens))],
+        [il * n_remote for il in item_lens],
+        list(item_lens),
+    )
+    memh = list(range(100, 100 + len(item_lens)))
+    ridx = list(range(len(item_lens)))
+    return lg, rg, fastplan.GroupPair.make(lg, rg, memh, ridx), memh, ridx
+
+
+def _reference(lg, rg, memh, ridx, src, dst):
+    ops = plan.plan_items(lg, rg, src, dst)
+    d = ops.desc.astype(int)
+    return list(
+        zip(
+            ops.laddr.tolist(),
+            ops.raddr.tolist(),
+            ops.nbytes.tolist(),
+            [memh[i] for i in d],
+            [ridx[i] for i in d],
+        )
+    )
+
+
+def _fast(g, src, dst, small_ops=fastplan.SMALL_OPS):
+    out = ([], [], [], [], [])
+    s0, d0, n, si, di = fastplan.item_runs(g, src, dst)
+    block = fastplan.emit(g, s0, d0, n, out, small_ops)
+    if block is None:
+        cols = out
+    else:
+        assert out == ([], [], [], [], [])
+        assert all(c.dtype == np.uint64 and c.flags.c_contiguous for c in block)
+        cols = [c.tolist() for c in block]
+    return list(zip(*cols)), si, di
+
+
+def _cases(rng, n_local=40, n_remote=30, k_max=35):
+    cases = [
+        ([], []),
+        ([0], [0]),
+        ([39], [29]),
+        (list(range(10, 30)), list(range(0, 20))),  # consecutive both sides: one run
+        (list(range(30, 10, -1)), list(range(20, 0, -1))),  # descending: one run when sorted
+        (list(range(10, 30)), list(range(0, 10)) + list(range(11, 21))),  # a break on dst
+        ([2, 2, 3, 4], [0, 1, 2, 3]),  # duplicate sources break runs
+        ([0, 1, 2, 3], [3, 2, 1, 0]),
+        ([5, 1, 9, 2, 3], [0, 6, 7, 8, 9]),
+    ]
+    for _ in range(600):
+        k = rng.randint(1, k_max)
+        dst = rng.sample(range(n_remote), min(k, n_remote))
+        if rng.random() < 0.3:  # sorted / consecutive runs are the common case
+            base = rng.randrange(n_local - len(dst) + 1)
+            src = list(range(base, base + len(dst)))
+            if rng.random() < 0.5:
+                dst = sorted(dst)
+        else:
+            src = [rng.randrange(n_local) for _ in range(len(dst))]
+        cases.append((src, dst))
+    return cases
+
+
+@pytest.mark.parametrize("item_lens", [(48,), (64, 32, 16)])
+@pytest.mark.parametrize("small_ops", [0, 8, fastplan.SMALL_OPS])
+def test_same_ops_in_the_same_order_as_plan_items(item_lens, small_ops):
+    lg, rg, g, memh, ridx = _pair(item_lens)
+    rng = random.Random(11)
+    for src, dst in _cases(rng):
+        want = _reference(lg, rg, memh, ridx, src, dst)
+        for conv in (np.array, lambda v: np.array(v, np.int32), list):
+            s, d = conv(src), conv(dst)
+            got, si, di = _fast(g, s, d, small_ops)
+            assert got == want, (src, dst, small_ops)
+            assert si.tolist() == list(src) and di.tolist() == list(dst)
+
+
+def test_large_requests_match_plan_items():
+    lg, rg, g, memh, ridx = _pair((16384,) * 8, n_local=1200, n_remote=1300)
+    rng = np.random.default_rng(3)
+    for src, dst in (
+        (np.arange(100, 1100), np.arange(50, 1050)),
+        (rng.permutation(1200)[:1000], rng.permutation(1300)[:1000]),
+        (np.sort(rng.permutation(1200)[:1000]), np.sort(rng.permutation(1300)[:1000])),
+        (np.arange(1000) // 2 * 2, np.arange(1000)),  # duplicate sources
+    ):
+        got, _, _ = _fast(g, src, dst)
+        assert got == _reference(lg, rg, memh, ridx, src, dst)
+
+
+def _error(fn):
+    try:
+        fn()
+    except Exception as exc:
+        return type(exc), str(exc)
+    return None
+
+
+BAD = [
+    ([40], [0]),
+    ([-1], [0]),
+    ([0], [30]),
+    ([0], [-5]),
+    ([0, 1], [3, 3]),
+    ([0, 1, 2], [4, 3, 4]),
+    ([0, 1], [3]),
+    ([3, 2, 1, 50], [0, 1, 2, 3]),  # unsorted, one out of range
+    ([1, 2, 3, 40], [0, 1, 2, 3]),  # sorted, the last out of range
+    ([0, 1, 2, 3], [0, 1, 2, 30]),
+    ([0, 1, 2, 3], [5, 1, 9, 31]),
+    ([0, 1, 2, 3], [-1, 1, 2, 3]),
+    (list(range(20)), [0] * 20),  # long lists: the array path
+    (list(range(20)), list(range(19))),
+    ([1.0], [0]),
+    ([True], [0]),
+    ([[1]], [[0]]),
+    (np.array([2**63 + 1], np.uint64), [0]),
+]
+
+
+@pytest.mark.parametrize("src,dst", BAD)
+def test_same_errors_as_plan_items(src, dst):
+    lg, rg, g, memh, ridx = _pair()
+    want = _error(lambda: plan.plan_items(lg, rg, src, dst))
+    assert want is not None and want[0] in (IndexOutOfRange, InvalidArgument)
+    assert _error(lambda: fastplan.item_runs(g, src, dst)) == want
+    s, d = np.asarray(src), np.asarray(dst)  # the same ids as arrays
+    assert _error(lambda: fastplan.item_runs(g, s, d)) == _error(
+        lambda: plan.plan_items(lg, rg, s, d)
+    )
+
+
+@pytest.mark.parametrize("ids", [[5], [0, 1, 2], [4, 2, 9], list(range(25)), [3, 3, 4]])
+def test_check_ids_reports_increasing(ids):
+    a = np.array(ids, np.int64)
+    s_up, d_up = fastplan.check_ids(a, a, 40, 40, "s", "d")
+    want = bool(np.all(a[1:] > a[:-1]))
+    assert s_up == d_up == want
+
+
+# ------------------------------------------------------------------ the planner, end to end
+class _Side:
+    def __init__(self, groups, base):
+        self.groups = {n: g for n, g in groups.items()}
+        self.desc_memh = {n: np.arange(g.count, dtype=np.uint64) + base for n, g in groups.items()}
+        self.desc_region = {
+            n: np.arange(g.count, dtype=np.uint64) + base for n, g in groups.items()
+        }
+
+
+def _group(name, d, items, il, base):
+    return plan.make_group(
+        name, [base + i * items * il for i in range(d)], [items * il] * d, [il] * d
+    )
+
+
+def _planner(can_stage=False, can_pattern=False):
+    local = _Side(
+        {
+            "kv": _group("kv", 8, 120, 256, 1 << 30),
+            "st": _group("st", 2, 16, 64, 1 << 36),
+            "aux": _group("aux", 1, 8, 32, 1 << 38),
+        },
+        10,
+    )
+    remote = _Side(
+        {
+            "kv": _group("kv", 8, 130, 256, 1 << 31),
+            "st": _group("st", 2, 16, 64, 1 << 37),
+            "aux": _group("aux", 1, 8, 32, 1 << 39),
+        },
+        0,
+    )
+    return (
+        WritePlanner(local, remote, "peer", lambda g: can_stage, lambda g: can_pattern),
+        local,
+        remote,
+    )
+
+
+def _reference_plan(local, remote, writes):
+    rows = []
+    for w in writes:
+        if isinstance(w, ItemWrite):
+            ops = plan.plan_items(
+                local.groups[w.group], remote.groups[w.group], w.src_items, w.dst_items
+            )
+        else:
+            ops = plan.plan_raw(
+                local.groups[w.group],
+                remote.groups[w.group],
+                w.desc,
+                w.src_off,
+                w.dst_off,
+                w.nbytes,
+            )
+        d = ops.desc.astype(np.intp)
+        rows += zip(
+            ops.laddr.tolist(),
+            ops.raddr.tolist(),
+            ops.nbytes.tolist(),
+            local.desc_memh[w.group][d].tolist(),
+            remote.desc_region[w.group][d].tolist(),
+        )
+    return sorted(rows)
+
+
+def test_planner_matches_reference_on_mixed_writes():
+    planner, local, remote = _planner()
+    rng = random.Random(2)
+    for _ in range(300):
+        writes = []
+        for _ in range(rng.randint(1, 4)):
+            kind = rng.random()
+            if kind < 0.5:
+                k = rng.choice([1, 2, 5, 40, 100])
+                dst = rng.sample(range(130), k)
+                src = list(range(3, 3 + k)) if rng.random() < 0.5 else rng.sample(range(120), k)
+                conv = rng.choice([list, np.array, lambda v: np.array(v, np.int32)])
+                writes.append(ItemWrite("kv", conv(src), conv(dst)))
+            elif kind < 0.8:
+                writes.append(ItemWrite("st", [rng.randrange(16)], [rng.randrange(16)]))
+            else:
+                writes.append(RawWrite("aux", rng.randrange(64), rng.randrange(64), 8, 0))
+        cols = planner.plan(writes)
+        laddr, raddr, nbytes, memh, ridx, staged, sliced, patterned, total = cols
+        assert not staged and not sliced and not patterned
+        for c in cols[:5]:
+            assert c.dtype == np.uint64 and c.ndim == 1 and c.flags.c_contiguous
+        got = sorted(zip(*(c.tolist() for c in cols[:5])))
+        assert got == _reference_plan(local, remote, writes)
+        assert total == sum(nbytes.tolist())
+
+
+def test_planner_empty_and_errors_before_anything():
+    planner, local, remote = _planner()
+    cols = planner.plan([])
+    assert all(c.size == 0 and c.dtype == np.uint64 for c in cols[:5]) and cols[8] == 0
+    with pytest.raises(IndexOutOfRange):
+        planner.plan([ItemWrite("kv", [0], [0]), ItemWrite("kv", np.arange(200), np.arange(200))])
+    with pytest.raises(InvalidArgument, match="appears"):
+        planner.plan([ItemWrite("kv", np.arange(40), np.zeros(40, np.int64))])
+
+
+def test_planner_stages_large_item_parts():
+    planner, local, remote = _planner(can_stage=True)
+    src, dst = np.arange(0, 100, 2), np.arange(0, 100, 2)
+    cols = planner.plan([ItemWrite("kv", src, dst), ItemWrite("st", [1], [2])], stage_min_ops=64)
+    staged = cols[5]
+    assert len(staged) == 1 and staged[0][0] == "kv" and staged[0][3] == 50 * 8
+    assert staged[0][1].tolist() == src.tolist() and staged[0][2].tolist() == dst.tolist()
+    assert cols[0].size == 2  # the state slot's two descriptors go direct
+    # at or under the limit: direct
+    cols = planner.plan([ItemWrite("kv", [0, 2], [0, 2])], stage_min_ops=64)
+    assert not cols[5] and cols[0].size == 16
+
+
+def test_pattern_ids_are_validated_as_before():
+    from kvxfer.engine import slices
+
+    planner, local, remote = _planner(can_pattern=True)
+    runs = slices.PatternRuns.make([([0], [0], [16])] * 8, [256] * 8, [256] * 8)
+    for src, dst, err, text in (
+        ([0, 1], [0, 0], InvalidArgument, "duplicate destination items"),
+        ([0, 120], [0, 1], IndexOutOfRange, "source: item id 120"),
+        ([0, 1], [1, 130], IndexOutOfRange, "destination: item id 130"),
+        ([0, 1], [1], InvalidArgument, "2 source items but 1 destination"),
+    ):
+        with pytest.raises(err, match=text):
+            planner.plan([PatternWrite("kv", np.array(src), np.array(dst), runs)])
+    cols = planner.plan([PatternWrite("kv", np.arange(5), np.arange(7, 12), runs)])
+    ((group, s, d, r),) = cols[7]
+    assert group == "kv" and s.tolist() == list(range(5)) and d.tolist() == list(range(7, 12))
