@@ -73,6 +73,8 @@ __all__ = [
     "nhd_item",
     "owned",
     "page_major_item",
+    "page_plan",
+    "PagePlan",
     "plan_axis",
     "plan_pages",
     "prefill_peers",
@@ -556,6 +558,92 @@ def item_runs(
     return _item_runs_cached(src, dst, prefill_rank, decode_rank, prefill_tp, decode_tp, salt)
 
 
+@dataclass(frozen=True, eq=False)
+class PagePlan:
+    """The per-item runs of every descriptor of a group for one prefill -> decode pair and
+    salt, resolved once (:func:`page_plan`): descriptors of the same geometry pair share
+    one *class* (their runs of the same items are the same offsets: only the descriptor
+    differs), so a request computes each class's runs once, not each descriptor's.
+
+    ``classes[c] = (descriptors, ro, rd, rn, src_item_bytes, dst_item_bytes)`` (read-only
+    int64 runs relative to one item on each side, as :func:`item_runs`); classes that move
+    nothing are left out. ``whole``: every descriptor moves its whole item into an item of
+    the same size (replicated or equal shares): the plan of an ItemWrite."""
+
+    descriptors: int
+    classes: Tuple[Tuple[Tuple[int, ...], np.ndarray, np.ndarray, np.ndarray, int, int], ...]
+    whole: bool
+
+    def runs(self, src_items: Any, dst_items: Any) -> Runs:
+        """:func:`plan_pages` of these items (the same runs in the same order)."""
+        si = np.asarray(src_items, dtype=np.int64).reshape(-1)
+        di = np.asarray(dst_items, dtype=np.int64).reshape(-1)
+        if si.size != di.size:
+            raise InvalidArgument(f"{si.size} source items but {di.size} destination items")
+        if not si.size or not self.classes:
+            return Runs.empty()
+        per: List[Optional[Tuple[np.ndarray, ...]]] = [None] * self.descriptors
+        for descs, ro, rd, rn, sib, dib in self.classes:
+            if rn.size == 1:  # one run per item: no 2-D broadcast
+                so, do = si * sib + int(ro[0]), di * dib + int(rd[0])
+                nb = np.full(si.size, int(rn[0]), dtype=np.int64)
+            else:
+                so = (si[:, None] * sib + ro[None, :]).ravel()
+                do = (di[:, None] * dib + rd[None, :]).ravel()
+                nb = np.tile(rn, si.size)
+            cols = coalesce(so, do, nb)
+            if len(self.classes) == 1 and descs == tuple(range(self.descriptors)):
+                m, k = cols[0].size, len(descs)  # every descriptor alike: tile, no loop
+                desc = np.repeat(np.arange(k, dtype=np.int64), m)
+                return Runs(desc, np.tile(cols[0], k), np.tile(cols[1], k), np.tile(cols[2], k))
+            for d in descs:
+                per[d] = cols
+        parts = [
+            (np.full(c[0].size, d, dtype=np.int64),) + tuple(c)
+            for d, c in enumerate(per)
+            if c is not None
+        ]
+        return Runs(*(np.concatenate([p[i] for p in parts]) for i in range(4)))
+
+
+def page_plan(
+    src: Sequence[ItemGeometry],
+    dst: Sequence[ItemGeometry],
+    prefill_rank: int,
+    decode_rank: int,
+    prefill_tp: int,
+    decode_tp: int,
+    salt: int = 0,
+) -> PagePlan:
+    """The :class:`PagePlan` of a group (geometries ``src[i]`` / ``dst[i]`` per descriptor);
+    TpShapeMismatch when the geometries cannot be joined (checked for every descriptor)."""
+    if len(src) != len(dst):
+        raise TpShapeMismatch(f"prefill has {len(src)} descriptors, decode {len(dst)}")
+    classes: Dict[Tuple[ItemGeometry, ItemGeometry], List[Any]] = {}
+    whole = True
+    for d, (s, t) in enumerate(zip(src, dst)):
+        ro, rd, rn = item_runs(s, t, prefill_rank, decode_rank, prefill_tp, decode_tp, salt)
+        if not (
+            s.item_bytes == t.item_bytes
+            and rn.size == 1
+            and int(ro[0]) == int(rd[0]) == 0
+            and int(rn[0]) == s.item_bytes
+        ):
+            whole = False
+        if not rn.size:
+            continue
+        c = classes.get((s, t))
+        if c is None:
+            classes[(s, t)] = [[d], ro, rd, rn, s.item_bytes, t.item_bytes]
+        else:
+            c[0].append(d)
+    return PagePlan(
+        len(src),
+        tuple((tuple(c[0]), c[1], c[2], c[3], c[4], c[5]) for c in classes.values()),
+        whole,
+    )
+
+
 def plan_pages(
     src: Sequence[ItemGeometry],
     dst: Sequence[ItemGeometry],
@@ -569,26 +657,12 @@ def plan_pages(
 ) -> Runs:
     """The runs moving items ``src_items[k]`` (prefill ids) into ``dst_items[k]`` (decode
     ids) of every descriptor ``i`` (geometries ``src[i]`` / ``dst[i]``), from
-    ``prefill_rank`` to ``decode_rank``; runs contiguous on both sides are merged (whole
-    items of consecutive ids become one run, as an ItemWrite's)."""
-    if len(src) != len(dst):
-        raise TpShapeMismatch(f"prefill has {len(src)} descriptors, decode {len(dst)}")
-    si = np.asarray(src_items, dtype=np.int64).reshape(-1)
-    di = np.asarray(dst_items, dtype=np.int64).reshape(-1)
-    if si.size != di.size:
-        raise InvalidArgument(f"{si.size} source items but {di.size} destination items")
-    cols: List[Tuple[np.ndarray, ...]] = []
-    for d, (s, t) in enumerate(zip(src, dst)):
-        ro, rd, rn = item_runs(s, t, prefill_rank, decode_rank, prefill_tp, decode_tp, salt)
-        if not rn.size or not si.size:
-            continue
-        so = (si[:, None] * s.item_bytes + ro[None, :]).ravel()
-        do = (di[:, None] * t.item_bytes + rd[None, :]).ravel()
-        so, do, nb = coalesce(so, do, np.tile(rn, si.size))
-        cols.append((np.full(so.size, d, dtype=np.int64), so, do, nb))
-    if not cols:
-        return Runs.empty()
-    return Runs(*(np.concatenate([c[i] for c in cols]) for i in range(4)))
+    ``prefill_rank`` to ``decode_rank``, descriptor-major, then item, then run; runs
+    contiguous on both sides are merged (whole items of consecutive ids become one run, as
+    an ItemWrite's). A caller planning many requests of one pair keeps the
+    :func:`page_plan` instead (:meth:`PagePlan.runs`: the same runs)."""
+    plan = page_plan(src, dst, prefill_rank, decode_rank, prefill_tp, decode_tp, salt)
+    return plan.runs(src_items, dst_items)
 
 
 # ---------------------------------------------------------------------------- staging

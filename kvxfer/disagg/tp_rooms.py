@@ -46,9 +46,10 @@ from kvxfer.disagg.rooms import Room
 from kvxfer.disagg.runs import Runs
 from kvxfer.disagg.tp_plan import (
     ItemGeometry,
+    PagePlan,
     decode_peers,
     item_runs,
-    plan_pages,
+    page_plan,
     prefill_peers,
 )
 from kvxfer.disagg.tp_shape import groups_of
@@ -177,18 +178,26 @@ class TpPair:
 
                 if len(src_items) * n_runs > stage_min_ops:  # (an upper bound: unmerged)
                     return SliceWrite(group, src_items, dst_items, sides, int(salt))
-        runs = plan_pages(
-            self.src[group],
-            self.dst[group],
-            self.prefill_rank,
-            self.decode_rank,
-            self.prefill_tp,
-            self.decode_tp,
-            src_items,
-            dst_items,
-            salt=salt,
-        )
+        runs = self.page_plan(group, salt).runs(src_items, dst_items)
         return runs.raw_write(group) if len(runs) else None
+
+    def page_plan(self, group: str, salt: int) -> PagePlan:
+        """The :class:`~kvxfer.disagg.tp_plan.PagePlan` of this pair's share of ``group``
+        (what :func:`~kvxfer.disagg.tp_plan.plan_pages` computes per request), resolved once
+        per ``salt % prefill_tp``."""
+        key = f"_pages/{group}/{int(salt) % self.prefill_tp}"
+        plan = self.__dict__.get(key)
+        if plan is None:  # (frozen: cached by hand)
+            plan = self.__dict__[key] = page_plan(
+                self.src[group],
+                self.dst[group],
+                self.prefill_rank,
+                self.decode_rank,
+                self.prefill_tp,
+                self.decode_tp,
+                salt=salt,
+            )
+        return plan
 
     def pattern_runs(self, group: str, salt: int) -> Any:
         """The validated :class:`~kvxfer.engine.slices.PatternRuns` of this pair's share of

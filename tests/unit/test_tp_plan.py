@@ -307,3 +307,71 @@ def test_handshake_check():
         check_tp_compatible(fp[1], bad)
     g = ItemGeometry.from_plain(hnd_item(4, 6, 8, 2).to_plain())
     assert g == hnd_item(4, 6, 8, 2)
+
+
+# ------------------------------------------------------------------ PagePlan (resolved once)
+def _old_plan_pages(src, dst, p, d, tp_p, tp_d, si, di, salt=0):
+    """plan_pages as it was written before PagePlan: one descriptor at a time."""
+    si = np.asarray(si, dtype=np.int64).reshape(-1)
+    di = np.asarray(di, dtype=np.int64).reshape(-1)
+    cols = []
+    for k, (s, t) in enumerate(zip(src, dst)):
+        ro, rd, rn = item_runs(s, t, p, d, tp_p, tp_d, salt)
+        if not rn.size or not si.size:
+            continue
+        so = (si[:, None] * s.item_bytes + ro[None, :]).ravel()
+        do = (di[:, None] * t.item_bytes + rd[None, :]).ravel()
+        so, do, nb = tp.coalesce(so, do, np.tile(rn, si.size))
+        cols.append((np.full(so.size, k, dtype=np.int64), so, do, nb))
+    if not cols:
+        return [np.zeros(0, np.int64)] * 4
+    return [np.concatenate([c[i] for c in cols]) for i in range(4)]
+
+
+@pytest.mark.parametrize("tp_p,tp_d", [(1, 2), (2, 1), (4, 1), (2, 4), (2, 2)])
+def test_page_plan_runs_equal_the_per_descriptor_plan(tp_p, tp_d):
+    """Mixed descriptors (NHD, HND, a replicated latent, NHD again): the classes of equal
+    geometry share their runs and the result is the per-descriptor plan, run for run."""
+    rng = np.random.default_rng(tp_p * 7 + tp_d)
+
+    def geoms(t):
+        return [
+            nhd_item(16, 64, 8, t),
+            hnd_item(16, 64, 8, t),
+            replicated_item(16 * 96),
+            nhd_item(16, 64, 8, t),
+        ]
+
+    id_sets = [
+        (np.arange(20), np.arange(5, 25)),
+        (rng.permutation(40)[:20], rng.permutation(40)[:20]),
+        ([3], [7]),
+        ([], []),
+    ]
+    for p in range(tp_p):
+        for d in range(tp_d):
+            for salt in range(3):
+                plan = tp.page_plan(geoms(tp_p), geoms(tp_d), p, d, tp_p, tp_d, salt)
+                assert not plan.whole or tp_p == tp_d
+                for si, di in id_sets:
+                    got = plan.runs(si, di)
+                    want = _old_plan_pages(geoms(tp_p), geoms(tp_d), p, d, tp_p, tp_d, si, di, salt)
+                    for a, b in zip((got.desc, got.src_off, got.dst_off, got.nbytes), want):
+                        assert a.tolist() == b.tolist(), (p, d, salt)
+
+
+def test_page_plan_one_class_and_whole_items():
+    g = [replicated_item(512)] * 6  # MLA: the latent of 6 layers, whole pages from one replica
+    sender = [r for r in range(2) if tp.page_plan(g, g, r, 0, 2, 1, 5).classes]
+    assert len(sender) == 1  # one replica sends, the other moves nothing
+    plan = tp.page_plan(g, g, sender[0], 0, 2, 1, 5)
+    assert plan.whole and len(plan.classes) == 1 and plan.classes[0][0] == tuple(range(6))
+    runs = plan.runs(np.arange(100, 200), np.arange(0, 100))
+    assert runs.desc.tolist() == list(range(6))  # one run per descriptor
+    assert runs.nbytes.tolist() == [100 * 512] * 6
+    idle = tp.page_plan(g, g, 1 - sender[0], 0, 2, 1, 5)
+    assert not idle.whole and len(idle.runs(np.arange(3), np.arange(3))) == 0
+    with pytest.raises(tp.InvalidArgument):
+        plan.runs([1, 2], [1])
+    with pytest.raises(TpShapeMismatch):
+        tp.page_plan([nhd_item(16, 64, 8, 2)], [hnd_item(32, 64, 8, 1)], 0, 0, 2, 1)
