@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
 
+from kvxfer import eager
 from kvxfer.disagg import bootstrap, tp_rooms
 from kvxfer.disagg import messages as m
 from kvxfer.disagg.context import PrefillContext
@@ -366,7 +367,9 @@ class PrefillSide:
         if r.state != KVPoll.Transferring:
             mgr.advance(r, KVPoll.Transferring)
         prev = r.chain
-        r.chain = mgr.spawn(self._write(r, prev, src, kv, src_state, last))
+        # started on this stack (kvxfer.eager): no loop iteration before the write is
+        # planned and posted; a write waiting for the previous chunk's continues in a task
+        r.chain = eager.start(mgr.spawn, self._write(r, prev, src, kv, src_state, last))
 
     async def _write(
         self,
