@@ -11,8 +11,9 @@ Measured (median of ``--iters`` calls, µs, each call timed on its own):
   planned`` stage), for a 1-page request (ItemWrites of one kv page, one state slot, one
   aux row: the disagg form, numpy ids of the kv/state and lists for aux), a 1000-page
   ItemWrite request (kv contiguous on both sides, + state + aux: 10 PUTs), the same with
-  scattered pages, and a 1000-page PatternWrite request (2 -> 1 NHD, as the device lane
-  takes it: validated, not expanded);
+  scattered pages, a 1000-page PatternWrite request (2 -> 1 NHD, as the device lane
+  takes it: validated, not expanded) and the RawWrite a 2 -> 1 MLA room's sender plans for
+  1000 pages (whole latent pages, one run per descriptor; group ``mla``);
 * ``write.1page.pre_post``: a real ``Peer.write`` of the 1-page request with notify; its
   ``write -> planned`` part as the stage trace computes it (call -> ``t0``);
 * ``disagg.*``: prefill's per-chunk work before ``Peer.write`` (``loop -> plan`` and the
@@ -56,6 +57,7 @@ DESCS = 8  # 4 layers x K/V
 POOL_PAGES = 1200
 STATE = (2, 64, 4096)  # descriptors, slots, bytes per slot
 AUX = (64, 64)  # rows, bytes per row
+MLA_ITEM = PAGE * 576 * 2  # a 16-token page of the MLA latent (576 bf16 per token)
 
 
 def timed(cases: Dict[str, Callable[[], Any]], iters: int, rounds: int) -> Dict[str, float]:
@@ -98,6 +100,14 @@ def register(e: TransferEngine, kvp_item: int, keep: List[np.ndarray]) -> None:
     e.register("state", [_buf(slots * sb, keep) for _ in range(n)], [slots * sb] * n, [sb] * n)
     rows, rb = AUX
     e.register("aux", [_buf(rows * rb, keep)], [rows * rb], [rb])
+    msize = POOL_PAGES * MLA_ITEM
+    e.register(
+        "mla",
+        [_buf(msize, keep) for _ in range(DESCS)],
+        [msize] * DESCS,
+        [MLA_ITEM] * DESCS,
+        item_lens_may_differ=True,  # as the PD manager registers kv with a TP shape
+    )
 
 
 def nhd_pair() -> TpPair:
@@ -109,7 +119,7 @@ def nhd_pair() -> TpPair:
 
 def mla_pair() -> TpPair:
     """MLA 2 -> 1: the latent page is replicated (whole items from one replica)."""
-    geo = [tp_plan.replicated_item(PAGE * 576 * 2)] * DESCS
+    geo = [tp_plan.replicated_item(MLA_ITEM)] * DESCS
     return TpPair(0, 2, 0, 1, {"kv": geo}, {"kv": geo}, PAGE, PAGE)
 
 
@@ -164,12 +174,18 @@ def engine_cases(a: argparse.Namespace, peer: Any, stage_min_ops: int) -> Dict[s
     scattered = [ItemWrite("kv", sc_src, sc_dst)] + tail
     runs = nhd_pair().pattern_runs("kv", 0)
     pattern = [PatternWrite("kvp", src, dst, runs)] + tail
+    mla, salt = mla_pair(), 0
+    while mla.write("kv", src, dst, salt) is None:  # the salt whose replica is rank 0
+        salt += 1
+    kv = mla.write("kv", src, dst, salt)
+    mla_raw = [type(kv)("mla", kv.src_off, kv.dst_off, kv.nbytes, kv.desc)] + tail
     out = timed(
         {
             "engine.1page": lambda: planner.plan(one_page(), stage_min_ops),
             f"engine.item{n}.contig": lambda: planner.plan(contig, stage_min_ops),
             f"engine.item{n}.scattered": lambda: planner.plan(scattered, stage_min_ops),
             f"engine.pattern{n}.device": lambda: patterned.plan(pattern, stage_min_ops),
+            f"engine.mla{n}.raw": lambda: planner.plan(mla_raw, stage_min_ops),
         },
         it,
         a.rounds,

@@ -292,3 +292,88 @@ def emit(
         np.repeat(g.memh_col, runs),
         np.repeat(g.ridx_col, runs),
     )
+
+
+# ------------------------------------------------------------------------ raw writes
+#: largest RawWrite (runs) planned in Python ints; longer ones go to kvxfer.plan.plan_raw
+SMALL_RAW = 64
+
+
+@dataclass(frozen=True)
+class RawPair:
+    """Static layout of one group on both sides for RawWrites (item sizes may differ):
+    descriptor pointers and lengths, registration handles and remote region indices of the
+    descriptors both sides have."""
+
+    lptrs: Tuple[int, ...]
+    rptrs: Tuple[int, ...]
+    llens: Tuple[int, ...]
+    rlens: Tuple[int, ...]
+    memh: Tuple[int, ...]
+    ridx: Tuple[int, ...]
+
+    @staticmethod
+    def make(local: plan.GroupLayout, remote: plan.GroupLayout, memh, ridx) -> "RawPair":
+        n = min(local.count, remote.count)
+        return RawPair(
+            local.ptrs[:n],
+            remote.ptrs[:n],
+            local.lens[:n],
+            remote.lens[:n],
+            tuple(int(x) for x in memh[:n]),
+            tuple(int(x) for x in ridx[:n]),
+        )
+
+
+def _raw_ints(values) -> Optional[List[int]]:
+    """A RawWrite argument as a short list of ints (a scalar as one), None otherwise."""
+    t = type(values)
+    if t is int:
+        return [values]
+    if t is np.ndarray:
+        if values.ndim <= 1 and values.size <= SMALL_RAW and values.dtype.kind in "iu":
+            return values.reshape(-1).tolist()
+        return None
+    if (t is list or t is tuple) and len(values) <= SMALL_RAW:
+        for v in values:
+            if type(v) is not int:
+                return None
+        return list(values)
+    return None
+
+
+def plan_raw_small(g: RawPair, desc, src_off, dst_off, nbytes, out: Columns) -> bool:
+    """Append the ops of a short RawWrite (at most :data:`SMALL_RAW` runs, ints or 1-D
+    integer arrays, scalars broadcast) to ``out`` in its order, after checking every run
+    (a descriptor both sides have, ``nbytes > 0``, inside the descriptor on both sides).
+    Returns False, appending nothing, for anything else — any input this path does not
+    take or a run that fails a check — so that :func:`kvxfer.plan.plan_raw` plans it or
+    raises its error: both paths accept exactly the same runs."""
+    cols = []
+    for v in (desc, src_off, dst_off, nbytes):
+        c = _raw_ints(v)
+        if c is None:
+            return False
+        cols.append(c)
+    n = max(len(c) for c in cols)
+    if not n:
+        return False
+    for i, c in enumerate(cols):
+        if len(c) != n:
+            if len(c) != 1:
+                return False
+            cols[i] = c * n
+    ds, so, do, nb = cols
+    count = len(g.lptrs)
+    llens, rlens = g.llens, g.rlens
+    for d, s, t, k in zip(ds, so, do, nb):
+        if not (0 <= d < count and k > 0 and 0 <= s <= llens[d] - k and 0 <= t <= rlens[d] - k):
+            return False
+    laddr, raddr, nbs, memh, ridx = out
+    lptrs, rptrs, mh, ri = g.lptrs, g.rptrs, g.memh, g.ridx
+    laddr += [lptrs[d] + s for d, s in zip(ds, so)]
+    raddr += [rptrs[d] + t for d, t in zip(ds, do)]
+    nbs += nb
+    memh += [mh[d] for d in ds]
+    ridx += [ri[d] for d in ds]
+    return True

@@ -3,9 +3,9 @@ split it into direct PUTs (the native batch's columns) and staged parts. No I/O 
 state but a per-group layout cache: a :class:`~kvxfer.engine.peer.Peer` owns one
 :class:`WritePlanner` and posts what it returns.
 
-ItemWrite parts are planned by :mod:`kvxfer.engine.fastplan` (same validation as
-:func:`kvxfer.plan.plan_items`, a fixed cost of a few µs); RawWrite and expanded PatternWrite
-parts by :mod:`kvxfer.plan`. Costs: bench/plan_cost.py, bench/results/plan-cpu.md.
+ItemWrite parts and short RawWrites are planned by :mod:`kvxfer.engine.fastplan` (same
+validation as :func:`kvxfer.plan.plan_items` / :func:`kvxfer.plan.plan_raw`, a fixed cost of
+a few µs); long RawWrites and expanded PatternWrites by :mod:`kvxfer.plan`. Costs: bench/plan_cost.py, bench/results/plan-cpu.md.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ class WritePlanner:
         self._can_stage = can_stage
         self._can_pattern = can_pattern
         self._pairs: Dict[str, fastplan.GroupPair] = {}  # static layout per group, resolved once
+        self._raw: Dict[str, fastplan.RawPair] = {}  # the same for RawWrites
 
     def plan(self, writes: Writes, stage_min_ops: int = 0, patterns: bool = True) -> Planned:
         """Validate every part, then split: ``(laddr, raddr, nbytes, lmemh, ridx, staged)``
@@ -122,6 +123,13 @@ class WritePlanner:
                 d, so, do, nb = part[3].expand(part[1], part[2])
                 ops = plan.plan_raw(lg, rg, d, so, do, nb)
             else:
+                raw = self._raw.get(w.group)
+                if raw is None:
+                    raw = self._raw[w.group] = fastplan.RawPair.make(
+                        lg, rg, self._local.desc_memh[w.group], self._remote.desc_region[w.group]
+                    )
+                if fastplan.plan_raw_small(raw, w.desc, w.src_off, w.dst_off, w.nbytes, small):
+                    continue
                 ops = plan.plan_raw(lg, rg, w.desc, w.src_off, w.dst_off, w.nbytes)
             d = ops.desc.astype(np.intp)
             blocks.append(

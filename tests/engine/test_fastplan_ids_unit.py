@@ -298,3 +298,56 @@ def test_pattern_ids_are_validated_as_before():
     cols = planner.plan([PatternWrite("kv", np.arange(5), np.arange(7, 12), runs)])
     ((group, s, d, r),) = cols[7]
     assert group == "kv" and s.tolist() == list(range(5)) and d.tolist() == list(range(7, 12))
+
+
+def _raw_cases(rng):
+    """RawWrites of the 'st' group (2 descriptors of 16 x 64 B on both sides): valid and
+    invalid, as ints, lists, tuples and arrays, scalars broadcast."""
+    size = 16 * 64
+    cases = [
+        (0, 0, 0, 8),
+        (1, size - 8, size - 8, 8),
+        ([0, 1], [0, 8], [16, 24], [8, 8]),
+        (np.array([0, 1, 0]), np.array([0, 8, 64]), 0, 8),
+        ((1, 1), (0, 100), (5, 7), (3, 3)),
+        (2, 0, 0, 8),  # no descriptor 2
+        (-1, 0, 0, 8),
+        (0, 0, 0, 0),  # empty run
+        (0, -8, 0, 8),
+        (0, size - 4, 0, 8),  # leaves the source descriptor
+        (0, 0, size - 4, 8),  # leaves the destination descriptor
+        ([0, 1], [0, 8, 16], 0, 8),  # lengths differ
+        ([], [], [], []),
+        (np.array([0], np.uint64), np.array([2**63 + 5], np.uint64), 0, 8),
+        ([0], [1.5], [0], [8]),
+        ([True], [0], [0], [8]),
+        (np.zeros((1, 1), np.int64), 0, 0, 8),
+        (np.zeros(100, np.int64), np.arange(100) * 8, np.arange(100) * 8, 8),  # long: numpy
+    ]
+    for _ in range(300):
+        k = rng.randint(1, 6)
+        cases.append(
+            (
+                [rng.randrange(3) for _ in range(k)],
+                [rng.randrange(-8, size + 8) for _ in range(k)],
+                [rng.randrange(-8, size + 8) for _ in range(k)],
+                [rng.choice([0, 1, 8, 64, size]) for _ in range(k)],
+            )
+        )
+    return cases
+
+
+def test_short_raw_writes_match_plan_raw():
+    planner, local, remote = _planner()
+    rng = random.Random(9)
+    for desc, so, do, nb in _raw_cases(rng):
+        w = RawWrite("st", so, do, nb, desc)
+        want = _error(lambda w=w: _reference_plan(local, remote, [w]))
+        got = _error(lambda w=w: planner.plan([w]))
+        assert got == want, (desc, so, do, nb)
+        if want is None:
+            cols = planner.plan([w, ItemWrite("aux", [1], [2])])
+            got_rows = sorted(zip(*(c.tolist() for c in cols[:5])))
+            aux = _reference_plan(local, remote, [ItemWrite("aux", [1], [2])])
+            assert got_rows == sorted(_reference_plan(local, remote, [w]) + aux)
+            assert cols[8] == sum(cols[2].tolist())
