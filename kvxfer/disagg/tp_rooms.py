@@ -168,11 +168,7 @@ class TpPair:
         if stage_min_ops > 0:
             sides = self.slice_sides(group, salt, src=True)
             n_runs = 0 if sides is None else sum(len(n) for _, n in sides)
-            moved = 0 if sides is None else sum(int(n.sum()) for _, n in sides)
-            whole = all(  # whole pages on both sides (replicated: MLA): as equal TP
-                moved == sum(g.item_bytes for g in side)
-                for side in (self.src[group], self.dst[group])
-            )
+            whole = self._moves_whole(group, salt)
             if sides is not None and not whole and (stage_blocks or n_runs > len(sides)):
                 from kvxfer.engine.types import SliceWrite
 
@@ -235,17 +231,35 @@ class TpPair:
             self.__dict__[key] = out
         return self.__dict__[key]
 
+    def _moves_whole(self, group: str, salt: int) -> bool:
+        """Whether this pair moves whole pages of ``group`` on both sides (replicated: MLA;
+        then as equal TP), cached per ``salt % prefill_tp``."""
+        key = f"_whole/{group}/{int(salt) % self.prefill_tp}"
+        if key not in self.__dict__:  # (frozen: cached by hand)
+            sides = self.slice_sides(group, salt, src=True)
+            moved = 0 if sides is None else sum(int(n.sum()) for _, n in sides)
+            self.__dict__[key] = all(
+                moved == sum(g.item_bytes for g in side)
+                for side in (self.src[group], self.dst[group])
+            )
+        return self.__dict__[key]
+
     def slice_sides(self, group: str, salt: int, src: bool) -> Optional[List[Tuple[Any, Any]]]:
         """One side's item-relative runs ``(offs, lens)`` per descriptor of what this pair
         moves of each item of ``group`` (prefill's with ``src``, else decode's: both sides
         derive them from the geometries validated at the handshake), None if nothing."""
+        key = f"_sides/{group}/{int(salt) % self.prefill_tp}/{bool(src)}"
+        if key in self.__dict__:  # (frozen: cached by hand; the runs are read-only)
+            return self.__dict__[key]
         out = []
         for s, t in zip(self.src[group], self.dst[group]):
             ro, rd, rn = item_runs(
                 s, t, self.prefill_rank, self.decode_rank, self.prefill_tp, self.decode_tp, salt
             )
             out.append((ro if src else rd, rn))
-        return out if any(len(n) for _, n in out) else None
+        got = out if any(len(n) for _, n in out) else None
+        self.__dict__[key] = got
+        return got
 
     def dst_slice_sides(self, group: str, salt: int) -> Optional[List[Tuple[Any, Any]]]:
         """Decode's runs of :meth:`slice_sides` (what it registers: :func:`expect_slices`)."""
