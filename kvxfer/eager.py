@@ -6,9 +6,11 @@ with ``asyncio.sleep(0)``: the loop never idles once a peer is connected) makes 
 cost a full iteration, under the GIL of every other thread (bench/results/plan-cpu.md). A
 request's write hops once this way per chunk. :func:`start` instead runs the coroutine now,
 up to its first real suspension (e.g. a write's flush: planning and posting happen on
-the caller's stack), and only then continues it in a task: Python 3.12's eager tasks
-(``asyncio.Task(..., eager_start=True)``), written out with ``send`` / ``throw`` so that
-every supported Python (3.10 up) takes the same path.
+the caller's stack), and only then continues it in a task: from Python 3.12 an eager task
+(``asyncio.Task(..., eager_start=True)``: its first step runs as the current task, so
+``asyncio.timeout`` / 3.12's ``wait_for`` work in it), before 3.12 the same written out with
+``send`` / ``throw`` (there ``wait_for`` needs no current task; nothing in the write path
+uses ``asyncio.timeout``).
 
 Invariants (tests/unit/test_eager.py)
 - The coroutine's first step runs before :func:`start` returns; once it suspends, it is
@@ -21,13 +23,15 @@ Invariants (tests/unit/test_eager.py)
   ``CancelledError`` into the coroutine at its suspension point, as for a task (the future
   it awaits is cancelled; if that future was already done, the error is thrown in).
 - Only the continuation is spawned (``spawn(coro)``: e.g. a manager's owned tasks, so its
-  close cancels it); a coroutine that returns without suspending spawns nothing.
+  close cancels it; from 3.12 a follower of the eager task that cancels it when cancelled);
+  a coroutine that returns without suspending spawns nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections.abc
+import sys
 from typing import Any, Callable, Coroutine
 
 __all__ = ["start"]
@@ -38,6 +42,8 @@ Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Future[Any]"]
 def start(spawn: Spawn, coro: Coroutine[Any, Any, Any]) -> "asyncio.Future[Any]":
     """Run ``coro`` now until it first suspends, then continue it in ``spawn(...)``'s task;
     returns a future of its outcome. Call on the loop's thread."""
+    if _NATIVE:
+        return _start_native(spawn, coro)
     loop = asyncio.get_running_loop()
     try:
         yielded = coro.send(None)
@@ -106,3 +112,25 @@ class _Continuation(collections.abc.Coroutine):
 
     def __next__(self) -> Any:
         return self.send(None)
+
+
+#: the interpreter starts tasks eagerly itself (Python 3.12+)
+_NATIVE = sys.version_info >= (3, 12)
+
+
+def _start_native(spawn: Spawn, coro: Coroutine[Any, Any, Any]) -> "asyncio.Future[Any]":
+    task = asyncio.Task(coro, loop=asyncio.get_running_loop(), eager_start=True)  # type: ignore[call-arg]
+    if not task.done() or (not task.cancelled() and task.exception() is not None):
+        spawn(_follow(task))  # owned: cancelled with its owner; a failure is seen there
+    return task
+
+
+async def _follow(task: "asyncio.Task[Any]") -> Any:
+    """The owner's handle on an eager task: its outcome; cancelling this cancels it."""
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if not task.done():
+            task.cancel()
+            await asyncio.wait([task])
+        raise

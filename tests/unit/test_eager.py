@@ -1,5 +1,7 @@
 """kvxfer.eager.start: the first step runs on the caller's stack, the rest as a task would
-run it (results, exceptions, bare yields, cancellation at the suspension point)."""
+run it (results, exceptions, bare yields, cancellation at the suspension point). Python 3.12+
+takes the interpreter's eager tasks; the same tests passed there too (3.12.1, 3.13.0, with a
+pytest stub: no pytest in those interpreters here)."""
 
 import asyncio
 
@@ -22,6 +24,7 @@ class Owner:
 
     def spawn(self, coro):
         t = asyncio.get_running_loop().create_task(coro)
+        t.add_done_callback(lambda t: t.cancelled() or t.exception())  # as the manager's
         self.tasks.append(t)
         return t
 
@@ -194,5 +197,32 @@ def test_chained_like_prefill_writes():
             f.set_result(None)
         await chain[-1]
         assert order == ["start 0", "end 0", "start 1", "end 1", "start 2", "end 2"]
+
+    run(main())
+
+
+def test_cancelling_the_owned_task_cancels_the_coroutine():
+    """The owner (a manager closing) cancels what it spawned: the coroutine gets it."""
+
+    async def main():
+        fut = asyncio.get_running_loop().create_future()
+        seen = []
+
+        async def body():
+            try:
+                await fut
+            except asyncio.CancelledError:
+                seen.append("cancelled")
+                raise
+
+        owner = Owner()
+        out = eager.start(owner.spawn, body())
+        (owned,) = owner.tasks
+        await asyncio.sleep(0)
+        owned.cancel()
+        await asyncio.wait([owned])
+        with pytest.raises(asyncio.CancelledError):
+            await out
+        assert seen == ["cancelled"] and out.cancelled()
 
     run(main())
