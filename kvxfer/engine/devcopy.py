@@ -20,8 +20,10 @@ Invariants
 - Every op it copies was validated by the planner against the peer's descriptors and is
   checked again here against its remote region before translation; nothing is launched
   unless every op fits.
-- Launches go to one stream per lane on the local memory's device; a write awaits its own
-  event (in the default executor, the GIL released), so the event loop never blocks.
+- Launches go to one stream per lane on the local memory's device; their tables travel
+  from pinned memory (the host never waits for an upload). A write awaits its own event:
+  polled inline briefly, then once per loop iteration, then in the default executor (the
+  GIL released), so the event loop never blocks for long.
 - A PatternWrite (:meth:`DeviceLane.launch_pattern`) is one launch of
   :func:`kvxfer.kernels.pattern_copy.copy_pattern`: its run table (a few hundred rows per
   page geometry) is built and uploaded once per pattern object and cached (bounded); per
@@ -52,9 +54,11 @@ _U64 = np.uint64
 MEMCPY_MAX_RUNS = 4
 #: bytes per kernel task (one GPU program each)
 TILE_BYTES = 1 << 20
-#: how long :meth:`DeviceLane.wait` polls a launch's event on the loop before it waits in a
-#: thread, seconds
+#: how long :meth:`DeviceLane.wait` polls a launch's event inline (the loop blocked), seconds
 WAIT_SPIN_S = 50e-6
+#: then how long it polls the event once per loop iteration (other callbacks run between
+#: polls) before it waits in a thread (one hop, bench/results/tp-pattern-h200.md), seconds
+WAIT_POLL_S = 5e-3
 #: pattern run tables kept on the device (per pattern object, least recently used dropped)
 PATTERN_CACHE = 16
 
@@ -140,10 +144,7 @@ class DeviceLane:
                     TILE_BYTES,
                 )
                 for align, part in split_by_alignment(tasks):
-                    # from pageable memory the driver stages `part` before returning
-                    table = torch.from_numpy(part).to(f"cuda:{self.device}", non_blocking=True)
-                    table.record_stream(self._stream)  # not reused before the launch ran
-                    copy_tasks(table, align, host_tasks=part)
+                    copy_tasks(self._upload(part), align, host_tasks=part)
             ev = torch.cuda.Event()
             ev.record(self._stream)
         return ev
@@ -185,26 +186,45 @@ class DeviceLane:
                 self._patterns.pop(next(iter(self._patterns)))
         self._patterns[id(pattern)] = entry
         _, _, host, rows, align = entry
-        pairs = np.empty((len(src), 2), dtype=np.int64)
-        pairs[:, 0], pairs[:, 1] = src, dst
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            items = torch.from_numpy(pairs).to(f"cuda:{self.device}", non_blocking=True)
-            items.record_stream(self._stream)
-            copy_pattern(rows, items, align, host_rows=host)
+            pairs = np.empty((len(src), 2), dtype=np.int64)
+            pairs[:, 0], pairs[:, 1] = src, dst
+            copy_pattern(rows, self._upload(pairs), align, host_rows=host)
             ev = torch.cuda.Event()
             ev.record(self._stream)
         return ev
 
+    def _upload(self, table: np.ndarray):
+        """``table`` (int64) on the device, uploaded on the lane's stream (the current one)
+        from pinned memory, so the host never waits for the copy (from pageable memory the
+        driver stages it first: the loop thread blocked until the GPU took it; with other
+        processes' work on the GPU, for their time slice). torch's caching host allocator
+        reuses the pinned block only after this copy ran; the device tensor, allocated on
+        the lane's stream, only after the launch that reads it."""
+        torch = self._torch
+        buf = torch.empty(table.shape, dtype=torch.int64, pin_memory=True)
+        buf.numpy()[...] = table
+        return buf.to(f"cuda:{self.device}", non_blocking=True)
+
     @staticmethod
-    async def wait(ev, spin_s: float = WAIT_SPIN_S) -> None:
+    async def wait(ev, spin_s: float = WAIT_SPIN_S, poll_s: float = WAIT_POLL_S) -> None:
         """Until the launch's event completed (bytes visible at the peer). Polls the event
-        inline for up to ``spin_s`` (a small copy is done within microseconds: no thread
-        hop), then waits in the default executor, the event loop running on. Runs on: the
-        asyncio loop thread; ``ev.synchronize`` runs in the default executor."""
+        inline for up to ``spin_s`` (a small copy is done within microseconds), then once
+        per loop iteration for up to ``poll_s`` (a large one within a millisecond or two;
+        the loop runs other callbacks between polls, no thread hop), then waits in the
+        default executor, the event loop running on. Runs on: the asyncio loop thread;
+        ``ev.synchronize`` runs in the default executor."""
         if ev.query():
             return
-        end = time.perf_counter() + spin_s
+        now = time.perf_counter()
+        end = now + spin_s
+        while now < end:
+            if ev.query():
+                return
+            now = time.perf_counter()
+        end = now + poll_s
         while time.perf_counter() < end:
+            await asyncio.sleep(0)
             if ev.query():
                 return
         await asyncio.get_running_loop().run_in_executor(None, ev.synchronize)
