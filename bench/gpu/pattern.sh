@@ -8,12 +8,14 @@
 # (default 16000), PAT_TESTS=0 skips tests and demos, PAT_TEST_FILES narrows the tests,
 # PAT_DEMOS=0 skips the demos, PAT_PATHS=0 skips the --tp-paths run, PAT_BIG=<tokens> adds
 # a 2:1 run at that request size, PAT_STAGES=1 prints every rank's stages (--stages),
-# PAT_PAGES=1 adds 2:1 with pages 16 -> 64 and decode prefix 37 (direct / staged / pattern).
+# PAT_PAGES=1 adds 2:1 with pages 16 -> 64 and decode prefix 37 (direct / staged / pattern),
+# PAT_LAYOUTS narrows the per-ratio layouts (default per_layer,page_major,hnd,mla).
 set -o pipefail
 export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 RATIOS=${PAT_RATIOS:-"1:2 2:1 4:1 2:4"}
 TOKENS=${PAT_TOKENS:-16000}
+LAYOUTS=${PAT_LAYOUTS:-per_layer,page_major,hnd,mla}
 rc=0
 {
 echo "# Heterogeneous TP, pattern launch on CUDA ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), $(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null))"
@@ -32,10 +34,10 @@ done
 fi
 for r in $RATIOS; do
     p=${r%:*}; d=${r#*:}
-    echo; echo "## kvxfer bench pd --device cuda --modes none --prefill-tp $p --decode-tp $d --kv-layout per_layer,page_major,hnd,mla --shape-tokens $TOKENS"
+    echo; echo "## kvxfer bench pd --device cuda --modes none --prefill-tp $p --decode-tp $d --kv-layout $LAYOUTS --shape-tokens $TOKENS"
     timeout 100 python3 -m kvxfer bench pd --device cuda --modes none --prefill-tp "$p" --decode-tp "$d" \
-        --kv-layout per_layer,page_major,hnd,mla --shape-tokens "$TOKENS" --iters 5 ${PAT_STAGES:+--stages} \
-        --json-out "$OUT/pattern-$p-$d.json" 2>&1 | grep -v "UCX  WARN\|WARNING" | tail -16 || rc=1
+        --kv-layout "$LAYOUTS" --shape-tokens "$TOKENS" --iters 5 ${PAT_STAGES:+--stages} \
+        --json-out "$OUT/pattern-$p-$d.json" 2>&1 | grep -v "UCX  WARN\|WARNING" | tail -${PAT_TAIL_BENCH:-16} || rc=1
 done
 if [ -n "${PAT_BIG:-}" ]; then  # one ratio at a larger request: fixed costs amortised
     echo; echo "## kvxfer bench pd --device cuda --modes none --prefill-tp 2 --decode-tp 1 --kv-layout per_layer,hnd --shape-tokens $PAT_BIG"

@@ -386,9 +386,11 @@ class Peer:
         ):
             on_dev = self._dev.select(lmemh, ridx)
             if on_dev.any():
+                t_l = time.perf_counter()
                 launched = self._dev.launch(
                     laddr[on_dev], raddr[on_dev], nbytes[on_dev], ridx[on_dev]
                 )
+                stats.launch_s += time.perf_counter() - t_l
                 stats.device_ops = int(on_dev.sum())
                 stats.device_bytes = int(nbytes[on_dev].sum(dtype=_U64))
                 keep = ~on_dev
@@ -402,9 +404,11 @@ class Peer:
         for group, src, dst, pattern in patterned:  # (only planned while the lane covers it)
             assert self._dev is not None
             lg, rg = self._groups.groups[group], self._remote.groups[group]
+            t_l = time.perf_counter()
             launched = self._dev.launch_pattern(
                 pattern, lg.ptrs, rg.ptrs, self._remote.desc_region[group], src, dst
             )
+            stats.launch_s += time.perf_counter() - t_l
             n = pattern.runs_per_item * int(src.size)
             b = pattern.bytes_per_item * int(src.size)
             stats.ops += n

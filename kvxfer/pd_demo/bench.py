@@ -701,8 +701,9 @@ def tp_stages(prefill: List[List[dict]], decode: List[List[dict]], rooms: List[i
     """Per stage of every rank's trace records (``prefill[r]`` / ``decode[r]``: a rank's
     drained records), the p50 over ``rooms`` of its time after the room's first prefill
     ``send``, µs; keys ``p<rank>.<stage>`` / ``d<rank>.<stage>``, a room's further records
-    on a rank (its legs) as ``p<rank>.leg<i>.<stage>``. Rooms without a ``send`` stamp are
-    left out."""
+    on a rank (its legs) as ``p<rank>.leg<i>.<stage>``, and the latest ``notified`` /
+    ``recv`` of a rank's legs as ``p<rank>.last_notified`` / ``d<rank>.last_recv``. Rooms
+    without a ``send`` stamp are left out."""
     per: Dict[str, List[float]] = {}
     for room in rooms:
         recs = []
@@ -715,10 +716,16 @@ def tp_stages(prefill: List[List[dict]], decode: List[List[dict]], rooms: List[i
         if not sends:
             continue
         t0 = min(sends)
+        last: Dict[str, int] = {}  # a rank's latest leg notify / receipt of the room
         for who, rec in recs:
             for stage, t in rec.items():
                 if stage not in ("room", "role") and isinstance(t, int) and t >= t0:
                     per.setdefault(f"{who}.{stage}", []).append((t - t0) / 1e3)
+                    if ".leg" in who and stage in ("notified", "recv"):
+                        k = f"{who.split('.')[0]}.last_{stage}"
+                        last[k] = max(last.get(k, t), t)
+        for k, t in last.items():
+            per.setdefault(k, []).append((t - t0) / 1e3)
     return {
         k: statistics.median(v)
         for k, v in sorted(per.items(), key=lambda kv: statistics.median(kv[1]))
