@@ -9,7 +9,8 @@
 # PAT_DEMOS=0 skips the demos, PAT_PATHS=0 skips the --tp-paths run, PAT_BIG=<tokens> adds
 # a 2:1 run at that request size, PAT_STAGES=1 prints every rank's stages (--stages),
 # PAT_PAGES=1 adds 2:1 with pages 16 -> 64 and decode prefix 37 (direct / staged / pattern),
-# PAT_LAYOUTS narrows the per-ratio layouts (default per_layer,page_major,hnd,mla).
+# PAT_LAYOUTS narrows the per-ratio layouts (default per_layer,page_major,hnd,mla);
+# KVXFER_LANE_PROFILE=1 adds each device lane's pattern-launch host parts (lane-profile lines).
 set -o pipefail
 export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD}
@@ -37,7 +38,9 @@ for r in $RATIOS; do
     echo; echo "## kvxfer bench pd --device cuda --modes none --prefill-tp $p --decode-tp $d --kv-layout $LAYOUTS --shape-tokens $TOKENS"
     timeout 100 python3 -m kvxfer bench pd --device cuda --modes none --prefill-tp "$p" --decode-tp "$d" \
         --kv-layout "$LAYOUTS" --shape-tokens "$TOKENS" --iters 5 ${PAT_STAGES:+--stages} \
-        --json-out "$OUT/pattern-$p-$d.json" 2>&1 | grep -v "UCX  WARN\|WARNING" | tail -${PAT_TAIL_BENCH:-16} || rc=1
+        --json-out "$OUT/pattern-$p-$d.json" 2>&1 | tee "$OUT/pattern-$p-$d.log" \
+        | grep -v "UCX  WARN\|WARNING\|lane-profile" | tail -${PAT_TAIL_BENCH:-16} || rc=1
+    grep "lane-profile" "$OUT/pattern-$p-$d.log" | head -40
 done
 if [ -n "${PAT_BIG:-}" ]; then  # one ratio at a larger request: fixed costs amortised
     echo; echo "## kvxfer bench pd --device cuda --modes none --prefill-tp 2 --decode-tp 1 --kv-layout per_layer,hnd --shape-tokens $PAT_BIG"

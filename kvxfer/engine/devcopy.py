@@ -38,9 +38,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
+import statistics
+import sys
 import time
-from typing import Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -59,6 +62,8 @@ WAIT_SPIN_S = 50e-6
 #: then how long it polls the event once per loop iteration (other callbacks run between
 #: polls) before it waits in a thread (one hop, bench/results/tp-pattern-h200.md), seconds
 WAIT_POLL_S = 5e-3
+#: set (non-empty) to time each pattern launch's host parts; printed at close (diagnostics)
+PROFILE_ENV = "KVXFER_LANE_PROFILE"
 #: pattern run tables kept on the device (per pattern object, least recently used dropped)
 PATTERN_CACHE = 16
 
@@ -104,6 +109,8 @@ class DeviceLane:
         #: id(pattern) -> (pattern, local bases, host rows, device rows, align); the pattern
         #: is held so that its id is not reused while cached
         self._patterns: Dict[int, tuple] = {}
+        #: host-time parts of each pattern launch ($KVXFER_LANE_PROFILE, diagnostics)
+        self.profile: Optional[Dict[str, Any]] = {} if os.environ.get(PROFILE_ENV) else None
 
     @property
     def active(self) -> bool:
@@ -166,8 +173,12 @@ class DeviceLane:
         torch = self._torch
         from kvxfer.kernels.pattern_copy import copy_pattern, pattern_rows, row_alignment
 
+        prof = self.profile
+        t0 = time.perf_counter() if prof is not None else 0.0
         entry = self._patterns.pop(id(pattern), None)
         if entry is None or entry[1] != tuple(lptrs):
+            if prof is not None:
+                prof["misses"] = prof.get("misses", 0) + 1
             r = ridx.astype(np.intp)
             rp = np.asarray(rptrs, dtype=_U64)
             dst_bases = (self.mapped[r] + (rp - self._rbase[r])).astype(np.int64)
@@ -186,13 +197,49 @@ class DeviceLane:
                 self._patterns.pop(next(iter(self._patterns)))
         self._patterns[id(pattern)] = entry
         _, _, host, rows, align = entry
+        if prof is None:
+            with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+                pairs = np.empty((len(src), 2), dtype=np.int64)
+                pairs[:, 0], pairs[:, 1] = src, dst
+                copy_pattern(rows, self._upload(pairs), align, host_rows=host)
+                ev = torch.cuda.Event()
+                ev.record(self._stream)
+            return ev
+        t1 = time.perf_counter()
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            t2 = time.perf_counter()
             pairs = np.empty((len(src), 2), dtype=np.int64)
             pairs[:, 0], pairs[:, 1] = src, dst
-            copy_pattern(rows, self._upload(pairs), align, host_rows=host)
+            items = self._upload(pairs)
+            t3 = time.perf_counter()
+            copy_pattern(rows, items, align, host_rows=host)
+            t4 = time.perf_counter()
             ev = torch.cuda.Event()
             ev.record(self._stream)
+        t5 = time.perf_counter()
+        for k, a, b in (
+            ("table", t0, t1),
+            ("context", t1, t2),
+            ("upload", t2, t3),
+            ("kernel launch", t3, t4),
+            ("event", t4, t5),
+            ("total", t0, t5),
+        ):
+            prof.setdefault(k, []).append((b - a) * 1e6)
         return ev
+
+    def profile_summary(self) -> str:
+        """With ``$KVXFER_LANE_PROFILE`` set: the pattern launches' host time per part (p50
+        µs) and table-cache misses."""
+        prof = self.profile or {}
+        parts = [
+            f"{k} {statistics.median(v):.1f}" for k, v in prof.items() if isinstance(v, list) and v
+        ]
+        return (
+            f"{len(prof.get('total', []))} pattern launches, p50 µs: "
+            + ", ".join(parts)
+            + f"; table misses {prof.get('misses', 0)}"
+        )
 
     def _upload(self, table: np.ndarray):
         """``table`` (int64) on the device, uploaded on the lane's stream (the current one)
@@ -234,6 +281,8 @@ class DeviceLane:
         if self.closed:
             return
         self.closed = True
+        if self.profile:  # diagnostics: straight to stderr (bench/gpu/pattern.sh keeps it)
+            print(f"lane-profile: device {self.device}: {self.profile_summary()}", file=sys.stderr)
         from kvxfer.kernels.cuda_driver import CudaError, ipc_close
 
         torch = self._torch
