@@ -180,3 +180,57 @@ async def _late_metadata():
     finally:
         await d.close()
         await bs.close()
+
+
+def test_busy_poll_moves_bytes_and_stops_at_close():
+    """``KVManager(busy_poll=True)`` keeps its loop polling (the spin callback re-queued every
+    iteration) while a request moves byte-exact, and stops re-queuing once closed."""
+    run_in_child(_busy_poll_main)
+
+
+def _busy_poll_main():
+    asyncio.run(_busy_poll())
+
+
+async def _busy_poll():
+    bs = BootstrapServer(port=0)
+    await bs.start()
+    P, D = Side(11), Side(12)
+    p = KVManager(P.args, "prefill", bootstrap_addr=bs.address, timeouts=T, busy_poll=True)
+    await p.start()
+    d = await KVManager(D.args, "decode", timeouts=T, busy_poll=False).start()
+    try:
+        assert p.busy_poll and not d.busy_poll
+        before = p.stats["spins"]
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert p.stats["spins"] >= before + 2  # one per loop iteration
+        assert d.stats["spins"] == 0
+        recv = KVReceiver(d, bs.address, 5)
+        recv.init()
+        send = KVSender(p, bs.address, 5)
+        send.init(2, 1)
+        recv.send_metadata([7, 8], 6, [2])
+        send.send([4, 5], state_indices=[1])
+        assert await recv.wait(10) == KVPoll.Success
+        assert await send.wait(10) == KVPoll.Success
+        for s, dpage in zip([4, 5], [7, 8]):
+            assert np.array_equal(D.page(dpage), P.page(s))
+        assert np.array_equal(D.state[96:144], P.state[48:96])
+    finally:
+        await d.close()
+        await p.close()
+        await bs.close()
+    after = p.stats["spins"]
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert p.stats["spins"] <= after + 1  # at most the one already queued ran
+
+
+def test_busy_poll_switch(monkeypatch):
+    S = Side(13)
+    monkeypatch.setenv("KVXFER_BUSY_POLL", "1")
+    assert KVManager(S.args, "decode").busy_poll
+    assert not KVManager(S.args, "decode", busy_poll=False).busy_poll
+    monkeypatch.setenv("KVXFER_BUSY_POLL", "0")
+    assert not KVManager(S.args, "decode").busy_poll
