@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
 import threading
 import time
 from typing import Any, Callable, Coroutine, Dict, List, Optional, Set, Tuple, Union
@@ -77,10 +76,6 @@ __all__ = ["DisaggMode", "KVManager", "Link", "Timeouts"]
 log = logging.getLogger(__name__)
 
 
-#: environment switch of ``KVManager(busy_poll=None)``
-BUSY_POLL_ENV = "KVXFER_BUSY_POLL"
-
-
 class KVManager:
     """Transfer manager of one rank. See module docstring for threading and reliability."""
 
@@ -108,7 +103,6 @@ class KVManager:
         trace: Optional[bool] = None,
         tp_stage_min_ops: int = TP_STAGE_MIN_OPS,
         tp_pattern: str = "auto",
-        busy_poll: Optional[bool] = None,
     ) -> None:
         """``mode``: :class:`DisaggMode`, SGLang's ``DisaggregationMode`` or
         ``"prefill"`` / ``"decode"``. ``trace``: record per-request stage timestamps
@@ -121,11 +115,7 @@ class KVManager:
         :class:`~kvxfer.engine.types.PatternWrite` before any of the above is considered:
         ``"auto"`` to a same-host peer whose device lane covers the kv group (CUDA on both
         sides: one copy launch), ``"always"`` to any peer (without a lane the engine posts
-        its expanded runs, the direct plan's PUTs), ``"off"`` never. ``busy_poll``: the
-        event loop never sleeps (a callback re-queued every iteration; None:
-        ``$KVXFER_BUSY_POLL`` set to a value other than 0): one core kept busy per manager,
-        so a request's host work does not start on an idle, clocked-down core with cold
-        caches (docs/latency.md)."""
+        its expanded runs, the direct plan's PUTs), ``"off"`` never."""
         from kvxfer.config import resolve_secret
 
         if not isinstance(args, KVArgs):
@@ -162,9 +152,6 @@ class KVManager:
         if tp_pattern not in TP_PATTERN:
             raise InvalidArgument(f"tp_pattern must be one of {TP_PATTERN}, got {tp_pattern!r}")
         self.tp_pattern = tp_pattern
-        if busy_poll is None:
-            busy_poll = os.environ.get(BUSY_POLL_ENV, "0").strip() not in ("", "0")
-        self.busy_poll = bool(busy_poll)
         self.fingerprint: Dict[str, Any] = args.fingerprint()
         #: end-to-end checksums of every item (kvxfer.disagg.integrity); None when off
         self.integrity: Optional[IntegrityOps] = None
@@ -192,7 +179,6 @@ class KVManager:
             "ops": 0,
             "device_bytes": 0,  # of "bytes": copied by the same-host device lane
             "writes": 0,
-            "spins": 0,  # busy_poll: loop iterations it kept from sleeping
             "lanes": set(),
         }
         #: the role-specific protocol; it sees this manager as a Prefill/DecodeContext
@@ -238,8 +224,6 @@ class KVManager:
         engine.on_peer_closed(self._on_peer_closed)
         await engine.start()
         self.spawn(self._heartbeat())
-        if self.busy_poll:
-            self._spin()
         try:
             await self.side.started()
         except BaseException:
@@ -247,14 +231,6 @@ class KVManager:
             raise
         log.info("%s started on %s", self.name, self.address)
         return self
-
-    def _spin(self) -> None:
-        """``busy_poll``: queue itself again, so the loop polls its selector with a zero
-        timeout and never sleeps, until the manager closes. Runs on: the loop thread."""
-        if not self._closed:
-            assert self.loop is not None
-            self.loop.call_soon(self._spin)
-            self.stats["spins"] += 1
 
     def _make_engine(self, **override: Any) -> Any:
         from kvxfer.engine import EngineConfig, TransferEngine
