@@ -8,7 +8,9 @@
 # (default 16000), PAT_TESTS=0 skips tests and demos, PAT_TEST_FILES narrows the tests,
 # PAT_DEMOS=0 skips the demos, PAT_PATHS=0 skips the --tp-paths run, PAT_BIG=<tokens> adds
 # a 2:1 run at that request size, PAT_STAGES=1 prints every rank's stages (--stages),
-# PAT_PAGES=1 adds 2:1 with pages 16 -> 64 and decode prefix 37 (direct / staged / pattern).
+# PAT_PAGES=1 adds 2:1 with pages 16 -> 64 and decode prefix 37 (direct / staged / pattern;
+# its equal 2:2 and 1:1 rows twice: "equal", byte runs as one PatternWrite per piece class,
+# and "equal-runs", tp_pattern=off: one PUT per run).
 set -o pipefail
 export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD}
@@ -45,10 +47,10 @@ if [ -n "${PAT_BIG:-}" ]; then  # one ratio at a larger request: fixed costs amo
 fi
 if [ -n "${PAT_PAGES:-}" ]; then  # different page sizes + prefix: one launch per piece class
     echo; echo "## kvxfer bench pd --device cuda --modes none --prefill-tp 2 --decode-tp 1 --prefill-page-size 16 --decode-page-size 64 --decode-prefix 37 --kv-layout per_layer,hnd --tp-paths"
-    timeout 200 python3 -m kvxfer bench pd --device cuda --modes none --prefill-tp 2 --decode-tp 1 \
+    timeout 280 python3 -m kvxfer bench pd --device cuda --modes none --prefill-tp 2 --decode-tp 1 \
         --prefill-page-size 16 --decode-page-size 64 --decode-prefix 37 --kv-layout per_layer,hnd \
         --shape-tokens "$TOKENS" --iters 5 --tp-paths \
-        --json-out "$OUT/pattern-pages.json" 2>&1 | grep -v "UCX  WARN\|WARNING" | tail -24 || rc=1
+        --json-out "$OUT/pattern-pages.json" 2>&1 | grep -v "UCX  WARN\|WARNING" | tail -32 || rc=1
 fi
 if [ "${PAT_PATHS:-1}" != 0 ]; then
     echo; echo "## kvxfer bench pd --device cuda --modes none --prefill-tp 2 --decode-tp 1 --kv-layout per_layer,hnd --shape-tokens $TOKENS --tp-paths"
