@@ -79,7 +79,7 @@ def pieces(
         np.arange(-(-start // p) * p, end, p, dtype=np.int64)
         for p in (src_page_size, dst_page_size)
     ]
-    b = np.union1d(np.union1d(cuts[0], cuts[1]), np.array([start, end], dtype=np.int64))
+    b = np.unique(np.concatenate(cuts + [np.array([start, end], dtype=np.int64)]))
     return b[:-1], b[1:]
 
 
@@ -105,13 +105,17 @@ def piece_classes(
     lo, hi = pieces(start, end, ps, pd)
     if not lo.size:
         return []
-    keys = np.stack([lo % ps, lo % pd, hi - lo], axis=1)
-    classes, which = np.unique(keys, axis=0, return_inverse=True)
-    which = which.reshape(-1)
+    m = min(ps, pd) + 1  # a piece holds at most min(ps, pd) tokens
+    key = ((lo % ps) * pd + lo % pd) * m + (hi - lo)  # ascending key: ascending (a, b, n)
+    classes, which = np.unique(key, return_inverse=True)
+    order = np.argsort(which.reshape(-1), kind="stable")  # by class, tokens ascending within
+    cuts = np.searchsorted(which.reshape(-1)[order], np.arange(classes.size + 1))
     out = []
-    for c, (a, b, n) in enumerate(classes.tolist()):
-        k = lo[which == c]
-        out.append(((int(a), int(b), int(n)), src[k // ps - src_first_page], dst[k // pd]))
+    for c, kk in enumerate(classes.tolist()):
+        k = lo[order[cuts[c] : cuts[c + 1]]]
+        ab, n = divmod(kk, m)
+        a, b = divmod(ab, pd)
+        out.append(((a, b, n), src[k // ps - src_first_page], dst[k // pd]))
     return out
 
 
