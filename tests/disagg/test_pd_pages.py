@@ -93,8 +93,10 @@ def _run(pc, room, kind, pp, pd, tokens, prefix, declare=True, decode_first=Fals
     new = {k: v - kinds.get(k, 0) for k, v in after.items() if v != kinds.get(k, 0)}
     if whole:
         assert set(new) == {"ItemWrite"}, new
-    else:  # byte runs: PatternWrites when forced, else (no device lane on CPU) RawWrites
-        assert set(new) == {"PatternWrite" if pattern else "RawWrite"}, new
+    else:  # byte runs: PatternWrites when forced or (auto) the device lane takes them
+        lanes = p[pn].device_lanes()
+        lane = bool(lanes) and all(can for _, _, can in lanes.values())
+        assert set(new) == {"PatternWrite" if pattern or lane else "RawWrite"}, (new, lanes)
     _clean((p, pn), (d, dn))
 
 
