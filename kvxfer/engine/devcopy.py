@@ -175,6 +175,7 @@ class DeviceLane:
 
         prof = self.profile
         t0 = time.perf_counter() if prof is not None else 0.0
+        c0 = time.thread_time() if prof is not None else 0.0
         entry = self._patterns.pop(id(pattern), None)
         if entry is None or entry[1] != tuple(lptrs):
             if prof is not None:
@@ -217,6 +218,9 @@ class DeviceLane:
             ev = torch.cuda.Event()
             ev.record(self._stream)
         t5 = time.perf_counter()
+        # the thread's CPU time next to the wall time: a gap is waiting (GIL, driver locks,
+        # preemption), not slow execution
+        prof.setdefault("total cpu", []).append((time.thread_time() - c0) * 1e6)
         for k, a, b in (
             ("table", t0, t1),
             ("context", t1, t2),
