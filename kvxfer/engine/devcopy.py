@@ -20,8 +20,7 @@ Invariants
 - Every op it copies was validated by the planner against the peer's descriptors and is
   checked again here against its remote region before translation; nothing is launched
   unless every op fits.
-- Launches go to one stream per lane on the local memory's device; their tables travel
-  from pinned memory (the host never waits for an upload). A write awaits its own event:
+- Launches go to one stream per lane on the local memory's device. A write awaits its own event:
   polled inline briefly, then once per loop iteration, then in the default executor (the
   GIL released), so the event loop never blocks for long.
 - A PatternWrite (:meth:`DeviceLane.launch_pattern`) is one launch of
@@ -174,7 +173,7 @@ class DeviceLane:
         from kvxfer.kernels.pattern_copy import copy_pattern, pattern_rows, row_alignment
 
         prof = self.profile
-        t0 = time.perf_counter() if prof is not None else 0.0
+        t0 = time.perf_counter()
         c0 = time.thread_time() if prof is not None else 0.0
         entry = self._patterns.pop(id(pattern), None)
         if entry is None or entry[1] != tuple(lptrs):
@@ -198,14 +197,6 @@ class DeviceLane:
                 self._patterns.pop(next(iter(self._patterns)))
         self._patterns[id(pattern)] = entry
         _, _, host, rows, align = entry
-        if prof is None:
-            with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-                pairs = np.empty((len(src), 2), dtype=np.int64)
-                pairs[:, 0], pairs[:, 1] = src, dst
-                copy_pattern(rows, self._upload(pairs), align, host_rows=host)
-                ev = torch.cuda.Event()
-                ev.record(self._stream)
-            return ev
         t1 = time.perf_counter()
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             t2 = time.perf_counter()
@@ -217,20 +208,20 @@ class DeviceLane:
             t4 = time.perf_counter()
             ev = torch.cuda.Event()
             ev.record(self._stream)
-        t5 = time.perf_counter()
-        # the thread's CPU time next to the wall time: a gap is waiting (GIL, driver locks,
-        # preemption), not slow execution
-        prof.setdefault("total cpu", []).append((time.thread_time() - c0) * 1e6)
-        for k, a, b in (
-            ("table", t0, t1),
-            ("context", t1, t2),
-            ("upload", t2, t3),
-            ("kernel launch", t3, t4),
-            ("event", t4, t5),
-            ("total", t0, t5),
-        ):
-            prof.setdefault(k, []).append((b - a) * 1e6)
+        if prof is not None:
+            self._profile(prof, c0, t0, t1, t2, t3, t4, time.perf_counter())
         return ev
+
+    @staticmethod
+    def _profile(prof: Dict[str, Any], c0: float, *t: float) -> None:
+        """Record one pattern launch's parts (wall µs from the stamps ``t``) and the loop
+        thread's CPU time over it: a gap between the two is waiting (GIL, driver locks,
+        preemption), not slow execution."""
+        prof.setdefault("total cpu", []).append((time.thread_time() - c0) * 1e6)
+        names = ("table", "context", "upload", "kernel launch", "event")
+        for k, a, b in zip(names, t, t[1:]):
+            prof.setdefault(k, []).append((b - a) * 1e6)
+        prof.setdefault("total", []).append((t[-1] - t[0]) * 1e6)
 
     def profile_summary(self) -> str:
         """With ``$KVXFER_LANE_PROFILE`` set: the pattern launches' host time per part (p50
@@ -246,16 +237,15 @@ class DeviceLane:
         )
 
     def _upload(self, table: np.ndarray):
-        """``table`` (int64) on the device, uploaded on the lane's stream (the current one)
-        from pinned memory, so the host never waits for the copy (from pageable memory the
-        driver stages it first: the loop thread blocked until the GPU took it; with other
-        processes' work on the GPU, for their time slice). torch's caching host allocator
-        reuses the pinned block only after this copy ran; the device tensor, allocated on
-        the lane's stream, only after the launch that reads it."""
-        torch = self._torch
-        buf = torch.empty(table.shape, dtype=torch.int64, pin_memory=True)
-        buf.numpy()[...] = table
-        return buf.to(f"cuda:{self.device}", non_blocking=True)
+        """``table`` (int64) on the device, copied on the lane's stream (the current one):
+        from pageable memory the driver stages it before returning, so ``table`` may be
+        reused at once; the device tensor, allocated on the lane's stream, is reused only
+        after the launch that reads it. (A pinned staging buffer was tried on the H200: the
+        host time of this step stayed 180-230 µs in the PD bench, bench/results/
+        tp-pattern-h200.md, so the simpler copy stays.)"""
+        t = self._torch.from_numpy(table).to(f"cuda:{self.device}", non_blocking=True)
+        t.record_stream(self._stream)  # not reused before the launch ran
+        return t
 
     @staticmethod
     async def wait(ev, spin_s: float = WAIT_SPIN_S, poll_s: float = WAIT_POLL_S) -> None:

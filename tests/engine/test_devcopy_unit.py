@@ -51,3 +51,31 @@ def test_blob_round_trip_keeps_every_byte():
     assert len(blob) == cuda_driver.IPC_BLOB_BYTES and blob[:64] == raw
     h2, off = cuda_driver.unpack_blob(blob)
     assert off == 12345 and h2 == raw
+
+
+def test_lane_profile_parts_and_summary():
+    """$KVXFER_LANE_PROFILE's record of pattern launches: each part is the gap between two
+    stamps, the total their span, the CPU time kept apart; the summary gives p50s."""
+    import types
+
+    from kvxfer.engine.devcopy import DeviceLane
+
+    prof: dict = {}
+    for base in (0.0, 1.0, 2.0):  # stamps in seconds: parts of 1, 2, 3, 4, 5 µs
+        t = [base + x * 1e-6 for x in (0, 1, 3, 6, 10, 15)]
+        DeviceLane._profile(prof, 0.0, *t)
+    assert [round(v, 6) for v in prof["context"]] == [2.0] * 3
+    assert [round(v, 6) for v in prof["total"]] == [15.0] * 3
+    assert set(prof) == {
+        "total cpu",
+        "table",
+        "context",
+        "upload",
+        "kernel launch",
+        "event",
+        "total",
+    }
+    prof["misses"] = 2
+    text = DeviceLane.profile_summary(types.SimpleNamespace(profile=prof))
+    assert text.startswith("3 pattern launches, p50 µs: ")
+    assert "kernel launch 4.0" in text and "event 5.0" in text and text.endswith("table misses 2")
