@@ -9,6 +9,11 @@ tile kernel that issues all of a program's rows at once), against ``copy_`` of t
 bytes (contiguous: the copy limit) and torch's own strided copy of the same head slices, and
 the wait for completion: spinning on ``Event.query`` vs ``Event.synchronize`` in a thread.
 
+Then the launch's host time (wall and thread CPU) alone and next to each suspect of the PD
+workers' 5-8x slower launches (bench/results/tp-pattern-h200.md): a Python thread holding the
+GIL, a thread polling a CUDA event, another process's GPU work (``--contention-only``: just
+that part, a few seconds).
+
     python3 bench/gpu/pattern_diag.py [--pages 1000] [--layers 4] [--heads 8] [--head-dim 64]
 """
 
@@ -103,6 +108,86 @@ def gpu_us(f, n=30):
     return statistics.median(out)
 
 
+def _launch_parts(rows, items_host, host, dev, stream):
+    """One pattern launch as DeviceLane.launch_pattern does it; wall and thread CPU µs."""
+    t0, c0 = time.perf_counter(), time.thread_time()
+    with torch.cuda.device(dev), torch.cuda.stream(stream):
+        items = torch.from_numpy(items_host).to(dev, non_blocking=True)
+        items.record_stream(stream)
+        copy_pattern(rows, items, 16, host_rows=host)
+        ev = torch.cuda.Event()
+        ev.record(stream)
+    return (time.perf_counter() - t0) * 1e6, (time.thread_time() - c0) * 1e6, ev
+
+
+def _gpu_neighbour(stop, ready):  # another process with its own context, copying all along
+    import torch as t
+
+    a = t.empty(1 << 28, dtype=t.uint8, device="cuda:0")
+    b = t.empty_like(a)
+    ready.set()
+    while not stop.is_set():
+        b.copy_(a)
+        t.cuda.synchronize()
+
+
+def contention(rows, items, host, pairs, dev) -> None:
+    """The launch's host time (wall / thread CPU, p50 of 40, launches 1 ms apart) alone and
+    next to each suspect of the PD workers: a Python thread holding the GIL, a thread polling
+    a CUDA event (as UCX's cuda_ipc progress does), another process's GPU work."""
+    import multiprocessing as mp
+    import threading
+
+    stream = torch.cuda.Stream(dev)
+
+    def measure(tag):
+        walls, cpus = [], []
+        for _ in range(40):
+            w, c, ev = _launch_parts(rows, pairs, host, dev, stream)
+            walls.append(w)
+            cpus.append(c)
+            ev.synchronize()
+            time.sleep(0.001)
+        print(
+            f"{tag}: launch wall {statistics.median(walls):.1f} µs, "
+            f"thread CPU {statistics.median(cpus):.1f} µs"
+        )
+
+    print("\n## launch host time under contention")
+    measure("alone")
+    stop = threading.Event()
+
+    def py_spin():
+        x = 0
+        while not stop.is_set():
+            x += 1
+
+    def ev_poll():
+        ev = torch.cuda.Event()
+        ev.record()
+        while not stop.is_set():
+            ev.query()
+
+    for name, fn in (
+        ("a Python thread spinning (GIL)", py_spin),
+        ("a thread polling Event.query", ev_poll),
+    ):
+        stop.clear()
+        th = threading.Thread(target=fn, daemon=True)
+        th.start()
+        measure(f"with {name}")
+        stop.set()
+        th.join()
+    ctx = mp.get_context("spawn")
+    pstop, ready = ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=_gpu_neighbour, args=(pstop, ready), daemon=True)
+    proc.start()
+    if ready.wait(60):
+        measure("with another process copying on the GPU")
+    pstop.set()
+    proc.join(30)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pages", type=int, default=1000)
@@ -110,6 +195,9 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument(
+        "--contention-only", action="store_true", help="only the launch-under-contention part"
+    )
     a = ap.parse_args()
     dev = torch.device("cuda:0")
     torch.cuda.set_device(dev)
@@ -157,6 +245,9 @@ def main() -> None:
     align = 16
     copy_pattern(rows, items, align, host_rows=host)
     print("shipped copy_pattern:", check("shipped"))
+    contention(rows, items, host, pairs, dev)
+    if a.contention_only:
+        return
 
     # host costs
     print("\n## host µs per launch part (median)")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The pattern launch's host and GPU costs and a kernel-variant sweep (bench/gpu/pattern_diag.py)
-# on one H200. Writes $OUT/pattern_diag.md. Env PDIAG_ARGS: extra arguments.
+# on one H200. Writes $OUT/pattern_diag.md. Env PDIAG_ARGS: extra arguments (--contention-only:
+# only the launch under contention, seconds).
 set -o pipefail
 export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD}
