@@ -136,8 +136,10 @@ def contention(rows, items, host, pairs, dev) -> None:
     next to each suspect of the PD workers: a Python thread holding the GIL, a thread polling
     a CUDA event (as UCX's cuda_ipc progress does), another process's GPU work."""
     import multiprocessing as mp
+    import sys
     import threading
 
+    sys.setswitchinterval(0.0005)  # as in the PD workers (kvxfer.pd_demo.worker)
     stream = torch.cuda.Stream(dev)
 
     def measure(tag):
