@@ -79,3 +79,57 @@ def test_lane_profile_parts_and_summary():
     text = DeviceLane.profile_summary(types.SimpleNamespace(profile=prof))
     assert text.startswith("3 pattern launches, p50 µs: ")
     assert "kernel launch 4.0" in text and "event 5.0" in text and text.endswith("table misses 2")
+
+
+class _FakeEvent:
+    """A CUDA event stand-in: done after ``n`` queries, or when synchronize() runs."""
+
+    def __init__(self, n):
+        self.n, self.queries, self.synced = n, 0, None
+
+    def query(self):
+        self.queries += 1
+        return self.queries > self.n
+
+    def synchronize(self):
+        import threading
+
+        self.synced = threading.current_thread().name
+
+
+@pytest.mark.parametrize("n", [0, 3, 50])
+def test_lane_wait_polls_on_the_loop_until_done(n):
+    """A launch that completes while polled (inline, then once per loop iteration) is seen
+    on the loop thread: no executor hop, other callbacks ran between the loop polls."""
+    import asyncio
+
+    from kvxfer.engine.devcopy import DeviceLane
+
+    async def main():
+        ev, ticks = _FakeEvent(n), []
+        loop = asyncio.get_running_loop()
+
+        def tick():
+            ticks.append(1)
+            if len(ticks) < 1000:
+                loop.call_soon(tick)
+
+        loop.call_soon(tick)
+        await DeviceLane.wait(ev, spin_s=0.0, poll_s=5.0)
+        return ev, len(ticks)
+
+    ev, ticks = asyncio.run(main())
+    assert ev.synced is None and ev.queries == n + 1
+    assert ticks >= max(0, n - 2)  # the loop kept running while it polled
+
+
+def test_lane_wait_falls_back_to_a_thread():
+    """An event still pending after the polling window is waited for in the executor."""
+    import asyncio
+    import threading
+
+    from kvxfer.engine.devcopy import DeviceLane
+
+    ev = _FakeEvent(10**9)
+    asyncio.run(DeviceLane.wait(ev, spin_s=0.0, poll_s=0.0))
+    assert ev.synced is not None and ev.synced != threading.main_thread().name
