@@ -138,8 +138,8 @@ class PrefillContext(SideContext, Protocol):
 
     @property
     def tp_pattern(self) -> str:
-        """When hetero-TP kv writes are PatternWrites: "auto" (the peer's device lane covers
-        kv), "always", "off"."""
+        """When split kv writes (hetero-TP slices, byte runs at any TP) are PatternWrites:
+        "auto" (the peer's device lane covers kv), "always", "off"."""
 
     def hook(self, point: str, room: int) -> None: ...
 

@@ -111,11 +111,15 @@ class KVManager:
         direct plan needs more PUTs than this (head slices inside token rows) goes staged
         as a :class:`~kvxfer.engine.types.SliceWrite` (docs/shapes.md "The staged path");
         0: always direct. Both sides need it > 0 (it gives the kv group staging memory).
-        ``tp_pattern``: with a TP shape, a kv write whose share is not whole pages is one
-        :class:`~kvxfer.engine.types.PatternWrite` before any of the above is considered:
-        ``"auto"`` to a same-host peer whose device lane covers the kv group (CUDA on both
-        sides: one copy launch), ``"always"`` to any peer (without a lane the engine posts
-        its expanded runs, the direct plan's PUTs), ``"off"`` never."""
+        ``tp_pattern``: where the kv pages are split, the write goes as
+        :class:`~kvxfer.engine.types.PatternWrite` s before any of the above is considered:
+        with a TP shape, a share that is not whole pages is one; at any TP (equal too), the
+        byte runs of different page sizes or an unaligned decode prefix are one per piece
+        class (:func:`kvxfer.disagg.page_map.piece_classes`, docs/shapes.md "Patterns at
+        equal TP"). ``"auto"`` to a same-host peer whose device lane covers the kv group
+        (CUDA on both sides: one copy launch each), ``"always"`` to any peer (without a lane
+        the engine posts their expanded runs: the same bytes as the runs it replaces),
+        ``"off"`` never. Whole pages and layer-wise sends keep their writes."""
         from kvxfer.config import resolve_secret
 
         if not isinstance(args, KVArgs):

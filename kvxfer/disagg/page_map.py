@@ -20,11 +20,19 @@ descriptor per page run (the op count of an ItemWrite). Cost: numpy over
 ``pieces x segments``, where a piece is the token span inside one source page and one
 destination page; no Python loop per page. Ops this costs per layout:
 bench/results/pages-cpu.md; the shapes supported: docs/shapes.md.
+
+Patterns. :func:`plan_patterns` gives the same bytes as one
+:class:`~kvxfer.engine.types.PatternWrite` per *piece class* (:func:`piece_classes`: the
+pieces with the same source slot, destination slot and length share their page-relative runs,
+:func:`piece_pattern`): a same-host device lane copies each in one launch, whatever the run
+count (16 -> 64 aligned: four classes). :mod:`kvxfer.disagg.tp_tokens` groups a
+heterogeneous-TP pair's pieces the same way.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
@@ -71,8 +79,129 @@ def pieces(
         np.arange(-(-start // p) * p, end, p, dtype=np.int64)
         for p in (src_page_size, dst_page_size)
     ]
-    b = np.union1d(np.union1d(cuts[0], cuts[1]), np.array([start, end], dtype=np.int64))
+    b = np.unique(np.concatenate(cuts + [np.array([start, end], dtype=np.int64)]))
     return b[:-1], b[1:]
+
+
+def piece_classes(
+    src: np.ndarray,
+    dst: np.ndarray,
+    src_page_size: int,
+    dst_page_size: int,
+    start: int,
+    end: int,
+    src_first_page: int = 0,
+) -> List[Tuple[Tuple[int, int, int], np.ndarray, np.ndarray]]:
+    """The :func:`pieces` of ``[start, end)`` grouped by *class* ``(a, b, n)``: source slot
+    ``a``, destination slot ``b``, ``n`` tokens; per class (ascending key) the source and
+    destination page ids of its pieces (``src`` / ``dst`` indexed as in :func:`plan_runs`;
+    the window is the caller's to check). Every piece is in exactly one class, and within a
+    class the source pages are distinct and so are the destination pages (two pieces with the
+    same slot in one page would be one piece). With page sizes that divide one another and an
+    aligned window there is one class per slot of the smaller page in the larger, plus the
+    partial pieces at the ends: the form a :class:`~kvxfer.engine.types.PatternWrite` takes
+    (one per class, the same item-relative runs for each of its page pairs)."""
+    ps, pd = int(src_page_size), int(dst_page_size)
+    lo, hi = pieces(start, end, ps, pd)
+    if not lo.size:
+        return []
+    m = min(ps, pd) + 1  # a piece holds at most min(ps, pd) tokens
+    key = ((lo % ps) * pd + lo % pd) * m + (hi - lo)  # ascending key: ascending (a, b, n)
+    classes, which = np.unique(key, return_inverse=True)
+    order = np.argsort(which.reshape(-1), kind="stable")  # by class, tokens ascending within
+    cuts = np.searchsorted(which.reshape(-1)[order], np.arange(classes.size + 1))
+    out = []
+    for c, kk in enumerate(classes.tolist()):
+        k = lo[order[cuts[c] : cuts[c + 1]]]
+        ab, n = divmod(kk, m)
+        a, b = divmod(ab, pd)
+        out.append(((a, b, n), src[k // ps - src_first_page], dst[k // pd]))
+    return out
+
+
+def class_token(a: int, b: int, src_page_size: int, dst_page_size: int) -> int:
+    """The first token ``t >= 0`` at source slot ``a`` and destination slot ``b``
+    (``t % src_page_size == a``, ``t % dst_page_size == b``): where a piece of class
+    ``(a, b, n)`` can be planned on its own. ValueError when no token is (no such piece)."""
+    ps, pd = src_page_size, dst_page_size
+    return next(t for t in range(a, ps * pd + a, ps) if t % pd == b)
+
+
+@lru_cache(maxsize=512)
+def piece_pattern(
+    geom: TokenGeometry, src_page_size: int, dst_page_size: int, a: int, b: int, n: int
+) -> Any:
+    """The :class:`~kvxfer.engine.slices.PatternRuns` of one piece of class ``(a, b, n)``
+    (:func:`piece_classes`), relative to its source and destination page: :func:`plan_runs`
+    of that piece alone, with both pages at id 0. Cached (the same object each time: the
+    device lane keeps its run table per pattern object)."""
+    ps, pd = src_page_size, dst_page_size
+    t = class_token(a, b, ps, pd)
+    runs = plan_runs(
+        geom,
+        np.zeros(1, dtype=np.int64),
+        ps,
+        np.zeros(t // pd + 1, dtype=np.int64),
+        pd,
+        t,
+        t + n,
+        src_first_page=t // ps,
+    )
+    from kvxfer.engine.slices import PatternRuns
+
+    by_desc = [runs.desc == d for d in range(len(geom.segments))]
+    return PatternRuns.make(
+        [(runs.src_off[k], runs.dst_off[k], runs.nbytes[k]) for k in by_desc],
+        geom.item_lens(ps),
+        geom.item_lens(pd),
+    )
+
+
+def plan_patterns(
+    geom: TokenGeometry,
+    src_pages: np.ndarray,
+    src_page_size: int,
+    dst_pages: np.ndarray,
+    dst_page_size: int,
+    start: int,
+    end: int,
+    *,
+    src_first_page: int = 0,
+) -> List[Tuple[np.ndarray, np.ndarray, Any]]:
+    """:func:`plan_runs` as per-page patterns: ``[(src ids, dst ids, runs)]``, one entry per
+    piece class (:func:`piece_classes`), ``runs`` its :func:`piece_pattern` (cached).
+    Applying every entry's runs to its page pairs moves exactly the bytes of
+    :func:`plan_runs` (same arguments, same checks); within an entry the destination pages
+    are distinct."""
+    ps, pd = int(src_page_size), int(dst_page_size)
+    src = np.asarray(src_pages, dtype=np.int64).reshape(-1)
+    dst = np.asarray(dst_pages, dtype=np.int64).reshape(-1)
+    _check_window(src, ps, dst, pd, start, end, src_first_page)
+    return [
+        (s, d, piece_pattern(geom, ps, pd, a, b, n))
+        for (a, b, n), s, d in piece_classes(src, dst, ps, pd, start, end, src_first_page)
+    ]
+
+
+def _check_window(
+    src: np.ndarray, ps: int, dst: np.ndarray, pd: int, start: int, end: int, first: int
+) -> None:
+    """InvalidArgument for a page size <= 0 or a negative start; IndexOutOfRange when a
+    non-empty ``[start, end)`` is not inside the pages (:func:`plan_runs`)."""
+    if ps <= 0 or pd <= 0 or start < 0:
+        raise InvalidArgument(f"page sizes {ps}/{pd} must be > 0 and start {start} >= 0")
+    if end <= start:
+        return
+    lo_tok, hi_tok = first * ps, (first + src.size) * ps
+    if start < lo_tok or end > hi_tok:
+        raise IndexOutOfRange(
+            f"tokens [{start}, {end}) not inside the source pages' [{lo_tok}, {hi_tok})"
+        )
+    if end > dst.size * pd:
+        raise IndexOutOfRange(
+            f"tokens [{start}, {end}) need {-(-end // pd)} destination pages of {pd}, "
+            f"got {dst.size}"
+        )
 
 
 def plan_runs(
@@ -94,22 +223,11 @@ def plan_runs(
     (flattened descriptor-major): only those segments' bytes move (one layer's, say:
     :mod:`kvxfer.disagg.layerwise`)."""
     ps, pd = int(src_page_size), int(dst_page_size)
-    if ps <= 0 or pd <= 0 or start < 0:
-        raise InvalidArgument(f"page sizes {ps}/{pd} must be > 0 and start {start} >= 0")
     src = np.asarray(src_pages, dtype=np.int64)
     dst = np.asarray(dst_pages, dtype=np.int64)
+    _check_window(src, ps, dst, pd, start, end, src_first_page)
     if end <= start:
         return Runs.empty()
-    lo_tok, hi_tok = src_first_page * ps, (src_first_page + src.size) * ps
-    if start < lo_tok or end > hi_tok:
-        raise IndexOutOfRange(
-            f"tokens [{start}, {end}) not inside the source pages' [{lo_tok}, {hi_tok})"
-        )
-    if end > dst.size * pd:
-        raise IndexOutOfRange(
-            f"tokens [{start}, {end}) need {-(-end // pd)} destination pages of {pd}, "
-            f"got {dst.size}"
-        )
     lo, hi = pieces(start, end, ps, pd)
     s_page = src[lo // ps - src_first_page]
     d_page = dst[lo // pd]
@@ -280,11 +398,26 @@ class RoomPages:
         )
 
     def patterns(self, src: np.ndarray, first_page: int, dst: np.ndarray) -> List[Any]:
-        """The byte-run path of a heterogeneous-TP pair as PatternWrites (the same bytes as
-        :meth:`runs`, one per piece class: ``TpPair.token_patterns``)."""
-        assert self.tp is not None
+        """The byte-run path as PatternWrites of kv, one per piece class (:func:`piece_classes`):
+        the same bytes as :meth:`runs`. Equal TP: :func:`plan_patterns` of ``geom``; a
+        heterogeneous-TP pair: ``TpPair.token_patterns``."""
         lo, hi = self.chunk_tokens(first_page, len(src))
-        return self.tp.token_patterns(src, dst, lo, hi, first_page, self.salt)
+        if self.tp is not None:
+            return self.tp.token_patterns(src, dst, lo, hi, first_page, self.salt)
+        assert self.geom is not None
+        from kvxfer.engine.types import PatternWrite
+
+        pats = plan_patterns(
+            self.geom,
+            src,
+            self.src_page_size,
+            dst,
+            self.dst_page_size,
+            lo,
+            hi,
+            src_first_page=first_page,
+        )
+        return [PatternWrite("kv", s, d, runs) for s, d, runs in pats]
 
     def dst_pages_done(self, src_pages_done: int) -> int:
         """Destination pages complete once ``src_pages_done`` source pages were sent."""
@@ -298,6 +431,10 @@ __all__ = [
     "Runs",
     "RoomPages",
     "plan_runs",
+    "plan_patterns",
+    "piece_classes",
+    "piece_pattern",
+    "class_token",
     "pieces",
     "check_span",
 ]

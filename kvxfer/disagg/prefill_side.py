@@ -311,8 +311,9 @@ class PrefillSide:
     def _kv_part(self, r: Room, src: np.ndarray, first: int) -> Any:
         """The kv write of a chunk of source pages starting at page ``first``: an ItemWrite
         of whole pages, a RawWrite of byte runs (``r.pages_map``), with heterogeneous TP a
-        PatternWrite (or a list of them: one per piece class of different page sizes);
-        None if nothing moves."""
+        PatternWrite; byte runs (different page sizes, a prefix that is not page-aligned, at
+        any TP) under :meth:`_pattern` a list of PatternWrites, one per piece class; None if
+        nothing moves."""
         pm = r.pages_map
         if not pm.by_runs:
             s, d = pm.whole_pages(src, first, r.dst_kv)
@@ -326,7 +327,7 @@ class PrefillSide:
                 return link.tp.write("kv", s, d, r.room, stage_min_ops=stage, pattern=pattern)
             return _item_write()("kv", s, d) if len(s) else None
         link = r.link
-        if link is not None and link.tp is not None and self._pattern(link):
+        if link is not None and self._pattern(link):
             return pm.patterns(src, first, r.dst_kv) or None  # one launch per piece class
         runs = pm.runs(src, first, r.dst_kv)
         if not len(runs):
@@ -334,7 +335,8 @@ class PrefillSide:
         return runs.raw_write("kv")
 
     def _pattern(self, link: Link) -> bool:
-        """Whether this pair's kv slices go as PatternWrites (``KVManager(tp_pattern=)``)."""
+        """Whether this link's split kv pages (a heterogeneous-TP pair's slices, or byte runs
+        at any TP) go as PatternWrites (``KVManager(tp_pattern=)``)."""
         mode = self.mgr.tp_pattern
         return mode == "always" or (mode == "auto" and link.peer.can_pattern("kv"))
 

@@ -341,6 +341,8 @@ def new_leg(mgr: Any, parent: Room, rank: int, link: Link) -> Room:
     legs: Legs = parent.legs
     leg = Room(parent.room, parent.role, lambda _s, _e: leg_released(mgr, parent))
     leg.parent = parent
+    if parent.trace is not None and mgr.trace is not None:  # its own stages, same room id
+        leg.trace = mgr.trace.start(parent.room, f"{parent.trace['role']}.leg{rank}")
     legs.by_rank[rank] = leg
     return leg
 

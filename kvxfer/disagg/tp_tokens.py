@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import numpy as np
 
 from kvxfer.disagg.errors import TpShapeMismatch
-from kvxfer.disagg.page_map import pieces
+from kvxfer.disagg.page_map import class_token, piece_classes, pieces
 from kvxfer.disagg.runs import Runs
 from kvxfer.disagg.tp_plan import ItemGeometry, Segment, _pair, plan_axis
 from kvxfer.errors import IndexOutOfRange, InvalidArgument
@@ -218,28 +218,19 @@ class TokenPlan:
         salt: int = 0,
     ) -> List[Tuple[np.ndarray, np.ndarray, Any]]:
         """The runs of :meth:`runs` as per-page patterns: ``[(src ids, dst ids, runs)]``,
-        one entry per piece class (a piece's source slot, destination slot and length: with
-        page sizes dividing one another and an aligned window, one class per slot of the
-        smaller page in the larger plus the partial pieces at the ends); ``runs``: a
+        one entry per piece class (:func:`kvxfer.disagg.page_map.piece_classes`: a piece's
+        source slot, destination slot and length); ``runs``: a
         :class:`~kvxfer.engine.slices.PatternRuns` relative to one page on each side
         (:func:`piece_runs`, cached). Applying every
         entry's runs to its page pairs moves exactly the bytes of :meth:`runs`; within an
         entry the destination pages are distinct."""
         ps, pd = self.src_page_size, self.dst_page_size
         src, dst = self._window(src_pages, dst_pages, start, end, src_first_page)
-        if end <= start:
-            return []
-        lo, hi = pieces(start, end, ps, pd)
-        keys = np.stack([lo % ps, lo % pd, hi - lo], axis=1)
-        classes, which = np.unique(keys, axis=0, return_inverse=True)
-        which = which.reshape(-1)
         out = []
-        for c, (a, b, n) in enumerate(classes.tolist()):
-            k = np.flatnonzero(which == c)
+        for (a, b, n), s, d in piece_classes(src, dst, ps, pd, start, end, src_first_page):
             runs = piece_runs(self, a, b, n, int(salt) % self.prefill_tp)
-            if runs is None:
-                continue
-            out.append((src[lo[k] // ps - src_first_page], dst[lo[k] // pd], runs))
+            if runs is not None:
+                out.append((s, d, runs))
         return out
 
     def _segment(
@@ -309,8 +300,7 @@ def piece_runs(plan: TokenPlan, a: int, b: int, n: int, salt: int) -> Any:
     (:meth:`TokenPlan.patterns`), None when the pair moves nothing of it. Cached (the same
     object each time: the device lane keeps its run table per pattern object)."""
     ps, pd = plan.src_page_size, plan.dst_page_size
-    # a token t with t % ps == a and t % pd == b (a piece of this class exists, so one does)
-    t = next(t for t in range(a, ps * pd + a, ps) if t % pd == b)
+    t = class_token(a, b, ps, pd)  # (a piece of this class exists, so one does)
     runs = plan.runs(
         np.zeros(1, dtype=np.int64),
         np.zeros(t // pd + 1, dtype=np.int64),

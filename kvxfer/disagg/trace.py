@@ -12,7 +12,8 @@ names (prefill stamps the last chunk only; decode its Done):
 * prefill: ``send`` (``KVSender.send`` on the scheduler thread), ``loop`` (picked up on the
   loop thread), ``plan`` (page map done), ``write`` (``Peer.write`` called, after the task
   hop), then from the engine's :class:`~kvxfer.engine.types.TransferStats`: ``planned``
-  (its planning done: the post starts), ``posted`` (native post, with any device launch,
+  (its planning done: the post starts), ``launched`` (its device-lane launches returned, when
+  it had any), ``posted`` (native post, with any device launch,
   returned), ``flushed`` (UCX reported the flush), ``woken`` (the loop resumed after it), ``notified``
   (the notification handed to UCX and ``Peer.write`` returned).
 * decode: ``recv`` (Done decoded on the loop, room found), ``handled`` (room at Success),
@@ -54,14 +55,18 @@ def mark_write(rec: Record, t_call: int, t_ret: int, stats: Any) -> None:
     the end of posting), the write having returned at ``t_ret``."""
     total = int((stats.post_s + stats.complete_s) * 1e9)
     posted = t_ret - int(stats.complete_s * 1e9)
+    planned = max(t_call, t_ret - total)
     rec.update(
         write=t_call,
-        planned=max(t_call, t_ret - total),
+        planned=planned,
         posted=posted,
         flushed=posted + int(stats.flush_s * 1e9),
         woken=posted + int(stats.wake_s * 1e9),
         notified=t_ret,
     )
+    launch_s = getattr(stats, "launch_s", 0.0)
+    if launch_s:
+        rec["launched"] = planned + int(launch_s * 1e9)
 
 
 class StageTrace:

@@ -20,8 +20,9 @@ Invariants
 - Every op it copies was validated by the planner against the peer's descriptors and is
   checked again here against its remote region before translation; nothing is launched
   unless every op fits.
-- Launches go to one stream per lane on the local memory's device; a write awaits its own
-  event (in the default executor, the GIL released), so the event loop never blocks.
+- Launches go to one stream per lane on the local memory's device. A write awaits its own event:
+  polled inline briefly, then once per loop iteration, then in the default executor (the
+  GIL released), so the event loop never blocks for long.
 - A PatternWrite (:meth:`DeviceLane.launch_pattern`) is one launch of
   :func:`kvxfer.kernels.pattern_copy.copy_pattern`: its run table (a few hundred rows per
   page geometry) is built and uploaded once per pattern object and cached (bounded); per
@@ -36,9 +37,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
+import statistics
+import sys
 import time
-from typing import Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -52,9 +56,13 @@ _U64 = np.uint64
 MEMCPY_MAX_RUNS = 4
 #: bytes per kernel task (one GPU program each)
 TILE_BYTES = 1 << 20
-#: how long :meth:`DeviceLane.wait` polls a launch's event on the loop before it waits in a
-#: thread, seconds
+#: how long :meth:`DeviceLane.wait` polls a launch's event inline (the loop blocked), seconds
 WAIT_SPIN_S = 50e-6
+#: then how long it polls the event once per loop iteration (other callbacks run between
+#: polls) before it waits in a thread (one hop, bench/results/tp-pattern-h200.md), seconds
+WAIT_POLL_S = 5e-3
+#: set (non-empty) to time each pattern launch's host parts; printed at close (diagnostics)
+PROFILE_ENV = "KVXFER_LANE_PROFILE"
 #: pattern run tables kept on the device (per pattern object, least recently used dropped)
 PATTERN_CACHE = 16
 
@@ -100,6 +108,8 @@ class DeviceLane:
         #: id(pattern) -> (pattern, local bases, host rows, device rows, align); the pattern
         #: is held so that its id is not reused while cached
         self._patterns: Dict[int, tuple] = {}
+        #: host-time parts of each pattern launch ($KVXFER_LANE_PROFILE, diagnostics)
+        self.profile: Optional[Dict[str, Any]] = {} if os.environ.get(PROFILE_ENV) else None
 
     @property
     def active(self) -> bool:
@@ -140,10 +150,7 @@ class DeviceLane:
                     TILE_BYTES,
                 )
                 for align, part in split_by_alignment(tasks):
-                    # from pageable memory the driver stages `part` before returning
-                    table = torch.from_numpy(part).to(f"cuda:{self.device}", non_blocking=True)
-                    table.record_stream(self._stream)  # not reused before the launch ran
-                    copy_tasks(table, align, host_tasks=part)
+                    copy_tasks(self._upload(part), align, host_tasks=part)
             ev = torch.cuda.Event()
             ev.record(self._stream)
         return ev
@@ -165,8 +172,13 @@ class DeviceLane:
         torch = self._torch
         from kvxfer.kernels.pattern_copy import copy_pattern, pattern_rows, row_alignment
 
+        prof = self.profile
+        t0 = time.perf_counter()
+        c0 = time.thread_time() if prof is not None else 0.0
         entry = self._patterns.pop(id(pattern), None)
         if entry is None or entry[1] != tuple(lptrs):
+            if prof is not None:
+                prof["misses"] = prof.get("misses", 0) + 1
             r = ridx.astype(np.intp)
             rp = np.asarray(rptrs, dtype=_U64)
             dst_bases = (self.mapped[r] + (rp - self._rbase[r])).astype(np.int64)
@@ -185,26 +197,75 @@ class DeviceLane:
                 self._patterns.pop(next(iter(self._patterns)))
         self._patterns[id(pattern)] = entry
         _, _, host, rows, align = entry
-        pairs = np.empty((len(src), 2), dtype=np.int64)
-        pairs[:, 0], pairs[:, 1] = src, dst
+        t1 = time.perf_counter()
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            items = torch.from_numpy(pairs).to(f"cuda:{self.device}", non_blocking=True)
-            items.record_stream(self._stream)
+            t2 = time.perf_counter()
+            pairs = np.empty((len(src), 2), dtype=np.int64)
+            pairs[:, 0], pairs[:, 1] = src, dst
+            items = self._upload(pairs)
+            t3 = time.perf_counter()
             copy_pattern(rows, items, align, host_rows=host)
+            t4 = time.perf_counter()
             ev = torch.cuda.Event()
             ev.record(self._stream)
+        if prof is not None:
+            self._profile(prof, c0, t0, t1, t2, t3, t4, time.perf_counter())
         return ev
 
     @staticmethod
-    async def wait(ev, spin_s: float = WAIT_SPIN_S) -> None:
+    def _profile(prof: Dict[str, Any], c0: float, *t: float) -> None:
+        """Record one pattern launch's parts (wall µs from the stamps ``t``) and the loop
+        thread's CPU time over it: a gap between the two is waiting (GIL, driver locks,
+        preemption), not slow execution."""
+        prof.setdefault("total cpu", []).append((time.thread_time() - c0) * 1e6)
+        names = ("table", "context", "upload", "kernel launch", "event")
+        for k, a, b in zip(names, t, t[1:]):
+            prof.setdefault(k, []).append((b - a) * 1e6)
+        prof.setdefault("total", []).append((t[-1] - t[0]) * 1e6)
+
+    def profile_summary(self) -> str:
+        """With ``$KVXFER_LANE_PROFILE`` set: the pattern launches' host time per part (p50
+        µs) and table-cache misses."""
+        prof = self.profile or {}
+        parts = [
+            f"{k} {statistics.median(v):.1f}" for k, v in prof.items() if isinstance(v, list) and v
+        ]
+        return (
+            f"{len(prof.get('total', []))} pattern launches, p50 µs: "
+            + ", ".join(parts)
+            + f"; table misses {prof.get('misses', 0)}"
+        )
+
+    def _upload(self, table: np.ndarray):
+        """``table`` (int64) on the device, copied on the lane's stream (the current one):
+        from pageable memory the driver stages it before returning, so ``table`` may be
+        reused at once; the device tensor, allocated on the lane's stream, is reused only
+        after the launch that reads it. (A pinned staging buffer was tried on the H200: the
+        host time of this step stayed 180-230 µs in the PD bench, bench/results/
+        tp-pattern-h200.md, so the simpler copy stays.)"""
+        t = self._torch.from_numpy(table).to(f"cuda:{self.device}", non_blocking=True)
+        t.record_stream(self._stream)  # not reused before the launch ran
+        return t
+
+    @staticmethod
+    async def wait(ev, spin_s: float = WAIT_SPIN_S, poll_s: float = WAIT_POLL_S) -> None:
         """Until the launch's event completed (bytes visible at the peer). Polls the event
-        inline for up to ``spin_s`` (a small copy is done within microseconds: no thread
-        hop), then waits in the default executor, the event loop running on. Runs on: the
-        asyncio loop thread; ``ev.synchronize`` runs in the default executor."""
+        inline for up to ``spin_s`` (a small copy is done within microseconds), then once
+        per loop iteration for up to ``poll_s`` (a large one within a millisecond or two;
+        the loop runs other callbacks between polls, no thread hop), then waits in the
+        default executor, the event loop running on. Runs on: the asyncio loop thread;
+        ``ev.synchronize`` runs in the default executor."""
         if ev.query():
             return
-        end = time.perf_counter() + spin_s
+        now = time.perf_counter()
+        end = now + spin_s
+        while now < end:
+            if ev.query():
+                return
+            now = time.perf_counter()
+        end = now + poll_s
         while time.perf_counter() < end:
+            await asyncio.sleep(0)
             if ev.query():
                 return
         await asyncio.get_running_loop().run_in_executor(None, ev.synchronize)
@@ -214,6 +275,8 @@ class DeviceLane:
         if self.closed:
             return
         self.closed = True
+        if self.profile:  # diagnostics: straight to stderr (bench/gpu/pattern.sh keeps it)
+            print(f"lane-profile: device {self.device}: {self.profile_summary()}", file=sys.stderr)
         from kvxfer.kernels.cuda_driver import CudaError, ipc_close
 
         torch = self._torch

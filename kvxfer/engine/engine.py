@@ -13,7 +13,7 @@ import inspect
 import logging
 import socket
 import uuid
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Coroutine, Dict, List, Optional, Sequence, Set, Tuple
 
 from kvxfer.config import EngineConfig
 from kvxfer.engine import handshake
@@ -54,7 +54,7 @@ class TransferEngine:
         self._state = "new"  # new -> started -> closed
         #: all a peer uses of the engine
         self._host: PeerHost[Peer] = PeerHost(
-            config, self._groups, self._spawn, self._peer_gone, self._dispatch
+            config, self._groups, self._spawn, self._peer_gone, self._dispatch, self._dispatch_now
         )
 
     def __repr__(self):
@@ -303,6 +303,26 @@ class TransferEngine:
 
     async def _dispatch(self, peer: Peer, payload: bytes) -> None:
         for h in self._msg_handlers:
+            await self._call(h, peer, payload)
+
+    def _dispatch_now(self, peer: Peer, payload: bytes) -> Optional[Coroutine[Any, Any, None]]:
+        """:meth:`_dispatch` without a task: every handler called here, in order; a handler
+        that returns an awaitable leaves a coroutine (awaiting it, then the handlers after
+        it) for the caller to run before anything that arrived later."""
+        handlers = list(self._msg_handlers)
+        for i, h in enumerate(handlers):
+            try:
+                res = h(peer, payload)
+            except Exception:
+                log.exception("%r: handler %r failed", self, h)
+                continue
+            if inspect.isawaitable(res):
+                return self._dispatch_rest(res, handlers[i + 1 :], peer, payload)
+        return None
+
+    async def _dispatch_rest(self, res: Any, rest: list, peer: Peer, payload: bytes) -> None:
+        await self._call(lambda: res)
+        for h in rest:
             await self._call(h, peer, payload)
 
     def _spawn(self, coro) -> None:

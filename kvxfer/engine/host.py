@@ -28,6 +28,9 @@ class PeerHost(Generic[P]):
     - ``spawn(coro)``: run a background coroutine that the engine owns (``close()`` awaits it).
     - ``peer_gone(peer, exc)``: the peer died or closed; called once per peer.
     - ``dispatch(peer, payload)``: deliver one app message to the engine's handlers.
+    - ``dispatch_now(peer, payload)``: the same, synchronously: returns None once every
+      handler ran, or a coroutine to await for the rest (a handler returned an awaitable:
+      it and the handlers after it).
     """
 
     config: EngineConfig
@@ -35,6 +38,7 @@ class PeerHost(Generic[P]):
     spawn: Callable[[Coroutine[Any, Any, None]], None]
     peer_gone: Callable[[P, Exception], None]
     dispatch: Callable[[P, bytes], Awaitable[None]]
+    dispatch_now: Callable[[P, bytes], Optional[Coroutine[Any, Any, None]]]
 
     @property
     def transfer_timeout_s(self) -> float:

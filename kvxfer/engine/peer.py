@@ -71,6 +71,16 @@ _U64 = np.uint64
 T = TypeVar("T")
 
 
+class _Rest:
+    """The rest of a message whose inline delivery (:meth:`Peer._deliver`) met a handler that
+    returned an awaitable: the dispatcher awaits it before anything queued after it."""
+
+    __slots__ = ("coro",)
+
+    def __init__(self, coro: Any) -> None:
+        self.coro = coro
+
+
 class Peer:
     """One authenticated connection (see the module docstring); built by the engine, which
     hands it a :class:`~kvxfer.engine.host.PeerHost` (all it uses of the engine)."""
@@ -101,13 +111,18 @@ class Peer:
         self._dead: asyncio.Future = self._loop.create_future()
         self._waiters: set = set()  # futures of pending bounded waits, woken on death
         self._inbox: asyncio.Queue = asyncio.Queue()
+        #: messages are handed to the engine's handlers inline when nothing is queued before
+        #: them (:meth:`_deliver`): open between start() and the dispatcher's end, busy
+        #: while one is being handled
+        self._deliver_open = False
+        self._delivering = False
         self._tasks: List[asyncio.Task] = []
         self._closing = False
         self._notified = False
         #: chained notifications: ours to receive (token in our Layout) and the peer's token
         self._notes = notes
         if notes is not None:
-            notes.attach(self._inbox.put_nowait)
+            notes.attach(self._deliver)
         self._note_to = remote.note_token
         self._notes_sent = 0  # chained notifications completed (told to the peer in Bye)
         #: the last notifying write's gate: done once its notify was handed to UCX
@@ -170,6 +185,7 @@ class Peer:
             self._loop.create_task(self._reader(), name=f"kvxfer-recv-{self.id[:8]}"),
             self._loop.create_task(self._dispatcher(), name=f"kvxfer-dispatch-{self.id[:8]}"),
         ]
+        self._deliver_open = True
 
     def _on_channel_closed(self, exc: Exception) -> None:
         """Runs on: the asyncio loop thread (the transport hops there before calling)."""
@@ -192,7 +208,7 @@ class Peer:
                 raw = await self._channel.recv(None)
                 msg = wire.decode(raw)
                 if isinstance(msg, m.AppMessage):
-                    self._inbox.put_nowait(bytes(msg.payload))
+                    self._deliver(bytes(msg.payload))
                 elif isinstance(msg, m.StagedWrite):
                     self._inbox.put_nowait(self._staged.check_plan(msg))
                 elif isinstance(msg, m.SliceChunk):
@@ -231,20 +247,47 @@ class Peer:
         except KvxferError as exc:
             self._mark_dead(exc)
 
+    def _deliver(self, payload: bytes) -> None:
+        """An app message or chained notification, in arrival order: handed to the engine's
+        handlers right here when nothing is queued or being handled before it (no task hop
+        to the dispatcher), else queued behind the rest. A handler's awaitable (and the
+        handlers after it) is queued first, so what arrives later still waits for it.
+        Runs on: the loop thread (the reader task, or the transport's completion callback)."""
+        if not self._deliver_open or self._delivering or not self._inbox.empty():
+            self._inbox.put_nowait(payload)
+            return
+        self._delivering = True
+        try:
+            rest = self._host.dispatch_now(self, payload)
+        finally:
+            self._delivering = False
+        if rest is not None:
+            self._inbox.put_nowait(_Rest(rest))
+
     async def _dispatcher(self) -> None:
-        while True:
-            payload = await self._inbox.get()
-            if payload is None:  # teardown: everything received before it was delivered
-                return
-            if isinstance(payload, tuple):  # a validated scatter plan: drain before dispatching on
-                await self._staged.scatter(*payload)
-                continue
-            if isinstance(payload, SliceScatter):  # likewise, a validated slice chunk
-                await self._staged.scatter_slice(payload)
-                continue
-            if isinstance(payload, Reclaim):  # after every plan of the abandoned slot
-                await self._staged.reclaim(payload)
-                continue
+        try:
+            while True:
+                payload = await self._inbox.get()
+                if payload is None:  # teardown: everything received before it was delivered
+                    return
+                self._delivering = True
+                try:
+                    await self._dispatch_one(payload)
+                finally:
+                    self._delivering = False
+        finally:
+            self._deliver_open = False
+
+    async def _dispatch_one(self, payload: Any) -> None:
+        if isinstance(payload, tuple):  # a validated scatter plan: drain before dispatching on
+            await self._staged.scatter(*payload)
+        elif isinstance(payload, SliceScatter):  # likewise, a validated slice chunk
+            await self._staged.scatter_slice(payload)
+        elif isinstance(payload, Reclaim):  # after every plan of the abandoned slot
+            await self._staged.reclaim(payload)
+        elif isinstance(payload, _Rest):  # the rest of a message handled inline
+            await payload.coro
+        else:
             await self._host.dispatch(self, payload)
 
     # ------------------------------------------------------------------ data
@@ -382,9 +425,11 @@ class Peer:
         ):
             on_dev = self._dev.select(lmemh, ridx)
             if on_dev.any():
+                t_l = time.perf_counter()
                 launched = self._dev.launch(
                     laddr[on_dev], raddr[on_dev], nbytes[on_dev], ridx[on_dev]
                 )
+                stats.launch_s += time.perf_counter() - t_l
                 stats.device_ops = int(on_dev.sum())
                 stats.device_bytes = int(nbytes[on_dev].sum(dtype=_U64))
                 keep = ~on_dev
@@ -398,9 +443,11 @@ class Peer:
         for group, src, dst, pattern in patterned:  # (only planned while the lane covers it)
             assert self._dev is not None
             lg, rg = self._groups.groups[group], self._remote.groups[group]
+            t_l = time.perf_counter()
             launched = self._dev.launch_pattern(
                 pattern, lg.ptrs, rg.ptrs, self._remote.desc_region[group], src, dst
             )
+            stats.launch_s += time.perf_counter() - t_l
             n = pattern.runs_per_item * int(src.size)
             b = pattern.bytes_per_item * int(src.size)
             stats.ops += n

@@ -72,7 +72,8 @@ class TransferStats:
     event loop resumed after that report (the rest of ``complete_s`` is the notification; both
     0 without UCX PUTs). ``lanes``: UCX transports carrying RMA. ``device_bytes`` of ``bytes`` (in
     ``device_ops`` of the ``ops`` runs) went over the same-host device lane (one copy launch
-    into the peer's IPC-mapped memory, kvxfer.engine.devcopy) instead of UCX.
+    into the peer's IPC-mapped memory, kvxfer.engine.devcopy) instead of UCX; ``launch_s`` of
+    ``post_s`` went to those launches (they come before the UCX posts).
     ``staged``: at least one part went through the staged path (gather → one PUT per
     landing-slot chunk → scatter at the target); ``staged_bytes`` of ``bytes`` did, and
     ``staged_direct_ops`` is how many PUTs those parts would have needed unstaged; ``ops``
@@ -86,6 +87,7 @@ class TransferStats:
     wake_s: float = 0.0
     device_bytes: int = 0
     device_ops: int = 0
+    launch_s: float = 0.0
     lanes: List[str] = field(default_factory=list)
     staged: bool = False
     staged_bytes: int = 0

@@ -52,7 +52,10 @@ the kv head slices ``direct`` (``KVManager(tp_stage_min_ops=0)``: one PUT per ru
 ``staged`` (``tp_stage_min_ops=1``: every slice write gathered, one PUT per chunk, scattered
 by decode; layouts whose slices are already one run per page, HND, stay direct on host
 memory), both without the device lane's pattern launch, and on CUDA a third time ``pattern``
-(``KVManager(tp_pattern="auto")``, the default: one PatternWrite launch per kv write).
+(``KVManager(tp_pattern="auto")``, the default: one PatternWrite launch per kv write); on
+CUDA with a shape whose tokens go as byte runs (other page sizes, an unaligned prefix) the
+equal pairs of it run twice too: ``equal`` (the default: byte runs as one PatternWrite per
+piece class) and ``equal-runs`` (``tp_pattern="off"``: one PUT per run).
 
 With ``--stages`` both managers trace (``KVManager(trace=True)``, :mod:`kvxfer.disagg.trace`)
 and a table per mode gives the sequential 1-page requests' stages (p50/p90 µs: thread and task
@@ -591,6 +594,31 @@ def bench_shapes(args, mode: str) -> List[dict]:
     return rows
 
 
+def tp_run_list(
+    tp_p: int, tp_d: int, ps: int, dps: int, k: int, *, paths: bool, cuda: bool
+) -> List[Tuple[Tuple[int, int], Tuple[int, int], Optional[str]]]:
+    """:func:`bench_tp`'s worker pairs in order, as ``((prefill tp, decode tp), (decode page
+    size, decode prefix), path)``: the equal shape (page ``ps``, no prefix), then the asked
+    one (``dps``, ``k``) if it differs; per shape ``N:N``, ``M:M``, ``N:M``. Path None: the
+    defaults. ``paths`` (--tp-paths): ``N:M`` as ``direct`` and ``staged``, on CUDA also
+    ``pattern``; on CUDA a shape whose tokens go as byte runs (``dps != ps`` or ``k`` not a
+    multiple of ``ps``) runs its equal pairs once more as ``equal-runs`` (no pattern
+    launch). Every row a ratio refers to comes before it (:func:`format_tp_row`)."""
+    hetero: Tuple[Optional[str], ...] = (None,)
+    if paths:  # pattern: the device lane's, CUDA only
+        hetero = ("direct", "staged") + (("pattern",) if cuda else ())
+    out: List[Tuple[Tuple[int, int], Tuple[int, int], Optional[str]]] = []
+    for shape in dict.fromkeys(((ps, 0), (dps, k))):
+        by_runs = shape[0] != ps or shape[1] % ps != 0
+        equal: Tuple[Optional[str], ...] = (None,)
+        if paths and cuda and by_runs:
+            equal = (None, "equal-runs")
+        for pair_tp in dict.fromkeys(((tp_p, tp_p), (tp_d, tp_d), (tp_p, tp_d))):
+            for path in hetero if pair_tp[0] != pair_tp[1] else equal:
+                out.append((pair_tp, shape, path))
+    return out
+
+
 def bench_tp(
     args, mode: str, kv_layout: str, on_row: Optional[Callable[[dict], None]] = None
 ) -> List[dict]:
@@ -604,16 +632,15 @@ def bench_tp(
     pool = (-(-(2 * tokens) // unit) + 4) * unit
     rows = []
     # the equal shape first (equal page sizes, no prefix), then the asked one, if it differs;
-    # with --tp-paths the N:M pair twice: direct, then staged
-    paths: Tuple[Optional[str], ...] = (None,)
-    if getattr(args, "tp_paths", False):  # pattern: the device lane's, CUDA only
-        paths = ("direct", "staged") + (("pattern",) if args.device.startswith("cuda") else ())
-    runs = [
-        (pair_tp, shape, path if pair_tp[0] != pair_tp[1] else None)
-        for shape in dict.fromkeys(((ps, 0), (dps, k)))
-        for pair_tp in dict.fromkeys(((tp_p, tp_p), (tp_d, tp_d), (tp_p, tp_d)))
-        for path in (paths if pair_tp[0] != pair_tp[1] else (None,))
-    ]
+    runs = tp_run_list(
+        tp_p,
+        tp_d,
+        ps,
+        dps,
+        k,
+        paths=getattr(args, "tp_paths", False),
+        cuda=args.device.startswith("cuda"),
+    )
     for pair_tp, (d_ps, kk), path in runs:
         spec = ModelSpec(
             kv_layout=kv_layout,
@@ -631,7 +658,7 @@ def bench_tp(
             "decode_prefix": kk,
         }
         if path is not None:  # direct: never staged; staged: every slice write staged;
-            # pattern: one device-lane launch per write (the others without it)
+            # pattern: one device-lane launch per write (the others, equal-runs too, without)
             opts["tp_stage_min_ops"] = {"direct": 0, "staged": 1}.get(path, TP_STAGE_MIN_OPS)
             opts["tp_pattern"] = "auto" if path == "pattern" else "off"
         if getattr(args, "stages", False):
@@ -701,8 +728,9 @@ def tp_stages(prefill: List[List[dict]], decode: List[List[dict]], rooms: List[i
     """Per stage of every rank's trace records (``prefill[r]`` / ``decode[r]``: a rank's
     drained records), the p50 over ``rooms`` of its time after the room's first prefill
     ``send``, µs; keys ``p<rank>.<stage>`` / ``d<rank>.<stage>``, a room's further records
-    on a rank (its legs) as ``p<rank>.leg<i>.<stage>``. Rooms without a ``send`` stamp are
-    left out."""
+    on a rank (its legs) as ``p<rank>.leg<i>.<stage>``, and the latest ``notified`` /
+    ``recv`` of a rank's legs as ``p<rank>.last_notified`` / ``d<rank>.last_recv``. Rooms
+    without a ``send`` stamp are left out."""
     per: Dict[str, List[float]] = {}
     for room in rooms:
         recs = []
@@ -715,10 +743,16 @@ def tp_stages(prefill: List[List[dict]], decode: List[List[dict]], rooms: List[i
         if not sends:
             continue
         t0 = min(sends)
+        last: Dict[str, int] = {}  # a rank's latest leg notify / receipt of the room
         for who, rec in recs:
             for stage, t in rec.items():
                 if stage not in ("room", "role") and isinstance(t, int) and t >= t0:
                     per.setdefault(f"{who}.{stage}", []).append((t - t0) / 1e3)
+                    if ".leg" in who and stage in ("notified", "recv"):
+                        k = f"{who.split('.')[0]}.last_{stage}"
+                        last[k] = max(last.get(k, t), t)
+        for k, t in last.items():
+            per.setdefault(k, []).append((t - t0) / 1e3)
     return {
         k: statistics.median(v)
         for k, v in sorted(per.items(), key=lambda kv: statistics.median(kv[1]))
@@ -779,7 +813,8 @@ def format_tp_row(r: dict, rows: List[dict]) -> str:
         for t in (r["prefill_tp"], r["decode_tp"])
     ]
     equal = (r.get("prefill_page_size", 0), 0)
-    same = (*key, r["prefill_tp"], r["decode_tp"], equal, r.get("path"))
+    path = "equal" if r.get("path") == "equal-runs" else r.get("path")  # (against the default)
+    same = (*key, r["prefill_tp"], r["decode_tp"], equal, path)
     ratios.append(ratio(r, gbps.get(same)))
     return (
         f"| {','.join(r['lanes'])} ({r['mode']}) | {r['kv_layout']} | "
@@ -902,7 +937,8 @@ def main(argv=None) -> int:
         action="store_true",
         help="TP: N:M twice, direct (tp_stage_min_ops=0: one PUT per run) and staged "
         "(tp_stage_min_ops=1: head slices gathered, one PUT per chunk), and on CUDA a third "
-        "time, pattern (one device-lane launch per write), beside equal TP",
+        "time, pattern (one device-lane launch per write), beside equal TP (on CUDA with "
+        "byte-run shapes also as equal-runs: tp_pattern=off)",
     )
     ap.add_argument(
         "--stages",

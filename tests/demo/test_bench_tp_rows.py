@@ -6,22 +6,26 @@ import math
 
 import pytest
 
-from kvxfer.pd_demo.bench import TP_HEADER, format_tp, format_tp_row
+from kvxfer.pd_demo.bench import TP_HEADER, format_tp, format_tp_row, tp_run_list
 
 pytestmark = pytest.mark.timeout(30)
 
 
 def _rows():
     """Rows in bench_tp's order: the equal shape, then the asked one; N:N, M:M, N:M each
-    (with --tp-paths the N:M pair twice)."""
+    (with --tp-paths the N:M pair twice, and the equal pairs of a byte-run shape twice)."""
     out, gbps = [], 1.0
     for d_ps, k in ((16, 0), (64, 37)):
         for tp, path in (
             ((2, 2), "equal"),
+            ((2, 2), "equal-runs"),
             ((1, 1), "equal"),
+            ((1, 1), "equal-runs"),
             ((2, 1), "direct"),
             ((2, 1), "staged"),
         ):
+            if path == "equal-runs" and (d_ps, k) == (16, 0):
+                continue  # whole pages: no byte runs
             gbps += 0.25
             out.append(
                 {
@@ -83,3 +87,32 @@ def test_tp_stages_per_rank_after_the_first_send():
     )
     assert text.startswith("- hnd 2 → 1 (default)") and "d0.leg1.recv 150" in text
     assert format_tp_stages([dict(kv_layout="hnd")]) == ""
+
+
+def test_run_list_order_and_paths():
+    """Equal shape first, then the asked one; --tp-paths on CUDA: N:M three ways and the equal
+    pairs of a byte-run shape also without the pattern launch (equal-runs); CPU: no pattern."""
+    cuda = tp_run_list(2, 1, 16, 64, 37, paths=True, cuda=True)
+    assert cuda == [
+        ((2, 2), (16, 0), None),
+        ((1, 1), (16, 0), None),
+        ((2, 1), (16, 0), "direct"),
+        ((2, 1), (16, 0), "staged"),
+        ((2, 1), (16, 0), "pattern"),
+        ((2, 2), (64, 37), None),
+        ((2, 2), (64, 37), "equal-runs"),
+        ((1, 1), (64, 37), None),
+        ((1, 1), (64, 37), "equal-runs"),
+        ((2, 1), (64, 37), "direct"),
+        ((2, 1), (64, 37), "staged"),
+        ((2, 1), (64, 37), "pattern"),
+    ]
+    cpu = tp_run_list(2, 1, 16, 16, 37, paths=True, cuda=False)
+    assert [p for _, _, p in cpu] == [None, None, "direct", "staged"] * 2
+    aligned = tp_run_list(1, 2, 16, 16, 32, paths=True, cuda=True)  # whole pages: no runs
+    assert "equal-runs" not in [p for _, _, p in aligned]
+    assert tp_run_list(1, 2, 16, 16, 0, paths=False, cuda=True) == [
+        ((1, 1), (16, 0), None),
+        ((2, 2), (16, 0), None),
+        ((1, 2), (16, 0), None),
+    ]

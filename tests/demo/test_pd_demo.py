@@ -384,3 +384,23 @@ def test_layerwise_bench_smoke(tmp_path):
         assert set(r["tail_ms"]) == {"whole", "layer", "group4"}
         assert r["t1_ms"] is not None and r["t1_ms"] > 0
         assert r["compute_ms"]["layer"] >= 4 * 2.0
+
+
+@pytest.mark.timeout(240)
+def test_pd_bench_tp_smoke(tmp_path):
+    """`kvxfer bench pd --prefill-tp 2 --decode-tp 1`, tiny: equal TP at both sizes, then
+    2 -> 1, fresh workers each; every request succeeds (the bench raises otherwise), the same
+    kv and state bytes move in every row, and the send skew is reported (0 for one rank)."""
+    from kvxfer.pd_demo import bench
+
+    out = tmp_path / "tp.json"
+    argv = ["--device", DEVICE, "--modes", "none", "--prefill-tp", "2", "--decode-tp", "1"]
+    argv += ["--kv-layout", "hnd", "--shape-tokens", "64", "--iters", "1"]
+    assert bench.main(argv + ["--json-out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["prefill_tp"], r["decode_tp"]) for r in rows] == [(2, 2), (1, 1), (2, 1)]
+    assert all(r["us_median"] > 0 for r in rows)
+    # the same kv and state bytes; one aux row per decode rank (2 -> 2: one more)
+    assert rows[2]["bytes"] == rows[1]["bytes"] and 0 < rows[0]["bytes"] - rows[1]["bytes"] <= 256
+    assert rows[1]["send_skew_us"] == 0  # one prefill rank
+    assert all(0 <= r["send_skew_us"] < 1e6 for r in rows)

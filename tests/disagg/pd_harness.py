@@ -221,6 +221,25 @@ class Node:
             tp_pattern=tp_pattern,
         ).start_background()
         self.rooms: Dict[int, dict] = {}
+        #: kv write kinds prefill's chunks issued (``kv_write_kinds``), counted on the loop
+        self._kv_kinds: Dict[str, int] = {}
+        if role == "prefill":
+            side = self.mgr.side
+            kv_part = side._kv_part
+
+            def counted(r, src, first, _kv_part=kv_part):
+                kv = _kv_part(r, src, first)
+                for w in kv if isinstance(kv, list) else [kv] if kv is not None else []:
+                    name = type(w).__name__
+                    self._kv_kinds[name] = self._kv_kinds.get(name, 0) + 1
+                return kv
+
+            side._kv_part = counted
+
+    def kv_write_kinds(self) -> Dict[str, int]:
+        """Per write type (ItemWrite, RawWrite, PatternWrite, ...), how many kv writes this
+        prefill node's chunks built so far (its ``_kv_part``; layer-wise chunks not)."""
+        return dict(self._kv_kinds)
 
     def drain_trace(self) -> list:
         """The manager's stage records (``KVManager.drain_trace``)."""

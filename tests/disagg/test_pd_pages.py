@@ -9,12 +9,15 @@ import pytest
 from pd_harness import FAST, Worker
 from testenv import DEVICE
 
-#: (pool kind, page size) of the nodes on each side; node name = kind + page size
-NODES = [(kind, ps) for kind in ("mha", "mha_hnd", "page_major", "mla") for ps in (16, 64)]
+KINDS = ("mha", "mha_hnd", "page_major", "mla")
+#: (pool kind, page size, forced patterns) of the nodes on each side: node name = kind + page
+#: size, "pat_" first for KVManager(tp_pattern="always") (byte runs as one PatternWrite per
+#: piece class, as a same-host CUDA lane takes them; on CPU the engine posts their runs)
+NODES = [(kind, ps, pat) for kind in KINDS for ps in (16, 64) for pat in (False, True)]
 
 
-def _name(kind, ps):
-    return f"{kind}{ps}"
+def _name(kind, ps, pattern=False):
+    return f"{'pat_' if pattern else ''}{kind}{ps}"
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +26,15 @@ def pc():
 
     bs = {_name(*k): BootstrapServer(port=0).start_in_thread() for k in NODES}
     spec = {
-        _name(k, ps): dict(kind=k, page_size=ps, size=1024, timeouts=FAST, device=DEVICE)
-        for k, ps in NODES
+        _name(k, ps, pat): dict(
+            kind=k,
+            page_size=ps,
+            size=1024,
+            timeouts=FAST,
+            device=DEVICE,
+            tp_pattern="always" if pat else "auto",
+        )
+        for k, ps, pat in NODES
     }
     p = Worker({n: dict(kw, role="prefill", bootstrap=bs[n].address) for n, kw in spec.items()})
     d = Worker({n: dict(kw, role="decode", bootstrap=bs[n].address) for n, kw in spec.items()})
@@ -49,11 +59,13 @@ def _clean(*nodes):
         assert f["pages"] == f["slots"] == f["rows"] == f["guards"] == [], (n, f)
 
 
-def _run(pc, room, kind, pp, pd, tokens, prefix, declare=True, decode_first=False):
+def _run(pc, room, kind, pp, pd, tokens, prefix, declare=True, decode_first=False, pattern=False):
     """One request ``kind`` from page size ``pp`` to ``pd``, every byte checked.
-    ``decode_first``: decode's metadata reaches prefill before its KVSender exists."""
+    ``decode_first``: decode's metadata reaches prefill before its KVSender exists.
+    ``pattern``: through the nodes that force PatternWrites (byte runs go as those only)."""
     p, d = pc
-    pn, dn = _name(kind, pp), _name(kind, pd)
+    pn, dn = _name(kind, pp, pattern), _name(kind, pd, pattern)
+    kinds = p[pn].kv_write_kinds()
     if decode_first:
         d[dn].d_open_tokens(room, tokens, prefix, addr=p.bs[pn].address, declare=declare)
         assert p[pn].record(room) == "pending"
@@ -77,6 +89,14 @@ def _run(pc, room, kind, pp, pd, tokens, prefix, declare=True, decode_first=Fals
         upto = min(n_src * pp, n_dst * pd)
     bad = d[dn].verify_tokens(room, prefix, upto)
     assert bad == {"content": 0, "untouched": 0, "state_aux": 0}, (kind, pp, pd, prefix, bad)
+    after = p[pn].kv_write_kinds()
+    new = {k: v - kinds.get(k, 0) for k, v in after.items() if v != kinds.get(k, 0)}
+    if whole:
+        assert set(new) == {"ItemWrite"}, new
+    else:  # byte runs: PatternWrites when forced or (auto) the device lane takes them
+        lanes = p[pn].device_lanes()
+        lane = bool(lanes) and all(can for _, _, can in lanes.values())
+        assert set(new) == {"PatternWrite" if pattern or lane else "RawWrite"}, (new, lanes)
     _clean((p, pn), (d, dn))
 
 
@@ -105,10 +125,34 @@ def test_pages_and_prefix_byte_exact(pc, room, kind, pp, pd, tokens, prefix):
     _run(pc, room(), kind, pp, pd, tokens, prefix)
 
 
+#: byte runs as PatternWrites (tp_pattern="always", equal TP): both directions, prefixes
+#: unaligned / aligned / the last token, partial last pages, equal page sizes with an
+#: unaligned prefix, every pool form
+PATTERN_CASES = [
+    ("mha_hnd", 16, 64, 150, 37),  # the H200 gap's shape: HND, 16 -> 64, prefix 37
+    ("mha_hnd", 64, 16, 150, 0),
+    ("mha", 16, 64, 150, 37),
+    ("mha", 64, 16, 150, 149),
+    ("mha", 16, 16, 150, 37),
+    ("mha", 16, 64, 128, 0),
+    ("page_major", 16, 64, 130, 5),
+    ("page_major", 64, 16, 130, 70),
+    ("mla", 16, 64, 100, 17),
+    ("mla", 64, 64, 100, 33),
+    ("mha", 64, 64, 150, 64),  # whole pages: still an ItemWrite
+]
+
+
+@pytest.mark.parametrize("kind,pp,pd,tokens,prefix", PATTERN_CASES)
+def test_pages_and_prefix_as_patterns_byte_exact(pc, room, kind, pp, pd, tokens, prefix):
+    _run(pc, room(), kind, pp, pd, tokens, prefix, pattern=True)
+
+
 def test_undeclared_token_count_moves_the_shared_slots(pc, room):
     """SGLang's unchanged call (no num_tokens): the slots both sides' pages hold move."""
     _run(pc, room(), "mha", 16, 64, 150, 0, declare=False)
     _run(pc, room(), "mha", 64, 16, 150, 20, declare=False, decode_first=True)
+    _run(pc, room(), "mha_hnd", 64, 16, 150, 20, declare=False, pattern=True)
 
 
 def test_shape_reaches_prefill_before_its_sender(pc, room):

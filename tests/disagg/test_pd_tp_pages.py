@@ -29,9 +29,11 @@ DEPLOY = {
     # launch each on CUDA, where "auto" picks it for every deployment; expanded runs on CPU)
     "pat12_16_64": ("mha", 4, 1, 2, 16, 64),
     "pat41_64_16": ("page_major", 4, 4, 1, 64, 16),
+    # equal TP (no TP pair: the token geometry's byte runs) with PatternWrites forced
+    "pat22_16_64": ("hybrid_per_layer", 4, 2, 2, 16, 64),
 }
 INTEGRITY = {"int12_16_64"}
-PATTERN = {"pat12_16_64", "pat41_64_16"}
+PATTERN = {"pat12_16_64", "pat41_64_16", "pat22_16_64"}
 #: (tokens, decode prefix): whole pages on both sides; a prefix aligned to both page sizes;
 #: an unaligned prefix with a partial last page on both sides; a request inside one page of
 #: either size; only the last token left to move
@@ -115,10 +117,16 @@ def _open(workers, name, room, tokens, prefix, decode_first):
 def test_hetero_tp_pages_prefix_byte_exact(tpc, room, name, tokens, prefix):
     _, _, tp_p, tp_d, ps_p, ps_d = DEPLOY[name]
     r = room()
+    before = [n.kv_write_kinds() for n in _ranks(tpc, name)[0]]
     p, d = _open(tpc, name, r, tokens, prefix, decode_first=(tokens + prefix) % 2 == 1)
     for n in d + p:
         res = n.wait(r)
         assert res is not None and res["state"] == "Success", (name, res)
+    if name in PATTERN:  # (page sizes differ there: never whole pages) every kv write a pattern
+        for n, was in zip(p, before):
+            now = n.kv_write_kinds()
+            new = {k for k, v in now.items() if v != was.get(k, 0)}
+            assert new == {"PatternWrite"}, (name, now, was)
     # whole pages (equal sizes, aligned prefix) carry the last page's slots past the end
     whole = ps_p == ps_d and prefix % ps_p == 0
     upto = -(-tokens // ps_d) * ps_d if whole else tokens

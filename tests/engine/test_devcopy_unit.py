@@ -51,3 +51,85 @@ def test_blob_round_trip_keeps_every_byte():
     assert len(blob) == cuda_driver.IPC_BLOB_BYTES and blob[:64] == raw
     h2, off = cuda_driver.unpack_blob(blob)
     assert off == 12345 and h2 == raw
+
+
+def test_lane_profile_parts_and_summary():
+    """$KVXFER_LANE_PROFILE's record of pattern launches: each part is the gap between two
+    stamps, the total their span, the CPU time kept apart; the summary gives p50s."""
+    import types
+
+    from kvxfer.engine.devcopy import DeviceLane
+
+    prof: dict = {}
+    for base in (0.0, 1.0, 2.0):  # stamps in seconds: parts of 1, 2, 3, 4, 5 µs
+        t = [base + x * 1e-6 for x in (0, 1, 3, 6, 10, 15)]
+        DeviceLane._profile(prof, 0.0, *t)
+    assert [round(v, 6) for v in prof["context"]] == [2.0] * 3
+    assert [round(v, 6) for v in prof["total"]] == [15.0] * 3
+    assert set(prof) == {
+        "total cpu",
+        "table",
+        "context",
+        "upload",
+        "kernel launch",
+        "event",
+        "total",
+    }
+    prof["misses"] = 2
+    text = DeviceLane.profile_summary(types.SimpleNamespace(profile=prof))
+    assert text.startswith("3 pattern launches, p50 µs: ")
+    assert "kernel launch 4.0" in text and "event 5.0" in text and text.endswith("table misses 2")
+
+
+class _FakeEvent:
+    """A CUDA event stand-in: done after ``n`` queries, or when synchronize() runs."""
+
+    def __init__(self, n):
+        self.n, self.queries, self.synced = n, 0, None
+
+    def query(self):
+        self.queries += 1
+        return self.queries > self.n
+
+    def synchronize(self):
+        import threading
+
+        self.synced = threading.current_thread().name
+
+
+@pytest.mark.parametrize("n", [0, 3, 50])
+def test_lane_wait_polls_on_the_loop_until_done(n):
+    """A launch that completes while polled (inline, then once per loop iteration) is seen
+    on the loop thread: no executor hop, other callbacks ran between the loop polls."""
+    import asyncio
+
+    from kvxfer.engine.devcopy import DeviceLane
+
+    async def main():
+        ev, ticks = _FakeEvent(n), []
+        loop = asyncio.get_running_loop()
+
+        def tick():
+            ticks.append(1)
+            if len(ticks) < 1000:
+                loop.call_soon(tick)
+
+        loop.call_soon(tick)
+        await DeviceLane.wait(ev, spin_s=0.0, poll_s=5.0)
+        return ev, len(ticks)
+
+    ev, ticks = asyncio.run(main())
+    assert ev.synced is None and ev.queries == n + 1
+    assert ticks >= max(0, n - 2)  # the loop kept running while it polled
+
+
+def test_lane_wait_falls_back_to_a_thread():
+    """An event still pending after the polling window is waited for in the executor."""
+    import asyncio
+    import threading
+
+    from kvxfer.engine.devcopy import DeviceLane
+
+    ev = _FakeEvent(10**9)
+    asyncio.run(DeviceLane.wait(ev, spin_s=0.0, poll_s=0.0))
+    assert ev.synced is not None and ev.synced != threading.main_thread().name

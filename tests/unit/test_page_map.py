@@ -1,12 +1,19 @@
 """kvxfer.disagg.page_map against a byte-level reference: every page-size pair of
-{1, 2, 4, 16, 64}, every prefix K of the request, partial last pages, 1-4 segments."""
+{1, 2, 4, 16, 64}, every prefix K of the request, partial last pages, 1-4 segments; its
+patterns (one PatternWrite per piece class) against its runs."""
 
 import itertools
 
 import numpy as np
 import pytest
 
-from kvxfer.disagg.page_map import TokenGeometry, plan_runs
+from kvxfer.disagg.page_map import (
+    TokenGeometry,
+    class_token,
+    piece_classes,
+    plan_patterns,
+    plan_runs,
+)
 from kvxfer.errors import IndexOutOfRange, InvalidArgument
 
 SIZES = (1, 2, 4, 16, 64)
@@ -171,3 +178,132 @@ def test_fingerprints_with_geometry_pair_other_page_sizes():
         check_compatible(fp(16, [[4]]), fp(64, None), us="a", them="b")
     with pytest.raises(LayoutMismatch, match="layout.kv.kind"):
         check_compatible(fp(16, [[4]]), fp(64, [[4]], kind="mla"), us="a", them="b")
+
+
+# ------------------------------------------------------------------ patterns (equal TP)
+def canonical(desc, so, do, nb):
+    """Runs sorted by (descriptor, destination), touching ones merged; AssertionError when
+    two destination runs of a descriptor overlap (a byte written twice)."""
+    desc, so, do, nb = (np.asarray(a, dtype=np.int64) for a in (desc, so, do, nb))
+    order = np.lexsort((do, desc))
+    desc, so, do, nb = desc[order], so[order], do[order], nb[order]
+    out = []
+    for d, s, o, n in zip(desc.tolist(), so.tolist(), do.tolist(), nb.tolist()):
+        assert n > 0
+        if out and out[-1][0] == d:
+            pd_, ps_, po, pn = out[-1]
+            assert po + pn <= o, "destination runs overlap"
+            if po + pn == o and ps_ + pn == s:
+                out[-1] = (d, ps_, po, pn + n)
+                continue
+        out.append((d, s, o, n))
+    return out
+
+
+def expand_patterns(pats):
+    cols = [np.zeros(0, dtype=np.int64)] * 4
+    for s, d, pr in pats:
+        assert np.unique(d).size == d.size and np.unique(s).size == s.size
+        assert pr.src_item_lens and pr.dst_item_lens
+        cols = [np.concatenate([a, b]) for a, b in zip(cols, pr.expand(s, d))]
+    return cols
+
+
+def chunked(geom, src, ps, dst, pd, k, n, chunk, how):
+    """``how`` (plan_runs or plan_patterns) over source pages in chunks of ``chunk``, as
+    prefill sends them (RoomPages.chunk_tokens)."""
+    out = []
+    for a in range(0, len(src), chunk):
+        lo = max(a * ps, k)
+        hi = max(lo, min((a + chunk) * ps, n))
+        out.append(how(geom, src[a : a + chunk], ps, dst, pd, lo, hi, src_first_page=a))
+    return out
+
+
+PAT_SIZES = ((1, 1), (4, 4), (16, 16), (2, 4), (4, 2), (16, 64), (64, 16), (3, 4), (4, 3), (1, 16))
+
+
+@pytest.mark.parametrize("ps,pd", PAT_SIZES)
+@pytest.mark.parametrize("segs", GEOMS)
+def test_patterns_expand_to_the_runs(ps, pd, segs):
+    """Equal TP: plan_patterns moves exactly the bytes plan_runs moves (the runs it posts
+    today), for prefixes at, before, after and inside page boundaries, a last partial page
+    on either side, and chunks of 1, 3 and all source pages."""
+    geom = TokenGeometry.of(segs)
+    rng = np.random.default_rng(ps * 1000 + pd * 10 + len(segs))
+    big = max(ps, pd)
+    for n in (3 * big + 1, 2 * big, 5 * big - 1):
+        src, dst = pages(n, ps, rng), pages(n, pd, rng)
+        prefixes = {0, 1, ps, pd, ps + 1, pd - 1, big + 3, n // 2, n - 1, n}
+        for k in sorted(p for p in prefixes if 0 <= p <= n):
+            for chunk in (1, 3, len(src)):
+                runs = chunked(geom, src, ps, dst, pd, k, n, chunk, plan_runs)
+                pats = chunked(geom, src, ps, dst, pd, k, n, chunk, plan_patterns)
+                want = canonical(
+                    *(np.concatenate([getattr(r, f) for r in runs]) for f in RUN_FIELDS)
+                )
+                got = canonical(*expand_patterns([p for part in pats for p in part]))
+                assert got == want, (ps, pd, segs, n, k, chunk)
+
+
+RUN_FIELDS = ("desc", "src_off", "dst_off", "nbytes")
+
+
+def test_patterns_match_the_byte_reference():
+    """16 -> 64 and 64 -> 16 with prefix 37, against the byte-at-a-time reference."""
+    segs = [[2, 3], [1]]
+    geom, rng, n = TokenGeometry.of(segs), np.random.default_rng(7), 150
+    for ps, pd in ((16, 64), (64, 16)):
+        src, dst = pages(n, ps, rng), pages(n, pd, rng)
+        desc, so, do, nb = expand_patterns(plan_patterns(geom, src, ps, dst, pd, 37, n))
+        got: dict = {}
+        for d, s, o, b in zip(desc.tolist(), so.tolist(), do.tolist(), nb.tolist()):
+            got.setdefault(d, []).extend((s + i, o + i) for i in range(b))
+        assert {d: sorted(v) for d, v in got.items()} == reference(segs, src, ps, dst, pd, 37, n)
+
+
+def test_patterns_are_few_and_cached():
+    """16 -> 64 aligned: four classes (the four 16-token slots of a 64-token page), each
+    one run per segment row; an unaligned window adds its partial pieces' classes; a class's
+    runs are the same object on every call (the device lane caches per pattern object)."""
+    geom = TokenGeometry.of([[8], [4, 4]])
+    src, dst = np.arange(100, 164), np.arange(16)
+    pats = plan_patterns(geom, src, 16, dst, 64, 0, 1024)
+    assert len(pats) == 4 and sum(s.size for s, _, _ in pats) == 64
+    assert all(pr.runs_per_item == 3 for _, _, pr in pats)
+    again = plan_patterns(geom, src, 16, dst, 64, 0, 1024)
+    assert all(a[2] is b[2] for a, b in zip(pats, again))
+    odd = plan_patterns(geom, src, 16, dst, 64, 37, 1000)  # unaligned both ends
+    assert len(odd) <= 6
+    assert plan_patterns(geom, src, 16, dst, 64, 40, 40) == []
+
+
+def test_pattern_windows_are_checked():
+    geom = TokenGeometry.of([[1]])
+    with pytest.raises(IndexOutOfRange):
+        plan_patterns(geom, np.arange(2), 4, np.arange(4), 2, 0, 9)
+    with pytest.raises(IndexOutOfRange):
+        plan_patterns(geom, np.arange(4), 4, np.arange(2), 4, 0, 9)
+    with pytest.raises(IndexOutOfRange):
+        plan_patterns(geom, np.arange(2), 4, np.arange(4), 4, 0, 8, src_first_page=1)
+    with pytest.raises(InvalidArgument):
+        plan_patterns(geom, np.arange(2), 4, np.arange(2), 4, -1, 3)
+    with pytest.raises(InvalidArgument):
+        plan_patterns(geom, np.arange(2), 0, np.arange(2), 4, 0, 3)
+
+
+@pytest.mark.parametrize("ps,pd", list(itertools.product(SIZES, SIZES)))
+def test_piece_classes_partition_the_pieces(ps, pd):
+    """Every piece in one class; distinct pages within a class; class_token sits at the
+    class's slots."""
+    n = 2 * max(ps, pd) + 3
+    src, dst = np.arange(-(-n // ps)) + 50, np.arange(-(-n // pd)) + 500
+    for k in (0, 1, 5, n - 1):
+        classes = piece_classes(src, dst, ps, pd, k, n)
+        covered = 0
+        for (a, b, m), s, d in classes:
+            assert np.unique(s).size == s.size and np.unique(d).size == d.size
+            t = class_token(a, b, ps, pd)
+            assert t % ps == a and t % pd == b and a + m <= ps and b + m <= pd
+            covered += m * s.size
+        assert covered == n - k
