@@ -179,6 +179,28 @@ def test_decode_waits_for_every_prefill_rank(cluster):
         assert node.room_entries(scen, room) == []
 
 
+def test_decode_abort_needs_every_prefill_ranks_ack(cluster):
+    """2:1: decode may release an aborted room's pages only once both prefill ranks acked
+    (each after its own writes of the room settled)."""
+    scen, room = "p2d1", 7103
+    pf0, pf1 = cluster["pf"]
+    dc = cluster["dc"][0]
+    _room(cluster, scen, room, 2, 2, 1)
+    dc.abort(room)
+    assert dc.poll(room) == FAILED
+    for pf in (pf0, pf1):
+        assert pf.wait(room, [FAILED], 30) == FAILED
+    for _ in range(3000):
+        if dc.release_safe(scen, room, 2):
+            break
+    assert dc.release_safe(scen, room, 2) is True
+    assert dc.release_safe(scen, room, 3) is False
+    for node in (pf0, pf1, dc):
+        node.failure(room)  # as a scheduler reads it (pops SGLang's failure record)
+        node.clear(room)
+        assert node.room_entries(scen, room) == []
+
+
 def test_refused_shape_fails_the_room_naming_both(cluster):
     scen, room = "bad", 7201
     pf0, pf1 = cluster["pf"]
