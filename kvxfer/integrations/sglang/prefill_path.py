@@ -365,26 +365,17 @@ class PrefillPath:
         if mgr.request_status.get(room, KVPoll.Failed) == KVPoll.Failed:
             return  # failed or cleared: nothing is sent
         mgr.update_status(room, KVPoll.Transferring)
-        peers = []
+        live = [i for i in infos if not i.is_dummy]
         try:
-            for info in infos:
-                if info.is_dummy:
-                    continue
-                d, peer = await self._peer(info.key)
-                writes = self._writes(room, chunk, info, d.plan)
-                if self.before_write is not None:
-                    await self.before_write(room)
-                if writes:  # none: a prefill replica whose heads another peer sends
-                    t0 = time.perf_counter()
-                    st = await peer.write(writes)
-                    if stats is not None:
-                        stats.t_first = t0 if stats.t_first is None else stats.t_first
-                        stats.t_last = time.perf_counter()
-                        stats.bytes += st.bytes
-                        stats.ops += st.ops
-                        stats.writes += 1
-                    mgr.metrics.add_bytes(st.bytes)
-                peers.append(peer)
+            # one write per decode rank, concurrently; every one settles before the task
+            # ends (the room's outstanding count, hence the drained-abort ack, waits for all)
+            done_or_exc = await asyncio.gather(
+                *(self._write_one(room, chunk, i, stats) for i in live), return_exceptions=True
+            )
+            excs = [r for r in done_or_exc if isinstance(r, BaseException)]
+            if excs:  # a timed-out write first: it poisons the room's ack (below)
+                raise next((e for e in excs if isinstance(e, TransferTimeout)), excs[0])
+            peers = done_or_exc
             if not chunk.last or mgr.request_status.get(room) != KVPoll.Transferring:
                 return
             done = SglDone(room=room, prefill_rank=mgr._prefill_unique_rank()).encode()
@@ -401,6 +392,25 @@ class PrefillPath:
             if isinstance(exc, TransferTimeout):
                 mgr.poison_deferred_ack_room(room)  # a write may still land: no ack
             self._fail(room, f"{type(exc).__name__}: {exc}", type(exc).__name__, notify=targets)
+
+    async def _write_one(self, room, chunk, info, stats):
+        """Write one chunk to one decode rank (nothing where the pair moves no bytes of it);
+        returns the peer."""
+        d, peer = await self._peer(info.key)
+        writes = self._writes(room, chunk, info, d.plan)
+        if self.before_write is not None:
+            await self.before_write(room)
+        if writes:  # none: a prefill replica whose heads another peer sends
+            t0 = time.perf_counter()
+            st = await peer.write(writes)
+            if stats is not None:
+                stats.t_first = t0 if stats.t_first is None else min(stats.t_first, t0)
+                stats.t_last = time.perf_counter()
+                stats.bytes += st.bytes
+                stats.ops += st.ops
+                stats.writes += 1
+            self.mgr.metrics.add_bytes(st.bytes)
+        return peer
 
     async def _peer(self, key: str):
         """``(Decode, its connected peer)``; IncompatiblePeer / PeerClosed otherwise."""
