@@ -3,9 +3,10 @@
 A room succeeds only on :class:`~.messages.SglDone` arriving over the kvxfer engine - an
 authenticated peer, after all of the room's writes completed - from *every* prefill rank the
 room was bootstrapped with (SGLang's ``required_prefill_response_num``: several under
-heterogeneous TP, each counted once by its endpoint). Prefill's ZMQ status messages (unauthenticated) can only fail a
-room. A prefill engine that goes away fails its rooms at once (no waiting for SGLang's HTTP
-heartbeat, which does not notice a dead scheduler behind a live bootstrap server).
+heterogeneous TP, each counted once by its endpoint). Prefill's ZMQ status messages
+(unauthenticated) can only fail a room; any prefill rank's failure fails it. A prefill
+engine that goes away fails its rooms at once (no waiting for SGLang's HTTP heartbeat, which
+does not notice a dead scheduler behind a live bootstrap server).
 """
 
 from __future__ import annotations

@@ -6,6 +6,11 @@ the engine loop runs the writes; one notifier thread does the ZMQ sends that cou
 an unreachable decode (failure statuses, abort acks), so neither the loop nor the control
 thread ever waits on a dead peer.
 
+Each decode registration is checked and planned once (:mod:`.tp_pairs`: equal TP and MLA
+move whole pages, heterogeneous MHA TP one PatternWrite of head-slice runs per chunk). A
+chunk goes to every decode rank of the room (several when decode TP > prefill TP)
+concurrently, and counts as settled only when all of those writes did.
+
 Per room the chunks form a chain (each waits for the previous one), so the completion
 message :class:`~.messages.SglDone` goes out only after every byte of the room is visible at
 decode, and only if the room has not failed meanwhile. A room counts as *outstanding* from
