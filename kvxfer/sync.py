@@ -111,8 +111,8 @@ class SyncEngine:
         return sp
 
     # -- API
-    def register(self, name: str, ptrs, lens, item_lens) -> None:
-        self.engine.register(name, ptrs, lens, item_lens)
+    def register(self, name: str, ptrs, lens, item_lens, *, item_lens_may_differ=False) -> None:
+        self.engine.register(name, ptrs, lens, item_lens, item_lens_may_differ=item_lens_may_differ)
 
     def start(self) -> Tuple[str, int]:
         return self._run(self.engine.start(), self.engine.config.connect_timeout_s)

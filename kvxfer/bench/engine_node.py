@@ -11,7 +11,8 @@ numpy host buffers or torch device buffers; the parent hosts it in a
 ``spec``: ``{"engines": {key: {"config": {...EngineConfig kwargs},
 "groups": {name: {"item_lens": [...], "items": N, "contiguous": bool}}}}}``. With
 ``contiguous`` the group's descriptors are carved back to back out of one buffer
-(exercises registration merging); an engine's optional ``"device"`` ("cpu" default,
+(exercises registration merging), with ``loose`` peers of other item sizes are accepted
+(``item_lens_may_differ``); an engine's optional ``"device"`` ("cpu" default,
 or e.g. "cuda") puts its buffers in torch device memory.
 """
 
@@ -75,6 +76,7 @@ class EngineNode:
                     [self._ptr(b) for b in bufs],
                     [int(b.numel()) if device != "cpu" else b.nbytes for b in bufs],
                     list(g["item_lens"]),
+                    item_lens_may_differ=bool(g.get("loose")),
                 )
             self._closed[key] = []
             eng.on_peer_closed(

@@ -30,7 +30,7 @@ MAMBA_SLOTS = 8
 PLUGIN_VIA = None
 
 
-def _setup_process(mode: str, extra_args=(), dp_rank=None):
+def _setup_process(mode: str, extra_args=(), dp_rank=None, world_rank=0):
     import logging
 
     logging.basicConfig(level=logging.WARNING)
@@ -50,6 +50,12 @@ def _setup_process(mode: str, extra_args=(), dp_rank=None):
 
         plugin.register()
         HookRegistry.apply_hooks()
+    return _publish(mode, extra_args, dp_rank, world_rank)
+
+
+def _publish(mode: str, extra_args=(), dp_rank=None, world_rank=0):
+    """Server args from SGLang's parser, published as a scheduler's at ``world_rank`` (SGLang
+    allows re-publishing: last publish wins, as when a process rebuilds its engine)."""
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import prepare_server_args
 
@@ -69,7 +75,11 @@ def _setup_process(mode: str, extra_args=(), dp_rank=None):
         *extra_args,
     ]
     sa = prepare_server_args(argv)
-    publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=dp_rank, gpu_id=0))
+    publish(
+        sa,
+        role="scheduler",
+        ranks=SpawnRanks(world_rank=world_rank, dp_rank=dp_rank, gpu_id=0),
+    )
     from sglang.srt.runtime_context import get_parallel
 
     # a scheduler builds its torch.distributed groups; one rank per role needs none
@@ -77,7 +87,7 @@ def _setup_process(mode: str, extra_args=(), dp_rank=None):
     return sa
 
 
-def _pools(kind: str):
+def _pools(kind: str, heads: int = HEADS):
     import torch
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MHATokenToKVPool
 
@@ -87,7 +97,7 @@ def _pools(kind: str):
             size=POOL_TOKENS,
             page_size=PAGE,
             dtype=bf,
-            head_num=HEADS,
+            head_num=heads,
             head_dim=DIM,
             layer_num=LAYERS,
             device="cpu",
@@ -126,25 +136,33 @@ def _pools(kind: str):
     raise ValueError(kind)
 
 
-def pattern(room: int, tokens, e: int, nbytes: int):
+def pattern(room: int, tokens, e: int, nbytes: int, base: int = 0):
+    """Content of ``nbytes`` of each token row from byte ``base`` of the model's row (a
+    rank holding KV heads ``[a, b)`` holds bytes from ``a * head bytes``: every rank's
+    content is a slice of one global pattern, whatever its TP)."""
     import numpy as np
 
     t = np.asarray(tokens, dtype=np.int64)[:, None]
-    b = np.arange(nbytes, dtype=np.int64)[None, :]
+    b = base + np.arange(nbytes, dtype=np.int64)[None, :]
     return ((room * 31 + t * 7 + e * 13 + b) % 251).astype(np.uint8)
 
 
 class Node:
     """One scheduler-like process: managers by scenario name, handles by room."""
 
-    def __init__(self, mode: str, server_args) -> None:
+    def __init__(self, mode: str, server_args, extra_args=(), dp_rank=None) -> None:
         self.mode = mode
         self.server_args = server_args
+        self.extra_args, self.dp_rank = tuple(extra_args), dp_rank
         self.scen = {}
         self.handles = {}
 
     # ------------------------------------------------------------------ setup
-    def add(self, name: str, kind: str, bootstrap_port: int, secret=None):
+    def add(self, name: str, kind: str, bootstrap_port: int, secret=None, tp=None, heads=None):
+        """Build scenario ``name``'s pool, metadata buffers and manager. ``tp=(size, rank)``:
+        as attention-TP rank ``rank`` of ``size`` (the process re-publishes its config as
+        that scheduler's first; ``--tp-size``) holding its share of ``heads`` KV heads over
+        all ranks (SGLang's split: ``heads/size`` each, or one replicated head)."""
         import torch
         from sglang.srt.disaggregation.utils import (
             DisaggregationMode,
@@ -156,14 +174,23 @@ class Node:
         )
         from sglang.srt.runtime_context import get_context, get_parallel
 
+        from kvxfer.disagg.tp_plan import owned
+
+        server_args = self.server_args
+        size, rank = tp if tp is not None else (1, 0)
+        total = heads if heads is not None else HEADS * size
+        h0, h1 = owned(rank, size, total)
+        if tp is not None:
+            extra = list(self.extra_args) + ["--tp-size", str(size)]
+            server_args = _publish(self.mode, extra, self.dp_rank, rank)
         get_context().override("test", disaggregation_bootstrap_port=int(bootstrap_port))
         backend = TransferBackend("kvxfer")
-        pool = _pools(kind)
+        pool = _pools(kind, h1 - h0)
         meta = MetadataBuffers(
             META_ROWS, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=4
         )
         kv_args = get_kv_class(backend, KVClassType.KVARGS)()
-        kv_args.engine_rank = 0
+        kv_args.engine_rank = rank
         kv_args.pp_rank = 0
         kv_args.system_dp_rank = get_parallel().dp_rank
         kv_args.rust_http_port = None
@@ -175,7 +202,7 @@ class Node:
         kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = ptrs, lens, items
         kv_args.num_draft_entries = 0
         kv_args.kv_layer_ids = []
-        kv_args.kv_head_num, kv_args.total_kv_head_num = HEADS, HEADS
+        kv_args.kv_head_num, kv_args.total_kv_head_num = h1 - h0, total
         kv_args.page_size = PAGE
         (kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens) = meta.get_buf_infos()
         kv_args.ib_device = None
@@ -186,11 +213,14 @@ class Node:
         if secret is not None:  # this manager only (read at construction)
             os.environ["KVXFER_SECRET"] = secret
         try:
-            mgr = get_kv_class(backend, KVClassType.MANAGER)(kv_args, mode, self.server_args, False)
+            mgr = get_kv_class(backend, KVClassType.MANAGER)(kv_args, mode, server_args, False)
         finally:
             if saved is not None:
                 os.environ["KVXFER_SECRET"] = saved
-        self.scen[name] = dict(kind=kind, pool=pool, meta=meta, mgr=mgr, backend=backend)
+        head_bytes = DIM * 2  # bfloat16
+        self.scen[name] = dict(
+            kind=kind, pool=pool, meta=meta, mgr=mgr, backend=backend, base=h0 * head_bytes
+        )
         return {
             "cls": type(mgr).__name__,
             "rank_port": mgr.rank_port,
@@ -229,10 +259,11 @@ class Node:
         import torch
 
         kv, states = self._bufs(name)
+        base = self.scen[name]["base"]
         tokens = [p * PAGE + i for p in pages for i in range(PAGE)]
         pos = list(range(len(tokens)))
         for e, b in enumerate(kv):
-            b[tokens] = torch.from_numpy(pattern(room, pos, e, b.shape[1]))
+            b[tokens] = torch.from_numpy(pattern(room, pos, e, b.shape[1], base))
         if mamba_slot is not None:
             for e, b in enumerate(states):
                 b[mamba_slot] = torch.from_numpy(pattern(room, [100000], e, b.shape[1])[0])
@@ -248,8 +279,9 @@ class Node:
 
     def expected(self, name, room, n_pages, prefix_pages=0, mamba=False):
         kv, states = self._bufs(name)
+        base = self.scen[name]["base"]
         pos = list(range(prefix_pages * PAGE, (prefix_pages + n_pages) * PAGE))
-        out = [pattern(room, pos, e, b.shape[1]).tobytes() for e, b in enumerate(kv)]
+        out = [pattern(room, pos, e, b.shape[1], base).tobytes() for e, b in enumerate(kv)]
         if mamba:
             out += [
                 pattern(room, [100000], e, b.shape[1])[0].tobytes() for e, b in enumerate(states)
@@ -319,6 +351,28 @@ class Node:
     def metrics(self, name):
         return self.scen[name]["mgr"].metrics.snapshot()
 
+    def room_entries(self, name, room):
+        """Tables of this scenario's manager that still hold ``room`` (after ``clear``: none)."""
+        mgr = self.scen[name]["mgr"]
+        path = mgr.path
+        tables = {
+            "request_status": mgr.request_status,
+            "failure_records": getattr(mgr, "failure_records", {}),
+            "transfer_infos": getattr(mgr, "transfer_infos", {}),
+            "staging_outstanding": getattr(mgr, "_staging_outstanding", {}),
+            "room_stats": mgr.room_stats,
+            "chains": getattr(path, "chains", {}),
+            "decode_rooms": getattr(path, "_rooms", {}),
+            "response_tracker": getattr(mgr, "prefill_response_tracker", {}),
+            "required_responses": getattr(mgr, "required_prefill_response_num_table", {}),
+        }
+        return sorted(k for k, t in tables.items() if room in t)
+
+    def write_ops(self, room):
+        """Ops (PUTs or device-lane runs) and writes the room's kvxfer writes took (prefill)."""
+        st = self.handles[room].stats
+        return [st.ops, st.writes]
+
     def close(self) -> None:
         """At the worker's exit: close the managers (bounded)."""
         for s in self.scen.values():
@@ -326,8 +380,8 @@ class Node:
 
 
 class PrefillNode(Node):
-    def __init__(self, server_args):
-        super().__init__("prefill", server_args)
+    def __init__(self, server_args, extra_args=(), dp_rank=None):
+        super().__init__("prefill", server_args, extra_args, dp_rank)
 
     def sender(self, name, room, bootstrap_host="127.0.0.1", bootstrap_port=0):
         from sglang.srt.disaggregation.utils import KVClassType, get_kv_class
@@ -399,7 +453,7 @@ class PrefillNode(Node):
             state_item_lens=[list(x) for x in a.state_item_lens],
         )
         reg.update(changes or {})
-        return mgr.path._incompatible(SglRegister(**reg))
+        return mgr.path._incompatible(SglRegister(**reg))[0]
 
     def metric(self, room):
         m = self.handles[room].get_transfer_metric()
@@ -441,8 +495,8 @@ class PrefillNode(Node):
 
 
 class DecodeNode(Node):
-    def __init__(self, server_args):
-        super().__init__("decode", server_args)
+    def __init__(self, server_args, extra_args=(), dp_rank=None):
+        super().__init__("decode", server_args, extra_args, dp_rank)
 
     def receiver(self, name, room, bootstrap_addr, timeout=30.0):
         """``_create_receiver_and_enqueue`` + ``_ensure_prefill_info`` + ``_init_receiver``."""
@@ -510,7 +564,8 @@ def node(role: str, extra_args=(), dp_rank=None) -> Node:
     """What a node's worker hosts: a :class:`PrefillNode` or :class:`DecodeNode` in a process
     set up as a scheduler's (the worker's ``env`` is in place before anything is imported)."""
     sa = _setup_process(role, extra_args, dp_rank)
-    return PrefillNode(sa) if role == "prefill" else DecodeNode(sa)
+    cls = PrefillNode if role == "prefill" else DecodeNode
+    return cls(sa, extra_args, dp_rank)
 
 
 class BootstrapServers:

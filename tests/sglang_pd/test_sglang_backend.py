@@ -235,7 +235,9 @@ def test_unsupported_is_refused_with_the_reason(cluster):
     kind, msg = dc.refused("mha", "swa")
     assert kind == "UnsupportedOperation" and "'swa' is not supported" in msg
     assert pf.incompatible("mamba") is None
-    assert "heterogeneous TP" in pf.incompatible("mamba", {"tp_size": 2, "tp_rank": 1})
+    assert "with different TP sizes are not supported" in pf.incompatible(
+        "mamba", {"tp_size": 2, "tp_rank": 1}
+    )
     assert "kv_item_lens" in pf.incompatible("mha", {"kv_item_lens": [64] * 6})
     assert "state_item_lens" in pf.incompatible("mamba", {"state_item_lens": [[8] * 4]})
 

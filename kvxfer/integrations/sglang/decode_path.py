@@ -1,10 +1,12 @@
 """Decode side of the SGLang backend: what it tells prefill, and when a room succeeds.
 
 A room succeeds only on :class:`~.messages.SglDone` arriving over the kvxfer engine - an
-authenticated peer, after all of the room's writes completed - from a prefill rank the
-room was bootstrapped with. Prefill's ZMQ status messages (unauthenticated) can only fail a
-room. A prefill engine that goes away fails its rooms at once (no waiting for SGLang's HTTP
-heartbeat, which does not notice a dead scheduler behind a live bootstrap server).
+authenticated peer, after all of the room's writes completed - from *every* prefill rank the
+room was bootstrapped with (SGLang's ``required_prefill_response_num``: several under
+heterogeneous TP, each counted once by its endpoint). Prefill's ZMQ status messages
+(unauthenticated) can only fail a room; any prefill rank's failure fails it. A prefill
+engine that goes away fails its rooms at once (no waiting for SGLang's HTTP heartbeat, which
+does not notice a dead scheduler behind a live bootstrap server).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional
 
 import numpy as np
 import zmq
@@ -27,6 +29,7 @@ from kvxfer.integrations.sglang.messages import (
     SglRoom,
     ids_to_bytes,
 )
+from kvxfer.integrations.sglang.tp_pairs import total_kv_heads
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +45,8 @@ class DecodePath:
         self.mgr = mgr
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self._rooms: Dict[int, Set[str]] = {}  # room -> prefill endpoints ("ip:port")
+        #: room -> its prefill endpoints ("ip:port") -> a per-room index of that endpoint
+        self._rooms: Dict[int, Dict[str, int]] = {}
         self._meta_t: Dict[int, float] = {}  # room -> when its metadata went out
         self._lock = threading.Lock()
 
@@ -79,6 +83,8 @@ class DecodePath:
             aux_item_lens=[int(x) for x in a.aux_item_lens],
             state_types=[str(getattr(s, "value", s)) for s in a.state_types or []],
             state_item_lens=[[int(x) for x in lens] for lens in a.state_item_lens or []],
+            total_kv_heads=total_kv_heads(a, mgr.attn_tp_size, derive=False),
+            mla=bool(mgr.is_mla_backend),
         )
         return [FRAME_TAG, reg.encode()]
 
@@ -113,13 +119,19 @@ class DecodePath:
 
     # ------------------------------------------------------------------ room tracking
     def track(self, room: int, bootstrap_infos) -> None:
-        eps = {
-            f"{i['rank_ip']}:{i['rank_port']}"
-            for i in bootstrap_infos or []
-            if not i.get("is_dummy")
-        }
+        """The prefill ranks ``room`` bootstrapped with (dummies excluded): each one's SglDone
+        counts once towards SGLang's ``required_prefill_response_num`` (heterogeneous TP:
+        several), under an index derived from the authenticated sender's endpoint - never
+        from what the message says."""
+        eps = sorted(
+            {
+                f"{i['rank_ip']}:{i['rank_port']}"
+                for i in bootstrap_infos or []
+                if not i.get("is_dummy")
+            }
+        )
         with self._lock:
-            self._rooms[room] = eps
+            self._rooms[room] = {ep: k for k, ep in enumerate(eps)}
 
     def untrack(self, room: int) -> None:
         with self._lock:
@@ -187,8 +199,9 @@ class DecodePath:
             )
             return
         was = mgr.request_status.get(msg.room)
+        # SGLang counts distinct responders: a sender counts once whatever rank it claims
         mgr.apply_prefill_status(
-            bootstrap_room=msg.room, status=KVPoll.Success, prefill_rank=msg.prefill_rank
+            bootstrap_room=msg.room, status=KVPoll.Success, prefill_rank=eps[ep]
         )
         if (
             was not in (KVPoll.Success, KVPoll.Failed)

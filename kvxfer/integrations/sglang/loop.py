@@ -9,7 +9,7 @@ Every task the backend creates on the loop is owned by its creator and ends befo
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Collection, Dict, Optional, Sequence, Tuple
 
 from kvxfer.config import EngineConfig
 from kvxfer.errors import Closed
@@ -36,10 +36,14 @@ class EngineLoop:
     def address(self) -> Optional[Tuple[str, int]]:
         return self.engine.address
 
-    def start(self, groups: Groups) -> Tuple[str, int]:
-        """Register ``{name: (ptrs, lens, item_lens)}`` and start listening."""
+    def start(self, groups: Groups, loose: Collection[str] = ()) -> Tuple[str, int]:
+        """Register ``{name: (ptrs, lens, item_lens)}`` and start listening. Groups in
+        ``loose`` may have other item sizes at a peer (heterogeneous TP: KV pages of other
+        head counts; the backend checks the pair itself before any write)."""
         for name, (ptrs, lens, items) in groups.items():
-            self.engine.register(name, list(ptrs), list(lens), list(items))
+            self.engine.register(
+                name, list(ptrs), list(lens), list(items), item_lens_may_differ=name in loose
+            )
         return self.run(self.engine.start(), self.config.connect_timeout_s)
 
     def in_loop(self) -> bool:

@@ -11,7 +11,9 @@ one layer's K or V), ``aux`` (the ``MetadataBuffers``, item = one row of each bu
 :mod:`.decode_path`). kvxfer writes no byte of its own into any SGLang buffer: the room is
 checked by SGLang's own ``bootstrap_room`` metadata buffer.
 
-Supported: equal attention TP on both sides (each decode rank pairs with one prefill rank),
+Supported: any attention TP sizes that divide one another, SGLang's rank mapping (MHA
+pages: each decode rank receives its KV heads from the prefill rank(s) holding them,
+:mod:`.tp_pairs`; MLA: whole pages from one prefill rank; state pools: equal TP only),
 PP/CP/DCP of 1, state type ``mamba``, any decode/prefill DP mapping SGLang resolves, decode
 prefix (radix) lengths. Everything else is refused here, before anything starts, with the
 reason (see docs/integrations.md).
@@ -129,7 +131,9 @@ class KvxferKVManager(CommonKVManager):
             )
         )
         try:
-            self.engine.start(self._groups())
+            # kv pages differ in size between TP sizes (heads per rank): checked per pair by
+            # the prefill path (tp_pairs) at registration, not by the engine's handshake
+            self.engine.start(self._groups(), loose=("kv",))
             if role == "prefill":
                 from kvxfer.integrations.sglang.prefill_path import PrefillPath
 

@@ -58,6 +58,8 @@ class SglRegister(wire.Message):
     aux_item_lens: List[int]
     state_types: List[str]
     state_item_lens: list  # one list[int] per state type
+    total_kv_heads: int = 0  # the model's KV heads over all ranks (0: not known here)
+    mla: bool = False  # an MLA pool (no heads: the latent is replicated over ranks)
 
     def check(self) -> "SglRegister":
         if not 0 < self.port < 65536 or not 0 < self.engine_port < 65536:
@@ -66,6 +68,8 @@ class SglRegister(wire.Message):
             raise ProtocolError(
                 f"register: tp {self.tp_rank}/{self.tp_size}, page_size {self.page_size}"
             )
+        if self.total_kv_heads < 0:
+            raise ProtocolError(f"register: total_kv_heads {self.total_kv_heads}")
         if len(self.state_item_lens) != len(self.state_types):
             raise ProtocolError("register: state_item_lens and state_types differ in length")
         for lens in self.state_item_lens:

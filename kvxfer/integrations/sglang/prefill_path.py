@@ -6,6 +6,11 @@ the engine loop runs the writes; one notifier thread does the ZMQ sends that cou
 an unreachable decode (failure statuses, abort acks), so neither the loop nor the control
 thread ever waits on a dead peer.
 
+Each decode registration is checked and planned once (:mod:`.tp_pairs`: equal TP and MLA
+move whole pages, heterogeneous MHA TP one PatternWrite of head-slice runs per chunk). A
+chunk goes to every decode rank of the room (several when decode TP > prefill TP)
+concurrently, and counts as settled only when all of those writes did.
+
 Per room the chunks form a chain (each waits for the previous one), so the completion
 message :class:`~.messages.SglDone` goes out only after every byte of the room is visible at
 decode, and only if the room has not failed meanwhile. A room counts as *outstanding* from
@@ -22,13 +27,14 @@ import concurrent.futures
 import logging
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import zmq
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification
 
+from kvxfer.disagg.errors import TpShapeMismatch
 from kvxfer.errors import (
     IncompatiblePeer,
     KvxferError,
@@ -38,17 +44,21 @@ from kvxfer.errors import (
     TransferTimeout,
 )
 from kvxfer.integrations.sglang.messages import SglDone, SglRegister, SglRoom, decode_frames
+from kvxfer.integrations.sglang.tp_pairs import PairPlan, pair_plan, shape, total_kv_heads
 
 log = logging.getLogger(__name__)
 
 
 class Decode:
-    """A decode rank registered with this prefill rank (by its ZMQ endpoint ``key``)."""
+    """A decode rank registered with this prefill rank (by its ZMQ endpoint ``key``):
+    refused (``reason``) or served by ``plan`` (what this rank writes into it)."""
 
-    __slots__ = ("key", "reg", "reason", "task")
+    __slots__ = ("key", "reg", "reason", "plan", "task")
 
-    def __init__(self, key: str, reg: SglRegister, reason: Optional[str]) -> None:
-        self.key, self.reg, self.reason = key, reg, reason
+    def __init__(
+        self, key: str, reg: SglRegister, reason: Optional[str], plan: Optional[PairPlan]
+    ) -> None:
+        self.key, self.reg, self.reason, self.plan = key, reg, reason, plan
         self.task: Optional[asyncio.Task] = None  # connect, on the engine loop
 
     def __repr__(self) -> str:
@@ -164,49 +174,78 @@ class PrefillPath:
         else:
             raise ProtocolError(f"unexpected {msg.TAG} on a prefill rank")
 
-    def _incompatible(self, reg: SglRegister) -> Optional[str]:
+    def _incompatible(self, reg: SglRegister) -> Tuple[Optional[str], Optional[PairPlan]]:
+        """``(reason, None)`` when this prefill rank cannot serve the decode rank ``reg``
+        describes, else ``(None, plan)``: the pair's TP plan (:mod:`.tp_pairs`), built once
+        per registration. Layout fields must match exactly; the TP shapes may differ where a
+        head mapping joins them (MHA pages, NHD; MLA: whole items), not for state pools."""
         mgr, a = self.mgr, self.mgr.kv_args
         ours = {
-            "tp_size": mgr.attn_tp_size,
             "page_size": a.page_size,
             "dtype": str(a.kv_cache_dtype_str),
-            "kv_item_lens": list(a.kv_item_lens),
             "aux_item_lens": list(a.aux_item_lens),
             "state_types": [str(getattr(s, "value", s)) for s in a.state_types or []],
             "state_item_lens": [list(x) for x in a.state_item_lens or []],
         }
         theirs = {
-            "tp_size": reg.tp_size,
             "page_size": reg.page_size,
             "dtype": reg.dtype,
-            "kv_item_lens": reg.kv_item_lens,
             "aux_item_lens": reg.aux_item_lens,
             "state_types": reg.state_types,
             "state_item_lens": reg.state_item_lens,
         }
+        if reg.tp_size == mgr.attn_tp_size:
+            ours["kv_item_lens"] = list(a.kv_item_lens)
+            theirs["kv_item_lens"] = reg.kv_item_lens
         for k, v in ours.items():
             if theirs[k] != v:
-                what = (
-                    "heterogeneous TP is not supported by the kvxfer backend"
-                    if k == "tp_size"
-                    else "layouts differ"
-                )
                 return (
                     f"decode {reg.endpoint}:{reg.port} has {k}={theirs[k]!r}, prefill "
-                    f"has {v!r}: {what}"
-                )
-        if reg.tp_rank != mgr.attn_tp_rank:
-            return (
-                f"decode tp_rank {reg.tp_rank} registered with prefill tp_rank {mgr.attn_tp_rank}"
+                    f"has {v!r}: layouts differ"
+                ), None
+        mla = bool(mgr.is_mla_backend)
+        if reg.tp_size != mgr.attn_tp_size:
+            what = (
+                f"prefill attention tp {mgr.attn_tp_size}, decode {reg.endpoint}:{reg.port} "
+                f"tp {reg.tp_size}"
             )
-        return None
+            if ours["state_types"]:
+                return (
+                    f"{what}: state pools {ours['state_types']} with different TP sizes are "
+                    f"not supported by the kvxfer backend"
+                ), None
+            layout = getattr(a, "swa_kv_cache_layout", None)
+            if not mla and layout not in (None, "nhd"):
+                return f"{what}: head slicing needs NHD KV pages, prefill has {layout!r}", None
+        try:
+            plan = pair_plan(
+                shape(
+                    mgr.attn_tp_size,
+                    mgr.attn_tp_rank,
+                    a.page_size,
+                    a.kv_item_lens,
+                    total_kv_heads(a, mgr.attn_tp_size),
+                    mla,
+                ),
+                shape(
+                    reg.tp_size,
+                    reg.tp_rank,
+                    reg.page_size,
+                    reg.kv_item_lens,
+                    reg.total_kv_heads,
+                    reg.mla,
+                ),
+            )
+        except TpShapeMismatch as exc:
+            return f"decode {reg.endpoint}:{reg.port}: {type(exc).__name__}: {exc}", None
+        return None, plan
 
     def _on_register(self, reg: SglRegister) -> None:
         key = f"{reg.endpoint}:{reg.port}"
-        reason = self._incompatible(reg)
+        reason, plan = self._incompatible(reg)
         if reason is not None:
             log.warning("%r: refused decode %s: %s", self.mgr, key, reason)
-        d = Decode(key, reg, reason)
+        d = Decode(key, reg, reason, plan)
         with self.mgr.room_lock:
             old = self.decodes.get(key)
             self.decodes[key] = d
@@ -331,25 +370,17 @@ class PrefillPath:
         if mgr.request_status.get(room, KVPoll.Failed) == KVPoll.Failed:
             return  # failed or cleared: nothing is sent
         mgr.update_status(room, KVPoll.Transferring)
-        peers = []
+        live = [i for i in infos if not i.is_dummy]
         try:
-            for info in infos:
-                if info.is_dummy:
-                    continue
-                peer = await self._peer(info.key)
-                writes = self._writes(room, chunk, info)
-                if self.before_write is not None:
-                    await self.before_write(room)
-                t0 = time.perf_counter()
-                st = await peer.write(writes)
-                if stats is not None:
-                    stats.t_first = t0 if stats.t_first is None else stats.t_first
-                    stats.t_last = time.perf_counter()
-                    stats.bytes += st.bytes
-                    stats.ops += st.ops
-                    stats.writes += 1
-                mgr.metrics.add_bytes(st.bytes)
-                peers.append(peer)
+            # one write per decode rank, concurrently; every one settles before the task
+            # ends (the room's outstanding count, hence the drained-abort ack, waits for all)
+            done_or_exc = await asyncio.gather(
+                *(self._write_one(room, chunk, i, stats) for i in live), return_exceptions=True
+            )
+            excs = [r for r in done_or_exc if isinstance(r, BaseException)]
+            if excs:  # a timed-out write first: it poisons the room's ack (below)
+                raise next((e for e in excs if isinstance(e, TransferTimeout)), excs[0])
+            peers = done_or_exc
             if not chunk.last or mgr.request_status.get(room) != KVPoll.Transferring:
                 return
             done = SglDone(room=room, prefill_rank=mgr._prefill_unique_rank()).encode()
@@ -367,16 +398,40 @@ class PrefillPath:
                 mgr.poison_deferred_ack_room(room)  # a write may still land: no ack
             self._fail(room, f"{type(exc).__name__}: {exc}", type(exc).__name__, notify=targets)
 
+    async def _write_one(self, room, chunk, info, stats):
+        """Write one chunk to one decode rank (nothing where the pair moves no bytes of it);
+        returns the peer."""
+        d, peer = await self._peer(info.key)
+        writes = self._writes(room, chunk, info, d.plan)
+        if self.before_write is not None:
+            await self.before_write(room)
+        if writes:  # none: a prefill replica whose heads another peer sends
+            t0 = time.perf_counter()
+            st = await peer.write(writes)
+            if stats is not None:
+                stats.t_first = t0 if stats.t_first is None else min(stats.t_first, t0)
+                stats.t_last = time.perf_counter()
+                stats.bytes += st.bytes
+                stats.ops += st.ops
+                stats.writes += 1
+            self.mgr.metrics.add_bytes(st.bytes)
+        return peer
+
     async def _peer(self, key: str):
+        """``(Decode, its connected peer)``; IncompatiblePeer / PeerClosed otherwise."""
         d = self.decodes.get(key)
-        if d is None or d.reason is not None:
+        if d is None or d.reason is not None or d.plan is None:
             raise IncompatiblePeer(d.reason if d else f"decode {key} never registered")
         if d.task is None:
             raise PeerClosed(f"decode {key}: no connection")
-        return await asyncio.shield(d.task)
+        return d, await asyncio.shield(d.task)
 
-    def _writes(self, room: int, chunk: Chunk, info: RoomInfo):
-        from kvxfer.engine import ItemWrite
+    def _writes(self, room: int, chunk: Chunk, info: RoomInfo, plan: PairPlan):
+        """The engine writes of one chunk to one decode rank: its pages as one ItemWrite
+        (equal TP, MLA) or one PatternWrite of the pair's head-slice runs (``plan``, built
+        at registration); on the last chunk the state items and, from the one peer that
+        sends it, the metadata row. Page counts are checked against decode's allocation."""
+        from kvxfer.engine import ItemWrite, PatternWrite
 
         dst = info.dst_kv[chunk.index_slice]
         if len(dst) != len(chunk.kv):
@@ -384,7 +439,11 @@ class PrefillPath:
                 f"room {room}: chunk of {len(chunk.kv)} pages for decode "
                 f"pages {chunk.index_slice} of {len(info.dst_kv)}"
             )
-        writes = [ItemWrite("kv", chunk.kv, dst)] if len(dst) else []
+        writes: list = []
+        if len(dst) and plan.whole:
+            writes.append(ItemWrite("kv", chunk.kv, dst))
+        elif len(dst) and plan.kv_runs is not None:
+            writes.append(PatternWrite("kv", chunk.kv, dst, plan.kv_runs))
         if not chunk.last:
             return writes
         if chunk.index_slice.stop != len(info.dst_kv):
@@ -405,7 +464,8 @@ class PrefillPath:
                 writes.append(ItemWrite(f"state{i}", src, dst_s))
         if chunk.aux_index is None:
             raise ShapeMismatch(f"room {room}: last chunk without an aux (metadata) row")
-        writes.append(ItemWrite("aux", [int(chunk.aux_index)], [info.dst_aux]))
+        if plan.sends_aux:
+            writes.append(ItemWrite("aux", [int(chunk.aux_index)], [info.dst_aux]))
         return writes
 
     def _settled(self, room: int, task: asyncio.Task) -> None:

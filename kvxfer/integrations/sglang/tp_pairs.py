@@ -1,0 +1,181 @@
+"""Heterogeneous attention TP in the SGLang backend: what one prefill rank moves to one
+decode rank. Torch-free and SGLang-free (numpy only); built once per decode registration.
+
+Rank rules: SGLang 0.5.23's (``CommonKVManager._resolve_rank_mapping`` and
+``staging_buffer.compute_head_slice_params``), which are :mod:`kvxfer.disagg.tp_plan`'s:
+
+* decode rank ``d`` of ``Td`` bootstraps with prefill ranks ``[d*k, (d+1)*k)`` when
+  ``Tp = k*Td`` (``required_prefill_response_num = k`` for MHA: decode waits for every one
+  of them) and with prefill rank ``d // (Td/Tp)`` when ``Td > Tp`` (that prefill rank gets
+  the room's metadata from ``Td/Tp`` decode ranks, ``required_dst_info_num``);
+* KV heads: ``total`` heads over ``tp`` ranks, rank ``r`` holds ``[r*n, (r+1)*n)`` with
+  ``n = total/tp``, or, when ``tp > total``, the one head ``r // (tp/total)`` (replicas);
+  a head a decode rank needs that several of its prefill peers hold (prefill replicas) is
+  written by the first of them only (the others send no KV bytes, but still complete the
+  room: decode counts every peer's completion).
+
+Geometry: SGLang's ``MHATokenToKVPool`` registers one descriptor per layer and K|V
+(``kv_data_ptrs`` = all K layers then all V layers), item = one page, token-major NHD
+``[page_size, heads, head_dim]``. A head slice is therefore one byte run per token of a page
+(:func:`kvxfer.disagg.tp_plan.nhd_item`): a :class:`PairPlan` holds those item-relative runs
+once (a :class:`~kvxfer.engine.slices.PatternRuns`), and a chunk is one ``PatternWrite`` of
+its page ids - one device-lane launch to a same-host peer, PUTs of the expanded runs
+(runs continuing on both sides merged) otherwise.
+
+MLA (``replicated``): the latent has no heads; every decode rank receives whole pages from
+one prefill rank, SGLang marks its other peers dummies (they move nothing); item sizes must
+be equal.
+
+Invariants (tests/unit/test_sgl_tp_pairs.py, exhaustive against a brute-force byte model):
+every byte of every head a decode rank holds is written exactly once per room, from a
+prefill rank holding that head; runs never leave their items; equal TP gives whole items.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+from kvxfer.disagg.errors import TpShapeMismatch
+from kvxfer.disagg.tp_plan import (
+    check_ratio,
+    decode_peers,
+    item_runs,
+    local_units,
+    nhd_item,
+)
+from kvxfer.engine.slices import PatternRuns
+
+__all__ = ["PairPlan", "Shape", "pair_plan", "shape", "total_kv_heads"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One side's TP shape as the backend knows it: attention TP size and rank, page size,
+    the KV item sizes (one per descriptor), the model's total KV heads (0: unknown) and
+    whether the pool is MLA (no heads: replicated)."""
+
+    tp_size: int
+    tp_rank: int
+    page_size: int
+    kv_item_lens: Tuple[int, ...]
+    total_kv_heads: int = 0
+    mla: bool = False
+
+    def describe(self) -> str:
+        heads = "MLA" if self.mla else f"{self.total_kv_heads or '?'} kv heads"
+        items = sorted(set(self.kv_item_lens))
+        return (
+            f"tp {self.tp_rank}/{self.tp_size}, {heads}, page {self.page_size}, "
+            f"{len(self.kv_item_lens)} kv items of {items} B"
+        )
+
+
+@dataclass(frozen=True)
+class PairPlan:
+    """What prefill rank ``prefill.tp_rank`` writes into decode rank ``decode.tp_rank``.
+
+    ``whole``: equal TP (or MLA): whole KV items, as an ItemWrite. Else ``kv_runs`` (None:
+    this prefill rank holds no head the decode rank takes from it) are the per-descriptor
+    item-relative runs of a PatternWrite of the ``kv`` group. ``sends_aux``: this prefill rank
+    writes the metadata row (exactly one of a decode rank's peers does: the first)."""
+
+    whole: bool
+    kv_runs: Optional[PatternRuns]
+    sends_aux: bool
+    runs_per_page: int  # byte runs one page costs over all descriptors (0: no KV bytes)
+
+
+def _bad(prefill: Shape, decode: Shape, why: str) -> TpShapeMismatch:
+    return TpShapeMismatch(f"{why}: prefill {prefill.describe()}; decode {decode.describe()}")
+
+
+def pair_plan(prefill: Shape, decode: Shape) -> PairPlan:
+    """The plan of one (prefill rank, decode rank) pair; TpShapeMismatch naming both shapes
+    when they cannot be joined (TP sizes not dividing one another, heads that do not split,
+    item sizes that are not those heads, a decode rank that is not this prefill rank's peer,
+    MLA on one side only)."""
+    tp_p, tp_d = prefill.tp_size, decode.tp_size
+    try:
+        check_ratio(tp_p, tp_d)
+    except TpShapeMismatch as exc:
+        raise _bad(prefill, decode, str(exc)) from None
+    if not (0 <= prefill.tp_rank < tp_p and 0 <= decode.tp_rank < tp_d):
+        raise _bad(prefill, decode, "tp rank outside its tp size")
+    peers = decode_peers(decode.tp_rank, tp_p, tp_d)
+    if prefill.tp_rank not in peers:
+        raise _bad(prefill, decode, f"decode's prefill peers are tp ranks {list(peers)}")
+    if prefill.page_size != decode.page_size:
+        raise _bad(prefill, decode, "page sizes differ")
+    if len(prefill.kv_item_lens) != len(decode.kv_item_lens):
+        raise _bad(prefill, decode, "kv descriptor counts differ")
+    if prefill.mla != decode.mla:
+        raise _bad(prefill, decode, "MLA on one side only")
+    sends_aux = prefill.tp_rank == peers[0]
+    if tp_p == tp_d or prefill.mla:
+        if tuple(prefill.kv_item_lens) != tuple(decode.kv_item_lens):
+            raise _bad(prefill, decode, "kv item sizes differ")
+        return PairPlan(True, None, sends_aux, len(prefill.kv_item_lens))
+    total = prefill.total_kv_heads
+    if total <= 0:
+        raise _bad(prefill, decode, "prefill's total kv head count is unknown")
+    if decode.total_kv_heads not in (0, total):
+        raise _bad(prefill, decode, "total kv head counts differ")
+    try:
+        h_p = local_units(total, tp_p, "prefill kv heads")
+        h_d = local_units(total, tp_d, "decode kv heads")
+    except TpShapeMismatch as exc:
+        raise _bad(prefill, decode, str(exc)) from None
+    ps = prefill.page_size
+    runs = []
+    n_runs = 0
+    for i, (src_len, dst_len) in enumerate(zip(prefill.kv_item_lens, decode.kv_item_lens)):
+        head_bytes, rest = divmod(int(src_len), ps * h_p)
+        if rest or head_bytes <= 0 or int(dst_len) != ps * h_d * head_bytes:
+            raise _bad(
+                prefill,
+                decode,
+                f"kv descriptor {i}: {src_len} B / {dst_len} B are not pages of "
+                f"{h_p} / {h_d} heads of one size",
+            )
+        ro, rd, rn = item_runs(
+            nhd_item(ps, head_bytes, total, tp_p),
+            nhd_item(ps, head_bytes, total, tp_d),
+            prefill.tp_rank,
+            decode.tp_rank,
+            tp_p,
+            tp_d,
+        )
+        runs.append((ro, rd, rn))
+        n_runs += int(rn.size)
+    kv = PatternRuns.make(runs, prefill.kv_item_lens, decode.kv_item_lens) if n_runs else None
+    return PairPlan(False, kv, sends_aux, n_runs)
+
+
+def shape(
+    tp_size: int,
+    tp_rank: int,
+    page_size: int,
+    kv_item_lens: Sequence[int],
+    total_kv_heads: int = 0,
+    mla: bool = False,
+) -> Shape:
+    """A :class:`Shape` from plain values (ints coerced)."""
+    return Shape(
+        int(tp_size),
+        int(tp_rank),
+        int(page_size),
+        tuple(int(x) for x in kv_item_lens),
+        int(total_kv_heads or 0),
+        bool(mla),
+    )
+
+
+def total_kv_heads(kv_args, tp_size: int, derive: bool = True) -> int:
+    """The model's KV heads over all ranks from SGLang's ``KVArgs`` (0: unknown), as SGLang's
+    ``resolve_total_kv_heads``: ``total_kv_head_num``, else (``derive``) ``kv_head_num *
+    tp_size``."""
+    total = int(getattr(kv_args, "total_kv_head_num", 0) or 0)
+    if total > 0 or not derive:
+        return max(total, 0)
+    return max(int(getattr(kv_args, "kv_head_num", 0) or 0), 0) * int(tp_size)

@@ -1,0 +1,158 @@
+"""SGLang backend heterogeneous TP (kvxfer.integrations.sglang.tp_pairs) against a
+brute-force byte model: every TP pair in {1,2,3,4,6,8}^2 whose sizes divide one another,
+head counts {1,2,3,4,6,8,16}, page sizes {1,4}, K/V descriptors of different head sizes.
+Each byte of a prefill page encodes (global head, token, byte, descriptor, page); after
+every prefill peer's runs are applied, every decode byte must be the expected one, written
+exactly once, from a prefill rank holding that head."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from kvxfer.disagg.errors import LayoutMismatch, TpShapeMismatch
+from kvxfer.disagg.tp_plan import decode_peers, owned
+from kvxfer.integrations.sglang.tp_pairs import pair_plan, shape
+
+pytestmark = pytest.mark.timeout(120)
+
+TPS = (1, 2, 3, 4, 6, 8)
+HEADS = (1, 2, 3, 4, 6, 8, 16)
+HEAD_BYTES = (6, 4)  # descriptor 0 (K) and 1 (V): different head sizes
+
+
+def _fits(total, tp):
+    return total % tp == 0 if tp <= total else tp % total == 0
+
+
+def _heads(rank, tp, total):
+    a, b = owned(rank, tp, total)
+    return list(range(a, b))
+
+
+def _item_lens(total, tp, ps):
+    n = len(_heads(0, tp, total))
+    return [ps * n * hb for hb in HEAD_BYTES]
+
+
+def _page(total, tp, rank, ps, desc, page):
+    """Prefill rank's page ``page`` of descriptor ``desc``: [ps, heads, hb] code bytes."""
+    hb = HEAD_BYTES[desc]
+    out = np.zeros((ps, len(_heads(rank, tp, total)), hb), dtype=np.int64)
+    for j, h in enumerate(_heads(rank, tp, total)):
+        for t in range(ps):
+            out[t, j, :] = (((h * 64 + t) * 16 + np.arange(hb)) * 4 + desc) * 64 + page
+    return out.reshape(-1)
+
+
+def _cases():
+    for tp_p, tp_d, total, ps in itertools.product(TPS, TPS, HEADS, (1, 4)):
+        if max(tp_p, tp_d) % min(tp_p, tp_d):
+            continue
+        if _fits(total, tp_p) and _fits(total, tp_d):
+            yield tp_p, tp_d, total, ps
+
+
+CASES = list(_cases())
+
+
+def test_case_count():
+    assert len(CASES) > 150
+
+
+@pytest.mark.parametrize("tp_p,tp_d,total,ps", CASES)
+def test_every_head_byte_written_once_from_a_holder(tp_p, tp_d, total, ps):
+    pages_p = [3, 0, 5]  # prefill page ids of the room (request order)
+    pages_d = [1, 4, 2]
+    for d in range(tp_d):
+        d_lens = _item_lens(total, tp_d, ps)
+        dst = [np.full(6 * n, -1, dtype=np.int64) for n in d_lens]
+        writes = [np.zeros(6 * n, dtype=np.int64) for n in d_lens]
+        aux = 0
+        for p in decode_peers(d, tp_p, tp_d):
+            p_lens = _item_lens(total, tp_p, ps)
+            plan = pair_plan(shape(tp_p, p, ps, p_lens, total), shape(tp_d, d, ps, d_lens, total))
+            aux += plan.sends_aux
+            assert plan.whole == (tp_p == tp_d)
+            src = [
+                np.concatenate([_page(total, tp_p, p, ps, k, g) for g in range(6)])
+                for k in range(2)
+            ]
+            if plan.whole:
+                for k in range(2):
+                    for sp, dp in zip(pages_p, pages_d):
+                        n = p_lens[k]
+                        dst[k][dp * n : dp * n + n] = src[k][sp * n : sp * n + n]
+                        writes[k][dp * n : dp * n + n] += 1
+                continue
+            if plan.kv_runs is None:
+                assert plan.runs_per_page == 0
+                continue
+            assert plan.kv_runs.runs_per_item == plan.runs_per_page
+            desc, so, do, nb = plan.kv_runs.expand(np.array(pages_p), np.array(pages_d))
+            for k, s, t, n in zip(desc, so, do, nb):
+                assert s + n <= src[k].size and t + n <= dst[k].size
+                dst[k][t : t + n] = src[k][s : s + n]
+                writes[k][t : t + n] += 1
+        assert aux == 1  # exactly one peer writes the metadata row
+        for k in range(2):
+            n = d_lens[k]
+            room = np.zeros(6 * n, dtype=bool)
+            for g in pages_d:
+                room[g * n : g * n + n] = True
+            assert (writes[k][room] == 1).all() and (writes[k][~room] == 0).all(), (d, k)
+            want = np.concatenate(
+                [_page(total, tp_d, d, ps, k, g) for g in pages_p]
+            )  # decode rank d's heads, of the prefill pages in order
+            got = np.concatenate([dst[k][g * d_lens[k] : (g + 1) * d_lens[k]] for g in pages_d])
+            assert (got == want).all(), (d, k)
+
+
+def test_one_run_per_token_per_descriptor_when_split():
+    # 2:1, 8 heads, page 4: prefill rank 1 writes its 4 heads into the second half of
+    # every token row of the decode page: 4 runs per page and descriptor
+    p = pair_plan(shape(2, 1, 4, [4 * 4 * 6, 4 * 4 * 4], 8), shape(1, 0, 4, [4 * 8 * 6, 4 * 8 * 4]))
+    assert p.runs_per_page == 8 and not p.sends_aux
+    assert list(p.kv_runs.lens[0]) == [24] * 4 and list(p.kv_runs.dst[0]) == [24, 72, 120, 168]
+    # 1:2 with page 1: one contiguous run per page and descriptor
+    q = pair_plan(shape(1, 0, 1, [8 * 6, 8 * 4], 8), shape(2, 1, 1, [4 * 6, 4 * 4], 8))
+    assert q.runs_per_page == 2 and q.sends_aux
+    assert list(q.kv_runs.src[0]) == [24] and list(q.kv_runs.lens[0]) == [24]
+
+
+def test_prefill_replicas_send_once():
+    # 2 heads, prefill tp 4 (replicas 0,1 hold head 0; 2,3 head 1), decode tp 1
+    d = shape(1, 0, 1, [2 * 6, 2 * 4], 2)
+    plans = [pair_plan(shape(4, r, 1, [6, 4], 2), d) for r in range(4)]
+    assert [p.kv_runs is not None for p in plans] == [True, False, True, False]
+    assert [p.sends_aux for p in plans] == [True, False, False, False]
+
+
+def test_mla_is_whole_items_at_any_ratio():
+    p = pair_plan(shape(2, 1, 4, [576], mla=True), shape(4, 2, 4, [576], mla=True))
+    assert p.whole and p.kv_runs is None and p.sends_aux
+    with pytest.raises(TpShapeMismatch, match="kv item sizes differ"):
+        pair_plan(shape(2, 1, 4, [576], mla=True), shape(4, 2, 4, [512], mla=True))
+
+
+@pytest.mark.parametrize(
+    "pf,dc,match",
+    [
+        (shape(2, 0, 4, [96], 4), shape(3, 0, 4, [64], 4), "must divide"),
+        (shape(4, 0, 4, [32], 6), shape(2, 0, 4, [96], 6), "do not split"),
+        (shape(2, 0, 4, [96], 4), shape(1, 0, 4, [96], 4), "are not pages of"),
+        (shape(2, 0, 4, [96], 0), shape(1, 0, 4, [192], 4), "unknown"),
+        (shape(2, 0, 4, [96], 4), shape(1, 0, 4, [192], 8), "head counts differ"),
+        (shape(2, 0, 4, [96], 4), shape(1, 0, 2, [96], 4), "page sizes"),
+        (shape(2, 0, 4, [96, 96], 4), shape(1, 0, 4, [192], 4), "descriptor counts"),
+        (shape(4, 0, 4, [48], 4), shape(2, 1, 4, [96], 4), "peers are tp ranks \\[2, 3\\]"),
+        (shape(1, 0, 4, [96], 4), shape(2, 1, 4, [48], 4, mla=True), "MLA on one side"),
+    ],
+)
+def test_refused_naming_both_shapes(pf, dc, match):
+    with pytest.raises(TpShapeMismatch, match=match) as ei:
+        pair_plan(pf, dc)
+    assert isinstance(ei.value, LayoutMismatch)
+    msg = str(ei.value)
+    assert f"prefill tp {pf.tp_rank}/{pf.tp_size}" in msg
+    assert f"decode tp {dc.tp_rank}/{dc.tp_size}" in msg
