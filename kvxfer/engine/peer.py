@@ -118,6 +118,9 @@ class Peer:
         self._delivering = False
         self._tasks: List[asyncio.Task] = []
         self._closing = False
+        #: done once a teardown closed the endpoints; the task running it
+        self._torn_down: Optional[asyncio.Future] = None
+        self._tearer: Optional[asyncio.Task] = None
         self._notified = False
         #: chained notifications: ours to receive (token in our Layout) and the peer's token
         self._notes = notes
@@ -552,8 +555,15 @@ class Peer:
         )
 
     async def close(self) -> None:
-        """Say goodbye (bounded), release keys and endpoints; idempotent."""
+        """Say goodbye (bounded), release keys and endpoints; idempotent. Returns only once
+        the endpoints are closed, also when a teardown was already under way (the peer died
+        under us and one was spawned): a caller that fences on it (kvxfer.disagg releases a
+        dead peer's pages after this) must not go on while the peer's last PUTs can still
+        land."""
         if self._closing:
+            done = self._torn_down
+            if done is not None and not done.done() and asyncio.current_task() is not self._tearer:
+                await asyncio.shield(done)
             return
         await self._teardown(send_bye=not self._dead.done())
 
@@ -561,6 +571,15 @@ class Peer:
         if self._closing:
             return
         self._closing = True
+        self._torn_down = self._loop.create_future()
+        self._tearer = asyncio.current_task()
+        try:
+            await self._teardown_steps(send_bye)
+        finally:
+            if not self._torn_down.done():
+                self._torn_down.set_result(None)
+
+    async def _teardown_steps(self, send_bye: bool) -> None:
         grace = self._config.close_timeout_s
         if send_bye:
             try:

@@ -198,3 +198,20 @@ def test_hammer_mixed_messages_keep_their_order(seed):
             assert [n for k, n in got if k == kind] == list(range(200))
 
     asyncio.run(main())
+
+
+def test_close_waits_for_a_teardown_under_way():
+    """A peer that died under us tears itself down in a background task; a close() called
+    meanwhile (kvxfer.disagg fences on it before it releases the dead peer's pages) returns
+    only once that teardown closed the endpoints, never while a late PUT could still land."""
+
+    async def main():
+        async with Pair(lambda peer, payload: None) as p:
+            td = asyncio.ensure_future(p.b._teardown(send_bye=False))
+            await until(lambda: p.b._closing, "the teardown under way")
+            assert not td.done()
+            await asyncio.wait_for(p.b.close(), 30)
+            assert td.done() and td.exception() is None
+            await p.b.close()  # idempotent once done
+
+    asyncio.run(main())
