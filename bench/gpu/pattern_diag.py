@@ -180,6 +180,35 @@ def contention(rows, items, host, pairs, dev) -> None:
         measure(f"with {name}")
         stop.set()
         th.join()
+    # the PD workers' shape: the launch runs ON the manager's loop thread, whose loop never
+    # sleeps while a UCXX receive is pending (wait_yield: ``await asyncio.sleep(0)``)
+    import asyncio
+
+    async def on_busy_loop(n_spinners):
+        spin = True
+
+        async def spinner():
+            while spin:
+                await asyncio.sleep(0)
+
+        tasks = [asyncio.ensure_future(spinner()) for _ in range(n_spinners)]
+        await asyncio.sleep(0.01)
+        walls, cpus = [], []
+        for _ in range(40):
+            w, c, ev = _launch_parts(rows, pairs, host, dev, stream)
+            walls.append(w)
+            cpus.append(c)
+            ev.synchronize()
+            await asyncio.sleep(0.001)
+        spin = False
+        await asyncio.gather(*tasks)
+        print(
+            f"on an asyncio loop with {n_spinners} sleep(0) spinner(s): launch wall "
+            f"{statistics.median(walls):.1f} µs, thread CPU {statistics.median(cpus):.1f} µs"
+        )
+
+    for n in (0, 1, 2):
+        asyncio.run(on_busy_loop(n))
     ctx = mp.get_context("spawn")
     pstop, ready = ctx.Event(), ctx.Event()
     proc = ctx.Process(target=_gpu_neighbour, args=(pstop, ready), daemon=True)
