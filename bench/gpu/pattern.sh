@@ -5,7 +5,7 @@
 # per ratio for NHD, page-major, HND and MLA (default path = pattern, against equal TP in the
 # same run) and one ratio with --tp-paths (direct / staged / pattern side by side). Writes
 # $OUT/pattern.md (+ JSON rows). Env PAT_RATIOS (default "1:2 2:1 4:1 2:4"; empty: none), PAT_TOKENS
-# (default 16000), PAT_TESTS=0 skips tests and demos, PAT_TEST_FILES narrows the tests,
+# (default 16000), PAT_ITERS (default 5: requests per row), PAT_TESTS=0 skips tests and demos, PAT_TEST_FILES narrows the tests,
 # PAT_DEMOS=0 skips the demos, PAT_PATHS=0 skips the --tp-paths run, PAT_BIG=<tokens> adds
 # a 2:1 run at that request size, PAT_STAGES=1 prints every rank's stages (--stages),
 # PAT_PAGES=1 adds 2:1 with pages 16 -> 64 and decode prefix 37 (direct / staged / pattern;
@@ -39,7 +39,7 @@ for r in $RATIOS; do
     p=${r%:*}; d=${r#*:}
     echo; echo "## kvxfer bench pd --device cuda --modes none --prefill-tp $p --decode-tp $d --kv-layout $LAYOUTS --shape-tokens $TOKENS"
     timeout 100 python3 -m kvxfer bench pd --device cuda --modes none --prefill-tp "$p" --decode-tp "$d" \
-        --kv-layout "$LAYOUTS" --shape-tokens "$TOKENS" --iters 5 ${PAT_STAGES:+--stages} \
+        --kv-layout "$LAYOUTS" --shape-tokens "$TOKENS" --iters "${PAT_ITERS:-5}" ${PAT_STAGES:+--stages} \
         --json-out "$OUT/pattern-$p-$d.json" 2>&1 | tee "$OUT/pattern-$p-$d.log" \
         | grep -v "UCX  WARN\|WARNING\|lane-profile" | tail -${PAT_TAIL_BENCH:-16} || rc=1
     grep "lane-profile" "$OUT/pattern-$p-$d.log" | head -40

@@ -209,6 +209,24 @@ def contention(rows, items, host, pairs, dev) -> None:
 
     for n in (0, 1, 2):
         asyncio.run(on_busy_loop(n))
+    measure("alone, again (warm-up drift)")
+    # UCX in the process: its memory hooks (mmap/munmap/brk, CUDA allocation hooks) and, once
+    # an engine pair is connected, two loop threads spinning in UCXX's wait_yield
+    from kvxfer.config import EngineConfig
+    from kvxfer.sync import SyncEngine
+
+    a_eng, b_eng = (
+        SyncEngine(EngineConfig(secret=b"diag", name="diag-a")),
+        SyncEngine(EngineConfig(secret=b"diag", name="diag-b")),
+    )
+    measure("after UCX init in this process (two engines, not connected)")
+    host_addr, port = a_eng.start()
+    b_eng.start()
+    b_eng.connect(host_addr, port)
+    measure("with a connected engine pair in this process (main thread)")
+    b_eng.close()
+    a_eng.close()
+    measure("after the engines closed")
     ctx = mp.get_context("spawn")
     pstop, ready = ctx.Event(), ctx.Event()
     proc = ctx.Process(target=_gpu_neighbour, args=(pstop, ready), daemon=True)
