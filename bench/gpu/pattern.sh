@@ -26,7 +26,7 @@ if [ "${PAT_TESTS:-1}" != 0 ]; then
 echo; echo "## tests with KVXFER_TEST_DEVICE=cuda"; echo '```'
 KVXFER_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider ${PAT_TEST_FILES:-tests/kernels/test_pattern_copy.py \
     tests/unit/test_pattern_runs.py tests/unit/test_tp_slices.py tests/engine/test_engine.py \
-    tests/disagg/test_pd_tp.py} 2>&1 | grep -v "^  \[\|UCX  WARN" | tail -${PAT_TAIL:-8} || rc=1
+    tests/disagg/test_pd_tp.py} 2>&1 | tee "$OUT/pattern-tests.log" | grep -v "^  \[\|UCX  WARN" | tail -${PAT_TAIL:-8} || rc=1
 echo '```'
 [ "${PAT_DEMOS:-1}" != 0 ] && for shape in "2 1 per_layer" "1 2 page_major" "4 1 hnd --ssm-heads 4" "2 4 per_layer --ssm-heads 4"; do
     set -- $shape
@@ -48,20 +48,20 @@ if [ -n "${PAT_BIG:-}" ]; then  # one ratio at a larger request: fixed costs amo
     echo; echo "## kvxfer bench pd --device cuda --modes none --prefill-tp 2 --decode-tp 1 --kv-layout per_layer,hnd --shape-tokens $PAT_BIG"
     timeout 150 python3 -m kvxfer bench pd --device cuda --modes none --prefill-tp 2 --decode-tp 1 \
         --kv-layout per_layer,hnd --shape-tokens "$PAT_BIG" --iters 5 \
-        --json-out "$OUT/pattern-big.json" 2>&1 | grep -v "UCX  WARN\|WARNING" | tail -16 || rc=1
+        --json-out "$OUT/pattern-big.json" 2>&1 | tee "$OUT/pattern-big.log" | grep -v "UCX  WARN\|WARNING" | tail -16 || rc=1
 fi
 if [ -n "${PAT_PAGES:-}" ]; then  # different page sizes + prefix: one launch per piece class
     echo; echo "## kvxfer bench pd --device cuda --modes none --prefill-tp 2 --decode-tp 1 --prefill-page-size 16 --decode-page-size 64 --decode-prefix 37 --kv-layout per_layer,hnd --tp-paths"
     timeout 330 python3 -m kvxfer bench pd --device cuda --modes none --prefill-tp 2 --decode-tp 1 \
         --prefill-page-size 16 --decode-page-size 64 --decode-prefix 37 --kv-layout per_layer,hnd \
         --shape-tokens "$TOKENS" --iters 5 --tp-paths \
-        --json-out "$OUT/pattern-pages.json" 2>&1 | grep -v "UCX  WARN\|WARNING" | tail -32 || rc=1
+        --json-out "$OUT/pattern-pages.json" 2>&1 | tee "$OUT/pattern-pages.log" | grep -v "UCX  WARN\|WARNING" | tail -32 || rc=1
 fi
 if [ "${PAT_PATHS:-1}" != 0 ]; then
     echo; echo "## kvxfer bench pd --device cuda --modes none --prefill-tp 2 --decode-tp 1 --kv-layout per_layer,hnd --shape-tokens $TOKENS --tp-paths"
     timeout 120 python3 -m kvxfer bench pd --device cuda --modes none --prefill-tp 2 --decode-tp 1 \
         --kv-layout per_layer,hnd --shape-tokens "$TOKENS" --iters 5 --tp-paths \
-        --json-out "$OUT/pattern-paths.json" 2>&1 | grep -v "UCX  WARN\|WARNING" | tail -16 || rc=1
+        --json-out "$OUT/pattern-paths.json" 2>&1 | tee "$OUT/pattern-paths.log" | grep -v "UCX  WARN\|WARNING" | tail -16 || rc=1
 fi
 exit $rc
 } 2>&1 | tee "$OUT/pattern.md"
