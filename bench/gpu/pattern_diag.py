@@ -237,20 +237,9 @@ def contention(rows, items, host, pairs, dev) -> None:
     proc.join(30)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--pages", type=int, default=1000)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument(
-        "--contention-only", action="store_true", help="only the launch-under-contention part"
-    )
-    a = ap.parse_args()
-    dev = torch.device("cuda:0")
-    torch.cuda.set_device(dev)
-    L, ps, Hd, D, P = a.layers, a.page_size, a.heads, a.head_dim, a.pages
+def _geometry(dev, L, ps, Hd, D, P):
+    """The bench's 2 -> 1 NHD geometry: (src, dst, host rows, device rows, pair ids, item
+    table on the device, source ids, destination ids, bytes per launch)."""
     Hs = Hd // 2
     pool = P + 200
     descs = 2 * L
@@ -272,7 +261,96 @@ def main() -> None:
     sids, dids = rng.permutation(pool)[:P], rng.permutation(pool)[:P]
     pairs = np.stack([sids, dids], axis=1).astype(np.int64)
     items = torch.from_numpy(pairs).to(dev)
-    nbytes = P * len(host) * run
+    return src, dst, host, rows, pairs, items, sids, dids, P * len(host) * run
+
+
+def _sharer(kind, barrier, q, geo):  # one process of the GPU-sharing phase
+    import torch as t
+
+    dev = t.device("cuda:0")
+    t.cuda.set_device(dev)
+    src, dst, host, rows, _, items, _, _, nbytes = _geometry(dev, *geo)
+    a = t.empty(nbytes, dtype=t.uint8, device=dev)
+    b = t.empty_like(a)
+
+    def once():
+        if kind == "pattern":
+            copy_pattern(rows, items, 16, host_rows=host)
+        else:
+            b.copy_(a)
+
+    once()
+    t.cuda.synchronize()
+    barrier.wait()
+    out = []
+    for _ in range(40):
+        e0, e1 = t.cuda.Event(enable_timing=True), t.cuda.Event(enable_timing=True)
+        w = time.perf_counter()
+        e0.record()
+        once()
+        e1.record()
+        e1.synchronize()
+        out.append(((time.perf_counter() - w) * 1e6, e0.elapsed_time(e1) * 1e3))
+    q.put(out)
+
+
+def sharing(geo) -> None:
+    """One GPU shared by processes, as in the one-GPU PD bench (every rank a process, each
+    its own CUDA context, no MPS): the pattern kernel's and a contiguous ``copy_``'s time from
+    launch to completion (wall) and between their events (GPU), one process alone vs two
+    launching at the same moments."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    print("\n## one GPU shared by processes (p50 of 40; wall: launch to completion)")
+    for kind in ("pattern", "copy_"):
+        for n in (1, 2):
+            barrier, q = ctx.Barrier(n), ctx.Queue()
+            procs = [
+                ctx.Process(target=_sharer, args=(kind, barrier, q, geo), daemon=True)
+                for _ in range(n)
+            ]
+            for p in procs:
+                p.start()
+            try:
+                res = [q.get(timeout=60) for _ in procs]
+            except Exception as exc:  # a child died: say so, go on
+                print(f"{kind}, {n} process(es): failed ({exc!r})")
+                continue
+            finally:
+                for p in procs:
+                    p.join(10)
+                    if p.is_alive():
+                        p.terminate()
+            walls = [statistics.median(w for w, _ in r) for r in res]
+            gpus = [statistics.median(g for _, g in r) for r in res]
+            print(
+                f"{kind}, {n} process(es): wall "
+                + ", ".join(f"{w:.0f}" for w in walls)
+                + " µs; GPU "
+                + ", ".join(f"{g:.0f}" for g in gpus)
+                + " µs"
+            )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pages", type=int, default=1000)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument(
+        "--contention-only", action="store_true", help="only the launch-under-contention part"
+    )
+    a = ap.parse_args()
+    dev = torch.device("cuda:0")
+    torch.cuda.set_device(dev)
+    L, ps, Hd, D, P = a.layers, a.page_size, a.heads, a.head_dim, a.pages
+    Hs = Hd // 2
+    src, dst, host, rows, pairs, items, sids, dids, nbytes = _geometry(dev, L, ps, Hd, D, P)
+    run = Hs * D * 2
+    descs = 2 * L
     print(
         f"geometry: {descs} descs, {len(host)} rows/item of {run} B, {P} item pairs, "
         f"{nbytes / 2**20:.1f} MiB"
@@ -295,6 +373,7 @@ def main() -> None:
     copy_pattern(rows, items, align, host_rows=host)
     print("shipped copy_pattern:", check("shipped"))
     contention(rows, items, host, pairs, dev)
+    sharing((L, ps, Hd, D, P))
     if a.contention_only:
         return
 
