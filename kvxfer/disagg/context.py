@@ -141,6 +141,11 @@ class PrefillContext(SideContext, Protocol):
         """When split kv writes (hetero-TP slices, byte runs at any TP) are PatternWrites:
         "auto" (the peer's device lane covers kv), "always", "off"."""
 
+    @property
+    def pattern_min_runs(self) -> int:
+        """Under "auto", a token-major chunk of fewer byte runs than this goes as those runs,
+        not as PatternWrites (the data engine's ``device_min_ops``)."""
+
     def hook(self, point: str, room: int) -> None: ...
 
     def room_gone(self) -> None: ...

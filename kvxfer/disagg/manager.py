@@ -198,6 +198,14 @@ class KVManager:
     def address(self) -> Optional[Tuple[str, int]]:
         return None if self.engine is None else self.engine.address
 
+    @property
+    def pattern_min_runs(self) -> int:
+        """The data engine's ``device_min_ops`` (PrefillContext.pattern_min_runs)."""
+        from kvxfer.engine import EngineConfig
+
+        cfg = self.engine.config if self.engine is not None else None
+        return int(cfg.device_min_ops if cfg is not None else EngineConfig.device_min_ops)
+
     async def start(self) -> "KVManager":
         """Start the engine on the running loop (and register with bootstrap, prefill)."""
         if self.engine is not None:

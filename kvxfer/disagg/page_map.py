@@ -60,6 +60,12 @@ class TokenGeometry:
         """``None`` (the pool states no geometry) or the geometry of ``segments``."""
         return None if not segments else cls(tuple(tuple(s) for s in segments))
 
+    @property
+    def token_major(self) -> bool:
+        """One segment per descriptor (NHD, MLA): consecutive tokens are adjacent bytes, so
+        the runs of consecutive pages merge (few, long runs)."""
+        return all(len(s) == 1 for s in self.segments)
+
     def item_lens(self, page_size: int) -> Tuple[int, ...]:
         """Bytes of one page per descriptor at ``page_size``."""
         return tuple(page_size * sum(s) for s in self.segments)
@@ -396,6 +402,19 @@ class RoomPages:
             hi,
             src_first_page=first_page,
         )
+
+    def few_runs(
+        self, src: np.ndarray, first_page: int, dst: np.ndarray, limit: int
+    ) -> Optional[Runs]:
+        """Equal TP, token-major geometry: the chunk's :meth:`runs` when there are fewer than
+        ``limit`` (consecutive pages merged), else None; None at once for other geometries
+        and for a heterogeneous-TP pair, whose runs are one per piece and head block at least.
+        A few long runs move faster as PUTs than as one copy launch per piece class (the
+        equal vs equal-runs rows of bench/results/eq-patterns-h200.md)."""
+        if self.tp is not None or self.geom is None or not self.geom.token_major:
+            return None
+        runs = self.runs(src, first_page, dst)
+        return runs if len(runs) < limit else None
 
     def patterns(self, src: np.ndarray, first_page: int, dst: np.ndarray) -> List[Any]:
         """The byte-run path as PatternWrites of kv, one per piece class (:func:`piece_classes`):

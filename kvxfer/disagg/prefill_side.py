@@ -328,6 +328,10 @@ class PrefillSide:
             return _item_write()("kv", s, d) if len(s) else None
         link = r.link
         if link is not None and self._pattern(link):
+            if self.mgr.tp_pattern == "auto":  # a few long runs: PUTs beat the launches
+                few = pm.few_runs(src, first, r.dst_kv, self.mgr.pattern_min_runs)
+                if few is not None:
+                    return few.raw_write("kv") if len(few) else None
             return pm.patterns(src, first, r.dst_kv) or None  # one launch per piece class
         runs = pm.runs(src, first, r.dst_kv)
         if not len(runs):

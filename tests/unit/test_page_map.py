@@ -156,6 +156,22 @@ def test_room_pages_picks_the_path_and_checks_counts():
     assert _make().dst_pages_done(2) == 1 and _make().dst_pages_done(10) == 3
 
 
+def test_few_runs_only_for_token_major_geometries():
+    """The pattern path's guard (prefill_side, tp_pattern="auto"): consecutive pages of a
+    token-major geometry merge into a few runs, given back below the limit; scattered pages,
+    a limit reached and multi-segment (HND-like) geometries give None."""
+    pm = _make(prefix=37)  # 16 -> 64, one segment: NHD / MLA
+    assert pm.geom.token_major and not TokenGeometry.of([[2, 2]]).token_major
+    src, dst = np.arange(10, 20), np.arange(40, 43)
+    few = pm.few_runs(src, 0, dst, limit=128)
+    assert few is not None and len(few) == len(pm.runs(src, 0, dst)) < 4
+    assert pm.few_runs(src, 0, dst, limit=len(few)) is None  # the limit is exclusive
+    scattered = np.random.default_rng(0).permutation(np.arange(100, 200))[:10]
+    assert pm.few_runs(scattered, 0, dst, limit=8) is None
+    hnd = _make(prefix=37, geom=TokenGeometry.of([[2, 2]]))
+    assert hnd.few_runs(src, 0, dst, limit=10**9) is None
+
+
 def test_fingerprints_with_geometry_pair_other_page_sizes():
     from kvxfer.disagg.errors import LayoutMismatch
     from kvxfer.disagg.kv_args import check_compatible
