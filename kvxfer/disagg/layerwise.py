@@ -196,9 +196,16 @@ class LayerStream:
         self.inflight = 0  # layer writes of this room not yet complete
 
     def begin(self, src: np.ndarray, state: Optional[np.ndarray], last: bool, group: int) -> None:
+        if is_terminal(self.r.state):  # the room ended: its scheduler's later chunks are moot
+            return
         self.chunks.append(_Chunk(src, state, last, group))
 
     def ready(self, layer: int, event: Any) -> None:
+        """A layer of the last begun chunk is declared. Ignored once the room ended: the
+        pump dropped its chunks then (the scheduler may keep declaring layers)."""
+        if is_terminal(self.r.state):
+            self.chunks.clear()
+            return
         self.chunks[-1].ready[layer] = event
         self.pump()
 

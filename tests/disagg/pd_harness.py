@@ -220,6 +220,9 @@ class Node:
             **({} if tp_stage_min_ops is None else {"tp_stage_min_ops": tp_stage_min_ops}),
             tp_pattern=tp_pattern,
         ).start_background()
+        #: exceptions the manager's loop caught in callbacks and tasks (``loop_errors``)
+        self._loop_errors: list = []
+        self.mgr.call_wait(self._catch_loop_errors)
         self.rooms: Dict[int, dict] = {}
         #: kv write kinds prefill's chunks issued (``kv_write_kinds``), counted on the loop
         self._kv_kinds: Dict[str, int] = {}
@@ -235,6 +238,27 @@ class Node:
                 return kv
 
             side._kv_part = counted
+
+    def _catch_loop_errors(self) -> None:
+        """Record what reaches the loop's exception handler (then handle it as before).
+        Runs on: the manager's loop thread."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+
+        def handler(lp, context) -> None:
+            exc = context.get("exception")
+            self._loop_errors.append(f"{context.get('message')}: {exc!r}")
+            lp.default_exception_handler(context)
+
+        loop.set_exception_handler(handler)
+
+    def loop_errors(self) -> list:
+        """Exceptions the manager's loop caught outside any awaiting code (a callback that
+        raised, a task nobody retrieved) since the last call; the list is emptied."""
+        self.mgr.call_wait(lambda: None)  # callbacks handed to the loop before this ran
+        out, self._loop_errors[:] = list(self._loop_errors), []
+        return out
 
     def kv_write_kinds(self) -> Dict[str, int]:
         """Per write type (ItemWrite, RawWrite, PatternWrite, ...), how many kv writes this
@@ -565,6 +589,29 @@ class Node:
     def p_send_layers_on_loop(self, room: int, lo: int, hi: int) -> None:
         """:meth:`p_send_layers` run on the manager's own loop (an asyncio scheduler)."""
         self.mgr.call_wait(self.p_send_layers, room, lo, hi)
+
+    def p_layer_on_loop(self, room: int, layer: int) -> int:
+        """``layer_ready(layer)`` on the manager's own loop (an asyncio scheduler); returns
+        the RMA PUTs posted to the room's decode peer while that call ran, i.e. before it
+        returned (the peer's ``put`` counted for the call's duration)."""
+        h = self.rooms[room]["h"]
+
+        def run() -> int:
+            rma = h._r.link.peer._rma
+            put, posted = rma.put, []
+
+            def counted(*args):
+                posted.append(put(*args))
+                return posted[-1]
+
+            rma.put = counted
+            try:
+                h.layer_ready(layer)
+            finally:
+                del rma.put
+            return sum(posted)
+
+        return self.mgr.call_wait(run)
 
     def d_wait_layer(self, room: int, layer: int, timeout: float = 10.0) -> dict:
         h = self.rooms[room]["h"]

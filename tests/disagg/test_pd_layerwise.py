@@ -155,6 +155,29 @@ def test_decode_abort_mid_stream(cluster, room):
     _clean(c, k)
 
 
+def test_layers_declared_after_the_room_failed_are_ignored(cluster, room):
+    """Decode aborts once a chunk's first layer went: prefill fails the room, and each
+    layer its scheduler declares afterwards is dropped on the loop, none raising there
+    (the first call after the failure drops the chunk, the later ones find none)."""
+    c, k = cluster, "page_major"
+    c.p[k].loop_errors()  # (what earlier tests left)
+    r = room()
+    c.p[k].p_open(r, 4)
+    c.d[k].d_open(r, 4)
+    n = c.p[k].p_begin(r, 0, 4)
+    assert n >= 3
+    c.p[k].p_layer(r, 0)
+    c.d[k].d_wait_layer(r, 0)
+    c.d[k].abort(r)
+    assert c.d[k].wait(r)["state"] == "Failed"
+    res = c.p[k].wait(r)
+    assert res["state"] == "Failed" and res["exc"] == "TransferAborted", res
+    for layer in range(1, n):
+        c.p[k].p_layer(r, layer)
+    assert c.p[k].loop_errors() == []
+    _clean(c, k)
+
+
 def test_metadata_arrives_mid_stream(cluster, room):
     """Layers declared before decode's metadata wait; a chunk declared whole by then is
     queued whole; the rest streams once decode is there."""
