@@ -113,6 +113,24 @@ def test_layers_ready_during_a_write_go_in_the_next_one(cluster, room):
     _success(c, k, r)
 
 
+@pytest.mark.parametrize("kind", ["mha", "page_major"])
+def test_layer_write_is_posted_before_layer_ready_returns(cluster, room, kind):
+    """A layer write starts on the stack that found the layer ready (kvxfer.eager, as a
+    chunk's write does): layer_ready called on the manager's loop returns with the layer's
+    PUTs already posted, no task hop in between; the room completes as usual."""
+    c = cluster
+    r = room()
+    c.p[kind].p_open(r, 4)
+    c.d[kind].d_open(r, 4)
+    assert c.p[kind].poll_until(r, ["WaitingForInput"]) == "WaitingForInput"
+    n = c.p[kind].p_begin(r, 0, 4)
+    assert n >= 2
+    assert c.p[kind].p_layer_on_loop(r, 0) > 0  # the first layer goes alone, posted now
+    for layer in range(1, n):
+        c.p[kind].p_layer(r, layer)
+    _success(c, kind, r)
+
+
 @pytest.mark.parametrize("kind", ["mha", "hybrid_envelope"])
 def test_prefill_abort_while_a_layer_write_is_posted(cluster, room, kind):
     """Prefill's scheduler aborts just as a layer write is posted: the write lands before
