@@ -592,24 +592,33 @@ class Node:
 
     def p_layer_on_loop(self, room: int, layer: int) -> int:
         """``layer_ready(layer)`` on the manager's own loop (an asyncio scheduler); returns
-        the RMA PUTs posted to the room's decode peer while that call ran, i.e. before it
-        returned (the peer's ``put`` counted for the call's duration)."""
+        how many posts to the room's decode peer that call made before it returned: RMA PUT
+        batches, and device-lane launches where the peer has a lane (CUDA pools on one
+        host: the bytes may go there instead). Each is counted for the call's duration."""
         h = self.rooms[room]["h"]
 
         def run() -> int:
-            rma = h._r.link.peer._rma
-            put, posted = rma.put, []
+            peer = h._r.link.peer
+            targets = [(peer._rma, "put")]
+            if peer._dev is not None:
+                targets += [(peer._dev, "launch"), (peer._dev, "launch_pattern")]
+            posts = []
 
-            def counted(*args):
-                posted.append(put(*args))
-                return posted[-1]
+            def counted(fn):
+                def call(*args):
+                    posts.append(fn.__name__)
+                    return fn(*args)
 
-            rma.put = counted
+                return call
+
+            for obj, name in targets:
+                setattr(obj, name, counted(getattr(obj, name)))
             try:
                 h.layer_ready(layer)
             finally:
-                del rma.put
-            return sum(posted)
+                for obj, name in targets:
+                    delattr(obj, name)
+            return len(posts)
 
         return self.mgr.call_wait(run)
 

@@ -117,7 +117,8 @@ def test_layers_ready_during_a_write_go_in_the_next_one(cluster, room):
 def test_layer_write_is_posted_before_layer_ready_returns(cluster, room, kind):
     """A layer write starts on the stack that found the layer ready (kvxfer.eager, as a
     chunk's write does): layer_ready called on the manager's loop returns with the layer's
-    PUTs already posted, no task hop in between; the room completes as usual."""
+    bytes already posted (PUTs, or a device-lane launch), no task hop in between; the room
+    completes as usual."""
     c = cluster
     r = room()
     c.p[kind].p_open(r, 4)
