@@ -19,10 +19,12 @@ and layer instead of one per page run. ``layers_per_write`` (``begin_chunk``) gr
 many ready layers per write. Which wins for which sizes: bench/results/layerwise-cpu.md.
 
 Invariants (those of whole-chunk sends, kept): a room's writes form one chain — a layer
-write is posted at once (several may be on the wire) but completes only after the previous
-write of the chain did, and the chunk's completing write posts only after that — so the
-completing write's notify is issued after every earlier layer write of the room is flushed; ``after_fail`` waits for the chain, so aborts, deadlines and the fenced
-release hold exactly as before; a layer write that times out fences the link. Layers are
+write is posted at once, in the loop callback that found it ready (:mod:`kvxfer.eager`: no
+task hop; several may be on the wire), but completes only after the previous write of the
+chain did, and the chunk's completing write posts only after that — so the completing
+write's notify is issued after every earlier layer write of the room is flushed;
+``after_fail`` waits for the chain, so aborts, deadlines and the fenced release hold
+exactly as before; a layer write that times out fences the link. Layers are
 declared in any order, each once per chunk; a chunk begins only after every layer of the
 previous one was declared. Before decode's metadata arrives nothing can be planned: a chunk
 whose layers are all declared by then is queued whole (as ``send()`` would).
@@ -60,6 +62,7 @@ from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
 
+from kvxfer import eager
 from kvxfer.disagg import event_wait
 from kvxfer.disagg import messages as m
 from kvxfer.disagg.kv_args import KVArgs
@@ -196,9 +199,16 @@ class LayerStream:
         self.inflight = 0  # layer writes of this room not yet complete
 
     def begin(self, src: np.ndarray, state: Optional[np.ndarray], last: bool, group: int) -> None:
+        if is_terminal(self.r.state):  # the room ended: its scheduler's later chunks are moot
+            return
         self.chunks.append(_Chunk(src, state, last, group))
 
     def ready(self, layer: int, event: Any) -> None:
+        """A layer of the last begun chunk is declared. Ignored once the room ended: the
+        pump dropped its chunks then (the scheduler may keep declaring layers)."""
+        if is_terminal(self.r.state):
+            self.chunks.clear()
+            return
         self.chunks[-1].ready[layer] = event
         self.pump()
 
@@ -314,7 +324,16 @@ class LayerStream:
             mgr.advance(r, KVPoll.Transferring)
         prev = r.chain
         self.inflight += 1
-        r.chain = mgr.spawn(_write_part(mgr, r, prev, runs.raw_write("kv"), notify, layers))
+        # started on this stack (kvxfer.eager, as the chunk writes of PrefillSide._issue):
+        # planned and posted before this returns; the flush and the wait for the previous
+        # write of the chain continue in an owned task. A failure before the first
+        # suspension (a dead link, a planning or posting error) fails the room here, while
+        # r.chain is still ``prev``: after_fail waits for ``prev`` — as it did through the
+        # task, whose only wait after such a failure is ``prev``. The done callback runs
+        # from the loop (call_soon, even when already done): it never re-enters this pump.
+        r.chain = eager.start(
+            mgr.spawn, _write_part(mgr, r, prev, runs.raw_write("kv"), notify, layers)
+        )
         r.chain.add_done_callback(self._write_done)
 
     def _write_done(self, _: Any) -> None:
@@ -333,10 +352,11 @@ async def _write_part(
     layers: Sequence[int],
 ) -> None:
     """One layer write of a room's chain (no state, no aux, no chunk accounting): posts
-    ``kv`` at once (``MAX_INFLIGHT_WRITES`` layer writes of a room on the wire), then awaits the previous
-    write of the chain before it completes — so the chain's last task is done only once every
-    earlier write is, which is what the completing write and ``after_fail`` wait for.
-    Failures as in ``PrefillSide._write``."""
+    ``kv`` at once — started by :func:`kvxfer.eager.start`, so on the stack of the call that
+    issued it (``MAX_INFLIGHT_WRITES`` layer writes of a room on the wire) — then awaits the
+    previous write of the chain before it completes: the chain's last future is done only
+    once every earlier write is, which is what the completing write and ``after_fail`` wait
+    for. Failures as in ``PrefillSide._write``."""
     try:
         await _post_part(mgr, r, kv, notify, layers)
     finally:

@@ -80,8 +80,8 @@ class KVManager:
     """Transfer manager of one rank. See module docstring for threading and reliability."""
 
     #: Test-only: ``test_hook(point, room)`` is called at named points of the protocol
-    #: ("room_failed", "pending_retired", "abort_received", "before_write", "closing" with
-    #: room -1) so that a test can force an interleaving deterministically (block there while
+    #: ("room_failed", "pending_retired", "abort_received", "decode_attached", "before_write",
+    #: "before_layer_write", "closing" with room -1) so that a test can force an interleaving deterministically (block there while
     #: another thread acts, or freeze the process). None in production.
     #: Runs on: the manager's loop thread.
     test_hook: Optional[Callable[[str, int], None]] = None

@@ -205,6 +205,7 @@ class PrefillSide:
         if r.num_kv is not None and not self._check_counts(r):
             return
         mgr.advance(r, KVPoll.WaitingForInput)
+        mgr.hook("decode_attached", r.room)  # before the chunks queued meanwhile are issued
         queued, r.queued = r.queued, []
         for src, st, last in queued:
             if is_terminal(r.state):

@@ -269,7 +269,22 @@ class TpPair:
 def expect_slices(link: Link, room: int, dst_kv: Any) -> None:
     """Decode, before its metadata goes to the prefill peer behind ``link``: accept that
     peer's staged head slices of the room's pages, unpacked by the runs decode derives
-    itself (the peer only names pages). No-op unless the engine takes slice writes."""
+    itself (the peer only names pages). No-op unless the engine takes slice writes.
+
+    Registered whenever prefill *may* send SliceWrites, even where it then sends
+    PatternWrites (which never use it): decode cannot tell which it will be. Prefill picks
+    per chunk in ``PrefillSide._kv_part`` / :meth:`TpPair.write`: a PatternWrite when its
+    ``KVManager(tp_pattern=)`` is "always", or "auto" and *its* Peer's device lane covers
+    kv (``Peer.can_pattern``: prefill's own lane to this decode, opened and mapped on
+    prefill's side); else a SliceWrite when the chunk's run count passes prefill's
+    ``tp_stage_min_ops``. Neither prefill's ``tp_pattern`` nor its lane's state reaches
+    decode (the engines' Hello / HelloAck have one capability flag, ``stage``; the PD
+    HelloAck has ``ok`` / ``error`` / ``name``; decode's own lane toward prefill is another
+    object, opened on decode's side), and the run count depends on chunk sizes decode
+    never sees. Narrowing this needs prefill to state its kv path per link (e.g. a PD
+    HelloAck field: "patterns kv"), a protocol change. An unused registration costs one
+    ``SliceRuns`` check and a table entry, dropped at the room's release
+    (``forget_slices``)."""
     tp: Optional[TpPair] = link.tp
     peer = link.peer
     if tp is None or not len(dst_kv) or not peer.accepts_slices("kv"):

@@ -194,6 +194,7 @@ def run_demo(
     prefill_tp: int = 1,
     decode_tp: int = 1,
     layerwise: bool = False,
+    wait_decode: bool = False,
     progress=None,
 ) -> dict:
     """Run the demo; returns the report (``REQUIRED_KEYS`` and more). ``progress``: a
@@ -201,7 +202,10 @@ def run_demo(
     ``decode_page_size`` (None: prefill's) and ``decode_prefix`` (tokens decode holds of
     each request, capped at its length): the shapes of docs/shapes.md. ``prefill_tp`` /
     ``decode_tp``: one worker process per TP rank of each side (heterogeneous TP; with the
-    shapes above too: every decode rank writes its own prefix and checks it untouched)."""
+    shapes above too: every decode rank writes its own prefix and checks it untouched).
+    ``wait_decode`` (tests): prefill computes a request only once decode's metadata is
+    attached to its KVSender (SGLang's bootstrap queue), so a layer-wise run streams every
+    request rather than queueing chunks declared before decode was there."""
     dps = spec.page_size if decode_page_size is None else decode_page_size
     if dps < 1 or spec.pool_tokens % dps or decode_prefix < 0:
         raise InvalidArgument(
@@ -223,6 +227,8 @@ def run_demo(
     t0 = time.perf_counter()
     if window < 1:
         raise InvalidArgument(f"--window {window} must be >= 1")
+    if wait_decode and (prefill_tp, decode_tp) != (1, 1):
+        raise InvalidArgument("wait_decode needs one rank on each side")
     if progress is not None:
         progress.show("starting the prefill and decode workers")
     pair = start_pair(
@@ -235,6 +241,7 @@ def run_demo(
             "decode_page_size": decode_page_size,
             "decode_prefix": decode_prefix,
             "layerwise": layerwise,
+            "wait_decode": wait_decode,
         },
         PDWorker,
         prefill_tp,

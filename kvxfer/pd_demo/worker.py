@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -63,6 +64,13 @@ class PDWorker:
         self.done_q: "queue.SimpleQueue" = queue.SimpleQueue()
         self.open: Dict[int, dict] = {}
         self.finished: Dict[int, dict] = {}
+        #: prefill, ``opts["wait_decode"]`` (tests): room -> set once decode's metadata is
+        #: attached to its KVSender (or the room failed); the scheduler computes a request
+        #: only then, as SGLang's bootstrap queue does (``_wait_decode``)
+        self._attached: Optional[Dict[int, threading.Event]] = None
+        if role == "prefill" and opts.get("wait_decode"):
+            self._attached = {}
+            self.mgr.test_hook = self._on_hook
 
     # ------------------------------------------------------------------ plumbing
     def _on_done(self, room: int):
@@ -79,6 +87,26 @@ class PDWorker:
             )
 
         return cb
+
+    def _on_hook(self, point: str, room: int) -> None:
+        """The manager's test hook (``wait_decode``). Runs on: the manager's loop thread."""
+        if point in ("decode_attached", "room_failed") and self._attached is not None:
+            ev = self._attached.get(room)
+            if ev is not None:
+                ev.set()
+
+    def _wait_decode(self, room: int, ev: threading.Event) -> None:
+        """Block until decode's metadata for ``room`` is attached (or the room failed):
+        bounded by ``deadline_s``."""
+        assert self._attached is not None
+        try:
+            if not ev.wait(self.deadline_s):
+                raise SchedulerError(
+                    f"prefill: decode's metadata for room {room} did not come within "
+                    f"{self.deadline_s}s"
+                )
+        finally:
+            self._attached.pop(room, None)
 
     def _next_done(self, block: bool) -> Optional[tuple]:
         try:
@@ -159,8 +187,13 @@ class PDWorker:
             res = self._alloc(n)
             self._drain()
             m.write_aux(room, res["row"])
+            attached = None
+            if self._attached is not None:  # armed before the KVSender exists: no race
+                attached = self._attached[room] = threading.Event()
             h = self._open_sender(room, length, res)
             rec = self.open[room] = {"res": res, "length": length, "h": h, "chunks": 0}
+            if attached is not None:
+                self._wait_decode(room, attached)
             n_tok = n * ps
             for lo in range(0, n_tok, chunk_tokens):
                 hi = min(lo + chunk_tokens, n_tok)

@@ -220,6 +220,9 @@ class Node:
             **({} if tp_stage_min_ops is None else {"tp_stage_min_ops": tp_stage_min_ops}),
             tp_pattern=tp_pattern,
         ).start_background()
+        #: exceptions the manager's loop caught in callbacks and tasks (``loop_errors``)
+        self._loop_errors: list = []
+        self.mgr.call_wait(self._catch_loop_errors)
         self.rooms: Dict[int, dict] = {}
         #: kv write kinds prefill's chunks issued (``kv_write_kinds``), counted on the loop
         self._kv_kinds: Dict[str, int] = {}
@@ -235,6 +238,27 @@ class Node:
                 return kv
 
             side._kv_part = counted
+
+    def _catch_loop_errors(self) -> None:
+        """Record what reaches the loop's exception handler (then handle it as before).
+        Runs on: the manager's loop thread."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+
+        def handler(lp, context) -> None:
+            exc = context.get("exception")
+            self._loop_errors.append(f"{context.get('message')}: {exc!r}")
+            lp.default_exception_handler(context)
+
+        loop.set_exception_handler(handler)
+
+    def loop_errors(self) -> list:
+        """Exceptions the manager's loop caught outside any awaiting code (a callback that
+        raised, a task nobody retrieved) since the last call; the list is emptied."""
+        self.mgr.call_wait(lambda: None)  # callbacks handed to the loop before this ran
+        out, self._loop_errors[:] = list(self._loop_errors), []
+        return out
 
     def kv_write_kinds(self) -> Dict[str, int]:
         """Per write type (ItemWrite, RawWrite, PatternWrite, ...), how many kv writes this
@@ -565,6 +589,38 @@ class Node:
     def p_send_layers_on_loop(self, room: int, lo: int, hi: int) -> None:
         """:meth:`p_send_layers` run on the manager's own loop (an asyncio scheduler)."""
         self.mgr.call_wait(self.p_send_layers, room, lo, hi)
+
+    def p_layer_on_loop(self, room: int, layer: int) -> int:
+        """``layer_ready(layer)`` on the manager's own loop (an asyncio scheduler); returns
+        how many posts to the room's decode peer that call made before it returned: RMA PUT
+        batches, and device-lane launches where the peer has a lane (CUDA pools on one
+        host: the bytes may go there instead). Each is counted for the call's duration."""
+        h = self.rooms[room]["h"]
+
+        def run() -> int:
+            peer = h._r.link.peer
+            targets = [(peer._rma, "put")]
+            if peer._dev is not None:
+                targets += [(peer._dev, "launch"), (peer._dev, "launch_pattern")]
+            posts = []
+
+            def counted(fn):
+                def call(*args):
+                    posts.append(fn.__name__)
+                    return fn(*args)
+
+                return call
+
+            for obj, name in targets:
+                setattr(obj, name, counted(getattr(obj, name)))
+            try:
+                h.layer_ready(layer)
+            finally:
+                for obj, name in targets:
+                    delattr(obj, name)
+            return len(posts)
+
+        return self.mgr.call_wait(run)
 
     def d_wait_layer(self, room: int, layer: int, timeout: float = 10.0) -> dict:
         h = self.rooms[room]["h"]

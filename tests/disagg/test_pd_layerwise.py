@@ -113,6 +113,25 @@ def test_layers_ready_during_a_write_go_in_the_next_one(cluster, room):
     _success(c, k, r)
 
 
+@pytest.mark.parametrize("kind", ["mha", "page_major"])
+def test_layer_write_is_posted_before_layer_ready_returns(cluster, room, kind):
+    """A layer write starts on the stack that found the layer ready (kvxfer.eager, as a
+    chunk's write does): layer_ready called on the manager's loop returns with the layer's
+    bytes already posted (PUTs, or a device-lane launch), no task hop in between; the room
+    completes as usual."""
+    c = cluster
+    r = room()
+    c.p[kind].p_open(r, 4)
+    c.d[kind].d_open(r, 4)
+    assert c.p[kind].poll_until(r, ["WaitingForInput"]) == "WaitingForInput"
+    n = c.p[kind].p_begin(r, 0, 4)
+    assert n >= 2
+    assert c.p[kind].p_layer_on_loop(r, 0) > 0  # the first layer goes alone, posted now
+    for layer in range(1, n):
+        c.p[kind].p_layer(r, layer)
+    _success(c, kind, r)
+
+
 @pytest.mark.parametrize("kind", ["mha", "hybrid_envelope"])
 def test_prefill_abort_while_a_layer_write_is_posted(cluster, room, kind):
     """Prefill's scheduler aborts just as a layer write is posted: the write lands before
@@ -152,6 +171,29 @@ def test_decode_abort_mid_stream(cluster, room):
     assert res["state"] == "Failed" and res["exc"] == "TransferAborted", res
     for layer in range(1, n):  # the scheduler keeps computing: ignored
         c.p[k].p_layer(r, layer)
+    _clean(c, k)
+
+
+def test_layers_declared_after_the_room_failed_are_ignored(cluster, room):
+    """Decode aborts once a chunk's first layer went: prefill fails the room, and each
+    layer its scheduler declares afterwards is dropped on the loop, none raising there
+    (the first call after the failure drops the chunk, the later ones find none)."""
+    c, k = cluster, "page_major"
+    c.p[k].loop_errors()  # (what earlier tests left)
+    r = room()
+    c.p[k].p_open(r, 4)
+    c.d[k].d_open(r, 4)
+    n = c.p[k].p_begin(r, 0, 4)
+    assert n >= 3
+    c.p[k].p_layer(r, 0)
+    c.d[k].d_wait_layer(r, 0)
+    c.d[k].abort(r)
+    assert c.d[k].wait(r)["state"] == "Failed"
+    res = c.p[k].wait(r)
+    assert res["state"] == "Failed" and res["exc"] == "TransferAborted", res
+    for layer in range(1, n):
+        c.p[k].p_layer(r, layer)
+    assert c.p[k].loop_errors() == []
     _clean(c, k)
 
 

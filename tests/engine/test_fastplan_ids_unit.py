@@ -7,6 +7,7 @@ import random
 
 import numpy as np
 import pytest
+from fastplan_pairs import group_pair, reference_ops
 
 from kvxfer import plan
 from kvxfer.engine import fastplan
@@ -18,35 +19,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _pair(item_lens=(64, 32, 16), n_local=40, n_remote=30):
-    lg = plan.make_group(
-        "g",
-        [0x100000 * (i + 1) for i in range(len(item_lens))],
-        [il * n_local for il in item_lens],
-        list(item_lens),
-    )
-    rg = plan.make_group(
-        "g",
-        [0x9000000 + 0x100000 * i for i in range(len(item_lens))],
-        [il * n_remote for il in item_lens],
-        list(item_lens),
-    )
-    memh = list(range(100, 100 + len(item_lens)))
-    ridx = list(range(len(item_lens)))
-    return lg, rg, fastplan.GroupPair.make(lg, rg, memh, ridx), memh, ridx
-
-
-def _reference(lg, rg, memh, ridx, src, dst):
-    ops = plan.plan_items(lg, rg, src, dst)
-    d = ops.desc.astype(int)
-    return list(
-        zip(
-            ops.laddr.tolist(),
-            ops.raddr.tolist(),
-            ops.nbytes.tolist(),
-            [memh[i] for i in d],
-            [ridx[i] for i in d],
-        )
-    )
+    return group_pair(item_lens, n_local, n_remote, stride=0x100000)
 
 
 def _fast(g, src, dst, small_ops=fastplan.SMALL_OPS):
@@ -94,7 +67,7 @@ def test_same_ops_in_the_same_order_as_plan_items(item_lens, small_ops):
     lg, rg, g, memh, ridx = _pair(item_lens)
     rng = random.Random(11)
     for src, dst in _cases(rng):
-        want = _reference(lg, rg, memh, ridx, src, dst)
+        want = reference_ops(lg, rg, memh, ridx, src, dst)
         for conv in (np.array, lambda v: np.array(v, np.int32), list):
             s, d = conv(src), conv(dst)
             got, si, di = _fast(g, s, d, small_ops)
@@ -112,7 +85,7 @@ def test_large_requests_match_plan_items():
         (np.arange(1000) // 2 * 2, np.arange(1000)),  # duplicate sources
     ):
         got, _, _ = _fast(g, src, dst)
-        assert got == _reference(lg, rg, memh, ridx, src, dst)
+        assert got == reference_ops(lg, rg, memh, ridx, src, dst)
 
 
 def _error(fn):

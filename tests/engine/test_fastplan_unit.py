@@ -5,44 +5,13 @@ import random
 
 import numpy as np
 import pytest
+from fastplan_pairs import group_pair, reference_ops
 
 from kvxfer import plan
 from kvxfer.engine import fastplan
 from kvxfer.errors import IndexOutOfRange, InvalidArgument
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _pair(item_lens=(64, 32, 16), n_local=12, n_remote=9):
-    lg = plan.make_group(
-        "g",
-        [0x10000 * (i + 1) for i in range(len(item_lens))],
-        [il * n_local for il in item_lens],
-        list(item_lens),
-    )
-    rg = plan.make_group(
-        "g",
-        [0x900000 + 0x10000 * i for i in range(len(item_lens))],
-        [il * n_remote for il in item_lens],
-        list(item_lens),
-    )
-    memh = list(range(100, 100 + len(item_lens)))
-    ridx = list(range(len(item_lens)))
-    return lg, rg, fastplan.GroupPair.make(lg, rg, memh, ridx), memh, ridx
-
-
-def _reference(lg, rg, memh, ridx, src, dst):
-    ops = plan.plan_items(lg, rg, src, dst)
-    d = ops.desc.astype(int)
-    return sorted(
-        zip(
-            ops.laddr.tolist(),
-            ops.raddr.tolist(),
-            ops.nbytes.tolist(),
-            [memh[i] for i in d],
-            [ridx[i] for i in d],
-        )
-    )
 
 
 def _small(g, src, dst):
@@ -53,7 +22,7 @@ def _small(g, src, dst):
 
 @pytest.mark.parametrize("item_lens", [(48,), (64, 32, 16)])
 def test_matches_numpy_planner_on_every_small_case(item_lens):
-    lg, rg, g, memh, ridx = _pair(item_lens)
+    lg, rg, g, memh, ridx = group_pair(item_lens)
     rng = random.Random(5)
     cases = [
         ([], []),
@@ -72,7 +41,7 @@ def test_matches_numpy_planner_on_every_small_case(item_lens):
             cases[-1] = (cases[-1][0][: len(cases[-1][1])], cases[-1][1])
     for src, dst in cases:
         n, got = _small(g, src, dst)
-        assert got == _reference(lg, rg, memh, ridx, src, dst), (src, dst)
+        assert got == sorted(reference_ops(lg, rg, memh, ridx, src, dst)), (src, dst)
         assert n == len(got)
 
 
@@ -87,7 +56,7 @@ def test_matches_numpy_planner_on_every_small_case(item_lens):
     ],
 )
 def test_same_errors_as_numpy_planner(src, dst, err, text):
-    lg, rg, g, memh, ridx = _pair()
+    lg, rg, g, memh, ridx = group_pair()
     with pytest.raises(err, match=text):
         plan.plan_items(lg, rg, src, dst)
     out = ([], [], [], [], [])
@@ -119,7 +88,7 @@ def test_only_short_lists_of_plain_ints_take_the_fast_path():
 
 
 def test_op_limit_appends_nothing():
-    lg, rg, g, memh, ridx = _pair((8,) * 4)
+    lg, rg, g, memh, ridx = group_pair((8,) * 4)
     out = ([], [], [], [], [])
     assert fastplan.plan_small(g, [0, 2, 4], [0, 2, 4], out, max_ops=11) == -1  # 3 runs x 4
     assert out == ([], [], [], [], [])
