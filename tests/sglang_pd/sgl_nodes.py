@@ -23,6 +23,8 @@ import time
 PAGE = 4
 LAYERS = 3
 HEADS, DIM = 2, 8
+#: MLA latent per token (``kv_lora_rank + qk_rope_head_dim`` elements, bfloat16)
+MLA_LORA, MLA_ROPE = 16, 8
 POOL_TOKENS = 256
 META_ROWS = 16
 MAMBA_SLOTS = 8
@@ -103,6 +105,19 @@ def _pools(kind: str, heads: int = HEADS):
             device="cpu",
             enable_memory_saver=False,
         )
+    if kind == "mla":
+        from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+        return MLATokenToKVPool(
+            size=POOL_TOKENS,
+            page_size=PAGE,
+            dtype=bf,
+            kv_lora_rank=MLA_LORA,
+            qk_rope_head_dim=MLA_ROPE,
+            layer_num=LAYERS,
+            device="cpu",
+            enable_memory_saver=False,
+        )
     if kind == "mamba":
         from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
         from sglang.srt.mem_cache.memory_pool import MambaPool
@@ -162,7 +177,9 @@ class Node:
         """Build scenario ``name``'s pool, metadata buffers and manager. ``tp=(size, rank)``:
         as attention-TP rank ``rank`` of ``size`` (the process re-publishes its config as
         that scheduler's first; ``--tp-size``) holding its share of ``heads`` KV heads over
-        all ranks (SGLang's split: ``heads/size`` each, or one replicated head)."""
+        all ranks (SGLang's split: ``heads/size`` each, or one replicated head). ``kind``
+        ``"mla"``: an ``MLATokenToKVPool`` (every rank holds the whole latent) and a manager
+        built as an MLA backend's."""
         import torch
         from sglang.srt.disaggregation.utils import (
             DisaggregationMode,
@@ -178,8 +195,9 @@ class Node:
 
         server_args = self.server_args
         size, rank = tp if tp is not None else (1, 0)
-        total = heads if heads is not None else HEADS * size
-        h0, h1 = owned(rank, size, total)
+        mla = kind == "mla"
+        total = 1 if mla else heads if heads is not None else HEADS * size
+        h0, h1 = (0, 1) if mla else owned(rank, size, total)
         if tp is not None:
             extra = list(self.extra_args) + ["--tp-size", str(size)]
             server_args = _publish(self.mode, extra, self.dp_rank, rank)
@@ -213,7 +231,7 @@ class Node:
         if secret is not None:  # this manager only (read at construction)
             os.environ["KVXFER_SECRET"] = secret
         try:
-            mgr = get_kv_class(backend, KVClassType.MANAGER)(kv_args, mode, server_args, False)
+            mgr = get_kv_class(backend, KVClassType.MANAGER)(kv_args, mode, server_args, mla)
         finally:
             if saved is not None:
                 os.environ["KVXFER_SECRET"] = saved
@@ -240,10 +258,12 @@ class Node:
 
         pool = self.scen[name]["pool"]
         kvp = getattr(pool, "full_kv_pool", pool)
-        kv = [
-            b.view(b.shape[0], -1).view(torch.uint8)
-            for b in list(kvp.k_buffer) + list(kvp.v_buffer)
-        ]
+        layers = (
+            list(kvp.kv_buffer)
+            if hasattr(kvp, "kv_buffer")
+            else list(kvp.k_buffer) + list(kvp.v_buffer)
+        )
+        kv = [b.view(b.shape[0], -1).view(torch.uint8) for b in layers]
         states = []
         mamba = getattr(pool, "mamba_pool", None)
         if mamba is not None:
