@@ -40,11 +40,18 @@ def start(*workers: Worker, timeout: float = 300) -> None:
 
 @contextlib.contextmanager
 def hetero_cluster(
-    scenarios: Dict[str, Scenario], n_prefill: int, n_decode: int, extra: int = 0, env=None
+    scenarios: Dict[str, Scenario],
+    n_prefill: int,
+    n_decode: int,
+    extra: int = 0,
+    env=None,
+    scenario_env=None,
+    start_timeout: float = 300,
 ) -> Iterator[dict]:
     """One bootstrap process (a server per scenario, plus ``extra`` spare ones), and one
     process per prefill and per decode TP rank; every scenario built on its ranks (a
-    process re-publishes its scheduler config per scenario to act as that rank).
+    process re-publishes its scheduler config per scenario to act as that rank);
+    ``scenario_env``: ``{scenario: {variable: value}}`` set for those managers only.
     Yields ``dict(pf=[proxies], dc=[proxies], ports={scenario: port}, spare=[ports],
     info={scenario: (prefill ranks' add() results, decode ranks' add() results)},
     workers=[...])``."""
@@ -53,20 +60,15 @@ def hetero_cluster(
     workers += [Worker(N.node, "prefill", name=f"prefill-{r}", env=env) for r in range(n_prefill)]
     workers += [Worker(N.node, "decode", name=f"decode-{r}", env=env) for r in range(n_decode)]
     try:
-        start(*workers)
+        start(*workers, timeout=start_timeout)
         ports = workers[0].proxy(N.BootstrapServers).ports()
         pfs = [w.proxy(N.PrefillNode) for w in workers[1 : 1 + n_prefill]]
         dcs = [w.proxy(N.DecodeNode) for w in workers[1 + n_prefill :]]
         info = {}
         for (name, (kind, heads, tp_p, tp_d)), port in zip(scenarios.items(), ports):
-            p = [
-                pfs[r].add(name, kind, port, tp=(tp_p, r), heads=heads, timeout=120)
-                for r in range(tp_p)
-            ]
-            d = [
-                dcs[r].add(name, kind, port, tp=(tp_d, r), heads=heads, timeout=120)
-                for r in range(tp_d)
-            ]
+            kw = dict(heads=heads, env=(scenario_env or {}).get(name), timeout=120)
+            p = [pfs[r].add(name, kind, port, tp=(tp_p, r), **kw) for r in range(tp_p)]
+            d = [dcs[r].add(name, kind, port, tp=(tp_d, r), **kw) for r in range(tp_d)]
             info[name] = (p, d)
         yield dict(
             pf=pfs,
@@ -82,9 +84,13 @@ def hetero_cluster(
             w.close()
 
 
-def open_room(cluster, scen: str, room: int, n_pages: int) -> Tuple[List[int], List[List[int]]]:
+def open_room(
+    cluster, scen: str, room: int, n_pages: int, connected: bool = False
+) -> Tuple[List[int], List[List[int]]]:
     """Open ``room`` on every rank of ``scen``, fill prefill's pages (the same page ids on
-    every prefill rank, as SGLang's TP ranks allocate alike); returns (p_pages, d_pages)."""
+    every prefill rank, as SGLang's TP ranks allocate alike); returns (p_pages, d_pages).
+    ``connected``: each decode rank's metadata leaves only once its prefill peers' engines
+    reached it (the staged path registers slices with connected peers only)."""
     _, _, tp_p, tp_d = cluster["scenarios"][scen]
     port = cluster["ports"][scen]
     pfs, dcs = cluster["pf"][:tp_p], cluster["dc"][:tp_d]
@@ -96,6 +102,9 @@ def open_room(cluster, scen: str, room: int, n_pages: int) -> Tuple[List[int], L
         pf.fill(scen, room, p_pages)
     for d, dc in enumerate(dcs):
         assert dc.receiver(scen, room, f"127.0.0.1:{port}")["dp_size"] == 1
+        if connected:
+            n = len(prefill_peers(d, tp_p, tp_d))
+            assert dc.peers(scen, n) == n
         dc.metadata(scen, room, d_pages[d], 3 + d)
     for pf in pfs:  # complete only once every decode rank's metadata arrived
         assert pf.wait(room, [WAITING, FAILED], 30) == WAITING
@@ -145,18 +154,27 @@ def prefill_peers(d: int, tp_p: int, tp_d: int) -> List[int]:
     return [d // (tp_d // tp_p)]
 
 
-def expected_moves(scenario: Scenario, n_pages: int, kv_p: int, kv_d: int, aux: int):
+def expected_moves(
+    scenario: Scenario,
+    n_pages: int,
+    kv_p: int,
+    kv_d: int,
+    aux: int,
+    staged: bool = False,
+    chunks: int = 2,
+):
     """Per prefill rank: ``(bytes it writes, kv PUTs when it writes no metadata row else
-    None)`` for a room of ``n_pages`` pages: each decode head is written once, by the first
-    of the decode rank's peers holding it (MLA: the first peer writes whole pages, the
-    others are SGLang's dummies); the metadata row by the first peer. A pair that moves
-    part of a page costs one PUT per token row of every layer's K and V (NHD pages), whole
-    pages one per layer and K/V."""
+    None, the kv PUTs of the direct path)`` for a room of ``n_pages`` pages in ``chunks``
+    chunks: each decode head is written once, by the first of the decode rank's peers
+    holding it (MLA: the first peer writes whole pages, the others are SGLang's dummies);
+    the metadata row by the first peer. A pair that moves part of a page costs one PUT per
+    token row of every layer's K and V (NHD pages), whole pages one per layer and K/V;
+    ``staged``: one PUT per chunk instead (a landing slot holds a chunk)."""
     kind, total, tp_p, tp_d = scenario
     descs = N.LAYERS * (1 if kind == "mla" else 2)
     out = []
     for p in range(tp_p):
-        nbytes, ops, sends_aux = 0, 0, False
+        nbytes, ops, direct, sends_aux = 0, 0, 0, False
         for d in range(tp_d):
             peers = prefill_peers(d, tp_p, tp_d)
             if p not in peers:
@@ -167,24 +185,29 @@ def expected_moves(scenario: Scenario, n_pages: int, kv_p: int, kv_d: int, aux: 
                 if p == peers[0]:
                     nbytes += n_pages * kv_d
                     ops += n_pages * descs
+                    direct += n_pages * descs
                 continue
             hd = heads_of(d, tp_d, total)
             mine = [h for h in hd if next(q for q in peers if h in heads_of(q, tp_p, total)) == p]
             if mine:
                 nbytes += n_pages * kv_d * len(mine) // len(hd)
                 whole = len(mine) == len(hd) == len(heads_of(p, tp_p, total))
-                ops += n_pages * descs * (1 if whole else N.PAGE)
-        out.append((nbytes, None if sends_aux else ops))
+                direct += n_pages * descs * (1 if whole else N.PAGE)
+                ops += (
+                    chunks if staged and not whole else n_pages * descs * (1 if whole else N.PAGE)
+                )
+        out.append((nbytes, None if sends_aux else ops, direct))
     return out
 
 
-def byte_exact(cluster, scen: str, room: int, n_pages: int = 3) -> None:
+def byte_exact(cluster, scen: str, room: int, n_pages: int = 3, staged: bool = False) -> None:
     """A room of ``n_pages`` pages in two chunks on every rank of ``scen``: every byte of
     every decode rank checked, bytes (and PUTs) per prefill rank as :func:`expected_moves`
-    says, every table of every rank empty after clear."""
+    says, every table of every rank empty after clear. ``staged``: the scenario's managers
+    stage every head-slice chunk (its prefill engines connected before the metadata)."""
     scenario = cluster["scenarios"][scen]
     _, _, tp_p, _ = scenario
-    p_pages, d_pages = open_room(cluster, scen, room, n_pages)
+    p_pages, d_pages = open_room(cluster, scen, room, n_pages, connected=staged)
     for pf in cluster["pf"][:tp_p]:
         assert pf.send(room, p_pages[:2], False) is True
         assert pf.send(room, p_pages[2:], True) is True
@@ -194,10 +217,12 @@ def byte_exact(cluster, scen: str, room: int, n_pages: int = 3) -> None:
     kv_p = sum(p_info[0]["item_lens"][0])
     kv_d = sum(d_info[0]["item_lens"][0])
     aux = sum(p_info[0]["item_lens"][1])
-    want = expected_moves(scenario, n_pages, kv_p, kv_d, aux)
+    want = expected_moves(scenario, n_pages, kv_p, kv_d, aux, staged)
     got = [pf.metric(room)[0] for pf in cluster["pf"][:tp_p]]
-    assert got == [b for b, _ in want]
-    for pf, (_, ops) in zip(cluster["pf"][:tp_p], want):
+    assert got == [b for b, _, _ in want]
+    for pf, (_, ops, direct) in zip(cluster["pf"][:tp_p], want):
         if ops is not None:
             assert pf.write_ops(room)[0] == ops
+        elif staged:  # the metadata row's PUTs on top of the staged chunks
+            assert pf.write_ops(room)[0] < direct
     check_and_clear(cluster, scen, room, n_pages, d_pages)

@@ -173,13 +173,16 @@ class Node:
         self.handles = {}
 
     # ------------------------------------------------------------------ setup
-    def add(self, name: str, kind: str, bootstrap_port: int, secret=None, tp=None, heads=None):
+    def add(
+        self, name: str, kind: str, bootstrap_port: int, secret=None, tp=None, heads=None, env=None
+    ):
         """Build scenario ``name``'s pool, metadata buffers and manager. ``tp=(size, rank)``:
         as attention-TP rank ``rank`` of ``size`` (the process re-publishes its config as
         that scheduler's first; ``--tp-size``) holding its share of ``heads`` KV heads over
         all ranks (SGLang's split: ``heads/size`` each, or one replicated head). ``kind``
         ``"mla"``: an ``MLATokenToKVPool`` (every rank holds the whole latent) and a manager
-        built as an MLA backend's."""
+        built as an MLA backend's. ``env``: variables set for this manager's construction
+        only (e.g. ``KVXFER_SGL_TP_STAGE_MIN_OPS``), as ``secret`` (``KVXFER_SECRET``)."""
         import torch
         from sglang.srt.disaggregation.utils import (
             DisaggregationMode,
@@ -227,14 +230,19 @@ class Node:
         kv_args.gpu_id = 0
         setup_state_kv_args(kv_args, pool, None, LAYERS)
         mode = DisaggregationMode(self.mode)
-        saved = os.environ.get("KVXFER_SECRET")
-        if secret is not None:  # this manager only (read at construction)
-            os.environ["KVXFER_SECRET"] = secret
+        scoped = dict(env or {})
+        if secret is not None:
+            scoped["KVXFER_SECRET"] = secret
+        saved = {k: os.environ.get(k) for k in scoped}
+        os.environ.update(scoped)  # this manager only (read at construction)
         try:
             mgr = get_kv_class(backend, KVClassType.MANAGER)(kv_args, mode, server_args, mla)
         finally:
-            if saved is not None:
-                os.environ["KVXFER_SECRET"] = saved
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         head_bytes = DIM * 2  # bfloat16
         self.scen[name] = dict(
             kind=kind, pool=pool, meta=meta, mgr=mgr, backend=backend, base=h0 * head_bytes

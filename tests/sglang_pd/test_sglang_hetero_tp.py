@@ -12,7 +12,8 @@ Scenarios (own bootstrap server each): ``p2d1`` / ``p1d2``: 4 KV heads, prefill 
 decode TP 1 and 1 -> 2; ``p2d1r`` / ``p1d2r``: 1 KV head (replicated: prefill replicas of
 which one sends, decode replicas that both receive it); ``m2d1`` / ``m1d2``: MLA (the latent
 is replicated: one prefill rank writes whole pages, SGLang makes the other a dummy);
-``bad``: a decode whose model has another head count (refused, the room fails on every rank
+``s2d1`` / ``s1d2``: as ``p2d1`` / ``p1d2`` with the staged path forced (the cross-host
+path: gather, one PUT per chunk, scatter at decode); ``bad``: a decode whose model has another head count (refused, the room fails on every rank
 with both shapes named). 4:1, 1:4 and 2:4 (four processes a role): test_sglang_hetero_tp4.py.
 """
 
@@ -35,12 +36,17 @@ SCENARIOS = {  # name: (pool, total kv heads, prefill tp, decode tp)
     "p1d2r": ("mha", 1, 1, 2),
     "m2d1": ("mla", 1, 2, 1),
     "m1d2": ("mla", 1, 1, 2),
+    "s2d1": ("mha", 4, 2, 1),
+    "s1d2": ("mha", 4, 1, 2),
 }
+#: the staged path forced (every head-slice chunk of more than 1 PUT: a SliceWrite)
+STAGED = {"s2d1", "s1d2"}
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    with H.hetero_cluster(SCENARIOS, 2, 2, extra=1) as c:
+    forced = {"KVXFER_SGL_TP_STAGE_MIN_OPS": "1"}
+    with H.hetero_cluster(SCENARIOS, 2, 2, extra=1, scenario_env={s: forced for s in STAGED}) as c:
         pfs, dcs, port = c["pf"], c["dc"], c["spare"][0]
         # a decode (TP 1) of a model with 2 KV heads against prefill TP 2 of 4 heads
         for r in range(2):
@@ -53,7 +59,7 @@ def cluster():
 
 @pytest.mark.parametrize("scen", list(SCENARIOS))
 def test_byte_exact_at_every_ratio(cluster, scen):
-    H.byte_exact(cluster, scen, 7000 + list(SCENARIOS).index(scen))
+    H.byte_exact(cluster, scen, 7000 + list(SCENARIOS).index(scen), staged=scen in STAGED)
 
 
 def test_mla_dummy_prefill_rank_moves_nothing(cluster):
