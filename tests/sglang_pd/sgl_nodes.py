@@ -393,8 +393,14 @@ class Node:
             "decode_rooms": getattr(path, "_rooms", {}),
             "response_tracker": getattr(mgr, "prefill_response_tracker", {}),
             "required_responses": getattr(mgr, "required_prefill_response_num_table", {}),
+            "decode_tp": getattr(path, "_tp", {}),
+            "decode_slices": getattr(path, "_slices", {}),
         }
-        return sorted(k for k, t in tables.items() if room in t)
+        out = sorted(k for k, t in tables.items() if room in t)
+        # staged slices still expected under the room's key by any engine peer (forgotten on
+        # the engine loop right after clear: read there, after it)
+        keys = mgr.engine.run(_slice_keys(mgr.engine.engine), 10.0)
+        return out + (["slice_keys"] if room in keys else [])
 
     def write_ops(self, room):
         """Ops (PUTs or device-lane runs) and writes the room's kvxfer writes took (prefill)."""
@@ -405,6 +411,11 @@ class Node:
         """At the worker's exit: close the managers (bounded)."""
         for s in self.scen.values():
             s["mgr"].close()
+
+
+async def _slice_keys(engine):
+    """Keys of the staged slices this engine's peers still expect (on its loop)."""
+    return {k for p in engine.peers.values() for k in p._staged.expected}
 
 
 class PrefillNode(Node):
