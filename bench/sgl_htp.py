@@ -6,11 +6,15 @@ device lane where it applies).
 
 Rows: ``1:1`` (ItemWrite of every page: the equal-TP reference), ``2:1`` (two prefill ranks,
 concurrent PatternWrites into one decode rank), ``1:2`` (one prefill rank into two decode
-ranks, one after the other). Per row: bytes, PUTs (ops) and device-lane runs, the writes' time
+ranks, one after the other), and both again staged, as the backend sends them to a peer
+without a device lane (``SliceWrite``: gather into the staging slot, one PUT per landing-slot
+chunk, scatter at decode by the runs decode derived itself, registered before each write;
+the engines configured as the backend configures them, ``settings.TP_STAGE_ENGINE``). Per row: bytes, PUTs (ops) and device-lane runs, the writes' time
 (``post_s + complete_s``; 2:1: the slower rank's; 1:2: the sum) and GB/s on it.
 
     python3 bench/sgl_htp.py [--layers 8] [--heads 8] [--head-dim 128] [--page 16]
         [--tokens 4096] [--iters 3] [--device cpu] [--out FILE.md] [--check-pages K]
+        [--no-staged]
 """
 
 from __future__ import annotations
@@ -22,19 +26,22 @@ import time
 import numpy as np
 
 from kvxfer.bench.engine_node import EngineNode
-from kvxfer.integrations.sglang.tp_pairs import pair_plan, shape
+from kvxfer.integrations.sglang.settings import TP_STAGE_ENGINE
+from kvxfer.integrations.sglang.tp_pairs import decode_sides, pair_plan, shape
 from kvxfer.procs import Worker, post
 
 SECRET = b"sgl-htp-bench"
 
 
-def _cfg(name):
+def _cfg(name, staged):
+    stage = dict(TP_STAGE_ENGINE, stage_slice_min_ops=1) if staged else {}
     return dict(
         secret=SECRET,
         name=name,
         connect_timeout_s=20.0,
         transfer_timeout_s=120.0,
         device_min_ops=1,
+        **stage,
     )
 
 
@@ -45,6 +52,10 @@ def _group(layers, item, pages):
 def _runs(plan):
     r = plan.kv_runs
     return [(s.tolist(), d.tolist(), n.tolist()) for s, d, n in zip(r.src, r.dst, r.lens)]
+
+
+def _sides(sides):
+    return [(o.tolist(), n.tolist()) for o, n in sides]
 
 
 def main() -> None:
@@ -60,6 +71,7 @@ def main() -> None:
     ap.add_argument(
         "--check-pages", type=int, default=0, help="check the first K pages only (0: all)"
     )
+    ap.add_argument("--no-staged", action="store_true", help="leave the staged rows out")
     a = ap.parse_args()
     hb = a.head_dim * 2  # bf16
     L, H, ps = a.layers, a.heads, a.page
@@ -68,7 +80,8 @@ def main() -> None:
     it1, it2 = ps * H * hb, ps * (H // 2) * hb  # TP 1 / TP 2 page of one descriptor
 
     def eng(name, item):
-        return {"config": _cfg(name), "groups": _group(L, item, pool), "device": a.device}
+        cfg = _cfg(name, not a.no_staged)
+        return {"config": cfg, "groups": _group(L, item, pool), "device": a.device}
 
     d = Worker(
         EngineNode,
@@ -175,6 +188,41 @@ def main() -> None:
                 assert (got == full[:, :, :, r * H // 2 : (r + 1) * H // 2]).all()
 
         row("1:2 (into 2 decode ranks, PatternWrite each)", r12, c12)
+        if not a.no_staged:
+            names = D.peer_names("d1"), D.peer_names("d2_0"), D.peer_names("d2_1")
+            ids = {
+                (k, nm): pid for k, m in zip(("d1", "d2_0", "d2_1"), names) for pid, nm in m.items()
+            }
+
+            def expect(dk, pk, tp_p, rp, tp_d, rd):
+                it = it1 if tp_d == 1 else it2
+                sides = decode_sides(shape(tp_d, rd, ps, [it] * 2 * L, H), tp_p, rp)
+                r = D.expect_slices(dk, ids[(dk, pk)], 1, "kv", dst, _sides(sides))
+                assert "ok" in r, r
+
+            def sw(tp_p, rp, tp_d, rd):
+                return [("slice", "kv", src, dst, _sides(plan(tp_p, rp, tp_d, rd).src_sides), 1)]
+
+            def r21s():
+                expect("d1", "p2_0", 2, 0, 1, 0)
+                expect("d1", "p2_1", 2, 1, 1, 0)
+                s0, s1 = timed(
+                    [(P0, "p2_0", "d1", sw(2, 0, 1, 0)), (P1, "p2_1", "d1", sw(2, 1, 1, 0))]
+                )
+                tot = {k: s0[k] + s1[k] for k in ("bytes", "ops", "device_ops")}
+                return max(s["post_s"] + s["complete_s"] for s in (s0, s1)), tot
+
+            row("2:1 staged (2 prefill ranks, SliceWrite each)", r21s, c21)
+
+            def r12s():
+                out = []
+                for r in range(2):
+                    expect(f"d2_{r}", "p1", 1, 0, 2, r)
+                    out += timed([(P0, "p1", f"d2_{r}", sw(1, 0, 2, r))])
+                tot = {k: out[0][k] + out[1][k] for k in ("bytes", "ops", "device_ops")}
+                return sum(s["post_s"] + s["complete_s"] for s in out), tot
+
+            row("1:2 staged (into 2 decode ranks, SliceWrite each)", r12s, c12)
     finally:
         for w in (p1, p0, d):
             w.close()

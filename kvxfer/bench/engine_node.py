@@ -156,11 +156,28 @@ class EngineNode:
 
     def _writes(self, parts):
         """``(group, src_ids, dst_ids)`` → ItemWrite; ``(group, src_ids, dst_ids, runs)`` →
-        PatternWrite; ``(group, src_off, dst_off, nbytes, desc)`` → RawWrite."""
-        from kvxfer.engine import ItemWrite, PatternWrite, RawWrite
+        PatternWrite; ``(group, src_off, dst_off, nbytes, desc)`` → RawWrite;
+        ``("slice", group, src_ids, dst_ids, sides, key)`` → SliceWrite."""
+        from kvxfer.engine import ItemWrite, PatternWrite, RawWrite, SliceWrite
 
         kinds = {3: ItemWrite, 4: PatternWrite}
-        return [kinds.get(len(p), RawWrite)(*p) for p in parts]
+        return [
+            SliceWrite(*p[1:]) if p[0] == "slice" else kinds.get(len(p), RawWrite)(*p)
+            for p in parts
+        ]
+
+    def peer_names(self, key):
+        """``{peer id: the peer engine's name}``."""
+        return {pid: p._peer.name for pid, p in self.engines[key].peers().items()}
+
+    def expect_slices(self, key, peer_id, slice_key, group, items, sides):
+        """``Peer.expect_slices`` on the engine's loop (the target of a SliceWrite)."""
+        peer = self._peer(key, peer_id)._peer
+
+        async def go():
+            peer.expect_slices(slice_key, group, items, sides)
+
+        return _result(lambda: self.engines[key]._run(go(), 30.0))
 
     def write(self, key, peer_id, parts, notify=None, timeout=None):
         def go():

@@ -23,6 +23,8 @@ import time
 PAGE = 4
 LAYERS = 3
 HEADS, DIM = 2, 8
+#: MLA latent per token (``kv_lora_rank + qk_rope_head_dim`` elements, bfloat16)
+MLA_LORA, MLA_ROPE = 16, 8
 POOL_TOKENS = 256
 META_ROWS = 16
 MAMBA_SLOTS = 8
@@ -103,6 +105,19 @@ def _pools(kind: str, heads: int = HEADS):
             device="cpu",
             enable_memory_saver=False,
         )
+    if kind == "mla":
+        from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+        return MLATokenToKVPool(
+            size=POOL_TOKENS,
+            page_size=PAGE,
+            dtype=bf,
+            kv_lora_rank=MLA_LORA,
+            qk_rope_head_dim=MLA_ROPE,
+            layer_num=LAYERS,
+            device="cpu",
+            enable_memory_saver=False,
+        )
     if kind == "mamba":
         from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
         from sglang.srt.mem_cache.memory_pool import MambaPool
@@ -158,11 +173,16 @@ class Node:
         self.handles = {}
 
     # ------------------------------------------------------------------ setup
-    def add(self, name: str, kind: str, bootstrap_port: int, secret=None, tp=None, heads=None):
+    def add(
+        self, name: str, kind: str, bootstrap_port: int, secret=None, tp=None, heads=None, env=None
+    ):
         """Build scenario ``name``'s pool, metadata buffers and manager. ``tp=(size, rank)``:
         as attention-TP rank ``rank`` of ``size`` (the process re-publishes its config as
         that scheduler's first; ``--tp-size``) holding its share of ``heads`` KV heads over
-        all ranks (SGLang's split: ``heads/size`` each, or one replicated head)."""
+        all ranks (SGLang's split: ``heads/size`` each, or one replicated head). ``kind``
+        ``"mla"``: an ``MLATokenToKVPool`` (every rank holds the whole latent) and a manager
+        built as an MLA backend's. ``env``: variables set for this manager's construction
+        only (e.g. ``KVXFER_SGL_TP_STAGE_MIN_OPS``), as ``secret`` (``KVXFER_SECRET``)."""
         import torch
         from sglang.srt.disaggregation.utils import (
             DisaggregationMode,
@@ -178,8 +198,9 @@ class Node:
 
         server_args = self.server_args
         size, rank = tp if tp is not None else (1, 0)
-        total = heads if heads is not None else HEADS * size
-        h0, h1 = owned(rank, size, total)
+        mla = kind == "mla"
+        total = 1 if mla else heads if heads is not None else HEADS * size
+        h0, h1 = (0, 1) if mla else owned(rank, size, total)
         if tp is not None:
             extra = list(self.extra_args) + ["--tp-size", str(size)]
             server_args = _publish(self.mode, extra, self.dp_rank, rank)
@@ -209,14 +230,19 @@ class Node:
         kv_args.gpu_id = 0
         setup_state_kv_args(kv_args, pool, None, LAYERS)
         mode = DisaggregationMode(self.mode)
-        saved = os.environ.get("KVXFER_SECRET")
-        if secret is not None:  # this manager only (read at construction)
-            os.environ["KVXFER_SECRET"] = secret
+        scoped = dict(env or {})
+        if secret is not None:
+            scoped["KVXFER_SECRET"] = secret
+        saved = {k: os.environ.get(k) for k in scoped}
+        os.environ.update(scoped)  # this manager only (read at construction)
         try:
-            mgr = get_kv_class(backend, KVClassType.MANAGER)(kv_args, mode, server_args, False)
+            mgr = get_kv_class(backend, KVClassType.MANAGER)(kv_args, mode, server_args, mla)
         finally:
-            if saved is not None:
-                os.environ["KVXFER_SECRET"] = saved
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         head_bytes = DIM * 2  # bfloat16
         self.scen[name] = dict(
             kind=kind, pool=pool, meta=meta, mgr=mgr, backend=backend, base=h0 * head_bytes
@@ -240,10 +266,12 @@ class Node:
 
         pool = self.scen[name]["pool"]
         kvp = getattr(pool, "full_kv_pool", pool)
-        kv = [
-            b.view(b.shape[0], -1).view(torch.uint8)
-            for b in list(kvp.k_buffer) + list(kvp.v_buffer)
-        ]
+        layers = (
+            list(kvp.kv_buffer)
+            if hasattr(kvp, "kv_buffer")
+            else list(kvp.k_buffer) + list(kvp.v_buffer)
+        )
+        kv = [b.view(b.shape[0], -1).view(torch.uint8) for b in layers]
         states = []
         mamba = getattr(pool, "mamba_pool", None)
         if mamba is not None:
@@ -365,8 +393,14 @@ class Node:
             "decode_rooms": getattr(path, "_rooms", {}),
             "response_tracker": getattr(mgr, "prefill_response_tracker", {}),
             "required_responses": getattr(mgr, "required_prefill_response_num_table", {}),
+            "decode_tp": getattr(path, "_tp", {}),
+            "decode_slices": getattr(path, "_slices", {}),
         }
-        return sorted(k for k, t in tables.items() if room in t)
+        out = sorted(k for k, t in tables.items() if room in t)
+        # staged slices still expected under the room's key by any engine peer (forgotten on
+        # the engine loop right after clear: read there, after it)
+        keys = mgr.engine.run(_slice_keys(mgr.engine.engine), 10.0)
+        return out + (["slice_keys"] if room in keys else [])
 
     def write_ops(self, room):
         """Ops (PUTs or device-lane runs) and writes the room's kvxfer writes took (prefill)."""
@@ -377,6 +411,11 @@ class Node:
         """At the worker's exit: close the managers (bounded)."""
         for s in self.scen.values():
             s["mgr"].close()
+
+
+async def _slice_keys(engine):
+    """Keys of the staged slices this engine's peers still expect (on its loop)."""
+    return {k for p in engine.peers.values() for k in p._staged.expected}
 
 
 class PrefillNode(Node):

@@ -18,27 +18,12 @@ pytest.importorskip(
 )
 
 import sgl_nodes as N  # noqa: E402
+from sgl_harness import DONE, ENV, FAILED, SUCCESS, TRANSFERRING, WAITING  # noqa: E402
+from sgl_harness import start as _start  # noqa: E402
 
 from kvxfer.procs import Worker  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
-
-ENV = {
-    "SGLANG_HOST_IP": "127.0.0.1",
-    "UCX_NET_DEVICES": "lo",
-    "KVXFER_SECRET": "pd-test",
-    "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",
-}
-FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = range(5)
-DONE = [SUCCESS, FAILED]
-
-
-def _start(*workers, timeout=300):
-    """Launch them all at once, then wait (bounded) until each is built."""
-    for w in workers:
-        w.launch()
-    for w in workers:
-        w.ready(timeout)
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,12 @@ the prefill ranks hold.
 
 Scenarios (own bootstrap server each): ``p2d1`` / ``p1d2``: 4 KV heads, prefill TP 2 ->
 decode TP 1 and 1 -> 2; ``p2d1r`` / ``p1d2r``: 1 KV head (replicated: prefill replicas of
-which one sends, decode replicas that both receive it); ``bad``: a decode whose model has
-another head count (refused, the room fails on every rank with both shapes named).
+which one sends, decode replicas that both receive it); ``m2d1`` / ``m1d2``: MLA (the latent
+is replicated: one prefill rank writes whole pages, SGLang makes the other a dummy);
+``s2d1`` / ``s1d2``: as ``p2d1`` / ``p1d2`` with the staged path forced (the cross-host
+path: gather, one PUT per chunk, scatter at decode); ``bad``: a decode whose model has another head count (refused, the room fails on every rank
+with both shapes named). 4:1, 1:4 and 2:4 (four processes a role): test_sglang_hetero_tp4.py.
 """
-
-import random
 
 import pytest
 
@@ -23,132 +24,56 @@ pytest.importorskip(
     reason="sglang is not installed here: `make test-sglang` runs these tests in .venv-sglang",
 )
 
-import sgl_nodes as N  # noqa: E402
-
-from kvxfer.procs import Worker  # noqa: E402
+import sgl_harness as H  # noqa: E402
+from sgl_harness import DONE, FAILED, SUCCESS  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
-ENV = {
-    "SGLANG_HOST_IP": "127.0.0.1",
-    "UCX_NET_DEVICES": "lo",
-    "KVXFER_SECRET": "pd-test",
-    "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",
+SCENARIOS = {  # name: (pool, total kv heads, prefill tp, decode tp)
+    "p2d1": ("mha", 4, 2, 1),
+    "p1d2": ("mha", 4, 1, 2),
+    "p2d1r": ("mha", 1, 2, 1),
+    "p1d2r": ("mha", 1, 1, 2),
+    "m2d1": ("mla", 1, 2, 1),
+    "m1d2": ("mla", 1, 1, 2),
+    "s2d1": ("mha", 4, 2, 1),
+    "s1d2": ("mha", 4, 1, 2),
 }
-FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = range(5)
-DONE = [SUCCESS, FAILED]
-SCENARIOS = {  # name: (total kv heads, prefill tp, decode tp)
-    "p2d1": (4, 2, 1),
-    "p1d2": (4, 1, 2),
-    "p2d1r": (1, 2, 1),
-    "p1d2r": (1, 1, 2),
-}
+#: the staged path forced (every head-slice chunk of more than 1 PUT: a SliceWrite)
+STAGED = {"s2d1", "s1d2"}
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    workers = [
-        Worker(N.BootstrapServers, len(SCENARIOS) + 1, name="bootstrap", env=ENV),
-        Worker(N.node, "prefill", name="prefill-0", env=ENV),
-        Worker(N.node, "prefill", name="prefill-1", env=ENV),
-        Worker(N.node, "decode", name="decode-0", env=ENV),
-        Worker(N.node, "decode", name="decode-1", env=ENV),
-    ]
-    try:
-        for w in workers:
-            w.launch()
-        for w in workers:
-            w.ready(300)
-        ports = workers[0].proxy(N.BootstrapServers).ports()
-        pfs = [w.proxy(N.PrefillNode) for w in workers[1:3]]
-        dcs = [w.proxy(N.DecodeNode) for w in workers[3:5]]
-        info = {}
-        for (name, (heads, tp_p, tp_d)), port in zip(SCENARIOS.items(), ports):
-            p = [
-                pfs[r].add(name, "mha", port, tp=(tp_p, r), heads=heads, timeout=120)
-                for r in range(tp_p)
-            ]
-            d = [
-                dcs[r].add(name, "mha", port, tp=(tp_d, r), heads=heads, timeout=120)
-                for r in range(tp_d)
-            ]
-            info[name] = (p, d)
+    forced = {"KVXFER_SGL_TP_STAGE_MIN_OPS": "1"}
+    with H.hetero_cluster(SCENARIOS, 2, 2, extra=1, scenario_env={s: forced for s in STAGED}) as c:
+        pfs, dcs, port = c["pf"], c["dc"], c["spare"][0]
         # a decode (TP 1) of a model with 2 KV heads against prefill TP 2 of 4 heads
         for r in range(2):
-            pfs[r].add("bad", "mha", ports[-1], tp=(2, r), heads=4, timeout=120)
-        dcs[0].add("bad", "mha", ports[-1], tp=(1, 0), heads=2, timeout=120)
-        yield dict(pf=pfs, dc=dcs, ports=dict(zip([*SCENARIOS, "bad"], ports)), info=info)
-    finally:
-        for w in reversed(workers):
-            w.close()
-
-
-def _room(cluster, scen, room, n_pages, tp_p, tp_d, chunks=None):
-    """Open ``room`` on every rank of ``scen``, fill prefill's pages (the same page ids on
-    every prefill rank, as SGLang's TP ranks allocate alike); returns (p_pages, d_pages)."""
-    port = cluster["ports"][scen]
-    pfs, dcs = cluster["pf"][:tp_p], cluster["dc"][:tp_d]
-    rng = random.Random(room)
-    p_pages = rng.sample(range(1, 60), n_pages)
-    d_pages = [rng.sample(range(1, 60), n_pages) for _ in dcs]
-    for pf in pfs:
-        assert pf.sender(scen, room, "127.0.0.1", port) == "KvxferKVSender"
-        pf.fill(scen, room, p_pages)
-    for d, dc in enumerate(dcs):
-        assert dc.receiver(scen, room, f"127.0.0.1:{port}")["dp_size"] == 1
-        dc.metadata(scen, room, d_pages[d], 3 + d)
-    for pf in pfs:  # complete only once every decode rank's metadata arrived
-        assert pf.wait(room, [WAITING, FAILED], 30) == WAITING
-        assert pf.start(scen, room, n_pages * N.PAGE, 5, 9000 + room) == {
-            "prefix": 0,
-            "pages": n_pages,
-        }
-    return p_pages, d_pages
-
-
-def _check_and_clear(cluster, scen, room, tp_p, tp_d, n_pages, d_pages):
-    pfs, dcs = cluster["pf"][:tp_p], cluster["dc"][:tp_d]
-    for d, dc in enumerate(dcs):
-        assert dc.wait(room, DONE, 30) == SUCCESS
-        assert dc.read(scen, d_pages[d]) == dc.expected(scen, room, n_pages)
-        assert dc.first_token(scen, 3 + d) == [9000 + room, room]
-    for pf in pfs:
-        assert pf.wait(room, DONE, 30) == SUCCESS
-    for node in [*pfs, *dcs]:
-        node.clear(room)
-        assert node.room_entries(scen, room) == []
+            pfs[r].add("bad", "mha", port, tp=(2, r), heads=4, timeout=120)
+        dcs[0].add("bad", "mha", port, tp=(1, 0), heads=2, timeout=120)
+        c["ports"]["bad"] = port
+        c["scenarios"]["bad"] = ("mha", 4, 2, 1)
+        yield c
 
 
 @pytest.mark.parametrize("scen", list(SCENARIOS))
 def test_byte_exact_at_every_ratio(cluster, scen):
-    heads, tp_p, tp_d = SCENARIOS[scen]
-    room = 7000 + list(SCENARIOS).index(scen)
-    n = 3
-    p_pages, d_pages = _room(cluster, scen, room, n, tp_p, tp_d)
-    for pf in cluster["pf"][:tp_p]:
-        assert pf.send(room, p_pages[:2], False) is True
-        assert pf.send(room, p_pages[2:], True) is True
-    for pf in cluster["pf"][:tp_p]:
-        assert pf.wait(room, DONE, 30) == SUCCESS
-    # bytes and PUTs per prefill rank: its heads' runs (one per token of each K/V page of
-    # a layer; none from a prefill replica that another rank covers), the metadata row
-    # from the decode rank's first peer only
-    p_info, d_info = cluster["info"][scen]
-    kv_p = sum(p_info[0]["item_lens"][0])
-    kv_d = sum(d_info[0]["item_lens"][0])
-    aux = sum(p_info[0]["item_lens"][1])
-    got = [pf.metric(room)[0] for pf in cluster["pf"][:tp_p]]
-    if tp_p > tp_d:
-        if heads >= tp_p:
-            assert got == [n * kv_p + aux, n * kv_p]
-            # one run per token row of every page of every layer's K and V
-            assert cluster["pf"][1].write_ops(room) == [n * 2 * N.LAYERS * N.PAGE, 2]
-        else:  # prefill replicas: rank 1's head is rank 0's, it moves nothing
-            assert got == [n * kv_d + aux, 0]
-            assert cluster["pf"][1].write_ops(room) == [0, 0]
-    else:
-        assert got == [tp_d * (n * kv_d + aux)]
-    _check_and_clear(cluster, scen, room, tp_p, tp_d, n, d_pages)
+    H.byte_exact(cluster, scen, 7000 + list(SCENARIOS).index(scen), staged=scen in STAGED)
+
+
+def test_mla_dummy_prefill_rank_moves_nothing(cluster):
+    """2:1 MLA: SGLang marks decode's second prefill peer a dummy; that rank completes
+    without a byte or a completion message of its own, decode succeeds on the first's."""
+    scen, room = "m2d1", 7050
+    pf0, pf1 = cluster["pf"]
+    p_pages, d_pages = H.open_room(cluster, scen, room, 2)
+    pf1.send(room, p_pages, True)
+    assert pf1.wait(room, DONE, 30) == SUCCESS
+    assert pf1.metric(room)[0] == 0 and pf1.write_ops(room) == [0, 0]
+    assert cluster["dc"][0].wait(room, DONE, 0.3) not in DONE
+    pf0.send(room, p_pages, True)
+    H.check_and_clear(cluster, scen, room, 2, d_pages)
 
 
 def test_decode_waits_for_every_prefill_rank(cluster):
@@ -157,15 +82,15 @@ def test_decode_waits_for_every_prefill_rank(cluster):
     scen, room = "p2d1", 7101
     pf0, pf1 = cluster["pf"]
     dc = cluster["dc"][0]
-    p_pages, d_pages = _room(cluster, scen, room, 2, 2, 1)
+    p_pages, d_pages = H.open_room(cluster, scen, room, 2)
     pf0.send(room, p_pages, True)
     assert pf0.wait(room, DONE, 30) == SUCCESS
     assert dc.wait(room, DONE, 0.5) not in DONE  # one of two completions: not yet
     pf1.send(room, p_pages, True)
-    _check_and_clear(cluster, scen, room, 2, 1, 2, d_pages)
+    H.check_and_clear(cluster, scen, room, 2, d_pages)
 
     room = 7102
-    p_pages, _ = _room(cluster, scen, room, 2, 2, 1)
+    p_pages, _ = H.open_room(cluster, scen, room, 2)
     pf0.send(room, p_pages, True)
     assert pf0.wait(room, DONE, 30) == SUCCESS
     pf1.abort(room)
@@ -185,7 +110,7 @@ def test_decode_abort_needs_every_prefill_ranks_ack(cluster):
     scen, room = "p2d1", 7103
     pf0, pf1 = cluster["pf"]
     dc = cluster["dc"][0]
-    _room(cluster, scen, room, 2, 2, 1)
+    H.open_room(cluster, scen, room, 2)
     dc.abort(room)
     assert dc.poll(room) == FAILED
     for pf in (pf0, pf1):

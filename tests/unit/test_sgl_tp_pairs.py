@@ -12,7 +12,7 @@ import pytest
 
 from kvxfer.disagg.errors import LayoutMismatch, TpShapeMismatch
 from kvxfer.disagg.tp_plan import decode_peers, owned
-from kvxfer.integrations.sglang.tp_pairs import pair_plan, shape
+from kvxfer.integrations.sglang.tp_pairs import decode_sides, pair_plan, shape
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -106,6 +106,59 @@ def test_every_head_byte_written_once_from_a_holder(tp_p, tp_d, total, ps):
             )  # decode rank d's heads, of the prefill pages in order
             got = np.concatenate([dst[k][g * d_lens[k] : (g + 1) * d_lens[k]] for g in pages_d])
             assert (got == want).all(), (d, k)
+
+
+@pytest.mark.parametrize("tp_p,tp_d,total,ps", CASES)
+def test_staged_sides_pair_byte_for_byte(tp_p, tp_d, total, ps):
+    """The staged path: prefill gathers its side's runs of each page, descriptor-major
+    (kvxfer.engine.staging), decode scatters the packed bytes by the runs it derives from
+    its own shape alone (decode_sides): every decode byte of the pair's heads lands where
+    the PatternWrite would put it."""
+    pages_p, pages_d = [3, 0, 5], [1, 4, 2]
+    p_lens, d_lens = _item_lens(total, tp_p, ps), _item_lens(total, tp_d, ps)
+    for d in range(tp_d):
+        dshape = shape(tp_d, d, ps, d_lens, total)
+        for p in decode_peers(d, tp_p, tp_d):
+            plan = pair_plan(shape(tp_p, p, ps, p_lens, total), dshape)
+            mine = decode_sides(dshape, tp_p, p)
+            if plan.whole or plan.kv_runs is None:
+                assert plan.src_sides is None and plan.dst_sides is None
+                assert mine is None
+                continue
+            assert mine is not None and len(mine) == len(plan.dst_sides) == 2
+            for (o1, n1), (o2, n2) in zip(mine, plan.dst_sides):
+                assert (o1 == o2).all() and (n1 == n2).all()
+            want_desc, so, do, nb = plan.kv_runs.expand(np.array(pages_p), np.array(pages_d))
+            for k in range(2):
+                src = np.concatenate([_page(total, tp_p, p, ps, k, g) for g in range(6)])
+                (s_off, s_len), (d_off, d_len) = plan.src_sides[k], mine[k]
+                assert (s_len == d_len).all()
+                packed = np.concatenate(
+                    [
+                        src[g * p_lens[k] + o : g * p_lens[k] + o + n]
+                        for g in pages_p
+                        for o, n in zip(s_off, s_len)
+                    ]
+                )
+                got = np.full(6 * d_lens[k], -1, dtype=np.int64)
+                at = 0
+                for g in pages_d:
+                    for o, n in zip(d_off, d_len):
+                        got[g * d_lens[k] + o : g * d_lens[k] + o + n] = packed[at : at + n]
+                        at += n
+                assert at == packed.size
+                want = np.full(6 * d_lens[k], -1, dtype=np.int64)
+                for kk, s_, t_, n_ in zip(want_desc, so, do, nb):
+                    if kk == k:
+                        want[t_ : t_ + n_] = src[s_ : s_ + n_]
+                assert (got == want).all(), (d, p, k)
+
+
+def test_decode_sides_needs_the_head_count():
+    with pytest.raises(TpShapeMismatch, match="total kv head count is unknown"):
+        decode_sides(shape(2, 0, 4, [4 * 2 * 6]), 1, 0)
+    assert decode_sides(shape(2, 0, 4, [4 * 2 * 6], 4, mla=True), 1, 0) is None
+    assert decode_sides(shape(2, 0, 4, [4 * 2 * 6], 4), 2, 0) is None
 
 
 def test_one_run_per_token_per_descriptor_when_split():

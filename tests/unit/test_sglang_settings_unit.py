@@ -7,7 +7,7 @@ import pytest
 from kvxfer import wire
 from kvxfer.errors import InvalidArgument, ProtocolError
 from kvxfer.integrations.sglang import messages as m
-from kvxfer.integrations.sglang.settings import resolve_secret
+from kvxfer.integrations.sglang.settings import TP_STAGE_MIN_OPS, resolve_secret, tp_stage_min_ops
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -32,6 +32,27 @@ def test_unreadable_or_empty_secret_file_is_refused(tmp_path):
     (tmp_path / "empty").write_bytes(b"\n")
     with pytest.raises(InvalidArgument, match="empty"):
         resolve_secret({"KVXFER_SECRET_FILE": str(tmp_path / "empty")})
+
+
+def test_tp_stage_threshold_from_env():
+    assert tp_stage_min_ops({}) == TP_STAGE_MIN_OPS == 256
+    assert tp_stage_min_ops({"KVXFER_SGL_TP_STAGE_MIN_OPS": " 0 "}) == 0
+    assert tp_stage_min_ops({"KVXFER_SGL_TP_STAGE_MIN_OPS": "1"}) == 1
+    for bad in ("-1", "x", "1.5"):
+        with pytest.raises(InvalidArgument, match="KVXFER_SGL_TP_STAGE_MIN_OPS"):
+            tp_stage_min_ops({"KVXFER_SGL_TP_STAGE_MIN_OPS": bad})
+
+
+def test_room_names_the_staging_prefill_ranks():
+    import msgpack
+
+    back = wire.decode(_room(slices=["10.0.0.1:7000"]).encode())
+    assert back.slices == ["10.0.0.1:7000"]
+    assert wire.decode(_room().encode()).slices == []
+    body = msgpack.unpackb(_room().encode())
+    body["slices"] = [1]
+    with pytest.raises(ProtocolError):
+        wire.decode(msgpack.packb(body))
 
 
 def _room(**kw):

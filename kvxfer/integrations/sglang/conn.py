@@ -60,7 +60,21 @@ class KvxferKVReceiver(CommonKVReceiver):
         super().init(prefill_dp_rank)
         infos = getattr(self, "bootstrap_infos", None)
         if infos:
-            self.kv_mgr.path.track(self.bootstrap_room, infos)
+            prefill = getattr(self, "prefill_info", None)
+            self.kv_mgr.path.track(
+                self.bootstrap_room,
+                infos,
+                getattr(self, "target_tp_ranks", None),
+                getattr(prefill, "attn_tp_size", None),
+            )
+
+    def send_metadata(self, kv_indices, aux_index=None, state_indices=None, *args, **kwargs):
+        """Before the metadata leaves: accept the staged head slices of the room's pages
+        from the prefill ranks that may send them (heterogeneous TP; the metadata then
+        names those ranks). Runs on: the scheduler thread."""
+        if getattr(self, "bootstrap_infos", None) and kv_indices is not None:
+            self.kv_mgr.path.expect_slices(self.bootstrap_room, kv_indices)
+        return super().send_metadata(kv_indices, aux_index, state_indices, *args, **kwargs)
 
     def _clear(self) -> None:
         super()._clear()

@@ -7,6 +7,14 @@ heterogeneous TP, each counted once by its endpoint). Prefill's ZMQ status messa
 (unauthenticated) can only fail a room; any prefill rank's failure fails it. A prefill
 engine that goes away fails its rooms at once (no waiting for SGLang's HTTP heartbeat, which
 does not notice a dead scheduler behind a live bootstrap server).
+
+Staged head slices (heterogeneous MHA TP to a peer without a device lane): before a room's
+metadata leaves, decode registers with each of the room's prefill peers that is connected
+and was granted landing slots (``Peer.expect_slices`` under the room id) the runs it
+derives itself (:func:`~.tp_pairs.decode_sides`) of the room's pages, and the metadata
+names those peers (``SglRoom.slices``); only they may send the room's chunks as
+SliceWrites, into exactly those pages and bytes (anything else closes the peer before a byte
+of it is written). A prefill rank not connected yet (its first room) writes direct.
 """
 
 from __future__ import annotations
@@ -14,14 +22,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import zmq
 from sglang.srt.disaggregation.base.conn import KVPoll
 
 from kvxfer import wire
-from kvxfer.errors import ProtocolError
+from kvxfer.disagg.errors import TpShapeMismatch
+from kvxfer.errors import KvxferError, ProtocolError
 from kvxfer.integrations.sglang.messages import (
     FRAME_TAG,
     SglDone,
@@ -29,7 +38,7 @@ from kvxfer.integrations.sglang.messages import (
     SglRoom,
     ids_to_bytes,
 )
-from kvxfer.integrations.sglang.tp_pairs import total_kv_heads
+from kvxfer.integrations.sglang.tp_pairs import Sides, decode_sides, shape, total_kv_heads
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +57,11 @@ class DecodePath:
         #: room -> its prefill endpoints ("ip:port") -> a per-room index of that endpoint
         self._rooms: Dict[int, Dict[str, int]] = {}
         self._meta_t: Dict[int, float] = {}  # room -> when its metadata went out
+        #: room -> its prefill endpoints -> their TP rank, and prefill's TP size
+        self._tp: Dict[int, Tuple[Dict[str, int], int]] = {}
+        #: room -> the prefill endpoints whose staged slices of it we registered
+        self._slices: Dict[int, List[str]] = {}
+        self._sides: Dict[Tuple[int, int], Optional[Sides]] = {}  # (prefill tp, rank)
         self._lock = threading.Lock()
 
     def start(self) -> None:
@@ -115,28 +129,108 @@ class DecodePath:
         )
         with self._lock:
             self._meta_t[int(room)] = time.perf_counter()
+            if not is_dummy:
+                msg.slices = list(self._slices.get(int(room), ()))
         return [FRAME_TAG, msg.encode()]
 
     # ------------------------------------------------------------------ room tracking
-    def track(self, room: int, bootstrap_infos) -> None:
+    def track(self, room: int, bootstrap_infos, tp_ranks=None, prefill_tp=None) -> None:
         """The prefill ranks ``room`` bootstrapped with (dummies excluded): each one's SglDone
         counts once towards SGLang's ``required_prefill_response_num`` (heterogeneous TP:
         several), under an index derived from the authenticated sender's endpoint - never
-        from what the message says."""
-        eps = sorted(
-            {
-                f"{i['rank_ip']}:{i['rank_port']}"
-                for i in bootstrap_infos or []
-                if not i.get("is_dummy")
-            }
-        )
+        from what the message says. ``tp_ranks`` (SGLang's ``target_tp_ranks``, in the
+        order of ``bootstrap_infos``) and ``prefill_tp``: what the staged path needs."""
+        infos = list(bootstrap_infos or [])
+        eps = sorted({f"{i['rank_ip']}:{i['rank_port']}" for i in infos if not i.get("is_dummy")})
+        ranks: Dict[str, int] = {}
+        if tp_ranks is not None and prefill_tp and len(tp_ranks) == len(infos):
+            for i, r in zip(infos, tp_ranks):
+                if not i.get("is_dummy"):
+                    ranks[f"{i['rank_ip']}:{i['rank_port']}"] = int(r)
         with self._lock:
             self._rooms[room] = {ep: k for k, ep in enumerate(eps)}
+            if ranks:
+                self._tp[room] = (ranks, int(prefill_tp))
 
     def untrack(self, room: int) -> None:
         with self._lock:
             self._rooms.pop(room, None)
             self._meta_t.pop(room, None)
+            self._tp.pop(room, None)
+            eps = self._slices.pop(room, None)
+        if eps:
+            names = {f"sglang-prefill@{ep}" for ep in eps}
+            try:
+                self.mgr.engine.call_soon(self._forget, room, names)
+            except KvxferError:
+                pass  # closed: the peers are gone
+
+    def _forget(self, room: int, names) -> None:
+        """Runs on: the engine's loop thread."""
+        for peer in self.mgr.engine.engine.peers.values():
+            if peer.name in names:
+                peer.forget_slices(room)
+
+    # ------------------------------------------------------------------ staged slices
+    def _decode_sides(self, prefill_tp: int, prefill_rank: int) -> Optional[Sides]:
+        """Our runs of the pair with that prefill rank (cached; None: whole pages or
+        nothing, or a shape we cannot derive them for - then that peer writes direct)."""
+        key = (prefill_tp, prefill_rank)
+        if key not in self._sides:
+            mgr, a = self.mgr, self.mgr.kv_args
+            ours = shape(
+                mgr.attn_tp_size,
+                int(a.engine_rank) % mgr.attn_tp_size,
+                a.page_size,
+                a.kv_item_lens,
+                total_kv_heads(a, mgr.attn_tp_size, derive=False),
+                bool(mgr.is_mla_backend),
+            )
+            try:
+                self._sides[key] = decode_sides(ours, prefill_tp, prefill_rank)
+            except TpShapeMismatch as exc:
+                log.info("%r: no staged slices from prefill tp %d/%d: %s", mgr, *key[::-1], exc)
+                self._sides[key] = None
+        return self._sides[key]
+
+    def expect_slices(self, room: int, kv_indices) -> None:
+        """Register, with every prefill peer of ``room`` that is connected and was granted
+        landing slots, the staged head slices of the room's pages ``kv_indices`` (bounded
+        wait on the engine loop, so they are in place before the metadata leaves).
+
+        Runs on: the scheduler thread."""
+        mgr = self.mgr
+        with self._lock:
+            tp = self._tp.get(room)
+        if not mgr.tp_stage_min_ops or tp is None:
+            return
+        ranks, prefill_tp = tp
+        ids = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
+        wanted = {}
+        for ep, rank in ranks.items():
+            sides = self._decode_sides(prefill_tp, rank)
+            if sides is not None and ids.size:
+                wanted[f"sglang-prefill@{ep}"] = (ep, sides)
+        if not wanted:
+            return
+        try:
+            eps = mgr.engine.run(self._expect(room, ids, wanted), 5.0)
+        except KvxferError as exc:
+            log.warning("%r: room %d: staged slices not registered: %s", mgr, room, exc)
+            return
+        with self._lock:
+            self._slices[room] = eps
+
+    async def _expect(self, room: int, ids, wanted) -> List[str]:
+        """Runs on: the engine's loop thread."""
+        eps = []
+        for peer in self.mgr.engine.engine.peers.values():
+            got = wanted.get(peer.name)
+            if got is None or peer.closed or not peer.accepts_slices("kv"):
+                continue
+            peer.expect_slices(room, "kv", ids, got[1])
+            eps.append(got[0])
+        return sorted(eps)
 
     # ------------------------------------------------------------------ messages in
     def _listen(self) -> None:

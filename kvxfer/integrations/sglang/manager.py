@@ -36,7 +36,7 @@ from kvxfer.config import EngineConfig
 from kvxfer.errors import UnsupportedOperation
 from kvxfer.integrations.sglang.loop import EngineLoop
 from kvxfer.integrations.sglang.messages import STATUS_TAG
-from kvxfer.integrations.sglang.settings import resolve_secret
+from kvxfer.integrations.sglang.settings import TP_STAGE_ENGINE, resolve_secret, tp_stage_min_ops
 from kvxfer.metrics import TransferMetrics
 
 log = logging.getLogger(__name__)
@@ -114,6 +114,9 @@ class KvxferKVManager(CommonKVManager):
         is_mla_backend: Optional[bool] = False,
     ) -> None:
         secret = resolve_secret()  # no secret: nothing starts
+        #: a hetero-TP chunk write of more PUTs than this goes staged where the peer has no
+        #: device lane (0: never); both sides need it > 0 (it gives the kv group rings)
+        self.tp_stage_min_ops = tp_stage_min_ops()
         check_supported(args)
         self._closed = False
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
@@ -122,12 +125,18 @@ class KvxferKVManager(CommonKVManager):
         self.metrics = TransferMetrics(role)
         self.room_lock = threading.Lock()  # _staging_outstanding, transfer_infos, stats
         self.room_stats: Dict[int, RoomStats] = {}
+        stage = (
+            dict(TP_STAGE_ENGINE, stage_slice_min_ops=self.tp_stage_min_ops)
+            if self.tp_stage_min_ops
+            else {}
+        )
         self.engine = EngineLoop(
             EngineConfig(
                 secret=secret,
                 host=self.local_ip,
                 port=0,
                 name=f"sglang-{role}@{self.local_ip}:{self.rank_port}",
+                **stage,
             )
         )
         try:

@@ -14,7 +14,7 @@ happens before anything acts on a message.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional
 
 import numpy as np
@@ -93,6 +93,9 @@ class SglRoom(wire.Message):
     dst_state: list  # per state type: bytes of int64 ids, or None
     decode_prefix_len: int = 0
     is_dummy: bool = False
+    #: the prefill endpoints ("ip:port") whose staged head slices of this room decode
+    #: accepts (it registered them with their engine peer before this message left)
+    slices: List[str] = field(default_factory=list)
 
     def arrays(self):
         """``(dst_kv, [dst_state or None ...])`` as int64 arrays; ProtocolError if malformed."""

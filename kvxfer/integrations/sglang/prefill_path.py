@@ -78,6 +78,7 @@ class RoomInfo:
         "required_dst_info_num",
         "decode_prefix_len",
         "is_dummy",
+        "slices",
     )
 
     def __init__(self, key: str, msg: SglRoom) -> None:
@@ -87,6 +88,7 @@ class RoomInfo:
         self.required_dst_info_num = msg.required_dst_info_num
         self.decode_prefix_len = msg.decode_prefix_len
         self.is_dummy = msg.is_dummy
+        self.slices = frozenset(msg.slices)  # prefill endpoints decode takes SliceWrites of
 
 
 class Chunk:
@@ -402,7 +404,7 @@ class PrefillPath:
         """Write one chunk to one decode rank (nothing where the pair moves no bytes of it);
         returns the peer."""
         d, peer = await self._peer(info.key)
-        writes = self._writes(room, chunk, info, d.plan)
+        writes = self._writes(room, chunk, info, d.plan, self._staged(info, d.plan, peer))
         if self.before_write is not None:
             await self.before_write(room)
         if writes:  # none: a prefill replica whose heads another peer sends
@@ -426,12 +428,28 @@ class PrefillPath:
             raise PeerClosed(f"decode {key}: no connection")
         return d, await asyncio.shield(d.task)
 
-    def _writes(self, room: int, chunk: Chunk, info: RoomInfo, plan: PairPlan):
+    def _staged(self, info: RoomInfo, plan: PairPlan, peer) -> int:
+        """The PUT count above which this room's head-slice chunks to ``peer`` go staged
+        (0: never): only where the pair splits pages, the peer has no device lane for them
+        (another host), it granted us landing slots, and decode registered this room's
+        slices from us (its SglRoom names our endpoint)."""
+        mgr = self.mgr
+        if not mgr.tp_stage_min_ops or plan.src_sides is None:
+            return 0
+        if f"{mgr.local_ip}:{mgr.rank_port}" not in info.slices:
+            return 0
+        if peer.can_pattern("kv") or not peer.can_slice("kv"):
+            return 0
+        return int(mgr.tp_stage_min_ops)
+
+    def _writes(self, room: int, chunk: Chunk, info: RoomInfo, plan: PairPlan, stage: int = 0):
         """The engine writes of one chunk to one decode rank: its pages as one ItemWrite
         (equal TP, MLA) or one PatternWrite of the pair's head-slice runs (``plan``, built
-        at registration); on the last chunk the state items and, from the one peer that
-        sends it, the metadata row. Page counts are checked against decode's allocation."""
-        from kvxfer.engine import ItemWrite, PatternWrite
+        at registration) - one SliceWrite of the same runs under key ``room`` instead where
+        that PatternWrite would be more than ``stage`` > 0 PUTs (:meth:`_staged`); on the
+        last chunk the state items and, from the one peer that sends it, the metadata row.
+        Page counts are checked against decode's allocation."""
+        from kvxfer.engine import ItemWrite, PatternWrite, SliceWrite
 
         dst = info.dst_kv[chunk.index_slice]
         if len(dst) != len(chunk.kv):
@@ -443,7 +461,10 @@ class PrefillPath:
         if len(dst) and plan.whole:
             writes.append(ItemWrite("kv", chunk.kv, dst))
         elif len(dst) and plan.kv_runs is not None:
-            writes.append(PatternWrite("kv", chunk.kv, dst, plan.kv_runs))
+            if stage and len(dst) * plan.runs_per_page > stage:  # (unmerged: an upper bound)
+                writes.append(SliceWrite("kv", chunk.kv, dst, plan.src_sides, int(room)))
+            else:
+                writes.append(PatternWrite("kv", chunk.kv, dst, plan.kv_runs))
         if not chunk.last:
             return writes
         if chunk.index_slice.stop != len(info.dst_kv):

@@ -5,6 +5,10 @@
 - ``KVXFER_SECRET_FILE``: a file holding it (surrounding whitespace stripped). The plugin's
   ``--kvxfer-secret-file PATH`` server argument sets this variable for the scheduler
   processes SGLang starts. Nothing else is accepted: there is no default secret.
+- ``KVXFER_SGL_TP_STAGE_MIN_OPS``: heterogeneous attention TP without a device lane
+  (another host): a chunk's head-slice write of more PUTs than this goes staged (gather into
+  registered staging memory, one PUT per landing-slot chunk, scatter at decode); default
+  :data:`TP_STAGE_MIN_OPS`, 0: never (then no staging memory is allocated either).
 """
 
 from __future__ import annotations
@@ -17,6 +21,30 @@ from kvxfer.errors import InvalidArgument
 
 SECRET_ENV = config.SECRET_ENV
 SECRET_FILE_ENV = "KVXFER_SECRET_FILE"
+TP_STAGE_ENV = "KVXFER_SGL_TP_STAGE_MIN_OPS"
+#: kvxfer.disagg's default (``KVManager(tp_stage_min_ops=...)``)
+TP_STAGE_MIN_OPS = 256
+#: the kv group's staging memory for staged head slices (per rank: 4 landing slots, one
+#: granted per peer, and one staging slot; each capped at the group's size)
+TP_STAGE_ENGINE = dict(
+    stage_groups=("kv",), stage_slot_bytes=16 << 20, stage_slots=4, stage_peer_slots=1
+)
+
+
+def tp_stage_min_ops(env: Optional[Mapping[str, str]] = None) -> int:
+    """``KVXFER_SGL_TP_STAGE_MIN_OPS`` from ``env`` (default ``os.environ``): an int >= 0;
+    InvalidArgument otherwise."""
+    env = os.environ if env is None else env
+    raw = env.get(TP_STAGE_ENV, "").strip()
+    if not raw:
+        return TP_STAGE_MIN_OPS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise InvalidArgument(f"{TP_STAGE_ENV}={raw!r}: expected an integer >= 0")
+    return value
 
 
 def resolve_secret(env: Optional[Mapping[str, str]] = None) -> bytes:

@@ -22,6 +22,12 @@ once (a :class:`~kvxfer.engine.slices.PatternRuns`), and a chunk is one ``Patter
 its page ids - one device-lane launch to a same-host peer, PUTs of the expanded runs
 (runs continuing on both sides merged) otherwise.
 
+Staged (cross-host, no device lane): the same runs as one side's ``(offs, lens)`` per
+descriptor (:attr:`PairPlan.src_sides` / :attr:`PairPlan.dst_sides`, in the same order, so
+prefill's gather and decode's scatter pair byte for byte) for a
+:class:`~kvxfer.engine.types.SliceWrite`; decode derives its side itself from its own shape
+and the prefill rank's TP (:func:`decode_sides`), the write names only pages.
+
 MLA (``replicated``): the latent has no heads; every decode rank receives whole pages from
 one prefill rank, SGLang marks its other peers dummies (they move nothing); item sizes must
 be equal.
@@ -36,6 +42,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
+import numpy as np
+
 from kvxfer.disagg.errors import TpShapeMismatch
 from kvxfer.disagg.tp_plan import (
     check_ratio,
@@ -46,7 +54,10 @@ from kvxfer.disagg.tp_plan import (
 )
 from kvxfer.engine.slices import PatternRuns
 
-__all__ = ["PairPlan", "Shape", "pair_plan", "shape", "total_kv_heads"]
+__all__ = ["PairPlan", "Shape", "decode_sides", "pair_plan", "shape", "total_kv_heads"]
+
+#: one side's item-relative runs of a pair, per descriptor: ``(offs, lens)``
+Sides = Tuple[Tuple[np.ndarray, np.ndarray], ...]
 
 
 @dataclass(frozen=True)
@@ -77,13 +88,17 @@ class PairPlan:
 
     ``whole``: equal TP (or MLA): whole KV items, as an ItemWrite. Else ``kv_runs`` (None:
     this prefill rank holds no head the decode rank takes from it) are the per-descriptor
-    item-relative runs of a PatternWrite of the ``kv`` group. ``sends_aux``: this prefill rank
-    writes the metadata row (exactly one of a decode rank's peers does: the first)."""
+    item-relative runs of a PatternWrite of the ``kv`` group, ``src_sides`` / ``dst_sides``
+    the same runs as each side's ``(offs, lens)`` (a staged SliceWrite; None with
+    ``kv_runs``). ``sends_aux``: this prefill rank writes the metadata row (exactly one of a
+    decode rank's peers does: the first)."""
 
     whole: bool
     kv_runs: Optional[PatternRuns]
     sends_aux: bool
     runs_per_page: int  # byte runs one page costs over all descriptors (0: no KV bytes)
+    src_sides: Optional[Sides] = None
+    dst_sides: Optional[Sides] = None
 
 
 def _bad(prefill: Shape, decode: Shape, why: str) -> TpShapeMismatch:
@@ -148,8 +163,42 @@ def pair_plan(prefill: Shape, decode: Shape) -> PairPlan:
         )
         runs.append((ro, rd, rn))
         n_runs += int(rn.size)
-    kv = PatternRuns.make(runs, prefill.kv_item_lens, decode.kv_item_lens) if n_runs else None
-    return PairPlan(False, kv, sends_aux, n_runs)
+    if not n_runs:
+        return PairPlan(False, None, sends_aux, 0)
+    kv = PatternRuns.make(runs, prefill.kv_item_lens, decode.kv_item_lens)
+    src = tuple((ro, rn) for ro, _, rn in runs)
+    dst = tuple((rd, rn) for _, rd, rn in runs)
+    return PairPlan(False, kv, sends_aux, n_runs, src, dst)
+
+
+def decode_sides(decode: Shape, prefill_tp: int, prefill_rank: int) -> Optional[Sides]:
+    """Decode's side of :attr:`PairPlan.dst_sides` for its pair with prefill rank
+    ``prefill_rank`` of ``prefill_tp``, from decode's own shape alone (what it registers for
+    a staged write; prefill derives the same runs from both shapes): prefill's pages hold
+    the same heads' bytes per token as decode's, over its own head count. None when the
+    pair moves whole pages (equal TP, MLA) or nothing; TpShapeMismatch as
+    :func:`pair_plan`."""
+    if decode.mla or prefill_tp == decode.tp_size:
+        return None
+    total = decode.total_kv_heads
+    if total <= 0:
+        raise TpShapeMismatch(f"decode's total kv head count is unknown: {decode.describe()}")
+    try:
+        check_ratio(prefill_tp, decode.tp_size)
+        h_p = local_units(total, prefill_tp, "prefill kv heads")
+        h_d = local_units(total, decode.tp_size, "decode kv heads")
+    except TpShapeMismatch as exc:
+        raise TpShapeMismatch(f"{exc}: decode {decode.describe()}") from None
+    lens = []
+    for i, n in enumerate(decode.kv_item_lens):
+        per_head, rest = divmod(int(n), h_d)
+        if rest:
+            raise TpShapeMismatch(
+                f"kv descriptor {i}: {n} B is not pages of {h_d} heads: {decode.describe()}"
+            )
+        lens.append(per_head * h_p)
+    prefill = Shape(prefill_tp, prefill_rank, decode.page_size, tuple(lens), total, mla=False)
+    return pair_plan(prefill, decode).dst_sides
 
 
 def shape(
