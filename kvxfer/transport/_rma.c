@@ -1106,13 +1106,15 @@ static void chain_flush_cb(void *request, ucs_status_t st, void *user)
 }
 
 /*
- * flush_notify(ep, token, spin, ctx, note_token, payload, inline_us=0) -> None if pending
+ * flush_notify(ep, token, spin, ctx, note_token, payload, inline_us=0, noflush=0) -> None if pending
  * (token appears in drain() once the notification completed locally or the chain failed),
  * else the final ucs status (the chain ended within the call). inline_us: progress the
  * worker on the calling thread (GIL released) for up to that long first; a flush whose
  * completion signals nothing (shared memory) then ends in microseconds instead of at the
  * progress thread's next wake-up, and the loop sees no completion event at all.
  * note_token 0: a plain flush (nothing is sent), with the same inline progress.
+ * noflush: send the notification now, without flushing first (a channel frame: UcxChannel;
+ * the AM is still ordered after earlier AMs on the endpoint).
  */
 static PyObject *cq_flush_notify(CompletionQueue *self, PyObject *args)
 {
@@ -1127,9 +1129,10 @@ static PyObject *cq_flush_notify(CompletionQueue *self, PyObject *args)
     ucs_status_t st = UCS_OK;
     int pending     = 0;
     double inline_us = 0.0;
+    int noflush      = 0;
     cq_core_t *c    = cq_core(self);
-    if (c == NULL || !PyArg_ParseTuple(args, "OKpKKy*|d", &ep_o, &token, &spin, &ctx, &note, &pl,
-                                       &inline_us))
+    if (c == NULL || !PyArg_ParseTuple(args, "OKpKKy*|dp", &ep_o, &token, &spin, &ctx, &note, &pl,
+                                       &inline_us, &noflush))
         return NULL;
     if (get_handle(ep_o, &ep, "endpoint") < 0) {
         PyBuffer_Release(&pl);
@@ -1189,7 +1192,7 @@ static PyObject *cq_flush_notify(CompletionQueue *self, PyObject *args)
     p.cb.send      = chain_flush_cb;
     p.user_data    = ch;
     Py_BEGIN_ALLOW_THREADS
-    sp = ucp_ep_flush_nbx((ucp_ep_h)ep, &p);
+    sp = noflush ? NULL : ucp_ep_flush_nbx((ucp_ep_h)ep, &p);
     if (sp != NULL && !UCS_PTR_IS_ERR(sp))
         pending = 1; /* chain_flush_cb owns the chain */
     else if (sp != NULL)
@@ -1308,10 +1311,11 @@ static PyMethodDef cq_methods[] = {
      "ep_close(ep, token, force, ctx=0) -> None if pending, else ucs status; ctx: the "
      "endpoint's ep_create context (no chain sends a notification on it afterwards)"},
     {"flush_notify", (PyCFunction)cq_flush_notify, METH_VARARGS,
-     "flush_notify(ep, token, spin, ctx, note_token, payload, inline_us=0) -> None if "
+     "flush_notify(ep, token, spin, ctx, note_token, payload, inline_us=0, noflush=0) -> None if "
      "pending, else ucs status: flush ep, then (from the flush's completion callback, no "
      "Python) send payload as an active message to the receiver's note_token; ctx: "
-     "ep_create's context or 0; inline_us: progress the worker here that long first"},
+     "ep_create's context or 0; inline_us: progress the worker here that long first; "
+     "noflush: send without the flush"},
     {"note_listen", (PyCFunction)cq_note_listen, METH_VARARGS,
      "note_listen(token): queue notifications carrying token as (token, NOTE, t, payload)"},
     {"note_unlisten", (PyCFunction)cq_note_unlisten, METH_VARARGS,

@@ -32,7 +32,13 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from kvxfer.errors import Closed, PeerClosed, TransferTimeout, TransportError
 from kvxfer.transport.base import AcceptCallback, Channel, Region, RmaEndpoint, Transport
-from kvxfer.transport.ucx_channel import OPEN_TIMEOUT_S, UcxChannel, new_epoch, retrieve
+from kvxfer.transport.ucx_channel import (
+    OPEN_TIMEOUT_S,
+    UcxChannel,
+    channel_wait_mode,
+    new_epoch,
+    retrieve,
+)
 from kvxfer.transport.ucx_lib import load_ucx, status_error, ucx_error_types
 from kvxfer.transport.ucx_rma import UcxRegion, UcxRma
 
@@ -170,6 +176,19 @@ class UcxTransport(Transport):
             "flush + notify" if note_token else "ucp_ep_flush",
         )
 
+    def frame_future(self, ep_handle: int, note_token: int, payload: bytes) -> asyncio.Future:
+        """Send ``payload`` as a native active message to the peer's ``note_token`` on
+        ``ep_handle`` now (no flush first; ordered after earlier active messages on the
+        endpoint): a :class:`UcxChannel` frame. The future resolves like
+        :meth:`chain_future`'s once the message completed locally (eager: usually at once,
+        a resolved future)."""
+        return self._started(
+            lambda token: self._cq.flush_notify(
+                ep_handle, token, False, 0, note_token, payload, 0.0, True
+            ),
+            "channel frame send",
+        )
+
     def _started(self, start: Callable[[int], Optional[int]], what: str) -> asyncio.Future:
         """Run ``start(token)`` (a native flush or chain) and return its future: resolved now
         when it ended inline, failed now when it could not start, else registered under
@@ -246,6 +265,11 @@ class UcxTransport(Transport):
         self.rma.ep_ctx_free(ctx)
         return True
 
+    def _native(self) -> Optional["UcxTransport"]:
+        """The transport for channels' native frames, or None (``KVXFER_CHANNEL_WAIT=yield``:
+        UCXX receive requests awaited by ``wait_yield``, the loop never sleeps)."""
+        return None if channel_wait_mode() == "yield" else self
+
     # -- contract
     async def listen(self, host: str, port: int, on_accept: AcceptCallback):
         loop = self._bind_loop()
@@ -253,7 +277,7 @@ class UcxTransport(Transport):
         async def _handler(ep) -> None:
             """Runs on: the asyncio loop thread (UCXX's listener callback, on its progress
             thread, submits it with ``run_coroutine_threadsafe``)."""
-            ch = UcxChannel(ep, loop, self.ucxx, None)
+            ch = UcxChannel(ep, loop, self.ucxx, None, self._native())
             try:
                 await ch.open(OPEN_TIMEOUT_S)
             except (PeerClosed, TransferTimeout) as exc:
@@ -284,7 +308,7 @@ class UcxTransport(Transport):
             ) from None
         except ucx_error_types(self.ucxx) as exc:
             raise PeerClosed(f"connecting to {host}:{port}: {exc}") from None
-        ch = UcxChannel(ep, loop, self.ucxx, new_epoch())
+        ch = UcxChannel(ep, loop, self.ucxx, new_epoch(), self._native())
         try:
             return await ch.open(timeout)
         except BaseException:

@@ -1,16 +1,32 @@
 """The control path of the UCX transport: :class:`UcxChannel`, ordered active messages over
 one UCXX endpoint (peer error handling on), with connection epochs, padding and an orderly
-close (see the class docstring). :mod:`.ucx` makes the endpoints (listener, connect)."""
+close (see the class docstring). :mod:`.ucx` makes the endpoints (listener, connect).
+
+Frames after the opening travel as kvxfer's native active messages (``_rma``, routed by a
+per-channel token into the transport's completion queue, whose eventfd wakes the loop): an
+idle loop sleeps. ``KVXFER_CHANNEL_WAIT=yield`` keeps every frame on UCXX receive requests,
+which UCXX (without its python-future notifier) awaits by ``asyncio.sleep(0)`` polling: the
+loop then never sleeps while a channel is connected (the A/B switch; both ends of a
+connection must use the same mode; figures in bench/results/quiet-cpu.md)."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import functools
 import logging
 import os
 import weakref
-from typing import Callable, List, Optional
+from typing import Any, Callable, Deque, List, Optional
 
-from kvxfer.errors import Closed, PeerClosed, ProtocolError, TransferTimeout
+from kvxfer.errors import (
+    Closed,
+    InvalidArgument,
+    PeerClosed,
+    ProtocolError,
+    TransferTimeout,
+    TransportError,
+)
 from kvxfer.transport.base import Channel
 from kvxfer.transport.ucx_lib import ucx_error_types
 from kvxfer.transport.ucx_sockaddr import sockaddrs
@@ -19,8 +35,23 @@ log = logging.getLogger(__name__)
 
 _PADDING = bytes(8)  # epoch 0, empty payload (see UcxChannel)
 _CLOSE = b"\xc1"  # payload of a close frame (0xc1 is never a msgpack message)
-#: bound on sending the opening padding frame of an accepted connection
+_HELLO = b"\xc1\xc2"  # payload of a hello frame: this + the sender's 8-byte frame token
+#: bound on the opening of an accepted connection (padding sent, the peer's hello received)
 OPEN_TIMEOUT_S = 10.0
+#: bounds on the native frames queued unread on one channel (a peer that pushes more, say
+#: an unauthenticated one flooding us, loses the connection)
+MAX_QUEUED_FRAMES = 1 << 16
+MAX_QUEUED_BYTES = 256 << 20
+
+
+def channel_wait_mode() -> str:
+    """``KVXFER_CHANNEL_WAIT``: ``native`` (default: frames as native active messages, the
+    loop sleeps) or ``yield`` (every frame on UCXX receive requests polled by
+    ``asyncio.sleep(0)``: the behaviour before native frames, for A/B runs)."""
+    mode = os.environ.get("KVXFER_CHANNEL_WAIT", "native").strip().lower() or "native"
+    if mode not in ("native", "yield"):
+        raise InvalidArgument(f"KVXFER_CHANNEL_WAIT={mode!r}: expected 'native' or 'yield'")
+    return mode
 
 
 # ----------------------------------------------------------------- channels
@@ -58,9 +89,35 @@ class UcxChannel(Channel):
       authenticated or not, may have pushed many messages before we closed).
     - UCXX holds our close callback for as long as its endpoint lives; it holds only a
       weak reference to the channel (a strong one made an uncollectable cycle through
-      UCXX's endpoint finalizer, leaking endpoint and listener per connection)."""
+      UCXX's endpoint finalizer, leaking endpoint and listener per connection).
+    - Native frames (``native`` given, the default; see the module docstring): UCXX awaits
+      a receive request by polling it on every loop iteration, so a channel with a receive
+      posted keeps its loop from ever sleeping. Only the opening uses UCXX receives: after
+      its padding, each side sends a hello frame (epoch, ``0xc1 0xc2``, its frame token:
+      a random 64-bit ``note_listen`` token of this channel). The connecting side sends its
+      hello with its epoch at once and takes only a hello of that epoch back; the accepting
+      side answers the first hello it receives, with that hello's epoch (so a stale hello
+      of an earlier connection fails the opening instead of pairing two connections). From
+      then on every frame, close frames included, is a native active message (forced eager:
+      the receiving handler drops rendezvous data) to the peer's token on this endpoint,
+      queued by the transport's completion queue and handed to this channel on the loop
+      thread (woken by the queue's eventfd). No UCXX receive stays posted once the opening
+      completed, and UCXX queues nothing more from the peer, so the close handshake runs
+      on native frames. An opening that failed keeps the UCXX path for its close. Frames
+      queued unread are bounded (:data:`MAX_QUEUED_FRAMES`, :data:`MAX_QUEUED_BYTES`): a
+      peer pushing more loses the connection. The token is unregistered when the channel
+      closes; frames arriving later are dropped by the queue."""
 
-    def __init__(self, ep, loop: asyncio.AbstractEventLoop, ucxx, epoch: Optional[int] = None):
+    def __init__(
+        self,
+        ep,
+        loop: asyncio.AbstractEventLoop,
+        ucxx,
+        epoch: Optional[int] = None,
+        native: Any = None,
+    ):
+        """``native``: the :class:`~kvxfer.transport.ucx.UcxTransport` that carries native
+        frames (``frame_future``, ``note_listen``), or None: UCXX receives only."""
         self._ep, self._loop, self._ucxx = ep, loop, ucxx
         self._callbacks: List[Callable[[Exception], None]] = []
         self._exc: Optional[Exception] = None
@@ -72,6 +129,18 @@ class UcxChannel(Channel):
         self._close_seen = False  # the peer's close frame arrived
         self._disconnected = asyncio.Event()  # UCXX reported the endpoint closed or failed
         self.dropped = 0  # frames of another connection dropped
+        self._native = native
+        self._token = 0  # ours: the peer's native frames reach us by it (0: none / closed)
+        self._peer_token = 0  # the peer's (its hello); non-zero: frames go native
+        self._inbox: Deque[bytes] = collections.deque()  # native frames not read yet
+        self._inbox_bytes = 0
+        self._wake: Optional[asyncio.Future] = None  # a reader waiting for the inbox
+        self._flooded = False
+        self._unlisten_token: Optional[Callable[[], Any]] = None
+        if native is not None:
+            self._token = native.note_listen(functools.partial(_deliver, weakref.ref(self)))
+            # a channel dropped unclosed still frees its token (runs once)
+            self._unlisten_token = weakref.finalize(self, native.note_unlisten, self._token)
         # UCXX keeps the callback (and what it references) in the UCXEndpoint, which its
         # endpoint finalizer keeps alive: a strong reference to us would be a cycle through
         # that global registry that never dies (nor the endpoint, nor its listener).
@@ -111,7 +180,42 @@ class UcxChannel(Channel):
     def _on_disconnect(self) -> None:
         """Runs on: the asyncio loop thread (posted by :meth:`_on_ucx_close`)."""
         self._disconnected.set()
+        self._wakeup()
         self._fire(PeerClosed("UCX endpoint closed (peer died or disconnected)"))
+
+    def _on_frame(self, frame: bytes) -> None:
+        """A native frame for our token. Runs on: the asyncio loop thread (the transport's
+        completion-queue callback)."""
+        if not self._token or self._flooded:
+            return
+        if len(self._inbox) >= MAX_QUEUED_FRAMES or (
+            self._inbox_bytes + len(frame) > MAX_QUEUED_BYTES
+        ):
+            self._flooded = True
+            n, size = len(self._inbox), self._inbox_bytes
+            self._inbox.clear()
+            self._inbox_bytes = 0
+            log.warning(
+                "peer sent %d frames (%d bytes) more than we read: connection dropped", n, size
+            )
+            self._wakeup()
+            self._fire(PeerClosed(f"peer flooded the channel ({n} frames, {size} bytes unread)"))
+            return
+        self._inbox.append(frame)
+        self._inbox_bytes += len(frame)
+        self._wakeup()
+
+    def _wakeup(self) -> None:
+        w, self._wake = self._wake, None
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _unlisten(self) -> None:
+        self._token = 0
+        if self._unlisten_token is not None:
+            self._unlisten_token()
+        self._inbox.clear()
+        self._inbox_bytes = 0
 
     def _fire(self, exc: Exception) -> None:
         if self._exc is not None:
@@ -140,24 +244,79 @@ class UcxChannel(Channel):
             raise Closed("channel closed")
 
     async def open(self, timeout: float) -> "UcxChannel":
-        """Send the opening padding frame; returns the channel."""
-        try:
-            await asyncio.wait_for(self._ep.am_send(_PADDING), timeout)
-        except asyncio.TimeoutError:
-            raise TransferTimeout(f"opening message not sent in {timeout:.3g} s") from None
-        except ucx_error_types(self._ucxx) as exc:
-            raise PeerClosed(f"send failed: {exc}") from None
+        """Send the opening padding frame, then (native frames) exchange hellos (see the
+        class docstring); returns the channel."""
+        end = self._loop.time() + timeout
+        await self._ucxx_send(_PADDING, timeout, "opening message not sent")
+        if self._native is None:
+            return self
+        if self._connecting:
+            assert self._epoch is not None
+            await self._ucxx_send(self._hello(self._epoch), self._left(end), "hello not sent")
+            await self._await_hello(end, self._epoch)
+        else:
+            epoch = await self._await_hello(end, None)
+            await self._ucxx_send(self._hello(epoch), self._left(end), "hello not sent")
         return self
 
-    async def send(self, payload: bytes, timeout: float) -> None:
-        self._check()
-        frame = (self._epoch or 0).to_bytes(8, "little") + payload
+    def _left(self, end: float) -> float:
+        return max(0.0, end - self._loop.time())
+
+    def _hello(self, epoch: int) -> bytes:
+        return epoch.to_bytes(8, "little") + _HELLO + self._token.to_bytes(8, "little")
+
+    async def _await_hello(self, end: float, want: Optional[int]) -> int:
+        """UCXX frames until the peer's hello (of epoch ``want``, if given); takes its frame
+        token and returns its epoch. Padding and other frames are dropped."""
+        while True:
+            try:
+                frame = await self._next_frame(self._left(end))
+            except TransferTimeout:
+                raise TransferTimeout("no hello from the peer in time") from None
+            if len(frame) < 8:
+                raise ProtocolError(f"frame of {len(frame)} bytes has no connection epoch")
+            epoch = int.from_bytes(frame[:8], "little")
+            body = frame[8:]
+            if epoch and len(body) == 10 and body[:2] == _HELLO and want in (None, epoch):
+                token = int.from_bytes(body[2:], "little")
+                if not token:
+                    raise ProtocolError("hello without a frame token")
+                self._peer_token = token
+                return epoch
+            if len(body) == 1 and body == _CLOSE and want in (None, epoch):
+                self._close_seen = True
+                raise PeerClosed("peer closed the connection while opening it")
+            if epoch or len(body):  # not padding
+                self.dropped += 1
+
+    async def _ucxx_send(self, frame: bytes, timeout: float, what: str) -> None:
         try:
             await asyncio.wait_for(self._ep.am_send(frame), timeout)
         except asyncio.TimeoutError:
-            raise TransferTimeout(f"message send not done after {timeout:.3g} s") from None
+            raise TransferTimeout(f"{what} in {timeout:.3g} s") from None
         except ucx_error_types(self._ucxx) as exc:
             raise PeerClosed(f"send failed: {exc}") from None
+
+    async def _send_frame(self, frame: bytes, timeout: float) -> None:
+        """One frame: native once the opening gave us the peer's token, else over UCXX."""
+        if not self._peer_token:
+            await self._ucxx_send(frame, timeout, "message send not done after")
+            return
+        ep = self._ep
+        if ep is None or ep.closed:
+            raise PeerClosed("send failed: endpoint closed")
+        fut = self._native.frame_future(ep.ucp_endpoint, self._peer_token, frame)
+        if fut.done():
+            fut.result()  # raises the send's failure (PeerClosed / TransportError)
+            return
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise TransferTimeout(f"message send not done after {timeout:.3g} s") from None
+
+    async def send(self, payload: bytes, timeout: float) -> None:
+        self._check()
+        await self._send_frame((self._epoch or 0).to_bytes(8, "little") + payload, timeout)
 
     async def _recv_frame(self, timeout: Optional[float]):
         self._check()
@@ -165,6 +324,8 @@ class UcxChannel(Channel):
 
     async def _next_frame(self, timeout: Optional[float]):
         """The next frame off the endpoint (also while closing, for the close handshake)."""
+        if self._peer_token:
+            return await self._next_native(timeout)
         if self._rx is None:
             if self._ep.closed:
                 raise PeerClosed("receive failed: endpoint closed")
@@ -182,6 +343,23 @@ class UcxChannel(Channel):
         if self._rx is rx:
             self._rx = None
         return memoryview(buf).cast("B")
+
+    async def _next_native(self, timeout: Optional[float]) -> memoryview:
+        """The next native frame (wakes on arrival, peer death or a flood; no polling)."""
+        end = None if timeout is None else self._loop.time() + timeout
+        while not self._inbox:
+            if self._flooded or self._disconnected.is_set() or self._ep is None:
+                raise PeerClosed("receive failed: endpoint closed")
+            if self._wake is None or self._wake.done():
+                self._wake = self._loop.create_future()
+            left = None if end is None else self._left(end)
+            try:  # shielded: a reader that gives up does not cancel another's wake-up
+                await asyncio.wait_for(asyncio.shield(self._wake), left)
+            except asyncio.TimeoutError:
+                raise TransferTimeout(f"no message within {timeout:.3g} s") from None
+        frame = self._inbox.popleft()
+        self._inbox_bytes -= len(frame)
+        return memoryview(frame)
 
     async def recv(self, timeout: Optional[float], max_bytes: Optional[int] = None) -> bytes:
         end = None if timeout is None else self._loop.time() + timeout
@@ -227,7 +405,10 @@ class UcxChannel(Channel):
         if self._closing:
             return
         self._closing = True
-        await self._close_handshake(timeout)
+        try:
+            await self._close_handshake(timeout)
+        finally:
+            self._unlisten()
         ep, self._ep = self._ep, None
         try:
             ep.abort(period=int(timeout * 1e9), max_attempts=1)
@@ -244,7 +425,7 @@ class UcxChannel(Channel):
             return
         end = self._loop.time() + timeout
         try:
-            await asyncio.wait_for(self._ep.am_send(epoch.to_bytes(8, "little") + _CLOSE), timeout)
+            await self._send_frame(epoch.to_bytes(8, "little") + _CLOSE, timeout)
             while not self._close_seen:
                 frame = await self._next_frame(max(0.0, end - self._loop.time()))
                 if (
@@ -255,10 +436,19 @@ class UcxChannel(Channel):
                     self._close_seen = True
             if self._connecting:  # the accepting side aborts first (class docstring)
                 await asyncio.wait_for(self._disconnected.wait(), max(0.0, end - self._loop.time()))
-        except (asyncio.TimeoutError, TransferTimeout, PeerClosed) as exc:
+        except (asyncio.TimeoutError, TransferTimeout, PeerClosed, TransportError) as exc:
             log.debug("close handshake: %s", exc or type(exc).__name__)
         except ucx_error_types(self._ucxx) as exc:
             log.debug("close handshake: %s", exc)
+
+
+def _deliver(ref, frame: bytes) -> None:
+    """Native frame receiver registered with the transport: forward to the channel, if it
+    still exists (the transport holds only a weak reference to it).
+    Runs on: the asyncio loop thread."""
+    ch = ref()
+    if ch is not None:
+        ch._on_frame(frame)
 
 
 def _close_callback(ref) -> None:
