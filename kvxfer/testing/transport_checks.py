@@ -282,7 +282,7 @@ class _TransportChecks:
 
         task = asyncio.ensure_future(echo())
         rtts = []
-        for i in range(n):
+        for _ in range(n):
             t0 = time.perf_counter()
             await client.send(b"ping", 5.0)
             await client.recv(5.0)
