@@ -208,6 +208,8 @@ class _TransportChecks:
         """Native frames (UcxChannel): both ends exchanged hellos; large frames, many small
         ones in order, the size limit; after close no token stays registered and no UCXX
         receive stays posted."""
+        import time
+
         from kvxfer.errors import ProtocolError
 
         t, client, server, rma = await _TransportChecks._pair()
@@ -230,7 +232,15 @@ class _TransportChecks:
             out["limit"] = "ProtocolError"
         tokens = [client._token, server._token]
         await rma.close(1.0)
-        await asyncio.gather(client.close(2.0), server.close(2.0))
+        # readers blocked without a deadline on both ends while both close: the closes do
+        # not wait out their bound (a reader may take the peer's close frame), the readers end
+        readers = [asyncio.ensure_future(ch.recv(None)) for ch in (client, server)]
+        await asyncio.sleep(0)
+        t0 = time.monotonic()
+        await asyncio.gather(client.close(5.0), server.close(5.0))
+        out["close_s"] = time.monotonic() - t0
+        done, _ = await asyncio.wait(readers, timeout=5.0)
+        out["readers"] = [type(r.exception()).__name__ if r in done else "hung" for r in readers]
         out["saw_close"] = client._close_seen and server._close_seen
         out["tokens_left"] = [tok for tok in tokens if tok in t._notes]
         out["rx_left"] = [ch._rx is not None for ch in (client, server)]

@@ -221,6 +221,7 @@ class UcxChannel(Channel):
         if self._exc is not None:
             return
         self._exc = exc
+        self._wakeup()  # a reader waiting for a native frame sees it
         for cb in self._callbacks:
             try:
                 cb(exc)
@@ -322,10 +323,11 @@ class UcxChannel(Channel):
         self._check()
         return await self._next_frame(timeout)
 
-    async def _next_frame(self, timeout: Optional[float]):
-        """The next frame off the endpoint (also while closing, for the close handshake)."""
+    async def _next_frame(self, timeout: Optional[float], handshake: bool = False):
+        """The next frame off the endpoint (also while closing, for the close handshake:
+        ``handshake``, see :meth:`_next_native`)."""
         if self._peer_token:
-            return await self._next_native(timeout)
+            return await self._next_native(timeout, handshake)
         if self._rx is None:
             if self._ep.closed:
                 raise PeerClosed("receive failed: endpoint closed")
@@ -344,12 +346,20 @@ class UcxChannel(Channel):
             self._rx = None
         return memoryview(buf).cast("B")
 
-    async def _next_native(self, timeout: Optional[float]) -> memoryview:
-        """The next native frame (wakes on arrival, peer death or a flood; no polling)."""
+    async def _next_native(self, timeout: Optional[float], handshake: bool = False) -> memoryview:
+        """The next native frame (wakes on arrival, peer death, a flood, the channel failing
+        or closing; no polling). Readers share the wake-up but not the frames (UCXX's
+        receive future was shared): the close handshake (``handshake``) returns an empty
+        frame once another reader took the peer's close frame, and a reader other than
+        the handshake stops once the channel failed or closed."""
         end = None if timeout is None else self._loop.time() + timeout
         while not self._inbox:
+            if handshake and self._close_seen:
+                return memoryview(b"")
             if self._flooded or self._disconnected.is_set() or self._ep is None:
                 raise PeerClosed("receive failed: endpoint closed")
+            if not handshake and self._exc is not None:
+                raise PeerClosed(str(self._exc))
             if self._wake is None or self._wake.done():
                 self._wake = self._loop.create_future()
             left = None if end is None else self._left(end)
@@ -376,6 +386,7 @@ class UcxChannel(Channel):
                     if self._epoch is None:  # answered with this epoch (close handshake)
                         self._rx_epoch = epoch
                     self._close_seen = True
+                    self._wakeup()  # a close handshake waiting for this frame
                     self._fire(PeerClosed("peer closed the connection"))
                     self._check()
                 self.dropped += 1  # an earlier connection's close frame
@@ -414,6 +425,7 @@ class UcxChannel(Channel):
             ep.abort(period=int(timeout * 1e9), max_attempts=1)
         except Exception as exc:  # already gone
             log.debug("endpoint abort: %s", exc)
+        self._wakeup()  # a reader still waiting for a native frame ends (PeerClosed)
         self._fire(Closed("channel closed locally"))
 
     async def _close_handshake(self, timeout: float) -> None:
@@ -427,7 +439,7 @@ class UcxChannel(Channel):
         try:
             await self._send_frame(epoch.to_bytes(8, "little") + _CLOSE, timeout)
             while not self._close_seen:
-                frame = await self._next_frame(max(0.0, end - self._loop.time()))
+                frame = await self._next_frame(max(0.0, end - self._loop.time()), True)
                 if (
                     len(frame) == 9
                     and frame[8:] == _CLOSE

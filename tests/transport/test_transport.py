@@ -68,6 +68,7 @@ def test_channel_native_frames(node):
     assert out["limit"] == "ProtocolError", out
     # orderly close over native frames; nothing of the connection stays registered/posted
     assert out["saw_close"] and out["tokens_left"] == [] and out["rx_left"] == [False, False]
+    assert out["close_s"] < 2.5 and out["readers"] == ["PeerClosed", "PeerClosed"], out
 
 
 def test_channel_flood_drops_the_connection(node):
