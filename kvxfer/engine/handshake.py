@@ -12,7 +12,8 @@ Guarantees
   proofs bound to the other connection; the side it talks to rejects them, so no region
   table, remote key or landing grant ever reaches it.
 - Before the peer proved the secret, a message larger than ``MAX_PREAUTH_BYTES`` is dropped
-  unread (no copy, no decode) and ends the handshake.
+  unread (no decode; the UCX channel holds at most ``MAX_EARLY_BYTES`` of such frames) and
+  ends the handshake.
 - Every group present on both sides must agree on descriptor count and item sizes,
   otherwise ``IncompatiblePeer`` naming the group and the field; the side that notices
   tells the other with a Reject so both fail the same way.

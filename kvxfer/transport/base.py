@@ -52,7 +52,8 @@ class Channel(abc.ABC):
     async def recv(self, timeout: Optional[float], max_bytes: Optional[int] = None) -> bytes:
         """Next message; raises PeerClosed / TransferTimeout (``None``: no deadline).
         ``max_bytes``: a longer message raises ProtocolError and is dropped unread (not
-        copied, not decoded): what an unauthenticated peer can make us hold."""
+        decoded; the UCX channel bounds what it queued of it): what an unauthenticated peer
+        can make us hold."""
 
     @abc.abstractmethod
     def binding(self) -> bytes:

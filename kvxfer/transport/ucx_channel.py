@@ -42,6 +42,10 @@ OPEN_TIMEOUT_S = 10.0
 #: an unauthenticated one flooding us, loses the connection)
 MAX_QUEUED_FRAMES = 1 << 16
 MAX_QUEUED_BYTES = 256 << 20
+#: the bytes bound while the accepting side has not adopted the connection's epoch (its
+#: handshake has not accepted the peer yet: kvxfer.engine.handshake reads messages of at
+#: most 64 KiB then)
+MAX_EARLY_BYTES = 1 << 20
 
 
 def channel_wait_mode() -> str:
@@ -104,8 +108,10 @@ class UcxChannel(Channel):
       thread (woken by the queue's eventfd). No UCXX receive stays posted once the opening
       completed, and UCXX queues nothing more from the peer, so the close handshake runs
       on native frames. An opening that failed keeps the UCXX path for its close. Frames
-      queued unread are bounded (:data:`MAX_QUEUED_FRAMES`, :data:`MAX_QUEUED_BYTES`): a
-      peer pushing more loses the connection. The token is unregistered when the channel
+      queued unread are bounded (:data:`MAX_QUEUED_FRAMES`, :data:`MAX_QUEUED_BYTES`;
+      :data:`MAX_EARLY_BYTES` before the accepting side adopted the epoch): a peer pushing
+      more loses the connection. Unlike UCXX's receive, a native frame is copied before
+      ``recv`` sees it, so a frame over ``max_bytes`` was copied once (never decoded). The token is unregistered when the channel
       closes; frames arriving later are dropped by the queue."""
 
     def __init__(
@@ -188,9 +194,8 @@ class UcxChannel(Channel):
         completion-queue callback)."""
         if not self._token or self._flooded:
             return
-        if len(self._inbox) >= MAX_QUEUED_FRAMES or (
-            self._inbox_bytes + len(frame) > MAX_QUEUED_BYTES
-        ):
+        limit = MAX_QUEUED_BYTES if self._epoch is not None else MAX_EARLY_BYTES
+        if len(self._inbox) >= MAX_QUEUED_FRAMES or self._inbox_bytes + len(frame) > limit:
             self._flooded = True
             n, size = len(self._inbox), self._inbox_bytes
             self._inbox.clear()
