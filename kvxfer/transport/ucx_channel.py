@@ -312,13 +312,17 @@ class UcxChannel(Channel):
         if ep is None or ep.closed:
             raise PeerClosed("send failed: endpoint closed")
         fut = self._native.frame_future(ep.ucp_endpoint, self._peer_token, frame)
-        if fut.done():
-            fut.result()  # raises the send's failure (PeerClosed / TransportError)
-            return
         try:
-            await asyncio.wait_for(fut, timeout)
+            if fut.done():
+                fut.result()  # the send ended within the call (eager: the usual case)
+            else:
+                await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             raise TransferTimeout(f"message send not done after {timeout:.3g} s") from None
+        except PeerClosed:
+            raise
+        except TransportError as exc:  # the channel contract: PeerClosed / TransferTimeout
+            raise PeerClosed(f"send failed: {exc}") from None
 
     async def send(self, payload: bytes, timeout: float) -> None:
         self._check()
