@@ -111,8 +111,11 @@ class UcxChannel(Channel):
       queued unread are bounded (:data:`MAX_QUEUED_FRAMES`, :data:`MAX_QUEUED_BYTES`;
       :data:`MAX_EARLY_BYTES` before the accepting side adopted the epoch): a peer pushing
       more loses the connection. Unlike UCXX's receive, a native frame is copied before
-      ``recv`` sees it, so a frame over ``max_bytes`` was copied once (never decoded). The token is unregistered when the channel
-      closes; frames arriving later are dropped by the queue."""
+      ``recv`` sees it, so a frame over ``max_bytes`` was copied once (never decoded). The
+      token is unregistered when the channel closes; frames arriving later are dropped by
+      the queue. Readers share one wake-up future, not the frames (see :meth:`_next_native`).
+      Both ends must use the same mode (``KVXFER_CHANNEL_WAIT``): a native end waits for a
+      hello that a ``yield`` end never sends."""
 
     def __init__(
         self,
