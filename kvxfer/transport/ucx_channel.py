@@ -297,6 +297,12 @@ class UcxChannel(Channel):
                 raise PeerClosed("peer closed the connection while opening it")
             if epoch or len(body):  # not padding
                 self.dropped += 1
+                log.warning(
+                    "dropped a %d-byte frame before the peer's hello: an earlier "
+                    "connection's, or the peer runs KVXFER_CHANNEL_WAIT=yield or an older "
+                    "kvxfer (both ends must use native frames)",
+                    len(body),
+                )
 
     async def _ucxx_send(self, frame: bytes, timeout: float, what: str) -> None:
         try:
