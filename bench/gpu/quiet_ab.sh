@@ -5,9 +5,10 @@
 # the 1-page PD stage breakdown ("send -> loop pickup", "scheduler sees Success" are thread
 # hand-offs to / from the loop thread), a heterogeneous-TP 2 -> 1 row with stages, and the
 # idle CPU of an engine pair / a manager pair plus the channel round trip
-# (bench/quiet_idle.py). Writes $OUT/quiet_ab.md (+ JSON / logs).
+# (bench/quiet_idle.py, last: the least needed on the GPU machine). Writes $OUT/quiet_ab.md (+ JSON / logs).
 #   bash bench/gpu/run_all.sh quiet_ab
-# Env QUIET_ROUNDS (default 2: yield native native yield).
+# Env QUIET_ROUNDS (default 1: yield native; 2: yield native native yield, ~2x the time: the
+# device call's 10 min allow one round next to run_all's setup; run the script twice instead).
 set -o pipefail
 export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD}
@@ -15,7 +16,7 @@ rc=0
 {
 echo "# KVXFER_CHANNEL_WAIT A/B ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F))"
 order=""
-for r in $(seq 1 "${QUIET_ROUNDS:-2}"); do
+for r in $(seq 1 "${QUIET_ROUNDS:-1}"); do
     if [ $((r % 2)) -eq 1 ]; then order="$order yield native"; else order="$order native yield"; fi
 done
 i=0
@@ -30,8 +31,8 @@ for v in $order; do
         --prefill-tp 2 --decode-tp 1 --kv-layout hnd --shape-tokens 16000 --iters 5 --stages \
         --json-out "$OUT/quiet-$i-$v-tp21.json" 2>&1 | grep -v "UCX  WARN\|WARNING" | tail -12 || rc=1
 done
-echo; echo "## idle CPU and channel round trip (python bench/quiet_idle.py --rounds 2 --device cuda)"
-timeout 240 python3 bench/quiet_idle.py --rounds 2 --device cuda \
+echo; echo "## idle CPU and channel round trip (python bench/quiet_idle.py --rounds ${QUIET_ROUNDS:-1} --device cuda)"
+timeout 150 python3 bench/quiet_idle.py --rounds "${QUIET_ROUNDS:-1}" --device cuda \
     --json-out "$OUT/quiet-idle.json" 2>&1 | grep -v "UCX  WARN\|^{" | tail -16 || rc=1
 exit $rc
 } 2>&1 | tee "$OUT/quiet_ab.md"
