@@ -240,6 +240,7 @@ async def connect_side(
                 f"peer {ack.name or ack.engine_id} failed the challenge (wrong secret, or "
                 f"a relay: the proof covers this connection's addresses {binding.decode()})"
             )
+        ch.trusted(wire.MAX_MESSAGE_BYTES)
         await ch.send(m.Proof(proof=_proof(secret, b"C", binding, hello, ack)).encode(), dl.left())
         layout = await _recv(ch, dl, m.Layout, wire.MAX_MESSAGE_BYTES)
         remote = parse_remote(layout)
@@ -294,6 +295,7 @@ async def accept_side(
                 f"or a relay: the proof covers this connection's addresses "
                 f"{binding.decode()})"
             )
+        ch.trusted(wire.MAX_MESSAGE_BYTES)
         if hello.stage:
             grant.update(local.grant_landing())
         await ch.send(_layout(local, address, grant, note_token), dl.left())

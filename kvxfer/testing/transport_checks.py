@@ -33,6 +33,9 @@ class TransportNode:
     def channel_flood(self, limit: int) -> dict:
         return self.loop.run_until_complete(_TransportChecks.channel_flood(limit))
 
+    def channel_oversize(self) -> dict:
+        return self.loop.run_until_complete(_TransportChecks.channel_oversize())
+
     def channel_rtt(self, n: int) -> dict:
         return self.loop.run_until_complete(_TransportChecks.channel_rtt(n))
 
@@ -213,7 +216,9 @@ class _TransportChecks:
         from kvxfer.errors import ProtocolError
 
         t, client, server, rma = await _TransportChecks._pair()
-        server.adopt_epoch()  # (the engine's handshake does this)
+        server.adopt_epoch()  # (the engine's handshake does this, and the next two)
+        client.trusted(64 << 20)
+        server.trusted(64 << 20)
         out: dict = {"native": bool(client._peer_token and server._peer_token)}
         big = bytes(range(256)) * (32 << 10)  # 8 MiB
         await client.send(big, 10.0)
@@ -231,6 +236,8 @@ class _TransportChecks:
         except ProtocolError:
             out["limit"] = "ProtocolError"
         tokens = [client._token, server._token]
+        for _ in range(3):  # UCXX messages nobody reads once frames are native
+            await client.ucx_endpoint.am_send(bytes(1000))
         await rma.close(1.0)
         # readers blocked without a deadline on both ends while both close: the closes do
         # not wait out their bound (a reader may take the peer's close frame), the readers end
@@ -242,6 +249,7 @@ class _TransportChecks:
         done, _ = await asyncio.wait(readers, timeout=5.0)
         out["readers"] = [type(r.exception()).__name__ if r in done else "hung" for r in readers]
         out["saw_close"] = client._close_seen and server._close_seen
+        out["ucxx_drained"] = server.ucxx_drained
         out["tokens_left"] = [tok for tok in tokens if tok in t._notes]
         out["rx_left"] = [ch._rx is not None for ch in (client, server)]
         await t.close()
@@ -269,6 +277,23 @@ class _TransportChecks:
         except Exception as exc:
             recv = type(exc).__name__
         out = {"why": why, "recv": recv, "queued": len(server._inbox)}
+        await rma.close(1.0)
+        await asyncio.gather(client.close(1.0), server.close(1.0))
+        await t.close()
+        return out
+
+    @staticmethod
+    async def channel_oversize():
+        """Before the handshake trusts the peer, a frame over MAX_EARLY_BYTES is dropped
+        where it arrives (never copied) and ends the connection."""
+        from kvxfer.transport.ucx_channel import MAX_EARLY_BYTES
+
+        t, client, server, rma = await _TransportChecks._pair()
+        seen = asyncio.get_running_loop().create_future()
+        server.on_closed(lambda exc: seen.done() or seen.set_result(str(exc)))
+        await client.send(bytes(MAX_EARLY_BYTES + 1), 10.0)
+        why = await asyncio.wait_for(seen, 10.0)
+        out = {"why": why, "queued": len(server._inbox)}
         await rma.close(1.0)
         await asyncio.gather(client.close(1.0), server.close(1.0))
         await t.close()

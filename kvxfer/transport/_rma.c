@@ -851,10 +851,12 @@ static PyObject *py_ep_ctx_free(PyObject *self, PyObject *args)
  */
 #define KVX_AM_ID 107 /* our active-message id ('k'); UCXX uses its own */
 #define KVX_NOTE 1    /* status of a queued received notification (UCS statuses are <= 0) */
+#define KVX_NOTE_OVERSIZE 2 /* a notification over its token's max_len: dropped uncopied */
 
 typedef struct {
     uint64_t token;
     cq_core_t *core;
+    size_t max_len; /* 0: no limit; longer payloads queue (token, OVERSIZE) without data */
 } note_reg_t;
 
 static pthread_mutex_t g_note_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -876,35 +878,39 @@ static ucs_status_t note_am_cb(void *arg, const void *header, size_t header_leng
     if (header_length != sizeof(token))
         return UCS_OK;
     memcpy(&token, header, sizeof(token));
-    copy = malloc(length ? length : 1); /* non-NULL marks a notification in the queue */
-    if (copy == NULL)
-        return UCS_OK;
-    if (length)
-        memcpy(copy, data, length);
     pthread_mutex_lock(&g_note_mu);
     for (i = 0; i < g_nnotes; i++)
         if (g_notes[i].token == token) {
             cq_core_t *c = g_notes[i].core;
+            if (g_notes[i].max_len && length > g_notes[i].max_len) { /* never copied */
+                pthread_mutex_lock(&c->mu);
+                cq_push_locked(c, token, (ucs_status_t)KVX_NOTE_OVERSIZE);
+                pthread_mutex_unlock(&c->mu);
+                break;
+            }
+            copy = malloc(length ? length : 1); /* non-NULL marks a notification */
+            if (copy == NULL)
+                break;
+            if (length)
+                memcpy(copy, data, length);
             pthread_mutex_lock(&c->mu);
             cq_push_data_locked(c, token, KVX_NOTE, copy, length);
             pthread_mutex_unlock(&c->mu);
-            copy = NULL;
             break;
         }
-    pthread_mutex_unlock(&g_note_mu);
-    free(copy); /* unknown token (a closed peer's late notification): dropped */
+    pthread_mutex_unlock(&g_note_mu); /* unknown token (a closed peer's late one): dropped */
     return UCS_OK;
 }
 
-/* note_listen(token): notifications carrying `token` are queued here */
+/* note_listen(token, max_len=0): notifications carrying `token` are queued here */
 static PyObject *cq_note_listen(CompletionQueue *self, PyObject *args)
 {
-    unsigned long long token;
+    unsigned long long token, max_len = 0;
     cq_core_t *c = cq_core(self);
     ucs_status_t st = UCS_OK;
     int i, have = 0;
     size_t k;
-    if (c == NULL || !PyArg_ParseTuple(args, "K", &token))
+    if (c == NULL || !PyArg_ParseTuple(args, "K|K", &token, &max_len))
         return NULL;
     if (c->worker == NULL) {
         PyErr_SetString(PyExc_ValueError, "note_listen on a CompletionQueue made without a worker");
@@ -963,8 +969,9 @@ static PyObject *cq_note_listen(CompletionQueue *self, PyObject *args)
         g_notes    = tmp;
         g_capnotes = cap;
     }
-    g_notes[g_nnotes].token  = token;
-    g_notes[g_nnotes++].core = c;
+    g_notes[g_nnotes].token     = token;
+    g_notes[g_nnotes].max_len   = (size_t)max_len;
+    g_notes[g_nnotes++].core    = c;
     pthread_mutex_lock(&c->mu);
     c->refs++; /* held by the registry entry */
     pthread_mutex_unlock(&c->mu);
@@ -988,6 +995,26 @@ static int note_remove(cq_core_t *c, uint64_t token)
     }
     pthread_mutex_unlock(&g_note_mu);
     return n;
+}
+
+/* note_limit(token, max_len) -> bool: change a registered token's size limit (0: none) */
+static PyObject *cq_note_limit(CompletionQueue *self, PyObject *args)
+{
+    unsigned long long token, max_len;
+    cq_core_t *c = cq_core(self);
+    size_t i;
+    int found = 0;
+    if (c == NULL || !PyArg_ParseTuple(args, "KK", &token, &max_len))
+        return NULL;
+    pthread_mutex_lock(&g_note_mu);
+    for (i = 0; i < g_nnotes; i++)
+        if (g_notes[i].core == c && g_notes[i].token == token) {
+            g_notes[i].max_len = (size_t)max_len;
+            found = 1;
+            break;
+        }
+    pthread_mutex_unlock(&g_note_mu);
+    return PyBool_FromLong(found);
 }
 
 /* note_unlisten(token) -> bool: stop routing `token` here (late ones are dropped) */
@@ -1317,7 +1344,11 @@ static PyMethodDef cq_methods[] = {
      "ep_create's context or 0; inline_us: progress the worker here that long first; "
      "noflush: send without the flush"},
     {"note_listen", (PyCFunction)cq_note_listen, METH_VARARGS,
-     "note_listen(token): queue notifications carrying token as (token, NOTE, t, payload)"},
+     "note_listen(token, max_len=0): queue notifications carrying token as (token, NOTE, t, "
+     "payload); one longer than max_len (0: no limit) as (token, NOTE_OVERSIZE, t, None), "
+     "never copied"},
+    {"note_limit", (PyCFunction)cq_note_limit, METH_VARARGS,
+     "note_limit(token, max_len) -> bool: change a registered token's max_len"},
     {"note_unlisten", (PyCFunction)cq_note_unlisten, METH_VARARGS,
      "note_unlisten(token) -> bool: stop routing token here"},
     {"drain", (PyCFunction)cq_drain, METH_NOARGS,
@@ -1389,6 +1420,7 @@ PyMODINIT_FUNC PyInit__rma(void)
     PyModule_AddObject(m, "CompletionQueue", (PyObject *)&CompletionQueueType);
     PyModule_AddIntConstant(m, "UCS_OK", UCS_OK);
     PyModule_AddIntConstant(m, "NOTE", KVX_NOTE);
+    PyModule_AddIntConstant(m, "NOTE_OVERSIZE", KVX_NOTE_OVERSIZE);
     PyModule_AddIntConstant(m, "AM_ID", KVX_AM_ID);
     PyModule_AddIntConstant(m, "UCS_ERR_CANCELED", UCS_ERR_CANCELED);
     PyModule_AddIntConstant(m, "UCS_ERR_CONNECTION_RESET", UCS_ERR_CONNECTION_RESET);

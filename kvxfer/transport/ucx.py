@@ -73,7 +73,7 @@ class UcxTransport(Transport):
         self._waiters: Dict[int, asyncio.Future] = {}  # token -> (status, t) future
         self._flushes: Dict[int, asyncio.Future] = {}  # token -> t future (flush_future)
         self._watch: Dict[int, Callable[[int], None]] = {}  # endpoint error tokens
-        self._notes: Dict[int, Callable[[bytes], None]] = {}  # note token -> receiver
+        self._notes: Dict[int, Callable[[Optional[bytes]], None]] = {}  # token -> receiver
         #: how long a chain's starter progresses the worker itself before it leaves the
         #: chain to the progress thread / poller (KVXFER_CHAIN_INLINE_US; 0: never)
         self.chain_inline_us = float(os.environ.get("KVXFER_CHAIN_INLINE_US", CHAIN_INLINE_US))
@@ -98,9 +98,9 @@ class UcxTransport(Transport):
         Runs on: the asyncio loop thread (``add_reader`` on the completion queue's eventfd,
         which the native callbacks signal from UCXX's progress thread or the native poller
         thread)."""
-        note = self.rma.NOTE
+        note, oversize = self.rma.NOTE, self.rma.NOTE_OVERSIZE
         for token, status, t, payload in self._cq.drain():
-            if status == note:
+            if status == note or status == oversize:  # oversize: payload None
                 receiver = self._notes.get(token)
                 if receiver is not None:
                     try:
@@ -209,7 +209,7 @@ class UcxTransport(Transport):
             fut.set_exception(status_error(self.rma, status, what))
         return fut
 
-    def note_listen(self, callback: Callable[[bytes], None]) -> int:
+    def note_listen(self, callback: Callable[[Optional[bytes]], None], max_bytes: int = 0) -> int:
         """A fresh random 64-bit token routed to ``callback`` (see base.Transport): tokens
         are unguessable, so a notification reaches only the peer that was given it."""
         self._bind_loop()
@@ -217,9 +217,14 @@ class UcxTransport(Transport):
             token = int.from_bytes(os.urandom(8), "little")
             if token and token not in self._notes:
                 break
-        self._cq.note_listen(token)
+        self._cq.note_listen(token, max_bytes)
         self._notes[token] = callback
         return token
+
+    def note_limit(self, token: int, max_bytes: int) -> None:
+        """Change ``token``'s size limit (0: none; see :meth:`note_listen`)."""
+        if token in self._notes and self._cq is not None:
+            self._cq.note_limit(token, max_bytes)
 
     def note_unlisten(self, token: int) -> None:
         if self._notes.pop(token, None) is not None and self._cq is not None:

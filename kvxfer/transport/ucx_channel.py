@@ -36,15 +36,17 @@ log = logging.getLogger(__name__)
 _PADDING = bytes(8)  # epoch 0, empty payload (see UcxChannel)
 _CLOSE = b"\xc1"  # payload of a close frame (0xc1 is never a msgpack message)
 _HELLO = b"\xc1\xc2"  # payload of a hello frame: this + the sender's 8-byte frame token
+_TAIL = b"\xc1\xc3"  # payload of the UCXX frame that ends a native channel's close
 #: bound on the opening of an accepted connection (padding sent, the peer's hello received)
 OPEN_TIMEOUT_S = 10.0
 #: bounds on the native frames queued unread on one channel (a peer that pushes more, say
 #: an unauthenticated one flooding us, loses the connection)
 MAX_QUEUED_FRAMES = 1 << 16
 MAX_QUEUED_BYTES = 256 << 20
-#: the bytes bound while the accepting side has not adopted the connection's epoch (its
-#: handshake has not accepted the peer yet: kvxfer.engine.handshake reads messages of at
-#: most 64 KiB then)
+#: before the peer is authenticated (:meth:`UcxChannel.trusted`): the largest native frame
+#: taken (a longer one is dropped where it arrives, never copied, and ends the connection)
+#: and the bytes bound on frames queued (kvxfer.engine.handshake reads messages of at most
+#: 64 KiB then)
 MAX_EARLY_BYTES = 1 << 20
 
 
@@ -106,12 +108,15 @@ class UcxChannel(Channel):
       the receiving handler drops rendezvous data) to the peer's token on this endpoint,
       queued by the transport's completion queue and handed to this channel on the loop
       thread (woken by the queue's eventfd). No UCXX receive stays posted once the opening
-      completed, and UCXX queues nothing more from the peer, so the close handshake runs
-      on native frames. An opening that failed keeps the UCXX path for its close. Frames
-      queued unread are bounded (:data:`MAX_QUEUED_FRAMES`, :data:`MAX_QUEUED_BYTES`;
-      :data:`MAX_EARLY_BYTES` before the accepting side adopted the epoch): a peer pushing
-      more loses the connection. Unlike UCXX's receive, a native frame is copied before
-      ``recv`` sees it, so a frame over ``max_bytes`` was copied once (never decoded). The
+      completed; the close frames are native, and then each side sends one UCXX tail frame
+      and drops what UCXX queued up to the peer's (a peer may have pushed UCXX messages
+      nobody read), which also completes the receive that this posts. An opening that failed keeps the UCXX path for its close. Frames
+      queued unread are bounded (:data:`MAX_QUEUED_FRAMES`, :data:`MAX_QUEUED_BYTES`): a
+      peer pushing more loses the connection. Until the handshake calls :meth:`trusted`, a
+      frame over :data:`MAX_EARLY_BYTES` is dropped natively, never copied, and ends the
+      connection, and at most that many bytes queue; afterwards frames up to the
+      handshake's message limit are taken. A frame under the limit but over ``recv``'s
+      ``max_bytes`` was copied once (never decoded). The
       token is unregistered when the channel closes; frames arriving later are dropped by
       the queue. Readers share one wake-up future, not the frames (see :meth:`_next_native`).
       Both ends must use the same mode (``KVXFER_CHANNEL_WAIT``): a native end waits for a
@@ -138,6 +143,7 @@ class UcxChannel(Channel):
         self._close_seen = False  # the peer's close frame arrived
         self._disconnected = asyncio.Event()  # UCXX reported the endpoint closed or failed
         self.dropped = 0  # frames of another connection dropped
+        self.ucxx_drained = 0  # UCXX messages dropped at close (native frames; _drain_ucxx)
         self._native = native
         self._token = 0  # ours: the peer's native frames reach us by it (0: none / closed)
         self._peer_token = 0  # the peer's (its hello); non-zero: frames go native
@@ -145,9 +151,12 @@ class UcxChannel(Channel):
         self._inbox_bytes = 0
         self._wake: Optional[asyncio.Future] = None  # a reader waiting for the inbox
         self._flooded = False
+        self._trusted = False  # the handshake authenticated the peer (trusted())
         self._unlisten_token: Optional[Callable[[], Any]] = None
         if native is not None:
-            self._token = native.note_listen(functools.partial(_deliver, weakref.ref(self)))
+            self._token = native.note_listen(
+                functools.partial(_deliver, weakref.ref(self)), MAX_EARLY_BYTES + 8
+            )
             # a channel dropped unclosed still frees its token (runs once)
             self._unlisten_token = weakref.finalize(self, native.note_unlisten, self._token)
         # UCXX keeps the callback (and what it references) in the UCXEndpoint, which its
@@ -192,22 +201,36 @@ class UcxChannel(Channel):
         self._wakeup()
         self._fire(PeerClosed("UCX endpoint closed (peer died or disconnected)"))
 
-    def _on_frame(self, frame: bytes) -> None:
-        """A native frame for our token. Runs on: the asyncio loop thread (the transport's
-        completion-queue callback)."""
+    def trusted(self, max_bytes: int) -> None:
+        """The handshake authenticated the peer: take frames up to ``max_bytes`` (+ the
+        epoch) and queue up to :data:`MAX_QUEUED_BYTES`."""
+        self._trusted = True
+        if self._token:
+            self._native.note_limit(self._token, max_bytes + 8)
+
+    def _on_frame(self, frame: Optional[bytes]) -> None:
+        """A native frame for our token (None: one over the size limit, dropped uncopied).
+        Runs on: the asyncio loop thread (the transport's completion-queue callback)."""
         if not self._token or self._flooded:
             return
-        limit = MAX_QUEUED_BYTES if self._epoch is not None else MAX_EARLY_BYTES
-        if len(self._inbox) >= MAX_QUEUED_FRAMES or self._inbox_bytes + len(frame) > limit:
+        limit = MAX_QUEUED_BYTES if self._trusted else MAX_EARLY_BYTES
+        if (
+            frame is None
+            or len(self._inbox) >= MAX_QUEUED_FRAMES
+            or self._inbox_bytes + len(frame) > limit
+        ):
             self._flooded = True
             n, size = len(self._inbox), self._inbox_bytes
             self._inbox.clear()
             self._inbox_bytes = 0
-            log.warning(
-                "peer sent %d frames (%d bytes) more than we read: connection dropped", n, size
+            why = (
+                "a frame over the size limit"
+                if frame is None
+                else f"{n} frames ({size} bytes) unread and one of {len(frame)} bytes more"
             )
+            log.warning("peer sent %s: connection dropped", why)
             self._wakeup()
-            self._fire(PeerClosed(f"peer flooded the channel ({n} frames, {size} bytes unread)"))
+            self._fire(PeerClosed(f"peer flooded the channel: {why}"))
             return
         self._inbox.append(frame)
         self._inbox_bytes += len(frame)
@@ -346,6 +369,10 @@ class UcxChannel(Channel):
         ``handshake``, see :meth:`_next_native`)."""
         if self._peer_token:
             return await self._next_native(timeout, handshake)
+        return await self._next_ucxx(timeout)
+
+    async def _next_ucxx(self, timeout: Optional[float]):
+        """The next frame of UCXX's queue for the endpoint (an owned receive request)."""
         if self._rx is None:
             if self._ep.closed:
                 raise PeerClosed("receive failed: endpoint closed")
@@ -446,6 +473,25 @@ class UcxChannel(Channel):
         self._wakeup()  # a reader still waiting for a native frame ends (PeerClosed)
         self._fire(Closed("channel closed locally"))
 
+    async def _drain_ucxx(self, epoch: int, end: float) -> None:
+        """Native frames, after the close frames: a peer may have pushed UCXX active
+        messages that nobody reads after the opening, and UCXX would keep them for the
+        endpoint handle for good. Each side sends a UCXX tail frame (epoch, ``0xc1 0xc3``)
+        and takes UCXX frames up to the peer's, dropping them (:attr:`ucxx_drained` counts
+        them); the tail also completes the receive request that this leaves posted."""
+        await self._ucxx_send(
+            epoch.to_bytes(8, "little") + _TAIL, self._left(end), "tail frame not sent"
+        )
+        while True:
+            frame = await self._next_ucxx(self._left(end))
+            if (
+                len(frame) == 10
+                and frame[8:] == _TAIL
+                and int.from_bytes(frame[:8], "little") == epoch
+            ):
+                return
+            self.ucxx_drained += 1
+
     async def _close_handshake(self, timeout: float) -> None:
         """Send our close frame, then take frames until the peer's (dropping the rest).
         Skipped when the endpoint failed or the connection's epoch is still unknown (no
@@ -464,6 +510,8 @@ class UcxChannel(Channel):
                     and int.from_bytes(frame[:8], "little") == epoch
                 ):
                     self._close_seen = True
+            if self._peer_token:
+                await self._drain_ucxx(epoch, end)
             if self._connecting:  # the accepting side aborts first (class docstring)
                 await asyncio.wait_for(self._disconnected.wait(), max(0.0, end - self._loop.time()))
         except (asyncio.TimeoutError, TransferTimeout, PeerClosed, TransportError) as exc:
@@ -472,7 +520,7 @@ class UcxChannel(Channel):
             log.debug("close handshake: %s", exc)
 
 
-def _deliver(ref, frame: bytes) -> None:
+def _deliver(ref, frame: Optional[bytes]) -> None:
     """Native frame receiver registered with the transport: forward to the channel, if it
     still exists (the transport holds only a weak reference to it).
     Runs on: the asyncio loop thread."""

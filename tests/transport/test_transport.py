@@ -69,9 +69,15 @@ def test_channel_native_frames(node):
     # orderly close over native frames; nothing of the connection stays registered/posted
     assert out["saw_close"] and out["tokens_left"] == [] and out["rx_left"] == [False, False]
     assert out["close_s"] < 2.5 and out["readers"] == ["PeerClosed", "PeerClosed"], out
+    assert out["ucxx_drained"] == 3, out  # UCXX's queue for the endpoint emptied at close
 
 
 def test_channel_flood_drops_the_connection(node):
     out = node.channel_flood(16)
     assert "flooded" in out["why"] and out["recv"] == "PeerClosed", out
     assert out["queued"] == 0, out
+
+
+def test_channel_oversize_before_trust_drops_the_connection(node):
+    out = node.channel_oversize()
+    assert "size limit" in out["why"] and out["queued"] == 0, out
