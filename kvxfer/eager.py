@@ -2,8 +2,9 @@
 
 ``loop.create_task(coro)`` runs nothing until the loop's next iteration: everything else
 ready then runs first, and a loop that polls transports (UCXX's receive requests yield
-with ``asyncio.sleep(0)``: the loop never idles once a peer is connected) makes that hop
-cost a full iteration, under the GIL of every other thread (bench/results/plan-cpu.md). A
+with ``asyncio.sleep(0)``: with ``KVXFER_CHANNEL_WAIT=yield`` the loop never idles once a
+peer is connected) makes that hop cost a full iteration, under the GIL of every other
+thread (bench/results/plan-cpu.md). A
 request's write hops once this way per chunk. :func:`start` instead runs the coroutine now,
 up to its first real suspension (e.g. a write's flush: planning and posting happen on
 the caller's stack), and only then continues it in a task: from Python 3.12 an eager task

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from typing import Any, Awaitable, Callable, Coroutine, Optional, TypeVar
 
 from kvxfer.errors import Closed, TransferTimeout
@@ -44,6 +45,18 @@ class LoopThread:
     def running(self) -> bool:
         """True between a successful :meth:`start` and :meth:`stop`."""
         return self._thread is not None and not self._stopped
+
+    def cpu_seconds(self) -> float:
+        """CPU time the loop's thread has used so far (its POSIX thread CPU clock; callable
+        from any thread); 0.0 before :meth:`start`. An idle loop sleeps in epoll and
+        adds ~nothing (UCX channels: see kvxfer.transport.ucx_channel)."""
+        th = self._thread
+        if th is None or th.ident is None:
+            return 0.0
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(th.ident))
+        except OSError:  # the thread ended
+            return 0.0
 
     def start(
         self,

@@ -12,7 +12,8 @@ Guarantees
   proofs bound to the other connection; the side it talks to rejects them, so no region
   table, remote key or landing grant ever reaches it.
 - Before the peer proved the secret, a message larger than ``MAX_PREAUTH_BYTES`` is dropped
-  unread (no copy, no decode) and ends the handshake.
+  unread (no decode; the UCX channel holds at most ``MAX_EARLY_BYTES`` of such frames) and
+  ends the handshake.
 - Every group present on both sides must agree on descriptor count and item sizes,
   otherwise ``IncompatiblePeer`` naming the group and the field; the side that notices
   tells the other with a Reject so both fail the same way.
@@ -239,6 +240,7 @@ async def connect_side(
                 f"peer {ack.name or ack.engine_id} failed the challenge (wrong secret, or "
                 f"a relay: the proof covers this connection's addresses {binding.decode()})"
             )
+        ch.trusted(wire.MAX_MESSAGE_BYTES)
         await ch.send(m.Proof(proof=_proof(secret, b"C", binding, hello, ack)).encode(), dl.left())
         layout = await _recv(ch, dl, m.Layout, wire.MAX_MESSAGE_BYTES)
         remote = parse_remote(layout)
@@ -293,6 +295,7 @@ async def accept_side(
                 f"or a relay: the proof covers this connection's addresses "
                 f"{binding.decode()})"
             )
+        ch.trusted(wire.MAX_MESSAGE_BYTES)
         if hello.stage:
             grant.update(local.grant_landing())
         await ch.send(_layout(local, address, grant, note_token), dl.left())

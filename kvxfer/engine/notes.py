@@ -55,7 +55,9 @@ class NoteBox:
         self.dropped = 0
         self.token = transport.note_listen(self._deliver)
 
-    def _deliver(self, payload: bytes) -> None:
+    def _deliver(self, payload: Optional[bytes]) -> None:
+        if payload is None:  # over a size limit (none is set for notifications)
+            return
         if len(payload) > MAX_NOTE_BYTES or (self._sink is None and len(self._early) >= MAX_EARLY):
             self.dropped += 1
             log.warning("chained notification of %d bytes dropped", len(payload))

@@ -286,6 +286,17 @@ class PDWorker:
             out[link.name or link.key] = str(getattr(peer, "device_lane", "?"))
         return out
 
+    def loop_cpu(self, window_s: float) -> Dict[str, float]:
+        """Cores the manager's loop thread (``loop``) and this whole process (``process``)
+        used over the next ``window_s`` (this thread sleeps through the window): ~0 while
+        idle, since the loop sleeps in epoll between events (bench/results/quiet-cpu.md)."""
+        lt = self.mgr._thread
+        clock = lt.cpu_seconds if lt is not None else (lambda: 0.0)
+        c0, p0, w0 = clock(), time.process_time(), time.monotonic()
+        time.sleep(window_s)
+        c1, p1, w1 = clock(), time.process_time(), time.monotonic()
+        return {"loop": (c1 - c0) / (w1 - w0), "process": (p1 - p0) / (w1 - w0)}
+
     def close(self) -> None:
         self.mgr.close_background()
 

@@ -173,9 +173,10 @@ async def _cancelled_by_close(mib: int) -> dict:
     except KvxferError as exc:
         after = type(exc).__name__
     out = {"first": first, "got": [p.decode() for p in got], "after_close": after}
-    out["pending"] = t._cq.pending - 1  # the note registry entry
+    # less the note registry entries (our token, the channels' frame tokens)
+    out["pending"] = t._cq.pending - len(t._notes)
     t.note_unlisten(token)
-    out["pending_after_unlisten"] = t._cq.pending
+    out["pending_after_unlisten"] = t._cq.pending - len(t._notes)
     await rma2.close(5.0)
     await asyncio.gather(client.close(1.0), server.close(1.0))
     rs.release(), rd.release()

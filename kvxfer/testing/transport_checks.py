@@ -27,6 +27,18 @@ class TransportNode:
     def completion_queue(self) -> dict:
         return self.loop.run_until_complete(_TransportChecks.completion_queue())
 
+    def channel_frames(self) -> dict:
+        return self.loop.run_until_complete(_TransportChecks.channel_frames())
+
+    def channel_flood(self, limit: int) -> dict:
+        return self.loop.run_until_complete(_TransportChecks.channel_flood(limit))
+
+    def channel_oversize(self) -> dict:
+        return self.loop.run_until_complete(_TransportChecks.channel_oversize())
+
+    def channel_rtt(self, n: int) -> dict:
+        return self.loop.run_until_complete(_TransportChecks.channel_rtt(n))
+
     def close(self) -> None:
         self.loop.close()
 
@@ -151,7 +163,9 @@ class _TransportChecks:
             np.zeros(n, u),
         )
         await rma.close(30.0)
-        out = {"landed": bool(np.array_equal(src, dst)), "pending": t._cq.pending}
+        # less the note registry entries (the channels' frame tokens)
+        pending = t._cq.pending - len(t._notes)
+        out = {"landed": bool(np.array_equal(src, dst)), "pending": pending}
         await asyncio.gather(client.close(1.0), server.close(1.0))
         rs.release(), rd.release()
         await t.close()
@@ -191,6 +205,135 @@ class _TransportChecks:
             "client_saw_close": client._close_seen,
             "server_saw_close": server._close_seen,
         }
+
+    @staticmethod
+    async def channel_frames():
+        """Native frames (UcxChannel): both ends exchanged hellos; large frames, many small
+        ones in order, the size limit; after close no token stays registered and no UCXX
+        receive stays posted."""
+        import time
+
+        from kvxfer.errors import ProtocolError
+
+        t, client, server, rma = await _TransportChecks._pair()
+        server.adopt_epoch()  # (the engine's handshake does this, and the next two)
+        client.trusted(64 << 20)
+        server.trusted(64 << 20)
+        out: dict = {"native": bool(client._peer_token and server._peer_token)}
+        big = bytes(range(256)) * (32 << 10)  # 8 MiB
+        await client.send(big, 10.0)
+        out["big_to_server"] = await server.recv(10.0) == big
+        await server.send(big[::-1], 10.0)
+        out["big_to_client"] = await client.recv(10.0) == big[::-1]
+        for i in range(200):
+            await client.send(b"m%d" % i, 5.0)
+        got = [await server.recv(5.0) for _ in range(200)]
+        out["order"] = got == [b"m%d" % i for i in range(200)]
+        await client.send(bytes(100), 5.0)
+        try:
+            await server.recv(5.0, max_bytes=99)
+            out["limit"] = "not raised"
+        except ProtocolError:
+            out["limit"] = "ProtocolError"
+        tokens = [client._token, server._token]
+        for _ in range(3):  # UCXX messages nobody reads once frames are native
+            await client.ucx_endpoint.am_send(bytes(1000))
+        await rma.close(1.0)
+        # readers blocked without a deadline on both ends while both close: the closes do
+        # not wait out their bound (a reader may take the peer's close frame), the readers end
+        readers = [asyncio.ensure_future(ch.recv(None)) for ch in (client, server)]
+        await asyncio.sleep(0)
+        t0 = time.monotonic()
+        await asyncio.gather(client.close(5.0), server.close(5.0))
+        out["close_s"] = time.monotonic() - t0
+        done, _ = await asyncio.wait(readers, timeout=5.0)
+        out["readers"] = [type(r.exception()).__name__ if r in done else "hung" for r in readers]
+        out["saw_close"] = client._close_seen and server._close_seen
+        out["ucxx_drained"] = server.ucxx_drained
+        out["tokens_left"] = [tok for tok in tokens if tok in t._notes]
+        out["rx_left"] = [ch._rx is not None for ch in (client, server)]
+        await t.close()
+        return out
+
+    @staticmethod
+    async def channel_flood(limit: int):
+        """A peer pushes more frames than the receiver's bound while nobody reads: the
+        receiver drops the connection (PeerClosed), holding nothing of it."""
+        from kvxfer.transport import ucx_channel
+
+        t, client, server, rma = await _TransportChecks._pair()
+        seen = asyncio.get_running_loop().create_future()
+        server.on_closed(lambda exc: seen.done() or seen.set_result(str(exc)))
+        old, ucx_channel.MAX_QUEUED_FRAMES = ucx_channel.MAX_QUEUED_FRAMES, limit
+        try:
+            for i in range(limit + 8):
+                await client.send(b"f%d" % i, 5.0)
+            why = await asyncio.wait_for(seen, 10.0)
+        finally:
+            ucx_channel.MAX_QUEUED_FRAMES = old
+        try:
+            await server.recv(1.0)
+            recv = "returned"
+        except Exception as exc:
+            recv = type(exc).__name__
+        out = {"why": why, "recv": recv, "queued": len(server._inbox)}
+        await rma.close(1.0)
+        await asyncio.gather(client.close(1.0), server.close(1.0))
+        await t.close()
+        return out
+
+    @staticmethod
+    async def channel_oversize():
+        """Before the handshake trusts the peer, a frame over MAX_EARLY_BYTES is dropped
+        where it arrives (never copied) and ends the connection."""
+        from kvxfer.transport.ucx_channel import MAX_EARLY_BYTES
+
+        t, client, server, rma = await _TransportChecks._pair()
+        seen = asyncio.get_running_loop().create_future()
+        server.on_closed(lambda exc: seen.done() or seen.set_result(str(exc)))
+        await client.send(bytes(MAX_EARLY_BYTES + 1), 10.0)
+        why = await asyncio.wait_for(seen, 10.0)
+        out = {"why": why, "queued": len(server._inbox)}
+        await rma.close(1.0)
+        await asyncio.gather(client.close(1.0), server.close(1.0))
+        await t.close()
+        return out
+
+    @staticmethod
+    async def channel_rtt(n: int):
+        """Median and p90 (µs) of ``n`` one-message round trips (client -> server -> client)
+        on one loop, and the channels' mode."""
+        import time
+
+        t, client, server, rma = await _TransportChecks._pair()
+        server.adopt_epoch()
+
+        async def echo():
+            while True:
+                msg = await server.recv(10.0)
+                if msg == b"stop":
+                    return
+                await server.send(msg, 5.0)
+
+        task = asyncio.ensure_future(echo())
+        rtts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await client.send(b"ping", 5.0)
+            await client.recv(5.0)
+            rtts.append((time.perf_counter() - t0) * 1e6)
+        await client.send(b"stop", 5.0)
+        await asyncio.wait_for(task, 10.0)
+        rtts.sort()
+        out = {
+            "native": bool(client._peer_token),
+            "p50_us": rtts[len(rtts) // 2],
+            "p90_us": rtts[int(len(rtts) * 0.9)],
+        }
+        await rma.close(1.0)
+        await asyncio.gather(client.close(1.0), server.close(1.0))
+        await t.close()
+        return out
 
     @staticmethod
     async def completion_queue():

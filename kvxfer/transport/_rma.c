@@ -851,10 +851,12 @@ static PyObject *py_ep_ctx_free(PyObject *self, PyObject *args)
  */
 #define KVX_AM_ID 107 /* our active-message id ('k'); UCXX uses its own */
 #define KVX_NOTE 1    /* status of a queued received notification (UCS statuses are <= 0) */
+#define KVX_NOTE_OVERSIZE 2 /* a notification over its token's max_len: dropped uncopied */
 
 typedef struct {
     uint64_t token;
     cq_core_t *core;
+    size_t max_len; /* 0: no limit; longer payloads queue (token, OVERSIZE) without data */
 } note_reg_t;
 
 static pthread_mutex_t g_note_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -876,35 +878,39 @@ static ucs_status_t note_am_cb(void *arg, const void *header, size_t header_leng
     if (header_length != sizeof(token))
         return UCS_OK;
     memcpy(&token, header, sizeof(token));
-    copy = malloc(length ? length : 1); /* non-NULL marks a notification in the queue */
-    if (copy == NULL)
-        return UCS_OK;
-    if (length)
-        memcpy(copy, data, length);
     pthread_mutex_lock(&g_note_mu);
     for (i = 0; i < g_nnotes; i++)
         if (g_notes[i].token == token) {
             cq_core_t *c = g_notes[i].core;
+            if (g_notes[i].max_len && length > g_notes[i].max_len) { /* never copied */
+                pthread_mutex_lock(&c->mu);
+                cq_push_locked(c, token, (ucs_status_t)KVX_NOTE_OVERSIZE);
+                pthread_mutex_unlock(&c->mu);
+                break;
+            }
+            copy = malloc(length ? length : 1); /* non-NULL marks a notification */
+            if (copy == NULL)
+                break;
+            if (length)
+                memcpy(copy, data, length);
             pthread_mutex_lock(&c->mu);
             cq_push_data_locked(c, token, KVX_NOTE, copy, length);
             pthread_mutex_unlock(&c->mu);
-            copy = NULL;
             break;
         }
-    pthread_mutex_unlock(&g_note_mu);
-    free(copy); /* unknown token (a closed peer's late notification): dropped */
+    pthread_mutex_unlock(&g_note_mu); /* unknown token (a closed peer's late one): dropped */
     return UCS_OK;
 }
 
-/* note_listen(token): notifications carrying `token` are queued here */
+/* note_listen(token, max_len=0): notifications carrying `token` are queued here */
 static PyObject *cq_note_listen(CompletionQueue *self, PyObject *args)
 {
-    unsigned long long token;
+    unsigned long long token, max_len = 0;
     cq_core_t *c = cq_core(self);
     ucs_status_t st = UCS_OK;
     int i, have = 0;
     size_t k;
-    if (c == NULL || !PyArg_ParseTuple(args, "K", &token))
+    if (c == NULL || !PyArg_ParseTuple(args, "K|K", &token, &max_len))
         return NULL;
     if (c->worker == NULL) {
         PyErr_SetString(PyExc_ValueError, "note_listen on a CompletionQueue made without a worker");
@@ -963,8 +969,9 @@ static PyObject *cq_note_listen(CompletionQueue *self, PyObject *args)
         g_notes    = tmp;
         g_capnotes = cap;
     }
-    g_notes[g_nnotes].token  = token;
-    g_notes[g_nnotes++].core = c;
+    g_notes[g_nnotes].token     = token;
+    g_notes[g_nnotes].max_len   = (size_t)max_len;
+    g_notes[g_nnotes++].core    = c;
     pthread_mutex_lock(&c->mu);
     c->refs++; /* held by the registry entry */
     pthread_mutex_unlock(&c->mu);
@@ -988,6 +995,26 @@ static int note_remove(cq_core_t *c, uint64_t token)
     }
     pthread_mutex_unlock(&g_note_mu);
     return n;
+}
+
+/* note_limit(token, max_len) -> bool: change a registered token's size limit (0: none) */
+static PyObject *cq_note_limit(CompletionQueue *self, PyObject *args)
+{
+    unsigned long long token, max_len;
+    cq_core_t *c = cq_core(self);
+    size_t i;
+    int found = 0;
+    if (c == NULL || !PyArg_ParseTuple(args, "KK", &token, &max_len))
+        return NULL;
+    pthread_mutex_lock(&g_note_mu);
+    for (i = 0; i < g_nnotes; i++)
+        if (g_notes[i].core == c && g_notes[i].token == token) {
+            g_notes[i].max_len = (size_t)max_len;
+            found = 1;
+            break;
+        }
+    pthread_mutex_unlock(&g_note_mu);
+    return PyBool_FromLong(found);
 }
 
 /* note_unlisten(token) -> bool: stop routing `token` here (late ones are dropped) */
@@ -1106,13 +1133,15 @@ static void chain_flush_cb(void *request, ucs_status_t st, void *user)
 }
 
 /*
- * flush_notify(ep, token, spin, ctx, note_token, payload, inline_us=0) -> None if pending
+ * flush_notify(ep, token, spin, ctx, note_token, payload, inline_us=0, noflush=0) -> None if pending
  * (token appears in drain() once the notification completed locally or the chain failed),
  * else the final ucs status (the chain ended within the call). inline_us: progress the
  * worker on the calling thread (GIL released) for up to that long first; a flush whose
  * completion signals nothing (shared memory) then ends in microseconds instead of at the
  * progress thread's next wake-up, and the loop sees no completion event at all.
  * note_token 0: a plain flush (nothing is sent), with the same inline progress.
+ * noflush: send the notification now, without flushing first (a channel frame: UcxChannel;
+ * the AM is still ordered after earlier AMs on the endpoint).
  */
 static PyObject *cq_flush_notify(CompletionQueue *self, PyObject *args)
 {
@@ -1127,9 +1156,10 @@ static PyObject *cq_flush_notify(CompletionQueue *self, PyObject *args)
     ucs_status_t st = UCS_OK;
     int pending     = 0;
     double inline_us = 0.0;
+    int noflush      = 0;
     cq_core_t *c    = cq_core(self);
-    if (c == NULL || !PyArg_ParseTuple(args, "OKpKKy*|d", &ep_o, &token, &spin, &ctx, &note, &pl,
-                                       &inline_us))
+    if (c == NULL || !PyArg_ParseTuple(args, "OKpKKy*|dp", &ep_o, &token, &spin, &ctx, &note, &pl,
+                                       &inline_us, &noflush))
         return NULL;
     if (get_handle(ep_o, &ep, "endpoint") < 0) {
         PyBuffer_Release(&pl);
@@ -1189,7 +1219,7 @@ static PyObject *cq_flush_notify(CompletionQueue *self, PyObject *args)
     p.cb.send      = chain_flush_cb;
     p.user_data    = ch;
     Py_BEGIN_ALLOW_THREADS
-    sp = ucp_ep_flush_nbx((ucp_ep_h)ep, &p);
+    sp = noflush ? NULL : ucp_ep_flush_nbx((ucp_ep_h)ep, &p);
     if (sp != NULL && !UCS_PTR_IS_ERR(sp))
         pending = 1; /* chain_flush_cb owns the chain */
     else if (sp != NULL)
@@ -1308,12 +1338,17 @@ static PyMethodDef cq_methods[] = {
      "ep_close(ep, token, force, ctx=0) -> None if pending, else ucs status; ctx: the "
      "endpoint's ep_create context (no chain sends a notification on it afterwards)"},
     {"flush_notify", (PyCFunction)cq_flush_notify, METH_VARARGS,
-     "flush_notify(ep, token, spin, ctx, note_token, payload, inline_us=0) -> None if "
+     "flush_notify(ep, token, spin, ctx, note_token, payload, inline_us=0, noflush=0) -> None if "
      "pending, else ucs status: flush ep, then (from the flush's completion callback, no "
      "Python) send payload as an active message to the receiver's note_token; ctx: "
-     "ep_create's context or 0; inline_us: progress the worker here that long first"},
+     "ep_create's context or 0; inline_us: progress the worker here that long first; "
+     "noflush: send without the flush"},
     {"note_listen", (PyCFunction)cq_note_listen, METH_VARARGS,
-     "note_listen(token): queue notifications carrying token as (token, NOTE, t, payload)"},
+     "note_listen(token, max_len=0): queue notifications carrying token as (token, NOTE, t, "
+     "payload); one longer than max_len (0: no limit) as (token, NOTE_OVERSIZE, t, None), "
+     "never copied"},
+    {"note_limit", (PyCFunction)cq_note_limit, METH_VARARGS,
+     "note_limit(token, max_len) -> bool: change a registered token's max_len"},
     {"note_unlisten", (PyCFunction)cq_note_unlisten, METH_VARARGS,
      "note_unlisten(token) -> bool: stop routing token here"},
     {"drain", (PyCFunction)cq_drain, METH_NOARGS,
@@ -1385,6 +1420,7 @@ PyMODINIT_FUNC PyInit__rma(void)
     PyModule_AddObject(m, "CompletionQueue", (PyObject *)&CompletionQueueType);
     PyModule_AddIntConstant(m, "UCS_OK", UCS_OK);
     PyModule_AddIntConstant(m, "NOTE", KVX_NOTE);
+    PyModule_AddIntConstant(m, "NOTE_OVERSIZE", KVX_NOTE_OVERSIZE);
     PyModule_AddIntConstant(m, "AM_ID", KVX_AM_ID);
     PyModule_AddIntConstant(m, "UCS_ERR_CANCELED", UCS_ERR_CANCELED);
     PyModule_AddIntConstant(m, "UCS_ERR_CONNECTION_RESET", UCS_ERR_CONNECTION_RESET);

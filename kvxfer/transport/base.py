@@ -52,7 +52,8 @@ class Channel(abc.ABC):
     async def recv(self, timeout: Optional[float], max_bytes: Optional[int] = None) -> bytes:
         """Next message; raises PeerClosed / TransferTimeout (``None``: no deadline).
         ``max_bytes``: a longer message raises ProtocolError and is dropped unread (not
-        copied, not decoded): what an unauthenticated peer can make us hold."""
+        decoded; the UCX channel bounds what it queued of it): what an unauthenticated peer
+        can make us hold."""
 
     @abc.abstractmethod
     def binding(self) -> bytes:
@@ -81,6 +82,12 @@ class Channel(abc.ABC):
         from now on only messages of that message's connection are delivered (messages of
         an earlier connection that reach this one are dropped). No-op where connections
         cannot mix."""
+        return None
+
+    def trusted(self, max_bytes: int) -> None:
+        """Both sides, once the handshake verified the peer's proof: the peer is
+        authenticated, lift the pre-authentication bounds on what it can make us hold (its
+        messages may now be up to ``max_bytes``). No-op where nothing is bounded."""
         return None
 
 
@@ -167,10 +174,12 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def register(self, addr: int, length: int) -> Region: ...
 
-    def note_listen(self, callback: Callable[[bytes], None]) -> int:
+    def note_listen(self, callback: Callable[[Optional[bytes]], None], max_bytes: int = 0) -> int:
         """Receive chained notifications (:meth:`RmaEndpoint.flush_notify_future`): returns
         the token a peer sends them to (0: not supported); ``callback(payload)`` runs on
-        the asyncio loop thread, in arrival order, until :meth:`note_unlisten`."""
+        the asyncio loop thread, in arrival order, until :meth:`note_unlisten`.
+        ``max_bytes`` (0: none): a longer payload is dropped where it arrives, never copied,
+        and reported as ``callback(None)``."""
         return 0
 
     def note_unlisten(self, token: int) -> None:

@@ -32,7 +32,13 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from kvxfer.errors import Closed, PeerClosed, TransferTimeout, TransportError
 from kvxfer.transport.base import AcceptCallback, Channel, Region, RmaEndpoint, Transport
-from kvxfer.transport.ucx_channel import OPEN_TIMEOUT_S, UcxChannel, new_epoch, retrieve
+from kvxfer.transport.ucx_channel import (
+    OPEN_TIMEOUT_S,
+    UcxChannel,
+    channel_wait_mode,
+    new_epoch,
+    retrieve,
+)
 from kvxfer.transport.ucx_lib import load_ucx, status_error, ucx_error_types
 from kvxfer.transport.ucx_rma import UcxRegion, UcxRma
 
@@ -67,7 +73,7 @@ class UcxTransport(Transport):
         self._waiters: Dict[int, asyncio.Future] = {}  # token -> (status, t) future
         self._flushes: Dict[int, asyncio.Future] = {}  # token -> t future (flush_future)
         self._watch: Dict[int, Callable[[int], None]] = {}  # endpoint error tokens
-        self._notes: Dict[int, Callable[[bytes], None]] = {}  # note token -> receiver
+        self._notes: Dict[int, Callable[[Optional[bytes]], None]] = {}  # token -> receiver
         #: how long a chain's starter progresses the worker itself before it leaves the
         #: chain to the progress thread / poller (KVXFER_CHAIN_INLINE_US; 0: never)
         self.chain_inline_us = float(os.environ.get("KVXFER_CHAIN_INLINE_US", CHAIN_INLINE_US))
@@ -92,9 +98,9 @@ class UcxTransport(Transport):
         Runs on: the asyncio loop thread (``add_reader`` on the completion queue's eventfd,
         which the native callbacks signal from UCXX's progress thread or the native poller
         thread)."""
-        note = self.rma.NOTE
+        note, oversize = self.rma.NOTE, self.rma.NOTE_OVERSIZE
         for token, status, t, payload in self._cq.drain():
-            if status == note:
+            if status == note or status == oversize:  # oversize: payload None
                 receiver = self._notes.get(token)
                 if receiver is not None:
                     try:
@@ -170,6 +176,19 @@ class UcxTransport(Transport):
             "flush + notify" if note_token else "ucp_ep_flush",
         )
 
+    def frame_future(self, ep_handle: int, note_token: int, payload: bytes) -> asyncio.Future:
+        """Send ``payload`` as a native active message to the peer's ``note_token`` on
+        ``ep_handle`` now (no flush first; ordered after earlier active messages on the
+        endpoint): a :class:`UcxChannel` frame. The future resolves like
+        :meth:`chain_future`'s once the message completed locally (eager: usually at once,
+        a resolved future)."""
+        return self._started(
+            lambda token: self._cq.flush_notify(
+                ep_handle, token, False, 0, note_token, payload, 0.0, True
+            ),
+            "channel frame send",
+        )
+
     def _started(self, start: Callable[[int], Optional[int]], what: str) -> asyncio.Future:
         """Run ``start(token)`` (a native flush or chain) and return its future: resolved now
         when it ended inline, failed now when it could not start, else registered under
@@ -190,7 +209,7 @@ class UcxTransport(Transport):
             fut.set_exception(status_error(self.rma, status, what))
         return fut
 
-    def note_listen(self, callback: Callable[[bytes], None]) -> int:
+    def note_listen(self, callback: Callable[[Optional[bytes]], None], max_bytes: int = 0) -> int:
         """A fresh random 64-bit token routed to ``callback`` (see base.Transport): tokens
         are unguessable, so a notification reaches only the peer that was given it."""
         self._bind_loop()
@@ -198,9 +217,14 @@ class UcxTransport(Transport):
             token = int.from_bytes(os.urandom(8), "little")
             if token and token not in self._notes:
                 break
-        self._cq.note_listen(token)
+        self._cq.note_listen(token, max_bytes)
         self._notes[token] = callback
         return token
+
+    def note_limit(self, token: int, max_bytes: int) -> None:
+        """Change ``token``'s size limit (0: none; see :meth:`note_listen`)."""
+        if token in self._notes and self._cq is not None:
+            self._cq.note_limit(token, max_bytes)
 
     def note_unlisten(self, token: int) -> None:
         if self._notes.pop(token, None) is not None and self._cq is not None:
@@ -246,6 +270,11 @@ class UcxTransport(Transport):
         self.rma.ep_ctx_free(ctx)
         return True
 
+    def _native(self) -> Optional["UcxTransport"]:
+        """The transport for channels' native frames, or None (``KVXFER_CHANNEL_WAIT=yield``:
+        UCXX receive requests awaited by ``wait_yield``, the loop never sleeps)."""
+        return None if channel_wait_mode() == "yield" else self
+
     # -- contract
     async def listen(self, host: str, port: int, on_accept: AcceptCallback):
         loop = self._bind_loop()
@@ -253,7 +282,7 @@ class UcxTransport(Transport):
         async def _handler(ep) -> None:
             """Runs on: the asyncio loop thread (UCXX's listener callback, on its progress
             thread, submits it with ``run_coroutine_threadsafe``)."""
-            ch = UcxChannel(ep, loop, self.ucxx, None)
+            ch = UcxChannel(ep, loop, self.ucxx, None, self._native())
             try:
                 await ch.open(OPEN_TIMEOUT_S)
             except (PeerClosed, TransferTimeout) as exc:
@@ -284,7 +313,7 @@ class UcxTransport(Transport):
             ) from None
         except ucx_error_types(self.ucxx) as exc:
             raise PeerClosed(f"connecting to {host}:{port}: {exc}") from None
-        ch = UcxChannel(ep, loop, self.ucxx, new_epoch())
+        ch = UcxChannel(ep, loop, self.ucxx, new_epoch(), self._native())
         try:
             return await ch.open(timeout)
         except BaseException:

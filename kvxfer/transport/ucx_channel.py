@@ -1,16 +1,32 @@
 """The control path of the UCX transport: :class:`UcxChannel`, ordered active messages over
 one UCXX endpoint (peer error handling on), with connection epochs, padding and an orderly
-close (see the class docstring). :mod:`.ucx` makes the endpoints (listener, connect)."""
+close (see the class docstring). :mod:`.ucx` makes the endpoints (listener, connect).
+
+Frames after the opening travel as kvxfer's native active messages (``_rma``, routed by a
+per-channel token into the transport's completion queue, whose eventfd wakes the loop): an
+idle loop sleeps. ``KVXFER_CHANNEL_WAIT=yield`` keeps every frame on UCXX receive requests,
+which UCXX (without its python-future notifier) awaits by ``asyncio.sleep(0)`` polling: the
+loop then never sleeps while a channel is connected (the A/B switch; both ends of a
+connection must use the same mode; figures in bench/results/quiet-cpu.md)."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import functools
 import logging
 import os
 import weakref
-from typing import Callable, List, Optional
+from typing import Any, Callable, Deque, List, Optional
 
-from kvxfer.errors import Closed, PeerClosed, ProtocolError, TransferTimeout
+from kvxfer.errors import (
+    Closed,
+    InvalidArgument,
+    PeerClosed,
+    ProtocolError,
+    TransferTimeout,
+    TransportError,
+)
 from kvxfer.transport.base import Channel
 from kvxfer.transport.ucx_lib import ucx_error_types
 from kvxfer.transport.ucx_sockaddr import sockaddrs
@@ -19,8 +35,29 @@ log = logging.getLogger(__name__)
 
 _PADDING = bytes(8)  # epoch 0, empty payload (see UcxChannel)
 _CLOSE = b"\xc1"  # payload of a close frame (0xc1 is never a msgpack message)
-#: bound on sending the opening padding frame of an accepted connection
+_HELLO = b"\xc1\xc2"  # payload of a hello frame: this + the sender's 8-byte frame token
+_TAIL = b"\xc1\xc3"  # payload of the UCXX frame that ends a native channel's close
+#: bound on the opening of an accepted connection (padding sent, the peer's hello received)
 OPEN_TIMEOUT_S = 10.0
+#: bounds on the native frames queued unread on one channel (a peer that pushes more, say
+#: an unauthenticated one flooding us, loses the connection)
+MAX_QUEUED_FRAMES = 1 << 16
+MAX_QUEUED_BYTES = 256 << 20
+#: before the peer is authenticated (:meth:`UcxChannel.trusted`): the largest native frame
+#: taken (a longer one is dropped where it arrives, never copied, and ends the connection)
+#: and the bytes bound on frames queued (kvxfer.engine.handshake reads messages of at most
+#: 64 KiB then)
+MAX_EARLY_BYTES = 1 << 20
+
+
+def channel_wait_mode() -> str:
+    """``KVXFER_CHANNEL_WAIT``: ``native`` (default: frames as native active messages, the
+    loop sleeps) or ``yield`` (every frame on UCXX receive requests polled by
+    ``asyncio.sleep(0)``: the behaviour before native frames, for A/B runs)."""
+    mode = os.environ.get("KVXFER_CHANNEL_WAIT", "native").strip().lower() or "native"
+    if mode not in ("native", "yield"):
+        raise InvalidArgument(f"KVXFER_CHANNEL_WAIT={mode!r}: expected 'native' or 'yield'")
+    return mode
 
 
 # ----------------------------------------------------------------- channels
@@ -58,9 +95,43 @@ class UcxChannel(Channel):
       authenticated or not, may have pushed many messages before we closed).
     - UCXX holds our close callback for as long as its endpoint lives; it holds only a
       weak reference to the channel (a strong one made an uncollectable cycle through
-      UCXX's endpoint finalizer, leaking endpoint and listener per connection)."""
+      UCXX's endpoint finalizer, leaking endpoint and listener per connection).
+    - Native frames (``native`` given, the default; see the module docstring): UCXX awaits
+      a receive request by polling it on every loop iteration, so a channel with a receive
+      posted keeps its loop from ever sleeping. Only the opening uses UCXX receives: after
+      its padding, each side sends a hello frame (epoch, ``0xc1 0xc2``, its frame token:
+      a random 64-bit ``note_listen`` token of this channel). The connecting side sends its
+      hello with its epoch at once and takes only a hello of that epoch back; the accepting
+      side answers the first hello it receives, with that hello's epoch (so a stale hello
+      of an earlier connection fails the opening instead of pairing two connections). From
+      then on every frame, close frames included, is a native active message (forced eager:
+      the receiving handler drops rendezvous data) to the peer's token on this endpoint,
+      queued by the transport's completion queue and handed to this channel on the loop
+      thread (woken by the queue's eventfd). No UCXX receive stays posted once the opening
+      completed; the close frames are native, and then each side sends one UCXX tail frame
+      and drops what UCXX queued up to the peer's (a peer may have pushed UCXX messages
+      nobody read), which also completes the receive that this posts. An opening that failed keeps the UCXX path for its close. Frames
+      queued unread are bounded (:data:`MAX_QUEUED_FRAMES`, :data:`MAX_QUEUED_BYTES`): a
+      peer pushing more loses the connection. Until the handshake calls :meth:`trusted`, a
+      frame over :data:`MAX_EARLY_BYTES` is dropped natively, never copied, and ends the
+      connection, and at most that many bytes queue; afterwards frames up to the
+      handshake's message limit are taken. A frame under the limit but over ``recv``'s
+      ``max_bytes`` was copied once (never decoded). The
+      token is unregistered when the channel closes; frames arriving later are dropped by
+      the queue. Readers share one wake-up future, not the frames (see :meth:`_next_native`).
+      Both ends must use the same mode (``KVXFER_CHANNEL_WAIT``): a native end waits for a
+      hello that a ``yield`` end never sends."""
 
-    def __init__(self, ep, loop: asyncio.AbstractEventLoop, ucxx, epoch: Optional[int] = None):
+    def __init__(
+        self,
+        ep,
+        loop: asyncio.AbstractEventLoop,
+        ucxx,
+        epoch: Optional[int] = None,
+        native: Any = None,
+    ):
+        """``native``: the :class:`~kvxfer.transport.ucx.UcxTransport` that carries native
+        frames (``frame_future``, ``note_listen``), or None: UCXX receives only."""
         self._ep, self._loop, self._ucxx = ep, loop, ucxx
         self._callbacks: List[Callable[[Exception], None]] = []
         self._exc: Optional[Exception] = None
@@ -72,6 +143,22 @@ class UcxChannel(Channel):
         self._close_seen = False  # the peer's close frame arrived
         self._disconnected = asyncio.Event()  # UCXX reported the endpoint closed or failed
         self.dropped = 0  # frames of another connection dropped
+        self.ucxx_drained = 0  # UCXX messages dropped at close (native frames; _drain_ucxx)
+        self._native = native
+        self._token = 0  # ours: the peer's native frames reach us by it (0: none / closed)
+        self._peer_token = 0  # the peer's (its hello); non-zero: frames go native
+        self._inbox: Deque[bytes] = collections.deque()  # native frames not read yet
+        self._inbox_bytes = 0
+        self._wake: Optional[asyncio.Future] = None  # a reader waiting for the inbox
+        self._flooded = False
+        self._trusted = False  # the handshake authenticated the peer (trusted())
+        self._unlisten_token: Optional[Callable[[], Any]] = None
+        if native is not None:
+            self._token = native.note_listen(
+                functools.partial(_deliver, weakref.ref(self)), MAX_EARLY_BYTES + 8
+            )
+            # a channel dropped unclosed still frees its token (runs once)
+            self._unlisten_token = weakref.finalize(self, native.note_unlisten, self._token)
         # UCXX keeps the callback (and what it references) in the UCXEndpoint, which its
         # endpoint finalizer keeps alive: a strong reference to us would be a cycle through
         # that global registry that never dies (nor the endpoint, nor its listener).
@@ -111,12 +198,61 @@ class UcxChannel(Channel):
     def _on_disconnect(self) -> None:
         """Runs on: the asyncio loop thread (posted by :meth:`_on_ucx_close`)."""
         self._disconnected.set()
+        self._wakeup()
         self._fire(PeerClosed("UCX endpoint closed (peer died or disconnected)"))
+
+    def trusted(self, max_bytes: int) -> None:
+        """The handshake authenticated the peer: take frames up to ``max_bytes`` (+ the
+        epoch) and queue up to :data:`MAX_QUEUED_BYTES`."""
+        self._trusted = True
+        if self._token:
+            self._native.note_limit(self._token, max_bytes + 8)
+
+    def _on_frame(self, frame: Optional[bytes]) -> None:
+        """A native frame for our token (None: one over the size limit, dropped uncopied).
+        Runs on: the asyncio loop thread (the transport's completion-queue callback)."""
+        if not self._token or self._flooded:
+            return
+        limit = MAX_QUEUED_BYTES if self._trusted else MAX_EARLY_BYTES
+        if (
+            frame is None
+            or len(self._inbox) >= MAX_QUEUED_FRAMES
+            or self._inbox_bytes + len(frame) > limit
+        ):
+            self._flooded = True
+            n, size = len(self._inbox), self._inbox_bytes
+            self._inbox.clear()
+            self._inbox_bytes = 0
+            why = (
+                "a frame over the size limit"
+                if frame is None
+                else f"{n} frames ({size} bytes) unread and one of {len(frame)} bytes more"
+            )
+            log.warning("peer sent %s: connection dropped", why)
+            self._wakeup()
+            self._fire(PeerClosed(f"peer flooded the channel: {why}"))
+            return
+        self._inbox.append(frame)
+        self._inbox_bytes += len(frame)
+        self._wakeup()
+
+    def _wakeup(self) -> None:
+        w, self._wake = self._wake, None
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _unlisten(self) -> None:
+        self._token = 0
+        if self._unlisten_token is not None:
+            self._unlisten_token()
+        self._inbox.clear()
+        self._inbox_bytes = 0
 
     def _fire(self, exc: Exception) -> None:
         if self._exc is not None:
             return
         self._exc = exc
+        self._wakeup()  # a reader waiting for a native frame sees it
         for cb in self._callbacks:
             try:
                 cb(exc)
@@ -140,31 +276,103 @@ class UcxChannel(Channel):
             raise Closed("channel closed")
 
     async def open(self, timeout: float) -> "UcxChannel":
-        """Send the opening padding frame; returns the channel."""
-        try:
-            await asyncio.wait_for(self._ep.am_send(_PADDING), timeout)
-        except asyncio.TimeoutError:
-            raise TransferTimeout(f"opening message not sent in {timeout:.3g} s") from None
-        except ucx_error_types(self._ucxx) as exc:
-            raise PeerClosed(f"send failed: {exc}") from None
+        """Send the opening padding frame, then (native frames) exchange hellos (see the
+        class docstring); returns the channel."""
+        end = self._loop.time() + timeout
+        await self._ucxx_send(_PADDING, timeout, "opening message not sent")
+        if self._native is None:
+            return self
+        if self._connecting:
+            assert self._epoch is not None
+            await self._ucxx_send(self._hello(self._epoch), self._left(end), "hello not sent")
+            await self._await_hello(end, self._epoch)
+        else:
+            epoch = await self._await_hello(end, None)
+            await self._ucxx_send(self._hello(epoch), self._left(end), "hello not sent")
         return self
 
-    async def send(self, payload: bytes, timeout: float) -> None:
-        self._check()
-        frame = (self._epoch or 0).to_bytes(8, "little") + payload
+    def _left(self, end: float) -> float:
+        return max(0.0, end - self._loop.time())
+
+    def _hello(self, epoch: int) -> bytes:
+        return epoch.to_bytes(8, "little") + _HELLO + self._token.to_bytes(8, "little")
+
+    async def _await_hello(self, end: float, want: Optional[int]) -> int:
+        """UCXX frames until the peer's hello (of epoch ``want``, if given); takes its frame
+        token and returns its epoch. Padding and other frames are dropped."""
+        while True:
+            try:
+                frame = await self._next_frame(self._left(end))
+            except TransferTimeout:
+                raise TransferTimeout("no hello from the peer in time") from None
+            if len(frame) < 8:
+                raise ProtocolError(f"frame of {len(frame)} bytes has no connection epoch")
+            epoch = int.from_bytes(frame[:8], "little")
+            body = frame[8:]
+            if epoch and len(body) == 10 and body[:2] == _HELLO and want in (None, epoch):
+                token = int.from_bytes(body[2:], "little")
+                if not token:
+                    raise ProtocolError("hello without a frame token")
+                self._peer_token = token
+                return epoch
+            if len(body) == 1 and body == _CLOSE and want in (None, epoch):
+                self._close_seen = True
+                raise PeerClosed("peer closed the connection while opening it")
+            if epoch or len(body):  # not padding
+                self.dropped += 1
+                log.warning(
+                    "dropped a %d-byte frame before the peer's hello: an earlier "
+                    "connection's, or the peer runs KVXFER_CHANNEL_WAIT=yield or an older "
+                    "kvxfer (both ends must use native frames)",
+                    len(body),
+                )
+
+    async def _ucxx_send(self, frame: bytes, timeout: float, what: str) -> None:
         try:
             await asyncio.wait_for(self._ep.am_send(frame), timeout)
         except asyncio.TimeoutError:
-            raise TransferTimeout(f"message send not done after {timeout:.3g} s") from None
+            raise TransferTimeout(f"{what} in {timeout:.3g} s") from None
         except ucx_error_types(self._ucxx) as exc:
             raise PeerClosed(f"send failed: {exc}") from None
+
+    async def _send_frame(self, frame: bytes, timeout: float) -> None:
+        """One frame: native once the opening gave us the peer's token, else over UCXX."""
+        if not self._peer_token:
+            await self._ucxx_send(frame, timeout, "message send not done after")
+            return
+        ep = self._ep
+        if ep is None or ep.closed:
+            raise PeerClosed("send failed: endpoint closed")
+        fut = self._native.frame_future(ep.ucp_endpoint, self._peer_token, frame)
+        try:
+            if fut.done():
+                fut.result()  # the send ended within the call (eager: the usual case)
+            else:
+                await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise TransferTimeout(f"message send not done after {timeout:.3g} s") from None
+        except PeerClosed:
+            raise
+        except TransportError as exc:  # the channel contract: PeerClosed / TransferTimeout
+            raise PeerClosed(f"send failed: {exc}") from None
+
+    async def send(self, payload: bytes, timeout: float) -> None:
+        self._check()
+        await self._send_frame((self._epoch or 0).to_bytes(8, "little") + payload, timeout)
 
     async def _recv_frame(self, timeout: Optional[float]):
         self._check()
         return await self._next_frame(timeout)
 
-    async def _next_frame(self, timeout: Optional[float]):
-        """The next frame off the endpoint (also while closing, for the close handshake)."""
+    async def _next_frame(self, timeout: Optional[float], handshake: bool = False):
+        """The next frame off the endpoint (also while closing, for the close handshake:
+        ``handshake``, see :meth:`_next_native`)."""
+        if self._peer_token:
+            return await self._next_native(timeout, handshake)
+        return await self._next_ucxx(timeout)
+
+    async def _next_ucxx(self, timeout: Optional[float]):
+        """The next frame of UCXX's queue for the endpoint (an owned receive request)."""
         if self._rx is None:
             if self._ep.closed:
                 raise PeerClosed("receive failed: endpoint closed")
@@ -183,6 +391,31 @@ class UcxChannel(Channel):
             self._rx = None
         return memoryview(buf).cast("B")
 
+    async def _next_native(self, timeout: Optional[float], handshake: bool = False) -> memoryview:
+        """The next native frame (wakes on arrival, peer death, a flood, the channel failing
+        or closing; no polling). Readers share the wake-up but not the frames (UCXX's
+        receive future was shared): the close handshake (``handshake``) returns an empty
+        frame once another reader took the peer's close frame, and a reader other than
+        the handshake stops once the channel failed or closed."""
+        end = None if timeout is None else self._loop.time() + timeout
+        while not self._inbox:
+            if handshake and self._close_seen:
+                return memoryview(b"")
+            if self._flooded or self._disconnected.is_set() or self._ep is None:
+                raise PeerClosed("receive failed: endpoint closed")
+            if not handshake and self._exc is not None:
+                raise PeerClosed(str(self._exc))
+            if self._wake is None or self._wake.done():
+                self._wake = self._loop.create_future()
+            left = None if end is None else self._left(end)
+            try:  # shielded: a reader that gives up does not cancel another's wake-up
+                await asyncio.wait_for(asyncio.shield(self._wake), left)
+            except asyncio.TimeoutError:
+                raise TransferTimeout(f"no message within {timeout:.3g} s") from None
+        frame = self._inbox.popleft()
+        self._inbox_bytes -= len(frame)
+        return memoryview(frame)
+
     async def recv(self, timeout: Optional[float], max_bytes: Optional[int] = None) -> bytes:
         end = None if timeout is None else self._loop.time() + timeout
         while True:
@@ -198,6 +431,7 @@ class UcxChannel(Channel):
                     if self._epoch is None:  # answered with this epoch (close handshake)
                         self._rx_epoch = epoch
                     self._close_seen = True
+                    self._wakeup()  # a close handshake waiting for this frame
                     self._fire(PeerClosed("peer closed the connection"))
                     self._check()
                 self.dropped += 1  # an earlier connection's close frame
@@ -227,13 +461,36 @@ class UcxChannel(Channel):
         if self._closing:
             return
         self._closing = True
-        await self._close_handshake(timeout)
+        try:
+            await self._close_handshake(timeout)
+        finally:
+            self._unlisten()
         ep, self._ep = self._ep, None
         try:
             ep.abort(period=int(timeout * 1e9), max_attempts=1)
         except Exception as exc:  # already gone
             log.debug("endpoint abort: %s", exc)
+        self._wakeup()  # a reader still waiting for a native frame ends (PeerClosed)
         self._fire(Closed("channel closed locally"))
+
+    async def _drain_ucxx(self, epoch: int, end: float) -> None:
+        """Native frames, after the close frames: a peer may have pushed UCXX active
+        messages that nobody reads after the opening, and UCXX would keep them for the
+        endpoint handle for good. Each side sends a UCXX tail frame (epoch, ``0xc1 0xc3``)
+        and takes UCXX frames up to the peer's, dropping them (:attr:`ucxx_drained` counts
+        them); the tail also completes the receive request that this leaves posted."""
+        await self._ucxx_send(
+            epoch.to_bytes(8, "little") + _TAIL, self._left(end), "tail frame not sent"
+        )
+        while True:
+            frame = await self._next_ucxx(self._left(end))
+            if (
+                len(frame) == 10
+                and frame[8:] == _TAIL
+                and int.from_bytes(frame[:8], "little") == epoch
+            ):
+                return
+            self.ucxx_drained += 1
 
     async def _close_handshake(self, timeout: float) -> None:
         """Send our close frame, then take frames until the peer's (dropping the rest).
@@ -244,21 +501,32 @@ class UcxChannel(Channel):
             return
         end = self._loop.time() + timeout
         try:
-            await asyncio.wait_for(self._ep.am_send(epoch.to_bytes(8, "little") + _CLOSE), timeout)
+            await self._send_frame(epoch.to_bytes(8, "little") + _CLOSE, timeout)
             while not self._close_seen:
-                frame = await self._next_frame(max(0.0, end - self._loop.time()))
+                frame = await self._next_frame(max(0.0, end - self._loop.time()), True)
                 if (
                     len(frame) == 9
                     and frame[8:] == _CLOSE
                     and int.from_bytes(frame[:8], "little") == epoch
                 ):
                     self._close_seen = True
+            if self._peer_token:
+                await self._drain_ucxx(epoch, end)
             if self._connecting:  # the accepting side aborts first (class docstring)
                 await asyncio.wait_for(self._disconnected.wait(), max(0.0, end - self._loop.time()))
-        except (asyncio.TimeoutError, TransferTimeout, PeerClosed) as exc:
+        except (asyncio.TimeoutError, TransferTimeout, PeerClosed, TransportError) as exc:
             log.debug("close handshake: %s", exc or type(exc).__name__)
         except ucx_error_types(self._ucxx) as exc:
             log.debug("close handshake: %s", exc)
+
+
+def _deliver(ref, frame: Optional[bytes]) -> None:
+    """Native frame receiver registered with the transport: forward to the channel, if it
+    still exists (the transport holds only a weak reference to it).
+    Runs on: the asyncio loop thread."""
+    ch = ref()
+    if ch is not None:
+        ch._on_frame(frame)
 
 
 def _close_callback(ref) -> None:

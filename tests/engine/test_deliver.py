@@ -83,8 +83,10 @@ def test_inline_when_idle_and_in_order():
             seen.append((payload, None if task is None else task.get_name()))
 
         async with Pair(h) as p:
-            for i in range(5):
+            for i in range(5):  # one at a time: a message and a notification travel on
+                # different endpoints, so their relative order is that of arrival
                 await p.a.send(b"m%d" % i)
+                await until(lambda n=2 * i + 1: len(seen) == n, "message delivery")
                 await p.notify(b"n%d" % i)
                 await until(lambda n=2 * (i + 1): len(seen) == n, "delivery")
         assert [x for x, _ in seen] == [b"%s%d" % (k, i) for i in range(5) for k in (b"m", b"n")]
@@ -109,8 +111,12 @@ def test_later_messages_wait_behind_an_awaiting_handler():
         async with Pair(h) as p:
             await p.a.send(b"m0")
             await until(lambda: ("start", b"m0") in log, "m0 handled")
+            # each queued before the next goes: a message and a notification travel on
+            # different endpoints, so their relative order is that of arrival
             await p.a.send(b"m1")
+            await until(lambda: p.b._inbox.qsize() == 1, "m1 queued behind m0")
             await p.notify(b"n2")
+            await until(lambda: p.b._inbox.qsize() == 2, "n2 queued behind m1")
             await p.a.send(b"m3")
             await until(lambda: p.b._inbox.qsize() == 3, "three queued behind m0")
             assert log == [("start", b"m0")]

@@ -59,3 +59,25 @@ def test_completion_queue(node):
         assert r["closed"] == "ValueError" and r["poller_after_close"] is False, out
     # the first spin flush started the poller thread; close() joined it
     assert out["spin"]["poller"] is True and out["event"]["poller"] is False, out
+
+
+def test_channel_native_frames(node):
+    out = node.channel_frames()
+    assert out["native"], out  # the hello exchange gave each end the other's frame token
+    assert out["big_to_server"] and out["big_to_client"] and out["order"], out
+    assert out["limit"] == "ProtocolError", out
+    # orderly close over native frames; nothing of the connection stays registered/posted
+    assert out["saw_close"] and out["tokens_left"] == [] and out["rx_left"] == [False, False]
+    assert out["close_s"] < 2.5 and out["readers"] == ["PeerClosed", "PeerClosed"], out
+    assert out["ucxx_drained"] == 3, out  # UCXX's queue for the endpoint emptied at close
+
+
+def test_channel_flood_drops_the_connection(node):
+    out = node.channel_flood(16)
+    assert "flooded" in out["why"] and out["recv"] == "PeerClosed", out
+    assert out["queued"] == 0, out
+
+
+def test_channel_oversize_before_trust_drops_the_connection(node):
+    out = node.channel_oversize()
+    assert "size limit" in out["why"] and out["queued"] == 0, out
