@@ -80,9 +80,10 @@ class KVManager:
     """Transfer manager of one rank. See module docstring for threading and reliability."""
 
     #: Test-only: ``test_hook(point, room)`` is called at named points of the protocol
-    #: ("room_failed", "pending_retired", "abort_received", "decode_attached", "before_write",
-    #: "before_layer_write", "closing" with room -1) so that a test can force an interleaving deterministically (block there while
-    #: another thread acts, or freeze the process). None in production.
+    #: ("room_failed", "pending_retired", "abort_received", "decode_attached",
+    #: "before_write", "before_layer_write", "closing" with room -1) so that a test can force
+    #: an interleaving deterministically (block there while another thread acts, or freeze
+    #: the process). None in production.
     #: Runs on: the manager's loop thread.
     test_hook: Optional[Callable[[str, int], None]] = None
 
@@ -318,6 +319,12 @@ class KVManager:
         self._thread.submit(self.close()).result(timeout)
         self._thread.stop(timeout)
         self._thread = None
+
+    def loop_cpu_seconds(self) -> float:
+        """CPU time the background loop's thread has used so far (callable from any thread);
+        0.0 unless :meth:`start_background` started it (``LoopThread.cpu_seconds``)."""
+        lt = self._thread
+        return 0.0 if lt is None else lt.cpu_seconds()
 
     # ------------------------------------------------------------------ loop helpers
     def in_loop(self) -> bool:

@@ -290,8 +290,7 @@ class PDWorker:
         """Cores the manager's loop thread (``loop``) and this whole process (``process``)
         used over the next ``window_s`` (this thread sleeps through the window): ~0 while
         idle, since the loop sleeps in epoll between events (bench/results/quiet-cpu.md)."""
-        lt = self.mgr._thread
-        clock = lt.cpu_seconds if lt is not None else (lambda: 0.0)
+        clock = self.mgr.loop_cpu_seconds
         c0, p0, w0 = clock(), time.process_time(), time.monotonic()
         time.sleep(window_s)
         c1, p1, w1 = clock(), time.process_time(), time.monotonic()
