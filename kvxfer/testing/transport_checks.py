@@ -39,6 +39,9 @@ class TransportNode:
     def channel_rtt(self, n: int) -> dict:
         return self.loop.run_until_complete(_TransportChecks.channel_rtt(n))
 
+    def accept_while_spinning(self, n: int, hammer: bool = False) -> dict:
+        return self.loop.run_until_complete(_TransportChecks.accept_while_spinning(n, hammer))
+
     def close(self) -> None:
         self.loop.close()
 
@@ -334,6 +337,78 @@ class _TransportChecks:
         await asyncio.gather(client.close(1.0), server.close(1.0))
         await t.close()
         return out
+
+    @staticmethod
+    async def accept_while_spinning(n: int, hammer: bool = False):
+        """``n`` connections accepted while the transport's poller spins: held by
+        ``spin_hold`` (as during a CUDA flush that has not completed), or, ``hammer``, by
+        real PUT + spin-flush rounds back to back on a connected pair. Returns the seconds
+        each connect + accept + first frame took, and the poller state. The listener's
+        connection callback must never run on a thread of ours: UCXX then waits (3 x 3 s)
+        for its progress thread to create the endpoint, which needs the worker lock the
+        calling thread holds."""
+        import time
+
+        import numpy as np
+
+        t, c0, s0, rma = await _TransportChecks._pair("none")
+        accepted: asyncio.Queue = asyncio.Queue()
+        t._listener.close()  # the pair's listener: replaced by one feeding the queue
+
+        async def on_accept(ch):
+            await accepted.put(ch)
+
+        _, port = await t.listen("127.0.0.1", 0, on_accept)
+        src = np.arange(1 << 16, dtype=np.uint8)
+        dst = np.zeros(1 << 16, dtype=np.uint8)
+        rs, rd = t.register(src.ctypes.data, src.nbytes), t.register(dst.ctypes.data, dst.nbytes)
+        rma.add_remote_regions([rd.addr], [rd.length], [rd.packed_key()])
+        one = lambda v: np.array([v], dtype=np.uint64)  # noqa: E731
+        stop = asyncio.Event()
+        rounds = [0]
+
+        async def flushes():
+            while not stop.is_set():
+                rma.put(one(src.ctypes.data), one(rd.addr), one(src.nbytes), one(rs.handle), one(0))
+                await rma.flush(5.0, True)
+                rounds[0] += 1
+
+        pump = asyncio.ensure_future(flushes()) if hammer else None
+        if not hammer:
+            t._cq.spin_hold(True)
+        took, errors = [], []
+        try:
+            for _ in range(n):
+                t0 = time.monotonic()
+                try:
+                    client = await t.connect("127.0.0.1", port, 12.0)
+                    await client.send(b"x", 5.0)
+                    server = await asyncio.wait_for(accepted.get(), 12.0)
+                    assert await server.recv(5.0) == b"x"
+                except Exception as exc:  # reported, not raised: the caller asserts
+                    errors.append(f"{type(exc).__name__}: {exc}")
+                    break
+                took.append(time.monotonic() - t0)
+                await asyncio.gather(client.close(2.0), server.close(2.0))
+            spinning = t._cq.spinning
+        finally:
+            if pump is not None:
+                stop.set()
+                await asyncio.wait_for(pump, 10.0)
+            else:
+                t._cq.spin_hold(False)
+        exact = bytes(dst) == bytes(src) if hammer else True
+        await rma.close(1.0)
+        await asyncio.gather(c0.close(1.0), s0.close(1.0))
+        rs.release(), rd.release()
+        await t.close()
+        return {
+            "took": took,
+            "errors": errors,
+            "spinning": spinning,
+            "flush_rounds": rounds[0],
+            "exact": exact,
+        }
 
     @staticmethod
     async def completion_queue():

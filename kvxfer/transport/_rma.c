@@ -14,11 +14,11 @@
  *                             while posting
  *   CompletionQueue           ep/worker flush whose completion (token, status, time) is queued
  *                             and signalled on an eventfd that asyncio watches (loop.add_reader).
- *                             Callbacks run on whatever thread progresses the worker (UCXX's
- *                             progress thread or the poller below); they never touch Python.
- *   poller                    a flush started with spin=True is progressed by a native thread
- *                             of the queue that calls ucp_worker_progress while (and only
- *                             while) such flushes are in flight, then sleeps on a condition
+ *                             Callbacks run on UCXX's progress thread, the only thread
+ *                             that progresses the worker; they never touch Python.
+ *   poller                    while a flush started with spin=True is in flight, a native
+ *                             thread of the queue wakes UCXX's progress thread every
+ *                             signal_us (ucp_worker_signal), then sleeps on a condition
  *                             variable. UCXX's progress thread sleeps on the worker's event fd
  *                             with a 1 ms epoll timeout, and cuda_ipc completions (CUDA events)
  *                             never signal that fd: without the poller every CUDA flush
@@ -33,12 +33,16 @@
  *   - A CompletionQueue's shared core lives until the Python object is gone AND every flush
  *     it started has called back (reference count), so a callback arriving after close()
  *     or after a Python-side timeout is harmless.
+ *   - No thread of ours calls ucp_worker_progress. Whatever progresses the worker runs
+ *     UCXX's listener callback, whose ucp_ep_create is handed to UCXX's progress thread and
+ *     waited for (3 x 3 s); that thread needs the worker lock the progressing thread holds,
+ *     so every accept stalled until UCXX gave up. Our threads signal the worker instead.
  *   - The poller thread is joined by close() (GIL released) before the eventfd closes, so it
- *     never progresses a worker after the queue was closed; the owner closes the queue
+ *     never signals a worker after the queue was closed; the owner closes the queue
  *     before UCXX tears its worker down. A spinning poller backs off to 10 us sleeps after
- *     2 ms in which ucp_worker_progress found nothing to do, and to 200 us sleeps after
- *     100 ms (a stuck flush costs little CPU; the Python side times it out). Any progress
- *     resets the clock, so a steady stream of completions is never slowed.
+ *     2 ms in which nothing completed, and to 200 us sleeps after 100 ms (a stuck flush
+ *     costs little CPU; the Python side times it out). Any completion resets the clock,
+ *     so a steady stream of completions is never slowed.
  *   - put_batch either rejects the whole batch before posting anything (bad bounds) or
  *     raises UcxError(status, message, posted) after `posted` ops went out.
  */
@@ -47,11 +51,13 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/prctl.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -372,9 +378,12 @@ typedef struct {
     int refs;     /* Python object + in-flight requests */
     cq_item_t *items;
     size_t n, cap;
-    /* poller: progresses `worker` while spinning > 0 (spin flushes in flight) */
+    /* poller: wakes UCXX's progress thread on `worker` while spinning > 0 (spin flushes in
+     * flight), every signal_ns; `pushes` counts queued items (its backoff clock) */
     ucp_worker_h worker;
     long spinning;
+    long signal_ns;
+    unsigned long pushes;
     int stop, thread_live;
     pthread_t thread;
     pthread_cond_t cv;
@@ -426,6 +435,7 @@ static void cq_push_data_locked(cq_core_t *c, uint64_t token, int status, void *
             c->cap   = cap;
         }
     }
+    __atomic_fetch_add(&c->pushes, 1, __ATOMIC_RELAXED);
     if (c->n < c->cap) {
         c->items[c->n].token  = token;
         c->items[c->n].status = status;
@@ -484,38 +494,63 @@ static void cq_callback(void *request, ucs_status_t status, void *user)
     ucp_request_free(request);
 }
 
-/* The poller: progress the worker while spin flushes are in flight, else sleep. */
+/* The poller: while spin flushes are in flight, wake UCXX's progress thread every
+ * signal_ns (ucp_worker_signal: it then progresses the worker, which polls the CUDA events
+ * that cuda_ipc completions never signal); else sleep. It never progresses the worker
+ * itself: whatever progresses it runs UCXX's listener callback, whose endpoint creation
+ * waits for UCXX's progress thread, which needs the worker lock the caller holds (a 3 x 3 s
+ * stall of every accept). */
 static void *cq_poller_main(void *arg)
 {
     cq_core_t *c = (cq_core_t *)arg;
+    (void)prctl(PR_SET_TIMERSLACK, 1000UL); /* short sleeps stay short (ns) */
     pthread_mutex_lock(&c->mu);
     for (;;) {
         ucp_worker_h w;
         double t0;
+        unsigned long seen;
         while (!c->stop && c->spinning <= 0)
             pthread_cond_wait(&c->cv, &c->mu);
         if (c->stop)
             break;
-        w = c->worker;
+        w    = c->worker;
+        seen = c->pushes;
         pthread_mutex_unlock(&c->mu);
-        t0 = mono_now(); /* last time progress did something */
+        t0 = mono_now(); /* last time something completed */
         while (__atomic_load_n(&c->spinning, __ATOMIC_ACQUIRE) > 0 &&
                !__atomic_load_n(&c->stop, __ATOMIC_ACQUIRE)) {
+            unsigned long now_seen = __atomic_load_n(&c->pushes, __ATOMIC_RELAXED);
             double idle;
-            if (ucp_worker_progress(w) != 0) {
-                t0 = mono_now();
-                continue;
+            struct timespec ts = {0, 0};
+            (void)ucp_worker_signal(w); /* no wake-up feature (polling mode): it spins anyway */
+            if (now_seen != seen) {
+                seen = now_seen;
+                t0   = mono_now();
             }
-            idle = mono_now() - t0;
-            if (idle > 2e-3) {
-                struct timespec ts = {0, idle > 0.1 ? 200000 : 10000};
-                nanosleep(&ts, NULL);
-            }
+            idle       = mono_now() - t0;
+            ts.tv_nsec = idle > 0.1 ? 200000 : idle > 2e-3 ? 10000 : c->signal_ns;
+            nanosleep(&ts, NULL);
         }
         pthread_mutex_lock(&c->mu);
     }
     pthread_mutex_unlock(&c->mu);
     return NULL;
+}
+
+/* Count one more spinner, starting the poller thread on first use; caller holds c->mu.
+ * Returns 0, or an errno (nothing counted) when the thread cannot start. */
+static int cq_spin_begin_locked(cq_core_t *c)
+{
+    if (!c->thread_live) {
+        int err = pthread_create(&c->thread, NULL, cq_poller_main, c);
+        if (err != 0)
+            return err;
+        c->thread_live = 1;
+    }
+    /* before posting: the callback may run at once on another thread */
+    __atomic_fetch_add(&c->spinning, 1, __ATOMIC_RELEASE);
+    pthread_cond_signal(&c->cv);
+    return 0;
 }
 
 typedef struct {
@@ -525,11 +560,16 @@ typedef struct {
 
 static int cq_init(CompletionQueue *self, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"worker", NULL};
+    static char *kwlist[] = {"worker", "signal_us", NULL};
     unsigned long long worker = 0;
+    double signal_us          = 5.0;
     cq_core_t *c;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|K", kwlist, &worker))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|Kd", kwlist, &worker, &signal_us))
         return -1;
+    if (!(signal_us >= 0.0 && signal_us <= 1000.0)) {
+        PyErr_SetString(PyExc_ValueError, "signal_us must be within [0, 1000]");
+        return -1;
+    }
     if (self->core != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "CompletionQueue already initialised");
         return -1;
@@ -548,7 +588,8 @@ static int cq_init(CompletionQueue *self, PyObject *args, PyObject *kw)
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->cv, NULL);
     c->refs    = 1;
-    c->worker  = (ucp_worker_h)(uintptr_t)worker;
+    c->worker    = (ucp_worker_h)(uintptr_t)worker;
+    c->signal_ns = (long)(signal_us * 1000.0);
     self->core = c;
     return 0;
 }
@@ -634,20 +675,14 @@ static PyObject *cq_flush(CompletionQueue *self, PyObject *args, int worker)
     pthread_mutex_lock(&c->mu);
     c->refs++; /* held by the request until its callback */
     if (spin) {
-        if (!c->thread_live) {
-            int err = pthread_create(&c->thread, NULL, cq_poller_main, c);
-            if (err != 0) {
-                c->refs--;
-                pthread_mutex_unlock(&c->mu);
-                free(r);
-                errno = err;
-                return PyErr_SetFromErrno(PyExc_OSError);
-            }
-            c->thread_live = 1;
+        int err = cq_spin_begin_locked(c);
+        if (err != 0) {
+            c->refs--;
+            pthread_mutex_unlock(&c->mu);
+            free(r);
+            errno = err;
+            return PyErr_SetFromErrno(PyExc_OSError);
         }
-        /* before posting: the callback may run at once on another thread */
-        __atomic_fetch_add(&c->spinning, 1, __ATOMIC_RELEASE);
-        pthread_cond_signal(&c->cv);
     }
     pthread_mutex_unlock(&c->mu);
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -1047,8 +1082,8 @@ typedef struct {
     char data[];
 } chain_t;
 
-/* A chain's starter may progress the worker itself for a bounded time (inline_us): while
- * it does (CH_STARTER), a completing callback leaves the result to it (CH_DONE) instead of
+/* A chain's starter may wait for it for a bounded time (inline_us): while it does
+ * (CH_STARTER), a completing callback leaves the result to it (CH_DONE) instead of
  * queueing it, so a chain that completes meanwhile returns to Python in the same call. */
 enum { CH_STARTER = 0, CH_QUEUE = 1, CH_DONE = 2 };
 
@@ -1135,11 +1170,12 @@ static void chain_flush_cb(void *request, ucs_status_t st, void *user)
 /*
  * flush_notify(ep, token, spin, ctx, note_token, payload, inline_us=0, noflush=0) -> None if pending
  * (token appears in drain() once the notification completed locally or the chain failed),
- * else the final ucs status (the chain ended within the call). inline_us: progress the
- * worker on the calling thread (GIL released) for up to that long first; a flush whose
- * completion signals nothing (shared memory) then ends in microseconds instead of at the
- * progress thread's next wake-up, and the loop sees no completion event at all.
- * note_token 0: a plain flush (nothing is sent), with the same inline progress.
+ * else the final ucs status (the chain ended within the call). inline_us: wait on the
+ * calling thread (GIL released) for up to that long first, signalling the worker every
+ * signal_ns so that UCXX's progress thread progresses it; a flush whose completion signals
+ * nothing (shared memory, CUDA events) then ends in microseconds instead of at the progress
+ * thread's next wake-up, and the loop sees no completion event at all.
+ * note_token 0: a plain flush (nothing is sent), with the same inline wait.
  * noflush: send the notification now, without flushing first (a channel frame: UcxChannel;
  * the AM is still ordered after earlier AMs on the endpoint).
  */
@@ -1196,23 +1232,18 @@ static PyObject *cq_flush_notify(CompletionQueue *self, PyObject *args)
     if (ch->x != NULL)
         ch->x->refs++;
     if (spin) {
-        if (!c->thread_live) {
-            int err = pthread_create(&c->thread, NULL, cq_poller_main, c);
-            if (err != 0) {
-                int f = 0;
-                c->refs--;
-                if (ch->x != NULL)
-                    f = ep_ctx_unref_locked(ch->x);
-                pthread_mutex_unlock(&c->mu);
-                (void)f; /* the Python object holds a core reference */
-                free(ch);
-                errno = err;
-                return PyErr_SetFromErrno(PyExc_OSError);
-            }
-            c->thread_live = 1;
+        int err = cq_spin_begin_locked(c);
+        if (err != 0) {
+            int f = 0;
+            c->refs--;
+            if (ch->x != NULL)
+                f = ep_ctx_unref_locked(ch->x);
+            pthread_mutex_unlock(&c->mu);
+            (void)f; /* the Python object holds a core reference */
+            free(ch);
+            errno = err;
+            return PyErr_SetFromErrno(PyExc_OSError);
         }
-        __atomic_fetch_add(&c->spinning, 1, __ATOMIC_RELEASE);
-        pthread_cond_signal(&c->cv);
     }
     pthread_mutex_unlock(&c->mu);
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -1227,10 +1258,17 @@ static PyObject *cq_flush_notify(CompletionQueue *self, PyObject *args)
     else
         pending = chain_post_am(ch, &st);
     if (pending && inline_us > 0 && c->worker != NULL) {
-        double until = mono_now() + 1e-6 * inline_us;
-        while (__atomic_load_n(&ch->state, __ATOMIC_ACQUIRE) == CH_STARTER &&
-               mono_now() < until)
-            ucp_worker_progress(c->worker);
+        /* wait here (never progress here: see cq_poller_main), waking UCXX's progress
+         * thread every signal_ns meanwhile */
+        double now = mono_now(), until = now + 1e-6 * inline_us, next = now;
+        while (__atomic_load_n(&ch->state, __ATOMIC_ACQUIRE) == CH_STARTER && now < until) {
+            if (now >= next) {
+                (void)ucp_worker_signal(c->worker);
+                next = now + 1e-9 * (double)c->signal_ns;
+            }
+            sched_yield(); /* the progress thread may need this core (small hosts) */
+            now = mono_now();
+        }
     }
     if (pending) {
         int expect = CH_STARTER; /* give the chain to the callbacks, unless one ended it */
@@ -1320,6 +1358,33 @@ static PyObject *cq_spinning(CompletionQueue *self, void *closure)
     return PyLong_FromLong(n);
 }
 
+/* spin_hold(on): a test hook. True counts one spinner with no flush behind it (the poller
+ * runs as during a spin flush that never completes); False takes it back. */
+static PyObject *cq_spin_hold(CompletionQueue *self, PyObject *args)
+{
+    int on;
+    cq_core_t *c = cq_core(self);
+    if (c == NULL || !PyArg_ParseTuple(args, "p", &on))
+        return NULL;
+    if (c->worker == NULL) {
+        PyErr_SetString(PyExc_ValueError, "spin_hold on a CompletionQueue made without a worker");
+        return NULL;
+    }
+    pthread_mutex_lock(&c->mu);
+    if (on) {
+        int err = cq_spin_begin_locked(c);
+        if (err != 0) {
+            pthread_mutex_unlock(&c->mu);
+            errno = err;
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+    } else if (c->spinning > 0) {
+        __atomic_fetch_sub(&c->spinning, 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&c->mu);
+    Py_RETURN_NONE;
+}
+
 static PyObject *cq_poller_live(CompletionQueue *self, void *closure)
 {
     return PyBool_FromLong(self->core != NULL && self->core->thread_live);
@@ -1341,7 +1406,7 @@ static PyMethodDef cq_methods[] = {
      "flush_notify(ep, token, spin, ctx, note_token, payload, inline_us=0, noflush=0) -> None if "
      "pending, else ucs status: flush ep, then (from the flush's completion callback, no "
      "Python) send payload as an active message to the receiver's note_token; ctx: "
-     "ep_create's context or 0; inline_us: progress the worker here that long first; "
+     "ep_create's context or 0; inline_us: wait here that long first (signalling the worker); "
      "noflush: send without the flush"},
     {"note_listen", (PyCFunction)cq_note_listen, METH_VARARGS,
      "note_listen(token, max_len=0): queue notifications carrying token as (token, NOTE, t, "
@@ -1355,6 +1420,8 @@ static PyMethodDef cq_methods[] = {
      "drain() -> [(token, status, t, payload)] completed since the last drain (t: "
      "time.monotonic() when UCX reported it; payload: bytes of a received notification "
      "(status NOTE), else None); clears the eventfd"},
+    {"spin_hold", (PyCFunction)cq_spin_hold, METH_VARARGS,
+     "spin_hold(on): test hook; count (True) or uncount (False) a spinner with no flush"},
     {"fileno", (PyCFunction)cq_fileno, METH_NOARGS, "the eventfd to watch for readability"},
     {"close", (PyCFunction)cq_close, METH_NOARGS,
      "close the eventfd; late callbacks are dropped safely"},

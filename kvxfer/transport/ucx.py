@@ -8,12 +8,15 @@ Facts this module relies on (where each callback runs: the threads table in docs
 - UCXX runs one UCP context/worker per process in ``UCS_THREAD_MODE_MULTI`` with a progress
   *thread* by default; that thread also progresses the target side of RMA (needed over
   tcp). It sleeps on the worker's event fd between wake-ups (with a timeout).
-- Flush and close completions arrive on whichever thread progresses the worker;
+- Only UCXX's progress thread progresses the worker (UCXX's listener callback hands endpoint
+  creation to that thread and waits for it: run on any other progressing thread, it stalls
+  3 x 3 s on the worker lock that thread holds). Flush and close completions arrive there;
   ``_rma.CompletionQueue`` queues them and signals an eventfd that the event loop watches
-  (``loop.add_reader``): every completion is handled on the loop thread. A ``spin`` flush
-  is progressed by the queue's native poller thread until it completes: cuda_ipc
-  completions never signal the worker fd, so they would otherwise wait for UCXX's next
-  timeout tick (event vs spin: bench/results/transfer-h200-flush.md).
+  (``loop.add_reader``): every completion is handled on the loop thread. While a ``spin``
+  flush is in flight the queue's native poller thread wakes UCXX's progress thread every
+  :data:`POLL_SIGNAL_US` (``ucp_worker_signal``): cuda_ipc completions never signal the
+  worker fd, so they would otherwise wait for UCXX's next timeout tick (event vs spin:
+  bench/results/transfer-h200-flush.md).
 - Endpoints with peer error handling lose shared-memory lanes for host memory; a second
   endpoint built from the peer's worker address with error mode NONE keeps them
   (``error_mode="none"``, see :meth:`UcxTransport.rma_endpoint`). UCXX builds such endpoints
@@ -49,6 +52,9 @@ log = logging.getLogger(__name__)
 #: for UCXX's progress thread's next wake-up (up to its 1 ms epoll timeout); figures in
 #: bench/results/latency-cpu.md
 CHAIN_INLINE_US = 50.0
+#: how often the native poller (and a chain's inline wait) wakes UCXX's progress thread while
+#: a spin flush is in flight (KVXFER_POLL_SIGNAL_US)
+POLL_SIGNAL_US = 5.0
 
 
 class UcxTransport(Transport):
@@ -74,8 +80,8 @@ class UcxTransport(Transport):
         self._flushes: Dict[int, asyncio.Future] = {}  # token -> t future (flush_future)
         self._watch: Dict[int, Callable[[int], None]] = {}  # endpoint error tokens
         self._notes: Dict[int, Callable[[Optional[bytes]], None]] = {}  # token -> receiver
-        #: how long a chain's starter progresses the worker itself before it leaves the
-        #: chain to the progress thread / poller (KVXFER_CHAIN_INLINE_US; 0: never)
+        #: how long a chain's starter waits for the chain (signalling UCXX's progress thread)
+        #: before it leaves it to the completion queue (KVXFER_CHAIN_INLINE_US; 0: never)
         self.chain_inline_us = float(os.environ.get("KVXFER_CHAIN_INLINE_US", CHAIN_INLINE_US))
         self._listener: Any = None  # ucxx.Listener
         self._closed = False
@@ -87,7 +93,10 @@ class UcxTransport(Transport):
         loop = asyncio.get_running_loop()
         if self._loop is None:
             self._loop = loop
-            self._cq = self.rma.CompletionQueue(worker=self.worker_handle)
+            self._cq = self.rma.CompletionQueue(
+                worker=self.worker_handle,
+                signal_us=float(os.environ.get("KVXFER_POLL_SIGNAL_US", POLL_SIGNAL_US)),
+            )
             loop.add_reader(self._cq.fileno(), self._on_completions)
         elif self._loop is not loop:
             raise TransportError("a transport is bound to the event loop that started it")
@@ -96,8 +105,7 @@ class UcxTransport(Transport):
     def _on_completions(self) -> None:
         """Resolve the futures of completed native requests and report endpoint errors.
         Runs on: the asyncio loop thread (``add_reader`` on the completion queue's eventfd,
-        which the native callbacks signal from UCXX's progress thread or the native poller
-        thread)."""
+        which the native callbacks signal from UCXX's progress thread)."""
         note, oversize = self.rma.NOTE, self.rma.NOTE_OVERSIZE
         for token, status, t, payload in self._cq.drain():
             if status == note or status == oversize:  # oversize: payload None
@@ -162,9 +170,9 @@ class UcxTransport(Transport):
         self, ep_handle: int, spin: bool, ctx: int, note_token: int, payload: bytes
     ) -> asyncio.Future:
         """Start a native chain (``_rma`` ``flush_notify``): flush ``ep_handle``; its
-        completion callback, on whichever thread progresses the worker, sends ``payload``
-        as an active message to the peer's ``note_token``. The call itself progresses the
-        worker for up to :attr:`chain_inline_us` first: a chain that ends meanwhile
+        completion callback, on UCXX's progress thread, sends ``payload``
+        as an active message to the peer's ``note_token``. The call itself
+        waits for up to :attr:`chain_inline_us` first: a chain that ends meanwhile
         returns a resolved future (no completion event, no wake-up of the loop). The future resolves to the
         monotonic time the chain ended (or fails: the flush failed and nothing was sent,
         PeerClosed / TransportError; or the endpoint was closing, PeerClosed). Like
@@ -231,8 +239,8 @@ class UcxTransport(Transport):
             self._cq.note_unlisten(token)
 
     async def flush_ep(self, ep_handle: int, timeout: float, spin: bool = False) -> float:
-        """Flush one endpoint; ``spin``: the queue's native poller progresses the worker
-        until it completes. Returns the monotonic time UCX reported completion."""
+        """Flush one endpoint; ``spin``: the queue's native poller keeps UCXX's progress
+        thread progressing the worker until it completes. Returns the monotonic time UCX reported completion."""
         try:
             return await asyncio.wait_for(self.flush_future(ep_handle, spin), timeout)
         except asyncio.TimeoutError:

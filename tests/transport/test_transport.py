@@ -61,6 +61,27 @@ def test_completion_queue(node):
     assert out["spin"]["poller"] is True and out["event"]["poller"] is False, out
 
 
+@pytest.mark.timeout(120)
+def test_accept_while_the_poller_spins(node):
+    # the poller used to progress UCXX's worker itself; a connection request it picked up
+    # ran UCXX's listener callback on the poller thread, whose endpoint creation then
+    # waited 3 x 3 s for UCXX's progress thread, blocked on the worker lock the poller held
+    # ("Bootstrapping for more than 10s" in CI). Now only UCXX's thread progresses it.
+    out = node.accept_while_spinning(8)
+    assert not out["errors"] and len(out["took"]) == 8, out
+    assert max(out["took"]) < 2.5, out
+    assert out["spinning"] == 1, out
+
+
+@pytest.mark.timeout(120)
+def test_accept_during_spin_flushes(node):
+    # the same with real PUT + spin-flush rounds back to back on a connected pair
+    out = node.accept_while_spinning(8, hammer=True)
+    assert not out["errors"] and len(out["took"]) == 8, out
+    assert max(out["took"]) < 2.5, out
+    assert out["flush_rounds"] > 8 and out["exact"], out
+
+
 def test_channel_native_frames(node):
     out = node.channel_frames()
     assert out["native"], out  # the hello exchange gave each end the other's frame token
