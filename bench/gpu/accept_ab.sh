@@ -8,7 +8,8 @@
 #   git show 0ea55f1:kvxfer/transport/_rma.c > .ab/_rma_before.c   # here, .ab/ git-ignored
 #   carry [".whl", ".ab"];  bash bench/gpu/run_all.sh accept_ab
 # Env AB_ROUNDS (default 1: before after; 2: before after after before), AB_SIGNAL_US (values
-# of KVXFER_POLL_SIGNAL_US tried in "after" runs, default "5").
+# of KVXFER_POLL_SIGNAL_US tried in "after" runs, default "5"), AB_TESTS (test files run on
+# CUDA at the end).
 set -o pipefail
 export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 NEW_PP=${PYTHONPATH:-$PWD}
@@ -40,7 +41,11 @@ for v in $order; do
             --json-out "$OUT/ab-$i-$v-$sig.json" 2>&1 | grep -v "UCX  WARN" | tail -30 || rc=1
     done
 done
-echo; echo "## accept while the poller spins, transport tests on CUDA (after)"
+echo; echo "## accept while the poller spins, transport tests on CUDA (after); then \$AB_TESTS"
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/transport 2>&1 | tail -4 || rc=1
+for f in ${AB_TESTS:-}; do
+    echo; echo "## $f on CUDA (after)"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider "$f" 2>&1 | grep -v "UCX  WARN" | tail -6 || rc=1
+done
 exit $rc
 } 2>&1 | tee "$OUT/accept_ab.md"
