@@ -18,7 +18,7 @@ rc=0
 echo "# poller: progress (before) vs signal (after) ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F))"
 if [ -f .ab/_rma_before.c ]; then
     rm -rf /tmp/before && mkdir -p /tmp/before && cp -r kvxfer pools kernels setup.py pyproject.toml /tmp/before/
-    cp .ab/_rma_before.c /tmp/before/kvxfer/transport/_rma.c
+    cp .ab/_rma_before.c /tmp/before/kvxfer/transport/_rma.c; rm -f /tmp/before/kvxfer/transport/_rma*.so
     (cd /tmp/before && python3 setup.py build_ext --inplace -q 2>&1 | grep -i " error" ; true)
     OLD_PP=${NEW_PP/$PWD//tmp/before}
 else
