@@ -5,7 +5,8 @@
 # they only wake UCXX's progress thread (ucp_worker_signal every KVXFER_POLL_SIGNAL_US).
 # Alternating in the same call: the 1-page PD stage breakdown (p50, raw write, requests/s,
 # 32 MiB), then the transport tests on CUDA (the accept-while-spinning check among them). Writes $OUT/accept_ab.md.
-#   git show 0ea55f1:kvxfer/transport/_rma.c > .ab/_rma_before.c   # here, .ab/ git-ignored
+#   here (.ab/ git-ignored): for f in kvxfer/transport/_rma.c kvxfer/transport/ucx.py; do
+#     mkdir -p .ab/before/$(dirname $f); git show 0ea55f1:$f > .ab/before/$f; done
 #   carry [".whl", ".ab"];  bash bench/gpu/run_all.sh accept_ab
 # Env AB_ROUNDS (default 1: before after; 2: before after after before), AB_SIGNAL_US (values
 # of KVXFER_POLL_SIGNAL_US tried in "after" runs, default "5"), AB_TESTS (test files run on
@@ -16,13 +17,13 @@ NEW_PP=${PYTHONPATH:-$PWD}
 rc=0
 {
 echo "# poller: progress (before) vs signal (after) ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F))"
-if [ -f .ab/_rma_before.c ]; then
+if [ -d .ab/before ]; then
     rm -rf /tmp/before && mkdir -p /tmp/before && cp -r kvxfer pools kernels setup.py pyproject.toml /tmp/before/
-    cp .ab/_rma_before.c /tmp/before/kvxfer/transport/_rma.c; rm -f /tmp/before/kvxfer/transport/_rma*.so
+    cp -r .ab/before/. /tmp/before/; rm -f /tmp/before/kvxfer/transport/_rma*.so
     (cd /tmp/before && python3 setup.py build_ext --inplace -q 2>&1 | grep -i " error" ; true)
     OLD_PP=${NEW_PP/$PWD//tmp/before}
 else
-    echo "!! no .ab/_rma_before.c: after only"; OLD_PP=""
+    echo "!! no .ab/before/: after only"; OLD_PP=""
 fi
 order=""
 for r in $(seq 1 "${AB_ROUNDS:-1}"); do
