@@ -35,11 +35,14 @@ for v in $order; do
     for sig in $([ "$v" = after ] && echo "${AB_SIGNAL_US:-5}" || echo "-"); do
         i=$((i + 1))
         pp=$([ "$v" = before ] && echo "$OLD_PP" || echo "$NEW_PP")
+        dir=$([ "$v" = before ] && echo /tmp/before || echo "$PWD")  # python -m: the cwd first
+        cd "$dir"
         PYTHONPATH=$pp python3 -c 'import kvxfer.transport.ucx_lib as u; print("rma:", u.load_ucx()[1].__file__)' 2>&1 | tail -1
         echo; echo "## run $i: $v (KVXFER_POLL_SIGNAL_US=$sig) kvxfer bench pd --device cuda --stages --modes none --latency-requests 200 --throughput-requests 600 --large-pages 256 --iters 2"
         PYTHONPATH=$pp KVXFER_POLL_SIGNAL_US=${sig/-/5} timeout 120 python3 -m kvxfer bench pd --device cuda --stages --modes none \
             --latency-requests 200 --throughput-requests 600 --large-pages 256 --iters 2 \
             --json-out "$OUT/ab-$i-$v-$sig.json" 2>&1 | grep -v "UCX  WARN" | tail -30 || rc=1
+        cd - > /dev/null
     done
 done
 echo; echo "## accept while the poller spins, transport tests on CUDA (after); then \$AB_TESTS"
