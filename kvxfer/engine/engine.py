@@ -141,7 +141,9 @@ class TransferEngine:
             from kvxfer.transport.ucx import UcxTransport
 
             self._transport = UcxTransport(
-                cfg.ucx_options, resolved(cfg.progress_mode, "progress_mode")
+                cfg.ucx_options,
+                resolved(cfg.progress_mode, "progress_mode"),
+                own_rma=cfg.error_mode == "none",
             )
         stage = (
             (

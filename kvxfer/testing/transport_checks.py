@@ -39,8 +39,8 @@ class TransportNode:
     def channel_rtt(self, n: int) -> dict:
         return self.loop.run_until_complete(_TransportChecks.channel_rtt(n))
 
-    def accept_while_spinning(self, n: int, hammer: bool = False) -> dict:
-        return self.loop.run_until_complete(_TransportChecks.accept_while_spinning(n, hammer))
+    def accept_while_spinning(self, n: int, hammer: bool = False, mode: str = "peer") -> dict:
+        return self.loop.run_until_complete(_TransportChecks.accept_while_spinning(n, hammer, mode))
 
     def close(self) -> None:
         self.loop.close()
@@ -51,7 +51,7 @@ class _TransportChecks:
     async def _pair(error_mode="peer"):
         from kvxfer.transport.ucx import UcxTransport
 
-        t = UcxTransport()
+        t = UcxTransport(own_rma=error_mode == "none")
         accepted = asyncio.get_running_loop().create_future()
 
         async def on_accept(ch):
@@ -339,19 +339,20 @@ class _TransportChecks:
         return out
 
     @staticmethod
-    async def accept_while_spinning(n: int, hammer: bool = False):
+    async def accept_while_spinning(n: int, hammer: bool = False, mode: str = "peer"):
         """``n`` connections accepted while the transport's poller spins: held by
         ``spin_hold`` (as during a CUDA flush that has not completed), or, ``hammer``, by
         real PUT + spin-flush rounds back to back on a connected pair. Returns the seconds
         each connect + accept + first frame took, and the poller state. The listener's
         connection callback must never run on a thread of ours: UCXX then waits (3 x 3 s)
         for its progress thread to create the endpoint, which needs the worker lock the
-        calling thread holds."""
+        calling thread holds. ``mode``: the pair's error mode ("peer": RMA on the channel's
+        endpoint, UCXX's worker; "none": a bulk endpoint on kvxfer's own worker)."""
         import time
 
         import numpy as np
 
-        t, c0, s0, rma = await _TransportChecks._pair("none")
+        t, c0, s0, rma = await _TransportChecks._pair(mode)
         accepted: asyncio.Queue = asyncio.Queue()
         t._listener.close()  # the pair's listener: replaced by one feeding the queue
 

@@ -57,6 +57,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <poll.h>
 #include <sys/prctl.h>
 #include <time.h>
 #include <unistd.h>
@@ -384,6 +385,11 @@ typedef struct {
     long spinning;
     long signal_ns;
     unsigned long pushes;
+    /* own worker (made when the queue gets a context): bulk endpoints live on it and only
+     * kvxfer's threads progress it (the queue's thread, a chain's starter inline) */
+    ucp_worker_h own;
+    int own_efd;   /* its event fd, -1 without UCP_FEATURE_WAKEUP (then it is polled) */
+    long inflight; /* flushes / chains / closes whose callback has not run (timeout tick) */
     int stop, thread_live;
     pthread_t thread;
     pthread_cond_t cv;
@@ -405,6 +411,22 @@ static double mono_now(void)
 static void cq_core_unref_locked(cq_core_t *c, int *free_it)
 {
     *free_it = (--c->refs == 0);
+}
+
+/* A request (flush, chain, close) starts / ends; caller holds c->mu. The first one in
+ * flight wakes the own worker's thread, which then sleeps with a 1 ms tick (completions
+ * over shared memory and CUDA signal nothing) instead of indefinitely. */
+static void cq_req_begin_locked(cq_core_t *c)
+{
+    c->refs++;
+    if (c->inflight++ == 0 && c->own != NULL)
+        (void)ucp_worker_signal(c->own);
+}
+
+static void cq_req_end_locked(cq_core_t *c, int *free_it)
+{
+    c->inflight--;
+    cq_core_unref_locked(c, free_it);
 }
 
 static void cq_core_free(cq_core_t *c)
@@ -486,7 +508,7 @@ static void cq_callback(void *request, ucs_status_t status, void *user)
     cq_push_locked(c, r->token, status);
     if (r->spin)
         __atomic_fetch_sub(&c->spinning, 1, __ATOMIC_RELEASE);
-    cq_core_unref_locked(c, &free_it);
+    cq_req_end_locked(c, &free_it);
     pthread_mutex_unlock(&c->mu);
     if (free_it)
         cq_core_free(c);
@@ -537,10 +559,67 @@ static void *cq_poller_main(void *arg)
     return NULL;
 }
 
+/* The own worker's thread (queues made with a context): the only thread besides a chain's
+ * starter that progresses the own worker. While spin flushes are in flight it progresses
+ * it back to back (CUDA events signal nothing), backing off like the poller; otherwise it
+ * progresses until idle, arms the worker's event fd and sleeps on it: indefinitely when no
+ * request is in flight (an idle engine costs no CPU), else for at most 1 ms (completions
+ * over shared memory signal nothing either). cq_req_begin_locked and cq_spin_begin_locked
+ * wake it (ucp_worker_signal) when that changes; close() sets stop and wakes it. */
+static void *cq_own_main(void *arg)
+{
+    cq_core_t *c   = (cq_core_t *)arg;
+    ucp_worker_h w = c->own;
+    (void)prctl(PR_SET_TIMERSLACK, 1000UL);
+    while (!__atomic_load_n(&c->stop, __ATOMIC_ACQUIRE)) {
+        if (__atomic_load_n(&c->spinning, __ATOMIC_ACQUIRE) > 0) {
+            double t0 = mono_now(); /* last time progress did something */
+            while (__atomic_load_n(&c->spinning, __ATOMIC_ACQUIRE) > 0 &&
+                   !__atomic_load_n(&c->stop, __ATOMIC_ACQUIRE)) {
+                double idle;
+                if (ucp_worker_progress(w) != 0) {
+                    t0 = mono_now();
+                    continue;
+                }
+                idle = mono_now() - t0;
+                if (idle > 2e-3) {
+                    struct timespec ts = {0, idle > 0.1 ? 200000 : 10000};
+                    nanosleep(&ts, NULL);
+                }
+            }
+            continue;
+        }
+        while (ucp_worker_progress(w) != 0)
+            ;
+        {
+            int busy = __atomic_load_n(&c->inflight, __ATOMIC_ACQUIRE) > 0;
+            if (c->own_efd >= 0) {
+                struct pollfd pfd = {c->own_efd, POLLIN, 0};
+                ucs_status_t st   = ucp_worker_arm(w);
+                if (st == UCS_ERR_BUSY)
+                    continue;
+                if (__atomic_load_n(&c->stop, __ATOMIC_ACQUIRE) ||
+                    __atomic_load_n(&c->spinning, __ATOMIC_ACQUIRE) > 0)
+                    continue;
+                (void)poll(&pfd, 1, busy ? 1 : -1);
+            } else {
+                struct timespec ts = {0, busy ? 20000 : 1000000};
+                nanosleep(&ts, NULL);
+            }
+        }
+    }
+    return NULL;
+}
+
 /* Count one more spinner, starting the poller thread on first use; caller holds c->mu.
  * Returns 0, or an errno (nothing counted) when the thread cannot start. */
 static int cq_spin_begin_locked(cq_core_t *c)
 {
+    if (c->own != NULL) { /* its thread runs from the start */
+        if (__atomic_fetch_add(&c->spinning, 1, __ATOMIC_RELEASE) == 0)
+            (void)ucp_worker_signal(c->own);
+        return 0;
+    }
     if (!c->thread_live) {
         int err = pthread_create(&c->thread, NULL, cq_poller_main, c);
         if (err != 0)
@@ -558,13 +637,69 @@ typedef struct {
     cq_core_t *core;
 } CompletionQueue;
 
+static ucs_status_t own_am_handler(ucp_worker_h w);
+
+/* Make the queue's own worker on `context` (thread mode MULTI: the loop thread posts while
+ * the queue's thread progresses) and start its thread. Returns 0 or -1 (Python error set). */
+static int cq_own_start(cq_core_t *c, ucp_context_h context)
+{
+    ucp_context_attr_t ca;
+    ucp_worker_params_t wp;
+    ucs_status_t st;
+    int err;
+    memset(&ca, 0, sizeof(ca));
+    ca.field_mask = UCP_ATTR_FIELD_THREAD_MODE;
+    Py_BEGIN_ALLOW_THREADS
+    st = ucp_context_query(context, &ca);
+    Py_END_ALLOW_THREADS
+    if (st != UCS_OK) {
+        raise_ucx(st, "ucp_context_query", 0);
+        return -1;
+    }
+    if (ca.thread_mode != UCS_THREAD_MODE_MULTI) { /* workers on several threads need it */
+        PyErr_SetString(PyExc_RuntimeError,
+                        "the UCP context is not thread-shared (mt_workers_shared): no own worker");
+        return -1;
+    }
+    memset(&wp, 0, sizeof(wp));
+    wp.field_mask  = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_MULTI;
+    Py_BEGIN_ALLOW_THREADS
+    st = ucp_worker_create(context, &wp, &c->own);
+    Py_END_ALLOW_THREADS
+    if (st != UCS_OK) {
+        c->own = NULL;
+        raise_ucx(st, "ucp_worker_create", 0);
+        return -1;
+    }
+    if (ucp_worker_get_efd(c->own, &c->own_efd) != UCS_OK)
+        c->own_efd = -1;
+    st = own_am_handler(c->own);
+    if (st == UCS_OK) {
+        err = pthread_create(&c->thread, NULL, cq_own_main, c);
+        if (err == 0) {
+            c->thread_live = 1;
+            return 0;
+        }
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+    } else {
+        raise_ucx(st, "ucp_worker_set_am_recv_handler", 0);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    ucp_worker_destroy(c->own);
+    Py_END_ALLOW_THREADS
+    c->own = NULL;
+    return -1;
+}
+
 static int cq_init(CompletionQueue *self, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"worker", "signal_us", NULL};
-    unsigned long long worker = 0;
+    static char *kwlist[] = {"worker", "signal_us", "context", NULL};
+    unsigned long long worker = 0, context = 0;
     double signal_us          = 5.0;
     cq_core_t *c;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|Kd", kwlist, &worker, &signal_us))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|KdK", kwlist, &worker, &signal_us, &context))
         return -1;
     if (!(signal_us >= 0.0 && signal_us <= 1000.0)) {
         PyErr_SetString(PyExc_ValueError, "signal_us must be within [0, 1000]");
@@ -587,9 +722,17 @@ static int cq_init(CompletionQueue *self, PyObject *args, PyObject *kw)
     }
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->cv, NULL);
-    c->refs    = 1;
+    c->refs      = 1;
     c->worker    = (ucp_worker_h)(uintptr_t)worker;
     c->signal_ns = (long)(signal_us * 1000.0);
+    c->own_efd   = -1;
+    if (context != 0 && cq_own_start(c, (ucp_context_h)(uintptr_t)context) < 0) {
+        close(c->fd);
+        pthread_cond_destroy(&c->cv);
+        pthread_mutex_destroy(&c->mu);
+        free(c);
+        return -1;
+    }
     self->core = c;
     return 0;
 }
@@ -615,11 +758,25 @@ static void cq_release(CompletionQueue *self)
         __atomic_store_n(&c->stop, 1, __ATOMIC_RELEASE);
         c->thread_live = 0;
         pthread_cond_signal(&c->cv);
+        if (c->own != NULL)
+            (void)ucp_worker_signal(c->own);
         pthread_mutex_unlock(&c->mu);
         Py_BEGIN_ALLOW_THREADS
         pthread_join(th, NULL);
         Py_END_ALLOW_THREADS
         pthread_mutex_lock(&c->mu);
+    }
+    if (c->own != NULL) {
+        /* Endpoints still open on it are destroyed with it; callbacks it runs meanwhile
+         * (requests failing) take c->mu and push to the still-open eventfd, and cannot
+         * free the core: this object's reference is dropped only below. */
+        ucp_worker_h own = c->own;
+        pthread_mutex_unlock(&c->mu);
+        Py_BEGIN_ALLOW_THREADS
+        ucp_worker_destroy(own);
+        Py_END_ALLOW_THREADS
+        pthread_mutex_lock(&c->mu);
+        c->own = NULL;
     }
     if (c->fd >= 0) {
         close(c->fd);
@@ -673,11 +830,12 @@ static PyObject *cq_flush(CompletionQueue *self, PyObject *args, int worker)
     r->token = token;
     r->spin  = spin;
     pthread_mutex_lock(&c->mu);
-    c->refs++; /* held by the request until its callback */
+    cq_req_begin_locked(c); /* a core reference held by the request until its callback */
     if (spin) {
         int err = cq_spin_begin_locked(c);
         if (err != 0) {
-            c->refs--;
+            int f = 0;
+            cq_req_end_locked(c, &f);
             pthread_mutex_unlock(&c->mu);
             free(r);
             errno = err;
@@ -698,7 +856,7 @@ static PyObject *cq_flush(CompletionQueue *self, PyObject *args, int worker)
         pthread_mutex_lock(&c->mu);
         if (spin)
             __atomic_fetch_sub(&c->spinning, 1, __ATOMIC_RELEASE);
-        cq_core_unref_locked(c, &free_it);
+        cq_req_end_locked(c, &free_it);
         pthread_mutex_unlock(&c->mu);
         assert(!free_it); /* the Python object still holds a reference */
         free(r);
@@ -745,7 +903,8 @@ static void ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
     pthread_mutex_unlock(&x->core->mu);
 }
 
-/* ep_create(worker, address, err_token) -> (ep, ctx) */
+/* ep_create(worker, address, err_token, peer=False) -> (ep, ctx); worker 0: the queue's own
+ * worker; peer: error mode PEER (else NONE), the handler reports failures either way */
 static PyObject *cq_ep_create(CompletionQueue *self, PyObject *args)
 {
     PyObject *w_o;
@@ -757,9 +916,12 @@ static PyObject *cq_ep_create(CompletionQueue *self, PyObject *args)
     ucs_status_t st;
     ep_ctx_t *x;
     cq_core_t *c = cq_core(self);
-    if (c == NULL || !PyArg_ParseTuple(args, "Oy*K", &w_o, &addr, &token))
+    int peer = 0;
+    if (c == NULL || !PyArg_ParseTuple(args, "Oy*K|p", &w_o, &addr, &token, &peer))
         return NULL;
-    if (get_handle(w_o, &worker, "worker") < 0) {
+    if (PyLong_Check(w_o) && PyLong_AsUnsignedLongLong(w_o) == 0 && c->own != NULL) {
+        worker = c->own;
+    } else if (get_handle(w_o, &worker, "worker") < 0) {
         PyBuffer_Release(&addr);
         return NULL;
     }
@@ -779,7 +941,7 @@ static PyObject *cq_ep_create(CompletionQueue *self, PyObject *args)
     p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
     p.address         = (const ucp_address_t *)addr.buf;
-    p.err_mode        = UCP_ERR_HANDLING_MODE_NONE;
+    p.err_mode        = peer ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
     p.err_handler.cb  = ep_err_cb;
     p.err_handler.arg = x;
     Py_BEGIN_ALLOW_THREADS
@@ -826,7 +988,7 @@ static PyObject *cq_ep_close(CompletionQueue *self, PyObject *args)
     r->token = token;
     r->spin  = 0;
     pthread_mutex_lock(&c->mu);
-    c->refs++;
+    cq_req_begin_locked(c);
     pthread_mutex_unlock(&c->mu);
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                      UCP_OP_ATTR_FIELD_FLAGS;
@@ -841,7 +1003,7 @@ static PyObject *cq_ep_close(CompletionQueue *self, PyObject *args)
     {
         int free_it = 0;
         pthread_mutex_lock(&c->mu);
-        cq_core_unref_locked(c, &free_it);
+        cq_req_end_locked(c, &free_it);
         pthread_mutex_unlock(&c->mu);
         free(r);
     }
@@ -935,6 +1097,23 @@ static ucs_status_t note_am_cb(void *arg, const void *header, size_t header_leng
         }
     pthread_mutex_unlock(&g_note_mu); /* unknown token (a closed peer's late one): dropped */
     return UCS_OK;
+}
+
+/* The notification handler on a queue's own worker (set once, when the worker is made). */
+static ucs_status_t own_am_handler(ucp_worker_h w)
+{
+    ucp_am_handler_param_t hp;
+    ucs_status_t st;
+    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                    UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+    hp.id    = KVX_AM_ID;
+    hp.cb    = note_am_cb;
+    hp.arg   = w;
+    hp.flags = UCP_AM_FLAG_WHOLE_MSG;
+    Py_BEGIN_ALLOW_THREADS
+    st = ucp_worker_set_am_recv_handler(w, &hp);
+    Py_END_ALLOW_THREADS
+    return st;
 }
 
 /* note_listen(token, max_len=0): notifications carrying `token` are queued here */
@@ -1097,7 +1276,7 @@ static void chain_release(chain_t *ch, int push, ucs_status_t st)
         cq_push_locked(c, ch->token, st);
     if (ch->spin)
         __atomic_fetch_sub(&c->spinning, 1, __ATOMIC_RELEASE);
-    cq_core_unref_locked(c, &free_core); /* the chain's own; x (if any) still holds one */
+    cq_req_end_locked(c, &free_core); /* the chain's own; x (if any) still holds one */
     if (ch->x != NULL)
         free2 = ep_ctx_unref_locked(ch->x);
     pthread_mutex_unlock(&c->mu);
@@ -1228,13 +1407,14 @@ static PyObject *cq_flush_notify(CompletionQueue *self, PyObject *args)
         free(ch);
         return PyLong_FromLong(UCS_ERR_CANCELED);
     }
-    c->refs++; /* held by the chain until it is released */
+    cq_req_begin_locked(c); /* a core reference held by the chain until it is released */
     if (ch->x != NULL)
         ch->x->refs++;
     if (spin) {
         int err = cq_spin_begin_locked(c);
         if (err != 0) {
             int f = 0;
+            c->inflight--;
             c->refs--;
             if (ch->x != NULL)
                 f = ep_ctx_unref_locked(ch->x);
@@ -1257,9 +1437,16 @@ static PyObject *cq_flush_notify(CompletionQueue *self, PyObject *args)
         st = UCS_PTR_STATUS(sp);
     else
         pending = chain_post_am(ch, &st);
-    if (pending && inline_us > 0 && c->worker != NULL) {
-        /* wait here (never progress here: see cq_poller_main), waking UCXX's progress
-         * thread every signal_ns meanwhile */
+    if (pending && inline_us > 0 && ch->x != NULL && c->own != NULL) {
+        /* an endpoint of the own worker (ep_create): progress it here (no UCXX callback
+         * can run on it) */
+        double until = mono_now() + 1e-6 * inline_us;
+        while (__atomic_load_n(&ch->state, __ATOMIC_ACQUIRE) == CH_STARTER &&
+               mono_now() < until)
+            ucp_worker_progress(c->own);
+    } else if (pending && inline_us > 0 && c->worker != NULL) {
+        /* UCXX's worker: wait here (never progress it here: see cq_poller_main), waking
+         * UCXX's progress thread every signal_ns meanwhile */
         double now = mono_now(), until = now + 1e-6 * inline_us, next = now;
         while (__atomic_load_n(&ch->state, __ATOMIC_ACQUIRE) == CH_STARTER && now < until) {
             if (now >= next) {
@@ -1385,6 +1572,42 @@ static PyObject *cq_spin_hold(CompletionQueue *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* address() -> bytes: the own worker's address (for the peer's ep_create); ValueError
+ * without an own worker */
+static PyObject *cq_address(CompletionQueue *self, PyObject *noargs)
+{
+    cq_core_t *c = cq_core(self);
+    ucp_address_t *a;
+    size_t len;
+    ucs_status_t st;
+    PyObject *out;
+    if (c == NULL)
+        return NULL;
+    if (c->own == NULL) {
+        PyErr_SetString(PyExc_ValueError, "CompletionQueue made without a context: no own worker");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    st = ucp_worker_get_address(c->own, &a, &len);
+    Py_END_ALLOW_THREADS
+    if (st != UCS_OK)
+        return raise_ucx(st, "ucp_worker_get_address", 0);
+    out = PyBytes_FromStringAndSize((const char *)a, (Py_ssize_t)len);
+    ucp_worker_release_address(c->own, a);
+    return out;
+}
+
+static PyObject *cq_own_worker(CompletionQueue *self, void *closure)
+{
+    return PyLong_FromUnsignedLongLong(
+        (unsigned long long)(uintptr_t)(self->core != NULL ? self->core->own : NULL));
+}
+
+static PyObject *cq_inflight(CompletionQueue *self, void *closure)
+{
+    return PyLong_FromLong(self->core != NULL ? self->core->inflight : 0);
+}
+
 static PyObject *cq_poller_live(CompletionQueue *self, void *closure)
 {
     return PyBool_FromLong(self->core != NULL && self->core->thread_live);
@@ -1397,8 +1620,9 @@ static PyMethodDef cq_methods[] = {
     {"worker_flush", (PyCFunction)cq_worker_flush, METH_VARARGS,
      "worker_flush(worker, token, spin=False) -> None if pending, else ucs status"},
     {"ep_create", (PyCFunction)cq_ep_create, METH_VARARGS,
-     "ep_create(worker, address, err_token) -> (ep, ctx): bulk endpoint, error mode NONE "
-     "with an error handler that queues (err_token, status)"},
+     "ep_create(worker, address, err_token, peer=False) -> (ep, ctx): bulk endpoint (worker "
+     "0: the own worker), error mode NONE (peer: PEER) with an error handler that queues "
+     "(err_token, status)"},
     {"ep_close", (PyCFunction)cq_ep_close, METH_VARARGS,
      "ep_close(ep, token, force, ctx=0) -> None if pending, else ucs status; ctx: the "
      "endpoint's ep_create context (no chain sends a notification on it afterwards)"},
@@ -1420,6 +1644,8 @@ static PyMethodDef cq_methods[] = {
      "drain() -> [(token, status, t, payload)] completed since the last drain (t: "
      "time.monotonic() when UCX reported it; payload: bytes of a received notification "
      "(status NOTE), else None); clears the eventfd"},
+    {"address", (PyCFunction)cq_address, METH_NOARGS,
+     "address() -> bytes: the own worker's address (queues made with context=)"},
     {"spin_hold", (PyCFunction)cq_spin_hold, METH_VARARGS,
      "spin_hold(on): test hook; count (True) or uncount (False) a spinner with no flush"},
     {"fileno", (PyCFunction)cq_fileno, METH_NOARGS, "the eventfd to watch for readability"},
@@ -1433,6 +1659,9 @@ static PyGetSetDef cq_getset[] = {
     {"spinning", (getter)cq_spinning, NULL,
      "spin flushes in flight (the poller progresses the worker while > 0)", NULL},
     {"poller_live", (getter)cq_poller_live, NULL, "whether the poller thread exists", NULL},
+    {"own_worker", (getter)cq_own_worker, NULL,
+     "the own worker's handle (context= given), else 0", NULL},
+    {"inflight", (getter)cq_inflight, NULL, "flushes / chains / closes in flight", NULL},
     {NULL}};
 
 static PyTypeObject CompletionQueueType = {
@@ -1451,7 +1680,78 @@ static PyTypeObject CompletionQueueType = {
 
 /* ------------------------------------------------------------------ module */
 
+/*
+ * own_context(options: dict[str, str]) -> int: the process's own UCP context for RMA
+ * (features RMA | AM | WAKEUP, thread-shared: every transport's completion queue makes its
+ * own worker on it, each progressed on its own thread). Made on the first call with
+ * `options` applied over the UCX_* environment (ucp_config_modify); later calls return the
+ * same context. It lives as long as the process (like UCXX's), so registrations and
+ * workers never outlive it.
+ */
+static pthread_mutex_t g_ctx_mu = PTHREAD_MUTEX_INITIALIZER;
+static ucp_context_h g_own_ctx;
+
+static PyObject *py_own_context(PyObject *self, PyObject *args)
+{
+    PyObject *opts, *k, *v;
+    Py_ssize_t pos = 0;
+    ucp_config_t *cfg;
+    ucp_params_t p;
+    ucs_status_t st;
+    ucp_context_h ctx;
+    if (!PyArg_ParseTuple(args, "O!", &PyDict_Type, &opts))
+        return NULL;
+    pthread_mutex_lock(&g_ctx_mu);
+    if (g_own_ctx != NULL) {
+        ctx = g_own_ctx;
+        pthread_mutex_unlock(&g_ctx_mu);
+        return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)ctx);
+    }
+    st = ucp_config_read(NULL, NULL, &cfg);
+    if (st != UCS_OK) {
+        pthread_mutex_unlock(&g_ctx_mu);
+        return raise_ucx(st, "ucp_config_read", 0);
+    }
+    while (PyDict_Next(opts, &pos, &k, &v)) {
+        const char *ks = PyUnicode_Check(k) ? PyUnicode_AsUTF8(k) : NULL;
+        const char *vs = PyUnicode_Check(v) ? PyUnicode_AsUTF8(v) : NULL;
+        if (ks == NULL || vs == NULL) {
+            ucp_config_release(cfg);
+            pthread_mutex_unlock(&g_ctx_mu);
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "own_context: options must be str -> str");
+            return NULL;
+        }
+        if (strncmp(ks, "UCX_", 4) == 0)
+            ks += 4;
+        st = ucp_config_modify(cfg, ks, vs);
+        if (st != UCS_OK) {
+            ucp_config_release(cfg);
+            pthread_mutex_unlock(&g_ctx_mu);
+            return raise_ucx(st, "ucp_config_modify", 0);
+        }
+    }
+    memset(&p, 0, sizeof(p));
+    p.field_mask        = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED |
+                          UCP_PARAM_FIELD_NAME;
+    p.features          = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+    p.mt_workers_shared = 1;
+    p.name              = "kvxfer";
+    st = ucp_init(&p, cfg, &ctx); /* GIL held: a second caller waits for this one */
+    ucp_config_release(cfg);
+    if (st != UCS_OK) {
+        pthread_mutex_unlock(&g_ctx_mu);
+        return raise_ucx(st, "ucp_init", 0);
+    }
+    g_own_ctx = ctx;
+    pthread_mutex_unlock(&g_ctx_mu);
+    return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)ctx);
+}
+
 static PyMethodDef methods[] = {
+    {"own_context", py_own_context, METH_VARARGS,
+     "own_context(options) -> context handle: the process's own thread-shared UCP context "
+     "for RMA (made once; options: UCX settings applied over the environment)"},
     {"mem_map", py_mem_map, METH_VARARGS,
      "mem_map(context, addr, length) -> (memh, memory_type_name)"},
     {"mem_unmap", py_mem_unmap, METH_VARARGS, "mem_unmap(context, memh)"},

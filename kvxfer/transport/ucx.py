@@ -55,12 +55,18 @@ CHAIN_INLINE_US = 50.0
 #: how often the native poller (and a chain's inline wait) wakes UCXX's progress thread while
 #: a spin flush is in flight (KVXFER_POLL_SIGNAL_US)
 POLL_SIGNAL_US = 5.0
+OFF = ("0", "off", "false", "no")
 
 
 class UcxTransport(Transport):
     """One per engine; all engines of a process share UCXX's context and worker."""
 
-    def __init__(self, ucx_options: Optional[dict] = None, progress_mode: str = "thread"):
+    def __init__(
+        self,
+        ucx_options: Optional[dict] = None,
+        progress_mode: str = "thread",
+        own_rma: bool = False,
+    ):
         self.ucxx, self.rma = load_ucx()
         from ucxx import core as _core
 
@@ -71,8 +77,20 @@ class UcxTransport(Transport):
                 "UCX already initialised in this process; ignoring ucx_options=%r", ucx_options
             )
         self._app = _core._get_ctx()
-        self.context_handle = self._app.context.handle
         self.worker_handle = self._app.worker.handle
+        #: ``own_rma`` (the engine's error_mode "none": RMA only over bulk endpoints to the
+        #: peer's address): registrations and bulk endpoints use kvxfer's own UCP context
+        #: (process-wide, thread-shared) and worker (one per transport, progressed only by
+        #: its completion queue's thread and a chain's starter, never by UCXX: nothing of
+        #: UCXX runs there). Else, or with KVXFER_OWN_WORKER=0, UCXX's context and worker.
+        #: (An address-made endpoint with peer error handling gets no tcp RMA lane, so
+        #: error_mode "peer" keeps RMA on the channel's endpoint.)
+        self.own_rma = own_rma and os.environ.get("KVXFER_OWN_WORKER", "1").strip() not in OFF
+        if self.own_rma:
+            opts = {str(k): str(v) for k, v in (ucx_options or {}).items()}
+            self.context_handle = self.rma.own_context(opts)
+        else:
+            self.context_handle = self._app.context.handle
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._cq: Any = None  # _rma.CompletionQueue, made on the loop that first needs it
         self._tokens = itertools.count(1)
@@ -93,14 +111,22 @@ class UcxTransport(Transport):
         loop = asyncio.get_running_loop()
         if self._loop is None:
             self._loop = loop
-            self._cq = self.rma.CompletionQueue(
-                worker=self.worker_handle,
-                signal_us=float(os.environ.get("KVXFER_POLL_SIGNAL_US", POLL_SIGNAL_US)),
-            )
+            self._cq = self._make_queue()
             loop.add_reader(self._cq.fileno(), self._on_completions)
         elif self._loop is not loop:
             raise TransportError("a transport is bound to the event loop that started it")
         return loop
+
+    def _make_queue(self):
+        """The completion queue: with its own worker on kvxfer's context (:attr:`own_rma`),
+        where every RMA endpoint lives, else on UCXX's worker alone (the poller then only
+        signals UCXX's progress thread)."""
+        signal_us = float(os.environ.get("KVXFER_POLL_SIGNAL_US", POLL_SIGNAL_US))
+        if self.own_rma:
+            return self.rma.CompletionQueue(
+                worker=self.worker_handle, signal_us=signal_us, context=self.context_handle
+            )
+        return self.rma.CompletionQueue(worker=self.worker_handle, signal_us=signal_us)
 
     def _on_completions(self) -> None:
         """Resolve the futures of completed native requests and report endpoint errors.
@@ -249,7 +275,11 @@ class UcxTransport(Transport):
     async def flush_worker(self, timeout: float, spin: bool = False) -> float:
         self._bind_loop()
         status, t = await self._start_and_wait(
-            self._cq.worker_flush, (self.worker_handle,), timeout, "ucp_worker_flush", spin
+            self._cq.worker_flush,
+            (self._cq.own_worker or self.worker_handle,),
+            timeout,
+            "ucp_worker_flush",
+            spin,
         )
         if status != self.rma.UCS_OK:
             raise status_error(self.rma, status, "ucp_worker_flush")
@@ -329,22 +359,31 @@ class UcxTransport(Transport):
             raise
 
     def local_address(self) -> bytes:
+        """The own worker's address (bulk endpoints are made to it), else UCXX's worker's.
+        Runs on: the asyncio loop thread (it makes the completion queue)."""
+        self._bind_loop()
+        if self._cq.own_worker:
+            return self._cq.address()
         return bytes(self.ucxx.get_worker_address())
 
     async def rma_endpoint(
         self, channel: Channel, peer_address: Optional[bytes], timeout: float
     ) -> RmaEndpoint:
         """``peer_address`` None: RMA over the channel's own (error-handled) endpoint.
-        Otherwise a bulk endpoint to the peer's worker address, error mode NONE with an
-        error handler (keeps shared-memory lanes; a dead peer is reported, not fatal)."""
+        Otherwise a bulk endpoint to the peer's worker address (on kvxfer's own worker with
+        :attr:`own_rma`), error mode NONE with an error handler (keeps shared-memory lanes;
+        a dead peer is reported, not fatal)."""
         self._bind_loop()
         if peer_address is None:
+            if self.own_rma:  # registrations are on kvxfer's context, not the channel's
+                raise TransportError("own_rma: RMA needs the peer's address (a bulk endpoint)")
             if not isinstance(channel, UcxChannel):
                 raise TransportError(f"not a UCX channel: {type(channel).__name__}")
             return UcxRma(self, ep=channel.ucx_endpoint)
         token = next(self._tokens)
         try:
-            ep, ctx = self._cq.ep_create(self.worker_handle, peer_address, token)
+            worker = 0 if self._cq.own_worker else self.worker_handle
+            ep, ctx = self._cq.ep_create(worker, peer_address, token)
         except self.rma.UcxError as exc:
             raise PeerClosed(f"bulk endpoint: {exc.args[1]}") from None
         rma = UcxRma(self, raw=(ep, ctx), err_token=token)

@@ -74,9 +74,11 @@ def test_accept_while_the_poller_spins(node):
 
 
 @pytest.mark.timeout(120)
-def test_accept_during_spin_flushes(node):
-    # the same with real PUT + spin-flush rounds back to back on a connected pair
-    out = node.accept_while_spinning(8, hammer=True)
+@pytest.mark.parametrize("mode", ["peer", "none"])
+def test_accept_during_spin_flushes(node, mode):
+    # the same with real PUT + spin-flush rounds back to back on a connected pair: on UCXX's
+    # worker (peer) and on kvxfer's own worker (none)
+    out = node.accept_while_spinning(8, hammer=True, mode=mode)
     assert not out["errors"] and len(out["took"]) == 8, out
     assert max(out["took"]) < 2.5, out
     assert out["flush_rounds"] > 8 and out["exact"], out
