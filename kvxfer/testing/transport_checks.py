@@ -36,6 +36,12 @@ class TransportNode:
     def channel_oversize(self) -> dict:
         return self.loop.run_until_complete(_TransportChecks.channel_oversize())
 
+    def opening_mismatch(self, connect: dict, accept: dict) -> dict:
+        return self.loop.run_until_complete(_TransportChecks.opening_mismatch(connect, accept))
+
+    def opening_same(self, mode: str) -> dict:
+        return self.loop.run_until_complete(_TransportChecks.opening_same(mode))
+
     def channel_rtt(self, n: int) -> dict:
         return self.loop.run_until_complete(_TransportChecks.channel_rtt(n))
 
@@ -296,6 +302,108 @@ class _TransportChecks:
         out = {"why": why, "queued": len(server._inbox)}
         await rma.close(1.0)
         await asyncio.gather(client.close(1.0), server.close(1.0))
+        await t.close()
+        return out
+
+    @staticmethod
+    def _recording(t) -> list:
+        """Keep every channel the transport makes (to check what each left behind)."""
+        made: list = []
+        make = t._channel
+
+        def record(*args):
+            made.append(make(*args))
+            return made[-1]
+
+        t._channel = record
+        return made
+
+    @staticmethod
+    def _leftovers(t, made) -> dict:
+        return {
+            "channels": len(made),
+            "tokens_left": sorted(t._notes),
+            "rx_left": [ch._rx is not None for ch in made],
+            "eps_left": [ch._ep is not None for ch in made],
+            "inbox_left": sum(len(ch._inbox) for ch in made),
+            "pending": t._cq.pending if t._cq is not None else 0,
+        }
+
+    @staticmethod
+    async def opening_mismatch(connect: dict, accept: dict):
+        """Both ends announce what ``connect`` / ``accept`` say (``mode``, ``version``):
+        the connecting side's error, the accepting side's (the listener's refusal), how
+        long each took from the connect call, and what the two channels left behind."""
+        import time
+
+        from kvxfer.transport.ucx import UcxTransport
+
+        t = UcxTransport()
+        t.test_opening = {"connect": connect, "accept": accept}
+        made = _TransportChecks._recording(t)
+        loop = asyncio.get_running_loop()
+        refused = loop.create_future()
+        accepted: list = []
+        t.on_refused = lambda exc: refused.done() or refused.set_result(exc)
+
+        async def on_accept(ch):
+            accepted.append(ch)
+            await ch.close(1.0)
+
+        _, port = await t.listen("127.0.0.1", 0, on_accept)
+        out: dict = {}
+        t0 = time.monotonic()
+        try:
+            ch = await t.connect("127.0.0.1", port, 10.0)
+            out["client"], out["client_msg"] = "connected", ""
+            await ch.close(1.0)
+        except Exception as exc:
+            out["client"], out["client_msg"] = type(exc).__name__, str(exc)
+            out["client_versions"] = [getattr(exc, "ours", None), getattr(exc, "theirs", None)]
+        out["client_s"] = time.monotonic() - t0
+        try:
+            exc = await asyncio.wait_for(refused, 10.0)
+            out["server"], out["server_msg"] = type(exc).__name__, str(exc)
+            out["server_versions"] = [getattr(exc, "ours", None), getattr(exc, "theirs", None)]
+        except asyncio.TimeoutError:
+            out["server"], out["server_msg"] = "not refused", ""
+        out["server_s"] = time.monotonic() - t0
+        out["accepted"] = len(accepted)
+        out.update(_TransportChecks._leftovers(t, made))
+        await t.close()
+        return out
+
+    @staticmethod
+    async def opening_same(mode: str):
+        """Both ends in ``mode``: the opening pairs them, a message goes each way, and the
+        orderly close leaves nothing behind."""
+        from kvxfer.transport.ucx import UcxTransport
+
+        t = UcxTransport()
+        t.test_opening = {"connect": {"mode": mode}, "accept": {"mode": mode}}
+        made = _TransportChecks._recording(t)
+        accepted = asyncio.get_running_loop().create_future()
+
+        async def on_accept(ch):
+            accepted.set_result(ch)
+
+        _, port = await t.listen("127.0.0.1", 0, on_accept)
+        client = await t.connect("127.0.0.1", port, 10.0)
+        await client.send(b"ping", 5.0)
+        server = await asyncio.wait_for(accepted, 10.0)
+        ok = await server.recv(5.0) == b"ping"
+        server.adopt_epoch()
+        await server.send(b"pong", 5.0)
+        ok = ok and await client.recv(5.0) == b"pong"
+        out = {
+            "ok": ok,
+            "modes": [client.mode, server.mode],
+            "native": [bool(client._peer_token), bool(server._peer_token)],
+            "dropped": client.dropped + server.dropped,
+        }
+        await asyncio.gather(client.close(2.0), server.close(2.0))
+        out["saw_close"] = client._close_seen and server._close_seen
+        out.update(_TransportChecks._leftovers(t, made))
         await t.close()
         return out
 
