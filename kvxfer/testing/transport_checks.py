@@ -42,6 +42,9 @@ class TransportNode:
     def opening_same(self, mode: str) -> dict:
         return self.loop.run_until_complete(_TransportChecks.opening_same(mode))
 
+    def opening_legacy(self, kind: str) -> dict:
+        return self.loop.run_until_complete(_TransportChecks.opening_legacy(kind))
+
     def channel_rtt(self, n: int) -> dict:
         return self.loop.run_until_complete(_TransportChecks.channel_rtt(n))
 
@@ -369,6 +372,109 @@ class _TransportChecks:
             out["server"], out["server_msg"] = "not refused", ""
         out["server_s"] = time.monotonic() - t0
         out["accepted"] = len(accepted)
+        out.update(_TransportChecks._leftovers(t, made))
+        await t.close()
+        return out
+
+    @staticmethod
+    async def opening_legacy(kind: str):
+        """This build against a protocol-1 peer played frame by frame on a raw UCXX endpoint
+        (``kind``: ``native-connector``, ``yield-connector``, ``yield-acceptor``,
+        ``native-acceptor``, i.e. what the old build is and does). Returns this end's error,
+        how long it took, what the old peer received (``padding``, ``hello``, ``close``: our
+        close frame in its epoch ends its opening at once) and what our channel left."""
+        import time
+
+        import msgpack
+
+        from kvxfer.transport.ucx import UcxTransport
+        from kvxfer.transport.ucx_channel import new_epoch
+
+        t = UcxTransport()
+        made = _TransportChecks._recording(t)
+        loop = asyncio.get_running_loop()
+        old_epoch = new_epoch()
+
+        def kind_of(buf, epoch) -> str:
+            b = bytes(buf)
+            if b == bytes(8):
+                return "padding"
+            if b[:8] == epoch.to_bytes(8, "little") and b[8:] == b"\xc1":
+                return "close"
+            if b[8:10] == b"\xc1\xc4":
+                return "hello"
+            return f"{len(b)}-byte frame"
+
+        async def old_peer(ep, epoch, answer) -> list:
+            """Read frames until our close frame of ``epoch`` (answering a hello with
+            ``answer``, if given), then close as protocol 1 did: a close frame back, abort."""
+            saw: list = []
+            while True:
+                buf = await asyncio.wait_for(ep.am_recv(), 5.0)
+                saw.append(kind_of(buf, epoch or int.from_bytes(bytes(buf)[:8], "little")))
+                if saw[-1] == "hello" and not epoch:  # accepting: its epoch is the connection's
+                    epoch = int.from_bytes(bytes(buf)[:8], "little")
+                if saw[-1] == "hello" and answer is not None:
+                    await ep.am_send(epoch.to_bytes(8, "little") + answer)
+                if saw[-1] == "close":
+                    break
+            await ep.am_send(epoch.to_bytes(8, "little") + b"\xc1")
+            ep.abort()
+            return saw
+
+        out: dict = {}
+        t0 = time.monotonic()
+        if kind.endswith("connector"):
+            refused = loop.create_future()
+            t.on_refused = lambda exc: refused.done() or refused.set_result(exc)
+
+            async def on_accept(ch):
+                await ch.close(1.0)
+
+            _, port = await t.listen("127.0.0.1", 0, on_accept)
+            ep = await t.ucxx.create_endpoint("127.0.0.1", port, endpoint_error_handling=True)
+            t0 = time.monotonic()  # from the old peer's opening (not UCX's first connect)
+            await ep.am_send(bytes(8))
+            first = (
+                b"\xc1\xc2" + (12345).to_bytes(8, "little")
+                if kind == "native-connector"
+                else msgpack.packb({"t": "kx.hello", "v": 1, "name": "old"}, use_bin_type=True)
+            )
+            await ep.am_send(old_epoch.to_bytes(8, "little") + first)
+            out["old_saw"] = await old_peer(ep, old_epoch, None)
+            exc = await asyncio.wait_for(refused, 10.0)
+        else:
+            from kvxfer.transport import ucx_channel
+
+            accepted = loop.create_future()
+
+            async def handler(ep):
+                await ep.am_send(bytes(8))
+                reject = msgpack.packb(
+                    {"t": "kx.reject", "v": 1, "kind": "protocol", "reason": "undecodable"},
+                    use_bin_type=True,
+                )
+                answer = reject if kind == "yield-acceptor" else None
+                try:
+                    accepted.set_result(await old_peer(ep, 0, answer))
+                except Exception as e:
+                    accepted.set_exception(e)
+
+            listener = t.ucxx.create_listener(handler, port=0, endpoint_error_handling=True)
+            old, ucx_channel.HELLO_TIMEOUT_S = ucx_channel.HELLO_TIMEOUT_S, 0.5
+            try:
+                await t.connect("127.0.0.1", listener.port, 10.0)
+                exc = None
+            except Exception as e:
+                exc = e
+            finally:
+                ucx_channel.HELLO_TIMEOUT_S = old
+            out["old_saw"] = await asyncio.wait_for(accepted, 10.0)
+            listener.close()
+        out["s"] = time.monotonic() - t0
+        out["error"] = type(exc).__name__
+        out["msg"] = str(exc)
+        out["versions"] = [getattr(exc, "ours", None), getattr(exc, "theirs", None)]
         out.update(_TransportChecks._leftovers(t, made))
         await t.close()
         return out
