@@ -30,7 +30,7 @@ def test_round_trip(mode):
 
 def test_magic_is_not_msgpack_nor_the_legacy_hello():
     assert op.HELLO_MAGIC != op.LEGACY_HELLO_MAGIC
-    with pytest.raises(Exception):
+    with pytest.raises(msgpack.exceptions.FormatError):
         msgpack.unpackb(_hello("native"))
 
 
