@@ -59,6 +59,14 @@ log = logging.getLogger(__name__)
 CHAIN_INLINE_US = 50.0
 
 
+def _binding(ch: UcxChannel) -> str:
+    """``client>server`` addresses of a channel, for a log line ("?" once it is gone)."""
+    try:
+        return ch.binding().decode()
+    except Exception:  # the endpoint failed or closed meanwhile
+        return "?"
+
+
 class UcxTransport(Transport):
     """One per engine; all engines of a process share UCXX's context and worker."""
 
@@ -314,7 +322,12 @@ class UcxTransport(Transport):
             except (IncompatiblePeer, ProtocolError) as exc:  # VersionMismatch is both
                 self.refused_openings += 1
                 self.last_refusal = exc
-                log.warning("incoming connection refused: %s: %s", type(exc).__name__, exc)
+                log.warning(
+                    "incoming connection %s refused: %s: %s",
+                    _binding(ch),
+                    type(exc).__name__,
+                    exc,
+                )
                 await ch.close(1.0)
                 if self.on_refused is not None:
                     self.on_refused(exc)
@@ -346,6 +359,10 @@ class UcxTransport(Transport):
         ch = self._channel(ep, loop, new_epoch())
         try:
             return await ch.open(timeout)
+        except (IncompatiblePeer, ProtocolError) as exc:  # name the peer (type and fields kept)
+            await ch.close(1.0)
+            exc.args = (f"connecting to {host}:{port}: {exc}",) + exc.args[1:]
+            raise
         except BaseException:
             await ch.close(1.0)
             raise
