@@ -2,7 +2,10 @@
 
 Guarantees
 - The whole exchange runs under one deadline (``TransferTimeout`` when it passes).
-- Protocol version first: a peer speaking another version fails with ``IncompatiblePeer``.
+- Protocol version first (the channel's opening has checked it already, see
+  :mod:`kvxfer.transport.opening`; this covers any other channel): a peer speaking another
+  version fails with ``VersionMismatch`` (an ``IncompatiblePeer``) naming both versions, on
+  both ends (the Reject says ``version``).
 - Mutual authentication by HMAC-SHA256 challenge-response over fresh nonces; neither side
   sends its region table (addresses, remote keys) before the other proved the secret.
 - Each proof covers the whole opening exchange (both Hellos: ids, names, hosts, nonces,
@@ -44,6 +47,7 @@ from kvxfer.errors import (
     PeerClosed,
     ProtocolError,
     TransferTimeout,
+    VersionMismatch,
 )
 from kvxfer.transport.base import Channel
 
@@ -103,11 +107,8 @@ class _Deadline:
 
 
 def _decode(raw: bytes) -> wire.Message:
-    """Decode, turning a foreign protocol version into IncompatiblePeer."""
-    try:
-        return wire.decode(raw)
-    except wire.VersionMismatch as exc:
-        raise IncompatiblePeer(f"peer speaks another protocol version: {exc}") from None
+    """Decode; a foreign protocol version raises ``VersionMismatch`` (an IncompatiblePeer)."""
+    return wire.decode(raw)
 
 
 async def _recv(ch: Channel, dl: _Deadline, expected, max_bytes: int = MAX_PREAUTH_BYTES):
@@ -116,9 +117,11 @@ async def _recv(ch: Channel, dl: _Deadline, expected, max_bytes: int = MAX_PREAU
 
 def _expect(msg, expected):
     if isinstance(msg, m.Reject):
-        cls = {"auth": AuthenticationFailed, "incompatible": IncompatiblePeer}.get(
-            msg.kind, ProtocolError
-        )
+        cls = {
+            "auth": AuthenticationFailed,
+            "incompatible": IncompatiblePeer,
+            "version": VersionMismatch,
+        }.get(msg.kind, ProtocolError)
         raise cls(f"peer rejected the handshake: {msg.reason}")
     return wire.expect(msg, expected)
 
@@ -149,6 +152,8 @@ async def _reject(ch: Channel, dl: _Deadline, exc: KvxferError) -> None:
     kind = (
         "auth"
         if isinstance(exc, AuthenticationFailed)
+        else "version"
+        if isinstance(exc, VersionMismatch)
         else "incompatible"
         if isinstance(exc, IncompatiblePeer)
         else "protocol"

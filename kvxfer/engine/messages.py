@@ -58,7 +58,8 @@ class Proof(wire.Message):
 @wire.register
 @dataclass
 class Reject(wire.Message):
-    """``kind``: "auth" | "incompatible" | "protocol"."""
+    """``kind``: "auth" | "incompatible" | "version" | "protocol" (older peers map "version",
+    unknown to them, to ProtocolError)."""
 
     TAG = "kx.reject"
     kind: str

@@ -33,7 +33,14 @@ import os
 import time
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from kvxfer.errors import Closed, PeerClosed, TransferTimeout, TransportError
+from kvxfer.errors import (
+    Closed,
+    IncompatiblePeer,
+    PeerClosed,
+    ProtocolError,
+    TransferTimeout,
+    TransportError,
+)
 from kvxfer.transport.base import AcceptCallback, Channel, Region, RmaEndpoint, Transport
 from kvxfer.transport.ucx_channel import (
     OPEN_TIMEOUT_S,
@@ -44,6 +51,7 @@ from kvxfer.transport.ucx_channel import (
 )
 from kvxfer.transport.ucx_lib import load_ucx, status_error, ucx_error_types
 from kvxfer.transport.ucx_rma import UcxRegion, UcxRma
+from kvxfer.wire import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +64,14 @@ CHAIN_INLINE_US = 50.0
 #: a spin flush is in flight (KVXFER_POLL_SIGNAL_US)
 POLL_SIGNAL_US = 5.0
 OFF = ("0", "off", "false", "no")
+
+
+def _binding(ch: UcxChannel) -> str:
+    """``client>server`` addresses of a channel, for a log line ("?" once it is gone)."""
+    try:
+        return ch.binding().decode()
+    except Exception:  # the endpoint failed or closed meanwhile
+        return "?"
 
 
 class UcxTransport(Transport):
@@ -103,6 +119,16 @@ class UcxTransport(Transport):
         self.chain_inline_us = float(os.environ.get("KVXFER_CHAIN_INLINE_US", CHAIN_INLINE_US))
         self._listener: Any = None  # ucxx.Listener
         self._closed = False
+        #: tests only: what the channels of one role announce in their opening, overriding
+        #: KVXFER_CHANNEL_WAIT and the protocol version, e.g. ``{"accept": {"mode":
+        #: "yield"}, "connect": {"version": 99}}`` (both ends live in one process there)
+        self.test_opening: Dict[str, Dict[str, Any]] = {}
+        #: accepted connections whose opening failed the version / mode check (or was
+        #: malformed); each is logged at warning level with its typed error
+        self.refused_openings = 0
+        self.last_refusal: Optional[Exception] = None
+        #: called (on the loop) with that error once such a connection is closed
+        self.on_refused: Optional[Callable[[Exception], None]] = None
 
     # -- event-loop side of flush completions
     def _bind_loop(self):
@@ -308,10 +334,14 @@ class UcxTransport(Transport):
         self.rma.ep_ctx_free(ctx)
         return True
 
-    def _native(self) -> Optional["UcxTransport"]:
-        """The transport for channels' native frames, or None (``KVXFER_CHANNEL_WAIT=yield``:
+    def _channel(self, ep, loop, epoch: Optional[int]) -> UcxChannel:
+        """A channel on ``ep`` (``epoch`` None: accepted), in the wait mode of
+        ``KVXFER_CHANNEL_WAIT``: native frames through this transport, or None (``yield``:
         UCXX receive requests awaited by ``wait_yield``, the loop never sleeps)."""
-        return None if channel_wait_mode() == "yield" else self
+        over = self.test_opening.get("accept" if epoch is None else "connect", {})
+        mode = over.get("mode") or channel_wait_mode()
+        native = None if mode == "yield" else self
+        return UcxChannel(ep, loop, self.ucxx, epoch, native, over.get("version", PROTOCOL_VERSION))
 
     # -- contract
     async def listen(self, host: str, port: int, on_accept: AcceptCallback):
@@ -320,12 +350,25 @@ class UcxTransport(Transport):
         async def _handler(ep) -> None:
             """Runs on: the asyncio loop thread (UCXX's listener callback, on its progress
             thread, submits it with ``run_coroutine_threadsafe``)."""
-            ch = UcxChannel(ep, loop, self.ucxx, None, self._native())
+            ch = self._channel(ep, loop, None)
             try:
                 await ch.open(OPEN_TIMEOUT_S)
             except (PeerClosed, TransferTimeout) as exc:
                 log.info("incoming connection dropped before its first message: %s", exc)
                 await ch.close(1.0)
+                return
+            except (IncompatiblePeer, ProtocolError) as exc:  # VersionMismatch is both
+                self.refused_openings += 1
+                self.last_refusal = exc
+                log.warning(
+                    "incoming connection %s refused: %s: %s",
+                    _binding(ch),
+                    type(exc).__name__,
+                    exc,
+                )
+                await ch.close(1.0)
+                if self.on_refused is not None:
+                    self.on_refused(exc)
                 return
             await on_accept(ch)
 
@@ -351,9 +394,13 @@ class UcxTransport(Transport):
             ) from None
         except ucx_error_types(self.ucxx) as exc:
             raise PeerClosed(f"connecting to {host}:{port}: {exc}") from None
-        ch = UcxChannel(ep, loop, self.ucxx, new_epoch(), self._native())
+        ch = self._channel(ep, loop, new_epoch())
         try:
             return await ch.open(timeout)
+        except (IncompatiblePeer, ProtocolError) as exc:  # name the peer (type and fields kept)
+            await ch.close(1.0)
+            exc.args = (f"connecting to {host}:{port}: {exc}",) + exc.args[1:]
+            raise
         except BaseException:
             await ch.close(1.0)
             raise

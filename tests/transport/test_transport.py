@@ -104,3 +104,59 @@ def test_channel_flood_drops_the_connection(node):
 def test_channel_oversize_before_trust_drops_the_connection(node):
     out = node.channel_oversize()
     assert "size limit" in out["why"] and out["queued"] == 0, out
+
+
+_LEFT_NOTHING = {"tokens_left": [], "inbox_left": 0, "pending": 0}
+
+
+def _left_nothing(out):
+    assert out["channels"] == 2, out
+    assert {k: out[k] for k in _LEFT_NOTHING} == _LEFT_NOTHING, out
+    assert out["rx_left"] == [False, False] and out["eps_left"] == [False, False], out
+
+
+@pytest.mark.parametrize(
+    "connect,accept",
+    [("native", "yield"), ("yield", "native")],
+    ids=["native-yield", "yield-native"],
+)
+def test_opening_mode_mismatch_fails_both_ends_fast(node, connect, accept):
+    out = node.opening_mismatch({"mode": connect}, {"mode": accept})
+    for side, mine, theirs in (("client", connect, accept), ("server", accept, connect)):
+        assert out[side] == "IncompatiblePeer", out
+        msg = out[f"{side}_msg"]
+        assert f"KVXFER_CHANNEL_WAIT={theirs}, this end {mine}" in msg, out
+        assert "docs/engine.md" in msg, out
+    # at once: well inside the opening's timeouts (HELLO_TIMEOUT_S 5 s, OPEN_TIMEOUT_S 10 s)
+    assert out["client_s"] < 2.5 and out["server_s"] < 2.5, out
+    assert out["accepted"] == 0, out
+    _left_nothing(out)
+
+
+@pytest.mark.parametrize("side", ["connect", "accept"])
+def test_opening_version_mismatch_names_both(node, side):
+    from kvxfer.wire import PROTOCOL_VERSION as V
+
+    out = node.opening_mismatch(
+        {"version": 99} if side == "connect" else {}, {"version": 99} if side == "accept" else {}
+    )
+    for end, role in (("client", "connect"), ("server", "accept")):
+        ours, theirs = (99, V) if role == side else (V, 99)
+        assert out[end] == "VersionMismatch", out
+        assert out[f"{end}_versions"] == [ours, theirs], out
+        assert (
+            f"the peer speaks protocol {theirs}, channel mode native, this end protocol {ours}"
+            in out[f"{end}_msg"]
+        ), out
+    assert out["client_s"] < 2.5 and out["server_s"] < 2.5, out
+    assert out["accepted"] == 0, out
+    _left_nothing(out)
+
+
+@pytest.mark.parametrize("mode", ["native", "yield"])
+def test_opening_same_version_and_mode_pairs(node, mode):
+    out = node.opening_same(mode)
+    assert out["ok"] and out["modes"] == [mode, mode] and out["dropped"] == 0, out
+    assert out["native"] == [mode == "native"] * 2, out
+    assert out["saw_close"], out
+    _left_nothing(out)
