@@ -175,7 +175,9 @@ def check_groups(local: LocalGroups, remote: RemoteGroups) -> None:
             raise IncompatiblePeer(str(exc)) from None
 
 
-def _layout(local: LocalGroups, address: bytes, grant: dict, note_token: int = 0) -> bytes:
+def _layout(
+    local: LocalGroups, address: bytes, grant: dict, note_token: int = 0, bulk_only: bool = False
+) -> bytes:
     bases, lens, keys, types = local.region_table()
     return m.Layout(
         groups=local.wire_groups(),
@@ -188,6 +190,7 @@ def _layout(local: LocalGroups, address: bytes, grant: dict, note_token: int = 0
         non_ipc=ipc.non_ipc(local.ipc) or None,
         region_ipc=local.ipc_blobs(),
         note_token=note_token,
+        bulk_only=bulk_only,
     ).encode()
 
 
@@ -224,6 +227,7 @@ async def connect_side(
     timeout: float,
     refuse_emulated: bool = False,
     note_token: int = 0,
+    bulk_only: bool = False,
 ) -> HandshakeResult:
     dl = _Deadline(timeout)
     hello = m.Hello(
@@ -253,7 +257,7 @@ async def connect_side(
         _check_ipc(local, layout, remote, ack.hostname, refuse_emulated)
         if ack.stage:
             grant.update(local.grant_landing())
-        await ch.send(_layout(local, address, grant, note_token), dl.left())
+        await ch.send(_layout(local, address, grant, note_token, bulk_only), dl.left())
         await _recv(ch, dl, m.Ready, wire.MAX_MESSAGE_BYTES)
         return HandshakeResult(ack.engine_id, ack.name, ack.hostname, remote, dict(grant))
 
@@ -275,6 +279,7 @@ async def accept_side(
     timeout: float,
     refuse_emulated: bool = False,
     note_token: int = 0,
+    bulk_only: bool = False,
 ) -> HandshakeResult:
     dl = _Deadline(timeout)
 
@@ -303,7 +308,7 @@ async def accept_side(
         ch.trusted(wire.MAX_MESSAGE_BYTES)
         if hello.stage:
             grant.update(local.grant_landing())
-        await ch.send(_layout(local, address, grant, note_token), dl.left())
+        await ch.send(_layout(local, address, grant, note_token, bulk_only), dl.left())
         layout = await _recv(ch, dl, m.Layout, wire.MAX_MESSAGE_BYTES)
         remote = parse_remote(layout)
         check_groups(local, remote)

@@ -14,8 +14,14 @@
  *                             while posting
  *   CompletionQueue           ep/worker flush whose completion (token, status, time) is queued
  *                             and signalled on an eventfd that asyncio watches (loop.add_reader).
- *                             Callbacks run on UCXX's progress thread, the only thread
- *                             that progresses the worker; they never touch Python.
+ *                             Callbacks run on the thread that progresses the endpoint's
+ *                             worker (UCXX's progress thread for UCXX's worker; the queue's
+ *                             own-worker thread or a chain's starter for the own worker);
+ *                             they never touch Python.
+ *   own_context / own worker  kvxfer's own UCP context (process-wide, thread-shared) and a
+ *                             worker per queue made with context=: bulk endpoints live there
+ *                             and only kvxfer's threads progress it (nothing of UCXX runs
+ *                             there); the queue's thread sleeps on its event fd when idle.
  *   poller                    while a flush started with spin=True is in flight, a native
  *                             thread of the queue wakes UCXX's progress thread every
  *                             signal_us (ucp_worker_signal), then sleeps on a condition
@@ -33,7 +39,8 @@
  *   - A CompletionQueue's shared core lives until the Python object is gone AND every flush
  *     it started has called back (reference count), so a callback arriving after close()
  *     or after a Python-side timeout is harmless.
- *   - No thread of ours calls ucp_worker_progress. Whatever progresses the worker runs
+ *   - No thread of ours calls ucp_worker_progress on UCXX's worker (the own worker is ours
+ *     to progress). Whatever progresses UCXX's worker runs
  *     UCXX's listener callback, whose ucp_ep_create is handed to UCXX's progress thread and
  *     waited for (3 x 3 s); that thread needs the worker lock the progressing thread holds,
  *     so every accept stalled until UCXX gave up. Our threads signal the worker instead.
