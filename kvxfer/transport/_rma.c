@@ -1701,57 +1701,66 @@ static ucp_context_h g_own_ctx;
 static PyObject *py_own_context(PyObject *self, PyObject *args)
 {
     PyObject *opts, *k, *v;
-    Py_ssize_t pos = 0;
-    ucp_config_t *cfg;
+    Py_ssize_t pos = 0, n, i;
+    char **kv;
+    ucp_config_t *cfg = NULL;
     ucp_params_t p;
-    ucs_status_t st;
+    ucs_status_t st = UCS_OK;
     ucp_context_h ctx;
+    const char *what = "ucp_init";
     if (!PyArg_ParseTuple(args, "O!", &PyDict_Type, &opts))
         return NULL;
-    pthread_mutex_lock(&g_ctx_mu);
-    if (g_own_ctx != NULL) {
-        ctx = g_own_ctx;
-        pthread_mutex_unlock(&g_ctx_mu);
-        return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)ctx);
-    }
-    st = ucp_config_read(NULL, NULL, &cfg);
-    if (st != UCS_OK) {
-        pthread_mutex_unlock(&g_ctx_mu);
-        return raise_ucx(st, "ucp_config_read", 0);
-    }
-    while (PyDict_Next(opts, &pos, &k, &v)) {
+    n  = PyDict_Size(opts);
+    kv = calloc((size_t)(2 * n + 1), sizeof(char *));
+    if (kv == NULL)
+        return PyErr_NoMemory();
+    for (i = 0; PyDict_Next(opts, &pos, &k, &v); i++) { /* copied: the GIL goes below */
         const char *ks = PyUnicode_Check(k) ? PyUnicode_AsUTF8(k) : NULL;
         const char *vs = PyUnicode_Check(v) ? PyUnicode_AsUTF8(v) : NULL;
         if (ks == NULL || vs == NULL) {
-            ucp_config_release(cfg);
-            pthread_mutex_unlock(&g_ctx_mu);
+            for (pos = 0; pos < 2 * n; pos++)
+                free(kv[pos]);
+            free(kv);
             if (!PyErr_Occurred())
                 PyErr_SetString(PyExc_TypeError, "own_context: options must be str -> str");
             return NULL;
         }
-        if (strncmp(ks, "UCX_", 4) == 0)
-            ks += 4;
-        st = ucp_config_modify(cfg, ks, vs);
-        if (st != UCS_OK) {
-            ucp_config_release(cfg);
-            pthread_mutex_unlock(&g_ctx_mu);
-            return raise_ucx(st, "ucp_config_modify", 0);
+        kv[2 * i]     = strdup(strncmp(ks, "UCX_", 4) == 0 ? ks + 4 : ks);
+        kv[2 * i + 1] = strdup(vs);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&g_ctx_mu);
+    ctx = g_own_ctx;
+    if (ctx == NULL) {
+        st = ucp_config_read(NULL, NULL, &cfg);
+        what = "ucp_config_read";
+        for (i = 0; st == UCS_OK && i < n; i++) {
+            st   = kv[2 * i] && kv[2 * i + 1] ? ucp_config_modify(cfg, kv[2 * i], kv[2 * i + 1])
+                                              : UCS_ERR_NO_MEMORY;
+            what = "ucp_config_modify";
         }
+        if (st == UCS_OK) {
+            memset(&p, 0, sizeof(p));
+            p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED |
+                           UCP_PARAM_FIELD_NAME;
+            p.features          = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+            p.mt_workers_shared = 1;
+            p.name              = "kvxfer";
+            st                  = ucp_init(&p, cfg, &ctx);
+            what                = "ucp_init";
+            if (st == UCS_OK)
+                g_own_ctx = ctx;
+        }
+        if (cfg != NULL)
+            ucp_config_release(cfg);
     }
-    memset(&p, 0, sizeof(p));
-    p.field_mask        = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED |
-                          UCP_PARAM_FIELD_NAME;
-    p.features          = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
-    p.mt_workers_shared = 1;
-    p.name              = "kvxfer";
-    st = ucp_init(&p, cfg, &ctx); /* GIL held: a second caller waits for this one */
-    ucp_config_release(cfg);
-    if (st != UCS_OK) {
-        pthread_mutex_unlock(&g_ctx_mu);
-        return raise_ucx(st, "ucp_init", 0);
-    }
-    g_own_ctx = ctx;
     pthread_mutex_unlock(&g_ctx_mu);
+    Py_END_ALLOW_THREADS
+    for (i = 0; i < 2 * n; i++)
+        free(kv[i]);
+    free(kv);
+    if (st != UCS_OK)
+        return raise_ucx(st, what, 0);
     return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)ctx);
 }
 

@@ -104,7 +104,10 @@ class UcxTransport(Transport):
         self.own_rma = own_rma and os.environ.get("KVXFER_OWN_WORKER", "1").strip() not in OFF
         if self.own_rma:
             opts = {str(k): str(v) for k, v in (ucx_options or {}).items()}
-            self.context_handle = self.rma.own_context(opts)
+            try:
+                self.context_handle = self.rma.own_context(opts)
+            except self.rma.UcxError as exc:  # e.g. an unknown option
+                raise TransportError(f"kvxfer's UCP context: {exc.args[1]}") from None
         else:
             self.context_handle = self._app.context.handle
         self._loop: Optional[asyncio.AbstractEventLoop] = None
