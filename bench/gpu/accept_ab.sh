@@ -10,8 +10,8 @@
 #           as signal (RMA on the channel's UCXX endpoint)
 # Each run: kvxfer bench pd --stages (1-page PD p50, raw write, requests/s, 8 MiB) for the
 # modes in AB_MODES; then the transport tests and $AB_TESTS on CUDA. Writes $OUT/accept_ab.md.
-#   here (.ab/ git-ignored): for f in kvxfer/transport/_rma.c kvxfer/transport/ucx.py; do
-#     mkdir -p .ab/before/$(dirname $f); git show 0ea55f1:$f > .ab/before/$f; done
+#   here (.ab/ git-ignored): mkdir -p .ab/before && git archive 0ea55f1 kvxfer pools kernels \
+#     setup.py pyproject.toml | tar -x -C .ab/before
 #   carry [".whl", ".ab"];  bash bench/gpu/run_all.sh accept_ab
 # Env AB_VARIANTS (default "before signal own"), AB_ROUNDS (default 1; 2 runs the variants
 # again in reverse order), AB_MODES (default "none"), AB_TESTS (test files run on CUDA).
@@ -22,8 +22,9 @@ rc=0
 {
 echo "# worker progress: before / signal / own ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F))"
 OLD_PP=""
-if [ -d .ab/before ]; then
-    rm -rf /tmp/before && mkdir -p /tmp/before && cp -r kvxfer pools kernels setup.py pyproject.toml /tmp/before/
+if [ -d .ab/before ]; then  # a whole tree (setup.py there), or files laid over this one
+    rm -rf /tmp/before && mkdir -p /tmp/before
+    [ -f .ab/before/setup.py ] || cp -r kvxfer pools kernels setup.py pyproject.toml /tmp/before/
     cp -r .ab/before/. /tmp/before/; rm -f /tmp/before/kvxfer/transport/_rma*.so
     (cd /tmp/before && python3 setup.py build_ext --inplace -q 2>&1 | grep -i " error" ; true)
     OLD_PP=${NEW_PP/$PWD//tmp/before}
