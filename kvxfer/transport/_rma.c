@@ -426,13 +426,13 @@ static void cq_core_unref_locked(cq_core_t *c, int *free_it)
 static void cq_req_begin_locked(cq_core_t *c)
 {
     c->refs++;
-    if (c->inflight++ == 0 && c->own != NULL)
+    if (__atomic_fetch_add(&c->inflight, 1, __ATOMIC_ACQ_REL) == 0 && c->own != NULL)
         (void)ucp_worker_signal(c->own);
 }
 
 static void cq_req_end_locked(cq_core_t *c, int *free_it)
 {
-    c->inflight--;
+    __atomic_fetch_sub(&c->inflight, 1, __ATOMIC_ACQ_REL);
     cq_core_unref_locked(c, free_it);
 }
 
@@ -1421,7 +1421,7 @@ static PyObject *cq_flush_notify(CompletionQueue *self, PyObject *args)
         int err = cq_spin_begin_locked(c);
         if (err != 0) {
             int f = 0;
-            c->inflight--;
+            __atomic_fetch_sub(&c->inflight, 1, __ATOMIC_ACQ_REL);
             c->refs--;
             if (ch->x != NULL)
                 f = ep_ctx_unref_locked(ch->x);
