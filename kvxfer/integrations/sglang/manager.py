@@ -140,9 +140,11 @@ class KvxferKVManager(CommonKVManager):
             )
         )
         try:
-            # kv pages differ in size between TP sizes (heads per rank): checked per pair by
-            # the prefill path (tp_pairs) at registration, not by the engine's handshake
-            self.engine.start(self._groups(), loose=("kv",))
+            # kv pages and state slots differ in size between TP sizes (heads / state rows
+            # per rank): checked per pair by the prefill path (tp_pairs) at registration,
+            # not by the engine's handshake
+            groups = self._groups()
+            self.engine.start(groups, loose=[g for g in groups if g != "aux"])
             if role == "prefill":
                 from kvxfer.integrations.sglang.prefill_path import PrefillPath
 
