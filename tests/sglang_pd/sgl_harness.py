@@ -176,6 +176,7 @@ def expected_moves(
     aux: int,
     staged: bool = False,
     chunks: int = 2,
+    descs: int = 0,
 ):
     """Per prefill rank: ``(bytes it writes, kv PUTs when it writes no metadata row else
     None, the kv PUTs of the direct path)`` for a room of ``n_pages`` pages in ``chunks``
@@ -183,9 +184,10 @@ def expected_moves(
     holding it (MLA: the first peer writes whole pages, the others are SGLang's dummies);
     the metadata row by the first peer. A pair that moves part of a page costs one PUT per
     token row of every layer's K and V (NHD pages), whole pages one per layer and K/V;
-    ``staged``: one PUT per chunk instead (a landing slot holds a chunk)."""
+    ``staged``: one PUT per chunk instead (a landing slot holds a chunk). ``descs``: KV
+    descriptors (default: every layer's K and V, or latent)."""
     kind, total, tp_p, tp_d = scenario
-    descs = N.LAYERS * (1 if kind == "mla" else 2)
+    descs = descs or N.LAYERS * (1 if kind == "mla" else 2)
     out = []
     for p in range(tp_p):
         nbytes, ops, direct, sends_aux = 0, 0, 0, False
@@ -232,7 +234,8 @@ def byte_exact(cluster, scen: str, room: int, n_pages: int = 3, staged: bool = F
     kv_p = sum(p_info[0]["item_lens"][0])
     kv_d = sum(d_info[0]["item_lens"][0])
     aux = sum(p_info[0]["item_lens"][1])
-    want = expected_moves(scenario, n_pages, kv_p, kv_d, aux, staged)
+    descs = len(p_info[0]["item_lens"][0])  # (a hybrid pool: its full-attention layers)
+    want = expected_moves(scenario, n_pages, kv_p, kv_d, aux, staged, descs=descs)
     if slot is not None:  # plus each prefill rank's slices of the Mamba slot
         runs = [state_runs(scenario, d_info[d]["state_meta"]) for d in range(len(d_info))]
         want = [
