@@ -186,7 +186,8 @@ class PrefillPath:
         """``(reason, None)`` when this prefill rank cannot serve the decode rank ``reg``
         describes, else ``(None, plan)``: the pair's TP plan (:mod:`.tp_pairs`), built once
         per registration. Layout fields must match exactly; the TP shapes may differ where a
-        head mapping joins them (MHA pages, NHD; MLA: whole items), not for state pools."""
+        head mapping joins them (MHA pages, NHD; MLA: whole items) and the state tensors'
+        rows join (:class:`~.tp_pairs.StatePlan`)."""
         mgr, a = self.mgr, self.mgr.kv_args
         ours = {
             "page_size": a.page_size,
@@ -457,7 +458,9 @@ class PrefillPath:
         (equal TP, MLA) or one PatternWrite of the pair's head-slice runs (``plan``, built
         at registration) - one SliceWrite of the same runs under key ``room`` instead where
         that PatternWrite would be more than ``stage`` > 0 PUTs (:meth:`_staged`); on the
-        last chunk the state items and, from the one peer that sends it, the metadata row.
+        last chunk the state items (whole slots at equal TP, else one PatternWrite per state
+        type of the pair's slices, none where this rank holds nothing the decode rank takes
+        from it) and, from the one peer that sends it, the metadata row.
         Page counts are checked against decode's allocation."""
         from kvxfer.engine import ItemWrite, PatternWrite, SliceWrite
 

@@ -32,6 +32,13 @@ MLA (``replicated``): the latent has no heads; every decode rank receives whole 
 one prefill rank, SGLang marks its other peers dummies (they move nothing); item sizes must
 be equal.
 
+Mamba / hybrid state (``state``: one :class:`StatePlan` per state type): each state tensor
+(one descriptor per tensor and layer, item = one slot) is split along its TP dim as
+SGLang's ``MambaPool`` states it (:class:`StateShape`: rows per rank, rows before the split
+dim, independently split parts); :func:`state_geoms` turns that into
+:func:`kvxfer.disagg.tp_plan.state_geometries` and the pair's runs are tp_plan's
+(``page_plan``), one PatternWrite per state type. Equal TP: whole slots.
+
 Invariants (tests/unit/test_sgl_tp_pairs.py, exhaustive against a brute-force byte model):
 every byte of every head a decode rank holds is written exactly once per room, from a
 prefill rank holding that head; runs never leave their items; equal TP gives whole items.
