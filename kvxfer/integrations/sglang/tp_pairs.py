@@ -37,7 +37,10 @@ Mamba / hybrid state (``state``: one :class:`StatePlan` per state type): each st
 SGLang's ``MambaPool`` states it (:class:`StateShape`: rows per rank, rows before the split
 dim, independently split parts); :func:`state_geoms` turns that into
 :func:`kvxfer.disagg.tp_plan.state_geometries` and the pair's runs are tp_plan's
-(``page_plan``), one PatternWrite per state type. Equal TP: whole slots.
+(``page_plan``), one PatternWrite per state type. Equal TP: whole slots. The state is split
+over the attention-TP group (SGLang's ``linear_attn_tp_size()``, the width the Mooncake
+backend slices by, is that group unless CP-TP group sharing, which needs attention CP > 1:
+refused by the manager).
 
 Invariants (tests/unit/test_sgl_tp_pairs.py, exhaustive against a brute-force byte model):
 every byte of every head a decode rank holds is written exactly once per room, from a
