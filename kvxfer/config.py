@@ -43,8 +43,9 @@ ERROR_MODES = ("peer", "none")
 #: ``thread-polling``: it spins (one busy core per process; lowest completion latency).
 PROGRESS_MODES = ("thread", "thread-polling")
 
-#: Who progresses the UCX worker while a write's flush is in flight. ``spin``: a native poller
-#: thread of the transport calls ucp_worker_progress until the flush completes (one busy core
+#: Who keeps the UCX worker progressing while a write's flush is in flight. ``spin``: a native
+#: poller thread of the transport wakes UCXX's progress thread every few µs
+#: (ucp_worker_signal) until the flush completes (one mostly-busy core
 #: only while flushes are pending; it backs off to short sleeps while none completes).
 #: ``event``: UCXX's progress thread alone; it sleeps on the worker's event fd with a timeout,
 #: and CUDA-IPC completions never signal that fd, so every CUDA flush then lasts until the next

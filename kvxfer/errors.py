@@ -50,8 +50,16 @@ class ProtocolError(KvxferError):
     """A wire message is malformed, of an unknown type/version, or out of order."""
 
 
-class VersionMismatch(ProtocolError):
-    """A well-formed wire message of another protocol version (an int other than ours)."""
+class VersionMismatch(ProtocolError, IncompatiblePeer):
+    """The peer speaks another protocol version: a well-formed wire message or channel hello
+    whose version is an int other than ours. The message names both versions (``ours``,
+    ``theirs`` when known) and what to do. Also an :class:`IncompatiblePeer` (what the engine
+    handshake has always raised for it) and a :class:`ProtocolError` (what ``wire.decode``
+    raises)."""
+
+    def __init__(self, msg: str, ours=None, theirs=None) -> None:
+        super().__init__(msg)
+        self.ours, self.theirs = ours, theirs
 
 
 class UnknownGroup(InvalidArgument):

@@ -9,7 +9,7 @@ import importlib
 import os
 import platform
 
-from kvxfer import clitools
+from kvxfer import clitools, wire
 
 
 def _version(mod: str) -> str:
@@ -18,6 +18,15 @@ def _version(mod: str) -> str:
     except Exception as exc:  # ImportError, or a broken install
         return f"missing ({type(exc).__name__}: {exc})"
     return str(getattr(m, "__version__", "present"))
+
+
+def _channel_wait() -> str:
+    from kvxfer.transport.ucx_channel import channel_wait_mode
+
+    try:
+        return channel_wait_mode()
+    except Exception as exc:  # InvalidArgument: reported, not fatal
+        return f"invalid ({exc})"
 
 
 def collect() -> dict:
@@ -31,6 +40,9 @@ def collect() -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "kvxfer": kvxfer.__version__,
+        # what must match across a deployment (docs/engine.md, Compatibility)
+        "protocol": wire.PROTOCOL_VERSION,
+        "channel_wait": _channel_wait(),
     }
     for mod in ("numpy", "msgpack", "torch", "triton", "ucxx", "libucx"):
         out[mod] = _version(mod)

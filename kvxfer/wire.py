@@ -24,7 +24,13 @@ import msgpack
 
 from kvxfer.errors import ProtocolError, VersionMismatch
 
-PROTOCOL_VERSION = 1
+#: The one protocol version of kvxfer: every wire message carries it, the UCX channel's
+#: opening hello announces it (:mod:`kvxfer.transport.opening`), the handshake's proofs and
+#: the bootstrap's seals cover it. Bump it with any change an older build cannot take (a
+#: message field added or retyped, a frame changed): peers of two versions then fail at once
+#: with :class:`VersionMismatch` naming both. 1: up to the unversioned channel opening;
+#: 2: versioned opening (version and channel wait mode), SglRoom.slices.
+PROTOCOL_VERSION = 2
 
 #: Upper bound of one encoded message; larger input is rejected before unpacking.
 MAX_MESSAGE_BYTES = 64 << 20
@@ -140,8 +146,11 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
         raise ProtocolError(f"{_short(tag)}: protocol version {_short(version)} is not an int")
     if version != PROTOCOL_VERSION:
         raise VersionMismatch(
-            f"{_short(tag)}: protocol version {_short(version)}, this side "
-            f"speaks {PROTOCOL_VERSION}"
+            f"{_short(tag)}: the peer speaks kvxfer protocol version {_short(version)}, this "
+            f"side {PROTOCOL_VERSION}: every process of a deployment must run a kvxfer of one "
+            "protocol version (docs/engine.md, Compatibility)",
+            ours=PROTOCOL_VERSION,
+            theirs=version,
         )
     cls = _REGISTRY.get(tag) if isinstance(tag, str) else None
     if cls is None:

@@ -114,6 +114,10 @@ class EngineNode:
         """``{engine key: listening port}`` (each engine bound port 0)."""
         return dict(self._ports)
 
+    def engine_id(self, key) -> str:
+        """Engine ``key``'s id (what its peers know it by)."""
+        return self.engines[key].engine.id
+
     def _peer(self, key, peer_id):
         return self.engines[key].peers()[peer_id]
 

@@ -49,6 +49,7 @@ from kvxfer.errors import (
     PeerClosed,
     ProtocolError,
     TransferTimeout,
+    VersionMismatch,
 )
 from kvxfer.loop_thread import LoopThread
 
@@ -204,8 +205,10 @@ class BootstrapServer:
                     _read_frame(reader, MAX_REQUEST_BYTES), REQUEST_TIMEOUT_S
                 )
                 reply = self._answer(msg, nonce_s)
-            except ProtocolError as exc:
-                reply = m.BsReply(ok=False, error=f"ProtocolError: {str(exc)[:200]}")
+            except ProtocolError as exc:  # VersionMismatch included (named as such)
+                if isinstance(exc, VersionMismatch):
+                    log.warning("bootstrap: request refused: %s", exc)
+                reply = m.BsReply(ok=False, error=f"{type(exc).__name__}: {str(exc)[:400]}")
             except AuthenticationFailed as exc:
                 reply = m.BsReply(ok=False, error=f"AuthenticationFailed: {exc}")
             await _send(writer, reply, SEND_TIMEOUT_S)
@@ -229,7 +232,7 @@ class BootstrapServer:
         try:
             reply = self._handle(wire.decode(sealed.body))
         except ProtocolError as exc:
-            reply = m.BsReply(ok=False, error=f"ProtocolError: {str(exc)[:200]}")
+            reply = m.BsReply(ok=False, error=f"{type(exc).__name__}: {str(exc)[:400]}")
         body = reply.encode()
         return m.BsSealed(
             nonce=sealed.nonce,
@@ -292,8 +295,10 @@ async def request(
 ) -> m.BsReply:
     """One authenticated request/reply with the bootstrap server at ``addr`` within
     ``timeout`` seconds (``secret``: the deployment's, else ``$KVXFER_SECRET``). Raises
-    AuthenticationFailed when either side fails the other's check, ProtocolError when the
-    server refused the request, PeerClosed / TransferTimeout for the connection."""
+    AuthenticationFailed when either side fails the other's check, VersionMismatch (both
+    numbers in its message) when the server speaks another protocol version or refused our
+    request for that, ProtocolError when the server refused the request otherwise,
+    PeerClosed / TransferTimeout for the connection."""
     host, port = parse_addr(addr)
     secret = resolve_secret(secret, "bootstrap client")
 
@@ -317,12 +322,7 @@ async def request(
             await writer.drain()
             answer = await _read_frame(reader, MAX_REPLY_BYTES)
             if isinstance(answer, m.BsReply):  # unsealed: a refusal before authentication
-                cls = (
-                    AuthenticationFailed
-                    if answer.error.startswith("AuthenticationFailed")
-                    else ProtocolError
-                )
-                raise cls(f"bootstrap {host}:{port} refused: {answer.error}")
+                raise _refusal(answer.error)(f"bootstrap {host}:{port} refused: {answer.error}")
             answer = wire.expect(answer, m.BsSealed)
             if answer.nonce != nonce_c or not hmac.compare_digest(
                 seal(secret, b"reply", challenge.nonce, nonce_c, answer.body), answer.mac
@@ -342,8 +342,16 @@ async def request(
     except (OSError, asyncio.IncompleteReadError) as exc:
         raise PeerClosed(f"bootstrap {host}:{port}: {exc}") from None
     if not reply.ok:
-        raise ProtocolError(f"bootstrap {host}:{port} refused: {reply.error}")
+        raise _refusal(reply.error)(f"bootstrap {host}:{port} refused: {reply.error}")
     return reply
+
+
+def _refusal(error: str) -> type:
+    """The error type of a server's refusal (its text starts with the type's name)."""
+    for cls in (AuthenticationFailed, VersionMismatch):
+        if error.startswith(cls.__name__ + ":"):
+            return cls
+    return ProtocolError
 
 
 async def lookup(

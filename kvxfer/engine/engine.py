@@ -141,7 +141,9 @@ class TransferEngine:
             from kvxfer.transport.ucx import UcxTransport
 
             self._transport = UcxTransport(
-                cfg.ucx_options, resolved(cfg.progress_mode, "progress_mode")
+                cfg.ucx_options,
+                resolved(cfg.progress_mode, "progress_mode"),
+                own_rma=cfg.error_mode == "none",
             )
         stage = (
             (
@@ -223,8 +225,12 @@ class TransferEngine:
                 timeout,
                 cfg.refuse_emulated_destinations,
                 note_token=notes.token,
+                bulk_only=transport.own_rma,
             )
-            bulk_addr = res.remote.address if cfg.error_mode == "none" else None
+            # a bulk endpoint in error_mode "none", and whenever either side's keys are
+            # valid only there (kvxfer's own UCP context: Layout.bulk_only)
+            bulk = cfg.error_mode == "none" or transport.own_rma or res.remote.bulk_only
+            bulk_addr = res.remote.address if bulk else None
             rma = await transport.rma_endpoint(ch, bulk_addr, timeout)
             rma.add_remote_regions(res.remote.bases, res.remote.lens, res.remote.keys)
             peer = Peer(

@@ -268,6 +268,8 @@ class RemoteGroups:
     ipc: List[bytes] = field(default_factory=list)
     #: the peer's token for chained notifications (0: the peer takes AppMessages only)
     note_token: int = 0
+    #: the peer's keys need a bulk endpoint to ``address`` (messages.Layout.bulk_only)
+    bulk_only: bool = False
 
 
 def _int_list(v, where: str) -> List[int]:
@@ -314,6 +316,8 @@ def parse_remote(msg) -> RemoteGroups:
     note = msg.note_token
     if not isinstance(note, int) or isinstance(note, bool) or not 0 <= note < 1 << 64:
         raise ProtocolError("layout: note_token must be an unsigned 64-bit int")
+    if not isinstance(msg.bulk_only, bool) or (msg.bulk_only and not msg.address):
+        raise ProtocolError("layout: bulk_only must be a bool, and needs an address")
     return RemoteGroups(
         groups,
         desc_region,
@@ -325,6 +329,7 @@ def parse_remote(msg) -> RemoteGroups:
         landing,
         parse_ipc(msg.region_ipc, n),
         note,
+        msg.bulk_only,
     )
 
 

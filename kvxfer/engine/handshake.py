@@ -2,7 +2,10 @@
 
 Guarantees
 - The whole exchange runs under one deadline (``TransferTimeout`` when it passes).
-- Protocol version first: a peer speaking another version fails with ``IncompatiblePeer``.
+- Protocol version first (the channel's opening has checked it already, see
+  :mod:`kvxfer.transport.opening`; this covers any other channel): a peer speaking another
+  version fails with ``VersionMismatch`` (an ``IncompatiblePeer``) naming both versions, on
+  both ends (the Reject says ``version``).
 - Mutual authentication by HMAC-SHA256 challenge-response over fresh nonces; neither side
   sends its region table (addresses, remote keys) before the other proved the secret.
 - Each proof covers the whole opening exchange (both Hellos: ids, names, hosts, nonces,
@@ -44,6 +47,7 @@ from kvxfer.errors import (
     PeerClosed,
     ProtocolError,
     TransferTimeout,
+    VersionMismatch,
 )
 from kvxfer.transport.base import Channel
 
@@ -103,11 +107,8 @@ class _Deadline:
 
 
 def _decode(raw: bytes) -> wire.Message:
-    """Decode, turning a foreign protocol version into IncompatiblePeer."""
-    try:
-        return wire.decode(raw)
-    except wire.VersionMismatch as exc:
-        raise IncompatiblePeer(f"peer speaks another protocol version: {exc}") from None
+    """Decode; a foreign protocol version raises ``VersionMismatch`` (an IncompatiblePeer)."""
+    return wire.decode(raw)
 
 
 async def _recv(ch: Channel, dl: _Deadline, expected, max_bytes: int = MAX_PREAUTH_BYTES):
@@ -116,9 +117,11 @@ async def _recv(ch: Channel, dl: _Deadline, expected, max_bytes: int = MAX_PREAU
 
 def _expect(msg, expected):
     if isinstance(msg, m.Reject):
-        cls = {"auth": AuthenticationFailed, "incompatible": IncompatiblePeer}.get(
-            msg.kind, ProtocolError
-        )
+        cls = {
+            "auth": AuthenticationFailed,
+            "incompatible": IncompatiblePeer,
+            "version": VersionMismatch,
+        }.get(msg.kind, ProtocolError)
         raise cls(f"peer rejected the handshake: {msg.reason}")
     return wire.expect(msg, expected)
 
@@ -149,6 +152,8 @@ async def _reject(ch: Channel, dl: _Deadline, exc: KvxferError) -> None:
     kind = (
         "auth"
         if isinstance(exc, AuthenticationFailed)
+        else "version"
+        if isinstance(exc, VersionMismatch)
         else "incompatible"
         if isinstance(exc, IncompatiblePeer)
         else "protocol"
@@ -170,7 +175,9 @@ def check_groups(local: LocalGroups, remote: RemoteGroups) -> None:
             raise IncompatiblePeer(str(exc)) from None
 
 
-def _layout(local: LocalGroups, address: bytes, grant: dict, note_token: int = 0) -> bytes:
+def _layout(
+    local: LocalGroups, address: bytes, grant: dict, note_token: int = 0, bulk_only: bool = False
+) -> bytes:
     bases, lens, keys, types = local.region_table()
     return m.Layout(
         groups=local.wire_groups(),
@@ -183,6 +190,7 @@ def _layout(local: LocalGroups, address: bytes, grant: dict, note_token: int = 0
         non_ipc=ipc.non_ipc(local.ipc) or None,
         region_ipc=local.ipc_blobs(),
         note_token=note_token,
+        bulk_only=bulk_only,
     ).encode()
 
 
@@ -219,6 +227,7 @@ async def connect_side(
     timeout: float,
     refuse_emulated: bool = False,
     note_token: int = 0,
+    bulk_only: bool = False,
 ) -> HandshakeResult:
     dl = _Deadline(timeout)
     hello = m.Hello(
@@ -248,7 +257,7 @@ async def connect_side(
         _check_ipc(local, layout, remote, ack.hostname, refuse_emulated)
         if ack.stage:
             grant.update(local.grant_landing())
-        await ch.send(_layout(local, address, grant, note_token), dl.left())
+        await ch.send(_layout(local, address, grant, note_token, bulk_only), dl.left())
         await _recv(ch, dl, m.Ready, wire.MAX_MESSAGE_BYTES)
         return HandshakeResult(ack.engine_id, ack.name, ack.hostname, remote, dict(grant))
 
@@ -270,6 +279,7 @@ async def accept_side(
     timeout: float,
     refuse_emulated: bool = False,
     note_token: int = 0,
+    bulk_only: bool = False,
 ) -> HandshakeResult:
     dl = _Deadline(timeout)
 
@@ -298,7 +308,7 @@ async def accept_side(
         ch.trusted(wire.MAX_MESSAGE_BYTES)
         if hello.stage:
             grant.update(local.grant_landing())
-        await ch.send(_layout(local, address, grant, note_token), dl.left())
+        await ch.send(_layout(local, address, grant, note_token, bulk_only), dl.left())
         layout = await _recv(ch, dl, m.Layout, wire.MAX_MESSAGE_BYTES)
         remote = parse_remote(layout)
         check_groups(local, remote)

@@ -58,7 +58,8 @@ class Proof(wire.Message):
 @wire.register
 @dataclass
 class Reject(wire.Message):
-    """``kind``: "auth" | "incompatible" | "protocol"."""
+    """``kind``: "auth" | "incompatible" | "version" | "protocol" (older peers map "version",
+    unknown to them, to ProtocolError)."""
 
     TAG = "kx.reject"
     kind: str
@@ -94,6 +95,10 @@ class Layout(wire.Message):
     #: the receiver's token for chained notifications (Peer.write's native flush -> notify;
     #: kvxfer.transport.base.Transport.note_listen); 0: send notifications as AppMessage
     note_token: int = 0
+    #: the sender's region keys are valid only on a bulk endpoint to ``address`` (its
+    #: registrations live on kvxfer's own UCP context: error_mode "none"): a peer writes to
+    #: it over such an endpoint whatever its own error mode
+    bulk_only: bool = False
 
 
 @wire.register

@@ -36,8 +36,20 @@ class TransportNode:
     def channel_oversize(self) -> dict:
         return self.loop.run_until_complete(_TransportChecks.channel_oversize())
 
+    def opening_mismatch(self, connect: dict, accept: dict) -> dict:
+        return self.loop.run_until_complete(_TransportChecks.opening_mismatch(connect, accept))
+
+    def opening_same(self, mode: str) -> dict:
+        return self.loop.run_until_complete(_TransportChecks.opening_same(mode))
+
+    def opening_legacy(self, kind: str) -> dict:
+        return self.loop.run_until_complete(_TransportChecks.opening_legacy(kind))
+
     def channel_rtt(self, n: int) -> dict:
         return self.loop.run_until_complete(_TransportChecks.channel_rtt(n))
+
+    def accept_while_spinning(self, n: int, hammer: bool = False, mode: str = "peer") -> dict:
+        return self.loop.run_until_complete(_TransportChecks.accept_while_spinning(n, hammer, mode))
 
     def close(self) -> None:
         self.loop.close()
@@ -48,7 +60,7 @@ class _TransportChecks:
     async def _pair(error_mode="peer"):
         from kvxfer.transport.ucx import UcxTransport
 
-        t = UcxTransport()
+        t = UcxTransport(own_rma=error_mode == "none")
         accepted = asyncio.get_running_loop().create_future()
 
         async def on_accept(ch):
@@ -300,6 +312,211 @@ class _TransportChecks:
         return out
 
     @staticmethod
+    def _recording(t) -> list:
+        """Keep every channel the transport makes (to check what each left behind)."""
+        made: list = []
+        make = t._channel
+
+        def record(*args):
+            made.append(make(*args))
+            return made[-1]
+
+        t._channel = record
+        return made
+
+    @staticmethod
+    def _leftovers(t, made) -> dict:
+        return {
+            "channels": len(made),
+            "tokens_left": sorted(t._notes),
+            "rx_left": [ch._rx is not None for ch in made],
+            "eps_left": [ch._ep is not None for ch in made],
+            "inbox_left": sum(len(ch._inbox) for ch in made),
+            "pending": t._cq.pending if t._cq is not None else 0,
+        }
+
+    @staticmethod
+    async def opening_mismatch(connect: dict, accept: dict):
+        """Both ends announce what ``connect`` / ``accept`` say (``mode``, ``version``):
+        the connecting side's error, the accepting side's (the listener's refusal), how
+        long each took from the connect call, and what the two channels left behind."""
+        import time
+
+        from kvxfer.transport.ucx import UcxTransport
+
+        t = UcxTransport()
+        t.test_opening = {"connect": connect, "accept": accept}
+        made = _TransportChecks._recording(t)
+        loop = asyncio.get_running_loop()
+        refused = loop.create_future()
+        accepted: list = []
+        t.on_refused = lambda exc: refused.done() or refused.set_result(exc)
+
+        async def on_accept(ch):
+            accepted.append(ch)
+            await ch.close(1.0)
+
+        _, port = await t.listen("127.0.0.1", 0, on_accept)
+        out: dict = {}
+        t0 = time.monotonic()
+        try:
+            ch = await t.connect("127.0.0.1", port, 10.0)
+            out["client"], out["client_msg"] = "connected", ""
+            await ch.close(1.0)
+        except Exception as exc:
+            out["client"], out["client_msg"] = type(exc).__name__, str(exc)
+            out["client_versions"] = [getattr(exc, "ours", None), getattr(exc, "theirs", None)]
+        out["client_s"] = time.monotonic() - t0
+        try:
+            exc = await asyncio.wait_for(refused, 10.0)
+            out["server"], out["server_msg"] = type(exc).__name__, str(exc)
+            out["server_versions"] = [getattr(exc, "ours", None), getattr(exc, "theirs", None)]
+        except asyncio.TimeoutError:
+            out["server"], out["server_msg"] = "not refused", ""
+        out["server_s"] = time.monotonic() - t0
+        out["accepted"] = len(accepted)
+        out.update(_TransportChecks._leftovers(t, made))
+        await t.close()
+        return out
+
+    @staticmethod
+    async def opening_legacy(kind: str):
+        """This build against a protocol-1 peer played frame by frame on a raw UCXX endpoint
+        (``kind``: ``native-connector``, ``yield-connector``, ``yield-acceptor``,
+        ``native-acceptor``, i.e. what the old build is and does). Returns this end's error,
+        how long it took, what the old peer received (``padding``, ``hello``, ``close``: our
+        close frame in its epoch ends its opening at once) and what our channel left."""
+        import time
+
+        import msgpack
+
+        from kvxfer.transport.ucx import UcxTransport
+        from kvxfer.transport.ucx_channel import new_epoch
+
+        t = UcxTransport()
+        made = _TransportChecks._recording(t)
+        loop = asyncio.get_running_loop()
+        old_epoch = new_epoch()
+
+        def kind_of(buf, epoch) -> str:
+            b = bytes(buf)
+            if b == bytes(8):
+                return "padding"
+            if b[:8] == epoch.to_bytes(8, "little") and b[8:] == b"\xc1":
+                return "close"
+            if b[8:10] == b"\xc1\xc4":
+                return "hello"
+            return f"{len(b)}-byte frame"
+
+        async def old_peer(ep, epoch, answer) -> list:
+            """Read frames until our close frame of ``epoch`` (answering a hello with
+            ``answer``, if given), then close as protocol 1 did: a close frame back, abort."""
+            saw: list = []
+            while True:
+                buf = await asyncio.wait_for(ep.am_recv(), 5.0)
+                saw.append(kind_of(buf, epoch or int.from_bytes(bytes(buf)[:8], "little")))
+                if saw[-1] == "hello" and not epoch:  # accepting: its epoch is the connection's
+                    epoch = int.from_bytes(bytes(buf)[:8], "little")
+                if saw[-1] == "hello" and answer is not None:
+                    await ep.am_send(epoch.to_bytes(8, "little") + answer)
+                if saw[-1] == "close":
+                    break
+            await ep.am_send(epoch.to_bytes(8, "little") + b"\xc1")
+            ep.abort()
+            return saw
+
+        out: dict = {}
+        t0 = time.monotonic()
+        if kind.endswith("connector"):
+            refused = loop.create_future()
+            t.on_refused = lambda exc: refused.done() or refused.set_result(exc)
+
+            async def on_accept(ch):
+                await ch.close(1.0)
+
+            _, port = await t.listen("127.0.0.1", 0, on_accept)
+            ep = await t.ucxx.create_endpoint("127.0.0.1", port, endpoint_error_handling=True)
+            t0 = time.monotonic()  # from the old peer's opening (not UCX's first connect)
+            await ep.am_send(bytes(8))
+            first = (
+                b"\xc1\xc2" + (12345).to_bytes(8, "little")
+                if kind == "native-connector"
+                else msgpack.packb({"t": "kx.hello", "v": 1, "name": "old"}, use_bin_type=True)
+            )
+            await ep.am_send(old_epoch.to_bytes(8, "little") + first)
+            out["old_saw"] = await old_peer(ep, old_epoch, None)
+            exc = await asyncio.wait_for(refused, 10.0)
+        else:
+            from kvxfer.transport import ucx_channel
+
+            accepted = loop.create_future()
+
+            async def handler(ep):
+                await ep.am_send(bytes(8))
+                reject = msgpack.packb(
+                    {"t": "kx.reject", "v": 1, "kind": "protocol", "reason": "undecodable"},
+                    use_bin_type=True,
+                )
+                answer = reject if kind == "yield-acceptor" else None
+                try:
+                    accepted.set_result(await old_peer(ep, 0, answer))
+                except Exception as e:
+                    accepted.set_exception(e)
+
+            listener = t.ucxx.create_listener(handler, port=0, endpoint_error_handling=True)
+            old, ucx_channel.HELLO_TIMEOUT_S = ucx_channel.HELLO_TIMEOUT_S, 0.5
+            try:
+                await t.connect("127.0.0.1", listener.port, 10.0)
+                exc = None
+            except Exception as e:
+                exc = e
+            finally:
+                ucx_channel.HELLO_TIMEOUT_S = old
+            out["old_saw"] = await asyncio.wait_for(accepted, 10.0)
+            listener.close()
+        out["s"] = time.monotonic() - t0
+        out["error"] = type(exc).__name__
+        out["msg"] = str(exc)
+        out["versions"] = [getattr(exc, "ours", None), getattr(exc, "theirs", None)]
+        out.update(_TransportChecks._leftovers(t, made))
+        await t.close()
+        return out
+
+    @staticmethod
+    async def opening_same(mode: str):
+        """Both ends in ``mode``: the opening pairs them, a message goes each way, and the
+        orderly close leaves nothing behind."""
+        from kvxfer.transport.ucx import UcxTransport
+
+        t = UcxTransport()
+        t.test_opening = {"connect": {"mode": mode}, "accept": {"mode": mode}}
+        made = _TransportChecks._recording(t)
+        accepted = asyncio.get_running_loop().create_future()
+
+        async def on_accept(ch):
+            accepted.set_result(ch)
+
+        _, port = await t.listen("127.0.0.1", 0, on_accept)
+        client = await t.connect("127.0.0.1", port, 10.0)
+        await client.send(b"ping", 5.0)
+        server = await asyncio.wait_for(accepted, 10.0)
+        ok = await server.recv(5.0) == b"ping"
+        server.adopt_epoch()
+        await server.send(b"pong", 5.0)
+        ok = ok and await client.recv(5.0) == b"pong"
+        out = {
+            "ok": ok,
+            "modes": [client.mode, server.mode],
+            "native": [bool(client._peer_token), bool(server._peer_token)],
+            "dropped": client.dropped + server.dropped,
+        }
+        await asyncio.gather(client.close(2.0), server.close(2.0))
+        out["saw_close"] = client._close_seen and server._close_seen
+        out.update(_TransportChecks._leftovers(t, made))
+        await t.close()
+        return out
+
+    @staticmethod
     async def channel_rtt(n: int):
         """Median and p90 (µs) of ``n`` one-message round trips (client -> server -> client)
         on one loop, and the channels' mode."""
@@ -334,6 +551,79 @@ class _TransportChecks:
         await asyncio.gather(client.close(1.0), server.close(1.0))
         await t.close()
         return out
+
+    @staticmethod
+    async def accept_while_spinning(n: int, hammer: bool = False, mode: str = "peer"):
+        """``n`` connections accepted while the transport's poller spins: held by
+        ``spin_hold`` (as during a CUDA flush that has not completed), or, ``hammer``, by
+        real PUT + spin-flush rounds back to back on a connected pair. Returns the seconds
+        each connect + accept + first frame took, and the poller state. The listener's
+        connection callback must never run on a thread of ours: UCXX then waits (3 x 3 s)
+        for its progress thread to create the endpoint, which needs the worker lock the
+        calling thread holds. ``mode``: the pair's error mode ("peer": RMA on the channel's
+        endpoint, UCXX's worker; "none": a bulk endpoint on kvxfer's own worker)."""
+        import time
+
+        import numpy as np
+
+        t, c0, s0, rma = await _TransportChecks._pair(mode)
+        accepted: asyncio.Queue = asyncio.Queue()
+        t._listener.close()  # the pair's listener: replaced by one feeding the queue
+
+        async def on_accept(ch):
+            await accepted.put(ch)
+
+        _, port = await t.listen("127.0.0.1", 0, on_accept)
+        src = np.arange(1 << 16, dtype=np.uint8)
+        dst = np.zeros(1 << 16, dtype=np.uint8)
+        rs, rd = t.register(src.ctypes.data, src.nbytes), t.register(dst.ctypes.data, dst.nbytes)
+        rma.add_remote_regions([rd.addr], [rd.length], [rd.packed_key()])
+        one = lambda v: np.array([v], dtype=np.uint64)  # noqa: E731
+        stop = asyncio.Event()
+        rounds = [0]
+
+        async def flushes():
+            while not stop.is_set():
+                rma.put(one(src.ctypes.data), one(rd.addr), one(src.nbytes), one(rs.handle), one(0))
+                await rma.flush(5.0, True)
+                rounds[0] += 1
+
+        pump = asyncio.ensure_future(flushes()) if hammer else None
+        if not hammer:
+            t._cq.spin_hold(True)
+        took, errors = [], []
+        try:
+            for _ in range(n):
+                t0 = time.monotonic()
+                try:
+                    client = await t.connect("127.0.0.1", port, 12.0)
+                    await client.send(b"x", 5.0)
+                    server = await asyncio.wait_for(accepted.get(), 12.0)
+                    assert await server.recv(5.0) == b"x"
+                except Exception as exc:  # reported, not raised: the caller asserts
+                    errors.append(f"{type(exc).__name__}: {exc}")
+                    break
+                took.append(time.monotonic() - t0)
+                await asyncio.gather(client.close(2.0), server.close(2.0))
+            spinning = t._cq.spinning
+        finally:
+            if pump is not None:
+                stop.set()
+                await asyncio.wait_for(pump, 10.0)
+            else:
+                t._cq.spin_hold(False)
+        exact = bytes(dst) == bytes(src) if hammer else True
+        await rma.close(1.0)
+        await asyncio.gather(c0.close(1.0), s0.close(1.0))
+        rs.release(), rd.release()
+        await t.close()
+        return {
+            "took": took,
+            "errors": errors,
+            "spinning": spinning,
+            "flush_rounds": rounds[0],
+            "exact": exact,
+        }
 
     @staticmethod
     async def completion_queue():

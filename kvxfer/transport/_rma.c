@@ -14,11 +14,17 @@
  *                             while posting
  *   CompletionQueue           ep/worker flush whose completion (token, status, time) is queued
  *                             and signalled on an eventfd that asyncio watches (loop.add_reader).
- *                             Callbacks run on whatever thread progresses the worker (UCXX's
- *                             progress thread or the poller below); they never touch Python.
- *   poller                    a flush started with spin=True is progressed by a native thread
- *                             of the queue that calls ucp_worker_progress while (and only
- *                             while) such flushes are in flight, then sleeps on a condition
+ *                             Callbacks run on the thread that progresses the endpoint's
+ *                             worker (UCXX's progress thread for UCXX's worker; the queue's
+ *                             own-worker thread or a chain's starter for the own worker);
+ *                             they never touch Python.
+ *   own_context / own worker  kvxfer's own UCP context (process-wide, thread-shared) and a
+ *                             worker per queue made with context=: bulk endpoints live there
+ *                             and only kvxfer's threads progress it (nothing of UCXX runs
+ *                             there); the queue's thread sleeps on its event fd when idle.
+ *   poller                    while a flush started with spin=True is in flight, a native
+ *                             thread of the queue wakes UCXX's progress thread every
+ *                             signal_us (ucp_worker_signal), then sleeps on a condition
  *                             variable. UCXX's progress thread sleeps on the worker's event fd
  *                             with a 1 ms epoll timeout, and cuda_ipc completions (CUDA events)
  *                             never signal that fd: without the poller every CUDA flush
@@ -33,12 +39,17 @@
  *   - A CompletionQueue's shared core lives until the Python object is gone AND every flush
  *     it started has called back (reference count), so a callback arriving after close()
  *     or after a Python-side timeout is harmless.
+ *   - No thread of ours calls ucp_worker_progress on UCXX's worker (the own worker is ours
+ *     to progress). Whatever progresses UCXX's worker runs
+ *     UCXX's listener callback, whose ucp_ep_create is handed to UCXX's progress thread and
+ *     waited for (3 x 3 s); that thread needs the worker lock the progressing thread holds,
+ *     so every accept stalled until UCXX gave up. Our threads signal the worker instead.
  *   - The poller thread is joined by close() (GIL released) before the eventfd closes, so it
- *     never progresses a worker after the queue was closed; the owner closes the queue
+ *     never signals a worker after the queue was closed; the owner closes the queue
  *     before UCXX tears its worker down. A spinning poller backs off to 10 us sleeps after
- *     2 ms in which ucp_worker_progress found nothing to do, and to 200 us sleeps after
- *     100 ms (a stuck flush costs little CPU; the Python side times it out). Any progress
- *     resets the clock, so a steady stream of completions is never slowed.
+ *     2 ms in which nothing completed, and to 200 us sleeps after 100 ms (a stuck flush
+ *     costs little CPU; the Python side times it out). Any completion resets the clock,
+ *     so a steady stream of completions is never slowed.
  *   - put_batch either rejects the whole batch before posting anything (bad bounds) or
  *     raises UcxError(status, message, posted) after `posted` ops went out.
  */
@@ -47,11 +58,14 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <poll.h>
+#include <sys/prctl.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -372,9 +386,17 @@ typedef struct {
     int refs;     /* Python object + in-flight requests */
     cq_item_t *items;
     size_t n, cap;
-    /* poller: progresses `worker` while spinning > 0 (spin flushes in flight) */
+    /* poller: wakes UCXX's progress thread on `worker` while spinning > 0 (spin flushes in
+     * flight), every signal_ns; `pushes` counts queued items (its backoff clock) */
     ucp_worker_h worker;
     long spinning;
+    long signal_ns;
+    unsigned long pushes;
+    /* own worker (made when the queue gets a context): bulk endpoints live on it and only
+     * kvxfer's threads progress it (the queue's thread, a chain's starter inline) */
+    ucp_worker_h own;
+    int own_efd;   /* its event fd, -1 without UCP_FEATURE_WAKEUP (then it is polled) */
+    long inflight; /* flushes / chains / closes whose callback has not run (timeout tick) */
     int stop, thread_live;
     pthread_t thread;
     pthread_cond_t cv;
@@ -396,6 +418,22 @@ static double mono_now(void)
 static void cq_core_unref_locked(cq_core_t *c, int *free_it)
 {
     *free_it = (--c->refs == 0);
+}
+
+/* A request (flush, chain, close) starts / ends; caller holds c->mu. The first one in
+ * flight wakes the own worker's thread, which then sleeps with a 1 ms tick (completions
+ * over shared memory and CUDA signal nothing) instead of indefinitely. */
+static void cq_req_begin_locked(cq_core_t *c)
+{
+    c->refs++;
+    if (c->inflight++ == 0 && c->own != NULL)
+        (void)ucp_worker_signal(c->own);
+}
+
+static void cq_req_end_locked(cq_core_t *c, int *free_it)
+{
+    c->inflight--;
+    cq_core_unref_locked(c, free_it);
 }
 
 static void cq_core_free(cq_core_t *c)
@@ -426,6 +464,7 @@ static void cq_push_data_locked(cq_core_t *c, uint64_t token, int status, void *
             c->cap   = cap;
         }
     }
+    __atomic_fetch_add(&c->pushes, 1, __ATOMIC_RELAXED);
     if (c->n < c->cap) {
         c->items[c->n].token  = token;
         c->items[c->n].status = status;
@@ -476,7 +515,7 @@ static void cq_callback(void *request, ucs_status_t status, void *user)
     cq_push_locked(c, r->token, status);
     if (r->spin)
         __atomic_fetch_sub(&c->spinning, 1, __ATOMIC_RELEASE);
-    cq_core_unref_locked(c, &free_it);
+    cq_req_end_locked(c, &free_it);
     pthread_mutex_unlock(&c->mu);
     if (free_it)
         cq_core_free(c);
@@ -484,33 +523,42 @@ static void cq_callback(void *request, ucs_status_t status, void *user)
     ucp_request_free(request);
 }
 
-/* The poller: progress the worker while spin flushes are in flight, else sleep. */
+/* The poller: while spin flushes are in flight, wake UCXX's progress thread every
+ * signal_ns (ucp_worker_signal: it then progresses the worker, which polls the CUDA events
+ * that cuda_ipc completions never signal); else sleep. It never progresses the worker
+ * itself: whatever progresses it runs UCXX's listener callback, whose endpoint creation
+ * waits for UCXX's progress thread, which needs the worker lock the caller holds (a 3 x 3 s
+ * stall of every accept). */
 static void *cq_poller_main(void *arg)
 {
     cq_core_t *c = (cq_core_t *)arg;
+    (void)prctl(PR_SET_TIMERSLACK, 1000UL); /* short sleeps stay short (ns) */
     pthread_mutex_lock(&c->mu);
     for (;;) {
         ucp_worker_h w;
         double t0;
+        unsigned long seen;
         while (!c->stop && c->spinning <= 0)
             pthread_cond_wait(&c->cv, &c->mu);
         if (c->stop)
             break;
-        w = c->worker;
+        w    = c->worker;
+        seen = c->pushes;
         pthread_mutex_unlock(&c->mu);
-        t0 = mono_now(); /* last time progress did something */
+        t0 = mono_now(); /* last time something completed */
         while (__atomic_load_n(&c->spinning, __ATOMIC_ACQUIRE) > 0 &&
                !__atomic_load_n(&c->stop, __ATOMIC_ACQUIRE)) {
+            unsigned long now_seen = __atomic_load_n(&c->pushes, __ATOMIC_RELAXED);
             double idle;
-            if (ucp_worker_progress(w) != 0) {
-                t0 = mono_now();
-                continue;
+            struct timespec ts = {0, 0};
+            (void)ucp_worker_signal(w); /* no wake-up feature (polling mode): it spins anyway */
+            if (now_seen != seen) {
+                seen = now_seen;
+                t0   = mono_now();
             }
-            idle = mono_now() - t0;
-            if (idle > 2e-3) {
-                struct timespec ts = {0, idle > 0.1 ? 200000 : 10000};
-                nanosleep(&ts, NULL);
-            }
+            idle       = mono_now() - t0;
+            ts.tv_nsec = idle > 0.1 ? 200000 : idle > 2e-3 ? 10000 : c->signal_ns;
+            nanosleep(&ts, NULL);
         }
         pthread_mutex_lock(&c->mu);
     }
@@ -518,18 +566,152 @@ static void *cq_poller_main(void *arg)
     return NULL;
 }
 
+/* The own worker's thread (queues made with a context): the only thread besides a chain's
+ * starter that progresses the own worker. While spin flushes are in flight it progresses
+ * it back to back (CUDA events signal nothing), backing off like the poller; otherwise it
+ * progresses until idle, arms the worker's event fd and sleeps on it: indefinitely when no
+ * request is in flight (an idle engine costs no CPU), else for at most 1 ms (completions
+ * over shared memory signal nothing either). cq_req_begin_locked and cq_spin_begin_locked
+ * wake it (ucp_worker_signal) when that changes; close() sets stop and wakes it. */
+static void *cq_own_main(void *arg)
+{
+    cq_core_t *c   = (cq_core_t *)arg;
+    ucp_worker_h w = c->own;
+    (void)prctl(PR_SET_TIMERSLACK, 1000UL);
+    while (!__atomic_load_n(&c->stop, __ATOMIC_ACQUIRE)) {
+        if (__atomic_load_n(&c->spinning, __ATOMIC_ACQUIRE) > 0) {
+            double t0 = mono_now(); /* last time progress did something */
+            while (__atomic_load_n(&c->spinning, __ATOMIC_ACQUIRE) > 0 &&
+                   !__atomic_load_n(&c->stop, __ATOMIC_ACQUIRE)) {
+                double idle;
+                if (ucp_worker_progress(w) != 0) {
+                    t0 = mono_now();
+                    continue;
+                }
+                idle = mono_now() - t0;
+                if (idle > 2e-3) {
+                    struct timespec ts = {0, idle > 0.1 ? 200000 : 10000};
+                    nanosleep(&ts, NULL);
+                }
+            }
+            continue;
+        }
+        while (ucp_worker_progress(w) != 0)
+            ;
+        {
+            int busy = __atomic_load_n(&c->inflight, __ATOMIC_ACQUIRE) > 0;
+            if (c->own_efd >= 0) {
+                struct pollfd pfd = {c->own_efd, POLLIN, 0};
+                ucs_status_t st   = ucp_worker_arm(w);
+                if (st == UCS_ERR_BUSY)
+                    continue;
+                if (__atomic_load_n(&c->stop, __ATOMIC_ACQUIRE) ||
+                    __atomic_load_n(&c->spinning, __ATOMIC_ACQUIRE) > 0)
+                    continue;
+                (void)poll(&pfd, 1, busy ? 1 : -1);
+            } else {
+                struct timespec ts = {0, busy ? 20000 : 1000000};
+                nanosleep(&ts, NULL);
+            }
+        }
+    }
+    return NULL;
+}
+
+/* Count one more spinner, starting the poller thread on first use; caller holds c->mu.
+ * Returns 0, or an errno (nothing counted) when the thread cannot start. */
+static int cq_spin_begin_locked(cq_core_t *c)
+{
+    if (c->own != NULL) { /* its thread runs from the start */
+        if (__atomic_fetch_add(&c->spinning, 1, __ATOMIC_RELEASE) == 0)
+            (void)ucp_worker_signal(c->own);
+        return 0;
+    }
+    if (!c->thread_live) {
+        int err = pthread_create(&c->thread, NULL, cq_poller_main, c);
+        if (err != 0)
+            return err;
+        c->thread_live = 1;
+    }
+    /* before posting: the callback may run at once on another thread */
+    __atomic_fetch_add(&c->spinning, 1, __ATOMIC_RELEASE);
+    pthread_cond_signal(&c->cv);
+    return 0;
+}
+
 typedef struct {
     PyObject_HEAD
     cq_core_t *core;
 } CompletionQueue;
 
+static ucs_status_t own_am_handler(ucp_worker_h w);
+
+/* Make the queue's own worker on `context` (thread mode MULTI: the loop thread posts while
+ * the queue's thread progresses) and start its thread. Returns 0 or -1 (Python error set). */
+static int cq_own_start(cq_core_t *c, ucp_context_h context)
+{
+    ucp_context_attr_t ca;
+    ucp_worker_params_t wp;
+    ucs_status_t st;
+    int err;
+    memset(&ca, 0, sizeof(ca));
+    ca.field_mask = UCP_ATTR_FIELD_THREAD_MODE;
+    Py_BEGIN_ALLOW_THREADS
+    st = ucp_context_query(context, &ca);
+    Py_END_ALLOW_THREADS
+    if (st != UCS_OK) {
+        raise_ucx(st, "ucp_context_query", 0);
+        return -1;
+    }
+    if (ca.thread_mode != UCS_THREAD_MODE_MULTI) { /* workers on several threads need it */
+        PyErr_SetString(PyExc_RuntimeError,
+                        "the UCP context is not thread-shared (mt_workers_shared): no own worker");
+        return -1;
+    }
+    memset(&wp, 0, sizeof(wp));
+    wp.field_mask  = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_MULTI;
+    Py_BEGIN_ALLOW_THREADS
+    st = ucp_worker_create(context, &wp, &c->own);
+    Py_END_ALLOW_THREADS
+    if (st != UCS_OK) {
+        c->own = NULL;
+        raise_ucx(st, "ucp_worker_create", 0);
+        return -1;
+    }
+    if (ucp_worker_get_efd(c->own, &c->own_efd) != UCS_OK)
+        c->own_efd = -1;
+    st = own_am_handler(c->own);
+    if (st == UCS_OK) {
+        err = pthread_create(&c->thread, NULL, cq_own_main, c);
+        if (err == 0) {
+            c->thread_live = 1;
+            return 0;
+        }
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+    } else {
+        raise_ucx(st, "ucp_worker_set_am_recv_handler", 0);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    ucp_worker_destroy(c->own);
+    Py_END_ALLOW_THREADS
+    c->own = NULL;
+    return -1;
+}
+
 static int cq_init(CompletionQueue *self, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"worker", NULL};
-    unsigned long long worker = 0;
+    static char *kwlist[] = {"worker", "signal_us", "context", NULL};
+    unsigned long long worker = 0, context = 0;
+    double signal_us          = 5.0;
     cq_core_t *c;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|K", kwlist, &worker))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|KdK", kwlist, &worker, &signal_us, &context))
         return -1;
+    if (!(signal_us >= 0.0 && signal_us <= 1000.0)) {
+        PyErr_SetString(PyExc_ValueError, "signal_us must be within [0, 1000]");
+        return -1;
+    }
     if (self->core != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "CompletionQueue already initialised");
         return -1;
@@ -547,8 +729,17 @@ static int cq_init(CompletionQueue *self, PyObject *args, PyObject *kw)
     }
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->cv, NULL);
-    c->refs    = 1;
-    c->worker  = (ucp_worker_h)(uintptr_t)worker;
+    c->refs      = 1;
+    c->worker    = (ucp_worker_h)(uintptr_t)worker;
+    c->signal_ns = (long)(signal_us * 1000.0);
+    c->own_efd   = -1;
+    if (context != 0 && cq_own_start(c, (ucp_context_h)(uintptr_t)context) < 0) {
+        close(c->fd);
+        pthread_cond_destroy(&c->cv);
+        pthread_mutex_destroy(&c->mu);
+        free(c);
+        return -1;
+    }
     self->core = c;
     return 0;
 }
@@ -574,11 +765,25 @@ static void cq_release(CompletionQueue *self)
         __atomic_store_n(&c->stop, 1, __ATOMIC_RELEASE);
         c->thread_live = 0;
         pthread_cond_signal(&c->cv);
+        if (c->own != NULL)
+            (void)ucp_worker_signal(c->own);
         pthread_mutex_unlock(&c->mu);
         Py_BEGIN_ALLOW_THREADS
         pthread_join(th, NULL);
         Py_END_ALLOW_THREADS
         pthread_mutex_lock(&c->mu);
+    }
+    if (c->own != NULL) {
+        /* Endpoints still open on it are destroyed with it; callbacks it runs meanwhile
+         * (requests failing) take c->mu and push to the still-open eventfd, and cannot
+         * free the core: this object's reference is dropped only below. */
+        ucp_worker_h own = c->own;
+        pthread_mutex_unlock(&c->mu);
+        Py_BEGIN_ALLOW_THREADS
+        ucp_worker_destroy(own);
+        Py_END_ALLOW_THREADS
+        pthread_mutex_lock(&c->mu);
+        c->own = NULL;
     }
     if (c->fd >= 0) {
         close(c->fd);
@@ -632,22 +837,17 @@ static PyObject *cq_flush(CompletionQueue *self, PyObject *args, int worker)
     r->token = token;
     r->spin  = spin;
     pthread_mutex_lock(&c->mu);
-    c->refs++; /* held by the request until its callback */
+    cq_req_begin_locked(c); /* a core reference held by the request until its callback */
     if (spin) {
-        if (!c->thread_live) {
-            int err = pthread_create(&c->thread, NULL, cq_poller_main, c);
-            if (err != 0) {
-                c->refs--;
-                pthread_mutex_unlock(&c->mu);
-                free(r);
-                errno = err;
-                return PyErr_SetFromErrno(PyExc_OSError);
-            }
-            c->thread_live = 1;
+        int err = cq_spin_begin_locked(c);
+        if (err != 0) {
+            int f = 0;
+            cq_req_end_locked(c, &f);
+            pthread_mutex_unlock(&c->mu);
+            free(r);
+            errno = err;
+            return PyErr_SetFromErrno(PyExc_OSError);
         }
-        /* before posting: the callback may run at once on another thread */
-        __atomic_fetch_add(&c->spinning, 1, __ATOMIC_RELEASE);
-        pthread_cond_signal(&c->cv);
     }
     pthread_mutex_unlock(&c->mu);
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -663,7 +863,7 @@ static PyObject *cq_flush(CompletionQueue *self, PyObject *args, int worker)
         pthread_mutex_lock(&c->mu);
         if (spin)
             __atomic_fetch_sub(&c->spinning, 1, __ATOMIC_RELEASE);
-        cq_core_unref_locked(c, &free_it);
+        cq_req_end_locked(c, &free_it);
         pthread_mutex_unlock(&c->mu);
         assert(!free_it); /* the Python object still holds a reference */
         free(r);
@@ -710,7 +910,8 @@ static void ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
     pthread_mutex_unlock(&x->core->mu);
 }
 
-/* ep_create(worker, address, err_token) -> (ep, ctx) */
+/* ep_create(worker, address, err_token, peer=False) -> (ep, ctx); worker 0: the queue's own
+ * worker; peer: error mode PEER (else NONE), the handler reports failures either way */
 static PyObject *cq_ep_create(CompletionQueue *self, PyObject *args)
 {
     PyObject *w_o;
@@ -722,9 +923,12 @@ static PyObject *cq_ep_create(CompletionQueue *self, PyObject *args)
     ucs_status_t st;
     ep_ctx_t *x;
     cq_core_t *c = cq_core(self);
-    if (c == NULL || !PyArg_ParseTuple(args, "Oy*K", &w_o, &addr, &token))
+    int peer = 0;
+    if (c == NULL || !PyArg_ParseTuple(args, "Oy*K|p", &w_o, &addr, &token, &peer))
         return NULL;
-    if (get_handle(w_o, &worker, "worker") < 0) {
+    if (PyLong_Check(w_o) && PyLong_AsUnsignedLongLong(w_o) == 0 && c->own != NULL) {
+        worker = c->own;
+    } else if (get_handle(w_o, &worker, "worker") < 0) {
         PyBuffer_Release(&addr);
         return NULL;
     }
@@ -744,7 +948,7 @@ static PyObject *cq_ep_create(CompletionQueue *self, PyObject *args)
     p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
     p.address         = (const ucp_address_t *)addr.buf;
-    p.err_mode        = UCP_ERR_HANDLING_MODE_NONE;
+    p.err_mode        = peer ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
     p.err_handler.cb  = ep_err_cb;
     p.err_handler.arg = x;
     Py_BEGIN_ALLOW_THREADS
@@ -791,7 +995,7 @@ static PyObject *cq_ep_close(CompletionQueue *self, PyObject *args)
     r->token = token;
     r->spin  = 0;
     pthread_mutex_lock(&c->mu);
-    c->refs++;
+    cq_req_begin_locked(c);
     pthread_mutex_unlock(&c->mu);
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                      UCP_OP_ATTR_FIELD_FLAGS;
@@ -806,7 +1010,7 @@ static PyObject *cq_ep_close(CompletionQueue *self, PyObject *args)
     {
         int free_it = 0;
         pthread_mutex_lock(&c->mu);
-        cq_core_unref_locked(c, &free_it);
+        cq_req_end_locked(c, &free_it);
         pthread_mutex_unlock(&c->mu);
         free(r);
     }
@@ -900,6 +1104,23 @@ static ucs_status_t note_am_cb(void *arg, const void *header, size_t header_leng
         }
     pthread_mutex_unlock(&g_note_mu); /* unknown token (a closed peer's late one): dropped */
     return UCS_OK;
+}
+
+/* The notification handler on a queue's own worker (set once, when the worker is made). */
+static ucs_status_t own_am_handler(ucp_worker_h w)
+{
+    ucp_am_handler_param_t hp;
+    ucs_status_t st;
+    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                    UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+    hp.id    = KVX_AM_ID;
+    hp.cb    = note_am_cb;
+    hp.arg   = w;
+    hp.flags = UCP_AM_FLAG_WHOLE_MSG;
+    Py_BEGIN_ALLOW_THREADS
+    st = ucp_worker_set_am_recv_handler(w, &hp);
+    Py_END_ALLOW_THREADS
+    return st;
 }
 
 /* note_listen(token, max_len=0): notifications carrying `token` are queued here */
@@ -1047,8 +1268,8 @@ typedef struct {
     char data[];
 } chain_t;
 
-/* A chain's starter may progress the worker itself for a bounded time (inline_us): while
- * it does (CH_STARTER), a completing callback leaves the result to it (CH_DONE) instead of
+/* A chain's starter may wait for it for a bounded time (inline_us): while it does
+ * (CH_STARTER), a completing callback leaves the result to it (CH_DONE) instead of
  * queueing it, so a chain that completes meanwhile returns to Python in the same call. */
 enum { CH_STARTER = 0, CH_QUEUE = 1, CH_DONE = 2 };
 
@@ -1062,7 +1283,7 @@ static void chain_release(chain_t *ch, int push, ucs_status_t st)
         cq_push_locked(c, ch->token, st);
     if (ch->spin)
         __atomic_fetch_sub(&c->spinning, 1, __ATOMIC_RELEASE);
-    cq_core_unref_locked(c, &free_core); /* the chain's own; x (if any) still holds one */
+    cq_req_end_locked(c, &free_core); /* the chain's own; x (if any) still holds one */
     if (ch->x != NULL)
         free2 = ep_ctx_unref_locked(ch->x);
     pthread_mutex_unlock(&c->mu);
@@ -1135,11 +1356,12 @@ static void chain_flush_cb(void *request, ucs_status_t st, void *user)
 /*
  * flush_notify(ep, token, spin, ctx, note_token, payload, inline_us=0, noflush=0) -> None if pending
  * (token appears in drain() once the notification completed locally or the chain failed),
- * else the final ucs status (the chain ended within the call). inline_us: progress the
- * worker on the calling thread (GIL released) for up to that long first; a flush whose
- * completion signals nothing (shared memory) then ends in microseconds instead of at the
- * progress thread's next wake-up, and the loop sees no completion event at all.
- * note_token 0: a plain flush (nothing is sent), with the same inline progress.
+ * else the final ucs status (the chain ended within the call). inline_us: wait on the
+ * calling thread (GIL released) for up to that long first, signalling the worker every
+ * signal_ns so that UCXX's progress thread progresses it; a flush whose completion signals
+ * nothing (shared memory, CUDA events) then ends in microseconds instead of at the progress
+ * thread's next wake-up, and the loop sees no completion event at all.
+ * note_token 0: a plain flush (nothing is sent), with the same inline wait.
  * noflush: send the notification now, without flushing first (a channel frame: UcxChannel;
  * the AM is still ordered after earlier AMs on the endpoint).
  */
@@ -1192,27 +1414,23 @@ static PyObject *cq_flush_notify(CompletionQueue *self, PyObject *args)
         free(ch);
         return PyLong_FromLong(UCS_ERR_CANCELED);
     }
-    c->refs++; /* held by the chain until it is released */
+    cq_req_begin_locked(c); /* a core reference held by the chain until it is released */
     if (ch->x != NULL)
         ch->x->refs++;
     if (spin) {
-        if (!c->thread_live) {
-            int err = pthread_create(&c->thread, NULL, cq_poller_main, c);
-            if (err != 0) {
-                int f = 0;
-                c->refs--;
-                if (ch->x != NULL)
-                    f = ep_ctx_unref_locked(ch->x);
-                pthread_mutex_unlock(&c->mu);
-                (void)f; /* the Python object holds a core reference */
-                free(ch);
-                errno = err;
-                return PyErr_SetFromErrno(PyExc_OSError);
-            }
-            c->thread_live = 1;
+        int err = cq_spin_begin_locked(c);
+        if (err != 0) {
+            int f = 0;
+            c->inflight--;
+            c->refs--;
+            if (ch->x != NULL)
+                f = ep_ctx_unref_locked(ch->x);
+            pthread_mutex_unlock(&c->mu);
+            (void)f; /* the Python object holds a core reference */
+            free(ch);
+            errno = err;
+            return PyErr_SetFromErrno(PyExc_OSError);
         }
-        __atomic_fetch_add(&c->spinning, 1, __ATOMIC_RELEASE);
-        pthread_cond_signal(&c->cv);
     }
     pthread_mutex_unlock(&c->mu);
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -1226,11 +1444,25 @@ static PyObject *cq_flush_notify(CompletionQueue *self, PyObject *args)
         st = UCS_PTR_STATUS(sp);
     else
         pending = chain_post_am(ch, &st);
-    if (pending && inline_us > 0 && c->worker != NULL) {
+    if (pending && inline_us > 0 && ch->x != NULL && c->own != NULL) {
+        /* an endpoint of the own worker (ep_create): progress it here (no UCXX callback
+         * can run on it) */
         double until = mono_now() + 1e-6 * inline_us;
         while (__atomic_load_n(&ch->state, __ATOMIC_ACQUIRE) == CH_STARTER &&
                mono_now() < until)
-            ucp_worker_progress(c->worker);
+            ucp_worker_progress(c->own);
+    } else if (pending && inline_us > 0 && c->worker != NULL) {
+        /* UCXX's worker: wait here (never progress it here: see cq_poller_main), waking
+         * UCXX's progress thread every signal_ns meanwhile */
+        double now = mono_now(), until = now + 1e-6 * inline_us, next = now;
+        while (__atomic_load_n(&ch->state, __ATOMIC_ACQUIRE) == CH_STARTER && now < until) {
+            if (now >= next) {
+                (void)ucp_worker_signal(c->worker);
+                next = now + 1e-9 * (double)c->signal_ns;
+            }
+            sched_yield(); /* the progress thread may need this core (small hosts) */
+            now = mono_now();
+        }
     }
     if (pending) {
         int expect = CH_STARTER; /* give the chain to the callbacks, unless one ended it */
@@ -1320,6 +1552,69 @@ static PyObject *cq_spinning(CompletionQueue *self, void *closure)
     return PyLong_FromLong(n);
 }
 
+/* spin_hold(on): a test hook. True counts one spinner with no flush behind it (the poller
+ * runs as during a spin flush that never completes); False takes it back. */
+static PyObject *cq_spin_hold(CompletionQueue *self, PyObject *args)
+{
+    int on;
+    cq_core_t *c = cq_core(self);
+    if (c == NULL || !PyArg_ParseTuple(args, "p", &on))
+        return NULL;
+    if (c->worker == NULL) {
+        PyErr_SetString(PyExc_ValueError, "spin_hold on a CompletionQueue made without a worker");
+        return NULL;
+    }
+    pthread_mutex_lock(&c->mu);
+    if (on) {
+        int err = cq_spin_begin_locked(c);
+        if (err != 0) {
+            pthread_mutex_unlock(&c->mu);
+            errno = err;
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+    } else if (c->spinning > 0) {
+        __atomic_fetch_sub(&c->spinning, 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&c->mu);
+    Py_RETURN_NONE;
+}
+
+/* address() -> bytes: the own worker's address (for the peer's ep_create); ValueError
+ * without an own worker */
+static PyObject *cq_address(CompletionQueue *self, PyObject *noargs)
+{
+    cq_core_t *c = cq_core(self);
+    ucp_address_t *a;
+    size_t len;
+    ucs_status_t st;
+    PyObject *out;
+    if (c == NULL)
+        return NULL;
+    if (c->own == NULL) {
+        PyErr_SetString(PyExc_ValueError, "CompletionQueue made without a context: no own worker");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    st = ucp_worker_get_address(c->own, &a, &len);
+    Py_END_ALLOW_THREADS
+    if (st != UCS_OK)
+        return raise_ucx(st, "ucp_worker_get_address", 0);
+    out = PyBytes_FromStringAndSize((const char *)a, (Py_ssize_t)len);
+    ucp_worker_release_address(c->own, a);
+    return out;
+}
+
+static PyObject *cq_own_worker(CompletionQueue *self, void *closure)
+{
+    return PyLong_FromUnsignedLongLong(
+        (unsigned long long)(uintptr_t)(self->core != NULL ? self->core->own : NULL));
+}
+
+static PyObject *cq_inflight(CompletionQueue *self, void *closure)
+{
+    return PyLong_FromLong(self->core != NULL ? self->core->inflight : 0);
+}
+
 static PyObject *cq_poller_live(CompletionQueue *self, void *closure)
 {
     return PyBool_FromLong(self->core != NULL && self->core->thread_live);
@@ -1332,8 +1627,9 @@ static PyMethodDef cq_methods[] = {
     {"worker_flush", (PyCFunction)cq_worker_flush, METH_VARARGS,
      "worker_flush(worker, token, spin=False) -> None if pending, else ucs status"},
     {"ep_create", (PyCFunction)cq_ep_create, METH_VARARGS,
-     "ep_create(worker, address, err_token) -> (ep, ctx): bulk endpoint, error mode NONE "
-     "with an error handler that queues (err_token, status)"},
+     "ep_create(worker, address, err_token, peer=False) -> (ep, ctx): bulk endpoint (worker "
+     "0: the own worker), error mode NONE (peer: PEER) with an error handler that queues "
+     "(err_token, status)"},
     {"ep_close", (PyCFunction)cq_ep_close, METH_VARARGS,
      "ep_close(ep, token, force, ctx=0) -> None if pending, else ucs status; ctx: the "
      "endpoint's ep_create context (no chain sends a notification on it afterwards)"},
@@ -1341,7 +1637,7 @@ static PyMethodDef cq_methods[] = {
      "flush_notify(ep, token, spin, ctx, note_token, payload, inline_us=0, noflush=0) -> None if "
      "pending, else ucs status: flush ep, then (from the flush's completion callback, no "
      "Python) send payload as an active message to the receiver's note_token; ctx: "
-     "ep_create's context or 0; inline_us: progress the worker here that long first; "
+     "ep_create's context or 0; inline_us: wait here that long first (signalling the worker); "
      "noflush: send without the flush"},
     {"note_listen", (PyCFunction)cq_note_listen, METH_VARARGS,
      "note_listen(token, max_len=0): queue notifications carrying token as (token, NOTE, t, "
@@ -1355,6 +1651,10 @@ static PyMethodDef cq_methods[] = {
      "drain() -> [(token, status, t, payload)] completed since the last drain (t: "
      "time.monotonic() when UCX reported it; payload: bytes of a received notification "
      "(status NOTE), else None); clears the eventfd"},
+    {"address", (PyCFunction)cq_address, METH_NOARGS,
+     "address() -> bytes: the own worker's address (queues made with context=)"},
+    {"spin_hold", (PyCFunction)cq_spin_hold, METH_VARARGS,
+     "spin_hold(on): test hook; count (True) or uncount (False) a spinner with no flush"},
     {"fileno", (PyCFunction)cq_fileno, METH_NOARGS, "the eventfd to watch for readability"},
     {"close", (PyCFunction)cq_close, METH_NOARGS,
      "close the eventfd; late callbacks are dropped safely"},
@@ -1366,6 +1666,9 @@ static PyGetSetDef cq_getset[] = {
     {"spinning", (getter)cq_spinning, NULL,
      "spin flushes in flight (the poller progresses the worker while > 0)", NULL},
     {"poller_live", (getter)cq_poller_live, NULL, "whether the poller thread exists", NULL},
+    {"own_worker", (getter)cq_own_worker, NULL,
+     "the own worker's handle (context= given), else 0", NULL},
+    {"inflight", (getter)cq_inflight, NULL, "flushes / chains / closes in flight", NULL},
     {NULL}};
 
 static PyTypeObject CompletionQueueType = {
@@ -1384,7 +1687,87 @@ static PyTypeObject CompletionQueueType = {
 
 /* ------------------------------------------------------------------ module */
 
+/*
+ * own_context(options: dict[str, str]) -> int: the process's own UCP context for RMA
+ * (features RMA | AM | WAKEUP, thread-shared: every transport's completion queue makes its
+ * own worker on it, each progressed on its own thread). Made on the first call with
+ * `options` applied over the UCX_* environment (ucp_config_modify); later calls return the
+ * same context. It lives as long as the process (like UCXX's), so registrations and
+ * workers never outlive it.
+ */
+static pthread_mutex_t g_ctx_mu = PTHREAD_MUTEX_INITIALIZER;
+static ucp_context_h g_own_ctx;
+
+static PyObject *py_own_context(PyObject *self, PyObject *args)
+{
+    PyObject *opts, *k, *v;
+    Py_ssize_t pos = 0, n, i;
+    char **kv;
+    ucp_config_t *cfg = NULL;
+    ucp_params_t p;
+    ucs_status_t st = UCS_OK;
+    ucp_context_h ctx;
+    const char *what = "ucp_init";
+    if (!PyArg_ParseTuple(args, "O!", &PyDict_Type, &opts))
+        return NULL;
+    n  = PyDict_Size(opts);
+    kv = calloc((size_t)(2 * n + 1), sizeof(char *));
+    if (kv == NULL)
+        return PyErr_NoMemory();
+    for (i = 0; PyDict_Next(opts, &pos, &k, &v); i++) { /* copied: the GIL goes below */
+        const char *ks = PyUnicode_Check(k) ? PyUnicode_AsUTF8(k) : NULL;
+        const char *vs = PyUnicode_Check(v) ? PyUnicode_AsUTF8(v) : NULL;
+        if (ks == NULL || vs == NULL) {
+            for (pos = 0; pos < 2 * n; pos++)
+                free(kv[pos]);
+            free(kv);
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "own_context: options must be str -> str");
+            return NULL;
+        }
+        kv[2 * i]     = strdup(strncmp(ks, "UCX_", 4) == 0 ? ks + 4 : ks);
+        kv[2 * i + 1] = strdup(vs);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&g_ctx_mu);
+    ctx = g_own_ctx;
+    if (ctx == NULL) {
+        st = ucp_config_read(NULL, NULL, &cfg);
+        what = "ucp_config_read";
+        for (i = 0; st == UCS_OK && i < n; i++) {
+            st   = kv[2 * i] && kv[2 * i + 1] ? ucp_config_modify(cfg, kv[2 * i], kv[2 * i + 1])
+                                              : UCS_ERR_NO_MEMORY;
+            what = "ucp_config_modify";
+        }
+        if (st == UCS_OK) {
+            memset(&p, 0, sizeof(p));
+            p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED |
+                           UCP_PARAM_FIELD_NAME;
+            p.features          = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+            p.mt_workers_shared = 1;
+            p.name              = "kvxfer";
+            st                  = ucp_init(&p, cfg, &ctx);
+            what                = "ucp_init";
+            if (st == UCS_OK)
+                g_own_ctx = ctx;
+        }
+        if (cfg != NULL)
+            ucp_config_release(cfg);
+    }
+    pthread_mutex_unlock(&g_ctx_mu);
+    Py_END_ALLOW_THREADS
+    for (i = 0; i < 2 * n; i++)
+        free(kv[i]);
+    free(kv);
+    if (st != UCS_OK)
+        return raise_ucx(st, what, 0);
+    return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)ctx);
+}
+
 static PyMethodDef methods[] = {
+    {"own_context", py_own_context, METH_VARARGS,
+     "own_context(options) -> context handle: the process's own thread-shared UCP context "
+     "for RMA (made once; options: UCX settings applied over the environment)"},
     {"mem_map", py_mem_map, METH_VARARGS,
      "mem_map(context, addr, length) -> (memh, memory_type_name)"},
     {"mem_unmap", py_mem_unmap, METH_VARARGS, "mem_unmap(context, memh)"},

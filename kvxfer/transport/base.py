@@ -152,6 +152,10 @@ AcceptCallback = Callable[[Channel], Awaitable[None]]
 class Transport(abc.ABC):
     """Process-side factory for channels, RMA endpoints and registrations."""
 
+    #: registrations are valid only for RMA over :meth:`rma_endpoint` with a peer address
+    #: (the UCX transport's own context); peers are told (``Layout.bulk_only``)
+    own_rma: bool = False
+
     @abc.abstractmethod
     async def listen(self, host: str, port: int, on_accept: AcceptCallback) -> Tuple[str, int]:
         """Start accepting; ``on_accept(channel)`` runs as a task per incoming peer.

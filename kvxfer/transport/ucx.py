@@ -8,12 +8,15 @@ Facts this module relies on (where each callback runs: the threads table in docs
 - UCXX runs one UCP context/worker per process in ``UCS_THREAD_MODE_MULTI`` with a progress
   *thread* by default; that thread also progresses the target side of RMA (needed over
   tcp). It sleeps on the worker's event fd between wake-ups (with a timeout).
-- Flush and close completions arrive on whichever thread progresses the worker;
+- Only UCXX's progress thread progresses the worker (UCXX's listener callback hands endpoint
+  creation to that thread and waits for it: run on any other progressing thread, it stalls
+  3 x 3 s on the worker lock that thread holds). Flush and close completions arrive there;
   ``_rma.CompletionQueue`` queues them and signals an eventfd that the event loop watches
-  (``loop.add_reader``): every completion is handled on the loop thread. A ``spin`` flush
-  is progressed by the queue's native poller thread until it completes: cuda_ipc
-  completions never signal the worker fd, so they would otherwise wait for UCXX's next
-  timeout tick (event vs spin: bench/results/transfer-h200-flush.md).
+  (``loop.add_reader``): every completion is handled on the loop thread. While a ``spin``
+  flush is in flight the queue's native poller thread wakes UCXX's progress thread every
+  :data:`POLL_SIGNAL_US` (``ucp_worker_signal``): cuda_ipc completions never signal the
+  worker fd, so they would otherwise wait for UCXX's next timeout tick (event vs spin:
+  bench/results/transfer-h200-flush.md).
 - Endpoints with peer error handling lose shared-memory lanes for host memory; a second
   endpoint built from the peer's worker address with error mode NONE keeps them
   (``error_mode="none"``, see :meth:`UcxTransport.rma_endpoint`). UCXX builds such endpoints
@@ -30,7 +33,14 @@ import os
 import time
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from kvxfer.errors import Closed, PeerClosed, TransferTimeout, TransportError
+from kvxfer.errors import (
+    Closed,
+    IncompatiblePeer,
+    PeerClosed,
+    ProtocolError,
+    TransferTimeout,
+    TransportError,
+)
 from kvxfer.transport.base import AcceptCallback, Channel, Region, RmaEndpoint, Transport
 from kvxfer.transport.ucx_channel import (
     OPEN_TIMEOUT_S,
@@ -41,6 +51,7 @@ from kvxfer.transport.ucx_channel import (
 )
 from kvxfer.transport.ucx_lib import load_ucx, status_error, ucx_error_types
 from kvxfer.transport.ucx_rma import UcxRegion, UcxRma
+from kvxfer.wire import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +60,29 @@ log = logging.getLogger(__name__)
 #: for UCXX's progress thread's next wake-up (up to its 1 ms epoll timeout); figures in
 #: bench/results/latency-cpu.md
 CHAIN_INLINE_US = 50.0
+#: how often the native poller (and a chain's inline wait) wakes UCXX's progress thread while
+#: a spin flush is in flight (KVXFER_POLL_SIGNAL_US)
+POLL_SIGNAL_US = 5.0
+OFF = ("0", "off", "false", "no")
+
+
+def _binding(ch: UcxChannel) -> str:
+    """``client>server`` addresses of a channel, for a log line ("?" once it is gone)."""
+    try:
+        return ch.binding().decode()
+    except Exception:  # the endpoint failed or closed meanwhile
+        return "?"
 
 
 class UcxTransport(Transport):
     """One per engine; all engines of a process share UCXX's context and worker."""
 
-    def __init__(self, ucx_options: Optional[dict] = None, progress_mode: str = "thread"):
+    def __init__(
+        self,
+        ucx_options: Optional[dict] = None,
+        progress_mode: str = "thread",
+        own_rma: bool = False,
+    ):
         self.ucxx, self.rma = load_ucx()
         from ucxx import core as _core
 
@@ -65,8 +93,23 @@ class UcxTransport(Transport):
                 "UCX already initialised in this process; ignoring ucx_options=%r", ucx_options
             )
         self._app = _core._get_ctx()
-        self.context_handle = self._app.context.handle
         self.worker_handle = self._app.worker.handle
+        #: ``own_rma`` (the engine's error_mode "none": RMA only over bulk endpoints to the
+        #: peer's address): registrations and bulk endpoints use kvxfer's own UCP context
+        #: (process-wide, thread-shared) and worker (one per transport, progressed only by
+        #: its completion queue's thread and a chain's starter, never by UCXX: nothing of
+        #: UCXX runs there). Else, or with KVXFER_OWN_WORKER=0, UCXX's context and worker.
+        #: (An address-made endpoint with peer error handling gets no tcp RMA lane, so
+        #: error_mode "peer" keeps RMA on the channel's endpoint.)
+        self.own_rma = own_rma and os.environ.get("KVXFER_OWN_WORKER", "1").strip() not in OFF
+        if self.own_rma:
+            opts = {str(k): str(v) for k, v in (ucx_options or {}).items()}
+            try:
+                self.context_handle = self.rma.own_context(opts)
+            except self.rma.UcxError as exc:  # e.g. an unknown option
+                raise TransportError(f"kvxfer's UCP context: {exc.args[1]}") from None
+        else:
+            self.context_handle = self._app.context.handle
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._cq: Any = None  # _rma.CompletionQueue, made on the loop that first needs it
         self._tokens = itertools.count(1)
@@ -74,11 +117,21 @@ class UcxTransport(Transport):
         self._flushes: Dict[int, asyncio.Future] = {}  # token -> t future (flush_future)
         self._watch: Dict[int, Callable[[int], None]] = {}  # endpoint error tokens
         self._notes: Dict[int, Callable[[Optional[bytes]], None]] = {}  # token -> receiver
-        #: how long a chain's starter progresses the worker itself before it leaves the
-        #: chain to the progress thread / poller (KVXFER_CHAIN_INLINE_US; 0: never)
+        #: how long a chain's starter waits for the chain (signalling UCXX's progress thread)
+        #: before it leaves it to the completion queue (KVXFER_CHAIN_INLINE_US; 0: never)
         self.chain_inline_us = float(os.environ.get("KVXFER_CHAIN_INLINE_US", CHAIN_INLINE_US))
         self._listener: Any = None  # ucxx.Listener
         self._closed = False
+        #: tests only: what the channels of one role announce in their opening, overriding
+        #: KVXFER_CHANNEL_WAIT and the protocol version, e.g. ``{"accept": {"mode":
+        #: "yield"}, "connect": {"version": 99}}`` (both ends live in one process there)
+        self.test_opening: Dict[str, Dict[str, Any]] = {}
+        #: accepted connections whose opening failed the version / mode check (or was
+        #: malformed); each is logged at warning level with its typed error
+        self.refused_openings = 0
+        self.last_refusal: Optional[Exception] = None
+        #: called (on the loop) with that error once such a connection is closed
+        self.on_refused: Optional[Callable[[Exception], None]] = None
 
     # -- event-loop side of flush completions
     def _bind_loop(self):
@@ -87,17 +140,27 @@ class UcxTransport(Transport):
         loop = asyncio.get_running_loop()
         if self._loop is None:
             self._loop = loop
-            self._cq = self.rma.CompletionQueue(worker=self.worker_handle)
+            self._cq = self._make_queue()
             loop.add_reader(self._cq.fileno(), self._on_completions)
         elif self._loop is not loop:
             raise TransportError("a transport is bound to the event loop that started it")
         return loop
 
+    def _make_queue(self):
+        """The completion queue: with its own worker on kvxfer's context (:attr:`own_rma`),
+        where every RMA endpoint lives, else on UCXX's worker alone (the poller then only
+        signals UCXX's progress thread)."""
+        signal_us = float(os.environ.get("KVXFER_POLL_SIGNAL_US", POLL_SIGNAL_US))
+        if self.own_rma:
+            return self.rma.CompletionQueue(
+                worker=self.worker_handle, signal_us=signal_us, context=self.context_handle
+            )
+        return self.rma.CompletionQueue(worker=self.worker_handle, signal_us=signal_us)
+
     def _on_completions(self) -> None:
         """Resolve the futures of completed native requests and report endpoint errors.
         Runs on: the asyncio loop thread (``add_reader`` on the completion queue's eventfd,
-        which the native callbacks signal from UCXX's progress thread or the native poller
-        thread)."""
+        which the native callbacks signal from UCXX's progress thread)."""
         note, oversize = self.rma.NOTE, self.rma.NOTE_OVERSIZE
         for token, status, t, payload in self._cq.drain():
             if status == note or status == oversize:  # oversize: payload None
@@ -162,9 +225,9 @@ class UcxTransport(Transport):
         self, ep_handle: int, spin: bool, ctx: int, note_token: int, payload: bytes
     ) -> asyncio.Future:
         """Start a native chain (``_rma`` ``flush_notify``): flush ``ep_handle``; its
-        completion callback, on whichever thread progresses the worker, sends ``payload``
-        as an active message to the peer's ``note_token``. The call itself progresses the
-        worker for up to :attr:`chain_inline_us` first: a chain that ends meanwhile
+        completion callback, on UCXX's progress thread, sends ``payload``
+        as an active message to the peer's ``note_token``. The call itself
+        waits for up to :attr:`chain_inline_us` first: a chain that ends meanwhile
         returns a resolved future (no completion event, no wake-up of the loop). The future resolves to the
         monotonic time the chain ended (or fails: the flush failed and nothing was sent,
         PeerClosed / TransportError; or the endpoint was closing, PeerClosed). Like
@@ -231,8 +294,8 @@ class UcxTransport(Transport):
             self._cq.note_unlisten(token)
 
     async def flush_ep(self, ep_handle: int, timeout: float, spin: bool = False) -> float:
-        """Flush one endpoint; ``spin``: the queue's native poller progresses the worker
-        until it completes. Returns the monotonic time UCX reported completion."""
+        """Flush one endpoint; ``spin``: the queue's native poller keeps UCXX's progress
+        thread progressing the worker until it completes. Returns the monotonic time UCX reported completion."""
         try:
             return await asyncio.wait_for(self.flush_future(ep_handle, spin), timeout)
         except asyncio.TimeoutError:
@@ -241,7 +304,11 @@ class UcxTransport(Transport):
     async def flush_worker(self, timeout: float, spin: bool = False) -> float:
         self._bind_loop()
         status, t = await self._start_and_wait(
-            self._cq.worker_flush, (self.worker_handle,), timeout, "ucp_worker_flush", spin
+            self._cq.worker_flush,
+            (self._cq.own_worker or self.worker_handle,),
+            timeout,
+            "ucp_worker_flush",
+            spin,
         )
         if status != self.rma.UCS_OK:
             raise status_error(self.rma, status, "ucp_worker_flush")
@@ -270,10 +337,14 @@ class UcxTransport(Transport):
         self.rma.ep_ctx_free(ctx)
         return True
 
-    def _native(self) -> Optional["UcxTransport"]:
-        """The transport for channels' native frames, or None (``KVXFER_CHANNEL_WAIT=yield``:
+    def _channel(self, ep, loop, epoch: Optional[int]) -> UcxChannel:
+        """A channel on ``ep`` (``epoch`` None: accepted), in the wait mode of
+        ``KVXFER_CHANNEL_WAIT``: native frames through this transport, or None (``yield``:
         UCXX receive requests awaited by ``wait_yield``, the loop never sleeps)."""
-        return None if channel_wait_mode() == "yield" else self
+        over = self.test_opening.get("accept" if epoch is None else "connect", {})
+        mode = over.get("mode") or channel_wait_mode()
+        native = None if mode == "yield" else self
+        return UcxChannel(ep, loop, self.ucxx, epoch, native, over.get("version", PROTOCOL_VERSION))
 
     # -- contract
     async def listen(self, host: str, port: int, on_accept: AcceptCallback):
@@ -282,12 +353,25 @@ class UcxTransport(Transport):
         async def _handler(ep) -> None:
             """Runs on: the asyncio loop thread (UCXX's listener callback, on its progress
             thread, submits it with ``run_coroutine_threadsafe``)."""
-            ch = UcxChannel(ep, loop, self.ucxx, None, self._native())
+            ch = self._channel(ep, loop, None)
             try:
                 await ch.open(OPEN_TIMEOUT_S)
             except (PeerClosed, TransferTimeout) as exc:
                 log.info("incoming connection dropped before its first message: %s", exc)
                 await ch.close(1.0)
+                return
+            except (IncompatiblePeer, ProtocolError) as exc:  # VersionMismatch is both
+                self.refused_openings += 1
+                self.last_refusal = exc
+                log.warning(
+                    "incoming connection %s refused: %s: %s",
+                    _binding(ch),
+                    type(exc).__name__,
+                    exc,
+                )
+                await ch.close(1.0)
+                if self.on_refused is not None:
+                    self.on_refused(exc)
                 return
             await on_accept(ch)
 
@@ -313,30 +397,43 @@ class UcxTransport(Transport):
             ) from None
         except ucx_error_types(self.ucxx) as exc:
             raise PeerClosed(f"connecting to {host}:{port}: {exc}") from None
-        ch = UcxChannel(ep, loop, self.ucxx, new_epoch(), self._native())
+        ch = self._channel(ep, loop, new_epoch())
         try:
             return await ch.open(timeout)
+        except (IncompatiblePeer, ProtocolError) as exc:  # name the peer (type and fields kept)
+            await ch.close(1.0)
+            exc.args = (f"connecting to {host}:{port}: {exc}",) + exc.args[1:]
+            raise
         except BaseException:
             await ch.close(1.0)
             raise
 
     def local_address(self) -> bytes:
+        """The own worker's address (bulk endpoints are made to it), else UCXX's worker's.
+        Runs on: the asyncio loop thread (it makes the completion queue)."""
+        self._bind_loop()
+        if self._cq.own_worker:
+            return self._cq.address()
         return bytes(self.ucxx.get_worker_address())
 
     async def rma_endpoint(
         self, channel: Channel, peer_address: Optional[bytes], timeout: float
     ) -> RmaEndpoint:
         """``peer_address`` None: RMA over the channel's own (error-handled) endpoint.
-        Otherwise a bulk endpoint to the peer's worker address, error mode NONE with an
-        error handler (keeps shared-memory lanes; a dead peer is reported, not fatal)."""
+        Otherwise a bulk endpoint to the peer's worker address (on kvxfer's own worker with
+        :attr:`own_rma`), error mode NONE with an error handler (keeps shared-memory lanes;
+        a dead peer is reported, not fatal)."""
         self._bind_loop()
         if peer_address is None:
+            if self.own_rma:  # registrations are on kvxfer's context, not the channel's
+                raise TransportError("own_rma: RMA needs the peer's address (a bulk endpoint)")
             if not isinstance(channel, UcxChannel):
                 raise TransportError(f"not a UCX channel: {type(channel).__name__}")
             return UcxRma(self, ep=channel.ucx_endpoint)
         token = next(self._tokens)
         try:
-            ep, ctx = self._cq.ep_create(self.worker_handle, peer_address, token)
+            worker = 0 if self._cq.own_worker else self.worker_handle
+            ep, ctx = self._cq.ep_create(worker, peer_address, token)
         except self.rma.UcxError as exc:
             raise PeerClosed(f"bulk endpoint: {exc.args[1]}") from None
         rma = UcxRma(self, raw=(ep, ctx), err_token=token)

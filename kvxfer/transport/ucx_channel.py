@@ -7,7 +7,8 @@ per-channel token into the transport's completion queue, whose eventfd wakes the
 idle loop sleeps. ``KVXFER_CHANNEL_WAIT=yield`` keeps every frame on UCXX receive requests,
 which UCXX (without its python-future notifier) awaits by ``asyncio.sleep(0)`` polling: the
 loop then never sleeps while a channel is connected (the A/B switch; both ends of a
-connection must use the same mode; figures in bench/results/quiet-cpu.md)."""
+connection must use the same mode: the opening's hellos check it, and the protocol version,
+on both ends; figures in bench/results/quiet-cpu.md)."""
 
 from __future__ import annotations
 
@@ -21,24 +22,29 @@ from typing import Any, Callable, Deque, List, Optional
 
 from kvxfer.errors import (
     Closed,
+    IncompatiblePeer,
     InvalidArgument,
     PeerClosed,
     ProtocolError,
     TransferTimeout,
     TransportError,
+    VersionMismatch,
 )
+from kvxfer.transport import opening
 from kvxfer.transport.base import Channel
 from kvxfer.transport.ucx_lib import ucx_error_types
 from kvxfer.transport.ucx_sockaddr import sockaddrs
+from kvxfer.wire import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
 
 _PADDING = bytes(8)  # epoch 0, empty payload (see UcxChannel)
 _CLOSE = b"\xc1"  # payload of a close frame (0xc1 is never a msgpack message)
-_HELLO = b"\xc1\xc2"  # payload of a hello frame: this + the sender's 8-byte frame token
 _TAIL = b"\xc1\xc3"  # payload of the UCXX frame that ends a native channel's close
 #: bound on the opening of an accepted connection (padding sent, the peer's hello received)
 OPEN_TIMEOUT_S = 10.0
+#: bound on the connecting side's wait for the accepting side's hello (see UcxChannel.open)
+HELLO_TIMEOUT_S = 5.0
 #: bounds on the native frames queued unread on one channel (a peer that pushes more, say
 #: an unauthenticated one flooding us, loses the connection)
 MAX_QUEUED_FRAMES = 1 << 16
@@ -96,21 +102,27 @@ class UcxChannel(Channel):
     - UCXX holds our close callback for as long as its endpoint lives; it holds only a
       weak reference to the channel (a strong one made an uncollectable cycle through
       UCXX's endpoint finalizer, leaking endpoint and listener per connection).
+    - The versioned opening (both modes; :mod:`.opening` has the bytes): after its padding,
+      each side sends one hello frame over UCXX (epoch, ``0xc1 0xc4``, its protocol version,
+      its channel wait mode and, native, its frame token: a random 64-bit ``note_listen``
+      token of this channel). The connecting side sends its hello with its epoch at once and
+      takes only a hello of that epoch back; the accepting side answers the first hello it
+      receives, with that hello's epoch (so a stale hello of an earlier connection fails the
+      opening instead of pairing two connections), and only then checks it, so that both
+      ends see both hellos: another protocol version fails both ends with
+      ``VersionMismatch``, another wait mode with ``IncompatiblePeer``, at once (see
+      :meth:`open` for older peers). Nothing else is read or sent before the hellos.
     - Native frames (``native`` given, the default; see the module docstring): UCXX awaits
       a receive request by polling it on every loop iteration, so a channel with a receive
-      posted keeps its loop from ever sleeping. Only the opening uses UCXX receives: after
-      its padding, each side sends a hello frame (epoch, ``0xc1 0xc2``, its frame token:
-      a random 64-bit ``note_listen`` token of this channel). The connecting side sends its
-      hello with its epoch at once and takes only a hello of that epoch back; the accepting
-      side answers the first hello it receives, with that hello's epoch (so a stale hello
-      of an earlier connection fails the opening instead of pairing two connections). From
+      posted keeps its loop from ever sleeping. Only the opening uses UCXX receives. From
       then on every frame, close frames included, is a native active message (forced eager:
       the receiving handler drops rendezvous data) to the peer's token on this endpoint,
       queued by the transport's completion queue and handed to this channel on the loop
       thread (woken by the queue's eventfd). No UCXX receive stays posted once the opening
       completed; the close frames are native, and then each side sends one UCXX tail frame
       and drops what UCXX queued up to the peer's (a peer may have pushed UCXX messages
-      nobody read), which also completes the receive that this posts. An opening that failed keeps the UCXX path for its close. Frames
+      nobody read), which also completes the receive that this posts. An opening that
+      failed keeps the UCXX path for its close. Frames
       queued unread are bounded (:data:`MAX_QUEUED_FRAMES`, :data:`MAX_QUEUED_BYTES`): a
       peer pushing more loses the connection. Until the handshake calls :meth:`trusted`, a
       frame over :data:`MAX_EARLY_BYTES` is dropped natively, never copied, and ends the
@@ -119,8 +131,7 @@ class UcxChannel(Channel):
       ``max_bytes`` was copied once (never decoded). The
       token is unregistered when the channel closes; frames arriving later are dropped by
       the queue. Readers share one wake-up future, not the frames (see :meth:`_next_native`).
-      Both ends must use the same mode (``KVXFER_CHANNEL_WAIT``): a native end waits for a
-      hello that a ``yield`` end never sends."""
+      Both ends must use the same mode (``KVXFER_CHANNEL_WAIT``; the hellos check it)."""
 
     def __init__(
         self,
@@ -129,10 +140,14 @@ class UcxChannel(Channel):
         ucxx,
         epoch: Optional[int] = None,
         native: Any = None,
+        version: int = PROTOCOL_VERSION,
     ):
         """``native``: the :class:`~kvxfer.transport.ucx.UcxTransport` that carries native
-        frames (``frame_future``, ``note_listen``), or None: UCXX receives only."""
+        frames (``frame_future``, ``note_listen``), or None: UCXX receives only.
+        ``version``: the protocol version our hello announces (tests only; see
+        ``UcxTransport.test_opening``)."""
         self._ep, self._loop, self._ucxx = ep, loop, ucxx
+        self.version = version
         self._callbacks: List[Callable[[Exception], None]] = []
         self._exc: Optional[Exception] = None
         self._closing = False
@@ -276,56 +291,101 @@ class UcxChannel(Channel):
             raise Closed("channel closed")
 
     async def open(self, timeout: float) -> "UcxChannel":
-        """Send the opening padding frame, then (native frames) exchange hellos (see the
-        class docstring); returns the channel."""
+        """Send the opening padding frame, then exchange the versioned hellos (see the class
+        docstring and :mod:`.opening`); returns the channel.
+
+        Raises :class:`VersionMismatch` (the peer speaks another protocol version: the
+        message names both and both modes) or :class:`IncompatiblePeer` (another channel
+        wait mode, or no versioned opening at all) on both ends at once: the accepting side
+        sends its hello before it checks the connecting side's, so each end sees the
+        other's. Older peers are recognised by what they send (protocol 1's unversioned
+        hello, or a protocol message of another version where a hello belongs), except one:
+        a protocol-1 accepting side with native frames ignores our hello and sends nothing
+        we could tell from a slow peer. So the connecting side waits at most
+        :data:`HELLO_TIMEOUT_S` for the hello and then raises a TransferTimeout naming that
+        likely cause (its close frame then ends the old peer's opening at once)."""
         end = self._loop.time() + timeout
         await self._ucxx_send(_PADDING, timeout, "opening message not sent")
-        if self._native is None:
-            return self
         if self._connecting:
             assert self._epoch is not None
             await self._ucxx_send(self._hello(self._epoch), self._left(end), "hello not sent")
-            await self._await_hello(end, self._epoch)
+            peer = await self._await_hello(min(end, self._loop.time() + HELLO_TIMEOUT_S))
         else:
-            epoch = await self._await_hello(end, None)
-            await self._ucxx_send(self._hello(epoch), self._left(end), "hello not sent")
+            peer = await self._await_hello(end)
+            await self._ucxx_send(self._hello(peer.epoch), self._left(end), "hello not sent")
+        opening.check_opening(self.version, self.mode, peer)
+        if self._native is not None:
+            self._peer_token = peer.token
         return self
+
+    @property
+    def mode(self) -> str:
+        """The channel wait mode: ``native`` or ``yield`` (see the module docstring)."""
+        return "yield" if self._native is None else "native"
 
     def _left(self, end: float) -> float:
         return max(0.0, end - self._loop.time())
 
     def _hello(self, epoch: int) -> bytes:
-        return epoch.to_bytes(8, "little") + _HELLO + self._token.to_bytes(8, "little")
+        return epoch.to_bytes(8, "little") + opening.encode_hello(
+            self.version, self.mode, self._token if self._native is not None else 0
+        )
 
-    async def _await_hello(self, end: float, want: Optional[int]) -> int:
-        """UCXX frames until the peer's hello (of epoch ``want``, if given); takes its frame
-        token and returns its epoch. Padding and other frames are dropped."""
+    async def _await_hello(self, end: float) -> opening.Hello:
+        """UCXX frames until the peer's hello (the connecting side: of our epoch; the
+        accepting side: the first, whose epoch it takes for its close handshake). Padding
+        and other connections' frames are dropped; a frame of this connection that shows an
+        older peer raises at once (see :meth:`open`)."""
+        want = self._epoch
         while True:
             try:
                 frame = await self._next_frame(self._left(end))
             except TransferTimeout:
-                raise TransferTimeout("no hello from the peer in time") from None
+                raise TransferTimeout(
+                    "no opening hello from the peer in time: it most likely runs an older "
+                    f"kvxfer (protocol {opening.LEGACY_VERSION}, native frames: it ignores "
+                    f"our protocol {self.version} hello), or its event loop is stalled. Every "
+                    "process of a deployment must run one kvxfer protocol version "
+                    f"({opening.COMPAT_DOC})"
+                ) from None
             if len(frame) < 8:
                 raise ProtocolError(f"frame of {len(frame)} bytes has no connection epoch")
             epoch = int.from_bytes(frame[:8], "little")
-            body = frame[8:]
-            if epoch and len(body) == 10 and body[:2] == _HELLO and want in (None, epoch):
-                token = int.from_bytes(body[2:], "little")
-                if not token:
-                    raise ProtocolError("hello without a frame token")
-                self._peer_token = token
-                return epoch
-            if len(body) == 1 and body == _CLOSE and want in (None, epoch):
+            size = len(frame) - 8
+            head = bytes(frame[8 : 8 + opening.PEEK_BYTES])  # bounded copy, then drop it
+            del frame
+            if not epoch or want not in (None, epoch):
+                if epoch or size:  # not padding: an earlier connection's
+                    self.dropped += 1
+                    log.warning("dropped a %d-byte frame of an earlier connection", size)
+                continue
+            if size == 1 and head == _CLOSE:
                 self._close_seen = True
                 raise PeerClosed("peer closed the connection while opening it")
-            if epoch or len(body):  # not padding
-                self.dropped += 1
-                log.warning(
-                    "dropped a %d-byte frame before the peer's hello: an earlier "
-                    "connection's, or the peer runs KVXFER_CHANNEL_WAIT=yield or an older "
-                    "kvxfer (both ends must use native frames)",
-                    len(body),
+            if want is None:  # accepting: a failed opening still closes on this epoch
+                self._rx_epoch = epoch
+            if head[:2] == opening.HELLO_MAGIC:
+                return opening.parse_hello(epoch, head, self.version)
+            if size == opening.LEGACY_HELLO_BYTES and head[:2] == opening.LEGACY_HELLO_MAGIC:
+                raise opening.legacy_mismatch(self.version, self.mode)
+            theirs = opening.peek_version(head) if size <= opening.PEEK_BYTES else None
+            if theirs is not None and theirs != self.version:
+                # a protocol message where a hello belongs: an older kvxfer in yield mode
+                raise VersionMismatch(
+                    opening.mismatch_text(self.version, self.mode, theirs, "yield"),
+                    ours=self.version,
+                    theirs=theirs,
                 )
+            if want is not None:  # of our fresh epoch, yet no hello: not a stale frame
+                raise IncompatiblePeer(
+                    f"the peer answered the opening with a {size}-byte frame that is no "
+                    f"hello: it does not speak protocol {self.version}'s versioned opening "
+                    "(an older kvxfer?). Every process of a deployment must run one kvxfer "
+                    f"protocol version ({opening.COMPAT_DOC})"
+                )
+            self._rx_epoch = 0  # the accepting side: a stale frame fixes nothing
+            self.dropped += 1
+            log.warning("dropped a %d-byte frame of an earlier connection", size)
 
     async def _ucxx_send(self, frame: bytes, timeout: float, what: str) -> None:
         try:

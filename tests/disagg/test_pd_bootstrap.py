@@ -11,7 +11,13 @@ import pytest
 from kvxfer.disagg import bootstrap
 from kvxfer.disagg import messages as m
 from kvxfer.disagg.bootstrap import BootstrapServer, parse_addr
-from kvxfer.errors import InvalidArgument, PeerClosed, ProtocolError
+from kvxfer.errors import (
+    AuthenticationFailed,
+    InvalidArgument,
+    PeerClosed,
+    ProtocolError,
+    VersionMismatch,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -126,3 +132,51 @@ def test_cli_bootstrap():
     finally:
         p.terminate()
         p.wait(10)
+
+
+async def test_request_of_another_protocol_version_is_refused_naming_both():
+    import msgpack
+
+    from kvxfer import wire
+
+    srv = BootstrapServer(port=0)
+    await srv.start()
+    try:
+        body = msgpack.packb(
+            {"t": "bs.sealed", "v": 99, "nonce": b"n" * 32, "body": b"", "mac": b""},
+            use_bin_type=True,
+        )
+        reply = await _raw(srv.port, struct.pack(">I", len(body)) + body)
+        assert not reply.ok and reply.error.startswith("VersionMismatch: "), reply
+        assert f"protocol version 99, this side {wire.PROTOCOL_VERSION}" in reply.error
+        assert bootstrap._refusal(reply.error) is VersionMismatch
+        assert bootstrap._refusal("AuthenticationFailed: x") is AuthenticationFailed
+        assert bootstrap._refusal("entry of 9 bytes > 8") is ProtocolError
+    finally:
+        await srv.close()
+
+
+async def test_server_of_another_protocol_version_fails_the_client_at_once():
+    """A bootstrap server of protocol 1 (its challenge says so): the client's request fails
+    with VersionMismatch naming both numbers, not a timeout."""
+    import msgpack
+
+    from kvxfer import wire
+
+    async def old_server(r, w):
+        body = msgpack.packb({"t": "bs.challenge", "v": 1, "nonce": b"n" * 32})
+        w.write(struct.pack(">I", len(body)) + body)
+        await w.drain()
+        await r.read()  # until the client hangs up
+        w.close()
+
+    server = await asyncio.start_server(old_server, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        with pytest.raises(VersionMismatch) as ei:
+            await bootstrap.lookup(("127.0.0.1", port), 0, 5, secret=b"s" * 32)
+        assert (ei.value.ours, ei.value.theirs) == (wire.PROTOCOL_VERSION, 1)
+        assert f"protocol version 1, this side {wire.PROTOCOL_VERSION}" in str(ei.value)
+    finally:
+        server.close()
+        await server.wait_closed()

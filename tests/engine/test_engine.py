@@ -264,6 +264,33 @@ def test_error_mode_none_uses_shared_memory(nodes):
     assert nodes["A"].items("main", "kv", dst) == b.items("fast", "kv", src)
 
 
+def test_mixed_error_modes_write_both_ways(nodes):
+    """B-fast (error_mode "none") registers on kvxfer's own UCP context: its keys are valid
+    only on a bulk endpoint to its own worker (Layout.bulk_only). A (error_mode "peer")
+    therefore writes to it over a bulk endpoint too (shared-memory / CUDA IPC lanes, not the
+    channel's tcp), and both directions are byte-exact."""
+    a, b = nodes["A"], nodes["B"]
+    pid = _peer_of(nodes, "fast")
+    back = b.engine_id("fast")
+    deadline = time.monotonic() + 10  # A registers the peer when its side of the handshake ends
+    while back not in a.peers("main"):
+        assert time.monotonic() < deadline, (a.peers("main"), a.closed("main"))
+    src, dst = list(range(1, 30, 4)), list(range(2, 40, 5))[:8]
+    a.fill("main", "kv", 21)
+    b.zero("fast", "kv")
+    w = a.write("main", back, [("kv", src, dst)], b"back")
+    assert "ok" in w, w
+    assert any(lane.startswith(FAST_LANES) for lane in w["ok"]["lanes"]), w
+    assert b.messages("fast", 1, 10.0)[0][1] == b"back"
+    assert b.items("fast", "kv", dst) == a.items("main", "kv", src)
+    b.fill("fast", "kv", 22)
+    a.zero("main", "kv")
+    w = b.write("fast", pid, [("kv", dst, src)], b"forth")
+    assert "ok" in w, w
+    assert a.messages("main", 1, 10.0)[0][1] == b"forth"
+    assert a.items("main", "kv", src) == b.items("fast", "kv", dst)
+
+
 @pytest.mark.parametrize("key", ["main", "fast", "spin"])
 def test_notify_is_chained(nodes, key):
     """A plain PUT write's notify goes through the native chain (flush -> active message),

@@ -1,5 +1,7 @@
 """Handshake and layout validation pieces that need no UCX (pure functions)."""
 
+import asyncio
+
 import msgpack
 import numpy as np
 import pytest
@@ -8,7 +10,8 @@ from kvxfer import wire
 from kvxfer.engine import handshake
 from kvxfer.engine import messages as m
 from kvxfer.engine.groups import LocalGroups, parse_remote
-from kvxfer.errors import IncompatiblePeer, ProtocolError
+from kvxfer.errors import IncompatiblePeer, ProtocolError, VersionMismatch
+from kvxfer.transport.base import Channel
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -74,10 +77,67 @@ def test_parse_remote_rejects(over, msg):
 
 def test_foreign_protocol_version_is_incompatible():
     raw = msgpack.packb({"t": "kx.hello", "v": wire.PROTOCOL_VERSION + 1}, use_bin_type=True)
-    with pytest.raises(IncompatiblePeer, match="protocol version"):
+    with pytest.raises(VersionMismatch, match="protocol version") as ei:
         handshake._decode(raw)
+    assert isinstance(ei.value, IncompatiblePeer)  # what the handshake always raised for it
+    assert (ei.value.ours, ei.value.theirs) == (wire.PROTOCOL_VERSION, wire.PROTOCOL_VERSION + 1)
     with pytest.raises(ProtocolError):
         handshake._decode(b"\xc1garbage")
+
+
+class _Pipe(Channel):
+    """One end of an in-memory channel pair (the handshake's message order only; the UCX
+    channel's own checks are tested in tests/transport). ``version``: what this end's
+    messages claim (a peer of another protocol version)."""
+
+    def __init__(self, inbox, outbox, version=wire.PROTOCOL_VERSION):
+        self.inbox, self.outbox, self.version = inbox, outbox, version
+
+    async def send(self, payload, timeout):
+        body = msgpack.unpackb(payload, raw=False)
+        body["v"] = self.version
+        await self.outbox.put(msgpack.packb(body, use_bin_type=True))
+
+    async def recv(self, timeout, max_bytes=None):
+        return await asyncio.wait_for(self.inbox.get(), timeout)
+
+    def binding(self):
+        return b"127.0.0.1:1>127.0.0.1:2"
+
+    def on_closed(self, callback):
+        pass
+
+    def closed(self):
+        return False
+
+    async def close(self, timeout):
+        pass
+
+    def add_remote_regions(self, *a):
+        raise NotImplementedError
+
+    def put(self, *a):
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize("foreign", ["connect", "accept"])
+def test_handshake_version_mismatch_fails_both_ends_naming_both(foreign):
+    V, other = wire.PROTOCOL_VERSION, wire.PROTOCOL_VERSION + 7
+
+    async def run():
+        a, b = asyncio.Queue(), asyncio.Queue()
+        c = _Pipe(a, b, other if foreign == "connect" else V)
+        s = _Pipe(b, a, other if foreign == "accept" else V)
+        args = (LocalGroups(), b"secret", "id", "n", b"addr", 5.0)
+        return await asyncio.gather(
+            handshake.connect_side(c, *args),
+            handshake.accept_side(s, *args),
+            return_exceptions=True,
+        )
+
+    for exc in asyncio.run(run()):
+        assert isinstance(exc, VersionMismatch), exc
+        assert f"protocol version {other}, this side {V}" in str(exc), exc
 
 
 def _hello(**over):

@@ -19,9 +19,9 @@ from typing import Callable, Dict, List
 
 import msgpack
 
-V = 1  # kvxfer.wire.PROTOCOL_VERSION (asserted by the tests)
+V = 2  # kvxfer.wire.PROTOCOL_VERSION (asserted by the tests)
 
-_BAD_VERSIONS = [True, False, 1.0, "1", b"\x01", 0, 2, -1, None, [1], {"v": 1}, (1 << 64) - 1]
+_BAD_VERSIONS = [True, False, 2.0, "2", b"\x02", 0, 1, 3, -1, None, [2], {"v": 2}, (1 << 64) - 1]
 
 
 def _ints(rng: random.Random) -> int:

@@ -61,6 +61,29 @@ def test_completion_queue(node):
     assert out["spin"]["poller"] is True and out["event"]["poller"] is False, out
 
 
+@pytest.mark.timeout(120)
+def test_accept_while_the_poller_spins(node):
+    # the poller used to progress UCXX's worker itself; a connection request it picked up
+    # ran UCXX's listener callback on the poller thread, whose endpoint creation then
+    # waited 3 x 3 s for UCXX's progress thread, blocked on the worker lock the poller held
+    # ("Bootstrapping for more than 10s" in CI). Now only UCXX's thread progresses it.
+    out = node.accept_while_spinning(8)
+    assert not out["errors"] and len(out["took"]) == 8, out
+    assert max(out["took"]) < 2.5, out
+    assert out["spinning"] == 1, out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["peer", "none"])
+def test_accept_during_spin_flushes(node, mode):
+    # the same with real PUT + spin-flush rounds back to back on a connected pair: on UCXX's
+    # worker (peer) and on kvxfer's own worker (none)
+    out = node.accept_while_spinning(8, hammer=True, mode=mode)
+    assert not out["errors"] and len(out["took"]) == 8, out
+    assert max(out["took"]) < 2.5, out
+    assert out["flush_rounds"] > 8 and out["exact"], out
+
+
 def test_channel_native_frames(node):
     out = node.channel_frames()
     assert out["native"], out  # the hello exchange gave each end the other's frame token
@@ -81,3 +104,59 @@ def test_channel_flood_drops_the_connection(node):
 def test_channel_oversize_before_trust_drops_the_connection(node):
     out = node.channel_oversize()
     assert "size limit" in out["why"] and out["queued"] == 0, out
+
+
+_LEFT_NOTHING = {"tokens_left": [], "inbox_left": 0, "pending": 0}
+
+
+def _left_nothing(out):
+    assert out["channels"] == 2, out
+    assert {k: out[k] for k in _LEFT_NOTHING} == _LEFT_NOTHING, out
+    assert out["rx_left"] == [False, False] and out["eps_left"] == [False, False], out
+
+
+@pytest.mark.parametrize(
+    "connect,accept",
+    [("native", "yield"), ("yield", "native")],
+    ids=["native-yield", "yield-native"],
+)
+def test_opening_mode_mismatch_fails_both_ends_fast(node, connect, accept):
+    out = node.opening_mismatch({"mode": connect}, {"mode": accept})
+    for side, mine, theirs in (("client", connect, accept), ("server", accept, connect)):
+        assert out[side] == "IncompatiblePeer", out
+        msg = out[f"{side}_msg"]
+        assert f"KVXFER_CHANNEL_WAIT={theirs}, this end {mine}" in msg, out
+        assert "docs/engine.md" in msg, out
+    # at once: well inside the opening's timeouts (HELLO_TIMEOUT_S 5 s, OPEN_TIMEOUT_S 10 s)
+    assert out["client_s"] < 2.5 and out["server_s"] < 2.5, out
+    assert out["accepted"] == 0, out
+    _left_nothing(out)
+
+
+@pytest.mark.parametrize("side", ["connect", "accept"])
+def test_opening_version_mismatch_names_both(node, side):
+    from kvxfer.wire import PROTOCOL_VERSION as V
+
+    out = node.opening_mismatch(
+        {"version": 99} if side == "connect" else {}, {"version": 99} if side == "accept" else {}
+    )
+    for end, role in (("client", "connect"), ("server", "accept")):
+        ours, theirs = (99, V) if role == side else (V, 99)
+        assert out[end] == "VersionMismatch", out
+        assert out[f"{end}_versions"] == [ours, theirs], out
+        assert (
+            f"the peer speaks protocol {theirs}, channel mode native, this end protocol {ours}"
+            in out[f"{end}_msg"]
+        ), out
+    assert out["client_s"] < 2.5 and out["server_s"] < 2.5, out
+    assert out["accepted"] == 0, out
+    _left_nothing(out)
+
+
+@pytest.mark.parametrize("mode", ["native", "yield"])
+def test_opening_same_version_and_mode_pairs(node, mode):
+    out = node.opening_same(mode)
+    assert out["ok"] and out["modes"] == [mode, mode] and out["dropped"] == 0, out
+    assert out["native"] == [mode == "native"] * 2, out
+    assert out["saw_close"], out
+    _left_nothing(out)

@@ -135,3 +135,24 @@ def test_foreign_frames_are_refused():
         m.decode_frames([m.FRAME_TAG, b"\xc1"])
     with pytest.raises(ProtocolError):
         m.decode_frames([m.FRAME_TAG, wire.Message().encode()])
+
+
+@pytest.mark.parametrize("make", [_room, _reg], ids=["room", "register"])
+def test_control_message_of_another_protocol_version_names_both(make):
+    """A decode of another kvxfer protocol version (e.g. one without SglRoom.slices): the
+    prefill refuses its control messages with VersionMismatch naming both numbers, not with
+    a generic decode error about an unknown field."""
+    import msgpack
+
+    from kvxfer import wire
+    from kvxfer.errors import VersionMismatch
+
+    body = msgpack.unpackb(make().encode(), raw=False)
+    body["v"] = wire.PROTOCOL_VERSION - 1
+    body.pop("slices", None)
+    with pytest.raises(VersionMismatch) as ei:
+        m.decode_frames([m.FRAME_TAG, msgpack.packb(body, use_bin_type=True)])
+    assert (ei.value.ours, ei.value.theirs) == (wire.PROTOCOL_VERSION, wire.PROTOCOL_VERSION - 1)
+    assert f"version {wire.PROTOCOL_VERSION - 1}, this side {wire.PROTOCOL_VERSION}" in str(
+        ei.value
+    )

@@ -281,7 +281,13 @@ class DecodePath:
         try:
             msg = wire.decode(payload)
         except ProtocolError as exc:
-            log.warning("%r: dropped engine message from %s: %s", mgr, peer.name, exc)
+            log.warning(
+                "%r: dropped engine message from %s: %s: %s",
+                mgr,
+                peer.name,
+                type(exc).__name__,
+                exc,
+            )
             return
         if not isinstance(msg, SglDone):
             log.warning("%r: unexpected %s from %s", mgr, msg.TAG, peer.name)

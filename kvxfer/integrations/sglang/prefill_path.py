@@ -165,8 +165,10 @@ class PrefillPath:
             frames = sock.recv_multipart()
             try:
                 self.on_frames(frames)
-            except ProtocolError as exc:
-                log.warning("%r: dropped control message: %s", self.mgr, exc)
+            except ProtocolError as exc:  # VersionMismatch: a decode of another kvxfer
+                log.warning(
+                    "%r: dropped control message: %s: %s", self.mgr, type(exc).__name__, exc
+                )
             except Exception:
                 log.exception("%r: control message failed", self.mgr)
 
