@@ -369,42 +369,65 @@ def replicated_item(item_bytes: int) -> ItemGeometry:
 
 
 def state_item(
-    row_bytes: int, part_totals: Sequence[int], tp: int, *, item_bytes: int = 0, offset: int = 0
+    row_bytes: int,
+    part_totals: Sequence[int],
+    tp: int,
+    *,
+    item_bytes: int = 0,
+    offset: int = 0,
+    outer: int = 1,
 ) -> ItemGeometry:
-    """One state slot split along its first dim: parts (e.g. conv ``x | B | C``) of
+    """One state slot split along one dim: parts (e.g. conv ``x | B | C``) of
     ``part_totals[i]`` rows over all ranks, each split by the rank rules, stored back to
-    back (``rows_local[0]`` rows of part 0, then part 1...) from ``offset``; ``item_bytes``
-    defaults to the parts' bytes."""
+    back (``rows_local[0]`` rows of part 0, then part 1...) from ``offset``; ``outer`` > 1:
+    the split dim is not the first one, ``outer`` rows of all local parts follow one another
+    (a ``[outer, rows_local, ...]`` slot, e.g. a ``[K-1, dim]`` conv state), so each part is
+    ``outer`` repetitions. ``item_bytes`` defaults to the parts' bytes."""
     segs: List[Segment] = []
+    local = [local_units(int(g), tp, f"state part {i}") for i, g in enumerate(part_totals)]
+    stride = sum(local) * row_bytes
     off = offset
-    for i, g in enumerate(part_totals):
-        n = local_units(int(g), tp, f"state part {i}")
-        segs.append(Segment(off, 1, n * row_bytes, n, row_bytes, int(g)))
+    for n, g in zip(local, part_totals):
+        segs.append(Segment(off, _pos("outer", outer), stride, n, row_bytes, int(g)))
         off += n * row_bytes
-    return ItemGeometry(item_bytes or off, tuple(segs))
+    return ItemGeometry(item_bytes or offset + outer * stride, tuple(segs))
 
 
 def state_geometries(
-    item_lens: Sequence[int], dims: Sequence[Any], parts: Sequence[Sequence[int]], tp: int
+    item_lens: Sequence[int],
+    dims: Sequence[Any],
+    parts: Sequence[Sequence[int]],
+    tp: int,
+    outer: Sequence[int] = (),
 ) -> List[ItemGeometry]:
     """Geometry of every plain (per-layer) state descriptor from a pool's metadata:
     ``item_lens`` (``get_state_buf_infos``), ``dims`` (``get_state_dim_per_tensor``: this
-    rank's rows of the TP-split first dim; ``None`` / ``-1``: replicated) and ``parts``
-    (``get_state_parts_per_tensor``; ``[]``: one part). Totals are ``local rows * tp``
-    (a state dim replicated over ranks is not expressible here: refused at the handshake)."""
+    rank's rows of the TP-split dim; ``None`` / ``-1``: replicated), ``parts``
+    (``get_state_parts_per_tensor``: this rank's rows of each part; ``[]``: one part) and
+    ``outer`` (rows before the split dim, per descriptor; ``()``: all 1, the split dim is
+    the first). Totals are ``local rows * tp`` (a state dim replicated over ranks is not
+    expressible here: refused at the handshake)."""
     if parts and len(parts) != len(item_lens):
         raise InvalidArgument(f"{len(parts)} part lists for {len(item_lens)} state descriptors")
+    if outer and len(outer) != len(item_lens):
+        raise InvalidArgument(f"{len(outer)} outer counts for {len(item_lens)} state descriptors")
     out: List[ItemGeometry] = []
     for i, (il, dim) in enumerate(zip(item_lens, dims)):
         if dim is None or int(dim) < 0:
             out.append(replicated_item(int(il)))
             continue
         rows = [int(x) for x in (parts[i] if parts else [])] or [int(dim)]
-        if sum(rows) != int(dim) or int(il) % int(dim):
+        o = int(outer[i]) if outer else 1
+        if sum(rows) != int(dim) or o <= 0 or int(il) % (int(dim) * o):
             raise InvalidArgument(
-                f"state descriptor {i}: parts {rows} / item {il} B do not fit {dim} rows"
+                f"state descriptor {i}: parts {rows} x {o} outer / item {il} B do not fit "
+                f"{dim} rows"
             )
-        out.append(state_item(int(il) // int(dim), [r * tp for r in rows], tp, item_bytes=int(il)))
+        out.append(
+            state_item(
+                int(il) // (int(dim) * o), [r * tp for r in rows], tp, item_bytes=int(il), outer=o
+            )
+        )
     return out
 
 

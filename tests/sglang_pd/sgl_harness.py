@@ -26,8 +26,19 @@ ENV = {
 FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = range(5)
 DONE = [SUCCESS, FAILED]
 
-#: a heterogeneous-TP scenario: (pool kind "mha" / "mla", total KV heads, prefill TP, decode TP)
+#: a heterogeneous-TP scenario: (pool kind "mha" / "mla" / one of ``sgl_nodes.STATE_KINDS``,
+#: total KV heads, prefill TP, decode TP)
 Scenario = Tuple[str, int, int, int]
+
+
+def state_slot(room: int, rank: int = -1) -> int:
+    """The Mamba slot of ``room`` on prefill (``rank`` -1: every prefill rank allocates
+    alike) or on decode rank ``rank`` (1..MAMBA_SLOTS)."""
+    return 1 + (room + 3 * (rank + 1)) % N.MAMBA_SLOTS
+
+
+def has_state(cluster, scen: str) -> bool:
+    return cluster["scenarios"][scen][0] in N.STATE_KINDS
 
 
 def start(*workers: Worker, timeout: float = 300) -> None:
@@ -97,15 +108,16 @@ def open_room(
     rng = random.Random(room)
     p_pages = rng.sample(range(1, 60), n_pages)
     d_pages = [rng.sample(range(1, 60), n_pages) for _ in dcs]
+    state = has_state(cluster, scen)
     for pf in pfs:
         assert pf.sender(scen, room, "127.0.0.1", port) == "KvxferKVSender"
-        pf.fill(scen, room, p_pages)
+        pf.fill(scen, room, p_pages, state_slot(room) if state else None)
     for d, dc in enumerate(dcs):
         assert dc.receiver(scen, room, f"127.0.0.1:{port}")["dp_size"] == 1
         if connected:
             n = len(prefill_peers(d, tp_p, tp_d))
             assert dc.peers(scen, n) == n
-        dc.metadata(scen, room, d_pages[d], 3 + d)
+        dc.metadata(scen, room, d_pages[d], 3 + d, state_slot(room, d) if state else None)
     for pf in pfs:  # complete only once every decode rank's metadata arrived
         assert pf.wait(room, [WAITING, FAILED], 30) == WAITING
         assert pf.start(scen, room, n_pages * N.PAGE, 5, 9000 + room) == {
@@ -120,9 +132,11 @@ def check_and_clear(cluster, scen: str, room: int, n_pages: int, d_pages) -> Non
     Success; then cleared with no table of any rank still holding the room."""
     _, _, tp_p, tp_d = cluster["scenarios"][scen]
     pfs, dcs = cluster["pf"][:tp_p], cluster["dc"][:tp_d]
+    state = has_state(cluster, scen)
     for d, dc in enumerate(dcs):
         assert dc.wait(room, DONE, 30) == SUCCESS
-        assert dc.read(scen, d_pages[d]) == dc.expected(scen, room, n_pages)
+        slot = state_slot(room, d) if state else None
+        assert dc.read(scen, d_pages[d], slot) == dc.expected(scen, room, n_pages, 0, state)
         assert dc.first_token(scen, 3 + d) == [9000 + room, room]
     for pf in pfs:
         assert pf.wait(room, DONE, 30) == SUCCESS
@@ -162,6 +176,7 @@ def expected_moves(
     aux: int,
     staged: bool = False,
     chunks: int = 2,
+    descs: int = 0,
 ):
     """Per prefill rank: ``(bytes it writes, kv PUTs when it writes no metadata row else
     None, the kv PUTs of the direct path)`` for a room of ``n_pages`` pages in ``chunks``
@@ -169,9 +184,10 @@ def expected_moves(
     holding it (MLA: the first peer writes whole pages, the others are SGLang's dummies);
     the metadata row by the first peer. A pair that moves part of a page costs one PUT per
     token row of every layer's K and V (NHD pages), whole pages one per layer and K/V;
-    ``staged``: one PUT per chunk instead (a landing slot holds a chunk)."""
+    ``staged``: one PUT per chunk instead (a landing slot holds a chunk). ``descs``: KV
+    descriptors (default: every layer's K and V, or latent)."""
     kind, total, tp_p, tp_d = scenario
-    descs = N.LAYERS * (1 if kind == "mla" else 2)
+    descs = descs or N.LAYERS * (1 if kind == "mla" else 2)
     out = []
     for p in range(tp_p):
         nbytes, ops, direct, sends_aux = 0, 0, 0, False
@@ -208,16 +224,24 @@ def byte_exact(cluster, scen: str, room: int, n_pages: int = 3, staged: bool = F
     scenario = cluster["scenarios"][scen]
     _, _, tp_p, _ = scenario
     p_pages, d_pages = open_room(cluster, scen, room, n_pages, connected=staged)
+    slot = state_slot(room) if has_state(cluster, scen) else None
     for pf in cluster["pf"][:tp_p]:
         assert pf.send(room, p_pages[:2], False) is True
-        assert pf.send(room, p_pages[2:], True) is True
+        assert pf.send(room, p_pages[2:], True, slot) is True
     for pf in cluster["pf"][:tp_p]:
         assert pf.wait(room, DONE, 30) == SUCCESS
     p_info, d_info = cluster["info"][scen]
     kv_p = sum(p_info[0]["item_lens"][0])
     kv_d = sum(d_info[0]["item_lens"][0])
     aux = sum(p_info[0]["item_lens"][1])
-    want = expected_moves(scenario, n_pages, kv_p, kv_d, aux, staged)
+    descs = len(p_info[0]["item_lens"][0])  # (a hybrid pool: its full-attention layers)
+    want = expected_moves(scenario, n_pages, kv_p, kv_d, aux, staged, descs=descs)
+    if slot is not None:  # plus each prefill rank's slices of the Mamba slot
+        runs = [state_runs(scenario, d_info[d]["state_meta"]) for d in range(len(d_info))]
+        want = [
+            (b + sb, None if ops is None else ops + sr, direct + sr)
+            for (b, ops, direct), (sb, sr) in zip(want, _state_moves(scenario, d_info, runs))
+        ]
     got = [pf.metric(room)[0] for pf in cluster["pf"][:tp_p]]
     assert got == [b for b, _, _ in want]
     for pf, (_, ops, direct) in zip(cluster["pf"][:tp_p], want):
@@ -226,3 +250,40 @@ def byte_exact(cluster, scen: str, room: int, n_pages: int = 3, staged: bool = F
         elif staged:  # the metadata row's PUTs on top of the staged chunks
             assert pf.write_ops(room)[0] < direct
     check_and_clear(cluster, scen, room, n_pages, d_pages)
+
+
+def state_runs(scenario: Scenario, meta) -> List[Tuple[int, int, bool]]:
+    """Per state tensor of a decode rank (its ``state_meta``: ``[item bytes, dim, outer,
+    groups]`` each): ``(bytes, runs one prefill peer writes of it, replicated)``: a split
+    tensor takes one run per outer row per part from each peer that holds part of it
+    (prefill TP above decode's: each of the ``k`` peers writes 1/k of every part), a
+    replicated one (dim 0) one run, from the first peer."""
+    _, _, tp_p, tp_d = scenario
+    out = []
+    for nbytes, dim, outer, groups in meta:
+        if dim == 0:
+            out.append((nbytes, 1, True))
+            continue
+        parts = groups if groups and sum(groups) == dim * tp_d else [dim * tp_d]
+        out.append((nbytes, outer * len(parts), False))
+    return out
+
+
+def _state_moves(scenario: Scenario, d_info, runs) -> List[Tuple[int, int]]:
+    """Per prefill rank: (state bytes it writes, state runs) over the decode ranks it is a
+    peer of (:func:`state_runs`)."""
+    _, _, tp_p, tp_d = scenario
+    out = []
+    for p in range(tp_p):
+        nbytes = nruns = 0
+        for d in range(tp_d):
+            peers = prefill_peers(d, tp_p, tp_d)
+            if p not in peers:
+                continue
+            for b, r, repl in runs[d]:
+                if repl:
+                    nbytes, nruns = nbytes + (b if p == peers[0] else 0), nruns + (p == peers[0])
+                else:
+                    nbytes, nruns = nbytes + b // len(peers), nruns + r
+        out.append((nbytes, nruns))
+    return out

@@ -28,6 +28,10 @@ MLA_LORA, MLA_ROPE = 16, 8
 POOL_TOKENS = 256
 META_ROWS = 16
 MAMBA_SLOTS = 8
+#: hybrid pools (HybridLinearKVPool over a MambaPool): "mamba" (Mamba2, one conv part),
+#: "gdn" (Mamba2 with a conv of three independently split parts), "kimi" (KimiLinear: conv
+#: [K-1, channels], the split dim after the outer rows, three parts)
+STATE_KINDS = ("mamba", "gdn", "kimi")
 #: how this process loaded the plugin: "entry_point" (SGLang's load_plugins) or "register"
 PLUGIN_VIA = None
 
@@ -89,7 +93,7 @@ def _publish(mode: str, extra_args=(), dp_rank=None, world_rank=0):
     return sa
 
 
-def _pools(kind: str, heads: int = HEADS):
+def _pools(kind: str, heads: int = HEADS, tp: int = 1):
     import torch
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MHATokenToKVPool
 
@@ -118,31 +122,44 @@ def _pools(kind: str, heads: int = HEADS):
             device="cpu",
             enable_memory_saver=False,
         )
-    if kind == "mamba":
-        from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    if kind in STATE_KINDS:
+        from sglang.srt.configs.mamba_utils import (
+            KimiLinearCacheParams,
+            KimiLinearStateShape,
+            Mamba2CacheParams,
+            Mamba2StateShape,
+        )
         from sglang.srt.mem_cache.memory_pool import MambaPool
 
-        shape = Mamba2StateShape.create(
-            tp_world_size=1,
-            intermediate_size=32,
-            n_groups=1,
-            num_heads=4,
-            head_dim=8,
-            state_size=4,
-            conv_kernel=4,
-        )
+        if kind == "kimi":  # conv [K-1, q|k|v channels]: the split dim after 3 outer rows
+            shape = KimiLinearStateShape.create(
+                tp_world_size=tp, num_heads=4, head_dim=4, num_k_heads=4, head_k_dim=2
+            )
+            params = KimiLinearCacheParams(shape=shape, layers=[1, 3])
+        else:  # "gdn": conv x|B|C of 32|16|16 channels, each split by TP on its own
+            shape = Mamba2StateShape.create(
+                tp_world_size=tp,
+                intermediate_size=32,
+                n_groups=1 if kind == "mamba" else 4,
+                num_heads=4,
+                head_dim=8,
+                state_size=4,
+                conv_kernel=4,
+                conv_shard_groups=[32, 16, 16] if kind == "gdn" else None,
+            )
+            params = Mamba2CacheParams(shape=shape, layers=[1, 3])
         mamba = MambaPool(
             size=MAMBA_SLOTS,
             spec_state_size=0,
             device="cpu",
-            cache_params=Mamba2CacheParams(shape=shape, layers=[1, 3]),
+            cache_params=params,
             mamba_layer_ids=[1, 3],
         )
         return HybridLinearKVPool(
             size=POOL_TOKENS,
             dtype=bf,
             page_size=PAGE,
-            head_num=HEADS,
+            head_num=heads,
             head_dim=DIM,
             full_attention_layer_ids=[0, 2],
             device="cpu",
@@ -160,6 +177,49 @@ def pattern(room: int, tokens, e: int, nbytes: int, base: int = 0):
     t = np.asarray(tokens, dtype=np.int64)[:, None]
     b = base + np.arange(nbytes, dtype=np.int64)[None, :]
     return ((room * 31 + t * 7 + e * 13 + b) % 251).astype(np.uint8)
+
+
+def _state_meta(pool):
+    mamba = getattr(pool, "mamba_pool", None)
+    if mamba is None:
+        return []
+    return [
+        [int(n), int(d), int(o), None if g is None else [int(x) for x in g]]
+        for n, d, o, g in zip(
+            mamba.get_contiguous_buf_infos()[2],
+            mamba.get_state_dim_per_tensor(),
+            mamba.get_state_slice_outer_counts(),
+            mamba.get_state_conv_shard_groups(),
+        )
+    ]
+
+
+def state_share(room, e, nbytes, dim, outer, groups, rank, tp):
+    """Bytes of TP rank ``rank`` of ``tp`` of state tensor ``e``'s slot (``nbytes``, as
+    SGLang's ``MambaPool`` holds it: ``outer`` rows, each of ``dim`` local rows of the split
+    dim; ``dim`` 0: replicated) for room ``room``: a gather of one global slot of ``outer``
+    rows of ``dim * tp`` rows (the global content :func:`pattern` of tensor ``e``). The
+    global rows of the rank, from SGLang's sharding (``MambaPool`` /
+    ``compute_mamba_state_slice_blocks``): each of the parts ``groups`` (full sizes, e.g.
+    conv ``q | k | v``; None or not summing to the dim: one part) split on its own, the rank
+    holding rows ``[rank * g/tp, (rank+1) * g/tp)`` of every part ``g``, parts back to
+    back."""
+    import numpy as np
+
+    if dim == 0:
+        return pattern(room, [100000], e, nbytes)[0]
+    full = dim * tp
+    row = nbytes // (outer * dim)
+    parts = list(groups) if groups and sum(groups) == full else [full]
+    rows, base = [], 0
+    for g in parts:
+        n = g // tp
+        rows += range(base + rank * n, base + (rank + 1) * n)
+        base += g
+    rows = np.asarray(rows, dtype=np.int64)
+    o = np.arange(outer, dtype=np.int64)[:, None, None]
+    idx = (o * full + rows[None, :, None]) * row + np.arange(row)[None, None, :]
+    return pattern(room, [100000], e, outer * full * row)[0][idx.ravel()]
 
 
 class Node:
@@ -206,7 +266,7 @@ class Node:
             server_args = _publish(self.mode, extra, self.dp_rank, rank)
         get_context().override("test", disaggregation_bootstrap_port=int(bootstrap_port))
         backend = TransferBackend("kvxfer")
-        pool = _pools(kind, h1 - h0)
+        pool = _pools(kind, h1 - h0, size)
         meta = MetadataBuffers(
             META_ROWS, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=4
         )
@@ -245,7 +305,13 @@ class Node:
                     os.environ[k] = v
         head_bytes = DIM * 2  # bfloat16
         self.scen[name] = dict(
-            kind=kind, pool=pool, meta=meta, mgr=mgr, backend=backend, base=h0 * head_bytes
+            kind=kind,
+            pool=pool,
+            meta=meta,
+            mgr=mgr,
+            backend=backend,
+            base=h0 * head_bytes,
+            tp=(size, rank),
         )
         return {
             "cls": type(mgr).__name__,
@@ -257,6 +323,8 @@ class Node:
                 list(kv_args.aux_item_lens),
                 [list(x) for x in kv_args.state_item_lens],
             ],
+            # per Mamba state tensor: [slot bytes, split rows, outer rows, parts]
+            "state_meta": _state_meta(pool),
         }
 
     def _bufs(self, name):
@@ -294,7 +362,7 @@ class Node:
             b[tokens] = torch.from_numpy(pattern(room, pos, e, b.shape[1], base))
         if mamba_slot is not None:
             for e, b in enumerate(states):
-                b[mamba_slot] = torch.from_numpy(pattern(room, [100000], e, b.shape[1])[0])
+                b[mamba_slot] = torch.from_numpy(self._state_content(name, room, e, b.shape[1]))
         return True
 
     def read(self, name, pages, mamba_slot=None):
@@ -312,9 +380,26 @@ class Node:
         out = [pattern(room, pos, e, b.shape[1], base).tobytes() for e, b in enumerate(kv)]
         if mamba:
             out += [
-                pattern(room, [100000], e, b.shape[1])[0].tobytes() for e, b in enumerate(states)
+                self._state_content(name, room, e, b.shape[1]).tobytes()
+                for e, b in enumerate(states)
             ]
         return out
+
+    def _state_content(self, name, room, e, nbytes):
+        """This rank's bytes of state tensor ``e`` (one slot) of room ``room``: its share of
+        one global slot (:func:`state_share`), whatever its TP."""
+        pool = self.scen[name]["pool"].mamba_pool
+        size, rank = self.scen[name]["tp"]
+        return state_share(
+            room,
+            e,
+            nbytes,
+            pool.get_state_dim_per_tensor()[e],
+            pool.get_state_slice_outer_counts()[e],
+            pool.get_state_conv_shard_groups()[e],
+            rank,
+            size,
+        )
 
     # ------------------------------------------------------------------ handles
     def handle(self, room):
@@ -473,6 +558,7 @@ class PrefillNode(Node):
     def incompatible(self, name, changes=None):
         """Prefill's verdict on a decode registration like its own but with ``changes``."""
         from kvxfer.integrations.sglang.messages import SglRegister
+        from kvxfer.integrations.sglang.tp_pairs import state_tp_fields
 
         mgr = self.scen[name]["mgr"]
         a = mgr.kv_args
@@ -490,6 +576,7 @@ class PrefillNode(Node):
             aux_item_lens=list(a.aux_item_lens),
             state_types=[s.value for s in a.state_types],
             state_item_lens=[list(x) for x in a.state_item_lens],
+            **state_tp_fields(a),
         )
         reg.update(changes or {})
         return mgr.path._incompatible(SglRegister(**reg))[0]

@@ -13,8 +13,15 @@ decode TP 1 and 1 -> 2; ``p2d1r`` / ``p1d2r``: 1 KV head (replicated: prefill re
 which one sends, decode replicas that both receive it); ``m2d1`` / ``m1d2``: MLA (the latent
 is replicated: one prefill rank writes whole pages, SGLang makes the other a dummy);
 ``s2d1`` / ``s1d2``: as ``p2d1`` / ``p1d2`` with the staged path forced (the cross-host
-path: gather, one PUT per chunk, scatter at decode); ``bad``: a decode whose model has another head count (refused, the room fails on every rank
-with both shapes named). 4:1, 1:4 and 2:4 (four processes a role): test_sglang_hetero_tp4.py.
+path: gather, one PUT per chunk, scatter at decode); ``g2d1`` / ``g1d2``: a hybrid model
+(``HybridLinearKVPool`` over a ``MambaPool``) whose Mamba2 conv state is three parts
+split by TP on their own (GDN's ``q | k | v``), ``k2d1`` / ``k1d2``: KimiLinear's state
+(conv ``[K-1, channels]``: the split dim after the outer rows) - every byte of every state
+tensor of the room's slot checked on every decode rank, each rank's state the slice of one
+global state its TP holds (:func:`sgl_nodes.state_share`); ``bad``: a decode whose model
+has another head count, ``sbad``: a plain Mamba2 state whose conv dim depends on the TP
+size (1 group, extended by SGLang over 2 ranks) - refused, the room fails on every rank
+with both shapes named. 4:1, 1:4 and 2:4 (four processes a role): test_sglang_hetero_tp4.py.
 """
 
 import pytest
@@ -38,6 +45,10 @@ SCENARIOS = {  # name: (pool, total kv heads, prefill tp, decode tp)
     "m1d2": ("mla", 1, 1, 2),
     "s2d1": ("mha", 4, 2, 1),
     "s1d2": ("mha", 4, 1, 2),
+    "g2d1": ("gdn", 4, 2, 1),
+    "g1d2": ("gdn", 4, 1, 2),
+    "k2d1": ("kimi", 4, 2, 1),
+    "k1d2": ("kimi", 4, 1, 2),
 }
 #: the staged path forced (every head-slice chunk of more than 1 PUT: a SliceWrite)
 STAGED = {"s2d1", "s1d2"}
@@ -46,7 +57,7 @@ STAGED = {"s2d1", "s1d2"}
 @pytest.fixture(scope="module")
 def cluster():
     forced = {"KVXFER_SGL_TP_STAGE_MIN_OPS": "1"}
-    with H.hetero_cluster(SCENARIOS, 2, 2, extra=1, scenario_env={s: forced for s in STAGED}) as c:
+    with H.hetero_cluster(SCENARIOS, 2, 2, extra=2, scenario_env={s: forced for s in STAGED}) as c:
         pfs, dcs, port = c["pf"], c["dc"], c["spare"][0]
         # a decode (TP 1) of a model with 2 KV heads against prefill TP 2 of 4 heads
         for r in range(2):
@@ -54,6 +65,13 @@ def cluster():
         dcs[0].add("bad", "mha", port, tp=(1, 0), heads=2, timeout=120)
         c["ports"]["bad"] = port
         c["scenarios"]["bad"] = ("mha", 4, 2, 1)
+        # Mamba2 of 1 group: SGLang extends the groups over 2 ranks, the conv dims differ
+        port = c["spare"][1]
+        for r in range(2):
+            pfs[r].add("sbad", "mamba", port, tp=(2, r), heads=4, timeout=120)
+        dcs[0].add("sbad", "mamba", port, tp=(1, 0), heads=4, timeout=120)
+        c["ports"]["sbad"] = port
+        c["scenarios"]["sbad"] = ("mamba", 4, 2, 1)
         yield c
 
 
@@ -153,3 +171,49 @@ def test_refused_shape_fails_the_room_naming_both(cluster):
     for node in (pf0, pf1, dc):
         node.clear(room)
         assert node.room_entries(scen, room) == []
+
+
+def test_state_that_cannot_split_is_refused_naming_both(cluster):
+    """A state tensor whose rows do not join (Mamba2 conv of 40 channels at TP 1, 48 over
+    TP 2): TpShapeMismatch at registration naming both shapes; the room fails on every
+    rank before a byte moves, decode's slot as it was."""
+    scen, room = "sbad", 7301
+    pf0, pf1 = cluster["pf"]
+    dc = cluster["dc"][0]
+    port = cluster["ports"][scen]
+    before = dc.read(scen, [1, 2], 3)
+    for pf in (pf0, pf1):
+        pf.sender(scen, room, "127.0.0.1", port)
+    dc.receiver(scen, room, f"127.0.0.1:{port}")
+    dc.metadata(scen, room, [1, 2], 4, 3)
+    for pf in (pf0, pf1):
+        assert pf.wait(room, DONE, 30) == FAILED
+        kind, msg = pf.failure(room)
+        assert "TpShapeMismatch" in msg and "state 0: " in msg and "segment 0 differs" in msg
+        assert "prefill tp" in msg and "decode tp 0/1" in msg and "split rows" in msg
+    assert dc.wait(room, DONE, 30) == FAILED
+    assert "TpShapeMismatch" in dc.failure(room)[1]
+    assert dc.read(scen, [1, 2], 3) == before
+    for node in (pf0, pf1, dc):
+        node.clear(room)
+        assert node.room_entries(scen, room) == []
+
+
+def test_state_refusals_at_registration(cluster):
+    """What cannot work is named before any room: a decode without per-tensor state TP
+    metadata at another TP size, state rows that do not split over the TP sizes."""
+    pf0 = cluster["pf"][0]
+    d_info = cluster["info"]["g2d1"][1][0]
+    kv_d = d_info["item_lens"][0]
+    base = {"tp_size": 1, "tp_rank": 0, "total_kv_heads": 4, "kv_item_lens": kv_d}
+    state_d = d_info["item_lens"][2]
+    meta = d_info["state_meta"]
+    dims = [[m[1] for m in meta]]
+    ok = dict(base, state_item_lens=state_d, state_dims=dims)
+    ok["state_outer"] = [[m[2] for m in meta]]
+    ok["state_groups"] = [[m[3] for m in meta]]
+    assert pf0.incompatible("g2d1", ok) is None
+    msg = pf0.incompatible("g2d1", dict(ok, state_dims=[]))
+    assert "decode states no per-tensor TP dims" in msg and "decode tp 0/1" in msg
+    odd = [[d + 1 for d in dims[0]]]
+    assert "TpShapeMismatch" in pf0.incompatible("g2d1", dict(ok, state_dims=odd))

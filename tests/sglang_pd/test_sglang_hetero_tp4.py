@@ -9,7 +9,10 @@ rooms themselves take about a second); run with
 
 Scenarios: ``p4d1`` / ``p1d4`` / ``p2d4``: 4 KV heads; ``p4d1r``: 2 KV heads over prefill
 TP 4 (prefill replicas: ranks 1 and 3 move no KV byte); ``p2d4r``: 2 KV heads over decode
-TP 4 (decode replicas: each prefill rank writes its head into two decode ranks).
+TP 4 (decode replicas: each prefill rank writes its head into two decode ranks);
+``g4d1`` / ``g1d4`` / ``g2d4``: a hybrid model with a Mamba2 conv state of three parts
+split on their own (GDN), ``k4d1`` / ``k1d4``: KimiLinear state (split dim after the outer
+rows) - every byte of every state tensor on every decode rank.
 """
 
 import pytest
@@ -30,6 +33,11 @@ SCENARIOS = {  # name: (pool, total kv heads, prefill tp, decode tp)
     "p2d4": ("mha", 4, 2, 4),
     "p4d1r": ("mha", 2, 4, 1),
     "p2d4r": ("mha", 2, 2, 4),
+    "g4d1": ("gdn", 4, 4, 1),
+    "g1d4": ("gdn", 4, 1, 4),
+    "g2d4": ("gdn", 4, 2, 4),
+    "k4d1": ("kimi", 4, 4, 1),
+    "k1d4": ("kimi", 4, 1, 4),
 }
 
 

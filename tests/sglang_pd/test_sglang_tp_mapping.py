@@ -88,3 +88,72 @@ def test_ranks_and_heads_are_sglangs(tp_p, tp_d):
             # every decode head once, each (prefill rank, its head -> decode head) one of SGLang's
             assert ours <= theirs, (d, total)
             assert sorted(h for _, _, h in ours) == list(range(h_d)), (d, total)
+
+
+# ------------------------------------------------------------------ Mamba / hybrid state
+#: per-tensor state descriptors at TP 1: (bytes of one row of the split dim, full rows,
+#: outer rows, parts (full sizes) or None); the dim of a replicated tensor is 0 at every TP
+STATE_TENSORS = (
+    (6, 64, 1, [32, 16, 16]),  # GDN conv x|B|C, each part split on its own
+    (4, 32, 3, [16, 8, 8]),  # Kimi conv [K-1, q|k|v]: the split dim after 3 outer rows
+    (2, 16, 3, None),  # a one-part [3, dim] conv
+    (10, 8, 1, None),  # temporal: heads
+    (24, 0, 1, None),  # replicated (no split dim)
+)
+
+
+def _state_shape(tp):
+    from kvxfer.integrations.sglang.tp_pairs import state_shapes
+
+    lens, dims, outer, groups = [], [], [], []
+    for row, full, o, g in STATE_TENSORS:
+        lens.append(row if full == 0 else o * (full // tp) * row)
+        dims.append(full // tp)
+        outer.append(o)
+        groups.append(g)
+    return state_shapes([lens], [dims], [outer], [groups])
+
+
+@pytest.mark.parametrize("tp_p,tp_d", list(itertools.product(TPS, TPS)))
+def test_state_slices_are_sglangs(tp_p, tp_d):
+    """Every byte block of every state tensor of every (prefill, decode) pair is SGLang's
+    own (``compute_mamba_state_slice_byte_blocks``, the Mooncake / NIXL backends' state
+    slicing): the same blocks, no more, no fewer; equal TP: the whole slot."""
+    from sglang.srt.disaggregation.utils import compute_mamba_state_slice_byte_blocks
+
+    sp, sd = _state_shape(tp_p), _state_shape(tp_d)
+    for d in range(tp_d):
+        for p in decode_peers(d, tp_p, tp_d):
+            plan = pair_plan(
+                shape(tp_p, p, 1, [8 // tp_p * HB], 8, states=sp),
+                shape(tp_d, d, 1, [8 // tp_d * HB], 8, states=sd),
+            )
+            (st,) = plan.state
+            if tp_p == tp_d:
+                assert st.whole
+                continue
+            for i, (_, full, o, g) in enumerate(STATE_TENSORS):
+                theirs = compute_mamba_state_slice_byte_blocks(
+                    src_item_len=sp[0].item_lens[i],
+                    dst_item_len=sd[0].item_lens[i],
+                    src_dim=full // tp_p,
+                    dst_dim=full // tp_d,
+                    outer_count=o,
+                    src_attn_tp_size=tp_p,
+                    dst_attn_tp_size=tp_d,
+                    dst_tp_rank_in_group=d,
+                    local_tp_rank_in_group=p,
+                    conv_shard_groups=g,
+                )
+                ours = []
+                if st.runs is not None:
+                    ours = list(
+                        zip(*(a[i].tolist() for a in (st.runs.src, st.runs.dst, st.runs.lens)))
+                    )
+
+                def split(blocks, unit):  # runs merged differently: compare unit by unit
+                    return sorted((s + k, t + k) for s, t, n in blocks for k in range(0, n, unit))
+
+                unit = STATE_TENSORS[i][0]
+                assert split(ours, unit) == split(theirs, unit), (p, d, i)
+                assert len(ours) <= max(1, len(theirs))

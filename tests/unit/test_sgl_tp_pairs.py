@@ -3,7 +3,10 @@ brute-force byte model: every TP pair in {1,2,3,4,6,8}^2 whose sizes divide one 
 head counts {1,2,3,4,6,8,16}, page sizes {1,4}, K/V descriptors of different head sizes.
 Each byte of a prefill page encodes (global head, token, byte, descriptor, page); after
 every prefill peer's runs are applied, every decode byte must be the expected one, written
-exactly once, from a prefill rank holding that head."""
+exactly once, from a prefill rank holding that head. Mamba / hybrid state the same way, at
+every TP pair in {1,2,4,8}^2: tensors of independently split parts, a split dim after outer
+rows, one part, replicated; each decode byte of the slot once, from SGLang's sharding;
+refusals naming both shapes; SglRegister's state TP fields validated."""
 
 import itertools
 
@@ -12,7 +15,7 @@ import pytest
 
 from kvxfer.disagg.errors import LayoutMismatch, TpShapeMismatch
 from kvxfer.disagg.tp_plan import decode_peers, owned
-from kvxfer.integrations.sglang.tp_pairs import decode_sides, pair_plan, shape
+from kvxfer.integrations.sglang.tp_pairs import decode_sides, pair_plan, shape, state_shapes
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -209,3 +212,175 @@ def test_refused_naming_both_shapes(pf, dc, match):
     msg = str(ei.value)
     assert f"prefill tp {pf.tp_rank}/{pf.tp_size}" in msg
     assert f"decode tp {dc.tp_rank}/{dc.tp_size}" in msg
+
+
+# ------------------------------------------------------------------ Mamba / hybrid state
+#: state tensors as SGLang's MambaPool states them at TP 1: (bytes of one row of the split
+#: dim, full rows (0: replicated, then the slot's bytes are ``row``), outer rows, full
+#: part sizes or None)
+TENSORS = (
+    (6, 48, 1, [32, 8, 8]),  # Mamba2 / GDN conv: parts split on their own
+    (2, 32, 3, [16, 8, 8]),  # KimiLinear conv [K-1, q|k|v]
+    (3, 16, 2, None),  # one-part [2, dim]
+    (10, 8, 1, None),  # temporal (heads)
+    (20, 0, 1, None),  # replicated
+    (4, 8, 1, [6, 4]),  # parts not summing to the dim: one part (SGLang's rule)
+)
+STATE_TPS = (1, 2, 4, 8)
+
+
+def _state_meta(tp):
+    lens, dims, outer, groups = [], [], [], []
+    for row, full, o, g in TENSORS:
+        lens.append(row if full == 0 else o * (full // tp) * row)
+        dims.append(full // tp)
+        outer.append(o)
+        groups.append(g)
+    return lens, dims, outer, groups
+
+
+def _slot(tp, rank, i):
+    """Codes of rank ``rank``'s slot of tensor ``i``: each byte (outer row, global row,
+    byte) once, from SGLang's sharding: every part split on its own, parts back to back."""
+    row, full, o, g = TENSORS[i]
+    if full == 0:
+        return np.arange(row, dtype=np.int64) + 10**6
+    parts = g if g and sum(g) == full else [full]
+    rows, base = [], 0
+    for n in parts:
+        k = n // tp
+        rows += list(range(base + rank * k, base + rank * k + k))
+        base += n
+    out = [((oi * full + r) * row + b) for oi in range(o) for r in rows for b in range(row)]
+    return np.asarray(out, dtype=np.int64)
+
+
+def _state_shape(tp, rank):
+    return shape(
+        tp, rank, 1, [8 // tp * 4], 8, states=state_shapes(*map(lambda x: [x], _state_meta(tp)))
+    )
+
+
+@pytest.mark.parametrize("tp_p,tp_d", list(itertools.product(STATE_TPS, STATE_TPS)))
+def test_every_state_byte_written_once_from_a_holder(tp_p, tp_d):
+    slots = 5
+    src_slot, dst_slot = 3, 1
+    for d in range(tp_d):
+        lens_d = _state_meta(tp_d)[0]
+        dst = [np.full(slots * n, -1, dtype=np.int64) for n in lens_d]
+        writes = [np.zeros(slots * n, dtype=np.int64) for n in lens_d]
+        for p in decode_peers(d, tp_p, tp_d):
+            lens_p = _state_meta(tp_p)[0]
+            plan = pair_plan(_state_shape(tp_p, p), _state_shape(tp_d, d))
+            (st,) = plan.state
+            src = []
+            for i, n in enumerate(lens_p):
+                buf = np.full(slots * n, -2, dtype=np.int64)
+                buf[src_slot * n : (src_slot + 1) * n] = _slot(tp_p, p, i)
+                src.append(buf)
+            if tp_p == tp_d:
+                assert st.whole and st.runs is None
+                for i, n in enumerate(lens_p):
+                    dst[i][dst_slot * n : (dst_slot + 1) * n] = src[i][src_slot * n :][:n]
+                    writes[i][dst_slot * n : (dst_slot + 1) * n] += 1
+                continue
+            assert not st.whole
+            if st.runs is None:
+                continue
+            desc, so, do, nb = st.runs.expand(np.array([src_slot]), np.array([dst_slot]))
+            for i, s, t, n in zip(desc, so, do, nb):
+                dst[i][t : t + n] = src[i][s : s + n]
+                writes[i][t : t + n] += 1
+            # runs: one per part per outer row of a split tensor at most, one for the rest
+            for i, (_, full, o, g) in enumerate(TENSORS):
+                n_parts = len(g) if g and sum(g) == full else 1
+                assert st.runs.lens[i].size <= (o * n_parts if full else 1)
+        for i, n in enumerate(lens_d):
+            w = writes[i][dst_slot * n : (dst_slot + 1) * n]
+            assert (w == 1).all() and writes[i].sum() == n, (d, i)
+            got = dst[i][dst_slot * n : (dst_slot + 1) * n]
+            assert (got == _slot(tp_d, d, i)).all(), (d, i)
+
+
+def test_state_plan_is_one_run_per_part_per_outer_row():
+    plan = pair_plan(_state_shape(1, 0), _state_shape(2, 1))
+    (st,) = plan.state
+    assert [n.size for n in st.runs.lens] == [3, 9, 2, 1, 1, 1]
+    assert st.runs.lens[0].tolist() == [16 * 6, 4 * 6, 4 * 6]  # x, B, C halves
+    # the replicated tensor: from the first peer only (2:1: prefill rank 0)
+    (s0,) = pair_plan(_state_shape(2, 0), _state_shape(1, 0)).state
+    (s1,) = pair_plan(_state_shape(2, 1), _state_shape(1, 0)).state
+    assert s0.runs.lens[4].tolist() == [20] and s1.runs.lens[4].size == 0
+
+
+def _with_states(tp, rank, **changes):
+    lens, dims, outer, groups = _state_meta(tp)
+    meta = {**dict(lens=lens, dims=dims, outer=outer, groups=groups), **changes}
+    st = state_shapes([meta["lens"]], [meta["dims"]], [meta["outer"]], [meta["groups"]])
+    return shape(tp, rank, 1, [8 // tp * 4], 8, states=st)
+
+
+@pytest.mark.parametrize(
+    "dc,match",
+    [
+        (_with_states(1, 0, dims=[]), "decode states no per-tensor TP dims"),
+        (_with_states(1, 0, dims=[49, 32, 16, 8, 0, 8]), "state 0: .*do not fit"),
+        (_with_states(1, 0, outer=[1, 1, 2, 1, 1, 1]), "state 0: .*segment 0 differs"),
+        (_with_states(1, 0, lens=[288, 192, 96, 80, 24, 32]), "state 0: .*differ"),
+        (
+            _with_states(1, 0, groups=[[32, 8, 8], [16, 8, 8], None, None, None, [5, 3]]),
+            "state 0: .*segments",
+        ),
+        (shape(1, 0, 1, [32], 8), "state type counts differ"),
+    ],
+)
+def test_state_refused_naming_both_shapes(dc, match):
+    with pytest.raises(TpShapeMismatch, match=match) as ei:
+        pair_plan(_state_shape(2, 0), dc)
+    msg = str(ei.value)
+    assert "prefill tp 0/2" in msg and "decode tp 0/1" in msg
+
+
+def test_state_equal_tp_needs_equal_slots():
+    (st,) = pair_plan(_state_shape(2, 1), _state_shape(2, 1)).state
+    assert st.whole
+    other = _with_states(2, 1, lens=[144, 96, 48, 40, 24, 16])
+    with pytest.raises(TpShapeMismatch, match="state 0: item sizes differ"):
+        pair_plan(_state_shape(2, 1), other)
+
+
+def test_register_checks_state_tp_fields():
+    from kvxfer.errors import ProtocolError
+    from kvxfer.integrations.sglang.messages import SglRegister
+
+    base = dict(
+        endpoint="h",
+        port=1,
+        engine_host="h",
+        engine_port=2,
+        name="n",
+        tp_size=2,
+        tp_rank=0,
+        page_size=1,
+        dtype="bf16",
+        kv_item_lens=[8],
+        aux_item_lens=[8],
+        state_types=["mamba"],
+        state_item_lens=[[12, 8]],
+    )
+    ok = SglRegister(
+        **base, state_dims=[[2, 1]], state_outer=[[1, 1]], state_groups=[[[2, 2], None]]
+    )
+    assert ok.check() is ok
+    assert SglRegister(**base).check()  # a decode that states none: equal TP only
+    for bad in (
+        dict(state_dims=[[2]]),
+        dict(state_dims=[[2, -1]]),
+        dict(state_dims=[[2, True]]),
+        dict(state_outer=[[1, 1], [1]]),
+        dict(state_groups=[[3, None]]),
+        dict(state_groups=[[["x"], None]]),
+        dict(state_dims=[2]),
+    ):
+        with pytest.raises(ProtocolError):
+            SglRegister(**base, **bad).check()

@@ -27,6 +27,7 @@ from kvxfer.disagg.tp_plan import (
     state_item,
     tp_fingerprint,
 )
+from kvxfer.errors import InvalidArgument
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -217,6 +218,47 @@ def test_state_part_rows_follow_their_part():
     assert so.tolist() == [8 * 6, (16 + 2) * 6, (20 + 2) * 6]
     assert do.tolist() == [0, 8 * 6, 10 * 6]
     assert nb.tolist() == [48, 12, 12]
+
+
+def _state_outer(tp):
+    """Kimi-like descriptors for ``tp`` in {1, 2, 4}: a ``[3, dim]`` conv (the split dim
+    second: 3 outer rows) of parts 16 | 8 | 8 channels of 2 B, a ``[3, dim]`` single-part
+    one of 8 channels of 4 B, and a temporal tensor of 4 heads of 10 B."""
+    return state_geometries(
+        [3 * 32 // tp * 2, 3 * 8 // tp * 4, 4 // tp * 10],
+        [32 // tp, 8 // tp, 4 // tp],
+        [[16 // tp, 8 // tp, 8 // tp], [], []],
+        tp,
+        [3, 3, 1],
+    )
+
+
+@pytest.mark.parametrize("tp_p,tp_d", list(itertools.product((1, 2, 4), repeat=2)))
+def test_state_split_dim_after_outer_rows(tp_p, tp_d):
+    check_transfer(_state_outer, tp_p, tp_d, pages=2)
+
+
+def test_state_outer_rows_each_carry_every_part():
+    """``[2, 4 | 2 | 2]`` channels of 1 B, tp 1 -> decode rank 1 of 2: per outer row, the
+    second half of each part (a run per part per row, none across parts or rows)."""
+    src = state_item(1, [4, 2, 2], 1, outer=2)
+    dst = state_item(1, [4, 2, 2], 2, outer=2)
+    assert (src.item_bytes, dst.item_bytes) == (16, 8)
+    so, do, nb = item_runs(src, dst, 0, 1, 1, 2)
+    assert sorted(zip(do.tolist(), so.tolist(), nb.tolist())) == [
+        (0, 2, 2),
+        (2, 5, 1),
+        (3, 7, 1),
+        (4, 10, 2),
+        (6, 13, 1),
+        (7, 15, 1),
+    ]
+    with pytest.raises(TpShapeMismatch, match="segment 0 differs"):
+        item_runs(src, state_item(1, [4, 2, 2], 2, outer=1), 0, 1, 1, 2)
+    with pytest.raises(InvalidArgument, match="do not fit"):
+        state_geometries([10], [4], [], 1, [3])
+    with pytest.raises(InvalidArgument, match="outer counts"):
+        state_geometries([12], [4], [], 1, [3, 1])
 
 
 @pytest.mark.parametrize("make", [LAYOUTS["nhd"](8), LAYOUTS["hnd"](8), _state])

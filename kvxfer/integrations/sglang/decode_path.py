@@ -38,7 +38,13 @@ from kvxfer.integrations.sglang.messages import (
     SglRoom,
     ids_to_bytes,
 )
-from kvxfer.integrations.sglang.tp_pairs import Sides, decode_sides, shape, total_kv_heads
+from kvxfer.integrations.sglang.tp_pairs import (
+    Sides,
+    decode_sides,
+    shape,
+    state_tp_fields,
+    total_kv_heads,
+)
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +105,7 @@ class DecodePath:
             state_item_lens=[[int(x) for x in lens] for lens in a.state_item_lens or []],
             total_kv_heads=total_kv_heads(a, mgr.attn_tp_size, derive=False),
             mla=bool(mgr.is_mla_backend),
+            **state_tp_fields(a),
         )
         return [FRAME_TAG, reg.encode()]
 

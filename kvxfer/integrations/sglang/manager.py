@@ -13,7 +13,8 @@ checked by SGLang's own ``bootstrap_room`` metadata buffer.
 
 Supported: any attention TP sizes that divide one another, SGLang's rank mapping (MHA
 pages: each decode rank receives its KV heads from the prefill rank(s) holding them,
-:mod:`.tp_pairs`; MLA: whole pages from one prefill rank; state pools: equal TP only),
+:mod:`.tp_pairs`; MLA: whole pages from one prefill rank; Mamba state: each tensor's
+TP slices, as SGLang's ``MambaPool`` metadata describes them),
 PP/CP/DCP of 1, state type ``mamba``, any decode/prefill DP mapping SGLang resolves, decode
 prefix (radix) lengths. Everything else is refused here, before anything starts, with the
 reason (see docs/integrations.md).
@@ -140,9 +141,11 @@ class KvxferKVManager(CommonKVManager):
             )
         )
         try:
-            # kv pages differ in size between TP sizes (heads per rank): checked per pair by
-            # the prefill path (tp_pairs) at registration, not by the engine's handshake
-            self.engine.start(self._groups(), loose=("kv",))
+            # kv pages and state slots differ in size between TP sizes (heads / state rows
+            # per rank): checked per pair by the prefill path (tp_pairs) at registration,
+            # not by the engine's handshake
+            groups = self._groups()
+            self.engine.start(groups, loose=[g for g in groups if g != "aux"])
             if role == "prefill":
                 from kvxfer.integrations.sglang.prefill_path import PrefillPath
 

@@ -41,6 +41,10 @@ def ids_from_bytes(data: bytes, what: str) -> np.ndarray:
     return a
 
 
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 @wire.register
 @dataclass
 class SglRegister(wire.Message):
@@ -60,6 +64,12 @@ class SglRegister(wire.Message):
     state_item_lens: list  # one list[int] per state type
     total_kv_heads: int = 0  # the model's KV heads over all ranks (0: not known here)
     mla: bool = False  # an MLA pool (no heads: the latent is replicated over ranks)
+    #: per state type, per descriptor (SGLang's KVArgs): this rank's rows of the TP-split
+    #: dim (0: replicated), rows before that dim, full sizes of independently split parts
+    #: (None: one part) - what prefill slices state tensors by at another TP size
+    state_dims: list = field(default_factory=list)
+    state_outer: list = field(default_factory=list)
+    state_groups: list = field(default_factory=list)
 
     def check(self) -> "SglRegister":
         if not 0 < self.port < 65536 or not 0 < self.engine_port < 65536:
@@ -77,6 +87,20 @@ class SglRegister(wire.Message):
                 isinstance(v, int) and not isinstance(v, bool) for v in lens
             ):
                 raise ProtocolError("register: state_item_lens must be lists of ints")
+        for name in ("state_dims", "state_outer", "state_groups"):
+            per_type = getattr(self, name)
+            if not isinstance(per_type, list) or len(per_type) > len(self.state_types):
+                raise ProtocolError(f"register: {name} must be a list, one per state type")
+            for i, xs in enumerate(per_type):
+                if not isinstance(xs, list) or (xs and len(xs) != len(self.state_item_lens[i])):
+                    raise ProtocolError(f"register: {name}[{i}]: one entry per state tensor")
+                for x in xs:
+                    if name != "state_groups":
+                        ok = _count(x)
+                    else:
+                        ok = x is None or (isinstance(x, list) and all(_count(v) for v in x))
+                    if not ok:
+                        raise ProtocolError(f"register: {name}[{i}] holds {x!r}")
         return self
 
 

@@ -44,7 +44,13 @@ from kvxfer.errors import (
     TransferTimeout,
 )
 from kvxfer.integrations.sglang.messages import SglDone, SglRegister, SglRoom, decode_frames
-from kvxfer.integrations.sglang.tp_pairs import PairPlan, pair_plan, shape, total_kv_heads
+from kvxfer.integrations.sglang.tp_pairs import (
+    PairPlan,
+    pair_plan,
+    shape,
+    state_shapes,
+    total_kv_heads,
+)
 
 log = logging.getLogger(__name__)
 
@@ -182,25 +188,26 @@ class PrefillPath:
         """``(reason, None)`` when this prefill rank cannot serve the decode rank ``reg``
         describes, else ``(None, plan)``: the pair's TP plan (:mod:`.tp_pairs`), built once
         per registration. Layout fields must match exactly; the TP shapes may differ where a
-        head mapping joins them (MHA pages, NHD; MLA: whole items), not for state pools."""
+        head mapping joins them (MHA pages, NHD; MLA: whole items) and the state tensors'
+        rows join (:class:`~.tp_pairs.StatePlan`)."""
         mgr, a = self.mgr, self.mgr.kv_args
         ours = {
             "page_size": a.page_size,
             "dtype": str(a.kv_cache_dtype_str),
             "aux_item_lens": list(a.aux_item_lens),
             "state_types": [str(getattr(s, "value", s)) for s in a.state_types or []],
-            "state_item_lens": [list(x) for x in a.state_item_lens or []],
         }
         theirs = {
             "page_size": reg.page_size,
             "dtype": reg.dtype,
             "aux_item_lens": reg.aux_item_lens,
             "state_types": reg.state_types,
-            "state_item_lens": reg.state_item_lens,
         }
         if reg.tp_size == mgr.attn_tp_size:
             ours["kv_item_lens"] = list(a.kv_item_lens)
             theirs["kv_item_lens"] = reg.kv_item_lens
+            ours["state_item_lens"] = [list(x) for x in a.state_item_lens or []]
+            theirs["state_item_lens"] = reg.state_item_lens
         for k, v in ours.items():
             if theirs[k] != v:
                 return (
@@ -213,11 +220,6 @@ class PrefillPath:
                 f"prefill attention tp {mgr.attn_tp_size}, decode {reg.endpoint}:{reg.port} "
                 f"tp {reg.tp_size}"
             )
-            if ours["state_types"]:
-                return (
-                    f"{what}: state pools {ours['state_types']} with different TP sizes are "
-                    f"not supported by the kvxfer backend"
-                ), None
             layout = getattr(a, "swa_kv_cache_layout", None)
             if not mla and layout not in (None, "nhd"):
                 return f"{what}: head slicing needs NHD KV pages, prefill has {layout!r}", None
@@ -230,6 +232,12 @@ class PrefillPath:
                     a.kv_item_lens,
                     total_kv_heads(a, mgr.attn_tp_size),
                     mla,
+                    state_shapes(
+                        a.state_item_lens or [],
+                        getattr(a, "state_dim_per_tensor", None) or [],
+                        getattr(a, "state_slice_outer_counts", None) or [],
+                        getattr(a, "state_conv_shard_groups", None) or [],
+                    ),
                 ),
                 shape(
                     reg.tp_size,
@@ -238,6 +246,9 @@ class PrefillPath:
                     reg.kv_item_lens,
                     reg.total_kv_heads,
                     reg.mla,
+                    state_shapes(
+                        reg.state_item_lens, reg.state_dims, reg.state_outer, reg.state_groups
+                    ),
                 ),
             )
         except TpShapeMismatch as exc:
@@ -449,7 +460,9 @@ class PrefillPath:
         (equal TP, MLA) or one PatternWrite of the pair's head-slice runs (``plan``, built
         at registration) - one SliceWrite of the same runs under key ``room`` instead where
         that PatternWrite would be more than ``stage`` > 0 PUTs (:meth:`_staged`); on the
-        last chunk the state items and, from the one peer that sends it, the metadata row.
+        last chunk the state items (whole slots at equal TP, else one PatternWrite per state
+        type of the pair's slices, none where this rank holds nothing the decode rank takes
+        from it) and, from the one peer that sends it, the metadata row.
         Page counts are checked against decode's allocation."""
         from kvxfer.engine import ItemWrite, PatternWrite, SliceWrite
 
@@ -483,8 +496,13 @@ class PrefillPath:
                 raise ShapeMismatch(
                     f"room {room}: state {i}: prefill sends {n_src} items, decode allocated {n_dst}"
                 )
-            if n_src:
+            sp = plan.state[i] if i < len(plan.state) else None
+            if not n_src:
+                continue
+            if sp is None or sp.whole:
                 writes.append(ItemWrite(f"state{i}", src, dst_s))
+            elif sp.runs is not None:  # other TP: this rank's slices of every tensor
+                writes.append(PatternWrite(f"state{i}", src, dst_s, sp.runs))
         if chunk.aux_index is None:
             raise ShapeMismatch(f"room {room}: last chunk without an aux (metadata) row")
         if plan.sends_aux:

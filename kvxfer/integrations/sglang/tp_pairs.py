@@ -32,6 +32,16 @@ MLA (``replicated``): the latent has no heads; every decode rank receives whole 
 one prefill rank, SGLang marks its other peers dummies (they move nothing); item sizes must
 be equal.
 
+Mamba / hybrid state (``state``: one :class:`StatePlan` per state type): each state tensor
+(one descriptor per tensor and layer, item = one slot) is split along its TP dim as
+SGLang's ``MambaPool`` states it (:class:`StateShape`: rows per rank, rows before the split
+dim, independently split parts); :func:`state_geoms` turns that into
+:func:`kvxfer.disagg.tp_plan.state_geometries` and the pair's runs are tp_plan's
+(``page_plan``), one PatternWrite per state type. Equal TP: whole slots. The state is split
+over the attention-TP group (SGLang's ``linear_attn_tp_size()``, the width the Mooncake
+backend slices by, is that group unless CP-TP group sharing, which needs attention CP > 1:
+refused by the manager).
+
 Invariants (tests/unit/test_sgl_tp_pairs.py, exhaustive against a brute-force byte model):
 every byte of every head a decode rank holds is written exactly once per room, from a
 prefill rank holding that head; runs never leave their items; equal TP gives whole items.
@@ -39,22 +49,38 @@ prefill rank holding that head; runs never leave their items; equal TP gives who
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from dataclasses import dataclass, replace
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from kvxfer.disagg.errors import TpShapeMismatch
 from kvxfer.disagg.tp_plan import (
+    ItemGeometry,
     check_ratio,
     decode_peers,
     item_runs,
     local_units,
     nhd_item,
+    page_plan,
+    state_geometries,
 )
 from kvxfer.engine.slices import PatternRuns
+from kvxfer.errors import InvalidArgument
 
-__all__ = ["PairPlan", "Shape", "decode_sides", "pair_plan", "shape", "total_kv_heads"]
+__all__ = [
+    "PairPlan",
+    "Shape",
+    "StatePlan",
+    "StateShape",
+    "decode_sides",
+    "pair_plan",
+    "shape",
+    "state_geoms",
+    "state_shapes",
+    "state_tp_fields",
+    "total_kv_heads",
+]
 
 #: one side's item-relative runs of a pair, per descriptor: ``(offs, lens)``
 Sides = Tuple[Tuple[np.ndarray, np.ndarray], ...]
@@ -72,14 +98,55 @@ class Shape:
     kv_item_lens: Tuple[int, ...]
     total_kv_heads: int = 0
     mla: bool = False
+    states: Tuple["StateShape", ...] = ()
 
     def describe(self) -> str:
         heads = "MLA" if self.mla else f"{self.total_kv_heads or '?'} kv heads"
         items = sorted(set(self.kv_item_lens))
+        states = "".join(f"; state {i}: {st.describe()}" for i, st in enumerate(self.states))
         return (
             f"tp {self.tp_rank}/{self.tp_size}, {heads}, page {self.page_size}, "
-            f"{len(self.kv_item_lens)} kv items of {items} B"
+            f"{len(self.kv_item_lens)} kv items of {items} B{states}"
         )
+
+
+@dataclass(frozen=True)
+class StateShape:
+    """One state type's descriptors (one per state tensor and layer) as SGLang's ``KVArgs``
+    state them (``MambaPool``'s ``get_state_*`` metadata): ``item_lens`` (one slot's
+    bytes), ``dims`` (``state_dim_per_tensor``: this rank's rows of the TP-split dim; 0:
+    replicated over ranks), ``outer`` (``state_slice_outer_counts``: rows before that dim;
+    ``()``: 1 each) and ``groups`` (``state_conv_shard_groups``: full sizes of the parts
+    of that dim split independently, e.g. GDN's conv ``q | k | v``; None: one part).
+    ``dims == ()``: the rank stated no TP metadata (it pairs at equal TP only)."""
+
+    item_lens: Tuple[int, ...]
+    dims: Tuple[int, ...] = ()
+    outer: Tuple[int, ...] = ()
+    groups: Tuple[Optional[Tuple[int, ...]], ...] = ()
+
+    def describe(self) -> str:
+        if not self.dims:
+            return f"{len(self.item_lens)} tensors, no TP dims"
+        parts = sorted({g for g in self.groups if g}) if self.groups else []
+        outer = sorted(set(self.outer)) if self.outer else [1]
+        return (
+            f"{len(self.item_lens)} tensors of {sorted(set(self.item_lens))} B, split rows "
+            f"{sorted(set(self.dims))} after {outer} outer rows"
+            + (f", parts {[list(p) for p in parts]}" if parts else "")
+        )
+
+
+@dataclass(frozen=True)
+class StatePlan:
+    """What one prefill rank writes of one state type into one decode rank's slot:
+    ``whole`` (equal TP: the slot, an ItemWrite), else ``runs`` (the item-relative runs of
+    every descriptor, a PatternWrite: one run per part per outer row per slice, never per
+    element; None: this rank sends none of it, e.g. a replicated tensor another peer
+    writes)."""
+
+    whole: bool
+    runs: Optional[PatternRuns] = None
 
 
 @dataclass(frozen=True)
@@ -99,6 +166,8 @@ class PairPlan:
     runs_per_page: int  # byte runs one page costs over all descriptors (0: no KV bytes)
     src_sides: Optional[Sides] = None
     dst_sides: Optional[Sides] = None
+    #: one per state type (``()``: the pool has none)
+    state: Tuple[StatePlan, ...] = ()
 
 
 def _bad(prefill: Shape, decode: Shape, why: str) -> TpShapeMismatch:
@@ -109,7 +178,14 @@ def pair_plan(prefill: Shape, decode: Shape) -> PairPlan:
     """The plan of one (prefill rank, decode rank) pair; TpShapeMismatch naming both shapes
     when they cannot be joined (TP sizes not dividing one another, heads that do not split,
     item sizes that are not those heads, a decode rank that is not this prefill rank's peer,
-    MLA on one side only)."""
+    MLA on one side only, state tensors whose split rows do not join)."""
+    plan = _kv_plan(prefill, decode)
+    if prefill.states or decode.states:
+        plan = replace(plan, state=_state_plans(prefill, decode))
+    return plan
+
+
+def _kv_plan(prefill: Shape, decode: Shape) -> PairPlan:
     tp_p, tp_d = prefill.tp_size, decode.tp_size
     try:
         check_ratio(tp_p, tp_d)
@@ -171,6 +247,113 @@ def pair_plan(prefill: Shape, decode: Shape) -> PairPlan:
     return PairPlan(False, kv, sends_aux, n_runs, src, dst)
 
 
+def state_geoms(st: StateShape, tp: int) -> List[ItemGeometry]:
+    """The item geometry of every descriptor of ``st`` at TP size ``tp``
+    (:func:`kvxfer.disagg.tp_plan.state_geometries`), from SGLang's metadata: a dim of 0 is
+    a replicated tensor; the parts ``groups`` are used (each ``full / tp`` local rows) only
+    where they sum to the full dim (``dim * tp``), SGLang's rule
+    (``compute_mamba_state_slice_blocks``), else the dim is one part. InvalidArgument when
+    the metadata does not describe the items (or parts do not split over ``tp``)."""
+    n = len(st.item_lens)
+    if (
+        len(st.dims) != n
+        or (st.outer and len(st.outer) != n)
+        or (st.groups and len(st.groups) != n)
+    ):
+        raise InvalidArgument(
+            f"{n} state descriptors but {len(st.dims)} dims, {len(st.outer)} outer counts, "
+            f"{len(st.groups)} part lists"
+        )
+    parts: List[List[int]] = []
+    for i, dim in enumerate(st.dims):
+        g = st.groups[i] if st.groups else None
+        if dim > 0 and g and sum(g) == dim * tp:
+            if any(x % tp for x in g):
+                raise InvalidArgument(
+                    f"state descriptor {i}: parts {list(g)} do not split over tp {tp}"
+                )
+            parts.append([x // tp for x in g])
+        else:
+            parts.append([])
+    dims: List[Any] = [d if d > 0 else None for d in st.dims]
+    return state_geometries(st.item_lens, dims, parts, tp, st.outer)
+
+
+def _state_plans(prefill: Shape, decode: Shape) -> Tuple[StatePlan, ...]:
+    if len(prefill.states) != len(decode.states):
+        raise _bad(prefill, decode, "state type counts differ")
+    out = []
+    tp_p, tp_d = prefill.tp_size, decode.tp_size
+    for i, (sp, sd) in enumerate(zip(prefill.states, decode.states)):
+        if len(sp.item_lens) != len(sd.item_lens):
+            raise _bad(prefill, decode, f"state {i}: descriptor counts differ")
+        if tp_p == tp_d:
+            if sp.item_lens != sd.item_lens:
+                raise _bad(prefill, decode, f"state {i}: item sizes differ")
+            out.append(StatePlan(True))
+            continue
+        if not sp.dims or not sd.dims:
+            who = "prefill" if not sp.dims else "decode"
+            raise _bad(prefill, decode, f"state {i}: {who} states no per-tensor TP dims")
+        try:
+            src, dst = state_geoms(sp, tp_p), state_geoms(sd, tp_d)
+            pp = page_plan(src, dst, prefill.tp_rank, decode.tp_rank, tp_p, tp_d)
+        except (InvalidArgument, TpShapeMismatch) as exc:
+            raise _bad(prefill, decode, f"state {i}: {exc}") from None
+        runs: List[Tuple[Any, Any, Any]] = [([], [], [])] * len(src)
+        for descs, ro, rd, rn, _, _ in pp.classes:
+            for d in descs:
+                runs[d] = (ro, rd, rn)
+        if not pp.classes:
+            out.append(StatePlan(False))
+            continue
+        pattern = PatternRuns.make(runs, sp.item_lens, sd.item_lens)
+        out.append(StatePlan(False, pattern))
+    return tuple(out)
+
+
+def state_shapes(
+    item_lens: Sequence[Sequence[int]],
+    dims: Sequence[Sequence[int]] = (),
+    outer: Sequence[Sequence[int]] = (),
+    groups: Sequence[Sequence[Optional[Sequence[int]]]] = (),
+) -> Tuple[StateShape, ...]:
+    """One :class:`StateShape` per state type from SGLang's ``KVArgs`` lists
+    (``state_item_lens``, ``state_dim_per_tensor``, ``state_slice_outer_counts``,
+    ``state_conv_shard_groups``; the latter three may be shorter (absent), ints coerced)."""
+
+    def at(xs: Sequence[Any], i: int) -> Sequence[Any]:
+        return (xs[i] or ()) if i < len(xs) else ()
+
+    return tuple(
+        StateShape(
+            tuple(int(x) for x in lens),
+            tuple(int(x) for x in at(dims, i)),
+            tuple(int(x) for x in at(outer, i)),
+            tuple(None if g is None else tuple(int(x) for x in g) for g in at(groups, i)),
+        )
+        for i, lens in enumerate(item_lens)
+    )
+
+
+def state_tp_fields(kv_args: Any) -> Dict[str, list]:
+    """SGLang's per-tensor state TP metadata of ``kv_args`` (``state_dim_per_tensor``,
+    ``state_slice_outer_counts``, ``state_conv_shard_groups``, as its ``MambaPool``
+    reports them) as :class:`~.messages.SglRegister`'s plain fields (``[]`` where absent)."""
+
+    def ints(xs: Any) -> list:
+        return [int(x) for x in xs or []]
+
+    return {
+        "state_dims": [ints(x) for x in getattr(kv_args, "state_dim_per_tensor", None) or []],
+        "state_outer": [ints(x) for x in getattr(kv_args, "state_slice_outer_counts", None) or []],
+        "state_groups": [
+            [None if g is None else ints(g) for g in x or []]
+            for x in getattr(kv_args, "state_conv_shard_groups", None) or []
+        ],
+    }
+
+
 def decode_sides(decode: Shape, prefill_tp: int, prefill_rank: int) -> Optional[Sides]:
     """Decode's side of :attr:`PairPlan.dst_sides` for its pair with prefill rank
     ``prefill_rank`` of ``prefill_tp``, from decode's own shape alone (what it registers for
@@ -208,6 +391,7 @@ def shape(
     kv_item_lens: Sequence[int],
     total_kv_heads: int = 0,
     mla: bool = False,
+    states: Tuple[StateShape, ...] = (),
 ) -> Shape:
     """A :class:`Shape` from plain values (ints coerced)."""
     return Shape(
@@ -217,6 +401,7 @@ def shape(
         tuple(int(x) for x in kv_item_lens),
         int(total_kv_heads or 0),
         bool(mla),
+        tuple(states),
     )
 
 
