@@ -25,10 +25,10 @@ import time
 
 import numpy as np
 
-from kvxfer.bench.engine_node import EngineNode
+from kvxfer.bench.engine_node import start_tp_topology
 from kvxfer.integrations.sglang.settings import TP_STAGE_ENGINE
 from kvxfer.integrations.sglang.tp_pairs import decode_sides, pair_plan, shape
-from kvxfer.procs import Worker, post
+from kvxfer.procs import post
 
 SECRET = b"sgl-htp-bench"
 
@@ -83,29 +83,9 @@ def main() -> None:
         cfg = _cfg(name, not a.no_staged)
         return {"config": cfg, "groups": _group(L, item, pool), "device": a.device}
 
-    d = Worker(
-        EngineNode,
-        {"engines": {"d1": eng("d1", it1), "d2_0": eng("d2_0", it2), "d2_1": eng("d2_1", it2)}},
-        name="decode",
-    ).start(120)
-    p0 = Worker(
-        EngineNode, {"engines": {"p1": eng("p1", it1), "p2_0": eng("p2_0", it2)}}, name="p0"
-    ).start(120)
-    p1 = Worker(EngineNode, {"engines": {"p2_1": eng("p2_1", it2)}}, name="p1").start(120)
+    workers, nodes, conn = start_tp_topology(lambda k: eng(k, it1 if k[1] == "1" else it2))
     try:
-        D, P0, P1 = (w.proxy(EngineNode) for w in (d, p0, p1))
-        ports = D.ports()
-        conn = {}
-        for node, key, dst in (
-            (P0, "p1", "d1"),
-            (P0, "p1", "d2_0"),
-            (P0, "p1", "d2_1"),
-            (P0, "p2_0", "d1"),
-            (P1, "p2_1", "d1"),
-        ):
-            r = node.connect(key, "127.0.0.1", ports[dst])
-            assert "ok" in r, r
-            conn[(key, dst)] = r["ok"]
+        D, P0, P1 = nodes["decode"], nodes["p0"], nodes["p1"]
         P0.fill("p1", "kv", 1)
         P0.fill("p2_0", "kv", 2)
         P1.fill("p2_1", "kv", 3)
@@ -224,7 +204,7 @@ def main() -> None:
 
             row("1:2 staged (into 2 decode ranks, SliceWrite each)", r12s, c12)
     finally:
-        for w in (p1, p0, d):
+        for w in workers:
             w.close()
     head = (
         f"# SGLang backend, heterogeneous TP writes ({a.device}, {time.strftime('%F')})\n\n"

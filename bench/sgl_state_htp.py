@@ -28,9 +28,9 @@ import time
 
 import numpy as np
 
-from kvxfer.bench.engine_node import EngineNode
+from kvxfer.bench.engine_node import start_tp_topology
 from kvxfer.integrations.sglang.tp_pairs import pair_plan, shape, state_shapes
-from kvxfer.procs import Worker, post
+from kvxfer.procs import post
 
 SECRET = b"sgl-state-htp-bench"
 SLOTS = 4
@@ -85,28 +85,9 @@ def main() -> None:
         g = {"state0": {"item_lens": meta(tp)[0], "items": SLOTS, "loose": True}}
         return {"config": _cfg(name), "groups": g, "device": a.device}
 
-    d = Worker(
-        EngineNode,
-        {"engines": {"d1": eng("d1", 1), "d2_0": eng("d2_0", 2), "d2_1": eng("d2_1", 2)}},
-        name="decode",
-    ).start(120)
-    p0 = Worker(EngineNode, {"engines": {"p1": eng("p1", 1), "p2_0": eng("p2_0", 2)}}, name="p0")
-    p0.start(120)
-    p1 = Worker(EngineNode, {"engines": {"p2_1": eng("p2_1", 2)}}, name="p1").start(120)
+    workers, nodes, conn = start_tp_topology(lambda k: eng(k, 1 if k[1] == "1" else 2))
     try:
-        D, P0, P1 = (w.proxy(EngineNode) for w in (d, p0, p1))
-        ports = D.ports()
-        conn = {}
-        for node, key, dst in (
-            (P0, "p1", "d1"),
-            (P0, "p1", "d2_0"),
-            (P0, "p1", "d2_1"),
-            (P0, "p2_0", "d1"),
-            (P1, "p2_1", "d1"),
-        ):
-            r = node.connect(key, "127.0.0.1", ports[dst])
-            assert "ok" in r, r
-            conn[(key, dst)] = r["ok"]
+        D, P0, P1 = nodes["decode"], nodes["p0"], nodes["p1"]
         P0.fill("p1", "state0", 1)
         P0.fill("p2_0", "state0", 2)
         P1.fill("p2_1", "state0", 3)
@@ -193,7 +174,7 @@ def main() -> None:
 
         row("1:2 (into 2 decode ranks, PatternWrite each)", r12, c12)
     finally:
-        for w in (p1, p0, d):
+        for w in workers:
             w.close()
     head = (
         f"# SGLang backend, Mamba state at different TP ({a.device}, {time.strftime('%F')})\n\n"

@@ -304,3 +304,38 @@ class EngineNode:
     def close(self):
         for eng in self.engines.values():
             eng.close()
+
+
+#: the 1:1, 2:1 and 1:2 topology of the heterogeneous-TP benches: engine key -> worker
+TP_TOPOLOGY = {"decode": ("d1", "d2_0", "d2_1"), "p0": ("p1", "p2_0"), "p1": ("p2_1",)}
+#: its connections (prefill engine, decode engine)
+TP_LINKS = (("p1", "d1"), ("p1", "d2_0"), ("p1", "d2_1"), ("p2_0", "d1"), ("p2_1", "d1"))
+
+
+def start_tp_topology(eng, start_timeout: float = 120.0):
+    """Start :data:`TP_TOPOLOGY` (``eng(key)``: an engine spec for ``key``; "d1"/"p1" are the
+    TP-1 ranks, "d2_r"/"p2_r" rank r of TP 2) in three worker processes and make
+    :data:`TP_LINKS`. Returns ``(workers, proxies, conn)``: the workers to close (prefill
+    first), ``{"decode" | "p0" | "p1": EngineNode proxy}``, ``{(prefill key, decode key):
+    peer id}``. The workers are closed if a start or a connection fails."""
+    from kvxfer.procs import Worker
+
+    workers: Dict[str, Any] = {}
+    try:
+        for name, keys in TP_TOPOLOGY.items():
+            spec = {"engines": {k: eng(k) for k in keys}}
+            workers[name] = Worker(EngineNode, spec, name=name).start(start_timeout)
+        proxies = {name: w.proxy(EngineNode) for name, w in workers.items()}
+        ports = proxies["decode"].ports()
+        where = {k: name for name, keys in TP_TOPOLOGY.items() for k in keys}
+        conn = {}
+        for key, dst in TP_LINKS:
+            r = proxies[where[key]].connect(key, "127.0.0.1", ports[dst])
+            if "ok" not in r:
+                raise RuntimeError(f"connecting {key} -> {dst}: {r}")
+            conn[(key, dst)] = r["ok"]
+    except BaseException:
+        for w in reversed(list(workers.values())):
+            w.close()
+        raise
+    return [workers[n] for n in ("p1", "p0", "decode")], proxies, conn
