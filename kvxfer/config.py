@@ -11,6 +11,8 @@ always wins.
 - ``KVXFER_FLUSH_PROGRESS`` = ``auto`` | ``spin`` | ``event`` — default of
   :attr:`EngineConfig.flush_progress`.
 - ``KVXFER_DEVICE_COPY`` = ``auto`` | ``off`` — default of :attr:`EngineConfig.device_copy`.
+- ``KVXFER_OWN_WORKER`` = ``auto`` | ``on`` (``1``) | ``off`` (``0``) — default of
+  :attr:`EngineConfig.own_worker`.
 - ``KVXFER_DEVICE_SMALL_OPS`` = an int — default of :attr:`EngineConfig.device_small_ops`.
 - ``KVXFER_NOTIFY_ORDER`` = ``1`` | ``0`` — default of :attr:`EngineConfig.notify_order`.
 - ``KVXFER_SECRET`` — the shared secret of a ``KVManager``, ``BootstrapServer`` or bootstrap
@@ -59,6 +61,15 @@ FLUSH_PROGRESS = ("auto", "spin", "event")
 #: few copy-engine memcpys) instead of one UCX PUT per run; ``off``: always UCX.
 DEVICE_COPY = ("auto", "off")
 
+#: Where RMA runs (docs/engine.md, "Own worker"). ``auto``: on kvxfer's own UCP context and
+#: worker (progressed only by kvxfer's threads, no hop to UCXX's progress thread per
+#: completion) for error_mode "none", and for "peer" when every registered descriptor is CUDA
+#: device memory (an address-made endpoint with peer error handling keeps cuda_ipc there, but
+#: gets no RMA lane for host memory: UCX would emulate the PUTs over active messages);
+#: ``on``: always (host memory in "peer" then moves over emulated PUTs; for tests and A/B);
+#: ``off``: never (RMA on UCXX's context and worker, or the channel's endpoint for "peer").
+OWN_WORKER = ("auto", "on", "off")
+
 
 @functools.lru_cache(maxsize=1)
 def env_defaults() -> dict:
@@ -71,6 +82,9 @@ def env_defaults() -> dict:
         out["progress_mode"] = env["KVXFER_PROGRESS_MODE"].strip().lower()
     if env.get("KVXFER_FLUSH_PROGRESS"):
         out["flush_progress"] = env["KVXFER_FLUSH_PROGRESS"].strip().lower()
+    if env.get("KVXFER_OWN_WORKER"):
+        raw = env["KVXFER_OWN_WORKER"].strip().lower()
+        out["own_worker"] = {"1": "on", "0": "off"}.get(raw, raw)
     if env.get("KVXFER_DEVICE_COPY"):
         out["device_copy"] = env["KVXFER_DEVICE_COPY"].strip().lower()
     if env.get("KVXFER_DEVICE_SMALL_OPS"):
@@ -149,6 +163,9 @@ class EngineConfig:
     #: engine exports IPC handles of its CUDA regions to peers (after authentication, like
     #: its memory keys). None -> env KVXFER_DEVICE_COPY or "auto".
     device_copy: Optional[str] = None
+    #: where RMA runs (see OWN_WORKER). None -> env KVXFER_OWN_WORKER (1 = on, 0 = off) or
+    #: "auto"
+    own_worker: Optional[str] = None
     #: a write takes the device lane only from this many runs (PUTs) up: one lane launch costs
     #: more host time than one UCX PUT, so writes of few large runs are faster as PUTs and
     #: scattered writes of many runs faster as one launch (device vs direct rows in
@@ -219,6 +236,12 @@ class EngineConfig:
             raise InvalidArgument(
                 f"EngineConfig.flush_progress={self.flush_progress!r}; expected one of {FLUSH_PROGRESS}"
             )
+        if self.own_worker is None:
+            self.own_worker = env.get("own_worker", "auto")
+        if self.own_worker not in OWN_WORKER:
+            raise InvalidArgument(
+                f"EngineConfig.own_worker={self.own_worker!r}; expected one of {OWN_WORKER}"
+            )
         if self.device_copy is None:
             self.device_copy = env.get("device_copy", "auto")
         if self.device_copy not in DEVICE_COPY:
@@ -281,6 +304,13 @@ class EngineConfig:
                 f"EngineConfig.stage_peer_slots={self.stage_peer_slots} "
                 f"exceeds stage_slots={self.stage_slots}"
             )
+
+
+def own_worker(setting: str, error_mode: str, all_device_memory: bool) -> bool:
+    """Whether an engine runs RMA on kvxfer's own UCP worker (see OWN_WORKER)."""
+    if setting == "auto":
+        return error_mode == "none" or all_device_memory
+    return setting == "on"
 
 
 def spin_flushes(mode: str, local_types, remote_types) -> bool:

@@ -5,9 +5,10 @@
 #           during a CUDA flush stalled 3 x 3 s); needs .ab/before/ (the files of 0ea55f1)
 #   signal  they only wake UCXX's progress thread (ucp_worker_signal every
 #           KVXFER_POLL_SIGNAL_US); KVXFER_OWN_WORKER=0
-#   own     error_mode "none": bulk endpoints on kvxfer's own UCP context + worker, progressed
-#           only by kvxfer's threads (the queue's thread, a chain's starter inline); "peer"
-#           as signal (RMA on the channel's UCXX endpoint)
+#   own     KVXFER_OWN_WORKER=1: bulk endpoints on kvxfer's own UCP context + worker,
+#           progressed only by kvxfer's threads (the queue's thread, a chain's starter inline),
+#           in both error modes ("peer": peer error handling on both ends; what "auto" picks
+#           for CUDA pools)
 # Each run: kvxfer bench pd --stages (1-page PD p50, raw write, requests/s, 8 MiB) for the
 # modes in AB_MODES; then the transport tests and $AB_TESTS on CUDA. Writes $OUT/accept_ab.md.
 #   here (.ab/ git-ignored): mkdir -p .ab/before && git archive 0ea55f1 kvxfer pools kernels \

@@ -15,7 +15,7 @@ import socket
 import uuid
 from typing import Any, Callable, Coroutine, Dict, List, Optional, Sequence, Set, Tuple
 
-from kvxfer.config import EngineConfig
+from kvxfer.config import EngineConfig, own_worker
 from kvxfer.engine import handshake
 from kvxfer.engine.groups import LocalGroups
 from kvxfer.engine.host import PeerHost, resolved
@@ -140,10 +140,11 @@ class TransferEngine:
         if self._transport is None:
             from kvxfer.transport.ucx import UcxTransport
 
+            own = own_worker(
+                str(cfg.own_worker), str(cfg.error_mode), self._groups.all_device_memory()
+            )
             self._transport = UcxTransport(
-                cfg.ucx_options,
-                resolved(cfg.progress_mode, "progress_mode"),
-                own_rma=cfg.error_mode == "none",
+                cfg.ucx_options, resolved(cfg.progress_mode, "progress_mode"), own_rma=own
             )
         stage = (
             (
@@ -226,12 +227,21 @@ class TransferEngine:
                 cfg.refuse_emulated_destinations,
                 note_token=notes.token,
                 bulk_only=transport.own_rma,
+                peer_errors=cfg.error_mode == "peer",
             )
             # a bulk endpoint in error_mode "none", and whenever either side's keys are
             # valid only there (kvxfer's own UCP context: Layout.bulk_only)
             bulk = cfg.error_mode == "none" or transport.own_rma or res.remote.bulk_only
             bulk_addr = res.remote.address if bulk else None
-            rma = await transport.rma_endpoint(ch, bulk_addr, timeout)
+            # a bulk endpoint has peer error handling when both engines are in error_mode
+            # "peer" (both ends of a worker pair must agree: Layout.peer_errors), else error
+            # mode NONE + a handler (shared-memory lanes)
+            rma = await transport.rma_endpoint(
+                ch,
+                bulk_addr,
+                timeout,
+                peer_errors=cfg.error_mode == "peer" and res.remote.peer_errors,
+            )
             rma.add_remote_regions(res.remote.bases, res.remote.lens, res.remote.keys)
             peer = Peer(
                 self._host,

@@ -67,6 +67,15 @@ class LocalGroups:
             self.loose.add(name)
         return g
 
+    def all_device_memory(self) -> bool:
+        """Whether there are groups and every descriptor starts in CUDA device memory (the
+        driver knows its allocation); False without a CUDA driver. Asked before
+        registration (config.own_worker)."""
+        from kvxfer.kernels.cuda_driver import alloc_range
+
+        ptrs = [int(p) for g in self.groups.values() for p in g.ptrs]
+        return bool(ptrs) and all(alloc_range(p) is not None for p in ptrs)
+
     def freeze(
         self, transport: Transport, merge_adjacent: bool = True, stage=None, ipc_query=None
     ) -> None:
@@ -270,6 +279,8 @@ class RemoteGroups:
     note_token: int = 0
     #: the peer's keys need a bulk endpoint to ``address`` (messages.Layout.bulk_only)
     bulk_only: bool = False
+    #: the peer's error_mode is "peer" (messages.Layout.peer_errors)
+    peer_errors: bool = False
 
 
 def _int_list(v, where: str) -> List[int]:
@@ -318,6 +329,8 @@ def parse_remote(msg) -> RemoteGroups:
         raise ProtocolError("layout: note_token must be an unsigned 64-bit int")
     if not isinstance(msg.bulk_only, bool) or (msg.bulk_only and not msg.address):
         raise ProtocolError("layout: bulk_only must be a bool, and needs an address")
+    if not isinstance(msg.peer_errors, bool):
+        raise ProtocolError("layout: peer_errors must be a bool")
     return RemoteGroups(
         groups,
         desc_region,
@@ -330,6 +343,7 @@ def parse_remote(msg) -> RemoteGroups:
         parse_ipc(msg.region_ipc, n),
         note,
         msg.bulk_only,
+        msg.peer_errors,
     )
 
 

@@ -176,7 +176,12 @@ def check_groups(local: LocalGroups, remote: RemoteGroups) -> None:
 
 
 def _layout(
-    local: LocalGroups, address: bytes, grant: dict, note_token: int = 0, bulk_only: bool = False
+    local: LocalGroups,
+    address: bytes,
+    grant: dict,
+    note_token: int = 0,
+    bulk_only: bool = False,
+    peer_errors: bool = False,
 ) -> bytes:
     bases, lens, keys, types = local.region_table()
     return m.Layout(
@@ -191,6 +196,7 @@ def _layout(
         region_ipc=local.ipc_blobs(),
         note_token=note_token,
         bulk_only=bulk_only,
+        peer_errors=peer_errors,
     ).encode()
 
 
@@ -228,6 +234,7 @@ async def connect_side(
     refuse_emulated: bool = False,
     note_token: int = 0,
     bulk_only: bool = False,
+    peer_errors: bool = False,
 ) -> HandshakeResult:
     dl = _Deadline(timeout)
     hello = m.Hello(
@@ -257,7 +264,7 @@ async def connect_side(
         _check_ipc(local, layout, remote, ack.hostname, refuse_emulated)
         if ack.stage:
             grant.update(local.grant_landing())
-        await ch.send(_layout(local, address, grant, note_token, bulk_only), dl.left())
+        await ch.send(_layout(local, address, grant, note_token, bulk_only, peer_errors), dl.left())
         await _recv(ch, dl, m.Ready, wire.MAX_MESSAGE_BYTES)
         return HandshakeResult(ack.engine_id, ack.name, ack.hostname, remote, dict(grant))
 
@@ -280,6 +287,7 @@ async def accept_side(
     refuse_emulated: bool = False,
     note_token: int = 0,
     bulk_only: bool = False,
+    peer_errors: bool = False,
 ) -> HandshakeResult:
     dl = _Deadline(timeout)
 
@@ -308,7 +316,7 @@ async def accept_side(
         ch.trusted(wire.MAX_MESSAGE_BYTES)
         if hello.stage:
             grant.update(local.grant_landing())
-        await ch.send(_layout(local, address, grant, note_token, bulk_only), dl.left())
+        await ch.send(_layout(local, address, grant, note_token, bulk_only, peer_errors), dl.left())
         layout = await _recv(ch, dl, m.Layout, wire.MAX_MESSAGE_BYTES)
         remote = parse_remote(layout)
         check_groups(local, remote)

@@ -99,6 +99,10 @@ class Layout(wire.Message):
     #: registrations live on kvxfer's own UCP context: error_mode "none"): a peer writes to
     #: it over such an endpoint whatever its own error mode
     bulk_only: bool = False
+    #: the sender's error_mode is "peer": a bulk endpoint between two such engines uses
+    #: peer error handling on both ends (UCX matches the two endpoints of a worker pair, and
+    #: ends of different error modes reset each other), otherwise error mode NONE on both
+    peer_errors: bool = False
 
 
 @wire.register

@@ -170,10 +170,15 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     async def rma_endpoint(
-        self, channel: Channel, peer_address: Optional[bytes], timeout: float
+        self,
+        channel: Channel,
+        peer_address: Optional[bytes],
+        timeout: float,
+        peer_errors: bool = False,
     ) -> RmaEndpoint:
         """RMA over ``channel``'s own connection (``peer_address`` None) or over a separate
-        connection to ``peer_address`` (implementation-defined trade-offs)."""
+        connection to ``peer_address`` (implementation-defined trade-offs; ``peer_errors``:
+        with the peer error handling the channel's connection has)."""
 
     @abc.abstractmethod
     def register(self, addr: int, length: int) -> Region: ...

@@ -63,7 +63,6 @@ CHAIN_INLINE_US = 50.0
 #: how often the native poller (and a chain's inline wait) wakes UCXX's progress thread while
 #: a spin flush is in flight (KVXFER_POLL_SIGNAL_US)
 POLL_SIGNAL_US = 5.0
-OFF = ("0", "off", "false", "no")
 
 
 def _binding(ch: UcxChannel) -> str:
@@ -94,14 +93,12 @@ class UcxTransport(Transport):
             )
         self._app = _core._get_ctx()
         self.worker_handle = self._app.worker.handle
-        #: ``own_rma`` (the engine's error_mode "none": RMA only over bulk endpoints to the
-        #: peer's address): registrations and bulk endpoints use kvxfer's own UCP context
-        #: (process-wide, thread-shared) and worker (one per transport, progressed only by
-        #: its completion queue's thread and a chain's starter, never by UCXX: nothing of
-        #: UCXX runs there). Else, or with KVXFER_OWN_WORKER=0, UCXX's context and worker.
-        #: (An address-made endpoint with peer error handling gets no tcp RMA lane, so
-        #: error_mode "peer" keeps RMA on the channel's endpoint.)
-        self.own_rma = own_rma and os.environ.get("KVXFER_OWN_WORKER", "1").strip() not in OFF
+        #: ``own_rma`` (the engine decides: config.own_worker; RMA then only over bulk
+        #: endpoints to the peer's address): registrations and bulk endpoints use kvxfer's
+        #: own UCP context (process-wide, thread-shared) and worker (one per transport,
+        #: progressed only by its completion queue's thread and a chain's starter, never by
+        #: UCXX: nothing of UCXX runs there). Else UCXX's context and worker.
+        self.own_rma = own_rma
         if self.own_rma:
             opts = {str(k): str(v) for k, v in (ucx_options or {}).items()}
             try:
@@ -417,12 +414,18 @@ class UcxTransport(Transport):
         return bytes(self.ucxx.get_worker_address())
 
     async def rma_endpoint(
-        self, channel: Channel, peer_address: Optional[bytes], timeout: float
+        self,
+        channel: Channel,
+        peer_address: Optional[bytes],
+        timeout: float,
+        peer_errors: bool = False,
     ) -> RmaEndpoint:
         """``peer_address`` None: RMA over the channel's own (error-handled) endpoint.
         Otherwise a bulk endpoint to the peer's worker address (on kvxfer's own worker with
-        :attr:`own_rma`), error mode NONE with an error handler (keeps shared-memory lanes;
-        a dead peer is reported, not fatal)."""
+        :attr:`own_rma`) with an error handler: error mode NONE (keeps shared-memory lanes;
+        a dead peer is reported, not fatal), or PEER (``peer_errors``: UCX's peer failure
+        detection; for host memory UCX then gives it no RMA lane and emulates PUTs over
+        active messages, see bench/results/peer-lanes-h200.md)."""
         self._bind_loop()
         if peer_address is None:
             if self.own_rma:  # registrations are on kvxfer's context, not the channel's
@@ -433,7 +436,7 @@ class UcxTransport(Transport):
         token = next(self._tokens)
         try:
             worker = 0 if self._cq.own_worker else self.worker_handle
-            ep, ctx = self._cq.ep_create(worker, peer_address, token)
+            ep, ctx = self._cq.ep_create(worker, peer_address, token, peer_errors)
         except self.rma.UcxError as exc:
             raise PeerClosed(f"bulk endpoint: {exc.args[1]}") from None
         rma = UcxRma(self, raw=(ep, ctx), err_token=token)

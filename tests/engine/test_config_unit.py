@@ -2,7 +2,9 @@
 
 import pytest
 
-from kvxfer.config import FLUSH_PROGRESS, EngineConfig, spin_flushes
+import itertools
+
+from kvxfer.config import FLUSH_PROGRESS, OWN_WORKER, EngineConfig, own_worker, spin_flushes
 from kvxfer.errors import InvalidArgument
 
 pytestmark = pytest.mark.timeout(30)
@@ -53,3 +55,27 @@ def test_device_small_ops_and_notify_order():
         EngineConfig(secret=b"s", notify_order=0)
     with pytest.raises(InvalidArgument, match="device_small_ops"):
         EngineConfig(secret=b"s", device_small_ops=-1)
+
+
+@pytest.mark.parametrize(
+    "setting,mode,device", list(itertools.product(OWN_WORKER, ("peer", "none"), (False, True)))
+)
+def test_own_worker(setting, mode, device):
+    want = {"on": True, "off": False}.get(setting, mode == "none" or device)
+    assert own_worker(setting, mode, device) is want
+
+
+def test_own_worker_config(monkeypatch):
+    from kvxfer import config
+
+    assert EngineConfig(secret=b"s").own_worker in OWN_WORKER
+    assert EngineConfig(secret=b"s", own_worker="off").own_worker == "off"
+    with pytest.raises(InvalidArgument, match="own_worker"):
+        EngineConfig(secret=b"s", own_worker="yes")
+    for raw, want in (("1", "on"), ("0", "off"), ("Auto", "auto")):
+        monkeypatch.setenv("KVXFER_OWN_WORKER", raw)
+        config.env_defaults.cache_clear()
+        try:
+            assert EngineConfig(secret=b"s").own_worker == want
+        finally:
+            config.env_defaults.cache_clear()
