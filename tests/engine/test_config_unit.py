@@ -1,8 +1,8 @@
 """EngineConfig validation and the flush-progress choice (torch- and UCX-free)."""
 
-import pytest
-
 import itertools
+
+import pytest
 
 from kvxfer.config import FLUSH_PROGRESS, OWN_WORKER, EngineConfig, own_worker, spin_flushes
 from kvxfer.errors import InvalidArgument
