@@ -8,9 +8,11 @@ Facts this module relies on (where each callback runs: the threads table in docs
 - UCXX runs one UCP context/worker per process in ``UCS_THREAD_MODE_MULTI`` with a progress
   *thread* by default; that thread also progresses the target side of RMA (needed over
   tcp). It sleeps on the worker's event fd between wake-ups (with a timeout).
-- Only UCXX's progress thread progresses the worker (UCXX's listener callback hands endpoint
-  creation to that thread and waits for it: run on any other progressing thread, it stalls
-  3 x 3 s on the worker lock that thread holds). Flush and close completions arrive there;
+- Only UCXX's progress thread progresses UCXX's worker (UCXX's listener callback hands
+  endpoint creation to that thread and waits for it: run on any other progressing thread, it
+  stalls 3 x 3 s on the worker lock that thread holds). kvxfer's own worker (``own_rma``,
+  docs/engine.md "Own worker") is progressed by its completion queue's thread and a chain's
+  starter. Flush and close completions arrive on those threads;
   ``_rma.CompletionQueue`` queues them and signals an eventfd that the event loop watches
   (``loop.add_reader``): every completion is handled on the loop thread. While a ``spin``
   flush is in flight the queue's native poller thread wakes UCXX's progress thread every
@@ -157,7 +159,8 @@ class UcxTransport(Transport):
     def _on_completions(self) -> None:
         """Resolve the futures of completed native requests and report endpoint errors.
         Runs on: the asyncio loop thread (``add_reader`` on the completion queue's eventfd,
-        which the native callbacks signal from UCXX's progress thread)."""
+        which the native callbacks signal from UCXX's progress thread or the own worker's
+        thread)."""
         note, oversize = self.rma.NOTE, self.rma.NOTE_OVERSIZE
         for token, status, t, payload in self._cq.drain():
             if status == note or status == oversize:  # oversize: payload None
@@ -222,7 +225,7 @@ class UcxTransport(Transport):
         self, ep_handle: int, spin: bool, ctx: int, note_token: int, payload: bytes
     ) -> asyncio.Future:
         """Start a native chain (``_rma`` ``flush_notify``): flush ``ep_handle``; its
-        completion callback, on UCXX's progress thread, sends ``payload``
+        completion callback, on the thread progressing the endpoint's worker, sends ``payload``
         as an active message to the peer's ``note_token``. The call itself
         waits for up to :attr:`chain_inline_us` first: a chain that ends meanwhile
         returns a resolved future (no completion event, no wake-up of the loop). The future resolves to the
