@@ -114,7 +114,7 @@ class UcxRma(RmaEndpoint):
     def _on_error(self, status: int) -> None:
         """The owned endpoint failed. Runs on: the asyncio loop thread
         (``UcxTransport._on_completions``; the native error handler queued the status on
-        UCXX's progress thread)."""
+        UCXX's progress thread or the own worker's thread)."""
         if self._failed is not None:
             return
         self._failed = status_error(self._t.rma, status, "bulk endpoint failed")
