@@ -9,6 +9,7 @@
 #           progressed only by kvxfer's threads (the queue's thread, a chain's starter inline),
 #           in both error modes ("peer": peer error handling on both ends; what "auto" picks
 #           for CUDA pools)
+#   auto    KVXFER_OWN_WORKER=auto (the default)
 # Each run: kvxfer bench pd --stages (1-page PD p50, raw write, requests/s, 8 MiB) for the
 # modes in AB_MODES; then the transport tests and $AB_TESTS on CUDA. Writes $OUT/accept_ab.md.
 #   here (.ab/ git-ignored): mkdir -p .ab/before && git archive 0ea55f1 kvxfer pools kernels \
@@ -41,7 +42,7 @@ for v in $order; do
     i=$((i + 1))
     pp=$([ "$v" = before ] && echo "$OLD_PP" || echo "$NEW_PP")
     dir=$([ "$v" = before ] && echo /tmp/before || echo "$PWD")  # python -m: the cwd first
-    own=$([ "$v" = own ] && echo 1 || echo 0)
+    own=$(case "$v" in own) echo 1 ;; auto) echo auto ;; *) echo 0 ;; esac)
     for m in ${AB_MODES:-none}; do
         echo; echo "## run $i: $v, mode $m (KVXFER_OWN_WORKER=$own) kvxfer bench pd --device cuda --stages --modes $m --latency-requests 200 --throughput-requests 600 --large-pages 256 --iters 2"
         (cd "$dir" && PYTHONPATH=$pp KVXFER_OWN_WORKER=$own timeout 120 python3 -m kvxfer bench pd --device cuda --stages --modes "$m" \
