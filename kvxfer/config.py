@@ -63,11 +63,10 @@ DEVICE_COPY = ("auto", "off")
 
 #: Where RMA runs (docs/engine.md, "Own worker"). ``auto``: on kvxfer's own UCP context and
 #: worker (progressed only by kvxfer's threads, no hop to UCXX's progress thread per
-#: completion) for error_mode "none", and for "peer" when any registered descriptor is CUDA
-#: device memory (an address-made endpoint with peer error handling keeps cuda_ipc there; it
-#: gets no RMA lane for host memory, whose PUTs UCX then emulates over active messages: fine
-#: for small host groups such as the aux rows next to CUDA pools);
-#: ``on``: always (host-only engines in "peer" then move everything over emulated PUTs);
+#: completion) for error_mode "none", and for "peer" when every registered descriptor is CUDA
+#: device memory (an address-made endpoint with peer error handling keeps cuda_ipc there, but
+#: gets no RMA lane for host memory: UCX would emulate the PUTs over active messages);
+#: ``on``: always (host memory in "peer" then moves over emulated PUTs; for tests and A/B);
 #: ``off``: never (RMA on UCXX's context and worker, or the channel's endpoint for "peer").
 OWN_WORKER = ("auto", "on", "off")
 
@@ -307,11 +306,10 @@ class EngineConfig:
             )
 
 
-def own_worker(setting: str, error_mode: str, device_memory: bool) -> bool:
-    """Whether an engine runs RMA on kvxfer's own UCP worker (see OWN_WORKER);
-    ``device_memory``: some registered descriptor is CUDA device memory."""
+def own_worker(setting: str, error_mode: str, all_device_memory: bool) -> bool:
+    """Whether an engine runs RMA on kvxfer's own UCP worker (see OWN_WORKER)."""
     if setting == "auto":
-        return error_mode == "none" or device_memory
+        return error_mode == "none" or all_device_memory
     return setting == "on"
 
 

@@ -141,7 +141,7 @@ class TransferEngine:
             from kvxfer.transport.ucx import UcxTransport
 
             own = own_worker(
-                str(cfg.own_worker), str(cfg.error_mode), self._groups.any_device_memory()
+                str(cfg.own_worker), str(cfg.error_mode), self._groups.all_device_memory()
             )
             self._transport = UcxTransport(
                 cfg.ucx_options, resolved(cfg.progress_mode, "progress_mode"), own_rma=own

@@ -67,13 +67,14 @@ class LocalGroups:
             self.loose.add(name)
         return g
 
-    def any_device_memory(self) -> bool:
-        """Whether some descriptor starts in CUDA device memory (the driver knows its
-        allocation); False without a CUDA driver. Asked before registration
-        (config.own_worker)."""
+    def all_device_memory(self) -> bool:
+        """Whether there are groups and every descriptor starts in CUDA device memory (the
+        driver knows its allocation); False without a CUDA driver. Asked before
+        registration (config.own_worker)."""
         from kvxfer.kernels.cuda_driver import alloc_range
 
-        return any(alloc_range(int(p)) is not None for g in self.groups.values() for p in g.ptrs)
+        ptrs = [int(p) for g in self.groups.values() for p in g.ptrs]
+        return bool(ptrs) and all(alloc_range(p) is not None for p in ptrs)
 
     def freeze(
         self, transport: Transport, merge_adjacent: bool = True, stage=None, ipc_query=None
