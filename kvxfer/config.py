@@ -11,7 +11,7 @@ always wins.
 - ``KVXFER_FLUSH_PROGRESS`` = ``auto`` | ``spin`` | ``event`` — default of
   :attr:`EngineConfig.flush_progress`.
 - ``KVXFER_DEVICE_COPY`` = ``auto`` | ``off`` — default of :attr:`EngineConfig.device_copy`.
-- ``KVXFER_OWN_WORKER`` = ``auto`` | ``on`` (``1``) | ``off`` (``0``) — default of
+- ``KVXFER_OWN_WORKER`` = ``auto`` (``1``) | ``off`` (``0``) — default of
   :attr:`EngineConfig.own_worker`.
 - ``KVXFER_DEVICE_SMALL_OPS`` = an int — default of :attr:`EngineConfig.device_small_ops`.
 - ``KVXFER_NOTIFY_ORDER`` = ``1`` | ``0`` — default of :attr:`EngineConfig.notify_order`.
@@ -65,10 +65,10 @@ DEVICE_COPY = ("auto", "off")
 #: worker (progressed only by kvxfer's threads, no hop to UCXX's progress thread per
 #: completion) for error_mode "none", and for "peer" when every registered descriptor is CUDA
 #: device memory (an address-made endpoint with peer error handling keeps cuda_ipc there, but
-#: gets no RMA lane for host memory: UCX would emulate the PUTs over active messages);
-#: ``on``: always (host memory in "peer" then moves over emulated PUTs; for tests and A/B);
+#: gets no RMA lane for host memory: UCX would emulate the PUTs over active messages, which
+#: closing the link does not stop, so the fenced release would not hold for them);
 #: ``off``: never (RMA on UCXX's context and worker, or the channel's endpoint for "peer").
-OWN_WORKER = ("auto", "on", "off")
+OWN_WORKER = ("auto", "off")
 
 
 @functools.lru_cache(maxsize=1)
@@ -84,7 +84,7 @@ def env_defaults() -> dict:
         out["flush_progress"] = env["KVXFER_FLUSH_PROGRESS"].strip().lower()
     if env.get("KVXFER_OWN_WORKER"):
         raw = env["KVXFER_OWN_WORKER"].strip().lower()
-        out["own_worker"] = {"1": "on", "0": "off"}.get(raw, raw)
+        out["own_worker"] = {"1": "auto", "on": "auto", "0": "off"}.get(raw, raw)
     if env.get("KVXFER_DEVICE_COPY"):
         out["device_copy"] = env["KVXFER_DEVICE_COPY"].strip().lower()
     if env.get("KVXFER_DEVICE_SMALL_OPS"):
@@ -163,8 +163,7 @@ class EngineConfig:
     #: engine exports IPC handles of its CUDA regions to peers (after authentication, like
     #: its memory keys). None -> env KVXFER_DEVICE_COPY or "auto".
     device_copy: Optional[str] = None
-    #: where RMA runs (see OWN_WORKER). None -> env KVXFER_OWN_WORKER (1 = on, 0 = off) or
-    #: "auto"
+    #: where RMA runs (see OWN_WORKER). None -> env KVXFER_OWN_WORKER (0 = off) or "auto"
     own_worker: Optional[str] = None
     #: a write takes the device lane only from this many runs (PUTs) up: one lane launch costs
     #: more host time than one UCX PUT, so writes of few large runs are faster as PUTs and
@@ -308,9 +307,7 @@ class EngineConfig:
 
 def own_worker(setting: str, error_mode: str, all_device_memory: bool) -> bool:
     """Whether an engine runs RMA on kvxfer's own UCP worker (see OWN_WORKER)."""
-    if setting == "auto":
-        return error_mode == "none" or all_device_memory
-    return setting == "on"
+    return setting == "auto" and (error_mode == "none" or all_device_memory)
 
 
 def spin_flushes(mode: str, local_types, remote_types) -> bool:

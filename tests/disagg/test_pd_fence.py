@@ -8,11 +8,17 @@ on (late ``send`` calls), and only then checks every freed item and every guard 
 sides: aborts from either side in every state, deadlines, decode's metadata expiring on
 prefill, duplicate and late metadata, and a peer frozen (SIGSTOP) then resumed (SIGCONT).
 
-A pair of worker processes of its own (module fixture): the freeze scenarios stop a whole
-process."""
+A pair of worker processes of its own (module fixture, once per error mode): the freeze
+scenarios stop a whole process.
+
+Known gap (2026-12-02): in error_mode "none" the shared-memory lane (cma) is one-sided: closing
+the link does not stop a frozen writer that resumes, so the three SIGSTOP scenarios let late
+bytes land there (marked xfail, strict: they must start passing when that is fixed). The same
+holds for any one-sided lane: not run here on CUDA (cuda_ipc, the device lane)."""
 
 import pytest
 from pd_harness import Node, Worker
+from testenv import DEVICE
 
 pytestmark = pytest.mark.timeout(120)
 K = "hybrid_per_layer"
@@ -34,11 +40,12 @@ ENDED = {"Success", "Failed"}
 
 
 class Pair:
-    def __init__(self):
+    def __init__(self, mode: str = "peer"):
         from kvxfer.disagg import BootstrapServer
 
+        self.mode = mode
         self.bs = BootstrapServer(port=0).start_in_thread()
-        node = dict(kind=K, timeouts=T, bootstrap=self.bs.address)
+        node = dict(kind=K, timeouts=T, bootstrap=self.bs.address, error_mode=mode, device=DEVICE)
         self.p = Worker({"f": dict(node, role="prefill")})
         self.d = Worker(
             {"f": dict(node, role="decode"), "f2": dict(node, role="decode", name="second")}
@@ -63,9 +70,9 @@ class Pair:
         self.bs.stop_thread()
 
 
-@pytest.fixture(scope="module")
-def pair():
-    p = Pair()
+@pytest.fixture(scope="module", params=["peer", "none"])
+def pair(request):
+    p = Pair(request.param)
     try:
         yield p
     finally:
@@ -178,10 +185,22 @@ def test_duplicate_and_late_metadata(pair):
     fenced(c)
 
 
-def test_prefill_frozen_before_a_write(pair):
+def _one_sided_gap(c, request):
+    """error_mode "none": the known gap of the module docstring (strict xfail)."""
+    if c.mode == "none":
+        request.node.add_marker(
+            pytest.mark.xfail(
+                strict=True,
+                reason="cma is one-sided: closing the link does not stop a resumed writer",
+            )
+        )
+
+
+def test_prefill_frozen_before_a_write(pair, request):
     """Prefill stops (SIGSTOP) right before it posts a write. Decode's lease runs out, its
     abort is never acknowledged, so it fences the link and releases; then prefill resumes
     (SIGCONT) and posts that write: not one byte may land."""
+    _one_sided_gap(pair, request)
     c, r = pair, next(pair.rooms)
     to_state(c, r, "Transferring")
     c.p["f"].hook_on("before_write", r, "freeze")
@@ -197,9 +216,10 @@ def test_prefill_frozen_before_a_write(pair):
     fenced(c)
 
 
-def test_decode_frozen_while_prefill_writes(pair):
+def test_decode_frozen_while_prefill_writes(pair, request):
     """Decode stops while a write is in flight towards it: prefill's write times out, so it
     fences the link before it releases its source pages; decode resumes and fails."""
+    _one_sided_gap(pair, request)
     c, r = pair, next(pair.rooms)
     to_state(c, r, "Transferring")
     c.d.freeze()
@@ -213,9 +233,10 @@ def test_decode_frozen_while_prefill_writes(pair):
     fenced(c)
 
 
-def test_prefill_frozen_while_idle(pair):
+def test_prefill_frozen_while_idle(pair, request):
     """Prefill stops with rooms waiting; decode gives up on the silent peer (fence) and
     releases; prefill resumes and its scheduler sends: nothing lands, both sides clean."""
+    _one_sided_gap(pair, request)
     c = pair
     rs = [next(pair.rooms) for _ in range(3)]
     for r in rs:

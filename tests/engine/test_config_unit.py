@@ -61,7 +61,7 @@ def test_device_small_ops_and_notify_order():
     "setting,mode,device", list(itertools.product(OWN_WORKER, ("peer", "none"), (False, True)))
 )
 def test_own_worker(setting, mode, device):
-    want = {"on": True, "off": False}.get(setting, mode == "none" or device)
+    want = setting == "auto" and (mode == "none" or device)
     assert own_worker(setting, mode, device) is want
 
 
@@ -72,7 +72,7 @@ def test_own_worker_config(monkeypatch):
     assert EngineConfig(secret=b"s", own_worker="off").own_worker == "off"
     with pytest.raises(InvalidArgument, match="own_worker"):
         EngineConfig(secret=b"s", own_worker="yes")
-    for raw, want in (("1", "on"), ("0", "off"), ("Auto", "auto")):
+    for raw, want in (("1", "auto"), ("0", "off"), ("Auto", "auto"), ("off", "off")):
         monkeypatch.setenv("KVXFER_OWN_WORKER", raw)
         config.env_defaults.cache_clear()
         try:

@@ -75,12 +75,6 @@ def nodes():
                     cfg("B-spin", flush_progress="spin", device_copy="off"),
                     groups(B_ITEMS, big=True),
                 ),
-                # error_mode "peer" on kvxfer's own worker (what "auto" picks for CUDA pools):
-                # peer error handling on an address-made bulk endpoint
-                "ownpeer": eng(
-                    cfg("B-ownpeer", own_worker="on", device_copy="off"),
-                    groups(B_ITEMS, big=True),
-                ),
                 "badsecret": eng(cfg("B-bad", secret=b"wrong"), groups(B_ITEMS)),
                 "badlayout": eng(cfg("B-layout"), groups(B_ITEMS, item=128)),
             }
@@ -270,32 +264,6 @@ def test_error_mode_none_uses_shared_memory(nodes):
     assert nodes["A"].items("main", "kv", dst) == b.items("fast", "kv", src)
 
 
-def test_peer_mode_on_own_worker_both_ways(nodes):
-    """error_mode "peer" with own_worker "on": B-ownpeer's RMA goes over a bulk endpoint
-    with peer error handling on kvxfer's own worker (host memory: UCX emulates the PUTs
-    over active messages; CUDA: cuda_ipc); A writes back over a bulk endpoint because
-    B-ownpeer's keys are bulk_only. Byte-exact both ways, notifications once each."""
-    a, b = nodes["A"], nodes["B"]
-    pid = _peer_of(nodes, "ownpeer")
-    back = b.engine_id("ownpeer")
-    deadline = time.monotonic() + 10  # A registers the peer when its side of the handshake ends
-    while back not in a.peers("main"):
-        assert time.monotonic() < deadline, (a.peers("main"), a.closed("main"))
-    src, dst = list(range(0, 40, 5)), list(range(3, 43, 5))
-    b.fill("ownpeer", "kv", 31)
-    a.zero("main", "kv")
-    w = b.write("ownpeer", pid, [("kv", src, dst)], b"own")
-    assert "ok" in w, w
-    assert a.messages("main", 1, 10.0)[0][1] == b"own"
-    assert a.items("main", "kv", dst) == b.items("ownpeer", "kv", src)
-    a.fill("main", "pm", 32)
-    b.zero("ownpeer", "pm")
-    w = a.write("main", back, [("pm", dst, src)], b"back")
-    assert "ok" in w, w
-    assert b.messages("ownpeer", 1, 10.0)[0][1] == b"back"
-    assert b.items("ownpeer", "pm", src) == a.items("main", "pm", dst)
-
-
 def test_mixed_error_modes_write_both_ways(nodes):
     """B-fast (error_mode "none") registers on kvxfer's own UCP context: its keys are valid
     only on a bulk endpoint to its own worker (Layout.bulk_only). A (error_mode "peer")
@@ -363,8 +331,8 @@ def test_spin_flush_byte_exact(nodes):
 
 KILL_KEYS = pytest.mark.parametrize(
     "key",
-    ["main", "fast", "spin", "ownpeer"],
-    ids=["error_mode=peer", "error_mode=none", "flush_progress=spin", "peer_on_own_worker"],
+    ["main", "fast", "spin"],
+    ids=["error_mode=peer", "error_mode=none", "flush_progress=spin"],
 )
 
 
