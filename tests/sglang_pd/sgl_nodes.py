@@ -682,6 +682,13 @@ class DecodeNode(Node):
             os.environ.get("KVXFER_SECRET_FILE"),
         ]
 
+    def claim_version(self, name, version):
+        """Test hook: this scenario's control messages (registration, room metadata) claim
+        kvxfer protocol version ``version`` (None: the real one) - a decode rank of another
+        kvxfer, as prefill sees it."""
+        self.scen[name]["mgr"].path.claim_version = version
+        return True
+
     def release_safe(self, name, room, acks=1):
         return bool(self.scen[name]["mgr"].is_abort_release_safe(room, acks))
 
