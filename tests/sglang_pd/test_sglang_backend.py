@@ -228,6 +228,25 @@ def test_unsupported_is_refused_with_the_reason(cluster):
     assert "state_item_lens" in pf.incompatible("mamba", {"state_item_lens": [[8] * 4]})
 
 
+def test_envelope_mamba_layout_is_refused_by_name(cluster):
+    """SGLang's envelope (page-major) Mamba layout registers strided views at their logical
+    size: the descriptors of one slot entry overlap, slot i is not at ptr + i * item_len
+    (shown here on SGLang's own pool), and moving them at face value would move the wrong
+    bytes. Both roles refuse the layout at manager start, naming it; the plain layout of the
+    same model passes the same check (the "mamba" scenario)."""
+    pf, dc, port = cluster["pf"], cluster["dc"], cluster["ports"][1]
+    regions, strides = dc.state_regions("envelope")
+    assert all(s != n for (_, _, n), s in zip(regions, strides))  # strided: not dense
+    assert regions[1][0] < regions[0][1]  # layer 1's conv starts inside layer 0's span
+    plain, plain_strides = dc.state_regions("mamba")
+    assert [n for _, _, n in plain] == plain_strides  # dense item arrays
+    for node in (pf, dc):
+        kind, msg = node.try_add("envelope", "envelope", port, timeout=120)
+        assert kind == "UnsupportedOperation"
+        assert "envelope (page-major) Mamba state layout" in msg and "'state0'" in msg
+        assert "descriptors 0 and 1 overlap" in msg
+
+
 def test_wrong_secret_moves_nothing_and_fails_the_room(cluster):
     """A decode whose engine has another secret never gets a byte: prefill's handshake is
     refused, the room fails on both sides with the reason, decode's pages stay as they were."""
