@@ -99,3 +99,20 @@ def test_order_does_not_matter():
     for perm in itertools.permutations(bad):
         with pytest.raises(UnsupportedOperation):
             check_regions({"g": ([p for p, _ in perm], [n for _, n in perm], [1] * 5)})
+
+
+def test_unified_memory_envelopes_are_refused_at_other_tp():
+    """SGLang's unified memory pool passes the regions check (one dense descriptor of whole
+    page / slot envelopes per group) but carries no per-tensor state TP dims: at another
+    TP size the pair is refused by the state plan - the KV plan alone would take the page
+    envelope (every layer's K and V) for NHD pages of fatter heads."""
+    from kvxfer.disagg.errors import TpShapeMismatch
+    from kvxfer.integrations.sglang.tp_pairs import pair_plan, shape, state_shapes
+
+    ps, hb = 4, 2 * 2 * 16  # 2 layers' K and V of 16-byte heads, 4 heads over all ranks
+    p = shape(2, 0, ps, [ps * 2 * hb], 4, False, state_shapes([[1504]], [[]]))
+    d = shape(1, 0, ps, [ps * 4 * hb], 4, False, state_shapes([[3008]], [[]]))
+    with pytest.raises(TpShapeMismatch, match="no per-tensor TP dims"):
+        pair_plan(p, d)
+    same = shape(1, 0, ps, [ps * 4 * hb], 4, False, state_shapes([[3008]], [[]]))
+    assert pair_plan(same, d).whole  # equal TP: whole envelopes, item for item
