@@ -216,7 +216,11 @@ class PrefillPath:
             return
         room, target = sender.room, (sender.endpoint, sender.port)
         reason = f"decode {sender.key}: {sender.tag or 'control message'} refused: {what}"
-        if mgr.request_status.get(room) == KVPoll.Failed:
+        status = mgr.request_status.get(room)
+        if status == KVPoll.Success:  # (unauthenticated: never undoes a completed room)
+            log.warning("%r: room %d completed; ignored: %s", mgr, room, reason)
+            return
+        if status == KVPoll.Failed:
             # failed already (another rank's message): this decode rank still hears why
             if not self._stop.is_set():
                 self.notifier.submit(
