@@ -122,7 +122,7 @@ def _pools(kind: str, heads: int = HEADS, tp: int = 1):
             device="cpu",
             enable_memory_saver=False,
         )
-    if kind in STATE_KINDS:
+    if kind in STATE_KINDS or kind == "envelope":
         from sglang.srt.configs.mamba_utils import (
             KimiLinearCacheParams,
             KimiLinearStateShape,
@@ -154,6 +154,9 @@ def _pools(kind: str, heads: int = HEADS, tp: int = 1):
             device="cpu",
             cache_params=params,
             mamba_layer_ids=[1, 3],
+            # "envelope": SGLang's page-major state layout (every layer's state of a slot
+            # in one entry; conv / temporal are strided views of it)
+            envelope_layout=kind == "envelope",
         )
         return HybridLinearKVPool(
             size=POOL_TOKENS,
@@ -326,6 +329,27 @@ class Node:
             # per Mamba state tensor: [slot bytes, split rows, outer rows, parts]
             "state_meta": _state_meta(pool),
         }
+
+    def try_add(self, name, kind, bootstrap_port, **kw):
+        """:meth:`add`, returning ``[error type, message]`` where it raised (else None)."""
+        try:
+            self.add(name, kind, bootstrap_port, **kw)
+        except Exception as exc:  # noqa: BLE001 - the point is what it raises
+            return [type(exc).__name__, str(exc)]
+        return None
+
+    def state_regions(self, kind):
+        """SGLang's state descriptors of a ``kind`` pool, as KVArgs carries them:
+        ``[(offset from the first, len, item_len)]``, and each state view's slot stride
+        in bytes."""
+        pool = _pools(kind)
+        ptrs, lens, items = pool.mamba_pool.get_contiguous_buf_infos()
+        base = min(ptrs)
+        strides = [
+            t.stride(0) * t.element_size()
+            for _, t, _, _ in pool.mamba_pool._iter_transfer_state_entries()
+        ]
+        return [[p - base, n, i] for p, n, i in zip(ptrs, lens, items)], strides
 
     def _bufs(self, name):
         """The KV layer buffers as uint8 ``[tokens, bytes]`` views, then the Mamba state
@@ -681,6 +705,13 @@ class DecodeNode(Node):
             PLUGIN_VIA,
             os.environ.get("KVXFER_SECRET_FILE"),
         ]
+
+    def claim_version(self, name, version):
+        """Test hook: this scenario's control messages (registration, room metadata) claim
+        kvxfer protocol version ``version`` (None: the real one) - a decode rank of another
+        kvxfer, as prefill sees it."""
+        self.scen[name]["mgr"].path.claim_version = version
+        return True
 
     def release_safe(self, name, room, acks=1):
         return bool(self.scen[name]["mgr"].is_abort_release_safe(room, acks))

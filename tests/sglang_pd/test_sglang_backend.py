@@ -8,6 +8,7 @@ while prefill has one DP rank, so every transfer here crosses differing DP ranks
 """
 
 import random
+import time
 from importlib.metadata import entry_points
 
 import pytest
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.fixture(scope="module")
 def cluster():
     workers = [
-        Worker(N.BootstrapServers, 5, name="bootstrap", env=ENV),
+        Worker(N.BootstrapServers, 6, name="bootstrap", env=ENV),
         Worker(N.node, "prefill", name="prefill", env=ENV),
         Worker(N.node, "decode", ("--dp-size", "2"), 1, name="decode", env=ENV),
     ]
@@ -227,6 +228,25 @@ def test_unsupported_is_refused_with_the_reason(cluster):
     assert "state_item_lens" in pf.incompatible("mamba", {"state_item_lens": [[8] * 4]})
 
 
+def test_envelope_mamba_layout_is_refused_by_name(cluster):
+    """SGLang's envelope (page-major) Mamba layout registers strided views at their logical
+    size: the descriptors of one slot entry overlap, slot i is not at ptr + i * item_len
+    (shown here on SGLang's own pool), and moving them at face value would move the wrong
+    bytes. Both roles refuse the layout at manager start, naming it; the plain layout of the
+    same model passes the same check (the "mamba" scenario)."""
+    pf, dc, port = cluster["pf"], cluster["dc"], cluster["ports"][1]
+    regions, strides = dc.state_regions("envelope")
+    assert all(s != n for (_, _, n), s in zip(regions, strides))  # strided: not dense
+    assert regions[1][0] < regions[0][1]  # layer 1's conv starts inside layer 0's span
+    plain, plain_strides = dc.state_regions("mamba")
+    assert [n for _, _, n in plain] == plain_strides  # dense item arrays
+    for node in (pf, dc):
+        kind, msg = node.try_add("envelope", "envelope", port, timeout=120)
+        assert kind == "UnsupportedOperation"
+        assert "envelope (page-major) Mamba state layout" in msg and "'state0'" in msg
+        assert "descriptors 0 and 1 overlap" in msg
+
+
 def test_wrong_secret_moves_nothing_and_fails_the_room(cluster):
     """A decode whose engine has another secret never gets a byte: prefill's handshake is
     refused, the room fails on both sides with the reason, decode's pages stay as they were."""
@@ -244,6 +264,41 @@ def test_wrong_secret_moves_nothing_and_fails_the_room(cluster):
     assert "Authentication" in pf.failure(room)[1]
     assert dc.read("intruder", d_pages) == before
     assert dc.first_token("intruder", 1)[1] == 0  # metadata row untouched
+
+
+def test_decode_of_another_version_fails_fast_naming_both(cluster):
+    """A decode rank whose control messages claim another kvxfer protocol version: prefill
+    cannot read its registration nor its room metadata (VersionMismatch), and answers the
+    room instead of dropping it - the room fails on both sides within seconds (not at
+    SGLang's bootstrap/waiting timeouts) with the reason naming both versions; nothing
+    moves, nothing is left in any table after clear."""
+    from kvxfer.wire import PROTOCOL_VERSION
+
+    pf, dc, port = cluster["pf"], cluster["dc"], cluster["ports"][5]
+    theirs = PROTOCOL_VERSION + 1
+    pf.add("oldver", "mha", port, timeout=120)
+    dc.add("oldver", "mha", port, timeout=120)
+    assert dc.claim_version("oldver", theirs)
+    room, d_pages = 6101, [6, 7]
+    pf.fill("oldver", room, [9, 10])
+    before = dc.read("oldver", d_pages)
+    assert pf.sender("oldver", room, "127.0.0.1", port) == "KvxferKVSender"
+    dc.receiver("oldver", room, f"127.0.0.1:{port}")
+    t0 = time.monotonic()
+    dc.metadata("oldver", room, d_pages, 2)
+    assert dc.wait(room, DONE, 5) == FAILED
+    assert pf.wait(room, DONE, 5) == FAILED
+    assert time.monotonic() - t0 < 5
+    want = f"protocol version {theirs}, this side {PROTOCOL_VERSION}"
+    for node in (dc, pf):
+        kind, msg = node.failure(room)  # (as a scheduler reads it: pops the record)
+        assert kind == "KVTransferError"
+        assert "VersionMismatch" in msg and want in msg and "sgl.room" in msg
+    assert pf.metrics("oldver")["failures"].get("VersionMismatch") == 1
+    assert dc.read("oldver", d_pages) == before
+    assert pf.peers("oldver", 0) == 0  # never registered: never connected
+    for node in (pf, dc):
+        assert node.room_entries("oldver", room) == []
 
 
 def test_killed_prefill_fails_decode_room(cluster):

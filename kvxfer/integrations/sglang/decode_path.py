@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
+import msgpack
 import numpy as np
 import zmq
 from sglang.srt.disaggregation.base.conn import KVPoll
@@ -69,6 +70,17 @@ class DecodePath:
         self._slices: Dict[int, List[str]] = {}
         self._sides: Dict[Tuple[int, int], Optional[Sides]] = {}  # (prefill tp, rank)
         self._lock = threading.Lock()
+        #: test hook: the protocol version this rank's control messages claim (None:
+        #: kvxfer's own) - a decode of another kvxfer, as its prefill peers see it
+        self.claim_version: Optional[int] = None
+
+    def _frames(self, msg: wire.Message) -> List[bytes]:
+        data = msg.encode()
+        if self.claim_version is not None:
+            body = msgpack.unpackb(data, raw=False)
+            body["v"] = self.claim_version
+            data = msgpack.packb(body, use_bin_type=True)
+        return [FRAME_TAG, data]
 
     def start(self) -> None:
         eng = self.mgr.engine.engine
@@ -107,7 +119,7 @@ class DecodePath:
             mla=bool(mgr.is_mla_backend),
             **state_tp_fields(a),
         )
-        return [FRAME_TAG, reg.encode()]
+        return self._frames(reg)
 
     def metadata_message(
         self,
@@ -138,7 +150,7 @@ class DecodePath:
             self._meta_t[int(room)] = time.perf_counter()
             if not is_dummy:
                 msg.slices = list(self._slices.get(int(room), ()))
-        return [FRAME_TAG, msg.encode()]
+        return self._frames(msg)
 
     # ------------------------------------------------------------------ room tracking
     def track(self, room: int, bootstrap_infos, tp_ranks=None, prefill_tp=None) -> None:

@@ -37,6 +37,7 @@ from kvxfer.config import EngineConfig
 from kvxfer.errors import UnsupportedOperation
 from kvxfer.integrations.sglang.loop import EngineLoop
 from kvxfer.integrations.sglang.messages import STATUS_TAG
+from kvxfer.integrations.sglang.regions import check_regions
 from kvxfer.integrations.sglang.settings import TP_STAGE_ENGINE, resolve_secret, tp_stage_min_ops
 from kvxfer.metrics import TransferMetrics
 
@@ -98,6 +99,22 @@ def check_supported(args: KVArgs) -> None:
         raise UnsupportedOperation(
             "kvxfer transfer backend: decode host KV destinations are not supported"
         )
+    check_regions(groups_of(args))  # e.g. the envelope Mamba layout: refused by name
+
+
+def groups_of(args: KVArgs) -> Dict[str, tuple]:
+    """The engine groups of SGLang's KVArgs: name -> (ptrs, lens, item_lens)."""
+    groups = {
+        "kv": (args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens),
+        "aux": (args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens),
+    }
+    for i, _ in enumerate(getattr(args, "state_types", None) or []):
+        groups[f"state{i}"] = (
+            args.state_data_ptrs[i],
+            args.state_data_lens[i],
+            args.state_item_lens[i],
+        )
+    return groups
 
 
 class KvxferKVManager(CommonKVManager):
@@ -164,14 +181,7 @@ class KvxferKVManager(CommonKVManager):
         return f"KvxferKVManager({self.role}, {self.local_ip}:{self.rank_port})"
 
     def _groups(self):
-        a = self.kv_args
-        groups = {
-            "kv": (a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens),
-            "aux": (a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens),
-        }
-        for i, _ in enumerate(a.state_types or []):
-            groups[f"state{i}"] = (a.state_data_ptrs[i], a.state_data_lens[i], a.state_item_lens[i])
-        return groups
+        return groups_of(self.kv_args)
 
     # ------------------------------------------------------------------ base-class hooks
     def check_status(self, bootstrap_room: int) -> KVPoll:

@@ -15,8 +15,9 @@ happens before anything acts on a message.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
+import msgpack
 import numpy as np
 
 from kvxfer import wire
@@ -147,6 +148,47 @@ class SglDone(wire.Message):
     TAG = "sgl.done"
     room: int
     prefill_rank: int
+
+
+class Sender(NamedTuple):
+    """Who sent a control message this side refused (:func:`refused_sender`)."""
+
+    tag: str  # the message type it claims ("" when none)
+    endpoint: str  # the decode rank's ZMQ host
+    port: int  # its ZMQ port
+    room: Optional[int]  # the room it is about (None: a registration, or none given)
+
+    @property
+    def key(self) -> str:
+        return f"{self.endpoint}:{self.port}"
+
+
+def refused_sender(frames) -> Optional[Sender]:
+    """Best effort: who sent ``[FRAME_TAG, payload]``, a control message that
+    :func:`decode_frames` refused (a kvxfer of another protocol version, or malformed), so
+    the refusal can be answered instead of leaving the sender to SGLang's timeouts.
+
+    Reads only the fields every protocol version so far put in its control messages (a
+    msgpack map: ``endpoint`` str, ``port`` int in 1..65535, ``room`` int >= 0 when present)
+    and nothing else; None where they are missing or mistyped. The answer this allows is a
+    failure status to that endpoint: what the fields claim is unauthenticated, as SGLang's
+    status channel is (it can only fail a room, never complete one)."""
+    if len(frames) != 2 or frames[0] != FRAME_TAG or len(frames[1]) > wire.MAX_MESSAGE_BYTES:
+        return None
+    try:
+        body = msgpack.unpackb(frames[1], raw=False, strict_map_key=False)
+    except Exception:  # msgpack raises several unrelated types
+        return None
+    if not isinstance(body, dict):
+        return None
+    tag, endpoint, port, room = (body.get(k) for k in ("t", "endpoint", "port", "room"))
+    if not isinstance(endpoint, str) or not endpoint or len(endpoint) > 255:
+        return None
+    if not wire.is_int(port) or not 0 < port < 65536:
+        return None
+    if room is not None and not (wire.is_int(room) and 0 <= room < 1 << 64):
+        return None
+    return Sender(tag if isinstance(tag, str) else "", endpoint, port, room)
 
 
 def decode_frames(frames) -> wire.Message:

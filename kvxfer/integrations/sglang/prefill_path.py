@@ -43,7 +43,13 @@ from kvxfer.errors import (
     ShapeMismatch,
     TransferTimeout,
 )
-from kvxfer.integrations.sglang.messages import SglDone, SglRegister, SglRoom, decode_frames
+from kvxfer.integrations.sglang.messages import (
+    SglDone,
+    SglRegister,
+    SglRoom,
+    decode_frames,
+    refused_sender,
+)
 from kvxfer.integrations.sglang.tp_pairs import (
     PairPlan,
     pair_plan,
@@ -166,9 +172,7 @@ class PrefillPath:
             try:
                 self.on_frames(frames)
             except ProtocolError as exc:  # VersionMismatch: a decode of another kvxfer
-                log.warning(
-                    "%r: dropped control message: %s: %s", self.mgr, type(exc).__name__, exc
-                )
+                self._refused(frames, exc)
             except Exception:
                 log.exception("%r: control message failed", self.mgr)
 
@@ -183,6 +187,53 @@ class PrefillPath:
             self._on_room(msg)
         else:
             raise ProtocolError(f"unexpected {msg.TAG} on a prefill rank")
+
+    def _refused(self, frames: List[bytes], exc: ProtocolError) -> None:
+        """A control message :meth:`on_frames` refused (:class:`VersionMismatch`: a decode
+        of another kvxfer protocol version; or malformed): answered, not only logged, where
+        it names its room and sender (:func:`~.messages.refused_sender`) - the room fails
+        here and a failure status naming the error (both versions) goes to that decode rank,
+        which fails the room at once instead of at SGLang's bootstrap/waiting timeouts. The
+        status is SGLang's own ZMQ format (no kvxfer wire message), so a decode of any
+        kvxfer version reads it. Nothing else is kept of the message: no RoomInfo, no
+        registration (a later valid one still registers the rank).
+
+        A registration (no room) cannot be answered - a status is per room - and need not
+        be: every room of that decode rank arrives in a message of the same version, and
+        fails here as it does.
+
+        Runs on: the control thread."""
+        mgr = self.mgr
+        what = f"{type(exc).__name__}: {exc}"
+        sender = refused_sender(frames)
+        if sender is None or sender.room is None:
+            log.warning(
+                "%r: refused control message %s: %s",
+                mgr,
+                f"from decode {sender.key}" if sender else "(sender unknown)",
+                what,
+            )
+            return
+        room, target = sender.room, (sender.endpoint, sender.port)
+        reason = f"decode {sender.key}: {sender.tag or 'control message'} refused: {what}"
+        status = mgr.request_status.get(room)
+        if status == KVPoll.Success:  # (unauthenticated: never undoes a completed room)
+            log.warning("%r: room %d completed; ignored: %s", mgr, room, reason)
+            return
+        if status == KVPoll.Failed:
+            # failed already (another rank's message): this decode rank still hears why
+            if not self._stop.is_set():
+                self.notifier.submit(
+                    mgr.send_kv_status_message,
+                    targets=[target],
+                    bootstrap_room=room,
+                    status=KVPoll.Failed,
+                    failure_reason=reason,
+                )
+            return
+        # the opening status creates the room if its sender is not there yet (as _on_room)
+        mgr.update_status(room, KVPoll.WaitingForInput)
+        self._fail(room, reason, type(exc).__name__, notify=[target])
 
     def _incompatible(self, reg: SglRegister) -> Tuple[Optional[str], Optional[PairPlan]]:
         """``(reason, None)`` when this prefill rank cannot serve the decode rank ``reg``
