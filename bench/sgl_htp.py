@@ -25,10 +25,9 @@ import time
 
 import numpy as np
 
-from kvxfer.bench.engine_node import start_tp_topology
+from kvxfer.bench.engine_node import start_tp_topology, write_concurrently
 from kvxfer.integrations.sglang.settings import TP_STAGE_ENGINE
 from kvxfer.integrations.sglang.tp_pairs import decode_sides, pair_plan, shape
-from kvxfer.procs import post
 
 SECRET = b"sgl-htp-bench"
 
@@ -109,11 +108,7 @@ def main() -> None:
         rows = []
 
         def timed(parts):  # [(node, key, dst engine, write parts)] concurrently
-            pend = [post(node.write, key, conn[(key, de)], w) for node, key, de, w in parts]
-            res = [p.result(300) for p in pend]
-            for r in res:
-                assert "ok" in r, r
-            return [r["ok"] for r in res]
+            return write_concurrently(conn, parts)
 
         def row(name, runs, check):
             ts, st = [], None

@@ -339,3 +339,16 @@ def start_tp_topology(eng, start_timeout: float = 120.0):
             w.close()
         raise
     return [workers[n] for n in ("p1", "p0", "decode")], proxies, conn
+
+
+def write_concurrently(conn, parts, timeout: float = 300.0) -> list:
+    """``parts``: ``[(EngineNode proxy, prefill key, decode key, write parts)]`` posted at
+    once over :func:`start_tp_topology`'s ``conn``; each write's stats, in order (a failed
+    write raises AssertionError with its error)."""
+    from kvxfer.procs import post
+
+    pend = [post(node.write, key, conn[(key, de)], w) for node, key, de, w in parts]
+    res = [p.result(timeout) for p in pend]
+    for r in res:
+        assert "ok" in r, r
+    return [r["ok"] for r in res]
