@@ -65,8 +65,8 @@ DEVICE_COPY = ("auto", "off")
 #: worker (progressed only by kvxfer's threads, no hop to UCXX's progress thread per
 #: completion) for error_mode "none", and for "peer" when every registered descriptor is CUDA
 #: device memory (an address-made endpoint with peer error handling keeps cuda_ipc there, but
-#: gets no RMA lane for host memory: UCX would emulate the PUTs over active messages, which
-#: closing the link does not stop, so the fenced release would not hold for them);
+#: gets no RMA lane for host memory: UCX would emulate the PUTs over active messages, slower
+#: than the channel's tcp lanes, and which closing the link does not stop);
 #: ``off``: never (RMA on UCXX's context and worker, or the channel's endpoint for "peer").
 OWN_WORKER = ("auto", "off")
 

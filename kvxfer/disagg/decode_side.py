@@ -3,9 +3,10 @@ accept a room only when its completion message arrived *and* its aux row names i
 
 Pages of a room that failed after its metadata went out are released only once prefill has
 confirmed that no write for it is in flight (AbortAck, or prefill's own Abort, or Done), or
-the peer is gone — or, when no confirmation came within ``abort_ack_s``, once the link to that
-prefill is closed (fenced, see :mod:`kvxfer.disagg.manager`) — so a late RMA write never lands
-in pages the scheduler already reused.
+the peer is gone. When no confirmation comes within ``abort_ack_s`` (or the peer falls
+silent), the link is *held* (see :mod:`kvxfer.disagg.manager`): the rooms stay failed and
+their pages stay with us until one of those happens — so a late RMA write, over any lane,
+never lands in pages the scheduler already reused.
 
 A prefill whose layout differs refuses our hello; each room bound to it then sends its
 refusal (an Abort of kind LayoutMismatch) over the refused link, so that prefill's KVSender
@@ -390,7 +391,8 @@ class DecodeSide:
             r = mgr.rooms.get(msg.room)
             if r is not None and r.legs is not None:
                 r = r.legs.of(link, False)
-            if r is not None and r.await_ack and r.link is link:
+            if r is not None and r.link is link and (r.await_ack or link.held):
+                r.peer_aborted = True  # acked only once nothing is in flight for it
                 mgr.release(r)
             return
         r = self._room_of(link, getattr(msg, "room", -1), msg.TAG)

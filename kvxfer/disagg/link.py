@@ -1,8 +1,10 @@
 """Link: one connected peer engine, shared by all the rooms that go through it.
 
 A link is created on the loop thread when a peer says hello (prefill) or once we connected
-and said hello (decode), and dies once: ``dead`` never goes back to False. While ``fencing``
-its rooms are held (not released) until our endpoints to that peer are closed.
+and said hello (decode), and dies once: ``dead`` never goes back to False. While ``fencing`` its rooms are held (not
+released) until our endpoints to that peer are closed — or, while ``held`` (decode gave up on
+a peer that may still be alive), until the peer confirms each room or is gone; a room the
+peer confirmed (``Room.peer_aborted``) is never held.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class Link:
         "last_heard",
         "dead",
         "fencing",
+        "held",
         "refused",
         "remote_items",
         "page_size",
@@ -39,6 +42,9 @@ class Link:
         self.dead = False
         #: we are closing its endpoints; its rooms are released once that is done
         self.fencing = False
+        #: decode gave up on this peer while it may be alive (kvxfer.disagg.manager._hold):
+        #: its endpoints stay open so that it can confirm its rooms; ``fencing`` is set too
+        self.held = False
         #: the peer's layout does not match ours (LayoutMismatch): connected only to
         #: carry each room's refusal
         self.refused: Optional[KvxferError] = None

@@ -15,13 +15,25 @@ integrity check) see this manager only through the Protocols of :mod:`kvxfer.dis
 
 Fenced release (the invariant every path keeps): a room's ``on_done`` runs only once no write
 for it can still land in (decode) or read from (prefill) its items — after the peer said so
-(Done, Abort, AbortAck, each sent only when nothing is in flight), or after the peer's death,
-or after *we* closed the link's endpoints. A peer we give up on while it may be alive (silent
-past ``heartbeat_timeout_s``, no abort ack within ``abort_ack_s``, a write that timed out) is
-*fenced*: its link is closed first and its rooms are released only after that, so a frozen
-peer that resumes cannot write into pages that were handed on. ``close()`` fences like an
-abort: it tells every peer, waits (``abort_ack_s``) for their answers, closes the engine, and
-only then releases what is left.
+(Done, Abort, AbortAck, each sent only when nothing is in flight), or after the peer is gone
+(it closed or died, and we closed our endpoints to it so that what it sent last has landed).
+
+A peer we give up on while it may be alive (silent past ``heartbeat_timeout_s``, no abort ack
+within ``abort_ack_s``, a write that timed out):
+
+* prefill (the writer) *fences* it: closes the link's endpoints, then releases. Its own
+  writes read its pages, and they have stopped once its endpoints are closed.
+* decode (written into) *holds* it (:meth:`KVManager._hold`): its rooms fail at once
+  (``poll()`` says Failed) but their pages, state slots and aux rows stay held — ``on_done``
+  does not run — until the peer confirms each room or is gone. Closing our endpoints would
+  not stop it: one-sided lanes (cma, cuda_ipc, the device lane's IPC-mapped copies, RDMA DC)
+  write without our side taking part, so a frozen writer that resumes would still land its
+  bytes. Its endpoints stay open so that, once it runs again, it answers each room's Abort.
+  A peer that never runs again keeps them held until it dies or :meth:`close` runs.
+
+``close()`` tells every peer, waits (``abort_ack_s``) for their answers, closes the engine,
+and only then releases what is left (rooms still held are released with a warning: the
+manager is going away, and with it the endpoints that could have confirmed them).
 """
 
 from __future__ import annotations
@@ -170,6 +182,8 @@ class KVManager:
         self.rooms = RoomTable(max_tombstones)
         self.trace: Optional[StageTrace] = StageTrace() if trace_enabled(trace) else None
         self.links: Dict[str, Link] = {}  # peer.id -> Link
+        #: peer.id -> Link that decode gave up on but holds open (see _hold)
+        self.held: Dict[str, Link] = {}
         self.engine: Any = None  # kvxfer.engine.TransferEngine once started
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self._loop_tid: Optional[int] = None
@@ -303,6 +317,15 @@ class KVManager:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.engine is not None:
             await self.engine.close()
+        for link in list(self.held.values()):
+            log.warning(
+                "%s: releasing %d rooms held for %s, which never confirmed them: a peer that "
+                "resumes could still write to them over a one-sided lane",
+                self.name,
+                len(link.rooms),
+                link.name,
+            )
+        self.held.clear()
         for r in _with_legs(self.rooms.rooms()):  # no endpoint is left to write through
             if r.link is not None:
                 r.link.fencing = False
@@ -473,7 +496,7 @@ class KVManager:
                 self.release(r)
                 return
             log.warning(
-                "%s: room %d: no abort ack from %s within %.1fs; closing the link",
+                "%s: room %d: no abort ack from %s within %.1fs; giving up on it",
                 self.name,
                 r.room,
                 link.name,
@@ -520,8 +543,8 @@ class KVManager:
         (on this, the loop thread)."""
         if r.released:
             return
-        if r.link is not None and r.link.fencing:
-            r.held = True  # released by _fence once the link is closed
+        if r.link is not None and r.link.fencing and not r.peer_aborted:
+            r.held = True  # released by _fence once the link is closed, or by _hold's end
             return
         if r.legs is not None and not r.legs.all_released():
             return  # released by its last leg's release (kvxfer.disagg.tp_rooms)
@@ -533,6 +556,8 @@ class KVManager:
             r.link.rooms.discard(r)
             if r.link.tp is not None and r.role is RoomRole.RECEIVER:
                 r.link.peer.forget_slices(r.room)  # nothing more comes for it
+            if r.link.held and not r.link.rooms:
+                self._end_hold(r.link)  # every room confirmed
         if r.parent is None:
             self.rooms.remove(r, "aborted" if r.state == KVPoll.Failed else "done")
         if r.on_done is not None:
@@ -555,7 +580,7 @@ class KVManager:
         except ProtocolError as exc:
             log.warning("%s: dropped malformed message from %s: %s", self.name, peer.id, exc)
             return
-        link = self.links.get(peer.id)
+        link = self.links.get(peer.id) or self.held.get(peer.id)
         if link is not None:
             link.last_heard = time.monotonic()
         if isinstance(msg, m.Ping):
@@ -567,6 +592,12 @@ class KVManager:
 
     def _on_peer_closed(self, peer: Any, exc: BaseException) -> None:
         """The engines' peer-lost handler. Runs on: the loop thread."""
+        held = self.held.get(peer.id)
+        if held is not None:  # gone at last: what it sent lands before our close returns
+            log.info("%s: held peer %s is gone: %s", self.name, held.name, exc)
+            held.held = False
+            self.spawn(self._fence(held))
+            return
         link = self.links.get(peer.id)
         if link is not None:
             self.link_failed(
@@ -578,9 +609,12 @@ class KVManager:
 
     def link_failed(self, link: Link, exc: BaseException, *, fence: bool = False) -> None:
         """The peer behind ``link`` is gone: fail all its rooms. ``fence``: it may still be
-        alive (silent, no ack, a write timed out), so close its endpoints first; its rooms are
-        released only once that is done."""
+        alive (silent, no ack, a write timed out): prefill closes its endpoints first and
+        releases its rooms once that is done; decode holds them (:meth:`_hold`)."""
         if link.dead:
+            return
+        if fence and self.mode is DisaggMode.DECODE and not self._closed:
+            self._hold(link, exc)
             return
         # decode (the side written into) always fences: the peer's last PUTs can still sit
         # unprocessed on the data endpoint when a control path reports the loss, so its
@@ -606,10 +640,56 @@ class KVManager:
         if fence:
             self.spawn(self._fence(link))
 
+    def _hold(self, link: Link, exc: BaseException) -> None:
+        """Decode gives up on a peer that may still be alive: fail its rooms now, hold their
+        items until it confirms each (Done, Abort or AbortAck: sent only once nothing is in
+        flight for that room) or is gone (:meth:`_on_peer_closed`), then close the link. Its
+        endpoints stay open meanwhile, its rooms have no deadline, and it gets no pings.
+        Runs on: the loop thread."""
+        link.dead = link.fencing = link.held = True
+        peer_id = getattr(link.peer, "id", None)
+        if peer_id is not None:
+            self.links.pop(peer_id, None)
+            self.held[peer_id] = link
+        self.side.link_lost(link)
+        log.log(
+            logging.WARNING if link.rooms else logging.INFO,
+            "%s: gave up on peer %s (%d rooms; their items are held until it confirms them "
+            "or is gone): %s",
+            self.name,
+            link.name,
+            len(link.rooms),
+            exc,
+        )
+        for r in list(link.rooms):
+            if is_terminal(r.state):
+                self.release(r)  # held (or released: confirmed already)
+            else:
+                self.fail(r, exc, notify=False)
+        for room in sorted({r.room for r in link.rooms if not r.peer_aborted}):
+            # the peer answers each: an AbortAck, or its own Abort or Done
+            abort = m.Abort(room=room, reason=str(exc), kind=type(exc).__name__)
+            self.spawn(self._send(link, abort.encode()))
+        if link.held and not link.rooms:  # nothing to hold (release() may have ended it)
+            self._end_hold(link)
+
+    def _end_hold(self, link: Link) -> None:
+        """Every room of a held link was confirmed: close it (nothing is left to hold)."""
+        link.held = False
+        self._unhold(link)
+        if not self._closed:
+            self.spawn(self._fence(link))
+
+    def _unhold(self, link: Link) -> None:
+        peer_id = getattr(link.peer, "id", None)
+        if peer_id is not None and self.held.get(peer_id) is link:
+            del self.held[peer_id]
+
     async def _fence(self, link: Link) -> None:
         # if close() cancels this, it releases the held rooms itself after the engine closed
         await self._close_peer(link)
         link.fencing = False
+        self._unhold(link)
         for r in list(link.rooms):
             if r.held:
                 self.release(r)

@@ -849,6 +849,22 @@ class Node:
         r["failure"] = repr(rec["h"].failure_exception())
         return r
 
+    def held(self, room: int, timeout: float = 30.0) -> bool:
+        """Wait (bounded) until ``room`` failed and its items are held for a peer that may
+        still write (kvxfer.disagg.manager: KVManager._hold): on_done has not run."""
+        mgr = self.mgr
+
+        def check() -> bool:
+            r = mgr.rooms.get(room)
+            return r is not None and r.held and not r.released and r.link in mgr.held.values()
+
+        end = time.monotonic() + timeout
+        while not mgr.call_wait(check):
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.01)
+        return not self.rooms[room]["done"].is_set()
+
     def leaks(self) -> dict:
         with self.lock:
             now = self._counts()

@@ -26,11 +26,15 @@ def figure(s: dict) -> str:
         ]
         groups_bad = [f"{g['victim']}/{g['signal']}" for g in s["groups"] if not g["ok"]]
         worst = max((c["t_s"] for c in cells if c.get("t_s") is not None), default=0.0)
+        held = [c for c in cells if c.get("held")]
+        rel = max((c.get("released_s") or 0.0 for c in held), default=0.0)
         n_groups = len(s["groups"])
         return (
             f"{len(cells) - len(bad)}/{len(cells)} cells ok, {n_groups - len(groups_bad)}"
             f"/{n_groups} groups ok (failing: {', '.join(bad + groups_bad) or '-'}); "
-            f"slowest on_done {worst:.2f} s after the signal; {s['wall_s']:.0f} s"
+            f"slowest failure {worst:.2f} s after the signal (on_done; Failed for a held "
+            f"room, {len(held)} held, released {rel:.2f} s after SIGCONT at most); "
+            f"{s['wall_s']:.0f} s"
         )
     c = s["counts"]
     rss = "; ".join(f"{k} RSS {v[0]:.0f}->{v[1]:.0f} MiB" for k, v in s["rss_mib"].items())

@@ -15,7 +15,10 @@ its pools stay): the victim itself must then release everything, and no byte may
 freed items afterwards (the survivor may still be writing into them).
 
 Per group (victim side x signal) the survivor must: fail every unfinished room and run its
-``on_done`` within the state's bound (below) after the signal, leave the ``Success`` room
+``on_done`` within the state's bound (below) after the signal — except decode facing a frozen
+prefill, which must fail the room within that bound but *hold* it (``on_done`` not run,
+``held`` in the cell) until the resumed prefill answered (``released_s`` after SIGCONT,
+within the resumed victim's bound) — leave the ``Success`` room
 alone, run every ``on_done`` exactly once, get every page, slot and aux row back and keep
 every free item's sentinel (no late write, also after the frozen peer resumed). Then a peer is
 served byte-exact by the same survivor process: after SIGKILL / close a restarted victim that
@@ -177,12 +180,38 @@ def run_group(
         )
         # -- the survivor
         ok = True
+        #: decode survivor of a frozen prefill: it holds the rooms it gave up on
+        holds = sig == "STOP" and surv_role == "decode"
+        held_rooms: List[str] = []
         for state in STATES:
             room, cell = rooms[state], out["cells"][state]
             if state == "after Success":
                 continue
             bound = bound_s(state, surv_role, sig=sig)
             left = t_sig + bound + SLACK_S - time.monotonic()
+            if holds:
+                # decode gives up on the frozen prefill, but a room whose metadata reached
+                # it stays held (its on_done waits for the resumed prefill's answer): Failed
+                # within the bound (t_s: when we looked, an upper bound), released later
+                st = survivor.node.poll_until(room, ["Failed"], max(0.1, left))
+                t_fail = round(time.monotonic() - t_sig, 2)
+                res = survivor.node.results([room])[room]
+                cell.update(survivor=surv_role, state=st, t_s=t_fail, bound_s=bound)
+                cell.update(held=res["calls"] == 0, landed=res["landed"])
+                if st == "Success" and res["calls"] == 1:
+                    cell["note"] = "write completed before the signal took effect"
+                    cell["ok"] = state == "mid-write" and cell["reached"] and not res["bad"]
+                else:
+                    if res["calls"] == 0:
+                        held_rooms.append(state)
+                    cell["ok"] = (
+                        cell["reached"]
+                        and st == "Failed"
+                        and res["calls"] <= 1
+                        and t_fail <= bound + SLACK_S
+                    )
+                ok &= cell["ok"]
+                continue
             res = survivor.node.wait(room, max(0.1, left), timeout=max(0.1, left) + 30)
             cell.update(
                 survivor=surv_role,
@@ -222,11 +251,27 @@ def run_group(
             and out["cells"]["after Success"]["reached"],
         )
         ok &= out["cells"]["after Success"]["ok"]
-        after_fail = survivor.node.check()
-        out["survivor_after_signal"] = _summary(before, after_fail)
+        after_fail = survivor.node.check() if not held_rooms else None
+        if after_fail is not None:
+            out["survivor_after_signal"] = _summary(before, after_fail)
         # -- the victim: resumed (STOP) or restarted (KILL)
         if sig == "STOP":
             t_cont = v.signal(signal.SIGCONT)
+            for state in held_rooms:  # released once the resumed prefill answered
+                cell = out["cells"][state]
+                res = survivor.node.wait(cell["room"], resume_bound_s() + SLACK_S)
+                cell["released_s"] = (
+                    None if res["t_done"] is None else round(res["t_done"] - t_cont, 2)
+                )
+                cell["ok"] = (
+                    cell["ok"]
+                    and res["state"] == "Failed"
+                    and res["calls"] == 1
+                    and cell["released_s"] is not None
+                )
+                ok &= cell["ok"]
+            if held_rooms:
+                out["survivor_after_signal"] = _summary(before, survivor.node.check())
             vc = v.node.check(resume_bound_s() + SLACK_S, timeout=resume_bound_s() + 60)
             out["victim_after_resume"] = dict(
                 _summary(None, vc), s=round(time.monotonic() - t_cont, 2)
