@@ -80,6 +80,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         default="KILL,STOP,CLOSE",
         help="KILL (SIGKILL), STOP (SIGSTOP, later SIGCONT), CLOSE (graceful)",
     )
+    k.add_argument("--error-mode", choices=("peer", "none"), default="peer")
     n = sub.add_parser("netns", help="prefill and decode in two network namespaces (veth)")
     n.add_argument("--requests", type=int, default=500)
     n.add_argument(
@@ -105,7 +106,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     elif a.scenario == "kill":
         from kvxfer.testing.reliability.kill_matrix import run_matrix
 
-        out = run_matrix(victims=a.victims.split(","), signals=a.signals.split(","))
+        out = run_matrix(
+            victims=a.victims.split(","), signals=a.signals.split(","), error_mode=a.error_mode
+        )
     else:
         from kvxfer.testing.reliability.netns import run_netns
 
