@@ -438,7 +438,10 @@ def bench_mode(args, mode: str, integrity: bool = False) -> dict:
         "max_inflight": 1 << 30,
         "integrity": integrity,
         "trace": True if args.stages else None,
+        "busy_thread": bool(getattr(args, "busy_thread", False)),
     }
+    if getattr(args, "switch_interval", None) is not None:
+        opts["switch_interval_s"] = args.switch_interval
     pair = start_pair(spec, opts, BenchWorker)
     info = pair.prefill.info()
     out = {
@@ -948,6 +951,20 @@ def main(argv=None) -> int:
         "ucx_perftest ucp_put_lat / ucp_am_lat of the same size; with --prefill-tp / "
         "--decode-tp: every rank's stages of the TP requests, after the first prefill send",
     )
+    ap.add_argument(
+        "--busy-thread",
+        action="store_true",
+        help="1-page / bandwidth rows: each worker process runs one more Python thread that "
+        "spins in the interpreter (the worst case of a scheduler busy in Python beside the "
+        "manager's loop thread): what the GIL costs the path",
+    )
+    ap.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="the workers' sys.setswitchinterval in seconds (default 0.0005; Python's own "
+        "default is 0.005)",
+    )
     clitools.add_json_args(ap)
     a = ap.parse_args(argv)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
@@ -964,7 +981,9 @@ def main(argv=None) -> int:
         f"PD bench: device={a.device}, demo model (page-major KV + Mamba envelope), "
         f"{a.latency_requests} sequential + {a.throughput_requests} concurrent 1-page "
         f"requests, {a.large_pages}-page requests best/median of {a.iters}"
-        f"{', integrity off and on' if a.integrity else ''}",
+        f"{', integrity off and on' if a.integrity else ''}"
+        f"{', a busy Python thread per worker' if a.busy_thread else ''}"
+        f"{f', switch interval {a.switch_interval * 1e3:g} ms' if a.switch_interval else ''}",
         flush=True,
     )
     t0 = time.perf_counter()

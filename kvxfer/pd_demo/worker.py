@@ -313,4 +313,22 @@ def build_worker(cls: type, role: str, spec: dict, bootstrap: Optional[str], opt
     # over often so a completion is not held up by a 5 ms switch interval
     sys.setswitchinterval(float(opts.get("switch_interval_s", 0.0005)))
     logging.basicConfig(level=opts.get("log_level", "WARNING"))
+    if opts.get("busy_thread"):
+        _start_busy_thread()
     return cls(role, spec, bootstrap, opts)
+
+
+def _start_busy_thread() -> None:
+    """A Python thread that never leaves the interpreter (``kvxfer bench pd --busy-thread``):
+    the worst case of a scheduler busy in Python next to the manager's loop thread. It holds
+    the GIL until the interpreter takes it away at the switch interval, so every time the
+    loop thread gave the GIL up (epoll, a native call) it waits up to one interval to get it
+    back."""
+    import threading
+
+    def spin() -> None:
+        x = 0
+        while True:
+            x += 1
+
+    threading.Thread(target=spin, name="kvxfer-busy-scheduler", daemon=True).start()
