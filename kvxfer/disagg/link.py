@@ -1,10 +1,10 @@
 """Link: one connected peer engine, shared by all the rooms that go through it.
 
 A link is created on the loop thread when a peer says hello (prefill) or once we connected
-and said hello (decode), and dies once: ``dead`` never goes back to False. While ``fencing`` its rooms are held (not
-released) until our endpoints to that peer are closed — or, while ``held`` (decode gave up on
-a peer that may still be alive), until the peer confirms each room or is gone; a room the
-peer confirmed (``Room.peer_aborted``) is never held.
+and said hello (decode), and dies once: ``dead`` never goes back to False. While ``fencing``
+its rooms are held (not released) until our endpoints to that peer are closed — or, while
+``held`` (decode gave up on a peer that may still be alive), until the peer confirms each
+room or is gone; a decode room the peer confirmed (``Room.peer_aborted``) is never held.
 """
 
 from __future__ import annotations

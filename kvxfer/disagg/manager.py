@@ -543,7 +543,10 @@ class KVManager:
         (on this, the loop thread)."""
         if r.released:
             return
-        if r.link is not None and r.link.fencing and not r.peer_aborted:
+        # decode: prefill confirmed nothing is in flight for it (prefill's own writes are
+        # what its fence waits for, whatever decode said)
+        confirmed = r.peer_aborted and r.role is RoomRole.RECEIVER
+        if r.link is not None and r.link.fencing and not confirmed:
             r.held = True  # released by _fence once the link is closed, or by _hold's end
             return
         if r.legs is not None and not r.legs.all_released():
