@@ -850,13 +850,17 @@ class Node:
         return r
 
     def held(self, room: int, timeout: float = 30.0) -> bool:
-        """Wait (bounded) until ``room`` failed and its items are held for a peer that may
-        still write (kvxfer.disagg.manager: KVManager._hold): on_done has not run."""
+        """Wait (bounded) until ``room`` (or a leg of it) failed and its items are held for a
+        peer that may still write (kvxfer.disagg.manager: KVManager._hold): on_done has not
+        run."""
         mgr = self.mgr
 
         def check() -> bool:
             r = mgr.rooms.get(room)
-            return r is not None and r.held and not r.released and r.link in mgr.held.values()
+            if r is None or r.released:
+                return False
+            held = list(mgr.held.values())
+            return any(x.held and x.link in held for x in (r.legs.legs() if r.legs else [r]))
 
         end = time.monotonic() + timeout
         while not mgr.call_wait(check):

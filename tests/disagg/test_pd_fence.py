@@ -198,7 +198,7 @@ def test_prefill_frozen_before_a_write(pair):
     c.p["f"].p_send(r, 1, N)
     assert c.p.stopped()
     try:
-        assert c.d["f"].poll_until(r, ["Failed"], timeout=30) == "Failed"
+        assert c.d["f"].poll_until(r, ["Failed"], 30) == "Failed"
         assert c.d["f"].held(r)
     finally:
         c.p.resume()
@@ -244,7 +244,7 @@ def test_prefill_frozen_while_idle(pair):
     c.p.freeze()
     try:
         for r in rs:
-            assert c.d["f"].poll_until(r, ["Failed"], timeout=30) == "Failed"
+            assert c.d["f"].poll_until(r, ["Failed"], 30) == "Failed"
             assert c.d["f"].held(r)
     finally:
         c.p.resume()

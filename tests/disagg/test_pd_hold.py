@@ -27,7 +27,7 @@ def _hold(c, state):
     r = next(c.rooms)
     to_state(c, r, state)
     c.p.freeze()
-    assert c.d["f"].poll_until(r, ["Failed"], timeout=30) == "Failed"
+    assert c.d["f"].poll_until(r, ["Failed"], 30) == "Failed"
     assert c.d["f"].held(r)
     return r
 

@@ -37,6 +37,8 @@ DEPLOY = {
     # one rank in its own process, killed by the test (VICTIMS)
     "die21": ("mha_hnd", 4, 2, 1),
     "die12": ("mha", 4, 1, 2),
+    # one rank in its own process, frozen (SIGSTOP) and resumed by the test
+    "frz21": ("mha_hnd", 4, 2, 1),
     # integrity mode (checksums per prefill -> decode pair)
     "int21": ("mha_hnd", 4, 2, 1),
     "int12": ("hybrid_per_layer", 4, 1, 2),  # staged (NHD kv slices; the path forced)
@@ -52,7 +54,7 @@ INTEGRITY = {"int21", "int12"}
 STAGED = {"st12", "st21", "st14", "st41", "st24"}
 PATTERN = {"pat12", "pat41", "pat24"}
 #: (deployment, role, rank) hosted alone in a worker that a test kills
-VICTIMS = {("die21", "prefill", 1), ("die12", "decode", 1)}
+VICTIMS = {("die21", "prefill", 1), ("die12", "decode", 1), ("frz21", "prefill", 1)}
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +158,9 @@ def _request(tpc, name, room, pages=7, decode_first=False):
     return [n.stats()["bytes"] - b for n, b in zip(p, before)]
 
 
-@pytest.mark.parametrize("name", [n for n in DEPLOY if not n.startswith(("bad", "die", "int"))])
+@pytest.mark.parametrize(
+    "name", [n for n in DEPLOY if not n.startswith(("bad", "die", "frz", "int"))]
+)
 def test_hetero_tp_byte_exact(tpc, room, name):
     kind, heads, tp_p, tp_d = DEPLOY[name]
     p, _ = _ranks(tpc, name)
@@ -259,6 +263,37 @@ def test_prefill_rank_dies(tpc, room):
     res = p[0].wait(r, timeout=FAST["abort_ack_s"] + 10)
     assert res is not None and res["state"] == "Failed", res
     _clean([p[0], d[0]])
+
+
+def test_prefill_rank_frozen(tpc, room):
+    """2:1: prefill rank 1's process freezes (SIGSTOP) mid-room. Decode gives up on it: the
+    room fails at once, but its leg to rank 1 stays held (on_done does not run) while rank 0
+    is told and fails. Rank 1 resumes and its scheduler sends the whole request: whatever
+    lands, lands in held pages; once it answered, decode releases; every rank clean."""
+    workers, _ = tpc
+    p, d = _ranks(tpc, "frz21")
+    victim = workers[("victim", "frz21")]
+    r = room()
+    for n in p:
+        n.p_open_tp(r, 6)
+    d[0].d_open(r, 6)
+    p[0].p_send(r, 0, 3)
+    assert d[0].poll_until(r, ["Transferring"]) == "Transferring"
+    victim.freeze()
+    try:
+        bound = FAST["heartbeat_timeout_s"] + 10
+        assert d[0].poll_until(r, ["Failed"], bound) == "Failed"
+        assert d[0].held(r)
+        res = p[0].wait(r, timeout=FAST["abort_ack_s"] + 10)
+        assert res is not None and res["state"] == "Failed", res
+    finally:
+        victim.resume()
+    p[1].p_send(r, 0, 6)
+    res = d[0].wait(r, timeout=FAST["abort_ack_s"] + 10)
+    assert res is not None and res["state"] == "Failed", res
+    res = p[1].wait(r, timeout=FAST["transfer_s"] + 10)
+    assert res is not None and res["state"] in ("Success", "Failed"), res
+    _clean(p + d)
 
 
 def test_decode_rank_dies(tpc, room):
