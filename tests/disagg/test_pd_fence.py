@@ -72,13 +72,18 @@ class Pair:
         self.bs.stop_thread()
 
 
-@pytest.fixture(scope="module", params=["peer", "none"])
-def pair(request):
-    p = Pair(request.param)
+def pair_in(mode: str):
+    """A started Pair in error mode ``mode``, closed after (a fixture's body)."""
+    p = Pair(mode)
     try:
         yield p
     finally:
         p.close()
+
+
+@pytest.fixture(scope="module", params=["peer", "none"])
+def pair(request):
+    yield from pair_in(request.param)
 
 
 def settled(w, node, r, timeout=30.0):

@@ -9,18 +9,14 @@ import os
 import signal
 
 import pytest
-from test_pd_fence import NO_LEAKS, Pair, settled, to_state
+from test_pd_fence import NO_LEAKS, pair_in, settled, to_state
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(params=["peer", "none"])
 def pair(request):
-    p = Pair(request.param)
-    try:
-        yield p
-    finally:
-        p.close()
+    yield from pair_in(request.param)
 
 
 def _hold(c, state):

@@ -245,17 +245,22 @@ def test_one_decode_rank_aborts(tpc, room):
     _clean(p + d)
 
 
-def test_prefill_rank_dies(tpc, room):
-    """2:1: prefill rank 1's process is killed mid-room: decode's room fails (its leg to rank
-    1 saw the peer go), rank 0 is told and fails too; both survivors release everything."""
-    workers, _ = tpc
-    p, d = _ranks(tpc, "die21")
-    r = room()
+def _transferring_21(tpc, name, r):
+    """A 6-page room of 2:1 deployment ``name`` whose first chunk (from rank 0) landed."""
+    p, d = _ranks(tpc, name)
     for n in p:
         n.p_open_tp(r, 6)
     d[0].d_open(r, 6)
     p[0].p_send(r, 0, 3)
     assert d[0].poll_until(r, ["Transferring"]) == "Transferring"
+    return p, d, r
+
+
+def test_prefill_rank_dies(tpc, room):
+    """2:1: prefill rank 1's process is killed mid-room: decode's room fails (its leg to rank
+    1 saw the peer go), rank 0 is told and fails too; both survivors release everything."""
+    workers, _ = tpc
+    p, d, r = _transferring_21(tpc, "die21", room())
     workers[("victim", "die21")].kill()
     res = d[0].wait(r, timeout=FAST["heartbeat_timeout_s"] + 10)
     assert res is not None and res["state"] == "Failed", res
@@ -271,14 +276,8 @@ def test_prefill_rank_frozen(tpc, room):
     is told and fails. Rank 1 resumes and its scheduler sends the whole request: whatever
     lands, lands in held pages; once it answered, decode releases; every rank clean."""
     workers, _ = tpc
-    p, d = _ranks(tpc, "frz21")
+    p, d, r = _transferring_21(tpc, "frz21", room())
     victim = workers[("victim", "frz21")]
-    r = room()
-    for n in p:
-        n.p_open_tp(r, 6)
-    d[0].d_open(r, 6)
-    p[0].p_send(r, 0, 3)
-    assert d[0].poll_until(r, ["Transferring"]) == "Transferring"
     victim.freeze()
     try:
         bound = FAST["heartbeat_timeout_s"] + 10
