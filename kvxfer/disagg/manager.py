@@ -363,6 +363,12 @@ class KVManager:
         if self._closed:
             raise Closed(f"manager {self.name} is closed")
 
+    def held_rooms(self) -> int:
+        """How many rooms decode failed but still holds for a peer that may still write to
+        them (:meth:`_hold`): their items return once the peer confirms or is gone. A
+        snapshot, readable from any thread."""
+        return sum(len(link.rooms) for link in list(self.held.values()))
+
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         if self.loop is None:
             raise Closed(f"manager {self.name} is not started")

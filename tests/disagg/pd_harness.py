@@ -869,6 +869,9 @@ class Node:
             time.sleep(0.01)
         return not self.rooms[room]["done"].is_set()
 
+    def held_rooms(self) -> int:
+        return self.mgr.held_rooms()
+
     def leaks(self) -> dict:
         with self.lock:
             now = self._counts()

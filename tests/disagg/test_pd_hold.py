@@ -34,9 +34,11 @@ def test_prefill_killed_while_held(pair):
     releases — every item back, no byte of a freed one changed."""
     c = pair
     r = _hold(c, "Transferring")
+    assert c.d["f"].held_rooms() == 1
     os.kill(c.p.pid, signal.SIGKILL)
     assert settled(c.d, "f", r)["state"] == "Failed"
     assert c.d["f"].leaks() == NO_LEAKS
+    assert c.d["f"].held_rooms() == 0
     f = c.d["f"].fence_check()
     assert not any(f[k] for k in ("pages", "slots", "rows", "guards")), f
 
