@@ -53,9 +53,10 @@ def mark(rec: Record, stage: str) -> None:
 def mark_write(rec: Record, t_call: int, t_ret: int, stats: Any) -> None:
     """Stamp ``write`` at ``t_call`` and the engine's stages from ``stats`` (durations from
     the end of posting), the write having returned at ``t_ret``."""
-    total = int((stats.post_s + stats.complete_s) * 1e9)
-    posted = t_ret - int(stats.complete_s * 1e9)
-    planned = max(t_call, t_ret - total)
+    # measured where posting ended when the engine says (TransferStats.posted_ns); else
+    # derived from the return, which a thread holding the GIL in between makes late
+    posted = int(getattr(stats, "posted_ns", 0)) or t_ret - int(stats.complete_s * 1e9)
+    planned = max(t_call, posted - int(stats.post_s * 1e9))
     rec.update(
         write=t_call,
         planned=planned,

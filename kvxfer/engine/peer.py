@@ -470,6 +470,7 @@ class Peer:
                 if laddr.size:
                     self._rma.put(laddr, raddr, nbytes, lmemh, ridx)
                 t1, m1 = time.perf_counter(), time.monotonic()
+                stats.posted_ns = int(m1 * 1e9)
                 if launched is not None:
                     await self._bounded(self._dev.wait(launched), timeout, "device copy")
                 for group, src, dst, direct_ops in staged:

@@ -77,7 +77,8 @@ class TransferStats:
     ``staged``: at least one part went through the staged path (gather → one PUT per
     landing-slot chunk → scatter at the target); ``staged_bytes`` of ``bytes`` did, and
     ``staged_direct_ops`` is how many PUTs those parts would have needed unstaged; ``ops``
-    counts the PUTs actually posted."""
+    counts the PUTs actually posted. ``posted_ns``: ``time.monotonic_ns()`` at the end of
+    posting (0: not measured), the origin of the durations above."""
 
     bytes: int = 0
     ops: int = 0
@@ -92,6 +93,7 @@ class TransferStats:
     staged: bool = False
     staged_bytes: int = 0
     staged_direct_ops: int = 0
+    posted_ns: int = 0
 
     @property
     def total_s(self) -> float:
