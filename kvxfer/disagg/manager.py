@@ -604,8 +604,7 @@ class KVManager:
         held = self.held.get(peer.id)
         if held is not None:  # gone at last: what it sent lands before our close returns
             log.info("%s: held peer %s is gone: %s", self.name, held.name, exc)
-            held.held = False
-            self.spawn(self._fence(held))
+            self._end_hold(held)
             return
         link = self.links.get(peer.id)
         if link is not None:
@@ -683,7 +682,8 @@ class KVManager:
             self._end_hold(link)
 
     def _end_hold(self, link: Link) -> None:
-        """Every room of a held link was confirmed: close it (nothing is left to hold)."""
+        """Nothing is left to hold (every room confirmed, or the peer is gone): close the
+        link; :meth:`_fence` releases what is still held once that is done."""
         link.held = False
         self._unhold(link)
         if not self._closed:
