@@ -418,7 +418,12 @@ class Node:
             # stop between RPCs: the call that armed this point has answered first (else the
             # parent would wait for a reply from a stopped process)
             procs.wait_idle(10.0)
-            os.kill(os.getpid(), signal.SIGSTOP)
+            # to this thread: kill(getpid()) is process-directed, and the kernel may hand it
+            # to another thread, which starts the group stop only once it runs — on a loaded
+            # box this thread went on and posted the write first (CI, 2026-12-02). A
+            # thread-directed SIGSTOP stops this thread on its way out of the syscall (and,
+            # as any SIGSTOP, the whole process).
+            signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
             self._fired(("resumed", room))
             return
         if action == "gate":
