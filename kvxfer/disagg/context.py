@@ -22,6 +22,7 @@ from kvxfer.disagg import messages as m
 from kvxfer.disagg.aux import AuxRows
 from kvxfer.disagg.kv_args import KVArgs
 from kvxfer.disagg.link import Link
+from kvxfer.disagg.page_map import TokenGeometry
 from kvxfer.disagg.poll import KVPoll
 from kvxfer.disagg.rooms import Room, RoomTable
 
@@ -73,6 +74,11 @@ class RoomOps(Protocol):
 
     @property
     def args(self) -> KVArgs: ...
+
+    @property
+    def kv_geometry(self) -> Optional[TokenGeometry]:
+        """``TokenGeometry.of(args.kv_segments)``, made once by the manager."""
+        ...
 
     @property
     def rooms(self) -> RoomTable: ...

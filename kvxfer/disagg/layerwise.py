@@ -128,14 +128,21 @@ class LayerMap:
         )
 
     def runs(
-        self, args: KVArgs, r: Any, src: np.ndarray, first: int, layers: Sequence[int]
+        self,
+        args: KVArgs,
+        geometry: Optional[TokenGeometry],
+        r: Any,
+        src: np.ndarray,
+        first: int,
+        layers: Sequence[int],
     ) -> Runs:
         """Byte runs of ``layers`` for a chunk of source pages ``src`` starting at source page
-        ``first`` of room ``r`` (its ``pages_map`` and decode's pages ``r.dst_kv``)."""
+        ``first`` of room ``r`` (its ``pages_map`` and decode's pages ``r.dst_kv``); ``geometry``: the
+        manager's ``kv_geometry`` (used where the page map has none: heterogeneous TP)."""
         pm = r.pages_map
         want = np.asarray(sorted(layers), dtype=np.int64)
         if self.seg_layer is not None:
-            geom = pm.geom or TokenGeometry.of(args.kv_segments)
+            geom = pm.geom or geometry
             assert geom is not None  # seg_layer is set only with kv_segments
             lo, hi = pm.chunk_tokens(first, len(src))
             return plan_runs(
@@ -304,13 +311,13 @@ class LayerStream:
         if complete:
 
             def kv_part(_r: Any, src: np.ndarray, start: int) -> Any:
-                runs = self.lmap.runs(mgr.args, _r, src, start, layers)
+                runs = self.lmap.runs(mgr.args, mgr.kv_geometry, _r, src, start, layers)
                 return runs.raw_write("kv") if len(runs) else None
 
             mgr.side._issue(r, c.src, c.state, c.last, kv_part=kv_part)
             return
         try:
-            runs = self.lmap.runs(mgr.args, r, c.src, first, layers)
+            runs = self.lmap.runs(mgr.args, mgr.kv_geometry, r, c.src, first, layers)
         except KvxferError as exc:
             mgr.fail(r, exc)
             return

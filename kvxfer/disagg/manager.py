@@ -55,6 +55,7 @@ from kvxfer.disagg.decode_side import DecodeSide
 from kvxfer.disagg.handle import OnDone
 from kvxfer.disagg.kv_args import KVArgs
 from kvxfer.disagg.link import Link
+from kvxfer.disagg.page_map import TokenGeometry
 from kvxfer.disagg.poll import KVPoll, can_advance, is_terminal
 from kvxfer.disagg.prefill_side import PrefillSide
 from kvxfer.disagg.roles import DisaggMode, RoomRole
@@ -143,6 +144,9 @@ class KVManager:
         if self.mode is DisaggMode.PREFILL and bootstrap_addr is None:
             raise InvalidArgument("a prefill KVManager needs bootstrap_addr to register at")
         self.args = args
+        #: the kv pool's token geometry (None: none stated), made once: every room's page
+        #: map uses it, and building it walks every descriptor's segments
+        self.kv_geometry = TokenGeometry.of(args.kv_segments)
         self.bootstrap_addr = bootstrap_addr
         self.t = timeouts or Timeouts()
         self.name = name or f"{self.mode.value}-dp{args.dp_rank}-tp{args.tp_rank}"

@@ -33,7 +33,7 @@ from kvxfer.disagg.errors import DuplicateRoom, LayoutMismatch, TpShapeMismatch,
 from kvxfer.disagg.handle import OnDone
 from kvxfer.disagg.kv_args import check_compatible
 from kvxfer.disagg.link import Link
-from kvxfer.disagg.page_map import RoomPages, TokenGeometry
+from kvxfer.disagg.page_map import RoomPages
 from kvxfer.disagg.poll import KVPoll, is_terminal
 from kvxfer.disagg.roles import RoomRole
 from kvxfer.disagg.rooms import Room
@@ -297,7 +297,7 @@ class PrefillSide:
                 dst_page_size=link.page_size or mgr.args.page_size,
                 prefix=prefix,
                 tokens=tokens,
-                geom=None if link.tp is not None else TokenGeometry.of(mgr.args.kv_segments),
+                geom=None if link.tp is not None else mgr.kv_geometry,
                 exact=mgr.integrity is not None,
                 who=f"room {r.room}",
                 # hetero TP: whole items when they pair one to one, else its token runs

@@ -97,7 +97,10 @@ def test_layer_runs_partition_the_chunk(kind, ps, pd, tokens, prefix, exact_geom
         lo, hi = pm.chunk_tokens(first, cnt)
         whole = plan_runs(geom, src, ps, dst, pd, lo, hi, src_first_page=first)
         want = _bytes(whole, None)
-        parts = [_bytes(lm.runs(a, r, src, first, [x]), None) for x in range(lm.num_layers)]
+        parts = [
+            _bytes(lm.runs(a, TokenGeometry.of(a.kv_segments), r, src, first, [x]), None)
+            for x in range(lm.num_layers)
+        ]
         got = np.concatenate(parts)
         assert len(got) == len(want)  # each byte once
         key = lambda x: np.lexsort(x.T[::-1])  # noqa: E731
@@ -129,7 +132,7 @@ def test_layer_runs_without_token_geometry_are_whole_items():
         who="t",
     )
     r = SimpleNamespace(pages_map=pm, dst_kv=np.array([7, 8, 9]))
-    runs = lm.runs(a, r, np.array([1, 2, 5]), 0, [1])
+    runs = lm.runs(a, TokenGeometry.of(a.kv_segments), r, np.array([1, 2, 5]), 0, [1])
     item = a.kv_item_lens[1]
     # layer 1: descriptors 1 (K) and 3 (V); pages 1,2 -> 7,8 merge, 5 -> 9
     assert runs.desc.tolist() == [1, 1, 3, 3]
