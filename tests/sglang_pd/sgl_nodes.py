@@ -321,6 +321,7 @@ class Node:
             "rank_port": mgr.rank_port,
             "engine": list(mgr.engine.address),
             "system_dp_rank": mgr.system_dp_rank,
+            "release_risk": getattr(mgr, "release_risk", None),
             "item_lens": [
                 list(kv_args.kv_item_lens),
                 list(kv_args.aux_item_lens),

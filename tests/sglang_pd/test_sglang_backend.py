@@ -162,6 +162,21 @@ def test_decode_prefix_sends_only_the_suffix(cluster):
     dc.clear(room)
 
 
+def test_decode_says_what_sglangs_own_release_risks(cluster):
+    """SGLang frees a failed room's decode pages without prefill's drained ack — after its
+    deferred-release timeout (30 s by default), or at once with deferred release off; the
+    decode manager says so at start, read from SGLang's own settings."""
+    risk = cluster["info"]["mha"][1]["release_risk"]
+    assert risk is not None and "_TIMEOUT=30:" in risk, risk
+    off = {"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": "false"}
+    got = cluster["dc"].add("risk-off", "mha", cluster["ports"][0], env=off, timeout=120)
+    assert "DEFERRED_DECODE_KV_RELEASE is off" in got["release_risk"], got
+    inf = {"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "inf"}
+    got = cluster["dc"].add("risk-none", "mha", cluster["ports"][0], env=inf, timeout=120)
+    assert got["release_risk"] is None, got
+    assert cluster["info"]["mha"][0]["release_risk"] is None  # prefill: not its call
+
+
 def test_abort_from_decode_acks_only_after_the_write_settled(cluster):
     pf, dc, port = cluster["pf"], cluster["dc"], cluster["ports"][0]
     room, rng = 4001, random.Random(4001)

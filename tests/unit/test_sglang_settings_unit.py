@@ -1,13 +1,21 @@
 """Torch- and SGLang-free parts of the SGLang backend: the secret's sources and the
 validation of its control messages."""
 
+import logging
+import math
+
 import numpy as np
 import pytest
 
 from kvxfer import wire
 from kvxfer.errors import InvalidArgument, ProtocolError
 from kvxfer.integrations.sglang import messages as m
-from kvxfer.integrations.sglang.settings import TP_STAGE_MIN_OPS, resolve_secret, tp_stage_min_ops
+from kvxfer.integrations.sglang.settings import (
+    TP_STAGE_MIN_OPS,
+    release_risk,
+    resolve_secret,
+    tp_stage_min_ops,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -156,3 +164,22 @@ def test_control_message_of_another_protocol_version_names_both(make):
     assert f"version {wire.PROTOCOL_VERSION - 1}, this side {wire.PROTOCOL_VERSION}" in str(
         ei.value
     )
+
+
+@pytest.mark.parametrize("timeout", [0.0, 30.0, math.inf, math.nan])
+def test_deferred_release_off_warns_whatever_the_timeout(timeout):
+    level, msg = release_risk(False, timeout)
+    assert level == logging.WARNING
+    assert "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE is off" in msg
+
+
+@pytest.mark.parametrize("timeout", [0.0, 30.0, 1e9, math.nan])
+def test_a_finite_release_timeout_is_said_once_at_info(timeout):
+    level, msg = release_risk(True, timeout)
+    assert level == logging.INFO
+    assert f"_TIMEOUT={timeout:g}" in msg and "inf" in msg
+
+
+def test_deferred_release_without_timeout_risks_nothing():
+    assert release_risk(True, math.inf) is None
+    assert release_risk(True, float("inf")) is None

@@ -38,7 +38,12 @@ from kvxfer.errors import UnsupportedOperation
 from kvxfer.integrations.sglang.loop import EngineLoop
 from kvxfer.integrations.sglang.messages import STATUS_TAG
 from kvxfer.integrations.sglang.regions import check_regions
-from kvxfer.integrations.sglang.settings import TP_STAGE_ENGINE, resolve_secret, tp_stage_min_ops
+from kvxfer.integrations.sglang.settings import (
+    TP_STAGE_ENGINE,
+    release_risk,
+    resolve_secret,
+    tp_stage_min_ops,
+)
 from kvxfer.metrics import TransferMetrics
 
 log = logging.getLogger(__name__)
@@ -140,6 +145,17 @@ class KvxferKVManager(CommonKVManager):
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         role = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
         self.role = role
+        #: decode: what SGLang's release of a failed room's pages risks (settings.release_risk;
+        #: logged once here), else None
+        self.release_risk: Optional[str] = None
+        if role == "decode":
+            risk = release_risk(
+                self.enable_deferred_decode_kv_release,
+                envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get(),
+            )
+            if risk is not None:
+                log.log(risk[0], "kvxfer transfer backend: %s", risk[1])
+                self.release_risk = risk[1]
         self.metrics = TransferMetrics(role)
         self.room_lock = threading.Lock()  # _staging_outstanding, transfer_infos, stats
         self.room_stats: Dict[int, RoomStats] = {}

@@ -9,12 +9,17 @@
   (another host): a chunk's head-slice write of more PUTs than this goes staged (gather into
   registered staging memory, one PUT per landing-slot chunk, scatter at decode); default
   :data:`TP_STAGE_MIN_OPS`, 0: never (then no staging memory is allocated either).
+
+SGLang's own settings that bound what kvxfer can promise are read by the manager (from
+``sglang.srt.environ.envs``) and judged here: :func:`release_risk`.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import os
-from typing import Mapping, Optional, Union
+from typing import Mapping, Optional, Tuple, Union
 
 from kvxfer import config
 from kvxfer.errors import InvalidArgument
@@ -69,3 +74,39 @@ def resolve_secret(env: Optional[Mapping[str, str]] = None) -> bytes:
         if not value:
             raise InvalidArgument(f"{SECRET_FILE_ENV}={path!r} is empty")
     return config.resolve_secret(value, "the kvxfer transfer backend")
+
+
+DEFERRED_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
+DEFERRED_TIMEOUT_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
+
+
+def release_risk(deferred: bool, timeout_s: float) -> Optional[Tuple[int, str]]:
+    """What a decode rank should say at start about SGLang's release of a failed room's
+    pages: ``(logging level, message)``, or None when SGLang waits for prefill's drained
+    ack indefinitely. ``deferred``: the manager's ``enable_deferred_decode_kv_release``
+    (SGLang's ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE`` and this backend's
+    support); ``timeout_s``: ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT``.
+
+    kvxfer's prefill acks an abort only once no write of the room is in flight, but SGLang
+    frees the pages itself without that ack: at once when deferred release is off
+    (WARNING: any failure mid-write), after ``timeout_s`` on device destinations when it is
+    on (INFO: only a prefill stalled that long, e.g. SIGSTOP or a hung host, then resuming
+    over a one-sided lane). docs/integrations.md, "Fenced aborts"."""
+    if not deferred:
+        return (
+            logging.WARNING,
+            f"{DEFERRED_ENV} is off: SGLang frees a failed room's decode pages at once, "
+            "while a prefill write into them may still be in flight (one-sided lanes: "
+            "cuda_ipc, RDMA); it can land in pages given to another request. Leave it on "
+            "(SGLang's default): decode then holds the pages until prefill's drained ack.",
+        )
+    t = float(timeout_s)
+    if math.isnan(t) or t < math.inf:
+        return (
+            logging.INFO,
+            f"{DEFERRED_TIMEOUT_ENV}={t:g}: SGLang frees a failed room's device pages after "
+            f"{t:g} s without prefill's drained ack; a prefill stalled longer (a frozen "
+            "process, a hung host) that resumes can still write into them over a one-sided "
+            "lane. Set it to inf to hold them until the ack.",
+        )
+    return None
