@@ -137,8 +137,9 @@ class LayerMap:
         layers: Sequence[int],
     ) -> Runs:
         """Byte runs of ``layers`` for a chunk of source pages ``src`` starting at source page
-        ``first`` of room ``r`` (its ``pages_map`` and decode's pages ``r.dst_kv``); ``geometry``: the
-        manager's ``kv_geometry`` (used where the page map has none: heterogeneous TP)."""
+        ``first`` of room ``r`` (its ``pages_map`` and decode's pages ``r.dst_kv``).
+        ``geometry``: the manager's ``kv_geometry`` (used where the page map has none:
+        heterogeneous TP)."""
         pm = r.pages_map
         want = np.asarray(sorted(layers), dtype=np.int64)
         if self.seg_layer is not None:

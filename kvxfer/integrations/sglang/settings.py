@@ -101,7 +101,7 @@ def release_risk(deferred: bool, timeout_s: float) -> Optional[Tuple[int, str]]:
             "(SGLang's default): decode then holds the pages until prefill's drained ack.",
         )
     t = float(timeout_s)
-    if math.isnan(t) or t < math.inf:
+    if t < math.inf:  # NaN too is never reached: SGLang's `now >= deadline` stays False
         return (
             logging.INFO,
             f"{DEFERRED_TIMEOUT_ENV}={t:g}: SGLang frees a failed room's device pages after "
