@@ -50,6 +50,24 @@ def wait_idle(timeout: float) -> bool:
     return _IDLE.wait(timeout)
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is in state T/t (/proc/PID/task/*/stat); a thread
+    that ended meanwhile does not count."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return False
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if state not in "Tt":
+            return False
+    return bool(tids)
+
+
 # ====================================================================== child side
 def _error(exc: BaseException) -> tuple:
     return ("err", type(exc).__name__, str(exc), traceback.format_exc())
@@ -236,12 +254,13 @@ class Worker:
         return t
 
     def stopped(self, timeout: float = 20.0) -> bool:
-        """Wait (bounded) until the process is stopped (SIGSTOP, by us or by itself)."""
+        """Wait (bounded) until the process is stopped (SIGSTOP, by us or by itself): every
+        one of its threads, not only the main one — a group stop reaches each thread when
+        it next runs, so a busy thread may go on briefly after the main thread stopped."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            with open(f"/proc/{self.pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] in "Tt":
-                    return True
+            if _all_threads_stopped(self.pid):
+                return True
             time.sleep(0.01)
         return False
 

@@ -1,0 +1,51 @@
+"""``Worker.freeze`` / ``stopped``: a frozen worker is stopped in every thread, not only its
+main one (a group stop reaches a busy thread only when it next runs)."""
+
+import threading
+
+import pytest
+
+from kvxfer import procs
+from kvxfer.procs import Worker
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Spinner:
+    """Hosted in the worker: a thread that never leaves the interpreter."""
+
+    def spin(self) -> None:
+        def loop() -> None:
+            n = 0
+            while True:
+                n += 1
+
+        threading.Thread(target=loop, daemon=True).start()
+
+    def threads(self) -> int:
+        return threading.active_count()
+
+
+def test_freeze_returns_once_every_thread_is_stopped():
+    w = Worker(Spinner, name="spinner").start()
+    try:
+        p = w.proxy(Spinner)
+        p.spin()
+        assert p.threads() >= 2
+        assert not procs._all_threads_stopped(w.pid)  # the spinner runs
+        for _ in range(5):
+            w.freeze()  # asserts stopped(): every thread, the spinner too
+            assert procs._all_threads_stopped(w.pid)
+            w.resume()
+            assert p.threads() >= 2  # alive again, answering
+        assert not procs._all_threads_stopped(w.pid)
+    finally:
+        w.resume()
+        w.close()
+
+
+def test_a_gone_process_is_not_stopped():
+    w = Worker(Spinner, name="spinner").start()
+    pid = w.pid
+    w.close()
+    assert not procs._all_threads_stopped(pid)
