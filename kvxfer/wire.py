@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, ClassVar, Dict, Type, TypeVar
+from typing import Any, Callable, ClassVar, Dict, Type, TypeVar
 
 import msgpack
 
@@ -50,29 +50,102 @@ class Message:
     TAG: ClassVar[str] = ""
 
     def encode(self) -> bytes:
-        body = {"t": self.TAG, "v": PROTOCOL_VERSION}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value is None and f.default is None:
+        body: Dict[str, Any] = {"t": self.TAG, "v": PROTOCOL_VERSION}
+        cls = type(self)
+        encoding = cls.__dict__.get("_encoding")  # resolved by register()
+        if encoding is None:  # a class that was not registered (it encodes all the same)
+            encoding = _encoding(cls)
+        for name, optional in encoding:
+            value = getattr(self, name)
+            if value is None and optional:
                 continue  # an optional field left unset is absent on the wire
-            body[f.name] = value
-        return msgpack.packb(body, use_bin_type=True)
+            body[name] = value
+        return _pack(body)
 
 
 def register(cls: Type[Message]) -> Type[Message]:
-    """Class decorator adding a message type to the decoder's registry."""
+    """Class decorator adding a message type to the decoder's registry. A field type the
+    wire cannot check raises TypeError here (nothing is registered)."""
     if not cls.TAG:
         raise TypeError(f"{cls.__name__} has no TAG")
     if cls.TAG in _REGISTRY and _REGISTRY[cls.TAG] is not cls:
         raise TypeError(f"duplicate wire tag {cls.TAG!r}")
+    fields = dataclasses.fields(cls)
+    types = _resolve_fields(cls)
+    # resolved once per class (a message is encoded and decoded on every request's path):
+    # (name, left out while None) in declaration order, a checker per field, the fields that
+    # take None, the required ones
+    checkers = {name: _checker(tp, f"{cls.TAG}.{name}") for name, tp in types.items()}
+    cls._field_types = types  # type: ignore[attr-defined]
+    cls._encoding = _encoding(cls)  # type: ignore[attr-defined]
+    cls._checkers = checkers  # type: ignore[attr-defined]
+    cls._nullable = frozenset(  # type: ignore[attr-defined]
+        name
+        for name, tp in types.items()
+        if typing.get_origin(tp) is typing.Union and type(None) in typing.get_args(tp)
+    )
+    cls._required = frozenset(  # type: ignore[attr-defined]
+        f.name
+        for f in fields
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
+    )
     _REGISTRY[cls.TAG] = cls
-    cls._field_types = _resolve_fields(cls)  # type: ignore[attr-defined]
     return cls
+
+
+def _encoding(cls: type) -> tuple:
+    """``(name, left out while None)`` of each field of ``cls``, in declaration order."""
+    return tuple((f.name, f.default is None) for f in dataclasses.fields(cls))
+
+
+def _pack(body: Dict[str, Any]) -> bytes:
+    return msgpack.packb(body, use_bin_type=True)
 
 
 def _resolve_fields(cls):
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _checker(tp: Any, where: str) -> Callable[[Any], None]:
+    """``value -> None`` raising ProtocolError exactly as :func:`_check_type` does for
+    ``tp`` (tests/unit/test_wire_unit.py): ``int``, ``str``, ``bytes`` and ``bool`` fields get
+    a direct test, the rest defer to :func:`_check_type`. TypeError for a type the wire does
+    not support."""
+    _check_type_supported(tp, where)
+    if tp is int:
+
+        def check_int(value: Any) -> None:
+            if not is_int(value):
+                raise ProtocolError(f"{where}: expected int, got {type(value).__name__}")
+
+        return check_int
+    if tp in (str, bytes, bool):
+        kinds = (bytes, bytearray) if tp is bytes else tp
+        label = tp.__name__
+
+        def check_simple(value: Any) -> None:
+            if not isinstance(value, kinds):
+                raise ProtocolError(f"{where}: expected {label}, got {type(value).__name__}")
+
+        return check_simple
+    return lambda value: _check_type(value, tp, where)
+
+
+def _check_type_supported(tp: Any, where: str) -> None:
+    """Raise TypeError (at registration) for a field type :func:`_check_type` cannot check."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Union:
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) != 1:
+            raise TypeError(f"unsupported union type for {where}")
+        return _check_type_supported(inner[0], where)
+    if origin in (list, typing.List):
+        return _check_type_supported(args[0], where) if args else None
+    if origin in (dict, typing.Dict) or tp in (dict, list, bool, int, float, str, bytes):
+        return None
+    raise TypeError(f"unsupported wire field type {tp!r} for {where}")
 
 
 def _check_type(value: Any, tp: Any, where: str) -> None:
@@ -155,21 +228,17 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
     cls = _REGISTRY.get(tag) if isinstance(tag, str) else None
     if cls is None:
         raise ProtocolError(f"unknown message type {_short(tag)}")
-    fields = cls._field_types  # type: ignore[attr-defined]
-    unknown = set(body) - set(fields)
-    if unknown:
+    checkers = cls._checkers  # type: ignore[attr-defined]
+    if not checkers.keys() >= body.keys():
+        unknown = set(body) - set(checkers)
         raise ProtocolError(f"{tag}: unknown field(s) {_short(sorted(unknown, key=str))}")
-    missing = [
-        f.name
-        for f in dataclasses.fields(cls)
-        if f.name not in body
-        and f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
-    ]
-    if missing:
+    if not cls._required <= body.keys():  # type: ignore[attr-defined]
+        missing = [n for n in checkers if n in cls._required and n not in body]  # type: ignore[attr-defined]
         raise ProtocolError(f"{tag}: missing field(s) {missing}")
+    nullable = cls._nullable  # type: ignore[attr-defined]
     for name, value in body.items():
-        _check_type(value, fields[name], f"{tag}.{name}")
+        if value is not None or name not in nullable:
+            checkers[name](value)
     return cls(**body)
 
 

@@ -87,6 +87,8 @@ TP_STAGE_ENGINE: Dict[str, Any] = dict(
 __all__ = ["DisaggMode", "KVManager", "Link", "Timeouts"]
 
 log = logging.getLogger(__name__)
+#: a room's timer that fires less than this before its deadline counts as on time
+_EARLY_S = 1e-3
 
 
 class KVManager:
@@ -457,7 +459,7 @@ class KVManager:
         """Move ``r`` forward (or to Failed), re-arm its deadline, wake waiters on terminal."""
         if not can_advance(r.state, state):
             return False
-        r.state = KVPoll(state)
+        r.state = state if type(state) is KVPoll else KVPoll(state)
         if exc is not None:
             r.exc = exc
         self.arm(r)
@@ -476,30 +478,51 @@ class KVManager:
 
     def arm(self, r: Room, seconds: Optional[float] = None) -> None:
         """(Re)start the deadline of ``r``'s current state; terminal rooms have none unless
-        ``seconds`` is given (waiting for an abort ack)."""
-        if r.timer is not None:
-            r.timer.cancel()
-            r.timer = None
+        ``seconds`` is given (waiting for an abort ack). The armed timer stays when it fires
+        no later than the new deadline (it re-arms itself for the rest, :meth:`_expired`);
+        a room makes a new timer only when its deadline moves earlier."""
         if seconds is None:
             if is_terminal(r.state) or (r.legs is not None and r.legs.complete):
-                return  # a room with all its legs: the legs carry the deadlines
+                r.due = None  # a room with all its legs: the legs carry the deadlines
+                if r.timer is not None:
+                    r.timer.cancel()
+                    r.timer = None
+                return
             t = self.t
-            seconds = {
-                KVPoll.Bootstrapping: t.bootstrap_s,
-                KVPoll.WaitingForInput: t.waiting_s,
-                KVPoll.Transferring: t.transfer_s,
-            }[r.state]
-            if r.role is RoomRole.RECEIVER and r.state != KVPoll.Bootstrapping:
+            st = r.state
+            seconds = (
+                t.bootstrap_s
+                if st == KVPoll.Bootstrapping
+                else t.waiting_s
+                if st == KVPoll.WaitingForInput
+                else t.transfer_s
+            )
+            if r.role is RoomRole.RECEIVER and st != KVPoll.Bootstrapping:
                 seconds += t.decode_grace_s + (
-                    t.bootstrap_s if r.meta_sent and r.state == KVPoll.WaitingForInput else 0.0
+                    t.bootstrap_s if r.meta_sent and st == KVPoll.WaitingForInput else 0.0
                 )
-        r.timer = self._running_loop().call_later(seconds, self._expired, r, r.state, seconds)
+        loop = self._running_loop()
+        when = loop.time() + seconds
+        r.due = (when, r.state, seconds)
+        timer = r.timer
+        if timer is not None:
+            if timer.when() <= when:
+                return  # fires first and re-arms for the rest
+            timer.cancel()
+        r.timer = loop.call_at(when, self._expired, r)
 
-    def _expired(self, r: Room, state: KVPoll, seconds: float) -> None:
-        """A room's deadline passed. Runs on: the loop thread (a ``call_later`` timer)."""
+    def _expired(self, r: Room) -> None:
+        """A room's timer fired: its deadline passed, or (moved later since the timer was
+        armed) the timer re-arms for the rest. Runs on: the loop thread (a timer)."""
         r.timer = None
-        if r.released:
+        if r.released or r.due is None:
             return
+        when, state, seconds = r.due
+        loop = self._running_loop()
+        if when - loop.time() > _EARLY_S:
+            r.timer = loop.call_at(when, self._expired, r)
+            return
+        r.due = None
         if is_terminal(r.state):  # no abort ack: the peer may still write
             link = r.link
             if link is None or link.dead:

@@ -5,8 +5,11 @@ the constructor of KVSender/KVReceiver) under a lock; every state transition, ti
 release happens on the manager's event-loop thread. ``Room.state`` is a plain int attribute,
 so ``poll()`` reads it from any thread without locking.
 
-Deadlines are one ``loop.call_later`` handle per room, re-armed on each transition: no task
-per room, nothing polls. Tombstones remember the last ``max_tombstones`` cleared or aborted
+Deadlines are at most one loop timer per room (``Room.timer``) and the room's current
+deadline (``Room.due``): no task per room, nothing polls. A transition moves ``due``; the timer
+is replaced only when the new deadline is earlier than the armed one, else it fires early
+and re-arms itself for what is left (``KVManager.arm``): most rooms make one timer in their
+life, not one per transition. Tombstones remember the last ``max_tombstones`` cleared or aborted
 rooms so a late message never brings a cleared room back and a reused id is refused.
 
 Hand-over of decode's metadata (prefill): a 'pending' record holds it until the KVSender
@@ -49,6 +52,7 @@ class Room:
         "exc",
         "link",
         "timer",
+        "due",
         "on_done",
         "released",
         "waiters",
@@ -103,6 +107,8 @@ class Room:
         self.exc: Optional[BaseException] = None
         self.link: Optional[Link] = None
         self.timer: Optional[asyncio.TimerHandle] = None
+        #: the deadline: (loop time, state it was set in, its length in s), None when none
+        self.due: Optional[Tuple[float, KVPoll, float]] = None
         self.on_done = on_done
         self.released = False
         self.waiters: List[Any] = []  # asyncio / concurrent futures woken on terminal
