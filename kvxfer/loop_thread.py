@@ -13,20 +13,67 @@ Invariants:
 * an exception of the coroutine that starts the loop (``main``) or of one run on it reaches
   the caller unchanged; a failed ``main`` leaves no thread and a closed loop behind;
 * the loop is closed on its own thread, after ``run_forever`` returned and the ``on_stop``
-  coroutine (if any) ran; :meth:`LoopThread.stop` is idempotent and safe before ``start``.
+  coroutine (if any) ran; :meth:`LoopThread.stop` is idempotent and safe before ``start``;
+* guest runs (:meth:`LoopThread.run_here`): the loop's thread holds the loop's *gate* (a
+  lock) at all times except while it waits in its selector, so a thread that takes the gate
+  knows the loop runs nothing until it gives the gate back; it then runs a function as if on
+  the loop (the loop set as its running loop) and wakes the loop when done, so that what the
+  function scheduled (callbacks, tasks, timers) runs there. The gate is never waited for
+  by a guest (a busy loop means "hand it over as usual"), and once the loop ended its
+  thread keeps it (no guest runs on a stopped loop).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import selectors
 import threading
 import time
-from typing import Any, Awaitable, Callable, Coroutine, Optional, TypeVar
+from asyncio import events
+from typing import Any, Awaitable, Callable, Coroutine, List, Mapping, Optional, Tuple, TypeVar
 
 from kvxfer.errors import Closed, TransferTimeout
 
 T = TypeVar("T")
+
+
+class _GatedSelector(selectors.BaseSelector):
+    """The loop's selector, giving the gate away only while it waits for events. Runs on:
+    the loop's thread."""
+
+    def __init__(self, gate: threading.Lock) -> None:
+        self._sel = selectors.DefaultSelector()
+        self._gate = gate
+
+    def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+        return self._sel.register(fileobj, events, data)
+
+    def unregister(self, fileobj: Any) -> selectors.SelectorKey:
+        return self._sel.unregister(fileobj)
+
+    def modify(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+        return self._sel.modify(fileobj, events, data)
+
+    def select(self, timeout: Optional[float] = None) -> List[Tuple[selectors.SelectorKey, int]]:
+        self._gate.release()
+        try:
+            return self._sel.select(timeout)
+        finally:
+            self._gate.acquire()
+
+    def get_key(self, fileobj: Any) -> selectors.SelectorKey:
+        return self._sel.get_key(fileobj)
+
+    def get_map(self) -> Mapping[Any, selectors.SelectorKey]:
+        return self._sel.get_map()
+
+    def close(self) -> None:
+        self._sel.close()
+
+
+def _wake() -> None:
+    """Scheduled after a guest run: its only job is to make the loop run its ready queue."""
 
 
 class LoopThread:
@@ -34,9 +81,15 @@ class LoopThread:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.loop = asyncio.new_event_loop()
+        #: held by the loop's thread except while it waits for events (see the module doc);
+        #: held from birth, so no guest runs before the loop does
+        self._gate = threading.Lock()
+        self._gate.acquire()
+        self.loop: asyncio.AbstractEventLoop = asyncio.SelectorEventLoop(_GatedSelector(self._gate))
         self._thread: Optional[threading.Thread] = None
         self._stopped = False
+        #: the thread of the guest run in progress (None: none)
+        self._guest: Optional[int] = None
 
     def __repr__(self) -> str:
         return f"LoopThread({self.name})"
@@ -113,8 +166,40 @@ class LoopThread:
             loop.close()
 
     def in_loop(self) -> bool:
-        """True when called on the loop's own thread."""
-        return self._thread is not None and threading.get_ident() == self._thread.ident
+        """True when called on the loop's own thread, or in a guest run (:meth:`run_here`)."""
+        tid = threading.get_ident()
+        return tid == self._guest or (self._thread is not None and tid == self._thread.ident)
+
+    def run_here(self, fn: Callable[..., Any], *args: Any) -> bool:
+        """Run ``fn(*args)`` on the calling thread as if on the loop, when the loop waits for
+        events: the loop is this thread's running loop meanwhile and runs nothing itself;
+        afterwards it is woken for what ``fn`` scheduled. Returns ``fn``'s result as a bool
+        (``fn`` says whether it did its work: False leaves nothing to wake for), or False at
+        once, without calling ``fn``, when the loop is busy, stopped or not started, or the
+        calling thread runs an event loop of its own. ``fn``'s exception propagates.
+
+        Runs on: any thread but the loop's (the loop's own calls ``fn`` itself)."""
+        if self._stopped or self._thread is None or events._get_running_loop() is not None:
+            return False
+        if not self._gate.acquire(blocking=False):
+            return False
+        done = False
+        try:
+            events._set_running_loop(self.loop)
+            self._guest = threading.get_ident()
+            try:
+                done = bool(fn(*args))
+            finally:
+                self._guest = None
+                events._set_running_loop(None)
+        finally:
+            self._gate.release()
+        if done:
+            try:
+                self.loop.call_soon_threadsafe(_wake)
+            except RuntimeError:  # closed meanwhile: nothing left to run what fn scheduled
+                pass
+        return done
 
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         """Schedule ``fn(*args)`` on the loop from any thread; never blocks."""

@@ -122,8 +122,13 @@ class SideContext(RoomOps, Protocol):
     @property
     def closed(self) -> bool: ...
 
-    def call(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` on the loop: now if on it, else soon. Runs on: any thread."""
+    def call(self, fn: Callable[..., Any], *args: Any, direct: bool = False) -> None:
+        """Run ``fn(*args)`` on the loop: now if on it, else soon (``direct``: possibly
+        now on the calling thread, as a guest of the idle loop). Runs on: any thread."""
+
+    @property
+    def direct_pages(self) -> int:
+        """``KVSender.send`` chunks of at most this many pages may run ``direct``."""
 
 
 class PrefillContext(SideContext, Protocol):

@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from typing import Any, Callable, Coroutine, Dict, List, Optional, Set, Tuple, Union
@@ -87,6 +88,8 @@ TP_STAGE_ENGINE: Dict[str, Any] = dict(
 __all__ = ["DisaggMode", "KVManager", "Link", "Timeouts"]
 
 log = logging.getLogger(__name__)
+#: default of ``KVManager(direct_pages=)``: sends of up to this many pages run on the caller
+DIRECT_PAGES = 16
 #: a room's timer that fires less than this before its deadline counts as on time
 _EARLY_S = 1e-3
 
@@ -119,6 +122,7 @@ class KVManager:
         trace: Optional[bool] = None,
         tp_stage_min_ops: int = TP_STAGE_MIN_OPS,
         tp_pattern: str = "auto",
+        direct_pages: Optional[int] = None,
     ) -> None:
         """``mode``: :class:`DisaggMode`, SGLang's ``DisaggregationMode`` or
         ``"prefill"`` / ``"decode"``. ``trace``: record per-request stage timestamps
@@ -135,7 +139,15 @@ class KVManager:
         equal TP"). ``"auto"`` to a same-host peer whose device lane covers the kv group
         (CUDA on both sides: one copy launch each), ``"always"`` to any peer (without a lane
         the engine posts their expanded runs: the same bytes as the runs it replaces),
-        ``"off"`` never. Whole pages and layer-wise sends keep their writes."""
+        ``"off"`` never. Whole pages and layer-wise sends keep their writes.
+        ``direct_pages``: a ``KVSender.send`` of at most this many pages (and ``init``, and
+        the sender's adoption of decode's metadata) runs on the calling thread while the
+        manager's own loop thread (:meth:`start_background`) waits for events — planned and
+        posted there, its flush + notification chained natively, without the wake-up of
+        the loop thread in between; the call then takes as long as that (the post and the
+        transport's inline wait for the flush, ``KVXFER_CHAIN_INLINE_US``). 0: every call is
+        handed to the loop. None: ``$KVXFER_DIRECT_PAGES``, else :data:`DIRECT_PAGES`.
+        Figures: bench/results/direct-cpu.md."""
         from kvxfer.config import resolve_secret
 
         if not isinstance(args, KVArgs):
@@ -175,6 +187,13 @@ class KVManager:
         if tp_pattern not in TP_PATTERN:
             raise InvalidArgument(f"tp_pattern must be one of {TP_PATTERN}, got {tp_pattern!r}")
         self.tp_pattern = tp_pattern
+        if direct_pages is None:
+            raw = os.environ.get("KVXFER_DIRECT_PAGES", "").strip()
+            try:
+                direct_pages = int(raw) if raw else DIRECT_PAGES
+            except ValueError:
+                raise InvalidArgument(f"KVXFER_DIRECT_PAGES={raw!r} is not an int") from None
+        self.direct_pages = as_int(direct_pages, "direct_pages", 0)
         self.fingerprint: Dict[str, Any] = args.fingerprint()
         #: end-to-end checksums of every item (kvxfer.disagg.integrity); None when off
         self.integrity: Optional[IntegrityOps] = None
@@ -194,6 +213,13 @@ class KVManager:
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self._loop_tid: Optional[int] = None
         self._thread: Optional[LoopThread] = None
+        #: calls handed over to the loop by other threads, and how many of them started
+        #: there: a direct call runs only when they are equal (call order is kept)
+        self._calls_lock = threading.Lock()
+        self._calls_posted = 0
+        self._calls_run = 0
+        #: calls that ran direct (:meth:`call`), for tests and benchmarks
+        self.direct_calls = 0
         self._tasks: Set[asyncio.Task] = set()
         self._closed = False
         self._idle: Optional[asyncio.Future] = None  # close(): resolved when no room is left
@@ -357,7 +383,11 @@ class KVManager:
 
     # ------------------------------------------------------------------ loop helpers
     def in_loop(self) -> bool:
-        return threading.get_ident() == self._loop_tid
+        """On the loop's thread, or in a guest run of the loop (:meth:`call`'s ``direct``)."""
+        if threading.get_ident() == self._loop_tid:
+            return True
+        lt = self._thread
+        return lt is not None and lt.in_loop()
 
     @property
     def closed(self) -> bool:
@@ -380,15 +410,47 @@ class KVManager:
             raise Closed(f"manager {self.name} is not started")
         return self.loop
 
-    def call(self, fn: Callable[..., Any], *args: Any) -> None:
+    def call(self, fn: Callable[..., Any], *args: Any, direct: bool = False) -> None:
         """Run ``fn(*args)`` on the loop: now if we are on it, else soon (non-blocking).
+        ``direct``: a short step the caller would wait a loop wake-up for (a small send):
+        when the manager runs on its own :class:`~kvxfer.loop_thread.LoopThread`, that loop
+        waits for events and every call handed over before has run, ``fn`` runs now on the
+        calling thread as a guest of the loop (:meth:`LoopThread.run_here`); otherwise it is
+        handed over as usual. Calls from one thread run in the order they were made either
+        way; an exception of ``fn`` goes to the loop's exception handler either way.
 
         Runs on: any thread (the scheduler's, a test's, the loop's own)."""
         self._check_open()
         if self.in_loop():
             fn(*args)
-        else:
-            self._running_loop().call_soon_threadsafe(fn, *args)
+            return
+        lt = self._thread
+        if direct and lt is not None and lt.run_here(self._guest_call, fn, args):
+            return
+        loop = self._running_loop()
+        with self._calls_lock:
+            self._calls_posted += 1
+            loop.call_soon_threadsafe(self._handed_call, fn, args)
+
+    def _handed_call(self, fn: Callable[..., Any], args: Tuple[Any, ...]) -> None:
+        """A call handed over by :meth:`call`. Runs on: the loop thread."""
+        self._calls_run += 1
+        fn(*args)
+
+    def _guest_call(self, fn: Callable[..., Any], args: Tuple[Any, ...]) -> bool:
+        """:meth:`call`'s direct run, holding the loop's gate: only once every call handed
+        over before it has run (else False: it is handed over behind them). Runs on: the
+        calling thread, as a guest of the loop."""
+        if self._calls_run != self._calls_posted:
+            return False
+        self.direct_calls += 1
+        try:
+            fn(*args)
+        except Exception as exc:  # as the loop reports a failed callback
+            self._running_loop().call_exception_handler(
+                {"message": f"{self.name}: exception in a direct call of {fn!r}", "exception": exc}
+            )
+        return True
 
     def call_wait(self, fn: Callable[..., Any], *args: Any, timeout: float = 30.0) -> Any:
         """Run ``fn(*args)`` on the loop and return its result (blocks a foreign thread).
@@ -405,7 +467,10 @@ class KVManager:
             except BaseException as exc:
                 cf.set_exception(exc)
 
-        self._running_loop().call_soon_threadsafe(run)
+        loop = self._running_loop()
+        with self._calls_lock:
+            self._calls_posted += 1
+            loop.call_soon_threadsafe(self._handed_call, run, ())
         return cf.result(timeout)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> "asyncio.Task[Any]":

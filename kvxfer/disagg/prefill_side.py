@@ -137,7 +137,7 @@ class PrefillSide:
         Runs on: the caller's thread (the scheduler's)."""
         r = Room(room, RoomRole.SENDER, on_done)
         pending, cause = self.mgr.rooms.claim(r)
-        self.mgr.call(self._adopt, r, pending, cause)
+        self.mgr.call(self._adopt, r, pending, cause, direct=self.mgr.direct_pages > 0)
         return r
 
     def _adopt(self, r: Room, pending: Optional[Room], cause: Optional[BaseException]) -> None:

@@ -51,7 +51,8 @@ class KVSender(RoomHandle):
         num_kv_indices = as_int(num_kv_indices, f"room {self.room}: num_kv_indices", 0)
         aux_index = int(as_ids([aux_index], "aux_index", self.mgr.items["aux"])[0])
         self._num = num_kv_indices
-        self.mgr.call(self.mgr.side.init, self._r, num_kv_indices, aux_index)
+        mgr = self.mgr
+        mgr.call(mgr.side.init, self._r, num_kv_indices, aux_index, direct=mgr.direct_pages > 0)
 
     def _chunk(
         self, kv_indices, state_indices
@@ -89,13 +90,16 @@ class KVSender(RoomHandle):
         no duplicates, total <= num_kv_indices, state only with the last chunk — a bad call
         raises and sends nothing.
 
-        Runs on: the scheduler's thread (validated there; the writes run on the loop)."""
+        Runs on: the scheduler's thread (validated there; the writes run on the loop — or,
+        a chunk of at most ``KVManager.direct_pages`` pages while the loop is idle, planned
+        and posted right here: ``KVManager.call``'s ``direct``)."""
         src, st, last, total = self._chunk(kv_indices, state_indices)
         self._sent = total
         self._done_sending = last
         if last and self._r.trace is not None:
             mark(self._r.trace, "send")
-        self.mgr.call(self.mgr.side.send, self._r, src, st, last)
+        mgr = self.mgr
+        mgr.call(mgr.side.send, self._r, src, st, last, direct=len(src) <= mgr.direct_pages > 0)
 
     def begin_chunk(self, kv_indices, state_indices=None, *, layers_per_write: int = 1) -> None:
         """Declare a chunk for layer-wise streaming (validated as :meth:`send`); nothing

@@ -220,6 +220,7 @@ class Node:
             **({} if tp_stage_min_ops is None else {"tp_stage_min_ops": tp_stage_min_ops}),
             tp_pattern=tp_pattern,
         ).start_background()
+        self._direct_pages = self.mgr.direct_pages
         #: exceptions the manager's loop caught in callbacks and tasks (``loop_errors``)
         self._loop_errors: list = []
         self.mgr.call_wait(self._catch_loop_errors)
@@ -363,6 +364,13 @@ class Node:
         test sends SIGCONT. "gate": the loop waits (bounded) until the test calls
         ``open_gate()`` (the peer acts meanwhile)."""
         self.hooks[(point, room)] = (action, args)
+        self._loop_hooks()
+
+    def _loop_hooks(self) -> None:
+        """Hooks hold the thread that reaches them, and the windows of these tests are
+        written for the loop's (the scheduler's call must return while the hook holds): a
+        node with hooks hands every call to its loop (no direct calls)."""
+        self.mgr.direct_pages = 0
         self.mgr.test_hook = self._hook
 
     def widen(self, point: Optional[str], seconds: float) -> None:
@@ -372,7 +380,9 @@ class Node:
         import random
 
         self.widened = (point, seconds, random.Random(0))
-        self.mgr.test_hook = self._hook
+        self._loop_hooks()
+        if point is None and not self.hooks:  # nothing holds the loop: direct calls again
+            self.mgr.direct_pages = self._direct_pages
 
     def hammer_open(self, rooms, seed: int, jitter: float) -> None:
         """Hammer, prefill's scheduler: create a KVSender for every room of ``rooms``
@@ -907,6 +917,7 @@ class Node:
     def stats(self) -> dict:
         s = dict(self.mgr.stats)
         s["lanes"] = sorted(s["lanes"])
+        s["direct_calls"] = self.mgr.direct_calls
         return s
 
     def device_lanes(self) -> dict:

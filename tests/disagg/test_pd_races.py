@@ -149,6 +149,14 @@ def test_hammer_abort_vs_sender_creation(cluster, room):
     _rounds(cluster, room, 3, lambda i: 0.02)
 
 
+def test_hammer_abort_vs_direct_sends(cluster, room):
+    """No window widened: prefill's scheduler creates, inits and sends (1-4 pages) mostly
+    direct, as a guest of its idle loop (KVManager.call), while decode's aborts arrive."""
+    before = cluster.p[K].stats()["direct_calls"]
+    _rounds(cluster, room, 2, lambda i: 0.0)
+    assert cluster.p[K].stats()["direct_calls"] > before
+
+
 @pytest.mark.long
 @pytest.mark.timeout(3600)
 def test_hammer_abort_vs_sender_creation_long(cluster, room):

@@ -110,3 +110,110 @@ def test_stop_before_start_closes_the_loop():
     lt = LoopThread("kvxfer-test-never")
     lt.stop()
     assert lt.loop.is_closed() and not lt.running
+
+
+# ---------------------------------------------------------------------- guest runs
+def _started(name: str) -> LoopThread:
+    lt = LoopThread(name)
+    lt.start(None, 5.0)
+    return lt
+
+
+def _idle(lt: LoopThread) -> None:
+    """Return once the loop ran everything handed to it before (it then waits for events)."""
+    lt.run(asyncio.sleep(0), 5.0)
+
+
+def test_run_here_runs_on_the_caller_as_the_loop_and_wakes_it_for_what_it_scheduled():
+    lt = _started("kvxfer-test-guest")
+    try:
+        _idle(lt)
+        seen = {}
+        ran = threading.Event()
+
+        def guest(x):
+            seen["thread"] = threading.get_ident()
+            seen["loop"] = asyncio.get_running_loop()
+            seen["in_loop"] = lt.in_loop()
+            loop = asyncio.get_running_loop()
+            loop.call_soon(lambda: (seen.setdefault("cb", threading.get_ident()), ran.set()))
+            loop.create_task(_mark(seen))
+            return x
+
+        assert lt.run_here(guest, True) is True
+        assert seen["thread"] == threading.get_ident() and seen["loop"] is lt.loop
+        assert seen["in_loop"] and not lt.in_loop()
+        with pytest.raises(RuntimeError):
+            asyncio.get_running_loop()  # given back
+        assert ran.wait(5.0)  # woken: the callback ran on the loop's thread
+        _idle(lt)
+        assert seen["cb"] == seen["task"] == lt.loop._thread_id != threading.get_ident()
+        assert lt.run_here(lambda: False) is False  # did nothing: no wake needed
+        with pytest.raises(ZeroDivisionError):
+            lt.run_here(lambda: 1 / 0)
+        assert lt.run_here(lambda: True) is True  # the gate came back after the raise
+    finally:
+        lt.stop(5.0)
+
+
+async def _mark(seen):
+    seen["task"] = threading.get_ident()
+
+
+def test_run_here_refuses_a_busy_stopped_or_foreign_loop():
+    assert LoopThread("kvxfer-test-unstarted").run_here(lambda: True) is False
+    lt = _started("kvxfer-test-busy")
+    hold, holding = threading.Event(), threading.Event()
+    try:
+        lt.call_soon(lambda: (holding.set(), hold.wait(10.0)))
+        assert holding.wait(5.0)
+        calls = []
+        assert lt.run_here(calls.append, 1) is False and calls == []  # busy: not waited for
+        hold.set()
+        _idle(lt)
+
+        async def foreign():  # a thread that runs a loop of its own
+            return lt.run_here(calls.append, 2)
+
+        assert asyncio.run(foreign()) is False and calls == []
+        assert lt.run_here(lambda: calls.append(3) or True) is True and calls == [3]
+    finally:
+        hold.set()
+        lt.stop(5.0)
+    assert lt.run_here(lambda: True) is False  # stopped
+
+
+def test_guest_runs_and_the_loop_never_overlap():
+    """Hammer: a thread keeps running guests that flip a shared flag while the loop runs
+    callbacks that check it; no callback ever sees a guest inside."""
+    lt = _started("kvxfer-test-hammer")
+    inside = [False]
+    overlaps, guests = [], [0]
+    stop = threading.Event()
+
+    def guest():
+        inside[0] = True
+        time.sleep(0)  # gives the GIL away inside the guest run
+        inside[0] = False
+        guests[0] += 1
+        return True
+
+    def check():
+        if inside[0]:
+            overlaps.append(1)
+
+    def hammer():
+        while not stop.is_set():
+            lt.run_here(guest)
+
+    th = threading.Thread(target=hammer)
+    th.start()
+    try:
+        for _ in range(3000):
+            lt.call_soon(check)
+        _idle(lt)
+    finally:
+        stop.set()
+        th.join(10.0)
+        lt.stop(5.0)
+    assert not overlaps and guests[0] > 0

@@ -1,0 +1,128 @@
+"""KVManager.call(direct=True): a call runs on the calling thread as a guest of the idle
+loop, only once every call handed over before it has run (call order is kept), and its
+exception goes to the loop's exception handler as a handed-over call's would. Driven on a
+real (unstarted) KVManager bound to a real LoopThread, with the loop held inside its
+selector wait (gate given away) by a patched select."""
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from kvxfer.disagg import KVArgs, KVManager, MetadataBuffer
+from kvxfer.errors import InvalidArgument
+from kvxfer.loop_thread import LoopThread
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+def bound():
+    kv = np.zeros((2, 4, 16), dtype=np.uint8)
+    aux = MetadataBuffer(4, 64)
+    ap, al, ai = aux.buf_infos()
+    args = KVArgs(
+        kv_data_ptrs=[kv[i].ctypes.data for i in range(2)],
+        kv_data_lens=[64] * 2,
+        kv_item_lens=[16] * 2,
+        aux_data_ptrs=ap,
+        aux_data_lens=al,
+        aux_item_lens=ai,
+    )
+    mgr = KVManager(args, "prefill", bootstrap_addr="127.0.0.1:9")
+    lt = LoopThread("kvxfer-test-direct")
+    lt.start(None, 5.0)
+    mgr.loop, mgr._thread = lt.loop, lt
+    mgr._loop_tid = lt.run(_tid(), 5.0)
+    yield mgr, lt
+    lt.stop(5.0)
+    del kv, aux
+
+
+async def _tid():
+    return threading.get_ident()
+
+
+def _idle(lt):
+    lt.run(asyncio.sleep(0), 5.0)
+
+
+def test_direct_call_runs_on_the_caller_when_the_loop_is_idle(bound):
+    mgr, lt = bound
+    _idle(lt)
+    where = []
+    mgr.call(lambda: where.append((threading.get_ident(), mgr.in_loop())), direct=True)
+    assert where == [(threading.get_ident(), True)] and mgr.direct_calls == 1
+    mgr.call(lambda: where.append(threading.get_ident()))  # not direct: on the loop
+    _idle(lt)
+    assert where[1] == mgr._loop_tid and mgr.direct_calls == 1
+
+
+def test_a_direct_call_never_overtakes_a_call_handed_over_before_it(bound):
+    mgr, lt = bound
+    inner = lt.loop._selector._sel
+    real = inner.select
+    entered, release = threading.Event(), threading.Event()
+    armed = [True]
+
+    def held_select(timeout=None):
+        if armed[0]:
+            armed[0] = False
+            entered.set()
+            release.wait(10.0)  # the loop waits here with the gate given away
+        return real(timeout)
+
+    inner.select = held_select
+    lt.call_soon(lambda: None)  # the loop goes round once more, into held_select
+    assert entered.wait(5.0)
+    order = []
+    mgr.call(lambda: order.append(("A", threading.get_ident())))  # handed over, not run yet
+    mgr.call(lambda: order.append(("B", threading.get_ident())), direct=True)
+    assert order == [] and mgr.direct_calls == 0  # the gate was free, but A comes first
+    release.set()
+    _idle(lt)
+    assert order == [("A", mgr._loop_tid), ("B", mgr._loop_tid)]
+    mgr.call(lambda: order.append(("C", threading.get_ident())), direct=True)
+    assert order[-1] == ("C", threading.get_ident()) and mgr.direct_calls == 1
+
+
+def test_a_direct_calls_exception_goes_to_the_loops_handler(bound):
+    mgr, lt = bound
+    seen = []
+    lt.loop.set_exception_handler(lambda loop, ctx: seen.append(ctx["exception"]))
+    _idle(lt)
+
+    def boom():
+        raise ValueError("bad step")
+
+    mgr.call(boom, direct=True)  # does not raise here
+    assert mgr.direct_calls == 1 and [str(e) for e in seen] == ["bad step"]
+
+
+def test_direct_pages_setting(monkeypatch):
+    aux = MetadataBuffer(4, 64)
+    ap, al, ai = aux.buf_infos()
+    kv = np.zeros(64, np.uint8)
+    args = KVArgs(
+        kv_data_ptrs=[kv.ctypes.data],
+        kv_data_lens=[64],
+        kv_item_lens=[16],
+        aux_data_ptrs=ap,
+        aux_data_lens=al,
+        aux_item_lens=ai,
+    )
+
+    def make(**kw):
+        return KVManager(args, "decode", **kw).direct_pages
+
+    monkeypatch.delenv("KVXFER_DIRECT_PAGES", raising=False)
+    assert make() == 16 and make(direct_pages=0) == 0
+    monkeypatch.setenv("KVXFER_DIRECT_PAGES", "3")
+    assert make() == 3 and make(direct_pages=5) == 5
+    monkeypatch.setenv("KVXFER_DIRECT_PAGES", "x")
+    with pytest.raises(InvalidArgument, match="KVXFER_DIRECT_PAGES"):
+        make()
+    monkeypatch.delenv("KVXFER_DIRECT_PAGES")
+    with pytest.raises(InvalidArgument):
+        make(direct_pages=-1)
