@@ -17,8 +17,9 @@ Invariants:
 * guest runs (:meth:`LoopThread.run_here`): the loop's thread holds the loop's *gate* (a
   lock) at all times except while it waits in its selector, so a thread that takes the gate
   knows the loop runs nothing until it gives the gate back; it then runs a function as if on
-  the loop (the loop set as its running loop) and wakes the loop when done, so that what the
-  function scheduled (callbacks, tasks, timers) runs there. The gate is never waited for
+  the loop (the loop set as its running loop) and wakes the loop when done if the function
+  scheduled what the loop's wait would not see in time (ready callbacks, a timer due before
+  the wait ends), so that it runs there. The gate is never waited for
   by a guest (a busy loop means "hand it over as usual"), and once the loop ended its
   thread keeps it (no guest runs on a stopped loop).
 """
@@ -45,6 +46,13 @@ class _GatedSelector(selectors.BaseSelector):
     def __init__(self, gate: threading.Lock) -> None:
         self._sel = selectors.DefaultSelector()
         self._gate = gate
+        #: when the wait in progress ends by itself (``time.monotonic()``; inf: no timeout)
+        #: and the loop's earliest timer then (the one it waits for, or None); read by
+        #: guests, who hold the gate, so they are the current wait's
+        self.until = 0.0
+        self.first: Any = None
+        #: the loop's timer heap (BaseEventLoop._scheduled), set by LoopThread
+        self.timers: Optional[List[Any]] = None
 
     def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
         return self._sel.register(fileobj, events, data)
@@ -56,6 +64,8 @@ class _GatedSelector(selectors.BaseSelector):
         return self._sel.modify(fileobj, events, data)
 
     def select(self, timeout: Optional[float] = None) -> List[Tuple[selectors.SelectorKey, int]]:
+        self.until = float("inf") if timeout is None else time.monotonic() + timeout
+        self.first = self.timers[0] if self.timers else None
         self._gate.release()
         try:
             return self._sel.select(timeout)
@@ -72,8 +82,34 @@ class _GatedSelector(selectors.BaseSelector):
         self._sel.close()
 
 
+#: per thread: set while that thread runs a guest run (any LoopThread's)
+_local = threading.local()
+
+
+def in_guest() -> bool:
+    """True on a thread while it runs a function as some loop's guest
+    (:meth:`LoopThread.run_here`): code that would wait inline (a transport's bounded wait
+    for a flush) can tell it would block the caller's thread, not a loop's."""
+    return getattr(_local, "guest", False)
+
+
 def _wake() -> None:
     """Scheduled after a guest run: its only job is to make the loop run its ready queue."""
+
+
+def _must_wake(loop: asyncio.AbstractEventLoop, sel: _GatedSelector) -> bool:
+    """Whether a loop waiting in ``sel`` must be woken for what a guest scheduled: ready
+    callbacks (a task's next step, a future's done callbacks), or a new earliest timer due
+    before the wait ends. File descriptors a guest started watching need no wake (the wait
+    in progress sees them). Reads ``BaseEventLoop``'s ready queue and timer heap (CPython
+    3.8-3.13); a loop without them is always woken."""
+    ready = getattr(loop, "_ready", None)
+    timers = sel.timers
+    if ready is None or timers is None:
+        return True
+    if ready:
+        return True
+    return bool(timers) and timers[0] is not sel.first and timers[0].when() < sel.until
 
 
 class LoopThread:
@@ -85,7 +121,9 @@ class LoopThread:
         #: held from birth, so no guest runs before the loop does
         self._gate = threading.Lock()
         self._gate.acquire()
-        self.loop: asyncio.AbstractEventLoop = asyncio.SelectorEventLoop(_GatedSelector(self._gate))
+        self._sel = _GatedSelector(self._gate)
+        self.loop: asyncio.AbstractEventLoop = asyncio.SelectorEventLoop(self._sel)
+        self._sel.timers = getattr(self.loop, "_scheduled", None)
         self._thread: Optional[threading.Thread] = None
         self._stopped = False
         #: the thread of the guest run in progress (None: none)
@@ -173,8 +211,8 @@ class LoopThread:
     def run_here(self, fn: Callable[..., Any], *args: Any) -> bool:
         """Run ``fn(*args)`` on the calling thread as if on the loop, when the loop waits for
         events: the loop is this thread's running loop meanwhile and runs nothing itself;
-        afterwards it is woken for what ``fn`` scheduled. Returns ``fn``'s result as a bool
-        (``fn`` says whether it did its work: False leaves nothing to wake for), or False at
+        afterwards it is woken if ``fn`` scheduled callbacks or an earlier timer (even when
+        ``fn`` raised). Returns ``fn``'s result as a bool (whether it did its work), or False at
         once, without calling ``fn``, when the loop is busy, stopped or not started, or the
         calling thread runs an event loop of its own. ``fn``'s exception propagates.
 
@@ -183,22 +221,25 @@ class LoopThread:
             return False
         if not self._gate.acquire(blocking=False):
             return False
-        done = False
+        done = wake = False
         try:
             events._set_running_loop(self.loop)
             self._guest = threading.get_ident()
+            _local.guest = True
             try:
                 done = bool(fn(*args))
             finally:
+                _local.guest = False
                 self._guest = None
                 events._set_running_loop(None)
+                wake = _must_wake(self.loop, self._sel)
         finally:
             self._gate.release()
-        if done:
-            try:
-                self.loop.call_soon_threadsafe(_wake)
-            except RuntimeError:  # closed meanwhile: nothing left to run what fn scheduled
-                pass
+            if wake:  # also when fn raised: what it scheduled before still runs
+                try:
+                    self.loop.call_soon_threadsafe(_wake)
+                except RuntimeError:  # closed meanwhile: nothing left to run it
+                    pass
         return done
 
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:

@@ -4,10 +4,12 @@ One manager per rank and mode (prefill or decode). Everything that changes state
 manager's event loop: either the caller's (``await mgr.start()``) or a private background
 thread (``mgr.start_background()``) for schedulers that are not async. ``KVSender`` /
 ``KVReceiver`` calls made from another thread validate their arguments synchronously (typed
-errors, nothing sent) and hand the rest to the loop without blocking; ``poll()`` reads a
-plain attribute and is safe from any thread.
+errors, nothing sent) and hand the rest to the loop without blocking — or, a small send
+(and a sender's init and adoption) while the private loop waits for events, run it on the
+calling thread as the loop's guest (:meth:`KVManager.call`, docs/engine.md "Guest runs");
+``poll()`` reads a plain attribute and is safe from any thread.
 
-Reliability: one timer handle per room (deadline of its current state), one heartbeat task
+Reliability: one timer per room (the deadline of its current state), one heartbeat task
 per manager pinging every peer; a peer that closes, dies or stays silent past
 ``heartbeat_timeout_s`` fails all its rooms at once. Role-specific protocol lives in
 :mod:`kvxfer.disagg.prefill_side` and :mod:`kvxfer.disagg.decode_side`; they (and the
@@ -102,7 +104,8 @@ class KVManager:
     #: "before_write", "before_layer_write", "closing" with room -1) so that a test can force
     #: an interleaving deterministically (block there while another thread acts, or freeze
     #: the process). None in production.
-    #: Runs on: the manager's loop thread.
+    #: Runs on: the manager's loop thread, or a scheduler thread running a direct call as
+    #: the loop's guest (:meth:`call`; set ``direct_pages = 0`` to keep hooks on the loop).
     test_hook: Optional[Callable[[str, int], None]] = None
 
     def __init__(
@@ -144,10 +147,11 @@ class KVManager:
         the sender's adoption of decode's metadata) runs on the calling thread while the
         manager's own loop thread (:meth:`start_background`) waits for events — planned and
         posted there, its flush + notification chained natively, without the wake-up of
-        the loop thread in between; the call then takes as long as that (the post and the
-        transport's inline wait for the flush, ``KVXFER_CHAIN_INLINE_US``). 0: every call is
+        the loop thread in between; the call then takes as long as that (the plan and the
+        post; the transport waits inline for the flush only ``KVXFER_GUEST_INLINE_US``,
+        default 0, on such a thread). 0: every call is
         handed to the loop. None: ``$KVXFER_DIRECT_PAGES``, else :data:`DIRECT_PAGES`.
-        Figures: bench/results/direct-cpu.md."""
+        Figures: bench/results/direct-cpu.md; docs/engine.md, "Guest runs"."""
         from kvxfer.config import resolve_secret
 
         if not isinstance(args, KVArgs):

@@ -58,7 +58,7 @@ equal pairs of it run twice too: ``equal`` (the default: byte runs as one Patter
 piece class) and ``equal-runs`` (``tp_pattern="off"``: one PUT per run).
 
 With ``--stages`` both managers trace (``KVManager(trace=True)``, :mod:`kvxfer.disagg.trace`)
-and a table per mode gives the sequential 1-page requests' stages (p50/p90 µs: thread and task
+and a table per mode gives the sequential 1-page requests' stages (p50/p90/p99 µs: thread and task
 hops, planning, post, flush, wake-up, notify, decode's handling, the scheduler's poll), their
 sum against the end-to-end p50, the raw engine write with and without a notification (the
 latter until prefill handed it to UCX and until decode's loop had it), and
@@ -192,12 +192,27 @@ class BenchWorker(PDWorker):
         h.send(res["pages"], None if res["slot"] is None else [res["slot"]])
 
     def latency(self, rooms: List[int]) -> dict:
-        """One 1-page request at a time (the next starts when prefill released the last)."""
+        """One 1-page request at a time (the next starts when prefill released the last),
+        once decode's metadata for all of ``rooms`` arrived: the requests do not overlap
+        decode announcing the batch (a send that did would wait behind that burst on decode,
+        and prefill, which does not wait for decode, would queue the next ones behind it).
+        With ``$KVXFER_BENCH_PROFILE`` set to a path, the sends (with direct calls: the
+        request's path up to its post and the inline flush wait) run under cProfile and its
+        statistics go to ``<path>.prof`` (``python3 -m pstats``)."""
+        import cProfile
+
+        where = os.environ.get("KVXFER_BENCH_PROFILE")
+        prof = cProfile.Profile() if where else None
         self._begin()
-        for room in rooms:
-            ((_, h, res),) = self._senders([room], 1)
+        for room, h, res in self._senders(rooms, 1):
+            if prof is not None:
+                prof.enable()
             self._send(room, h, res)
+            if prof is not None:
+                prof.disable()
             self._settle(self._next_done(True))
+        if prof is not None:
+            prof.dump_stats(f"{where}.prof")
         return self._finish()
 
     def throughput(self, rooms: List[int]) -> dict:
@@ -303,7 +318,7 @@ WARM_ROOMS, LATENCY_BATCH = 20, 50
 STAGES = (
     ("send → loop pickup (thread hop)", "send", "loop"),
     ("page map (plan)", "loop", "plan"),
-    ("write task start (task hop)", "plan", "write"),
+    ("room → write call (state, items, notify encode)", "plan", "write"),
     ("engine plan (Peer.write called → post starts)", "write", "planned"),
     ("native post (+ device launch)", "planned", "posted"),
     # a chained write (kvxfer.engine.notes) sends the notify from the flush's completion:
@@ -321,7 +336,7 @@ SIDE_STAGES = (
 
 
 def stage_table(prefill: List[dict], decode: List[dict], rooms: List[int]) -> dict:
-    """Per stage, p50/p90 µs over ``rooms`` from both sides' trace records; ``sum_p50_us``
+    """Per stage, p50/p90/p99 µs over ``rooms`` from both sides' trace records; ``sum_p50_us``
     over the path's stages and ``path_p50_us`` (``seen`` - ``send``) beside them."""
     p = {r["room"]: r for r in prefill}
     d = {r["room"]: {f"d:{k}": v for k, v in r.items()} for r in decode}
@@ -335,6 +350,7 @@ def stage_table(prefill: List[dict], decode: List[dict], rooms: List[int]) -> di
                 "n": len(xs),
                 "p50_us": percentile(xs, 50) if xs else float("nan"),
                 "p90_us": percentile(xs, 90) if xs else float("nan"),
+                "p99_us": percentile(xs, 99) if xs else float("nan"),
                 "on_path": (name, a, b) in STAGES,
             }
         )
@@ -344,6 +360,7 @@ def stage_table(prefill: List[dict], decode: List[dict], rooms: List[int]) -> di
         "requests": len(recs),
         "sum_p50_us": sum(r["p50_us"] for r in rows if r["on_path"]),
         "path_p50_us": percentile(path, 50) if path else float("nan"),
+        "path_p99_us": percentile(path, 99) if path else float("nan"),
     }
 
 
@@ -396,24 +413,26 @@ def format_stages(rows: List[dict]) -> str:
         out += [
             f"\n{','.join(r['lanes'])} ({label}), {st['requests']} sequential 1-page requests "
             f"({r['request_bytes_1page']} B):\n",
-            "| stage | p50 µs | p90 µs |",
-            "|---|---|---|",
+            "| stage | p50 µs | p90 µs | p99 µs |",
+            "|---|---|---|---|",
         ]
         for s in st["rows"]:
             name = s["stage"] if s["on_path"] else f"({s['stage']}, off the path)"
-            out.append(f"| {name} | {s['p50_us']:.1f} | {s['p90_us']:.1f} |")
+            p99 = s.get("p99_us", float("nan"))
+            out.append(f"| {name} | {s['p50_us']:.1f} | {s['p90_us']:.1f} | {p99:.1f} |")
         pt = [r.get("perftest_put_lat_us"), r.get("perftest_am_lat_us")]
         floor = "n/a" if None in pt else f"{pt[0]:.1f} + {pt[1]:.1f} = {pt[0] + pt[1]:.1f}"
         out += [
-            f"| **sum of the path's p50s** | {st['sum_p50_us']:.1f} | |",
-            f"| path p50 (decode poll sees Success − prefill send) | {st['path_p50_us']:.1f} | |",
-            f"| end-to-end p50 (decode on_done − prefill send) | {r['p50_us']:.1f} | |",
-            f"| raw engine write p50 (no notify) | {r['raw_p50_us']:.1f} | |",
+            f"| **sum of the path's p50s** | {st['sum_p50_us']:.1f} | | |",
+            f"| path (decode poll sees Success − prefill send) | {st['path_p50_us']:.1f} | "
+            f"| {st.get('path_p99_us', float('nan')):.1f} |",
+            f"| end-to-end p50 (decode on_done − prefill send) | {r['p50_us']:.1f} | | {r['p99_us']:.1f} |",
+            f"| raw engine write p50 (no notify) | {r['raw_p50_us']:.1f} | | {r['raw_p99_us']:.1f} |",
             f"| raw engine write + notify p50 (notify handed to UCX) "
-            f"| {r['raw_notify_p50_us']:.1f} | |",
+            f"| {r['raw_notify_p50_us']:.1f} | | {r['raw_notify_p99_us']:.1f} |",
             f"| raw engine write + notify p50, until decode's handler has it "
-            f"| {r['raw_receipt_p50_us']:.1f} | |",
-            f"| ucx_perftest ucp_put_lat + ucp_am_lat p50 (same size, loopback) | {floor} | |",
+            f"| {r['raw_receipt_p50_us']:.1f} | | |",
+            f"| ucx_perftest ucp_put_lat + ucp_am_lat p50 (same size, loopback) | {floor} | | |",
         ]
     return "\n".join(out)
 
@@ -947,7 +966,7 @@ def main(argv=None) -> int:
         "--stages",
         action="store_true",
         help="trace the sequential 1-page requests (KVManager(trace=True)) and print their "
-        "per-stage p50/p90 µs beside the end-to-end p50, the raw engine write (+ notify) and "
+        "per-stage p50/p90/p99 µs beside the end-to-end p50, the raw engine write (+ notify) and "
         "ucx_perftest ucp_put_lat / ucp_am_lat of the same size; with --prefill-tp / "
         "--decode-tp: every rank's stages of the TP requests, after the first prefill send",
     )

@@ -156,6 +156,44 @@ def test_run_here_runs_on_the_caller_as_the_loop_and_wakes_it_for_what_it_schedu
         lt.stop(5.0)
 
 
+def test_run_here_wakes_the_loop_only_when_its_wait_would_miss_something(monkeypatch):
+    """A guest that scheduled nothing leaves the loop asleep; one that scheduled a timer the
+    loop's wait (no timeout: it is idle) would not see, or a callback before raising, gets
+    the loop woken (the wake-up callback counted)."""
+    import kvxfer.loop_thread as lt_mod
+
+    wakes = []
+    monkeypatch.setattr(lt_mod, "_wake", lambda: wakes.append(1))
+    lt = _started("kvxfer-test-wake")
+    try:
+        _idle(lt)
+        for _ in range(50):
+            assert lt.run_here(lambda: True) is True
+        _idle(lt)
+        assert wakes == []
+
+        fired, ran = threading.Event(), threading.Event()
+
+        def timer():
+            asyncio.get_running_loop().call_later(0.01, fired.set)
+            return True
+
+        assert lt.run_here(timer) is True
+        assert fired.wait(5.0) and len(wakes) == 1
+
+        def callback_then_raise():
+            asyncio.get_running_loop().call_soon(ran.set)
+            raise ValueError("after scheduling")
+
+        with pytest.raises(ValueError):
+            lt.run_here(callback_then_raise)
+        assert ran.wait(5.0)
+        _idle(lt)
+        assert len(wakes) == 2
+    finally:
+        lt.stop(5.0)
+
+
 async def _mark(seen):
     seen["task"] = threading.get_ident()
 
