@@ -102,6 +102,8 @@ class BenchWorker(PDWorker):
     def __init__(self, role: str, spec: dict, bootstrap: str, opts: dict) -> None:
         super().__init__(role, spec, bootstrap, opts)
         self._raw_seq = RAW_SEQ
+        #: cProfile of the latency runs' sends ($KVXFER_BENCH_PROFILE), made on first use
+        self._prof: Any = None
         #: decode: Ping seq -> monotonic_ns its arrival was handled (raw write + notify)
         self._raw_recv: Dict[int, int] = {}
         if role == "decode":
@@ -199,10 +201,12 @@ class BenchWorker(PDWorker):
         With ``$KVXFER_BENCH_PROFILE`` set to a path, the sends (with direct calls: the
         request's path up to its post and the inline flush wait) run under cProfile and its
         statistics go to ``<path>.prof`` (``python3 -m pstats``)."""
-        import cProfile
-
         where = os.environ.get("KVXFER_BENCH_PROFILE")
-        prof = cProfile.Profile() if where else None
+        if where and self._prof is None:
+            import cProfile
+
+            self._prof = cProfile.Profile()
+        prof = self._prof
         self._begin()
         for room, h, res in self._senders(rooms, 1):
             if prof is not None:
@@ -211,7 +215,7 @@ class BenchWorker(PDWorker):
             if prof is not None:
                 prof.disable()
             self._settle(self._next_done(True))
-        if prof is not None:
+        if prof is not None:  # every batch so far (the warm-up's too)
             prof.dump_stats(f"{where}.prof")
         return self._finish()
 
