@@ -14,8 +14,9 @@ ARGS=${PD_ARGS:---modes none,peer --stages --latency-requests 1000 --throughput-
 {
 echo "# Direct calls on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) ($(date -u +%F), $(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null))"
 echo; echo "kvxfer bench pd --device cuda $ARGS, ROUNDS=${ROUNDS:-2}"
-for ab in "KVXFER_DIRECT_PAGES:16 0" "KVXFER_GUEST_INLINE_US:0 50"; do
-    var=${ab%%:*}; vals=${ab#*:}
+# DIRECT_ABS: the A/Bs to run, as "VAR:values" words (default both)
+for ab in ${DIRECT_ABS:-KVXFER_DIRECT_PAGES:16,0 KVXFER_GUEST_INLINE_US:0,50}; do
+    var=${ab%%:*}; vals=$(echo "${ab#*:}" | tr , ' ')
     echo; echo "## $var: $vals"; echo; echo '```'
     OUT=$OUT/direct-$var ROUNDS=${ROUNDS:-2} AB_VAR=$var AB_VALUES="$vals" PD_ARGS="$ARGS" \
         bash bench/ab/env_rounds.sh cuda 2>&1 | grep -E "^### round|^!!"

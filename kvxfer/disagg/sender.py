@@ -88,7 +88,9 @@ class KVSender(RoomHandle):
     def send(self, kv_indices, state_indices=None) -> None:
         """Send one chunk of source pages (in request order). Validated here: ids in range,
         no duplicates, total <= num_kv_indices, state only with the last chunk — a bad call
-        raises and sends nothing.
+        raises and sends nothing. Ids are best host arrays (numpy, lists): a CUDA tensor
+        works but costs a synchronising device-to-host copy on this thread first (on the
+        H200 it was most of a 1-page request's host time, bench/results/direct-cpu.md).
 
         Runs on: the scheduler's thread (validated there; the writes run on the loop — or,
         a chunk of at most ``KVManager.direct_pages`` pages while the loop is idle, planned

@@ -82,6 +82,8 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import numpy as np
+
 from kvxfer import clitools
 from kvxfer.disagg.manager import TP_STAGE_MIN_OPS
 from kvxfer.pd_demo.run import percentile, start_pair
@@ -166,6 +168,7 @@ class BenchWorker(PDWorker):
         hs = []
         for room in rooms:
             res = self._alloc(n_pages)
+            _host_ids(res)
             h = self._open_sender(room, n_pages * self.model.ps, res)
             self.open[room] = {"res": res, "length": n_pages * self.model.ps, "h": h}
             hs.append((room, h, res))
@@ -191,7 +194,8 @@ class BenchWorker(PDWorker):
 
     def _send(self, room: int, h, res: dict) -> None:
         self.open[room]["t_send"] = time.monotonic()
-        h.send(res["pages"], None if res["slot"] is None else [res["slot"]])
+        pages, slots, _ = _host_ids(res)
+        h.send(pages, slots)
 
     def latency(self, rooms: List[int]) -> dict:
         """One 1-page request at a time (the next starts when prefill released the last),
@@ -235,10 +239,11 @@ class BenchWorker(PDWorker):
         from kvxfer.disagg.messages import Ping
         from kvxfer.engine import ItemWrite
 
-        items = [ItemWrite("kv", res["pages"], dst["pages"])]
-        if res["slot"] is not None:
-            items.append(ItemWrite("state", [res["slot"]], [dst["slot"]]))
-        items.append(ItemWrite("aux", [res["row"]], [dst["row"]]))
+        pages, slots, rows = _host_ids(res)
+        items = [ItemWrite("kv", pages, dst["pages"])]
+        if slots is not None:
+            items.append(ItemWrite("state", slots, [dst["slot"]]))
+        items.append(ItemWrite("aux", rows, [dst["row"]]))
         peer = next(iter(self.mgr.links.values())).peer
         seq = None
         if notify:
@@ -311,6 +316,21 @@ class BenchWorker(PDWorker):
             raw_notify_starts={w[2]: w[3] for w in notified},
         )
         return out
+
+
+def _host_ids(res: dict) -> tuple:
+    """A request's ids as a scheduler hands them to ``KVSender.send`` (SGLang: numpy arrays
+    and ints): its pages as an int64 array, its state slot and aux row as 1-element lists
+    (None: no slot); made once per request, outside the timed path. A CUDA tensor of ids
+    would cost the send a synchronising device-to-host copy (``as_ids``; on CUDA pools the
+    allocator's pages are such a tensor)."""
+    ids = res.get("ids")
+    if ids is None:
+        pages = res["pages"]
+        pages = pages.cpu().numpy() if hasattr(pages, "cpu") else np.asarray(pages)
+        slot = None if res["slot"] is None else [int(res["slot"])]
+        ids = res["ids"] = (pages.astype(np.int64, copy=False), slot, [int(res["row"])])
+    return ids
 
 
 #: rooms of the warm-up; rooms decode announces at once in the latency run
