@@ -51,6 +51,14 @@ def table(root: str, var: str, values: List[str]) -> str:
         rows = [
             (label, {v: _median([r.get(k) for r in per[v]]) for v in values}) for k, label in KEYS
         ]
+        if any(r.get("stages") for r in per[values[0]]):
+            path = "path p50 µs (stages: decode poll sees Success − send stamp)"
+            rows.append(
+                (
+                    path,
+                    {v: _median([r["stages"].get("path_p50_us") for r in per[v]]) for v in values},
+                )
+            )
         stages = [
             s["stage"] for r in per[values[0]] for s in (r.get("stages") or {}).get("rows", [])
         ]
