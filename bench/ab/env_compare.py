@@ -56,7 +56,10 @@ def table(root: str, var: str, values: List[str]) -> str:
             rows.append(
                 (
                     path,
-                    {v: _median([r["stages"].get("path_p50_us") for r in per[v]]) for v in values},
+                    {
+                        v: _median([(r.get("stages") or {}).get("path_p50_us") for r in per[v]])
+                        for v in values
+                    },
                 )
             )
         stages = [
