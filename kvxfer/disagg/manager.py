@@ -148,8 +148,8 @@ class KVManager:
         manager's own loop thread (:meth:`start_background`) waits for events — planned and
         posted there, its flush + notification chained natively, without the wake-up of
         the loop thread in between; the call then takes as long as that (the plan and the
-        post; the transport waits inline for the flush only ``KVXFER_GUEST_INLINE_US``,
-        default 0, on such a thread). 0: every call is
+        post; on kvxfer's own worker the transport waits inline for the flush only
+        ``KVXFER_GUEST_INLINE_US``, default 0, on such a thread). 0: every call is
         handed to the loop. None: ``$KVXFER_DIRECT_PAGES``, else :data:`DIRECT_PAGES`.
         Figures: bench/results/direct-cpu.md; docs/engine.md, "Guest runs"."""
         from kvxfer.config import resolve_secret

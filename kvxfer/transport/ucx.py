@@ -63,8 +63,9 @@ log = logging.getLogger(__name__)
 #: for UCXX's progress thread's next wake-up (up to its 1 ms epoll timeout); figures in
 #: bench/results/latency-cpu.md
 CHAIN_INLINE_US = 50.0
-#: the same for a chain started on a scheduler's thread running a loop's guest call: none,
-#: the chain is left to the own worker's thread (bench/results/direct-cpu.md)
+#: the same for a chain on kvxfer's own worker started on a scheduler's thread running a
+#: loop's guest call: none, the chain is left to the own worker's thread (progressing the
+#: worker there put multi-ms stalls into the CPU p99: bench/results/direct-cpu.md)
 GUEST_INLINE_US = 0.0
 #: how often the native poller (and a chain's inline wait) wakes UCXX's progress thread while
 #: a spin flush is in flight (KVXFER_POLL_SIGNAL_US)
@@ -123,8 +124,8 @@ class UcxTransport(Transport):
         #: how long a chain's starter waits for the chain (signalling UCXX's progress thread)
         #: before it leaves it to the completion queue (KVXFER_CHAIN_INLINE_US; 0: never)
         self.chain_inline_us = float(os.environ.get("KVXFER_CHAIN_INLINE_US", CHAIN_INLINE_US))
-        #: the same, for a chain started by a loop's guest (kvxfer.loop_thread.in_guest: a
-        #: scheduler's thread) (KVXFER_GUEST_INLINE_US)
+        #: the same, for a chain on kvxfer's own worker started by a loop's guest
+        #: (kvxfer.loop_thread.in_guest: a scheduler's thread) (KVXFER_GUEST_INLINE_US)
         self.guest_inline_us = float(os.environ.get("KVXFER_GUEST_INLINE_US", GUEST_INLINE_US))
         self._listener: Any = None  # ucxx.Listener
         self._closed = False
@@ -239,7 +240,9 @@ class UcxTransport(Transport):
         monotonic time the chain ended (or fails: the flush failed and nothing was sent,
         PeerClosed / TransportError; or the endpoint was closing, PeerClosed). Like
         :meth:`flush_future`, unbounded, and set directly by the eventfd callback."""
-        inline = self.guest_inline_us if in_guest() else self.chain_inline_us
+        # a guest (a scheduler's thread) would progress kvxfer's own worker itself; waiting
+        # on UCXX's worker only signals its progress thread, as on the loop
+        inline = self.guest_inline_us if self.own_rma and in_guest() else self.chain_inline_us
         return self._started(
             lambda token: self._cq.flush_notify(
                 ep_handle, token, spin, ctx, note_token, payload, inline
