@@ -149,7 +149,8 @@ class KVManager:
         posted there, its flush + notification chained natively, without the wake-up of
         the loop thread in between; the call then takes as long as that (the plan and the
         post; on kvxfer's own worker the transport waits inline for the flush only
-        ``KVXFER_GUEST_INLINE_US``, default 0, on such a thread). 0: every call is
+        ``KVXFER_GUEST_INLINE_US`` on such a thread: 50 µs, 0 on hosts of fewer than 4
+        CPUs). 0: every call is
         handed to the loop. None: ``$KVXFER_DIRECT_PAGES``, else :data:`DIRECT_PAGES`.
         Figures: bench/results/direct-cpu.md; docs/engine.md, "Guest runs"."""
         from kvxfer.config import resolve_secret

@@ -64,9 +64,27 @@ log = logging.getLogger(__name__)
 #: bench/results/latency-cpu.md
 CHAIN_INLINE_US = 50.0
 #: the same for a chain on kvxfer's own worker started on a scheduler's thread running a
-#: loop's guest call: none, the chain is left to the own worker's thread (progressing the
-#: worker there put multi-ms stalls into the CPU p99: bench/results/direct-cpu.md)
-GUEST_INLINE_US = 0.0
+#: loop's guest call, on a host where this process may use at least GUEST_INLINE_MIN_CPUS
+#: CPUs; on a smaller one none (the chain is left to the own worker's thread): there the
+#: scheduler's thread progressing the worker put multi-ms stalls into the p99, while on the
+#: 16-core H200 host leaving it to the own worker's thread did (bench/results/direct-cpu.md)
+GUEST_INLINE_MIN_CPUS = 4
+
+
+def guest_inline_us() -> float:
+    """The default of :attr:`UcxTransport.guest_inline_us`: ``$KVXFER_GUEST_INLINE_US``,
+    else :data:`CHAIN_INLINE_US` with at least :data:`GUEST_INLINE_MIN_CPUS` usable CPUs,
+    else 0."""
+    env = os.environ.get("KVXFER_GUEST_INLINE_US")
+    if env is not None:
+        return float(env)
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return CHAIN_INLINE_US if cpus >= GUEST_INLINE_MIN_CPUS else 0.0
+
+
 #: how often the native poller (and a chain's inline wait) wakes UCXX's progress thread while
 #: a spin flush is in flight (KVXFER_POLL_SIGNAL_US)
 POLL_SIGNAL_US = 5.0
@@ -126,7 +144,7 @@ class UcxTransport(Transport):
         self.chain_inline_us = float(os.environ.get("KVXFER_CHAIN_INLINE_US", CHAIN_INLINE_US))
         #: the same, for a chain on kvxfer's own worker started by a loop's guest
         #: (kvxfer.loop_thread.in_guest: a scheduler's thread) (KVXFER_GUEST_INLINE_US)
-        self.guest_inline_us = float(os.environ.get("KVXFER_GUEST_INLINE_US", GUEST_INLINE_US))
+        self.guest_inline_us = guest_inline_us()
         self._listener: Any = None  # ucxx.Listener
         self._closed = False
         #: tests only: what the channels of one role announce in their opening, overriding
