@@ -404,6 +404,41 @@ class Node:
             self.p_send(r, 0, n)
             time.sleep(rng.random() * jitter)
 
+    def send_from_threads(self, rooms, threads: int, seed: int, jitter: float) -> int:
+        """Send every room of ``rooms`` ([(room, n)], opened before: the pool's allocator is
+        not shared across threads) whole, from ``threads`` scheduler threads at once, each
+        its share in random order at random pacing: direct calls of several threads race for
+        the loop's gate and against calls handed over. Re-raises a thread's error; returns
+        how many of the sends ran direct (``KVManager.direct_calls``)."""
+        import random
+
+        self.mgr.call_wait(lambda: None)  # the calls handed over so far (the opens) ran
+        before = self.mgr.direct_calls
+        shares = [rooms[i::threads] for i in range(threads)]
+        errors: list = []
+        go = threading.Barrier(threads)
+
+        def run(share, rng):
+            try:
+                go.wait(10.0)
+                for r, n in rng.sample(share, len(share)):
+                    self.p_send(r, 0, n)
+                    time.sleep(rng.random() * jitter)
+            except BaseException as exc:
+                errors.append(traceback.format_exc() or repr(exc))
+
+        ts = [
+            threading.Thread(target=run, args=(sh, random.Random(seed * 100 + i)), daemon=True)
+            for i, sh in enumerate(shares)
+        ]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60.0)
+        if any(t.is_alive() for t in ts) or errors:
+            raise RuntimeError(f"send_from_threads: {errors or 'a thread still runs'}")
+        return self.mgr.direct_calls - before
+
     def hammer_abort(self, rooms, seed: int, jitter: float) -> None:
         """Hammer, decode's scheduler: abort ``rooms`` in random order at random pacing."""
         import random
