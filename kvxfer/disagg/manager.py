@@ -223,8 +223,6 @@ class KVManager:
         self._calls_lock = threading.Lock()
         self._calls_posted = 0
         self._calls_run = 0
-        #: calls that ran direct (:meth:`call`), for tests and benchmarks
-        self.direct_calls = 0
         self._tasks: Set[asyncio.Task] = set()
         self._closed = False
         self._idle: Optional[asyncio.Future] = None  # close(): resolved when no room is left
@@ -235,12 +233,18 @@ class KVManager:
             "ops": 0,
             "device_bytes": 0,  # of "bytes": copied by the same-host device lane
             "writes": 0,
+            "direct_calls": 0,  # calls that ran as the loop's guest (:meth:`call`)
             "lanes": set(),
         }
         #: the role-specific protocol; it sees this manager as a Prefill/DecodeContext
         self.side: Union[PrefillSide, DecodeSide] = (
             PrefillSide(self) if self.mode is DisaggMode.PREFILL else DecodeSide(self)
         )
+
+    @property
+    def direct_calls(self) -> int:
+        """How many calls ran direct, as the loop's guest (``stats["direct_calls"]``)."""
+        return self.stats["direct_calls"]
 
     def __repr__(self) -> str:
         return f"KVManager({self.name}, rooms={len(self.rooms)}, peers={len(self.links)})"
@@ -448,7 +452,7 @@ class KVManager:
         calling thread, as a guest of the loop."""
         if self._calls_run != self._calls_posted:
             return False
-        self.direct_calls += 1
+        self.stats["direct_calls"] += 1
         try:
             fn(*args)
         except Exception as exc:  # as the loop reports a failed callback

@@ -457,6 +457,9 @@ def format_stages(rows: List[dict]) -> str:
             f"| raw engine write + notify p50, until decode's handler has it "
             f"| {r['raw_receipt_p50_us']:.1f} | | |",
             f"| ucx_perftest ucp_put_lat + ucp_am_lat p50 (same size, loopback) | {floor} | | |",
+            f"| prefill calls run as the loop's guest per request (≤ 3), sequential / "
+            f"concurrent | {r.get('direct_calls_1page', float('nan')):.2f} / "
+            f"{r.get('direct_calls_tput', float('nan')):.2f} | | |",
         ]
     return "\n".join(out)
 
@@ -504,7 +507,7 @@ def bench_mode(args, mode: str, integrity: bool = False) -> dict:
         # latency: decode announces a batch ahead of prefill (prefill holds announced rooms
         # only bootstrap_s before its KVSender must exist), prefill sends one at a time
         rooms = _ids(1000, args.latency_requests)
-        p_rooms, d_rooms, ops = {}, {}, 0
+        p_rooms, d_rooms, ops, direct = {}, {}, 0, 0
         for lo in range(0, len(rooms), LATENCY_BATCH):
             batch = rooms[lo : lo + LATENCY_BATCH]
             pair.decode.announce(batch, 1)
@@ -512,6 +515,7 @@ def bench_mode(args, mode: str, integrity: bool = False) -> dict:
             p_rooms.update(p["rooms"])
             d_rooms.update(d["rooms"])
             ops += p["stats"]["ops"]
+            direct += p["stats"].get("direct_calls", 0)
         ok = [r for r in rooms if d_rooms[r]["state"] == "Success"]
         lat = [(d_rooms[r]["t_done"] - p_rooms[r]["t_send"]) * 1e6 for r in ok]
         p_lat = [(p_rooms[r]["t_done"] - p_rooms[r]["t_send"]) * 1e6 for r in ok]
@@ -522,6 +526,9 @@ def bench_mode(args, mode: str, integrity: bool = False) -> dict:
             p99_us=percentile(lat, 99),
             prefill_p50_us=percentile(p_lat, 50),
             ops_1page=ops / len(rooms),
+            # prefill's calls that ran as its loop's guest, per request (its adoption, init
+            # and send: at most 3)
+            direct_calls_1page=direct / len(rooms),
             lanes=p["stats"]["lanes"],
         )
         if args.stages:
@@ -552,7 +559,12 @@ def bench_mode(args, mode: str, integrity: bool = False) -> dict:
         p, d = pair.both((pair.prefill.throughput, rooms), (pair.decode.settle,))
         ok = [r for r in rooms if d["rooms"][r]["state"] == "Success"]
         span = max(d["rooms"][r]["t_done"] for r in ok) - min(p["rooms"][r]["t_send"] for r in ok)
-        out.update(tput_ok=len(ok), tput_n=len(rooms), req_per_s=len(ok) / span)
+        out.update(
+            tput_ok=len(ok),
+            tput_n=len(rooms),
+            req_per_s=len(ok) / span,
+            direct_calls_tput=p["stats"].get("direct_calls", 0) / len(rooms),
+        )
         # bandwidth vs raw
         pd_s, pf_s, raw_s, nbytes, ops = [], [], [], 0, 0
         for i in range(args.iters + 1):
