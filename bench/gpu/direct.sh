@@ -12,7 +12,7 @@ export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 ARGS=${PD_ARGS:---modes none,peer --stages --latency-requests 1000 --throughput-requests 3000 --large-pages 256 --iters 1}
 {
-echo "# Direct calls on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) ($(date -u +%F), $(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null))"
+echo "# Direct calls on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) ($(date -u +%F), ${KVXFER_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null)})"
 echo; echo "kvxfer bench pd --device cuda $ARGS, ROUNDS=${ROUNDS:-2}"
 # DIRECT_ABS: the A/Bs to run, as "VAR:values" words (default both)
 for ab in ${DIRECT_ABS:-KVXFER_DIRECT_PAGES:16,0 KVXFER_GUEST_INLINE_US:0,50}; do

@@ -8,7 +8,7 @@ export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 rc=0
 {
-echo "# real-model check at heterogeneous TP on the H200 host ($(date -u +%F), $(git rev-parse --short HEAD 2>/dev/null), $(nproc) cpus, load $(cut -d' ' -f1-3 /proc/loadavg))"
+echo "# real-model check at heterogeneous TP on the H200 host ($(date -u +%F), ${KVXFER_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}, $(nproc) cpus, load $(cut -d' ' -f1-3 /proc/loadavg))"
 echo; echo "## pytest tests/hf"; echo '```'
 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/hf --durations=6 2>&1 | tail -12 || rc=1
 echo '```'

@@ -8,7 +8,7 @@ export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 LW="taskset -c 0,1 python3 -m kvxfer bench layerwise --device cpu"
 {
-echo "# layer-wise on 2 pinned cores of the H200 host ($(date -u +%F), $(git rev-parse --short HEAD 2>/dev/null), $(nproc) cpus, load $(cut -d' ' -f1-3 /proc/loadavg))"
+echo "# layer-wise on 2 pinned cores of the H200 host ($(date -u +%F), ${KVXFER_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}, $(nproc) cpus, load $(cut -d' ' -f1-3 /proc/loadavg))"
 echo; echo "## $LW --iters 5"
 timeout 300 $LW --iters 5 --json-out "$OUT/lwcpu.json" 2>&1 | grep -v "UCX  WARN" | tail -20
 for n in 1 8; do

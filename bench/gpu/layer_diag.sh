@@ -9,7 +9,7 @@ export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 LW="python3 -m kvxfer bench layerwise --device cuda --stages"
 {
-echo "# layer-wise / small-write diagnosis ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), $(git rev-parse --short HEAD 2>/dev/null))"
+echo "# layer-wise / small-write diagnosis ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), ${KVXFER_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)})"
 echo; echo "## $LW --layers 32 --tokens 2048,8192 --iters 3"
 timeout 120 $LW --layers 32 --tokens 2048,8192 --iters 3 --json-out "$OUT/lw1.json" 2>&1 | grep -v "UCX  WARN" | tail -20
 echo; echo "## same, --matmul-reps 8"

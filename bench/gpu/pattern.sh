@@ -21,7 +21,7 @@ TOKENS=${PAT_TOKENS:-16000}
 LAYOUTS=${PAT_LAYOUTS:-per_layer,page_major,hnd,mla}
 rc=0
 {
-echo "# Heterogeneous TP, pattern launch on CUDA ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), $(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null))"
+echo "# Heterogeneous TP, pattern launch on CUDA ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), ${KVXFER_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null)})"
 if [ "${PAT_TESTS:-1}" != 0 ]; then
 echo; echo "## tests with KVXFER_TEST_DEVICE=cuda"; echo '```'
 KVXFER_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider ${PAT_TEST_FILES:-tests/kernels/test_pattern_copy.py \

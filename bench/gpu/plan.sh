@@ -9,7 +9,7 @@ export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 rc=0
 {
-echo "# plan cost on the H200 host ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), $(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null), load $(cut -d' ' -f1-3 /proc/loadavg))"
+echo "# plan cost on the H200 host ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), ${KVXFER_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null)}, load $(cut -d' ' -f1-3 /proc/loadavg))"
 if [ -f .whl/old.tar ]; then
     rm -rf /tmp/oldtree && mkdir -p /tmp/oldtree && tar -xf .whl/old.tar -C /tmp/oldtree
     (cd /tmp/oldtree && python3 setup.py build_ext --inplace -q >/dev/null 2>&1)

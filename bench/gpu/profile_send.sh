@@ -8,7 +8,7 @@ set -o pipefail
 export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD} UCX_WARN_UNUSED_ENV_VARS=n
 {
-echo "# Send-path profile ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || echo cpu), $(date -u +%F), $(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null))"
+echo "# Send-path profile ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || echo cpu), $(date -u +%F), ${KVXFER_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null)})"
 for dev in cpu cuda; do
     [ "$dev" = cuda ] && ! nvidia-smi >/dev/null 2>&1 && continue
     echo; echo "## --device $dev"; echo

@@ -4,6 +4,8 @@
 # Installs the carried wheels (.whl/: ucxx-cu13 & co., pytest-asyncio, setuptools) into /tmp/site, installs kvxfer
 # editable (builds the native RMA extension in place), then runs bench/gpu/<area>.sh for each area under a deadline. Every area script writes
 # $OUT/<area>.md; this driver tees its whole log to $OUT/log.txt.
+# Reports name the measured tree by `git rev-parse` there, which can be a stale .git left on the
+# device machine: put KVXFER_COMMIT=<hash> (this checkout's) in the command to name it instead.
 set -u
 export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 KVXFER_TEST_DEVICE=cuda

@@ -10,7 +10,7 @@ export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 rc=0
 {
-echo "# SGLang backend edges on CUDA ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), $(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null))"
+echo "# SGLang backend edges on CUDA ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), ${KVXFER_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null)})"
 echo; echo '```'
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/unit/test_sgl_regions_unit.py \
     tests/unit/test_sgl_messages_unit.py 2>&1 | tail -2 || rc=1

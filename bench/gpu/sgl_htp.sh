@@ -13,7 +13,7 @@ TOKENS=${SGL_HTP_TOKENS:-16000}
 LAYERS=${SGL_HTP_LAYERS:-32}
 rc=0
 {
-echo "# SGLang backend heterogeneous TP on CUDA ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), $(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null))"
+echo "# SGLang backend heterogeneous TP on CUDA ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), ${KVXFER_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null)})"
 echo; echo '```'
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/unit/test_sgl_tp_pairs.py 2>&1 | tail -2 || rc=1
 echo '```'

@@ -11,7 +11,7 @@ export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 rc=0
 {
-echo "# SGLang backend, Mamba state at different TP on CUDA ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), $(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null))"
+echo "# SGLang backend, Mamba state at different TP on CUDA ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), ${KVXFER_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null)})"
 echo; echo '```'
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/unit/test_sgl_tp_pairs.py tests/unit/test_tp_plan.py 2>&1 | tail -2 || rc=1
 echo '```'

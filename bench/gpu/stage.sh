@@ -14,7 +14,7 @@ RATIOS=${STAGE_RATIOS:-"1:2 2:1 4:1 2:4"}
 TOKENS=${STAGE_TOKENS:-16000}
 rc=0
 {
-echo "# Staged heterogeneous TP on CUDA ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), $(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null))"
+echo "# Staged heterogeneous TP on CUDA ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), ${KVXFER_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null)})"
 if [ "${STAGE_TESTS:-1}" != 0 ]; then
 echo; echo "## tests with KVXFER_TEST_DEVICE=cuda"; echo '```'
 KVXFER_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider tests/unit/test_tp_slices.py \

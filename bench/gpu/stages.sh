@@ -7,7 +7,7 @@ export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 rc=0
 {
-echo "# 1-page PD stages on CUDA ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), $(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null))"
+echo "# 1-page PD stages on CUDA ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), ${KVXFER_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null)})"
 if [ -f .whl/old.tar ]; then
     rm -rf /tmp/oldtree && mkdir -p /tmp/oldtree && tar -xf .whl/old.tar -C /tmp/oldtree
     echo; echo "## driver layer: old ($(cat /tmp/oldtree/.commit 2>/dev/null)) vs new"; echo '```'

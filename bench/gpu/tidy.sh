@@ -11,7 +11,7 @@ export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 rc=0
 {
-echo "# tidy: eager layer writes on CUDA ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), $(git rev-parse --short HEAD 2>/dev/null))"
+echo "# tidy: eager layer writes on CUDA ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), ${KVXFER_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)})"
 echo; echo "## CUDA tests"; echo '```'
 KVXFER_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider -rxXf \
   tests/disagg/test_pd_layerwise.py tests/unit/test_eager.py \

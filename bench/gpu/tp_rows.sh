@@ -11,7 +11,7 @@ export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 rc=0
 {
-echo "# Heterogeneous TP bench rows on CUDA ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), $(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null))"
+echo "# Heterogeneous TP bench rows on CUDA ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), ${KVXFER_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null)})"
 echo; echo "## staged-path abandon tests (host pools; the engine side of CUDA is the same code)"; echo '```'
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/engine/test_staged_abandon.py 2>&1 | tail -3 || rc=1
 echo '```'

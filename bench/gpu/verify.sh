@@ -7,7 +7,7 @@ set -o pipefail
 export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 {
-echo "# Session verification on CUDA ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), $(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null))"
+echo "# Session verification on CUDA ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), ${KVXFER_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null)})"
 echo; echo "## tests with KVXFER_TEST_DEVICE=cuda"; echo '```'
 KVXFER_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/transport/test_chain.py \
     tests/engine/test_engine.py tests/disagg/test_pd_layerwise.py tests/disagg/test_pd_tp.py -x 2>&1 | tail -8
