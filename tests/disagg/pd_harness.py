@@ -952,7 +952,6 @@ class Node:
     def stats(self) -> dict:
         s = dict(self.mgr.stats)
         s["lanes"] = sorted(s["lanes"])
-        s["direct_calls"] = self.mgr.direct_calls
         return s
 
     def device_lanes(self) -> dict:
