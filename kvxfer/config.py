@@ -104,6 +104,25 @@ def env_defaults() -> dict:
 
 
 #: environment variable holding the shared secret (see :func:`resolve_secret`)
+#: default of ``KVManager(direct_pages=)`` and of the SGLang backend: a send of up to this
+#: many pages runs on the caller's thread as the engine loop's guest when that loop is idle
+#: (kvxfer.loop_thread.LoopThread.call); ``$KVXFER_DIRECT_PAGES`` overrides it, 0: never
+DIRECT_PAGES = 16
+DIRECT_PAGES_ENV = "KVXFER_DIRECT_PAGES"
+
+
+def direct_pages(value: Optional[int] = None) -> int:
+    """``value``, else ``$KVXFER_DIRECT_PAGES``, else :data:`DIRECT_PAGES`: an int >= 0
+    (InvalidArgument otherwise). Read when a manager is built."""
+    if value is None:
+        raw = os.environ.get(DIRECT_PAGES_ENV, "").strip()
+        try:
+            value = int(raw) if raw else DIRECT_PAGES
+        except ValueError:
+            raise InvalidArgument(f"{DIRECT_PAGES_ENV}={raw!r} is not an int") from None
+    return as_int(value, "direct_pages", 0)
+
+
 SECRET_ENV = "KVXFER_SECRET"
 
 

@@ -128,6 +128,13 @@ class LoopThread:
         self._stopped = False
         #: the thread of the guest run in progress (None: none)
         self._guest: Optional[int] = None
+        #: calls :meth:`call` handed over, and how many of them started on the loop: a
+        #: direct call runs only when they are equal (call order is kept)
+        self._calls_lock = threading.Lock()
+        self._calls_posted = 0
+        self._calls_run = 0
+        #: how many of :meth:`call`'s calls ran direct (counted under the gate)
+        self.direct_calls = 0
 
     def __repr__(self) -> str:
         return f"LoopThread({self.name})"
@@ -242,8 +249,48 @@ class LoopThread:
                     pass
         return done
 
+    def call(self, fn: Callable[..., Any], *args: Any, direct: bool = False) -> bool:
+        """Run ``fn(*args)`` on the loop, handed over (never blocks); with ``direct`` (a short
+        step the caller would otherwise wait a loop wake-up for) instead now, on the calling
+        thread as the loop's guest (:meth:`run_here`), when the loop waits for events and
+        every call handed over by this method before has started. Calls made through this
+        method run in the order they were made either way (per calling thread; across
+        threads, in the order they got here); an exception of ``fn`` goes to the loop's
+        exception handler either way. Returns True when ``fn`` ran direct.
+
+        Runs on: any thread but the loop's (the caller runs its own calls itself there)."""
+        if direct and self.run_here(self._guest_call, fn, args):
+            return True
+        if self._stopped:
+            raise Closed(f"{self!r} is stopped")
+        with self._calls_lock:
+            self._calls_posted += 1
+            self.loop.call_soon_threadsafe(self._handed_call, fn, args)
+        return False
+
+    def _handed_call(self, fn: Callable[..., Any], args: Tuple[Any, ...]) -> None:
+        """A call handed over by :meth:`call`. Runs on: the loop thread."""
+        self._calls_run += 1
+        fn(*args)
+
+    def _guest_call(self, fn: Callable[..., Any], args: Tuple[Any, ...]) -> bool:
+        """:meth:`call`'s direct run, holding the gate: only once every call handed over
+        before it has started (else False: it is handed over behind them). Runs on: the
+        calling thread, as the loop's guest."""
+        if self._calls_run != self._calls_posted:
+            return False
+        self.direct_calls += 1
+        try:
+            fn(*args)
+        except Exception as exc:  # as the loop reports a failed callback
+            self.loop.call_exception_handler(
+                {"message": f"{self.name}: exception in a direct call of {fn!r}", "exception": exc}
+            )
+        return True
+
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Schedule ``fn(*args)`` on the loop from any thread; never blocks."""
+        """Schedule ``fn(*args)`` on the loop from any thread; never blocks (unordered with
+        :meth:`call`'s direct runs: use :meth:`call` where that order matters)."""
         if self._stopped:
             raise Closed(f"{self!r} is stopped")
         self.loop.call_soon_threadsafe(fn, *args)

@@ -43,12 +43,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
 import threading
 import time
 from typing import Any, Callable, Coroutine, Dict, List, Optional, Set, Tuple, Union
 
-from kvxfer import wire
+from kvxfer import config, wire
 from kvxfer.argcheck import as_int
 from kvxfer.config import env_defaults
 from kvxfer.disagg import messages as m
@@ -90,8 +89,6 @@ TP_STAGE_ENGINE: Dict[str, Any] = dict(
 __all__ = ["DisaggMode", "KVManager", "Link", "Timeouts"]
 
 log = logging.getLogger(__name__)
-#: default of ``KVManager(direct_pages=)``: sends of up to this many pages run on the caller
-DIRECT_PAGES = 16
 #: a room's timer that fires less than this before its deadline counts as on time
 _EARLY_S = 1e-3
 
@@ -151,7 +148,7 @@ class KVManager:
         post; on kvxfer's own worker the transport waits inline for the flush only
         ``KVXFER_GUEST_INLINE_US`` on such a thread: 50 µs, 0 on hosts of fewer than 4
         CPUs). 0: every call is
-        handed to the loop. None: ``$KVXFER_DIRECT_PAGES``, else :data:`DIRECT_PAGES`.
+        handed to the loop. None: ``$KVXFER_DIRECT_PAGES``, else :data:`kvxfer.config.DIRECT_PAGES`.
         Figures: bench/results/direct-cpu.md; docs/engine.md, "Guest runs"."""
         from kvxfer.config import resolve_secret
 
@@ -192,13 +189,7 @@ class KVManager:
         if tp_pattern not in TP_PATTERN:
             raise InvalidArgument(f"tp_pattern must be one of {TP_PATTERN}, got {tp_pattern!r}")
         self.tp_pattern = tp_pattern
-        if direct_pages is None:
-            raw = os.environ.get("KVXFER_DIRECT_PAGES", "").strip()
-            try:
-                direct_pages = int(raw) if raw else DIRECT_PAGES
-            except ValueError:
-                raise InvalidArgument(f"KVXFER_DIRECT_PAGES={raw!r} is not an int") from None
-        self.direct_pages = as_int(direct_pages, "direct_pages", 0)
+        self.direct_pages = config.direct_pages(direct_pages)
         self.fingerprint: Dict[str, Any] = args.fingerprint()
         #: end-to-end checksums of every item (kvxfer.disagg.integrity); None when off
         self.integrity: Optional[IntegrityOps] = None
@@ -218,11 +209,7 @@ class KVManager:
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self._loop_tid: Optional[int] = None
         self._thread: Optional[LoopThread] = None
-        #: calls handed over to the loop by other threads, and how many of them started
-        #: there: a direct call runs only when they are equal (call order is kept)
-        self._calls_lock = threading.Lock()
-        self._calls_posted = 0
-        self._calls_run = 0
+        self._direct_lock = threading.Lock()  # stats["direct_calls"] (scheduler threads)
         self._tasks: Set[asyncio.Task] = set()
         self._closed = False
         self._idle: Optional[asyncio.Future] = None  # close(): resolved when no room is left
@@ -424,7 +411,7 @@ class KVManager:
         ``direct``: a short step the caller would wait a loop wake-up for (a small send):
         when the manager runs on its own :class:`~kvxfer.loop_thread.LoopThread`, that loop
         waits for events and every call handed over before has run, ``fn`` runs now on the
-        calling thread as a guest of the loop (:meth:`LoopThread.run_here`); otherwise it is
+        calling thread as a guest of the loop (:meth:`LoopThread.call`); otherwise it is
         handed over as usual. Calls from one thread run in the order they were made either
         way; an exception of ``fn`` goes to the loop's exception handler either way.
 
@@ -434,32 +421,11 @@ class KVManager:
             fn(*args)
             return
         lt = self._thread
-        if direct and lt is not None and lt.run_here(self._guest_call, fn, args):
-            return
-        loop = self._running_loop()
-        with self._calls_lock:
-            self._calls_posted += 1
-            loop.call_soon_threadsafe(self._handed_call, fn, args)
-
-    def _handed_call(self, fn: Callable[..., Any], args: Tuple[Any, ...]) -> None:
-        """A call handed over by :meth:`call`. Runs on: the loop thread."""
-        self._calls_run += 1
-        fn(*args)
-
-    def _guest_call(self, fn: Callable[..., Any], args: Tuple[Any, ...]) -> bool:
-        """:meth:`call`'s direct run, holding the loop's gate: only once every call handed
-        over before it has run (else False: it is handed over behind them). Runs on: the
-        calling thread, as a guest of the loop."""
-        if self._calls_run != self._calls_posted:
-            return False
-        self.stats["direct_calls"] += 1
-        try:
-            fn(*args)
-        except Exception as exc:  # as the loop reports a failed callback
-            self._running_loop().call_exception_handler(
-                {"message": f"{self.name}: exception in a direct call of {fn!r}", "exception": exc}
-            )
-        return True
+        if lt is None:  # a foreign loop: no guests there, so plain hand-over keeps the order
+            self._running_loop().call_soon_threadsafe(fn, *args)
+        elif lt.call(fn, *args, direct=direct):
+            with self._direct_lock:
+                self.stats["direct_calls"] += 1
 
     def call_wait(self, fn: Callable[..., Any], *args: Any, timeout: float = 30.0) -> Any:
         """Run ``fn(*args)`` on the loop and return its result (blocks a foreign thread).
@@ -476,10 +442,7 @@ class KVManager:
             except BaseException as exc:
                 cf.set_exception(exc)
 
-        loop = self._running_loop()
-        with self._calls_lock:
-            self._calls_posted += 1
-            loop.call_soon_threadsafe(self._handed_call, run, ())
+        self.call(run)
         return cf.result(timeout)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> "asyncio.Task[Any]":

@@ -395,6 +395,47 @@ class Peer:
             )
         return res
 
+    async def notify(self, payload: bytes, timeout: Optional[float] = None) -> None:
+        """Deliver ``payload`` to the peer's message handlers as a write's notification
+        without a write: where the peer takes chained notifications (and ``payload`` fits
+        one), natively on the RMA endpoint — one active message, no flush, so it follows the
+        bytes of every write that completed before this call, not those still in flight —
+        else on the channel as :meth:`send`. Ordered with this peer's other notifications
+        (``EngineConfig.notify_order``), not with :meth:`send`'s messages. Raises
+        InvalidArgument, PeerClosed / TransferTimeout / TransportError."""
+        self._check_open()
+        if not isinstance(payload, (bytes, bytearray, memoryview)):
+            raise InvalidArgument(f"notify must be bytes, got {type(payload).__name__}")
+        timeout = self._timeout if timeout is None else timeout
+        # in call order with the other notifications: after the previous one was handed over
+        gate_prev = gate = None
+        if self._config.notify_order:
+            gate_prev, gate = self._note_gate, self._loop.create_future()
+            self._note_gate = gate
+        try:
+            if gate_prev is not None and not gate_prev.done():
+                await self._bounded(asyncio.wait([gate_prev]), timeout, "notify order")
+            fut = None
+            if chainable(self._note_to, payload, False, True):
+                fut = self._rma.note_future(self._note_to, bytes(payload))
+            if fut is None:
+                await self._bounded(
+                    self._channel.send(m.AppMessage(payload=bytes(payload)).encode(), timeout),
+                    timeout,
+                    "notify",
+                )
+                return
+            if gate is not None:  # handed to UCX: later notifications may go behind it
+                gate.set_result(None)
+            await self._bounded_future(fut, timeout, "notify")
+            self._notes_sent += 1
+        except PeerClosed as exc:
+            self._mark_dead(exc)
+            raise
+        finally:
+            if gate is not None and not gate.done():
+                gate.set_result(None)
+
     async def write(
         self,
         writes: Iterable[Union[ItemWrite, RawWrite, SliceWrite, PatternWrite]],

@@ -430,6 +430,38 @@ static void cq_req_begin_locked(cq_core_t *c)
         (void)ucp_worker_signal(c->own);
 }
 
+static void cq_core_free(cq_core_t *c);
+
+/* cq_req_begin_locked for a request whose starter may end it inline (flush_notify): counts
+ * it without waking the own worker's thread; returns whether it took `inflight` from 0, in
+ * which case the starter calls cq_req_wake once the call is over. */
+static int cq_req_begin_quiet_locked(cq_core_t *c)
+{
+    c->refs++;
+    if (__atomic_fetch_add(&c->inflight, 1, __ATOMIC_ACQ_REL) != 0 || c->own == NULL)
+        return 0;
+    c->refs++; /* the starter's, until cq_req_wake: the request may end (and a concurrent
+                * close drop the Python object's) before the starter looks at the core */
+    return 1;
+}
+
+/* The deferred half of cq_req_begin_quiet_locked (called without the lock): wake the own
+ * worker's thread only if something is in flight now - it may sleep with no timeout, armed
+ * while `inflight` was 0, and a request that went pending (ours, or another's that began
+ * while ours counted: its starter saw `inflight` > 0 and left the wake to us) needs it. A
+ * request that ended within the call leaves it asleep: no thread switch per inline end. */
+static void cq_req_wake(cq_core_t *c)
+{
+    int free_it = 0;
+    if (__atomic_load_n(&c->inflight, __ATOMIC_ACQUIRE) > 0)
+        (void)ucp_worker_signal(c->own);
+    pthread_mutex_lock(&c->mu);
+    cq_core_unref_locked(c, &free_it);
+    pthread_mutex_unlock(&c->mu);
+    if (free_it)
+        cq_core_free(c);
+}
+
 static void cq_req_end_locked(cq_core_t *c, int *free_it)
 {
     __atomic_fetch_sub(&c->inflight, 1, __ATOMIC_ACQ_REL);
@@ -1379,6 +1411,7 @@ static PyObject *cq_flush_notify(CompletionQueue *self, PyObject *args)
     int pending     = 0;
     double inline_us = 0.0;
     int noflush      = 0;
+    int wake         = 0;
     cq_core_t *c    = cq_core(self);
     if (c == NULL || !PyArg_ParseTuple(args, "OKpKKy*|dp", &ep_o, &token, &spin, &ctx, &note, &pl,
                                        &inline_us, &noflush))
@@ -1414,7 +1447,16 @@ static PyObject *cq_flush_notify(CompletionQueue *self, PyObject *args)
         free(ch);
         return PyLong_FromLong(UCS_ERR_CANCELED);
     }
-    cq_req_begin_locked(c); /* a core reference held by the chain until it is released */
+    /* a core reference held by the chain until it is released. A chain this call may end
+     * itself (a bare notification; or an inline wait, which progresses the worker here)
+     * wakes the own worker's thread after the call (cq_req_wake), not now: that thread
+     * need not race the inline progress, nor wake at all for a chain that ended inline.
+     * Any other wakes it now, to take the completion while this thread goes back to Python
+     * (later, its completion wake-up took 3x longer: bench/results/sgl-latency-cpu.md). */
+    if (noflush || inline_us > 0)
+        wake = cq_req_begin_quiet_locked(c);
+    else
+        cq_req_begin_locked(c);
     if (ch->x != NULL)
         ch->x->refs++;
     if (spin) {
@@ -1427,6 +1469,8 @@ static PyObject *cq_flush_notify(CompletionQueue *self, PyObject *args)
                 f = ep_ctx_unref_locked(ch->x);
             pthread_mutex_unlock(&c->mu);
             (void)f; /* the Python object holds a core reference */
+            if (wake)
+                cq_req_wake(c); /* another request may have begun behind our count */
             free(ch);
             errno = err;
             return PyErr_SetFromErrno(PyExc_OSError);
@@ -1474,6 +1518,8 @@ static PyObject *cq_flush_notify(CompletionQueue *self, PyObject *args)
     }
     if (!pending)
         chain_release(ch, 0, st);
+    if (wake)
+        cq_req_wake(c);
     Py_END_ALLOW_THREADS
     if (pending)
         Py_RETURN_NONE;

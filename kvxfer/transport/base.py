@@ -133,6 +133,14 @@ class RmaEndpoint(abc.ABC):
         endpoint cannot chain (the caller flushes and sends the message itself)."""
         return None
 
+    def note_future(self, note_token: int, payload: bytes) -> "Optional[asyncio.Future]":
+        """Send ``payload`` to the peer's notification listener ``note_token`` now, with no
+        flush first (so it may overtake PUTs still in flight; those that completed are
+        visible before it) and no wait on the calling thread. Resolves like
+        :meth:`flush_notify_future` once the payload left. None: this endpoint has no
+        notifications (the caller uses its channel)."""
+        return None
+
     def on_failed(self, callback: Callable[[Exception], None]) -> None:
         """Call ``callback(exc)`` if a data-plane endpoint of its own fails (Runs on: the
         asyncio loop thread). Endpoints that share the channel's connection never call it (the channel

@@ -268,6 +268,19 @@ class UcxTransport(Transport):
             "flush + notify" if note_token else "ucp_ep_flush",
         )
 
+    def note_future(
+        self, ep_handle: int, ctx: int, note_token: int, payload: bytes
+    ) -> asyncio.Future:
+        """Send ``payload`` as a native active message to the peer's ``note_token`` on the
+        RMA endpoint ``ep_handle`` now (no flush, no inline wait; ``ctx``: its error-handler
+        context, whose closing cancels the send, or 0); resolves like :meth:`frame_future`."""
+        return self._started(
+            lambda token: self._cq.flush_notify(
+                ep_handle, token, False, ctx, note_token, payload, 0.0, True
+            ),
+            "notification send",
+        )
+
     def frame_future(self, ep_handle: int, note_token: int, payload: bytes) -> asyncio.Future:
         """Send ``payload`` as a native active message to the peer's ``note_token`` on
         ``ep_handle`` now (no flush first; ordered after earlier active messages on the

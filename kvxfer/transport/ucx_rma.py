@@ -176,6 +176,12 @@ class UcxRma(RmaEndpoint):
         ctx = self._raw[1] if self._raw is not None else 0
         return self._t.chain_future(self._handle(), spin, ctx, note_token, payload)
 
+    def note_future(self, note_token: int, payload: bytes):
+        """One native active message to ``note_token``, no flush, no inline wait (see
+        base.RmaEndpoint); like a chain, an owned endpoint's closing cancels it."""
+        ctx = self._raw[1] if self._raw is not None else 0
+        return self._t.note_future(self._handle(), ctx, note_token, payload)
+
     def info(self) -> str:
         return self._t.rma.ep_info(self._handle())
 

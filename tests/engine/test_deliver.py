@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kvxfer.engine import ItemWrite
+from kvxfer.errors import InvalidArgument
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -219,5 +220,35 @@ def test_close_waits_for_a_teardown_under_way():
             await asyncio.wait_for(p.b.close(), 30)
             assert td.done() and td.exception() is None
             await p.b.close()  # idempotent once done
+
+    asyncio.run(main())
+
+
+def test_notify_without_a_write_goes_on_the_notification_lane_in_order():
+    """``Peer.notify``: a notification with no write - natively on the RMA endpoint where
+    the peer takes chained notifications (counted as a chained note), after the bytes of the
+    writes before it, in order with write notifications; on the channel where it does not."""
+
+    async def main():
+        seen = []
+        async with Pair(lambda peer, payload: seen.append(payload)) as p:
+            a_buf, b_buf = p.bufs["a"], p.bufs["b"]
+            notes0 = p.a._notes_sent
+            for i in range(4):
+                a_buf[1 * ITEM : 2 * ITEM] = 10 + i
+                await p.a.write([ItemWrite("kv", [1], [3 + i])], timeout=10)
+                await p.a.notify(b"done%d" % i)
+                await p.notify(b"w%d" % i)
+            await until(lambda: len(seen) == 8, "eight notifications")
+            assert seen == [b"%s%d" % (k, i) for i in range(4) for k in (b"done", b"w")]
+            assert p.a._notes_sent - notes0 == 8  # all chained: the native lane
+            for i in range(4):
+                assert (b_buf[(3 + i) * ITEM : (4 + i) * ITEM] == 10 + i).all()
+            p.a._note_to = 0  # as a peer without chained notifications: the channel
+            await p.a.notify(b"chan")
+            await until(lambda: seen[-1:] == [b"chan"], "the channel's delivery")
+            assert p.a._notes_sent - notes0 == 8
+            with pytest.raises(InvalidArgument, match="must be bytes"):
+                await p.a.notify("text")
 
     asyncio.run(main())

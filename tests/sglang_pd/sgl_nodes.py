@@ -580,6 +580,17 @@ class PrefillNode(Node):
     def last_send_time(self):
         return self.t_send
 
+    def send_then_abort(self, room, pages):
+        """The last chunk's ``send`` and, right behind it on the same (scheduler) thread,
+        ``abort`` - no command round trip between them."""
+        self.send(room, pages, True)
+        self.abort(room)
+        return True
+
+    def direct_calls(self, name):
+        """How many scheduler calls of scenario ``name`` ran as the engine loop's guest."""
+        return self.scen[name]["mgr"].engine.direct_calls
+
     def incompatible(self, name, changes=None):
         """Prefill's verdict on a decode registration like its own but with ``changes``."""
         from kvxfer.integrations.sglang.messages import SglRegister

@@ -231,6 +231,37 @@ def test_abort_from_prefill_reaches_decode_after_the_write(cluster):
     assert pf.failure(room)[0] == "KVTransferError"
 
 
+def test_direct_sends_and_aborts_right_behind_them(cluster):
+    """A small last chunk's write is planned and posted on the scheduler's thread (the engine
+    loop's guest, when idle) and its SglDone goes on the RMA endpoint's notification lane.
+    An abort right behind such a send on the same thread: prefill's room is Failed; decode's
+    ends terminal - Failed, or Success where the write and its SglDone completed before the
+    abort ran (the receiver keeps the first terminal state it polled; then every byte is
+    there). Rooms sent normally in between are byte-exact."""
+    pf, dc, port = cluster["pf"], cluster["dc"], cluster["ports"][0]
+    d0 = pf.direct_calls("mha")
+    for room in range(5001, 5021):
+        rng = random.Random(room)
+        p_pages, d_pages = _pages(rng, 1), _pages(rng, 1)
+        pf.fill("mha", room, p_pages)
+        _open(pf, dc, "mha", port, room, d_pages, 9, 9, 31, N.PAGE)
+        if room % 2:
+            assert pf.send_then_abort(room, p_pages)
+            assert pf.poll(room) == FAILED
+            if dc.wait(room, DONE, 30) == SUCCESS:
+                assert dc.read("mha", d_pages) == dc.expected("mha", room, 1)
+            else:
+                assert "Aborted by prefill" in dc.failure(room)[1]
+        else:
+            assert pf.send(room, p_pages, True) is True
+            assert pf.wait(room, DONE, 30) == SUCCESS
+            assert dc.wait(room, DONE, 30) == SUCCESS
+            assert dc.read("mha", d_pages) == dc.expected("mha", room, 1)
+        pf.clear(room)
+        dc.clear(room)
+    assert pf.direct_calls("mha") > d0  # an idle loop: sends ran direct
+
+
 def test_unsupported_is_refused_with_the_reason(cluster):
     pf, dc = cluster["pf"], cluster["dc"]
     kind, msg = dc.refused("mha", "swa")

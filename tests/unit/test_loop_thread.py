@@ -255,3 +255,59 @@ def test_guest_runs_and_the_loop_never_overlap():
         th.join(10.0)
         lt.stop(5.0)
     assert not overlaps and guests[0] > 0
+
+
+def test_call_keeps_order_between_handed_over_and_direct_calls():
+    """``LoopThread.call``: a direct call runs on the caller as the loop's guest only when the
+    loop is idle and every call handed over before it has started; otherwise it is handed
+    over behind them. The loop's own calls run at once. An exception of ``fn`` goes to the
+    loop's exception handler on either path; ``direct_calls`` counts the guest runs."""
+    lt = _started("kvxfer-test-call")
+    errors = []
+    lt.loop.call_soon_threadsafe(lt.loop.set_exception_handler, lambda _l, ctx: errors.append(ctx))
+    try:
+        _idle(lt)
+        order = []
+        me = threading.get_ident()
+        hold, held = threading.Event(), threading.Event()
+
+        def block():
+            held.set()
+            assert hold.wait(5.0)
+
+        assert lt.call(order.append, ("direct", threading.get_ident()), direct=True) is True
+        assert order == [("direct", me)] and lt.direct_calls == 1
+        assert lt.call(block) is False and held.wait(5.0)  # the loop is busy in `block`
+        assert lt.call(order.append, "handed") is False
+        hold.set()
+        _idle(lt)
+        # the loop has run `handed`: a direct call now runs here, after it
+        assert lt.call(lambda: order.append(("after", threading.get_ident())), direct=True)
+        assert order[1:] == ["handed", ("after", me)] and lt.direct_calls == 2
+        # a handed-over call not yet started keeps a direct call behind it
+        hold.clear()
+        held.clear()
+        lt.call(block)
+        assert held.wait(5.0)
+        lt.call(order.append, "queued")
+        assert lt.call(order.append, "late", direct=True) is False  # busy: handed over
+        hold.set()
+        _idle(lt)
+        assert order[-2:] == ["queued", "late"] and lt.direct_calls == 2
+        # an idle loop with a handed-over call that has not started yet (the window between
+        # its post and the loop waking up, made here by the counter): handed over behind it
+        lt._calls_posted += 1
+        assert lt.call(order.append, "behind", direct=True) is False
+        lt._calls_run += 1
+        _idle(lt)
+        assert order[-1] == "behind" and lt.direct_calls == 2
+        assert lt.call(lambda: 1 / 0, direct=True) is True
+        lt.call(lambda: 1 / 0)
+        _idle(lt)
+        kinds = [type(c.get("exception")).__name__ for c in errors]
+        assert kinds == ["ZeroDivisionError", "ZeroDivisionError"], errors
+        assert "direct call" in errors[0]["message"]
+    finally:
+        lt.stop(5.0)
+    with pytest.raises(Closed):
+        lt.call(order.append, "stopped")

@@ -49,11 +49,23 @@ class EngineLoop:
     def in_loop(self) -> bool:
         return self._lt.in_loop()
 
-    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Runs on: any thread (SGLang's scheduler or control thread); ``fn`` on the loop."""
+    def call_soon(self, fn: Callable[..., Any], *args: Any, direct: bool = False) -> bool:
+        """Run ``fn(*args)`` on the loop, in call order (:meth:`LoopThread.call`): handed
+        over, or with ``direct`` (a short step, e.g. posting a small chunk's write) now on
+        the calling thread as the loop's guest when the loop is idle; True when it ran
+        direct. Runs on: any thread (SGLang's scheduler or control thread); on the loop's
+        own thread ``fn`` runs now."""
         if self._closed:
             raise Closed(f"{self!r} is closed")
-        self._lt.call_soon(fn, *args)
+        if self._lt.in_loop():
+            fn(*args)
+            return False
+        return self._lt.call(fn, *args, direct=direct)
+
+    @property
+    def direct_calls(self) -> int:
+        """How many :meth:`call_soon` calls ran direct, as the loop's guest."""
+        return self._lt.direct_calls
 
     def run(self, coro: Any, timeout: float) -> Any:
         """Run ``coro`` on the loop from another thread; bounded by ``timeout`` (+1 s).

@@ -34,6 +34,7 @@ import zmq
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification
 
+from kvxfer import config, eager
 from kvxfer.disagg.errors import TpShapeMismatch
 from kvxfer.errors import (
     IncompatiblePeer,
@@ -123,12 +124,16 @@ class PrefillPath:
     def __init__(self, mgr) -> None:
         self.mgr = mgr
         self.decodes: Dict[str, Decode] = {}  # guarded by mgr.room_lock
-        self.chains: Dict[int, asyncio.Task] = {}  # engine loop only
+        self.chains: Dict[int, asyncio.Future] = {}  # engine loop (or its guest) only
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.notifier = concurrent.futures.ThreadPoolExecutor(1, "kvxfer-sgl-notify")
-        #: test hook: awaited on the loop right before each write of a room (None: off)
+        #: test hook: awaited on the loop right before each write of a room (None: off;
+        #: while set, no chunk runs direct)
         self.before_write = None
+        #: chunks of at most this many pages run on the scheduler's thread as the engine
+        #: loop's guest when it is idle ($KVXFER_DIRECT_PAGES, as kvxfer.disagg's managers)
+        self.direct_pages = config.direct_pages()
 
     def start(self) -> None:
         self.mgr.engine.engine.on_peer_closed(self._peer_closed)
@@ -387,7 +392,10 @@ class PrefillPath:
             mgr._staging_outstanding[room] += 1
             stats = mgr.room_stats.get(room)
         chunk = Chunk(kv_indices, index_slice, last, aux_index, state_indices)
-        mgr.engine.call_soon(self._enqueue, room, chunk, infos, stats)
+        # a small chunk's write is planned and posted right here when the engine loop is
+        # idle (its guest; test hooks must run on the loop itself)
+        direct = len(chunk.kv) <= self.direct_pages and self.before_write is None
+        mgr.engine.call_soon(self._enqueue, room, chunk, infos, stats, direct=direct)
 
     def targets(self, room: int):
         with self.mgr.room_lock:
@@ -423,9 +431,16 @@ class PrefillPath:
 
     # ------------------------------------------------------------------ engine loop
     def _enqueue(self, room: int, chunk: Chunk, infos, stats) -> None:
-        """Runs on: the engine's loop thread (handed over by the scheduler thread)."""
+        """Runs on: the engine's loop thread (handed over by the scheduler thread), or the
+        scheduler thread as the loop's guest. A chunk whose room has no write in flight
+        starts on this stack (:mod:`kvxfer.eager`: planned and posted before this returns,
+        no loop iteration first); one behind another chunk of its room waits in a task."""
         prev = self.chains.get(room)
-        task = asyncio.get_running_loop().create_task(self._run(room, chunk, infos, stats, prev))
+        coro = self._run(room, chunk, infos, stats, None if prev is None or prev.done() else prev)
+        if prev is None or prev.done():
+            task = eager.start(_spawn, coro)
+        else:
+            task = _spawn(coro)
         self.chains[room] = task
         task.add_done_callback(lambda t: self._settled(room, t))
 
@@ -440,9 +455,13 @@ class PrefillPath:
         try:
             # one write per decode rank, concurrently; every one settles before the task
             # ends (the room's outstanding count, hence the drained-abort ack, waits for all)
-            done_or_exc = await asyncio.gather(
-                *(self._write_one(room, chunk, i, stats) for i in live), return_exceptions=True
-            )
+            if len(live) == 1:  # no gather: its task per write would cost a loop iteration
+                done_or_exc = [await _outcome(self._write_one(room, chunk, live[0], stats))]
+            else:
+                done_or_exc = await asyncio.gather(
+                    *(self._write_one(room, chunk, i, stats) for i in live),
+                    return_exceptions=True,
+                )
             excs = [r for r in done_or_exc if isinstance(r, BaseException)]
             if excs:  # a timed-out write first: it poisons the room's ack (below)
                 raise next((e for e in excs if isinstance(e, TransferTimeout)), excs[0])
@@ -450,8 +469,12 @@ class PrefillPath:
             if not chunk.last or mgr.request_status.get(room) != KVPoll.Transferring:
                 return
             done = SglDone(room=room, prefill_rank=mgr._prefill_unique_rank()).encode()
+            # alone in flight, the notification lane (Peer.notify: decode has it sooner);
+            # with other rooms' writes in flight, the channel (more rooms/s there:
+            # bench/results/sgl-latency-cpu.md)
+            lane = len(self.chains) <= 1
             for peer in peers:
-                await peer.send(done)
+                await (peer.notify(done) if lane else peer.send(done))
             mgr.update_status(room, KVPoll.Success)
             mgr.metrics.succeeded(stats.latency_s if stats is not None else None)
         except (KvxferError, OSError) as exc:
@@ -612,6 +635,29 @@ class PrefillPath:
 
     def metadata_message(self, *args):
         raise NotImplementedError("prefill ranks do not send room metadata")
+
+
+def _spawn(coro) -> "asyncio.Task":
+    """A room chain's task (or an eager chain's continuation / follower): its failure is
+    reported by :meth:`PrefillPath._settled`, so it is retrieved here. Runs on: the loop
+    (or its guest)."""
+    task = asyncio.get_running_loop().create_task(coro)
+    task.add_done_callback(_retrieve)
+    return task
+
+
+def _retrieve(task: "asyncio.Future") -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+async def _outcome(coro):
+    """``await coro``, its exception returned instead of raised (as ``gather``'s
+    ``return_exceptions``); cancellation still propagates."""
+    try:
+        return await coro
+    except Exception as exc:
+        return exc
 
 
 __all__ = ["PrefillPath"]

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# A/B of two source trees on the H200 in one call: `bash bench/gpu/run_all.sh trees` with
+# the other tree carried as .whl/base.tar (`git archive --prefix=base/ -o .whl/base.tar REV`).
+# Builds the base tree's native extension in place, then runs `kvxfer bench pd --device cuda`
+# ROUNDS times per tree, alternating (PYTHONPATH picks the tree's kvxfer; pools come from the
+# installed checkout, identical in both), and bench/ab/env_compare.py on the JSON files.
+# TESTS=1 first runs the loop-thread, delivery, transport and direct-call tests on CUDA pools.
+# Writes $OUT/trees.md and $OUT/trees/<tree>-<round>.json.
+set -o pipefail
+export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT/trees"
+SITE=${PYTHONPATH:-$PWD}; SITE=${SITE%%:*}  # /tmp/site (run_all.sh's wheels) or the repo
+ARGS=${PD_ARGS:---modes none --stages --latency-requests 1000 --throughput-requests 3000 --large-pages 256 --iters 1}
+ROOT=/tmp/trees; rm -rf "$ROOT"; mkdir -p "$ROOT"
+{
+echo "# Trees A/B on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) ($(date -u +%F); new = ${KVXFER_COMMIT:-this checkout}, base = ${BASE_NAME:-.whl/base.tar})"
+if [ "${TESTS:-0}" = 1 ]; then
+    echo '```'
+    KVXFER_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider \
+        tests/unit/test_loop_thread.py tests/engine/test_deliver.py tests/transport \
+        tests/disagg/test_direct_calls.py tests/disagg/test_pd_flow.py 2>&1 | tail -4
+    echo '```'
+fi
+tar -xf .whl/base.tar -C "$ROOT" && (cd "$ROOT/base" && PYTHONPATH=$SITE python3 setup.py -q build_ext --inplace 2>&1 | grep -iE "^error|error:" ; ls kvxfer/transport/*.so)
+ln -sfn "$PWD" "$ROOT/new"
+echo; echo "kvxfer bench pd --device cuda $ARGS, ROUNDS=${ROUNDS:-3}"; echo '```'
+for r in $(seq 1 "${ROUNDS:-3}"); do
+    order="new base"; [ $((r % 2)) = 0 ] && order="base new"
+    for t in $order; do
+        echo "### round $r $t"
+        (cd "$ROOT" && PYTHONPATH=$SITE:$ROOT/$t UCX_WARN_UNUSED_ENV_VARS=n timeout 240 python3 -m kvxfer bench pd \
+            --device cuda $ARGS --json-out "$OUT/trees/$t-$r.json" > "$OUT/trees/$t-$r.log" 2>&1) \
+            || { echo "!! rc=$?"; tail -5 "$OUT/trees/$t-$r.log"; }
+    done
+done
+echo '```'
+python3 bench/ab/env_compare.py "$OUT/trees" tree new base
+} 2>&1 | tee "$OUT/trees.md"

@@ -1,0 +1,177 @@
+"""SGLang backend latency: a 1-page request through kvxfer's SGLang classes, against the raw
+engine write of the same bytes, in the same run.
+
+Real parts as in ``make test-sglang`` (tests/sglang_pd: sglang's pools, ``KVArgs``, metadata
+buffers, ``get_kv_class(TransferBackend("kvxfer"), ...)``; one process per role over UCX on
+loopback, CPU pools). Figures (µs):
+
+- ``sgl``: prefill's ``KVSender.send`` → decode's manager makes the room Success (SglDone
+  handled), one request at a time (the next once prefill's manager made the last Success);
+- ``raw``: the backend's own planner and peer write the same items (``EngineLoop.run`` from
+  the scheduler-like thread, as any handed-over call), until the write settled;
+- ``raw + notify``: the same with a ``Ping`` notification, until decode handled it;
+- requests/s: every room of a batch (200) sent back to back, first send → decode's last
+  Success.
+
+Run in the SGLang environment (``make test-sglang`` builds it):
+
+    .venv-sglang/bin/python bench/sgl_latency.py [--requests 500] [--throughput 500]
+        [--json] [--out FILE.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.join(os.path.dirname(HERE), "tests", "sglang_pd")
+
+
+def _paths() -> None:
+    """tests/sglang_pd (the nodes) and this folder on sys.path (spawned children inherit it),
+    with the torchvision stand-in where torchvision does not import (tests/sglang_pd/conftest)."""
+    if importlib.util.find_spec("sglang") is None:
+        sys.exit("sglang is not importable: run this with .venv-sglang/bin/python")
+    try:
+        import torchvision  # noqa: F401
+    except Exception:
+        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[name]
+        sys.path.insert(0, os.path.join(TESTS, "_stubs"))
+    for p in (TESTS, HERE):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+
+
+def pct(xs, q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=500, help="1-page requests timed")
+    ap.add_argument("--throughput", type=int, default=500, help="requests sent back to back")
+    ap.add_argument("--batch", type=int, default=50, help="rooms opened at a time")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", default=None, help="also write the table to this file")
+    args = ap.parse_args(argv)
+    _paths()
+    import sgl_latency_nodes as B
+    import sgl_nodes as N
+    from sgl_harness import ENV
+
+    from kvxfer.procs import Worker
+
+    workers = [
+        Worker(N.BootstrapServers, 1, name="bootstrap", env=ENV),
+        Worker(B.bench_node, "prefill", name="prefill", env=ENV, timeout=300),
+        Worker(B.bench_node, "decode", name="decode", env=ENV, timeout=300),
+    ]
+    try:
+        for w in workers:
+            w.launch()
+        for w in workers:
+            w.ready(300)
+        (port,) = workers[0].proxy(N.BootstrapServers).ports()
+        pf = workers[1].proxy(B.BenchPrefill)
+        dc = workers[2].proxy(B.BenchDecode)
+        pf.add("mha", "mha", port, timeout=120)
+        dc.add("mha", "mha", port, timeout=120)
+        pf.setup("mha")
+        dc.setup("mha")
+        next_room = [1]
+
+        def open_rooms(n):
+            rooms = list(range(next_room[0], next_room[0] + n))
+            next_room[0] += n
+            pf.open_many("mha", rooms, port)
+            dc.open_many("mha", rooms, port)
+            pf.arm_many("mha", rooms)
+            return rooms
+
+        def run_latency(n):
+            lat = []
+            while n > 0:
+                rooms = open_rooms(min(n, args.batch))
+                sent = pf.latency(rooms)
+                got = dc.wait_all(rooms)
+                bad = [r for r in rooms if got[r] <= 0]
+                if bad:
+                    raise RuntimeError(f"rooms {bad[:5]} did not succeed at decode")
+                lat += [(got[r] - sent[r]) / 1e3 for r in rooms]
+                pf.clear_many(rooms)
+                dc.clear_many(rooms)
+                n -= len(rooms)
+            return lat
+
+        run_latency(2 * args.batch)  # warm-up
+        pf.direct_sends()
+        lat = run_latency(args.requests)
+        direct = pf.direct_sends()
+        (room,) = open_rooms(1)
+        raw = pf.raw("mha", room, args.requests, False)
+        rawn = pf.raw("mha", room, args.requests, True)
+        rx = dc.raw_receipts()
+        pf.latency([room])
+        dc.wait_all([room])
+        raw_us = [(b - a) / 1e3 for a, b, _ in raw]
+        rawn_us = [(rx[s] - a) / 1e3 for a, _, s in rawn if s in rx]
+        rates = []
+        left = args.throughput
+        while left > 0:
+            rooms = open_rooms(min(left, 200))
+            t = pf.throughput(rooms)
+            got = dc.wait_all(rooms)
+            if t["failed"] or min(got.values()) <= 0:
+                raise RuntimeError(f"throughput rooms failed (prefill: {t['failed']})")
+            rates.append(len(rooms) / ((max(got.values()) - t["t0"]) / 1e9))
+            pf.clear_many(rooms)
+            dc.clear_many(rooms)
+            left -= len(rooms)
+        row = dict(
+            requests=len(lat),
+            sgl_p50_us=pct(lat, 50),
+            sgl_p99_us=pct(lat, 99),
+            raw_p50_us=pct(raw_us, 50),
+            raw_notify_p50_us=pct(rawn_us, 50),
+            raw_notify_p99_us=pct(rawn_us, 99),
+            req_per_s=statistics.median(rates),
+            direct_share=direct / max(1, len(lat)),
+            over_1ms=sum(1 for x in lat if x > 1000.0) / max(1, len(lat)),
+        )
+        row["sgl_over_raw_notify"] = row["sgl_p50_us"] / row["raw_notify_p50_us"]
+    finally:
+        for w in reversed(workers):
+            w.close()
+    table = "\n".join(
+        [
+            "| figure | value |",
+            "|---|---|",
+            f"| SGLang 1-page send → decode Success p50 µs | {row['sgl_p50_us']:.1f} |",
+            f"| SGLang 1-page p99 µs | {row['sgl_p99_us']:.1f} |",
+            f"| share of SGLang 1-page requests over 1 ms | {row['over_1ms']:.3f} |",
+            f"| raw write p50 µs | {row['raw_p50_us']:.1f} |",
+            f"| raw write + notify until decode has it, p50 µs | {row['raw_notify_p50_us']:.1f} |",
+            f"| raw write + notify p99 µs | {row['raw_notify_p99_us']:.1f} |",
+            f"| SGLang p50 / (raw + notify) p50 | {row['sgl_over_raw_notify']:.2f} |",
+            f"| requests/s (back to back until decode's last Success, median of batches) | {row['req_per_s']:.0f} |",
+            f"| share of the timed sends run direct (loop's guest) | {row['direct_share']:.2f} |",
+        ]
+    )
+    print(json.dumps(row) if args.json else table)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
