@@ -258,7 +258,7 @@ class LoopThread:
         threads, in the order they got here); an exception of ``fn`` goes to the loop's
         exception handler either way. Returns True when ``fn`` ran direct.
 
-        Runs on: any thread but the loop's (the caller runs its own calls itself there)."""
+        Runs on: any thread (on the loop's own, or in a guest run, it is handed over)."""
         if direct and self.run_here(self._guest_call, fn, args):
             return True
         if self._stopped:

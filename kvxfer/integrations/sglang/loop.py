@@ -53,13 +53,10 @@ class EngineLoop:
         """Run ``fn(*args)`` on the loop, in call order (:meth:`LoopThread.call`): handed
         over, or with ``direct`` (a short step, e.g. posting a small chunk's write) now on
         the calling thread as the loop's guest when the loop is idle; True when it ran
-        direct. Runs on: any thread (SGLang's scheduler or control thread); on the loop's
-        own thread ``fn`` runs now."""
+        direct. Runs on: any thread (SGLang's scheduler or control thread; on the loop's own
+        thread it is handed over too)."""
         if self._closed:
             raise Closed(f"{self!r} is closed")
-        if self._lt.in_loop():
-            fn(*args)
-            return False
         return self._lt.call(fn, *args, direct=direct)
 
     @property
