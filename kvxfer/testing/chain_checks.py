@@ -18,8 +18,8 @@ class ChainNode:
     def ordering(self, error_mode: str, rounds: int, mib: int, spin: bool) -> dict:
         return self.loop.run_until_complete(_ordering(error_mode, rounds, mib, spin))
 
-    def many(self, error_mode: str, n: int) -> dict:
-        return self.loop.run_until_complete(_many(error_mode, n))
+    def many(self, error_mode: str, n: int, inline_us: float = -1.0) -> dict:
+        return self.loop.run_until_complete(_many(error_mode, n, inline_us))
 
     def cancelled_by_close(self, mib: int) -> dict:
         return self.loop.run_until_complete(_cancelled_by_close(mib))
@@ -103,10 +103,14 @@ async def _ordering(error_mode: str, rounds: int, mib: int, spin: bool) -> dict:
     return out
 
 
-async def _many(error_mode: str, n: int) -> dict:
+async def _many(error_mode: str, n: int, inline_us: float = -1.0) -> dict:
     """``n`` chains started back to back on one endpoint before any is awaited: every one
-    completes, the notifications arrive each once and in order, nothing is left behind."""
+    completes, the notifications arrive each once and in order, nothing is left behind.
+    ``inline_us`` >= 0: the starters' inline wait (``UcxTransport.chain_inline_us``; a short
+    one leaves most chains to the worker's thread, woken only after the starting call)."""
     t, client, server, rma, src, dst, rs, rd = await _setup(error_mode, 1 << 20)
+    if inline_us >= 0:
+        t.chain_inline_us = inline_us
     got: list = []
     done = asyncio.get_running_loop().create_future()
 

@@ -252,3 +252,33 @@ def test_notify_without_a_write_goes_on_the_notification_lane_in_order():
                 await p.a.notify("text")
 
     asyncio.run(main())
+
+
+def test_notify_waits_behind_an_earlier_notifying_write():
+    """A notification sent while an earlier notifying write is still in flight (started on
+    this stack, not awaited) leaves after that write's: handlers see them in call order."""
+    from kvxfer import eager
+
+    async def main():
+        seen = []
+        pending = 0
+        async with Pair(lambda peer, payload: seen.append(payload)) as p:
+            p.a._rma._t.chain_inline_us = 0.0  # the chain's end comes back through the loop
+            for i in range(20):
+                n = 1 + i % 8
+                w = eager.start(
+                    asyncio.ensure_future,
+                    p.a.write(
+                        [ItemWrite("kv", list(range(n)), list(range(8, 8 + n)))],
+                        notify=b"w%d" % i,
+                        timeout=10,
+                    ),
+                )
+                pending += not w.done()
+                await p.a.notify(b"n%d" % i)
+                await w
+            await until(lambda: len(seen) == 40, "forty notifications")
+            assert pending > 0  # some notify really had a write in flight before it
+        assert seen == [b"%s%d" % (k, i) for i in range(20) for k in (b"w", b"n")]
+
+    asyncio.run(main())

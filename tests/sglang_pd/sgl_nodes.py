@@ -591,6 +591,11 @@ class PrefillNode(Node):
         """How many scheduler calls of scenario ``name`` ran as the engine loop's guest."""
         return self.scen[name]["mgr"].engine.direct_calls
 
+    def notes_sent(self, name):
+        """Native notifications the scenario's engine sent (chained or ``Peer.notify``)."""
+        eng = self.scen[name]["mgr"].engine.engine
+        return sum(p._notes_sent for p in eng.peers.values())
+
     def incompatible(self, name, changes=None):
         """Prefill's verdict on a decode registration like its own but with ``changes``."""
         from kvxfer.integrations.sglang.messages import SglRegister

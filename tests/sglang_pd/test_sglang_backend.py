@@ -239,7 +239,7 @@ def test_direct_sends_and_aborts_right_behind_them(cluster):
     abort ran (the receiver keeps the first terminal state it polled; then every byte is
     there). Rooms sent normally in between are byte-exact."""
     pf, dc, port = cluster["pf"], cluster["dc"], cluster["ports"][0]
-    d0 = pf.direct_calls("mha")
+    d0, n0 = pf.direct_calls("mha"), pf.notes_sent("mha")
     for room in range(5001, 5021):
         rng = random.Random(room)
         p_pages, d_pages = _pages(rng, 1), _pages(rng, 1)
@@ -260,6 +260,8 @@ def test_direct_sends_and_aborts_right_behind_them(cluster):
         pf.clear(room)
         dc.clear(room)
     assert pf.direct_calls("mha") > d0  # an idle loop: sends ran direct
+    # each normal room was alone in flight: its SglDone went on the notification lane
+    assert pf.notes_sent("mha") - n0 >= 10
 
 
 def test_unsupported_is_refused_with_the_reason(cluster):
