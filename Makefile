@@ -16,7 +16,7 @@ SGL_VENV  ?= .venv-sglang
 SGL_PY    := $(SGL_VENV)/bin/python
 SGL_STAMP := $(SGL_VENV)/.kvxfer-sglang-installed
 
-.PHONY: demo test test-long test-sglang install clean bench lint
+.PHONY: demo test test-long test-sglang bench-sglang install clean bench lint
 
 $(STAMP): pyproject.toml setup.py kvxfer/transport/_rma.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) $$( $(PYTHON) -c 'import torch' 2>/dev/null && echo --system-site-packages )
@@ -50,6 +50,10 @@ $(SGL_STAMP): $(STAMP) tests/sglang_pd/requirements.txt
 # kvxfer as SGLang's transfer backend, against the real sglang (docs/integrations.md)
 test-sglang: $(SGL_STAMP)
 	$(SGL_PY) -m pytest -q -p no:cacheprovider tests/sglang_pd
+
+# the SGLang backend's small-request latency vs the raw engine write (bench/results/sgl-latency-cpu.md)
+bench-sglang: $(SGL_STAMP)
+	UCX_WARN_UNUSED_ENV_VARS=n $(SGL_PY) bench/sgl_latency.py
 
 # ruff (lint + format) and mypy (pyproject.toml has their settings)
 lint: $(STAMP)

@@ -1,5 +1,5 @@
-"""SGLang backend latency: a 1-page request through kvxfer's SGLang classes, against the raw
-engine write of the same bytes, in the same run.
+"""SGLang backend latency: a small request (1 page, or ``--pages N``) through kvxfer's SGLang
+classes, against the raw engine write of the same bytes, in the same run.
 
 Real parts as in ``make test-sglang`` (tests/sglang_pd: sglang's pools, ``KVArgs``, metadata
 buffers, ``get_kv_class(TransferBackend("kvxfer"), ...)``; one process per role over UCX on
@@ -57,9 +57,10 @@ def pct(xs, q: float) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=500, help="1-page requests timed")
+    ap.add_argument("--requests", type=int, default=500, help="requests timed")
     ap.add_argument("--throughput", type=int, default=500, help="requests sent back to back")
     ap.add_argument("--batch", type=int, default=50, help="rooms opened at a time")
+    ap.add_argument("--pages", type=int, default=1, help="pages per request (1..60)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=None, help="also write the table to this file")
     args = ap.parse_args(argv)
@@ -93,15 +94,15 @@ def main(argv=None) -> int:
             rooms = list(range(next_room[0], next_room[0] + n))
             next_room[0] += n
             pf.open_many("mha", rooms, port)
-            dc.open_many("mha", rooms, port)
-            pf.arm_many("mha", rooms)
+            dc.open_many("mha", rooms, port, args.pages)
+            pf.arm_many("mha", rooms, pages=args.pages)
             return rooms
 
         def run_latency(n):
             lat = []
             while n > 0:
                 rooms = open_rooms(min(n, args.batch))
-                sent = pf.latency(rooms)
+                sent = pf.latency(rooms, pages=args.pages)
                 got = dc.wait_all(rooms)
                 bad = [r for r in rooms if got[r] <= 0]
                 if bad:
@@ -117,10 +118,10 @@ def main(argv=None) -> int:
         lat = run_latency(args.requests)
         direct = pf.direct_sends()
         (room,) = open_rooms(1)
-        raw = pf.raw("mha", room, args.requests, False)
-        rawn = pf.raw("mha", room, args.requests, True)
+        raw = pf.raw("mha", room, args.requests, False, pages=args.pages)
+        rawn = pf.raw("mha", room, args.requests, True, pages=args.pages)
         rx = dc.raw_receipts()
-        pf.latency([room])
+        pf.latency([room], pages=args.pages)
         dc.wait_all([room])
         raw_us = [(b - a) / 1e3 for a, b, _ in raw]
         rawn_us = [(rx[s] - a) / 1e3 for a, _, s in rawn if s in rx]
@@ -128,7 +129,7 @@ def main(argv=None) -> int:
         left = args.throughput
         while left > 0:
             rooms = open_rooms(min(left, 200))
-            t = pf.throughput(rooms)
+            t = pf.throughput(rooms, pages=args.pages)
             got = dc.wait_all(rooms)
             if t["failed"] or min(got.values()) <= 0:
                 raise RuntimeError(f"throughput rooms failed (prefill: {t['failed']})")
@@ -137,6 +138,7 @@ def main(argv=None) -> int:
             dc.clear_many(rooms)
             left -= len(rooms)
         row = dict(
+            pages=args.pages,
             requests=len(lat),
             sgl_p50_us=pct(lat, 50),
             sgl_p99_us=pct(lat, 99),
@@ -155,9 +157,9 @@ def main(argv=None) -> int:
         [
             "| figure | value |",
             "|---|---|",
-            f"| SGLang 1-page send → decode Success p50 µs | {row['sgl_p50_us']:.1f} |",
-            f"| SGLang 1-page p99 µs | {row['sgl_p99_us']:.1f} |",
-            f"| share of SGLang 1-page requests over 1 ms | {row['over_1ms']:.3f} |",
+            f"| SGLang {args.pages}-page send → decode Success p50 µs | {row['sgl_p50_us']:.1f} |",
+            f"| SGLang p99 µs | {row['sgl_p99_us']:.1f} |",
+            f"| share of SGLang requests over 1 ms | {row['over_1ms']:.3f} |",
             f"| raw write p50 µs | {row['raw_p50_us']:.1f} |",
             f"| raw write + notify until decode has it, p50 µs | {row['raw_notify_p50_us']:.1f} |",
             f"| raw write + notify p99 µs | {row['raw_notify_p99_us']:.1f} |",

@@ -25,6 +25,12 @@ import sgl_nodes as N
 RAW_SEQ = 1 << 40
 
 
+def room_pages(room: int, n: int, side: int) -> List[int]:
+    """``n`` distinct page ids (1..60) of ``room`` on prefill (``side`` 0) or decode (1)."""
+    first = room % 60 if side == 0 else (room * 7) % 60
+    return [1 + (first + k) % 60 for k in range(n)]
+
+
 def _stamp_success(mgr, stamps: Dict[int, int], cv: threading.Condition) -> None:
     """Wrap ``mgr.update_status`` (this instance) to stamp rooms reaching Success/Failed."""
     from sglang.srt.disaggregation.base.conn import KVPoll
@@ -62,30 +68,30 @@ class BenchPrefill(N.PrefillNode):
             self.sender(name, room, "127.0.0.1", port)
         return True
 
-    def arm_many(self, name: str, rooms: List[int], timeout: float = 60.0) -> bool:
-        """Wait until every room is WaitingForInput, then ``init`` it (one page)."""
+    def arm_many(self, name: str, rooms: List[int], timeout: float = 60.0, pages: int = 1) -> bool:
+        """Wait until every room is WaitingForInput, then ``init`` it (``pages`` pages)."""
         for room in rooms:
             st = self.wait(room, [2, 0], timeout, 0.0005)  # WaitingForInput, Failed
             if st != 2:
                 raise RuntimeError(f"room {room}: state {st}, not WaitingForInput")
-            self.start(name, room, N.PAGE, room % N.META_ROWS, 7)
+            self.start(name, room, pages * N.PAGE, room % N.META_ROWS, 7)
         return True
 
-    def _send_one(self, room: int, page: int) -> int:
+    def _send_one(self, room: int, n: int) -> int:
         h = self.handles[room]
-        pages = np.asarray([page], dtype=np.int32)
+        pages = np.asarray(room_pages(room, n, 0), dtype=np.int32)
         t = time.monotonic_ns()
-        h.send(pages, None, num_kv_tokens=N.PAGE)
+        h.send(pages, None, num_kv_tokens=n * N.PAGE)
         return t
 
-    def latency(self, rooms: List[int], timeout: float = 10.0) -> Dict[int, int]:
-        """One 1-page request at a time: the next is sent once this rank's manager made the
+    def latency(self, rooms: List[int], timeout: float = 10.0, pages: int = 1) -> Dict[int, int]:
+        """One request of ``pages`` pages at a time: the next is sent once this rank's manager made the
         last one Success. Returns {room: send stamp}."""
         out = {}
         eng = self.scen[self.name]["mgr"].engine
         d0 = getattr(eng, "direct_calls", 0)  # (0: a tree before direct calls)
         for room in rooms:
-            out[room] = self._send_one(room, 1 + room % 60)
+            out[room] = self._send_one(room, pages)
             with self.cv:
                 if not self.cv.wait_for(lambda r=room: r in self.stamps, timeout):
                     raise RuntimeError(f"room {room}: no terminal state within {timeout}s")
@@ -94,19 +100,21 @@ class BenchPrefill(N.PrefillNode):
         self.direct += getattr(eng, "direct_calls", 0) - d0
         return out
 
-    def throughput(self, rooms: List[int], timeout: float = 60.0) -> Dict[str, int]:
+    def throughput(self, rooms: List[int], timeout: float = 60.0, pages: int = 1) -> Dict[str, int]:
         """Every room sent back to back; returns the first send's stamp (ns) and how many
         rooms failed or did not end here within ``timeout``."""
         t0 = time.monotonic_ns()
         for room in rooms:
-            self._send_one(room, 1 + room % 60)
+            self._send_one(room, pages)
         with self.cv:
             self.cv.wait_for(lambda: all(r in self.stamps for r in rooms), timeout)
         ends = [self.stamps.get(r) for r in rooms]
         return {"t0": t0, "failed": sum(1 for e in ends if e is None or e < 0)}
 
-    def raw(self, name: str, room: int, n: int, notify: bool, timeout: float = 10.0):
-        """``n`` raw engine writes of ``room``'s 1-page request (the backend's planner and
+    def raw(
+        self, name: str, room: int, n: int, notify: bool, timeout: float = 10.0, pages: int = 1
+    ):
+        """``n`` raw engine writes of ``room``'s request (the backend's planner and
         peer, outside its protocol), one at a time from this thread through the engine loop
         (as :meth:`EngineLoop.run` hands any call over). With ``notify`` each carries a Ping
         that decode stamps. Returns [(start ns, end ns, seq or None)]."""
@@ -118,7 +126,7 @@ class BenchPrefill(N.PrefillNode):
         with mgr.room_lock:
             info = list(mgr.transfer_infos[room].values())[0]
         d, peer = mgr.engine.run(path._peer(info.key), timeout)
-        chunk = Chunk([1 + room % 60], slice(0, 1), True, room % N.META_ROWS, None)
+        chunk = Chunk(room_pages(room, pages, 0), slice(0, pages), True, room % N.META_ROWS, None)
         writes = path._writes(room, chunk, info, d.plan)
         out = []
         for i in range(n):
@@ -161,10 +169,10 @@ class BenchDecode(N.DecodeNode):
         if isinstance(msg, Ping) and msg.seq >= RAW_SEQ:
             self.raw_rx[msg.seq] = t
 
-    def open_many(self, name: str, rooms: List[int], port: int) -> bool:
+    def open_many(self, name: str, rooms: List[int], port: int, pages: int = 1) -> bool:
         for room in rooms:
             self.receiver(name, room, f"127.0.0.1:{port}")
-            self.metadata(name, room, [1 + (room * 7) % 60], room % N.META_ROWS)
+            self.metadata(name, room, room_pages(room, pages, 1), room % N.META_ROWS)
         return True
 
     def wait_all(self, rooms: List[int], timeout: float = 60.0) -> Dict[int, int]:
