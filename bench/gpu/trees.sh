@@ -20,8 +20,13 @@ if [ "${TESTS:-0}" = 1 ]; then
         tests/disagg/test_direct_calls.py tests/disagg/test_pd_flow.py 2>&1 | tail -4
     echo '```'
 fi
-tar -xf .whl/base.tar -C "$ROOT" && (cd "$ROOT/base" && PYTHONPATH=$SITE python3 setup.py -q build_ext --inplace 2>&1 | grep -iE "^error|error:" ; ls kvxfer/transport/*.so)
-ln -sfn "$PWD" "$ROOT/new"
+# both trees copied to $ROOT and built alike there: the same place for each build (a first
+# version ran "new" from the checkout: its pure-Python stages came out 3-18 % slower)
+tar -xf .whl/base.tar -C "$ROOT"
+mkdir -p "$ROOT/new" && cp -r kvxfer setup.py pyproject.toml "$ROOT/new/" && rm -f "$ROOT"/new/kvxfer/transport/*.so
+for t in new base; do
+    (cd "$ROOT/$t" && find . -name __pycache__ -prune -exec rm -rf {} + ; PYTHONPATH=$SITE python3 setup.py -q build_ext --inplace 2>&1 | grep -iE "^error|error:" ; ls kvxfer/transport/*.so)
+done
 echo; echo "kvxfer bench pd --device cuda $ARGS, ROUNDS=${ROUNDS:-3}"; echo '```'
 for r in $(seq 1 "${ROUNDS:-3}"); do
     order="new base"; [ $((r % 2)) = 0 ] && order="base new"
