@@ -15,6 +15,8 @@ always wins.
   :attr:`EngineConfig.own_worker`.
 - ``KVXFER_DEVICE_SMALL_OPS`` = an int — default of :attr:`EngineConfig.device_small_ops`.
 - ``KVXFER_NOTIFY_ORDER`` = ``1`` | ``0`` — default of :attr:`EngineConfig.notify_order`.
+- ``KVXFER_DIRECT_PAGES`` = an int >= 0 — default of ``KVManager(direct_pages=)`` and of the
+  SGLang backend's direct sends (:func:`direct_pages`; read when a manager is built).
 - ``KVXFER_SECRET`` — the shared secret of a ``KVManager``, ``BootstrapServer`` or bootstrap
   client built without ``secret=``, read when it is built (:func:`resolve_secret`; never part
   of :func:`env_defaults`, which ``kvxfer info`` prints). There is no built-in default:
@@ -103,7 +105,6 @@ def env_defaults() -> dict:
     return out
 
 
-#: environment variable holding the shared secret (see :func:`resolve_secret`)
 #: default of ``KVManager(direct_pages=)`` and of the SGLang backend: a send of up to this
 #: many pages runs on the caller's thread as the engine loop's guest when that loop is idle
 #: (kvxfer.loop_thread.LoopThread.call); ``$KVXFER_DIRECT_PAGES`` overrides it, 0: never
@@ -123,6 +124,7 @@ def direct_pages(value: Optional[int] = None) -> int:
     return as_int(value, "direct_pages", 0)
 
 
+#: environment variable holding the shared secret (see :func:`resolve_secret`)
 SECRET_ENV = "KVXFER_SECRET"
 
 
