@@ -48,13 +48,6 @@ def _paths() -> None:
             sys.path.insert(0, p)
 
 
-def pct(xs, q: float) -> float:
-    xs = sorted(xs)
-    if not xs:
-        return float("nan")
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=500, help="requests timed")
@@ -69,6 +62,7 @@ def main(argv=None) -> int:
     import sgl_nodes as N
     from sgl_harness import ENV
 
+    from kvxfer.pd_demo.run import percentile as pct
     from kvxfer.procs import Worker
 
     workers = [

@@ -21,8 +21,7 @@ from typing import Dict, List
 import numpy as np
 import sgl_nodes as N
 
-#: Ping sequence numbers of the raw writes' notifications
-RAW_SEQ = 1 << 40
+from kvxfer.pd_demo.bench import RAW_SEQ, raw_ping_seq
 
 
 def room_pages(room: int, n: int, side: int) -> List[int]:
@@ -157,17 +156,10 @@ class BenchDecode(N.DecodeNode):
 
     def _on_raw(self, peer, payload: bytes) -> None:
         """Runs on: the engine loop (an engine message handler)."""
-        from kvxfer import wire
-        from kvxfer.disagg.messages import Ping
-        from kvxfer.errors import ProtocolError
-
         t = time.monotonic_ns()
-        try:
-            msg = wire.decode(payload)
-        except ProtocolError:
-            return
-        if isinstance(msg, Ping) and msg.seq >= RAW_SEQ:
-            self.raw_rx[msg.seq] = t
+        seq = raw_ping_seq(payload)
+        if seq is not None:
+            self.raw_rx[seq] = t
 
     def open_many(self, name: str, rooms: List[int], port: int, pages: int = 1) -> bool:
         for room in rooms:

@@ -395,6 +395,16 @@ class Peer:
             )
         return res
 
+    def _note_turn(self) -> Tuple[Optional[asyncio.Future], Optional[asyncio.Future]]:
+        """Notifications leave in call order (``EngineConfig.notify_order``; concurrent
+        writes may flush out of order: cuda_ipc): returns the previous notification's gate,
+        which this one waits for before it is handed to UCX, and this one's, which its
+        sender completes once it was handed over or given up; (None, None) when off."""
+        if not self._config.notify_order:
+            return None, None
+        prev, self._note_gate = self._note_gate, self._loop.create_future()
+        return prev, self._note_gate
+
     async def notify(self, payload: bytes, timeout: Optional[float] = None) -> None:
         """Deliver ``payload`` to the peer's message handlers as a write's notification
         without a write: where the peer takes chained notifications (and ``payload`` fits
@@ -407,11 +417,7 @@ class Peer:
         if not isinstance(payload, (bytes, bytearray, memoryview)):
             raise InvalidArgument(f"notify must be bytes, got {type(payload).__name__}")
         timeout = self._timeout if timeout is None else timeout
-        # in call order with the other notifications: after the previous one was handed over
-        gate_prev = gate = None
-        if self._config.notify_order:
-            gate_prev, gate = self._note_gate, self._loop.create_future()
-            self._note_gate = gate
+        gate_prev, gate = self._note_turn()
         try:
             if gate_prev is not None and not gate_prev.done():
                 await self._bounded(asyncio.wait([gate_prev]), timeout, "notify order")
@@ -419,11 +425,7 @@ class Peer:
             if chainable(self._note_to, payload, False, True):
                 fut = self._rma.note_future(self._note_to, bytes(payload))
             if fut is None:
-                await self._bounded(
-                    self._channel.send(m.AppMessage(payload=bytes(payload)).encode(), timeout),
-                    timeout,
-                    "notify",
-                )
+                await self.send(payload, timeout)
                 return
             if gate is not None:  # handed to UCX: later notifications may go behind it
                 gate.set_result(None)
@@ -498,12 +500,7 @@ class Peer:
             stats.device_ops += n
             stats.bytes += b
             stats.device_bytes += b
-        # notifications leave in call order: this one waits until the previous notifying
-        # write's was handed to UCX (concurrent writes may flush out of order: cuda_ipc)
-        gate_prev = gate = None
-        if notify is not None and cfg.notify_order:
-            gate_prev, gate = self._note_gate, self._loop.create_future()
-            self._note_gate = gate
+        gate_prev, gate = self._note_turn() if notify is not None else (None, None)
         chunks: List[Chunk] = []  # staged chunks whose plans are out: given up on failure
         promised = False  # the notify was handed over: it vouches for every chunk
         try:

@@ -98,6 +98,20 @@ FIRE_LEAD_S = 0.02
 RAW_SEQ = 1 << 40
 
 
+def raw_ping_seq(payload: bytes) -> Optional[int]:
+    """The seq of a raw write's notification (a ``Ping`` numbered from :data:`RAW_SEQ`), else
+    None (anything else, malformed included: the receiver's own handler reports those)."""
+    from kvxfer import wire
+    from kvxfer.disagg.messages import Ping
+    from kvxfer.errors import ProtocolError
+
+    try:
+        msg = wire.decode(payload)
+    except ProtocolError:
+        return None
+    return msg.seq if isinstance(msg, Ping) and msg.seq >= RAW_SEQ else None
+
+
 class BenchWorker(PDWorker):
     """PDWorker plus the benchmark's timing loops (run in the worker's scheduler thread)."""
 
@@ -114,17 +128,10 @@ class BenchWorker(PDWorker):
     def _on_raw_notify(self, peer, payload: bytes) -> None:
         """Stamp a raw write's notification (the manager drops it). Runs on: the manager's
         loop thread (an engine message handler)."""
-        from kvxfer import wire
-        from kvxfer.disagg.messages import Ping
-        from kvxfer.errors import ProtocolError
-
         t = time.monotonic_ns()
-        try:
-            msg = wire.decode(payload)
-        except ProtocolError:  # the manager's own handler reports malformed messages
-            return
-        if isinstance(msg, Ping) and msg.seq >= RAW_SEQ:
-            self._raw_recv[msg.seq] = t
+        seq = raw_ping_seq(payload)
+        if seq is not None:
+            self._raw_recv[seq] = t
 
     def raw_receipts(self) -> Dict[int, int]:
         """Decode: the raw notifications' arrival stamps since the last call."""
