@@ -15,11 +15,16 @@ Invariants (checked by the fuzz tests):
   allocated, or the same page twice in one ``free_pages`` call → :class:`DoubleFree`) raise
   before anything changes.
 
-All id arithmetic is vectorised torch on the allocator's device; the only host syncs are the
-validation reductions in ``free`` (one ``tolist`` per call) and reading the ``*_cpu`` lengths
-the caller already holds. Freed pages are collected in release batches and merged (sorted) into
-the free list lazily when an allocation needs them, so consecutive allocations tend to be
-contiguous — which the transfer layer turns into fewer RMA operations.
+Bookkeeping lives on the host (numpy): the free list, the release batches and the
+allocated bitmap, so validating a free never touches the device — no device sync and a few
+microseconds for a request's pages given as a list, numpy array or CPU tensor (ids given as a
+device tensor are copied to the host once, which waits for that tensor). The free list has a
+device copy that allocations slice without a copy; token-id arithmetic for the caller
+(``alloc``, ``alloc_extend``, ``alloc_decode``) is vectorised torch on the allocator's device,
+and the only host reads there are the ``*_cpu`` lengths the caller already holds. Freed pages
+are collected in release batches and merged (sorted) into the free list lazily when an
+allocation needs them — the one time the free list is copied to the device — so consecutive
+allocations tend to be contiguous, which the transfer layer turns into fewer RMA operations.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import logging
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from kvxfer.pools.errors import DoubleFree, IndexOutOfRange, InvalidArgument
@@ -49,9 +55,9 @@ Ids = Union[torch.Tensor, Sequence[int]]
 class AllocatorState:
     """Opaque snapshot for :meth:`PagedTokenToKVPoolAllocator.restore_state`."""
 
-    free: torch.Tensor
-    release: List[torch.Tensor]
-    allocated: torch.Tensor
+    free: np.ndarray
+    release: List[np.ndarray]
+    allocated: np.ndarray
 
 
 class PagedTokenToKVPoolAllocator:
@@ -73,50 +79,55 @@ class PagedTokenToKVPoolAllocator:
     # ------------------------------------------------------------------ state
     def clear(self) -> None:
         """Every page free again; any open free group is dropped."""
-        self._free = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)
-        self._release: List[torch.Tensor] = []
+        self._set_free(np.arange(1, self.num_pages + 1, dtype=np.int64))
+        self._release: List[np.ndarray] = []
         self._n_release = 0
-        self._allocated = torch.zeros(self.num_pages + 1, dtype=torch.bool, device=self.device)
-        self._group: Optional[List[torch.Tensor]] = None
+        self._allocated = np.zeros(self.num_pages + 1, dtype=bool)
+        self._group: Optional[List[np.ndarray]] = None
+
+    def _set_free(self, free: np.ndarray) -> None:
+        """The free list (ascending after a merge) and its device copy, sliced in step."""
+        self._free = free
+        dev = torch.from_numpy(free)
+        self._free_dev = dev if self.device.type == "cpu" else dev.to(self.device)
 
     def available_size(self) -> int:
         """Free tokens (whole free pages × page_size); pages pending in a free group excluded."""
-        return (int(self._free.numel()) + self._n_release) * self.page_size
+        return (int(self._free.size) + self._n_release) * self.page_size
 
     def available_pages(self) -> int:
-        return int(self._free.numel()) + self._n_release
+        return int(self._free.size) + self._n_release
 
     def backup_state(self) -> AllocatorState:
         if self._group is not None:
             raise InvalidArgument("cannot back up allocator state inside an open free group")
-        return AllocatorState(self._free.clone(), list(self._release), self._allocated.clone())
+        return AllocatorState(self._free.copy(), list(self._release), self._allocated.copy())
 
     def restore_state(self, state: AllocatorState) -> None:
         if self._group is not None:
             raise InvalidArgument("cannot restore allocator state inside an open free group")
-        self._free = state.free.clone()
+        self._set_free(state.free.copy())
         self._release = list(state.release)
-        self._n_release = sum(int(r.numel()) for r in self._release)
-        self._allocated = state.allocated.clone()
+        self._n_release = sum(int(r.size) for r in self._release)
+        self._allocated = state.allocated.copy()
 
     # ------------------------------------------------------------------ pages
     def _merge_release(self) -> None:
         if self._release:
-            self._free = torch.sort(torch.cat([self._free, *self._release])).values
+            self._set_free(np.sort(np.concatenate([self._free, *self._release])))
             self._release = []
             self._n_release = 0
 
     def _take_pages(self, n: int) -> Optional[torch.Tensor]:
         if n < 0:
             raise InvalidArgument(f"cannot allocate a negative number of pages ({n})")
-        if n > self._free.numel():
+        if n > self._free.size:
             self._merge_release()
-            if n > self._free.numel():
+            if n > self._free.size:
                 return None
-        out = self._free[:n]
-        self._free = self._free[n:]
-        if n:
-            self._allocated[out] = True
+        out = self._free_dev[:n]
+        self._allocated[self._free[:n]] = True
+        self._free, self._free_dev = self._free[n:], self._free_dev[n:]
         return out
 
     def alloc_pages(self, n: int) -> Optional[torch.Tensor]:
@@ -235,30 +246,30 @@ class PagedTokenToKVPoolAllocator:
     # ------------------------------------------------------------------ free
     def free(self, token_ids: Ids) -> None:
         """Free the pages holding ``token_ids`` (several tokens of one page free it once)."""
-        tok = _as_tensor(token_ids, self.device)
-        if tok.numel() == 0:
+        tok = _host_ids(token_ids)
+        if tok.size == 0:
             return
-        pages = torch.unique(torch.div(tok, self.page_size, rounding_mode="floor"))
+        pages = np.unique(tok // self.page_size)
         self._release_pages(pages, what="token", raw=tok)
 
     def free_pages(self, page_ids: Ids) -> None:
         """Free whole pages by id (the disaggregation path)."""
-        pages = _as_tensor(page_ids, self.device)
-        if pages.numel() == 0:
+        pages = _host_ids(page_ids)
+        if pages.size == 0:
             return
-        uniq = torch.unique(pages)
-        if uniq.numel() != pages.numel():
-            srt = torch.sort(pages).values
+        uniq = np.unique(pages) if pages.size > 1 else pages.copy()  # never the caller's memory
+        if uniq.size != pages.size:
+            srt = np.sort(pages)
             dup = int(srt[1:][srt[1:] == srt[:-1]][0])
             raise DoubleFree(f"page {dup} appears more than once in one free_pages call")
         self._release_pages(uniq, what="page", raw=pages)
 
-    def _release_pages(self, pages: torch.Tensor, *, what: str, raw: torch.Tensor) -> None:
-        lo, hi = (int(x) for x in torch.stack([pages.min(), pages.max()]).tolist())
+    def _release_pages(self, pages: np.ndarray, *, what: str, raw: np.ndarray) -> None:
+        lo, hi = int(pages.min()), int(pages.max())
         if lo < 1 or hi > self.num_pages:
             bad_page = lo if lo < 1 else hi
             if what == "token":
-                bad = raw[torch.div(raw, self.page_size, rounding_mode="floor") == bad_page][0]
+                bad = raw[raw // self.page_size == bad_page][0]
                 raise IndexOutOfRange(
                     f"token id {int(bad)} lies in page {bad_page}, outside the allocatable "
                     f"pages [1, {self.num_pages}] (page 0 is the padding page)"
@@ -267,15 +278,15 @@ class PagedTokenToKVPoolAllocator:
                 f"page id {bad_page} outside the allocatable pages [1, {self.num_pages}] "
                 "(page 0 is the padding page)"
             )
-        not_alloc = ~self._allocated[pages]
-        if bool(not_alloc.any()):
-            raise DoubleFree(f"page {int(pages[not_alloc][0])} is not allocated (double free?)")
+        held = self._allocated[pages]
+        if not held.all():
+            raise DoubleFree(f"page {int(pages[~held][0])} is not allocated (double free?)")
         self._allocated[pages] = False
         if self._group is not None:
             self._group.append(pages)
         else:
             self._release.append(pages)
-            self._n_release += int(pages.numel())
+            self._n_release += int(pages.size)
 
     def free_group_begin(self) -> None:
         """Collect subsequent frees; they become available at :meth:`free_group_end`."""
@@ -288,13 +299,16 @@ class PagedTokenToKVPoolAllocator:
             raise InvalidArgument("free_group_end called without free_group_begin")
         group, self._group = self._group, None
         if group:
-            pages = torch.cat(group)
+            pages = np.concatenate(group)
             self._release.append(pages)
-            self._n_release += int(pages.numel())
+            self._n_release += int(pages.size)
 
     def is_allocated(self, page_ids: Ids) -> torch.Tensor:
-        """Bool per page id (ids must be in ``[0, num_pages]``)."""
-        return self._allocated[_as_tensor(page_ids, self.device)]
+        """Bool per page id (ids must be in ``[0, num_pages]``), on the allocator's device."""
+        ids = _host_ids(page_ids)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) > self.num_pages):
+            raise IndexOutOfRange(f"page ids must lie in [0, {self.num_pages}]")
+        return torch.from_numpy(self._allocated[ids]).to(self.device)
 
     def __repr__(self) -> str:
         return (
@@ -324,9 +338,16 @@ def _cpu_lens(dev_lens: torch.Tensor, cpu_lens: Optional[torch.Tensor]) -> torch
     return src.detach().to("cpu", torch.int64).reshape(-1)
 
 
-def _as_tensor(ids: Ids, device: torch.device) -> torch.Tensor:
+def _host_ids(ids: Ids) -> np.ndarray:
+    """``ids`` as a 1-D int64 numpy array (a device tensor is copied to the host once);
+    InvalidArgument for floating-point or bool ids."""
     if isinstance(ids, torch.Tensor):
         if ids.dtype.is_floating_point or ids.dtype == torch.bool:
             raise InvalidArgument(f"ids must be an integer tensor, got {ids.dtype}")
-        return ids.to(device=device, dtype=torch.int64).reshape(-1)
-    return torch.as_tensor(list(ids), dtype=torch.int64, device=device).reshape(-1)
+        return ids.detach().to("cpu", torch.int64).reshape(-1).numpy()
+    arr = np.asarray(ids if isinstance(ids, np.ndarray) else list(ids))
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype.kind not in "iu":
+        raise InvalidArgument(f"ids must be integers, got {arr.dtype}")
+    return arr.astype(np.int64, copy=False).reshape(-1)

@@ -139,6 +139,35 @@ def test_alloc_pages_and_free_pages_roundtrip():
     assert a.pages_to_tokens(torch.tensor([2])).tolist() == [8, 9, 10, 11]
 
 
+@pytest.mark.parametrize("kind", ["list", "numpy", "cpu tensor", "device tensor"])
+def test_free_keeps_no_reference_to_the_callers_ids(kind):
+    """Freed ids are copied: a caller reusing its id buffer after ``free_pages`` / ``free``
+    changes nothing in the allocator (one id and several)."""
+    import numpy as np
+
+    a = PagedTokenToKVPoolAllocator(40, 4, device=DEVICE)  # 10 pages
+    pages = a.alloc_pages(10).tolist()
+    make = {
+        "list": list,
+        "numpy": lambda x: np.asarray(x, dtype=np.int64),
+        "cpu tensor": lambda x: torch.tensor(x, dtype=torch.int64),
+        "device tensor": lambda x: torch.tensor(x, dtype=torch.int64, device=DEVICE),
+    }[kind]
+    one, many = make([pages[0]]), make(pages[1:4])
+    a.free_pages(one)
+    a.free(a.pages_to_tokens(torch.tensor(pages[4:6])).to(DEVICE))
+    a.free_pages(many)
+    if kind != "list":
+        one[0] = pages[9]  # would alias an allocated page
+        many[:] = pages[9]
+    assert sorted(a.alloc_pages(6).tolist()) == sorted(pages[:6])
+    assert a.is_allocated(pages).tolist() == [True] * 10
+    with pytest.raises(IndexOutOfRange):
+        a.is_allocated([11])
+    with pytest.raises(InvalidArgument):
+        a.free_pages([1.5])
+
+
 def test_free_group_defers_availability():
     a = PagedTokenToKVPoolAllocator(16, 2, device=DEVICE)
     t = a.alloc(8)
