@@ -89,7 +89,11 @@ class PagedTokenToKVPoolAllocator:
         """The free list (ascending after a merge) and its device copy, sliced in step."""
         self._free = free
         dev = torch.from_numpy(free)
-        self._free_dev = dev if self.device.type == "cpu" else dev.to(self.device)
+        # pageable source: the driver stages it before the call returns, so the host array may
+        # change afterwards
+        self._free_dev = (
+            dev if self.device.type == "cpu" else dev.to(self.device, non_blocking=True)
+        )
 
     def available_size(self) -> int:
         """Free tokens (whole free pages × page_size); pages pending in a free group excluded."""
