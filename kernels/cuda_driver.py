@@ -279,3 +279,93 @@ def memcpy_dtod_async(dst: int, src: int, nbytes: int, stream: int) -> None:
     (err,) = cu.cuMemcpyDtoDAsync(dst, src, nbytes, stream)
     if err != _OK:
         raise CudaError("cuMemcpyDtoDAsync", int(err), error_text(err))
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    """``CUmemcpyAttributes`` (cuda.h, CUDA >= 12.8): access order, two ``CUmemLocation``
+    hints (type, id), flags."""
+
+    _fields_ = [
+        ("src_access_order", ctypes.c_int),
+        ("src_loc_type", ctypes.c_int),
+        ("src_loc_id", ctypes.c_int),
+        ("dst_loc_type", ctypes.c_int),
+        ("dst_loc_id", ctypes.c_int),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+#: CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, CU_MEM_LOCATION_TYPE_DEVICE / _HOST
+_ORDER_STREAM, _LOC_DEVICE, _LOC_HOST = 1, 1, 2
+_batch: list = []  # [(ctypes function, takes failIdx) or None] once looked up
+_batch_why = ""
+
+
+def _batch_fn() -> Any:
+    """``(ctypes function, has failIdx)`` of ``cuMemcpyBatchAsync`` as the driver exports it
+    for the newest ABI it has (CUDA 13: no ``failIdx``; 12.8-12.9: with it), or None."""
+    global _batch_why
+    if _batch:
+        return _batch[0]
+    cu = bindings()
+    fn = None
+    if cu is None:
+        _batch_why = _why_not
+    else:
+        version = int(check(cu.cuDriverGetVersion(), "cuDriverGetVersion"))
+        want = 13000 if version >= 13000 else 12080
+        res = cu.cuGetProcAddress(b"cuMemcpyBatchAsync", want, 0)
+        pfn = int(res[1]) if res[0] == _OK and res[1] else 0
+        if version < 12080 or not pfn:
+            _batch_why = f"the driver (version {version}) has no cuMemcpyBatchAsync"
+        else:
+            p, z = ctypes.c_void_p, ctypes.c_size_t
+            fail = want < 13000
+            args = [p, p, p, z, p, p, z] + ([p] if fail else []) + [p]
+            fn = (ctypes.CFUNCTYPE(ctypes.c_int, *args)(pfn), fail)
+    _batch.append(fn)
+    return fn
+
+
+def batch_available() -> bool:
+    """Whether :func:`memcpy_batch_async` can run here (driver >= 12.8, looked up once)."""
+    return _batch_fn() is not None
+
+
+def memcpy_batch_async(
+    dst, src, nbytes, stream: int, device: int = 0, src_host: bool = False, dst_host: bool = False
+) -> None:
+    """One ``cuMemcpyBatchAsync`` of ``len(dst)`` copies on ``stream`` (a CUstream handle;
+    not the legacy default stream): ``dst``, ``src``, ``nbytes`` are uint64 numpy arrays of
+    one length (read during the call only), the copies unordered among themselves and
+    ordered in the stream as a whole. One attribute set for all: source accessed in stream
+    order; location hints device ``device``, or host memory for a side marked ``*_host``
+    (pinned memory, by its UVA address). Raises CudaError (code ``NO_DRIVER`` without the
+    call) / InvalidArgument."""
+    import numpy as np
+
+    arrs = [np.ascontiguousarray(a, dtype=np.uint64) for a in (dst, src, nbytes)]
+    n = arrs[0].size
+    if arrs[1].size != n or arrs[2].size != n or n == 0:
+        raise InvalidArgument(f"memcpy_batch_async: lengths {[a.size for a in arrs]}")
+    got = _batch_fn()
+    if got is None:
+        raise CudaError("cuMemcpyBatchAsync", CudaError.NO_DRIVER, _batch_why)
+    fn, fail = got
+    attrs = _MemcpyAttributes(
+        _ORDER_STREAM,
+        _LOC_HOST if src_host else _LOC_DEVICE,
+        0 if src_host else device,
+        _LOC_HOST if dst_host else _LOC_DEVICE,
+        0 if dst_host else device,
+        0,
+    )
+    idx = ctypes.c_size_t(0)
+    ptrs = [a.ctypes.data for a in arrs]
+    if fail:
+        failed = ctypes.c_size_t(0)
+        err = fn(*ptrs, n, ctypes.byref(attrs), ctypes.byref(idx), 1, ctypes.byref(failed), stream)
+    else:
+        err = fn(*ptrs, n, ctypes.byref(attrs), ctypes.byref(idx), 1, stream)
+    if err != 0:
+        raise CudaError("cuMemcpyBatchAsync", int(err), error_text(bindings().CUresult(err)))

@@ -2,8 +2,9 @@
 # A/B of two source trees on the H200 in one call: `bash bench/gpu/run_all.sh trees` with
 # the other tree carried as .whl/base.tar (`git archive --prefix=base/ -o .whl/base.tar REV`).
 # Builds the base tree's native extension in place, then runs `kvxfer bench pd --device cuda`
-# ROUNDS times per tree, alternating (PYTHONPATH picks the tree's kvxfer; pools come from the
-# installed checkout, identical in both), and bench/ab/env_compare.py on the JSON files.
+# ROUNDS times per tree, alternating (PYTHONPATH picks the tree's kvxfer, and its pools/ and
+# kernels/ through kvxfer/pools and kvxfer/kernels links made in each copy), and
+# bench/ab/env_compare.py on the JSON files.
 # TESTS=1 first runs the loop-thread, delivery, transport and direct-call tests on CUDA pools.
 # Writes $OUT/trees.md and $OUT/trees/<tree>-<round>.json.
 set -o pipefail
@@ -23,8 +24,9 @@ fi
 # both trees copied to $ROOT and built alike there: the same place for each build (a first
 # version ran "new" from the checkout: its pure-Python stages came out 3-18 % slower)
 tar -xf .whl/base.tar -C "$ROOT"
-mkdir -p "$ROOT/new" && cp -r kvxfer setup.py pyproject.toml "$ROOT/new/" && rm -f "$ROOT"/new/kvxfer/transport/*.so
+mkdir -p "$ROOT/new" && cp -r kvxfer pools kernels setup.py pyproject.toml "$ROOT/new/" && rm -f "$ROOT"/new/kvxfer/transport/*.so
 for t in new base; do
+    for pkg in pools kernels; do [ -e "$ROOT/$t/kvxfer/$pkg" ] || ln -s "../$pkg" "$ROOT/$t/kvxfer/$pkg"; done
     (cd "$ROOT/$t" && find . -name __pycache__ -prune -exec rm -rf {} + ; PYTHONPATH=$SITE python3 setup.py -q build_ext --inplace 2>&1 | grep -iE "^error|error:" ; ls kvxfer/transport/*.so)
 done
 echo; echo "kvxfer bench pd --device cuda $ARGS, ROUNDS=${ROUNDS:-3}"; echo '```'

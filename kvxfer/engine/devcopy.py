@@ -5,15 +5,16 @@ scattered page set is bound by its op count, far below one large PUT of the same
 (lane against UCX PUTs: bench/results/transfer-h200.md). When both engines share a host,
 the peer's registered CUDA regions can be mapped here with legacy CUDA IPC (the same
 mechanism UCX's cuda_ipc uses) and every run of a write copied by ONE launch of
-:func:`kvxfer.kernels.piece_copy.copy_tasks` (few large runs: one ``cuMemcpyDtoDAsync`` each, on
-the copy engines). The bytes are visible at the peer once the launch's event completed;
+:func:`kvxfer.kernels.piece_copy.copy_tasks` or ONE ``cuMemcpyBatchAsync`` on the copy engines
+(``EngineConfig.lane_copy``; few runs: one ``cuMemcpyDtoDAsync`` each). The bytes are visible at the peer once the launch's event completed;
 only then does the write flush/notify, exactly as for PUTs.
 
 Invariants
 - A lane exists only for a same-host peer whose Layout exported IPC blobs, and only with
   ``EngineConfig.device_copy == "auto"``. A write uses it from ``device_min_ops`` runs up
   (a launch's host time equals that of many PUTs; launch cost:
-  bench/results/transfer-h200-diag.md). A region whose import fails
+  bench/results/transfer-h200-diag.md), and from ``device_min_bytes`` bytes up
+  (:func:`lane_wanted`). A region whose import fails
   (the peer is this process, peer access is impossible, ...) stays on UCX:
   :meth:`DeviceLane.select` picks only ops whose local registration is CUDA memory and
   whose remote region is mapped.
@@ -52,7 +53,8 @@ log = logging.getLogger(__name__)
 _U64 = np.uint64
 
 #: at most this many runs go as one cuMemcpyDtoDAsync each (copy engines, full bandwidth
-#: for large runs); more runs take one kernel launch
+#: for large runs); more runs take one kernel launch or one cuMemcpyBatchAsync
+#: (EngineConfig.lane_copy)
 MEMCPY_MAX_RUNS = 4
 #: bytes per kernel task (one GPU program each)
 TILE_BYTES = 1 << 20
@@ -67,6 +69,18 @@ PROFILE_ENV = "KVXFER_LANE_PROFILE"
 PATTERN_CACHE = 16
 
 
+def lane_wanted(ops: int, nbytes: np.ndarray, min_ops: int, small_ops: int, min_bytes: int) -> bool:
+    """Whether a write of ``ops`` direct runs of ``nbytes`` bytes each should go to the
+    device lane (where it is open): from ``min_ops`` runs up (one launch beats many PUTs),
+    up to ``small_ops`` runs (0: never), or from ``min_bytes`` bytes up (0: never; the copy
+    engines against cuda_ipc PUTs for large requests). Never for a write of no runs."""
+    if ops <= 0:
+        return False
+    if ops >= min_ops or ops <= small_ops:
+        return True
+    return 0 < min_bytes <= int(nbytes.sum(dtype=_U64))
+
+
 class DeviceLane:
     """Kernel/copy-engine writes into one peer's IPC-mapped CUDA regions."""
 
@@ -77,6 +91,7 @@ class DeviceLane:
         rbase: Sequence[int],
         rlen: Sequence[int],
         local_cuda_memh: Sequence[int],
+        copy: str = "kernel",
     ):
         import torch
 
@@ -84,6 +99,9 @@ class DeviceLane:
 
         self.device = device
         self._torch = torch
+        #: how writes of more than MEMCPY_MAX_RUNS runs go (EngineConfig.lane_copy): ``batch``
+        #: only where the driver has it
+        self.copy = "batch" if copy == "batch" and cuda_driver.batch_available() else "kernel"
         self._rbase = np.asarray(rbase, dtype=_U64)
         self._rlen = np.asarray(rlen, dtype=_U64)
         self._local = np.asarray(sorted(set(int(h) for h in local_cuda_memh)), dtype=_U64)
@@ -139,6 +157,10 @@ class DeviceLane:
                 h = self._stream.cuda_stream
                 for s, d, n in zip(laddr.tolist(), dst.tolist(), nbytes.tolist()):
                     memcpy_dtod_async(d, s, n, h)
+            elif self.copy == "batch":
+                from kvxfer.kernels.cuda_driver import memcpy_batch_async
+
+                memcpy_batch_async(dst, laddr, nbytes, self._stream.cuda_stream, self.device)
             else:
                 from kvxfer.kernels.piece_copy import copy_tasks
                 from kvxfer.pools.offload.pieces import split_by_alignment, tile_pieces
@@ -317,6 +339,7 @@ def open_lane(config, groups, hostname: str, remote):
             remote.bases,
             remote.lens,
             [r.handle for r in groups.cuda_regions(device)],
+            config.lane_copy,
         )
     except Exception as exc:  # no torch / CUDA trouble: UCX carries everything
         log.info("no device lane to a same-host peer: %s", exc)
@@ -325,4 +348,5 @@ def open_lane(config, groups, hostname: str, remote):
         why = lane.failures[0] if lane.failures else "no region mapped"
         lane.close()
         return None, f"off ({why})"
-    return lane, f"active on cuda:{device} ({int(lane.mapped.astype(bool).sum())} regions)"
+    n = int(lane.mapped.astype(bool).sum())
+    return lane, f"active on cuda:{device} ({n} regions, {lane.copy} copies)"

@@ -466,8 +466,12 @@ class Peer:
         deadline = self._loop.time() + timeout
         launched = None
         cfg = self._config
-        if self._dev is not None and (
-            laddr.size >= cfg.device_min_ops or 0 < laddr.size <= (cfg.device_small_ops or 0)
+        if self._dev is not None and devcopy.lane_wanted(
+            laddr.size,
+            nbytes,
+            cfg.device_min_ops,
+            cfg.device_small_ops or 0,
+            cfg.device_min_bytes or 0,
         ):
             on_dev = self._dev.select(lmemh, ridx)
             if on_dev.any():

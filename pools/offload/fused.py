@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["FusedCopier", "Part"]
 
+#: the batch path's "tile": pieces stay whole (one copy each)
+BATCH_TILE = 1 << 40
+
 # (device item views, host item views, runs [R, 3] of (device start, host start, length))
 Part = tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], np.ndarray]
 
@@ -52,11 +55,15 @@ class FusedCopier:
         device_delta: int,
         *,
         tile_bytes: int | None = None,
+        batch: bool = False,
     ) -> None:
         self.device = device
         self.to_host = bool(to_host)
         self.device_delta = int(device_delta)
         self.tile_bytes = tile_bytes
+        #: issue every piece as one ``cuMemcpyBatchAsync`` (copy engines) instead of the
+        #: kernel; needs CUDA and a driver that has it (:func:`batch_available`)
+        self.batch = bool(batch)
         self.launches = 0  # kernel launches issued so far (all requests)
         # pointer tables per (device views list, host views list): the manager passes the
         # same cached lists every call; the entries hold the lists so ids stay unique
@@ -85,7 +92,7 @@ class FusedCopier:
             return np.zeros((0, 3), dtype=np.int64), MAX_ALIGN
         tables = [self._table(dv, hv) for dv, hv, _ in live]
         total = sum(int(r[:, 2].sum()) * int(t.lens.sum()) for t, (_, _, r) in zip(tables, live))
-        tile = self.tile_bytes or pick_tile_bytes(total)
+        tile = BATCH_TILE if self.batch else (self.tile_bytes or pick_tile_bytes(total))
         chunks = []
         for table, (_, _, runs) in zip(tables, live):
             tasks = plan_tasks(table, runs, tile)  # (device addr, host addr, nbytes)
@@ -98,6 +105,21 @@ class FusedCopier:
     def copy(self, parts: Sequence[Part]) -> int:
         """Issue the copies of ``parts`` on the current stream; returns kernel launches."""
         tasks, align = self.plan(parts)
+        if self.batch:
+            if tasks.shape[0]:
+                from kvxfer.kernels.cuda_driver import memcpy_batch_async
+
+                memcpy_batch_async(
+                    tasks[:, 1],
+                    tasks[:, 0],
+                    tasks[:, 2],
+                    torch.cuda.current_stream(self.device).cuda_stream,
+                    self.device.index or 0,
+                    src_host=not self.to_host,
+                    dst_host=self.to_host,
+                )
+                self.launches += 1
+            return int(tasks.shape[0] > 0)
         # tables aligned to 16 bytes (every real pool) give one launch without per-task work
         groups = [(align, tasks)] if align == MAX_ALIGN else split_by_alignment(tasks)
         launches = 0

@@ -15,6 +15,9 @@ every (buffer, run) pair is a *piece*. Three paths move them:
   has at least ``fused_min_pieces`` pieces averaging at most ``fused_max_piece_bytes``
   (large contiguous pieces keep the copy engines); ``fused=True`` forces it for every
   request (also on CPU under the Triton interpreter, for tests), ``fused=False`` disables it.
+  With ``KVXFER_OFFLOAD_COPY=batch`` (CUDA, driver >= 12.8) the same pieces go as ONE
+  ``cuMemcpyBatchAsync`` on the copy engines instead of the kernel (pinned host memory by
+  its UVA address; :func:`kvxfer.kernels.cuda_driver.memcpy_batch_async`).
 * **direct** (:mod:`kvxfer.pools.offload.copier`): each piece is ONE ``copy_``.
 * **staged**: requests broken into many short runs go through a bounded device staging
   buffer (gather, then one large copy per buffer and batch; allocated once at
@@ -40,10 +43,12 @@ slot counts and the source pool's geometry; violations raise typed errors and wr
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import torch
 
+from kvxfer.kernels.cuda_driver import batch_available
 from kvxfer.kernels.errors import InvalidArgument, ShapeMismatch, UnsupportedOperation
 from kvxfer.kernels.piece_copy import kernel_runnable
 
@@ -58,6 +63,9 @@ from .views import pool_geometry, pool_views
 logger = logging.getLogger(__name__)
 
 __all__ = ["OffloadManager", "pool_views", "pool_geometry"]
+
+#: ``batch``: the fused path issues one ``cuMemcpyBatchAsync`` instead of the kernel (CUDA)
+BATCH_ENV = "KVXFER_OFFLOAD_COPY"
 
 
 class OffloadManager:
@@ -176,8 +184,11 @@ class OffloadManager:
             logger.info("fused offload path unavailable (%s); using copy_", why)
             return
         tb = None if tile_bytes is None else int(tile_bytes)
-        self._fused_out = FusedCopier(self.device, True, delta, tile_bytes=tb)
-        self._fused_in = FusedCopier(self.device, False, delta, tile_bytes=tb)
+        batch = self._cuda and os.environ.get(BATCH_ENV, "") == "batch" and batch_available()
+        if batch:
+            delta = 0  # the copy engines take pinned memory by its (UVA) host address
+        self._fused_out = FusedCopier(self.device, True, delta, tile_bytes=tb, batch=batch)
+        self._fused_in = FusedCopier(self.device, False, delta, tile_bytes=tb, batch=batch)
 
     @property
     def fused_available(self) -> bool:

@@ -133,3 +133,38 @@ def test_lane_wait_falls_back_to_a_thread():
     ev = _FakeEvent(10**9)
     asyncio.run(DeviceLane.wait(ev, spin_s=0.0, poll_s=0.0))
     assert ev.synced is not None and ev.synced != threading.main_thread().name
+
+
+@pytest.mark.parametrize(
+    "ops,sizes,min_ops,small,min_bytes,want",
+    [
+        (0, [], 1, 4, 1, False),  # nothing to copy
+        (128, [1] * 128, 128, 0, 0, True),  # scattered: many runs
+        (127, [1] * 127, 128, 0, 0, False),
+        (2, [1, 1], 128, 4, 0, True),  # small writes (device_small_ops)
+        (5, [1] * 5, 128, 4, 0, False),
+        (1, [16 << 20], 128, 0, 0, False),  # large, min_bytes off
+        (1, [16 << 20], 128, 0, 4 << 20, True),  # large contiguous
+        (16, [1 << 20] * 16, 128, 0, 16 << 20, True),  # exactly min_bytes
+        (16, [1 << 20] * 16, 128, 0, (16 << 20) + 1, False),
+    ],
+)
+def test_lane_wanted(ops, sizes, min_ops, small, min_bytes, want):
+    import numpy as np
+
+    from kvxfer.engine.devcopy import lane_wanted
+
+    nbytes = np.asarray(sizes, dtype=np.uint64)
+    assert lane_wanted(ops, nbytes, min_ops, small, min_bytes) is want
+
+
+def test_batch_copy_checks_its_arrays_before_the_driver():
+    """Mismatched or empty arrays are an InvalidArgument, with or without a CUDA driver."""
+    import numpy as np
+
+    from kvxfer.errors import InvalidArgument
+
+    one, two = np.zeros(1, np.uint64), np.zeros(2, np.uint64)
+    for args in ((one, one, two), (two, one, two), (one[:0], one[:0], one[:0])):
+        with pytest.raises(InvalidArgument, match="lengths"):
+            cuda_driver.memcpy_batch_async(*args, stream=1)
