@@ -15,7 +15,6 @@ always wins.
   :attr:`EngineConfig.own_worker`.
 - ``KVXFER_DEVICE_SMALL_OPS`` = an int — default of :attr:`EngineConfig.device_small_ops`.
 - ``KVXFER_DEVICE_MIN_BYTES`` = an int — default of :attr:`EngineConfig.device_min_bytes`.
-- ``KVXFER_LANE_COPY`` = ``kernel`` | ``batch`` — default of :attr:`EngineConfig.lane_copy`.
 - ``KVXFER_NOTIFY_ORDER`` = ``1`` | ``0`` — default of :attr:`EngineConfig.notify_order`.
 - ``KVXFER_DIRECT_PAGES`` = an int >= 0 — default of ``KVManager(direct_pages=)`` and of the
   SGLang backend's direct sends (:func:`direct_pages`; read when a manager is built).
@@ -65,13 +64,9 @@ FLUSH_PROGRESS = ("auto", "spin", "event")
 #: few copy-engine memcpys) instead of one UCX PUT per run; ``off``: always UCX.
 DEVICE_COPY = ("auto", "off")
 
-#: Default of EngineConfig.device_min_bytes (0 = off) until measured on the H200.
+#: Default of EngineConfig.device_min_bytes: 0 (off): a write of few large runs is faster as
+#: cuda_ipc PUTs than through the lane's launch path (bench/results/lane-copy-h200.md).
 DEVICE_MIN_BYTES = 0
-
-#: How the device lane issues a write of more than a few runs. ``kernel``: one Triton launch
-#: over a tile table uploaded per write; ``batch``: one ``cuMemcpyBatchAsync`` of every run
-#: (the copy engines; the kernel where the driver lacks it, CUDA < 12.8).
-LANE_COPY = ("kernel", "batch")
 
 #: Where RMA runs (docs/engine.md, "Own worker"). ``auto``: on kvxfer's own UCP context and
 #: worker (progressed only by kvxfer's threads, no hop to UCXX's progress thread per
@@ -103,8 +98,6 @@ def env_defaults() -> dict:
         out["device_small_ops"] = int(env["KVXFER_DEVICE_SMALL_OPS"])
     if env.get("KVXFER_DEVICE_MIN_BYTES"):
         out["device_min_bytes"] = int(env["KVXFER_DEVICE_MIN_BYTES"])
-    if env.get("KVXFER_LANE_COPY"):
-        out["lane_copy"] = env["KVXFER_LANE_COPY"].strip().lower()
     if env.get("KVXFER_NOTIFY_ORDER"):
         out["notify_order"] = env["KVXFER_NOTIFY_ORDER"].strip() not in ("0", "false", "off")
     for key, name in (
@@ -212,11 +205,8 @@ class EngineConfig:
     device_small_ops: Optional[int] = None
     #: a write of at least this many bytes also takes the device lane, whatever its run
     #: count (large requests: the copy engines or one kernel against UCX's cuda_ipc PUTs);
-    #: 0: never. None -> env KVXFER_DEVICE_MIN_BYTES or DEVICE_MIN_BYTES
+    #: 0: never (the default, see DEVICE_MIN_BYTES). None -> env KVXFER_DEVICE_MIN_BYTES
     device_min_bytes: Optional[int] = None
-    #: how the device lane issues a write of more than a few runs (see LANE_COPY). None ->
-    #: env KVXFER_LANE_COPY or "kernel"
-    lane_copy: Optional[str] = None
     #: notifying writes of a peer hand their notifications to UCX in call order: a write
     #: whose flush completed first waits for the previous notifying write's (concurrent
     #: cuda_ipc flushes complete out of order). False: each notification leaves when its own
@@ -293,12 +283,6 @@ class EngineConfig:
             self.device_small_ops = env.get("device_small_ops", 0)
         if self.device_min_bytes is None:
             self.device_min_bytes = env.get("device_min_bytes", DEVICE_MIN_BYTES)
-        if self.lane_copy is None:
-            self.lane_copy = env.get("lane_copy", LANE_COPY[0])
-        if self.lane_copy not in LANE_COPY:
-            raise InvalidArgument(
-                f"EngineConfig.lane_copy={self.lane_copy!r}; expected one of {LANE_COPY}"
-            )
         if self.notify_order is None:
             self.notify_order = env.get("notify_order", True)
         if not isinstance(self.notify_order, bool):

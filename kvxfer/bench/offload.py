@@ -10,8 +10,10 @@ For every (layout, request size, page pattern) it times, in the same run and int
 
 The ``path`` column says how the manager moved the request (offload / restore):
 ``fused`` (one Triton launch over every piece, straight into the mapped host pool),
-``direct`` (one ``copy_`` per piece) or ``staged`` (through the device staging buffer);
-``chunks`` counts the pieces (fused) or bus copies. ``--fused on|off`` forces the choice.
+``batch`` (the same pieces as one ``cuMemcpyBatchAsync``, CUDA, pieces averaging at least
+``--batch-min-piece-kib``), ``direct`` (one ``copy_`` per piece) or ``staged`` (through the
+device staging buffer); ``chunks`` counts the pieces (fused, batch) or bus copies.
+``--fused on|off`` forces the choice.
 
 Each figure is the median over ``--repeat`` timed repetitions (after one warm-up), wall time
 from submission to completion (Python submission overhead included, as the caller pays it),
@@ -163,6 +165,8 @@ def bench_one(layout, pages, pattern, args, device) -> dict:
     slots_src, slots_dst = ([1], [2]) if has_state else ([], [])
     extra = {} if args.staging_mib is None else {"staging_bytes": int(args.staging_mib * 2**20)}
     extra["fused"] = {"auto": None, "on": True, "off": False}[args.fused]
+    if args.batch_min_piece_kib is not None:
+        extra["batch_min_piece_bytes"] = int(args.batch_min_piece_kib) << 10
     mgr = OffloadManager(pool, num_host_pages=pages, num_host_slots=len(slots_src), **extra)
     for v in pool.get_item_views() + (pool.get_state_item_views() if has_state else []):
         v.random_(0, 256)  # real bytes everywhere (untouched memory would read as zero pages)
@@ -243,6 +247,13 @@ def _parse(argv):
         default="auto",
         choices=("auto", "on", "off"),
         help="the one-launch fused path: the manager's choice, always, never",
+    )
+    p.add_argument(
+        "--batch-min-piece-kib",
+        type=int,
+        default=None,
+        help="OffloadManager(batch_min_piece_bytes=) in KiB; 0: never the batch copy "
+        "(default: the manager's)",
     )
     p.add_argument(
         "--threads",

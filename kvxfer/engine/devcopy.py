@@ -5,8 +5,9 @@ scattered page set is bound by its op count, far below one large PUT of the same
 (lane against UCX PUTs: bench/results/transfer-h200.md). When both engines share a host,
 the peer's registered CUDA regions can be mapped here with legacy CUDA IPC (the same
 mechanism UCX's cuda_ipc uses) and every run of a write copied by ONE launch of
-:func:`kvxfer.kernels.piece_copy.copy_tasks` or ONE ``cuMemcpyBatchAsync`` on the copy engines
-(``EngineConfig.lane_copy``; few runs: one ``cuMemcpyDtoDAsync`` each). The bytes are visible at the peer once the launch's event completed;
+:func:`kvxfer.kernels.piece_copy.copy_tasks` (few large runs: one ``cuMemcpyDtoDAsync`` each, on
+the copy engines; one ``cuMemcpyBatchAsync`` of many runs costs more host time than the
+kernel's launch: bench/results/lane-copy-h200.md). The bytes are visible at the peer once the launch's event completed;
 only then does the write flush/notify, exactly as for PUTs.
 
 Invariants
@@ -53,8 +54,7 @@ log = logging.getLogger(__name__)
 _U64 = np.uint64
 
 #: at most this many runs go as one cuMemcpyDtoDAsync each (copy engines, full bandwidth
-#: for large runs); more runs take one kernel launch or one cuMemcpyBatchAsync
-#: (EngineConfig.lane_copy)
+#: for large runs); more runs take one kernel launch
 MEMCPY_MAX_RUNS = 4
 #: bytes per kernel task (one GPU program each)
 TILE_BYTES = 1 << 20
@@ -91,7 +91,6 @@ class DeviceLane:
         rbase: Sequence[int],
         rlen: Sequence[int],
         local_cuda_memh: Sequence[int],
-        copy: str = "kernel",
     ):
         import torch
 
@@ -99,9 +98,6 @@ class DeviceLane:
 
         self.device = device
         self._torch = torch
-        #: how writes of more than MEMCPY_MAX_RUNS runs go (EngineConfig.lane_copy): ``batch``
-        #: only where the driver has it
-        self.copy = "batch" if copy == "batch" and cuda_driver.batch_available() else "kernel"
         self._rbase = np.asarray(rbase, dtype=_U64)
         self._rlen = np.asarray(rlen, dtype=_U64)
         self._local = np.asarray(sorted(set(int(h) for h in local_cuda_memh)), dtype=_U64)
@@ -157,10 +153,6 @@ class DeviceLane:
                 h = self._stream.cuda_stream
                 for s, d, n in zip(laddr.tolist(), dst.tolist(), nbytes.tolist()):
                     memcpy_dtod_async(d, s, n, h)
-            elif self.copy == "batch":
-                from kvxfer.kernels.cuda_driver import memcpy_batch_async
-
-                memcpy_batch_async(dst, laddr, nbytes, self._stream.cuda_stream, self.device)
             else:
                 from kvxfer.kernels.piece_copy import copy_tasks
                 from kvxfer.pools.offload.pieces import split_by_alignment, tile_pieces
@@ -339,7 +331,6 @@ def open_lane(config, groups, hostname: str, remote):
             remote.bases,
             remote.lens,
             [r.handle for r in groups.cuda_regions(device)],
-            config.lane_copy,
         )
     except Exception as exc:  # no torch / CUDA trouble: UCX carries everything
         log.info("no device lane to a same-host peer: %s", exc)
@@ -348,5 +339,4 @@ def open_lane(config, groups, hostname: str, remote):
         why = lane.failures[0] if lane.failures else "no region mapped"
         lane.close()
         return None, f"off ({why})"
-    n = int(lane.mapped.astype(bool).sum())
-    return lane, f"active on cuda:{device} ({n} regions, {lane.copy} copies)"
+    return lane, f"active on cuda:{device} ({int(lane.mapped.astype(bool).sum())} regions)"

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["FusedCopier", "Part"]
 
-#: the batch path's "tile": pieces stay whole (one copy each)
+#: the batch copy's "tile": pieces stay whole (one copy each)
 BATCH_TILE = 1 << 40
 
 # (device item views, host item views, runs [R, 3] of (device start, host start, length))
@@ -55,15 +55,11 @@ class FusedCopier:
         device_delta: int,
         *,
         tile_bytes: int | None = None,
-        batch: bool = False,
     ) -> None:
         self.device = device
         self.to_host = bool(to_host)
         self.device_delta = int(device_delta)
         self.tile_bytes = tile_bytes
-        #: issue every piece as one ``cuMemcpyBatchAsync`` (copy engines) instead of the
-        #: kernel; needs CUDA and a driver that has it (:func:`batch_available`)
-        self.batch = bool(batch)
         self.launches = 0  # kernel launches issued so far (all requests)
         # pointer tables per (device views list, host views list): the manager passes the
         # same cached lists every call; the entries hold the lists so ids stay unique
@@ -84,15 +80,16 @@ class FusedCopier:
         self._tables[key] = (dev_views, host_views, table)
         return table
 
-    def plan(self, parts: Sequence[Part]) -> tuple[np.ndarray, int]:
+    def plan(self, parts: Sequence[Part], whole: bool = False) -> tuple[np.ndarray, int]:
         """The task table ``[T, 3]`` (src, dst, nbytes) for these parts (host side only)
-        and an alignment every task has (the tables' common alignment)."""
+        and an alignment every task has (the tables' common alignment); ``whole``: one task
+        per piece (no tiles)."""
         live = [(dv, hv, r) for dv, hv, r in parts if len(dv) and r.shape[0]]
         if not live:
             return np.zeros((0, 3), dtype=np.int64), MAX_ALIGN
         tables = [self._table(dv, hv) for dv, hv, _ in live]
         total = sum(int(r[:, 2].sum()) * int(t.lens.sum()) for t, (_, _, r) in zip(tables, live))
-        tile = BATCH_TILE if self.batch else (self.tile_bytes or pick_tile_bytes(total))
+        tile = BATCH_TILE if whole else (self.tile_bytes or pick_tile_bytes(total))
         chunks = []
         for table, (_, _, runs) in zip(tables, live):
             tasks = plan_tasks(table, runs, tile)  # (device addr, host addr, nbytes)
@@ -102,10 +99,12 @@ class FusedCopier:
         tasks = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
         return tasks, min(t.align for t in tables)
 
-    def copy(self, parts: Sequence[Part]) -> int:
-        """Issue the copies of ``parts`` on the current stream; returns kernel launches."""
-        tasks, align = self.plan(parts)
-        if self.batch:
+    def copy(self, parts: Sequence[Part], batch: bool = False) -> int:
+        """Issue the copies of ``parts`` on the current stream; returns kernel launches (or
+        1 for ``batch``: every piece in one ``cuMemcpyBatchAsync`` on the copy engines, which
+        needs CUDA, a driver that has it and ``device_delta == 0``)."""
+        tasks, align = self.plan(parts, whole=batch)
+        if batch:
             if tasks.shape[0]:
                 from kvxfer.kernels.cuda_driver import memcpy_batch_async
 

@@ -62,7 +62,7 @@ class OffloadHandle:
         # pieces (fused path) or bus copies (copy_ paths) of the latest operation
         self.num_chunks = 0
         self.staged = False  # whether the latest operation went through the staging buffer
-        self.path = ""  # path of the latest operation: "fused", "direct" or "staged"
+        self.path = ""  # path of the latest operation: "fused", "batch", "direct" or "staged"
         self.num_launches = 0  # kernel launches of the latest operation (fused path)
         self._state = OffloadState.OFFLOADING
         self._event = None  # completion object of the latest operation (None: complete)

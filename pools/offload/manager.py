@@ -15,9 +15,12 @@ every (buffer, run) pair is a *piece*. Three paths move them:
   has at least ``fused_min_pieces`` pieces averaging at most ``fused_max_piece_bytes``
   (large contiguous pieces keep the copy engines); ``fused=True`` forces it for every
   request (also on CPU under the Triton interpreter, for tests), ``fused=False`` disables it.
-  With ``KVXFER_OFFLOAD_COPY=batch`` (CUDA, driver >= 12.8) the same pieces go as ONE
-  ``cuMemcpyBatchAsync`` on the copy engines instead of the kernel (pinned host memory by
-  its UVA address; :func:`kvxfer.kernels.cuda_driver.memcpy_batch_async`).
+  On CUDA with a driver that has ``cuMemcpyBatchAsync`` (>= 12.8), a request whose pieces
+  average at least ``batch_min_piece_bytes`` (default :data:`BATCH_MIN_PIECE_BYTES`) goes
+  instead as ONE ``cuMemcpyBatchAsync`` of its pieces on the copy engines (pinned host memory
+  by its UVA address; :func:`kvxfer.kernels.cuda_driver.memcpy_batch_async`): few large
+  pieces cross the bus faster that way, many small ones faster through the kernel
+  (bench/results/lane-copy-h200.md).
 * **direct** (:mod:`kvxfer.pools.offload.copier`): each piece is ONE ``copy_``.
 * **staged**: requests broken into many short runs go through a bounded device staging
   buffer (gather, then one large copy per buffer and batch; allocated once at
@@ -43,7 +46,6 @@ slot counts and the source pool's geometry; violations raise typed errors and wr
 from __future__ import annotations
 
 import logging
-import os
 
 import numpy as np
 import torch
@@ -64,8 +66,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["OffloadManager", "pool_views", "pool_geometry"]
 
-#: ``batch``: the fused path issues one ``cuMemcpyBatchAsync`` instead of the kernel (CUDA)
-BATCH_ENV = "KVXFER_OFFLOAD_COPY"
+#: default of ``batch_min_piece_bytes``: a fused request whose (buffer, run) pieces average at
+#: least this many bytes goes as one cuMemcpyBatchAsync (bench/results/lane-copy-h200.md)
+BATCH_MIN_PIECE_BYTES = 256 << 10
 
 
 class OffloadManager:
@@ -101,6 +104,7 @@ class OffloadManager:
         fused_min_pieces: int = 4,
         fused_max_piece_bytes: int = 2 << 20,
         fused_tile_bytes: int | None = None,
+        batch_min_piece_bytes: int = BATCH_MIN_PIECE_BYTES,
     ) -> None:
         self.pool = pool
         kv, st = self._views = pool_views(pool)
@@ -131,6 +135,21 @@ class OffloadManager:
             self._d2h = torch.cuda.Stream(device=self.device)
             self._h2d = torch.cuda.Stream(device=self.device)
         self._setup_fused(fused, fused_min_pieces, fused_max_piece_bytes, fused_tile_bytes)
+        if int(batch_min_piece_bytes) != batch_min_piece_bytes or batch_min_piece_bytes < 0:
+            raise InvalidArgument(
+                f"batch_min_piece_bytes must be an integer >= 0, got {batch_min_piece_bytes!r}"
+            )
+        #: pieces averaging at least this go as one cuMemcpyBatchAsync; 0 where it cannot
+        #: (CPU, no such driver call, a host pool not at its UVA address) or when disabled
+        self.batch_min_piece_bytes = (
+            int(batch_min_piece_bytes)
+            if self._fused_out is not None
+            and self._cuda
+            and self.host.device_delta == 0
+            and batch_min_piece_bytes
+            and batch_available()
+            else 0
+        )
         if staging_bytes is None:
             staging_bytes = (64 << 20) if self._cuda and self._fused_out is None else 0
         if int(staging_bytes) != staging_bytes or staging_bytes < 0:
@@ -147,6 +166,7 @@ class OffloadManager:
             "bytes": 0,
             "staged": 0,
             "fused": 0,
+            "batch": 0,
         }
 
     def _setup_fused(self, fused, min_pieces, max_piece_bytes, tile_bytes) -> None:
@@ -184,11 +204,8 @@ class OffloadManager:
             logger.info("fused offload path unavailable (%s); using copy_", why)
             return
         tb = None if tile_bytes is None else int(tile_bytes)
-        batch = self._cuda and os.environ.get(BATCH_ENV, "") == "batch" and batch_available()
-        if batch:
-            delta = 0  # the copy engines take pinned memory by its (UVA) host address
-        self._fused_out = FusedCopier(self.device, True, delta, tile_bytes=tb, batch=batch)
-        self._fused_in = FusedCopier(self.device, False, delta, tile_bytes=tb, batch=batch)
+        self._fused_out = FusedCopier(self.device, True, delta, tile_bytes=tb)
+        self._fused_in = FusedCopier(self.device, False, delta, tile_bytes=tb)
 
     @property
     def fused_available(self) -> bool:
@@ -247,9 +264,11 @@ class OffloadManager:
                     parts.append((views, hviews, runs))
                     pieces += runs.shape[0] * len(views)
             if pieces and self._use_fused(pieces, handle.nbytes):
-                handle.num_launches = fused.copy(parts)
-                handle.staged, handle.path = False, "fused"
-                self.stats["fused"] += 1
+                m = self.batch_min_piece_bytes
+                batch = bool(m) and handle.nbytes >= m * pieces
+                handle.num_launches = fused.copy(parts, batch=batch)
+                handle.staged, handle.path = False, "batch" if batch else "fused"
+                self.stats["batch" if batch else "fused"] += 1
                 return pieces
         copier = self._out if to_host else self._in
         n_kv, staged = copier.copy(kv, self.host.page_views, pages, host_pages)

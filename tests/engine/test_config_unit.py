@@ -81,26 +81,17 @@ def test_own_worker_config(monkeypatch):
             config.env_defaults.cache_clear()
 
 
-def test_device_min_bytes_and_lane_copy(monkeypatch):
+def test_device_min_bytes(monkeypatch):
     from kvxfer import config
 
-    c = EngineConfig(secret=b"s")
-    assert c.device_min_bytes == config.DEVICE_MIN_BYTES and c.lane_copy == "kernel"
-    assert EngineConfig(secret=b"s", device_min_bytes=0, lane_copy="batch").lane_copy == "batch"
+    assert EngineConfig(secret=b"s").device_min_bytes == config.DEVICE_MIN_BYTES
+    assert EngineConfig(secret=b"s", device_min_bytes=1 << 20).device_min_bytes == 1 << 20
     with pytest.raises(InvalidArgument, match="device_min_bytes"):
         EngineConfig(secret=b"s", device_min_bytes=-1)
-    with pytest.raises(InvalidArgument, match="lane_copy"):
-        EngineConfig(secret=b"s", lane_copy="dma")
     monkeypatch.setenv("KVXFER_DEVICE_MIN_BYTES", "4194304")
-    monkeypatch.setenv("KVXFER_LANE_COPY", " Batch ")
     config.env_defaults.cache_clear()
     try:
-        c = EngineConfig(secret=b"s")
-        assert c.device_min_bytes == 4 << 20 and c.lane_copy == "batch"
-        monkeypatch.setenv("KVXFER_LANE_COPY", "dma")
-        config.env_defaults.cache_clear()
-        with pytest.raises(InvalidArgument, match="lane_copy"):
-            EngineConfig(secret=b"s")
+        assert EngineConfig(secret=b"s").device_min_bytes == 4 << 20
     finally:
         monkeypatch.undo()
         config.env_defaults.cache_clear()

@@ -290,6 +290,41 @@ def test_fused_and_copy_paths_produce_identical_host_bytes():
     b.close()
 
 
+def test_batch_copy_of_large_pieces_matches_the_kernel():
+    """Pieces averaging >= batch_min_piece_bytes go as one cuMemcpyBatchAsync on CUDA (path
+    "batch"), byte for byte what the kernel writes, both ways; on CPU the batch copy is off
+    (0) and such requests stay on the kernel."""
+    gen = torch.Generator().manual_seed(13)
+    pool = make_pool("hybrid_per_layer", num_pages=30)
+    randomize(pool, gen)
+    src, slots, dst = [9, 3, 4, 5, 20, 11, 12], [5], [1, 2, 6, 7, 8, 10, 13]
+    with pytest.raises(InvalidArgument, match="batch_min_piece_bytes"):
+        OffloadManager(pool, num_host_pages=7, batch_min_piece_bytes=-1)
+    a = OffloadManager(
+        pool, num_host_pages=7, num_host_slots=1, fused=True, batch_min_piece_bytes=1
+    )
+    b = OffloadManager(
+        pool, num_host_pages=7, num_host_slots=1, fused=True, batch_min_piece_bytes=0
+    )
+    assert b.batch_min_piece_bytes == 0
+    want = "batch" if DEVICE == "cuda" and a.batch_min_piece_bytes else "fused"
+    assert DEVICE != "cuda" or want == "batch"  # CUDA 13 on the GPU machine has the call
+    ha, hb = a.offload(src, slots).wait(), b.offload(src, slots).wait()
+    assert (ha.path, hb.path) == (want, "fused")
+    assert_same(
+        [v.clone() for v in a.host.page_views + a.host.slot_views],
+        [v.clone() for v in b.host.page_views + b.host.slot_views],
+        "host bytes",
+    )
+    a.restore(ha, dst, [7]).wait()
+    assert ha.path == want and a.stats[want] == 2
+    after = snapshot(pool)
+    b.restore(hb, dst, [7]).wait()
+    assert_same(snapshot(pool), after, "restored bytes")
+    a.close()
+    b.close()
+
+
 def test_fused_options_are_validated():
     pool = make_pool("mha")
     for kw in (
