@@ -3,15 +3,17 @@
 # from which size a write should take it. (1) bench/gpu/copy_methods.py: copy_ vs per-run
 # cuMemcpyDtoDAsync vs one cuMemcpyBatchAsync vs the Triton tile kernel, one process, with
 # and without a 2 ms gap between iterations; (2) the engine tests on CUDA with every write on
-# the lane and the batch copy (KVXFER_DEVICE_MIN_BYTES=1 KVXFER_LANE_COPY=batch); (3) `kvxfer
-# bench transfer --device cuda --modes none` for VARIANTS (name:env;...) in one run; (4) the PD
-# bandwidth rows (`kvxfer bench pd --large-pages`) for the same variants; (5) offload with its
-# fused path as one cuMemcpyBatchAsync (KVXFER_OFFLOAD_COPY=batch) against the kernel.
+# the lane (KVXFER_DEVICE_MIN_BYTES=1); (3) `kvxfer bench transfer --device cuda --modes none`
+# for VARIANTS (name:env,env ...) in one run; (4) the PD bandwidth rows (`kvxfer bench pd
+# --large-pages`) for the same variants; (5) offload with the manager's batch copy against the
+# kernel only (--batch-min-piece-kib 0). bench/results/lane-copy-h200.md ran it at 99e8950,
+# whose variant "batch" (KVXFER_LANE_COPY, removed since) and offload switch
+# (KVXFER_OFFLOAD_COPY, now OffloadManager(batch_min_piece_bytes=)) are gone.
 # Skip parts with NO_TESTS / NO_PD / NO_OFFLOAD. Writes $OUT/lane_copy.md and JSON files.
 set -o pipefail
 export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD} UCX_WARN_UNUSED_ENV_VARS=n
-VARIANTS=${VARIANTS:-"base: bytes:KVXFER_DEVICE_MIN_BYTES=4194304 batch:KVXFER_DEVICE_MIN_BYTES=4194304,KVXFER_LANE_COPY=batch"}
+VARIANTS=${VARIANTS:-"base: bytes:KVXFER_DEVICE_MIN_BYTES=4194304"}
 rc=0
 {
 echo "# Device lane copy methods on CUDA ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), ${KVXFER_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)})"
@@ -37,21 +39,21 @@ for v in $VARIANTS; do
 done
 fi
 if [ -z "${NO_OFFLOAD:-}" ]; then
-for oc in kernel batch; do
-    echo; echo "## bench offload, KVXFER_OFFLOAD_COPY=$oc"
-    KVXFER_OFFLOAD_COPY=$oc timeout 200 python3 -m kvxfer bench offload --device cuda --layouts mha,mha_hnd \
-        --pages 8,32,128,512 --json-out "$OUT/offload_$oc.json" 2>&1 | grep "^|" || rc=1
+for oc in default 0; do
+    echo; echo "## bench offload, batch_min_piece: $oc"
+    timeout 200 python3 -m kvxfer bench offload --device cuda --layouts mha,mha_hnd --pages 8,32,128,512 \
+        $( [ $oc = 0 ] && echo --batch-min-piece-kib 0 ) --json-out "$OUT/offload_$oc.json" 2>&1 | grep "^|" || rc=1
 done
 fi
 if [ -z "${NO_TESTS:-}" ]; then
-echo; echo "## engine tests on CUDA, every write on the lane, batch copies"; echo '```'
-KVXFER_TEST_DEVICE=cuda KVXFER_DEVICE_MIN_BYTES=1 KVXFER_LANE_COPY=batch timeout 240 python3 -m pytest -q -p no:cacheprovider \
+echo; echo "## engine tests on CUDA, every write on the lane"; echo '```'
+KVXFER_TEST_DEVICE=cuda KVXFER_DEVICE_MIN_BYTES=1 timeout 240 python3 -m pytest -q -p no:cacheprovider \
     tests/engine/test_engine.py tests/engine/test_devcopy_unit.py tests/gpu 2>&1 | tail -8 || rc=1
 echo '```'
 fi
 if [ -z "${NO_TESTS:-}" ] && [ -z "${NO_OFFLOAD:-}" ]; then
-echo; echo "## offload tests on CUDA, fused path as one cuMemcpyBatchAsync"; echo '```'
-KVXFER_TEST_DEVICE=cuda KVXFER_OFFLOAD_COPY=batch timeout 200 python3 -m pytest -q -p no:cacheprovider tests/offload 2>&1 | tail -6 || rc=1
+echo; echo "## offload tests on CUDA"; echo '```'
+KVXFER_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/offload 2>&1 | tail -6 || rc=1
 echo '```'
 fi
 echo; echo "## copy_methods.py --gap-ms 2"; echo '```'
