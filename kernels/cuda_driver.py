@@ -11,8 +11,9 @@ Invariants
   the older ``cuda.cuda``; the extra ``kvxfer[cuda]``, and a dependency of UCXX's RMM) is
   imported on the first call, once, with the driver library. Without either every query
   answers None and never raises; the calls that must act (:func:`ipc_open`,
-  :func:`memcpy_dtod_async`, :func:`driver`) raise :class:`CudaError` (code
-  ``CudaError.NO_DRIVER``).
+  :func:`memcpy_dtod_async`, :func:`memcpy_batch_async`, :func:`driver`) raise
+  :class:`CudaError` (code ``CudaError.NO_DRIVER``). ``cuMemcpyBatchAsync`` (CUDA >= 12.8) is
+  called through the pointer ``cuGetProcAddress`` gives for the driver's newest ABI of it.
 - The queries never initialise the driver (no ``cuInit``): in a process where nothing has
   used CUDA yet they answer None, and a parent that only probed its memory can still fork
   children that use CUDA. :func:`driver` (the VMM backing's entry) initialises it.
