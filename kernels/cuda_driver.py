@@ -282,6 +282,79 @@ def memcpy_dtod_async(dst: int, src: int, nbytes: int, stream: int) -> None:
         raise CudaError("cuMemcpyDtoDAsync", int(err), error_text(err))
 
 
+#: CUresult CUDA_ERROR_INVALID_CONTEXT: a context-bound call on a thread with no current context
+_INVALID_CONTEXT = 201
+
+
+def bind_context(ordinal: int) -> None:
+    """Make device ``ordinal``'s primary context current on this thread if none is (what the
+    CUDA runtime does on a thread's first call): for driver calls that need one on threads
+    the runtime never bound. Raises :class:`CudaError`."""
+    cu = driver()
+    if check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent"):
+        return
+    dev = check(cu.cuDeviceGet(int(ordinal)), "cuDeviceGet")
+    ctx = check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+    try:
+        check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    finally:  # the runtime (torch) holds the primary context for the process's life
+        cu.cuDevicePrimaryCtxRelease(dev)
+
+
+class StreamLink:
+    """Orders CUDA streams after one another's queued work with ONE reusable driver event:
+    :meth:`order` is ``cuEventRecord`` on the waited stream + ``cuStreamWaitEvent`` on the
+    waiter, two driver calls and no torch objects (torch's ``current_stream`` +
+    ``wait_stream`` cost tens of µs of host time per call: bench/results/offload-host-h200.md).
+
+    Invariants: a wait captures the event's state when it is queued, so the event is reusable
+    right after :meth:`order` returns; not thread-safe (one owner thread, as an offload
+    manager); on a thread with no current CUDA context the calls bind device ``ordinal``'s
+    primary context first (:func:`bind_context`). Streams are CUstream handles as ints (0 =
+    the legacy default stream). :meth:`close` (also at garbage collection) destroys the event.
+    """
+
+    def __init__(self, ordinal: int) -> None:
+        self.ordinal = int(ordinal)
+        cu = driver()
+        flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        res = cu.cuEventCreate(flags)
+        if res[0] == _INVALID_CONTEXT:
+            bind_context(self.ordinal)
+            res = cu.cuEventCreate(flags)
+        self._event = check(res, "cuEventCreate")
+
+    def order(self, waiter: int, waited: int) -> None:
+        """Work queued on ``waiter`` after this call starts after the work queued on
+        ``waited`` before it; a no-op for the same stream. Raises :class:`CudaError`."""
+        if waiter == waited:
+            return
+        cu = bindings()
+        (err,) = cu.cuEventRecord(self._event, waited)
+        if err == _INVALID_CONTEXT:
+            bind_context(self.ordinal)
+            (err,) = cu.cuEventRecord(self._event, waited)
+        if err != _OK:
+            raise CudaError("cuEventRecord", int(err), error_text(err))
+        (err,) = cu.cuStreamWaitEvent(waiter, self._event, 0)
+        if err != _OK:
+            raise CudaError("cuStreamWaitEvent", int(err), error_text(err))
+
+    def close(self) -> None:
+        """Destroy the event (idempotent; a later :meth:`order` raises AttributeError)."""
+        ev, self._event = getattr(self, "_event", None), None
+        cu = bindings()
+        if ev is not None and cu is not None:
+            with device_context(self.ordinal):
+                cu.cuEventDestroy(ev)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the driver may be gone
+            pass
+
+
 class _MemcpyAttributes(ctypes.Structure):
     """``CUmemcpyAttributes`` (cuda.h, CUDA >= 12.8): access order, two ``CUmemLocation``
     hints (type, id), flags."""
@@ -299,6 +372,7 @@ class _MemcpyAttributes(ctypes.Structure):
 #: CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, CU_MEM_LOCATION_TYPE_DEVICE / _HOST
 _ORDER_STREAM, _LOC_DEVICE, _LOC_HOST = 1, 1, 2
 _batch: list = []  # [(ctypes function, takes failIdx) or None] once looked up
+_attrs: dict = {}  # (src_host, dst_host, device) -> (byref attributes, byref index 0), read-only
 _batch_why = ""
 
 
@@ -345,7 +419,12 @@ def memcpy_batch_async(
     call) / InvalidArgument."""
     import numpy as np
 
-    arrs = [np.ascontiguousarray(a, dtype=np.uint64) for a in (dst, src, nbytes)]
+    arrs = [
+        a.view(np.uint64)  # addresses and sizes are >= 0: the same bits, no copy
+        if isinstance(a, np.ndarray) and a.dtype == np.int64 and a.flags.c_contiguous
+        else np.ascontiguousarray(a, dtype=np.uint64)
+        for a in (dst, src, nbytes)
+    ]
     n = arrs[0].size
     if arrs[1].size != n or arrs[2].size != n or n == 0:
         raise InvalidArgument(f"memcpy_batch_async: lengths {[a.size for a in arrs]}")
@@ -353,20 +432,27 @@ def memcpy_batch_async(
     if got is None:
         raise CudaError("cuMemcpyBatchAsync", CudaError.NO_DRIVER, _batch_why)
     fn, fail = got
-    attrs = _MemcpyAttributes(
-        _ORDER_STREAM,
-        _LOC_HOST if src_host else _LOC_DEVICE,
-        0 if src_host else device,
-        _LOC_HOST if dst_host else _LOC_DEVICE,
-        0 if dst_host else device,
-        0,
-    )
-    idx = ctypes.c_size_t(0)
+    key = (bool(src_host), bool(dst_host), int(device))
+    attrs = _attrs.get(key)
+    if attrs is None:  # (attributes, attribute index 0) built once per kind of copy
+        attrs = _attrs[key] = (
+            ctypes.byref(
+                _MemcpyAttributes(
+                    _ORDER_STREAM,
+                    _LOC_HOST if src_host else _LOC_DEVICE,
+                    0 if src_host else device,
+                    _LOC_HOST if dst_host else _LOC_DEVICE,
+                    0 if dst_host else device,
+                    0,
+                )
+            ),
+            ctypes.byref(ctypes.c_size_t(0)),
+        )
     ptrs = [a.ctypes.data for a in arrs]
     if fail:
         failed = ctypes.c_size_t(0)
-        err = fn(*ptrs, n, ctypes.byref(attrs), ctypes.byref(idx), 1, ctypes.byref(failed), stream)
+        err = fn(*ptrs, n, attrs[0], attrs[1], 1, ctypes.byref(failed), stream)
     else:
-        err = fn(*ptrs, n, ctypes.byref(attrs), ctypes.byref(idx), 1, stream)
+        err = fn(*ptrs, n, attrs[0], attrs[1], 1, stream)
     if err != 0:
         raise CudaError("cuMemcpyBatchAsync", int(err), error_text(bindings().CUresult(err)))

@@ -10,8 +10,8 @@ For every (layout, request size, page pattern) it times, in the same run and int
 
 The ``path`` column says how the manager moved the request (offload / restore):
 ``fused`` (one Triton launch over every piece, straight into the mapped host pool),
-``batch`` (the same pieces as one ``cuMemcpyBatchAsync``, CUDA, pieces averaging at least
-``--batch-min-piece-kib``), ``direct`` (one ``copy_`` per piece) or ``staged`` (through the
+``batch`` (the pieces through ``cuMemcpyBatchAsync``, CUDA, pieces averaging at least
+``--batch-min-piece-kib``; ``--batch-first N`` pieces in its first call), ``direct`` (one ``copy_`` per piece) or ``staged`` (through the
 device staging buffer); ``chunks`` counts the pieces (fused, batch) or bus copies.
 ``--fused on|off`` forces the choice.
 
@@ -167,6 +167,8 @@ def bench_one(layout, pages, pattern, args, device) -> dict:
     extra["fused"] = {"auto": None, "on": True, "off": False}[args.fused]
     if args.batch_min_piece_kib is not None:
         extra["batch_min_piece_bytes"] = int(args.batch_min_piece_kib) << 10
+    if args.batch_first is not None:
+        extra["batch_first_pieces"] = int(args.batch_first)
     mgr = OffloadManager(pool, num_host_pages=pages, num_host_slots=len(slots_src), **extra)
     for v in pool.get_item_views() + (pool.get_state_item_views() if has_state else []):
         v.random_(0, 256)  # real bytes everywhere (untouched memory would read as zero pages)
@@ -254,6 +256,13 @@ def _parse(argv):
         default=None,
         help="OffloadManager(batch_min_piece_bytes=) in KiB; 0: never the batch copy "
         "(default: the manager's)",
+    )
+    p.add_argument(
+        "--batch-first",
+        type=int,
+        default=None,
+        help="OffloadManager(batch_first_pieces=): pieces in the batch copy's first driver "
+        "call; 0: one call (default: the manager's)",
     )
     p.add_argument(
         "--threads",

@@ -25,6 +25,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from kvxfer.kernels.cuda_driver import memcpy_batch_async
 from kvxfer.kernels.piece_copy import copy_tasks
 
 from .pieces import MAX_ALIGN, PieceTable, pick_tile_bytes, plan_tasks, split_by_alignment
@@ -33,8 +34,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["FusedCopier", "Part"]
 
-#: the batch copy's "tile": pieces stay whole (one copy each)
-BATCH_TILE = 1 << 40
+#: default ``first`` of :meth:`FusedCopier.copy_batch`: pieces in its first driver call
+#: (bench/results/offload-host-h200.md)
+BATCH_FIRST = 4
 
 # (device item views, host item views, runs [R, 3] of (device start, host start, length))
 Part = tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], np.ndarray]
@@ -80,16 +82,15 @@ class FusedCopier:
         self._tables[key] = (dev_views, host_views, table)
         return table
 
-    def plan(self, parts: Sequence[Part], whole: bool = False) -> tuple[np.ndarray, int]:
+    def plan(self, parts: Sequence[Part]) -> tuple[np.ndarray, int]:
         """The task table ``[T, 3]`` (src, dst, nbytes) for these parts (host side only)
-        and an alignment every task has (the tables' common alignment); ``whole``: one task
-        per piece (no tiles)."""
+        and an alignment every task has (the tables' common alignment)."""
         live = [(dv, hv, r) for dv, hv, r in parts if len(dv) and r.shape[0]]
         if not live:
             return np.zeros((0, 3), dtype=np.int64), MAX_ALIGN
         tables = [self._table(dv, hv) for dv, hv, _ in live]
         total = sum(int(r[:, 2].sum()) * int(t.lens.sum()) for t, (_, _, r) in zip(tables, live))
-        tile = BATCH_TILE if whole else (self.tile_bytes or pick_tile_bytes(total))
+        tile = self.tile_bytes or pick_tile_bytes(total)
         chunks = []
         for table, (_, _, runs) in zip(tables, live):
             tasks = plan_tasks(table, runs, tile)  # (device addr, host addr, nbytes)
@@ -99,26 +100,55 @@ class FusedCopier:
         tasks = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
         return tasks, min(t.align for t in tables)
 
-    def copy(self, parts: Sequence[Part], batch: bool = False) -> int:
-        """Issue the copies of ``parts`` on the current stream; returns kernel launches (or
-        1 for ``batch``: every piece in one ``cuMemcpyBatchAsync`` on the copy engines, which
-        needs CUDA, a driver that has it and ``device_delta == 0``)."""
-        tasks, align = self.plan(parts, whole=batch)
-        if batch:
-            if tasks.shape[0]:
-                from kvxfer.kernels.cuda_driver import memcpy_batch_async
+    def pieces(self, parts: Sequence[Part]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(dst, src, nbytes)`` int64 arrays, one entry per (buffer, run) piece of
+        ``parts`` (host side only; pieces whole, buffer-major within a part)."""
+        dev, host, size = [], [], []
+        for dv, hv, runs in parts:
+            if not len(dv) or not runs.shape[0]:
+                continue
+            t = self._table(dv, hv)
+            lens = t.lens[:, None]  # [B, 1] x runs [R] -> [B, R]
+            dev.append((t.src[:, None] + runs[:, 0] * lens).ravel())
+            host.append((t.dst[:, None] + runs[:, 1] * lens).ravel())
+            size.append((runs[:, 2] * lens).ravel())
+        if len(dev) == 1:
+            d, h, n = dev[0], host[0], size[0]
+        elif dev:
+            d, h, n = np.concatenate(dev), np.concatenate(host), np.concatenate(size)
+        else:
+            d = h = n = np.zeros(0, dtype=np.int64)
+        return (h, d, n) if self.to_host else (d, h, n)
 
-                memcpy_batch_async(
-                    tasks[:, 1],
-                    tasks[:, 0],
-                    tasks[:, 2],
-                    torch.cuda.current_stream(self.device).cuda_stream,
-                    self.device.index or 0,
-                    src_host=not self.to_host,
-                    dst_host=self.to_host,
-                )
-                self.launches += 1
-            return int(tasks.shape[0] > 0)
+    def copy_batch(self, parts: Sequence[Part], stream: int, first: int = BATCH_FIRST) -> int:
+        """Every piece of ``parts`` whole, through ``cuMemcpyBatchAsync`` on ``stream`` (a
+        CUstream handle) on the copy engines; needs CUDA, a driver that has the call and
+        ``device_delta == 0``. The first call carries ``first`` pieces, each later one twice
+        the previous (``first=0``: all in one call), so the copy engines start after one
+        short driver call while the host posts the rest (the call costs host time per
+        copy). Returns the driver calls issued."""
+        dst, src, nbytes = self.pieces(parts)
+        total, calls, i = int(nbytes.size), 0, 0
+        k = int(first) or total
+        dev = self.device.index or 0
+        while i < total:
+            j = min(total, i + k)
+            memcpy_batch_async(
+                dst[i:j],
+                src[i:j],
+                nbytes[i:j],
+                stream,
+                dev,
+                src_host=not self.to_host,
+                dst_host=self.to_host,
+            )
+            calls, i, k = calls + 1, j, 2 * k
+        self.launches += calls
+        return calls
+
+    def copy(self, parts: Sequence[Part]) -> int:
+        """Issue the copies of ``parts`` on the current stream; returns kernel launches."""
+        tasks, align = self.plan(parts)
         # tables aligned to 16 bytes (every real pool) give one launch without per-task work
         groups = [(align, tasks)] if align == MAX_ALIGN else split_by_alignment(tasks)
         launches = 0

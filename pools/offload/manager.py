@@ -7,20 +7,21 @@ state, ``pool.get_state_item_views()`` (row s = slot s). Per-layer MHA, page-maj
 hybrid pools are therefore handled by the same code; page-major pools simply have one view.
 
 Copies: the pairing device id -> host id is split into runs contiguous on both sides;
-every (buffer, run) pair is a *piece*. Three paths move them:
+every (buffer, run) pair is a *piece*. Four paths move them:
 
+* **batch** (CUDA, a driver with ``cuMemcpyBatchAsync`` (>= 12.8), a pinned host pool at its
+  UVA address): a request whose pieces average at least ``batch_min_piece_bytes`` (default
+  :data:`BATCH_MIN_PIECE_BYTES`) goes as ONE ``cuMemcpyBatchAsync`` of its pieces on the
+  copy engines (:func:`kvxfer.kernels.cuda_driver.memcpy_batch_async`), whatever their size:
+  few large pieces cross the bus faster that way, many small ones through the kernel
+  (bench/results/lane-copy-h200.md), and one call replaces a ``copy_`` per piece.
 * **fused** (:mod:`kvxfer.pools.offload.fused`, CUDA with a device-mapped pinned host pool): ONE
   Triton kernel launch moves every piece of the request (KV and state together) straight
   between the device buffers and the host pool. Chosen automatically when the request
   has at least ``fused_min_pieces`` pieces averaging at most ``fused_max_piece_bytes``
   (large contiguous pieces keep the copy engines); ``fused=True`` forces it for every
-  request (also on CPU under the Triton interpreter, for tests), ``fused=False`` disables it.
-  On CUDA with a driver that has ``cuMemcpyBatchAsync`` (>= 12.8), a request whose pieces
-  average at least ``batch_min_piece_bytes`` (default :data:`BATCH_MIN_PIECE_BYTES`) goes
-  instead as ONE ``cuMemcpyBatchAsync`` of its pieces on the copy engines (pinned host memory
-  by its UVA address; :func:`kvxfer.kernels.cuda_driver.memcpy_batch_async`): few large
-  pieces cross the bus faster that way, many small ones faster through the kernel
-  (bench/results/lane-copy-h200.md).
+  request not taken by the batch copy (also on CPU under the Triton interpreter, for tests),
+  ``fused=False`` disables it and the batch copy.
 * **direct** (:mod:`kvxfer.pools.offload.copier`): each piece is ONE ``copy_``.
 * **staged**: requests broken into many short runs go through a bounded device staging
   buffer (gather, then one large copy per buffer and batch; allocated once at
@@ -29,8 +30,10 @@ every (buffer, run) pair is a *piece*. Three paths move them:
 
 The path taken is recorded on the handle (``handle.path``). On CUDA, offloads run on
 a dedicated device-to-host stream and restores on a host-to-device stream; each first waits
-(stream-side) for the work already queued on the caller's current stream, and records an
-event that the handle exposes. Nothing on this path synchronises the device. On CPU the
+(stream-side) for the work already queued on the caller's current stream (through one reusable
+driver event, :class:`~kvxfer.kernels.cuda_driver.StreamLink`: the host time before the copy
+starts is what a request pays on top of the bus), and records an event that the handle
+exposes. Nothing on this path synchronises the device. On CPU the
 copies are plain synchronous copies, chunked the same way.
 
 Memory: host memory comes from a bounded :class:`~kvxfer.pools.offload.host_pool.HostPool`;
@@ -45,28 +48,58 @@ slot counts and the source pool's geometry; violations raise typed errors and wr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import numpy as np
 import torch
 
-from kvxfer.kernels.cuda_driver import batch_available
-from kvxfer.kernels.errors import InvalidArgument, ShapeMismatch, UnsupportedOperation
+from kvxfer.kernels.cuda_driver import StreamLink, batch_available
+from kvxfer.kernels.errors import (
+    CudaError,
+    IndexOutOfRange,
+    InvalidArgument,
+    ShapeMismatch,
+    UnsupportedOperation,
+)
 from kvxfer.kernels.piece_copy import kernel_runnable
 
 from .copier import Copier
-from .fused import FusedCopier
+from .fused import BATCH_FIRST, FusedCopier
 from .handle import OffloadHandle, OffloadState
 from .host_pool import HostPool
 from .pieces import wants_fused
-from .runs import as_id_array, check_ids, contiguous_runs, expand_extents
+from .runs import as_id_array, check_ids, expand_extents, pair_runs
 from .views import pool_geometry, pool_views
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["OffloadManager", "pool_views", "pool_geometry"]
 
-#: default of ``batch_min_piece_bytes``: a fused request whose (buffer, run) pieces average at
+#: the current CUstream handle of a device index without building a torch Stream object
+#: (``torch.cuda.current_stream`` costs tens of µs of host time per call on the H200 host)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _rows(views) -> int:
+    """Rows every one of ``views`` has (0 for none)."""
+    return min((int(v.shape[0]) for v in views), default=0)
+
+
+def _ids(arr: np.ndarray, views, rows: int, what: str) -> bool:
+    """Check ``arr`` against ``rows`` rows of ``views`` (id 0 is the reserved padding page /
+    dummy slot); returns whether the ids increase."""
+    if arr.size and not views:
+        raise InvalidArgument(f"{what} given but the pool has no such buffers")
+    return check_ids(arr, 1, rows, what)
+
+
+def _on(stream):
+    """``torch.cuda.stream(stream)``, or nothing for None (CPU)."""
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+
+
+#: default of ``batch_min_piece_bytes``: a request whose (buffer, run) pieces average at
 #: least this many bytes goes as one cuMemcpyBatchAsync (bench/results/lane-copy-h200.md)
 BATCH_MIN_PIECE_BYTES = 256 << 10
 
@@ -83,7 +116,9 @@ class OffloadManager:
     ``fused_min_pieces``, ``fused_max_piece_bytes`` and ``fused_tile_bytes`` steer the
     one-launch path (see the module docstring); ``fused=True`` where it cannot run (host
     pool not device-mapped; CPU without the Triton interpreter) raises
-    ``UnsupportedOperation``.
+    ``UnsupportedOperation``. ``batch_min_piece_bytes``: the batch copy's threshold (0: never);
+    ``batch_first_pieces``: pieces in its first driver call, each later call twice the
+    previous (0: one call; :meth:`FusedCopier.copy_batch`).
 
     Not thread-safe: one scheduler thread drives a manager (handles may be awaited from
     an event loop on that thread).
@@ -105,9 +140,11 @@ class OffloadManager:
         fused_max_piece_bytes: int = 2 << 20,
         fused_tile_bytes: int | None = None,
         batch_min_piece_bytes: int = BATCH_MIN_PIECE_BYTES,
+        batch_first_pieces: int = BATCH_FIRST,
     ) -> None:
         self.pool = pool
-        kv, st = self._views = pool_views(pool)
+        kv, st = pool_views(pool)
+        self._set_views(kv, st)
         self.geometry = pool_geometry(pool, kv, st)
         self.device = (kv or st)[0].device
         self._cuda = self.device.type == "cuda"
@@ -131,9 +168,15 @@ class OffloadManager:
                 f"do not match the pool's {self.geometry[0]}/{self.geometry[1]}"
             )
         self.host = host_pool
+        self._link: StreamLink | None = None
         if self._cuda:
             self._d2h = torch.cuda.Stream(device=self.device)
             self._h2d = torch.cuda.Stream(device=self.device)
+            self._d2h_raw, self._h2d_raw = self._d2h.cuda_stream, self._h2d.cuda_stream
+            try:
+                self._link = StreamLink(self.device.index)
+            except CudaError as exc:  # no cuda-bindings: torch's stream waits instead
+                logger.info("offload streams ordered through torch (%s)", exc)
         self._setup_fused(fused, fused_min_pieces, fused_max_piece_bytes, fused_tile_bytes)
         if int(batch_min_piece_bytes) != batch_min_piece_bytes or batch_min_piece_bytes < 0:
             raise InvalidArgument(
@@ -150,6 +193,11 @@ class OffloadManager:
             and batch_available()
             else 0
         )
+        if int(batch_first_pieces) != batch_first_pieces or batch_first_pieces < 0:
+            raise InvalidArgument(
+                f"batch_first_pieces must be an integer >= 0, got {batch_first_pieces!r}"
+            )
+        self.batch_first_pieces = int(batch_first_pieces)
         if staging_bytes is None:
             staging_bytes = (64 << 20) if self._cuda and self._fused_out is None else 0
         if int(staging_bytes) != staging_bytes or staging_bytes < 0:
@@ -219,25 +267,33 @@ class OffloadManager:
         kv, st = pool_views(self.pool)
         if pool_geometry(self.pool, kv, st) != self.geometry:
             raise ShapeMismatch(f"{type(self.pool).__name__} changed its item geometry")
+        self._set_views(kv, st)
+
+    def _set_views(self, kv, st) -> None:
         self._views = (kv, st)
+        self._rows = (_rows(kv), _rows(st))
 
-    def _target_views(self, pages: np.ndarray, slots: np.ndarray):
-        """This pool's cached views, refreshed once if an id lies past them."""
+    def _checked(self, pages: np.ndarray, slots: np.ndarray, names, views=None):
+        """``(kv views, state views, (pages increasing, slots increasing))`` for a copy of
+        these ids, every id checked (:func:`check_ids`) against ``views`` (another pool's) or
+        this pool's cached views, which are refreshed once when an id lies past them."""
+        kv, st = self._views if views is None else views
+        rows = self._rows if views is None else (_rows(kv), _rows(st))
+        try:
+            return kv, st, (_ids(pages, kv, rows[0], names[0]), _ids(slots, st, rows[1], names[1]))
+        except IndexOutOfRange:
+            if views is not None:
+                raise
+        self.refresh_views()  # the pool's backing may have grown past the cached views
         kv, st = self._views
-        if (pages.size and kv and pages.max() >= kv[0].shape[0]) or (
-            slots.size and st and slots.max() >= st[0].shape[0]
-        ):
-            self.refresh_views()
-            kv, st = self._views
-        return kv, st
-
-    @staticmethod
-    def _ids(arr: np.ndarray, views, what: str) -> np.ndarray:
-        if arr.size and not views:
-            raise InvalidArgument(f"{what} given but the pool has no such buffers")
-        rows = min((int(v.shape[0]) for v in views), default=0)
-        check_ids(arr, 1, rows, what)  # id 0 is the reserved padding page / dummy slot
-        return arr
+        return (
+            kv,
+            st,
+            tuple(
+                _ids(ids, v, r, name)
+                for ids, v, r, name in zip((pages, slots), self._views, self._rows, names)
+            ),
+        )
 
     def _use_fused(self, pieces: int, nbytes: int) -> bool:
         return bool(self.fused_mode) or wants_fused(
@@ -247,32 +303,54 @@ class OffloadManager:
             max_piece_bytes=self.fused_max_piece_bytes,
         )
 
-    def _issue(
-        self, to_host: bool, kv, st, pages, host_pages, slots, host_slots, handle: OffloadHandle
-    ) -> int:
-        """Issue the copies of one operation on the current stream; returns the pieces
-        (fused) or bus copies (copy_ paths) and records the path on the handle."""
+    def _current_stream(self) -> int:
+        """The caller's current CUstream handle on this manager's device."""
+        if _raw_stream is not None:
+            return _raw_stream(self.device.index)
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def _follow(self, stream: "torch.cuda.Stream", raw: int) -> None:
+        """``stream`` waits (device-side) for the work queued on the caller's current stream."""
+        if self._link is not None:
+            self._link.order(raw, self._current_stream())
+        else:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def _issue(self, to_host: bool, kv, st, pages, slots, increasing, handle: OffloadHandle) -> int:
+        """Issue the copies of one operation on its copy stream (CUDA; CPU: synchronously);
+        returns the pieces (fused, batch) or bus copies (copy_ paths) and records the path
+        on the handle."""
         fused = self._fused_out if to_host else self._fused_in
+        stream = (self._d2h if to_host else self._h2d) if self._cuda else None
         if fused is not None:
             parts, pieces = [], 0
-            for views, hviews, ids, hids in (
-                (kv, self.host.page_views, pages, host_pages),
-                (st, self.host.slot_views, slots, host_slots),
+            block = handle.block
+            for views, hviews, ids, ext, up in (
+                (kv, self.host.page_views, pages, block.pages, increasing[0]),
+                (st, self.host.slot_views, slots, block.slots, increasing[1]),
             ):
                 if ids.size and views:
-                    runs = contiguous_runs(ids, hids)
+                    runs = pair_runs(ids, ext, up)
                     parts.append((views, hviews, runs))
                     pieces += runs.shape[0] * len(views)
+            m = self.batch_min_piece_bytes
+            if pieces and m and handle.nbytes >= m * pieces:
+                raw = self._d2h_raw if to_host else self._h2d_raw
+                handle.num_launches = fused.copy_batch(parts, raw, self.batch_first_pieces)
+                handle.staged, handle.path = False, "batch"
+                self.stats["batch"] += 1
+                return pieces
             if pieces and self._use_fused(pieces, handle.nbytes):
-                m = self.batch_min_piece_bytes
-                batch = bool(m) and handle.nbytes >= m * pieces
-                handle.num_launches = fused.copy(parts, batch=batch)
-                handle.staged, handle.path = False, "batch" if batch else "fused"
-                self.stats["batch" if batch else "fused"] += 1
+                with _on(stream):
+                    handle.num_launches = fused.copy(parts)
+                handle.staged, handle.path = False, "fused"
+                self.stats["fused"] += 1
                 return pieces
         copier = self._out if to_host else self._in
-        n_kv, staged = copier.copy(kv, self.host.page_views, pages, host_pages)
-        n_st, _ = copier.copy(st, self.host.slot_views, slots, host_slots)
+        with _on(stream):
+            hp, hs = expand_extents(handle.block.pages), expand_extents(handle.block.slots)
+            n_kv, staged = copier.copy(kv, self.host.page_views, pages, hp)
+            n_st, _ = copier.copy(st, self.host.slot_views, slots, hs)
         handle.staged, handle.path = staged, ("staged" if staged else "direct")
         handle.num_launches = 0
         self.stats["staged"] += int(staged)
@@ -292,31 +370,23 @@ class OffloadManager:
         """
         pages_a = as_id_array(pages, "pages")
         slots_a = as_id_array(state_slots, "state_slots")
-        kv, st = self._target_views(pages_a, slots_a)
-        self._ids(pages_a, kv, "pages")
-        self._ids(slots_a, st, "state_slots")
+        kv, st, up = self._checked(pages_a, slots_a, ("pages", "state_slots"))
         if pages_a.size == 0 and slots_a.size == 0:
             raise InvalidArgument("offload of nothing: no pages and no state slots")
         block = self.host.alloc(int(pages_a.size), int(slots_a.size))
-        host_pages = expand_extents(block.pages)
-        host_slots = expand_extents(block.slots)
         nbytes = pages_a.size * self.host.page_bytes + slots_a.size * self.host.slot_bytes
         handle = OffloadHandle(self, pages_a, slots_a, block, self.geometry, int(nbytes))
         try:
             if self._cuda:
-                cur = torch.cuda.current_stream(self.device)
-                with torch.cuda.stream(self._d2h):
-                    self._d2h.wait_stream(cur)
-                    for fence in self.host.live_fences():
-                        self._d2h.wait_event(fence)
-                    chunks = self._issue(
-                        True, kv, st, pages_a, host_pages, slots_a, host_slots, handle
-                    )
-                    ev = torch.cuda.Event()
-                    ev.record(self._d2h)
+                self._follow(self._d2h, self._d2h_raw)
+                for fence in self.host.live_fences():
+                    self._d2h.wait_event(fence)
+                chunks = self._issue(True, kv, st, pages_a, slots_a, up, handle)
+                ev = torch.cuda.Event()
+                ev.record(self._d2h)
                 handle._event = handle._offload_event = ev
             else:
-                chunks = self._issue(True, kv, st, pages_a, host_pages, slots_a, host_slots, handle)
+                chunks = self._issue(True, kv, st, pages_a, slots_a, up, handle)
                 handle._state = OffloadState.OFFLOADED
         except BaseException:
             # a failed launch must not leak host memory; copies already queued still write
@@ -346,8 +416,9 @@ class OffloadManager:
         target = self.pool if pool is None else pool
         pages_a = as_id_array(new_pages, "new_pages")
         slots_a = as_id_array(new_slots, "new_slots")
+        names = ("new_pages", "new_slots")
         if target is self.pool:
-            kv, st = self._target_views(pages_a, slots_a)
+            kv, st, up = self._checked(pages_a, slots_a, names)
         else:
             kv, st = pool_views(target)
             geo = pool_geometry(target, kv, st)
@@ -360,33 +431,26 @@ class OffloadManager:
                 raise ShapeMismatch(
                     f"target pool is on {(kv or st)[0].device}, manager on {self.device}"
                 )
-        self._ids(pages_a, kv, "new_pages")
-        self._ids(slots_a, st, "new_slots")
+            kv, st, up = self._checked(pages_a, slots_a, names, views=(kv, st))
         if pages_a.size != handle.num_pages or slots_a.size != handle.num_slots:
             raise ShapeMismatch(
                 f"handle {handle.id} holds {handle.num_pages} pages and {handle.num_slots} "
                 f"slots; restore got {pages_a.size} pages and {slots_a.size} slots"
             )
         block = handle.block
-        host_pages = expand_extents(block.pages)
-        host_slots = expand_extents(block.slots)
         if self._cuda:
-            cur = torch.cuda.current_stream(self.device)
-            with torch.cuda.stream(self._h2d):
-                self._h2d.wait_stream(cur)
-                off_ev = handle._offload_event
-                if off_ev is not None and not off_ev.query():
-                    self._h2d.wait_event(off_ev)
-                chunks = self._issue(
-                    False, kv, st, pages_a, host_pages, slots_a, host_slots, handle
-                )
-                ev = torch.cuda.Event()
-                ev.record(self._h2d)
+            self._follow(self._h2d, self._h2d_raw)
+            off_ev = handle._offload_event
+            if off_ev is not None and not off_ev.query():
+                self._h2d.wait_event(off_ev)
+            chunks = self._issue(False, kv, st, pages_a, slots_a, up, handle)
+            ev = torch.cuda.Event()
+            ev.record(self._h2d)
             handle._event = ev
             handle._state = OffloadState.RESTORING
             self.host.free(block, fence=ev)
         else:
-            chunks = self._issue(False, kv, st, pages_a, host_pages, slots_a, host_slots, handle)
+            chunks = self._issue(False, kv, st, pages_a, slots_a, up, handle)
             handle._event = None
             handle._state = OffloadState.RESTORED
             self.host.free(block)
@@ -421,6 +485,8 @@ class OffloadManager:
         """Discard every live handle; close the host pool if this manager built it."""
         for h in list(self._live.values()):
             self.discard(h)
+        if self._link is not None:
+            self._link.close()
         if self._owns_host:
             self.host.close()
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from kvxfer.kernels.errors import IndexOutOfRange, InvalidArgument
 
-__all__ = ["as_id_array", "check_ids", "contiguous_runs", "expand_extents"]
+__all__ = ["as_id_array", "check_ids", "contiguous_runs", "expand_extents", "pair_runs"]
 
 
 def as_id_array(ids, what: str) -> np.ndarray:
@@ -42,17 +42,39 @@ def as_id_array(ids, what: str) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
-def check_ids(arr: np.ndarray, lo: int, hi: int, what: str) -> None:
-    """Raise unless every id lies in ``[lo, hi)`` and no id repeats (names the offender)."""
+def check_ids(arr: np.ndarray, lo: int, hi: int, what: str) -> bool:
+    """Raise unless every id lies in ``[lo, hi)`` and no id repeats (names the offender);
+    returns whether the ids are strictly increasing (then :func:`pair_runs` needs no search)."""
     if arr.size == 0:
-        return
-    bad = np.flatnonzero((arr < lo) | (arr >= hi))
-    if bad.size:
+        return True
+    if arr.min() < lo or arr.max() >= hi:
+        bad = np.flatnonzero((arr < lo) | (arr >= hi))
         raise IndexOutOfRange(f"{what}[{int(bad[0])}] = {int(arr[bad[0]])} is outside [{lo}, {hi})")
+    if (arr[1:] > arr[:-1]).all():  # increasing (the usual order): no repeats, no sort
+        return True
     srt = np.sort(arr)
     dup = np.flatnonzero(srt[1:] == srt[:-1])
     if dup.size:
         raise InvalidArgument(f"{what} repeats id {int(srt[dup[0]])}")
+    return False
+
+
+def pair_runs(ids: np.ndarray, extents: list[tuple[int, int]], increasing: bool) -> np.ndarray:
+    """:func:`contiguous_runs` of ``ids[i] -> expand_extents(extents)[i]`` (ids unique,
+    ``increasing`` as :func:`check_ids` answered, as many ids as the extents cover).
+
+    The usual request (consecutive ids into one host extent) is one run found with scalar
+    arithmetic, without expanding the extent or searching for breaks."""
+    n = int(ids.size)
+    if (
+        n
+        and increasing
+        and len(extents) == 1
+        and extents[0][1] == n
+        and int(ids[-1]) - int(ids[0]) == n - 1  # strictly increasing over a span of n
+    ):
+        return np.array([[int(ids[0]), int(extents[0][0]), n]], dtype=np.int64)
+    return contiguous_runs(ids, expand_extents(extents))
 
 
 def contiguous_runs(src: np.ndarray, dst: np.ndarray) -> np.ndarray:

@@ -325,6 +325,80 @@ def test_batch_copy_of_large_pieces_matches_the_kernel():
     b.close()
 
 
+def test_pieces_are_the_plan_without_tiles():
+    """FusedCopier.pieces (the batch copy's arrays) is plan_tasks with one task per piece,
+    parts concatenated in order, source and destination swapped for restore."""
+    from kvxfer.pools.offload.fused import FusedCopier
+
+    rng = np.random.default_rng(3)
+    dev = [torch.empty(12, n, dtype=torch.uint8) for n in (32, 48, 16)]
+    host = [torch.empty(12, n, dtype=torch.uint8) for n in (32, 48, 16)]
+    sdev, shost = dev[:1], host[:1]
+    for _ in range(20):
+        k = int(rng.integers(1, 6))
+        runs = contiguous_runs(rng.permutation(12)[:k], rng.permutation(12)[:k])
+        sruns = contiguous_runs(np.array([int(rng.integers(0, 12))]), np.array([3]))
+        parts = [(dev, host, runs), (sdev, shost, sruns), (dev[:0], host[:0], runs)]
+        for to_host in (True, False):
+            fc = FusedCopier(torch.device("cpu"), to_host, 0, tile_bytes=1 << 40)
+            want = np.concatenate([fc.plan([p])[0] for p in parts[:2]])
+            dst, src, n = fc.pieces(parts)
+            assert [a.dtype for a in (dst, src, n)] == [np.int64] * 3
+            np.testing.assert_array_equal(np.stack([src, dst, n], axis=1), want)
+    fc = FusedCopier(torch.device("cpu"), True, 0)
+    assert [a.size for a in fc.pieces([(dev, host, np.zeros((0, 3), np.int64))])] == [0, 0, 0]
+
+
+def _calls(pieces: int, first: int) -> int:
+    """Driver calls of a batch copy: ``first`` pieces, then chunks twice the previous."""
+    calls, done, k = 0, 0, first or pieces
+    while done < pieces:
+        calls, done, k = calls + 1, done + k, 2 * k
+    return calls
+
+
+@pytest.mark.parametrize("first", [0, 1, 4])
+def test_large_pieces_take_the_batch_copy_where_the_kernel_would_not(first):
+    """Pieces over fused_max_piece_bytes (which the kernel leaves to copy_ per piece) still
+    go through the batch copy on CUDA when they average >= batch_min_piece_bytes, posted in
+    chunks growing from ``first`` pieces (0: one call); byte for byte what copy_ per piece
+    writes, both ways. On CPU: no batch copy, copy_ per piece."""
+    gen = torch.Generator().manual_seed(17)
+    pool = make_pool("hybrid_per_layer", num_pages=30)
+    randomize(pool, gen)
+    src, slots, dst = [3, 4, 5, 6, 20, 21], [5], [1, 2, 7, 8, 9, 10]
+    with pytest.raises(InvalidArgument, match="batch_first_pieces"):
+        OffloadManager(pool, num_host_pages=6, batch_first_pieces=-1)
+    a = OffloadManager(
+        pool,
+        num_host_pages=6,
+        num_host_slots=1,
+        fused_max_piece_bytes=1,
+        batch_min_piece_bytes=1,
+        batch_first_pieces=first,
+    )
+    b = OffloadManager(pool, num_host_pages=6, num_host_slots=1, fused=False, staging_bytes=0)
+    want = "batch" if a.batch_min_piece_bytes else "direct"
+    assert DEVICE != "cuda" or want == "batch"
+    ha, hb = a.offload(src, slots).wait(), b.offload(src, slots).wait()
+    assert (ha.path, hb.path) == (want, "direct")
+    assert ha.num_launches == (_calls(ha.num_chunks, first) if want == "batch" else 0)
+    assert want != "batch" or ha.num_chunks > 4  # several calls when first is 1 or 4
+    assert_same(
+        [v.clone() for v in a.host.page_views + a.host.slot_views],
+        [v.clone() for v in b.host.page_views + b.host.slot_views],
+        "host bytes",
+    )
+    a.restore(ha, dst, [7]).wait()
+    assert ha.path == want
+    after = snapshot(pool)
+    clobber_rows(pool, views(pool)[1], dst, [7], gen)
+    b.restore(hb, dst, [7]).wait()
+    assert_same(snapshot(pool), after, "restored bytes")
+    a.close()
+    b.close()
+
+
 def test_fused_options_are_validated():
     pool = make_pool("mha")
     for kw in (

@@ -203,3 +203,65 @@ def test_cuda_hot_path_never_synchronizes_the_device(monkeypatch):
     monkeypatch.undo()
     h.wait()
     assert h.state is OffloadState.RESTORED and mgr.host.is_empty
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="streams and events exist on CUDA only")
+@pytest.mark.parametrize("path", ["batch", "fused", "direct"])
+def test_copies_wait_for_the_callers_current_stream(path):
+    """An offload reads its pages only after the work queued on the caller's current stream
+    (a side stream here), and a restore writes its pages only after it: the stream order is
+    kept by the manager's driver-event link, whichever path moves the bytes."""
+    pool = _big_pool()
+    kw = {
+        "batch": dict(batch_min_piece_bytes=1),
+        "fused": dict(fused=True, batch_min_piece_bytes=0),
+    }
+    mgr = OffloadManager(pool, num_host_pages=8, **kw.get(path, dict(fused=False)))
+    kv = mgr._views[0]
+    side = torch.cuda.Stream()
+    pages = list(range(1, 9))
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(20_000_000)  # the GPU busy on the caller's stream for a while
+        for v in kv:
+            v[1:9].fill_(0x5A)  # written last on that stream: the offload must see it
+        h = mgr.offload(pages)
+    h.wait()
+    assert h.path == path
+    assert all(bool((hv[:8] == 0x5A).all()) for hv in mgr.host.page_views)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(20_000_000)
+        for v in kv:
+            v[9:17].fill_(0x11)  # queued before the restore: the restore must land after it
+        mgr.restore(h, list(range(9, 17))).wait()
+    torch.cuda.synchronize()
+    assert all(bool((v[9:17] == 0x5A).all()) for v in kv)
+    mgr.close()
+
+
+def test_stream_link_needs_a_driver():
+    """Without a CUDA driver the link is a typed CudaError (the manager then orders its
+    streams through torch); with one it orders a stream after another's queued work."""
+    from kvxfer.kernels.cuda_driver import StreamLink
+    from kvxfer.kernels.errors import CudaError
+
+    if DEVICE != "cuda":
+        with pytest.raises(CudaError):
+            StreamLink(0)
+        return
+    link = StreamLink(torch.cuda.current_device())
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    x = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(a):
+        torch.cuda._sleep(20_000_000)
+        x.fill_(7)
+    link.order(b.cuda_stream, a.cuda_stream)
+    link.order(b.cuda_stream, b.cuda_stream)  # the same stream: nothing to do
+    with torch.cuda.stream(b):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    assert bool((y == 7).all())
+    link.close()
+    link.close()

@@ -7,7 +7,13 @@ import pytest
 
 from kvxfer.kernels.errors import DoubleFree, IndexOutOfRange, InvalidArgument, OutOfMemory
 from kvxfer.pools.offload.extents import ExtentAllocator
-from kvxfer.pools.offload.runs import as_id_array, check_ids, contiguous_runs, expand_extents
+from kvxfer.pools.offload.runs import (
+    as_id_array,
+    check_ids,
+    contiguous_runs,
+    expand_extents,
+    pair_runs,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -73,6 +79,43 @@ def test_id_arrays_and_checks():
         check_ids(np.array([0]), 1, 9, "pages")
     with pytest.raises(InvalidArgument, match="repeats id 3"):
         check_ids(np.array([3, 4, 3]), 1, 9, "pages")
+
+
+def test_check_ids_against_an_oracle():
+    """Every id list of length <= 4 over [0, 6) (bounds [1, 5)): accepted exactly when all
+    ids lie in bounds and none repeats; the error names the first offender of its kind."""
+    import itertools
+
+    for n in range(5):
+        for ids in itertools.product(range(6), repeat=n):
+            arr = np.array(ids, dtype=np.int64)
+            out = [i for i, x in enumerate(ids) if not 1 <= x < 5]
+            rep = sorted(x for x in set(ids) if ids.count(x) > 1)
+            if out:
+                with pytest.raises(IndexOutOfRange, match=rf"p\[{out[0]}\] = {ids[out[0]]} "):
+                    check_ids(arr, 1, 5, "p")
+            elif rep:
+                with pytest.raises(InvalidArgument, match=f"repeats id {rep[0]}$"):
+                    check_ids(arr, 1, 5, "p")
+            else:
+                check_ids(arr, 1, 5, "p")
+
+
+def test_pair_runs_is_contiguous_runs_of_the_expanded_extents():
+    """Every unique id list of length <= 4 over [0, 7), against every split of its host ids
+    into one or two extents: pair_runs (with check_ids' answer) equals the general path."""
+    import itertools
+
+    for n in range(5):
+        for ids in itertools.permutations(range(7), n):
+            arr = np.array(ids, dtype=np.int64)
+            up = check_ids(arr, 0, 7, "p")
+            assert up == (list(ids) == sorted(ids))
+            for ext in [[(3, n)]] + [[(9, k), (2, n - k)] for k in range(1, n)]:
+                got = pair_runs(arr, ext, up)
+                want = contiguous_runs(arr, expand_extents(ext))
+                assert got.dtype == np.int64 and got.shape[1:] == (3,)
+                np.testing.assert_array_equal(got, want.reshape(-1, 3))
 
 
 def test_extent_allocator_prefers_one_extent_best_fit():
