@@ -282,8 +282,9 @@ def memcpy_dtod_async(dst: int, src: int, nbytes: int, stream: int) -> None:
         raise CudaError("cuMemcpyDtoDAsync", int(err), error_text(err))
 
 
-#: CUresult CUDA_ERROR_INVALID_CONTEXT: a context-bound call on a thread with no current context
-_INVALID_CONTEXT = 201
+#: CUresult CUDA_ERROR_INVALID_CONTEXT (a context-bound call on a thread with no current
+#: context) and CUDA_ERROR_NOT_READY (an event's work still running)
+_INVALID_CONTEXT, _NOT_READY = 201, 600
 
 
 def bind_context(ordinal: int) -> None:
@@ -301,50 +302,96 @@ def bind_context(ordinal: int) -> None:
         cu.cuDevicePrimaryCtxRelease(dev)
 
 
-class StreamLink:
-    """Orders CUDA streams after one another's queued work with ONE reusable driver event:
-    :meth:`order` is ``cuEventRecord`` on the waited stream + ``cuStreamWaitEvent`` on the
-    waiter, two driver calls and no torch objects (torch's ``current_stream`` +
-    ``wait_stream`` cost tens of µs of host time per call: bench/results/offload-host-h200.md).
+_primary: dict = {}  # ordinal -> its primary context's handle as an int (retained for good)
 
-    Invariants: a wait captures the event's state when it is queued, so the event is reusable
-    right after :meth:`order` returns; not thread-safe (one owner thread, as an offload
-    manager); on a thread with no current CUDA context the calls bind device ``ordinal``'s
-    primary context first (:func:`bind_context`). Streams are CUstream handles as ints (0 =
-    the legacy default stream). :meth:`close` (also at garbage collection) destroys the event.
-    """
+
+def is_current(ordinal: int) -> bool:
+    """Whether device ``ordinal``'s primary context is the current context of this thread
+    (one ``cuCtxGetCurrent``; the first call per device also retains its primary context,
+    which the runtime holds for the process's life anyway). False without a driver."""
+    cu = bindings()
+    if cu is None:
+        return False
+    ctx = _primary.get(ordinal)
+    if ctx is None:
+        res = cu.cuDeviceGet(int(ordinal))
+        if res[0] != _OK:
+            return False
+        res = cu.cuDevicePrimaryCtxRetain(res[1])
+        if res[0] != _OK:
+            return False
+        ctx = _primary[ordinal] = int(res[1])
+    err, cur = cu.cuCtxGetCurrent()
+    return err == _OK and int(cur) == ctx
+
+
+def _bound(call, ordinal: int, *args) -> Any:
+    """``call(*args)`` (a cuda-bindings function); once more after :func:`bind_context` when
+    this thread had no current context."""
+    res = call(*args)
+    if res[0] == _INVALID_CONTEXT:
+        bind_context(ordinal)
+        res = call(*args)
+    return res
+
+
+class Event:
+    """A CUDA event through the driver (``CU_EVENT_DISABLE_TIMING``), with the methods of
+    ``torch.cuda.Event`` that kvxfer uses — :meth:`record`, :meth:`query`,
+    :meth:`synchronize`, :meth:`wait` — at the cost of one driver call each and without
+    torch's stream objects (their construction costs tens of µs of host time per call on the
+    H200 host: bench/results/offload-host-h200.md).
+
+    Streams are CUstream handles as ints, or objects with a ``cuda_stream`` int (torch
+    streams), so ``torch_stream.wait_event(event)`` works. On a thread with no current
+    context a call binds device ``ordinal``'s primary context first (:func:`bind_context`).
+    :meth:`close` (also at garbage collection) destroys it; a closed event must not be used.
+    Raises :class:`CudaError`."""
 
     def __init__(self, ordinal: int) -> None:
         self.ordinal = int(ordinal)
         cu = driver()
         flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
-        res = cu.cuEventCreate(flags)
-        if res[0] == _INVALID_CONTEXT:
-            bind_context(self.ordinal)
-            res = cu.cuEventCreate(flags)
-        self._event = check(res, "cuEventCreate")
+        self._ev = check(_bound(cu.cuEventCreate, self.ordinal, flags), "cuEventCreate")
 
-    def order(self, waiter: int, waited: int) -> None:
-        """Work queued on ``waiter`` after this call starts after the work queued on
-        ``waited`` before it; a no-op for the same stream. Raises :class:`CudaError`."""
-        if waiter == waited:
-            return
-        cu = bindings()
-        (err,) = cu.cuEventRecord(self._event, waited)
-        if err == _INVALID_CONTEXT:
-            bind_context(self.ordinal)
-            (err,) = cu.cuEventRecord(self._event, waited)
+    def record(self, stream) -> None:
+        """Record on ``stream`` (its work queued so far)."""
+        s = getattr(stream, "cuda_stream", stream)
+        err = _bound(bindings().cuEventRecord, self.ordinal, self._ev, s)[0]
         if err != _OK:
             raise CudaError("cuEventRecord", int(err), error_text(err))
-        (err,) = cu.cuStreamWaitEvent(waiter, self._event, 0)
+
+    def query(self) -> bool:
+        """Whether the recorded work completed (True for an event never recorded)."""
+        err = bindings().cuEventQuery(self._ev)[0]
+        if err == _OK:
+            return True
+        if err == _NOT_READY:
+            return False
+        raise CudaError("cuEventQuery", int(err), error_text(err))
+
+    def synchronize(self) -> None:
+        """Block this thread until the recorded work completed."""
+        (err,) = bindings().cuEventSynchronize(self._ev)
+        if err != _OK:
+            raise CudaError("cuEventSynchronize", int(err), error_text(err))
+
+    def wait(self, stream) -> None:
+        """Make ``stream``'s later work wait (device-side) for the recorded work."""
+        s = getattr(stream, "cuda_stream", stream)
+        (err,) = bindings().cuStreamWaitEvent(s, self._ev, 0)
         if err != _OK:
             raise CudaError("cuStreamWaitEvent", int(err), error_text(err))
 
     def close(self) -> None:
-        """Destroy the event (idempotent; a later :meth:`order` raises AttributeError)."""
-        ev, self._event = getattr(self, "_event", None), None
+        """Destroy the event (idempotent)."""
+        ev, self._ev = getattr(self, "_ev", None), None
         cu = bindings()
-        if ev is not None and cu is not None:
+        if ev is None or cu is None:
+            return
+        if is_current(self.ordinal):
+            cu.cuEventDestroy(ev)
+        else:
             with device_context(self.ordinal):
                 cu.cuEventDestroy(ev)
 
@@ -353,6 +400,32 @@ class StreamLink:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown: the driver may be gone
             pass
+
+
+class StreamLink:
+    """Orders CUDA streams after one another's queued work with ONE reusable driver event:
+    :meth:`order` is ``cuEventRecord`` on the waited stream + ``cuStreamWaitEvent`` on the
+    waiter, two driver calls and no torch objects (torch's ``current_stream`` +
+    ``wait_stream`` cost tens of µs of host time per call: bench/results/offload-host-h200.md).
+
+    Invariants: a wait captures the event's state when it is queued, so the event is reusable
+    right after :meth:`order` returns; not thread-safe (one owner thread, as an offload
+    manager); contexts as :class:`Event`. :meth:`close` (also at garbage collection) destroys
+    the event."""
+
+    def __init__(self, ordinal: int) -> None:
+        self._event = Event(ordinal)
+
+    def order(self, waiter: int, waited: int) -> None:
+        """Work queued on ``waiter`` after this call starts after the work queued on
+        ``waited`` before it; a no-op for the same stream. Raises :class:`CudaError`."""
+        if waiter != waited:
+            self._event.record(waited)
+            self._event.wait(waiter)
+
+    def close(self) -> None:
+        """Destroy the event (idempotent)."""
+        self._event.close()
 
 
 class _MemcpyAttributes(ctypes.Structure):

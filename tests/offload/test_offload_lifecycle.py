@@ -240,14 +240,16 @@ def test_copies_wait_for_the_callers_current_stream(path):
 
 
 def test_stream_link_needs_a_driver():
-    """Without a CUDA driver the link is a typed CudaError (the manager then orders its
-    streams through torch); with one it orders a stream after another's queued work."""
-    from kvxfer.kernels.cuda_driver import StreamLink
+    """Without a CUDA driver the link and the driver event are a typed CudaError (the
+    manager then orders its streams through torch); with one the event answers as
+    torch's does and the link orders a stream after another's queued work."""
+    from kvxfer.kernels.cuda_driver import Event, StreamLink
     from kvxfer.kernels.errors import CudaError
 
     if DEVICE != "cuda":
-        with pytest.raises(CudaError):
-            StreamLink(0)
+        for make in (StreamLink, Event):
+            with pytest.raises(CudaError):
+                make(0)
         return
     link = StreamLink(torch.cuda.current_device())
     a, b = torch.cuda.Stream(), torch.cuda.Stream()
@@ -257,11 +259,18 @@ def test_stream_link_needs_a_driver():
     with torch.cuda.stream(a):
         torch.cuda._sleep(20_000_000)
         x.fill_(7)
+    ev = Event(torch.cuda.current_device())
+    assert ev.query()  # never recorded: nothing to wait for
+    ev.record(a)  # a torch stream or a handle
+    assert not ev.query()  # the sleep still runs
     link.order(b.cuda_stream, a.cuda_stream)
     link.order(b.cuda_stream, b.cuda_stream)  # the same stream: nothing to do
     with torch.cuda.stream(b):
         y.copy_(x)
+    ev.synchronize()
+    assert ev.query()
     torch.cuda.synchronize()
     assert bool((y == 7).all())
     link.close()
     link.close()
+    ev.close()
