@@ -106,7 +106,6 @@ class DeviceLane:
         self.failures: List[str] = []  # why regions stayed on UCX
         with torch.cuda.device(device):
             self._stream = torch.cuda.Stream(device)
-            self._raw_stream = int(self._stream.cuda_stream)
             for i, blob in enumerate(blobs):
                 if not blob:
                     continue
@@ -147,45 +146,27 @@ class DeviceLane:
         ).any():
             raise IndexOutOfRange("device lane: an op falls outside its remote region")
         dst = self.mapped[r] + off
-        if laddr.size <= MEMCPY_MAX_RUNS:
-            return self._memcpy(laddr, dst, nbytes)
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            from kvxfer.kernels.piece_copy import copy_tasks
-            from kvxfer.pools.offload.pieces import split_by_alignment, tile_pieces
+            if laddr.size <= MEMCPY_MAX_RUNS:
+                from kvxfer.kernels.cuda_driver import memcpy_dtod_async
 
-            tasks = tile_pieces(
-                laddr.astype(np.int64),
-                dst.astype(np.int64),
-                nbytes.astype(np.int64),
-                TILE_BYTES,
-            )
-            for align, part in split_by_alignment(tasks):
-                copy_tasks(self._upload(part), align, host_tasks=part)
+                h = self._stream.cuda_stream
+                for s, d, n in zip(laddr.tolist(), dst.tolist(), nbytes.tolist()):
+                    memcpy_dtod_async(d, s, n, h)
+            else:
+                from kvxfer.kernels.piece_copy import copy_tasks
+                from kvxfer.pools.offload.pieces import split_by_alignment, tile_pieces
+
+                tasks = tile_pieces(
+                    laddr.astype(np.int64),
+                    dst.astype(np.int64),
+                    nbytes.astype(np.int64),
+                    TILE_BYTES,
+                )
+                for align, part in split_by_alignment(tasks):
+                    copy_tasks(self._upload(part), align, host_tasks=part)
             ev = torch.cuda.Event()
             ev.record(self._stream)
-        return ev
-
-    def _memcpy(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray):
-        """One ``cuMemcpyDtoDAsync`` per run on the lane's stream and a driver event after
-        them, through the driver alone: no torch device or stream context (their Python
-        costs 100+ µs of host time per write on a busy loop thread, bench/results/
-        lane-copy-h200.md); the device's primary context is pushed only when another one is
-        current on this thread."""
-        from kvxfer.kernels import cuda_driver as cd
-
-        if not cd.is_current(self.device):
-            with cd.device_context(self.device):
-                return self._memcpy_current(src, dst, nbytes)
-        return self._memcpy_current(src, dst, nbytes)
-
-    def _memcpy_current(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray):
-        from kvxfer.kernels import cuda_driver as cd
-
-        h = self._raw_stream
-        for s, d, n in zip(src.tolist(), dst.tolist(), nbytes.tolist()):
-            cd.memcpy_dtod_async(d, s, n, h)
-        ev = cd.Event(self.device)
-        ev.record(h)
         return ev
 
     def covers(self, lmemh: np.ndarray, rptrs, rlens, ridx: np.ndarray) -> bool:

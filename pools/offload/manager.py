@@ -99,9 +99,10 @@ def _on(stream):
     return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
 
 
-#: default of ``batch_min_piece_bytes``: a request whose (buffer, run) pieces average at
-#: least this many bytes goes as one cuMemcpyBatchAsync (bench/results/lane-copy-h200.md)
-BATCH_MIN_PIECE_BYTES = 256 << 10
+#: default of ``batch_min_piece_bytes``: a request whose (buffer, run) pieces average at least
+#: this many bytes goes through cuMemcpyBatchAsync (runs of 4 pages, 128 KiB pieces: batch
+#: ahead of the kernel; single 32 KiB pages: the kernel ahead; bench/results/offload-host-h200.md)
+BATCH_MIN_PIECE_BYTES = 64 << 10
 
 
 class OffloadManager:
