@@ -28,7 +28,7 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
     for v in $order; do
         t=${v%+}; extra=""; [ "$v" != "$t" ] && extra=$NEW_EXTRA
         echo; echo "## round $r $v: kvxfer bench offload --device cuda $ARGS $extra"
-        (cd "$ROOT" && PYTHONPATH=$SITE:$ROOT/$t timeout 150 python3 -m kvxfer bench offload --device cuda $ARGS $extra 2>&1 | grep "^|" | tail -20)
+        (cd "$ROOT" && PYTHONPATH=$SITE:$ROOT/$t timeout 150 python3 -m kvxfer bench offload --device cuda $ARGS $extra 2>&1 | grep "^|" | tail -100)
     done
 done
 for t in new base; do
