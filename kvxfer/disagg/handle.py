@@ -31,10 +31,15 @@ def as_ids(x, what: str, limit: int, *, unique: bool = True) -> np.ndarray:
     if a.dtype.kind not in "iu":
         raise InvalidArgument(f"{what} must hold integers, got dtype {a.dtype}")
     a = a.astype(np.int64, copy=False)
-    bad = a[(a < 0) | (a >= limit)]
-    if bad.size:
+    if a.size == 1:  # the usual 1-page request: scalar checks only
+        v = int(a[0])
+        if not 0 <= v < limit:
+            raise IndexOutOfRange(f"{what}: {v} not in [0, {limit})")
+        return a
+    if a.min() < 0 or a.max() >= limit:
+        bad = a[(a < 0) | (a >= limit)]
         raise IndexOutOfRange(f"{what}: {int(bad[0])} not in [0, {limit})")
-    if unique and a.size > 1:
+    if unique and not (a[1:] > a[:-1]).all():  # increasing ids repeat none: no sort
         s = np.sort(a)
         dup = s[1:][s[1:] == s[:-1]]
         if dup.size:

@@ -171,6 +171,28 @@ def test_as_ids():
         as_ids([[1]], "kv", 4)
 
 
+def test_as_ids_against_an_oracle():
+    """Every id list of length <= 4 over [-1, 5) with limit 4, unique required or not:
+    accepted (as the same int64 ids) exactly when all lie in range (and, when required, none
+    repeats); the error names the first out-of-range id, else the smallest repeated one."""
+    import itertools
+
+    for n in range(5):
+        for ids in itertools.product(range(-1, 5), repeat=n):
+            out = [x for x in ids if not 0 <= x < 4]
+            rep = sorted(x for x in set(ids) if ids.count(x) > 1)
+            for unique in (True, False):
+                if out:
+                    with pytest.raises(IndexOutOfRange, match=rf"^kv: {out[0]} not in \[0, 4\)$"):
+                        as_ids(list(ids), "kv", 4, unique=unique)
+                elif rep and unique:
+                    with pytest.raises(InvalidArgument, match=rf"id {rep[0]} appears"):
+                        as_ids(np.array(ids), "kv", 4, unique=unique)
+                else:
+                    got = as_ids(np.array(ids, dtype=np.int32), "kv", 4, unique=unique)
+                    assert got.dtype == np.int64 and got.tolist() == list(ids)
+
+
 def test_messages_roundtrip_and_validation():
     ids = np.array([5, 0, 9], dtype=np.int64)
     msg = m.TransferInfo(room=7, dst_kv=m.ids_to_bytes(ids), dst_state=b"", dst_aux=2)
