@@ -13,9 +13,10 @@ Typical use in a decode scheduler (any pool kind: per-layer MHA, page-major, MLA
 
 Modules: ``runs``, ``extents`` and ``pieces`` (torch-free arithmetic), ``host_pool`` (the
 bounded, page-granular host arena, device-mapped when pinned), ``copier`` (direct and staged
-copy_ paths), ``fused`` (one Triton launch over every piece of a request, :mod:`kvxfer.kernels.piece_copy`), ``handle`` (state
+copy_ paths), ``fused`` (one Triton launch over every piece of a request,
+:mod:`kvxfer.kernels.piece_copy`, or the pieces through ``cuMemcpyBatchAsync``), ``handle`` (state
 machine), ``views`` (a pool's item views and geometry), ``manager`` (validation, path
-choice, streams, events, accounting).
+choice, streams, events, accounting). Contract, paths and figures: docs/offload.md.
 """
 
 from .handle import OffloadHandle, OffloadState
