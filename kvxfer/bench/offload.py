@@ -11,8 +11,9 @@ For every (layout, request size, page pattern) it times, in the same run and int
 The ``path`` column says how the manager moved the request (offload / restore):
 ``fused`` (one Triton launch over every piece, straight into the mapped host pool),
 ``batch`` (the pieces through ``cuMemcpyBatchAsync``, CUDA, pieces averaging at least
-``--batch-min-piece-kib``; ``--batch-first N`` pieces in its first call), ``direct`` (one ``copy_`` per piece) or ``staged`` (through the
-device staging buffer); ``chunks`` counts the pieces (fused, batch) or bus copies.
+``--batch-min-piece-kib``; ``--batch-first N`` pieces in its first call), ``direct`` (one
+``copy_`` per piece) or ``staged`` (through the device staging buffer); ``chunks`` counts the
+pieces (fused, batch) or bus copies.
 ``--fused on|off`` forces the choice.
 
 Each figure is the median over ``--repeat`` timed repetitions (after one warm-up), wall time

@@ -11,10 +11,11 @@ every (buffer, run) pair is a *piece*. Four paths move them:
 
 * **batch** (CUDA, a driver with ``cuMemcpyBatchAsync`` (>= 12.8), a pinned host pool at its
   UVA address): a request whose pieces average at least ``batch_min_piece_bytes`` (default
-  :data:`BATCH_MIN_PIECE_BYTES`) goes as ONE ``cuMemcpyBatchAsync`` of its pieces on the
-  copy engines (:func:`kvxfer.kernels.cuda_driver.memcpy_batch_async`), whatever their size:
-  few large pieces cross the bus faster that way, many small ones through the kernel
-  (bench/results/lane-copy-h200.md), and one call replaces a ``copy_`` per piece.
+  :data:`BATCH_MIN_PIECE_BYTES`) goes through ``cuMemcpyBatchAsync`` on the copy engines
+  (:func:`kvxfer.kernels.cuda_driver.memcpy_batch_async`), whatever their size, in a few
+  calls growing from ``batch_first_pieces`` pieces (the copy starts after the first): large
+  pieces cross the bus faster that way than through the kernel, single pages slower
+  (bench/results/offload-host-h200.md), and a few calls replace a ``copy_`` per piece.
 * **fused** (:mod:`kvxfer.pools.offload.fused`, CUDA with a device-mapped pinned host pool): ONE
   Triton kernel launch moves every piece of the request (KV and state together) straight
   between the device buffers and the host pool. Chosen automatically when the request
