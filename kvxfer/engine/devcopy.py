@@ -23,8 +23,10 @@ Invariants
   checked again here against its remote region before translation; nothing is launched
   unless every op fits.
 - Launches go to one stream per lane on the local memory's device. A write awaits its own event:
-  polled inline briefly, then once per loop iteration, then in the default executor (the
-  GIL released), so the event loop never blocks for long.
+  polled inline briefly (:meth:`DeviceLane.settled`: a copy done by then costs no awaited
+  wait), then once per loop iteration, then in the default executor (the GIL released), so
+  the event loop never blocks for long. ``Peer.write``'s use of the lane is tested on CPU with
+  a stand-in copy (tests/engine/test_lane_standin.py).
 - A PatternWrite (:meth:`DeviceLane.launch_pattern`) is one launch of
   :func:`kvxfer.kernels.pattern_copy.copy_pattern`: its run table (a few hundred rows per
   page geometry) is built and uploaded once per pattern object and cached (bounded); per
@@ -67,6 +69,17 @@ WAIT_POLL_S = 5e-3
 PROFILE_ENV = "KVXFER_LANE_PROFILE"
 #: pattern run tables kept on the device (per pattern object, least recently used dropped)
 PATTERN_CACHE = 16
+
+
+def member(values: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """``np.isin(values, table)`` for a sorted, duplicate-free ``table`` (the lane's local
+    registration handles), by binary search: a few array operations where ``np.isin``
+    costs tens of µs per call on a small input (it is on every lane write's path)."""
+    if table.size == 0:
+        return np.zeros(values.shape, dtype=bool)
+    at = np.searchsorted(table, values)
+    at[at == table.size] = 0
+    return table[at] == values
 
 
 def lane_wanted(ops: int, nbytes: np.ndarray, min_ops: int, small_ops: int, min_bytes: int) -> bool:
@@ -133,7 +146,7 @@ class DeviceLane:
         """Boolean mask of the ops this lane copies (local CUDA, remote region mapped)."""
         if not self.active or ridx.size == 0:
             return np.zeros(ridx.size, dtype=bool)
-        return self._usable[ridx.astype(np.intp)] & np.isin(lmemh, self._local)
+        return self._usable[ridx.astype(np.intp)] & member(lmemh, self._local)
 
     def launch(self, laddr: np.ndarray, raddr: np.ndarray, nbytes: np.ndarray, ridx: np.ndarray):
         """Translate, check and launch the copy of these ops; returns the CUDA event that
@@ -260,6 +273,19 @@ class DeviceLane:
         t = self._torch.from_numpy(table).to(f"cuda:{self.device}", non_blocking=True)
         t.record_stream(self._stream)  # not reused before the launch ran
         return t
+
+    @staticmethod
+    def settled(ev, spin_s: float = WAIT_SPIN_S) -> bool:
+        """Whether the launch's event completed, polled inline (the caller's thread blocked)
+        for up to ``spin_s``: a write whose copy is done by then needs no awaited wait (no
+        task, future and timer round trip through the loop). Runs on: the caller's thread."""
+        if ev.query():
+            return True
+        end = time.perf_counter() + spin_s
+        while time.perf_counter() < end:
+            if ev.query():
+                return True
+        return False
 
     @staticmethod
     async def wait(ev, spin_s: float = WAIT_SPIN_S, poll_s: float = WAIT_POLL_S) -> None:

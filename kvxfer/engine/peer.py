@@ -513,8 +513,8 @@ class Peer:
                     self._rma.put(laddr, raddr, nbytes, lmemh, ridx)
                 t1, m1 = time.perf_counter(), time.monotonic()
                 stats.posted_ns = int(m1 * 1e9)
-                if launched is not None:
-                    await self._bounded(self._dev.wait(launched), timeout, "device copy")
+                if launched is not None and not self._dev.settled(launched):
+                    await self._bounded(self._dev.wait(launched, 0.0), timeout, "device copy")
                 for group, src, dst, direct_ops in staged:
                     chunks += await self._staged.write(group, src, dst, deadline, stats)
                     stats.staged_direct_ops += direct_ops

@@ -1,0 +1,165 @@
+"""``Peer.write``'s device-lane branch on CPU, with a stand-in lane.
+
+The device lane needs two CUDA processes on one host (tests/engine/test_engine.py runs it with
+KVXFER_TEST_DEVICE=cuda). Here an in-process pair of engines (one asyncio loop, real UCX on
+loopback, host memory) gets a :class:`~kvxfer.engine.devcopy.DeviceLane` whose only stand-in
+part is the copy itself: ``launch`` moves each op with ``memmove`` (both buffers live in this
+process) and returns an event that completes after a chosen number of queries. Selection,
+masking, the inline poll, the awaited wait, the chained notification and the stats are the
+real code."""
+
+import asyncio
+import ctypes
+
+import numpy as np
+import pytest
+
+from kvxfer.engine import ItemWrite, devcopy
+
+pytestmark = pytest.mark.timeout(120)
+
+SECRET = b"lane-standin"
+ITEM, ITEMS = 64, 32
+
+
+class StandInEvent:
+    """Completes at its ``after``-th query; ``synchronize`` completes it."""
+
+    def __init__(self, after: int) -> None:
+        self.after, self.queries = after, 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.queries >= self.after
+
+    def synchronize(self) -> None:
+        self.queries = max(self.queries, self.after)
+
+
+class StandInLane(devcopy.DeviceLane):
+    """A DeviceLane over every local registration and remote region, copying in process."""
+
+    def __init__(self, peer, after: int) -> None:  # no IPC import, no torch
+        self.after = after
+        self.closed = False
+        self._local = np.unique(np.concatenate(list(peer._groups.desc_memh.values())))
+        self._usable = np.ones(len(peer._remote.bases), dtype=bool)
+        self.launched: list = []
+        self.waits = 0
+
+    def launch(self, laddr, raddr, nbytes, ridx):
+        for s, d, n in zip(laddr.tolist(), raddr.tolist(), nbytes.tolist()):
+            ctypes.memmove(d, s, n)
+        ev = StandInEvent(self.after)
+        self.launched.append((int(laddr.size), ev))
+        return ev
+
+    async def wait(self, ev, spin_s=devcopy.WAIT_SPIN_S, poll_s=devcopy.WAIT_POLL_S):
+        self.waits += 1
+        await devcopy.DeviceLane.wait(ev, spin_s, poll_s)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+async def _pair(device_min_ops: int):
+    from kvxfer.engine import EngineConfig, TransferEngine
+
+    bufs = {s: np.full(ITEMS * ITEM, i + 1, np.uint8) for i, s in enumerate("ab")}
+    bufs["a"][:] = np.arange(ITEMS * ITEM) % 251
+    engines, notes = {}, []
+    for side in "ab":
+        e = TransferEngine(
+            EngineConfig(
+                secret=SECRET,
+                name=f"lane-{side}",
+                error_mode="none",
+                warn_slow_lanes=False,
+                connect_timeout_s=30.0,
+                transfer_timeout_s=10.0,
+                device_min_ops=device_min_ops,
+            )
+        )
+        e.register("kv", [bufs[side].ctypes.data], [ITEMS * ITEM], [ITEM])
+        await e.start()
+        engines[side] = e
+    engines["b"].on_message(lambda p, payload: notes.append(bytes(payload)))
+    peer = await engines["a"].connect(*engines["b"].address)
+    return engines, peer, bufs, notes
+
+
+async def _until(cond, what: str, timeout: float = 10.0) -> None:
+    end = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        if asyncio.get_running_loop().time() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("after", [1, 10**9])
+def test_lane_write_moves_every_byte_then_notifies(after):
+    """Scattered items go to the lane (selected, masked off the UCX columns), every byte
+    lands, the notification follows, the stats count device ops. A copy already done at the
+    inline poll (after=1) needs no awaited wait; one that is not (after=1e9: only the
+    executor's synchronize ends it) goes through the bounded wait."""
+
+    async def main():
+        engines, peer, bufs, notes = await _pair(device_min_ops=1)
+        try:
+            assert peer._dev is None  # host memory: no real lane
+            lane = peer._dev = StandInLane(peer, after)
+            src, dst = [3, 9, 10, 11, 30], [0, 7, 8, 20, 31]
+            stats = await peer.write([ItemWrite("kv", src, dst)], notify=b"done", timeout=10)
+            assert len(lane.launched) == 1 and lane.launched[0][0] == stats.device_ops == 4
+            assert stats.ops == stats.device_ops  # nothing left for UCX PUTs
+            assert lane.waits == (0 if after == 1 else 1)
+            a, b = bufs["a"].reshape(ITEMS, ITEM), bufs["b"].reshape(ITEMS, ITEM)
+            for s, d in zip(src, dst):
+                assert np.array_equal(b[d], a[s])
+            untouched = sorted(set(range(ITEMS)) - set(dst))
+            assert (b[untouched] == 2).all()
+            await _until(lambda: notes == [b"done"], "the notification")
+        finally:
+            for e in engines.values():
+                await e.close()
+        assert lane.closed
+
+    asyncio.run(main())
+
+
+def test_lane_not_wanted_below_device_min_ops():
+    """Fewer runs than device_min_ops stay on UCX: the lane launches nothing."""
+
+    async def main():
+        engines, peer, bufs, notes = await _pair(device_min_ops=128)
+        try:
+            lane = peer._dev = StandInLane(peer, 1)
+            stats = await peer.write([ItemWrite("kv", [1, 5], [2, 6])], notify=b"x", timeout=10)
+            assert lane.launched == [] and stats.device_ops == 0 and stats.ops == 2
+            b = bufs["b"].reshape(ITEMS, ITEM)
+            assert np.array_equal(b[2], bufs["a"].reshape(ITEMS, ITEM)[1])
+            await _until(lambda: notes == [b"x"], "the notification")
+        finally:
+            for e in engines.values():
+                await e.close()
+
+    asyncio.run(main())
+
+
+def test_member_is_isin_for_sorted_tables():
+    """devcopy.member against np.isin: every small table and every value around it."""
+    rng = np.random.default_rng(5)
+    for size in range(6):
+        for _ in range(20):
+            table = np.unique(rng.integers(0, 12, size).astype(np.uint64))
+            values = rng.integers(0, 14, int(rng.integers(0, 9))).astype(np.uint64)
+            got = devcopy.member(values, table)
+            assert got.dtype == bool and got.shape == values.shape
+            assert np.array_equal(got, np.isin(values, table))
+
+
+def test_settled_polls_inline_then_gives_up():
+    ev = StandInEvent(3)
+    assert devcopy.DeviceLane.settled(ev, spin_s=1.0) and ev.queries == 3
+    never = StandInEvent(10**9)
+    assert not devcopy.DeviceLane.settled(never, spin_s=0.0) and never.queries == 1
