@@ -75,6 +75,7 @@ def member(values: np.ndarray, table: np.ndarray) -> np.ndarray:
     """``np.isin(values, table)`` for a sorted, duplicate-free ``table`` (the lane's local
     registration handles), by binary search: a few array operations where ``np.isin``
     costs tens of µs per call on a small input (it is on every lane write's path)."""
+    values = np.asarray(values, dtype=table.dtype)  # mixed u64/i64 would compare as floats
     if table.size == 0:
         return np.zeros(values.shape, dtype=bool)
     at = np.searchsorted(table, values)
