@@ -39,10 +39,11 @@ class StandInEvent:
 class StandInLane(devcopy.DeviceLane):
     """A DeviceLane over every local registration and remote region, copying in process."""
 
-    def __init__(self, peer, after: int) -> None:  # no IPC import, no torch
+    def __init__(self, peer, after: int, first_only: bool = False) -> None:  # no IPC, no torch
         self.after = after
         self.closed = False
-        self._local = np.unique(np.concatenate(list(peer._groups.desc_memh.values())))
+        memh = peer._groups.desc_memh["kv"]  # one registration per descriptor (buffer)
+        self._local = np.unique(memh[:1] if first_only else memh)
         self._usable = np.ones(len(peer._remote.bases), dtype=bool)
         self.launched: list = []
         self.waits = 0
@@ -65,8 +66,13 @@ class StandInLane(devcopy.DeviceLane):
 async def _pair(device_min_ops: int):
     from kvxfer.engine import EngineConfig, TransferEngine
 
-    bufs = {s: np.full(ITEMS * ITEM, i + 1, np.uint8) for i, s in enumerate("ab")}
-    bufs["a"][:] = np.arange(ITEMS * ITEM) % 251
+    # two descriptors per side, two separate allocations (two registrations): an item is
+    # one ITEM-byte row in each
+    bufs = {
+        s: [np.full((ITEMS, ITEM), i + 1, np.uint8) for _ in range(2)] for i, s in enumerate("ab")
+    }
+    for k, buf in enumerate(bufs["a"]):
+        buf[:] = (np.arange(ITEMS * ITEM) * (k + 3) % 251).reshape(ITEMS, ITEM)
     engines, notes = {}, []
     for side in "ab":
         e = TransferEngine(
@@ -80,7 +86,8 @@ async def _pair(device_min_ops: int):
                 device_min_ops=device_min_ops,
             )
         )
-        e.register("kv", [bufs[side].ctypes.data], [ITEMS * ITEM], [ITEM])
+        b = bufs[side]
+        e.register("kv", [b[0].ctypes.data, b[1].ctypes.data], [ITEMS * ITEM] * 2, [ITEM] * 2)
         await e.start()
         engines[side] = e
     engines["b"].on_message(lambda p, payload: notes.append(bytes(payload)))
@@ -96,28 +103,31 @@ async def _until(cond, what: str, timeout: float = 10.0) -> None:
         await asyncio.sleep(0)
 
 
-@pytest.mark.parametrize("after", [1, 10**9])
-def test_lane_write_moves_every_byte_then_notifies(after):
-    """Scattered items go to the lane (selected, masked off the UCX columns), every byte
-    lands, the notification follows, the stats count device ops. A copy already done at the
-    inline poll (after=1) needs no awaited wait; one that is not (after=1e9: only the
-    executor's synchronize ends it) goes through the bounded wait."""
+@pytest.mark.parametrize("after,first_only", [(1, False), (10**9, False), (1, True)])
+def test_lane_write_moves_every_byte_then_notifies(after, first_only):
+    """Scattered items go to the lane (selected; with ``first_only`` only the first buffer's
+    ops, the rest masked off to UCX PUTs), every byte lands, the notification follows, the
+    stats count device ops. A copy already done at the inline poll (after=1) needs no awaited
+    wait; one that is not (after=1e9: only the executor's synchronize ends it) goes through
+    the bounded wait."""
 
     async def main():
         engines, peer, bufs, notes = await _pair(device_min_ops=1)
         try:
             assert peer._dev is None  # host memory: no real lane
-            lane = peer._dev = StandInLane(peer, after)
+            lane = peer._dev = StandInLane(peer, after, first_only)
             src, dst = [3, 9, 10, 11, 30], [0, 7, 8, 20, 31]
             stats = await peer.write([ItemWrite("kv", src, dst)], notify=b"done", timeout=10)
-            assert len(lane.launched) == 1 and lane.launched[0][0] == stats.device_ops == 4
-            assert stats.ops == stats.device_ops  # nothing left for UCX PUTs
+            runs = 4  # 3->0, 9..10->7..8, 11->20, 30->31
+            on_lane = runs if first_only else 2 * runs
+            assert len(lane.launched) == 1 and lane.launched[0][0] == stats.device_ops == on_lane
+            assert stats.ops == 2 * runs  # the rest went as UCX PUTs
             assert lane.waits == (0 if after == 1 else 1)
-            a, b = bufs["a"].reshape(ITEMS, ITEM), bufs["b"].reshape(ITEMS, ITEM)
+            a, b = np.stack(bufs["a"]), np.stack(bufs["b"])
             for s, d in zip(src, dst):
-                assert np.array_equal(b[d], a[s])
+                assert np.array_equal(b[:, d], a[:, s])
             untouched = sorted(set(range(ITEMS)) - set(dst))
-            assert (b[untouched] == 2).all()
+            assert (b[:, untouched] == 2).all()
             await _until(lambda: notes == [b"done"], "the notification")
         finally:
             for e in engines.values():
@@ -135,9 +145,8 @@ def test_lane_not_wanted_below_device_min_ops():
         try:
             lane = peer._dev = StandInLane(peer, 1)
             stats = await peer.write([ItemWrite("kv", [1, 5], [2, 6])], notify=b"x", timeout=10)
-            assert lane.launched == [] and stats.device_ops == 0 and stats.ops == 2
-            b = bufs["b"].reshape(ITEMS, ITEM)
-            assert np.array_equal(b[2], bufs["a"].reshape(ITEMS, ITEM)[1])
+            assert lane.launched == [] and stats.device_ops == 0 and stats.ops == 4
+            assert np.array_equal(np.stack(bufs["b"])[:, 2], np.stack(bufs["a"])[:, 1])
             await _until(lambda: notes == [b"x"], "the notification")
         finally:
             for e in engines.values():
