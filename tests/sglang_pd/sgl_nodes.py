@@ -627,11 +627,15 @@ class PrefillNode(Node):
         return [m.transfer_total_bytes, m.transfer_latency_s]
 
     def hold_writes(self, name):
-        """Test hook: park every write of this scenario until :meth:`release_writes`."""
+        """Test hook: park every write of this scenario until :meth:`release_writes`.
+        Returns once the hook is in place on the engine's loop: a send issued after this
+        call sees it (and so does not take the direct path, which runs no test hooks)."""
         import asyncio
+        import threading
 
         mgr = self.scen[name]["mgr"]
         gate = {}
+        installed = threading.Event()
 
         def install():
             gate["ev"] = asyncio.Event()
@@ -642,8 +646,11 @@ class PrefillNode(Node):
                 await gate["ev"].wait()
 
             mgr.path.before_write = before
+            installed.set()
 
         mgr.engine.loop.call_soon_threadsafe(install)
+        if not installed.wait(30.0):
+            raise RuntimeError("the write hook was not installed within 30 s")
         self._gate = gate
         return True
 
