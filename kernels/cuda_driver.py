@@ -302,29 +302,6 @@ def bind_context(ordinal: int) -> None:
         cu.cuDevicePrimaryCtxRelease(dev)
 
 
-_primary: dict = {}  # ordinal -> its primary context's handle as an int (retained for good)
-
-
-def is_current(ordinal: int) -> bool:
-    """Whether device ``ordinal``'s primary context is the current context of this thread
-    (one ``cuCtxGetCurrent``; the first call per device also retains its primary context,
-    which the runtime holds for the process's life anyway). False without a driver."""
-    cu = bindings()
-    if cu is None:
-        return False
-    ctx = _primary.get(ordinal)
-    if ctx is None:
-        res = cu.cuDeviceGet(int(ordinal))
-        if res[0] != _OK:
-            return False
-        res = cu.cuDevicePrimaryCtxRetain(res[1])
-        if res[0] != _OK:
-            return False
-        ctx = _primary[ordinal] = int(res[1])
-    err, cur = cu.cuCtxGetCurrent()
-    return err == _OK and int(cur) == ctx
-
-
 def _bound(call, ordinal: int, *args) -> Any:
     """``call(*args)`` (a cuda-bindings function); once more after :func:`bind_context` when
     this thread had no current context."""
@@ -387,11 +364,7 @@ class Event:
         """Destroy the event (idempotent)."""
         ev, self._ev = getattr(self, "_ev", None), None
         cu = bindings()
-        if ev is None or cu is None:
-            return
-        if is_current(self.ordinal):
-            cu.cuEventDestroy(ev)
-        else:
+        if ev is not None and cu is not None:
             with device_context(self.ordinal):
                 cu.cuEventDestroy(ev)
 

@@ -95,6 +95,11 @@ def _ids(arr: np.ndarray, views, rows: int, what: str) -> bool:
     return check_ids(arr, 1, rows, what)
 
 
+def _both(pages, slots, names, views, rows) -> tuple[bool, bool]:
+    """:func:`_ids` of the pages and of the slots against their views and row counts."""
+    return (_ids(pages, views[0], rows[0], names[0]), _ids(slots, views[1], rows[1], names[1]))
+
+
 def _on(stream):
     """``torch.cuda.stream(stream)``, or nothing for None (CPU)."""
     return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
@@ -279,23 +284,13 @@ class OffloadManager:
         """``(kv views, state views, (pages increasing, slots increasing))`` for a copy of
         these ids, every id checked (:func:`check_ids`) against ``views`` (another pool's) or
         this pool's cached views, which are refreshed once when an id lies past them."""
-        kv, st = self._views if views is None else views
-        rows = self._rows if views is None else (_rows(kv), _rows(st))
+        if views is not None:
+            return (*views, _both(pages, slots, names, views, (_rows(views[0]), _rows(views[1]))))
         try:
-            return kv, st, (_ids(pages, kv, rows[0], names[0]), _ids(slots, st, rows[1], names[1]))
+            return (*self._views, _both(pages, slots, names, self._views, self._rows))
         except IndexOutOfRange:
-            if views is not None:
-                raise
-        self.refresh_views()  # the pool's backing may have grown past the cached views
-        kv, st = self._views
-        return (
-            kv,
-            st,
-            tuple(
-                _ids(ids, v, r, name)
-                for ids, v, r, name in zip((pages, slots), self._views, self._rows, names)
-            ),
-        )
+            self.refresh_views()  # the pool's backing may have grown past the cached views
+        return (*self._views, _both(pages, slots, names, self._views, self._rows))
 
     def _use_fused(self, pieces: int, nbytes: int) -> bool:
         return bool(self.fused_mode) or wants_fused(
