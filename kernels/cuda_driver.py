@@ -401,6 +401,19 @@ class StreamLink:
         self._event.close()
 
 
+def proc(name: str, version: int, *argtypes: Any) -> Any:
+    """The driver's entry point ``name`` (base name, ABI of CUDA ``version``, e.g. 4000 for
+    ``cuLaunchKernel``) as a ctypes function returning the CUresult as an int, or None without
+    a driver or when the driver has no such call. One ctypes call costs about a microsecond
+    of host time, less than a cuda-bindings call (no argument objects)."""
+    cu = bindings()
+    if cu is None:
+        return None
+    res = cu.cuGetProcAddress(name.encode(), int(version), 0)
+    pfn = int(res[1]) if res[0] == _OK and res[1] else 0
+    return ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(pfn) if pfn else None
+
+
 class _MemcpyAttributes(ctypes.Structure):
     """``CUmemcpyAttributes`` (cuda.h, CUDA >= 12.8): access order, two ``CUmemLocation``
     hints (type, id), flags."""
@@ -435,15 +448,14 @@ def _batch_fn() -> Any:
     else:
         version = int(check(cu.cuDriverGetVersion(), "cuDriverGetVersion"))
         want = 13000 if version >= 13000 else 12080
-        res = cu.cuGetProcAddress(b"cuMemcpyBatchAsync", want, 0)
-        pfn = int(res[1]) if res[0] == _OK and res[1] else 0
-        if version < 12080 or not pfn:
+        p, z = ctypes.c_void_p, ctypes.c_size_t
+        fail = want < 13000
+        args = [p, p, p, z, p, p, z] + ([p] if fail else []) + [p]
+        call = proc("cuMemcpyBatchAsync", want, *args) if version >= 12080 else None
+        if call is None:
             _batch_why = f"the driver (version {version}) has no cuMemcpyBatchAsync"
         else:
-            p, z = ctypes.c_void_p, ctypes.c_size_t
-            fail = want < 13000
-            args = [p, p, p, z, p, p, z] + ([p] if fail else []) + [p]
-            fn = (ctypes.CFUNCTYPE(ctypes.c_int, *args)(pfn), fail)
+            fn = (call, fail)
     _batch.append(fn)
     return fn
 

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from kvxfer.kernels import dispatch
-from kvxfer.kernels.errors import InvalidArgument, ShapeMismatch
+from kvxfer.kernels.errors import CudaError, InvalidArgument, ShapeMismatch, UnsupportedOperation
 
 __all__ = [
     "BLOCK_BYTES",
@@ -43,6 +43,7 @@ __all__ = [
     "ALIGNMENTS",
     "check_alignment",
     "kernel_runnable",
+    "TaskLauncher",
 ]
 
 # Bytes one program moves per loop iteration: 128 threads x 2 x 16-byte vectors.
@@ -129,6 +130,95 @@ def copy_tasks(tasks: torch.Tensor, align: int, *, host_tasks: np.ndarray | None
         with dispatch.launch_context(tasks.device):
             _copy_tasks_kernel[(t,)](tasks, ALIGN=align, BLOCK=BLOCK_BYTES, num_warps=NUM_WARPS)
     return t
+
+
+#: (device ordinal, align) -> the natively launched kernel, or the reason it cannot be
+_native: dict = {}
+
+
+def native_kernel(ordinal: int, align: int):
+    """The copy kernel for ``align`` compiled for device ``ordinal`` and launched through
+    :mod:`kvxfer.kernels.native_launch`, or a string saying why it cannot be (cached per
+    process: compiled once)."""
+    key = (int(ordinal), int(align))
+    got = _native.get(key)
+    if got is None:
+        from kvxfer.kernels.native_launch import compile_kernel
+
+        try:
+            if not torch.cuda.is_available():
+                raise UnsupportedOperation("torch sees no CUDA device")
+            sample = torch.empty((1, 3), dtype=torch.int64, device=f"cuda:{ordinal}")
+            got = compile_kernel(
+                _copy_tasks_kernel, (sample,), ordinal, NUM_WARPS, ALIGN=align, BLOCK=BLOCK_BYTES
+            )
+        except (UnsupportedOperation, CudaError, RuntimeError) as exc:
+            got = f"{type(exc).__name__}: {exc}"
+        _native[key] = got
+    return got
+
+
+class TaskLauncher:
+    """:func:`copy_tasks` without torch or Triton on the launch path: each launch's table is
+    written into a slot of a :class:`~kvxfer.kernels.native_launch.TableRing` (page-locked,
+    device-mapped: the kernel reads it over the bus, nothing is uploaded) and the kernel
+    compiled for its alignment is launched by ``cuLaunchKernel``; the slot's driver event is
+    recorded after the launches and returned. One owner thread (a lane's loop thread, an
+    offload manager's caller).
+
+    Raises :class:`UnsupportedOperation` at construction when the kernel for 16-byte
+    alignment cannot be launched this way (callers keep :func:`copy_tasks`)."""
+
+    def __init__(self, ordinal: int) -> None:
+        from kvxfer.kernels.native_launch import TableRing
+
+        self.ordinal = int(ordinal)
+        first = native_kernel(self.ordinal, 16)
+        if isinstance(first, str):
+            raise UnsupportedOperation(f"no native copy launch on cuda:{ordinal}: {first}")
+        self.ring = TableRing(self.ordinal)
+        self.ctx = self.ring.ctx
+
+    def supports(self, groups) -> bool:
+        """Whether every ``(align, table)`` group has a natively launched kernel."""
+        return all(not isinstance(native_kernel(self.ordinal, a), str) for a, _ in groups)
+
+    def launch(self, groups, stream: int):
+        """Copy every row of the ``(align, host table)`` groups (:func:`split_by_alignment`
+        output, tables checked here as :func:`copy_tasks` does) on ``stream`` (a CUstream
+        handle); returns the event recorded after them (``query`` / ``synchronize``). Groups
+        must be :meth:`supports`-ed. Raises :class:`InvalidArgument` before launching
+        anything for a misaligned table, :class:`CudaError` from the driver."""
+        rows = 0
+        for align, g in groups:
+            check_alignment(g, align)
+            rows += g.shape[0] + (g.shape[0] & 1)  # each group's rows start 16-byte aligned
+        pushed = self.ctx.enter()
+        try:
+            slot, table, dev = self.ring.take(rows)
+            at = 0
+            for align, g in groups:
+                n = int(g.shape[0])
+                if n:
+                    table[at : at + n] = g
+                    native_kernel(self.ordinal, align).launch(n, stream, dev + 24 * at)
+                    at += n + (n & 1)
+            return self.ring.done(slot, stream)
+        finally:
+            self.ctx.leave(pushed)
+
+    def record(self, stream: int):
+        """A slot's event recorded on ``stream`` with no table (after copies the caller
+        issued itself, e.g. ``cuMemcpyDtoDAsync``)."""
+        pushed = self.ctx.enter()
+        try:
+            return self.ring.done(self.ring.take(0)[0], stream)
+        finally:
+            self.ctx.leave(pushed)
+
+    def close(self) -> None:
+        """Wait for the ring's launches and free it (idempotent)."""
+        self.ring.close()
 
 
 def copy_item_runs_reference(

@@ -80,9 +80,13 @@ def timed(fn, stream, iters, gap):
 
 def methods(sa, da, na, flat_s, flat_d, h):
     """The candidates for one shape, as closures (``h``: the stream handle)."""
-    from kvxfer.engine.devcopy import TILE_BYTES
-    from kvxfer.kernels.piece_copy import copy_tasks
-    from kvxfer.pools.offload.pieces import split_by_alignment, tile_pieces
+    from kvxfer.engine.devcopy import _tasks
+    from kvxfer.kernels.piece_copy import TaskLauncher, copy_tasks
+    from kvxfer.pools.offload.pieces import split_by_alignment
+
+    launcher = _LAUNCHERS.get(h)
+    if launcher is None:
+        launcher = _LAUNCHERS[h] = TaskLauncher(torch.cuda.current_device())
 
     def copy_():
         flat_d.copy_(flat_s)
@@ -94,15 +98,18 @@ def methods(sa, da, na, flat_s, flat_d, h):
     def batch():
         cuda_driver.memcpy_batch_async(da, sa, na, h, torch.cuda.current_device())
 
-    def kernel():
-        tasks = tile_pieces(
-            sa.astype(np.int64), da.astype(np.int64), na.astype(np.int64), TILE_BYTES
-        )
-        for align, part in split_by_alignment(tasks):
+    def kernel():  # the lane's tiles, Triton's launch, the table uploaded
+        for align, part in split_by_alignment(_tasks(sa, da, na)):
             t = torch.from_numpy(part).to("cuda", non_blocking=True)
             copy_tasks(t, align, host_tasks=part)
 
-    return {"copy_": copy_, "memcpy": memcpy, "batch": batch, "kernel": kernel}
+    def native():  # the same tiles, cuLaunchKernel, the table in a pinned ring slot
+        launcher.launch(split_by_alignment(_tasks(sa, da, na)), h)
+
+    return {"copy_": copy_, "memcpy": memcpy, "batch": batch, "kernel": kernel, "native": native}
+
+
+_LAUNCHERS: dict = {}  # stream handle -> TaskLauncher (one ring per stream)
 
 
 def main() -> int:
@@ -229,7 +236,7 @@ def _check(src_t, dst_t, s, d, n) -> bool:
 def _print_row(row):
     lim = row["copy_"].get("best_us")
     parts = [f"{row['shape']:<32}"]
-    for m in ("copy_", "memcpy", "batch", "kernel"):
+    for m in ("copy_", "memcpy", "batch", "kernel", "native"):
         r = row.get(m)
         if r is None:
             parts.append(f"{m} -")

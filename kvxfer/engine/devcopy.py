@@ -58,8 +58,6 @@ _U64 = np.uint64
 #: at most this many runs go as one cuMemcpyDtoDAsync each (copy engines, full bandwidth
 #: for large runs); more runs take one kernel launch
 MEMCPY_MAX_RUNS = 4
-#: bytes per kernel task (one GPU program each)
-TILE_BYTES = 1 << 20
 #: how long :meth:`DeviceLane.wait` polls a launch's event inline (the loop blocked), seconds
 WAIT_SPIN_S = 50e-6
 #: then how long it polls the event once per loop iteration (other callbacks run between
@@ -95,6 +93,17 @@ def lane_wanted(ops: int, nbytes: np.ndarray, min_ops: int, small_ops: int, min_
     return 0 < min_bytes <= int(nbytes.sum(dtype=_U64))
 
 
+def _tasks(laddr: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """The copy kernel's task rows for runs ``laddr -> dst`` of ``nbytes``: tiles of about
+    1/2048 of the write (:func:`~kvxfer.pools.offload.pieces.pick_tile_bytes`, 8 KiB to
+    1 MiB), so a write of a few large runs still spreads over many programs."""
+    from kvxfer.pools.offload.pieces import pick_tile_bytes, tile_pieces
+
+    n = nbytes.astype(np.int64)
+    tile = pick_tile_bytes(int(n.sum()))
+    return tile_pieces(laddr.astype(np.int64), dst.astype(np.int64), n, tile)
+
+
 class DeviceLane:
     """Kernel/copy-engine writes into one peer's IPC-mapped CUDA regions."""
 
@@ -120,6 +129,8 @@ class DeviceLane:
         self.failures: List[str] = []  # why regions stayed on UCX
         with torch.cuda.device(device):
             self._stream = torch.cuda.Stream(device)
+            self._stream_h = int(self._stream.cuda_stream)
+            self._tasks = self._native(device)
             for i, blob in enumerate(blobs):
                 if not blob:
                     continue
@@ -138,6 +149,29 @@ class DeviceLane:
         self._patterns: Dict[int, tuple] = {}
         #: host-time parts of each pattern launch ($KVXFER_LANE_PROFILE, diagnostics)
         self.profile: Optional[Dict[str, Any]] = {} if os.environ.get(PROFILE_ENV) else None
+
+    @staticmethod
+    def _native(device: int):
+        """The native launcher for this lane's copies (:class:`~kvxfer.kernels.piece_copy.
+        TaskLauncher`), or None: ``$KVXFER_NATIVE_LAUNCH=0``, or it cannot run here (logged;
+        the lane then launches through torch and Triton)."""
+        from kvxfer.kernels import native_launch
+        from kvxfer.kernels.errors import CudaError, UnsupportedOperation
+        from kvxfer.kernels.piece_copy import TaskLauncher
+
+        if not native_launch.enabled():
+            return None
+
+        try:
+            return TaskLauncher(device)
+        except (UnsupportedOperation, CudaError) as exc:
+            log.info("device lane: launches through Triton (%s)", exc)
+            return None
+
+    @property
+    def native(self) -> bool:
+        """Whether this lane launches its copies natively (no torch or Triton per write)."""
+        return self._tasks is not None
 
     @property
     def active(self) -> bool:
@@ -160,6 +194,8 @@ class DeviceLane:
         ).any():
             raise IndexOutOfRange("device lane: an op falls outside its remote region")
         dst = self.mapped[r] + off
+        if self._tasks is not None:
+            return self._launch_native(laddr, dst, nbytes)
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             if laddr.size <= MEMCPY_MAX_RUNS:
                 from kvxfer.kernels.cuda_driver import memcpy_dtod_async
@@ -169,19 +205,44 @@ class DeviceLane:
                     memcpy_dtod_async(d, s, n, h)
             else:
                 from kvxfer.kernels.piece_copy import copy_tasks
-                from kvxfer.pools.offload.pieces import split_by_alignment, tile_pieces
+                from kvxfer.pools.offload.pieces import split_by_alignment
 
-                tasks = tile_pieces(
-                    laddr.astype(np.int64),
-                    dst.astype(np.int64),
-                    nbytes.astype(np.int64),
-                    TILE_BYTES,
-                )
+                tasks = _tasks(laddr, dst, nbytes)
                 for align, part in split_by_alignment(tasks):
                     copy_tasks(self._upload(part), align, host_tasks=part)
             ev = torch.cuda.Event()
             ev.record(self._stream)
         return ev
+
+    def _launch_native(self, laddr: np.ndarray, dst: np.ndarray, nbytes: np.ndarray):
+        """:meth:`launch`'s copies through the native launcher: ``cuMemcpyDtoDAsync`` per run
+        for a few runs, else one ``cuLaunchKernel`` per alignment class reading its table
+        from the launcher's pinned ring; the ring slot's event is returned. A table some
+        class of which has no native kernel goes through :func:`copy_tasks` on the lane's
+        stream (ordered with the rest)."""
+        from kvxfer.pools.offload.pieces import split_by_alignment
+
+        tasks, stream = self._tasks, self._stream_h
+        if laddr.size <= MEMCPY_MAX_RUNS:
+            from kvxfer.kernels.cuda_driver import memcpy_dtod_async
+
+            pushed = tasks.ctx.enter()
+            try:
+                for s, d, n in zip(laddr.tolist(), dst.tolist(), nbytes.tolist()):
+                    memcpy_dtod_async(d, s, n, stream)
+            finally:
+                tasks.ctx.leave(pushed)
+            return tasks.record(stream)
+        groups = split_by_alignment(_tasks(laddr, dst, nbytes))
+        if not tasks.supports(groups):
+            torch = self._torch
+            from kvxfer.kernels.piece_copy import copy_tasks
+
+            with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+                for align, part in groups:
+                    copy_tasks(self._upload(part), align, host_tasks=part)
+            return tasks.record(stream)
+        return tasks.launch(groups, stream)
 
     def covers(self, lmemh: np.ndarray, rptrs, rlens, ridx: np.ndarray) -> bool:
         """Whether every descriptor (local registration ``lmemh[d]``; remote ``[rptrs[d],
@@ -323,6 +384,8 @@ class DeviceLane:
         torch = self._torch
         with torch.cuda.device(self.device):
             self._stream.synchronize()
+            if self._tasks is not None:
+                self._tasks.close()
             for base in self._bases:
                 try:
                     ipc_close(base, self.device)

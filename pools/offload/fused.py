@@ -25,8 +25,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from kvxfer.kernels import native_launch
 from kvxfer.kernels.cuda_driver import memcpy_batch_async
-from kvxfer.kernels.piece_copy import copy_tasks
+from kvxfer.kernels.errors import CudaError, UnsupportedOperation
+from kvxfer.kernels.piece_copy import TaskLauncher, copy_tasks
 
 from .pieces import MAX_ALIGN, PieceTable, pick_tile_bytes, plan_tasks, split_by_alignment
 
@@ -63,9 +65,28 @@ class FusedCopier:
         self.device_delta = int(device_delta)
         self.tile_bytes = tile_bytes
         self.launches = 0  # kernel launches issued so far (all requests)
+        self._tasks = self._native(device)
         # pointer tables per (device views list, host views list): the manager passes the
         # same cached lists every call; the entries hold the lists so ids stay unique
         self._tables: dict[tuple[int, int], tuple] = {}
+
+    @staticmethod
+    def _native(device: torch.device):
+        """The native launcher (:class:`~kvxfer.kernels.piece_copy.TaskLauncher`) for
+        :meth:`copy` on CUDA, or None (CPU, ``$KVXFER_NATIVE_LAUNCH=0``, or it cannot run
+        here: logged, :meth:`copy` then launches through torch and Triton)."""
+        if device.type != "cuda" or not native_launch.enabled():
+            return None
+        try:
+            return TaskLauncher(device.index or 0)
+        except (UnsupportedOperation, CudaError) as exc:
+            logger.info("fused offload copies launch through Triton (%s)", exc)
+            return None
+
+    @property
+    def native(self) -> bool:
+        """Whether :meth:`copy` launches natively when given the stream's handle."""
+        return self._tasks is not None
 
     def _table(self, dev_views, host_views) -> PieceTable:
         key = (id(dev_views), id(host_views))
@@ -146,11 +167,17 @@ class FusedCopier:
         self.launches += calls
         return calls
 
-    def copy(self, parts: Sequence[Part]) -> int:
-        """Issue the copies of ``parts`` on the current stream; returns kernel launches."""
+    def copy(self, parts: Sequence[Part], stream: int | None = None) -> int:
+        """Issue the copies of ``parts`` on ``stream`` (a CUstream handle) through the native
+        launcher when there is one, else on the current stream (which must then be that
+        stream); returns kernel launches."""
         tasks, align = self.plan(parts)
         # tables aligned to 16 bytes (every real pool) give one launch without per-task work
         groups = [(align, tasks)] if align == MAX_ALIGN else split_by_alignment(tasks)
+        if self._tasks is not None and stream is not None and self._tasks.supports(groups):
+            self._tasks.launch(groups, stream)
+            self.launches += len(groups)
+            return len(groups)
         launches = 0
         for align, group in groups:
             table = torch.from_numpy(group)

@@ -338,8 +338,9 @@ class OffloadManager:
                 self.stats["batch"] += 1
                 return pieces
             if pieces and self._use_fused(pieces, handle.nbytes):
+                raw = (self._d2h_raw if to_host else self._h2d_raw) if self._cuda else None
                 with _on(stream):
-                    handle.num_launches = fused.copy(parts)
+                    handle.num_launches = fused.copy(parts, raw)
                 handle.staged, handle.path = False, "fused"
                 self.stats["fused"] += 1
                 return pieces

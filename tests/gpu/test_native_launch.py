@@ -1,0 +1,187 @@
+"""The native launch path of the copy kernel (skipped without CUDA): ``TaskLauncher`` writes
+each launch's task table into a pinned, device-mapped ring slot and launches the Triton-compiled
+kernel by ``cuLaunchKernel``. Checked byte for byte against the plain-torch copy of the same
+tasks: device to device, device to pinned host and back, every alignment class, more launches
+than ring slots (slots reused, tables grown), from a thread with no current CUDA context; and
+the pieces that guard it (parameter layout, misaligned tables refused before any launch, the
+switch that keeps Triton's launch).
+
+Run on the GPU machine: ``KVXFER_TEST_DEVICE=cuda python -m pytest -q tests/gpu/test_native_launch.py``
+(``bench/gpu/lane_copy.sh`` runs it with the engine tests).
+"""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from kvxfer.kernels import native_launch, piece_copy
+from kvxfer.kernels.errors import InvalidArgument
+from kvxfer.pools.offload.pieces import split_by_alignment, tile_pieces
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.timeout(120),
+]
+
+
+def _tasks(src: torch.Tensor, dst: torch.Tensor, rng, n: int, align: int, max_len: int):
+    """``n`` pieces of at most ``max_len`` bytes into distinct destination slots (``max_len``
+    + 64 bytes each, shuffled), offsets and sizes multiples of ``align``: host table rows
+    (src addr, dst addr, nbytes). Sizes may later grow by up to 16 bytes."""
+    slot = max_len + 64
+    assert dst.numel() // slot >= n
+    slots = rng.permutation(dst.numel() // slot)[:n]
+    lens = rng.integers(1, max_len // align + 1, size=n) * align
+    soff = rng.integers(0, (src.numel() - slot) // align, size=n) * align
+    return np.stack([src.data_ptr() + soff, dst.data_ptr() + slots * slot, lens], axis=1).astype(
+        np.int64
+    )
+
+
+def _reference(src: torch.Tensor, dst: torch.Tensor, tasks: np.ndarray) -> torch.Tensor:
+    """``dst`` after the tasks, by torch slicing on the CPU."""
+    s_cpu, out = src.cpu(), dst.cpu().clone()
+    s0, d0 = src.data_ptr(), dst.data_ptr()
+    for s, d, n in tasks.tolist():
+        out[d - d0 : d - d0 + n] = s_cpu[s - s0 : s - s0 + n]
+    return out
+
+
+@pytest.fixture
+def launcher():
+    t = piece_copy.TaskLauncher(torch.cuda.current_device())
+    yield t
+    t.close()
+
+
+def _run(launcher, tasks, stream=None):
+    stream = stream or torch.cuda.current_stream()
+    groups = split_by_alignment(tile_pieces(tasks[:, 0], tasks[:, 1], tasks[:, 2], 1 << 16))
+    assert launcher.supports(groups)
+    ev = launcher.launch(groups, stream.cuda_stream)
+    ev.synchronize()
+    return groups
+
+
+@pytest.mark.parametrize("align", [16, 8, 4, 1])
+def test_device_to_device_byte_exact(launcher, align):
+    rng = np.random.default_rng(align)
+    src = torch.randint(0, 256, (1 << 22,), dtype=torch.uint8, device="cuda")
+    dst = torch.zeros(1 << 22, dtype=torch.uint8, device="cuda")
+    tasks = _tasks(src, dst, rng, 200, align, 1 << 14)
+    if align < 16:  # a mix of classes: some rows wider-aligned than others
+        tasks[::3, 2] = (tasks[::3, 2] // 16 + 1) * 16
+    want = _reference(src, dst, tasks)
+    groups = _run(launcher, tasks)
+    assert align in {a for a, _ in groups}
+    assert torch.equal(dst.cpu(), want)
+
+
+def test_device_to_pinned_host_and_back(launcher):
+    rng = np.random.default_rng(7)
+    dev = torch.randint(0, 256, (1 << 21,), dtype=torch.uint8, device="cuda")
+    host = torch.zeros(1 << 21, dtype=torch.uint8, pin_memory=True)
+    tasks = _tasks(dev, host, rng, 64, 16, 1 << 14)
+    want = _reference(dev, host, tasks)
+    _run(launcher, tasks)
+    assert torch.equal(host, want)
+    back = torch.zeros_like(dev)  # restore: host -> device, the same pieces reversed
+    rev = tasks[:, [1, 0, 2]].copy()
+    rev[:, 1] += back.data_ptr() - dev.data_ptr()
+    want_back = _reference(host, back, rev)
+    _run(launcher, rev)
+    assert torch.equal(back.cpu(), want_back)
+    assert int(want_back.count_nonzero()) > 0
+
+
+def test_more_launches_than_slots_reuse_and_grow(launcher):
+    """Slots are rewritten only after their launch ran: 3 x RING_SLOTS launches in flight on
+    one stream, each with its own table (some larger than a slot's first size), all exact."""
+    rng = np.random.default_rng(3)
+    src = torch.randint(0, 256, (1 << 24,), dtype=torch.uint8, device="cuda")
+    outs, wants = [], []
+    stream = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(10_000_000)  # the first launches wait: their slots are still busy
+    for i in range(3 * native_launch.RING_SLOTS):
+        dst = torch.zeros(1 << 22, dtype=torch.uint8, device="cuda")
+        n = 2 * native_launch.RING_ROWS + 5 if i % 5 == 0 else 50
+        tasks = _tasks(src, dst, rng, n, 16, 1 << 10)
+        wants.append(_reference(src, dst, tasks))
+        groups = split_by_alignment(tasks)
+        launcher.launch(groups, stream.cuda_stream)
+        outs.append(dst)
+    stream.synchronize()
+    assert launcher.ring.waits >= 1  # some take found its slot's launch still running
+    for got, want in zip(outs, wants):
+        assert torch.equal(got.cpu(), want)
+
+
+def test_launch_from_a_thread_without_a_context(launcher):
+    rng = np.random.default_rng(5)
+    src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
+    dst = torch.zeros_like(src)
+    tasks = _tasks(src, dst, rng, 32, 16, 1 << 12)
+    want = _reference(src, dst, tasks)
+    stream = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    errors: list = []
+
+    def body():
+        try:
+            t = piece_copy.TaskLauncher(src.device.index)
+            ev = t.launch(split_by_alignment(tasks), stream.cuda_stream)
+            ev.synchronize()
+            t.close()
+        except BaseException as exc:  # noqa: BLE001 - surfaced below
+            errors.append(exc)
+
+    th = threading.Thread(target=body)
+    th.start()
+    th.join(60)
+    assert not th.is_alive() and not errors, errors
+    assert torch.equal(dst.cpu(), want)
+
+
+def test_record_orders_after_issued_copies(launcher):
+    src = torch.randint(0, 256, (1 << 24,), dtype=torch.uint8, device="cuda")
+    dst = torch.zeros_like(src)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(5_000_000)
+        dst.copy_(src)
+    ev = launcher.record(stream.cuda_stream)
+    ev.synchronize()
+    assert torch.equal(dst, src)
+
+
+def test_misaligned_table_refused_before_any_launch(launcher):
+    src = torch.randint(0, 256, (4096,), dtype=torch.uint8, device="cuda")
+    dst = torch.zeros_like(src)
+    good = np.array([[src.data_ptr(), dst.data_ptr(), 64]], dtype=np.int64)
+    bad = np.array([[src.data_ptr() + 1, dst.data_ptr() + 128, 64]], dtype=np.int64)
+    with pytest.raises(InvalidArgument):
+        launcher.launch([(16, good), (16, bad)], torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    assert not dst.any()
+
+
+def test_compiled_kernel_parameters_are_pointer_sized():
+    k = piece_copy.native_kernel(torch.cuda.current_device(), 16)
+    assert not isinstance(k, str), k
+    assert k.nparams >= 1 and native_launch.param_sizes(k.function) == [8] * k.nparams
+    assert k.block == piece_copy.NUM_WARPS * 32
+
+
+def test_switch_keeps_triton_launch(monkeypatch):
+    from kvxfer.engine.devcopy import DeviceLane
+    from kvxfer.pools.offload.fused import FusedCopier
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    assert DeviceLane._native(dev.index) is not None and FusedCopier(dev, True, 0).native
+    monkeypatch.setenv(native_launch.NATIVE_ENV, "0")
+    assert DeviceLane._native(dev.index) is None
+    assert not FusedCopier(dev, True, 0).native
