@@ -47,13 +47,13 @@ log = logging.getLogger(__name__)
 NATIVE_ENV = "KVXFER_NATIVE_LAUNCH"
 #: slots of a :class:`TableRing` (launches in flight before one waits for the oldest)
 RING_SLOTS = 8
-#: rows a slot holds at first (it grows to the largest table asked for)
-RING_ROWS = 1024
+#: int64 words a slot holds at first (it grows to the largest table asked for)
+RING_WORDS = 4096
 #: the most parameters a compiled kernel may have (Triton appends two scratch pointers)
 MAX_PARAMS = 32
 
 _P, _U = ctypes.c_void_p, ctypes.c_uint
-_EMPTY = np.zeros((0, 3), dtype=np.int64)
+_EMPTY = np.zeros(0, dtype=np.int64)
 _fns: dict = {}
 
 
@@ -113,42 +113,44 @@ class Context:
 
 
 class NativeKernel:
-    """One compiled kernel specialisation, launched by ``cuLaunchKernel`` on a 1-D grid.
+    """One compiled kernel specialisation, launched by ``cuLaunchKernel`` on a 1-D or 2-D
+    grid.
 
-    Build it with :func:`compile_kernel`. ``keep`` (Triton's compiled kernel) owns the loaded
-    module and is held as long as this object."""
+    Build it with :func:`compile_kernel`. ``sizes``: the byte size of each parameter (4 or
+    8). ``keep`` (Triton's compiled kernel) owns the loaded module and is held as long as
+    this object."""
 
     def __init__(
-        self, function: int, nparams: int, block: int, shared: int, ctx: Context, keep: Any
+        self, function: int, sizes: List[int], block: int, shared: int, ctx: Context, keep: Any
     ) -> None:
         self.function = int(function)
-        self.nparams = int(nparams)
+        self.sizes = list(sizes)
+        self.nparams = len(self.sizes)
         self.block = int(block)
         self.shared = int(shared)
         self.ctx = ctx
         self._keep = keep
         self._launch = _fn("cuLaunchKernel", 4000, _P, _U, _U, _U, _U, _U, _U, _U, _P, _P, _P)
-        self._local = threading.local()  # per thread: the u64 values and the void* array
+        self._local = threading.local()  # per thread: one cell per parameter, the void* array
 
-    def _args(self) -> Tuple[Any, Any]:
+    def _args(self) -> Tuple[list, Any]:
         a = getattr(self._local, "a", None)
         if a is None:
-            vals = (ctypes.c_uint64 * self.nparams)()
-            base = ctypes.addressof(vals)
-            argv = (ctypes.c_void_p * self.nparams)(*[base + 8 * i for i in range(self.nparams)])
-            a = self._local.a = (vals, argv)
+            cells = [ctypes.c_uint64() if n == 8 else ctypes.c_uint32() for n in self.sizes]
+            argv = (ctypes.c_void_p * self.nparams)(*[ctypes.addressof(c) for c in cells])
+            a = self._local.a = (cells, argv)
         return a
 
-    def launch(self, grid: int, stream: int, *args: int) -> None:
-        """Launch ``grid`` programs on ``stream`` (a CUstream handle) with the leading
-        parameters ``args`` (u64 each; the rest 0). Raises :class:`CudaError`."""
-        vals, argv = self._args()
-        for i, v in enumerate(args):
-            vals[i] = v
+    def launch(self, grid: int, stream: int, *args: int, grid_y: int = 1) -> None:
+        """Launch ``grid`` x ``grid_y`` programs on ``stream`` (a CUstream handle) with the
+        leading parameters ``args`` (the rest 0). Raises :class:`CudaError`."""
+        cells, argv = self._args()
+        for c, v in zip(cells, args):
+            c.value = v
         pushed = self.ctx.enter()
         try:
             err = self._launch(
-                self.function, grid, 1, 1, self.block, 1, 1, self.shared, stream, argv, None
+                self.function, grid, grid_y, 1, self.block, 1, 1, self.shared, stream, argv, None
             )
         finally:
             self.ctx.leave(pushed)
@@ -170,14 +172,23 @@ def param_sizes(function: int) -> List[int]:
 
 
 def compile_kernel(
-    jit_fn: Any, sample_args: tuple, ordinal: int, num_warps: int, **constexprs: Any
+    jit_fn: Any,
+    sample_args: tuple,
+    ordinal: int,
+    num_warps: int,
+    arg_sizes: Optional[Tuple[int, ...]] = None,
+    **constexprs: Any,
 ) -> NativeKernel:
     """Compile (Triton's cache: once per process and specialisation) and load ``jit_fn`` for
     device ``ordinal`` with ``sample_args`` (its runtime arguments: 16-byte aligned device
-    tensors) and ``constexprs``; raises :class:`UnsupportedOperation` when this module cannot
-    launch it (see the module's invariants) and :class:`CudaError` from the driver."""
+    tensors, and integers of the specialisation wanted: never 1, which Triton turns into a
+    constant) and ``constexprs``. ``arg_sizes``: the byte size each runtime argument must
+    have as a parameter (default: 8 each). Raises :class:`UnsupportedOperation` when this
+    module cannot launch it (see the module's invariants) and :class:`CudaError` from the
+    driver."""
     import torch
 
+    want = list(arg_sizes or (8,) * len(sample_args))
     ctx = Context(ordinal)
     with torch.cuda.device(ordinal):
         compiled = jit_fn.warmup(*sample_args, grid=(1,), num_warps=num_warps, **constexprs)
@@ -199,40 +210,41 @@ def compile_kernel(
             why.append(attr)
     function = int(compiled.function or 0)
     sizes = param_sizes(function) if function else []
-    if not function or len(sizes) < len(sample_args) or any(s != 8 for s in sizes):
-        why.append(f"parameters {sizes} for {len(sample_args)} arguments")
+    n = len(want)
+    if not function or sizes[:n] != want or any(s != 8 for s in sizes[n:]):
+        why.append(f"parameters of {sizes} bytes for arguments of {want}")
     if why:
         raise UnsupportedOperation(f"cannot launch {compiled.name} natively: {', '.join(why)}")
     block = int(md.num_warps) * int(getattr(md, "warp_size", 32))
-    return NativeKernel(function, len(sizes), block, int(md.shared), ctx, compiled)
+    return NativeKernel(function, sizes, block, int(md.shared), ctx, compiled)
 
 
 class TableRing:
-    """Page-locked, device-mapped int64 tables ``[rows, 3]`` for launches, a driver event per
-    slot (see the module's invariants). :meth:`take` a slot, write its rows, launch kernels
-    that read them at its device address, then :meth:`done` records the slot's event."""
+    """Page-locked, device-mapped int64 tables for launches, a driver event per slot (see
+    the module's invariants). :meth:`take` a slot, write its words, launch kernels that read
+    them at its device address, then :meth:`done` records the slot's event."""
 
-    def __init__(self, ordinal: int, slots: int = RING_SLOTS, rows: int = RING_ROWS) -> None:
+    def __init__(self, ordinal: int, slots: int = RING_SLOTS, words: int = RING_WORDS) -> None:
         self.ordinal = int(ordinal)
         self.ctx = Context(ordinal)
         self._events = [cuda_driver.Event(ordinal) for _ in range(int(slots))]
         self._tables: List[Optional[Tuple[Any, np.ndarray, int]]] = [None] * int(slots)
-        self._rows = int(rows)
+        self._words = int(words)
         self._next = 0
         self.waits = 0  # takes that found their slot's launch still running
 
-    def _alloc(self, rows: int) -> Tuple[Any, np.ndarray, int]:
+    def _alloc(self, words: int) -> Tuple[Any, np.ndarray, int]:
         import torch
 
-        host = torch.empty((rows, 3), dtype=torch.int64, pin_memory=True)
+        host = torch.empty(words, dtype=torch.int64, pin_memory=True)
         dev = cuda_driver.device_pointer(host.data_ptr())
         if not dev or dev % 16:
             raise UnsupportedOperation(f"pinned table at {host.data_ptr():#x} maps to {dev}")
         return host, host.numpy(), int(dev)
 
-    def take(self, rows: int) -> Tuple[int, np.ndarray, int]:
-        """``(slot, host rows [>= rows, 3], device address)`` of the next slot, once the
-        launch last recorded on it completed. Runs on: the owner thread (may block while
+    def take(self, words: int) -> Tuple[int, np.ndarray, int]:
+        """``(slot, host int64 words [>= words], device address)`` of the next slot, once
+        the launch last recorded on it completed. Runs on: the owner thread (blocks while
         every slot's launch is still running)."""
         k = self._next
         self._next = (k + 1) % len(self._events)
@@ -240,11 +252,11 @@ class TableRing:
         if not ev.query():
             self.waits += 1
             ev.synchronize()
-        t = self._tables[k]
-        if rows <= 0:
+        if words <= 0:
             return k, _EMPTY, 0
-        if t is None or t[1].shape[0] < rows:
-            t = self._tables[k] = self._alloc(max(int(rows), self._rows))
+        t = self._tables[k]
+        if t is None or t[1].shape[0] < words:
+            t = self._tables[k] = self._alloc(max(int(words), self._words))
         return k, t[1], t[2]
 
     def done(self, slot: int, stream: int) -> "cuda_driver.Event":

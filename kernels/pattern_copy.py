@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from kvxfer.kernels import dispatch
-from kvxfer.kernels.errors import InvalidArgument, ShapeMismatch
+from kvxfer.kernels.errors import CudaError, InvalidArgument, ShapeMismatch, UnsupportedOperation
 
 __all__ = [
     "ROW_COLS",
@@ -44,6 +44,7 @@ __all__ = [
     "pattern_rows",
     "row_alignment",
     "copy_pattern",
+    "copy_pattern_native",
     "copy_pattern_reference",
 ]
 
@@ -133,6 +134,82 @@ def _block(rows: np.ndarray) -> int:
     return min(4096, max(512, 1 << (longest - 1).bit_length()))
 
 
+def _check_rows(host_rows: np.ndarray, align: int) -> None:
+    if align not in _ALIGNMENTS or row_alignment(host_rows) % align:
+        raise InvalidArgument(f"the row table is not {align}-byte aligned (or {align} invalid)")
+    if host_rows.size and (host_rows[:, 2] <= 0).any():
+        raise InvalidArgument("row sizes must be > 0")
+
+
+def _shape(host_rows: np.ndarray) -> tuple[int, int, int]:
+    """``(block bytes, rows per program, warps)`` of a launch over this row table."""
+    block = _block(host_rows)
+    return block, max(1, 8192 // block), max(1, min(4, block // 512))
+
+
+#: (ordinal, align, block, rows per program, warps, n_rows % 16 == 0) -> the natively
+#: launched kernel, or why it cannot be
+_native: dict = {}
+
+
+def _native_kernel(ordinal: int, align: int, host_rows: np.ndarray):
+    block, per, warps = _shape(host_rows)
+    n_rows = int(host_rows.shape[0])
+    key = (int(ordinal), int(align), block, per, warps, n_rows % 16 == 0)
+    got = _native.get(key)
+    if got is None:
+        from kvxfer.kernels.native_launch import compile_kernel
+
+        try:
+            t = torch.empty((1, ROW_COLS), dtype=torch.int64, device=f"cuda:{ordinal}")
+            got = compile_kernel(
+                _copy_pattern_kernel,
+                (t, t, 16 if key[-1] else 17),  # n_rows's specialisation class (i32)
+                ordinal,
+                warps,
+                arg_sizes=(8, 8, 4),
+                ROWS=per,
+                ALIGN=align,
+                BLOCK=block,
+            )
+        except (UnsupportedOperation, CudaError, RuntimeError) as exc:
+            got = f"{type(exc).__name__}: {exc}"
+        _native[key] = got
+    return got
+
+
+def copy_pattern_native(
+    ring, rows_ptr: int, host_rows: np.ndarray, pairs: np.ndarray, align: int, stream: int
+):
+    """:func:`copy_pattern` launched by ``cuLaunchKernel`` (:mod:`kvxfer.kernels.
+    native_launch`): ``rows_ptr`` is the device copy of ``host_rows``, the item pairs
+    ``pairs`` (int64 ``[P, 2]``) are written into a slot of ``ring`` (a ``TableRing`` of the
+    same device) and read from there; returns the slot's event recorded on ``stream``, or
+    None — nothing launched — when this table cannot be launched natively (one row, a
+    kernel the native path refuses: the caller uses :func:`copy_pattern`). Checks as there;
+    raises :class:`InvalidArgument` before launching anything."""
+    _check_rows(host_rows, align)
+    n_rows, n_items = int(host_rows.shape[0]), int(pairs.shape[0])
+    if n_rows <= 1 or n_rows >= 1 << 31:  # Triton makes 1 a constant; i32 parameter
+        return None
+    kernel = _native_kernel(ring.ordinal, align, host_rows)
+    if isinstance(kernel, str):
+        return None
+    per = _shape(host_rows)[1]
+    pushed = ring.ctx.enter()
+    try:
+        slot, words, dev = ring.take(2 * n_items)
+        words[: 2 * n_items] = pairs.reshape(-1)
+        for first in range(0, n_items, MAX_ITEMS_PER_LAUNCH):
+            part = min(MAX_ITEMS_PER_LAUNCH, n_items - first)
+            kernel.launch(
+                -(-n_rows // per), stream, rows_ptr, dev + 16 * first, n_rows, grid_y=part
+            )
+        return ring.done(slot, stream)
+    finally:
+        ring.ctx.leave(pushed)
+
+
 def copy_pattern(
     rows: torch.Tensor, items: torch.Tensor, align: int, *, host_rows: np.ndarray
 ) -> int:
@@ -150,17 +227,12 @@ def copy_pattern(
         raise InvalidArgument(f"rows on {rows.device}, items on {items.device}")
     if host_rows.shape != tuple(rows.shape):
         raise ShapeMismatch(f"host_rows {host_rows.shape} != rows {tuple(rows.shape)}")
-    if align not in _ALIGNMENTS or row_alignment(host_rows) % align:
-        raise InvalidArgument(f"the row table is not {align}-byte aligned (or {align} invalid)")
-    if host_rows.size and (host_rows[:, 2] <= 0).any():
-        raise InvalidArgument("row sizes must be > 0")
+    _check_rows(host_rows, align)
     n_rows, n_items = int(rows.shape[0]), int(items.shape[0])
     if not n_rows or not n_items:
         return 0
     dispatch.require_runnable(_copy_pattern_kernel, rows.device)
-    block = _block(host_rows)
-    per = max(1, 8192 // block)  # rows per program: ~8 KiB of small runs each
-    warps = max(1, min(4, block // 512))
+    block, per, warps = _shape(host_rows)  # rows per program: ~8 KiB of small runs each
     launched = 0
     with dispatch.launch_context(rows.device):
         for first in range(0, n_items, MAX_ITEMS_PER_LAUNCH):

@@ -195,12 +195,12 @@ class TaskLauncher:
             rows += g.shape[0] + (g.shape[0] & 1)  # each group's rows start 16-byte aligned
         pushed = self.ctx.enter()
         try:
-            slot, table, dev = self.ring.take(rows)
+            slot, words, dev = self.ring.take(3 * rows)
             at = 0
             for align, g in groups:
                 n = int(g.shape[0])
                 if n:
-                    table[at : at + n] = g
+                    words[3 * at : 3 * (at + n)] = g.reshape(-1)
                     native_kernel(self.ordinal, align).launch(n, stream, dev + 24 * at)
                     at += n + (n & 1)
             return self.ring.done(slot, stream)

@@ -33,7 +33,7 @@ done
 for r in $(seq 1 "${ROUNDS:-2}"); do
     for n in $( [ $((r % 2)) = 1 ] && echo "1 0" || echo "0 1"); do
         echo; echo "## round $r: bench offload (kernel path: --batch-min-piece-kib 0), KVXFER_NATIVE_LAUNCH=$n"
-        KVXFER_NATIVE_LAUNCH=$n timeout 120 python3 -m kvxfer bench offload --device cuda --layouts mha,mha_hnd \
+        KVXFER_NATIVE_LAUNCH=$n timeout 120 python3 -m kvxfer bench offload --device cuda --layouts ${OFF_LAYOUTS:-mha} \
             --patterns scatter,runs4 --pages 8,32,128,512 --batch-min-piece-kib 0 \
             --json-out "$OUT/offload_native${n}_r$r.json" 2>&1 | grep "^|" || rc=1
     done

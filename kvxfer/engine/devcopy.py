@@ -287,6 +287,19 @@ class DeviceLane:
         self._patterns[id(pattern)] = entry
         _, _, host, rows, align = entry
         t1 = time.perf_counter()
+        if self._tasks is not None and len(src):
+            from kvxfer.kernels.pattern_copy import copy_pattern_native
+
+            pairs = np.empty((len(src), 2), dtype=np.int64)
+            pairs[:, 0], pairs[:, 1] = src, dst
+            ev = copy_pattern_native(
+                self._tasks.ring, rows.data_ptr(), host, pairs, align, self._stream_h
+            )
+            if ev is not None:
+                if prof is not None:
+                    t4 = time.perf_counter()
+                    self._profile(prof, c0, t0, t1, t1, t1, t4, t4)
+                return ev
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             t2 = time.perf_counter()
             pairs = np.empty((len(src), 2), dtype=np.int64)
