@@ -4,11 +4,15 @@ Over UCX every run of a write is one cuda_ipc PUT, each with a fixed CPU cost to
 scattered page set is bound by its op count, far below one large PUT of the same bytes
 (lane against UCX PUTs: bench/results/transfer-h200.md). When both engines share a host,
 the peer's registered CUDA regions can be mapped here with legacy CUDA IPC (the same
-mechanism UCX's cuda_ipc uses) and every run of a write copied by ONE launch of
-:func:`kvxfer.kernels.piece_copy.copy_tasks` (few large runs: one ``cuMemcpyDtoDAsync`` each,
+mechanism UCX's cuda_ipc uses) and every run of a write copied by ONE launch of the copy
+kernel of :mod:`kvxfer.kernels.piece_copy` (few large runs: one ``cuMemcpyDtoDAsync`` each,
 on the copy engines; one ``cuMemcpyBatchAsync`` of many runs costs more host time than the
-kernel's launch: bench/results/lane-copy-h200.md). The bytes are visible at the peer once the
-launch's event completed; only then does the write flush/notify, exactly as for PUTs.
+kernel's launch: bench/results/lane-copy-h200.md). The launch is native where it can be
+(:class:`~kvxfer.kernels.piece_copy.TaskLauncher`: ``cuLaunchKernel``, the table in a pinned
+ring slot, the slot's driver event; PatternWrites by
+:func:`~kvxfer.kernels.pattern_copy.copy_pattern_native`), else through torch and Triton.
+The bytes are visible at the peer once the launch's event completed; only then does the
+write flush/notify, exactly as for PUTs.
 
 Invariants
 - A lane exists only for a same-host peer whose Layout exported IPC blobs, and only with
