@@ -292,7 +292,7 @@ def bind_context(ordinal: int) -> None:
     CUDA runtime does on a thread's first call): for driver calls that need one on threads
     the runtime never bound. Raises :class:`CudaError`."""
     cu = driver()
-    if check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent"):
+    if int(check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent") or 0):  # a NULL CUcontext is truthy
         return
     dev = check(cu.cuDeviceGet(int(ordinal)), "cuDeviceGet")
     ctx = check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")

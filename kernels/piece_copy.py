@@ -39,6 +39,7 @@ __all__ = [
     "BLOCK_BYTES",
     "NUM_WARPS",
     "copy_tasks",
+    "copy_pieces",
     "copy_item_runs_reference",
     "ALIGNMENTS",
     "check_alignment",
@@ -74,6 +75,82 @@ def _copy_tasks_kernel(tasks, ALIGN: tl.constexpr, BLOCK: tl.constexpr):
         m = o < nbytes
         x = tl.load(src + o, mask=m)
         tl.store(dst + o, x, mask=m)
+
+
+@triton.jit
+def _copy_pieces_kernel(pieces, tile, ALIGN: tl.constexpr, BLOCK: tl.constexpr):
+    """Program ``(p, t)`` copies tile ``t`` of piece ``p`` (table row p: src, dst, nbytes):
+    bytes ``[t * tile, min((t + 1) * tile, nbytes))``; a tile past the piece's end does
+    nothing. The host writes one row per piece: the tiles are cut here."""
+    row = pieces + tl.program_id(0).to(tl.int64) * 3
+    nbytes = tl.load(row + 2)
+    start = tl.program_id(1).to(tl.int64) * tile
+    if start < nbytes:
+        src = (tl.load(row) + start).to(tl.pointer_type(tl.int8))
+        dst = (tl.load(row + 1) + start).to(tl.pointer_type(tl.int8))
+        n = tl.minimum(nbytes - start, tile)
+        if ALIGN > 1:
+            src = tl.multiple_of(src, ALIGN)
+            dst = tl.multiple_of(dst, ALIGN)
+            n = tl.multiple_of(n, ALIGN)
+        offs = tl.arange(0, BLOCK)
+        for i in range(0, tl.cdiv(n, BLOCK)):
+            o = i * BLOCK + offs
+            m = o < n
+            x = tl.load(src + o, mask=m)
+            tl.store(dst + o, x, mask=m)
+
+
+#: CUDA's grid y limit: the most tiles a piece of :func:`copy_pieces` may be cut into
+MAX_TILES_PER_PIECE = 65535
+
+
+def pieces_grid(nbytes: np.ndarray, tile: int) -> tuple[int, int] | None:
+    """``(pieces, tiles per piece)``: the grid of :func:`copy_pieces` over pieces of
+    ``nbytes`` cut into ``tile``-byte tiles, or None when that grid would be mostly empty
+    programs (pieces of very different sizes: more than 4x the tiles with work, plus one per
+    piece) or taller than the grid allows; the caller then cuts the tiles on the host
+    (:func:`copy_tasks`)."""
+    p = int(nbytes.size)
+    if p == 0 or tile <= 0:
+        return None
+    t = -(-int(nbytes.max()) // tile)
+    work = int((-(-nbytes.astype(np.int64) // tile)).sum())
+    if t > MAX_TILES_PER_PIECE or p * t > 4 * work + p:
+        return None
+    return p, t
+
+
+def pieces_alignment(*cols: np.ndarray) -> int:
+    """The widest power of two <= 16 dividing every entry of the columns."""
+    acc = 16
+    for c in cols:
+        if c.size:
+            acc |= int(np.bitwise_or.reduce(c.astype(np.uint64, copy=False)))
+    return acc & -acc
+
+
+def copy_pieces(pieces: torch.Tensor, tile: int, align: int, *, host_pieces: np.ndarray) -> int:
+    """Launch (through Triton, on the current stream) the copy of every row ``(src, dst,
+    nbytes)`` of ``pieces`` cut into ``tile``-byte tiles on the device (one program per tile:
+    :func:`pieces_grid`); ``host_pieces`` is the same table as numpy. Returns the programs
+    launched. Raises :class:`InvalidArgument` (misaligned table, a tile that is not a
+    positive multiple of 16, a grid :func:`pieces_grid` refuses)."""
+    _check_table(pieces)
+    if host_pieces.shape != tuple(pieces.shape):
+        raise ShapeMismatch(f"host_pieces {host_pieces.shape} != pieces {tuple(pieces.shape)}")
+    if tile <= 0 or tile % 16:
+        raise InvalidArgument(f"tile must be a positive multiple of 16, got {tile}")
+    check_alignment(host_pieces, align)
+    if not host_pieces.shape[0]:
+        return 0
+    grid = pieces_grid(host_pieces[:, 2], tile)
+    if grid is None:
+        raise InvalidArgument(f"pieces too uneven for {tile}-byte tiles on the device")
+    dispatch.require_runnable(_copy_pieces_kernel, pieces.device)
+    with dispatch.launch_context(pieces.device):
+        _copy_pieces_kernel[grid](pieces, tile, ALIGN=align, BLOCK=BLOCK_BYTES, num_warps=NUM_WARPS)
+    return grid[0] * grid[1]
 
 
 def kernel_runnable(device: torch.device) -> bool:
@@ -132,15 +209,16 @@ def copy_tasks(tasks: torch.Tensor, align: int, *, host_tasks: np.ndarray | None
     return t
 
 
-#: (device ordinal, align) -> the natively launched kernel, or the reason it cannot be
+#: (device ordinal, align, kernel) -> the natively launched kernel, or why it cannot be
 _native: dict = {}
 
 
-def native_kernel(ordinal: int, align: int):
-    """The copy kernel for ``align`` compiled for device ``ordinal`` and launched through
-    :mod:`kvxfer.kernels.native_launch`, or a string saying why it cannot be (cached per
-    process: compiled once)."""
-    key = (int(ordinal), int(align))
+def native_kernel(ordinal: int, align: int, pieces: bool = False):
+    """The copy kernel for ``align`` — the task kernel of :func:`copy_tasks`, or with
+    ``pieces`` the tile-cutting one of :func:`copy_pieces` — compiled for device ``ordinal``
+    and launched through :mod:`kvxfer.kernels.native_launch`, or a string saying why it
+    cannot be (cached per process: compiled once)."""
+    key = (int(ordinal), int(align), bool(pieces))
     got = _native.get(key)
     if got is None:
         from kvxfer.kernels.native_launch import compile_kernel
@@ -149,8 +227,13 @@ def native_kernel(ordinal: int, align: int):
             if not torch.cuda.is_available():
                 raise UnsupportedOperation("torch sees no CUDA device")
             sample = torch.empty((1, 3), dtype=torch.int64, device=f"cuda:{ordinal}")
+            fn, args, sizes = (
+                (_copy_pieces_kernel, (sample, 1 << 14), (8, 4))  # tile: i32, 16-divisible
+                if pieces
+                else (_copy_tasks_kernel, (sample,), (8,))
+            )
             got = compile_kernel(
-                _copy_tasks_kernel, (sample,), ordinal, NUM_WARPS, ALIGN=align, BLOCK=BLOCK_BYTES
+                fn, args, ordinal, NUM_WARPS, arg_sizes=sizes, ALIGN=align, BLOCK=BLOCK_BYTES
             )
         except (UnsupportedOperation, CudaError, RuntimeError) as exc:
             got = f"{type(exc).__name__}: {exc}"
@@ -203,6 +286,33 @@ class TaskLauncher:
                     words[3 * at : 3 * (at + n)] = g.reshape(-1)
                     native_kernel(self.ordinal, align).launch(n, stream, dev + 24 * at)
                     at += n + (n & 1)
+            return self.ring.done(slot, stream)
+        finally:
+            self.ctx.leave(pushed)
+
+    def launch_pieces(
+        self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, tile: int, stream: int
+    ):
+        """Copy pieces ``src[i] -> dst[i]`` of ``nbytes[i]`` bytes (> 0) on ``stream``, cut
+        into ``tile``-byte tiles (a multiple of 16 below 2**31) by the kernel itself: the
+        host writes one row per piece, nothing per tile. Returns the slot's event, or None —
+        nothing launched — when :func:`pieces_grid` refuses the shape or the kernel cannot be
+        launched natively (the caller then cuts tiles on the host: :meth:`launch`)."""
+        if tile <= 0 or tile % 16 or tile >= 1 << 31:
+            return None
+        grid = pieces_grid(nbytes, tile)
+        if grid is None:
+            return None
+        kernel = native_kernel(self.ordinal, pieces_alignment(src, dst, nbytes), pieces=True)
+        if isinstance(kernel, str):
+            return None
+        p = grid[0]
+        pushed = self.ctx.enter()
+        try:
+            slot, words, dev = self.ring.take(3 * p)
+            rows = words[: 3 * p].reshape(p, 3)
+            rows[:, 0], rows[:, 1], rows[:, 2] = src, dst, nbytes
+            kernel.launch(p, stream, dev, tile, grid_y=grid[1])
             return self.ring.done(slot, stream)
         finally:
             self.ctx.leave(pushed)

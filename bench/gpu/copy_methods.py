@@ -80,7 +80,7 @@ def timed(fn, stream, iters, gap):
 
 def methods(sa, da, na, flat_s, flat_d, h):
     """The candidates for one shape, as closures (``h``: the stream handle)."""
-    from kvxfer.engine.devcopy import _tasks
+    from kvxfer.engine.devcopy import _tasks, _tile
     from kvxfer.kernels.piece_copy import TaskLauncher, copy_tasks
     from kvxfer.pools.offload.pieces import split_by_alignment
 
@@ -103,10 +103,21 @@ def methods(sa, da, na, flat_s, flat_d, h):
             t = torch.from_numpy(part).to("cuda", non_blocking=True)
             copy_tasks(t, align, host_tasks=part)
 
-    def native():  # the same tiles, cuLaunchKernel, the table in a pinned ring slot
+    def native():  # the lane's native path: one row per run, tiles cut by the kernel
+        if launcher.launch_pieces(sa, da, na, _tile(na), h) is None:
+            launcher.launch(split_by_alignment(_tasks(sa, da, na)), h)
+
+    def native_host():  # cuLaunchKernel, tiles cut on the host (the uneven-runs fallback)
         launcher.launch(split_by_alignment(_tasks(sa, da, na)), h)
 
-    return {"copy_": copy_, "memcpy": memcpy, "batch": batch, "kernel": kernel, "native": native}
+    return {
+        "copy_": copy_,
+        "memcpy": memcpy,
+        "batch": batch,
+        "kernel": kernel,
+        "native": native,
+        "native-host-tiles": native_host,
+    }
 
 
 _LAUNCHERS: dict = {}  # stream handle -> TaskLauncher (one ring per stream)
@@ -236,7 +247,7 @@ def _check(src_t, dst_t, s, d, n) -> bool:
 def _print_row(row):
     lim = row["copy_"].get("best_us")
     parts = [f"{row['shape']:<32}"]
-    for m in ("copy_", "memcpy", "batch", "kernel", "native"):
+    for m in ("copy_", "memcpy", "batch", "kernel", "native", "native-host-tiles"):
         r = row.get(m)
         if r is None:
             parts.append(f"{m} -")

@@ -6,7 +6,8 @@
 # ways; (4) `kvxfer bench offload` single pages and runs of 4 with the batch copy off (the
 # kernel path), ROUNDS alternating rounds; (5) the PD bench with large writes on the lane
 # (device_min_bytes 4 MiB) both ways; (6) tests/offload and the engine tests on CUDA with every
-# write on the lane. Skip (6) with NO_TESTS=1. Writes $OUT/native.md and JSON files.
+# write on the lane; (7) with TP=1, bench/gpu/native_tp.sh. Skip (4) with NO_OFFLOAD=1, (6) with
+# NO_TESTS=1. Writes $OUT/native.md and JSON files.
 set -o pipefail
 export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD} UCX_WARN_UNUSED_ENV_VARS=n
@@ -14,12 +15,13 @@ rc=0
 {
 echo "# Native launch vs Triton's launch ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), ${KVXFER_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)})"
 echo; echo "## tests/gpu/test_native_launch.py"; echo '```'
-KVXFER_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_native_launch.py 2>&1 | tail -15 || rc=1
+KVXFER_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_native_launch.py \
+    tests/kernels/test_copy_pieces.py 2>&1 | tail -25 || rc=1
 echo '```'
 echo; echo "## copy_methods.py (one process; kernel = Triton launch + upload, native = cuLaunchKernel + pinned ring)"; echo '```'
 timeout 120 python3 bench/gpu/copy_methods.py --iters 10 --json "$OUT/copy_methods.json" 2>&1 | grep -v "^host" || rc=1
 echo '```'
-for n in 1 0 1; do
+for n in ${DEVLANE_ORDER:-1 0 1}; do
     echo; echo "## diag_devlane (DIAG_QUICK=1), KVXFER_NATIVE_LAUNCH=$n"; echo '```'
     DIAG_QUICK=1 KVXFER_NATIVE_LAUNCH=$n timeout 90 python3 bench/gpu/diag_devlane.py 2>&1 | grep -v "UCX  WARN" | tail -6 || rc=1
     echo '```'
@@ -30,7 +32,7 @@ for n in 1 0; do
         --pages 2048 --sizes ${SIZES:-16,128,512} --iters 5 --paths direct --modes none --device-copy auto \
         --json-out "$OUT/transfer_native$n.json" --plot /dev/null 2>&1 | grep -v "UCX  WARN" | grep "^|\|rc=\|Error" || rc=1
 done
-for r in $(seq 1 "${ROUNDS:-2}"); do
+[ -n "${NO_OFFLOAD:-}" ] || for r in $(seq 1 "${ROUNDS:-2}"); do
     for n in $( [ $((r % 2)) = 1 ] && echo "1 0" || echo "0 1"); do
         echo; echo "## round $r: bench offload (kernel path: --batch-min-piece-kib 0), KVXFER_NATIVE_LAUNCH=$n"
         KVXFER_NATIVE_LAUNCH=$n timeout 120 python3 -m kvxfer bench offload --device cuda --layouts ${OFF_LAYOUTS:-mha} \
@@ -46,12 +48,15 @@ for n in 1 0; do
 done
 if [ -z "${NO_TESTS:-}" ]; then
 echo; echo "## tests/offload on CUDA"; echo '```'
-KVXFER_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/offload 2>&1 | tail -6 || rc=1
+[ -n "${NO_OFFLOAD:-}" ] || KVXFER_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/offload 2>&1 | tail -6 || rc=1
 echo '```'
 echo; echo "## engine tests on CUDA, every write on the lane"; echo '```'
 KVXFER_TEST_DEVICE=cuda KVXFER_DEVICE_MIN_BYTES=1 timeout 200 python3 -m pytest -q -p no:cacheprovider \
     tests/engine/test_engine.py tests/engine/test_devcopy_unit.py 2>&1 | tail -8 || rc=1
 echo '```'
+fi
+if [ -n "${TP:-}" ]; then  # the pattern launch too (bench/gpu/native_tp.sh, shortened)
+    PAT_RATIOS=${PAT_RATIOS:-2:1} PAT_LAYOUTS=${PAT_LAYOUTS:-hnd} bash bench/gpu/native_tp.sh 2>&1 | tail -60 || rc=1
 fi
 echo "native rc=$rc"
 exit $rc

@@ -97,15 +97,22 @@ def lane_wanted(ops: int, nbytes: np.ndarray, min_ops: int, small_ops: int, min_
     return 0 < min_bytes <= int(nbytes.sum(dtype=_U64))
 
 
+def _tile(nbytes: np.ndarray) -> int:
+    """Bytes per copy program for a write of runs of ``nbytes``: about 1/2048 of the write
+    (:func:`~kvxfer.pools.offload.pieces.pick_tile_bytes`, 8 KiB to 1 MiB), so a write of a
+    few large runs still spreads over many programs."""
+    from kvxfer.pools.offload.pieces import pick_tile_bytes
+
+    return pick_tile_bytes(int(nbytes.sum(dtype=_U64)))
+
+
 def _tasks(laddr: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
-    """The copy kernel's task rows for runs ``laddr -> dst`` of ``nbytes``: tiles of about
-    1/2048 of the write (:func:`~kvxfer.pools.offload.pieces.pick_tile_bytes`, 8 KiB to
-    1 MiB), so a write of a few large runs still spreads over many programs."""
-    from kvxfer.pools.offload.pieces import pick_tile_bytes, tile_pieces
+    """The task kernel's rows for runs ``laddr -> dst`` of ``nbytes``, cut into
+    :func:`_tile`-byte tiles on the host."""
+    from kvxfer.pools.offload.pieces import tile_pieces
 
     n = nbytes.astype(np.int64)
-    tile = pick_tile_bytes(int(n.sum()))
-    return tile_pieces(laddr.astype(np.int64), dst.astype(np.int64), n, tile)
+    return tile_pieces(laddr.astype(np.int64), dst.astype(np.int64), n, _tile(nbytes))
 
 
 class DeviceLane:
@@ -220,10 +227,12 @@ class DeviceLane:
 
     def _launch_native(self, laddr: np.ndarray, dst: np.ndarray, nbytes: np.ndarray):
         """:meth:`launch`'s copies through the native launcher: ``cuMemcpyDtoDAsync`` per run
-        for a few runs, else one ``cuLaunchKernel`` per alignment class reading its table
-        from the launcher's pinned ring; the ring slot's event is returned. A table some
-        class of which has no native kernel goes through :func:`copy_tasks` on the lane's
-        stream (ordered with the rest)."""
+        for a few runs, else one ``cuLaunchKernel`` of the tile-cutting kernel over one row
+        per run (:meth:`~kvxfer.kernels.piece_copy.TaskLauncher.launch_pieces`) read from the
+        launcher's pinned ring; the ring slot's event is returned. Runs too uneven for that
+        are cut into tiles on the host (one launch per alignment class); a table some class
+        of which has no native kernel goes through :func:`copy_tasks` on the lane's stream
+        (ordered with the rest)."""
         from kvxfer.pools.offload.pieces import split_by_alignment
 
         tasks, stream = self._tasks, self._stream_h
@@ -237,6 +246,9 @@ class DeviceLane:
             finally:
                 tasks.ctx.leave(pushed)
             return tasks.record(stream)
+        ev = tasks.launch_pieces(laddr, dst, nbytes, _tile(nbytes), stream)
+        if ev is not None:  # the usual case: one row per run, tiles cut by the kernel
+            return ev
         groups = split_by_alignment(_tasks(laddr, dst, nbytes))
         if not tasks.supports(groups):
             torch = self._torch

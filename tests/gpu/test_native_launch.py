@@ -101,19 +101,19 @@ def test_more_launches_than_slots_reuse_and_grow(launcher):
     one stream, each with its own table (some larger than a slot's first size), all exact."""
     rng = np.random.default_rng(3)
     src = torch.randint(0, 256, (1 << 24,), dtype=torch.uint8, device="cuda")
-    outs, wants = [], []
+    k = 3 * native_launch.RING_SLOTS
+    outs = [torch.zeros(1 << 22, dtype=torch.uint8, device="cuda") for _ in range(k)]
+    tables = [
+        _tasks(src, dst, rng, native_launch.RING_WORDS // 3 + 5 if i % 5 == 0 else 50, 16, 1 << 10)
+        for i, dst in enumerate(outs)
+    ]  # every 5th table grows its slot
+    wants = [_reference(src, dst, t) for dst, t in zip(outs, tables)]
     stream = torch.cuda.Stream()
-    torch.cuda.synchronize()
+    torch.cuda.synchronize()  # the zero fills (default stream) before any launch
     with torch.cuda.stream(stream):
         torch.cuda._sleep(10_000_000)  # the first launches wait: their slots are still busy
-    for i in range(3 * native_launch.RING_SLOTS):
-        dst = torch.zeros(1 << 22, dtype=torch.uint8, device="cuda")
-        n = native_launch.RING_WORDS // 3 + 5 if i % 5 == 0 else 50  # grows
-        tasks = _tasks(src, dst, rng, n, 16, 1 << 10)
-        wants.append(_reference(src, dst, tasks))
-        groups = split_by_alignment(tasks)
-        launcher.launch(groups, stream.cuda_stream)
-        outs.append(dst)
+    for tasks in tables:
+        launcher.launch(split_by_alignment(tasks), stream.cuda_stream)
     stream.synchronize()
     assert launcher.ring.waits >= 1  # some take found its slot's launch still running
     for got, want in zip(outs, wants):
@@ -251,3 +251,30 @@ def test_pattern_copy_native_declines_one_row():
         assert got is None  # Triton makes a 1 a constant: the caller keeps copy_pattern
     finally:
         ring.close()
+
+
+@pytest.mark.parametrize("align,tile", [(16, 1 << 13), (16, 1 << 16), (4, 1 << 13), (1, 1 << 14)])
+def test_launch_pieces_cuts_tiles_on_the_device(launcher, align, tile):
+    """One row per piece, tiles cut by the kernel: byte-exact for pieces of many sizes."""
+    rng = np.random.default_rng(tile + align)
+    src = torch.randint(0, 256, (1 << 23,), dtype=torch.uint8, device="cuda")
+    dst = torch.zeros(1 << 23, dtype=torch.uint8, device="cuda")
+    tasks = _tasks(src, dst, rng, 300, align, 1 << 15)
+    want = _reference(src, dst, tasks)
+    stream = torch.cuda.current_stream().cuda_stream
+    ev = launcher.launch_pieces(tasks[:, 0], tasks[:, 1], tasks[:, 2], tile, stream)
+    assert ev is not None
+    ev.synchronize()
+    assert torch.equal(dst.cpu(), want)
+
+
+def test_launch_pieces_declines_uneven_shapes(launcher):
+    src = torch.randint(0, 256, (1 << 22,), dtype=torch.uint8, device="cuda")
+    dst = torch.zeros_like(src)
+    n = np.array([1 << 21] + [16] * 100, dtype=np.int64)
+    s = src.data_ptr() + np.arange(n.size, dtype=np.int64) * 16
+    d = dst.data_ptr() + np.concatenate([[0], (1 << 21) + np.arange(100) * 16]).astype(np.int64)
+    assert launcher.launch_pieces(s, d, n, 1 << 13, 0) is None  # the host cuts these
+    assert launcher.launch_pieces(s[:1], d[:1], n[:1], 24, 0) is None  # not a 16-multiple
+    torch.cuda.synchronize()
+    assert not dst.any()
