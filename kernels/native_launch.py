@@ -228,10 +228,17 @@ class TableRing:
         self.ordinal = int(ordinal)
         self.ctx = Context(ordinal)
         self._events = [cuda_driver.Event(ordinal) for _ in range(int(slots))]
-        self._tables: List[Optional[Tuple[Any, np.ndarray, int]]] = [None] * int(slots)
-        self._words = int(words)
+        self._words = -(-int(words) // 2) * 2  # slots start 16-byte aligned
+        # one page-locked block for every slot at first: a page-locked allocation costs
+        # hundreds of µs, far more than a launch (a slot outgrown gets its own block)
+        host, flat, dev = self._alloc(int(slots) * self._words)
+        w = self._words
+        self._tables: List[Optional[Tuple[Any, np.ndarray, int]]] = [
+            (host, flat[k * w : (k + 1) * w], dev + 8 * k * w) for k in range(int(slots))
+        ]
         self._next = 0
         self.waits = 0  # takes that found their slot's launch still running
+        self.grown = 0  # slots that got a block of their own (a larger table)
 
     def _alloc(self, words: int) -> Tuple[Any, np.ndarray, int]:
         import torch
@@ -256,7 +263,8 @@ class TableRing:
             return k, _EMPTY, 0
         t = self._tables[k]
         if t is None or t[1].shape[0] < words:
-            t = self._tables[k] = self._alloc(max(int(words), self._words))
+            self.grown += 1
+            t = self._tables[k] = self._alloc(max(int(words), 2 * self._words))
         return k, t[1], t[2]
 
     def done(self, slot: int, stream: int) -> "cuda_driver.Event":

@@ -7,7 +7,7 @@
 # kernel path), ROUNDS alternating rounds; (5) the PD bench with large writes on the lane
 # (device_min_bytes 4 MiB) both ways; (6) tests/offload and the engine tests on CUDA with every
 # write on the lane; (7) with TP=1, bench/gpu/native_tp.sh. Skip (4) with NO_OFFLOAD=1, (6) with
-# NO_TESTS=1. Writes $OUT/native.md and JSON files.
+# NO_TESTS=1, copy_methods with NO_COPY=1, (3) with NO_TRANSFER=1. Writes $OUT/native.md and JSON files.
 set -o pipefail
 export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD} UCX_WARN_UNUSED_ENV_VARS=n
@@ -18,15 +18,15 @@ echo; echo "## tests/gpu/test_native_launch.py"; echo '```'
 KVXFER_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_native_launch.py \
     tests/kernels/test_copy_pieces.py 2>&1 | tail -25 || rc=1
 echo '```'
-echo; echo "## copy_methods.py (one process; kernel = Triton launch + upload, native = cuLaunchKernel + pinned ring)"; echo '```'
+[ -n "${NO_COPY:-}" ] || { echo; echo "## copy_methods.py (one process; kernel = Triton launch + upload, native = cuLaunchKernel + pinned ring)"; echo '```'
 timeout 120 python3 bench/gpu/copy_methods.py --iters 10 --json "$OUT/copy_methods.json" 2>&1 | grep -v "^host" || rc=1
-echo '```'
+echo '```'; }
 for n in ${DEVLANE_ORDER:-1 0 1}; do
     echo; echo "## diag_devlane (DIAG_QUICK=1), KVXFER_NATIVE_LAUNCH=$n"; echo '```'
     DIAG_QUICK=1 KVXFER_NATIVE_LAUNCH=$n timeout 90 python3 bench/gpu/diag_devlane.py 2>&1 | grep -v "UCX  WARN" | tail -6 || rc=1
     echo '```'
 done
-for n in 1 0; do
+[ -n "${NO_TRANSFER:-}" ] || for n in 1 0; do
     echo; echo "## bench transfer --device-copy auto, KVXFER_NATIVE_LAUNCH=$n"
     KVXFER_NATIVE_LAUNCH=$n timeout 150 python3 -m kvxfer bench transfer --device cuda --layers 8 --page-kib 64 \
         --pages 2048 --sizes ${SIZES:-16,128,512} --iters 5 --paths direct --modes none --device-copy auto \
