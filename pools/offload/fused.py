@@ -169,8 +169,16 @@ class FusedCopier:
 
     def copy(self, parts: Sequence[Part], stream: int | None = None) -> int:
         """Issue the copies of ``parts`` on ``stream`` (a CUstream handle) through the native
-        launcher when there is one, else on the current stream (which must then be that
-        stream); returns kernel launches."""
+        launcher when there is one (one table row per piece, tiles cut by the kernel; pieces
+        too uneven for that: tiles cut here), else on the current stream (which must then be
+        that stream); returns kernel launches."""
+        if self._tasks is not None and stream is not None:
+            dst, src, nbytes = self.pieces(parts)  # one row per piece, tiles cut on the device
+            total = int(nbytes.sum())
+            tile = self.tile_bytes or pick_tile_bytes(total)
+            if nbytes.size and self._tasks.launch_pieces(src, dst, nbytes, tile, stream):
+                self.launches += 1
+                return 1
         tasks, align = self.plan(parts)
         # tables aligned to 16 bytes (every real pool) give one launch without per-task work
         groups = [(align, tasks)] if align == MAX_ALIGN else split_by_alignment(tasks)
