@@ -7,7 +7,7 @@
 # kernel path), ROUNDS alternating rounds; (5) the PD bench with large writes on the lane
 # (device_min_bytes 4 MiB) both ways; (6) tests/offload and the engine tests on CUDA with every
 # write on the lane; (7) with TP=1, bench/gpu/native_tp.sh. Skip (4) with NO_OFFLOAD=1, (6) with
-# NO_TESTS=1, copy_methods with NO_COPY=1, (3) with NO_TRANSFER=1. Writes $OUT/native.md and JSON files.
+# NO_TESTS=1 (its engine part with NO_ENGINE_TESTS=1), copy_methods with NO_COPY=1, (3) with NO_TRANSFER=1. Writes $OUT/native.md and JSON files.
 set -o pipefail
 export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD} UCX_WARN_UNUSED_ENV_VARS=n
@@ -50,10 +50,10 @@ if [ -z "${NO_TESTS:-}" ]; then
 echo; echo "## tests/offload on CUDA"; echo '```'
 [ -n "${NO_OFFLOAD:-}" ] || KVXFER_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/offload 2>&1 | tail -6 || rc=1
 echo '```'
-echo; echo "## engine tests on CUDA, every write on the lane"; echo '```'
+[ -n "${NO_ENGINE_TESTS:-}" ] || { echo; echo "## engine tests on CUDA, every write on the lane"; echo '```'
 KVXFER_TEST_DEVICE=cuda KVXFER_DEVICE_MIN_BYTES=1 timeout 200 python3 -m pytest -q -p no:cacheprovider \
     tests/engine/test_engine.py tests/engine/test_devcopy_unit.py 2>&1 | tail -8 || rc=1
-echo '```'
+echo '```'; }
 fi
 if [ -n "${TP:-}" ]; then  # the pattern launch too (bench/gpu/native_tp.sh, shortened)
     PAT_RATIOS=${PAT_RATIOS:-2:1} PAT_LAYOUTS=${PAT_LAYOUTS:-hnd} bash bench/gpu/native_tp.sh 2>&1 | tail -60 || rc=1

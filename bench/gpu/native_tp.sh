@@ -11,8 +11,8 @@ rc=0
 {
 echo "# Native vs Triton pattern launch, heterogeneous TP ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), ${KVXFER_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)})"
 echo; echo "## tests on CUDA"; echo '```'
-KVXFER_TEST_DEVICE=cuda timeout ${NTP_TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_native_launch.py \
-    tests/kernels/test_pattern_copy.py tests/disagg/test_pd_tp.py 2>&1 | grep -v "UCX  WARN" | tail -8 || rc=1
+KVXFER_TEST_DEVICE=cuda timeout ${NTP_TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider ${NTP_TEST_FILES:-tests/gpu/test_native_launch.py \
+    tests/kernels/test_pattern_copy.py tests/disagg/test_pd_tp.py} 2>&1 | grep -v "UCX  WARN" | tail -8 || rc=1
 echo '```'
 for n in 1 0; do
     echo; echo "## KVXFER_NATIVE_LAUNCH=$n"
