@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Issue 15 on the H200: the native launch path (kernels/native_launch.py: the copy kernel by
 # cuLaunchKernel, its table in a pinned ring) against Triton's launch (KVXFER_NATIVE_LAUNCH=0),
-# in one call: (1) tests/gpu/test_native_launch.py, bench/gpu/copy_methods.py; (2) bench/gpu/diag_devlane.py
-# (DIAG_QUICK=1) native, triton, native; (3) `kvxfer bench transfer --device-copy auto` both
-# ways; (4) `kvxfer bench offload` single pages and runs of 4 with the batch copy off (the
-# kernel path), ROUNDS alternating rounds; (5) the PD bench with large writes on the lane
-# (device_min_bytes 4 MiB) both ways; (6) tests/offload and the engine tests on CUDA with every
-# write on the lane; (7) with TP=1, bench/gpu/native_tp.sh. Skip (4) with NO_OFFLOAD=1, (6) with
-# NO_TESTS=1 (its engine part with NO_ENGINE_TESTS=1), copy_methods with NO_COPY=1, (3) with NO_TRANSFER=1. Writes $OUT/native.md and JSON files.
+# in one call: (1) tests/gpu/test_native_launch.py + tests/kernels/test_copy_pieces.py on CUDA,
+# bench/gpu/copy_methods.py; (2) bench/gpu/diag_devlane.py (DIAG_QUICK=1), order DEVLANE_ORDER
+# (default "1 0 1"); (3) `kvxfer bench transfer --device-copy auto` both ways; with THRESH=1 also
+# `KVXFER_DEVICE_SMALL_OPS=127` (every write of < 128 runs on the lane) with --device-copy
+# auto,off: lane against UCX PUTs in one run; (4) `kvxfer bench offload` single pages and runs
+# of 4 with the batch copy off (the kernel path), ROUNDS alternating rounds; (5) the PD bench
+# with large writes on the lane (device_min_bytes 4 MiB) both ways; (6) tests/offload and the
+# engine tests on CUDA with every write on the lane; (7) with TP=1, bench/gpu/native_tp.sh.
+# Skip: copy_methods NO_COPY=1, (3) NO_TRANSFER=1, (4) and tests/offload NO_OFFLOAD=1, (6)
+# NO_TESTS=1 (the engine tests alone NO_ENGINE_TESTS=1). Writes $OUT/native.md + JSON files.
 set -o pipefail
 export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD} UCX_WARN_UNUSED_ENV_VARS=n
@@ -32,6 +35,12 @@ done
         --pages 2048 --sizes ${SIZES:-16,128,512} --iters 5 --paths direct --modes none --device-copy auto \
         --json-out "$OUT/transfer_native$n.json" --plot /dev/null 2>&1 | grep -v "UCX  WARN" | grep "^|\|rc=\|Error" || rc=1
 done
+if [ -n "${THRESH:-}" ]; then  # every write of <= 127 runs on the lane vs UCX PUTs, same run
+    echo; echo "## bench transfer, KVXFER_DEVICE_SMALL_OPS=127 (lane for every write of < 128 runs), --device-copy auto,off"
+    KVXFER_DEVICE_SMALL_OPS=127 timeout 150 python3 -m kvxfer bench transfer --device cuda --layers 8 --page-kib 64 \
+        --pages 2048 --sizes ${THRESH_SIZES:-16,128} --iters 5 --paths direct --modes none --device-copy auto,off \
+        --json-out "$OUT/transfer_small127.json" --plot /dev/null 2>&1 | grep -v "UCX  WARN" | grep "^|\|rc=\|Error" || rc=1
+fi
 [ -n "${NO_OFFLOAD:-}" ] || for r in $(seq 1 "${ROUNDS:-2}"); do
     for n in $( [ $((r % 2)) = 1 ] && echo "1 0" || echo "0 1"); do
         echo; echo "## round $r: bench offload (kernel path: --batch-min-piece-kib 0), KVXFER_NATIVE_LAUNCH=$n"
