@@ -25,6 +25,7 @@ buffer ``b`` and run ``(s0, d0, n)``, ``dst_views[b][d0:d0+n] = src_views[b][s0:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import numpy as np
@@ -239,6 +240,21 @@ def native_kernel(ordinal: int, align: int, pieces: bool = False):
             got = f"{type(exc).__name__}: {exc}"
         _native[key] = got
     return got
+
+
+def task_launcher(ordinal: int, who: str):
+    """A :class:`TaskLauncher` for device ``ordinal``, or None when native launches are off
+    (``$KVXFER_NATIVE_LAUNCH=0``) or cannot run here (logged at INFO naming ``who``: the
+    caller then launches through torch and Triton)."""
+    from kvxfer.kernels import native_launch
+
+    if not native_launch.enabled():
+        return None
+    try:
+        return TaskLauncher(ordinal)
+    except (UnsupportedOperation, CudaError) as exc:
+        logging.getLogger(__name__).info("%s launches through Triton (%s)", who, exc)
+        return None
 
 
 class TaskLauncher:

@@ -129,6 +129,7 @@ class DeviceLane:
         import torch
 
         from kvxfer.kernels import cuda_driver
+        from kvxfer.kernels.piece_copy import task_launcher
 
         self.device = device
         self._torch = torch
@@ -141,7 +142,7 @@ class DeviceLane:
         with torch.cuda.device(device):
             self._stream = torch.cuda.Stream(device)
             self._stream_h = int(self._stream.cuda_stream)
-            self._tasks = self._native(device)
+            self._tasks = task_launcher(device, "the device lane")
             for i, blob in enumerate(blobs):
                 if not blob:
                     continue
@@ -160,24 +161,6 @@ class DeviceLane:
         self._patterns: Dict[int, tuple] = {}
         #: host-time parts of each pattern launch ($KVXFER_LANE_PROFILE, diagnostics)
         self.profile: Optional[Dict[str, Any]] = {} if os.environ.get(PROFILE_ENV) else None
-
-    @staticmethod
-    def _native(device: int):
-        """The native launcher for this lane's copies (:class:`~kvxfer.kernels.piece_copy.
-        TaskLauncher`), or None: ``$KVXFER_NATIVE_LAUNCH=0``, or it cannot run here (logged;
-        the lane then launches through torch and Triton)."""
-        from kvxfer.kernels import native_launch
-        from kvxfer.kernels.errors import CudaError, UnsupportedOperation
-        from kvxfer.kernels.piece_copy import TaskLauncher
-
-        if not native_launch.enabled():
-            return None
-
-        try:
-            return TaskLauncher(device)
-        except (UnsupportedOperation, CudaError) as exc:
-            log.info("device lane: launches through Triton (%s)", exc)
-            return None
 
     @property
     def native(self) -> bool:

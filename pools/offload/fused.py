@@ -25,10 +25,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kvxfer.kernels import native_launch
 from kvxfer.kernels.cuda_driver import memcpy_batch_async
-from kvxfer.kernels.errors import CudaError, UnsupportedOperation
-from kvxfer.kernels.piece_copy import TaskLauncher, copy_tasks
+from kvxfer.kernels.piece_copy import copy_tasks, task_launcher
 
 from .pieces import MAX_ALIGN, PieceTable, pick_tile_bytes, plan_tasks, split_by_alignment
 
@@ -65,23 +63,14 @@ class FusedCopier:
         self.device_delta = int(device_delta)
         self.tile_bytes = tile_bytes
         self.launches = 0  # kernel launches issued so far (all requests)
-        self._tasks = self._native(device)
+        self._tasks = (
+            task_launcher(device.index or 0, "the fused offload path")
+            if device.type == "cuda"
+            else None
+        )
         # pointer tables per (device views list, host views list): the manager passes the
         # same cached lists every call; the entries hold the lists so ids stay unique
         self._tables: dict[tuple[int, int], tuple] = {}
-
-    @staticmethod
-    def _native(device: torch.device):
-        """The native launcher (:class:`~kvxfer.kernels.piece_copy.TaskLauncher`) for
-        :meth:`copy` on CUDA, or None (CPU, ``$KVXFER_NATIVE_LAUNCH=0``, or it cannot run
-        here: logged, :meth:`copy` then launches through torch and Triton)."""
-        if device.type != "cuda" or not native_launch.enabled():
-            return None
-        try:
-            return TaskLauncher(device.index or 0)
-        except (UnsupportedOperation, CudaError) as exc:
-            logger.info("fused offload copies launch through Triton (%s)", exc)
-            return None
 
     @property
     def native(self) -> bool:

@@ -178,13 +178,14 @@ def test_compiled_kernel_parameters_are_pointer_sized():
 
 
 def test_switch_keeps_triton_launch(monkeypatch):
-    from kvxfer.engine.devcopy import DeviceLane
     from kvxfer.pools.offload.fused import FusedCopier
 
     dev = torch.device("cuda", torch.cuda.current_device())
-    assert DeviceLane._native(dev.index) is not None and FusedCopier(dev, True, 0).native
+    t = piece_copy.task_launcher(dev.index, "test")
+    assert t is not None and FusedCopier(dev, True, 0).native
+    t.close()
     monkeypatch.setenv(native_launch.NATIVE_ENV, "0")
-    assert DeviceLane._native(dev.index) is None
+    assert piece_copy.task_launcher(dev.index, "test") is None
     assert not FusedCopier(dev, True, 0).native
 
 

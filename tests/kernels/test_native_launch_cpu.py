@@ -29,6 +29,7 @@ def test_task_launcher_refuses_without_cuda():
     why = piece_copy.native_kernel(0, 16)
     assert isinstance(why, str) and why  # the reason, cached
     assert piece_copy.native_kernel(0, 16) is why
+    assert piece_copy.task_launcher(0, "the test") is None  # logged, not raised
 
 
 def test_fused_copier_on_cpu_keeps_the_triton_launch():
