@@ -104,3 +104,35 @@ def test_pieces_alignment():
             cols = (np.array([64, 128], dtype=np.uint64), np.array([a * 3, 16], dtype=np.int64))
             assert pieces_alignment(*cols, np.array([b], dtype=np.uint64)) == min(a, b, 16)
     assert pieces_alignment() == 16
+
+
+def test_pieces_kernel_compiles_to_16_byte_vectors_for_sm90():
+    """Offline compile (skipped where this Triton cannot: the interpreter, no NVIDIA
+    backend) for an H100/H200: 16-byte aligned pieces move as 128-bit vector loads and
+    stores, as the task kernel's do (tests/offload/test_offload_fused.py)."""
+    import triton
+    from triton.runtime.jit import JITFunction
+
+    from kvxfer.kernels import piece_copy
+
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as exc:
+        pytest.skip(f"this Triton cannot compile offline: {exc}")
+    kern = piece_copy._copy_pieces_kernel
+    fn = kern if isinstance(kern, JITFunction) else JITFunction(kern.fn)
+    try:
+        src = ASTSource(
+            fn=fn,
+            signature={"pieces": "*i64", "tile": "i32", "ALIGN": "constexpr", "BLOCK": "constexpr"},
+            constexprs={"ALIGN": 16, "BLOCK": piece_copy.BLOCK_BYTES},
+        )
+        k = triton.compile(
+            src, target=GPUTarget("cuda", 90, 32), options={"num_warps": piece_copy.NUM_WARPS}
+        )
+    except Exception as exc:  # noqa: BLE001 - no NVIDIA backend / ptxas in this install
+        pytest.skip(f"offline CUDA compile unavailable: {type(exc).__name__}: {exc}")
+    ptx = k.asm["ptx"]
+    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
+    assert "st.global.b8" not in ptx and "st.global.u8" not in ptx
