@@ -12,15 +12,18 @@ Invariants
 - :func:`compile_kernel` builds a :class:`NativeKernel` from ONE specialisation of a Triton
   kernel (the constexprs and ``num_warps`` given), compiled and loaded by Triton into device
   ``ordinal``'s primary context from 16-byte aligned sample pointers: every pointer passed to
-  :meth:`NativeKernel.launch` must be 16-byte aligned too. It raises
-  :class:`UnsupportedOperation` unless every parameter of the compiled function is 8 bytes
-  (``cuFuncGetParamInfo``), the kernel needs no global or profile scratch memory and runs one
-  CTA per program without cooperative or programmatic launch; callers then keep Triton's own
-  launch. The parameters Triton appends (scratch pointers) are passed as 0.
+  :meth:`NativeKernel.launch` must be 16-byte aligned too, and every integer argument of the
+  same specialisation class as its sample (Triton specialises integers divisible by 16). It
+  raises :class:`UnsupportedOperation` unless the compiled function's parameters
+  (``cuFuncGetParamInfo``) are the runtime arguments with the sizes the caller expects,
+  followed by 8-byte pointers only, the kernel needs no global or profile scratch memory and
+  runs one CTA per program without cooperative or programmatic launch; callers then keep
+  Triton's own launch. The parameters Triton appends (scratch pointers) are passed as 0.
 - :meth:`NativeKernel.launch` and :class:`TableRing` make the device's primary context current
   for their calls when the thread has another one (or none), and restore it.
 - :class:`TableRing` rewrites slot ``k`` only after the work recorded on slot ``k``'s event
-  completed (queried; synchronised when every slot's launch is still running). The event a
+  completed (queried; synchronised when every slot's launch is still running); its users
+  record the event after a slot's launches even when one of them failed. The event a
   launch returns is its slot's: a holder may see it re-recorded by a LATER launch on the same
   stream, which completes after its own, so waiting on it never waits for less. One owner
   thread per ring.
@@ -31,7 +34,6 @@ Invariants
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import threading
 from typing import Any, List, Optional, Tuple
@@ -40,8 +42,6 @@ import numpy as np
 
 from kvxfer.kernels import cuda_driver
 from kvxfer.kernels.errors import CudaError, UnsupportedOperation
-
-log = logging.getLogger(__name__)
 
 #: set to "0" to keep Triton's own launch everywhere this module would be used (A/B runs)
 NATIVE_ENV = "KVXFER_NATIVE_LAUNCH"
@@ -96,12 +96,13 @@ class Context:
         self._get = _fn("cuCtxGetCurrent", 4000, _P)
         self._push = _fn("cuCtxPushCurrent", 4000, _P)
         self._pop = _fn("cuCtxPopCurrent", 4000, _P)
-        self._cur = ctypes.c_void_p()
 
     def enter(self) -> bool:
-        """Make the context current if it is not; True when it was pushed."""
-        _check(self._get(ctypes.byref(self._cur)), "cuCtxGetCurrent")
-        if self._cur.value == self.handle:
+        """Make the context current on this thread if it is not; True when it was pushed.
+        Thread-safe (kernels compiled once are shared by every thread of the process)."""
+        cur = ctypes.c_void_p()
+        _check(self._get(ctypes.byref(cur)), "cuCtxGetCurrent")
+        if cur.value == self.handle:
             return False
         _check(self._push(self.handle), "cuCtxPushCurrent")
         return True
@@ -109,7 +110,7 @@ class Context:
     def leave(self, pushed: bool) -> None:
         """Undo :meth:`enter` (pop when it pushed)."""
         if pushed:
-            _check(self._pop(ctypes.byref(self._cur)), "cuCtxPopCurrent")
+            _check(self._pop(ctypes.byref(ctypes.c_void_p())), "cuCtxPopCurrent")
 
 
 class NativeKernel:
@@ -252,7 +253,10 @@ class TableRing:
     def take(self, words: int) -> Tuple[int, np.ndarray, int]:
         """``(slot, host int64 words [>= words], device address)`` of the next slot, once
         the launch last recorded on it completed. Runs on: the owner thread (blocks while
-        every slot's launch is still running)."""
+        every slot's launch is still running). Raises :class:`UnsupportedOperation` once
+        closed."""
+        if not self._events:
+            raise UnsupportedOperation("launch on a closed table ring")
         k = self._next
         self._next = (k + 1) % len(self._events)
         ev = self._events[k]

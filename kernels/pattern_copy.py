@@ -199,13 +199,16 @@ def copy_pattern_native(
     pushed = ring.ctx.enter()
     try:
         slot, words, dev = ring.take(2 * n_items)
-        words[: 2 * n_items] = pairs.reshape(-1)
-        for first in range(0, n_items, MAX_ITEMS_PER_LAUNCH):
-            part = min(MAX_ITEMS_PER_LAUNCH, n_items - first)
-            kernel.launch(
-                -(-n_rows // per), stream, rows_ptr, dev + 16 * first, n_rows, grid_y=part
-            )
-        return ring.done(slot, stream)
+        try:
+            words[: 2 * n_items] = pairs.reshape(-1)
+            for first in range(0, n_items, MAX_ITEMS_PER_LAUNCH):
+                part = min(MAX_ITEMS_PER_LAUNCH, n_items - first)
+                kernel.launch(
+                    -(-n_rows // per), stream, rows_ptr, dev + 16 * first, n_rows, grid_y=part
+                )
+        finally:  # even after a failed launch: the slot is not rewritten under a running one
+            ev = ring.done(slot, stream)
+        return ev
     finally:
         ring.ctx.leave(pushed)
 

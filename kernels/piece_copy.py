@@ -19,6 +19,12 @@ Invariants:
   (offload/restore move between distinct memories), so tiles may run in any order;
 * the kernel copies raw bytes; ``T == 0`` is a no-op.
 
+:func:`copy_pieces` is the same copy with one row per *piece* and the tiles cut by the
+kernel (program ``(piece, tile)``; :func:`pieces_grid` refuses pieces too uneven for one
+grid), so the host writes no row per tile. :class:`TaskLauncher` launches either kernel
+without Triton's binder or torch (:mod:`kvxfer.kernels.native_launch`): the table goes into a
+pinned ring slot the kernel reads, the launch is one ``cuLaunchKernel``.
+
 :func:`copy_item_runs_reference` is the plain-torch oracle at the item level: for every
 buffer ``b`` and run ``(s0, d0, n)``, ``dst_views[b][d0:d0+n] = src_views[b][s0:s0+n]``.
 """
@@ -295,14 +301,17 @@ class TaskLauncher:
         pushed = self.ctx.enter()
         try:
             slot, words, dev = self.ring.take(3 * rows)
-            at = 0
-            for align, g in groups:
-                n = int(g.shape[0])
-                if n:
-                    words[3 * at : 3 * (at + n)] = g.reshape(-1)
-                    native_kernel(self.ordinal, align).launch(n, stream, dev + 24 * at)
-                    at += n + (n & 1)
-            return self.ring.done(slot, stream)
+            try:
+                at = 0
+                for align, g in groups:
+                    n = int(g.shape[0])
+                    if n:
+                        words[3 * at : 3 * (at + n)] = g.reshape(-1)
+                        native_kernel(self.ordinal, align).launch(n, stream, dev + 24 * at)
+                        at += n + (n & 1)
+            finally:  # even after a failed launch: the slot is not rewritten under a running one
+                ev = self.ring.done(slot, stream)
+            return ev
         finally:
             self.ctx.leave(pushed)
 
@@ -326,10 +335,13 @@ class TaskLauncher:
         pushed = self.ctx.enter()
         try:
             slot, words, dev = self.ring.take(3 * p)
-            rows = words[: 3 * p].reshape(p, 3)
-            rows[:, 0], rows[:, 1], rows[:, 2] = src, dst, nbytes
-            kernel.launch(p, stream, dev, tile, grid_y=grid[1])
-            return self.ring.done(slot, stream)
+            try:
+                rows = words[: 3 * p].reshape(p, 3)
+                rows[:, 0], rows[:, 1], rows[:, 2] = src, dst, nbytes
+                kernel.launch(p, stream, dev, tile, grid_y=grid[1])
+            finally:
+                ev = self.ring.done(slot, stream)
+            return ev
         finally:
             self.ctx.leave(pushed)
 
