@@ -180,7 +180,6 @@ class DeviceLane:
     def launch(self, laddr: np.ndarray, raddr: np.ndarray, nbytes: np.ndarray, ridx: np.ndarray):
         """Translate, check and launch the copy of these ops; returns the CUDA event that
         completes with it (see :meth:`wait`)."""
-        torch = self._torch
         r = ridx.astype(np.intp)
         off = raddr - self._rbase[r]
         if (
@@ -190,6 +189,7 @@ class DeviceLane:
         dst = self.mapped[r] + off
         if self._tasks is not None:
             return self._launch_native(laddr, dst, nbytes)
+        torch = self._torch
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             if laddr.size <= MEMCPY_MAX_RUNS:
                 from kvxfer.kernels.cuda_driver import memcpy_dtod_async
