@@ -188,7 +188,9 @@ class DeviceLane:
             raise IndexOutOfRange("device lane: an op falls outside its remote region")
         dst = self.mapped[r] + off
         if self._tasks is not None:
-            return self._launch_native(laddr, dst, nbytes)
+            ev = self._launch_native(laddr, dst, nbytes)
+            if ev is not None:
+                return ev
         torch = self._torch
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             if laddr.size <= MEMCPY_MAX_RUNS:
@@ -213,9 +215,9 @@ class DeviceLane:
         for a few runs, else one ``cuLaunchKernel`` of the tile-cutting kernel over one row
         per run (:meth:`~kvxfer.kernels.piece_copy.TaskLauncher.launch_pieces`) read from the
         launcher's pinned ring; the ring slot's event is returned. Runs too uneven for that
-        are cut into tiles on the host (one launch per alignment class); a table some class
-        of which has no native kernel goes through :func:`copy_tasks` on the lane's stream
-        (ordered with the rest)."""
+        are cut into tiles on the host (one launch per alignment class); None — nothing
+        launched — when some alignment class has no native kernel (:meth:`launch` then takes
+        Triton's launch, on the same stream)."""
         from kvxfer.pools.offload.pieces import split_by_alignment
 
         tasks, stream = self._tasks, self._stream_h
@@ -233,15 +235,7 @@ class DeviceLane:
         if ev is not None:  # the usual case: one row per run, tiles cut by the kernel
             return ev
         groups = split_by_alignment(_tasks(laddr, dst, nbytes))
-        if not tasks.supports(groups):
-            torch = self._torch
-            from kvxfer.kernels.piece_copy import copy_tasks
-
-            with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-                for align, part in groups:
-                    copy_tasks(self._upload(part), align, host_tasks=part)
-            return tasks.record(stream)
-        return tasks.launch(groups, stream)
+        return tasks.launch(groups, stream) if tasks.supports(groups) else None
 
     def covers(self, lmemh: np.ndarray, rptrs, rlens, ridx: np.ndarray) -> bool:
         """Whether every descriptor (local registration ``lmemh[d]``; remote ``[rptrs[d],
