@@ -13,6 +13,7 @@ always wins.
 - ``KVXFER_DEVICE_COPY`` = ``auto`` | ``off`` — default of :attr:`EngineConfig.device_copy`.
 - ``KVXFER_OWN_WORKER`` = ``auto`` (``1``) | ``off`` (``0``) — default of
   :attr:`EngineConfig.own_worker`.
+- ``KVXFER_DEVICE_MIN_OPS`` = an int — default of :attr:`EngineConfig.device_min_ops`.
 - ``KVXFER_DEVICE_SMALL_OPS`` = an int — default of :attr:`EngineConfig.device_small_ops`.
 - ``KVXFER_DEVICE_MIN_BYTES`` = an int — default of :attr:`EngineConfig.device_min_bytes`.
 - ``KVXFER_NOTIFY_ORDER`` = ``1`` | ``0`` — default of :attr:`EngineConfig.notify_order`.
@@ -68,6 +69,10 @@ DEVICE_COPY = ("auto", "off")
 #: cuda_ipc PUTs than through the lane's launch path (bench/results/lane-copy-h200.md).
 DEVICE_MIN_BYTES = 0
 
+#: Default of EngineConfig.device_min_ops (kvxfer.engine.devcopy.lane_wanted has the rule;
+#: lane vs PUTs by runs and bytes per run: bench/results/lane-rule-h200.md).
+DEVICE_MIN_OPS = 32
+
 #: Where RMA runs (docs/engine.md, "Own worker"). ``auto``: on kvxfer's own UCP context and
 #: worker (progressed only by kvxfer's threads, no hop to UCXX's progress thread per
 #: completion) for error_mode "none", and for "peer" when every registered descriptor is CUDA
@@ -94,6 +99,8 @@ def env_defaults() -> dict:
         out["own_worker"] = {"1": "auto", "on": "auto", "0": "off"}.get(raw, raw)
     if env.get("KVXFER_DEVICE_COPY"):
         out["device_copy"] = env["KVXFER_DEVICE_COPY"].strip().lower()
+    if env.get("KVXFER_DEVICE_MIN_OPS"):
+        out["device_min_ops"] = int(env["KVXFER_DEVICE_MIN_OPS"])
     if env.get("KVXFER_DEVICE_SMALL_OPS"):
         out["device_small_ops"] = int(env["KVXFER_DEVICE_SMALL_OPS"])
     if env.get("KVXFER_DEVICE_MIN_BYTES"):
@@ -129,6 +136,26 @@ def direct_pages(value: Optional[int] = None) -> int:
         except ValueError:
             raise InvalidArgument(f"{DIRECT_PAGES_ENV}={raw!r} is not an int") from None
     return as_int(value, "direct_pages", 0)
+
+
+#: default of ``KVManager(coalesce_after=)``: a room's last chunk that finds this many writes
+#: of its manager in flight to its decode peer waits and goes with the others that finish
+#: meanwhile as one write (kvxfer.disagg.coalesce); ``$KVXFER_COALESCE_AFTER`` overrides it,
+#: 0: never. Figures: bench/results/coalesce-cpu.md
+COALESCE_AFTER = 2
+COALESCE_AFTER_ENV = "KVXFER_COALESCE_AFTER"
+
+
+def coalesce_after(value: Optional[int] = None) -> int:
+    """``value``, else ``$KVXFER_COALESCE_AFTER``, else :data:`COALESCE_AFTER`: an int >= 0
+    (InvalidArgument otherwise). Read when a manager is built."""
+    if value is None:
+        raw = os.environ.get(COALESCE_AFTER_ENV, "").strip()
+        try:
+            value = int(raw) if raw else COALESCE_AFTER
+        except ValueError:
+            raise InvalidArgument(f"{COALESCE_AFTER_ENV}={raw!r} is not an int") from None
+    return as_int(value, "coalesce_after", 0)
 
 
 #: environment variable holding the shared secret (see :func:`resolve_secret`)
@@ -193,11 +220,13 @@ class EngineConfig:
     device_copy: Optional[str] = None
     #: where RMA runs (see OWN_WORKER). None -> env KVXFER_OWN_WORKER (0 = off) or "auto"
     own_worker: Optional[str] = None
-    #: a write takes the device lane only from this many runs (PUTs) up: one lane launch costs
-    #: more host time than one UCX PUT, so writes of few large runs are faster as PUTs and
-    #: scattered writes of many runs faster as one launch (device vs direct rows in
-    #: bench/results/transfer-h200.md, launch costs in bench/results/transfer-h200-diag.md)
-    device_min_ops: int = 128
+    #: a write takes the device lane only from this many runs (PUTs) up (from a quarter of
+    #: it, at least 8, when its runs average <= 256 KiB: kvxfer.engine.devcopy.lane_wanted):
+    #: one lane launch costs more host time than one UCX PUT, so writes of few large runs are
+    #: faster as PUTs and scattered writes of many runs faster as one launch (lane vs PUTs by
+    #: runs and bytes per run with the native launch: bench/results/lane-rule-h200.md).
+    #: None -> env KVXFER_DEVICE_MIN_OPS or DEVICE_MIN_OPS
+    device_min_ops: Optional[int] = None
     #: a write of at most this many runs also takes the device lane: one copy-engine
     #: ``cuMemcpyDtoDAsync`` per run and an event polled inline, no kernel launch and no UCX
     #: flush; 0: never. Measured slower than PUTs for 1-page requests on the H200 (the A/B
@@ -279,6 +308,8 @@ class EngineConfig:
             raise InvalidArgument(
                 f"EngineConfig.device_copy={self.device_copy!r}; expected one of {DEVICE_COPY}"
             )
+        if self.device_min_ops is None:
+            self.device_min_ops = env.get("device_min_ops", DEVICE_MIN_OPS)
         if self.device_small_ops is None:
             self.device_small_ops = env.get("device_small_ops", 0)
         if self.device_min_bytes is None:

@@ -123,6 +123,7 @@ class KVManager:
         tp_stage_min_ops: int = TP_STAGE_MIN_OPS,
         tp_pattern: str = "auto",
         direct_pages: Optional[int] = None,
+        coalesce_after: Optional[int] = None,
     ) -> None:
         """``mode``: :class:`DisaggMode`, SGLang's ``DisaggregationMode`` or
         ``"prefill"`` / ``"decode"``. ``trace``: record per-request stage timestamps
@@ -149,7 +150,12 @@ class KVManager:
         ``KVXFER_GUEST_INLINE_US`` on such a thread: 50 µs, 0 on hosts of fewer than 4
         CPUs). 0: every call is
         handed to the loop. None: ``$KVXFER_DIRECT_PAGES``, else :data:`kvxfer.config.DIRECT_PAGES`.
-        Figures: bench/results/direct-cpu.md; docs/engine.md, "Guest runs"."""
+        Figures: bench/results/direct-cpu.md; docs/engine.md, "Guest runs".
+        ``coalesce_after`` (prefill): a room's last chunk that finds this many writes of
+        ours in flight to its decode peer waits, and every room that finishes meanwhile goes
+        with it as one write with one notification (:mod:`kvxfer.disagg.coalesce`); 0:
+        every room its own write. None: ``$KVXFER_COALESCE_AFTER``, else
+        :data:`kvxfer.config.COALESCE_AFTER`."""
         from kvxfer.config import resolve_secret
 
         if not isinstance(args, KVArgs):
@@ -190,6 +196,7 @@ class KVManager:
             raise InvalidArgument(f"tp_pattern must be one of {TP_PATTERN}, got {tp_pattern!r}")
         self.tp_pattern = tp_pattern
         self.direct_pages = config.direct_pages(direct_pages)
+        self.coalesce_after = config.coalesce_after(coalesce_after)
         self.fingerprint: Dict[str, Any] = args.fingerprint()
         #: end-to-end checksums of every item (kvxfer.disagg.integrity); None when off
         self.integrity: Optional[IntegrityOps] = None
@@ -221,6 +228,11 @@ class KVManager:
             "device_bytes": 0,  # of "bytes": copied by the same-host device lane
             "writes": 0,
             "direct_calls": 0,  # calls that ran as the loop's guest (:meth:`call`)
+            # prefill: coalesced last-chunk writes and the rooms they carried
+            # (kvxfer.disagg.coalesce; each also counts in "writes")
+            "coalesced_writes": 0,
+            "coalesced_rooms": 0,
+            "coalesce_refused": 0,  # coalesced writes refused, then written room by room
             "lanes": set(),
         }
         #: the role-specific protocol; it sees this manager as a Prefill/DecodeContext
@@ -244,10 +256,8 @@ class KVManager:
     @property
     def pattern_min_runs(self) -> int:
         """The data engine's ``device_min_ops`` (PrefillContext.pattern_min_runs)."""
-        from kvxfer.engine import EngineConfig
-
         cfg = self.engine.config if self.engine is not None else None
-        return int(cfg.device_min_ops if cfg is not None else EngineConfig.device_min_ops)
+        return int((cfg.device_min_ops if cfg is not None else None) or config.DEVICE_MIN_OPS)
 
     async def start(self) -> "KVManager":
         """Start the engine on the running loop (and register with bootstrap, prefill)."""

@@ -45,7 +45,7 @@ from typing import Any, Coroutine, Dict, Iterable, List, Optional, Tuple, TypeVa
 import numpy as np
 
 from kvxfer import wire
-from kvxfer.config import spin_flushes
+from kvxfer.config import DEVICE_MIN_OPS, spin_flushes
 from kvxfer.engine import devcopy
 from kvxfer.engine import messages as m
 from kvxfer.engine.groups import RemoteGroups
@@ -469,7 +469,7 @@ class Peer:
         if self._dev is not None and devcopy.lane_wanted(
             laddr.size,
             nbytes,
-            cfg.device_min_ops,
+            cfg.device_min_ops or DEVICE_MIN_OPS,
             cfg.device_small_ops or 0,
             cfg.device_min_bytes or 0,
         ):
