@@ -157,6 +157,11 @@ class PrefillContext(SideContext, Protocol):
         """Under "auto", a token-major chunk of fewer byte runs than this goes as those runs,
         not as PatternWrites (the data engine's ``device_min_ops``)."""
 
+    @property
+    def coalesce_after(self) -> int:
+        """A last chunk waits for a coalesced write once this many writes of ours are in
+        flight to its decode peer (0: never; kvxfer.disagg.coalesce)."""
+
     def hook(self, point: str, room: int) -> None: ...
 
     def room_gone(self) -> None: ...

@@ -395,6 +395,9 @@ class DecodeSide:
                 r.peer_aborted = True  # acked only once nothing is in flight for it
                 mgr.release(r)
             return
+        if isinstance(msg, m.DoneMany):
+            self._on_done_many(link, msg)
+            return
         r = self._room_of(link, getattr(msg, "room", -1), msg.TAG)
         if r is None:
             return
@@ -431,6 +434,22 @@ class DecodeSide:
             self._on_done(r, msg)
         else:
             raise ProtocolError(f"unexpected {msg.TAG} on a decode manager")
+
+    def _on_done_many(self, link: Link, msg: m.DoneMany) -> None:
+        """The Done of every room of a coalesced write (:mod:`kvxfer.disagg.coalesce`), in
+        order; a room that is not this link's is skipped as a lone Done would be. Lists of
+        different lengths are a protocol violation (the link closes, nothing is accepted)."""
+        if len(msg.rooms) != len(msg.pages):
+            raise ProtocolError(
+                f"{msg.TAG}: {len(msg.rooms)} rooms but {len(msg.pages)} page counts"
+            )
+        for room, pages in zip(msg.rooms, msg.pages):
+            r = self._room_of(link, room, msg.TAG)
+            if r is None:
+                continue
+            if r.trace is not None:
+                mark(r.trace, "recv")
+            self._on_done(r, m.Done(room=room, pages=pages))
 
     def _on_done(self, r: Room, msg: m.Done) -> None:
         mgr = self.mgr

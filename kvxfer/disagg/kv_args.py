@@ -214,6 +214,8 @@ class KVArgs:
         # a capability, not compared (check_compatible reads only its own keys): this side
         # takes LayerDone notifications (kvxfer.disagg.layerwise)
         fp["layer_notify"] = True
+        # and DoneMany notifications (kvxfer.disagg.coalesce)
+        fp["done_many"] = True
         return fp
 
 

@@ -10,7 +10,7 @@ room or is gone; a decode room the peer confirmed (``Room.peer_aborted``) is nev
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Optional, Set
+from typing import Any, Dict, List, Optional, Set
 
 from kvxfer.errors import KvxferError
 
@@ -32,6 +32,9 @@ class Link:
         "page_size",
         "tp",
         "layer_notify",
+        "done_many",
+        "inflight",
+        "outbox",
     )
 
     def __init__(self, key: str, peer: Any, name: str = "") -> None:
@@ -56,6 +59,12 @@ class Link:
         self.tp: Any = None
         #: the peer takes LayerDone notifications (its hello's fingerprint; prefill side)
         self.layer_notify = False
+        #: the peer takes DoneMany notifications (its hello's fingerprint; prefill side)
+        self.done_many = False
+        #: prefill side, kvxfer.disagg.coalesce: writes of this manager's rooms in flight to
+        #: the peer, and the rooms' last chunks waiting to go as one coalesced write
+        self.inflight = 0
+        self.outbox: List[Any] = []
         groups = getattr(peer, "remote_groups", None) or {}
         for g, (lens, item_lens) in groups.items():
             self.remote_items[g] = min(

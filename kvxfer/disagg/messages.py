@@ -8,7 +8,7 @@ Index lists travel as little-endian int64 byte strings (cheap to pack, vectorise
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -218,6 +218,19 @@ class Done(wire.Message):
     #: integrity mode only (absent otherwise): little-endian uint32 checksums of the source
     #: items as prefill sent them - the room's kv pages in order, its state slots, its aux row
     sums: Optional[bytes] = None
+
+
+@wire.register
+@dataclass
+class DoneMany(wire.Message):
+    """Prefill -> decode (write notify), only to a decode whose hello fingerprint says
+    ``done_many``: the :class:`Done` of every room in ``rooms`` (``pages[i]`` is room
+    ``rooms[i]``'s page count), whose last chunks, state and aux rows went as one write
+    (:mod:`kvxfer.disagg.coalesce`). Never with integrity checksums."""
+
+    TAG = "pd.done_many"
+    rooms: List[int]
+    pages: List[int]
 
 
 @wire.register

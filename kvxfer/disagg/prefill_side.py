@@ -28,6 +28,7 @@ import numpy as np
 from kvxfer import eager
 from kvxfer.disagg import bootstrap, tp_rooms
 from kvxfer.disagg import messages as m
+from kvxfer.disagg.coalesce import Coalescer
 from kvxfer.disagg.context import PrefillContext
 from kvxfer.disagg.errors import DuplicateRoom, LayoutMismatch, TpShapeMismatch, UnknownRoom
 from kvxfer.disagg.handle import OnDone
@@ -72,6 +73,7 @@ class PrefillSide:
 
     def __init__(self, mgr: PrefillContext) -> None:
         self.mgr = mgr
+        self.coalesce = Coalescer(mgr, mgr.coalesce_after, self._write_alone)
 
     # ------------------------------------------------------------------ lifecycle
     def _entry(self) -> m.BsRegister:
@@ -374,9 +376,20 @@ class PrefillSide:
         if r.state != KVPoll.Transferring:
             mgr.advance(r, KVPoll.Transferring)
         prev = r.chain
+        if last and kv_part is None and self.coalesce.wants(r, kv, prev):
+            r.chain = self.coalesce.add(r, src, kv, src_state)  # its link is busy
+            return
         # started on this stack (kvxfer.eager): no loop iteration before the write is
         # planned and posted; a write waiting for the previous chunk's continues in a task
         r.chain = eager.start(mgr.spawn, self._write(r, prev, src, kv, src_state, last))
+        assert r.link is not None  # _attach set it before the first _issue
+        self.coalesce.track(r.link, r.chain)
+
+    def _write_alone(
+        self, r: Room, src: np.ndarray, kv: Any, src_state: Optional[np.ndarray]
+    ) -> "asyncio.Future[Any]":
+        """A room's own write of its last chunk (a coalesced write that was refused)."""
+        return eager.start(self.mgr.spawn, self._write(r, None, src, kv, src_state, True))
 
     async def _write(
         self,
@@ -480,6 +493,7 @@ class PrefillSide:
                     )
             mgr.release(r)
 
+        self.coalesce.withdraw(r)  # a last chunk still waiting is never written
         if r.chain is None or r.chain.done():
             settle()
         else:
@@ -545,6 +559,7 @@ class PrefillSide:
         link.page_size = int(page_size) if refused is None else 0
         link.tp = tp if refused is None else None
         link.layer_notify = refused is None and msg.fingerprint.get("layer_notify") is True
+        link.done_many = refused is None and msg.fingerprint.get("done_many") is True
         mgr.send_msg(link, m.HelloAck(ok=refused is None, error=str(refused or ""), name=mgr.name))
 
     def _reject(self, link: Link, room: int, exc: KvxferError) -> None:

@@ -162,6 +162,7 @@ class Node:
         tp: Optional[tuple] = None,
         tp_stage_min_ops: Optional[int] = None,
         tp_pattern: str = "auto",
+        coalesce_after: Optional[int] = None,
     ) -> None:
         from kvxfer.disagg import KVArgs, KVManager, MetadataBuffer, Timeouts
         from kvxfer.disagg.kv_args import replace
@@ -219,6 +220,7 @@ class Node:
             trace=trace,
             **({} if tp_stage_min_ops is None else {"tp_stage_min_ops": tp_stage_min_ops}),
             tp_pattern=tp_pattern,
+            coalesce_after=coalesce_after,
         ).start_background()
         self._direct_pages = self.mgr.direct_pages
         #: exceptions the manager's loop caught in callbacks and tasks (``loop_errors``)
@@ -710,6 +712,16 @@ class Node:
         rec = self.rooms[room]
         rec["h"].send_metadata(
             rec["pages"], rec["row"], [rec["slot"]] if rec["slot"] is not None else None
+        )
+
+    def d_meta_as(self, room: int, other: int) -> None:
+        """``room``'s metadata naming ``other``'s kv pages (a buggy scheduler: two rooms,
+        one destination); its own state slot and aux row."""
+        rec = self.rooms[room]
+        rec["h"].send_metadata(
+            self.rooms[other]["pages"],
+            rec["row"],
+            [rec["slot"]] if rec["slot"] is not None else None,
         )
 
     def d_meta_raw(self, room: int, kv, aux, state=None) -> None:
