@@ -141,7 +141,7 @@ def direct_pages(value: Optional[int] = None) -> int:
 #: default of ``KVManager(coalesce_after=)``: a room's last chunk that finds this many writes
 #: of its manager in flight to its decode peer waits and goes with the others that finish
 #: meanwhile as one write (kvxfer.disagg.coalesce); ``$KVXFER_COALESCE_AFTER`` overrides it,
-#: 0: never. Figures: bench/results/coalesce-cpu.md
+#: 0: never. Figures: bench/results/coalesce.md
 COALESCE_AFTER = 2
 COALESCE_AFTER_ENV = "KVXFER_COALESCE_AFTER"
 
@@ -220,11 +220,10 @@ class EngineConfig:
     device_copy: Optional[str] = None
     #: where RMA runs (see OWN_WORKER). None -> env KVXFER_OWN_WORKER (0 = off) or "auto"
     own_worker: Optional[str] = None
-    #: a write takes the device lane only from this many runs (PUTs) up (from a quarter of
-    #: it, at least 8, when its runs average <= 256 KiB: kvxfer.engine.devcopy.lane_wanted):
-    #: one lane launch costs more host time than one UCX PUT, so writes of few large runs are
-    #: faster as PUTs and scattered writes of many runs faster as one launch (lane vs PUTs by
-    #: runs and bytes per run with the native launch: bench/results/lane-rule-h200.md).
+    #: a write takes the device lane only from this many runs (PUTs) up: one lane launch
+    #: costs more host time than one UCX PUT, so writes of few large runs are faster as PUTs
+    #: and scattered writes of many runs faster as one launch (lane vs PUTs by runs and bytes
+    #: per run with the native launch: bench/results/lane-rule-h200.md).
     #: None -> env KVXFER_DEVICE_MIN_OPS or DEVICE_MIN_OPS
     device_min_ops: Optional[int] = None
     #: a write of at most this many runs also takes the device lane: one copy-engine

@@ -58,8 +58,8 @@ from kvxfer.errors import (
     UnknownGroup,
 )
 
-#: rooms in one coalesced write at most (a DoneMany of this many rooms is ~20 KB)
-MAX_ROOMS = 1024
+#: rooms in one coalesced write at most (a DoneMany of this many rooms is ~10 KB)
+MAX_ROOMS = m.DONE_MANY_MAX
 #: what the engine raises for a write's parts before any byte moves
 _REFUSED = (IndexOutOfRange, InvalidArgument, UnknownGroup)
 

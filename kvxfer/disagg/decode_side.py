@@ -438,11 +438,14 @@ class DecodeSide:
     def _on_done_many(self, link: Link, msg: m.DoneMany) -> None:
         """The Done of every room of a coalesced write (:mod:`kvxfer.disagg.coalesce`), in
         order; a room that is not this link's is skipped as a lone Done would be. Lists of
-        different lengths are a protocol violation (the link closes, nothing is accepted)."""
+        different lengths or more than ``DONE_MANY_MAX`` rooms are refused whole (logged,
+        nothing is accepted)."""
         if len(msg.rooms) != len(msg.pages):
             raise ProtocolError(
                 f"{msg.TAG}: {len(msg.rooms)} rooms but {len(msg.pages)} page counts"
             )
+        if len(msg.rooms) > m.DONE_MANY_MAX:
+            raise ProtocolError(f"{msg.TAG}: {len(msg.rooms)} rooms (at most {m.DONE_MANY_MAX})")
         for room, pages in zip(msg.rooms, msg.pages):
             r = self._room_of(link, room, msg.TAG)
             if r is None:

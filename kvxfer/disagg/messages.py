@@ -220,13 +220,18 @@ class Done(wire.Message):
     sums: Optional[bytes] = None
 
 
+#: rooms one DoneMany may name (a coalesced write carries at most this many)
+DONE_MANY_MAX = 1024
+
+
 @wire.register
 @dataclass
 class DoneMany(wire.Message):
     """Prefill -> decode (write notify), only to a decode whose hello fingerprint says
     ``done_many``: the :class:`Done` of every room in ``rooms`` (``pages[i]`` is room
     ``rooms[i]``'s page count), whose last chunks, state and aux rows went as one write
-    (:mod:`kvxfer.disagg.coalesce`). Never with integrity checksums."""
+    (:mod:`kvxfer.disagg.coalesce`); at most :data:`DONE_MANY_MAX` rooms. Never with
+    integrity checksums."""
 
     TAG = "pd.done_many"
     rooms: List[int]

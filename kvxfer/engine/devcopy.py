@@ -17,10 +17,9 @@ write flush/notify, exactly as for PUTs.
 Invariants
 - A lane exists only for a same-host peer whose Layout exported IPC blobs, and only with
   ``EngineConfig.device_copy == "auto"``. A write uses it from ``device_min_ops`` runs up
-  (a launch's host time equals that of many PUTs), from a quarter of that (at least
-  :data:`SMALL_RUNS_MIN_OPS`) for runs of at most :data:`SMALL_RUN_BYTES` on average
-  (lane vs PUTs by runs and bytes per run: bench/results/lane-rule-h200.md), and from
-  ``device_min_bytes`` bytes up (:func:`lane_wanted`). A region whose import fails
+  (a launch's host time equals that of many PUTs; lane vs PUTs by runs and bytes per run:
+  bench/results/lane-rule-h200.md), and from ``device_min_bytes`` bytes up
+  (:func:`lane_wanted`). A region whose import fails
   (the peer is this process, peer access is impossible, ...) stays on UCX:
   :meth:`DeviceLane.select` picks only ops whose local registration is CUDA memory and
   whose remote region is mapped.
@@ -86,29 +85,16 @@ def member(values: np.ndarray, table: np.ndarray) -> np.ndarray:
     return table[at] == values
 
 
-#: writes of runs this short on average take the lane from ``SMALL_RUNS_MIN_OPS`` runs up (a
-#: quarter of ``device_min_ops`` where that is higher): bench/results/lane-rule-h200.md
-SMALL_RUN_BYTES = 256 << 10
-SMALL_RUNS_MIN_OPS = 8
-
-
 def lane_wanted(ops: int, nbytes: np.ndarray, min_ops: int, small_ops: int, min_bytes: int) -> bool:
     """Whether a write of ``ops`` direct runs of ``nbytes`` bytes each should go to the
     device lane (where it is open): from ``min_ops`` runs up (one launch beats many PUTs),
-    from ``max(SMALL_RUNS_MIN_OPS, min_ops // 4)`` runs up when they average at most
-    :data:`SMALL_RUN_BYTES`, up to ``small_ops`` runs (0: never), or from ``min_bytes``
-    bytes up (0: never; the copy engines against cuda_ipc PUTs for large requests). Never
-    for a write of no runs."""
+    up to ``small_ops`` runs (0: never), or from ``min_bytes`` bytes up (0: never; the copy
+    engines against cuda_ipc PUTs for large requests). Never for a write of no runs."""
     if ops <= 0:
         return False
     if ops >= min_ops or ops <= small_ops:
         return True
-    if min_bytes <= 0 and ops < max(SMALL_RUNS_MIN_OPS, min_ops // 4):
-        return False
-    total = int(nbytes.sum(dtype=_U64))
-    if ops >= max(SMALL_RUNS_MIN_OPS, min_ops // 4) and total <= ops * SMALL_RUN_BYTES:
-        return True
-    return 0 < min_bytes <= total
+    return 0 < min_bytes <= int(nbytes.sum(dtype=_U64))
 
 
 def _tile(nbytes: np.ndarray) -> int:

@@ -467,6 +467,9 @@ def format_stages(rows: List[dict]) -> str:
             f"| prefill calls run as the loop's guest per request (≤ 3), sequential / "
             f"concurrent | {r.get('direct_calls_1page', float('nan')):.2f} / "
             f"{r.get('direct_calls_tput', float('nan')):.2f} | | |",
+            f"| prefill writes per request, concurrent (rooms per coalesced write) "
+            f"| {r.get('tput_writes_per_req', float('nan')):.3f} "
+            f"({r.get('tput_rooms_per_coalesced', float('nan')):.1f}) | | |",
         ]
     return "\n".join(out)
 
@@ -571,6 +574,10 @@ def bench_mode(args, mode: str, integrity: bool = False) -> dict:
             tput_n=len(rooms),
             req_per_s=len(ok) / span,
             direct_calls_tput=p["stats"].get("direct_calls", 0) / len(rooms),
+            # prefill's writes per request and rooms per coalesced write (kvxfer.disagg.coalesce)
+            tput_writes_per_req=p["stats"].get("writes", 0) / len(rooms),
+            tput_rooms_per_coalesced=p["stats"].get("coalesced_rooms", 0)
+            / max(1, p["stats"].get("coalesced_writes", 0)),
         )
         # bandwidth vs raw
         pd_s, pf_s, raw_s, nbytes, ops = [], [], [], 0, 0

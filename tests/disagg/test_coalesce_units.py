@@ -1,0 +1,197 @@
+"""kvxfer.disagg.coalesce without processes: when a last chunk waits (every condition of
+``Coalescer.wants``), the outbox's accounting (withdraw, drain on completion, at most
+MAX_ROOMS per write), the DoneMany message and the ``coalesce_after`` setting. The
+interleavings with real UCX are in test_pd_coalesce.py."""
+
+import asyncio
+import types
+
+import numpy as np
+import pytest
+
+from kvxfer import wire
+from kvxfer.disagg import coalesce
+from kvxfer.disagg import messages as m
+from kvxfer.disagg.aux import MetadataBuffer
+from kvxfer.disagg.decode_side import DecodeSide
+from kvxfer.disagg.kv_args import KVArgs
+from kvxfer.disagg.link import Link
+from kvxfer.disagg.manager import KVManager
+from kvxfer.disagg.poll import KVPoll
+from kvxfer.disagg.rooms import Room
+from kvxfer.errors import InvalidArgument, ProtocolError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _Item:
+    """Stands in for ItemWrite (the real one pulls in UCX)."""
+
+    def __init__(self, src, dst):
+        self.src_items, self.dst_items = src, dst
+
+
+def _coalescer(after=1, integrity=None):
+    mgr = types.SimpleNamespace(integrity=integrity, spawn=lambda coro: _spawn(coro))
+    c = coalesce.Coalescer(mgr, after, write_alone=lambda *a: None)
+    c._item_cls = _Item
+    return c
+
+
+def _spawn(coro):
+    return asyncio.get_running_loop().create_task(coro)
+
+
+def _room(link, aux=3, room=1):
+    r = Room(room, "sender")
+    r.link, r.aux_index = link, aux
+    return r
+
+
+def _link(**kw):
+    link = Link("peer", object(), "decode")
+    link.done_many = True
+    for k, v in kw.items():
+        setattr(link, k, v)
+    return link
+
+
+def test_wants_every_condition():
+    """A last chunk waits only when every condition holds; each one false alone keeps the
+    room's own write."""
+    loop = asyncio.new_event_loop()
+    try:
+        done = loop.create_future()
+        done.set_result(None)
+        pending = loop.create_future()
+        c = _coalescer()
+        link = _link(inflight=1)
+        kv = _Item([1], [2])
+        assert c.wants(_room(link), kv, None)
+        assert c.wants(_room(link), None, done)  # no kv pages, earlier chunk done
+        assert not c.wants(_room(link), kv, pending)  # an earlier chunk still in flight
+        assert not c.wants(_room(link), [kv], None)  # a list of PatternWrites
+        assert not c.wants(_room(link), object(), None)  # a RawWrite, say
+        assert not c.wants(_room(link, aux=None), kv, None)
+        assert not c.wants(_room(None), kv, None)
+        assert not c.wants(_room(_link(inflight=0)), kv, None)  # the link is idle
+        assert not c.wants(_room(_link(inflight=1, done_many=False)), kv, None)
+        assert not c.wants(_room(_link(inflight=1, tp=object())), kv, None)
+        assert not c.wants(_room(_link(inflight=1, dead=True)), kv, None)
+        assert not _coalescer(integrity=object()).wants(_room(link), kv, None)
+        assert not _coalescer(after=0).wants(_room(_link(inflight=5)), kv, None)
+        assert not _coalescer(after=2).wants(_room(link), kv, None)
+        assert _coalescer(after=2).wants(_room(_link(inflight=2)), kv, None)
+    finally:
+        loop.close()
+
+
+def test_outbox_drains_on_completion_in_batches():
+    """Rooms wait while a write is in flight; its completion sends them all as one write
+    (at most MAX_ROOMS; the rest when that one completes); a withdrawn room's chain ends
+    at once and it is never written; ``inflight`` returns to 0 and every chain ends."""
+
+    async def main():
+        c = _coalescer()
+        link = _link()
+        batches, gates = [], []
+
+        async def write_rooms(lk, live):
+            assert lk is link
+            batches.append([p.room.room for p in live])
+            gate = asyncio.get_running_loop().create_future()
+            gates.append(gate)
+            await gate
+
+        c._write_rooms = write_rooms
+        first = asyncio.get_running_loop().create_future()
+        c.track(link, first)
+        assert link.inflight == 1
+        n = coalesce.MAX_ROOMS + 5
+        rooms = [_room(link, room=i) for i in range(n)]
+        futs = [c.add(r, np.arange(1), _Item([i], [i]), None) for i, r in enumerate(rooms)]
+        c.withdraw(rooms[3])
+        assert futs[3].done() and len(link.outbox) == n - 1
+        c.withdraw(_room(link, room=-1))  # not waiting: nothing happens
+        first.set_result(None)
+        await asyncio.sleep(0)  # the done callback: drains the first MAX_ROOMS
+        assert len(batches) == 1 and len(batches[0]) == coalesce.MAX_ROOMS
+        assert 3 not in batches[0] and link.inflight == 1
+        assert len(link.outbox) == n - 1 - coalesce.MAX_ROOMS
+        gates[0].set_result(None)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert len(batches) == 2 and batches[1] == list(range(coalesce.MAX_ROOMS + 1, n))
+        gates[1].set_result(None)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert link.inflight == 0 and not link.outbox
+        assert all(f.done() for f in futs)
+
+    asyncio.run(main())
+
+
+def test_terminal_rooms_are_skipped():
+    """A room that ended while waiting (its failure did not withdraw it) is not written."""
+
+    async def main():
+        c = _coalescer()
+        link = _link()
+        seen = []
+
+        async def write_rooms(lk, live):
+            seen.append([p.room.room for p in live])
+
+        c._write_rooms = write_rooms
+        first = asyncio.get_running_loop().create_future()
+        c.track(link, first)
+        rooms = [_room(link, room=i) for i in range(3)]
+        futs = [c.add(r, np.arange(1), None, None) for r in rooms]
+        rooms[1].state = KVPoll.Failed
+        first.set_result(None)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert seen == [[0, 2]] and all(f.done() for f in futs) and link.inflight == 0
+
+    asyncio.run(main())
+
+
+def test_done_many_message():
+    msg = m.DoneMany(rooms=[5, 9], pages=[1, 3])
+    assert wire.decode(msg.encode()) == msg
+    with pytest.raises(ProtocolError, match="rooms"):
+        wire.decode(m.DoneMany(rooms=[5, "9"], pages=[1, 3]).encode())
+    side = DecodeSide.__new__(DecodeSide)  # the length check comes before any room
+    with pytest.raises(ProtocolError, match="2 rooms but 1 page counts"):
+        side._on_done_many(None, m.DoneMany(rooms=[5, 9], pages=[1]))
+    n = m.DONE_MANY_MAX + 1
+    with pytest.raises(ProtocolError, match="at most"):
+        side._on_done_many(None, m.DoneMany(rooms=list(range(n)), pages=[1] * n))
+
+
+def test_coalesce_after_setting(monkeypatch):
+    aux = MetadataBuffer(4, 64)
+    ap, al, ai = aux.buf_infos()
+    kv = np.zeros(64, np.uint8)
+    args = KVArgs(
+        kv_data_ptrs=[kv.ctypes.data],
+        kv_data_lens=[64],
+        kv_item_lens=[16],
+        aux_data_ptrs=ap,
+        aux_data_lens=al,
+        aux_item_lens=ai,
+    )
+
+    def make(**kw):
+        return KVManager(args, "decode", secret=b"s", **kw).coalesce_after
+
+    monkeypatch.delenv("KVXFER_COALESCE_AFTER", raising=False)
+    assert make() == 2 and make(coalesce_after=0) == 0
+    monkeypatch.setenv("KVXFER_COALESCE_AFTER", "5")
+    assert make() == 5 and make(coalesce_after=1) == 1
+    monkeypatch.setenv("KVXFER_COALESCE_AFTER", "x")
+    with pytest.raises(InvalidArgument, match="KVXFER_COALESCE_AFTER"):
+        make()
+    monkeypatch.delenv("KVXFER_COALESCE_AFTER")
+    with pytest.raises(InvalidArgument):
+        make(coalesce_after=-1)
