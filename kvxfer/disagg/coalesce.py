@@ -5,8 +5,8 @@ Every write of a room costs a fixed amount of host time on prefill (plan, post, 
 its completion, the notification) and on decode (the notification's receipt). When rooms
 finish faster than one link's writes complete, each of them paying it bounds requests/s by
 that host time (bench/results/stages-h200.md). A :class:`Coalescer` counts the writes of its
-manager's rooms in flight to each decode peer (``Link.inflight``); a room's last chunk that
-finds ``after`` or more there waits in ``Link.outbox`` instead, and when one of them
+manager's rooms in flight to each decode peer (:mod:`kvxfer.disagg.outbox`); a room's last
+chunk that finds ``after`` or more there waits in the peer's outbox instead, and when one of them
 completes, everything waiting goes as **one** ``Peer.write`` — the rooms' kv pages, state
 slots and aux rows as one ItemWrite per group — whose notification is one
 :class:`~kvxfer.disagg.messages.DoneMany` naming every room. A room that finds fewer writes
@@ -46,6 +46,7 @@ from kvxfer import eager
 from kvxfer.disagg import messages as m
 from kvxfer.disagg.context import PrefillContext
 from kvxfer.disagg.link import Link
+from kvxfer.disagg.outbox import Outboxes
 from kvxfer.disagg.poll import KVPoll, is_terminal
 from kvxfer.disagg.rooms import Room
 from kvxfer.disagg.trace import mark_write
@@ -88,9 +89,10 @@ class Coalescer:
         write_alone: Callable[[Room, np.ndarray, Any, Any], "asyncio.Future[Any]"],
     ) -> None:
         self.mgr = mgr
-        self.after = after
         self._write_alone = write_alone
         self._item_cls: Any = None
+        #: per link (kvxfer.disagg.link.Link): writes in flight, last chunks waiting
+        self.boxes: Outboxes[Pending] = Outboxes(after, self._start, MAX_ROOMS)
 
     def _item_write(self) -> Any:
         """``ItemWrite``, imported on first use (the engine pulls in UCX)."""
@@ -102,19 +104,15 @@ class Coalescer:
 
     def track(self, link: Link, fut: "asyncio.Future[Any]") -> None:
         """Count ``fut`` (a write of one of our rooms to ``link``) in flight until it ends."""
-        if self.after <= 0:
-            return
-        link.inflight += 1
-        fut.add_done_callback(lambda _f: self._settled(link))
+        self.boxes.track(link, fut)
 
     def wants(self, r: Room, kv: Any, prev: Optional[asyncio.Future]) -> bool:
         """Whether room ``r``'s last chunk (its kv write ``kv``) should wait for a coalesced
         write: the link is busy and the chunk is of the simple kind (module docstring)."""
         link = r.link
         return (
-            self.after > 0
-            and link is not None
-            and link.inflight >= self.after
+            link is not None
+            and self.boxes.busy(link)
             and link.done_many
             and link.tp is None
             and not link.dead
@@ -126,32 +124,21 @@ class Coalescer:
 
     def add(self, r: Room, src: np.ndarray, kv: Any, src_state: Any) -> "asyncio.Future[Any]":
         """Queue ``r``'s last chunk on its link; returns the room's new ``chain``."""
-        link = r.link
-        assert link is not None
         fut = asyncio.get_running_loop().create_future()
-        link.outbox.append(Pending(r, src, kv, src_state, fut))
+        self.boxes.add(r.link, Pending(r, src, kv, src_state, fut))
         return fut
 
     def withdraw(self, r: Room) -> None:
         """``r`` failed: if its last chunk is still waiting, it leaves the outbox unwritten
         and its chain ends now (its pages can be released)."""
-        link = r.link
-        if link is None or not link.outbox:
+        if r.link is None:
             return
-        for i, p in enumerate(link.outbox):
-            if p.room is r:
-                del link.outbox[i]
-                if not p.fut.done():
-                    p.fut.set_result(None)
-                return
+        p = self.boxes.withdraw(r.link, lambda p: p.room is r)
+        if p is not None and not p.fut.done():
+            p.fut.set_result(None)
 
-    def _settled(self, link: Link) -> None:
-        """A write to ``link`` ended. Runs on: the loop thread (a done callback)."""
-        link.inflight -= 1
-        if link.outbox and link.inflight < self.after:
-            batch = link.outbox[:MAX_ROOMS]
-            del link.outbox[:MAX_ROOMS]
-            self.track(link, eager.start(self.mgr.spawn, self._write(link, batch)))
+    def _start(self, link: Link, batch: List[Pending]) -> "asyncio.Future[Any]":
+        return eager.start(self.mgr.spawn, self._write(link, batch))
 
     async def _write(self, link: Link, batch: List[Pending]) -> None:
         """One write of ``batch``'s last chunks with one DoneMany; every room's chain ends

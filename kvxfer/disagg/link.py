@@ -10,7 +10,7 @@ room or is gone; a decode room the peer confirmed (``Room.peer_aborted``) is nev
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, Optional, Set
 
 from kvxfer.errors import KvxferError
 
@@ -33,8 +33,6 @@ class Link:
         "tp",
         "layer_notify",
         "done_many",
-        "inflight",
-        "outbox",
     )
 
     def __init__(self, key: str, peer: Any, name: str = "") -> None:
@@ -61,10 +59,6 @@ class Link:
         self.layer_notify = False
         #: the peer takes DoneMany notifications (its hello's fingerprint; prefill side)
         self.done_many = False
-        #: prefill side, kvxfer.disagg.coalesce: writes of this manager's rooms in flight to
-        #: the peer, and the rooms' last chunks waiting to go as one coalesced write
-        self.inflight = 0
-        self.outbox: List[Any] = []
         groups = getattr(peer, "remote_groups", None) or {}
         for g, (lens, item_lens) in groups.items():
             self.remote_items[g] = min(

@@ -17,6 +17,7 @@ from kvxfer.disagg.decode_side import DecodeSide
 from kvxfer.disagg.kv_args import KVArgs
 from kvxfer.disagg.link import Link
 from kvxfer.disagg.manager import KVManager
+from kvxfer.disagg.outbox import Outboxes
 from kvxfer.disagg.poll import KVPoll
 from kvxfer.disagg.rooms import Room
 from kvxfer.errors import InvalidArgument, ProtocolError
@@ -64,8 +65,15 @@ def test_wants_every_condition():
         done = loop.create_future()
         done.set_result(None)
         pending = loop.create_future()
+
+        def busy(c, n=1, **kw):
+            link = _link(**kw)
+            for _ in range(n):
+                c.track(link, loop.create_future())  # a write in flight, never done
+            return link
+
         c = _coalescer()
-        link = _link(inflight=1)
+        link = busy(c)
         kv = _Item([1], [2])
         assert c.wants(_room(link), kv, None)
         assert c.wants(_room(link), None, done)  # no kv pages, earlier chunk done
@@ -74,14 +82,17 @@ def test_wants_every_condition():
         assert not c.wants(_room(link), object(), None)  # a RawWrite, say
         assert not c.wants(_room(link, aux=None), kv, None)
         assert not c.wants(_room(None), kv, None)
-        assert not c.wants(_room(_link(inflight=0)), kv, None)  # the link is idle
-        assert not c.wants(_room(_link(inflight=1, done_many=False)), kv, None)
-        assert not c.wants(_room(_link(inflight=1, tp=object())), kv, None)
-        assert not c.wants(_room(_link(inflight=1, dead=True)), kv, None)
-        assert not _coalescer(integrity=object()).wants(_room(link), kv, None)
-        assert not _coalescer(after=0).wants(_room(_link(inflight=5)), kv, None)
-        assert not _coalescer(after=2).wants(_room(link), kv, None)
-        assert _coalescer(after=2).wants(_room(_link(inflight=2)), kv, None)
+        assert not c.wants(_room(_link()), kv, None)  # the link is idle
+        assert not c.wants(_room(busy(c, done_many=False)), kv, None)
+        assert not c.wants(_room(busy(c, tp=object())), kv, None)
+        assert not c.wants(_room(busy(c, dead=True)), kv, None)
+        c2 = _coalescer(integrity=object())
+        assert not c2.wants(_room(busy(c2)), kv, None)
+        c0 = _coalescer(after=0)
+        assert not c0.wants(_room(busy(c0, 5)), kv, None)
+        c2 = _coalescer(after=2)
+        assert not c2.wants(_room(busy(c2, 1)), kv, None)
+        assert c2.wants(_room(busy(c2, 2)), kv, None)
     finally:
         loop.close()
 
@@ -106,18 +117,19 @@ def test_outbox_drains_on_completion_in_batches():
         c._write_rooms = write_rooms
         first = asyncio.get_running_loop().create_future()
         c.track(link, first)
-        assert link.inflight == 1
+        boxes = c.boxes
+        assert boxes.inflight == {link: 1}
         n = coalesce.MAX_ROOMS + 5
         rooms = [_room(link, room=i) for i in range(n)]
         futs = [c.add(r, np.arange(1), _Item([i], [i]), None) for i, r in enumerate(rooms)]
         c.withdraw(rooms[3])
-        assert futs[3].done() and len(link.outbox) == n - 1
+        assert futs[3].done() and len(boxes.waiting[link]) == n - 1
         c.withdraw(_room(link, room=-1))  # not waiting: nothing happens
         first.set_result(None)
         await asyncio.sleep(0)  # the done callback: drains the first MAX_ROOMS
         assert len(batches) == 1 and len(batches[0]) == coalesce.MAX_ROOMS
-        assert 3 not in batches[0] and link.inflight == 1
-        assert len(link.outbox) == n - 1 - coalesce.MAX_ROOMS
+        assert 3 not in batches[0] and boxes.inflight == {link: 1}
+        assert len(boxes.waiting[link]) == n - 1 - coalesce.MAX_ROOMS
         gates[0].set_result(None)
         for _ in range(3):
             await asyncio.sleep(0)
@@ -125,7 +137,7 @@ def test_outbox_drains_on_completion_in_batches():
         gates[1].set_result(None)
         for _ in range(3):
             await asyncio.sleep(0)
-        assert link.inflight == 0 and not link.outbox
+        assert boxes.inflight == {} and boxes.waiting == {}
         assert all(f.done() for f in futs)
 
     asyncio.run(main())
@@ -151,7 +163,7 @@ def test_terminal_rooms_are_skipped():
         first.set_result(None)
         for _ in range(3):
             await asyncio.sleep(0)
-        assert seen == [[0, 2]] and all(f.done() for f in futs) and link.inflight == 0
+        assert seen == [[0, 2]] and all(f.done() for f in futs) and c.boxes.inflight == {}
 
     asyncio.run(main())
 
@@ -195,3 +207,47 @@ def test_coalesce_after_setting(monkeypatch):
     monkeypatch.delenv("KVXFER_COALESCE_AFTER")
     with pytest.raises(InvalidArgument):
         make(coalesce_after=-1)
+
+
+def test_outboxes_bookkeeping():
+    """Outboxes alone: ``after`` 0 tracks nothing and is never busy; a key is busy from
+    ``after`` writes in flight; a completion below it drains at most ``max_batch`` items
+    in order (the batch's own write then counts in flight); ``withdraw`` takes the first
+    match only; every count returns to 0."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        off = Outboxes(0, lambda k, b: loop.create_future(), 2)
+        off.track("a", loop.create_future())
+        assert off.inflight == {} and not off.busy("a")
+
+        started = []
+
+        def start(key, batch):
+            started.append((key, list(batch)))
+            fut = loop.create_future()
+            fut.set_result(None)
+            return fut
+
+        box = Outboxes(2, start, 2)
+        w1, w2 = loop.create_future(), loop.create_future()
+        box.track("a", w1)
+        assert not box.busy("a") and not box.busy("b")
+        box.track("a", w2)
+        assert box.busy("a") and box.inflight == {"a": 2}
+        for i in range(5):
+            box.add("a", i)
+        assert box.withdraw("a", lambda x: x % 2 == 1) == 1
+        assert box.withdraw("a", lambda x: x > 10) is None and box.withdraw("b", bool) is None
+        w1.set_result(None)
+        await asyncio.sleep(0)  # 1 in flight < 2: the first two go
+        assert started == [("a", [0, 2])] and box.waiting == {"a": [3, 4]}
+        for _ in range(3):  # that batch's own write completes: the rest go
+            await asyncio.sleep(0)
+        assert started == [("a", [0, 2]), ("a", [3, 4])] and box.waiting == {}
+        w2.set_result(None)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert box.inflight == {} and box.waiting == {}
+
+    asyncio.run(main())
