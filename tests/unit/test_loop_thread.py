@@ -311,3 +311,52 @@ def test_call_keeps_order_between_handed_over_and_direct_calls():
         lt.stop(5.0)
     with pytest.raises(Closed):
         lt.call(order.append, "stopped")
+
+
+def test_calls_handed_over_while_busy_share_one_wake_up_in_order():
+    """Calls handed over while the loop is busy are taken by one drain (one self-pipe
+    write, not one each), run in call order; a failing call goes to the exception handler
+    and the calls after it still run; a call handed over during a drain goes with the
+    next one, after every earlier call."""
+    lt = _started("kvxfer-test-drain")
+    errors = []
+    lt.loop.set_exception_handler(lambda loop, ctx: errors.append(ctx))
+    wakes = []
+    post = lt.loop.call_soon_threadsafe
+
+    def counted(*a):
+        wakes.append(a[0])
+        return post(*a)
+
+    lt.loop.call_soon_threadsafe = counted
+    try:
+        _idle(lt)
+        order = []
+        hold, held = threading.Event(), threading.Event()
+
+        def block():
+            held.set()
+            hold.wait(5.0)
+
+        lt.call(block)
+        assert held.wait(5.0)  # the loop is busy in `block`
+        n0 = len(wakes)
+        for i in range(50):
+            lt.call(order.append, i)
+        lt.call(lambda: 1 / 0)
+
+        def inside():  # runs in a drain: what it hands over goes to the next one
+            order.append("inside")
+            lt.call(order.append, "from inside")
+
+        lt.call(inside)
+        lt.call(order.append, "last")
+        assert len(wakes) == n0 + 1  # one wake-up for all 53: the first one's drain
+        hold.set()
+        _idle(lt)
+        assert order == list(range(50)) + ["inside", "last", "from inside"]
+        assert [type(c.get("exception")).__name__ for c in errors] == ["ZeroDivisionError"]
+        assert lt._calls_run == lt._calls_posted and not lt._inbox
+        assert lt.call(order.append, "direct", direct=True) is True  # in order again
+    finally:
+        lt.stop(5.0)
