@@ -126,16 +126,22 @@ DIRECT_PAGES = 16
 DIRECT_PAGES_ENV = "KVXFER_DIRECT_PAGES"
 
 
+def _setting(value: Optional[int], env: str, default: int, what: str) -> int:
+    """``value``, else ``$env`` (an int), else ``default``: an int >= 0 (InvalidArgument
+    otherwise, naming ``what`` or the variable)."""
+    if value is None:
+        raw = os.environ.get(env, "").strip()
+        try:
+            value = int(raw) if raw else default
+        except ValueError:
+            raise InvalidArgument(f"{env}={raw!r} is not an int") from None
+    return as_int(value, what, 0)
+
+
 def direct_pages(value: Optional[int] = None) -> int:
     """``value``, else ``$KVXFER_DIRECT_PAGES``, else :data:`DIRECT_PAGES`: an int >= 0
     (InvalidArgument otherwise). Read when a manager is built."""
-    if value is None:
-        raw = os.environ.get(DIRECT_PAGES_ENV, "").strip()
-        try:
-            value = int(raw) if raw else DIRECT_PAGES
-        except ValueError:
-            raise InvalidArgument(f"{DIRECT_PAGES_ENV}={raw!r} is not an int") from None
-    return as_int(value, "direct_pages", 0)
+    return _setting(value, DIRECT_PAGES_ENV, DIRECT_PAGES, "direct_pages")
 
 
 #: default of ``KVManager(coalesce_after=)``: a room's last chunk that finds this many writes
@@ -149,13 +155,7 @@ COALESCE_AFTER_ENV = "KVXFER_COALESCE_AFTER"
 def coalesce_after(value: Optional[int] = None) -> int:
     """``value``, else ``$KVXFER_COALESCE_AFTER``, else :data:`COALESCE_AFTER`: an int >= 0
     (InvalidArgument otherwise). Read when a manager is built."""
-    if value is None:
-        raw = os.environ.get(COALESCE_AFTER_ENV, "").strip()
-        try:
-            value = int(raw) if raw else COALESCE_AFTER
-        except ValueError:
-            raise InvalidArgument(f"{COALESCE_AFTER_ENV}={raw!r} is not an int") from None
-    return as_int(value, "coalesce_after", 0)
+    return _setting(value, COALESCE_AFTER_ENV, COALESCE_AFTER, "coalesce_after")
 
 
 #: environment variable holding the shared secret (see :func:`resolve_secret`)

@@ -203,14 +203,7 @@ class Coalescer:
                 mgr.fail(p.room, exc)
             return
         t_end = time.monotonic_ns()
-        st = mgr.stats
-        st["writes"] += 1
-        st["bytes"] += int(getattr(stats, "bytes", 0))
-        st["ops"] += int(getattr(stats, "ops", 0))
-        st["device_bytes"] += int(getattr(stats, "device_bytes", 0))
-        st["lanes"].update(getattr(stats, "lanes", ()) or ())
-        st["coalesced_writes"] += 1
-        st["coalesced_rooms"] += len(live)
+        mgr.count_write(stats, rooms=len(live))
         for p in live:
             r = p.room
             if r.trace is not None:

@@ -157,6 +157,10 @@ class PrefillContext(SideContext, Protocol):
         """Under "auto", a token-major chunk of fewer byte runs than this goes as those runs,
         not as PatternWrites (the data engine's ``device_min_ops``)."""
 
+    def count_write(self, stats: Any, rooms: int = 0) -> None:
+        """Add a completed write's TransferStats to ``stats`` (``rooms``: a coalesced
+        write's rooms)."""
+
     @property
     def coalesce_after(self) -> int:
         """A last chunk waits for a coalesced write once this many writes of ours are in

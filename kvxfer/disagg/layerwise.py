@@ -396,12 +396,7 @@ async def _post_part(
         return
     if r.trace is not None:
         r.trace.setdefault("layer_writes", []).append(layer_write_record(t_call, stats, layers))
-    st = mgr.stats
-    st["writes"] += 1
-    st["bytes"] += int(getattr(stats, "bytes", 0))
-    st["ops"] += int(getattr(stats, "ops", 0))
-    st["device_bytes"] += int(getattr(stats, "device_bytes", 0))
-    st["lanes"].update(getattr(stats, "lanes", ()) or ())
+    mgr.count_write(stats)
     if not is_terminal(r.state):
         mgr.arm(r)  # lease renewed by progress
 

@@ -468,6 +468,20 @@ class KVManager:
         if not task.cancelled() and task.exception() is not None:
             log.error("%s: background task failed", self.name, exc_info=task.exception())
 
+    def count_write(self, stats: Any, rooms: int = 0) -> None:
+        """Add a completed write's TransferStats to :attr:`stats`; ``rooms`` > 0: a
+        coalesced write of that many rooms (kvxfer.disagg.coalesce). Runs on: the loop
+        thread (or its guest)."""
+        st = self.stats
+        st["writes"] += 1
+        st["bytes"] += int(getattr(stats, "bytes", 0))
+        st["ops"] += int(getattr(stats, "ops", 0))
+        st["device_bytes"] += int(getattr(stats, "device_bytes", 0))
+        st["lanes"].update(getattr(stats, "lanes", ()) or ())
+        if rooms:
+            st["coalesced_writes"] += 1
+            st["coalesced_rooms"] += rooms
+
     def hook(self, point: str, room: int) -> None:
         """Call :attr:`test_hook` (tests only; a no-op otherwise). Runs on: the loop thread."""
         if self.test_hook is not None:

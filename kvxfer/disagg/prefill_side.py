@@ -453,12 +453,7 @@ class PrefillSide:
         if t_call:
             assert r.trace is not None
             mark_write(r.trace, t_call, time.monotonic_ns(), stats)
-        st = mgr.stats
-        st["writes"] += 1
-        st["bytes"] += int(getattr(stats, "bytes", 0))
-        st["ops"] += int(getattr(stats, "ops", 0))
-        st["device_bytes"] += int(getattr(stats, "device_bytes", 0))
-        st["lanes"].update(getattr(stats, "lanes", ()) or ())
+        mgr.count_write(stats)
         r.pages_done += len(src)
         if is_terminal(r.state):
             return

@@ -1,7 +1,7 @@
 """kvxfer.disagg.coalesce without processes: when a last chunk waits (every condition of
 ``Coalescer.wants``), the outbox's accounting (withdraw, drain on completion, at most
-MAX_ROOMS per write), the DoneMany message and the ``coalesce_after`` setting. The
-interleavings with real UCX are in test_pd_coalesce.py."""
+MAX_ROOMS per write) and the DoneMany message (the ``coalesce_after`` setting:
+test_direct_calls.py). The interleavings with real UCX are in test_pd_coalesce.py."""
 
 import asyncio
 import types
@@ -12,15 +12,12 @@ import pytest
 from kvxfer import wire
 from kvxfer.disagg import coalesce
 from kvxfer.disagg import messages as m
-from kvxfer.disagg.aux import MetadataBuffer
 from kvxfer.disagg.decode_side import DecodeSide
-from kvxfer.disagg.kv_args import KVArgs
 from kvxfer.disagg.link import Link
-from kvxfer.disagg.manager import KVManager
 from kvxfer.disagg.outbox import Outboxes
 from kvxfer.disagg.poll import KVPoll
 from kvxfer.disagg.rooms import Room
-from kvxfer.errors import InvalidArgument, ProtocolError
+from kvxfer.errors import ProtocolError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -179,34 +176,6 @@ def test_done_many_message():
     n = m.DONE_MANY_MAX + 1
     with pytest.raises(ProtocolError, match="at most"):
         side._on_done_many(None, m.DoneMany(rooms=list(range(n)), pages=[1] * n))
-
-
-def test_coalesce_after_setting(monkeypatch):
-    aux = MetadataBuffer(4, 64)
-    ap, al, ai = aux.buf_infos()
-    kv = np.zeros(64, np.uint8)
-    args = KVArgs(
-        kv_data_ptrs=[kv.ctypes.data],
-        kv_data_lens=[64],
-        kv_item_lens=[16],
-        aux_data_ptrs=ap,
-        aux_data_lens=al,
-        aux_item_lens=ai,
-    )
-
-    def make(**kw):
-        return KVManager(args, "decode", secret=b"s", **kw).coalesce_after
-
-    monkeypatch.delenv("KVXFER_COALESCE_AFTER", raising=False)
-    assert make() == 2 and make(coalesce_after=0) == 0
-    monkeypatch.setenv("KVXFER_COALESCE_AFTER", "5")
-    assert make() == 5 and make(coalesce_after=1) == 1
-    monkeypatch.setenv("KVXFER_COALESCE_AFTER", "x")
-    with pytest.raises(InvalidArgument, match="KVXFER_COALESCE_AFTER"):
-        make()
-    monkeypatch.delenv("KVXFER_COALESCE_AFTER")
-    with pytest.raises(InvalidArgument):
-        make(coalesce_after=-1)
 
 
 def test_outboxes_bookkeeping():

@@ -100,7 +100,13 @@ def test_a_direct_calls_exception_goes_to_the_loops_handler(bound):
     assert mgr.direct_calls == 1 and [str(e) for e in seen] == ["bad step"]
 
 
-def test_direct_pages_setting(monkeypatch):
+@pytest.mark.parametrize(
+    "name,env,default",
+    [("direct_pages", "KVXFER_DIRECT_PAGES", 16), ("coalesce_after", "KVXFER_COALESCE_AFTER", 2)],
+)
+def test_manager_int_settings(monkeypatch, name, env, default):
+    """KVManager's int settings: the argument, else the environment, else the default;
+    anything but an int >= 0 refused naming it."""
     aux = MetadataBuffer(4, 64)
     ap, al, ai = aux.buf_infos()
     kv = np.zeros(64, np.uint8)
@@ -114,15 +120,15 @@ def test_direct_pages_setting(monkeypatch):
     )
 
     def make(**kw):
-        return KVManager(args, "decode", **kw).direct_pages
+        return getattr(KVManager(args, "decode", **kw), name)
 
-    monkeypatch.delenv("KVXFER_DIRECT_PAGES", raising=False)
-    assert make() == 16 and make(direct_pages=0) == 0
-    monkeypatch.setenv("KVXFER_DIRECT_PAGES", "3")
-    assert make() == 3 and make(direct_pages=5) == 5
-    monkeypatch.setenv("KVXFER_DIRECT_PAGES", "x")
-    with pytest.raises(InvalidArgument, match="KVXFER_DIRECT_PAGES"):
+    monkeypatch.delenv(env, raising=False)
+    assert make() == default and make(**{name: 0}) == 0
+    monkeypatch.setenv(env, "3")
+    assert make() == 3 and make(**{name: 5}) == 5
+    monkeypatch.setenv(env, "x")
+    with pytest.raises(InvalidArgument, match=env):
         make()
-    monkeypatch.delenv("KVXFER_DIRECT_PAGES")
+    monkeypatch.delenv(env)
     with pytest.raises(InvalidArgument):
-        make(direct_pages=-1)
+        make(**{name: -1})
