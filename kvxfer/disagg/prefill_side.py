@@ -382,8 +382,8 @@ class PrefillSide:
         # started on this stack (kvxfer.eager): no loop iteration before the write is
         # planned and posted; a write waiting for the previous chunk's continues in a task
         r.chain = eager.start(mgr.spawn, self._write(r, prev, src, kv, src_state, last))
-        assert r.link is not None  # _attach set it before the first _issue
-        self.coalesce.track(r.link, r.chain)
+        if r.link is not None:  # (always: _attach set it before the first _issue)
+            self.coalesce.track(r.link, r.chain)
 
     def _write_alone(
         self, r: Room, src: np.ndarray, kv: Any, src_state: Optional[np.ndarray]
