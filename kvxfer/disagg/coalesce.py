@@ -22,7 +22,9 @@ Invariants
   (:meth:`withdraw`, a room that failed while waiting), so ``after_fail`` releases its
   source pages only then — as for a room's own write.
 - The outbox only holds rooms while a write of the link is in flight; each completion of
-  one drains it, so a waiting room is written (or failed) within one transfer timeout.
+  one drains it, and a room never waits longer than ``max_wait_s`` (1 ms, plus the loop's
+  timer resolution) for that: a long write in flight (a large request) does not hold a
+  small one back for its whole duration.
 - A coalesced write that the engine refuses before any byte moves (a room's ids out of
   range, two rooms naming one destination) is split: every room is written on its own, so
   only the offending room fails. A failure after the bytes started moving (timeout, peer
@@ -46,7 +48,7 @@ from kvxfer import eager
 from kvxfer.disagg import messages as m
 from kvxfer.disagg.context import PrefillContext
 from kvxfer.disagg.link import Link
-from kvxfer.disagg.outbox import Outboxes
+from kvxfer.disagg.outbox import MAX_WAIT_S, Outboxes
 from kvxfer.disagg.poll import KVPoll, is_terminal
 from kvxfer.disagg.rooms import Room
 from kvxfer.disagg.trace import mark_write
@@ -80,19 +82,21 @@ class Coalescer:
     """The coalescing of one prefill manager (see the module docstring). ``after``: a last
     chunk waits once this many writes of the link are in flight (0: never);
     ``write_alone(r, src, kv, src_state)`` starts a room's own write of its last chunk and
-    returns its future (the path a refused coalesced write falls back to)."""
+    returns its future (the path a refused coalesced write falls back to); a last chunk
+    waits ``max_wait_s`` at most (then it goes even though no write of its link completed)."""
 
     def __init__(
         self,
         mgr: PrefillContext,
         after: int,
         write_alone: Callable[[Room, np.ndarray, Any, Any], "asyncio.Future[Any]"],
+        max_wait_s: float = MAX_WAIT_S,
     ) -> None:
         self.mgr = mgr
         self._write_alone = write_alone
         self._item_cls: Any = None
         #: per link (kvxfer.disagg.link.Link): writes in flight, last chunks waiting
-        self.boxes: Outboxes[Pending] = Outboxes(after, self._start, MAX_ROOMS)
+        self.boxes: Outboxes[Pending] = Outboxes(after, self._start, MAX_ROOMS, max_wait_s)
 
     def _item_write(self) -> Any:
         """``ItemWrite``, imported on first use (the engine pulls in UCX)."""

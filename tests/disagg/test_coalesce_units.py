@@ -31,7 +31,8 @@ class _Item:
 
 def _coalescer(after=1, integrity=None):
     mgr = types.SimpleNamespace(integrity=integrity, spawn=lambda coro: _spawn(coro))
-    c = coalesce.Coalescer(mgr, after, write_alone=lambda *a: None)
+    # a minute's max wait: the rooms go only on completions (the timer: its own test)
+    c = coalesce.Coalescer(mgr, after, write_alone=lambda *a: None, max_wait_s=60.0)
     c._item_cls = _Item
     return c
 
@@ -198,7 +199,7 @@ def test_outboxes_bookkeeping():
             fut.set_result(None)
             return fut
 
-        box = Outboxes(2, start, 2)
+        box = Outboxes(2, start, 2, max_wait_s=60.0)
         w1, w2 = loop.create_future(), loop.create_future()
         box.track("a", w1)
         assert not box.busy("a") and not box.busy("b")
@@ -218,5 +219,44 @@ def test_outboxes_bookkeeping():
         for _ in range(3):
             await asyncio.sleep(0)
         assert box.inflight == {} and box.waiting == {}
+
+    asyncio.run(main())
+
+
+def test_outboxes_send_after_max_wait_without_a_completion():
+    """A write in flight that never completes (a long one) holds waiting items back for
+    ``max_wait_s`` only: then they go as one batch (at most ``max_batch``, the rest after
+    another ``max_wait_s``); a completion before that sends them at once and disarms it."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        started = []
+
+        def start(key, batch):
+            started.append((loop.time(), list(batch)))
+            return loop.create_future()  # never completes either
+
+        box = Outboxes(1, start, 2, max_wait_s=0.02)
+        box.track("a", loop.create_future())
+        t0 = loop.time()
+        for i in range(3):
+            box.add("a", i)
+        await asyncio.sleep(0.005)
+        assert started == []
+        for _ in range(200):
+            if len(started) == 2:
+                break
+            await asyncio.sleep(0.005)
+        (t1, b1), (t2, b2) = started
+        assert (b1, b2) == ([0, 1], [2]) and t1 - t0 >= 0.02 and t2 - t1 >= 0.02
+        assert box.waiting == {} and box.inflight == {"a": 3} and box._timers == {}
+        # a completion first: the waiting item goes at once, its timer is cancelled
+        done = loop.create_future()
+        box2 = Outboxes(1, start, 2, max_wait_s=60.0)
+        box2.track("b", done)
+        box2.add("b", "x")
+        done.set_result(None)
+        await asyncio.sleep(0)
+        assert started[-1][1] == ["x"] and box2._timers == {} and box2.waiting == {}
 
     asyncio.run(main())
