@@ -11,7 +11,8 @@
 # PAT_PAGES=1 adds 2:1 with pages 16 -> 64 and decode prefix 37 (direct / staged / pattern;
 # its equal 2:2 and 1:1 rows twice: "equal", byte runs as one PatternWrite per piece class,
 # and "equal-runs", tp_pattern=off: one PUT per run), PAT_LAYOUTS narrows the per-ratio
-# layouts (default per_layer,page_major,hnd,mla); KVXFER_LANE_PROFILE=1 adds each device
+# layouts (default per_layer,page_major,hnd,mla), PAT_TIMEOUT the seconds per ratio run (default 100);
+# KVXFER_LANE_PROFILE=1 adds each device
 # lane's pattern-launch host parts (lane-profile lines).
 set -o pipefail
 export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -38,7 +39,7 @@ fi
 for r in $RATIOS; do
     p=${r%:*}; d=${r#*:}
     echo; echo "## kvxfer bench pd --device cuda --modes none --prefill-tp $p --decode-tp $d --kv-layout $LAYOUTS --shape-tokens $TOKENS"
-    timeout 100 python3 -m kvxfer bench pd --device cuda --modes none --prefill-tp "$p" --decode-tp "$d" \
+    timeout ${PAT_TIMEOUT:-100} python3 -m kvxfer bench pd --device cuda --modes none --prefill-tp "$p" --decode-tp "$d" \
         --kv-layout "$LAYOUTS" --shape-tokens "$TOKENS" --iters "${PAT_ITERS:-5}" ${PAT_STAGES:+--stages} \
         --json-out "$OUT/pattern-$p-$d.json" 2>&1 | tee "$OUT/pattern-$p-$d.log" \
         | grep -v "UCX  WARN\|WARNING\|lane-profile" | tail -${PAT_TAIL_BENCH:-16} || rc=1
