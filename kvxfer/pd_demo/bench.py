@@ -64,7 +64,10 @@ sum against the end-to-end p50, the raw engine write with and without a notifica
 latter until prefill handed it to UCX and until decode's loop had it), and
 ``ucx_perftest`` ``ucp_put_lat`` / ``ucp_am_lat`` of the same size on loopback, run in the
 same invocation (``perftest_put_lat_us`` / ``perftest_am_lat_us`` in the ``--json`` rows;
-None when the libucx wheel has no ucx_perftest).
+None when the libucx wheel has no ucx_perftest). A second table gives the same stages of the
+large requests (``large_stages`` in the rows), with the raw write of the same bytes beside
+them (its native post and its post → flush, ``raw_large_post_p50_us`` /
+``raw_large_flush_p50_us``): what a large request pays over its raw write, stage by stage.
 
 Nothing here writes or verifies content (the demo and tests/disagg do): the numbers are the
 protocol and the transfer, not the synthetic compute.
@@ -276,7 +279,13 @@ class BenchWorker(PDWorker):
         self._settle(self._next_done(True))
         raw_s, stats, _, _ = self._raw_write(res, dst)
         out = self._finish()
-        out.update(raw_s=raw_s, raw_bytes=int(stats.bytes), raw_ops=int(stats.ops))
+        out.update(
+            raw_s=raw_s,
+            raw_bytes=int(stats.bytes),
+            raw_ops=int(stats.ops),
+            raw_post_s=stats.post_s,
+            raw_flush_s=stats.flush_s,
+        )
         return out
 
     def large_tokens(self, room: int, tokens: int) -> dict:
@@ -471,7 +480,35 @@ def format_stages(rows: List[dict]) -> str:
             f"| {r.get('tput_writes_per_req', float('nan')):.3f} "
             f"({r.get('tput_rooms_per_coalesced', float('nan')):.1f}) | | |",
         ]
+        out += _large_stage_lines(r)
     return "\n".join(out)
+
+
+def _large_stage_lines(r: dict) -> List[str]:
+    """The stages of the large requests (same names as the 1-page table), with the raw
+    write of the same bytes (its post and its flush) beside them."""
+    st = r.get("large_stages")
+    if not st:
+        return []
+    out = [
+        f"\nthe same run's {st['requests']} requests of {r['large_pages']} pages "
+        f"({r['large_bytes'] / 2**20:.1f} MiB, {r['large_ops']} ops):\n",
+        "| stage | p50 µs | p90 µs | p99 µs |",
+        "|---|---|---|---|",
+    ]
+    for s in st["rows"]:
+        name = s["stage"] if s["on_path"] else f"({s['stage']}, off the path)"
+        out.append(f"| {name} | {s['p50_us']:.1f} | {s['p90_us']:.1f} | {s['p99_us']:.1f} |")
+    out += [
+        f"| **sum of the path's p50s** | {st['sum_p50_us']:.1f} | | |",
+        f"| path (decode poll sees Success − prefill send) | {st['path_p50_us']:.1f} | | |",
+        f"| end-to-end median (decode on_done − prefill send) | {r['pd_us_median']:.1f} | | |",
+        f"| raw engine write median (no notify) | {r['large_bytes'] / r['raw_gbps_median'] / 1e3:.1f}"
+        " | | |",
+        f"| raw write: native post p50 / post → flush reported p50 "
+        f"| {r['raw_large_post_p50_us']:.1f} / {r['raw_large_flush_p50_us']:.1f} | | |",
+    ]
+    return out
 
 
 def _ids(start: int, n: int) -> List[int]:
@@ -580,7 +617,11 @@ def bench_mode(args, mode: str, integrity: bool = False) -> dict:
             / max(1, p["stats"].get("coalesced_writes", 0)),
         )
         # bandwidth vs raw
+        if args.stages:  # only the large requests' records
+            pair.prefill.drain_trace()
+            pair.decode.drain_trace()
         pd_s, pf_s, raw_s, nbytes, ops = [], [], [], 0, 0
+        raw_post, raw_flush, large_rooms = [], [], []
         for i in range(args.iters + 1):
             room = 10**6 + i
             dst = pair.decode.announce([room], args.large_pages)[0]
@@ -596,6 +637,9 @@ def bench_mode(args, mode: str, integrity: bool = False) -> dict:
                 pd_s.append(d["rooms"][room]["t_done"] - p["rooms"][room]["t_send"])
                 pf_s.append(p["rooms"][room]["t_done"] - p["rooms"][room]["t_send"])
                 raw_s.append(p["raw_s"])
+                raw_post.append(p["raw_post_s"] * 1e6)
+                raw_flush.append(p["raw_flush_s"] * 1e6)
+                large_rooms.append(room)
         out.update(
             large_pages=args.large_pages,
             large_bytes=nbytes,
@@ -610,6 +654,12 @@ def bench_mode(args, mode: str, integrity: bool = False) -> dict:
             ratio_best=min(raw_s) / min(pd_s),
             ratio_median=statistics.median(raw_s) / statistics.median(pd_s),
         )
+        if args.stages:
+            out["large_stages"] = stage_table(
+                pair.prefill.drain_trace(), pair.decode.drain_trace(), large_rooms
+            )
+            out["raw_large_post_p50_us"] = percentile(raw_post, 50)
+            out["raw_large_flush_p50_us"] = percentile(raw_flush, 50)
     finally:
         pair.close()
     return out
@@ -1017,7 +1067,8 @@ def main(argv=None) -> int:
         action="store_true",
         help="trace the sequential 1-page requests (KVManager(trace=True)) and print their "
         "per-stage p50/p90/p99 µs beside the end-to-end p50, the raw engine write (+ notify) and "
-        "ucx_perftest ucp_put_lat / ucp_am_lat of the same size; with --prefill-tp / "
+        "ucx_perftest ucp_put_lat / ucp_am_lat of the same size, then the large requests' "
+        "stages beside their raw write; with --prefill-tp / "
         "--decode-tp: every rank's stages of the TP requests, after the first prefill send",
     )
     ap.add_argument(
@@ -1066,7 +1117,7 @@ def main(argv=None) -> int:
             pr.step(f"{label} done")
     print(format_rows(rows))
     if a.stages:
-        print("\nStages of a 1-page PD request (same run; kvxfer.disagg.trace names them):")
+        print("\nStages of a PD request (same run; kvxfer.disagg.trace names them):")
         print(format_stages(rows))
     if a.integrity:
         print("\nIntegrity check cost (same run; Δ = on - off, × = on / off):\n")

@@ -375,6 +375,27 @@ def test_pd_bench_smoke(tmp_path, capsys):
     assert "× raw" in capsys.readouterr().out
 
 
+def test_pd_bench_stages_of_large_requests(tmp_path, capsys):
+    """``--stages`` traces the large requests too: every one of them has each stage of the
+    path, the stages add up to about the request's time, and the raw write's post and flush
+    are printed beside them."""
+    from kvxfer.pd_demo import bench
+
+    out = tmp_path / "pd.json"
+    argv = ["--device", DEVICE, "--modes", "none", "--stages", "--latency-requests", "10"]
+    argv += ["--throughput-requests", "20", "--large-pages", "16", "--iters", "3"]
+    assert bench.main(argv + ["--json-out", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    st = row["large_stages"]
+    assert st["requests"] == 3  # the warm-up request is not among them
+    assert all(s["n"] == 3 for s in st["rows"] if s["on_path"])
+    assert 0 < st["sum_p50_us"] <= 3 * st["path_p50_us"]
+    assert row["raw_large_post_p50_us"] > 0 and row["raw_large_flush_p50_us"] > 0
+    text = capsys.readouterr().out
+    assert "the same run's 3 requests of 16 pages" in text
+    assert "raw write: native post p50 / post → flush reported p50" in text
+
+
 def test_layerwise_bench_smoke(tmp_path):
     """`kvxfer bench layerwise`, tiny: every mode's request succeeds on both sides, the
     streaming runs measure one layer's transfer, the table has a row per size."""
