@@ -69,6 +69,13 @@ large requests (``large_stages`` in the rows), with the raw write of the same by
 them (its native post and its post → flush, ``raw_large_post_p50_us`` /
 ``raw_large_flush_p50_us``): what a large request pays over its raw write, stage by stage.
 
+With ``--mixed N``, after the large requests, N 1-page requests go one at a time while
+``--mixed-depth`` (default 2) requests of ``--large-pages`` stay in flight: the latency of
+the small requests sent behind large ones, of those sent after the large ones ran out and of
+the sequential ones, and how many rooms went in coalesced writes (``mixed_*`` in the rows).
+``--coalesce-after 2,0`` runs every mode once per ``KVManager(coalesce_after=)`` value, so
+coalescing on and off are compared in the same run.
+
 Nothing here writes or verifies content (the demo and tests/disagg do): the numbers are the
 protocol and the transfer, not the synthetic compute.
 """
@@ -316,6 +323,37 @@ class BenchWorker(PDWorker):
         self._settle(self._next_done(True))
         return self._finish()
 
+    def mixed(self, small: List[int], large: List[int], n_pages: int, depth: int) -> dict:
+        """1-page requests one at a time (the next when prefill released the last) while
+        ``depth`` requests of ``n_pages`` are kept in flight (a finished one replaced by the
+        next of ``large`` until they run out): what large writes in flight do to a small
+        request's latency (with coalescing, a small room's write may wait for one of them,
+        at most ``outbox.MAX_WAIT_S``). Returns the rooms (``t_send``, ``t_done``), the
+        stats, and ``busy``: per small room, the large requests in flight at its send."""
+        from collections import deque
+
+        self._begin()
+        waiting = deque(self._senders(large, n_pages))
+        big, inflight, busy = set(large), 0, {}
+        for room, h, res in self._senders(small, 1):
+            while waiting and inflight < depth:
+                self._send(*waiting.popleft())
+                inflight += 1
+            busy[room] = inflight
+            self._send(room, h, res)
+            while True:  # settle until this small room is done, refilling the large ones
+                item = self._next_done(True)
+                self._settle(item)
+                if item[0] not in big:
+                    break
+                inflight -= 1
+                while waiting and inflight < depth:
+                    self._send(*waiting.popleft())
+                    inflight += 1
+        out = self._finish()
+        out["busy"] = busy
+        return out
+
     def raw_small(self, room: int, dst: dict, n: int) -> dict:
         """``n`` raw engine writes of a 1-page request's bytes (one at a time), then the PD
         request itself (so decode's announced room completes)."""
@@ -515,12 +553,23 @@ def _ids(start: int, n: int) -> List[int]:
     return list(range(start, start + n))
 
 
-def bench_mode(args, mode: str, integrity: bool = False) -> dict:
+def mixed_large_rooms(args) -> int:
+    """Large requests the mixed phase needs (``--mixed``): enough to keep ``--mixed-depth``
+    of them in flight while its small requests go, each a few times the small one."""
+    return 0 if not args.mixed else max(2 * args.mixed_depth, args.mixed // 4)
+
+
+def bench_mode(args, mode: str, integrity: bool = False, coalesce: Optional[int] = None) -> dict:
     # every room announced at once holds a state slot and an aux row: the warm-up's, a
     # latency batch's or the throughput run's, whichever is most
     rooms_at_once = max(WARM_ROOMS, LATENCY_BATCH, args.throughput_requests)
+    mixed_large = mixed_large_rooms(args)
+    rooms_at_once = max(rooms_at_once, args.mixed + mixed_large)
+    pool_pages = max(
+        4096, 2 * args.large_pages + 64, mixed_large * args.large_pages + args.mixed + 64
+    )
     spec = ModelSpec(
-        pool_tokens=max(4096, 2 * args.large_pages + 64) * 16,
+        pool_tokens=pool_pages * 16,
         mamba_slots=rooms_at_once + 8,
         aux_rows=rooms_at_once + 8,
         device=args.device,
@@ -533,6 +582,8 @@ def bench_mode(args, mode: str, integrity: bool = False) -> dict:
         "trace": True if args.stages else None,
         "busy_thread": bool(getattr(args, "busy_thread", False)),
     }
+    if coalesce is not None:
+        opts["coalesce_after"] = coalesce
     if getattr(args, "switch_interval", None) is not None:
         opts["switch_interval_s"] = args.switch_interval
     pair = start_pair(spec, opts, BenchWorker)
@@ -540,6 +591,7 @@ def bench_mode(args, mode: str, integrity: bool = False) -> dict:
     out = {
         "mode": mode,
         "integrity": integrity,
+        "coalesce_after": coalesce,
         "page_bytes": info["page_bytes"],
         "request_bytes_1page": info["page_bytes"] + info["slot_bytes"] + info["aux_bytes"],
     }
@@ -660,9 +712,70 @@ def bench_mode(args, mode: str, integrity: bool = False) -> dict:
             )
             out["raw_large_post_p50_us"] = percentile(raw_post, 50)
             out["raw_large_flush_p50_us"] = percentile(raw_flush, 50)
+        if args.mixed:
+            out.update(bench_mixed(args, pair, mixed_large))
     finally:
         pair.close()
     return out
+
+
+def bench_mixed(args, pair, n_large: int) -> dict:
+    """The mixed phase (``--mixed``): 1-page requests one at a time while ``--mixed-depth``
+    large requests are in flight (:meth:`BenchWorker.mixed`); their latency (decode
+    ``on_done`` - prefill send) beside the sequential 1-page requests' of the same run, and
+    how many of them went in a coalesced write."""
+    small = _ids(2 * 10**6, args.mixed)
+    large = _ids(3 * 10**6, n_large)
+    pair.decode.announce(large, args.large_pages)
+    pair.decode.announce(small, 1)
+    p, d = pair.both(
+        (pair.prefill.mixed, small, large, args.large_pages, args.mixed_depth),
+        (pair.decode.settle,),
+    )
+    bad = [r for r in small + large if d["rooms"][r]["state"] != "Success"]
+    if bad:
+        raise RuntimeError(f"mixed phase: {len(bad)} rooms failed, e.g. {d['rooms'][bad[0]]}")
+    lat = {r: (d["rooms"][r]["t_done"] - p["rooms"][r]["t_send"]) * 1e6 for r in small}
+    behind = [lat[r] for r in small if p["busy"][r] > 0]  # sent with large ones in flight
+    free = [lat[r] for r in small if p["busy"][r] == 0]  # (after the large ones ran out)
+    return {
+        "mixed_n": len(small),
+        "mixed_depth": args.mixed_depth,
+        "mixed_large": n_large,
+        "mixed_behind": len(behind),
+        "mixed_p50_us": percentile(behind, 50) if behind else float("nan"),
+        "mixed_p90_us": percentile(behind, 90) if behind else float("nan"),
+        "mixed_p99_us": percentile(behind, 99) if behind else float("nan"),
+        "mixed_max_us": max(behind, default=float("nan")),
+        "mixed_free_p50_us": percentile(free, 50) if free else float("nan"),
+        "mixed_coalesced_rooms": p["stats"].get("coalesced_rooms", 0),
+        "mixed_coalesced_writes": p["stats"].get("coalesced_writes", 0),
+    }
+
+
+def format_mixed(rows: List[dict]) -> str:
+    """One line per row with a mixed phase: the latency of the small requests sent while
+    large ones were in flight, of the others (sent after the large ones ran out), and of
+    the same run's sequential 1-page requests."""
+    lines = [
+        "| lanes (mode) | coalesce_after | large in flight (pages) | small requests (sent "
+        "behind large ones) | behind: p50 / p90 / p99 / max µs | the others' p50 µs "
+        "| sequential p50 / p99 µs | rooms coalesced, small and large (writes) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "mixed_n" not in r:
+            continue
+        co = r["coalesce_after"]
+        lines.append(
+            f"| {','.join(r['lanes'])} ({r['mode']}) | {'default' if co is None else co} "
+            f"| {r['mixed_depth']} ({r['large_pages']}) | {r['mixed_n']} ({r['mixed_behind']}) "
+            f"| {r['mixed_p50_us']:.0f} / {r['mixed_p90_us']:.0f} / {r['mixed_p99_us']:.0f} / "
+            f"{r['mixed_max_us']:.0f} | {r['mixed_free_p50_us']:.0f} "
+            f"| {r['p50_us']:.0f} / {r['p99_us']:.0f} "
+            f"| {r['mixed_coalesced_rooms']} ({r['mixed_coalesced_writes']}) |"
+        )
+    return "\n".join(lines)
 
 
 def bench_shapes(args, mode: str) -> List[dict]:
@@ -982,6 +1095,8 @@ def format_rows(rows: List[dict]) -> str:
     ]
     for r in rows:
         label = r["mode"] + (", integrity" if r.get("integrity") else "")
+        if r.get("coalesce_after") is not None:
+            label += f", coalesce_after {r['coalesce_after']}"
         lines.append(
             f"| {','.join(r['lanes'])} ({label}) | {r['p50_us']:.0f} | {r['p99_us']:.0f} | "
             f"{r['prefill_p50_us']:.0f} | {r['raw_p50_us']:.0f} ({r['raw_p99_us']:.0f}) | "
@@ -1003,13 +1118,14 @@ def format_integrity(rows: List[dict]) -> str:
         "| large PD GB/s off → on (×) | large prefill-side GB/s off → on |",
         "|---|---|---|---|---|---|---|",
     ]
-    by = {(r["mode"], bool(r.get("integrity"))): r for r in rows}
-    for mode in dict.fromkeys(r["mode"] for r in rows):
-        off, on = by.get((mode, False)), by.get((mode, True))
+    by = {(r["mode"], r.get("coalesce_after"), bool(r.get("integrity"))): r for r in rows}
+    for mode, co in dict.fromkeys((r["mode"], r.get("coalesce_after")) for r in rows):
+        off, on = by.get((mode, co, False)), by.get((mode, co, True))
         if off is None or on is None:
             continue
+        label = mode if co is None else f"{mode}, coalesce_after {co}"
         lines.append(
-            f"| {','.join(off['lanes'])} ({mode}) "
+            f"| {','.join(off['lanes'])} ({label}) "
             f"| {off['p50_us']:.0f} → {on['p50_us']:.0f} ({on['p50_us'] - off['p50_us']:+.0f}) "
             f"| {off['prefill_p50_us']:.0f} → {on['prefill_p50_us']:.0f} "
             f"| {off['req_per_s']:.0f} → {on['req_per_s']:.0f} "
@@ -1036,6 +1152,21 @@ def main(argv=None) -> int:
         help="pages of a large request (32 KiB each with the default model)",
     )
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument(
+        "--mixed",
+        type=int,
+        default=0,
+        help="after the large requests, this many 1-page requests one at a time while "
+        "--mixed-depth requests of --large-pages stay in flight; their latency against the "
+        "sequential ones (0: no mixed phase)",
+    )
+    ap.add_argument("--mixed-depth", type=int, default=2, help="mixed: large requests in flight")
+    ap.add_argument(
+        "--coalesce-after",
+        default=None,
+        help="comma list of KVManager(coalesce_after=) values: every mode runs once per value "
+        "(0: no coalescing; default: the manager's default, once)",
+    )
     ap.add_argument(
         "--integrity",
         action="store_true",
@@ -1092,6 +1223,16 @@ def main(argv=None) -> int:
     bad = [x for x in layouts if x not in KV_LAYOUTS]
     if bad or not layouts or (len(layouts) > 1 and not (a.prefill_tp or a.decode_tp)):
         ap.error(f"--kv-layout {a.kv_layout!r}: one of {KV_LAYOUTS} (a comma list with TP)")
+    try:
+        coalesce_values: List[Optional[int]] = (
+            [None]
+            if a.coalesce_after is None
+            else [int(v) for v in a.coalesce_after.split(",") if v.strip()]
+        )
+    except ValueError:
+        ap.error(f"--coalesce-after: a comma list of ints, got {a.coalesce_after!r}")
+    if a.mixed < 0 or a.mixed_depth < 1 or any(v is not None and v < 0 for v in coalesce_values):
+        ap.error("--mixed >= 0, --mixed-depth >= 1 and --coalesce-after values >= 0")
     if a.prefill_tp or a.decode_tp:
         a.prefill_tp, a.decode_tp = a.prefill_tp or 1, a.decode_tp or 1
         return _tp_main(a, modes, layouts)
@@ -1108,14 +1249,26 @@ def main(argv=None) -> int:
     )
     t0 = time.perf_counter()
     rows = []
-    runs = [(m, integ) for m in modes for integ in ((False, True) if a.integrity else (False,))]
+    runs = [
+        (m, integ, co)
+        for m in modes
+        for integ in ((False, True) if a.integrity else (False,))
+        for co in coalesce_values
+    ]
     with clitools.Progress(len(runs), "bench pd", enabled=False if a.json else None) as pr:
-        for m, integ in runs:
+        for m, integ, co in runs:
             label = f"mode {m}{' (integrity)' if integ else ''}"
+            label += "" if co is None else f" (coalesce_after {co})"
             pr.show(label)
-            rows.append(bench_mode(a, m, integ))
+            rows.append(bench_mode(a, m, integ, co))
             pr.step(f"{label} done")
     print(format_rows(rows))
+    if a.mixed:
+        print(
+            f"\n1-page requests with large ones in flight (same run; {a.mixed} one at a "
+            f"time, {a.mixed_depth} requests of {a.large_pages} pages kept in flight):\n"
+        )
+        print(format_mixed(rows))
     if a.stages:
         print("\nStages of a PD request (same run; kvxfer.disagg.trace names them):")
         print(format_stages(rows))

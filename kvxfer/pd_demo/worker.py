@@ -58,7 +58,11 @@ class PDWorker:
             timeouts=Timeouts(**opts.get("timeouts", {})),
             integrity=bool(opts.get("integrity", False)),
             trace=opts.get("trace"),  # None: $KVXFER_TRACE
-            **{k: opts[k] for k in ("tp_stage_min_ops", "tp_pattern") if k in opts},
+            **{
+                k: opts[k]
+                for k in ("tp_stage_min_ops", "tp_pattern", "coalesce_after")
+                if k in opts
+            },
             name=f"demo-{role}",
         ).start_background()
         self.done_q: "queue.SimpleQueue" = queue.SimpleQueue()

@@ -396,6 +396,38 @@ def test_pd_bench_stages_of_large_requests(tmp_path, capsys):
     assert "raw write: native post p50 / post → flush reported p50" in text
 
 
+def test_pd_bench_mixed_phase(tmp_path, capsys):
+    """``--mixed`` with ``--coalesce-after 2,0``: one row per value, every small and large
+    request of the mixed phase succeeds; with one large request in flight at a time no
+    write ever finds two in flight, so nothing coalesces even at ``coalesce_after`` 2 (a
+    write that returned no longer counts: tests/disagg/test_pd_coalesce.py)."""
+    from kvxfer.pd_demo import bench
+
+    out = tmp_path / "pd.json"
+    argv = ["--device", DEVICE, "--modes", "none", "--latency-requests", "10"]
+    argv += ["--throughput-requests", "20", "--large-pages", "16", "--iters", "1"]
+    argv += ["--mixed", "12", "--mixed-depth", "1", "--coalesce-after", "2,0"]
+    assert bench.main(argv + ["--json-out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["coalesce_after"] for r in rows] == [2, 0]
+    for r in rows:
+        assert r["mixed_n"] == 12 and r["mixed_large"] == 3 and 1 <= r["mixed_behind"] <= 12
+        assert r["mixed_coalesced_rooms"] == 0 and r["mixed_p50_us"] > 0
+    assert "1-page requests with large ones in flight" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--coalesce-after", "2,x"], ["--mixed", "-1"], ["--mixed-depth", "0"]],
+)
+def test_pd_bench_refuses_bad_mixed_arguments(argv, capsys):
+    from kvxfer.pd_demo import bench
+
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--device", DEVICE] + argv)
+    assert exc.value.code == 2 and "--" in capsys.readouterr().err
+
+
 def test_layerwise_bench_smoke(tmp_path):
     """`kvxfer bench layerwise`, tiny: every mode's request succeeds on both sides, the
     streaming runs measure one layer's transfer, the table has a row per size."""
