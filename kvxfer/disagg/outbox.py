@@ -9,12 +9,11 @@ Invariants
   at most for one write (each bounded by its caller's timeout).
 - A drained batch holds at most ``max_batch`` items, in arrival order; the rest go when the
   batch's own write (tracked like any other) completes.
-- ``inflight`` never counts a write twice and always returns to 0: a write is counted from
-  :meth:`Outboxes.begin` (or :meth:`Outboxes.track`) until its :class:`Ticket` ends, which
-  its writer does the moment the write returned (:meth:`Outboxes.end`, before it reports the
-  room done: a scheduler that sends its next request on that report must not find the
-  finished write still counted) and the write's future does when done, whichever is
-  first.
+- ``inflight`` never counts a write twice and always returns to 0. A write counts until its
+  future's done callback runs on the loop — after its writer reported the room done — so a
+  burst of rooms issued before the loop catches up with completions finds them counted and
+  coalesces (an earlier variant that stopped counting when the write returned never
+  coalesced such a burst on the H200: bench/results/coalesce.md, "mixed workload").
 - An item waits at most ``max_wait_s`` (plus the loop's timer resolution, ~1 ms with
   epoll): then what waits goes as a batch even though no write completed (a write in
   flight may be a long one; a small request must not wait for all of it).
@@ -33,24 +32,14 @@ T = TypeVar("T")
 MAX_WAIT_S = 0.001
 
 
-class Ticket:
-    """One write counted in flight to ``key`` until :meth:`Outboxes.end` (idempotent)."""
-
-    __slots__ = ("key", "open")
-
-    def __init__(self, key: Hashable) -> None:
-        self.key, self.open = key, True
-
-
 class Outboxes(Generic[T]):
     """``after``: a key is busy from this many writes in flight (0: never busy);
-    ``start(key, batch, ticket)`` starts the one write of a drained batch (counted under
-    ``ticket``, which the write may end early) and returns its future."""
+    ``start(key, batch)`` starts the one write of a drained batch and returns its future."""
 
     def __init__(
         self,
         after: int,
-        start: Callable[[Any, List[T], Optional[Ticket]], "asyncio.Future[Any]"],
+        start: Callable[[Any, List[T]], "asyncio.Future[Any]"],
         max_batch: int,
         max_wait_s: float = MAX_WAIT_S,
     ) -> None:
@@ -63,25 +52,12 @@ class Outboxes(Generic[T]):
         #: per key with waiting items: the timer that sends them after ``max_wait_s``
         self._timers: Dict[Hashable, asyncio.TimerHandle] = {}
 
-    def begin(self, key: Hashable) -> Optional[Ticket]:
-        """Count a write to ``key`` in flight until its ticket ends (None: ``after`` is 0,
-        nothing is counted)."""
+    def track(self, key: Hashable, fut: "asyncio.Future[Any]") -> None:
+        """Count ``fut`` (a write to ``key``) in flight until it is done."""
         if self.after <= 0:
-            return None
+            return
         self.inflight[key] = self.inflight.get(key, 0) + 1
-        return Ticket(key)
-
-    def watch(self, ticket: Optional[Ticket], fut: "asyncio.Future[Any]") -> None:
-        """End ``ticket`` when ``fut`` is done, if its writer did not end it before."""
-        if ticket is not None:
-            fut.add_done_callback(lambda _f: self.end(ticket))
-
-    def track(self, key: Hashable, fut: "asyncio.Future[Any]") -> Optional[Ticket]:
-        """Count ``fut`` (a write to ``key``) in flight until it is done, or until the
-        returned ticket ends."""
-        ticket = self.begin(key)
-        self.watch(ticket, fut)
-        return ticket
+        fut.add_done_callback(lambda _f: self._settled(key))
 
     def busy(self, key: Hashable) -> bool:
         """Whether a new item for ``key`` should wait (``after`` writes in flight)."""
@@ -131,17 +107,10 @@ class Outboxes(Generic[T]):
             self._timers[key] = loop.call_later(self._max_wait, self._send, key)
         else:
             self._emptied(key)
-        ticket = self.begin(key)
-        self.watch(ticket, self._start(key, batch, ticket))
+        self.track(key, self._start(key, batch))
 
-    def end(self, ticket: Optional[Ticket]) -> None:
-        """A write is over (its writer saw it return, or its future is done): it no longer
-        counts, and what waits for its key goes if fewer than ``after`` remain. Runs on: the
-        loop thread (or its guest), in the writer's stack or as a done callback."""
-        if ticket is None or not ticket.open:
-            return
-        ticket.open = False
-        key = ticket.key
+    def _settled(self, key: Hashable) -> None:
+        """A write to ``key`` is done. Runs on: the loop thread (a done callback)."""
         left = self.inflight[key] - 1
         if left:
             self.inflight[key] = left

@@ -398,9 +398,8 @@ def test_pd_bench_stages_of_large_requests(tmp_path, capsys):
 
 def test_pd_bench_mixed_phase(tmp_path, capsys):
     """``--mixed`` with ``--coalesce-after 2,0``: one row per value, every small and large
-    request of the mixed phase succeeds; with one large request in flight at a time no
-    write ever finds two in flight, so nothing coalesces even at ``coalesce_after`` 2 (a
-    write that returned no longer counts: tests/disagg/test_pd_coalesce.py)."""
+    request of the mixed phase succeeds (the bench raises otherwise), the small ones are
+    counted and timed, nothing coalesces with coalescing off."""
     from kvxfer.pd_demo import bench
 
     out = tmp_path / "pd.json"
@@ -412,7 +411,8 @@ def test_pd_bench_mixed_phase(tmp_path, capsys):
     assert [r["coalesce_after"] for r in rows] == [2, 0]
     for r in rows:
         assert r["mixed_n"] == 12 and r["mixed_large"] == 3 and 1 <= r["mixed_behind"] <= 12
-        assert r["mixed_coalesced_rooms"] == 0 and r["mixed_p50_us"] > 0
+        assert r["mixed_p50_us"] > 0 and r["mixed_max_us"] >= r["mixed_p99_us"]
+    assert rows[1]["mixed_coalesced_rooms"] == rows[1]["mixed_coalesced_writes"] == 0
     assert "1-page requests with large ones in flight" in capsys.readouterr().out
 
 
