@@ -48,7 +48,7 @@ from kvxfer import eager
 from kvxfer.disagg import messages as m
 from kvxfer.disagg.context import PrefillContext
 from kvxfer.disagg.link import Link
-from kvxfer.disagg.outbox import MAX_WAIT_S, Outboxes
+from kvxfer.disagg.outbox import MAX_WAIT_S, Outboxes, Ticket
 from kvxfer.disagg.poll import KVPoll, is_terminal
 from kvxfer.disagg.rooms import Room
 from kvxfer.disagg.trace import mark_write
@@ -106,9 +106,16 @@ class Coalescer:
             self._item_cls = ItemWrite
         return self._item_cls
 
-    def track(self, link: Link, fut: "asyncio.Future[Any]") -> None:
-        """Count ``fut`` (a write of one of our rooms to ``link``) in flight until it ends."""
-        self.boxes.track(link, fut)
+    def begin(self, link: Link) -> Optional[Ticket]:
+        """Count a write of one of our rooms to ``link`` in flight until :meth:`end` (its
+        writer, the moment the write returned) or :meth:`watch` (its future) ends it."""
+        return self.boxes.begin(link)
+
+    def watch(self, ticket: Optional[Ticket], fut: "asyncio.Future[Any]") -> None:
+        self.boxes.watch(ticket, fut)
+
+    def end(self, ticket: Optional[Ticket]) -> None:
+        self.boxes.end(ticket)
 
     def wants(self, r: Room, kv: Any, prev: Optional[asyncio.Future]) -> bool:
         """Whether room ``r``'s last chunk (its kv write ``kv``) should wait for a coalesced
@@ -141,20 +148,23 @@ class Coalescer:
         if p is not None and not p.fut.done():
             p.fut.set_result(None)
 
-    def _start(self, link: Link, batch: List[Pending]) -> "asyncio.Future[Any]":
-        return eager.start(self.mgr.spawn, self._write(link, batch))
+    def _start(
+        self, link: Link, batch: List[Pending], ticket: Optional[Ticket]
+    ) -> "asyncio.Future[Any]":
+        return eager.start(self.mgr.spawn, self._write(link, batch, ticket))
 
-    async def _write(self, link: Link, batch: List[Pending]) -> None:
+    async def _write(self, link: Link, batch: List[Pending], ticket: Optional[Ticket]) -> None:
         """One write of ``batch``'s last chunks with one DoneMany; every room's chain ends
         once it settled (finally)."""
         try:
-            await self._write_rooms(link, [p for p in batch if not is_terminal(p.room.state)])
+            live = [p for p in batch if not is_terminal(p.room.state)]
+            await self._write_rooms(link, live, ticket)
         finally:
             for p in batch:
                 if not p.fut.done():
                     p.fut.set_result(None)
 
-    async def _write_rooms(self, link: Link, live: List[Pending]) -> None:
+    async def _write_rooms(self, link: Link, live: List[Pending], ticket: Optional[Ticket]) -> None:
         mgr = self.mgr
         if not live:
             return
@@ -188,7 +198,10 @@ class Coalescer:
         ).encode()
         t_call = time.monotonic_ns()
         try:
-            stats = await link.peer.write(items, notify=notify, timeout=mgr.t.transfer_s)
+            try:
+                stats = await link.peer.write(items, notify=notify, timeout=mgr.t.transfer_s)
+            finally:  # no longer in flight, before any room of it is reported done
+                self.boxes.end(ticket)
         except _REFUSED:
             # one room's parts (or two rooms' destinations) refused before any byte moved:
             # each room on its own, so only the offending one fails

@@ -34,6 +34,7 @@ from kvxfer.disagg.errors import DuplicateRoom, LayoutMismatch, TpShapeMismatch,
 from kvxfer.disagg.handle import OnDone
 from kvxfer.disagg.kv_args import check_compatible
 from kvxfer.disagg.link import Link
+from kvxfer.disagg.outbox import Ticket
 from kvxfer.disagg.page_map import RoomPages
 from kvxfer.disagg.poll import KVPoll, is_terminal
 from kvxfer.disagg.roles import RoomRole
@@ -379,11 +380,12 @@ class PrefillSide:
         if last and kv_part is None and self.coalesce.wants(r, kv, prev):
             r.chain = self.coalesce.add(r, src, kv, src_state)  # its link is busy
             return
+        # counted in flight to its link (kvxfer.disagg.coalesce) until it returned
+        ticket = self.coalesce.begin(r.link) if r.link is not None else None
         # started on this stack (kvxfer.eager): no loop iteration before the write is
         # planned and posted; a write waiting for the previous chunk's continues in a task
-        r.chain = eager.start(mgr.spawn, self._write(r, prev, src, kv, src_state, last))
-        if r.link is not None:  # (always: _attach set it before the first _issue)
-            self.coalesce.track(r.link, r.chain)
+        r.chain = eager.start(mgr.spawn, self._write(r, prev, src, kv, src_state, last, ticket))
+        self.coalesce.watch(ticket, r.chain)
 
     def _write_alone(
         self, r: Room, src: np.ndarray, kv: Any, src_state: Optional[np.ndarray]
@@ -399,9 +401,11 @@ class PrefillSide:
         kv: Any,
         src_state: Optional[np.ndarray],
         last: bool,
+        ticket: Optional[Ticket] = None,
     ) -> None:
         """Write one chunk: ``kv`` (its ItemWrite/RawWrite, or None), then with the last
-        chunk the state slots and the aux row. ``src``: the chunk's source pages."""
+        chunk the state slots and the aux row. ``src``: the chunk's source pages;
+        ``ticket``: the write's count in flight to its link, ended as soon as it returned."""
         if prev is not None and not prev.done():
             await asyncio.wait([prev])
         mgr, ItemWrite = self.mgr, _item_write()
@@ -441,7 +445,10 @@ class PrefillSide:
         mgr.hook("before_write", r.room)
         t_call = time.monotonic_ns() if last and r.trace is not None else 0
         try:
-            stats = await link.peer.write(items, notify=notify, timeout=mgr.t.transfer_s)
+            try:
+                stats = await link.peer.write(items, notify=notify, timeout=mgr.t.transfer_s)
+            finally:  # no longer in flight, before the room is reported done
+                self.coalesce.end(ticket)
         except TransferTimeout as exc:
             # the write may still be in flight: only closing the link's endpoints stops it
             mgr.link_failed(link, exc, fence=True)
@@ -450,6 +457,7 @@ class PrefillSide:
         except KvxferError as exc:
             mgr.fail(r, exc)
             return
+        mgr.hook("written", r.room)  # (tests: the write returned, its room not yet done)
         if t_call:
             assert r.trace is not None
             mark_write(r.trace, t_call, time.monotonic_ns(), stats)

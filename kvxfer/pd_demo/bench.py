@@ -606,7 +606,7 @@ def bench_mode(args, mode: str, integrity: bool = False, coalesce: Optional[int]
         # latency: decode announces a batch ahead of prefill (prefill holds announced rooms
         # only bootstrap_s before its KVSender must exist), prefill sends one at a time
         rooms = _ids(1000, args.latency_requests)
-        p_rooms, d_rooms, ops, direct = {}, {}, 0, 0
+        p_rooms, d_rooms, ops, direct, lat_coalesced = {}, {}, 0, 0, 0
         for lo in range(0, len(rooms), LATENCY_BATCH):
             batch = rooms[lo : lo + LATENCY_BATCH]
             pair.decode.announce(batch, 1)
@@ -615,6 +615,7 @@ def bench_mode(args, mode: str, integrity: bool = False, coalesce: Optional[int]
             d_rooms.update(d["rooms"])
             ops += p["stats"]["ops"]
             direct += p["stats"].get("direct_calls", 0)
+            lat_coalesced += p["stats"].get("coalesced_rooms", 0)
         ok = [r for r in rooms if d_rooms[r]["state"] == "Success"]
         lat = [(d_rooms[r]["t_done"] - p_rooms[r]["t_send"]) * 1e6 for r in ok]
         p_lat = [(p_rooms[r]["t_done"] - p_rooms[r]["t_send"]) * 1e6 for r in ok]
@@ -628,6 +629,8 @@ def bench_mode(args, mode: str, integrity: bool = False, coalesce: Optional[int]
             # prefill's calls that ran as its loop's guest, per request (its adoption, init
             # and send: at most 3)
             direct_calls_1page=direct / len(rooms),
+            # sequential requests that went in a coalesced write (should be none)
+            lat_coalesced_rooms=lat_coalesced,
             lanes=p["stats"]["lanes"],
         )
         if args.stages:

@@ -163,7 +163,12 @@ class Node:
         tp_stage_min_ops: Optional[int] = None,
         tp_pattern: str = "auto",
         coalesce_after: Optional[int] = None,
+        inline_wait_us: Optional[float] = None,
     ) -> None:
+        """``inline_wait_us``: how long a write's flush + notify may be waited for on the
+        thread that posted it ($KVXFER_CHAIN_INLINE_US / $KVXFER_GUEST_INLINE_US, set for
+        the whole worker process before its manager starts); 0: every write returns
+        through the loop, so other work queued there runs while it is in flight."""
         from kvxfer.disagg import KVArgs, KVManager, MetadataBuffer, Timeouts
         from kvxfer.disagg.kv_args import replace
         from kvxfer.pools.allocator import PagedTokenToKVPoolAllocator
@@ -171,6 +176,9 @@ class Node:
 
         if kind == "mismatch":
             page_size = 8
+        if inline_wait_us is not None:
+            os.environ["KVXFER_CHAIN_INLINE_US"] = str(inline_wait_us)
+            os.environ["KVXFER_GUEST_INLINE_US"] = str(inline_wait_us)
         self.kind, self.role, self.bootstrap = kind, role, bootstrap
         self.pool, mamba = _build_pool(kind, size, page_size, device, tp)
         self.tp, self.device = tp, device

@@ -67,7 +67,7 @@ def test_wants_every_condition():
         def busy(c, n=1, **kw):
             link = _link(**kw)
             for _ in range(n):
-                c.track(link, loop.create_future())  # a write in flight, never done
+                c.boxes.track(link, loop.create_future())  # a write in flight, never done
             return link
 
         c = _coalescer()
@@ -105,7 +105,7 @@ def test_outbox_drains_on_completion_in_batches():
         link = _link()
         batches, gates = [], []
 
-        async def write_rooms(lk, live):
+        async def write_rooms(lk, live, ticket):
             assert lk is link
             batches.append([p.room.room for p in live])
             gate = asyncio.get_running_loop().create_future()
@@ -114,7 +114,7 @@ def test_outbox_drains_on_completion_in_batches():
 
         c._write_rooms = write_rooms
         first = asyncio.get_running_loop().create_future()
-        c.track(link, first)
+        c.boxes.track(link, first)
         boxes = c.boxes
         assert boxes.inflight == {link: 1}
         n = coalesce.MAX_ROOMS + 5
@@ -149,12 +149,12 @@ def test_terminal_rooms_are_skipped():
         link = _link()
         seen = []
 
-        async def write_rooms(lk, live):
+        async def write_rooms(lk, live, ticket):
             seen.append([p.room.room for p in live])
 
         c._write_rooms = write_rooms
         first = asyncio.get_running_loop().create_future()
-        c.track(link, first)
+        c.boxes.track(link, first)
         rooms = [_room(link, room=i) for i in range(3)]
         futs = [c.add(r, np.arange(1), None, None) for r in rooms]
         rooms[1].state = KVPoll.Failed
@@ -162,6 +162,71 @@ def test_terminal_rooms_are_skipped():
         for _ in range(3):
             await asyncio.sleep(0)
         assert seen == [[0, 2]] and all(f.done() for f in futs) and c.boxes.inflight == {}
+
+    asyncio.run(main())
+
+
+def test_a_ticket_ended_by_its_writer_counts_once():
+    """A write's ticket ended by its writer (the write returned) stops counting at once and
+    sends what waits, before the write's future is done; the future's completion later
+    changes nothing (counted once); an unknown or repeated end is a no-op."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        started = []
+
+        def start(key, batch, ticket):
+            started.append(list(batch))
+            return loop.create_future()
+
+        box = Outboxes(1, start, 8, max_wait_s=60.0)
+        fut = loop.create_future()
+        ticket = box.track("a", fut)
+        box.add("a", "x")
+        box.add("a", "y")
+        box.end(ticket)  # on the writer's stack: no loop iteration in between
+        assert started == [["x", "y"]] and box.waiting == {} and box.inflight == {"a": 1}
+        fut.set_result(None)
+        await asyncio.sleep(0)
+        assert box.inflight == {"a": 1}  # only the batch's own write is left
+        box.end(ticket)
+        box.end(None)
+        assert box.inflight == {"a": 1}
+        assert Outboxes(0, start, 8).begin("a") is None
+
+    asyncio.run(main())
+
+
+def test_a_burst_of_returned_but_unsettled_writes_is_busy():
+    """Writes that returned (tickets ended) but whose futures' callbacks have not run yet
+    count towards ``after`` x BACKLOG: a burst finishing inline still batches, while fewer
+    of them (a scheduler sending its next request on the last one's completion) do not."""
+    from kvxfer.disagg.outbox import BACKLOG
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        started = []
+
+        def start(key, batch, ticket):
+            started.append(list(batch))
+            return loop.create_future()
+
+        box = Outboxes(1, start, 8, max_wait_s=60.0)
+        futs = []
+        for i in range(BACKLOG):
+            assert not box.busy("a"), i
+            fut = loop.create_future()
+            box.end(box.track("a", fut))  # returned at once: only unsettled
+            futs.append(fut)
+        assert box.inflight == {} and box.unsettled == {"a": BACKLOG} and box.busy("a")
+        box.add("a", "x")
+        futs[0].set_result(None)
+        await asyncio.sleep(0)  # one settles: below the backlog, the item goes
+        assert started == [["x"]] and box.waiting == {}
+        for f in futs[1:]:
+            f.set_result(None)
+        await asyncio.sleep(0)
+        assert box.unsettled == {"a": 1} and box.inflight == {"a": 1}  # the batch's write
 
     asyncio.run(main())
 
@@ -187,13 +252,13 @@ def test_outboxes_bookkeeping():
 
     async def main():
         loop = asyncio.get_running_loop()
-        off = Outboxes(0, lambda k, b: loop.create_future(), 2)
+        off = Outboxes(0, lambda k, b, t: loop.create_future(), 2)
         off.track("a", loop.create_future())
         assert off.inflight == {} and not off.busy("a")
 
         started = []
 
-        def start(key, batch):
+        def start(key, batch, ticket):
             started.append((key, list(batch)))
             fut = loop.create_future()
             fut.set_result(None)
@@ -232,7 +297,7 @@ def test_outboxes_send_after_max_wait_without_a_completion():
         loop = asyncio.get_running_loop()
         started = []
 
-        def start(key, batch):
+        def start(key, batch, ticket):
             started.append((loop.time(), list(batch)))
             return loop.create_future()  # never completes either
 
