@@ -6,11 +6,12 @@ its completion, the notification) and on decode (the notification's receipt). Wh
 finish faster than one link's writes complete, each of them paying it bounds requests/s by
 that host time (bench/results/stages-h200.md). A :class:`Coalescer` counts the writes of its
 manager's rooms in flight to each decode peer (:mod:`kvxfer.disagg.outbox`); a room's last
-chunk that finds ``after`` or more there waits in the peer's outbox instead, and when one of them
-completes, everything waiting goes as **one** ``Peer.write`` — the rooms' kv pages, state
+chunk that finds the link busy (``after`` writes in flight, or a burst of returned ones the
+loop has not settled yet) waits in the peer's outbox instead, and when it no longer is,
+everything waiting goes as **one** ``Peer.write`` — the rooms' kv pages, state
 slots and aux rows as one ItemWrite per group — whose notification is one
-:class:`~kvxfer.disagg.messages.DoneMany` naming every room. A room that finds fewer writes
-in flight is written at once, as before: one request at a time never waits.
+:class:`~kvxfer.disagg.messages.DoneMany` naming every room. A room that finds the link not
+busy is written at once, as before: one request at a time never waits.
 
 Only the simplest last chunks coalesce: whole pages (an ItemWrite or nothing) to a decode
 of the same TP size that advertised ``done_many`` in its hello, no integrity check, no
@@ -21,9 +22,10 @@ Invariants
   be in flight: after its coalesced write settled, or once it left the outbox unwritten
   (:meth:`withdraw`, a room that failed while waiting), so ``after_fail`` releases its
   source pages only then — as for a room's own write.
-- The outbox only holds rooms while a write of the link is in flight; each completion of
-  one drains it, and a room never waits longer than ``max_wait_s`` (1 ms, plus the loop's
-  timer resolution) for that: a long write in flight (a large request) does not hold a
+- The outbox only holds rooms while the link is busy (:mod:`kvxfer.disagg.outbox`: writes
+  in flight, or a backlog of returned writes the loop has not settled); each write that
+  returns or settles drains it once the link no longer is, and a room never waits longer
+  than ``max_wait_s`` (1 ms, plus the loop's timer resolution) for that: a long write in flight (a large request) does not hold a
   small one back for its whole duration.
 - A coalesced write that the engine refuses before any byte moves (a room's ids out of
   range, two rooms naming one destination) is split: every room is written on its own, so
