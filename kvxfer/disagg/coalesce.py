@@ -109,8 +109,9 @@ class Coalescer:
         return self._item_cls
 
     def begin(self, link: Link) -> Optional[Ticket]:
-        """Count a write of one of our rooms to ``link`` in flight until :meth:`end` (its
-        writer, the moment the write returned) or :meth:`watch` (its future) ends it."""
+        """Count a write of one of our rooms to ``link``: in flight until :meth:`end` (its
+        writer, the moment the write returned), unsettled until its future is done
+        (:meth:`watch`)."""
         return self.boxes.begin(link)
 
     def watch(self, ticket: Optional[Ticket], fut: "asyncio.Future[Any]") -> None:

@@ -166,6 +166,17 @@ def test_terminal_rooms_are_skipped():
     asyncio.run(main())
 
 
+def _recording_box(loop, after=1):
+    """Outboxes whose started batches are recorded (their writes never complete)."""
+    started = []
+
+    def start(key, batch, ticket):
+        started.append(list(batch))
+        return loop.create_future()
+
+    return Outboxes(after, start, 8, max_wait_s=60.0), started
+
+
 def test_a_ticket_ended_by_its_writer_counts_once():
     """A write's ticket ended by its writer (the write returned) stops counting at once and
     sends what waits, before the write's future is done; the future's completion later
@@ -173,13 +184,7 @@ def test_a_ticket_ended_by_its_writer_counts_once():
 
     async def main():
         loop = asyncio.get_running_loop()
-        started = []
-
-        def start(key, batch, ticket):
-            started.append(list(batch))
-            return loop.create_future()
-
-        box = Outboxes(1, start, 8, max_wait_s=60.0)
+        box, started = _recording_box(loop)
         fut = loop.create_future()
         ticket = box.track("a", fut)
         box.add("a", "x")
@@ -192,7 +197,7 @@ def test_a_ticket_ended_by_its_writer_counts_once():
         box.end(ticket)
         box.end(None)
         assert box.inflight == {"a": 1}
-        assert Outboxes(0, start, 8).begin("a") is None
+        assert Outboxes(0, box._start, 8).begin("a") is None
 
     asyncio.run(main())
 
@@ -205,13 +210,7 @@ def test_a_burst_of_returned_but_unsettled_writes_is_busy():
 
     async def main():
         loop = asyncio.get_running_loop()
-        started = []
-
-        def start(key, batch, ticket):
-            started.append(list(batch))
-            return loop.create_future()
-
-        box = Outboxes(1, start, 8, max_wait_s=60.0)
+        box, started = _recording_box(loop)
         futs = []
         for i in range(BACKLOG):
             assert not box.busy("a"), i
