@@ -271,8 +271,17 @@ class PrefillSide:
         if not is_terminal(r.state) and r.dst_kv is not None:
             self._check_counts(r)
 
-    def send(self, r: Room, src: np.ndarray, src_state: Optional[np.ndarray], last: bool) -> None:
-        """KVSender.send(), handed over. Runs on: the loop thread."""
+    def send(
+        self,
+        r: Room,
+        src: np.ndarray,
+        src_state: Optional[np.ndarray],
+        last: bool,
+        inline: bool = True,
+    ) -> None:
+        """KVSender.send(), handed over. ``inline=False``: the write waits for nothing on
+        this stack (a room's decode legs: the next leg's write starts at once, see
+        :func:`kvxfer.disagg.tp_rooms.prefill_send`). Runs on: the loop thread."""
         if last and r.trace is not None:
             mark(r.trace, "loop")
         if is_terminal(r.state):
@@ -283,7 +292,7 @@ class PrefillSide:
         if r.dst_kv is None:  # decode's metadata not here yet: keep order
             r.queued.append((src, src_state, last))
             return
-        self._issue(r, src, src_state, last)
+        self._issue(r, src, src_state, last, inline=inline)
 
     # ------------------------------------------------------------------ writes
     def _check_counts(self, r: Room) -> bool:
@@ -355,9 +364,11 @@ class PrefillSide:
         src_state: Optional[np.ndarray],
         last: bool,
         kv_part: Optional[Callable[[Room, np.ndarray, int], Any]] = None,
+        inline: bool = True,
     ) -> None:
         """Chain the write of a chunk. ``kv_part``: builds its kv write instead of
-        :meth:`_kv_part` (layer-wise streaming: the chunk's last layers only)."""
+        :meth:`_kv_part` (layer-wise streaming: the chunk's last layers only); ``inline``:
+        as :meth:`send`."""
         mgr = self.mgr
         start = r.pages_queued
         kv = (kv_part or self._kv_part)(r, src, start)
@@ -384,7 +395,9 @@ class PrefillSide:
         ticket = self.coalesce.begin(r.link) if r.link is not None else None
         # started on this stack (kvxfer.eager): no loop iteration before the write is
         # planned and posted; a write waiting for the previous chunk's continues in a task
-        r.chain = eager.start(mgr.spawn, self._write(r, prev, src, kv, src_state, last, ticket))
+        r.chain = eager.start(
+            mgr.spawn, self._write(r, prev, src, kv, src_state, last, ticket, inline)
+        )
         self.coalesce.watch(ticket, r.chain)
 
     def _write_alone(
@@ -402,10 +415,12 @@ class PrefillSide:
         src_state: Optional[np.ndarray],
         last: bool,
         ticket: Optional[Ticket] = None,
+        inline: bool = True,
     ) -> None:
         """Write one chunk: ``kv`` (its ItemWrite/RawWrite, or None), then with the last
         chunk the state slots and the aux row. ``src``: the chunk's source pages;
-        ``ticket``: the write's count in flight to its link, ended as soon as it returned."""
+        ``ticket``: the write's count in flight to its link, ended as soon as it returned;
+        ``inline=False``: the engine waits on this stack for nothing (``Peer.write``)."""
         if prev is not None and not prev.done():
             await asyncio.wait([prev])
         mgr, ItemWrite = self.mgr, _item_write()
@@ -446,7 +461,9 @@ class PrefillSide:
         t_call = time.monotonic_ns() if last and r.trace is not None else 0
         try:
             try:
-                stats = await link.peer.write(items, notify=notify, timeout=mgr.t.transfer_s)
+                stats = await link.peer.write(
+                    items, notify=notify, timeout=mgr.t.transfer_s, inline=inline
+                )
             finally:  # no longer in flight, before the room is reported done
                 self.coalesce.end(ticket)
         except TransferTimeout as exc:

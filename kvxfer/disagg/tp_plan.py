@@ -605,6 +605,13 @@ class PagePlan:
             raise InvalidArgument(f"{si.size} source items but {di.size} destination items")
         if not si.size or not self.classes:
             return Runs.empty()
+        if si.size == 1:  # one item (a request's state slot): its runs are a fixed template
+            desc, so, do, nb, ss, ds = self._one_item()
+            return Runs(desc, so + int(si[0]) * ss, do + int(di[0]) * ds, nb)
+        return self._runs_many(si, di)
+
+    def _runs_many(self, si: np.ndarray, di: np.ndarray) -> Runs:
+        """:meth:`runs` by the per-class pass (any number of items, int64 1-D, non-empty)."""
         per: List[Optional[Tuple[np.ndarray, ...]]] = [None] * self.descriptors
         for descs, ro, rd, rn, sib, dib in self.classes:
             if rn.size == 1:  # one run per item: no 2-D broadcast
@@ -627,6 +634,31 @@ class PagePlan:
             if c is not None
         ]
         return Runs(*(np.concatenate([p[i] for p in parts]) for i in range(4)))
+
+    def _one_item(self) -> Tuple[np.ndarray, ...]:
+        """The runs of item 0 -> item 0 in :meth:`runs`' order, with each run's item
+        strides ``(desc, src, dst, nbytes, src_stride, dst_stride)`` (read-only, cached).
+        One item's runs are its class's runs moved by the item's offset on each side (they
+        are coalesced already, and merging is the same after a shift), so a one-item request
+        is two multiply-adds instead of the per-class pass."""
+        got = self.__dict__.get("_one")
+        if got is None:  # (frozen: cached by hand)
+            per: List[Any] = [None] * self.descriptors
+            for descs, ro, rd, rn, sib, dib in self.classes:
+                for d in descs:
+                    per[d] = (ro, rd, rn, sib, dib)
+            cols = [
+                (np.full(c[0].size, d, dtype=np.int64),)
+                + c[:3]
+                + tuple(np.full(c[0].size, b, dtype=np.int64) for b in c[3:])
+                for d, c in enumerate(per)
+                if c is not None
+            ]
+            got = tuple(np.concatenate([c[i] for c in cols]) for i in range(6))
+            for a in got:
+                a.flags.writeable = False
+            self.__dict__["_one"] = got
+        return got
 
 
 def page_plan(

@@ -32,6 +32,7 @@ not the room's sender) still sends Chunk/Done, writing no byte.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
@@ -54,6 +55,11 @@ from kvxfer.disagg.tp_plan import (
 )
 from kvxfer.disagg.tp_shape import groups_of
 from kvxfer.disagg.tp_tokens import plan_of
+
+#: start a room's decode legs' writes back to back, each waiting for its copy and flush in
+#: its task (:func:`prefill_send`); ``$KVXFER_OVERLAP_LEGS=0``: each leg's write waits
+#: inline as a single write does (the A/B of bench/results/tp-pattern-h200.md)
+OVERLAP_LEGS = os.environ.get("KVXFER_OVERLAP_LEGS", "1") != "0"
 
 #: the prefill / decode protocol object calling in (PrefillSide / DecodeSide; typed loosely:
 #: they import this module)
@@ -499,14 +505,20 @@ def prefill_adopt(side: PrefillSide, r: Room, pending: Room) -> None:
 
 def prefill_send(side: PrefillSide, r: Room, chunk: Chunk) -> None:
     """KVSender.send on a room with legs: every attached leg sends the chunk; the chunk is
-    kept for the legs still to come."""
+    kept for the legs still to come.
+
+    Every leg's write but the last starts with ``inline=False`` (with :data:`OVERLAP_LEGS`):
+    it plans, launches and posts on this stack, then waits for its copy and flush in its
+    task instead of spinning here, so the next leg's host work overlaps them; the last leg
+    waits inline as a single write does (bench/results/tp-pattern-h200.md)."""
     legs: Legs = r.legs
     if legs.history is not None:
         legs.history.append(chunk)
     if legs.complete and r.state != KVPoll.Transferring:
         side.mgr.advance(r, KVPoll.Transferring)
-    for leg in legs.legs():
-        side.send(leg, *chunk)
+    todo = legs.legs()
+    for i, leg in enumerate(todo):
+        side.send(leg, *chunk, inline=not OVERLAP_LEGS or i == len(todo) - 1)
 
 
 def prefill_fail_pending(side: PrefillSide, p: Room, exc: BaseException) -> None:

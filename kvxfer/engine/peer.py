@@ -443,10 +443,14 @@ class Peer:
         writes: Iterable[Union[ItemWrite, RawWrite, SliceWrite, PatternWrite]],
         notify: Optional[bytes] = None,
         timeout: Optional[float] = None,
+        inline: bool = True,
     ) -> TransferStats:
         """Move the items, flush, then deliver ``notify`` to the peer's message handlers.
         Raises (before any byte moves) UnknownGroup / IndexOutOfRange / InvalidArgument;
-        afterwards PeerClosed / TransferTimeout / TransportError."""
+        afterwards PeerClosed / TransferTimeout / TransportError. ``inline=False``: plan,
+        launch and post, then suspend instead of first waiting on the calling stack (a
+        device copy is polled once, not spun on; the flush + notify chain starts with no
+        inline wait): a caller with more writes to start right after lets them go first."""
         self._check_open()
         timeout = self._timeout if timeout is None else timeout
         if notify is not None and not isinstance(notify, (bytes, bytearray, memoryview)):
@@ -522,7 +526,8 @@ class Peer:
                     self._rma.put(laddr, raddr, nbytes, lmemh, ridx)
                 t1, m1 = time.perf_counter(), time.monotonic()
                 stats.posted_ns = int(m1 * 1e9)
-                if launched is not None and not self._dev.settled(launched):
+                spin = devcopy.WAIT_SPIN_S if inline else 0.0
+                if launched is not None and not self._dev.settled(launched, spin):
                     await self._bounded(self._dev.wait(launched, 0.0), timeout, "device copy")
                 for group, src, dst, direct_ops in staged:
                     chunks += await self._staged.write(group, src, dst, deadline, stats)
@@ -548,7 +553,9 @@ class Peer:
                 ):
                     assert notify is not None
                     promised = True
-                    chain = self._rma.flush_notify_future(self._note_to, bytes(notify), self.spin)
+                    chain = self._rma.flush_notify_future(
+                        self._note_to, bytes(notify), self.spin, inline
+                    )
                 if chain is not None:  # flush -> notify natively: one wake-up at the end
                     t_done = await self._bounded_future(chain, timeout, "flush + notify")
                     self._notes_sent += 1

@@ -122,7 +122,7 @@ class RmaEndpoint(abc.ABC):
         """Transports carrying RMA, e.g. ``["cma/memory"]`` or ``["tcp/lo"]``."""
 
     def flush_notify_future(
-        self, note_token: int, payload: bytes, spin: bool = False
+        self, note_token: int, payload: bytes, spin: bool = False, inline: bool = True
     ) -> "Optional[asyncio.Future]":
         """Flush, then send ``payload`` to the peer's notification listener ``note_token``
         (:meth:`Transport.note_listen`) without returning to Python in between: the
@@ -130,7 +130,9 @@ class RmaEndpoint(abc.ABC):
         so far is visible at the target, and a failed flush sends nothing. The future
         resolves (``time.monotonic()`` of the chain's end) when the payload left, or fails
         with PeerClosed / TransportError; unbounded (the caller bounds it). None: this
-        endpoint cannot chain (the caller flushes and sends the message itself)."""
+        endpoint cannot chain (the caller flushes and sends the message itself).
+        ``inline=False``: the call does not wait for the chain's end first (see the
+        transport's inline wait)."""
         return None
 
     def note_future(self, note_token: int, payload: bytes) -> "Optional[asyncio.Future]":

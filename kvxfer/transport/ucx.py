@@ -248,7 +248,13 @@ class UcxTransport(Transport):
         )
 
     def chain_future(
-        self, ep_handle: int, spin: bool, ctx: int, note_token: int, payload: bytes
+        self,
+        ep_handle: int,
+        spin: bool,
+        ctx: int,
+        note_token: int,
+        payload: bytes,
+        inline: bool = True,
     ) -> asyncio.Future:
         """Start a native chain (``_rma`` ``flush_notify``): flush ``ep_handle``; its
         completion callback, on the thread progressing the endpoint's worker, sends ``payload``
@@ -257,13 +263,16 @@ class UcxTransport(Transport):
         returns a resolved future (no completion event, no wake-up of the loop). The future resolves to the
         monotonic time the chain ended (or fails: the flush failed and nothing was sent,
         PeerClosed / TransportError; or the endpoint was closing, PeerClosed). Like
-        :meth:`flush_future`, unbounded, and set directly by the eventfd callback."""
+        :meth:`flush_future`, unbounded, and set directly by the eventfd callback.
+        ``inline=False``: no inline wait (the caller has more to start first)."""
         # a guest (a scheduler's thread) would progress kvxfer's own worker itself; waiting
         # on UCXX's worker only signals its progress thread, as on the loop
-        inline = self.guest_inline_us if self.own_rma and in_guest() else self.chain_inline_us
+        wait_us = self.guest_inline_us if self.own_rma and in_guest() else self.chain_inline_us
+        if not inline:
+            wait_us = 0.0
         return self._started(
             lambda token: self._cq.flush_notify(
-                ep_handle, token, spin, ctx, note_token, payload, inline
+                ep_handle, token, spin, ctx, note_token, payload, wait_us
             ),
             "flush + notify" if note_token else "ucp_ep_flush",
         )

@@ -169,12 +169,14 @@ class UcxRma(RmaEndpoint):
         ctx = self._raw[1] if self._raw is not None else 0
         return self._t.chain_future(self._handle(), spin, ctx, 0, b"")
 
-    def flush_notify_future(self, note_token: int, payload: bytes, spin: bool = False):
+    def flush_notify_future(
+        self, note_token: int, payload: bytes, spin: bool = False, inline: bool = True
+    ):
         """The native chain flush -> notify (see base.RmaEndpoint). On an owned endpoint the
         chain holds its error-handler context, and a close started before the flush
         completed cancels the notification (UCX forbids posting on a closing endpoint)."""
         ctx = self._raw[1] if self._raw is not None else 0
-        return self._t.chain_future(self._handle(), spin, ctx, note_token, payload)
+        return self._t.chain_future(self._handle(), spin, ctx, note_token, payload, inline)
 
     def note_future(self, note_token: int, payload: bytes):
         """One native active message to ``note_token``, no flush, no inline wait (see

@@ -172,3 +172,39 @@ def test_settled_polls_inline_then_gives_up():
     assert devcopy.DeviceLane.settled(ev, spin_s=1.0) and ev.queries == 3
     never = StandInEvent(10**9)
     assert not devcopy.DeviceLane.settled(never, spin_s=0.0) and never.queries == 1
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_write_not_inline_suspends_at_the_copy(inline):
+    """``Peer.write(inline=False)`` (a room's decode legs but the last): launched and posted
+    on the caller's stack, then the copy's event is polled once, not spun on — the write
+    suspends there and its caller goes on; ``inline=True`` spins and finds the copy done
+    (it completes at the third poll) with no awaited wait. Either way every byte lands and
+    the notification follows."""
+    from kvxfer import eager
+
+    async def main():
+        engines, peer, bufs, notes = await _pair(device_min_ops=1)
+        try:
+            lane = peer._dev = StandInLane(peer, after=3)
+            src, dst = [1, 2, 5], [4, 9, 12]
+            loop = asyncio.get_running_loop()
+            fut = eager.start(
+                loop.create_task,
+                peer.write([ItemWrite("kv", src, dst)], notify=b"legs", timeout=10, inline=inline),
+            )
+            assert len(lane.launched) == 1  # launched before start() returned
+            ev = lane.launched[0][1]
+            if not inline:
+                assert not fut.done() and ev.queries == 1  # one poll, then it suspended
+            await asyncio.wait_for(fut, 10)
+            assert lane.waits == (0 if inline else 1)
+            a, b = np.stack(bufs["a"]), np.stack(bufs["b"])
+            for s, d in zip(src, dst):
+                assert np.array_equal(b[:, d], a[:, s])
+            await _until(lambda: notes == [b"legs"], "the notification")
+        finally:
+            for e in engines.values():
+                await e.close()
+
+    asyncio.run(main())

@@ -373,7 +373,8 @@ def _old_plan_pages(src, dst, p, d, tp_p, tp_d, si, di, salt=0):
 @pytest.mark.parametrize("tp_p,tp_d", [(1, 2), (2, 1), (4, 1), (2, 4), (2, 2)])
 def test_page_plan_runs_equal_the_per_descriptor_plan(tp_p, tp_d):
     """Mixed descriptors (NHD, HND, a replicated latent, NHD again): the classes of equal
-    geometry share their runs and the result is the per-descriptor plan, run for run."""
+    geometry share their runs and the result is the per-descriptor plan, run for run (one
+    item too, which takes the cached one-item template)."""
     rng = np.random.default_rng(tp_p * 7 + tp_d)
 
     def geoms(t):
@@ -387,7 +388,9 @@ def test_page_plan_runs_equal_the_per_descriptor_plan(tp_p, tp_d):
     id_sets = [
         (np.arange(20), np.arange(5, 25)),
         (rng.permutation(40)[:20], rng.permutation(40)[:20]),
-        ([3], [7]),
+        ([3], [7]),  # one item (a state slot): PagePlan's one-item template
+        ([0], [0]),
+        ([39], [2]),
         ([], []),
     ]
     for p in range(tp_p):

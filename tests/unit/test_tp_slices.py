@@ -252,3 +252,36 @@ def test_tp_pair_pattern_moves_what_the_direct_plan_moves(tp_p, tp_d, salt):
     )
     w = mla.write("kv", src, dst, 0, pattern=True)
     assert w is None or isinstance(w, RawWrite)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_legs_start_back_to_back_the_last_waits_inline(monkeypatch, k, overlap):
+    """tp_rooms.prefill_send: every leg of a chunk gets its send, in rank order; with
+    OVERLAP_LEGS each but the last with ``inline=False`` (its write waits in its task, so the
+    next leg's host work is not held up by it), the last inline; without, all inline."""
+    from kvxfer.disagg import tp_rooms
+    from kvxfer.disagg.poll import KVPoll
+    from kvxfer.disagg.roles import RoomRole
+    from kvxfer.disagg.rooms import Room
+
+    monkeypatch.setattr(tp_rooms, "OVERLAP_LEGS", overlap)
+    parent = Room(7, RoomRole.SENDER, None)
+    parent.state = KVPoll.Transferring
+    parent.legs = tp_rooms.Legs(parent, k)
+    legs = [Room(7, RoomRole.SENDER, None) for _ in range(k)]
+    for rank, leg in enumerate(legs):
+        parent.legs.by_rank[rank] = leg
+    sent = []
+
+    class Side:
+        mgr = None
+
+        def send(self, leg, src, state, last, inline=True):
+            sent.append((legs.index(leg), last, inline))
+
+    chunk = (np.arange(3), np.array([1]), True)
+    tp_rooms.prefill_send(Side(), parent, chunk)
+    assert [s[:2] for s in sent] == [(i, True) for i in range(k)]
+    assert [s[2] for s in sent] == [not overlap or i == k - 1 for i in range(k)]
+    assert parent.legs.history == [chunk]  # kept for legs that attach later
