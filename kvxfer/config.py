@@ -121,8 +121,11 @@ def env_defaults() -> dict:
 
 #: default of ``KVManager(direct_pages=)`` and of the SGLang backend: a send of up to this
 #: many pages runs on the caller's thread as the engine loop's guest when that loop is idle
-#: (kvxfer.loop_thread.LoopThread.call); ``$KVXFER_DIRECT_PAGES`` overrides it, 0: never
-DIRECT_PAGES = 16
+#: (kvxfer.loop_thread.LoopThread.call); ``$KVXFER_DIRECT_PAGES`` overrides it, 0: never.
+#: Large sends gain most (the loop's wake-up, and host steps on a thread that had slept,
+#: leave a large request's path: bench/results/issue15-status.md, fifth update); the bound
+#: only keeps the plan of a huge send off the caller's thread
+DIRECT_PAGES = 65536
 DIRECT_PAGES_ENV = "KVXFER_DIRECT_PAGES"
 
 

@@ -56,10 +56,11 @@ from kvxfer.disagg.tp_plan import (
 from kvxfer.disagg.tp_shape import groups_of
 from kvxfer.disagg.tp_tokens import plan_of
 
-#: start a room's decode legs' writes back to back, each waiting for its copy and flush in
-#: its task (:func:`prefill_send`); ``$KVXFER_OVERLAP_LEGS=0``: each leg's write waits
-#: inline as a single write does (the A/B of bench/results/tp-pattern-h200.md)
-OVERLAP_LEGS = os.environ.get("KVXFER_OVERLAP_LEGS", "1") != "0"
+#: how a room's decode legs' writes start (:func:`prefill_send`): 1, back to back, each but
+#: the last waiting for its copy and flush in its task; 2, every leg so, the last too; 0,
+#: each leg's write waiting inline as a single write does. ``$KVXFER_OVERLAP_LEGS`` (the A/B
+#: of bench/results/tp-pattern-h200.md)
+OVERLAP_LEGS = int(os.environ.get("KVXFER_OVERLAP_LEGS", "1") or 0)
 
 #: the prefill / decode protocol object calling in (PrefillSide / DecodeSide; typed loosely:
 #: they import this module)
@@ -507,7 +508,7 @@ def prefill_send(side: PrefillSide, r: Room, chunk: Chunk) -> None:
     """KVSender.send on a room with legs: every attached leg sends the chunk; the chunk is
     kept for the legs still to come.
 
-    Every leg's write but the last starts with ``inline=False`` (with :data:`OVERLAP_LEGS`):
+    Every leg's write but the last starts with ``inline=False`` (:data:`OVERLAP_LEGS`):
     it plans, launches and posts on this stack, then waits for its copy and flush in its
     task instead of spinning here, so the next leg's host work overlaps them; the last leg
     waits inline as a single write does (bench/results/tp-pattern-h200.md)."""
@@ -518,7 +519,8 @@ def prefill_send(side: PrefillSide, r: Room, chunk: Chunk) -> None:
         side.mgr.advance(r, KVPoll.Transferring)
     todo = legs.legs()
     for i, leg in enumerate(todo):
-        side.send(leg, *chunk, inline=not OVERLAP_LEGS or i == len(todo) - 1)
+        inline = OVERLAP_LEGS == 0 or (OVERLAP_LEGS == 1 and i == len(todo) - 1)
+        side.send(leg, *chunk, inline=inline)
 
 
 def prefill_fail_pending(side: PrefillSide, p: Room, exc: BaseException) -> None:

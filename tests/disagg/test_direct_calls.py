@@ -102,7 +102,10 @@ def test_a_direct_calls_exception_goes_to_the_loops_handler(bound):
 
 @pytest.mark.parametrize(
     "name,env,default",
-    [("direct_pages", "KVXFER_DIRECT_PAGES", 16), ("coalesce_after", "KVXFER_COALESCE_AFTER", 2)],
+    [
+        ("direct_pages", "KVXFER_DIRECT_PAGES", 65536),
+        ("coalesce_after", "KVXFER_COALESCE_AFTER", 2),
+    ],
 )
 def test_manager_int_settings(monkeypatch, name, env, default):
     """KVManager's int settings: the argument, else the environment, else the default;

@@ -255,11 +255,11 @@ def test_tp_pair_pattern_moves_what_the_direct_plan_moves(tp_p, tp_d, salt):
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap", [1, 2, 0])
 def test_legs_start_back_to_back_the_last_waits_inline(monkeypatch, k, overlap):
     """tp_rooms.prefill_send: every leg of a chunk gets its send, in rank order; with
-    OVERLAP_LEGS each but the last with ``inline=False`` (its write waits in its task, so the
-    next leg's host work is not held up by it), the last inline; without, all inline."""
+    OVERLAP_LEGS=1 each but the last with ``inline=False`` (its write waits in its task, so
+    the next leg's host work is not held up by it), the last inline; 2: all; 0: none."""
     from kvxfer.disagg import tp_rooms
     from kvxfer.disagg.poll import KVPoll
     from kvxfer.disagg.roles import RoomRole
@@ -283,5 +283,6 @@ def test_legs_start_back_to_back_the_last_waits_inline(monkeypatch, k, overlap):
     chunk = (np.arange(3), np.array([1]), True)
     tp_rooms.prefill_send(Side(), parent, chunk)
     assert [s[:2] for s in sent] == [(i, True) for i in range(k)]
-    assert [s[2] for s in sent] == [not overlap or i == k - 1 for i in range(k)]
+    want = {1: [i == k - 1 for i in range(k)], 2: [False] * k, 0: [True] * k}[overlap]
+    assert [s[2] for s in sent] == want
     assert parent.legs.history == [chunk]  # kept for legs that attach later
