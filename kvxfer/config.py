@@ -141,6 +141,20 @@ def _setting(value: Optional[int], env: str, default: int, what: str) -> int:
     return as_int(value, what, 0)
 
 
+#: a send to several decode peers at once (a room's legs, one-to-many heterogeneous TP: one
+#: write per decode rank) runs as the loop's guest only up to this many pages: on the H200
+#: such sends were slower as guests, the other way round from single-peer ones
+#: (bench/results/tp-pattern-h200.md, fifth session)
+LEG_DIRECT_PAGES = 16
+
+
+def direct_limit(direct_pages: int, peers: int) -> int:
+    """The most pages a send to ``peers`` decode peers runs as the loop's guest, given the
+    manager's ``direct_pages`` (0: none): ``direct_pages`` for one peer, at most
+    :data:`LEG_DIRECT_PAGES` for several."""
+    return direct_pages if peers <= 1 else min(direct_pages, LEG_DIRECT_PAGES)
+
+
 def direct_pages(value: Optional[int] = None) -> int:
     """``value``, else ``$KVXFER_DIRECT_PAGES``, else :data:`DIRECT_PAGES`: an int >= 0
     (InvalidArgument otherwise). Read when a manager is built."""

@@ -17,6 +17,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from kvxfer.argcheck import as_int
+from kvxfer.config import direct_limit
 from kvxfer.disagg.handle import OnDone, RoomHandle, as_ids
 from kvxfer.disagg.roles import DisaggMode
 from kvxfer.disagg.trace import mark
@@ -94,14 +95,18 @@ class KVSender(RoomHandle):
 
         Runs on: the scheduler's thread (validated there; the writes run on the loop — or,
         a chunk of at most ``KVManager.direct_pages`` pages while the loop is idle, planned
-        and posted right here: ``KVManager.call``'s ``direct``)."""
+        and posted right here: ``KVManager.call``'s ``direct``; a room with several decode
+        peers only up to :data:`kvxfer.config.LEG_DIRECT_PAGES`). ``self._r.legs`` is read
+        here before the loop may set it: a send racing the adoption picks either path, and
+        both are correct."""
         src, st, last, total = self._chunk(kv_indices, state_indices)
         self._sent = total
         self._done_sending = last
         if last and self._r.trace is not None:
             mark(self._r.trace, "send")
-        mgr = self.mgr
-        mgr.call(mgr.side.send, self._r, src, st, last, direct=len(src) <= mgr.direct_pages > 0)
+        mgr, legs = self.mgr, self._r.legs
+        limit = direct_limit(mgr.direct_pages, 1 if legs is None else legs.expect)
+        mgr.call(mgr.side.send, self._r, src, st, last, direct=0 < limit and len(src) <= limit)
 
     def begin_chunk(self, kv_indices, state_indices=None, *, layers_per_write: int = 1) -> None:
         """Declare a chunk for layer-wise streaming (validated as :meth:`send`); nothing

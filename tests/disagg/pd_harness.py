@@ -969,6 +969,10 @@ class Node:
     def debug_links(self) -> list:
         return [(repr(lk), [repr(r) for r in list(lk.rooms)[:3]]) for lk in self.mgr.links.values()]
 
+    def drained(self) -> None:
+        """Return once every call handed to the manager's loop so far has run."""
+        self.mgr.call_wait(lambda: None)
+
     def stats(self) -> dict:
         s = dict(self.mgr.stats)
         s["lanes"] = sorted(s["lanes"])

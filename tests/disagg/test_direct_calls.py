@@ -135,3 +135,13 @@ def test_manager_int_settings(monkeypatch, name, env, default):
     monkeypatch.delenv(env)
     with pytest.raises(InvalidArgument):
         make(**{name: -1})
+
+
+def test_direct_limit_by_peers():
+    """config.direct_limit: a send to one decode peer runs as the loop's guest up to
+    direct_pages; to several (a room's TP legs) up to LEG_DIRECT_PAGES at most; 0 stays 0."""
+    from kvxfer.config import LEG_DIRECT_PAGES, direct_limit
+
+    assert direct_limit(65536, 1) == 65536 and direct_limit(65536, 0) == 65536
+    assert direct_limit(65536, 2) == LEG_DIRECT_PAGES == direct_limit(65536, 4)
+    assert direct_limit(8, 2) == 8 and direct_limit(0, 1) == 0 and direct_limit(0, 3) == 0
