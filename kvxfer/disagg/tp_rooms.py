@@ -32,6 +32,7 @@ not the room's sender) still sends Chunk/Done, writing no byte.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
@@ -60,7 +61,12 @@ from kvxfer.disagg.tp_tokens import plan_of
 #: the last waiting for its copy and flush in its task; 2, every leg so, the last too; 0,
 #: each leg's write waiting inline as a single write does. ``$KVXFER_OVERLAP_LEGS`` (the A/B
 #: of bench/results/tp-pattern-h200.md)
-OVERLAP_LEGS = int(os.environ.get("KVXFER_OVERLAP_LEGS", "1") or 0)
+_OVERLAP_ENV = os.environ.get("KVXFER_OVERLAP_LEGS", "").strip()
+OVERLAP_LEGS = int(_OVERLAP_ENV) if _OVERLAP_ENV in ("0", "1", "2") else 1
+if _OVERLAP_ENV not in ("", "0", "1", "2"):
+    logging.getLogger(__name__).warning(
+        "KVXFER_OVERLAP_LEGS=%r is not 0, 1 or 2: using 1", _OVERLAP_ENV
+    )
 
 #: the prefill / decode protocol object calling in (PrefillSide / DecodeSide; typed loosely:
 #: they import this module)
