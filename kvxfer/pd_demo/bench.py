@@ -491,13 +491,8 @@ def format_stages(rows: List[dict]) -> str:
         out += [
             f"\n{','.join(r['lanes'])} ({label}), {st['requests']} sequential 1-page requests "
             f"({r['request_bytes_1page']} B):\n",
-            "| stage | p50 µs | p90 µs | p99 µs |",
-            "|---|---|---|---|",
         ]
-        for s in st["rows"]:
-            name = s["stage"] if s["on_path"] else f"({s['stage']}, off the path)"
-            p99 = s.get("p99_us", float("nan"))
-            out.append(f"| {name} | {s['p50_us']:.1f} | {s['p90_us']:.1f} | {p99:.1f} |")
+        out += _stage_rows(st)
         pt = [r.get("perftest_put_lat_us"), r.get("perftest_am_lat_us")]
         floor = "n/a" if None in pt else f"{pt[0]:.1f} + {pt[1]:.1f} = {pt[0] + pt[1]:.1f}"
         out += [
@@ -522,6 +517,16 @@ def format_stages(rows: List[dict]) -> str:
     return "\n".join(out)
 
 
+def _stage_rows(st: dict) -> List[str]:
+    """A stage table's header and one row per stage (those off the path in parentheses)."""
+    out = ["| stage | p50 µs | p90 µs | p99 µs |", "|---|---|---|---|"]
+    for s in st["rows"]:
+        name = s["stage"] if s["on_path"] else f"({s['stage']}, off the path)"
+        p99 = s.get("p99_us", float("nan"))
+        out.append(f"| {name} | {s['p50_us']:.1f} | {s['p90_us']:.1f} | {p99:.1f} |")
+    return out
+
+
 def _large_stage_lines(r: dict) -> List[str]:
     """The stages of the large requests (same names as the 1-page table), with the raw
     write of the same bytes (its post and its flush) beside them."""
@@ -531,12 +536,8 @@ def _large_stage_lines(r: dict) -> List[str]:
     out = [
         f"\nthe same run's {st['requests']} requests of {r['large_pages']} pages "
         f"({r['large_bytes'] / 2**20:.1f} MiB, {r['large_ops']} ops):\n",
-        "| stage | p50 µs | p90 µs | p99 µs |",
-        "|---|---|---|---|",
     ]
-    for s in st["rows"]:
-        name = s["stage"] if s["on_path"] else f"({s['stage']}, off the path)"
-        out.append(f"| {name} | {s['p50_us']:.1f} | {s['p90_us']:.1f} | {s['p99_us']:.1f} |")
+    out += _stage_rows(st)
     out += [
         f"| **sum of the path's p50s** | {st['sum_p50_us']:.1f} | | |",
         f"| path (decode poll sees Success − prefill send) | {st['path_p50_us']:.1f} | | |",
