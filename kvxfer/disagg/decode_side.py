@@ -32,7 +32,7 @@ from kvxfer.disagg.link import Link
 from kvxfer.disagg.poll import KVPoll, is_terminal
 from kvxfer.disagg.roles import RoomRole
 from kvxfer.disagg.rooms import Room
-from kvxfer.disagg.trace import mark
+from kvxfer.disagg.trace import mark, mark_recv
 from kvxfer.errors import (
     Closed,
     KvxferError,
@@ -430,7 +430,7 @@ class DecodeSide:
             layerwise.on_layer_done(mgr, r, msg)
         elif isinstance(msg, m.Done):
             if r.trace is not None:
-                mark(r.trace, "recv")
+                mark_recv(r.trace)
             self._on_done(r, msg)
         else:
             raise ProtocolError(f"unexpected {msg.TAG} on a decode manager")
@@ -451,7 +451,7 @@ class DecodeSide:
             if r is None:
                 continue
             if r.trace is not None:
-                mark(r.trace, "recv")
+                mark_recv(r.trace)
             self._on_done(r, m.Done(room=room, pages=pages))
 
     def _on_done(self, r: Room, msg: m.Done) -> None:

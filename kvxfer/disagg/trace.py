@@ -16,7 +16,9 @@ names (prefill stamps the last chunk only; decode its Done):
   it had any), ``posted`` (native post, with any device launch,
   returned), ``flushed`` (UCX reported the flush), ``woken`` (the loop resumed after it), ``notified``
   (the notification handed to UCX and ``Peer.write`` returned).
-* decode: ``recv`` (Done decoded on the loop, room found), ``handled`` (room at Success),
+* decode: ``arrived`` (the Done's notification taken by the transport's native receive
+  callback, :func:`kvxfer.transport.base.note_arrival`; absent when the Done was not
+  delivered inline from it), ``recv`` (Done decoded on the loop, room found), ``handled`` (room at Success),
   ``seen`` (the first ``poll()`` that saw Success, on the scheduler thread).
 
 The records live in a deque of at most ``maxlen`` (the oldest fall out); :meth:`drain`
@@ -48,6 +50,17 @@ def mark(rec: Record, stage: str) -> None:
     """Stamp ``stage`` now (the first stamp of a stage wins)."""
     if stage not in rec:
         rec[stage] = time.monotonic_ns()
+
+
+def mark_recv(rec: Record) -> None:
+    """Stamp ``recv`` now and, when a notification's delivery is running on this thread,
+    ``arrived`` at its native arrival time."""
+    from kvxfer.transport.base import note_arrival
+
+    mark(rec, "recv")
+    t = note_arrival()
+    if t and "arrived" not in rec:
+        rec["arrived"] = int(t * 1e9)
 
 
 def mark_write(rec: Record, t_call: int, t_ret: int, stats: Any) -> None:

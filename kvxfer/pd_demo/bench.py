@@ -401,7 +401,8 @@ STAGES = (
     ("native post (+ device launch)", "planned", "posted"),
     # a chained write (kvxfer.engine.notes) sends the notify from the flush's completion:
     # decode may have it before prefill's loop resumes, so the path goes post -> receipt
-    ("flush + notify → decode receipt (cross-process)", "posted", "d:recv"),
+    ("flush + notify → arrives at decode (cross-process, native)", "posted", "d:arrived"),
+    ("decode's loop takes it (native arrival → Done decoded)", "d:arrived", "d:recv"),
     ("protocol handling (→ Success)", "d:recv", "d:handled"),
     ("scheduler sees Success (poll)", "d:handled", "d:seen"),
 )
@@ -418,6 +419,9 @@ def stage_table(prefill: List[dict], decode: List[dict], rooms: List[int]) -> di
     over the path's stages and ``path_p50_us`` (``seen`` - ``send``) beside them."""
     p = {r["room"]: r for r in prefill}
     d = {r["room"]: {f"d:{k}": v for k, v in r.items()} for r in decode}
+    for x in d.values():  # a Done not delivered inline from its notification: no native
+        if "d:recv" in x:  # arrival stamp, the receipt counts as the arrival
+            x.setdefault("d:arrived", x["d:recv"])
     recs = [dict(p[r], **d[r]) for r in rooms if r in p and r in d]
     rows = []
     for name, a, b in STAGES + SIDE_STAGES:

@@ -21,7 +21,23 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import threading
 from typing import Awaitable, Callable, List, Optional, Sequence, Tuple
+
+_arrival = threading.local()
+
+
+def note_arrival() -> float:
+    """The ``time.monotonic()`` at which the transport's native receive callback took the
+    notification (or channel frame) whose delivery is running now on this thread; 0.0
+    outside such a delivery or when the transport does not know (stage traces:
+    :mod:`kvxfer.disagg.trace`). Runs on: the thread delivering (the asyncio loop's)."""
+    return float(getattr(_arrival, "t", 0.0))
+
+
+def set_note_arrival(t: float) -> None:
+    """A transport sets :func:`note_arrival` around one delivery (0.0 after it)."""
+    _arrival.t = t
 
 
 class Region(abc.ABC):

@@ -44,7 +44,14 @@ from kvxfer.errors import (
     TransportError,
 )
 from kvxfer.loop_thread import in_guest
-from kvxfer.transport.base import AcceptCallback, Channel, Region, RmaEndpoint, Transport
+from kvxfer.transport.base import (
+    AcceptCallback,
+    Channel,
+    Region,
+    RmaEndpoint,
+    Transport,
+    set_note_arrival,
+)
 from kvxfer.transport.ucx_channel import (
     OPEN_TIMEOUT_S,
     UcxChannel,
@@ -84,6 +91,13 @@ def guest_inline_us() -> float:
         cpus = os.cpu_count() or 1
     return CHAIN_INLINE_US if cpus >= GUEST_INLINE_MIN_CPUS else 0.0
 
+
+#: a diagnostic A/B switch (bench/gpu/env_ab.sh): set to 1, the completion queue's thread
+#: progresses the worker back to back for the transport's whole life (as during a spin
+#: flush, backing off the same way when idle) instead of sleeping on the worker's event fd
+#: while nothing is in flight: what a notification's delivery costs when the receiving
+#: process's thread has to be woken
+NOTE_SPIN_ENV = "KVXFER_NOTE_SPIN"
 
 #: how often the native poller (and a chain's inline wait) wakes UCXX's progress thread while
 #: a spin flush is in flight (KVXFER_POLL_SIGNAL_US)
@@ -177,10 +191,14 @@ class UcxTransport(Transport):
         signals UCXX's progress thread)."""
         signal_us = float(os.environ.get("KVXFER_POLL_SIGNAL_US", POLL_SIGNAL_US))
         if self.own_rma:
-            return self.rma.CompletionQueue(
+            q = self.rma.CompletionQueue(
                 worker=self.worker_handle, signal_us=signal_us, context=self.context_handle
             )
-        return self.rma.CompletionQueue(worker=self.worker_handle, signal_us=signal_us)
+        else:
+            q = self.rma.CompletionQueue(worker=self.worker_handle, signal_us=signal_us)
+        if os.environ.get(NOTE_SPIN_ENV, "") not in ("", "0"):
+            q.spin_hold(True)  # (a diagnostic: see NOTE_SPIN_ENV)
+        return q
 
     def _on_completions(self) -> None:
         """Resolve the futures of completed native requests and report endpoint errors.
@@ -192,10 +210,13 @@ class UcxTransport(Transport):
             if status == note or status == oversize:  # oversize: payload None
                 receiver = self._notes.get(token)
                 if receiver is not None:
+                    set_note_arrival(t)  # (stage traces: kvxfer.transport.base.note_arrival)
                     try:
                         receiver(payload)
                     except Exception:  # a receiver's bug must not stop the others
                         log.exception("notification receiver failed")
+                    finally:
+                        set_note_arrival(0.0)
                 continue
             fut = self._flushes.pop(token, None)
             if fut is not None:

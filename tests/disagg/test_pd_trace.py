@@ -1,6 +1,7 @@
 """Stage tracing (kvxfer.disagg.trace): the bounded record store, and between two spawned
 processes over UCX loopback a traced request yielding every stage in order on both sides
-while an untraced manager next to it records nothing."""
+(decode's Done stamped at its native arrival before its decoding) while an untraced manager
+next to it records nothing."""
 
 import pytest
 from pd_harness import FAST, Worker
@@ -82,6 +83,7 @@ def test_traced_request_has_every_stage_in_order(pair):
     assert sorted(pre) == rooms and sorted(dec) == rooms
     for room in rooms:
         rec = dict(pre[room], **dec[room])
+        assert "d:arrived" in rec, rec  # the Done came inline from its native receipt
         stamps = [rec[STAGES[0][1]]] + [rec[b] for _, _, b in STAGES]
         assert stamps == sorted(stamps), rec  # one clock on both sides: in order
         for _, a, b in SIDE_STAGES:
