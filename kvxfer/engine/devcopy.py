@@ -62,10 +62,6 @@ _U64 = np.uint64
 #: at most this many runs go as one cuMemcpyDtoDAsync each (copy engines, full bandwidth
 #: for large runs); more runs take one kernel launch
 MEMCPY_MAX_RUNS = 4
-#: whether a write that launches a PatternWrite on the lane copies its other runs there too
-#: (:func:`lane_wanted`'s ``ride``): a heterogeneous-TP leg's state slice beside its kv
-#: heads; ``$KVXFER_LANE_RIDE=0`` turns it off (an A/B switch, bench/gpu/env_ab.sh)
-RIDE = os.environ.get("KVXFER_LANE_RIDE", "1") != "0"
 #: how long :meth:`DeviceLane.wait` polls a launch's event inline (the loop blocked), seconds
 WAIT_SPIN_S = 50e-6
 #: then how long it polls the event once per loop iteration (other callbacks run between
@@ -89,24 +85,14 @@ def member(values: np.ndarray, table: np.ndarray) -> np.ndarray:
     return table[at] == values
 
 
-def lane_wanted(
-    ops: int,
-    nbytes: np.ndarray,
-    min_ops: int,
-    small_ops: int,
-    min_bytes: int,
-    ride: bool = False,
-) -> bool:
+def lane_wanted(ops: int, nbytes: np.ndarray, min_ops: int, small_ops: int, min_bytes: int) -> bool:
     """Whether a write of ``ops`` direct runs of ``nbytes`` bytes each should go to the
     device lane (where it is open): from ``min_ops`` runs up (one launch beats many PUTs),
-    up to ``small_ops`` runs (0: never), any number with ``ride`` (the write launches on
-    the lane anyway, a PatternWrite: its other runs go on the same stream, one more launch
-    at most, instead of as cuda_ipc PUTs each posted through the driver with a flush of
-    their own; :data:`RIDE`), or from ``min_bytes`` bytes up (0: never; the copy engines
-    against cuda_ipc PUTs for large requests). Never for a write of no runs."""
+    up to ``small_ops`` runs (0: never), or from ``min_bytes`` bytes up (0: never; the copy
+    engines against cuda_ipc PUTs for large requests). Never for a write of no runs."""
     if ops <= 0:
         return False
-    if ops >= min_ops or ops <= small_ops or ride:
+    if ops >= min_ops or ops <= small_ops:
         return True
     return 0 < min_bytes <= int(nbytes.sum(dtype=_U64))
 

@@ -476,7 +476,6 @@ class Peer:
             cfg.device_min_ops or DEVICE_MIN_OPS,
             cfg.device_small_ops or 0,
             cfg.device_min_bytes or 0,
-            devcopy.RIDE and bool(patterned),
         ):
             on_dev = self._dev.select(lmemh, ridx)
             if on_dev.all():  # the usual case: every op on the lane, no column copied

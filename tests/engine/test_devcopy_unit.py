@@ -160,24 +160,6 @@ def test_lane_wanted(ops, sizes, min_ops, small, min_bytes, want):
     assert lane_wanted(ops, nbytes, min_ops, small, min_bytes) is want
 
 
-@pytest.mark.parametrize(
-    "ops,ride,want",
-    [
-        (2, True, True),  # a leg's state slice beside its pattern launch
-        (31, True, True),  # any number below device_min_ops
-        (2, False, False),  # no launch in the write: PUTs
-        (0, True, False),  # nothing to copy
-    ],
-)
-def test_lane_wanted_rides_along_a_launch(ops, ride, want):
-    import numpy as np
-
-    from kvxfer.engine.devcopy import lane_wanted
-
-    nbytes = np.ones(ops, dtype=np.uint64)
-    assert lane_wanted(ops, nbytes, 32, 0, 0, ride) is want
-
-
 def test_batch_copy_checks_its_arrays_before_the_driver():
     """Mismatched or empty arrays are an InvalidArgument, with or without a CUDA driver."""
     import numpy as np
