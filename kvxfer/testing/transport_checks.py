@@ -51,6 +51,9 @@ class TransportNode:
     def accept_while_spinning(self, n: int, hammer: bool = False, mode: str = "peer") -> dict:
         return self.loop.run_until_complete(_TransportChecks.accept_while_spinning(n, hammer, mode))
 
+    def note_spin(self, error_mode: str) -> dict:
+        return self.loop.run_until_complete(_TransportChecks.note_spin(error_mode))
+
     def close(self) -> None:
         self.loop.close()
 
@@ -74,6 +77,71 @@ class _TransportChecks:
         addr = t.local_address() if error_mode == "none" else None
         rma = await t.rma_endpoint(client, addr, 10.0)
         return t, client, server, rma
+
+    @staticmethod
+    async def note_spin(error_mode):
+        """With ``$KVXFER_NOTE_SPIN=1`` (read when the transport makes its completion
+        queue): the queue counts one spinner from the start; a PUT + chained notification
+        still lands, its delivery sees its native arrival time (``note_arrival``), and
+        closing the transport stops the thread. The variable is restored afterwards."""
+        import os
+        import time
+
+        import numpy as np
+
+        from kvxfer.transport.base import note_arrival
+        from kvxfer.transport.ucx import NOTE_SPIN_ENV
+
+        old = os.environ.get(NOTE_SPIN_ENV)
+        os.environ[NOTE_SPIN_ENV] = "1"
+        try:
+            t, client, server, rma = await _TransportChecks._pair(error_mode)
+        finally:
+            if old is None:
+                os.environ.pop(NOTE_SPIN_ENV, None)
+            else:
+                os.environ[NOTE_SPIN_ENV] = old
+        out: dict = {"spinning": t._cq.spinning}
+        src = np.arange(64, dtype=np.uint8)
+        dst = np.zeros(64, dtype=np.uint8)
+        rs, rd = t.register(src.ctypes.data, src.nbytes), t.register(dst.ctypes.data, dst.nbytes)
+        rma.add_remote_regions([rd.addr], [rd.length], [rd.packed_key()])
+        got = asyncio.get_running_loop().create_future()
+
+        def on_note(payload):
+            if not got.done():
+                got.set_result((payload, note_arrival(), time.monotonic()))
+
+        token = t.note_listen(on_note)
+        u = np.uint64
+        t0 = time.monotonic()
+        rma.put(
+            np.array([src.ctypes.data], u),
+            np.array([rd.addr], u),
+            np.array([64], u),
+            np.array([rs.handle], u),
+            np.array([0], u),
+        )
+        fut = rma.flush_notify_future(token, b"done")
+        if fut is None:  # this endpoint cannot chain: flush, then send it natively
+            await asyncio.wait_for(rma.flush_future(), 5.0)
+            fut = rma.note_future(token, b"done")
+        await asyncio.wait_for(fut, 5.0)
+        payload, arrived, handled = await asyncio.wait_for(got, 5.0)
+        out.update(
+            payload=payload,
+            landed=bool((dst == src).all()),
+            arrival_in_order=t0 <= arrived <= handled,
+            arrival_outside=note_arrival(),
+        )
+        t.note_unlisten(token)
+        await rma.close(1.0)
+        await asyncio.gather(client.close(1.0), server.close(1.0))
+        rs.release(), rd.release()
+        q = t._cq
+        await t.close()
+        out["poller_after_close"] = q.poller_live
+        return out
 
     @staticmethod
     async def put_and_bounds(error_mode, spin=False):

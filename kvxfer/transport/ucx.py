@@ -92,11 +92,15 @@ def guest_inline_us() -> float:
     return CHAIN_INLINE_US if cpus >= GUEST_INLINE_MIN_CPUS else 0.0
 
 
-#: a diagnostic A/B switch (bench/gpu/env_ab.sh): set to 1, the completion queue's thread
-#: progresses the worker back to back for the transport's whole life (as during a spin
-#: flush, backing off the same way when idle) instead of sleeping on the worker's event fd
-#: while nothing is in flight: what a notification's delivery costs when the receiving
-#: process's thread has to be woken
+#: opt-in, read when a transport makes its completion queue: set to 1, the queue's thread
+#: progresses the worker for the transport's whole life (as during a spin flush: back to
+#: back, then 10 µs naps after 2 ms idle, 200 µs naps after 0.1 s) instead of sleeping on
+#: the worker's event fd while nothing is in flight, so an arriving notification or flush
+#: completion needs no thread woken. For many-core hosts where waking a thread is slow: on
+#: the lent H200 VM a notification then reached the receiving process 2-12 µs after the
+#: sender's flush instead of 48-171 µs, single-peer 125 MiB requests 5-14% faster; on the
+#: 2-core CPU box it takes the other threads' core (1-page PD 6-7x slower). Off by
+#: default (bench/results/tp-pattern-h200.md, sixth session)
 NOTE_SPIN_ENV = "KVXFER_NOTE_SPIN"
 
 #: how often the native poller (and a chain's inline wait) wakes UCXX's progress thread while
@@ -197,7 +201,7 @@ class UcxTransport(Transport):
         else:
             q = self.rma.CompletionQueue(worker=self.worker_handle, signal_us=signal_us)
         if os.environ.get(NOTE_SPIN_ENV, "") not in ("", "0"):
-            q.spin_hold(True)  # (a diagnostic: see NOTE_SPIN_ENV)
+            q.spin_hold(True)  # see NOTE_SPIN_ENV
         return q
 
     def _on_completions(self) -> None:

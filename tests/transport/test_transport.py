@@ -160,3 +160,15 @@ def test_opening_same_version_and_mode_pairs(node, mode):
     assert out["native"] == [mode == "native"] * 2, out
     assert out["saw_close"], out
     _left_nothing(out)
+
+
+@pytest.mark.parametrize("mode", ["peer", "none"])
+def test_note_spin_keeps_the_thread_progressing(node, mode):
+    # KVXFER_NOTE_SPIN=1: the queue's thread progresses from the start (one spinner, no
+    # flush behind it); a chained notification is delivered with its native arrival stamp,
+    # which is 0 again outside the delivery; closing the transport stops the thread
+    out = node.note_spin(mode)
+    assert out["spinning"] == 1, out
+    assert out["payload"] == b"done" and out["landed"], out
+    assert out["arrival_in_order"] and out["arrival_outside"] == 0.0, out
+    assert out["poller_after_close"] is False, out
