@@ -18,8 +18,9 @@ names (prefill stamps the last chunk only; decode its Done):
   (the notification handed to UCX and ``Peer.write`` returned).
 * decode: ``arrived`` (the Done's notification taken by the transport's native receive
   callback, :func:`kvxfer.transport.base.note_arrival`; absent when the Done was not
-  delivered inline from it), ``recv`` (Done decoded on the loop, room found), ``handled`` (room at Success),
-  ``seen`` (the first ``poll()`` that saw Success, on the scheduler thread).
+  delivered inline from it), ``recv`` (Done decoded on the loop, room found), ``handled``
+  (room at Success), ``seen`` (the first ``poll()`` that saw Success, on the scheduler
+  thread).
 
 The records live in a deque of at most ``maxlen`` (the oldest fall out); :meth:`drain`
 returns copies and empties it. A record drained while its room is live is partial.

@@ -137,7 +137,8 @@ class _TransportChecks:
         t.note_unlisten(token)
         await rma.close(1.0)
         await asyncio.gather(client.close(1.0), server.close(1.0))
-        rs.release(), rd.release()
+        rs.release()
+        rd.release()
         q = t._cq
         await t.close()
         out["poller_after_close"] = q.poller_live

@@ -92,11 +92,12 @@ def guest_inline_us() -> float:
     return CHAIN_INLINE_US if cpus >= GUEST_INLINE_MIN_CPUS else 0.0
 
 
-#: opt-in, read when a transport makes its completion queue: set to 1, the queue's thread
-#: progresses the worker for the transport's whole life (as during a spin flush: back to
-#: back, then 10 µs naps after 2 ms idle, 200 µs naps after 0.1 s) instead of sleeping on
-#: the worker's event fd while nothing is in flight, so an arriving notification or flush
-#: completion needs no thread woken. For many-core hosts where waking a thread is slow: on
+#: opt-in, read when a transport makes its completion queue: set to 1, the queue holds one
+#: spinner for the transport's whole life, as during a spin flush: the own worker's thread
+#: progresses it back to back (then 10 µs naps after 2 ms idle, 200 µs naps after 0.1 s)
+#: instead of sleeping on the worker's event fd while nothing is in flight (without an own
+#: worker, the native poller wakes UCXX's progress thread the same way), so an arriving
+#: notification or flush completion needs no thread woken. For many-core hosts where waking a thread is slow: on
 #: the lent H200 VM a notification then reached the receiving process 2-12 µs after the
 #: sender's flush instead of 48-171 µs, single-peer 125 MiB requests 5-14% faster; on the
 #: 2-core CPU box it takes the other threads' core (1-page PD 6-7x slower). Off by
