@@ -23,7 +23,7 @@ for v in ${AB_VALUES:?}; do
         echo; echo "## $n. $VAR=$v kvxfer bench pd --device cuda --stages --modes none --latency-requests 200 --throughput-requests 600 --large-pages 256 --iters 2"
         env "$VAR=$v" timeout 120 python3 -m kvxfer bench pd --device cuda --stages --modes none \
             --latency-requests 200 --throughput-requests 600 --large-pages 256 --iters 2 \
-            --json-out "$OUT/ab-$n-$v-1page.json" 2>&1 | grep -v "UCX  WARN" | tail -32 || rc=1
+            --json-out "$OUT/ab-$n-$v-1page.json" 2>&1 | grep -v "UCX  WARN" | tail -60 || rc=1
     fi
     for r in ${AB_RATIOS:-2:1}; do
         p=${r%:*}; d=${r#*:}
