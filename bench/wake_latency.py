@@ -31,10 +31,7 @@ import threading
 import time
 from typing import Dict, List
 
-
-def _pct(xs: List[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+from kvxfer.pd_demo.run import percentile
 
 
 def _pipe_waker(wfd: int, ack_fd: int, n: int, gap_s: float) -> None:
@@ -155,8 +152,8 @@ def main() -> int:
                 "gap_ms": g,
                 "n": len(xs),
                 "p50_us": statistics.median(xs),
-                "p90_us": _pct(xs, 90),
-                "p99_us": _pct(xs, 99),
+                "p90_us": percentile(xs, 90),
+                "p99_us": percentile(xs, 99),
             }
             rows.append(row)
             print(
