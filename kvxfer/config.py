@@ -19,6 +19,8 @@ always wins.
 - ``KVXFER_NOTIFY_ORDER`` = ``1`` | ``0`` — default of :attr:`EngineConfig.notify_order`.
 - ``KVXFER_DIRECT_PAGES`` = an int >= 0 — default of ``KVManager(direct_pages=)`` and of the
   SGLang backend's direct sends (:func:`direct_pages`; read when a manager is built).
+- ``KVXFER_POLL_TAKES`` = ``1`` | ``0`` — default of ``KVManager(poll_takes=)``
+  (:func:`poll_takes`; read when a manager is built).
 - ``KVXFER_SECRET`` — the shared secret of a ``KVManager``, ``BootstrapServer`` or bootstrap
   client built without ``secret=``, read when it is built (:func:`resolve_secret`; never part
   of :func:`env_defaults`, which ``kvxfer info`` prints). There is no built-in default:
@@ -173,6 +175,21 @@ def coalesce_after(value: Optional[int] = None) -> int:
     """``value``, else ``$KVXFER_COALESCE_AFTER``, else :data:`COALESCE_AFTER`: an int >= 0
     (InvalidArgument otherwise). Read when a manager is built."""
     return _setting(value, COALESCE_AFTER_ENV, COALESCE_AFTER, "coalesce_after")
+
+
+#: default of ``KVManager(poll_takes=)``: 1, a ``poll()`` of a room that is not terminal
+#: first handles the notifications and completions that already reached the process, on
+#: the polling thread as the manager loop's guest when that loop waits for events (the
+#: loop's wake-up leaves the path of a scheduler that polls); ``$KVXFER_POLL_TAKES``
+#: overrides it, 0: never (figures: bench/results/issue15-status.md, seventh update)
+POLL_TAKES = 1
+POLL_TAKES_ENV = "KVXFER_POLL_TAKES"
+
+
+def poll_takes(value: Optional[int] = None) -> bool:
+    """``value``, else ``$KVXFER_POLL_TAKES``, else :data:`POLL_TAKES`, as a bool (an int
+    >= 0 is accepted; InvalidArgument otherwise). Read when a manager is built."""
+    return bool(_setting(value, POLL_TAKES_ENV, POLL_TAKES, "poll_takes"))
 
 
 #: environment variable holding the shared secret (see :func:`resolve_secret`)

@@ -66,8 +66,12 @@ class RoomHandle:
         return f"{type(self).__name__}(room={self.room}, {KVPoll(self._r.state).name})"
 
     def poll(self) -> KVPoll:
-        """Current state; non-blocking. Runs on: any thread (the scheduler's)."""
+        """Current state; non-blocking. A room that is not terminal first has what already
+        arrived for its manager handled (``KVManager.take_arrived``, as the loop's guest).
+        Runs on: any thread (the scheduler's)."""
         r = self._r
+        if not is_terminal(r.state):
+            self.mgr.take_arrived()
         if r.trace is not None and r.state == KVPoll.Success:
             mark(r.trace, "seen")
         return KVPoll(r.state)

@@ -101,8 +101,9 @@ class KVManager:
     #: "before_write", "before_layer_write", "closing" with room -1) so that a test can force
     #: an interleaving deterministically (block there while another thread acts, or freeze
     #: the process). None in production.
-    #: Runs on: the manager's loop thread, or a scheduler thread running a direct call as
-    #: the loop's guest (:meth:`call`; set ``direct_pages = 0`` to keep hooks on the loop).
+    #: Runs on: the manager's loop thread, or a scheduler thread running a direct call or a
+    #: poll's take as the loop's guest (:meth:`call`, :meth:`take_arrived`; set
+    #: ``direct_pages = 0`` and ``poll_takes = False`` to keep hooks on the loop).
     test_hook: Optional[Callable[[str, int], None]] = None
 
     def __init__(
@@ -124,6 +125,7 @@ class KVManager:
         tp_pattern: str = "auto",
         direct_pages: Optional[int] = None,
         coalesce_after: Optional[int] = None,
+        poll_takes: Optional[bool] = None,
     ) -> None:
         """``mode``: :class:`DisaggMode`, SGLang's ``DisaggregationMode`` or
         ``"prefill"`` / ``"decode"``. ``trace``: record per-request stage timestamps
@@ -155,7 +157,13 @@ class KVManager:
         ours in flight to its decode peer waits, and every room that finishes meanwhile goes
         with it as one write with one notification (:mod:`kvxfer.disagg.coalesce`); 0:
         every room its own write. None: ``$KVXFER_COALESCE_AFTER``, else
-        :data:`kvxfer.config.COALESCE_AFTER`."""
+        :data:`kvxfer.config.COALESCE_AFTER`.
+        ``poll_takes``: a ``KVSender`` / ``KVReceiver`` ``poll()`` of a room that is not
+        terminal first handles what already arrived for this manager (a Done, a flush
+        completion: :meth:`take_arrived`), so that a scheduler polling its rooms sees the
+        new state without waiting for the loop thread to wake; only with the manager's own
+        loop thread while it waits for events. None: ``$KVXFER_POLL_TAKES``, else
+        :data:`kvxfer.config.POLL_TAKES` (on)."""
         from kvxfer.config import resolve_secret
 
         if not isinstance(args, KVArgs):
@@ -197,6 +205,7 @@ class KVManager:
         self.tp_pattern = tp_pattern
         self.direct_pages = config.direct_pages(direct_pages)
         self.coalesce_after = config.coalesce_after(coalesce_after)
+        self.poll_takes = config.poll_takes(poll_takes)
         self.fingerprint: Dict[str, Any] = args.fingerprint()
         #: end-to-end checksums of every item (kvxfer.disagg.integrity); None when off
         self.integrity: Optional[IntegrityOps] = None
@@ -228,6 +237,8 @@ class KVManager:
             "device_bytes": 0,  # of "bytes": copied by the same-host device lane
             "writes": 0,
             "direct_calls": 0,  # calls that ran as the loop's guest (:meth:`call`)
+            # polls that handled arrived completions as the loop's guest (:meth:`take_arrived`)
+            "poll_takes": 0,
             # prefill: coalesced last-chunk writes and the rooms they carried
             # (kvxfer.disagg.coalesce; each also counts in "writes")
             "coalesced_writes": 0,
@@ -436,6 +447,27 @@ class KVManager:
         elif lt.call(fn, *args, direct=direct):
             with self._direct_lock:
                 self.stats["direct_calls"] += 1
+
+    def take_arrived(self) -> bool:
+        """Handle the completions and notifications that already reached this manager's
+        transport (:meth:`~kvxfer.transport.base.Transport.take_completions`: a Done
+        decoded and acted on, a flush's future resolved), now, on the calling thread as the
+        loop's guest; returns whether it did. Only with :attr:`poll_takes`, the manager's
+        own loop thread (:meth:`start_background`) and that loop waiting for events (else
+        the loop handles them on its wake-up, as always). Cheap when nothing arrived: one
+        native read, no lock of the loop's. Runs on: any thread but the loop's (the
+        scheduler's, from ``poll()``)."""
+        lt, engine = self._thread, self.engine
+        if not self.poll_takes or lt is None or engine is None or self._closed:
+            return False
+        transport = engine.transport
+        if transport is None or not transport.completions_queued():
+            return False
+        if not lt.run_here(transport.take_completions):
+            return False
+        with self._direct_lock:
+            self.stats["poll_takes"] += 1
+        return True
 
     def call_wait(self, fn: Callable[..., Any], *args: Any, timeout: float = 30.0) -> Any:
         """Run ``fn(*args)`` on the loop and return its result (blocks a foreign thread).

@@ -131,6 +131,11 @@ class TransferEngine:
     def peers(self) -> Dict[str, Peer]:
         return dict(self._peers)
 
+    @property
+    def transport(self) -> Optional[Transport]:
+        """The transport while the engine is started, else None."""
+        return self._transport if self._state == "started" else None
+
     # -------------------------------------------------------------- lifecycle
     async def start(self) -> Tuple[str, int]:
         if self._state != "new":

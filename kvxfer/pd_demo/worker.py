@@ -72,6 +72,10 @@ class PDWorker:
         #: attached to its KVSender (or the room failed); the scheduler computes a request
         #: only then, as SGLang's bootstrap queue does (``_wait_decode``)
         self._attached: Optional[Dict[int, threading.Event]] = None
+        #: ``opts["poll_scheduler"]``: waiting for rooms, the scheduler polls every open
+        #: room back to back (SGLang's loop between batches) instead of blocking on
+        #: ``done_q`` (then a room's Done can be handled by its poll: KVManager.take_arrived)
+        self.poll_scheduler = bool(opts.get("poll_scheduler", False))
         if role == "prefill" and opts.get("wait_decode"):
             self._attached = {}
             self.mgr.test_hook = self._on_hook
@@ -113,6 +117,8 @@ class PDWorker:
             self._attached.pop(room, None)
 
     def _next_done(self, block: bool) -> Optional[tuple]:
+        if block and self.poll_scheduler:
+            return self._poll_for_done()
         try:
             return self.done_q.get(timeout=self.deadline_s) if block else self.done_q.get_nowait()
         except queue.Empty:
@@ -122,6 +128,25 @@ class PDWorker:
                     f"({len(self.open)} open)"
                 ) from None
             return None
+
+    def _poll_for_done(self) -> tuple:
+        """:meth:`_next_done` of a polling scheduler: poll every open room until one was
+        released (bounded by ``deadline_s``)."""
+        end = time.monotonic() + self.deadline_s
+        while True:
+            try:
+                return self.done_q.get_nowait()
+            except queue.Empty:
+                pass
+            for rec in list(self.open.values()):
+                h = rec.get("h")
+                if h is not None:
+                    h.poll()
+            if time.monotonic() > end:
+                raise SchedulerError(
+                    f"{self.role}: no room finished within {self.deadline_s}s "
+                    f"({len(self.open)} open)"
+                )
 
     def _settle(self, item: tuple) -> None:
         """A room is terminal and released by the manager: verify (decode), then free."""

@@ -1587,6 +1587,19 @@ static PyObject *cq_pending(CompletionQueue *self, void *closure)
     return PyLong_FromLong(n);
 }
 
+/* queued: completions waiting for drain() (a cheap check before taking the loop's gate:
+ * kvxfer.transport.ucx.UcxTransport.completions_queued) */
+static PyObject *cq_queued(CompletionQueue *self, void *closure)
+{
+    size_t n = 0;
+    if (self->core != NULL) {
+        pthread_mutex_lock(&self->core->mu);
+        n = self->core->n;
+        pthread_mutex_unlock(&self->core->mu);
+    }
+    return PyLong_FromSize_t(n);
+}
+
 static PyObject *cq_spinning(CompletionQueue *self, void *closure)
 {
     long n = 0;
@@ -1715,6 +1728,7 @@ static PyGetSetDef cq_getset[] = {
     {"own_worker", (getter)cq_own_worker, NULL,
      "the own worker's handle (context= given), else 0", NULL},
     {"inflight", (getter)cq_inflight, NULL, "flushes / chains / closes in flight", NULL},
+    {"queued", (getter)cq_queued, NULL, "completions waiting for drain()", NULL},
     {NULL}};
 
 static PyTypeObject CompletionQueueType = {

@@ -221,6 +221,18 @@ class Transport(abc.ABC):
         """Stop receiving notifications for ``token`` (late ones are dropped)."""
         return None
 
+    def completions_queued(self) -> bool:
+        """Whether completions or notifications arrived that the loop has not handled yet
+        (a hint, read without the loop: it may change at once). Runs on: any thread."""
+        return False
+
+    def take_completions(self) -> bool:
+        """Handle what :meth:`completions_queued` reported, now, as the loop would (futures
+        resolved, notification callbacks run); returns whether anything was handled.
+        Runs on: the loop thread or a thread running as its guest
+        (:meth:`kvxfer.loop_thread.LoopThread.run_here`)."""
+        return False
+
     @abc.abstractmethod
     async def close(self) -> None:
         """Stop listening and release transport resources; idempotent."""

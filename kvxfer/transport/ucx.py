@@ -240,6 +240,16 @@ class UcxTransport(Transport):
             if watcher is not None:
                 watcher(status)
 
+    def completions_queued(self) -> bool:
+        cq = self._cq
+        return cq is not None and cq.queued > 0
+
+    def take_completions(self) -> bool:
+        if self._cq is None or self._closed or not self._cq.queued:
+            return False
+        self._on_completions()
+        return True
+
     async def _start_and_wait(
         self, start, args, timeout: float, what: str, *extra
     ) -> Tuple[int, float]:

@@ -907,6 +907,44 @@ class Node:
                 return s
             time.sleep(0.0005)
 
+    def deaf(self, on: bool) -> None:
+        """Test hook: the manager's loop stops (``on``) or resumes watching its transport's
+        completion queue, so that meanwhile only ``poll()``'s take
+        (``KVManager.take_arrived``) handles what arrives there (Done, flush completions)."""
+        tr = self.mgr.engine.transport
+        fd = tr._cq.fileno()
+        loop = self.mgr.loop
+        if on:
+            self.mgr.call_wait(lambda: loop.remove_reader(fd))
+        else:
+            self.mgr.call_wait(lambda: loop.add_reader(fd, tr._on_completions))
+
+    def set_poll_takes(self, on: bool) -> None:
+        self.mgr.poll_takes = on
+
+    def wait_queued(self, n: int, within: float = 10.0) -> int:
+        """Wait (bounded) until ``n`` completions wait in the transport's queue; returns how
+        many do."""
+        cq = self.mgr.engine.transport._cq
+        end = time.monotonic() + within
+        while cq.queued < n and time.monotonic() < end:
+            time.sleep(0.001)
+        return cq.queued
+
+    def poll_all_until_done(self, rooms, timeout: float = 30.0) -> Dict[int, str]:
+        """A scheduler polling every room of ``rooms`` back to back (no sleep) until each is
+        terminal; returns each room's last state."""
+        hs = {r: self.rooms[r]["h"] for r in rooms}
+        last = {r: "" for r in rooms}
+        end = time.monotonic() + timeout
+        todo = set(rooms)
+        while todo and time.monotonic() < end:
+            for r in list(todo):
+                last[r] = hs[r].poll().name
+                if last[r] in ("Success", "Failed"):
+                    todo.discard(r)
+        return last
+
     def abort(self, room: int) -> None:
         self.rooms[room]["h"].abort()
 
