@@ -73,8 +73,10 @@ class PDWorker:
         #: only then, as SGLang's bootstrap queue does (``_wait_decode``)
         self._attached: Optional[Dict[int, threading.Event]] = None
         #: ``opts["poll_scheduler"]``: waiting for rooms, the scheduler polls every open
-        #: room back to back (SGLang's loop between batches) instead of blocking on
-        #: ``done_q`` (then a room's Done can be handled by its poll: KVManager.take_arrived)
+        #: room, sweep after sweep (SGLang's loop between batches), instead of blocking on
+        #: ``done_q`` (then a room's Done can be handled by its poll: KVManager.take_arrived);
+        #: between sweeps it lets other threads run once (``time.sleep(0)``, as that loop's
+        #: non-blocking socket reads do)
         self.poll_scheduler = bool(opts.get("poll_scheduler", False))
         if role == "prefill" and opts.get("wait_decode"):
             self._attached = {}
@@ -142,6 +144,7 @@ class PDWorker:
                 h = rec.get("h")
                 if h is not None:
                     h.poll()
+            time.sleep(0)  # the GIL and the CPU to the loop thread, if it waits for them
             if time.monotonic() > end:
                 raise SchedulerError(
                     f"{self.role}: no room finished within {self.deadline_s}s "
