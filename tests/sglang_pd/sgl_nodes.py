@@ -462,6 +462,36 @@ class Node:
         self.handles.pop(room).clear()
         return True
 
+    def deaf(self, name, on):
+        """Test hook: scenario ``name``'s engine loop stops (``on``) or resumes watching its
+        transport's completion queue, so that meanwhile only a ``poll()``'s take
+        (``KvxferKVManager.take_arrived``) handles what arrives there (prefill's SglDone)."""
+        el = self.scen[name]["mgr"].engine
+        tr = el.engine.transport
+        fd = tr._cq.fileno()
+
+        async def switch():
+            if on:
+                el.loop.remove_reader(fd)
+            else:
+                el.loop.add_reader(fd, tr._on_completions)
+
+        el.run(switch(), 10.0)
+        return True
+
+    def queued(self, name, n, within=10.0):
+        """Wait (bounded) until ``n`` completions wait in scenario ``name``'s transport queue;
+        returns how many do."""
+        cq = self.scen[name]["mgr"].engine.engine.transport._cq
+        deadline = time.monotonic() + within
+        while cq.queued < n and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return cq.queued
+
+    def set_poll_takes(self, name, on):
+        self.scen[name]["mgr"].poll_takes = bool(on)
+        return True
+
     def peers(self, name, n=1, timeout=30.0):
         """Wait (bounded) until this scenario's engine has ``n`` connected peers."""
         eng = self.scen[name]["mgr"].engine.engine

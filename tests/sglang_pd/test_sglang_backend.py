@@ -264,6 +264,41 @@ def test_direct_sends_and_aborts_right_behind_them(cluster):
     assert pf.notes_sent("mha") - n0 >= 10
 
 
+def test_decode_poll_takes_the_done_its_loop_did_not_handle(cluster):
+    """The receiver's poll() handles prefill's SglDone itself when it already arrived
+    (``KvxferKVManager.take_arrived``, as the engine loop's guest): forced by making decode's
+    loop stop watching its completion queue; a poll with the take off sees nothing."""
+    pf, dc, port = cluster["pf"], cluster["dc"], cluster["ports"][0]
+    for room in (5100, 5101):  # the first connects the engines (the handshake needs the loop)
+        rng = random.Random(room)
+        p_pages, d_pages = _pages(rng, 2), _pages(rng, 2)
+        pf.fill("mha", room, p_pages)
+        _open(pf, dc, "mha", port, room, d_pages, 11, 11, 77, 2 * N.PAGE)
+        if room == 5101:
+            break
+        assert pf.send(room, p_pages, True) is True
+        assert pf.wait(room, DONE, 30) == SUCCESS
+        assert dc.wait(room, DONE, 30) == SUCCESS
+        pf.clear(room)
+        dc.clear(room)
+    dc.set_poll_takes("mha", False)
+    dc.deaf("mha", True)
+    try:
+        assert pf.send(room, p_pages, True) is True
+        assert pf.wait(room, DONE, 30) == SUCCESS, pf.failure(room)
+        assert dc.queued("mha", 1) >= 1  # decode's SglDone arrived; nobody handled it
+        assert dc.poll(room) not in DONE
+        dc.set_poll_takes("mha", True)
+        assert dc.poll(room) == SUCCESS  # this very poll handled it
+        assert dc.queued("mha", 0, 0) == 0
+    finally:
+        dc.deaf("mha", False)
+        dc.set_poll_takes("mha", True)
+    assert dc.read("mha", d_pages) == dc.expected("mha", room, 2)
+    pf.clear(room)
+    dc.clear(room)
+
+
 def test_unsupported_is_refused_with_the_reason(cluster):
     pf, dc = cluster["pf"], cluster["dc"]
     kind, msg = dc.refused("mha", "swa")

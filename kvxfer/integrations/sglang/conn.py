@@ -32,6 +32,13 @@ class KvxferKVSender(CommonKVSender):
             mgr.room_stats[int(bootstrap_room)] = self.stats
         super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
 
+    def poll(self) -> KVPoll:
+        """SGLang's poll, after what arrived for the room's rank was handled
+        (``KvxferKVManager.take_arrived``). Runs on: the scheduler thread."""
+        if self.conclude_state is None:
+            self.kv_mgr.take_arrived()
+        return super().poll()
+
     def get_transfer_metric(self) -> KVTransferMetric:
         """Bytes the room's kvxfer writes moved, and the time from the first write's start
         to the last one's completion (None before any write)."""
@@ -56,6 +63,13 @@ class KvxferKVSender(CommonKVSender):
 
 
 class KvxferKVReceiver(CommonKVReceiver):
+    def poll(self) -> KVPoll:
+        """SGLang's poll, after what arrived for the room's rank was handled
+        (``KvxferKVManager.take_arrived``). Runs on: the scheduler thread."""
+        if self.conclude_state is None:
+            self.kv_mgr.take_arrived()
+        return super().poll()
+
     def init(self, prefill_dp_rank: int) -> None:
         super().init(prefill_dp_rank)
         infos = getattr(self, "bootstrap_infos", None)

@@ -64,6 +64,19 @@ class EngineLoop:
         """How many :meth:`call_soon` calls ran direct, as the loop's guest."""
         return self._lt.direct_calls
 
+    def take_arrived(self) -> bool:
+        """Handle what already reached the engine's transport (a prefill's SglDone, a
+        flush's completion) now, on the calling thread as the loop's guest, when the loop
+        waits for events (:meth:`kvxfer.loop_thread.LoopThread.run_here`; else the loop
+        handles it on its wake-up); returns whether it did. One native read when nothing
+        arrived. Runs on: any thread but the loop's (SGLang's scheduler, from ``poll()``)."""
+        if self._closed:
+            return False
+        transport = self.engine.transport
+        if transport is None or not transport.completions_queued():
+            return False
+        return self._lt.run_here(transport.take_completions)
+
     def run(self, coro: Any, timeout: float) -> Any:
         """Run ``coro`` on the loop from another thread; bounded by ``timeout`` (+1 s).
 

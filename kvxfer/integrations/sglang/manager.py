@@ -33,6 +33,7 @@ from sglang.srt.environ import envs
 from sglang.srt.runtime_context import get_disagg, get_parallel
 from sglang.srt.server_args import ServerArgs
 
+from kvxfer import config
 from kvxfer.config import EngineConfig
 from kvxfer.errors import UnsupportedOperation
 from kvxfer.integrations.sglang.loop import EngineLoop
@@ -140,6 +141,9 @@ class KvxferKVManager(CommonKVManager):
         #: a hetero-TP chunk write of more PUTs than this goes staged where the peer has no
         #: device lane (0: never); both sides need it > 0 (it gives the kv group rings)
         self.tp_stage_min_ops = tp_stage_min_ops()
+        #: poll() of a sender / receiver first takes what arrived (config.poll_takes:
+        #: KVXFER_POLL_TAKES, default on; docs/engine.md "Polls that take what arrived")
+        self.poll_takes = config.poll_takes()
         check_supported(args)
         self._closed = False
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
@@ -195,6 +199,12 @@ class KvxferKVManager(CommonKVManager):
 
     def __repr__(self) -> str:
         return f"KvxferKVManager({self.role}, {self.local_ip}:{self.rank_port})"
+
+    def take_arrived(self) -> bool:
+        """With :attr:`poll_takes`: handle the completions and notifications that reached
+        this rank's engine, now, as its loop's guest (:meth:`EngineLoop.take_arrived`), so
+        that the poll that called it sees their result. Runs on: the scheduler thread."""
+        return self.poll_takes and not self._closed and self.engine.take_arrived()
 
     def _groups(self):
         return groups_of(self.kv_args)
