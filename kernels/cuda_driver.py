@@ -18,6 +18,14 @@ Invariants
   used CUDA yet they answer None, and a parent that only probed its memory can still fork
   children that use CUDA. :func:`driver` (the VMM backing's entry) initialises it.
 - Pointers, sizes and stream handles go in and come out as Python ints.
+- Short driver calls that never wait for the device (an event's record and query, a
+  kernel launch, the context push / pop around it) keep the GIL (:func:`proc` with
+  ``keep_gil``: ``ctypes.PYFUNCTYPE``): releasing it for a microsecond-long call hands it to
+  any Python thread that wants it, and a thread busy in the interpreter gives it back only at
+  the switch interval (bench/results/launch-h200.md). Calls that can wait (synchronize, a
+  batch copy that may block on a full queue) release it. ``$KVXFER_DRIVER_GIL=release``
+  makes every call release it (the A/B of bench/results/driver-gil.md), read once per
+  process.
 - :func:`ipc_export` works on any thread (it makes the memory's primary context current for
   its one context-bound call) and answers only for memory the driver reports legacy-IPC capable
   (``cudaMalloc``-style; not CUDA VMM); the blob is :data:`IPC_BLOB_BYTES` bytes: the
@@ -33,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import struct
 from typing import Any, Iterator, Optional, Tuple
 
@@ -330,22 +339,34 @@ class Event:
         cu = driver()
         flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
         self._ev = check(_bound(cu.cuEventCreate, self.ordinal, flags), "cuEventCreate")
+        self._h = int(self._ev)  # the CUevent handle, for the ctypes calls
+        self._query = _event_fn("cuEventQuery", ctypes.c_void_p)
+        self._record = _event_fn("cuEventRecord", ctypes.c_void_p, ctypes.c_void_p)
 
     def record(self, stream) -> None:
         """Record on ``stream`` (its work queued so far)."""
         s = getattr(stream, "cuda_stream", stream)
-        err = _bound(bindings().cuEventRecord, self.ordinal, self._ev, s)[0]
-        if err != _OK:
-            raise CudaError("cuEventRecord", int(err), error_text(err))
+        if self._record is not None:
+            err = self._record(self._h, s)
+            if err == _INVALID_CONTEXT:
+                bind_context(self.ordinal)
+                err = self._record(self._h, s)
+        else:
+            err = int(_bound(bindings().cuEventRecord, self.ordinal, self._ev, s)[0])
+        if err:
+            raise CudaError("cuEventRecord", int(err), error_text(bindings().CUresult(err)))
 
     def query(self) -> bool:
         """Whether the recorded work completed (True for an event never recorded)."""
-        err = bindings().cuEventQuery(self._ev)[0]
-        if err == _OK:
+        if self._query is not None:
+            err = self._query(self._h)
+        else:
+            err = int(bindings().cuEventQuery(self._ev)[0])
+        if err == 0:
             return True
         if err == _NOT_READY:
             return False
-        raise CudaError("cuEventQuery", int(err), error_text(err))
+        raise CudaError("cuEventQuery", int(err), error_text(bindings().CUresult(err)))
 
     def synchronize(self) -> None:
         """Block this thread until the recorded work completed."""
@@ -401,17 +422,41 @@ class StreamLink:
         self._event.close()
 
 
-def proc(name: str, version: int, *argtypes: Any) -> Any:
+#: ``$KVXFER_DRIVER_GIL``: ``keep`` (default: short calls keep the GIL) or ``release``
+DRIVER_GIL_ENV = "KVXFER_DRIVER_GIL"
+
+
+def keeps_gil() -> bool:
+    """Whether :func:`proc` makes ``keep_gil`` calls that keep the GIL (the module doc)."""
+    return os.environ.get(DRIVER_GIL_ENV, "keep").strip().lower() != "release"
+
+
+def proc(name: str, version: int, *argtypes: Any, keep_gil: bool = False) -> Any:
     """The driver's entry point ``name`` (base name, ABI of CUDA ``version``, e.g. 4000 for
     ``cuLaunchKernel``) as a ctypes function returning the CUresult as an int, or None without
     a driver or when the driver has no such call. One ctypes call costs about a microsecond
-    of host time, less than a cuda-bindings call (no argument objects)."""
+    of host time, less than a cuda-bindings call (no argument objects). ``keep_gil``: a call
+    that never waits for the device, made without releasing the GIL (unless
+    ``$KVXFER_DRIVER_GIL=release``)."""
     cu = bindings()
     if cu is None:
         return None
     res = cu.cuGetProcAddress(name.encode(), int(version), 0)
     pfn = int(res[1]) if res[0] == _OK and res[1] else 0
-    return ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(pfn) if pfn else None
+    proto = ctypes.PYFUNCTYPE if keep_gil and keeps_gil() else ctypes.CFUNCTYPE
+    return proto(ctypes.c_int, *argtypes)(pfn) if pfn else None
+
+
+#: name -> (ctypes function or None) of the event calls :class:`Event` makes (looked up once)
+_event_fns: dict = {}
+
+
+def _event_fn(name: str, *argtypes: Any) -> Any:
+    """``cuEventQuery`` / ``cuEventRecord`` through :func:`proc`, keeping the GIL; None when
+    the driver does not give them (then :class:`Event` uses cuda-bindings)."""
+    if name not in _event_fns:
+        _event_fns[name] = proc(name, 2000, *argtypes, keep_gil=True)
+    return _event_fns[name]
 
 
 class _MemcpyAttributes(ctypes.Structure):

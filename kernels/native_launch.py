@@ -64,10 +64,11 @@ def enabled() -> bool:
 
 def _fn(name: str, version: int, *argtypes: Any) -> Any:
     """Driver entry point ``name`` (see :func:`cuda_driver.proc`), looked up once; raises
-    :class:`UnsupportedOperation` when the driver lacks it."""
+    :class:`UnsupportedOperation` when the driver lacks it. Every call made here is short
+    and never waits for the device, so it keeps the GIL (``keep_gil``)."""
     f = _fns.get(name)
     if f is None:
-        f = cuda_driver.proc(name, version, *argtypes)
+        f = cuda_driver.proc(name, version, *argtypes, keep_gil=True)
         if f is None:
             raise UnsupportedOperation(f"the CUDA driver has no {name}")
         _fns[name] = f

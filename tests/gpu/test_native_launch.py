@@ -280,3 +280,36 @@ def test_launch_pieces_declines_uneven_shapes(launcher):
     assert launcher.launch_pieces(s[:1], d[:1], n[:1], 24, 0) is None  # not a 16-multiple
     torch.cuda.synchronize()
     assert not dst.any()
+
+
+def test_short_driver_calls_keep_the_gil(monkeypatch):
+    """The launch path's driver calls (context, launch, event record / query) are made without
+    releasing the GIL — a thread busy in the interpreter would keep it for a switch interval
+    after each release — unless ``KVXFER_DRIVER_GIL=release``; the events still work."""
+    import ctypes
+
+    from kvxfer.kernels import cuda_driver
+
+    def keeps(fn) -> bool:
+        return bool(fn._flags_ & ctypes._FUNCFLAG_PYTHONAPI)
+
+    assert keeps(cuda_driver.proc("cuEventQuery", 2000, ctypes.c_void_p, keep_gil=True))
+    assert not keeps(cuda_driver.proc("cuEventQuery", 2000, ctypes.c_void_p))
+    monkeypatch.setenv(cuda_driver.DRIVER_GIL_ENV, "release")
+    assert not keeps(cuda_driver.proc("cuEventQuery", 2000, ctypes.c_void_p, keep_gil=True))
+    monkeypatch.delenv(cuda_driver.DRIVER_GIL_ENV)
+    ring = native_launch.TableRing(torch.cuda.current_device())
+    try:
+        assert keeps(ring.ctx._push) and keeps(ring.ctx._get)
+    finally:
+        ring.close()
+    ev = cuda_driver.Event(torch.cuda.current_device())
+    assert keeps(ev._query) and keeps(ev._record)
+    x = torch.empty(1 << 26, dtype=torch.uint8, device="cuda")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        x.fill_(1)
+    ev.record(s)
+    s.synchronize()
+    assert ev.query()
+    ev.close()
