@@ -901,6 +901,7 @@ def bench_tp(
             "decode_page_size": d_ps if d_ps != ps else None,
             "decode_prefix": kk,
             "poll_scheduler": bool(getattr(args, "poll_scheduler", False)),
+            "busy_thread": bool(getattr(args, "busy_thread", False)),
         }
         if path is not None:  # direct: never staged; staged: every slice write staged;
             # pattern: one device-lane launch per write (the others, equal-runs too, without)
@@ -1215,7 +1216,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--busy-thread",
         action="store_true",
-        help="1-page / bandwidth rows: each worker process runs one more Python thread that "
+        help="each worker process runs one more Python thread that "
         "spins in the interpreter (the worst case of a scheduler busy in Python beside the "
         "manager's loop thread): what the GIL costs the path",
     )
