@@ -23,8 +23,9 @@ Invariants
   ``keep_gil``: ``ctypes.PYFUNCTYPE``): releasing it for a microsecond-long call hands it to
   any Python thread that wants it, and a thread busy in the interpreter gives it back only at
   the switch interval (bench/results/launch-h200.md). Calls that can wait (synchronize, a
-  batch copy that may block on a full queue) release it. ``$KVXFER_DRIVER_GIL=release``
-  makes every call release it (the A/B of bench/results/driver-gil.md), read once per
+  batch copy that may block on a full queue) release it. ``$KVXFER_NATIVE_GIL=release``
+  makes every call release it (also the UCX calls of kvxfer.transport that keep it: the
+  A/B of bench/results/driver-gil.md), read once per
   process.
 - :func:`ipc_export` works on any thread (it makes the memory's primary context current for
   its one context-bound call) and answers only for memory the driver reports legacy-IPC capable
@@ -422,13 +423,13 @@ class StreamLink:
         self._event.close()
 
 
-#: ``$KVXFER_DRIVER_GIL``: ``keep`` (default: short calls keep the GIL) or ``release``
-DRIVER_GIL_ENV = "KVXFER_DRIVER_GIL"
+#: ``$KVXFER_NATIVE_GIL``: ``keep`` (default: short native calls keep the GIL) or ``release``
+NATIVE_GIL_ENV = "KVXFER_NATIVE_GIL"
 
 
 def keeps_gil() -> bool:
     """Whether :func:`proc` makes ``keep_gil`` calls that keep the GIL (the module doc)."""
-    return os.environ.get(DRIVER_GIL_ENV, "keep").strip().lower() != "release"
+    return os.environ.get(NATIVE_GIL_ENV, "keep").strip().lower() != "release"
 
 
 def proc(name: str, version: int, *argtypes: Any, keep_gil: bool = False) -> Any:
@@ -437,7 +438,7 @@ def proc(name: str, version: int, *argtypes: Any, keep_gil: bool = False) -> Any
     a driver or when the driver has no such call. One ctypes call costs about a microsecond
     of host time, less than a cuda-bindings call (no argument objects). ``keep_gil``: a call
     that never waits for the device, made without releasing the GIL (unless
-    ``$KVXFER_DRIVER_GIL=release``)."""
+    ``$KVXFER_NATIVE_GIL=release``)."""
     cu = bindings()
     if cu is None:
         return None

@@ -54,6 +54,9 @@ class TransportNode:
     def note_spin(self, error_mode: str) -> dict:
         return self.loop.run_until_complete(_TransportChecks.note_spin(error_mode))
 
+    def native_gil(self, error_mode: str, value: str) -> dict:
+        return self.loop.run_until_complete(_TransportChecks.native_gil(error_mode, value))
+
     def close(self) -> None:
         self.loop.close()
 
@@ -142,6 +145,62 @@ class _TransportChecks:
         q = t._cq
         await t.close()
         out["poller_after_close"] = q.poller_live
+        return out
+
+    @staticmethod
+    async def native_gil(error_mode, value):
+        """With ``$KVXFER_NATIVE_GIL=value`` (read when the transport is made): whether its
+        chains and its bulk endpoint's short PUT batches keep the GIL, and that a 64-byte PUT
+        + chained notification and a batch too long to keep it both land. The variable is
+        restored afterwards."""
+        import os
+
+        import numpy as np
+
+        from kvxfer.kernels.cuda_driver import NATIVE_GIL_ENV
+        from kvxfer.transport.ucx_rma import KEEP_GIL_MAX_OPS
+
+        old = os.environ.get(NATIVE_GIL_ENV)
+        os.environ[NATIVE_GIL_ENV] = value
+        try:
+            t, client, server, rma = await _TransportChecks._pair(error_mode)
+        finally:
+            if old is None:
+                os.environ.pop(NATIVE_GIL_ENV, None)
+            else:
+                os.environ[NATIVE_GIL_ENV] = old
+        out: dict = {"transport": t.keep_gil, "endpoint": rma._keep_gil}
+        n = KEEP_GIL_MAX_OPS + 1  # one batch that keeps it, one that is too long to
+        src = (np.arange(64 * n) % 251).astype(np.uint8)
+        dst = np.zeros(64 * n, dtype=np.uint8)
+        rs, rd = t.register(src.ctypes.data, src.nbytes), t.register(dst.ctypes.data, dst.nbytes)
+        rma.add_remote_regions([rd.addr], [rd.length], [rd.packed_key()])
+        got = asyncio.get_running_loop().create_future()
+        token = t.note_listen(lambda p: got.done() or got.set_result(p))
+        u = np.uint64
+        offs = np.arange(n, dtype=u) * u(64)
+        for sel in (slice(0, 1), slice(1, n)):
+            k = len(offs[sel])
+            rma.put(
+                u(src.ctypes.data) + offs[sel],
+                u(rd.addr) + offs[sel],
+                np.full(k, 64, u),
+                np.full(k, rs.handle, u),
+                np.zeros(k, u),
+            )
+        fut = rma.flush_notify_future(token, b"done")
+        if fut is None:  # this endpoint cannot chain: flush, then send it natively
+            await asyncio.wait_for(rma.flush_future(), 5.0)
+            fut = rma.note_future(token, b"done")
+        await asyncio.wait_for(fut, 5.0)
+        out["payload"] = await asyncio.wait_for(got, 5.0)
+        out["landed"] = bool((dst == src).all())
+        t.note_unlisten(token)
+        await rma.close(1.0)
+        await asyncio.gather(client.close(1.0), server.close(1.0))
+        rs.release()
+        rd.release()
+        await t.close()
         return out
 
     @staticmethod

@@ -241,11 +241,16 @@ static int get_u64_array(PyObject *o, Py_buffer *b, const char *name)
 }
 
 /*
- * put_batch(ep, laddr, raddr, nbytes, lmemh, ridx, rbase, rlen, rkeys) -> ops posted
+ * put_batch(ep, laddr, raddr, nbytes, lmemh, ridx, rbase, rlen, rkeys, keep_gil=False)
+ * -> ops posted
  *
  * Per op i: PUT nbytes[i] bytes from local laddr[i] (registration lmemh[i], 0 = let UCX
  * find it) to remote raddr[i] inside remote region ridx[i], whose extent is
  * [rbase[r], rbase[r] + rlen[r]) and key rkeys[r]. All ops are checked first.
+ * keep_gil: post without releasing the GIL. Only for an endpoint of kvxfer's own worker
+ * (ep_create on a queue with an own worker): no thread that holds that worker's lock ever
+ * waits for the GIL (its callbacks are native), while UCXX's progress thread holds its
+ * worker's lock when it runs Python callbacks. The caller keeps such batches short.
  */
 static PyObject *py_put_batch(PyObject *self, PyObject *args)
 {
@@ -257,9 +262,11 @@ static PyObject *py_put_batch(PyObject *self, PyObject *args)
     Py_ssize_t n, m, k, posted = 0;
     ucs_status_t st = UCS_OK;
     PyObject *result = NULL;
+    int keep = 0;
+    PyThreadState *ts;
 
-    if (!PyArg_ParseTuple(args, "OOOOOOOOO", &ep_o, &objs[0], &objs[1], &objs[2], &objs[3],
-                          &objs[4], &objs[5], &objs[6], &objs[7]))
+    if (!PyArg_ParseTuple(args, "OOOOOOOOO|p", &ep_o, &objs[0], &objs[1], &objs[2], &objs[3],
+                          &objs[4], &objs[5], &objs[6], &objs[7], &keep))
         return NULL;
     if (get_handle(ep_o, (void **)&ep, "endpoint") < 0)
         return NULL;
@@ -301,7 +308,7 @@ static PyObject *py_put_batch(PyObject *self, PyObject *args)
                 goto out;
             }
         }
-        Py_BEGIN_ALLOW_THREADS
+        ts = keep ? NULL : PyEval_SaveThread();
         for (k = 0; k < n; k++) {
             ucp_request_param_t p;
             ucs_status_ptr_t sp;
@@ -317,7 +324,8 @@ static PyObject *py_put_batch(PyObject *self, PyObject *args)
                 ucp_request_free(sp); /* completes in the background; tracked by flush */
             posted++;
         }
-        Py_END_ALLOW_THREADS
+        if (ts != NULL)
+            PyEval_RestoreThread(ts);
     }
     if (st != UCS_OK) {
         raise_ucx(st, "ucp_put_nbx", posted);
@@ -1412,9 +1420,11 @@ static PyObject *cq_flush_notify(CompletionQueue *self, PyObject *args)
     double inline_us = 0.0;
     int noflush      = 0;
     int wake         = 0;
+    int keep         = 0;
+    PyThreadState *ts;
     cq_core_t *c    = cq_core(self);
-    if (c == NULL || !PyArg_ParseTuple(args, "OKpKKy*|dp", &ep_o, &token, &spin, &ctx, &note, &pl,
-                                       &inline_us, &noflush))
+    if (c == NULL || !PyArg_ParseTuple(args, "OKpKKy*|dpp", &ep_o, &token, &spin, &ctx, &note,
+                                       &pl, &inline_us, &noflush, &keep))
         return NULL;
     if (get_handle(ep_o, &ep, "endpoint") < 0) {
         PyBuffer_Release(&pl);
@@ -1480,7 +1490,9 @@ static PyObject *cq_flush_notify(CompletionQueue *self, PyObject *args)
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     p.cb.send      = chain_flush_cb;
     p.user_data    = ch;
-    Py_BEGIN_ALLOW_THREADS
+    /* keep: the GIL stays held (as put_batch's keep_gil), honoured only for an endpoint of
+     * the own worker, whose lock no thread holds while it waits for the GIL */
+    ts = (keep && ch->x != NULL && c->own != NULL) ? NULL : PyEval_SaveThread();
     sp = noflush ? NULL : ucp_ep_flush_nbx((ucp_ep_h)ep, &p);
     if (sp != NULL && !UCS_PTR_IS_ERR(sp))
         pending = 1; /* chain_flush_cb owns the chain */
@@ -1520,7 +1532,8 @@ static PyObject *cq_flush_notify(CompletionQueue *self, PyObject *args)
         chain_release(ch, 0, st);
     if (wake)
         cq_req_wake(c);
-    Py_END_ALLOW_THREADS
+    if (ts != NULL)
+        PyEval_RestoreThread(ts);
     if (pending)
         Py_RETURN_NONE;
     return PyLong_FromLong((long)st);

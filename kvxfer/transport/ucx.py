@@ -43,6 +43,7 @@ from kvxfer.errors import (
     TransferTimeout,
     TransportError,
 )
+from kvxfer.kernels.cuda_driver import keeps_gil
 from kvxfer.loop_thread import in_guest
 from kvxfer.transport.base import (
     AcceptCallback,
@@ -164,6 +165,10 @@ class UcxTransport(Transport):
         #: the same, for a chain on kvxfer's own worker started by a loop's guest
         #: (kvxfer.loop_thread.in_guest: a scheduler's thread) (KVXFER_GUEST_INLINE_US)
         self.guest_inline_us = guest_inline_us()
+        #: chains and short PUT batches on kvxfer's own worker keep the GIL (the native side
+        #: honours it only for that worker's endpoints; kvxfer.transport.ucx_rma.
+        #: KEEP_GIL_MAX_OPS); not with ``$KVXFER_NATIVE_GIL=release``
+        self.keep_gil = own_rma and keeps_gil()
         self._listener: Any = None  # ucxx.Listener
         self._closed = False
         #: tests only: what the channels of one role announce in their opening, overriding
@@ -308,7 +313,7 @@ class UcxTransport(Transport):
             wait_us = 0.0
         return self._started(
             lambda token: self._cq.flush_notify(
-                ep_handle, token, spin, ctx, note_token, payload, wait_us
+                ep_handle, token, spin, ctx, note_token, payload, wait_us, False, self.keep_gil
             ),
             "flush + notify" if note_token else "ucp_ep_flush",
         )
@@ -321,7 +326,7 @@ class UcxTransport(Transport):
         context, whose closing cancels the send, or 0); resolves like :meth:`frame_future`."""
         return self._started(
             lambda token: self._cq.flush_notify(
-                ep_handle, token, False, ctx, note_token, payload, 0.0, True
+                ep_handle, token, False, ctx, note_token, payload, 0.0, True, self.keep_gil
             ),
             "notification send",
         )
@@ -529,7 +534,7 @@ class UcxTransport(Transport):
             ep, ctx = self._cq.ep_create(worker, peer_address, token, peer_errors)
         except self.rma.UcxError as exc:
             raise PeerClosed(f"bulk endpoint: {exc.args[1]}") from None
-        rma = UcxRma(self, raw=(ep, ctx), err_token=token)
+        rma = UcxRma(self, raw=(ep, ctx), err_token=token, keep_gil=self.keep_gil and worker == 0)
         self._watch[token] = rma._on_error
         return rma
 

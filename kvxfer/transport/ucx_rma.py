@@ -20,6 +20,13 @@ from kvxfer.transport.ucx_lib import status_error
 log = logging.getLogger(__name__)
 
 _U64 = np.uint64
+#: a PUT batch to an endpoint of kvxfer's own worker keeps the GIL (``put_batch``'s
+#: ``keep_gil``) when it has at most this many ops and bytes: posting a short batch takes
+#: microseconds, while a release hands the GIL to any thread busy in the interpreter until
+#: its switch interval (bench/results/driver-gil.md); a long batch (a cma PUT copies its
+#: bytes in the call) still releases it
+KEEP_GIL_MAX_OPS = 64
+KEEP_GIL_MAX_BYTES = 1 << 20
 
 
 class RmaService(Protocol):
@@ -83,8 +90,12 @@ class UcxRma(RmaEndpoint):
         ep=None,
         raw: Optional[Tuple[int, int]] = None,
         err_token: int = 0,
+        keep_gil: bool = False,
     ):
+        """``keep_gil``: ``raw`` is an endpoint of kvxfer's own worker, whose short PUT
+        batches are posted without releasing the GIL (``UcxTransport.keep_gil``)."""
         self._t, self._ep, self._raw, self._err_token = transport, ep, raw, err_token
+        self._keep_gil = keep_gil
         self._rkeys: List[int] = []
         self._rbase = np.zeros(0, _U64)
         self._rlen = np.zeros(0, _U64)
@@ -140,6 +151,11 @@ class UcxRma(RmaEndpoint):
 
     def put(self, laddr, raddr, nbytes, lmemh, ridx) -> int:
         rma = self._t.rma
+        keep = (
+            self._keep_gil
+            and len(laddr) <= KEEP_GIL_MAX_OPS
+            and int(np.asarray(nbytes).sum()) <= KEEP_GIL_MAX_BYTES
+        )
         try:
             return rma.put_batch(
                 self._handle(),
@@ -151,6 +167,7 @@ class UcxRma(RmaEndpoint):
                 self._rbase,
                 self._rlen,
                 self._rkey_arr,
+                keep,
             )
         except IndexError as exc:
             raise IndexOutOfRange(f"native bounds check: {exc}") from None

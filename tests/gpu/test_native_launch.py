@@ -285,7 +285,7 @@ def test_launch_pieces_declines_uneven_shapes(launcher):
 def test_short_driver_calls_keep_the_gil(monkeypatch):
     """The launch path's driver calls (context, launch, event record / query) are made without
     releasing the GIL — a thread busy in the interpreter would keep it for a switch interval
-    after each release — unless ``KVXFER_DRIVER_GIL=release``; the events still work."""
+    after each release — unless ``KVXFER_NATIVE_GIL=release``; the events still work."""
     import ctypes
 
     from kvxfer.kernels import cuda_driver
@@ -295,9 +295,9 @@ def test_short_driver_calls_keep_the_gil(monkeypatch):
 
     assert keeps(cuda_driver.proc("cuEventQuery", 2000, ctypes.c_void_p, keep_gil=True))
     assert not keeps(cuda_driver.proc("cuEventQuery", 2000, ctypes.c_void_p))
-    monkeypatch.setenv(cuda_driver.DRIVER_GIL_ENV, "release")
+    monkeypatch.setenv(cuda_driver.NATIVE_GIL_ENV, "release")
     assert not keeps(cuda_driver.proc("cuEventQuery", 2000, ctypes.c_void_p, keep_gil=True))
-    monkeypatch.delenv(cuda_driver.DRIVER_GIL_ENV)
+    monkeypatch.delenv(cuda_driver.NATIVE_GIL_ENV)
     ring = native_launch.TableRing(torch.cuda.current_device())
     try:
         assert keeps(ring.ctx._push) and keeps(ring.ctx._get)

@@ -162,6 +162,18 @@ def test_opening_same_version_and_mode_pairs(node, mode):
     _left_nothing(out)
 
 
+@pytest.mark.parametrize("value", ["keep", "release"])
+@pytest.mark.parametrize("mode", ["peer", "none"])
+def test_native_calls_keep_the_gil_on_the_own_worker_only(node, mode, value):
+    # error_mode "none" (kvxfer's own worker): chains and short PUT batches keep the GIL
+    # unless KVXFER_NATIVE_GIL=release; never on UCXX's worker ("peer"); bytes land and the
+    # chained notification arrives either way, for a short batch and a long one
+    out = node.native_gil(mode, value)
+    kept = mode == "none" and value == "keep"
+    assert out["transport"] is kept and out["endpoint"] is kept, out
+    assert out["payload"] == b"done" and out["landed"], out
+
+
 @pytest.mark.parametrize("mode", ["peer", "none"])
 def test_note_spin_keeps_the_thread_progressing(node, mode):
     # KVXFER_NOTE_SPIN=1: the queue's thread progresses from the start (one spinner, no
