@@ -24,9 +24,8 @@ Invariants
   any Python thread that wants it, and a thread busy in the interpreter gives it back only at
   the switch interval (bench/results/launch-h200.md). Calls that can wait (synchronize, a
   batch copy that may block on a full queue) release it. ``$KVXFER_NATIVE_GIL=release``
-  makes every call release it (also the UCX calls of kvxfer.transport that keep it: the
-  A/B of bench/results/driver-gil.md), read once per
-  process.
+  makes every call release it, and the UCX calls of :mod:`kvxfer.transport` that keep it
+  too (the A/B of bench/results/native-gil.md); read when a call is looked up.
 - :func:`ipc_export` works on any thread (it makes the memory's primary context current for
   its one context-bound call) and answers only for memory the driver reports legacy-IPC capable
   (``cudaMalloc``-style; not CUDA VMM); the blob is :data:`IPC_BLOB_BYTES` bytes: the

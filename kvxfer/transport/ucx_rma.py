@@ -23,7 +23,7 @@ _U64 = np.uint64
 #: a PUT batch to an endpoint of kvxfer's own worker keeps the GIL (``put_batch``'s
 #: ``keep_gil``) when it has at most this many ops and bytes: posting a short batch takes
 #: microseconds, while a release hands the GIL to any thread busy in the interpreter until
-#: its switch interval (bench/results/driver-gil.md); a long batch (a cma PUT copies its
+#: its switch interval (bench/results/native-gil.md); a long batch (a cma PUT copies its
 #: bytes in the call) still releases it
 KEEP_GIL_MAX_OPS = 64
 KEEP_GIL_MAX_BYTES = 1 << 20
