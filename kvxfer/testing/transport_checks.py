@@ -82,12 +82,27 @@ class _TransportChecks:
         return t, client, server, rma
 
     @staticmethod
+    async def _pair_with_env(error_mode, name, value):
+        """:meth:`_pair` made while ``$name`` is ``value`` (restored afterwards: such
+        variables are read when the transport is made)."""
+        import os
+
+        old = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            return await _TransportChecks._pair(error_mode)
+        finally:
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+    @staticmethod
     async def note_spin(error_mode):
         """With ``$KVXFER_NOTE_SPIN=1`` (read when the transport makes its completion
         queue): the queue counts one spinner from the start; a PUT + chained notification
         still lands, its delivery sees its native arrival time (``note_arrival``), and
         closing the transport stops the thread. The variable is restored afterwards."""
-        import os
         import time
 
         import numpy as np
@@ -95,15 +110,9 @@ class _TransportChecks:
         from kvxfer.transport.base import note_arrival
         from kvxfer.transport.ucx import NOTE_SPIN_ENV
 
-        old = os.environ.get(NOTE_SPIN_ENV)
-        os.environ[NOTE_SPIN_ENV] = "1"
-        try:
-            t, client, server, rma = await _TransportChecks._pair(error_mode)
-        finally:
-            if old is None:
-                os.environ.pop(NOTE_SPIN_ENV, None)
-            else:
-                os.environ[NOTE_SPIN_ENV] = old
+        t, client, server, rma = await _TransportChecks._pair_with_env(
+            error_mode, NOTE_SPIN_ENV, "1"
+        )
         out: dict = {"spinning": t._cq.spinning}
         src = np.arange(64, dtype=np.uint8)
         dst = np.zeros(64, dtype=np.uint8)
@@ -153,22 +162,15 @@ class _TransportChecks:
         chains and its bulk endpoint's short PUT batches keep the GIL, and that a 64-byte PUT
         + chained notification and a batch too long to keep it both land. The variable is
         restored afterwards."""
-        import os
 
         import numpy as np
 
         from kvxfer.kernels.cuda_driver import NATIVE_GIL_ENV
         from kvxfer.transport.ucx_rma import KEEP_GIL_MAX_OPS
 
-        old = os.environ.get(NATIVE_GIL_ENV)
-        os.environ[NATIVE_GIL_ENV] = value
-        try:
-            t, client, server, rma = await _TransportChecks._pair(error_mode)
-        finally:
-            if old is None:
-                os.environ.pop(NATIVE_GIL_ENV, None)
-            else:
-                os.environ[NATIVE_GIL_ENV] = old
+        t, client, server, rma = await _TransportChecks._pair_with_env(
+            error_mode, NATIVE_GIL_ENV, value
+        )
         out: dict = {"transport": t.keep_gil, "endpoint": rma._keep_gil}
         n = KEEP_GIL_MAX_OPS + 1  # one batch that keeps it, one that is too long to
         src = (np.arange(64 * n) % 251).astype(np.uint8)
