@@ -146,15 +146,20 @@ def _setting(value: Optional[int], env: str, default: int, what: str) -> int:
 #: a send to several decode peers at once (a room's legs, one-to-many heterogeneous TP: one
 #: write per decode rank) runs as the loop's guest only up to this many pages: on the H200
 #: such sends were slower as guests, the other way round from single-peer ones
-#: (bench/results/tp-pattern-h200.md, fifth session)
+#: (bench/results/tp-pattern-h200.md, fifth session); ``$KVXFER_LEG_DIRECT_PAGES``
+#: overrides it (read by :func:`direct_limit`, for A/B runs)
 LEG_DIRECT_PAGES = 16
+LEG_DIRECT_PAGES_ENV = "KVXFER_LEG_DIRECT_PAGES"
 
 
 def direct_limit(direct_pages: int, peers: int) -> int:
     """The most pages a send to ``peers`` decode peers runs as the loop's guest, given the
     manager's ``direct_pages`` (0: none): ``direct_pages`` for one peer, at most
-    :data:`LEG_DIRECT_PAGES` for several."""
-    return direct_pages if peers <= 1 else min(direct_pages, LEG_DIRECT_PAGES)
+    :data:`LEG_DIRECT_PAGES` (or ``$KVXFER_LEG_DIRECT_PAGES``) for several."""
+    if peers <= 1:
+        return direct_pages
+    legs = _setting(None, LEG_DIRECT_PAGES_ENV, LEG_DIRECT_PAGES, "leg_direct_pages")
+    return min(direct_pages, legs)
 
 
 def direct_pages(value: Optional[int] = None) -> int:

@@ -137,11 +137,18 @@ def test_manager_int_settings(monkeypatch, name, env, default):
         make(**{name: -1})
 
 
-def test_direct_limit_by_peers():
+def test_direct_limit_by_peers(monkeypatch):
     """config.direct_limit: a send to one decode peer runs as the loop's guest up to
-    direct_pages; to several (a room's TP legs) up to LEG_DIRECT_PAGES at most; 0 stays 0."""
-    from kvxfer.config import LEG_DIRECT_PAGES, direct_limit
+    direct_pages; to several (a room's TP legs) up to LEG_DIRECT_PAGES at most, or
+    $KVXFER_LEG_DIRECT_PAGES; 0 stays 0; a bad value is a typed error."""
+    from kvxfer.config import LEG_DIRECT_PAGES, LEG_DIRECT_PAGES_ENV, direct_limit
 
+    monkeypatch.delenv(LEG_DIRECT_PAGES_ENV, raising=False)
     assert direct_limit(65536, 1) == 65536 and direct_limit(65536, 0) == 65536
     assert direct_limit(65536, 2) == LEG_DIRECT_PAGES == direct_limit(65536, 4)
     assert direct_limit(8, 2) == 8 and direct_limit(0, 1) == 0 and direct_limit(0, 3) == 0
+    monkeypatch.setenv(LEG_DIRECT_PAGES_ENV, "4096")
+    assert direct_limit(65536, 2) == 4096 and direct_limit(65536, 1) == 65536
+    monkeypatch.setenv(LEG_DIRECT_PAGES_ENV, "many")
+    with pytest.raises(InvalidArgument, match=LEG_DIRECT_PAGES_ENV):
+        direct_limit(65536, 2)
