@@ -513,6 +513,8 @@ def format_stages(rows: List[dict]) -> str:
             f"| prefill calls run as the loop's guest per request (≤ 3), sequential / "
             f"concurrent | {r.get('direct_calls_1page', float('nan')):.2f} / "
             f"{r.get('direct_calls_tput', float('nan')):.2f} | | |",
+            f"| decode polls that took the Done themselves per request (--poll-scheduler) "
+            f"| {r.get('poll_takes_1page', float('nan')):.2f} | | |",
             f"| prefill writes per request, concurrent (rooms per coalesced write) "
             f"| {r.get('tput_writes_per_req', float('nan')):.3f} "
             f"({r.get('tput_rooms_per_coalesced', float('nan')):.1f}) | | |",
@@ -612,7 +614,7 @@ def bench_mode(args, mode: str, integrity: bool = False, coalesce: Optional[int]
         # latency: decode announces a batch ahead of prefill (prefill holds announced rooms
         # only bootstrap_s before its KVSender must exist), prefill sends one at a time
         rooms = _ids(1000, args.latency_requests)
-        p_rooms, d_rooms, ops, direct, lat_coalesced = {}, {}, 0, 0, 0
+        p_rooms, d_rooms, ops, direct, lat_coalesced, takes = {}, {}, 0, 0, 0, 0
         for lo in range(0, len(rooms), LATENCY_BATCH):
             batch = rooms[lo : lo + LATENCY_BATCH]
             pair.decode.announce(batch, 1)
@@ -622,6 +624,7 @@ def bench_mode(args, mode: str, integrity: bool = False, coalesce: Optional[int]
             ops += p["stats"]["ops"]
             direct += p["stats"].get("direct_calls", 0)
             lat_coalesced += p["stats"].get("coalesced_rooms", 0)
+            takes += d["stats"].get("poll_takes", 0)
         ok = [r for r in rooms if d_rooms[r]["state"] == "Success"]
         lat = [(d_rooms[r]["t_done"] - p_rooms[r]["t_send"]) * 1e6 for r in ok]
         p_lat = [(p_rooms[r]["t_done"] - p_rooms[r]["t_send"]) * 1e6 for r in ok]
@@ -635,6 +638,9 @@ def bench_mode(args, mode: str, integrity: bool = False, coalesce: Optional[int]
             # prefill's calls that ran as its loop's guest, per request (its adoption, init
             # and send: at most 3)
             direct_calls_1page=direct / len(rooms),
+            # decode's polls that handled an arrived Done themselves (KVManager.take_arrived:
+            # only with --poll-scheduler), per request
+            poll_takes_1page=takes / len(rooms),
             # sequential requests that went in a coalesced write (should be none)
             lat_coalesced_rooms=lat_coalesced,
             lanes=p["stats"]["lanes"],
