@@ -588,7 +588,7 @@ def bench_mode(args, mode: str, integrity: bool = False, coalesce: Optional[int]
         "integrity": integrity,
         "trace": True if args.stages else None,
         "busy_thread": bool(getattr(args, "busy_thread", False)),
-        "poll_scheduler": bool(getattr(args, "poll_scheduler", False)),
+        "poll_scheduler": getattr(args, "poll_scheduler", None),
     }
     if coalesce is not None:
         opts["coalesce_after"] = coalesce
@@ -906,7 +906,7 @@ def bench_tp(
             "max_inflight": 1 << 30,
             "decode_page_size": d_ps if d_ps != ps else None,
             "decode_prefix": kk,
-            "poll_scheduler": bool(getattr(args, "poll_scheduler", False)),
+            "poll_scheduler": getattr(args, "poll_scheduler", None),
             "busy_thread": bool(getattr(args, "busy_thread", False)),
         }
         if path is not None:  # direct: never staged; staged: every slice write staged;
@@ -1228,10 +1228,15 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--poll-scheduler",
-        action="store_true",
-        help="each worker's scheduler waits for its rooms by polling them back to back, as "
-        "SGLang's does between batches, instead of blocking on their on_done (with "
-        "KVManager(poll_takes=), the default, a poll then handles an arrived Done itself)",
+        nargs="?",
+        const="yield",
+        default=None,
+        choices=("yield", "spin"),
+        help="each worker's scheduler waits for its rooms by polling them sweep after sweep, "
+        "as SGLang's does between batches, instead of blocking on their on_done (with "
+        "KVManager(poll_takes=), the default, a poll then handles an arrived Done itself); "
+        "yield (default): one time.sleep(0) per sweep; spin: none (a scheduler that stays in "
+        "the interpreter)",
     )
     ap.add_argument(
         "--switch-interval",
@@ -1268,7 +1273,7 @@ def main(argv=None) -> int:
         f"requests, {a.large_pages}-page requests best/median of {a.iters}"
         f"{', integrity off and on' if a.integrity else ''}"
         f"{', a busy Python thread per worker' if a.busy_thread else ''}"
-        f"{', polling schedulers' if a.poll_scheduler else ''}"
+        f"{f', polling schedulers ({a.poll_scheduler})' if a.poll_scheduler else ''}"
         f"{f', switch interval {a.switch_interval * 1e3:g} ms' if a.switch_interval else ''}",
         flush=True,
     )

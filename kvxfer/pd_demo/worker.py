@@ -72,12 +72,16 @@ class PDWorker:
         #: attached to its KVSender (or the room failed); the scheduler computes a request
         #: only then, as SGLang's bootstrap queue does (``_wait_decode``)
         self._attached: Optional[Dict[int, threading.Event]] = None
-        #: ``opts["poll_scheduler"]``: waiting for rooms, the scheduler polls every open
-        #: room, sweep after sweep (SGLang's loop between batches), instead of blocking on
-        #: ``done_q`` (then a room's Done can be handled by its poll: KVManager.take_arrived);
-        #: between sweeps it lets other threads run once (``time.sleep(0)``, as that loop's
-        #: non-blocking socket reads do)
-        self.poll_scheduler = bool(opts.get("poll_scheduler", False))
+        #: ``opts["poll_scheduler"]`` ("yield" / "spin"; None: off): waiting for rooms, the
+        #: scheduler polls every open room, sweep after sweep (SGLang's loop between
+        #: batches), instead of blocking on ``done_q`` (then a room's Done can be handled by
+        #: its poll: KVManager.take_arrived); "yield": between sweeps it lets other threads
+        #: run once (``time.sleep(0)``, as that loop's non-blocking socket reads do); "spin":
+        #: never (a scheduler that stays in the interpreter)
+        mode = opts.get("poll_scheduler")
+        if mode not in (None, "yield", "spin"):
+            raise ValueError(f"poll_scheduler must be None, 'yield' or 'spin', got {mode!r}")
+        self.poll_scheduler: Optional[str] = mode
         if role == "prefill" and opts.get("wait_decode"):
             self._attached = {}
             self.mgr.test_hook = self._on_hook
@@ -144,7 +148,8 @@ class PDWorker:
                 h = rec.get("h")
                 if h is not None:
                     h.poll()
-            time.sleep(0)  # the GIL and the CPU to the loop thread, if it waits for them
+            if self.poll_scheduler == "yield":
+                time.sleep(0)  # the GIL and the CPU to the loop thread, if it waits for them
             if time.monotonic() > end:
                 raise SchedulerError(
                     f"{self.role}: no room finished within {self.deadline_s}s "
