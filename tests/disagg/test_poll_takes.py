@@ -5,7 +5,7 @@ loop thread to wake. Between two spawned processes over real UCX loopback.
 Forced: decode's loop stops watching its completion queue (``deaf``), so the Done waits
 there; a poll with the take off sees nothing, the first poll with it on sees Success.
 Hammered: a scheduler polling hundreds of rooms back to back while the loop handles the same
-queue; every byte verified, nothing leaked."""
+queue; every byte verified, nothing leaked. And polls racing the manager's close."""
 
 import pytest
 from pd_harness import Node
@@ -65,3 +65,29 @@ def test_a_polling_scheduler_and_the_loop_share_the_queue(cluster, room):
     assert d.loop_errors() == [] and p.loop_errors() == []
     for n in (p, d):
         assert n.leaks() == {"pages": 0, "slots": 0, "aux": 0, "rooms": 0}
+
+
+def test_polls_while_the_manager_closes(cluster, room):
+    """A scheduler polling back to back (taking arrivals) while its manager closes: every
+    poll returns, no exception reaches the polling thread, every room ends terminal on both
+    sides and prefill keeps nothing."""
+    c = cluster
+    v = c.victim("decode", c.bs["mha"].address)
+    p = c.p["mha"]
+    rooms = [room() for _ in range(20)]
+    for r in rooms:
+        v["mha"].d_open(r, 2)
+        p.p_open(r, 2)
+    for r in rooms:
+        assert p.poll_until(r, ["WaitingForInput"]) == "WaitingForInput"
+    v["mha"].start(Node.poll_all_until_done, rooms)
+    for r in rooms[:10]:
+        p.p_send(r, 0, 2)
+    v["mha"].close()
+    states = v["mha"].join()
+    assert set(states.values()) <= {"Success", "Failed"}, states
+    assert all(states[r] == "Failed" for r in rooms[10:]), states  # never sent: Closed
+    for r in rooms:
+        assert p.wait(r) is not None, r
+    assert p.loop_errors() == []
+    assert p.leaks() == {"pages": 0, "slots": 0, "aux": 0, "rooms": 0}
