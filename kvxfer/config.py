@@ -21,6 +21,8 @@ always wins.
   SGLang backend's direct sends (:func:`direct_pages`; read when a manager is built).
 - ``KVXFER_POLL_TAKES`` = ``1`` | ``0`` — default of ``KVManager(poll_takes=)``
   (:func:`poll_takes`; read when a manager is built).
+- ``KVXFER_LEG_DIRECT_PAGES`` = an int >= 0 — the guest bound of sends to several decode
+  peers (:data:`LEG_DIRECT_PAGES`; read by :func:`direct_limit` per send, for A/B runs).
 - ``KVXFER_SECRET`` — the shared secret of a ``KVManager``, ``BootstrapServer`` or bootstrap
   client built without ``secret=``, read when it is built (:func:`resolve_secret`; never part
   of :func:`env_defaults`, which ``kvxfer info`` prints). There is no built-in default:
