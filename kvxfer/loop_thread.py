@@ -257,6 +257,16 @@ class LoopThread:
                     pass
         return done
 
+    def take_completions(self, transport: Any) -> bool:
+        """``transport.take_completions()`` (:class:`kvxfer.transport.base.Transport`) now, as
+        this loop's guest (:meth:`run_here`), when its completion queue holds something;
+        returns whether it ran and handled anything. One native read when nothing arrived;
+        False for a ``None`` transport. Runs on: any thread but the loop's (a scheduler's
+        ``poll()``)."""
+        if transport is None or not transport.completions_queued():
+            return False
+        return self.run_here(transport.take_completions)
+
     def call(self, fn: Callable[..., Any], *args: Any, direct: bool = False) -> bool:
         """Run ``fn(*args)`` on the loop, handed over (never blocks); with ``direct`` (a short
         step the caller would otherwise wait a loop wake-up for) instead now, on the calling

@@ -460,10 +460,7 @@ class KVManager:
         lt, engine = self._thread, self.engine
         if not self.poll_takes or lt is None or engine is None or self._closed:
             return False
-        transport = engine.transport
-        if transport is None or not transport.completions_queued():
-            return False
-        if not lt.run_here(transport.take_completions):
+        if not lt.take_completions(engine.transport):
             return False
         with self._direct_lock:
             self.stats["poll_takes"] += 1

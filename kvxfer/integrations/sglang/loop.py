@@ -67,15 +67,10 @@ class EngineLoop:
     def take_arrived(self) -> bool:
         """Handle what already reached the engine's transport (a prefill's SglDone, a
         flush's completion) now, on the calling thread as the loop's guest, when the loop
-        waits for events (:meth:`kvxfer.loop_thread.LoopThread.run_here`; else the loop
+        waits for events (:meth:`kvxfer.loop_thread.LoopThread.take_completions`; else the loop
         handles it on its wake-up); returns whether it did. One native read when nothing
         arrived. Runs on: any thread but the loop's (SGLang's scheduler, from ``poll()``)."""
-        if self._closed:
-            return False
-        transport = self.engine.transport
-        if transport is None or not transport.completions_queued():
-            return False
-        return self._lt.run_here(transport.take_completions)
+        return not self._closed and self._lt.take_completions(self.engine.transport)
 
     def run(self, coro: Any, timeout: float) -> Any:
         """Run ``coro`` on the loop from another thread; bounded by ``timeout`` (+1 s).
