@@ -43,7 +43,7 @@ import contextlib
 import ctypes
 import os
 import struct
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 from kvxfer.kernels.errors import CudaError, InvalidArgument
 
@@ -197,6 +197,59 @@ def ipc_export(addr: int) -> Optional[bytes]:
     if err != _OK:
         return None
     return pack_blob(ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES), addr - rng[0])
+
+
+def vmm_extents(addr: int, length: int) -> Optional[Tuple[List[Tuple[int, int]], int]]:
+    """``([(base, size), ...], granularity)``: the physical allocations (``cuMemCreate``
+    extents) mapped over ``[addr, addr + length)``, in address order, and their allocation
+    granularity, when every byte of it is CUDA VMM memory whose allocations were made
+    exportable as POSIX file descriptors; else None (not VMM memory, a hole, another handle
+    type, no driver). Works on any thread (the memory's primary context is made current)."""
+    cu = bindings()
+    if cu is None or length <= 0 or ipc_capable(addr) is not False:
+        return None
+    posix_fd = int(cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+    minimum = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+    out: List[Tuple[int, int]] = []
+    gran = 0
+    a, end = addr, addr + length
+    with _primary_context(addr):
+        while a < end:
+            err, base, size = cu.cuMemGetAddressRange(a)  # one mapping (not the reservation)
+            if err != _OK or not int(base) <= a < int(base) + int(size):
+                return None
+            err, handle = cu.cuMemRetainAllocationHandle(a)
+            if err != _OK:
+                return None
+            try:
+                err, prop = cu.cuMemGetAllocationPropertiesFromHandle(handle)
+                if err != _OK or not int(prop.requestedHandleTypes) & posix_fd:
+                    return None
+                err, g = cu.cuMemGetAllocationGranularity(prop, minimum)
+                if err != _OK:
+                    return None
+            finally:
+                cu.cuMemRelease(handle)
+            gran = max(gran, int(g))
+            out.append((int(base), int(size)))
+            a = int(base) + int(size)
+    return out, gran
+
+
+def vmm_export(addr: int) -> int:
+    """A new POSIX file descriptor (the caller closes it) of the VMM allocation mapped at
+    ``addr`` (``cuMemExportToShareableHandle``). Works on any thread. Raises CudaError."""
+    cu = bindings()
+    if cu is None:
+        raise CudaError("cuMemExportToShareableHandle", CudaError.NO_DRIVER, _why_not)
+    posix_fd = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    with _primary_context(addr):
+        handle = check(cu.cuMemRetainAllocationHandle(addr), "cuMemRetainAllocationHandle")
+        try:
+            fd = check(cu.cuMemExportToShareableHandle(handle, posix_fd, 0), "cuMemExport")
+        finally:
+            cu.cuMemRelease(handle)
+    return int(fd)
 
 
 @contextlib.contextmanager

@@ -86,8 +86,12 @@ class EngineNode:
             self.engines[key] = eng
 
     def _alloc(self, g, device):
-        """Zeroed uint8 buffers, one per descriptor: numpy on "cpu", torch elsewhere."""
+        """Zeroed uint8 buffers, one per descriptor: numpy on "cpu", torch elsewhere; with
+        ``"vmm": True`` (CUDA) in one CUDA VMM range (the pools' post-capture backing,
+        POSIX-FD handles, extents of at most 4 MiB) instead of ``cudaMalloc`` memory."""
         n, ils = g["items"], list(g["item_lens"])
+        if g.get("vmm"):
+            return self._alloc_vmm(n * sum(ils), ils, n, device)
         if device == "cpu":
             zeros = lambda k: self.np.zeros(k, dtype=self.np.uint8)  # noqa: E731
         else:
@@ -102,6 +106,26 @@ class EngineNode:
                 off += n * il
             return out
         return [zeros(n * il) for il in ils]
+
+    def _alloc_vmm(self, total: int, ils, n: int, device):
+        import torch
+
+        from kvxfer.pools.backing.cuda import CudaVmmProvider
+        from kvxfer.pools.backing.memory import tensor_over
+
+        dev = torch.device(device)
+        provider = CudaVmmProvider(dev.index or 0, handle_types=("posix_fd",))
+        g = provider.granularity
+        backing = provider.reserve(-(-total // g) * g, max_extent_bytes=max(g, 4 << 20))
+        backing.commit(0, total)
+        self._keep = getattr(self, "_keep", []) + [provider, backing]
+        whole = tensor_over(dev, backing.address, total, backing)
+        whole.zero_()
+        out, off = [], 0
+        for il in ils:
+            out.append(whole[off : off + n * il])
+            off += n * il
+        return out
 
     @staticmethod
     def _ptr(b) -> int:

@@ -54,6 +54,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from kvxfer.engine import vmm_share
 from kvxfer.errors import IndexOutOfRange
 
 log = logging.getLogger(__name__)
@@ -125,7 +126,10 @@ class DeviceLane:
         rbase: Sequence[int],
         rlen: Sequence[int],
         local_cuda_memh: Sequence[int],
+        shares: Sequence[Any] = (),
     ):
+        """``shares``: the peer's VMM regions fetched for this lane
+        (:func:`kvxfer.engine.vmm_share.fetch_all`); their fds are closed here."""
         import torch
 
         from kvxfer.kernels import cuda_driver
@@ -139,12 +143,16 @@ class DeviceLane:
         self.mapped = np.zeros(len(blobs), dtype=_U64)  # image of each region's base, 0 = not
         self._bases: List[int] = []  # what ipc_close takes
         self.failures: List[str] = []  # why regions stayed on UCX
+        #: regions in the peer's CUDA VMM memory, mapped here (UCX would emulate PUTs into
+        #: them): every write into them takes the lane (:meth:`forced`)
+        self.emulated = np.zeros(len(blobs), dtype=bool)
+        self._imports: List[Any] = []  # ImportedBuffers of those regions
         with torch.cuda.device(device):
             self._stream = torch.cuda.Stream(device)
             self._stream_h = int(self._stream.cuda_stream)
             self._tasks = task_launcher(device, "the device lane")
             for i, blob in enumerate(blobs):
-                if not blob:
+                if not blob or vmm_share.is_blob(blob):
                     continue
                 try:
                     image, base = cuda_driver.ipc_open(bytes(blob), device)
@@ -154,13 +162,40 @@ class DeviceLane:
                     continue
                 self.mapped[i] = image
                 self._bases.append(base)
+            self._import_shares(shares)
         self._usable = self.mapped != 0
+        self._any_emulated = bool(self.emulated.any())
         self.closed = False
         #: id(pattern) -> (pattern, local bases, host rows, device rows, align); the pattern
         #: is held so that its id is not reused while cached
         self._patterns: Dict[int, tuple] = {}
         #: host-time parts of each pattern launch ($KVXFER_LANE_PROFILE, diagnostics)
         self.profile: Optional[Dict[str, Any]] = {} if os.environ.get(PROFILE_ENV) else None
+
+    def _import_shares(self, shares: Sequence[Any]) -> None:
+        """Map the peer's VMM regions (:mod:`kvxfer.engine.vmm_share`); a share that fails
+        leaves its regions on UCX (logged, in :attr:`failures`). Every fd is closed."""
+        from kvxfer.pools.backing.share import ImportedBuffers
+
+        try:
+            for regions, manifest, fds in shares:
+                try:
+                    imp = ImportedBuffers(manifest, fds, self.device)
+                except Exception as exc:  # noqa: BLE001 - CUDA or driver trouble: UCX carries it
+                    log.info("device lane: VMM regions %s stay on UCX (%s)", regions, exc)
+                    self.failures.append(f"VMM regions {regions}: {exc}")
+                    continue
+                self._imports.append(imp)
+                for k, i in enumerate(regions):
+                    self.mapped[i] = imp.tensors[k].data_ptr()
+                    self.emulated[i] = True
+        finally:
+            vmm_share.close_shares(shares)
+
+    def forced(self, ridx: np.ndarray) -> bool:
+        """Whether some op goes into a region UCX would emulate PUTs into (the peer's CUDA
+        VMM memory mapped here): the write takes the lane whatever its size."""
+        return self._any_emulated and bool(self.emulated[ridx.astype(np.intp)].any())
 
     @property
     def native(self) -> bool:
@@ -397,15 +432,63 @@ class DeviceLane:
                     ipc_close(base, self.device)
                 except CudaError as exc:
                     log.warning("device lane: unmapping a peer region: %s", exc)
-        self._bases = []
+            for imp in self._imports:
+                try:
+                    imp.close()
+                except Exception as exc:  # noqa: BLE001 - keep unmapping the rest
+                    log.warning("device lane: unmapping a peer's VMM regions: %s", exc)
+        self._bases, self._imports = [], []
         self._patterns.clear()
         self.mapped[:] = 0
         self._usable[:] = False
+        self.emulated[:] = False
+        self._any_emulated = False
 
 
-def open_lane(config, groups, hostname: str, remote):
+def _lane_possible(config, groups, hostname: str) -> bool:
+    return (
+        config.device_copy == "auto"
+        and "cuda" in groups.mem_types
+        and hostname == socket.gethostname()
+    )
+
+
+async def fetch_shares(config, groups, hostname: str, remote, timeout: float) -> List[Any]:
+    """The peer's VMM regions for the lane :func:`open_lane` opens
+    (:func:`kvxfer.engine.vmm_share.fetch_all`, in the default executor: it blocks on a
+    socket), bounded by ``timeout``; [] when there is no lane or nothing to fetch. The caller
+    owns the fds (``open_lane`` takes them). Runs on: the asyncio loop thread."""
+    if not _lane_possible(config, groups, hostname):
+        return []
+    if not any(vmm_share.is_blob(b) for b in remote.ipc or ()):
+        return []
+    fut = asyncio.get_running_loop().run_in_executor(
+        None, vmm_share.fetch_all, list(remote.ipc), timeout / 2
+    )
+    try:
+        return await asyncio.wait_for(asyncio.shield(fut), timeout)
+    except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
+        # its fds, when it still ends, are closed then
+        fut.add_done_callback(
+            lambda f: None if f.cancelled() or f.exception() else vmm_share.close_shares(f.result())
+        )
+        if isinstance(exc, asyncio.CancelledError):
+            raise
+        log.info("device lane: fetching the peer's VMM regions timed out: they stay on UCX")
+        return []
+
+
+def open_lane(config, groups, hostname: str, remote, shares: Optional[List[Any]] = None):
     """``(lane or None, status text)`` for the device lane to a peer: ``config`` is the
-    engine's EngineConfig, ``groups`` its LocalGroups, ``remote`` the peer's RemoteGroups."""
+    engine's EngineConfig, ``groups`` its LocalGroups, ``remote`` the peer's RemoteGroups,
+    ``shares`` its VMM regions (:func:`fetch_shares`; their fds are closed here)."""
+    try:
+        return _open_lane(config, groups, hostname, remote, shares or [])
+    finally:
+        vmm_share.close_shares(shares)
+
+
+def _open_lane(config, groups, hostname: str, remote, shares: List[Any]):
     if config.device_copy != "auto":
         return None, "off (device_copy='off')"
     if "cuda" not in groups.mem_types:
@@ -427,6 +510,7 @@ def open_lane(config, groups, hostname: str, remote):
             remote.bases,
             remote.lens,
             [r.handle for r in groups.cuda_regions(device)],
+            shares,
         )
     except Exception as exc:  # no torch / CUDA trouble: UCX carries everything
         log.info("no device lane to a same-host peer: %s", exc)

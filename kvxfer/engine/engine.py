@@ -16,7 +16,7 @@ import uuid
 from typing import Any, Callable, Coroutine, Dict, List, Optional, Sequence, Set, Tuple
 
 from kvxfer.config import EngineConfig, own_worker
-from kvxfer.engine import handshake
+from kvxfer.engine import devcopy, handshake, vmm_share
 from kvxfer.engine.groups import LocalGroups
 from kvxfer.engine.host import PeerHost, resolved
 from kvxfer.engine.notes import NoteBox
@@ -216,6 +216,7 @@ class TransferEngine:
         rma: Optional[RmaEndpoint] = None
         res: Optional[handshake.HandshakeResult] = None
         notes: Optional[NoteBox] = None
+        shares: Optional[list] = None  # the peer's VMM regions for the device lane
         try:
             transport = self._transport
             if transport is None:  # set by start(), kept after close()
@@ -248,6 +249,9 @@ class TransferEngine:
                 peer_errors=cfg.error_mode == "peer" and res.remote.peer_errors,
             )
             rma.add_remote_regions(res.remote.bases, res.remote.lens, res.remote.keys)
+            shares = await devcopy.fetch_shares(
+                cfg, self._groups, res.hostname, res.remote, timeout
+            )
             peer = Peer(
                 self._host,
                 ch,
@@ -258,8 +262,10 @@ class TransferEngine:
                 res.remote,
                 res.granted,
                 notes,
+                shares,
             )
         except BaseException:
+            vmm_share.close_shares(shares)  # (none left once the Peer's lane took them)
             if notes is not None:
                 notes.close()
             self._groups.release_landing(res.granted if res is not None else {})

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -54,6 +54,9 @@ class LocalGroups:
         #: offer peers the device lane (export IPC blobs of CUDA regions); set by the engine
         self.export_ipc = False
         self._blobs: Optional[List[bytes]] = None
+        #: groups in CUDA VMM memory that same-host peers' device lanes map (vmm_share)
+        self.vmm_groups: Set[str] = set()
+        self._vmm: Optional[Any] = None  # the VmmExporter, when some region is offered
         self.frozen = False
 
     def add(self, name, ptrs, lens, item_lens, *, item_lens_may_differ=False) -> plan.GroupLayout:
@@ -171,8 +174,44 @@ class LocalGroups:
 
             query = ipc_capable
         report = ipc.ipc_report(self.groups, kinds, query)
-        ipc.warn_non_ipc(report)
+        if self.export_ipc and any(ok is False for ok in report.values()):
+            self._offer_vmm(report, kinds, query)
+        ipc.warn_non_ipc({n: ok for n, ok in report.items() if n not in self.vmm_groups})
         return report
+
+    def _offer_vmm(self, report, kinds, query) -> None:
+        """Offer same-host peers' device lanes the registrations in CUDA VMM memory
+        (:mod:`kvxfer.engine.vmm_share`); ``vmm_groups``: the groups not legacy-IPC capable
+        whose every CUDA registration a peer can map that way."""
+        from kvxfer.engine.vmm_share import VmmExporter
+        from kvxfer.kernels.cuda_driver import vmm_extents
+
+        offered = {
+            i
+            for i, r in enumerate(self.regions)
+            if r.mem_type == "cuda" and vmm_extents(r.addr, r.length) is not None
+        }
+        if not offered:
+            return
+        try:
+            self._vmm = VmmExporter([(r.addr, r.length) for r in self.regions], sorted(offered))
+        except OSError as exc:
+            log.warning("CUDA VMM registrations not offered to same-host peers: %s", exc)
+            return
+        for name, ok in report.items():
+            g = self.groups[name]
+            if ok is False and all(
+                int(r) in offered or query(p) is True
+                for r, p, k in zip(self.desc_region[name], g.ptrs, kinds[name])
+                if k == "cuda"
+            ):
+                self.vmm_groups.add(name)
+            if ok is False:
+                log.info(
+                    "group %r: CUDA VMM memory, %s same-host peers' device lanes",
+                    name,
+                    "mapped by" if name in self.vmm_groups else "partly not offered to",
+                )
 
     @property
     def mem_types(self) -> set:
@@ -208,6 +247,11 @@ class LocalGroups:
             self._blobs = [
                 (ipc_export(r.addr) or b"") if r.mem_type == "cuda" else b"" for r in self.regions
             ]
+            vmm = self._vmm
+            if vmm is not None:  # VMM memory: the exporter's entry instead (vmm_share)
+                self._blobs = [
+                    b or (vmm.blob(i) if vmm.offers(i) else b"") for i, b in enumerate(self._blobs)
+                ]
         return self._blobs if any(self._blobs) else None
 
     def cuda_regions(self, device: int) -> List[Region]:
@@ -245,6 +289,9 @@ class LocalGroups:
                 st.give_back(body["slots"])
 
     def release(self) -> None:
+        vmm, self._vmm = self._vmm, None
+        if vmm is not None:
+            vmm.close()
         stages, self.stages = self.stages, {}
         for st in stages.values():  # landing regions are also in self.regions: unmap once
             if st.landing_region is not None and st.landing_region in self.regions:
@@ -281,6 +328,16 @@ class RemoteGroups:
     bulk_only: bool = False
     #: the peer's error_mode is "peer" (messages.Layout.peer_errors)
     peer_errors: bool = False
+
+    def vmm_covers(self, group: str) -> bool:
+        """Whether every CUDA region of ``group`` comes with a VMM blob (a same-host device
+        lane can map it: :mod:`kvxfer.engine.vmm_share`)."""
+        from kvxfer.engine.vmm_share import is_blob
+
+        if not self.ipc or group not in self.desc_region:
+            return False
+        regions = {int(r) for r in self.desc_region[group]}
+        return all(is_blob(self.ipc[r]) for r in regions if self.types[r] == "cuda")
 
 
 def _int_list(v, where: str) -> List[int]:
@@ -348,8 +405,9 @@ def parse_remote(msg) -> RemoteGroups:
 
 
 def parse_ipc(raw, n: int) -> List[bytes]:
-    """Validate Layout.region_ipc: None, or one bytes entry per region, each empty or one
-    IPC blob."""
+    """Validate Layout.region_ipc: None, or one bytes entry per region, each empty, one
+    legacy IPC blob or one VMM blob naming its own region (:mod:`kvxfer.engine.vmm_share`)."""
+    from kvxfer.engine import vmm_share
     from kvxfer.kernels.cuda_driver import IPC_BLOB_BYTES
 
     if raw is None:
@@ -357,12 +415,18 @@ def parse_ipc(raw, n: int) -> List[bytes]:
     if (
         not isinstance(raw, list)
         or len(raw) != n
-        or not all(isinstance(b, (bytes, bytearray)) and len(b) in (0, IPC_BLOB_BYTES) for b in raw)
+        or not all(
+            isinstance(b, (bytes, bytearray))
+            and (len(b) in (0, IPC_BLOB_BYTES) or vmm_share.is_blob(b))
+            for b in raw
+        )
     ):
         raise ProtocolError(
-            f"layout: region_ipc must be {n} entries of 0 or {IPC_BLOB_BYTES} bytes"
+            f"layout: region_ipc must be {n} entries of 0 or {IPC_BLOB_BYTES} bytes, or VMM blobs"
         )
-    return [bytes(b) for b in raw]
+    blobs = [bytes(b) for b in raw]
+    vmm_share.offers(blobs)  # every VMM blob well formed (ProtocolError)
+    return blobs
 
 
 def parse_landing(raw, groups, bases, lens) -> Dict[str, tuple]:

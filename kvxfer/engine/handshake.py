@@ -203,13 +203,14 @@ def _layout(
 def _check_ipc(
     local: LocalGroups, layout: m.Layout, remote: RemoteGroups, hostname: str, refuse: bool
 ) -> None:
+    # groups in CUDA VMM memory that a same-host device lane maps (kvxfer.engine.vmm_share)
+    # are not emulated: ours when we offer them, the peer's when we map them
+    ours = [g for g in ipc.non_ipc(local.ipc) if g not in local.vmm_groups]
+    theirs = ipc.parse_non_ipc(layout.non_ipc)
+    if local.export_ipc:
+        theirs = [g for g in theirs if not remote.vmm_covers(g)]
     ipc.check_destinations(
-        local.groups,
-        remote.groups,
-        ipc.non_ipc(local.ipc),
-        ipc.parse_non_ipc(layout.non_ipc),
-        hostname == socket.gethostname(),
-        refuse,
+        local.groups, remote.groups, ours, theirs, hostname == socket.gethostname(), refuse
     )
 
 

@@ -96,7 +96,10 @@ class Peer:
         remote: RemoteGroups,
         granted: Optional[dict] = None,
         notes: Optional[NoteBox] = None,
+        shares: Optional[list] = None,
     ):
+        """``shares``: the peer's VMM regions for the device lane
+        (:func:`kvxfer.engine.devcopy.fetch_shares`; their fds are closed here)."""
         self._host = host
         self._config = config = host.config
         self._groups = groups = host.groups
@@ -136,7 +139,7 @@ class Peer:
             resolved(config.flush_progress, "flush_progress"), groups.mem_types, remote.types
         )
         #: the same-host device lane (kvxfer.engine.devcopy) and why there is / is not one
-        self._dev, self.device_lane = devcopy.open_lane(config, groups, hostname, remote)
+        self._dev, self.device_lane = devcopy.open_lane(config, groups, hostname, remote, shares)
         # staged path: slots we granted the peer (target role) and slots it granted us
         self._granted_raw = granted or {}
         self._staged = StagedPath(
@@ -470,12 +473,15 @@ class Peer:
         deadline = self._loop.time() + timeout
         launched = None
         cfg = self._config
-        if self._dev is not None and devcopy.lane_wanted(
-            laddr.size,
-            nbytes,
-            cfg.device_min_ops or DEVICE_MIN_OPS,
-            cfg.device_small_ops or 0,
-            cfg.device_min_bytes or 0,
+        if self._dev is not None and (
+            devcopy.lane_wanted(
+                laddr.size,
+                nbytes,
+                cfg.device_min_ops or DEVICE_MIN_OPS,
+                cfg.device_small_ops or 0,
+                cfg.device_min_bytes or 0,
+            )
+            or self._dev.forced(ridx)  # into VMM memory: UCX would emulate the PUTs
         ):
             on_dev = self._dev.select(lmemh, ridx)
             if on_dev.all():  # the usual case: every op on the lane, no column copied

@@ -14,7 +14,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from kvxfer.engine import ItemWrite, devcopy
+from kvxfer.engine import ItemWrite, RawWrite, devcopy
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,12 +39,19 @@ class StandInEvent:
 class StandInLane(devcopy.DeviceLane):
     """A DeviceLane over every local registration and remote region, copying in process."""
 
-    def __init__(self, peer, after: int, first_only: bool = False) -> None:  # no IPC, no torch
+    def __init__(
+        self, peer, after: int, first_only: bool = False, emulated=()
+    ) -> None:  # no IPC, no torch
+        """``emulated``: remote regions standing for the peer's VMM memory (mapped by the
+        lane, PUTs into them emulated by UCX)."""
         self.after = after
         self.closed = False
         memh = peer._groups.desc_memh["kv"]  # one registration per descriptor (buffer)
         self._local = np.unique(memh[:1] if first_only else memh)
         self._usable = np.ones(len(peer._remote.bases), dtype=bool)
+        self.emulated = np.zeros(len(peer._remote.bases), dtype=bool)
+        self.emulated[list(emulated)] = True
+        self._any_emulated = bool(self.emulated.any())
         self.launched: list = []
         self.waits = 0
 
@@ -147,6 +154,33 @@ def test_lane_not_wanted_below_device_min_ops():
             stats = await peer.write([ItemWrite("kv", [1, 5], [2, 6])], notify=b"x", timeout=10)
             assert lane.launched == [] and stats.device_ops == 0 and stats.ops == 4
             assert np.array_equal(np.stack(bufs["b"])[:, 2], np.stack(bufs["a"])[:, 1])
+            await _until(lambda: notes == [b"x"], "the notification")
+        finally:
+            for e in engines.values():
+                await e.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("into", ["vmm", "plain"])
+def test_writes_into_vmm_regions_take_the_lane_whatever_their_size(into):
+    """A write into a region the lane mapped from the peer's CUDA VMM memory (UCX would
+    emulate PUTs into it: ``DeviceLane.forced``) takes the lane below device_min_ops; a
+    write of the same size into the other buffer (another region) stays on UCX."""
+
+    async def main():
+        engines, peer, bufs, notes = await _pair(device_min_ops=128)
+        try:
+            vmm_region = int(peer._remote.desc_region["kv"][0])
+            lane = peer._dev = StandInLane(peer, 1, emulated=[vmm_region])
+            desc = 0 if into == "vmm" else 1
+            w = RawWrite("kv", [ITEM], [2 * ITEM], [ITEM], desc)
+            stats = await peer.write([w], notify=b"x", timeout=10)
+            if into == "vmm":
+                assert [n for n, _ in lane.launched] == [1] and stats.device_ops == 1
+            else:
+                assert lane.launched == [] and stats.device_ops == 0 and stats.ops == 1
+            assert np.array_equal(bufs["b"][desc][2], bufs["a"][desc][1])
             await _until(lambda: notes == [b"x"], "the notification")
         finally:
             for e in engines.values():
