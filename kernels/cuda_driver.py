@@ -31,6 +31,10 @@ Invariants
   (``cudaMalloc``-style; not CUDA VMM); the blob is :data:`IPC_BLOB_BYTES` bytes: the
   64-byte ``CUipcMemHandle`` of the whole allocation, then the little-endian u64 offset of
   ``addr`` inside it, so the importer can rebuild ``addr``'s image.
+- :func:`vmm_extents` / :func:`vmm_export` (the device lane into CUDA VMM memory,
+  :mod:`kvxfer.engine.vmm_share`) work on any thread like :func:`ipc_export`; extents come
+  from ``cuMemGetAddressRange``, which reports one mapping of VMM memory, while the pointer
+  range attributes (:func:`alloc_range`) report the whole reservation.
 - :func:`ipc_open` / :func:`ipc_close` / :func:`memcpy_dtod_async` need a current CUDA
   context on the calling thread (the caller enters ``torch.cuda.device``); an import in the
   exporting process itself fails (the driver refuses it) and is reported as

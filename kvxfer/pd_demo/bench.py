@@ -589,6 +589,7 @@ def bench_mode(args, mode: str, integrity: bool = False, coalesce: Optional[int]
         "trace": True if args.stages else None,
         "busy_thread": bool(getattr(args, "busy_thread", False)),
         "poll_scheduler": getattr(args, "poll_scheduler", None),
+        "decode_post_capture": bool(getattr(args, "decode_post_capture", False)),
     }
     if coalesce is not None:
         opts["coalesce_after"] = coalesce
@@ -1227,6 +1228,13 @@ def main(argv=None) -> int:
         "manager's loop thread): what the GIL costs the path",
     )
     ap.add_argument(
+        "--decode-post-capture",
+        action="store_true",
+        help="decode's kv pool is reserved at construction and backed afterwards "
+        "(post_capture_active=True, finalize_backing: on CUDA VMM memory, which UCX reaches "
+        "only by emulated PUTs and a same-host device lane maps: docs/engine.md)",
+    )
+    ap.add_argument(
         "--poll-scheduler",
         nargs="?",
         const="yield",
@@ -1274,7 +1282,8 @@ def main(argv=None) -> int:
         f"{', integrity off and on' if a.integrity else ''}"
         f"{', a busy Python thread per worker' if a.busy_thread else ''}"
         f"{f', polling schedulers ({a.poll_scheduler})' if a.poll_scheduler else ''}"
-        f"{f', switch interval {a.switch_interval * 1e3:g} ms' if a.switch_interval else ''}",
+        f"{f', switch interval {a.switch_interval * 1e3:g} ms' if a.switch_interval else ''}"
+        f"{', decode pool backed after construction (post-capture)' if a.decode_post_capture else ''}",
         flush=True,
     )
     t0 = time.perf_counter()

@@ -100,14 +100,23 @@ class DemoModel:
         self.attn_ids, self.mamba_ids = s.layer_ids()
         n_attn = len(self.attn_ids)
         common = (s.pool_tokens, s.page_size, self.dtype)
+        backed = (
+            {"post_capture_active": True, "backing_options": {"handle_types": ("posix_fd",)}}
+            if s.post_capture and str(s.device).startswith("cuda")
+            else {"post_capture_active": True}
+            if s.post_capture
+            else {}
+        )
         if s.kv_layout == "mla":
             self.mla_dims = (s.heads * s.head_dim, max(1, s.head_dim // 2))
-            kv = MLATokenToKVPool(*common, *self.mla_dims, n_attn, s.device)
+            kv = MLATokenToKVPool(*common, *self.mla_dims, n_attn, s.device, **backed)
         elif s.kv_layout == "page_major":
-            kv = PageMajorMHATokenToKVPool(*common, h, s.head_dim, n_attn, s.device)
+            kv = PageMajorMHATokenToKVPool(*common, h, s.head_dim, n_attn, s.device, **backed)
         else:
             layout = "hnd" if s.kv_layout == "hnd" else "nhd"
-            kv = MHATokenToKVPool(*common, h, s.head_dim, n_attn, s.device, layout=layout)
+            kv = MHATokenToKVPool(*common, h, s.head_dim, n_attn, s.device, layout=layout, **backed)
+        if s.post_capture:  # (as an engine does after its CUDA graphs were captured)
+            kv.finalize_backing(s.pool_tokens)
         self.kv_pool = kv
         self.mamba = None
         if s.has_mamba:

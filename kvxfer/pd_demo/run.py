@@ -195,6 +195,7 @@ def run_demo(
     decode_tp: int = 1,
     layerwise: bool = False,
     wait_decode: bool = False,
+    decode_post_capture: bool = False,
     progress=None,
 ) -> dict:
     """Run the demo; returns the report (``REQUIRED_KEYS`` and more). ``progress``: a
@@ -205,7 +206,9 @@ def run_demo(
     shapes above too: every decode rank writes its own prefix and checks it untouched).
     ``wait_decode`` (tests): prefill computes a request only once decode's metadata is
     attached to its KVSender (SGLang's bootstrap queue), so a layer-wise run streams every
-    request rather than queueing chunks declared before decode was there."""
+    request rather than queueing chunks declared before decode was there.
+    ``decode_post_capture``: decode's kv pool is backed after construction
+    (:attr:`ModelSpec.post_capture`: on CUDA VMM memory, mapped by prefill's device lane)."""
     dps = spec.page_size if decode_page_size is None else decode_page_size
     if dps < 1 or spec.pool_tokens % dps or decode_prefix < 0:
         raise InvalidArgument(
@@ -242,6 +245,7 @@ def run_demo(
             "decode_prefix": decode_prefix,
             "layerwise": layerwise,
             "wait_decode": wait_decode,
+            "decode_post_capture": decode_post_capture,
         },
         PDWorker,
         prefill_tp,
@@ -505,6 +509,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="prefill streams each chunk layer by layer (KVSender.begin_chunk + "
         "layer_ready; docs/layerwise.md)",
     )
+    ap.add_argument(
+        "--decode-post-capture",
+        action="store_true",
+        help="decode's kv pool is reserved at construction and backed afterwards "
+        "(finalize_backing; on CUDA VMM memory, which prefill's device lane maps)",
+    )
     clitools.add_json_args(ap)
     add_model_args(ap)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -541,6 +551,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 prefill_tp=a.prefill_tp,
                 decode_tp=a.decode_tp,
                 layerwise=a.layerwise,
+                decode_post_capture=a.decode_post_capture,
                 progress=pr,
             )
     except InvalidArgument as exc:

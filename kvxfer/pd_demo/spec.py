@@ -38,6 +38,10 @@ class ModelSpec:
     #: are the model's, split over the ranks (docs/shapes.md); MLA latents are replicated
     tp_rank: int = 0
     tp_size: int = 1
+    #: the kv pool reserved at construction and backed by ``finalize_backing`` afterwards
+    #: (:mod:`kvxfer.pools.post_capture`; on CUDA: VMM memory with POSIX-FD handles, which
+    #: a same-host peer's device lane maps: :mod:`kvxfer.engine.vmm_share`)
+    post_capture: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_layout not in KV_LAYOUTS:

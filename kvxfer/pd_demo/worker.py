@@ -42,6 +42,8 @@ class PDWorker:
         self.role, self.bootstrap, self.opts = role, bootstrap, opts
         if role == "decode" and opts.get("decode_page_size"):
             spec = dict(spec, page_size=int(opts["decode_page_size"]))
+        if role == "decode" and opts.get("decode_post_capture"):
+            spec = dict(spec, post_capture=True)
         #: decode: tokens of each request it already holds (its prefix cache), at most all
         self.prefix = int(opts.get("decode_prefix", 0))
         #: decode declares prefix and token count (else SGLang's plain call)

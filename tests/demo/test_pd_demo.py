@@ -414,6 +414,35 @@ def test_pd_bench_polling_schedulers(tmp_path, capsys, mode):
     assert f"polling schedulers ({mode})" in capsys.readouterr().out
 
 
+@pytest.mark.timeout(150)
+def test_demo_decode_post_capture(capsys):
+    """``--decode-post-capture``: decode's kv pool is reserved, then backed by
+    ``finalize_backing`` (host mmap on CPU; on CUDA VMM memory, which prefill's device lane
+    maps: kvxfer.engine.vmm_share). Every byte verified on decode, nothing leaked; the bench
+    runs with it too."""
+    from kvxfer.pd_demo import bench, run_demo
+    from kvxfer.pd_demo.spec import ModelSpec
+
+    spec = ModelSpec(
+        kv_layout="per_layer",
+        attn_layers=2,
+        mamba_layers=2,
+        head_dim=16,
+        pool_tokens=1024,
+        mamba_slots=16,
+        aux_rows=32,
+        device=DEVICE,
+    )
+    r = run_demo(
+        spec, requests=8, seed=5, max_len=120, chunk_tokens=32, timeout=60, decode_post_capture=True
+    )
+    _check_report(r, 8)
+    argv = ["--device", DEVICE, "--modes", "none", "--latency-requests", "10"]
+    argv += ["--throughput-requests", "10", "--large-pages", "16", "--iters", "1"]
+    assert bench.main(argv + ["--decode-post-capture"]) == 0
+    assert "decode pool backed after construction" in capsys.readouterr().out
+
+
 def test_pd_bench_mixed_phase(tmp_path, capsys):
     """``--mixed`` with ``--coalesce-after 2,0``: one row per value, every small and large
     request of the mixed phase succeeds (the bench raises otherwise), the small ones are
