@@ -490,7 +490,8 @@ def test_layerwise_bench_smoke(tmp_path):
     for r in rows:
         assert set(r["tail_ms"]) == {"whole", "layer", "group4"}
         assert r["t1_ms"] is not None and r["t1_ms"] > 0
-        assert r["compute_ms"]["layer"] >= 4 * 2.0
+        if DEVICE == "cpu":  # a timed wait per layer (on CUDA: a matmul of its own length)
+            assert r["compute_ms"]["layer"] >= 4 * 2.0
 
 
 @pytest.mark.timeout(240)
