@@ -144,7 +144,7 @@ class DeviceLane:
         self._bases: List[int] = []  # what ipc_close takes
         self.failures: List[str] = []  # why regions stayed on UCX
         #: regions in the peer's CUDA VMM memory, mapped here (UCX would emulate PUTs into
-        #: them): every write into them takes the lane (:meth:`forced`)
+        #: them): every op into them takes the lane (:meth:`pick`)
         self.emulated = np.zeros(len(blobs), dtype=bool)
         self._imports: List[Any] = []  # ImportedBuffers of those regions
         with torch.cuda.device(device):
@@ -192,10 +192,17 @@ class DeviceLane:
         finally:
             vmm_share.close_shares(shares)
 
-    def forced(self, ridx: np.ndarray) -> bool:
-        """Whether some op goes into a region UCX would emulate PUTs into (the peer's CUDA
-        VMM memory mapped here): the write takes the lane whatever its size."""
-        return self._any_emulated and bool(self.emulated[ridx.astype(np.intp)].any())
+    def pick(self, lmemh: np.ndarray, ridx: np.ndarray, wanted: bool) -> Optional[np.ndarray]:
+        """Boolean mask of the ops a write copies on this lane, None for none: every op it
+        can (:meth:`select`) when the write wants the lane (:func:`lane_wanted`), else the
+        ops into regions UCX would emulate PUTs into (the peer's CUDA VMM memory mapped
+        here), whatever the write's size."""
+        if wanted:
+            return self.select(lmemh, ridx)
+        if not self._any_emulated:
+            return None
+        mask = self.select(lmemh, ridx) & self.emulated[ridx.astype(np.intp)]
+        return mask if mask.any() else None
 
     @property
     def native(self) -> bool:

@@ -473,17 +473,23 @@ class Peer:
         deadline = self._loop.time() + timeout
         launched = None
         cfg = self._config
-        if self._dev is not None and (
-            devcopy.lane_wanted(
-                laddr.size,
-                nbytes,
-                cfg.device_min_ops or DEVICE_MIN_OPS,
-                cfg.device_small_ops or 0,
-                cfg.device_min_bytes or 0,
+        on_dev = (
+            None
+            if self._dev is None
+            else self._dev.pick(
+                lmemh,
+                ridx,
+                devcopy.lane_wanted(
+                    laddr.size,
+                    nbytes,
+                    cfg.device_min_ops or DEVICE_MIN_OPS,
+                    cfg.device_small_ops or 0,
+                    cfg.device_min_bytes or 0,
+                ),
             )
-            or self._dev.forced(ridx)  # into VMM memory: UCX would emulate the PUTs
-        ):
-            on_dev = self._dev.select(lmemh, ridx)
+        )
+        if on_dev is not None:
+            assert self._dev is not None
             if on_dev.all():  # the usual case: every op on the lane, no column copied
                 t_l = time.perf_counter()
                 launched = self._dev.launch(laddr, raddr, nbytes, ridx)

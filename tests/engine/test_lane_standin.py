@@ -162,25 +162,28 @@ def test_lane_not_wanted_below_device_min_ops():
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("into", ["vmm", "plain"])
+@pytest.mark.parametrize("into", ["vmm", "plain", "both"])
 def test_writes_into_vmm_regions_take_the_lane_whatever_their_size(into):
     """A write into a region the lane mapped from the peer's CUDA VMM memory (UCX would
-    emulate PUTs into it: ``DeviceLane.forced``) takes the lane below device_min_ops; a
-    write of the same size into the other buffer (another region) stays on UCX."""
+    emulate PUTs into it: ``DeviceLane.pick``) takes the lane below device_min_ops; a
+    write of the same size into the other buffer (another region) stays on UCX, and so do
+    the ops of a mixed write that go to it."""
 
     async def main():
         engines, peer, bufs, notes = await _pair(device_min_ops=128)
         try:
             vmm_region = int(peer._remote.desc_region["kv"][0])
             lane = peer._dev = StandInLane(peer, 1, emulated=[vmm_region])
-            desc = 0 if into == "vmm" else 1
-            w = RawWrite("kv", [ITEM], [2 * ITEM], [ITEM], desc)
-            stats = await peer.write([w], notify=b"x", timeout=10)
-            if into == "vmm":
+            descs = {"vmm": [0], "plain": [1], "both": [0, 1]}[into]
+            ws = [RawWrite("kv", [ITEM], [2 * ITEM], [ITEM], d) for d in descs]
+            stats = await peer.write(ws, notify=b"x", timeout=10)
+            if 0 in descs:  # the op into the VMM region alone on the lane
                 assert [n for n, _ in lane.launched] == [1] and stats.device_ops == 1
             else:
-                assert lane.launched == [] and stats.device_ops == 0 and stats.ops == 1
-            assert np.array_equal(bufs["b"][desc][2], bufs["a"][desc][1])
+                assert lane.launched == [] and stats.device_ops == 0
+            assert stats.ops == len(descs)
+            for d in descs:
+                assert np.array_equal(bufs["b"][d][2], bufs["a"][d][1])
             await _until(lambda: notes == [b"x"], "the notification")
         finally:
             for e in engines.values():

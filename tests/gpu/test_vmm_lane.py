@@ -106,6 +106,24 @@ def test_a_one_page_write_into_vmm_takes_the_lane(nodes):
     assert st["device_lane"].startswith("active"), st["device_lane"]
 
 
+def test_a_mixed_write_sends_only_its_vmm_ops_to_the_lane(nodes):
+    """A 1-page request's kv page (VMM) and state slot (cudaMalloc) in one write: the kv
+    runs copy on the lane, the state slot stays a cuda_ipc PUT (below device_min_ops)."""
+    a, b = nodes["A"], nodes["B"]
+    b.fill("main", "kv", 6)
+    b.fill("main", "state", 7)
+    a.zero("vmm", "kv")
+    a.zero("vmm", "state")
+    parts = [("kv", [9], [40]), ("state", [2], [5])]
+    res = b.write("main", nodes["conn"]["main"], parts, b"mixed")
+    assert "ok" in res, res
+    assert [p for _, p in a.messages("vmm", 1, 20.0)] == [b"mixed"]
+    assert a.items("vmm", "kv", [40]) == b.items("main", "kv", [9])
+    assert a.items("vmm", "state", [5]) == b.items("main", "state", [2])
+    st = res["ok"]
+    assert st["device_bytes"] == 2 * L * ITEM and st["bytes"] == 2 * L * ITEM + 512, st
+
+
 def test_scattered_pages_into_vmm_byte_exact(nodes):
     rng = np.random.default_rng(3)
     src = rng.choice(ITEMS, 40, replace=False).tolist()
