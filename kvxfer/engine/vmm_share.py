@@ -32,7 +32,8 @@ Invariants
   stays alive until both the owner and every importer released it.
 - The serving threads never touch the engine's state: they read the immutable region table
   given at construction. One thread accepts, one per connection answers (bounded by
-  :data:`SERVE_TIMEOUT_S`); :meth:`VmmExporter.close` stops accepting (bounded join).
+  :data:`SERVE_TIMEOUT_S`), at most :data:`MAX_CALLERS` at once (more are closed on
+  arrival); :meth:`VmmExporter.close` stops accepting (bounded join).
 - Importing this module imports no torch, UCX or driver; the driver calls are in
   :mod:`kvxfer.kernels.cuda_driver`, the wire format in :mod:`kvxfer.pools.backing.share_wire`
   (whose package imports torch: only on use).
@@ -65,6 +66,8 @@ _REQ_MAGIC = b"KVXR"
 MAX_REQUEST_REGIONS = 1 << 16
 #: how long the owner serves one connection, seconds
 SERVE_TIMEOUT_S = 10.0
+#: connections answered at once; more are closed on arrival
+MAX_CALLERS = 16
 
 Export = Callable[[Sequence[Tuple[int, int]], Sequence[int]], Tuple[object, List[int]]]
 
@@ -131,6 +134,7 @@ class VmmExporter:
         offered: Sequence[int],
         export: Export = export_regions,
         timeout: float = SERVE_TIMEOUT_S,
+        max_callers: int = MAX_CALLERS,
     ) -> None:
         self._regions = tuple((int(a), int(n)) for a, n in regions)
         self._offered = frozenset(int(i) for i in offered)
@@ -139,6 +143,7 @@ class VmmExporter:
         self.served = 0  # shares sent
         self.refused = 0  # connections closed without one
         self._count = threading.Lock()
+        self._callers = threading.BoundedSemaphore(max_callers)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.bind(b"\0kvxfer-vmm-" + secrets.token_hex(12).encode())
@@ -165,6 +170,11 @@ class VmmExporter:
                 conn, _ = self._sock.accept()
             except OSError:  # closed
                 return
+            if not self._callers.acquire(blocking=False):  # a flood: no thread per attempt
+                with self._count:
+                    self.refused += 1
+                conn.close()
+                continue
             # one thread per connection: a caller that stalls holds up no other
             threading.Thread(target=self._one, args=(conn,), name="kvxfer-vmm", daemon=True).start()
 
@@ -182,6 +192,7 @@ class VmmExporter:
                     self.served += 1
                 else:
                     self.refused += 1
+            self._callers.release()
 
     def _answer(self, conn: socket.socket) -> bool:
         from kvxfer.pools.backing.share_wire import close_fds, send_share_message

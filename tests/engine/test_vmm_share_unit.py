@@ -201,3 +201,19 @@ def test_vmm_covers_every_cuda_region_of_a_group(exporter):
     remote.ipc[2] = b"\1" * IPC_BLOB_BYTES  # a legacy handle: not VMM memory
     assert not remote.vmm_covers("kv")
     assert not remote.vmm_covers("unknown")
+
+
+def test_callers_beyond_the_limit_are_closed_at_once():
+    """With every answering slot taken (here one, by a caller that sends nothing), the next
+    caller's connection is closed on arrival: nothing sent, no thread spent on it."""
+    ex = vmm_share.VmmExporter(REGIONS, [0], export=fake_export, timeout=5.0, max_callers=1)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stalled:
+            stalled.connect(ex.name)  # accepted first: holds the one slot
+            before = _open_fds()
+            with pytest.raises(BackingError):
+                _fetch(ex, [0], timeout=2.0)
+            assert _open_fds() == before
+            assert ex.served == 0 and ex.refused == 1
+    finally:
+        ex.close()
