@@ -85,11 +85,19 @@ def test_cli_demo_json_last_line():
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(
-    "kv_layout,mamba_layout,integrity", [("per_layer", "per_layer", True), ("mla", "none", False)]
+    "kv_layout,mamba_layout,integrity,post_capture",
+    [
+        ("per_layer", "per_layer", True, False),
+        ("mla", "none", False, False),
+        ("per_layer", "per_layer", False, True),
+    ],
 )
-def test_demo_other_layouts(kv_layout, mamba_layout, integrity):
+def test_demo_other_layouts(kv_layout, mamba_layout, integrity, post_capture):
     """Other layouts; the per-layer run with the integrity check on (`kvxfer demo
-    --integrity`): every page, slot and aux row checksummed on both sides, bytes still exact."""
+    --integrity`): every page, slot and aux row checksummed on both sides, bytes still exact.
+    ``post_capture`` (`kvxfer demo --decode-post-capture`): decode's kv pool reserved, then
+    backed by ``finalize_backing`` (host mmap on CPU; on CUDA VMM memory, which prefill's
+    device lane maps: kvxfer.engine.vmm_share)."""
     from kvxfer.pd_demo import run_demo
     from kvxfer.pd_demo.run import format_table
     from kvxfer.pd_demo.spec import ModelSpec
@@ -106,7 +114,14 @@ def test_demo_other_layouts(kv_layout, mamba_layout, integrity):
         device=DEVICE,
     )
     r = run_demo(
-        spec, requests=8, seed=3, max_len=120, chunk_tokens=32, timeout=60, integrity=integrity
+        spec,
+        requests=8,
+        seed=3,
+        max_len=120,
+        chunk_tokens=32,
+        timeout=60,
+        integrity=integrity,
+        decode_post_capture=post_capture,
     )
     _check_report(r, 8)
     assert r["integrity"] is integrity
@@ -415,31 +430,17 @@ def test_pd_bench_polling_schedulers(tmp_path, capsys, mode):
 
 
 @pytest.mark.timeout(150)
-def test_demo_decode_post_capture(capsys):
-    """``--decode-post-capture``: decode's kv pool is reserved, then backed by
-    ``finalize_backing`` (host mmap on CPU; on CUDA VMM memory, which prefill's device lane
-    maps: kvxfer.engine.vmm_share). Every byte verified on decode, nothing leaked; the bench
-    runs with it too."""
-    from kvxfer.pd_demo import bench, run_demo
-    from kvxfer.pd_demo.spec import ModelSpec
+def test_pd_bench_decode_post_capture(tmp_path, capsys):
+    """``kvxfer bench pd --decode-post-capture`` (the demo with it: test_demo_other_layouts):
+    every request of the run succeeds."""
+    from kvxfer.pd_demo import bench
 
-    spec = ModelSpec(
-        kv_layout="per_layer",
-        attn_layers=2,
-        mamba_layers=2,
-        head_dim=16,
-        pool_tokens=1024,
-        mamba_slots=16,
-        aux_rows=32,
-        device=DEVICE,
-    )
-    r = run_demo(
-        spec, requests=8, seed=5, max_len=120, chunk_tokens=32, timeout=60, decode_post_capture=True
-    )
-    _check_report(r, 8)
+    out = tmp_path / "pd.json"
     argv = ["--device", DEVICE, "--modes", "none", "--latency-requests", "10"]
     argv += ["--throughput-requests", "10", "--large-pages", "16", "--iters", "1"]
-    assert bench.main(argv + ["--decode-post-capture"]) == 0
+    assert bench.main(argv + ["--decode-post-capture", "--json-out", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["lat_ok"] == row["lat_n"] == 10 and row["tput_ok"] == row["tput_n"] == 10
     assert "decode pool backed after construction" in capsys.readouterr().out
 
 
