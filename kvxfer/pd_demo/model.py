@@ -100,13 +100,11 @@ class DemoModel:
         self.attn_ids, self.mamba_ids = s.layer_ids()
         n_attn = len(self.attn_ids)
         common = (s.pool_tokens, s.page_size, self.dtype)
-        backed = (
-            {"post_capture_active": True, "backing_options": {"handle_types": ("posix_fd",)}}
-            if s.post_capture and str(s.device).startswith("cuda")
-            else {"post_capture_active": True}
-            if s.post_capture
-            else {}
-        )
+        backed: dict = {}
+        if s.post_capture:  # reserved now, backed below; on CUDA VMM memory with POSIX-FD
+            backed["post_capture_active"] = True  # handles (what a same-host lane maps)
+            if str(s.device).startswith("cuda"):
+                backed["backing_options"] = {"handle_types": ("posix_fd",)}
         if s.kv_layout == "mla":
             self.mla_dims = (s.heads * s.head_dim, max(1, s.head_dim // 2))
             kv = MLATokenToKVPool(*common, *self.mla_dims, n_attn, s.device, **backed)
