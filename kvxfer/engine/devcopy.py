@@ -470,7 +470,7 @@ async def fetch_shares(config, groups, hostname: str, remote, timeout: float) ->
     if not any(vmm_share.is_blob(b) for b in remote.ipc or ()):
         return []
     fut = asyncio.get_running_loop().run_in_executor(
-        None, vmm_share.fetch_all, list(remote.ipc), timeout / 2
+        None, vmm_share.fetch_all, list(remote.ipc), list(remote.lens), timeout / 2
     )
     try:
         return await asyncio.wait_for(asyncio.shield(fut), timeout)

@@ -292,13 +292,19 @@ def offers(blobs: Sequence[bytes]) -> Dict[Tuple[bytes, bytes], List[int]]:
 Share = Tuple[List[int], object, List[int]]  # (regions, manifest, fds)
 
 
-def fetch_all(blobs: Sequence[bytes], timeout: float) -> List[Share]:
-    """Every exporter's share of the VMM regions among ``blobs`` (a peer's region entries);
-    an exporter that fails is logged and left out (its regions stay on UCX). Blocking."""
+def fetch_all(blobs: Sequence[bytes], lens: Sequence[int], timeout: float) -> List[Share]:
+    """Every exporter's share of the VMM regions among ``blobs`` (a peer's region entries;
+    ``lens``: the regions' lengths in its Layout); an exporter that fails, or whose share
+    maps less than a region's length, is logged and left out (its regions stay on UCX: the
+    lane never copies past what is mapped). Blocking."""
     out: List[Share] = []
     for (name, token), regions in offers(blobs).items():
         try:
             manifest, fds = fetch(name, token, regions, timeout)
+            short = [i for i, b in zip(regions, manifest.buffers) if b.span_bytes < int(lens[i])]
+            if short:
+                close_shares([(regions, manifest, fds)])
+                raise BackingError(f"the share maps less than the lengths of regions {short}")
         except KvxferError as exc:  # (loud: UCX's emulated PUTs are < 1 GB/s)
             log.warning("VMM share: regions %s stay on UCX's emulated PUTs: %s", regions, exc)
             continue

@@ -156,7 +156,7 @@ def test_fetch_all_skips_an_exporter_that_fails(exporter):
     gone = vmm_share.VmmExporter(REGIONS, [1], export=fake_export)
     gone.close()
     blobs = [exporter.blob(0), gone.blob(1), exporter.blob(2)]
-    shares = vmm_share.fetch_all(blobs, 5.0)
+    shares = vmm_share.fetch_all(blobs, [n for _, n in REGIONS], 5.0)
     try:
         assert [(regions, len(fds)) for regions, _, fds in shares] == [([0, 2], 5)]
     finally:
@@ -215,3 +215,14 @@ def test_callers_beyond_the_limit_are_closed_at_once():
             assert ex.served == 0 and ex.refused == 1
     finally:
         ex.close()
+
+
+def test_a_share_shorter_than_its_region_is_left_out(exporter):
+    """The peer's Layout says region 2 is longer than the share maps (a confused or lying
+    exporter): the share is dropped, its fds closed, the regions stay on UCX — the lane never
+    copies past what it mapped."""
+    before = _open_fds()
+    lens = [n for _, n in REGIONS]
+    lens[2] += PAGE
+    assert vmm_share.fetch_all([exporter.blob(0), b"", exporter.blob(2)], lens, 5.0) == []
+    assert _open_fds() == before
