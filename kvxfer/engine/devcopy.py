@@ -128,8 +128,8 @@ class DeviceLane:
         local_cuda_memh: Sequence[int],
         shares: Sequence[Any] = (),
     ):
-        """``shares``: the peer's VMM regions fetched for this lane
-        (:func:`kvxfer.engine.vmm_share.fetch_all`); their fds are closed here."""
+        """``shares``: the peer's VMM regions, mapped for this lane
+        (:func:`fetch_shares`); owned (and unmapped at :meth:`close`) here."""
         import torch
 
         from kvxfer.kernels import cuda_driver
@@ -173,24 +173,13 @@ class DeviceLane:
         self.profile: Optional[Dict[str, Any]] = {} if os.environ.get(PROFILE_ENV) else None
 
     def _import_shares(self, shares: Sequence[Any]) -> None:
-        """Map the peer's VMM regions (:mod:`kvxfer.engine.vmm_share`); a share that fails
-        leaves its regions on UCX (logged, in :attr:`failures`). Every fd is closed."""
-        from kvxfer.pools.backing.share import ImportedBuffers
-
-        try:
-            for regions, manifest, fds in shares:
-                try:
-                    imp = ImportedBuffers(manifest, fds, self.device)
-                except Exception as exc:  # noqa: BLE001 - CUDA or driver trouble: UCX carries it
-                    log.info("device lane: VMM regions %s stay on UCX (%s)", regions, exc)
-                    self.failures.append(f"VMM regions {regions}: {exc}")
-                    continue
-                self._imports.append(imp)
-                for k, i in enumerate(regions):
-                    self.mapped[i] = imp.tensors[k].data_ptr()
-                    self.emulated[i] = True
-        finally:
-            vmm_share.close_shares(shares)
+        """Take the peer's mapped VMM regions (:mod:`kvxfer.engine.vmm_share`: ``(regions,
+        ImportedBuffers)`` each, one buffer per region); unmapped at :meth:`close`."""
+        for regions, imported in shares:
+            self._imports.append(imported)
+            for k, i in enumerate(regions):
+                self.mapped[i] = imported.tensors[k].data_ptr()
+                self.emulated[i] = True
 
     def pick(self, lmemh: np.ndarray, ridx: np.ndarray, wanted: bool) -> Optional[np.ndarray]:
         """Boolean mask of the ops a write copies on this lane, None for none: every op it
@@ -452,47 +441,69 @@ class DeviceLane:
         self._any_emulated = False
 
 
-def _lane_possible(config, groups, hostname: str) -> bool:
-    return (
-        config.device_copy == "auto"
-        and "cuda" in groups.mem_types
-        and hostname == socket.gethostname()
-    )
+def _lane_device(config, groups, hostname: str) -> Optional[int]:
+    """The CUDA device a lane to a peer on ``hostname`` would run on, None for no lane."""
+    if (
+        config.device_copy != "auto"
+        or "cuda" not in groups.mem_types
+        or hostname != socket.gethostname()
+    ):
+        return None
+    return _first_cuda_device(groups)
+
+
+def _first_cuda_device(groups) -> Optional[int]:
+    from kvxfer.kernels.cuda_driver import device_ordinal
+
+    first = next(r for r in groups.regions if r.mem_type == "cuda")
+    return device_ordinal(first.addr)
 
 
 async def fetch_shares(config, groups, hostname: str, remote, timeout: float) -> List[Any]:
-    """The peer's VMM regions for the lane :func:`open_lane` opens
+    """The peer's VMM regions mapped on the device of the lane :func:`open_lane` opens
     (:func:`kvxfer.engine.vmm_share.fetch_all`, in the default executor: it blocks on a
-    socket), bounded by ``timeout``; [] when there is no lane or nothing to fetch. The caller
-    owns the fds (``open_lane`` takes them). Runs on: the asyncio loop thread."""
-    if not _lane_possible(config, groups, hostname):
-        return []
+    socket and maps each extent as its fd arrives), bounded by ``timeout``; [] when there is
+    no lane or nothing to fetch. The caller owns them (``open_lane`` takes them). Runs on:
+    the asyncio loop thread."""
     if not any(vmm_share.is_blob(b) for b in remote.ipc or ()):
         return []
+    device = _lane_device(config, groups, hostname)
+    if device is None:
+        return []
+
+    def mapper(manifest, fds):
+        from kvxfer.pools.backing.share import ImportedBuffers
+
+        return ImportedBuffers(manifest, fds, device)
+
     fut = asyncio.get_running_loop().run_in_executor(
-        None, vmm_share.fetch_all, list(remote.ipc), list(remote.lens), timeout / 2
+        None, vmm_share.fetch_all, list(remote.ipc), list(remote.lens), mapper, timeout / 2
     )
     try:
         return await asyncio.wait_for(asyncio.shield(fut), timeout)
     except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
-        # its fds, when it still ends, are closed then
+        # what it mapped, when it still ends, is unmapped then
         fut.add_done_callback(
             lambda f: None if f.cancelled() or f.exception() else vmm_share.close_shares(f.result())
         )
         if isinstance(exc, asyncio.CancelledError):
             raise
-        log.info("device lane: fetching the peer's VMM regions timed out: they stay on UCX")
+        log.warning("device lane: mapping the peer's VMM regions timed out: they stay on UCX")
         return []
 
 
 def open_lane(config, groups, hostname: str, remote, shares: Optional[List[Any]] = None):
     """``(lane or None, status text)`` for the device lane to a peer: ``config`` is the
     engine's EngineConfig, ``groups`` its LocalGroups, ``remote`` the peer's RemoteGroups,
-    ``shares`` its VMM regions (:func:`fetch_shares`; their fds are closed here)."""
+    ``shares`` its VMM regions mapped by :func:`fetch_shares` (the lane takes them; without
+    a lane they are unmapped here)."""
+    lane = None
     try:
-        return _open_lane(config, groups, hostname, remote, shares or [])
+        lane, why = _open_lane(config, groups, hostname, remote, shares or [])
     finally:
-        vmm_share.close_shares(shares)
+        if lane is None:
+            vmm_share.close_shares(shares)
+    return lane, why
 
 
 def _open_lane(config, groups, hostname: str, remote, shares: List[Any]):
@@ -504,10 +515,7 @@ def _open_lane(config, groups, hostname: str, remote, shares: List[Any]):
         return None, "off (the peer exported no CUDA IPC handles)"
     if hostname != socket.gethostname():
         return None, f"off (peer on host {hostname!r})"
-    from kvxfer.kernels.cuda_driver import device_ordinal
-
-    first = next(r for r in groups.regions if r.mem_type == "cuda")
-    device = device_ordinal(first.addr)
+    device = _first_cuda_device(groups)
     if device is None:
         return None, "off (no device ordinal for the local CUDA memory)"
     try:

@@ -265,7 +265,7 @@ class TransferEngine:
                 shares,
             )
         except BaseException:
-            vmm_share.close_shares(shares)  # (none left once the Peer's lane took them)
+            vmm_share.close_shares(shares)  # mapped for a Peer that never came to be
             if notes is not None:
                 notes.close()
             self._groups.release_landing(res.granted if res is not None else {})

@@ -98,8 +98,8 @@ class Peer:
         notes: Optional[NoteBox] = None,
         shares: Optional[list] = None,
     ):
-        """``shares``: the peer's VMM regions for the device lane
-        (:func:`kvxfer.engine.devcopy.fetch_shares`; their fds are closed here)."""
+        """``shares``: the peer's VMM regions mapped for the device lane
+        (:func:`kvxfer.engine.devcopy.fetch_shares`; the lane owns them)."""
         self._host = host
         self._config = config = host.config
         self._groups = groups = host.groups

@@ -48,7 +48,18 @@ import secrets
 import socket
 import struct
 import threading
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Generator,
+    Iterator,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
 
 from kvxfer.errors import BackingError, KvxferError, ProtocolError
 
@@ -69,7 +80,12 @@ SERVE_TIMEOUT_S = 10.0
 #: connections answered at once; more are closed on arrival
 MAX_CALLERS = 16
 
-Export = Callable[[Sequence[Tuple[int, int]], Sequence[int]], Tuple[object, List[int]]]
+#: ``export(regions, which) -> (manifest, fd_of)``: :func:`export_regions` or a stand-in
+Export = Callable[[Sequence[Tuple[int, int]], Sequence[int]], Tuple[Any, Callable[[int], int]]]
+#: ``mapper(manifest, fds) -> imported``: maps a share as its fds arrive (the caller closes
+#: each fd once the next is asked for); ``imported.tensors[k].data_ptr()`` is buffer k's
+#: image, ``imported.close()`` unmaps. ``ImportedBuffers`` on the lane's device, or a stand-in
+Mapper = Callable[[Any, Iterator[int]], Any]
 
 
 def is_blob(blob: Union[bytes, bytearray]) -> bool:
@@ -94,33 +110,30 @@ def unpack_blob(blob: bytes) -> Tuple[int, bytes, bytes]:
 
 def export_regions(
     regions: Sequence[Tuple[int, int]], which: Sequence[int]
-) -> Tuple[object, List[int]]:
+) -> Tuple[object, Callable[[int], int]]:
     """The share of regions ``which`` of ``regions`` (``(addr, length)`` each): a manifest
-    with one range and one buffer per region (in ``which`` order), and one new fd per extent
-    (the caller closes them). Raises KvxferError when a region is no longer exportable."""
+    with one range and one buffer per region (in ``which`` order), and ``fd_of(k)``, which
+    exports extent ``k``'s fd when its batch is sent (:func:`~kvxfer.pools.backing.
+    share_wire.send_share_stream` closes it). Raises KvxferError when a region is no longer
+    exportable VMM memory."""
     from kvxfer.kernels import cuda_driver
     from kvxfer.pools.backing.share_wire import BufferGrant, RangeGrant, ShareManifest
 
-    ranges, buffers, fds, grans = [], [], [], []
-    try:
-        for k, i in enumerate(which):
-            addr, length = regions[i]
-            found = cuda_driver.vmm_extents(addr, length)
-            if found is None:
-                raise BackingError(f"region {i} is no longer exportable VMM memory")
-            extents, gran = found
-            first = extents[0][0]
-            for base, _ in extents:
-                fds.append(cuda_driver.vmm_export(base))
-            end = extents[-1][0] + extents[-1][1]
-            ranges.append(RangeGrant(end - first, tuple((b - first, n) for b, n in extents)))
-            buffers.append(BufferGrant(f"region {i}", k, addr - first, length, 1))
-            grans.append(gran)
-    except BaseException:
-        for fd in fds:
-            os.close(fd)
-        raise
-    return ShareManifest("posix_fd", min(grans), "", 0, tuple(ranges), tuple(buffers)), fds
+    ranges, buffers, bases, grans = [], [], [], []
+    for k, i in enumerate(which):
+        addr, length = regions[i]
+        found = cuda_driver.vmm_extents(addr, length)
+        if found is None:
+            raise BackingError(f"region {i} is no longer exportable VMM memory")
+        extents, gran = found
+        first = extents[0][0]
+        bases += [base for base, _ in extents]
+        end = extents[-1][0] + extents[-1][1]
+        ranges.append(RangeGrant(end - first, tuple((b - first, n) for b, n in extents)))
+        buffers.append(BufferGrant(f"region {i}", k, addr - first, length, 1))
+        grans.append(gran)
+    manifest = ShareManifest("posix_fd", min(grans), "", 0, tuple(ranges), tuple(buffers))
+    return manifest, lambda k: cuda_driver.vmm_export(bases[k])
 
 
 class VmmExporter:
@@ -142,7 +155,7 @@ class VmmExporter:
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self.served = 0  # shares sent
         self.refused = 0  # connections closed without one
-        self._count = threading.Lock()
+        self._count = threading.Condition()
         self._callers = threading.BoundedSemaphore(max_callers)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -173,6 +186,7 @@ class VmmExporter:
             if not self._callers.acquire(blocking=False):  # a flood: no thread per attempt
                 with self._count:
                     self.refused += 1
+                    self._count.notify_all()
                 conn.close()
                 continue
             # one thread per connection: a caller that stalls holds up no other
@@ -192,10 +206,11 @@ class VmmExporter:
                     self.served += 1
                 else:
                     self.refused += 1
+                self._count.notify_all()
             self._callers.release()
 
     def _answer(self, conn: socket.socket) -> bool:
-        from kvxfer.pools.backing.share_wire import close_fds, send_share_message
+        from kvxfer.pools.backing.share_wire import send_share_stream
 
         conn.settimeout(self._timeout)
         creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
@@ -213,12 +228,15 @@ class VmmExporter:
         which = struct.unpack(f"<{count}I", _recv_exact(conn, 4 * count))
         if len(set(which)) != count or not set(which) <= self._offered:
             return False
-        manifest, fds = self._export(self._regions, which)
-        try:
-            send_share_message(conn, manifest, fds, self._timeout)
-        finally:
-            close_fds(fds)
+        manifest, fd_of = self._export(self._regions, which)
+        send_share_stream(conn, manifest, fd_of, self._timeout)  # (closes every fd)
         return True
+
+    def wait_answered(self, n: int, timeout: float) -> bool:
+        """Whether ``n`` connections were answered (served or refused, their fds closed)
+        within ``timeout`` seconds (tests, diagnostics)."""
+        with self._count:
+            return self._count.wait_for(lambda: self.served + self.refused >= n, timeout)
 
     def close(self) -> None:
         """Stop serving (a request being answered ends within its timeout); idempotent."""
@@ -244,11 +262,21 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
     return buf
 
 
-def fetch(name: bytes, token: bytes, regions: Sequence[int], timeout: float):
-    """Ask the exporter at ``name`` for ``regions`` (its indices): ``(manifest, fds)``, one
-    buffer per region in that order; the caller owns (closes) the fds. Raises BackingError
-    (refused, closed, timed out, malformed). Blocking: run it off the event loop."""
-    from kvxfer.pools.backing.share_wire import close_fds, recv_share_message
+def fetch(
+    name: bytes,
+    token: bytes,
+    regions: Sequence[int],
+    lens: Sequence[int],
+    mapper: Mapper,
+    timeout: float,
+) -> Any:
+    """Ask the exporter at ``name`` for ``regions`` (its indices; ``lens``: every region's
+    length in its Layout) and map the share with ``mapper`` while its fds arrive, each
+    closed once mapped: however many extents the share has, at most one batch of fds is
+    open here at once. Returns what ``mapper`` made (one buffer per region, in order).
+    Raises BackingError (refused, closed, timed out, malformed, a buffer shorter than its
+    region: the lane must never copy past what it mapped). Blocking: run it off the loop."""
+    from kvxfer.pools.backing.share_wire import recv_share_stream
 
     req = _REQ.pack(_REQ_MAGIC, token, len(regions)) + struct.pack(f"<{len(regions)}I", *regions)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
@@ -258,20 +286,42 @@ def fetch(name: bytes, token: bytes, regions: Sequence[int], timeout: float):
             s.sendall(req)
         except OSError as exc:
             raise BackingError(f"VMM share: connecting to the exporter failed: {exc}") from None
-        manifest, fds = recv_share_message(s, timeout)
+        manifest, stream = recv_share_stream(s, timeout)
+        fds = _closing(stream)
+        try:
+            if len(manifest.buffers) != len(regions) or len(manifest.ranges) != len(regions):
+                raise BackingError(
+                    f"VMM share: asked for {len(regions)} regions, got {len(manifest.buffers)}"
+                )
+            short = [i for i, b in zip(regions, manifest.buffers) if b.span_bytes < int(lens[i])]
+            if short:
+                raise BackingError(
+                    f"VMM share: the share maps less than the lengths of regions {short}"
+                )
+            imported = mapper(manifest, fds)
+        finally:
+            fds.close()  # (the last fd given out, and any not given out)
+            stream.close()
         try:  # the exporter ends the exchange (after counting it): nothing may follow
             trailing = s.recv(1)
         except OSError as exc:
             trailing = str(exc).encode()
         if trailing:
-            close_fds(fds)
+            imported.close()
             raise BackingError("VMM share: the exporter sent more than one share")
-    if len(manifest.buffers) != len(regions) or len(manifest.ranges) != len(regions):
-        close_fds(fds)
-        raise BackingError(
-            f"VMM share: asked for {len(regions)} regions, got {len(manifest.buffers)}"
-        )
-    return manifest, fds
+    return imported
+
+
+def _closing(stream: Iterator[int]) -> Generator[int, None, None]:
+    """``stream``'s fds, each closed once the consumer asks for the next (or closes this)."""
+    for fd in stream:
+        try:
+            yield fd
+        finally:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 def offers(blobs: Sequence[bytes]) -> Dict[Tuple[bytes, bytes], List[int]]:
@@ -289,36 +339,28 @@ def offers(blobs: Sequence[bytes]) -> Dict[Tuple[bytes, bytes], List[int]]:
     return out
 
 
-Share = Tuple[List[int], object, List[int]]  # (regions, manifest, fds)
+Share = Tuple[List[int], Any]  # (regions, what the mapper made of them)
 
 
-def fetch_all(blobs: Sequence[bytes], lens: Sequence[int], timeout: float) -> List[Share]:
+def fetch_all(
+    blobs: Sequence[bytes], lens: Sequence[int], mapper: Mapper, timeout: float
+) -> List[Share]:
     """Every exporter's share of the VMM regions among ``blobs`` (a peer's region entries;
-    ``lens``: the regions' lengths in its Layout); an exporter that fails, or whose share
-    maps less than a region's length, is logged and left out (its regions stay on UCX: the
-    lane never copies past what is mapped). Blocking."""
+    ``lens``: the regions' lengths in its Layout), mapped (:func:`fetch`); an exporter that
+    fails is logged and left out (its regions stay on UCX). Blocking."""
     out: List[Share] = []
     for (name, token), regions in offers(blobs).items():
         try:
-            manifest, fds = fetch(name, token, regions, timeout)
-            short = [i for i, b in zip(regions, manifest.buffers) if b.span_bytes < int(lens[i])]
-            if short:
-                close_shares([(regions, manifest, fds)])
-                raise BackingError(f"the share maps less than the lengths of regions {short}")
+            out.append((regions, fetch(name, token, regions, lens, mapper, timeout)))
         except KvxferError as exc:  # (loud: UCX's emulated PUTs are < 1 GB/s)
             log.warning("VMM share: regions %s stay on UCX's emulated PUTs: %s", regions, exc)
-            continue
-        out.append((regions, manifest, fds))
     return out
 
 
 def close_shares(shares: Optional[Sequence[Share]]) -> None:
-    """Close the fds of shares not (or no longer) needed; idempotent (each fd list is
-    emptied, so a second call closes nothing that a later open reused)."""
-    for _, _, fds in shares or ():
-        for fd in fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        fds.clear()
+    """Unmap shares not (or no longer) needed; idempotent (a mapper's ``close`` is)."""
+    for _, imported in shares or ():
+        try:
+            imported.close()
+        except Exception as exc:  # noqa: BLE001 - keep unmapping the rest
+            log.warning("VMM share: unmapping a share: %s", exc)

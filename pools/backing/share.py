@@ -39,7 +39,7 @@ import logging
 import os
 import socket
 import weakref
-from typing import Any, Optional, Union
+from typing import Any, Iterable, Optional, Sized, Union
 
 import torch
 
@@ -237,12 +237,15 @@ class ImportedBuffers:
     def __init__(
         self,
         manifest: ShareManifest,
-        fds: list,
+        fds: Iterable[int],
         device: Optional[Union[str, int, torch.device]] = None,
     ) -> None:
+        """``fds``: one per extent in manifest order, the caller's to close; a list, or an
+        iterator that yields them as they arrive (:func:`~.share_wire.recv_share_stream`:
+        each is mapped before the next is asked for)."""
         from .cuda import driver
 
-        if len(fds) != manifest.num_extents:
+        if isinstance(fds, Sized) and len(fds) != manifest.num_extents:
             raise InvalidArgument(f"{manifest.num_extents} extents but {len(fds)} fds")
         self.manifest = manifest
         self.device = _resolve_device(device, manifest.device_uuid)
@@ -259,7 +262,10 @@ class ImportedBuffers:
                 )
                 self._ranges.append(rng)
                 for off, n in grant.extents:
-                    rng.map(off, n, next(it))
+                    fd = next(it, None)
+                    if fd is None:
+                        raise BackingError(f"the share ended before its {manifest.num_extents} fds")
+                    rng.map(off, n, fd)
             for b in manifest.buffers:
                 addr = self._ranges[b.range].address + b.offset
                 t = tensor_over(self.device, addr, b.span_bytes, self._ranges[b.range])

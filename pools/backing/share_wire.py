@@ -24,7 +24,7 @@ import socket
 import struct
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Generator, Optional
 
 from kvxfer.kernels.errors import BackingError, InvalidArgument
 
@@ -36,7 +36,9 @@ __all__ = [
     "RangeGrant",
     "BufferGrant",
     "send_share_message",
+    "send_share_stream",
     "recv_share_message",
+    "recv_share_stream",
     "validate_manifest",
 ]
 
@@ -232,25 +234,69 @@ def send_share_message(
 ) -> None:
     """Send ``manifest`` and ``fds`` (one per extent, manifest order). The caller keeps
     ownership of ``fds`` (the receiver gets duplicates)."""
-    deadline = _Deadline(timeout)
     if manifest.num_extents != len(fds):
         raise InvalidArgument(f"{manifest.num_extents} extents but {len(fds)} fds")
+    send_share_stream(sock, manifest, lambda k: int(fds[k]), timeout, close=False)
+
+
+def send_share_stream(
+    sock: socket.socket,
+    manifest: ShareManifest,
+    fd_of: Callable[[int], int],
+    timeout: float = 30.0,
+    close: bool = True,
+) -> None:
+    """Send ``manifest`` and extent ``k``'s fd ``fd_of(k)``, asked for batch by batch just
+    before the batch goes (with ``close``, each batch's fds are closed once sent, also on
+    failure): at most :data:`MAX_FDS_PER_MSG` of them are open at once here, however many
+    extents the share has."""
+    deadline = _Deadline(timeout)
+    n = manifest.num_extents
     payload = json.dumps(manifest.to_json(), separators=(",", ":")).encode()
-    if len(payload) > MAX_MANIFEST_BYTES or len(fds) > MAX_FDS:
-        raise InvalidArgument(f"share too large: {len(payload)} manifest bytes, {len(fds)} fds")
-    frame = _HEADER.pack(MAGIC, SHARE_VERSION, len(payload), len(fds)) + payload
+    if len(payload) > MAX_MANIFEST_BYTES or n > MAX_FDS:
+        raise InvalidArgument(f"share too large: {len(payload)} manifest bytes, {n} fds")
+    frame = _HEADER.pack(MAGIC, SHARE_VERSION, len(payload), n) + payload
     _io(functools.partial(sock.sendall, frame), deadline, sock, "manifest")
-    for lo in range(0, len(fds), MAX_FDS_PER_MSG):
-        batch = [int(f) for f in fds[lo : lo + MAX_FDS_PER_MSG]]
-        count = _COUNT.pack(len(batch))
-        sent = _io(functools.partial(socket.send_fds, sock, [count], batch), deadline, sock, "fds")
-        if sent < len(count):
-            _io(functools.partial(sock.sendall, count[sent:]), deadline, sock, "fds")
+    for lo in range(0, n, MAX_FDS_PER_MSG):
+        batch: list = []
+        try:
+            for k in range(lo, min(n, lo + MAX_FDS_PER_MSG)):
+                batch.append(fd_of(k))
+            count = _COUNT.pack(len(batch))
+            sent = _io(
+                functools.partial(socket.send_fds, sock, [count], batch), deadline, sock, "fds"
+            )
+            if sent < len(count):
+                _io(functools.partial(sock.sendall, count[sent:]), deadline, sock, "fds")
+        finally:
+            if close:
+                close_fds(batch)
 
 
 def recv_share_message(sock: socket.socket, timeout: float = 30.0) -> tuple[ShareManifest, list]:
     """Receive one share message; returns the validated manifest and the received fds, which
     the caller owns (and must close). On any error every received fd is closed."""
+    manifest, stream = recv_share_stream(sock, timeout)
+    fds: list = []
+    try:
+        for fd in stream:
+            fds.append(fd)
+        return manifest, fds
+    except BaseException:
+        close_fds(fds)
+        raise
+    finally:
+        stream.close()
+
+
+def recv_share_stream(
+    sock: socket.socket, timeout: float = 30.0
+) -> tuple[ShareManifest, Generator[int, None, None]]:
+    """Receive one share message's manifest (validated against the announced fd count), and
+    a generator of its fds in manifest order, received batch by batch as it is iterated
+    (within the same deadline). The consumer owns each fd it was given; fds received but not
+    yet given out are closed when the generator is closed or fails (close it: a consumer that
+    stops early must). Raises :class:`BackingError` as :func:`recv_share_message`."""
     deadline = _Deadline(timeout)
     magic, version, nbytes, nfds = _HEADER.unpack(
         _recv_exact(sock, _HEADER.size, deadline, "header")
@@ -265,30 +311,39 @@ def recv_share_message(sock: socket.socket, timeout: float = 30.0) -> tuple[Shar
         raw = json.loads(_recv_exact(sock, nbytes, deadline, "manifest"))
     except (ValueError, UnicodeDecodeError) as exc:
         raise _bad(f"not JSON: {exc}") from None
-    fds: list = []
-    try:
-        while len(fds) < nfds:
-            want = min(MAX_FDS_PER_MSG, nfds - len(fds))
+    manifest = validate_manifest(raw, nfds)
+
+    def fds() -> Generator[int, None, None]:
+        done = 0
+        while done < nfds:
+            want = min(MAX_FDS_PER_MSG, nfds - done)
             data, got, flags, _ = _io(
                 functools.partial(socket.recv_fds, sock, _COUNT.size, want), deadline, sock, "fds"
             )
-            fds.extend(got)
-            if flags & getattr(socket, "MSG_CTRUNC", 0):
-                raise BackingError(
-                    "file descriptors were truncated in transit (RLIMIT_NOFILE reached?)"
-                )
-            if not data:
-                raise BackingError(f"peer closed the share socket after {len(fds)} of {nfds} fds")
-            data += _recv_exact(sock, _COUNT.size - len(data), deadline, "fds")
-            (count,) = _COUNT.unpack(data)
-            if count != len(got) or count != want:
-                raise BackingError(
-                    f"fd batch announced {count} fds, {len(got)} arrived ({want} expected)"
-                )
-        return validate_manifest(raw, len(fds)), fds
-    except BaseException:
-        close_fds(fds)
-        raise
+            pending = list(got)
+            try:
+                if flags & getattr(socket, "MSG_CTRUNC", 0):
+                    raise BackingError(
+                        "file descriptors were truncated in transit (RLIMIT_NOFILE reached?)"
+                    )
+                if not data:
+                    raise BackingError(
+                        f"peer closed the share socket after {done + len(got)} of {nfds} fds"
+                    )
+                data += _recv_exact(sock, _COUNT.size - len(data), deadline, "fds")
+                (count,) = _COUNT.unpack(data)
+                if count != len(got) or count != want:
+                    raise BackingError(
+                        f"fd batch announced {count} fds, {len(got)} arrived ({want} expected)"
+                    )
+                while pending:
+                    fd = pending.pop(0)
+                    done += 1
+                    yield fd
+            finally:  # not given out: ours to close
+                close_fds(pending)
+
+    return manifest, fds()
 
 
 def close_fds(fds: Optional[list]) -> None:

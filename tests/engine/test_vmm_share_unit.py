@@ -32,15 +32,17 @@ def _memfd(tag: bytes, n: int) -> int:
 
 
 def fake_export(regions, which):
-    """One range + one buffer per region, one memfd extent per page, filled with b"r<i>"."""
-    ranges, buffers, fds = [], [], []
+    """One range + one buffer per region, one memfd extent per page, filled with b"r<i>"
+    (made when its batch is sent, as the CUDA export is)."""
+    ranges, buffers, tags = [], [], []
     for k, i in enumerate(which):
         _, length = regions[i]
         pages = length // PAGE
         ranges.append(RangeGrant(length, tuple((p * PAGE, PAGE) for p in range(pages))))
         buffers.append(BufferGrant(f"region {i}", k, 0, length, 1))
-        fds += [_memfd(b"r%d" % i, PAGE) for _ in range(pages)]
-    return ShareManifest("posix_fd", PAGE, "", 0, tuple(ranges), tuple(buffers)), fds
+        tags += [b"r%d" % i] * pages
+    manifest = ShareManifest("posix_fd", PAGE, "", 0, tuple(ranges), tuple(buffers))
+    return manifest, lambda k: _memfd(tags[k], PAGE)
 
 
 def failing_export(regions, which):
@@ -61,6 +63,20 @@ def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+class Mapped:
+    """Stands in for ImportedBuffers: reads each fd as it is given (the fetch closes it once
+    the next is asked for) and counts the process's open fds meanwhile."""
+
+    def __init__(self, manifest, fds):
+        self.manifest, self.contents, self.peak_fds, self.closed = manifest, [], 0, False
+        for fd in fds:
+            self.contents.append(os.pread(fd, 2, 0))
+            self.peak_fds = max(self.peak_fds, _open_fds())
+
+    def close(self):
+        self.closed = True
+
+
 @pytest.fixture
 def exporter():
     ex = vmm_share.VmmExporter(REGIONS, [0, 2], export=fake_export, timeout=5.0)
@@ -68,24 +84,40 @@ def exporter():
     ex.close()
 
 
-def _fetch(ex, regions, token=None, timeout=5.0):
-    return vmm_share.fetch(ex.name, ex.token if token is None else token, regions, timeout)
+LENS = [n for _, n in REGIONS]
 
 
-def test_fetch_gets_the_regions_memory_in_order(exporter):
+def _fetch(ex, regions, token=None, timeout=5.0, lens=LENS):
+    token = ex.token if token is None else token
+    return vmm_share.fetch(ex.name, token, regions, lens, Mapped, timeout)
+
+
+def test_fetch_maps_the_regions_memory_in_order(exporter):
     before = _open_fds()
-    manifest, fds = _fetch(exporter, [2, 0])
-    try:
-        assert [b.name for b in manifest.buffers] == ["region 2", "region 0"]
-        assert [b.span_bytes for b in manifest.buffers] == [2 * PAGE, 3 * PAGE]
-        assert len(fds) == 5  # one per extent (page), region 2's first
-        assert [os.pread(fd, 2, 0) for fd in fds] == [b"r2"] * 2 + [b"r0"] * 3
-    finally:
-        vmm_share.close_shares([([2, 0], manifest, fds)])
-    assert fds == []  # emptied: a second close closes nothing
-    vmm_share.close_shares([([2, 0], manifest, fds)])
-    assert _open_fds() == before, "an fd leaked (the exporter closes its own after sending)"
+    got = _fetch(exporter, [2, 0])
+    assert [b.name for b in got.manifest.buffers] == ["region 2", "region 0"]
+    assert [b.span_bytes for b in got.manifest.buffers] == [2 * PAGE, 3 * PAGE]
+    # one fd per extent (page), region 2's first, each read before the next was asked for
+    assert got.contents == [b"r2"] * 2 + [b"r0"] * 3
+    assert _open_fds() == before, "an fd leaked (each side closes its own)"
     assert (exporter.served, exporter.refused) == (1, 0)
+
+
+def test_a_large_share_streams_its_fds():
+    """A share of 600 extents never has more than a batch (64) open on either side: the
+    exporter makes each batch's fds just before sending them and closes them after, the
+    importer maps each before it asks for the next (a pool in torch's 20 MiB expandable
+    segments is thousands of extents; RLIMIT_NOFILE is often 1024)."""
+    regions = [(0, 600 * PAGE)]
+    ex = vmm_share.VmmExporter(regions, [0], export=fake_export, timeout=5.0)
+    try:
+        before = _open_fds()
+        got = vmm_share.fetch(ex.name, ex.token, [0], [600 * PAGE], Mapped, 10.0)
+        assert got.contents == [b"r0"] * 600
+        assert got.peak_fds - before <= 2 * 64 + 8, got.peak_fds - before
+        assert _open_fds() == before
+    finally:
+        ex.close()
 
 
 @pytest.mark.parametrize(
@@ -118,8 +150,7 @@ def test_bad_requests_get_nothing(exporter, case):
             _nothing_answered(s)
     assert _open_fds() == before
     # refused, counted, and the exporter still serves
-    manifest, fds = _fetch(exporter, [0])
-    vmm_share.close_shares([([0], manifest, fds)])
+    assert _fetch(exporter, [0]).contents == [b"r0"] * 3
     assert (exporter.served, exporter.refused) == (1, 1)
 
 
@@ -129,8 +160,7 @@ def test_a_stalled_caller_holds_up_no_other(exporter):
     bounded by 2 s."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stalled:
         stalled.connect(exporter.name)
-        manifest, fds = _fetch(exporter, [0], timeout=2.0)
-        vmm_share.close_shares([([0], manifest, fds)])
+        assert _fetch(exporter, [0], timeout=2.0).contents == [b"r0"] * 3
 
 
 def test_a_failed_export_closes_the_connection():
@@ -156,11 +186,10 @@ def test_fetch_all_skips_an_exporter_that_fails(exporter):
     gone = vmm_share.VmmExporter(REGIONS, [1], export=fake_export)
     gone.close()
     blobs = [exporter.blob(0), gone.blob(1), exporter.blob(2)]
-    shares = vmm_share.fetch_all(blobs, [n for _, n in REGIONS], 5.0)
-    try:
-        assert [(regions, len(fds)) for regions, _, fds in shares] == [([0, 2], 5)]
-    finally:
-        vmm_share.close_shares(shares)
+    shares = vmm_share.fetch_all(blobs, LENS, Mapped, 5.0)
+    assert [(regions, len(m.contents)) for regions, m in shares] == [([0, 2], 5)]
+    vmm_share.close_shares(shares)
+    assert all(m.closed for _, m in shares)
 
 
 def test_blobs_round_trip_and_are_validated(exporter):
@@ -217,12 +246,17 @@ def test_callers_beyond_the_limit_are_closed_at_once():
         ex.close()
 
 
-def test_a_share_shorter_than_its_region_is_left_out(exporter):
+def test_a_share_shorter_than_its_region_is_refused_before_mapping(exporter):
     """The peer's Layout says region 2 is longer than the share maps (a confused or lying
-    exporter): the share is dropped, its fds closed, the regions stay on UCX — the lane never
+    exporter): nothing is mapped, every fd closed, the regions stay on UCX — the lane never
     copies past what it mapped."""
     before = _open_fds()
-    lens = [n for _, n in REGIONS]
+    lens = list(LENS)
     lens[2] += PAGE
-    assert vmm_share.fetch_all([exporter.blob(0), b"", exporter.blob(2)], lens, 5.0) == []
+    with pytest.raises(BackingError, match="less than the lengths of regions \\[2\\]"):
+        _fetch(exporter, [0, 2], lens=lens)
+    assert vmm_share.fetch_all([exporter.blob(0), b"", exporter.blob(2)], lens, Mapped, 5.0) == []
+    # the exporter's sends fail once the importer hung up: it closes what it made, then
+    # counts the connection
+    assert exporter.wait_answered(2, 5.0)
     assert _open_fds() == before
