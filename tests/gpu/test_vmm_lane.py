@@ -25,10 +25,14 @@ SECRET = b"vmm-lane-secret"
 L, ITEM, ITEMS = 3, 16384, 64  # kv: 6 MiB, two VMM extents (4 + 2 MiB)
 
 
+BIG_ITEM, BIG_ITEMS = 1 << 20, 320  # 320 MiB: 80 VMM extents of 4 MiB, two fd batches
+
+
 def groups(vmm: bool):
     return {
         "kv": {"item_lens": [ITEM] * (2 * L), "items": ITEMS, "contiguous": True, "vmm": vmm},
         "state": {"item_lens": [512], "items": 8},
+        "big": {"item_lens": [BIG_ITEM], "items": BIG_ITEMS, "vmm": vmm},
     }
 
 
@@ -122,6 +126,20 @@ def test_a_mixed_write_sends_only_its_vmm_ops_to_the_lane(nodes):
     assert a.items("vmm", "state", [5]) == b.items("main", "state", [2])
     st = res["ok"]
     assert st["device_bytes"] == 2 * L * ITEM and st["bytes"] == 2 * L * ITEM + 512, st
+
+
+def test_a_region_of_many_extents_is_mapped_whole(nodes):
+    """A 320 MiB VMM registration of 80 extents (its fds stream in two batches): items at
+    both ends and in the middle land exactly, on the lane."""
+    a, b = nodes["A"], nodes["B"]
+    src, dst = [0, 1, 2], [0, BIG_ITEMS // 2, BIG_ITEMS - 1]
+    b.fill("main", "big", 8)
+    a.zero("vmm", "big")
+    res = b.write("main", nodes["conn"]["main"], [("big", src, dst)], b"big")
+    assert "ok" in res, res
+    assert [p for _, p in a.messages("vmm", 1, 20.0)] == [b"big"]
+    assert a.items("vmm", "big", dst) == b.items("main", "big", src)
+    assert res["ok"]["device_bytes"] == res["ok"]["bytes"] == 3 * BIG_ITEM
 
 
 def test_scattered_pages_into_vmm_byte_exact(nodes):
