@@ -148,8 +148,9 @@ def _setting(value: Optional[int], env: str, default: int, what: str) -> int:
 #: a send to several decode peers at once (a room's legs, one-to-many heterogeneous TP: one
 #: write per decode rank) runs as the loop's guest only up to this many pages: on the H200
 #: such sends were slower as guests, the other way round from single-peer ones
-#: (bench/results/tp-pattern-h200.md, fifth session); ``$KVXFER_LEG_DIRECT_PAGES``
-#: overrides it (read by :func:`direct_limit`, for A/B runs)
+#: (bench/results/tp-pattern-h200.md, fifth session); since native calls keep the GIL they
+#: are neither slower nor faster (eighth session), so the bound stayed;
+#: ``$KVXFER_LEG_DIRECT_PAGES`` overrides it (read by :func:`direct_limit`, for A/B runs)
 LEG_DIRECT_PAGES = 16
 LEG_DIRECT_PAGES_ENV = "KVXFER_LEG_DIRECT_PAGES"
 
