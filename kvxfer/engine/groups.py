@@ -330,14 +330,15 @@ class RemoteGroups:
     peer_errors: bool = False
 
     def vmm_covers(self, group: str) -> bool:
-        """Whether every CUDA region of ``group`` comes with a VMM blob (a same-host device
-        lane can map it: :mod:`kvxfer.engine.vmm_share`)."""
+        """Whether a same-host device lane can map every CUDA region of ``group``, one of
+        them at least through a VMM blob (:mod:`kvxfer.engine.vmm_share`): each comes with
+        a legacy IPC handle or a VMM blob."""
         from kvxfer.engine.vmm_share import is_blob
 
         if not self.ipc or group not in self.desc_region:
             return False
-        regions = {int(r) for r in self.desc_region[group]}
-        return all(is_blob(self.ipc[r]) for r in regions if self.types[r] == "cuda")
+        cuda = [r for r in {int(r) for r in self.desc_region[group]} if self.types[r] == "cuda"]
+        return all(self.ipc[r] for r in cuda) and any(is_blob(self.ipc[r]) for r in cuda)
 
 
 def _int_list(v, where: str) -> List[int]:

@@ -202,3 +202,56 @@ def test_ipc_export_from_a_thread_without_context():
     base = cuda_driver.alloc_range(t.data_ptr())[0]
     assert cuda_driver.unpack_blob(blob)[1] == t.data_ptr() + 4096 - base
     assert out["after"] == 0
+
+
+def test_vmm_memory_is_offered_to_same_host_lanes(monkeypatch, caplog):
+    """A group with a region in CUDA VMM memory exportable as POSIX fds (the driver's answers
+    injected): with the device lane on, freeze offers it (kvxfer.engine.vmm_share) instead of
+    warning; the Layout still lists it as non-IPC and carries its VMM blob; a peer whose lane
+    maps it accepts it under refuse_emulated_destinations, a peer without a lane refuses it,
+    and the owner's own refusal no longer counts it."""
+    import socket
+
+    from kvxfer.engine import vmm_share
+    from kvxfer.kernels import cuda_driver
+
+    monkeypatch.setattr(
+        cuda_driver, "vmm_extents", lambda a, n: ([(a, n)], 4096) if a in VMM else None
+    )
+    monkeypatch.setattr(
+        cuda_driver,
+        "ipc_export",
+        lambda a: b"\1" * cuda_driver.IPC_BLOB_BYTES if query(a) else None,
+    )
+
+    def owner(offer: bool):
+        local = LocalGroups()
+        local.export_ipc = offer
+        for name, g in groups().items():
+            if name != "odd":
+                local.add(name, g.ptrs, g.lens, g.item_lens)
+        local.freeze(_Registrar(), ipc_query=query)
+        return local
+
+    with caplog.at_level(logging.WARNING, logger="kvxfer.engine.ipc"):
+        local = owner(True)
+    peer_with_lane, peer_without = owner(True), owner(False)
+    try:
+        assert local.vmm_groups == {"kv"} and "'kv'" not in caplog.text
+        lay = wire.decode(handshake._layout(local, b"addr", {}))
+        assert lay.non_ipc == ["kv"]  # (UCX alone would still emulate PUTs into it)
+        kinds = ["vmm" if vmm_share.is_blob(b) else "ipc" if b else "" for b in lay.region_ipc]
+        assert sorted(kinds) == ["", "ipc", "ipc", "vmm"]  # aux (host), kv's two, state
+        remote = parse_remote(lay)
+        assert remote.vmm_covers("kv")
+        here = socket.gethostname()
+        handshake._check_ipc(peer_with_lane, lay, remote, here, True)
+        with pytest.raises(IncompatiblePeer, match="'kv'"):
+            handshake._check_ipc(peer_without, lay, remote, here, True)
+        plain = m.Layout(**{**lay.__dict__, "non_ipc": None, "region_ipc": None})
+        handshake._check_ipc(local, plain, parse_remote(plain), here, True)  # ours: offered
+        with pytest.raises(IncompatiblePeer, match="this side's memory"):
+            handshake._check_ipc(peer_without, plain, parse_remote(plain), here, True)
+    finally:
+        for g in (local, peer_with_lane, peer_without):
+            g.release()

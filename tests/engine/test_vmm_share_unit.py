@@ -226,8 +226,10 @@ def test_vmm_covers_every_cuda_region_of_a_group(exporter):
         ipc=[exporter.blob(0), b"", exporter.blob(2)],
     )
     assert remote.vmm_covers("kv")
-    assert remote.vmm_covers("aux")  # host memory: nothing to map
-    remote.ipc[2] = b"\1" * IPC_BLOB_BYTES  # a legacy handle: not VMM memory
+    assert not remote.vmm_covers("aux")  # host memory: no VMM region in it
+    remote.ipc[2] = b"\1" * IPC_BLOB_BYTES  # a legacy handle beside a VMM blob: both mapped
+    assert remote.vmm_covers("kv")
+    remote.ipc[0] = b""  # a CUDA region the lane cannot map
     assert not remote.vmm_covers("kv")
     assert not remote.vmm_covers("unknown")
 
