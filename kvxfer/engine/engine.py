@@ -91,9 +91,10 @@ class TransferEngine:
     @property
     def group_info(self) -> Dict[str, dict]:
         """Diagnostics per registered group (``kvxfer info``-style): ``lens``,
-        ``item_lens``, ``mem_types`` (per descriptor registration) and ``ipc_capable``
+        ``item_lens``, ``mem_types`` (per descriptor registration), ``ipc_capable``
         (False: CUDA memory UCX can only reach by emulated PUTs, see kvxfer.engine.ipc;
-        None: host memory, or not started yet)."""
+        None: host memory, or not started yet) and ``vmm_shared`` (such memory offered to
+        same-host peers' device lanes instead: kvxfer.engine.vmm_share)."""
         g = self._groups
         return {
             n: {
@@ -101,6 +102,7 @@ class TransferEngine:
                 "item_lens": grp.item_lens,
                 "mem_types": g.desc_mem_types(n) if n in g.desc_region else [],
                 "ipc_capable": g.ipc.get(n),
+                "vmm_shared": n in g.vmm_groups,
             }
             for n, grp in g.groups.items()
         }

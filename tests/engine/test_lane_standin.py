@@ -172,6 +172,8 @@ def test_writes_into_vmm_regions_take_the_lane_whatever_their_size(into):
     async def main():
         engines, peer, bufs, notes = await _pair(device_min_ops=128)
         try:
+            info = engines["b"].group_info["kv"]  # host memory: nothing to offer
+            assert info["ipc_capable"] is None and info["vmm_shared"] is False
             vmm_region = int(peer._remote.desc_region["kv"][0])
             lane = peer._dev = StandInLane(peer, 1, emulated=[vmm_region])
             descs = {"vmm": [0], "plain": [1], "both": [0, 1]}[into]
