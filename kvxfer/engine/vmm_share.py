@@ -75,7 +75,7 @@ _REQ = struct.Struct("<4s32sI")  # magic, token, region count; then one u32 per 
 _REQ_MAGIC = b"KVXR"
 #: regions one request may name (a pool registers a few hundred at most)
 MAX_REQUEST_REGIONS = 1 << 16
-#: how long the owner serves one connection, seconds
+#: how long the owner waits for a caller's request, and then for its share to go, seconds
 SERVE_TIMEOUT_S = 10.0
 #: connections answered at once; more are closed on arrival
 MAX_CALLERS = 16
@@ -210,22 +210,22 @@ class VmmExporter:
             self._callers.release()
 
     def _answer(self, conn: socket.socket) -> bool:
-        from kvxfer.pools.backing.share_wire import send_share_stream
+        from kvxfer.pools.backing.share_wire import Deadline, recv_exact, send_share_stream
 
-        conn.settimeout(self._timeout)
+        deadline = Deadline(self._timeout)  # the whole answer: a trickling caller gains nothing
         creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         _, uid, _ = struct.unpack("3i", creds)
         if uid != os.geteuid():
             log.warning("VMM share: refused a connection from uid %d", uid)
             return False
-        head = _recv_exact(conn, _REQ.size)
+        head = recv_exact(conn, _REQ.size, deadline, "request")
         magic, token, count = _REQ.unpack(head)
         if magic != _REQ_MAGIC or not hmac.compare_digest(token, self.token):
             log.warning("VMM share: refused a request without this engine's token")
             return False
         if not 0 < count <= MAX_REQUEST_REGIONS:
             return False
-        which = struct.unpack(f"<{count}I", _recv_exact(conn, 4 * count))
+        which = struct.unpack(f"<{count}I", recv_exact(conn, 4 * count, deadline, "regions"))
         if len(set(which)) != count or not set(which) <= self._offered:
             return False
         manifest, fd_of = self._export(self._regions, which)
@@ -250,16 +250,6 @@ class VmmExporter:
         self._sock.close()
         if self._thread is not threading.current_thread():
             self._thread.join(self._timeout + 1.0)
-
-
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = conn.recv(n - len(buf))
-        if not chunk:
-            raise BackingError(f"connection closed after {len(buf)} of {n} bytes")
-        buf += chunk
-    return buf
 
 
 def fetch(

@@ -191,7 +191,9 @@ def validate_manifest(raw: Any, num_fds: int) -> ShareManifest:
 
 
 # -- framing --------------------------------------------------------------------------------
-class _Deadline:
+class Deadline:
+    """One bound for a whole exchange: each socket call gets what is left of it."""
+
     def __init__(self, timeout: float) -> None:
         if not timeout > 0:
             raise InvalidArgument(f"timeout must be > 0 seconds, got {timeout!r}")
@@ -205,7 +207,7 @@ class _Deadline:
         sock.settimeout(left)
 
 
-def _io(fn, deadline: _Deadline, sock: socket.socket, what: str):
+def _io(fn, deadline: Deadline, sock: socket.socket, what: str):
     deadline.arm(sock)
     try:
         return fn()
@@ -217,7 +219,9 @@ def _io(fn, deadline: _Deadline, sock: socket.socket, what: str):
         raise BackingError(f"share exchange failed ({what}): {exc}") from exc
 
 
-def _recv_exact(sock: socket.socket, n: int, deadline: _Deadline, what: str) -> bytes:
+def recv_exact(sock: socket.socket, n: int, deadline: Deadline, what: str) -> bytes:
+    """Exactly ``n`` bytes within ``deadline``; BackingError when the peer closes first or
+    time runs out (``what`` names the step)."""
     buf = b""
     while len(buf) < n:
         chunk = _io(functools.partial(sock.recv, n - len(buf)), deadline, sock, what)
@@ -250,7 +254,7 @@ def send_share_stream(
     before the batch goes (with ``close``, each batch's fds are closed once sent, also on
     failure): at most :data:`MAX_FDS_PER_MSG` of them are open at once here, however many
     extents the share has."""
-    deadline = _Deadline(timeout)
+    deadline = Deadline(timeout)
     n = manifest.num_extents
     payload = json.dumps(manifest.to_json(), separators=(",", ":")).encode()
     if len(payload) > MAX_MANIFEST_BYTES or n > MAX_FDS:
@@ -297,9 +301,9 @@ def recv_share_stream(
     (within the same deadline). The consumer owns each fd it was given; fds received but not
     yet given out are closed when the generator is closed or fails (close it: a consumer that
     stops early must). Raises :class:`BackingError` as :func:`recv_share_message`."""
-    deadline = _Deadline(timeout)
+    deadline = Deadline(timeout)
     magic, version, nbytes, nfds = _HEADER.unpack(
-        _recv_exact(sock, _HEADER.size, deadline, "header")
+        recv_exact(sock, _HEADER.size, deadline, "header")
     )
     if magic != MAGIC:
         raise BackingError(f"not a kvxfer share message (magic {magic!r})")
@@ -308,7 +312,7 @@ def recv_share_stream(
     if nbytes > MAX_MANIFEST_BYTES or nfds > MAX_FDS:
         raise BackingError(f"share message too large: {nbytes} manifest bytes, {nfds} fds")
     try:
-        raw = json.loads(_recv_exact(sock, nbytes, deadline, "manifest"))
+        raw = json.loads(recv_exact(sock, nbytes, deadline, "manifest"))
     except (ValueError, UnicodeDecodeError) as exc:
         raise _bad(f"not JSON: {exc}") from None
     manifest = validate_manifest(raw, nfds)
@@ -330,7 +334,7 @@ def recv_share_stream(
                     raise BackingError(
                         f"peer closed the share socket after {done + len(got)} of {nfds} fds"
                     )
-                data += _recv_exact(sock, _COUNT.size - len(data), deadline, "fds")
+                data += recv_exact(sock, _COUNT.size - len(data), deadline, "fds")
                 (count,) = _COUNT.unpack(data)
                 if count != len(got) or count != want:
                     raise BackingError(
