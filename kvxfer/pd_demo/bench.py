@@ -128,8 +128,9 @@ class BenchWorker(PDWorker):
     def __init__(self, role: str, spec: dict, bootstrap: str, opts: dict) -> None:
         super().__init__(role, spec, bootstrap, opts)
         self._raw_seq = RAW_SEQ
-        #: cProfile of the latency runs' sends ($KVXFER_BENCH_PROFILE), made on first use
+        #: cProfile of the latency runs' and the TP rows' sends ($KVXFER_BENCH_PROFILE)
         self._prof: Any = None
+        self._fired = 0  # fire() calls: the first is the warm-up
         #: decode: Ping seq -> monotonic_ns its arrival was handled (raw write + notify)
         self._raw_recv: Dict[int, int] = {}
         if role == "decode":
@@ -214,6 +215,16 @@ class BenchWorker(PDWorker):
         pages, slots, _ = _host_ids(res)
         h.send(pages, slots)
 
+    def _profiler(self) -> Any:
+        """The worker's cProfile when ``$KVXFER_BENCH_PROFILE`` is set (made on first use),
+        else None. On Python 3.12 a profile enabled on one thread sees every thread's
+        Python calls (PEP 669), so a profiled send includes the manager loop's share."""
+        if os.environ.get("KVXFER_BENCH_PROFILE") and self._prof is None:
+            import cProfile
+
+            self._prof = cProfile.Profile()
+        return self._prof
+
     def latency(self, rooms: List[int]) -> dict:
         """One 1-page request at a time (the next starts when prefill released the last),
         once decode's metadata for all of ``rooms`` arrived: the requests do not overlap
@@ -222,12 +233,7 @@ class BenchWorker(PDWorker):
         With ``$KVXFER_BENCH_PROFILE`` set to a path, the sends (with direct calls: the
         request's path up to its post and the inline flush wait) run under cProfile and its
         statistics go to ``<path>.prof`` (``python3 -m pstats``)."""
-        where = os.environ.get("KVXFER_BENCH_PROFILE")
-        if where and self._prof is None:
-            import cProfile
-
-            self._prof = cProfile.Profile()
-        prof = self._prof
+        prof = self._profiler()
         self._begin()
         for room, h, res in self._senders(rooms, 1):
             if prof is not None:
@@ -237,7 +243,7 @@ class BenchWorker(PDWorker):
                 prof.disable()
             self._settle(self._next_done(True))
         if prof is not None:  # every batch so far (the warm-up's too)
-            prof.dump_stats(f"{where}.prof")
+            prof.dump_stats(f"{os.environ['KVXFER_BENCH_PROFILE']}.prof")
         return self._finish()
 
     def throughput(self, rooms: List[int]) -> dict:
@@ -316,11 +322,18 @@ class BenchWorker(PDWorker):
         ranks of one prefill instance end a forward pass together, so their sends start
         together too, not a command round trip apart."""
         room, h, res = self._armed
+        self._fired += 1
+        prof = self._profiler() if self._fired > 1 else None  # not the warm-up
         time.sleep(max(0.0, t_at - time.monotonic() - 0.002))  # the last 2 ms spinning
         while time.monotonic() < t_at:
             pass
+        if prof is not None:
+            prof.enable()
         self._send(room, h, res)
         self._settle(self._next_done(True))
+        if prof is not None:  # every request so far but the warm-up
+            prof.disable()
+            prof.dump_stats(f"{os.environ['KVXFER_BENCH_PROFILE']}.{os.getpid()}.prof")
         return self._finish()
 
     def mixed(self, small: List[int], large: List[int], n_pages: int, depth: int) -> dict:
