@@ -36,6 +36,7 @@ from typing import List, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from kvxfer.kernels.ids import sorted_unique
 from kvxfer.pools.errors import DoubleFree, IndexOutOfRange, InvalidArgument
 from kvxfer.pools.req_to_token import ReqToTokenPool  # noqa: F401  (part of this module's API)
 
@@ -253,7 +254,13 @@ class PagedTokenToKVPoolAllocator:
         tok = _host_ids(token_ids)
         if tok.size == 0:
             return
-        pages = np.unique(tok // self.page_size)
+        pages = tok // self.page_size
+        if pages.size > 1:  # a request's tokens come page by page: one per run, then sort
+            run = np.empty(pages.size, dtype=bool)
+            run[0] = True
+            np.not_equal(pages[1:], pages[:-1], out=run[1:])
+            pages = pages[run]
+        pages = sorted_unique(pages)
         self._release_pages(pages, what="token", raw=tok)
 
     def free_pages(self, page_ids: Ids) -> None:
@@ -261,12 +268,12 @@ class PagedTokenToKVPoolAllocator:
         pages = _host_ids(page_ids)
         if pages.size == 0:
             return
-        uniq = np.unique(pages) if pages.size > 1 else pages.copy()  # never the caller's memory
-        if uniq.size != pages.size:
-            srt = np.sort(pages)
-            dup = int(srt[1:][srt[1:] == srt[:-1]][0])
+        srt = np.sort(pages)  # a new array: never the caller's memory
+        same = srt[1:] == srt[:-1]
+        if same.any():
+            dup = int(srt[1:][same][0])
             raise DoubleFree(f"page {dup} appears more than once in one free_pages call")
-        self._release_pages(uniq, what="page", raw=pages)
+        self._release_pages(srt, what="page", raw=pages)
 
     def _release_pages(self, pages: np.ndarray, *, what: str, raw: np.ndarray) -> None:
         lo, hi = int(pages.min()), int(pages.max())

@@ -39,6 +39,7 @@ import numpy as np
 
 from kvxfer.disagg.runs import Runs
 from kvxfer.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch, UnsupportedOperation
+from kvxfer.kernels.ids import sorted_unique
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -85,7 +86,7 @@ def pieces(
         np.arange(-(-start // p) * p, end, p, dtype=np.int64)
         for p in (src_page_size, dst_page_size)
     ]
-    b = np.unique(np.concatenate(cuts + [np.array([start, end], dtype=np.int64)]))
+    b = sorted_unique(np.concatenate(cuts + [np.array([start, end], dtype=np.int64)]))
     return b[:-1], b[1:]
 
 

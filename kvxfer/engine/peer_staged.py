@@ -31,6 +31,7 @@ from kvxfer.engine.groups import LocalGroups
 from kvxfer.engine.staged_send import StagedLink, StagedSender
 from kvxfer.engine.staging import GroupStage
 from kvxfer.errors import InvalidArgument, KvxferError, ProtocolError
+from kvxfer.kernels.ids import sorted_unique
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +181,7 @@ class StagedPath(StagedSender):
             )
         ids = plan.as_ids(items, "expected items")
         plan.check_ids(ids, stage.group.num_items, "expected items")
-        ids = np.unique(ids)
+        ids = sorted_unique(ids)
         if ids.size == 0:
             raise InvalidArgument("expect_slices: no items")
         sr = runs if isinstance(runs, slices.SliceRuns) else None
@@ -218,7 +219,7 @@ class StagedPath(StagedSender):
             raise ProtocolError(
                 f"slice chunk under key {msg.key}: item {int(dst[~inside][0])} not expected"
             )
-        if np.unique(pos).size != pos.size or exp.got[pos].any():
+        if plan.has_duplicates(pos) or exp.got[pos].any():
             raise ProtocolError(f"slice chunk under key {msg.key}: an item written twice")
         exp.got[pos] = True
         if exp.got.all():

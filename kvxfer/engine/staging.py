@@ -238,7 +238,7 @@ class GroupStage:
                 f"staged {name!r}: dst item {int(dst[bad][0])} out of range "
                 f"[0, {self.group.num_items})"
             )
-        if np.unique(dst).size != n:
+        if plan.has_duplicates(dst):
             raise ProtocolError(f"staged {name!r}: duplicate dst items")
         return dst
 
