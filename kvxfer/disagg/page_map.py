@@ -37,7 +37,7 @@ from typing import Any, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
-from kvxfer.disagg.runs import Runs
+from kvxfer.disagg.runs import Runs, run_starts
 from kvxfer.errors import IndexOutOfRange, InvalidArgument, ShapeMismatch, UnsupportedOperation
 from kvxfer.kernels.ids import sorted_unique
 
@@ -107,11 +107,61 @@ def piece_classes(
     same slot in one page would be one piece). With page sizes that divide one another and an
     aligned window there is one class per slot of the smaller page in the larger, plus the
     partial pieces at the ends: the form a :class:`~kvxfer.engine.types.PatternWrite` takes
-    (one per class, the same item-relative runs for each of its page pairs)."""
-    ps, pd = int(src_page_size), int(dst_page_size)
+    (one per class, the same item-relative runs for each of its page pairs).
+
+    The grouping depends on the page sizes and the window only (:func:`class_index`,
+    cached): per call, each class's ids are two fancy-indexing operations."""
+    index = class_index(int(src_page_size), int(dst_page_size), int(start), int(end))
+    first = int(src_first_page)
+    return [(c, src[si - first] if first else src[si], dst[di]) for c, si, di in index]
+
+
+#: (a, b, n), source page positions (from page 0 of the window's numbering), destination ones
+ClassIndex = Tuple[Tuple[Tuple[int, int, int], np.ndarray, np.ndarray], ...]
+
+
+@lru_cache(maxsize=256)
+def class_index(ps: int, pd: int, start: int, end: int) -> ClassIndex:
+    """:func:`piece_classes`'s grouping of ``[start, end)``: per class ``(a, b, n)`` in
+    ascending key order, the positions ``lo // ps`` and ``lo // pd`` of its pieces' first
+    tokens ``lo`` (ascending). Cached (read-only arrays): the legs of one heterogeneous-TP
+    room and requests of one length share it. Page sizes that divide one another take
+    arithmetic progressions (no sort); others the general grouping."""
+    if end <= start:
+        return ()
+    p, big = min(ps, pd), max(ps, pd)
+    if big % p:
+        out = _class_index_any(ps, pd, start, end)
+    else:
+        out = _class_index_aligned(ps, pd, start, end)
+    for _, si, di in out:
+        si.flags.writeable = di.flags.writeable = False
+    return out
+
+
+def _class_index_aligned(ps: int, pd: int, start: int, end: int) -> ClassIndex:
+    """:func:`class_index` when one page size divides the other: the pieces are the smaller
+    pages' spans clipped to the window, so the whole ones fall into ``big / small`` classes
+    of every ``big / small``-th piece, plus a partial piece at either end."""
+    p, big = min(ps, pd), max(ps, pd)
+    f0 = min(-(-start // p) * p, end)  # the first whole piece's start (or end)
+    f1 = max(end // p * p, f0)  # the whole pieces end here
+    m = p + 1
+    found: List[Tuple[int, Tuple[int, int, int], np.ndarray]] = []
+    for lo, hi in ((start, f0), (f1, end)):  # partial pieces
+        if lo < hi:
+            found.append((lo, (lo % ps, lo % pd, hi - lo), np.array([lo], dtype=np.int64)))
+    for c in range(0, big, p):  # whole pieces starting at c modulo the larger page
+        lo0 = f0 + (c - f0) % big
+        if lo0 < f1:
+            found.append((lo0, (lo0 % ps, lo0 % pd, p), np.arange(lo0, f1, big, dtype=np.int64)))
+    found.sort(key=lambda f: (f[1][0] * pd + f[1][1]) * m + f[1][2])
+    return tuple((c, lo // ps, lo // pd) for _, c, lo in found)
+
+
+def _class_index_any(ps: int, pd: int, start: int, end: int) -> ClassIndex:
+    """:func:`class_index` for any two page sizes: the pieces grouped by key."""
     lo, hi = pieces(start, end, ps, pd)
-    if not lo.size:
-        return []
     m = min(ps, pd) + 1  # a piece holds at most min(ps, pd) tokens
     key = ((lo % ps) * pd + lo % pd) * m + (hi - lo)  # ascending key: ascending (a, b, n)
     classes, which = np.unique(key, return_inverse=True)
@@ -122,8 +172,8 @@ def piece_classes(
         k = lo[order[cuts[c] : cuts[c + 1]]]
         ab, n = divmod(kk, m)
         a, b = divmod(ab, pd)
-        out.append(((a, b, n), src[k // ps - src_first_page], dst[k // pd]))
-    return out
+        out.append(((a, b, n), k // ps, k // pd))
+    return tuple(out)
 
 
 def class_token(a: int, b: int, src_page_size: int, dst_page_size: int) -> int:
@@ -239,6 +289,8 @@ def plan_runs(
     s_page = src[lo // ps - src_first_page]
     d_page = dst[lo // pd]
     s_slot, d_slot, ntok = lo % ps, lo % pd, hi - lo
+    if keep is None and geom.token_major:
+        return _token_major_runs(geom, s_page * ps + s_slot, d_page * pd + d_slot, ntok)
     # segments of every descriptor, flattened descriptor-major
     seg_desc = np.concatenate(
         [np.full(len(s), d, dtype=np.int64) for d, s in enumerate(geom.segments)]
@@ -263,6 +315,27 @@ def plan_runs(
     desc = np.broadcast_to(seg_desc[:, None], so.shape).ravel()[order]
     so, do, nb = so.ravel()[order], do.ravel()[order], nb.ravel()[order]
     return Runs.merged(desc, so, do, nb)
+
+
+def _token_major_runs(
+    geom: TokenGeometry, s_tok: np.ndarray, d_tok: np.ndarray, ntok: np.ndarray
+) -> Runs:
+    """:func:`plan_runs` of a token-major geometry (one segment per descriptor): descriptor
+    ``d``'s runs are its token row's bytes times the pieces' token slots (``s_tok``: source
+    page x page size + slot; ``d_tok`` the same on the destination), so pieces that continue
+    one another do so in every descriptor alike: merged once over the pieces, then scaled per
+    descriptor (the same runs, in the same order, as the general path's merge)."""
+    first = run_starts(s_tok, d_tok, ntok)
+    if first.size != s_tok.size:
+        s_tok, d_tok, ntok = s_tok[first], d_tok[first], np.add.reduceat(ntok, first)
+    tb = np.asarray([s[0] for s in geom.segments], dtype=np.int64)[:, None]
+    nd, n = tb.shape[0], s_tok.size
+    return Runs(
+        np.repeat(np.arange(nd, dtype=np.int64), n),
+        (tb * s_tok[None, :]).ravel(),
+        (tb * d_tok[None, :]).ravel(),
+        (tb * ntok[None, :]).ravel(),
+    )
 
 
 def _ceil(a: int, b: int) -> int:

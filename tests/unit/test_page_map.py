@@ -323,3 +323,91 @@ def test_piece_classes_partition_the_pieces(ps, pd):
             assert t % ps == a and t % pd == b and a + m <= ps and b + m <= pd
             covered += m * s.size
         assert covered == n - k
+
+
+@pytest.mark.parametrize("ps,pd", list(itertools.product(SIZES, SIZES)))
+def test_aligned_class_index_matches_the_general_grouping(ps, pd):
+    """Page sizes dividing one another take arithmetic progressions (no sort): the same
+    classes, in the same order, with the same pieces as the general grouping, every window."""
+    from kvxfer.disagg.page_map import _class_index_aligned, _class_index_any
+
+    n = 2 * max(ps, pd) + 5
+    # every start near a page boundary of either size, every end
+    edges = {e + d for e in (0, ps, pd, 2 * ps, 2 * pd) for d in (-1, 0, 1)}
+    for start in sorted(x for x in edges | set(range(0, n, 5)) if 0 <= x < n):
+        for end in range(start + 1, n + 1):
+            fast, general = (
+                _class_index_aligned(ps, pd, start, end),
+                _class_index_any(ps, pd, start, end),
+            )
+            assert [c for c, _, _ in fast] == [c for c, _, _ in general], (start, end)
+            for (_, s1, d1), (_, s2, d2) in zip(fast, general):
+                assert np.array_equal(s1, s2) and np.array_equal(d1, d2), (start, end)
+
+
+@pytest.mark.parametrize("ps,pd", [(3, 4), (6, 4), (5, 16), (16, 5)])
+def test_piece_classes_of_page_sizes_that_do_not_divide(ps, pd):
+    """The general grouping: every token of the window in exactly one piece of one class,
+    pages distinct within a class, the class at its slots."""
+    n = 3 * ps * pd + 2
+    src, dst = np.arange(-(-n // ps)) + 50, np.arange(-(-n // pd)) + 500
+    for k in (0, 1, ps + 1, n - 1):
+        covered = []
+        for (a, b, m), s, d in piece_classes(src, dst, ps, pd, k, n):
+            assert np.unique(s).size == s.size and np.unique(d).size == d.size
+            for sp, dp in zip(s.tolist(), d.tolist()):
+                t = (sp - 50) * ps + a  # the piece's first token, from its source page
+                assert (dp - 500) * pd + b == t and a + m <= ps and b + m <= pd
+                covered.extend(range(t, t + m))
+        assert sorted(covered) == list(range(k, n))
+
+
+def test_class_index_is_cached_read_only_and_offset_by_the_first_page():
+    from kvxfer.disagg.page_map import class_index
+
+    a = class_index(16, 64, 37, 1000)
+    assert class_index(16, 64, 37, 1000) is a
+    for _, s, d in a:
+        assert not s.flags.writeable and not d.flags.writeable
+    src, dst = np.arange(100, 163), np.arange(200, 216)
+    whole = piece_classes(src, dst, 16, 64, 37, 1000)
+    part = piece_classes(src[2:], dst, 16, 64, 37, 1000, src_first_page=2)
+    assert [(c, s.tolist(), d.tolist()) for c, s, d in whole] == [
+        (c, s.tolist(), d.tolist()) for c, s, d in part
+    ]
+
+
+@pytest.mark.parametrize("segs", [[[3]], [[1], [4]], [[8], [2], [6]]])
+def test_token_major_runs_match_the_general_path(segs):
+    """One segment per descriptor: runs merged once over the pieces and scaled per
+    descriptor are the general path's runs (``keep`` of every segment takes that path),
+    scattered and consecutive pages, every page-size pair, chunks starting anywhere."""
+    geom = TokenGeometry.of(segs)
+    rng = np.random.default_rng(len(segs))
+    for ps, pd in itertools.product(SIZES, (1, 3, 4, 64)):
+        n = 2 * max(ps, pd) + 7
+        for consecutive in (True, False):
+            k_src, k_dst = -(-n // ps), -(-n // pd)
+            src = np.arange(k_src) + 9 if consecutive else pages(n, ps, rng)
+            dst = np.arange(k_dst) + 4 if consecutive else pages(n, pd, rng)
+            for first in (0, 1):
+                for start in (first * ps, first * ps + 1, n - 1):
+                    if start >= n:
+                        continue
+                    got = plan_runs(geom, src[first:], ps, dst, pd, start, n, src_first_page=first)
+                    want = plan_runs(
+                        geom,
+                        src[first:],
+                        ps,
+                        dst,
+                        pd,
+                        start,
+                        n,
+                        src_first_page=first,
+                        keep=np.ones(len(segs), dtype=bool),
+                    )
+                    for x, y in zip(
+                        (got.desc, got.src_off, got.dst_off, got.nbytes),
+                        (want.desc, want.src_off, want.dst_off, want.nbytes),
+                    ):
+                        assert np.array_equal(x, y), (ps, pd, consecutive, first, start)
