@@ -14,6 +14,12 @@ the descriptor's base plus the run's in-item offset, and the descriptor's item s
 side (:func:`pattern_rows` builds the table; runs longer than ``tile`` bytes are cut so that
 many programs share them).
 
+Several patterns (say the piece classes of a write between different page sizes, each with
+its own runs and its own item pairs) go in one launch too: their row tables concatenated,
+and each item pair a ``[4]`` row ``(s, t, lo, hi)`` naming the rows ``[lo, hi)`` of its
+pattern (:func:`class_items`); program ``(i, k)`` copies rows ``lo + i*ROWS ..`` below
+``hi`` of pair ``k``, and the grid spans the widest pattern.
+
 Invariants:
 
 * every address, size and stride handed to a launch with ``align=A`` is a multiple of ``A``
@@ -42,6 +48,7 @@ __all__ = [
     "ROW_COLS",
     "MAX_ITEMS_PER_LAUNCH",
     "pattern_rows",
+    "class_items",
     "row_alignment",
     "copy_pattern",
     "copy_pattern_native",
@@ -59,16 +66,31 @@ _ALIGNMENTS = (1, 2, 4, 8, 16)
 
 @triton.jit
 def _copy_pattern_kernel(
-    rows, items, n_rows, ROWS: tl.constexpr, ALIGN: tl.constexpr, BLOCK: tl.constexpr
+    rows,
+    items,
+    n_rows,
+    ROWS: tl.constexpr,
+    ALIGN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CLASSES: tl.constexpr = False,
 ):
-    """Program ``(i, k)`` copies rows ``i*ROWS .. i*ROWS+ROWS-1`` of item pair ``k``."""
+    """Program ``(i, k)`` copies rows ``i*ROWS .. i*ROWS+ROWS-1`` of item pair ``k``
+    (``CLASSES``: of its row range ``[lo, hi)``, read from its ``[4]`` item row)."""
     k = tl.program_id(1).to(tl.int64)
-    sid = tl.load(items + 2 * k)
-    did = tl.load(items + 2 * k + 1)
+    if CLASSES:
+        sid = tl.load(items + 4 * k)
+        did = tl.load(items + 4 * k + 1)
+        lo = tl.load(items + 4 * k + 2)
+        hi = tl.load(items + 4 * k + 3)
+    else:
+        sid = tl.load(items + 2 * k)
+        did = tl.load(items + 2 * k + 1)
+        lo = 0
+        hi = n_rows
     offs = tl.arange(0, BLOCK)
     for j in range(ROWS):
-        r = tl.program_id(0).to(tl.int64) * ROWS + j
-        if r < n_rows:
+        r = lo + tl.program_id(0).to(tl.int64) * ROWS + j
+        if r < hi:
             row = rows + r * 5
             src = (tl.load(row) + sid * tl.load(row + 3)).to(tl.pointer_type(tl.int8))
             dst = (tl.load(row + 1) + did * tl.load(row + 4)).to(tl.pointer_type(tl.int8))
@@ -119,6 +141,21 @@ def pattern_rows(
     return np.ascontiguousarray(np.concatenate(parts))
 
 
+def class_items(parts, bounds) -> np.ndarray:
+    """The ``[P, 4]`` int64 item table of several patterns in one launch: for pattern ``c``
+    with item pairs ``parts[c] = (src ids, dst ids)`` and rows ``[bounds[c], bounds[c+1])``
+    of the concatenated row table, one row ``(s, t, bounds[c], bounds[c+1])`` per pair."""
+    n = sum(len(s) for s, _ in parts)
+    out = np.empty((n, 4), dtype=np.int64)
+    at = 0
+    for c, (src, dst) in enumerate(parts):
+        k = len(src)
+        out[at : at + k, 0], out[at : at + k, 1] = src, dst
+        out[at : at + k, 2], out[at : at + k, 3] = bounds[c], bounds[c + 1]
+        at += k
+    return out
+
+
 def row_alignment(rows: np.ndarray) -> int:
     """The widest power of two <= 16 dividing every entry of ``rows``."""
     if not rows.size:
@@ -152,10 +189,10 @@ def _shape(host_rows: np.ndarray) -> tuple[int, int, int]:
 _native: dict = {}
 
 
-def _native_kernel(ordinal: int, align: int, host_rows: np.ndarray):
+def _native_kernel(ordinal: int, align: int, host_rows: np.ndarray, classes: bool = False):
     block, per, warps = _shape(host_rows)
-    n_rows = int(host_rows.shape[0])
-    key = (int(ordinal), int(align), block, per, warps, n_rows % 16 == 0)
+    n_rows = 16 if classes else int(host_rows.shape[0])  # with classes: unused, always 16
+    key = (int(ordinal), int(align), block, per, warps, n_rows % 16 == 0, classes)
     got = _native.get(key)
     if got is None:
         from kvxfer.kernels.native_launch import compile_kernel
@@ -171,6 +208,7 @@ def _native_kernel(ordinal: int, align: int, host_rows: np.ndarray):
                 ROWS=per,
                 ALIGN=align,
                 BLOCK=block,
+                CLASSES=classes,
             )
         except (UnsupportedOperation, CudaError, RuntimeError) as exc:
             got = f"{type(exc).__name__}: {exc}"
@@ -179,32 +217,50 @@ def _native_kernel(ordinal: int, align: int, host_rows: np.ndarray):
 
 
 def copy_pattern_native(
-    ring, rows_ptr: int, host_rows: np.ndarray, pairs: np.ndarray, align: int, stream: int
+    ring,
+    rows_ptr: int,
+    host_rows: np.ndarray,
+    pairs: np.ndarray,
+    align: int,
+    stream: int,
+    span: int = 0,
 ):
     """:func:`copy_pattern` launched by ``cuLaunchKernel`` (:mod:`kvxfer.kernels.
     native_launch`): ``rows_ptr`` is the device copy of ``host_rows``, the item pairs
-    ``pairs`` (int64 ``[P, 2]``) are written into a slot of ``ring`` (a ``TableRing`` of the
-    same device) and read from there; returns the slot's event recorded on ``stream``, or
-    None — nothing launched — when this table cannot be launched natively (one row, a
-    kernel the native path refuses: the caller uses :func:`copy_pattern`). Checks as there;
-    raises :class:`InvalidArgument` before launching anything."""
+    ``pairs`` (int64 ``[P, 2]``, or ``[P, 4]`` of several patterns with ``span`` their
+    widest row range: :func:`class_items`) are written into a slot of ``ring`` (a
+    ``TableRing`` of the same device) and read from there; returns the slot's event
+    recorded on ``stream``, or None — nothing launched — when this table cannot be launched
+    natively (one row, a kernel the native path refuses: the caller uses
+    :func:`copy_pattern`). Checks as there; raises :class:`InvalidArgument` before launching
+    anything."""
     _check_rows(host_rows, align)
     n_rows, n_items = int(host_rows.shape[0]), int(pairs.shape[0])
+    cols = int(pairs.shape[1])
+    classes = cols == 4
+    if classes and not 0 < span <= n_rows:
+        raise InvalidArgument(f"span {span} of patterns over {n_rows} rows")
     if n_rows <= 1 or n_rows >= 1 << 31:  # Triton makes 1 a constant; i32 parameter
         return None
-    kernel = _native_kernel(ring.ordinal, align, host_rows)
+    kernel = _native_kernel(ring.ordinal, align, host_rows, classes)
     if isinstance(kernel, str):
         return None
     per = _shape(host_rows)[1]
+    grid_x = -(-(span if classes else n_rows) // per)
     pushed = ring.ctx.enter()
     try:
-        slot, words, dev = ring.take(2 * n_items)
+        slot, words, dev = ring.take(cols * n_items)
         try:
-            words[: 2 * n_items] = pairs.reshape(-1)
+            words[: cols * n_items] = pairs.reshape(-1)
             for first in range(0, n_items, MAX_ITEMS_PER_LAUNCH):
                 part = min(MAX_ITEMS_PER_LAUNCH, n_items - first)
                 kernel.launch(
-                    -(-n_rows // per), stream, rows_ptr, dev + 16 * first, n_rows, grid_y=part
+                    grid_x,
+                    stream,
+                    rows_ptr,
+                    dev + 8 * cols * first,
+                    16 if classes else n_rows,
+                    grid_y=part,
                 )
         finally:  # even after a failed launch: the slot is not rewritten under a running one
             ev = ring.done(slot, stream)
@@ -214,12 +270,20 @@ def copy_pattern_native(
 
 
 def copy_pattern(
-    rows: torch.Tensor, items: torch.Tensor, align: int, *, host_rows: np.ndarray
+    rows: torch.Tensor,
+    items: torch.Tensor,
+    align: int,
+    *,
+    host_rows: np.ndarray,
+    span: int = 0,
 ) -> int:
     """Launch the copy of every row of ``rows`` for every item pair of ``items`` (int64
     ``[P, 2]``, on the same device) on the current stream; returns the programs launched.
-    ``host_rows``: the row table as numpy (alignment is checked there, no read-back)."""
-    for name, t, cols in (("rows", rows, ROW_COLS), ("items", items, 2)):
+    ``host_rows``: the row table as numpy (alignment is checked there, no read-back).
+    Several patterns: ``items`` ``[P, 4]`` (:func:`class_items`), ``span`` the widest of
+    their row ranges."""
+    classes = isinstance(items, torch.Tensor) and items.dim() == 2 and items.shape[1] == 4
+    for name, t, cols in (("rows", rows, ROW_COLS), ("items", items, 4 if classes else 2)):
         if not isinstance(t, torch.Tensor):
             raise InvalidArgument(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype != torch.int64 or t.dim() != 2 or t.shape[1] != cols or not t.is_contiguous():
@@ -232,6 +296,8 @@ def copy_pattern(
         raise ShapeMismatch(f"host_rows {host_rows.shape} != rows {tuple(rows.shape)}")
     _check_rows(host_rows, align)
     n_rows, n_items = int(rows.shape[0]), int(items.shape[0])
+    if classes and not 0 < span <= n_rows:
+        raise InvalidArgument(f"span {span} of patterns over {n_rows} rows")
     if not n_rows or not n_items:
         return 0
     dispatch.require_runnable(_copy_pattern_kernel, rows.device)
@@ -240,9 +306,16 @@ def copy_pattern(
     with dispatch.launch_context(rows.device):
         for first in range(0, n_items, MAX_ITEMS_PER_LAUNCH):
             part = items[first : first + MAX_ITEMS_PER_LAUNCH]
-            grid = (-(-n_rows // per), int(part.shape[0]))
+            grid = (-(-(span if classes else n_rows) // per), int(part.shape[0]))
             _copy_pattern_kernel[grid](
-                rows, part, n_rows, ROWS=per, ALIGN=align, BLOCK=block, num_warps=warps
+                rows,
+                part,
+                n_rows,
+                ROWS=per,
+                ALIGN=align,
+                BLOCK=block,
+                CLASSES=classes,
+                num_warps=warps,
             )
             launched += grid[0] * grid[1]
     return launched
@@ -253,8 +326,14 @@ def copy_pattern_reference(
 ) -> None:
     """Torch oracle over two flat uint8 tensors whose row addresses are *offsets* into
     ``src`` / ``dst``: for every row and item pair, the row's bytes of item ``s`` land in
-    item ``t``."""
-    for so, do, n, ss, ds in np.asarray(rows, dtype=np.int64).tolist():
-        for s, t in np.asarray(items, dtype=np.int64).reshape(-1, 2).tolist():
+    item ``t`` (``items`` ``[P, 4]``: the rows ``[lo, hi)`` of each pair only)."""
+    table = np.asarray(rows, dtype=np.int64).tolist()
+    items = np.asarray(items, dtype=np.int64)
+    if items.ndim == 2 and items.shape[1] == 4:
+        pairs = [(s, t, lo, hi) for s, t, lo, hi in items.tolist()]
+    else:
+        pairs = [(s, t, 0, len(table)) for s, t in items.reshape(-1, 2).tolist()]
+    for s, t, lo, hi in pairs:
+        for so, do, n, ss, ds in table[lo:hi]:
             a, b = so + s * ss, do + t * ds
             dst[b : b + n] = src[a : a + n]

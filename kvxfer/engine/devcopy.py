@@ -166,9 +166,11 @@ class DeviceLane:
         self._usable = self.mapped != 0
         self._any_emulated = bool(self.emulated.any())
         self.closed = False
-        #: id(pattern) -> (pattern, local bases, host rows, device rows, align); the pattern
-        #: is held so that its id is not reused while cached
-        self._patterns: Dict[int, tuple] = {}
+        #: id(pattern) -> (pattern, local bases, host rows, device rows, align), and for
+        #: several patterns in one launch (ids) -> (patterns, local bases, host rows, device
+        #: rows, row bounds, widest range); the patterns are held so that their ids are not
+        #: reused while cached
+        self._patterns: Dict[Any, tuple] = {}
         #: host-time parts of each pattern launch ($KVXFER_LANE_PROFILE, diagnostics)
         self.profile: Optional[Dict[str, Any]] = {} if os.environ.get(PROFILE_ENV) else None
 
@@ -277,13 +279,96 @@ class DeviceLane:
         p, n = np.asarray(rptrs, dtype=_U64), np.asarray(rlens, dtype=_U64)
         return bool(((p >= self._rbase[r]) & (p - self._rbase[r] + n <= self._rlen[r])).all())
 
+    def launch_patterns(self, parts, lptrs, rptrs, ridx: np.ndarray):
+        """Launch the copies of several PatternWrites of one group, ``parts`` = ``[(pattern,
+        src, dst)]`` (each as :meth:`launch_pattern` takes it), in ONE native launch: their
+        run tables concatenated (uploaded once per combination of patterns and kept like a
+        single pattern's), each item pair naming its pattern's rows
+        (:func:`~kvxfer.kernels.pattern_copy.class_items`). One part, no native launcher, or
+        a table the native kernel refuses: :meth:`launch_pattern` per part. Returns the CUDA
+        event of the last launch (the lane's stream orders them)."""
+        live = [p for p in parts if len(p[1])]
+        if len(live) < 2 or self._tasks is None:
+            ev = None
+            for pattern, src, dst in parts:
+                ev = self.launch_pattern(pattern, lptrs, rptrs, ridx, src, dst)
+            return ev
+        from kvxfer.kernels.pattern_copy import class_items, copy_pattern_native, row_alignment
+
+        prof = self.profile
+        t0 = time.perf_counter()
+        c0 = time.thread_time() if prof is not None else 0.0
+        key = tuple(id(p) for p, _, _ in live)
+        entry = self._patterns.pop(key, None)
+        if entry is None or entry[1] != tuple(lptrs):
+            if prof is not None:
+                prof["misses"] = prof.get("misses", 0) + 1
+            tables = [self._pattern_rows(p, lptrs, rptrs, ridx) for p, _, _ in live]
+            bounds = np.cumsum([0] + [len(t) for t in tables]).tolist()
+            host = np.ascontiguousarray(np.concatenate(tables))
+            span = max(b - a for a, b in zip(bounds, bounds[1:]))
+            rows = self._upload_rows(host)
+            # the patterns are held so that their ids are not reused while cached
+            entry = (tuple(p for p, _, _ in live), tuple(lptrs), host, rows, bounds, span)
+            self._evict()
+        self._patterns[key] = entry
+        _, _, host, rows, bounds, span = entry
+        t1 = time.perf_counter()
+        ev = None
+        if span:
+            items = class_items([(s, d) for _, s, d in live], bounds)
+            ev = copy_pattern_native(
+                self._tasks.ring,
+                rows.data_ptr(),
+                host,
+                items,
+                row_alignment(host),
+                self._stream_h,
+                span,
+            )
+        if ev is None:  # refused natively (or no rows): one launch per part
+            for pattern, src, dst in live:
+                ev = self.launch_pattern(pattern, lptrs, rptrs, ridx, src, dst)
+        elif prof is not None:
+            t4 = time.perf_counter()
+            self._profile(prof, c0, t0, t1, t1, t1, t4, t4)
+        return ev
+
+    def _pattern_rows(self, pattern, lptrs, rptrs, ridx: np.ndarray) -> np.ndarray:
+        """The host row table of ``pattern`` between these descriptors (see
+        :meth:`launch_pattern`)."""
+        from kvxfer.kernels.pattern_copy import pattern_rows
+
+        r = ridx.astype(np.intp)
+        rp = np.asarray(rptrs, dtype=_U64)
+        dst_bases = (self.mapped[r] + (rp - self._rbase[r])).astype(np.int64)
+        return pattern_rows(
+            np.asarray(lptrs, dtype=np.int64),
+            dst_bases,
+            np.asarray(pattern.src_item_lens, dtype=np.int64),
+            np.asarray(pattern.dst_item_lens, dtype=np.int64),
+            list(zip(pattern.src, pattern.dst, pattern.lens)),
+        )
+
+    def _upload_rows(self, host: np.ndarray):
+        """A row table's device copy, uploaded on the lane's stream: every launch that reads
+        it is ordered after it."""
+        torch = self._torch
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            return torch.from_numpy(host).to(f"cuda:{self.device}", non_blocking=True)
+
+    def _evict(self) -> None:
+        """Make room for one more cached row table (least recently used dropped)."""
+        while len(self._patterns) >= PATTERN_CACHE:
+            self._patterns.pop(next(iter(self._patterns)))
+
     def launch_pattern(self, pattern, lptrs, rptrs, ridx: np.ndarray, src, dst):
         """Launch the copy of ``pattern`` (a validated :class:`~kvxfer.engine.slices.
         PatternRuns`) for item pairs ``src[k] -> dst[k]`` (validated ids) between local
         descriptors at ``lptrs`` and the peer's at ``rptrs`` (regions ``ridx``, checked by
         :meth:`covers`); returns the CUDA event that completes with it."""
         torch = self._torch
-        from kvxfer.kernels.pattern_copy import copy_pattern, pattern_rows, row_alignment
+        from kvxfer.kernels.pattern_copy import copy_pattern, row_alignment
 
         prof = self.profile
         t0 = time.perf_counter()
@@ -292,22 +377,10 @@ class DeviceLane:
         if entry is None or entry[1] != tuple(lptrs):
             if prof is not None:
                 prof["misses"] = prof.get("misses", 0) + 1
-            r = ridx.astype(np.intp)
-            rp = np.asarray(rptrs, dtype=_U64)
-            dst_bases = (self.mapped[r] + (rp - self._rbase[r])).astype(np.int64)
-            host = pattern_rows(
-                np.asarray(lptrs, dtype=np.int64),
-                dst_bases,
-                np.asarray(pattern.src_item_lens, dtype=np.int64),
-                np.asarray(pattern.dst_item_lens, dtype=np.int64),
-                list(zip(pattern.src, pattern.dst, pattern.lens)),
-            )
-            # uploaded on the lane's stream: every launch that reads it is ordered after it
-            with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-                rows = torch.from_numpy(host).to(f"cuda:{self.device}", non_blocking=True)
+            host = self._pattern_rows(pattern, lptrs, rptrs, ridx)
+            rows = self._upload_rows(host)
             entry = (pattern, tuple(lptrs), host, rows, row_alignment(host))
-            while len(self._patterns) >= PATTERN_CACHE:
-                self._patterns.pop(next(iter(self._patterns)))
+            self._evict()
         self._patterns[id(pattern)] = entry
         _, _, host, rows, align = entry
         t1 = time.perf_counter()

@@ -661,7 +661,7 @@ class Node:
             peer = h._r.link.peer
             targets = [(peer._rma, "put")]
             if peer._dev is not None:
-                targets += [(peer._dev, "launch"), (peer._dev, "launch_pattern")]
+                targets += [(peer._dev, n) for n in ("launch", "launch_pattern", "launch_patterns")]
             posts = []
 
             def counted(fn):

@@ -243,6 +243,75 @@ def test_pattern_copy_native_matches_the_oracle(page, heads, head_b, n_pairs):
     assert torch.equal(dst2.cpu(), want)
 
 
+@pytest.mark.parametrize("n_pairs,align_b", [(250, 256), (70, 6)])
+def test_several_patterns_in_one_native_launch(n_pairs, align_b):
+    """Piece classes (each its own runs and item pairs) in ONE ``copy_pattern_native`` over
+    the concatenated rows (``[P, 4]`` items): the bytes of the patterns applied one by one
+    (the oracle), nothing else written; the Triton launch of the same tables agrees."""
+    from kvxfer.kernels.pattern_copy import (
+        class_items,
+        copy_pattern,
+        copy_pattern_native,
+        copy_pattern_reference,
+        pattern_rows,
+        row_alignment,
+    )
+
+    rng = np.random.default_rng(n_pairs)
+    item_s, item_d, nd = 16 * align_b, 64 * align_b, 2
+    n_src, n_dst = n_pairs + 3, n_pairs // 4 + 5
+    src = torch.randint(0, 256, (nd * item_s * n_src,), dtype=torch.uint8, device="cuda")
+    dst = torch.randint(0, 256, (nd * item_d * n_dst,), dtype=torch.uint8, device="cuda")
+    dst2 = dst.clone()
+    s_off = np.arange(nd, dtype=np.int64) * item_s * n_src
+    d_off = np.arange(nd, dtype=np.int64) * item_d * n_dst
+    strides = (np.full(nd, item_s), np.full(nd, item_d))
+    want = dst.cpu().clone()
+    tables, tables2, bounds, parts = [], [], [0], []
+    for b in range(4):  # slot b of the larger page: 16 token rows of align_b bytes each
+        so = np.arange(16, dtype=np.int64) * align_b
+        runs = [(so, so + b * item_s, np.full(16, align_b))] * nd
+        k = n_pairs // 4
+        pairs = np.stack([rng.permutation(n_src)[:k], rng.permutation(n_dst)[:k]], 1)
+        copy_pattern_reference(src.cpu(), want, pattern_rows(s_off, d_off, *strides, runs), pairs)
+        tables.append(pattern_rows(s_off + src.data_ptr(), d_off + dst.data_ptr(), *strides, runs))
+        tables2.append(
+            pattern_rows(s_off + src.data_ptr(), d_off + dst2.data_ptr(), *strides, runs)
+        )
+        bounds.append(bounds[-1] + len(tables[-1]))
+        parts.append((pairs[:, 0], pairs[:, 1]))
+    rows, rows2 = np.concatenate(tables), np.concatenate(tables2)
+    items = class_items(parts, bounds)
+    span = max(b - a for a, b in zip(bounds, bounds[1:]))
+    align = row_alignment(rows)
+    dev_rows = torch.from_numpy(rows).cuda()
+    ring = native_launch.TableRing(src.device.index)
+    try:
+        ev = copy_pattern_native(
+            ring,
+            dev_rows.data_ptr(),
+            rows,
+            items,
+            align,
+            torch.cuda.current_stream().cuda_stream,
+            span,
+        )
+        assert ev is not None
+        ev.synchronize()
+    finally:
+        ring.close()
+    assert torch.equal(dst.cpu(), want)
+    copy_pattern(
+        torch.from_numpy(rows2).cuda(),
+        torch.from_numpy(items).cuda(),
+        align,
+        host_rows=rows2,
+        span=span,
+    )
+    torch.cuda.synchronize()
+    assert torch.equal(dst2.cpu(), want)
+
+
 def test_pattern_copy_native_declines_one_row():
     from kvxfer.kernels.pattern_copy import copy_pattern_native
 

@@ -11,6 +11,7 @@ from _kernels_testlib import DEVICE, gen
 
 from kvxfer.kernels.errors import InvalidArgument, ShapeMismatch
 from kvxfer.kernels.pattern_copy import (
+    class_items,
     copy_pattern,
     copy_pattern_reference,
     pattern_rows,
@@ -119,3 +120,49 @@ def test_bad_tables_are_refused():
     with pytest.raises(InvalidArgument):
         copy_pattern(torch.from_numpy(zero).to(DEVICE), items, 16, host_rows=zero)
     assert row_alignment(rows) == 16 and row_alignment(skew) == 1
+
+
+def test_several_patterns_in_one_launch():
+    """Piece classes of a 16 -> 64 write: each pattern its own runs and its own pairs, one
+    launch over the concatenated rows (items ``(s, t, lo, hi)``); the same bytes as the
+    patterns applied one by one, nothing else written."""
+    g = gen(5)
+    nd, src_item, dst_item, n_src, n_dst = 2, 512, 2048, 12, 5
+    rng = np.random.default_rng(5)
+    pats = []  # (runs per descriptor, pairs): slot b of the larger page, 16 B rows
+    for b in range(4):
+        so = np.arange(0, src_item, 64, dtype=np.int64)
+        runs = [(so, so + b * src_item, np.full(so.size, 48 - 16 * (b % 2))) for _ in range(nd)]
+        s = rng.choice(n_src, 3, replace=False)
+        pats.append((runs, np.stack([s, rng.choice(n_dst, 3, replace=False)], 1)))
+    # one partial piece: a single short run in one descriptor, the other empty
+    empty = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    pats.append(([(np.array([16]), np.array([1040]), np.array([32])), empty], np.array([[11, 4]])))
+    src = torch.randint(0, 256, (nd * src_item * n_src,), generator=g).to(torch.uint8).to(DEVICE)
+    dst = torch.randint(0, 256, (nd * dst_item * n_dst,), generator=g).to(torch.uint8).to(DEVICE)
+    s_off, d_off = np.arange(nd) * src_item * n_src, np.arange(nd) * dst_item * n_dst
+    want = dst.cpu().clone()
+    tables, bounds, parts = [], [0], []
+    for runs, pairs in pats:
+        rel = pattern_rows(s_off, d_off, np.full(nd, src_item), np.full(nd, dst_item), runs)
+        copy_pattern_reference(src.cpu(), want, rel, pairs)  # one pattern at a time
+        tables.append(
+            pattern_rows(
+                s_off + src.data_ptr(),
+                d_off + dst.data_ptr(),
+                np.full(nd, src_item),
+                np.full(nd, dst_item),
+                runs,
+            )
+        )
+        bounds.append(bounds[-1] + len(tables[-1]))
+        parts.append((pairs[:, 0], pairs[:, 1]))
+    rows = np.ascontiguousarray(np.concatenate(tables))
+    items = class_items(parts, bounds)
+    assert items.shape == (13, 4) and items[-1].tolist() == [11, 4, bounds[-2], bounds[-1]]
+    span = max(b - a for a, b in zip(bounds, bounds[1:]))
+    t_rows, t_items = torch.from_numpy(rows).to(DEVICE), torch.from_numpy(items).to(DEVICE)
+    copy_pattern(t_rows, t_items, row_alignment(rows), host_rows=rows, span=span)
+    assert torch.equal(dst.cpu(), want)
+    with pytest.raises(InvalidArgument):  # the widest range must be given
+        copy_pattern(t_rows, t_items, row_alignment(rows), host_rows=rows)

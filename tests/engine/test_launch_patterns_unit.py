@@ -1,0 +1,177 @@
+"""``DeviceLane.launch_patterns`` on CPU: several PatternWrites of one group (a write's piece
+classes) go as ONE native launch over their concatenated run tables, each item pair naming
+its pattern's rows; the table is cached per combination of patterns; one part, or a launch
+the native kernel refuses, goes pattern by pattern.
+
+The lane is real except for the device: its row tables stay in host memory and the native
+launch is replaced by a stand-in that runs the launch's tables by the kernel's rule
+(:func:`~kvxfer.kernels.pattern_copy.copy_pattern_reference`'s, on absolute addresses), so
+what is checked is what the kernel would be given. The launch itself runs on the GPU machine
+(tests/gpu/test_native_launch.py, tests/disagg/test_pd_tp_pages.py with CUDA pools)."""
+
+from __future__ import annotations
+
+import ctypes
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from kvxfer.engine import devcopy
+from kvxfer.engine.slices import PatternRuns
+from kvxfer.kernels import pattern_copy
+
+pytestmark = pytest.mark.timeout(60)
+
+ITEM_S, ITEM_D, N_S, N_D = 64, 256, 8, 4
+
+
+class HostLane(devcopy.DeviceLane):
+    """A DeviceLane over one host buffer per side: remote region 0 mapped at its own address,
+    row tables 'uploaded' as host tensors, single-pattern launches recorded."""
+
+    def __init__(self, dst: np.ndarray) -> None:  # no CUDA
+        base = dst.ctypes.data
+        self.mapped = np.array([base], dtype=np.uint64)
+        self._rbase = np.array([base], dtype=np.uint64)
+        self._rlen = np.array([dst.nbytes], dtype=np.uint64)
+        self._patterns = {}
+        self.profile = None
+        self._tasks = SimpleNamespace(ring="ring")
+        self._stream_h = 7
+        self.uploads = 0
+        self.singles: list = []
+
+    def _upload_rows(self, host):
+        self.uploads += 1
+        return torch.from_numpy(host.copy())  # data_ptr(): host memory the stand-in reads
+
+    def launch_pattern(self, pattern, lptrs, rptrs, ridx, src, dst):
+        self.singles.append(len(src))
+        rows = self._pattern_rows(pattern, lptrs, rptrs, ridx)
+        _run(rows, np.stack([np.asarray(src), np.asarray(dst)], 1))
+        return "single"
+
+
+def _run(rows: np.ndarray, items: np.ndarray) -> None:
+    """The kernel's rule on absolute addresses (rows [R, 5]; items [P, 2] or [P, 4])."""
+    table = rows.tolist()
+    for it in items.tolist():
+        s, t, lo, hi = it if len(it) == 4 else (*it, 0, len(table))
+        for so, do, n, ss, ds in table[lo:hi]:
+            ctypes.memmove(do + t * ds, so + s * ss, n)
+
+
+@pytest.fixture
+def native(monkeypatch):
+    """The stand-in native launch: records each call's tables and runs them."""
+    calls: list = []
+
+    def launch(ring, rows_ptr, host_rows, pairs, align, stream, span=0):
+        assert ring == "ring" and stream == 7 and align == pattern_copy.row_alignment(host_rows)
+        n = host_rows.size
+        dev = np.ctypeslib.as_array((ctypes.c_int64 * n).from_address(rows_ptr))
+        assert np.array_equal(dev.reshape(-1, 5), host_rows)  # the uploaded table is read
+        calls.append((pairs.copy(), span))
+        _run(host_rows, pairs)
+        return "event"
+
+    monkeypatch.setattr(pattern_copy, "copy_pattern_native", launch)
+    return calls
+
+
+def _patterns():
+    """Four piece classes of a 16 -> 64-token write (slot b of the larger page) and a partial
+    piece, over two descriptors of ITEM_S / ITEM_D bytes."""
+    pats = []
+    for b in range(4):
+        so = np.arange(0, ITEM_S, 16)
+        pats.append(
+            PatternRuns.make([(so, so + b * ITEM_S, np.full(4, 8))] * 2, [ITEM_S] * 2, [ITEM_D] * 2)
+        )
+    pats.append(PatternRuns.make([([4], [200], [4]), ([], [], [])], [ITEM_S] * 2, [ITEM_D] * 2))
+    return pats
+
+
+def _buffers(seed: int):
+    rng = np.random.default_rng(seed)
+    src = rng.integers(0, 256, 2 * ITEM_S * N_S, dtype=np.uint8)
+    dst = rng.integers(0, 256, 2 * ITEM_D * N_D, dtype=np.uint8)
+    return src, dst
+
+
+def _args(src, dst):
+    lptrs = [src.ctypes.data, src.ctypes.data + ITEM_S * N_S]
+    rptrs = [dst.ctypes.data, dst.ctypes.data + ITEM_D * N_D]
+    return lptrs, rptrs, np.zeros(2, dtype=np.int64)
+
+
+def _parts(pats):
+    rng = np.random.default_rng(1)
+    parts = []
+    for k, p in enumerate(pats):
+        n = 1 if k == len(pats) - 1 else 3
+        parts.append((p, rng.choice(N_S, n, replace=False), rng.choice(N_D, n, replace=False)))
+    return parts
+
+
+def test_piece_classes_go_in_one_launch_with_the_bytes_of_one_by_one(native):
+    pats = _patterns()
+    parts = _parts(pats)
+    src, dst = _buffers(0)
+    want = dst.copy()
+    ref = HostLane(want)
+    for p, s, d in parts:  # the patterns one by one, into the reference copy
+        ref.launch_pattern(p, *_args(src, want), s, d)
+    lane = HostLane(dst)
+    assert lane.launch_patterns(parts, *_args(src, dst)) == "event"
+    assert np.array_equal(dst, want)
+    ((pairs, span),) = native
+    assert pairs.shape == (13, 4) and not lane.singles
+    bounds = sorted({int(x) for x in pairs[:, 2:].ravel()})
+    assert span == max(b - a for a, b in zip(bounds, bounds[1:]))
+    # the same combination again: the cached table, no upload
+    lane.launch_patterns(parts, *_args(src, dst))
+    assert lane.uploads == 1 and len(native) == 2
+    # another combination (a partial piece of another length): a table of its own
+    other = parts[:4] + [
+        (PatternRuns.make([([0], [0], [8])] * 2, [ITEM_S] * 2, [ITEM_D] * 2), [5], [3])
+    ]
+    lane.launch_patterns(other, *_args(src, dst))
+    assert lane.uploads == 2 and len(native) == 3
+
+
+def test_one_part_and_empty_parts_go_pattern_by_pattern(native):
+    pats = _patterns()
+    src, dst = _buffers(2)
+    lane = HostLane(dst)
+    one = [(pats[0], np.array([1, 2]), np.array([0, 3]))]
+    assert lane.launch_patterns(one, *_args(src, dst)) == "single"
+    empty = np.zeros(0, dtype=np.int64)
+    lane.launch_patterns(one + [(pats[1], empty, empty)], *_args(src, dst))
+    assert lane.singles == [2, 2, 0] and not native  # one live part: no combined launch
+
+
+def test_a_refused_native_launch_falls_back_to_one_launch_per_part(monkeypatch):
+    monkeypatch.setattr(pattern_copy, "copy_pattern_native", lambda *a, **k: None)
+    pats = _patterns()
+    parts = _parts(pats)
+    src, dst = _buffers(3)
+    want = dst.copy()
+    ref = HostLane(want)
+    for p, s, d in parts:
+        ref.launch_pattern(p, *_args(src, want), s, d)
+    lane = HostLane(dst)
+    assert lane.launch_patterns(parts, *_args(src, dst)) == "single"
+    assert lane.singles == [3, 3, 3, 3, 1] and np.array_equal(dst, want)
+
+
+def test_no_native_launcher_goes_pattern_by_pattern(native):
+    pats = _patterns()
+    parts = _parts(pats)
+    src, dst = _buffers(4)
+    lane = HostLane(dst)
+    lane._tasks = None
+    lane.launch_patterns(parts, *_args(src, dst))
+    assert lane.singles == [3, 3, 3, 3, 1] and not native
