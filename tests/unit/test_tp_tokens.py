@@ -318,3 +318,24 @@ def test_room_pages_pick_whole_pages_or_the_pairs_token_runs():
     assert make(4, 4, 5, 30).by_runs  # unaligned prefix
     with pytest.raises(UnsupportedOperation, match="prefill tp 1, decode tp 2, prefill page"):
         make(4, 8, 0, 30, exact=True)
+
+
+def test_plan_hash_is_computed_once_and_equal_plans_share_patterns():
+    """TokenPlan caches its hash (piece_runs is cached by plan, five classes a write): equal
+    plans hash alike and get the same pattern objects."""
+    a = TokenPlan(
+        tuple(layouts(4, 1, 4)["hnd"]), tuple(layouts(4, 2, 16)["hnd"]), 4, 16, 0, 1, 1, 2
+    )
+    b = TokenPlan(
+        tuple(layouts(4, 1, 4)["hnd"]), tuple(layouts(4, 2, 16)["hnd"]), 4, 16, 0, 1, 1, 2
+    )
+    c = TokenPlan(
+        tuple(layouts(4, 1, 4)["hnd"]), tuple(layouts(4, 2, 16)["hnd"]), 4, 16, 0, 0, 1, 2
+    )
+    assert a == b and hash(a) == hash(b) and a != c
+    assert hash(a) == hash(a) and a.__dict__["_hash"] == hash(a)
+    pa, pb = (
+        a.patterns(np.arange(64), np.arange(16), 3, 250),
+        b.patterns(np.arange(64), np.arange(16), 3, 250),
+    )
+    assert [x[2] for x in pa] and all(x[2] is y[2] for x, y in zip(pa, pb))
