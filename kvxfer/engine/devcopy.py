@@ -168,8 +168,8 @@ class DeviceLane:
         self.closed = False
         #: id(pattern) -> (pattern, local bases, host rows, device rows, align), and for
         #: several patterns in one launch (ids) -> (patterns, local bases, host rows, device
-        #: rows, row bounds, widest range); the patterns are held so that their ids are not
-        #: reused while cached
+        #: rows, align, row bounds, widest range); the patterns are held so that their ids
+        #: are not reused while cached
         self._patterns: Dict[Any, tuple] = {}
         #: host-time parts of each pattern launch ($KVXFER_LANE_PROFILE, diagnostics)
         self.profile: Optional[Dict[str, Any]] = {} if os.environ.get(PROFILE_ENV) else None
@@ -309,10 +309,18 @@ class DeviceLane:
             span = max(b - a for a, b in zip(bounds, bounds[1:]))
             rows = self._upload_rows(host)
             # the patterns are held so that their ids are not reused while cached
-            entry = (tuple(p for p, _, _ in live), tuple(lptrs), host, rows, bounds, span)
+            entry = (
+                tuple(p for p, _, _ in live),
+                tuple(lptrs),
+                host,
+                rows,
+                row_alignment(host),
+                bounds,
+                span,
+            )
             self._evict()
         self._patterns[key] = entry
-        _, _, host, rows, bounds, span = entry
+        _, _, host, rows, align, bounds, span = entry
         t1 = time.perf_counter()
         ev = None
         if span:
@@ -322,7 +330,7 @@ class DeviceLane:
                 rows.data_ptr(),
                 host,
                 items,
-                row_alignment(host),
+                align,
                 self._stream_h,
                 span,
             )
