@@ -120,7 +120,7 @@ def piece_classes(
 ClassIndex = Tuple[Tuple[Tuple[int, int, int], np.ndarray, np.ndarray], ...]
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=32)  # 2 int64 per piece each: a 256k-token request's is 256 KiB
 def class_index(ps: int, pd: int, start: int, end: int) -> ClassIndex:
     """:func:`piece_classes`'s grouping of ``[start, end)``: per class ``(a, b, n)`` in
     ascending key order, the positions ``lo // ps`` and ``lo // pd`` of its pieces' first
