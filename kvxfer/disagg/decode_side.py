@@ -100,10 +100,12 @@ class DecodeSide:
                 await ref.result().close()
 
     # ------------------------------------------------------------------ handle entry points
-    def new_room(self, room: int, on_done: Optional[OnDone]) -> Room:
+    def new_room(self, room: int, on_done: Optional[OnDone], trace: Optional[dict] = None) -> Room:
         """Insert the receiver's room now (duplicates raise here); its deadline starts on
-        the loop. Runs on: the caller's thread (the scheduler's)."""
+        the loop. ``trace``: its stage record, or None. Runs on: the caller's thread (the
+        scheduler's)."""
         r = Room(room, RoomRole.RECEIVER, on_done)
+        r.trace = trace
         self.mgr.rooms.insert(r)
         self.mgr.call(self.mgr.arm, r)
         return r

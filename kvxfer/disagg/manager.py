@@ -535,10 +535,10 @@ class KVManager:
         Runs on: the caller's thread (the scheduler's)."""
         room = check_room(room)
         self._check_open()
-        r = self.side.new_room(room, on_done)
-        if self.trace is not None:
-            r.trace = self.trace.start(room, self.mode.value)
-        return r
+        # the record exists before the room: an adoption run right away (as the loop's
+        # guest) makes the legs of a room with several decode peers, each with its own
+        trace = self.trace.start(room, self.mode.value) if self.trace is not None else None
+        return self.side.new_room(room, on_done, trace)
 
     def drain_trace(self) -> List[Dict[str, Any]]:
         """The stage records of the rooms made since the last drain (at most the store's

@@ -133,12 +133,14 @@ class PrefillSide:
         pass
 
     # ------------------------------------------------------------------ handle entry points
-    def new_room(self, room: int, on_done: Optional[OnDone]) -> Room:
+    def new_room(self, room: int, on_done: Optional[OnDone], trace: Optional[dict] = None) -> Room:
         """Insert the sender's room now (duplicates raise here), claiming decode's metadata
-        if a 'pending' record holds it; the loop adopts it (or fails the room).
+        if a 'pending' record holds it; the loop adopts it (or fails the room). ``trace``:
+        its stage record (``KVManager(trace=True)``), set before anything can adopt it.
 
         Runs on: the caller's thread (the scheduler's)."""
         r = Room(room, RoomRole.SENDER, on_done)
+        r.trace = trace
         pending, cause = self.mgr.rooms.claim(r)
         self.mgr.call(self._adopt, r, pending, cause, direct=self.mgr.direct_pages > 0)
         return r

@@ -513,3 +513,22 @@ def test_pd_bench_tp_smoke(tmp_path):
     assert rows[2]["bytes"] == rows[1]["bytes"] and 0 < rows[0]["bytes"] - rows[1]["bytes"] <= 256
     assert rows[1]["send_skew_us"] == 0  # one prefill rank
     assert all(0 <= r["send_skew_us"] < 1e6 for r in rows)
+
+
+def test_pd_bench_tp_stages_trace_every_leg(tmp_path):
+    """`--stages` with one prefill rank and two decode ranks: decode announces before prefill
+    opens the sender, so the sender's room adopts both legs as it is made; each leg has its
+    own record (the room's record exists before the adoption), and every request's legs are
+    in the stage table, posted after they were picked up."""
+    from kvxfer.pd_demo import bench
+
+    out = tmp_path / "tp.json"
+    argv = ["--device", DEVICE, "--modes", "none", "--prefill-tp", "1", "--decode-tp", "2"]
+    argv += ["--kv-layout", "hnd", "--shape-tokens", "64", "--iters", "3", "--stages"]
+    assert bench.main(argv + ["--json-out", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][-1]
+    assert (row["prefill_tp"], row["decode_tp"]) == (1, 2)
+    st = row["stages"]
+    for leg in ("p0.leg1", "p0.leg2"):
+        assert st[f"{leg}.loop"] <= st[f"{leg}.posted"], st
+    assert st["p0.loop"] <= st["p0.leg1.loop"] and "p0.last_notified" in st

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(30)
 
 
 @pytest.fixture
-def bound():
+def bound(request):
     kv = np.zeros((2, 4, 16), dtype=np.uint8)
     aux = MetadataBuffer(4, 64)
     ap, al, ai = aux.buf_infos()
@@ -30,7 +30,8 @@ def bound():
         aux_data_lens=al,
         aux_item_lens=ai,
     )
-    mgr = KVManager(args, "prefill", bootstrap_addr="127.0.0.1:9")
+    trace = getattr(request, "param", False)
+    mgr = KVManager(args, "prefill", bootstrap_addr="127.0.0.1:9", trace=trace)
     lt = LoopThread("kvxfer-test-direct")
     lt.start(None, 5.0)
     mgr.loop, mgr._thread = lt.loop, lt
@@ -152,3 +153,21 @@ def test_direct_limit_by_peers(monkeypatch):
     monkeypatch.setenv(LEG_DIRECT_PAGES_ENV, "many")
     with pytest.raises(InvalidArgument, match=LEG_DIRECT_PAGES_ENV):
         direct_limit(65536, 2)
+
+
+@pytest.mark.parametrize("bound", [True], indirect=True)
+def test_a_room_adopted_at_once_already_has_its_trace_record(bound, monkeypatch):
+    """``KVManager(trace=True)``: the sender's room is adopted as the loop's guest right as
+    it is made (here: the loop idle), and the adoption makes a heterogeneous-TP room's legs,
+    each with a record of its own only if the room has one by then: the record exists
+    before the room is handed to the side."""
+    mgr, lt = bound
+    _idle(lt)
+    seen = []
+    monkeypatch.setattr(
+        type(mgr.side), "_adopt", lambda side, r, pending, cause: seen.append(r.trace)
+    )
+    mgr.new_room(42, None)
+    assert mgr.direct_calls == 1  # adopted on this stack, as the guest
+    assert seen and seen[0] is not None and seen[0]["room"] == 42
+    assert [r["room"] for r in mgr.drain_trace()] == [42]
