@@ -21,8 +21,9 @@ always wins.
   SGLang backend's direct sends (:func:`direct_pages`; read when a manager is built).
 - ``KVXFER_POLL_TAKES`` = ``1`` | ``0`` — default of ``KVManager(poll_takes=)``
   (:func:`poll_takes`; read when a manager is built).
-- ``KVXFER_LEG_DIRECT_PAGES`` = an int >= 0 — the guest bound of sends to several decode
-  peers (:data:`LEG_DIRECT_PAGES`; read by :func:`direct_limit` per send, for A/B runs).
+- ``KVXFER_LEG_DIRECT_PAGES`` = an int >= 0 — a lower guest bound for sends to several
+  decode peers (unset: none, :data:`LEG_DIRECT_PAGES`; read by :func:`direct_limit` per
+  send, for A/B runs).
 - ``KVXFER_SECRET`` — the shared secret of a ``KVManager``, ``BootstrapServer`` or bootstrap
   client built without ``secret=``, read when it is built (:func:`resolve_secret`; never part
   of :func:`env_defaults`, which ``kvxfer info`` prints). There is no built-in default:
@@ -145,23 +146,25 @@ def _setting(value: Optional[int], env: str, default: int, what: str) -> int:
     return as_int(value, what, 0)
 
 
-#: a send to several decode peers at once (a room's legs, one-to-many heterogeneous TP: one
-#: write per decode rank) runs as the loop's guest only up to this many pages: on the H200
-#: such sends were slower as guests, the other way round from single-peer ones
-#: (bench/results/tp-pattern-h200.md, fifth session); since native calls keep the GIL they
-#: are neither slower nor faster (eighth session), so the bound stayed;
-#: ``$KVXFER_LEG_DIRECT_PAGES`` overrides it (read by :func:`direct_limit`, for A/B runs)
-LEG_DIRECT_PAGES = 16
+#: a lower guest bound for a send to several decode peers at once (a room's legs, one-to-many
+#: heterogeneous TP), None: none, such a send is a guest up to ``direct_pages`` like any.
+#: History (bench/results/tp-pattern-h200.md): 16 pages from the fifth session (multi-leg
+#: sends were slower as guests then), kept in the eighth (no longer slower once native calls
+#: kept the GIL: 3 of 6 pairs either way); dropped in the ninth, where the guest was faster
+#: in 3 of 3 pairs by 236-348 µs (1 -> 2 HND, `tp-h200/s43/call6`: the hand-over to the loop
+#: alone is 110-140 µs of wake-up, the legs' own steps no slower).
+#: ``$KVXFER_LEG_DIRECT_PAGES`` sets one (read by :func:`direct_limit`, for A/B runs)
+LEG_DIRECT_PAGES: Optional[int] = None
 LEG_DIRECT_PAGES_ENV = "KVXFER_LEG_DIRECT_PAGES"
 
 
 def direct_limit(direct_pages: int, peers: int) -> int:
     """The most pages a send to ``peers`` decode peers runs as the loop's guest, given the
-    manager's ``direct_pages`` (0: none): ``direct_pages`` for one peer, at most
-    :data:`LEG_DIRECT_PAGES` (or ``$KVXFER_LEG_DIRECT_PAGES``) for several."""
+    manager's ``direct_pages`` (0: none): ``direct_pages``, for several peers at most
+    ``$KVXFER_LEG_DIRECT_PAGES`` when set (:data:`LEG_DIRECT_PAGES`)."""
     if peers <= 1:
         return direct_pages
-    legs = _setting(None, LEG_DIRECT_PAGES_ENV, LEG_DIRECT_PAGES, "leg_direct_pages")
+    legs = _setting(None, LEG_DIRECT_PAGES_ENV, direct_pages, "leg_direct_pages")
     return min(direct_pages, legs)
 
 

@@ -3,7 +3,7 @@
 # `kvxfer bench pd --prefill-tp 1 --decode-tp 2 --stages` with KVXFER_BENCH_PROFILE (cProfile
 # around each prefill rank's send + settle; on Python 3.12 that sees every thread's Python,
 # so legs handed to the manager's loop are in it too), once as the loop's guests
-# (KVXFER_LEG_DIRECT_PAGES=65536) and once handed over (16, the default). Each row of the run
+# (KVXFER_LEG_DIRECT_PAGES=65536: as by default) and once handed over (16). Each row of the run
 # (1 → 1, 2 → 2, 1 → 2) writes one .prof per prefill rank, in that order.
 # Env: PTP_LAYOUTS (hnd), PTP_TOKENS (16000), PTP_ITERS (30), PTP_LEG (65536 16).
 # Writes $OUT/profile_tp.md (+ .prof files).

@@ -96,7 +96,7 @@ class KVSender(RoomHandle):
         Runs on: the scheduler's thread (validated there; the writes run on the loop — or,
         a chunk of at most ``KVManager.direct_pages`` pages while the loop is idle, planned
         and posted right here: ``KVManager.call``'s ``direct``; a room with several decode
-        peers only up to :data:`kvxfer.config.LEG_DIRECT_PAGES`). ``self._r.legs`` is read
+        peers the same unless ``$KVXFER_LEG_DIRECT_PAGES`` sets a lower bound). ``self._r.legs`` is read
         here before the loop may set it: a send racing the adoption picks either path, and
         both are correct."""
         src, st, last, total = self._chunk(kv_indices, state_indices)

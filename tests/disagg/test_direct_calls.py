@@ -139,17 +139,19 @@ def test_manager_int_settings(monkeypatch, name, env, default):
 
 
 def test_direct_limit_by_peers(monkeypatch):
-    """config.direct_limit: a send to one decode peer runs as the loop's guest up to
-    direct_pages; to several (a room's TP legs) up to LEG_DIRECT_PAGES at most, or
-    $KVXFER_LEG_DIRECT_PAGES; 0 stays 0; a bad value is a typed error."""
+    """config.direct_limit: a send runs as the loop's guest up to direct_pages, to one decode
+    peer or to several (a room's TP legs: no lower bound by default); $KVXFER_LEG_DIRECT_PAGES
+    sets a lower one for several only; 0 stays 0; a bad value is a typed error."""
     from kvxfer.config import LEG_DIRECT_PAGES, LEG_DIRECT_PAGES_ENV, direct_limit
 
     monkeypatch.delenv(LEG_DIRECT_PAGES_ENV, raising=False)
+    assert LEG_DIRECT_PAGES is None
     assert direct_limit(65536, 1) == 65536 and direct_limit(65536, 0) == 65536
-    assert direct_limit(65536, 2) == LEG_DIRECT_PAGES == direct_limit(65536, 4)
+    assert direct_limit(65536, 2) == 65536 == direct_limit(65536, 4)
     assert direct_limit(8, 2) == 8 and direct_limit(0, 1) == 0 and direct_limit(0, 3) == 0
-    monkeypatch.setenv(LEG_DIRECT_PAGES_ENV, "4096")
-    assert direct_limit(65536, 2) == 4096 and direct_limit(65536, 1) == 65536
+    monkeypatch.setenv(LEG_DIRECT_PAGES_ENV, "16")
+    assert direct_limit(65536, 2) == 16 and direct_limit(65536, 1) == 65536
+    assert direct_limit(8, 2) == 8 and direct_limit(0, 2) == 0
     monkeypatch.setenv(LEG_DIRECT_PAGES_ENV, "many")
     with pytest.raises(InvalidArgument, match=LEG_DIRECT_PAGES_ENV):
         direct_limit(65536, 2)
