@@ -393,8 +393,8 @@ class PrefillPath:
             stats = mgr.room_stats.get(room)
         chunk = Chunk(kv_indices, index_slice, last, aux_index, state_indices)
         # the chunk's write is planned and posted right here when the engine loop is idle
-        # (its guest; test hooks must run on the loop itself; several decode peers: small
-        # chunks only, config.direct_limit)
+        # (its guest; test hooks must run on the loop itself; several decode peers: the
+        # same bound unless $KVXFER_LEG_DIRECT_PAGES sets one, config.direct_limit)
         limit = config.direct_limit(self.direct_pages, len(infos))
         direct = len(chunk.kv) <= limit and self.before_write is None
         mgr.engine.call_soon(self._enqueue, room, chunk, infos, stats, direct=direct)
