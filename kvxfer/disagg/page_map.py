@@ -487,6 +487,28 @@ class RoomPages:
         equal vs equal-runs rows of bench/results/eq-patterns-h200.md)."""
         if self.tp is not None or self.geom is None or not self.geom.token_major:
             return None
+        lo, hi = self.chunk_tokens(first_page, len(src))
+        if hi <= lo:
+            return Runs.empty()
+        ps, pd = self.src_page_size, self.dst_page_size
+        src, dst = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+        _check_window(src, ps, dst, pd, lo, hi, first_page)
+        s = src[lo // ps - first_page : _ceil(hi, ps) - first_page]  # the window's pages
+        d = dst[lo // pd : _ceil(hi, pd)]
+        # a run breaks at least wherever either side's next page is not the next id
+        breaks = max(
+            int(np.count_nonzero(s[1:] - s[:-1] != 1)), int(np.count_nonzero(d[1:] - d[:-1] != 1))
+        )
+        n_desc = len(self.geom.segments)
+        if n_desc * (1 + breaks) >= limit:
+            return None  # (scattered pages: known before any run is built)
+        if not breaks:  # consecutive pages on both sides: one run per descriptor
+            return _token_major_runs(
+                self.geom,
+                np.array([int(s[0]) * ps + lo % ps], dtype=np.int64),
+                np.array([int(d[0]) * pd + lo % pd], dtype=np.int64),
+                np.array([hi - lo], dtype=np.int64),
+            )
         runs = self.runs(src, first_page, dst)
         return runs if len(runs) < limit else None
 

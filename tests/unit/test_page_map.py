@@ -411,3 +411,90 @@ def test_token_major_runs_match_the_general_path(segs):
                         (want.desc, want.src_off, want.dst_off, want.nbytes),
                     ):
                         assert np.array_equal(x, y), (ps, pd, consecutive, first, start)
+
+
+@pytest.mark.parametrize("segs", [[[3]], [[1], [4]], [[8], [2], [6]]])
+def test_few_runs_shortcuts_agree_with_the_runs(segs):
+    """``RoomPages.few_runs`` skips building runs where their count is known: scattered pages
+    give at least one run per page break on either side (None at once when that reaches the
+    limit), consecutive pages exactly one per descriptor. Against the runs themselves, every
+    page-size pair, pages consecutive / scattered / consecutive but for one break, every
+    chunk start, several limits."""
+    from kvxfer.disagg.page_map import RoomPages
+
+    geom = TokenGeometry.of(segs)
+    rng = np.random.default_rng(11)
+    for ps, pd in itertools.product(SIZES, (1, 4, 64)):
+        n = 2 * max(ps, pd) + 9
+        k_src, k_dst = -(-n // ps), -(-n // pd)
+        forms = {
+            "consecutive": (np.arange(k_src) + 9, np.arange(k_dst) + 4),
+            "scattered": (pages(n, ps, rng), pages(n, pd, rng)),
+            "one break": (np.r_[np.arange(k_src - 1) + 9, [500]], np.arange(k_dst) + 4),
+        }
+        for prefix in (0, 1, ps):
+            if prefix >= n:
+                continue
+            pm = RoomPages.make(
+                num_src=k_src,
+                num_dst=k_dst,
+                src_page_size=ps,
+                dst_page_size=pd,
+                prefix=prefix,
+                tokens=n,
+                geom=geom,
+                exact=False,
+                who="t",
+            )
+            for name, (src, dst) in forms.items():
+                for first in (0, 1, k_src - 1):
+                    chunk = src[first:]
+                    full = pm.runs(chunk, first, dst) if pm.by_runs else None
+                    for limit in (1, len(segs) + 1, 64, 1 << 20):
+                        got = pm.few_runs(chunk, first, dst, limit)
+                        if not pm.by_runs:
+                            continue
+                        want = full if len(full) < limit else None
+                        assert (got is None) == (want is None), (ps, pd, name, first, limit)
+                        if got is not None:
+                            for x, y in zip(
+                                (got.desc, got.src_off, got.dst_off, got.nbytes),
+                                (want.desc, want.src_off, want.dst_off, want.nbytes),
+                            ):
+                                assert np.array_equal(x, y), (ps, pd, name, first, limit)
+    with pytest.raises(IndexOutOfRange):  # the window is still checked
+        RoomPages.make(
+            num_src=4,
+            num_dst=1,
+            src_page_size=16,
+            dst_page_size=64,
+            prefix=1,
+            tokens=64,
+            geom=geom,
+            exact=False,
+            who="t",
+        ).few_runs(np.arange(2), 0, np.zeros(0, dtype=np.int64), 64)  # no destination page
+
+
+def test_few_runs_builds_no_runs_for_consecutive_or_scattered_pages(monkeypatch):
+    """The two shortcuts answer without building the chunk's runs (the general path is for
+    pages with a few breaks only)."""
+    from kvxfer.disagg.page_map import RoomPages
+
+    geom = TokenGeometry.of([[4]] * 8)
+    pm = RoomPages.make(
+        num_src=1000,
+        num_dst=250,
+        src_page_size=16,
+        dst_page_size=64,
+        prefix=37,
+        tokens=16000,
+        geom=geom,
+        exact=False,
+        who="t",
+    )
+    monkeypatch.setattr(RoomPages, "runs", lambda *a: pytest.fail("runs were built"))
+    runs = pm.few_runs(np.arange(1000) + 3, 0, np.arange(250) + 7, 64)
+    assert runs is not None and len(runs) == 8 and int(runs.nbytes.sum()) == 8 * 4 * (16000 - 37)
+    rng = np.random.default_rng(2)
+    assert pm.few_runs(rng.permutation(5000)[:1000], 0, np.arange(250) + 7, 64) is None
