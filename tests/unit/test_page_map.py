@@ -413,6 +413,23 @@ def test_token_major_runs_match_the_general_path(segs):
                         assert np.array_equal(x, y), (ps, pd, consecutive, first, start)
 
 
+def _room(geom, n_src, n_dst, ps, pd, prefix, tokens):
+    """An equal-TP room's pages by byte runs of ``geom`` (RoomPages.make, not exact)."""
+    from kvxfer.disagg.page_map import RoomPages
+
+    return RoomPages.make(
+        num_src=n_src,
+        num_dst=n_dst,
+        src_page_size=ps,
+        dst_page_size=pd,
+        prefix=prefix,
+        tokens=tokens,
+        geom=geom,
+        exact=False,
+        who="t",
+    )
+
+
 @pytest.mark.parametrize("segs", [[[3]], [[1], [4]], [[8], [2], [6]]])
 def test_few_runs_shortcuts_agree_with_the_runs(segs):
     """``RoomPages.few_runs`` skips building runs where their count is known: scattered pages
@@ -420,8 +437,6 @@ def test_few_runs_shortcuts_agree_with_the_runs(segs):
     limit), consecutive pages exactly one per descriptor. Against the runs themselves, every
     page-size pair, pages consecutive / scattered / consecutive but for one break, every
     chunk start, several limits."""
-    from kvxfer.disagg.page_map import RoomPages
-
     geom = TokenGeometry.of(segs)
     rng = np.random.default_rng(11)
     for ps, pd in itertools.product(SIZES, (1, 4, 64)):
@@ -435,17 +450,7 @@ def test_few_runs_shortcuts_agree_with_the_runs(segs):
         for prefix in (0, 1, ps):
             if prefix >= n:
                 continue
-            pm = RoomPages.make(
-                num_src=k_src,
-                num_dst=k_dst,
-                src_page_size=ps,
-                dst_page_size=pd,
-                prefix=prefix,
-                tokens=n,
-                geom=geom,
-                exact=False,
-                who="t",
-            )
+            pm = _room(geom, k_src, k_dst, ps, pd, prefix, n)
             for name, (src, dst) in forms.items():
                 for first in (0, 1, k_src - 1):
                     chunk = src[first:]
@@ -463,17 +468,9 @@ def test_few_runs_shortcuts_agree_with_the_runs(segs):
                             ):
                                 assert np.array_equal(x, y), (ps, pd, name, first, limit)
     with pytest.raises(IndexOutOfRange):  # the window is still checked
-        RoomPages.make(
-            num_src=4,
-            num_dst=1,
-            src_page_size=16,
-            dst_page_size=64,
-            prefix=1,
-            tokens=64,
-            geom=geom,
-            exact=False,
-            who="t",
-        ).few_runs(np.arange(2), 0, np.zeros(0, dtype=np.int64), 64)  # no destination page
+        _room(geom, 4, 1, 16, 64, 1, 64).few_runs(
+            np.arange(2), 0, np.zeros(0, dtype=np.int64), 64
+        )  # no destination page
 
 
 def test_few_runs_builds_no_runs_for_consecutive_or_scattered_pages(monkeypatch):
@@ -481,18 +478,7 @@ def test_few_runs_builds_no_runs_for_consecutive_or_scattered_pages(monkeypatch)
     pages with a few breaks only)."""
     from kvxfer.disagg.page_map import RoomPages
 
-    geom = TokenGeometry.of([[4]] * 8)
-    pm = RoomPages.make(
-        num_src=1000,
-        num_dst=250,
-        src_page_size=16,
-        dst_page_size=64,
-        prefix=37,
-        tokens=16000,
-        geom=geom,
-        exact=False,
-        who="t",
-    )
+    pm = _room(TokenGeometry.of([[4]] * 8), 1000, 250, 16, 64, 37, 16000)
     monkeypatch.setattr(RoomPages, "runs", lambda *a: pytest.fail("runs were built"))
     runs = pm.few_runs(np.arange(1000) + 3, 0, np.arange(250) + 7, 64)
     assert runs is not None and len(runs) == 8 and int(runs.nbytes.sum()) == 8 * 4 * (16000 - 37)
