@@ -36,6 +36,8 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 import numpy as np
 import torch
 import triton
@@ -189,8 +191,18 @@ def _shape(host_rows: np.ndarray) -> tuple[int, int, int]:
 _native: dict = {}
 
 
-def _native_kernel(ordinal: int, align: int, host_rows: np.ndarray, classes: bool = False):
-    block, per, warps = _shape(host_rows)
+def checked_shape(host_rows: np.ndarray, align: int) -> Tuple[int, int, int]:
+    """Check ``host_rows`` for ``align`` as :func:`copy_pattern_native` does
+    (:class:`InvalidArgument`) and return its launch shape ``(block bytes, rows per program,
+    warps)``: what that function takes as ``shape`` for a table checked once when cached."""
+    _check_rows(host_rows, align)
+    return _shape(host_rows)
+
+
+def _native_kernel(
+    ordinal: int, align: int, host_rows: np.ndarray, shape: Tuple[int, int, int], classes: bool
+):
+    block, per, warps = shape
     n_rows = 16 if classes else int(host_rows.shape[0])  # with classes: unused, always 16
     key = (int(ordinal), int(align), block, per, warps, n_rows % 16 == 0, classes)
     got = _native.get(key)
@@ -224,6 +236,7 @@ def copy_pattern_native(
     align: int,
     stream: int,
     span: int = 0,
+    shape: Optional[Tuple[int, int, int]] = None,
 ):
     """:func:`copy_pattern` launched by ``cuLaunchKernel`` (:mod:`kvxfer.kernels.
     native_launch`): ``rows_ptr`` is the device copy of ``host_rows``, the item pairs
@@ -232,9 +245,11 @@ def copy_pattern_native(
     ``TableRing`` of the same device) and read from there; returns the slot's event
     recorded on ``stream``, or None — nothing launched — when this table cannot be launched
     natively (one row, a kernel the native path refuses: the caller uses
-    :func:`copy_pattern`). Checks as there; raises :class:`InvalidArgument` before launching
-    anything."""
-    _check_rows(host_rows, align)
+    :func:`copy_pattern`). Checks the rows as there unless ``shape`` is given (the table's
+    :func:`checked_shape`, computed when it was cached); raises :class:`InvalidArgument`
+    before launching anything."""
+    if shape is None:
+        shape = checked_shape(host_rows, align)
     n_rows, n_items = int(host_rows.shape[0]), int(pairs.shape[0])
     cols = int(pairs.shape[1])
     classes = cols == 4
@@ -242,10 +257,10 @@ def copy_pattern_native(
         raise InvalidArgument(f"span {span} of patterns over {n_rows} rows")
     if n_rows <= 1 or n_rows >= 1 << 31:  # Triton makes 1 a constant; i32 parameter
         return None
-    kernel = _native_kernel(ring.ordinal, align, host_rows, classes)
+    kernel = _native_kernel(ring.ordinal, align, host_rows, shape, classes)
     if isinstance(kernel, str):
         return None
-    per = _shape(host_rows)[1]
+    per = shape[1]
     grid_x = -(-(span if classes else n_rows) // per)
     pushed = ring.ctx.enter()
     try:

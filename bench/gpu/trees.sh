@@ -6,7 +6,9 @@
 # kernels/ through kvxfer/pools and kvxfer/kernels links made in each copy), and
 # bench/ab/env_compare.py on the JSON files.
 # TESTS=1 first runs the loop-thread, delivery, transport and direct-call tests on CUDA pools.
-# Writes $OUT/trees.md and $OUT/trees/<tree>-<round>.json.
+# PD_ARGS: one argument set, or several separated by ';' (each run ROUNDS times per tree);
+# heterogeneous-TP sets (--prefill-tp / --decode-tp) are summarised by bench/ab/tp_compare.py.
+# Writes $OUT/trees.md and $OUT/trees/<tree>-<set><round>.json.
 set -o pipefail
 export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT/trees"
 SITE=${PYTHONPATH:-$PWD}; SITE=${SITE%%:*}  # /tmp/site (run_all.sh's wheels) or the repo
@@ -29,16 +31,24 @@ for t in new base; do
     for pkg in pools kernels; do [ -e "$ROOT/$t/kvxfer/$pkg" ] || ln -s "../$pkg" "$ROOT/$t/kvxfer/$pkg"; done
     (cd "$ROOT/$t" && find . -name __pycache__ -prune -exec rm -rf {} + ; PYTHONPATH=$SITE python3 setup.py -q build_ext --inplace 2>&1 | grep -iE "^error|error:" ; ls kvxfer/transport/*.so)
 done
-echo; echo "kvxfer bench pd --device cuda $ARGS, ROUNDS=${ROUNDS:-3}"; echo '```'
-for r in $(seq 1 "${ROUNDS:-3}"); do
-    order="new base"; [ $((r % 2)) = 0 ] && order="base new"
-    for t in $order; do
-        echo "### round $r $t"
-        (cd "$ROOT" && PYTHONPATH=$SITE:$ROOT/$t UCX_WARN_UNUSED_ENV_VARS=n timeout 240 python3 -m kvxfer bench pd \
-            --device cuda $ARGS --json-out "$OUT/trees/$t-$r.json" > "$OUT/trees/$t-$r.log" 2>&1) \
-            || { echo "!! rc=$?"; tail -5 "$OUT/trees/$t-$r.log"; }
+IFS=';' read -ra SETS <<< "$ARGS"
+for k in "${!SETS[@]}"; do
+    A=${SETS[$k]}
+    echo; echo "kvxfer bench pd --device cuda $A, ROUNDS=${ROUNDS:-3}"; echo '```'
+    for r in $(seq 1 "${ROUNDS:-3}"); do
+        order="new base"; [ $((r % 2)) = 0 ] && order="base new"
+        for t in $order; do
+            echo "### round $r $t"
+            (cd "$ROOT" && PYTHONPATH=$SITE:$ROOT/$t UCX_WARN_UNUSED_ENV_VARS=n timeout 240 python3 -m kvxfer bench pd \
+                --device cuda $A --json-out "$OUT/trees/$t-$k$r.json" > "$OUT/trees/$t-$k$r.log" 2>&1) \
+                || { echo "!! rc=$?"; tail -5 "$OUT/trees/$t-$k$r.log"; }
+            grep "lane-profile" "$OUT/trees/$t-$k$r.log" | head -4
+        done
     done
+    echo '```'
 done
-echo '```'
-python3 bench/ab/env_compare.py "$OUT/trees" tree new base
+case "$ARGS" in
+    *--prefill-tp*|*--decode-tp*) python3 bench/ab/tp_compare.py "$OUT/trees" new base ;;
+    *) python3 bench/ab/env_compare.py "$OUT/trees" tree new base ;;
+esac
 } 2>&1 | tee "$OUT/trees.md"

@@ -353,11 +353,11 @@ class PrefillSide:
             return None
         return runs.raw_write("kv")
 
-    def _pattern(self, link: Link) -> bool:
-        """Whether this link's split kv pages (a heterogeneous-TP pair's slices, or byte runs
-        at any TP) go as PatternWrites (``KVManager(tp_pattern=)``)."""
+    def _pattern(self, link: Link, group: str = "kv") -> bool:
+        """Whether this link's split pages of ``group`` (a heterogeneous-TP pair's slices, or
+        kv byte runs at any TP) go as PatternWrites (``KVManager(tp_pattern=)``)."""
         mode = self.mgr.tp_pattern
-        return mode == "always" or (mode == "auto" and link.peer.can_pattern("kv"))
+        return mode == "always" or (mode == "auto" and link.peer.can_pattern(group))
 
     def _issue(
         self,
@@ -441,7 +441,17 @@ class PrefillSide:
         items = list(kv) if isinstance(kv, list) else [kv] if kv is not None else []
         tp = link.tp
         if last and tp is not None:  # this pair's rows of the state; the aux row from one
-            st = tp.write("state", src_state, r.dst_state, r.room) if len(r.dst_state) else None
+            # in the kv pages' device-lane launch when they take one (a pattern of the state
+            # slices instead of its runs as PUTs)
+            from kvxfer.engine.types import PatternWrite
+
+            launch = any(isinstance(w, PatternWrite) for w in items)
+            pattern = launch and self._pattern(link, "state")
+            st = (
+                tp.write("state", src_state, r.dst_state, r.room, pattern=pattern)
+                if len(r.dst_state)
+                else None
+            )
             items += [st] if st is not None else []
         elif last and len(r.dst_state):
             items.append(ItemWrite("state", src_state, r.dst_state))

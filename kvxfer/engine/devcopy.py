@@ -166,10 +166,12 @@ class DeviceLane:
         self._usable = self.mapped != 0
         self._any_emulated = bool(self.emulated.any())
         self.closed = False
-        #: id(pattern) -> (pattern, local bases, host rows, device rows, align), and for
-        #: several patterns in one launch (ids) -> (patterns, local bases, host rows, device
-        #: rows, align, row bounds, widest range); the patterns are held so that their ids
-        #: are not reused while cached
+        #: id(pattern) -> (pattern, local bases, host rows, device rows, align, launch
+        #: shape), and for several patterns in one launch ((group, id) of each) ->
+        #: (patterns, local bases of each, host rows, device rows, align, launch shape, row
+        #: bounds, widest range); the rows are checked once, when cached
+        #: (:func:`~kvxfer.kernels.pattern_copy.checked_shape`); the patterns are held so
+        #: that their ids are not reused while cached
         self._patterns: Dict[Any, tuple] = {}
         #: host-time parts of each pattern launch ($KVXFER_LANE_PROFILE, diagnostics)
         self.profile: Optional[Dict[str, Any]] = {} if os.environ.get(PROFILE_ENV) else None
@@ -279,52 +281,62 @@ class DeviceLane:
         p, n = np.asarray(rptrs, dtype=_U64), np.asarray(rlens, dtype=_U64)
         return bool(((p >= self._rbase[r]) & (p - self._rbase[r] + n <= self._rlen[r])).all())
 
-    def launch_patterns(self, parts, lptrs, rptrs, ridx: np.ndarray):
-        """Launch the copies of several PatternWrites of one group, ``parts`` = ``[(pattern,
-        src, dst)]`` (each as :meth:`launch_pattern` takes it), in ONE native launch: their
-        run tables concatenated (uploaded once per combination of patterns and kept like a
-        single pattern's), each item pair naming its pattern's rows
-        (:func:`~kvxfer.kernels.pattern_copy.class_items`). One part, no native launcher, or
-        a table the native kernel refuses: :meth:`launch_pattern` per part. Returns the CUDA
-        event of the last launch (the lane's stream orders them)."""
+    def launch_patterns(self, parts, bases):
+        """Launch the copies of several PatternWrites in ONE native launch: ``parts`` =
+        ``[(pattern, src, dst, group)]`` (each as :meth:`launch_pattern` takes it; a write's
+        piece classes of the kv pages, its state slices), ``bases[group]`` = ``(lptrs,
+        rptrs, ridx)`` of that group's descriptors. Their run tables are concatenated
+        (uploaded once per combination of patterns and kept like a single pattern's), each
+        item pair naming its pattern's rows (:func:`~kvxfer.kernels.pattern_copy.
+        class_items`). One live part, no native launcher, or a table the native kernel
+        refuses: :meth:`launch_pattern` per part. Returns the CUDA event of the last launch
+        (the lane's stream orders them)."""
         live = [p for p in parts if len(p[1])]
         if len(live) < 2 or self._tasks is None:
             ev = None
-            for pattern, src, dst in parts:
-                ev = self.launch_pattern(pattern, lptrs, rptrs, ridx, src, dst)
+            for pattern, src, dst, group in parts:
+                ev = self.launch_pattern(pattern, *bases[group], src, dst)
             return ev
-        from kvxfer.kernels.pattern_copy import class_items, copy_pattern_native, row_alignment
+        from kvxfer.kernels.pattern_copy import (
+            checked_shape,
+            class_items,
+            copy_pattern_native,
+            row_alignment,
+        )
 
         prof = self.profile
         t0 = time.perf_counter()
         c0 = time.thread_time() if prof is not None else 0.0
-        key = tuple(id(p) for p, _, _ in live)
+        key = tuple((g, id(p)) for p, _, _, g in live)
+        local = tuple(bases[g][0] for _, _, _, g in live)  # (tuples: compared by identity)
         entry = self._patterns.pop(key, None)
-        if entry is None or entry[1] != tuple(lptrs):
+        if entry is None or entry[1] != local:
             if prof is not None:
                 prof["misses"] = prof.get("misses", 0) + 1
-            tables = [self._pattern_rows(p, lptrs, rptrs, ridx) for p, _, _ in live]
+            tables = [self._pattern_rows(p, *bases[g]) for p, _, _, g in live]
             bounds = np.cumsum([0] + [len(t) for t in tables]).tolist()
             host = np.ascontiguousarray(np.concatenate(tables))
             span = max(b - a for a, b in zip(bounds, bounds[1:]))
             rows = self._upload_rows(host)
+            align = row_alignment(host)
             # the patterns are held so that their ids are not reused while cached
             entry = (
-                tuple(p for p, _, _ in live),
-                tuple(lptrs),
+                tuple(p for p, _, _, _ in live),
+                local,
                 host,
                 rows,
-                row_alignment(host),
+                align,
+                checked_shape(host, align),
                 bounds,
                 span,
             )
             self._evict()
         self._patterns[key] = entry
-        _, _, host, rows, align, bounds, span = entry
+        _, _, host, rows, align, shape, bounds, span = entry
         t1 = time.perf_counter()
         ev = None
         if span:
-            items = class_items([(s, d) for _, s, d in live], bounds)
+            items = class_items([(s, d) for _, s, d, _ in live], bounds)
             ev = copy_pattern_native(
                 self._tasks.ring,
                 rows.data_ptr(),
@@ -333,10 +345,11 @@ class DeviceLane:
                 align,
                 self._stream_h,
                 span,
+                shape,
             )
         if ev is None:  # refused natively (or no rows): one launch per part
-            for pattern, src, dst in live:
-                ev = self.launch_pattern(pattern, lptrs, rptrs, ridx, src, dst)
+            for pattern, src, dst, group in live:
+                ev = self.launch_pattern(pattern, *bases[group], src, dst)
         elif prof is not None:
             t4 = time.perf_counter()
             self._profile(prof, c0, t0, t1, t1, t1, t4, t4)
@@ -376,7 +389,7 @@ class DeviceLane:
         descriptors at ``lptrs`` and the peer's at ``rptrs`` (regions ``ridx``, checked by
         :meth:`covers`); returns the CUDA event that completes with it."""
         torch = self._torch
-        from kvxfer.kernels.pattern_copy import copy_pattern, row_alignment
+        from kvxfer.kernels.pattern_copy import checked_shape, copy_pattern, row_alignment
 
         prof = self.profile
         t0 = time.perf_counter()
@@ -387,10 +400,11 @@ class DeviceLane:
                 prof["misses"] = prof.get("misses", 0) + 1
             host = self._pattern_rows(pattern, lptrs, rptrs, ridx)
             rows = self._upload_rows(host)
-            entry = (pattern, tuple(lptrs), host, rows, row_alignment(host))
+            align = row_alignment(host)
+            entry = (pattern, tuple(lptrs), host, rows, align, checked_shape(host, align))
             self._evict()
         self._patterns[id(pattern)] = entry
-        _, _, host, rows, align = entry
+        _, _, host, rows, align, shape = entry
         t1 = time.perf_counter()
         if self._tasks is not None and len(src):
             from kvxfer.kernels.pattern_copy import copy_pattern_native
@@ -398,7 +412,7 @@ class DeviceLane:
             pairs = np.empty((len(src), 2), dtype=np.int64)
             pairs[:, 0], pairs[:, 1] = src, dst
             ev = copy_pattern_native(
-                self._tasks.ring, rows.data_ptr(), host, pairs, align, self._stream_h
+                self._tasks.ring, rows.data_ptr(), host, pairs, align, self._stream_h, shape=shape
             )
             if ev is not None:
                 if prof is not None:

@@ -515,22 +515,25 @@ class Peer:
                     lmemh[keep],
                     ridx[keep],
                 )
-        by_group: Dict[str, list] = {}  # (only planned while the lane covers it)
-        for group, src, dst, pattern in patterned:
-            by_group.setdefault(group, []).append((pattern, src, dst))
-            n = pattern.runs_per_item * int(src.size)
-            b = pattern.bytes_per_item * int(src.size)
-            stats.ops += n
-            stats.device_ops += n
-            stats.bytes += b
-            stats.device_bytes += b
-        for group, parts in by_group.items():  # one launch per group: all its piece classes
+        if patterned:  # ONE launch for every PatternWrite of the write, of any group
             assert self._dev is not None
-            lg, rg = self._groups.groups[group], self._remote.groups[group]
+            parts, bases = [], {}
+            for group, src, dst, pattern in patterned:
+                parts.append((pattern, src, dst, group))
+                if group not in bases:
+                    bases[group] = (
+                        self._groups.groups[group].ptrs,
+                        self._remote.groups[group].ptrs,
+                        self._remote.desc_region[group],
+                    )
+                n = pattern.runs_per_item * int(src.size)
+                b = pattern.bytes_per_item * int(src.size)
+                stats.ops += n
+                stats.device_ops += n
+                stats.bytes += b
+                stats.device_bytes += b
             t_l = time.perf_counter()
-            launched = self._dev.launch_patterns(
-                parts, lg.ptrs, rg.ptrs, self._remote.desc_region[group]
-            )
+            launched = self._dev.launch_patterns(parts, bases)
             stats.launch_s += time.perf_counter() - t_l
         gate_prev, gate = self._note_turn() if notify is not None else (None, None)
         chunks: List[Chunk] = []  # staged chunks whose plans are out: given up on failure

@@ -34,6 +34,10 @@ DEPLOY = {
     "pat12": ("mha", 4, 1, 2),
     "pat41": ("page_major", 4, 4, 1),
     "pat24": ("mha_hnd", 4, 2, 4),
+    # ... and the state slices as PatternWrites in the same launch (Mamba conv parts, an
+    # envelope slot)
+    "pathyb12": ("hybrid_per_layer", 4, 1, 2),
+    "patenv21": ("hybrid_envelope", 4, 2, 1),
     # one rank in its own process, killed by the test (VICTIMS)
     "die21": ("mha_hnd", 4, 2, 1),
     "die12": ("mha", 4, 1, 2),
@@ -52,7 +56,7 @@ DEPLOY = {
 REFUSED = {"bad_heads_d": "bad_heads_p", "bad_form_d": "bad_form_p"}
 INTEGRITY = {"int21", "int12"}
 STAGED = {"st12", "st21", "st14", "st41", "st24"}
-PATTERN = {"pat12", "pat41", "pat24"}
+PATTERN = {"pat12", "pat41", "pat24", "pathyb12", "patenv21"}
 #: (deployment, role, rank) hosted alone in a worker that a test kills
 VICTIMS = {("die21", "prefill", 1), ("die12", "decode", 1), ("frz21", "prefill", 1)}
 

@@ -1,5 +1,5 @@
-"""``DeviceLane.launch_patterns`` on CPU: several PatternWrites of one group (a write's piece
-classes) go as ONE native launch over their concatenated run tables, each item pair naming
+"""``DeviceLane.launch_patterns`` on CPU: several PatternWrites (a write's piece
+classes of the kv pages, its state slices) go as ONE native launch over their concatenated run tables, each item pair naming
 its pattern's rows; the table is cached per combination of patterns; one part, or a launch
 the native kernel refuses, goes pattern by pattern.
 
@@ -28,14 +28,14 @@ ITEM_S, ITEM_D, N_S, N_D = 64, 256, 8, 4
 
 
 class HostLane(devcopy.DeviceLane):
-    """A DeviceLane over one host buffer per side: remote region 0 mapped at its own address,
-    row tables 'uploaded' as host tensors, single-pattern launches recorded."""
+    """A DeviceLane over host buffers: remote region k (buffer k of ``dst``) mapped at its
+    own address, row tables 'uploaded' as host tensors, single-pattern launches recorded."""
 
-    def __init__(self, dst: np.ndarray) -> None:  # no CUDA
-        base = dst.ctypes.data
-        self.mapped = np.array([base], dtype=np.uint64)
-        self._rbase = np.array([base], dtype=np.uint64)
-        self._rlen = np.array([dst.nbytes], dtype=np.uint64)
+    def __init__(self, *dst: np.ndarray) -> None:  # no CUDA
+        bases = [d.ctypes.data for d in dst]
+        self.mapped = np.array(bases, dtype=np.uint64)
+        self._rbase = np.array(bases, dtype=np.uint64)
+        self._rlen = np.array([d.nbytes for d in dst], dtype=np.uint64)
         self._patterns = {}
         self.profile = None
         self._tasks = SimpleNamespace(ring="ring")
@@ -68,8 +68,9 @@ def native(monkeypatch):
     """The stand-in native launch: records each call's tables and runs them."""
     calls: list = []
 
-    def launch(ring, rows_ptr, host_rows, pairs, align, stream, span=0):
+    def launch(ring, rows_ptr, host_rows, pairs, align, stream, span=0, shape=None):
         assert ring == "ring" and stream == 7 and align == pattern_copy.row_alignment(host_rows)
+        assert shape == pattern_copy.checked_shape(host_rows, align)  # computed when cached
         n = host_rows.size
         dev = np.ctypeslib.as_array((ctypes.c_int64 * n).from_address(rows_ptr))
         assert np.array_equal(dev.reshape(-1, 5), host_rows)  # the uploaded table is read
@@ -107,12 +108,19 @@ def _args(src, dst):
     return lptrs, rptrs, np.zeros(2, dtype=np.int64)
 
 
-def _parts(pats):
+def _bases(src, dst):
+    """``launch_patterns``' bases: group ``kv`` over these buffers."""
+    return {"kv": _args(src, dst)}
+
+
+def _parts(pats, group="kv"):
     rng = np.random.default_rng(1)
     parts = []
     for k, p in enumerate(pats):
         n = 1 if k == len(pats) - 1 else 3
-        parts.append((p, rng.choice(N_S, n, replace=False), rng.choice(N_D, n, replace=False)))
+        parts.append(
+            (p, rng.choice(N_S, n, replace=False), rng.choice(N_D, n, replace=False), group)
+        )
     return parts
 
 
@@ -122,34 +130,61 @@ def test_piece_classes_go_in_one_launch_with_the_bytes_of_one_by_one(native):
     src, dst = _buffers(0)
     want = dst.copy()
     ref = HostLane(want)
-    for p, s, d in parts:  # the patterns one by one, into the reference copy
+    for p, s, d, _ in parts:  # the patterns one by one, into the reference copy
         ref.launch_pattern(p, *_args(src, want), s, d)
     lane = HostLane(dst)
-    assert lane.launch_patterns(parts, *_args(src, dst)) == "event"
+    assert lane.launch_patterns(parts, _bases(src, dst)) == "event"
     assert np.array_equal(dst, want)
     ((pairs, span),) = native
     assert pairs.shape == (13, 4) and not lane.singles
     bounds = sorted({int(x) for x in pairs[:, 2:].ravel()})
     assert span == max(b - a for a, b in zip(bounds, bounds[1:]))
     # the same combination again: the cached table, no upload
-    lane.launch_patterns(parts, *_args(src, dst))
+    lane.launch_patterns(parts, _bases(src, dst))
     assert lane.uploads == 1 and len(native) == 2
     # another combination (a partial piece of another length): a table of its own
     other = parts[:4] + [
-        (PatternRuns.make([([0], [0], [8])] * 2, [ITEM_S] * 2, [ITEM_D] * 2), [5], [3])
+        (PatternRuns.make([([0], [0], [8])] * 2, [ITEM_S] * 2, [ITEM_D] * 2), [5], [3], "kv")
     ]
-    lane.launch_patterns(other, *_args(src, dst))
+    lane.launch_patterns(other, _bases(src, dst))
     assert lane.uploads == 2 and len(native) == 3
+
+
+def test_the_patterns_of_two_groups_go_in_one_launch(native):
+    """A write's kv piece classes and its state slices (another group: other descriptors,
+    another remote region) in one launch, each part's rows between its own group's
+    descriptors."""
+    pats = _patterns()
+    state = PatternRuns.make([([8], [40], [16]), ([0], [0], [4])], [ITEM_S] * 2, [ITEM_D] * 2)
+    parts = _parts(pats[:2]) + [(state, np.array([0, 5]), np.array([3, 1]), "state")]
+    src, dst = _buffers(5)
+    s_src, s_dst = _buffers(6)  # the state group's buffers: remote region 1
+    before_s = s_dst.copy()
+
+    def bases(d, s_d):
+        ls, rs, _ = _args(s_src, s_d)
+        return {"kv": _args(src, d), "state": (ls, rs, np.ones(2, dtype=np.int64))}
+
+    want, want_s = dst.copy(), s_dst.copy()
+    ref = HostLane(want, want_s)
+    for p, s, d, g in parts:  # one by one, into the reference copies
+        ref.launch_pattern(p, *bases(want, want_s)[g], s, d)
+    lane = HostLane(dst, s_dst)
+    assert lane.launch_patterns(parts, bases(dst, s_dst)) == "event"
+    assert np.array_equal(dst, want) and np.array_equal(s_dst, want_s)
+    assert not np.array_equal(s_dst, before_s)  # the state's bytes did move
+    ((pairs, _),) = native
+    assert pairs.shape == (6, 4) and not lane.singles
 
 
 def test_one_part_and_empty_parts_go_pattern_by_pattern(native):
     pats = _patterns()
     src, dst = _buffers(2)
     lane = HostLane(dst)
-    one = [(pats[0], np.array([1, 2]), np.array([0, 3]))]
-    assert lane.launch_patterns(one, *_args(src, dst)) == "single"
+    one = [(pats[0], np.array([1, 2]), np.array([0, 3]), "kv")]
+    assert lane.launch_patterns(one, _bases(src, dst)) == "single"
     empty = np.zeros(0, dtype=np.int64)
-    lane.launch_patterns(one + [(pats[1], empty, empty)], *_args(src, dst))
+    lane.launch_patterns(one + [(pats[1], empty, empty, "kv")], _bases(src, dst))
     assert lane.singles == [2, 2, 0] and not native  # one live part: no combined launch
 
 
@@ -160,10 +195,10 @@ def test_a_refused_native_launch_falls_back_to_one_launch_per_part(monkeypatch):
     src, dst = _buffers(3)
     want = dst.copy()
     ref = HostLane(want)
-    for p, s, d in parts:
+    for p, s, d, _ in parts:
         ref.launch_pattern(p, *_args(src, want), s, d)
     lane = HostLane(dst)
-    assert lane.launch_patterns(parts, *_args(src, dst)) == "single"
+    assert lane.launch_patterns(parts, _bases(src, dst)) == "single"
     assert lane.singles == [3, 3, 3, 3, 1] and np.array_equal(dst, want)
 
 
@@ -173,5 +208,5 @@ def test_no_native_launcher_goes_pattern_by_pattern(native):
     src, dst = _buffers(4)
     lane = HostLane(dst)
     lane._tasks = None
-    lane.launch_patterns(parts, *_args(src, dst))
+    lane.launch_patterns(parts, _bases(src, dst))
     assert lane.singles == [3, 3, 3, 3, 1] and not native

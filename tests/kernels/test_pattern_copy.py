@@ -9,6 +9,7 @@ import pytest
 import torch
 from _kernels_testlib import DEVICE, gen
 
+from kvxfer.kernels import pattern_copy
 from kvxfer.kernels.errors import InvalidArgument, ShapeMismatch
 from kvxfer.kernels.pattern_copy import (
     class_items,
@@ -120,6 +121,13 @@ def test_bad_tables_are_refused():
     with pytest.raises(InvalidArgument):
         copy_pattern(torch.from_numpy(zero).to(DEVICE), items, 16, host_rows=zero)
     assert row_alignment(rows) == 16 and row_alignment(skew) == 1
+    # the checks a cached table passes once (its launch shape kept with it)
+    for bad, align in ((rows, 32), (skew, 16), (zero, 16)):
+        with pytest.raises(InvalidArgument):
+            pattern_copy.checked_shape(bad, align)
+    assert pattern_copy.checked_shape(rows, 16) == (512, 16, 1)
+    wide = np.array([[0, 0, 5000, 0, 0]], dtype=np.int64) * 16
+    assert pattern_copy.checked_shape(wide, 16) == (4096, 2, 4)
 
 
 def test_several_patterns_in_one_launch():
