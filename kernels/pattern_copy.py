@@ -36,6 +36,7 @@ Invariants:
 
 from __future__ import annotations
 
+import time
 from typing import Optional, Tuple
 
 import numpy as np
@@ -228,6 +229,20 @@ def _native_kernel(
     return got
 
 
+#: the parts of a native launch that ``copy_pattern_native``'s ``stamps`` end
+NATIVE_PARTS = (
+    "items + kernel lookup",
+    "ring take",
+    "table write",
+    "cuLaunchKernel",
+    "event record",
+)
+
+
+def _no_stamp(_: float) -> None:
+    pass
+
+
 def copy_pattern_native(
     ring,
     rows_ptr: int,
@@ -237,6 +252,7 @@ def copy_pattern_native(
     stream: int,
     span: int = 0,
     shape: Optional[Tuple[int, int, int]] = None,
+    stamps: Optional[list] = None,
 ):
     """:func:`copy_pattern` launched by ``cuLaunchKernel`` (:mod:`kvxfer.kernels.
     native_launch`): ``rows_ptr`` is the device copy of ``host_rows``, the item pairs
@@ -247,7 +263,9 @@ def copy_pattern_native(
     natively (one row, a kernel the native path refuses: the caller uses
     :func:`copy_pattern`). Checks the rows as there unless ``shape`` is given (the table's
     :func:`checked_shape`, computed when it was cached); raises :class:`InvalidArgument`
-    before launching anything."""
+    before launching anything. ``stamps`` (diagnostics): ``time.perf_counter()`` is
+    appended after the kernel's lookup, the ring slot's take, the table's write, the
+    launch and the event's record (:data:`NATIVE_PARTS`)."""
     if shape is None:
         shape = checked_shape(host_rows, align)
     n_rows, n_items = int(host_rows.shape[0]), int(pairs.shape[0])
@@ -262,11 +280,15 @@ def copy_pattern_native(
         return None
     per = shape[1]
     grid_x = -(-(span if classes else n_rows) // per)
+    stamp = stamps.append if stamps is not None else _no_stamp
+    stamp(time.perf_counter())
     pushed = ring.ctx.enter()
     try:
         slot, words, dev = ring.take(cols * n_items)
+        stamp(time.perf_counter())
         try:
             words[: cols * n_items] = pairs.reshape(-1)
+            stamp(time.perf_counter())
             for first in range(0, n_items, MAX_ITEMS_PER_LAUNCH):
                 part = min(MAX_ITEMS_PER_LAUNCH, n_items - first)
                 kernel.launch(
@@ -277,8 +299,10 @@ def copy_pattern_native(
                     16 if classes else n_rows,
                     grid_y=part,
                 )
+            stamp(time.perf_counter())
         finally:  # even after a failed launch: the slot is not rewritten under a running one
             ev = ring.done(slot, stream)
+        stamp(time.perf_counter())
         return ev
     finally:
         ring.ctx.leave(pushed)

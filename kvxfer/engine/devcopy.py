@@ -335,6 +335,7 @@ class DeviceLane:
         _, _, host, rows, align, shape, bounds, span = entry
         t1 = time.perf_counter()
         ev = None
+        stamps: Optional[List[float]] = [] if prof is not None else None
         if span:
             items = class_items([(s, d) for _, s, d, _ in live], bounds)
             ev = copy_pattern_native(
@@ -346,13 +347,14 @@ class DeviceLane:
                 self._stream_h,
                 span,
                 shape,
+                stamps,
             )
         if ev is None:  # refused natively (or no rows): one launch per part
             for pattern, src, dst, group in live:
                 ev = self.launch_pattern(pattern, *bases[group], src, dst)
         elif prof is not None:
             t4 = time.perf_counter()
-            self._profile(prof, c0, t0, t1, t1, t1, t4, t4)
+            self._profile(prof, c0, t0, t1, t1, t1, t4, t4, native=[t1, *(stamps or ())])
         return ev
 
     def _pattern_rows(self, pattern, lptrs, rptrs, ridx: np.ndarray) -> np.ndarray:
@@ -411,13 +413,21 @@ class DeviceLane:
 
             pairs = np.empty((len(src), 2), dtype=np.int64)
             pairs[:, 0], pairs[:, 1] = src, dst
+            stamps: Optional[List[float]] = [] if prof is not None else None
             ev = copy_pattern_native(
-                self._tasks.ring, rows.data_ptr(), host, pairs, align, self._stream_h, shape=shape
+                self._tasks.ring,
+                rows.data_ptr(),
+                host,
+                pairs,
+                align,
+                self._stream_h,
+                shape=shape,
+                stamps=stamps,
             )
             if ev is not None:
                 if prof is not None:
                     t4 = time.perf_counter()
-                    self._profile(prof, c0, t0, t1, t1, t1, t4, t4)
+                    self._profile(prof, c0, t0, t1, t1, t1, t4, t4, native=[t1, *(stamps or ())])
                 return ev
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             t2 = time.perf_counter()
@@ -434,14 +444,20 @@ class DeviceLane:
         return ev
 
     @staticmethod
-    def _profile(prof: Dict[str, Any], c0: float, *t: float) -> None:
+    def _profile(prof: Dict[str, Any], c0: float, *t: float, native: Sequence[float] = ()) -> None:
         """Record one pattern launch's parts (wall µs from the stamps ``t``) and the loop
         thread's CPU time over it: a gap between the two is waiting (GIL, driver locks,
-        preemption), not slow execution."""
+        preemption), not slow execution. ``native``: the native launch's own stamps (its
+        start, then :data:`~kvxfer.kernels.pattern_copy.NATIVE_PARTS`' ends), recorded as
+        ``native: <part>``."""
+        from kvxfer.kernels.pattern_copy import NATIVE_PARTS
+
         prof.setdefault("total cpu", []).append((time.thread_time() - c0) * 1e6)
         names = ("table", "context", "upload", "kernel launch", "event")
         for k, a, b in zip(names, t, t[1:]):
             prof.setdefault(k, []).append((b - a) * 1e6)
+        for k, a, b in zip(NATIVE_PARTS, native, native[1:]):
+            prof.setdefault(f"native: {k}", []).append((b - a) * 1e6)
         prof.setdefault("total", []).append((t[-1] - t[0]) * 1e6)
 
     def profile_summary(self) -> str:

@@ -68,7 +68,7 @@ def native(monkeypatch):
     """The stand-in native launch: records each call's tables and runs them."""
     calls: list = []
 
-    def launch(ring, rows_ptr, host_rows, pairs, align, stream, span=0, shape=None):
+    def launch(ring, rows_ptr, host_rows, pairs, align, stream, span=0, shape=None, stamps=None):
         assert ring == "ring" and stream == 7 and align == pattern_copy.row_alignment(host_rows)
         assert shape == pattern_copy.checked_shape(host_rows, align)  # computed when cached
         n = host_rows.size
