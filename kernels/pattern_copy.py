@@ -174,6 +174,21 @@ def _block(rows: np.ndarray) -> int:
     return min(4096, max(512, 1 << (longest - 1).bit_length()))
 
 
+def joins_launch(base_rows: np.ndarray, span: int, rows: np.ndarray) -> bool:
+    """Whether a pattern with row table ``rows`` can join a launch over ``base_rows``
+    (several classes: their tables concatenated, the widest of ``span`` rows) without
+    widening it: no more rows than ``span`` (the grid spans the widest class, for every
+    item), a vector block no longer (the block follows the longest row) and an alignment no
+    narrower (the whole launch takes the narrowest)."""
+    if not rows.size:
+        return True
+    return (
+        len(rows) <= span
+        and _block(rows) <= _block(base_rows)
+        and row_alignment(rows) >= row_alignment(base_rows)
+    )
+
+
 def _check_rows(host_rows: np.ndarray, align: int) -> None:
     if align not in _ALIGNMENTS or row_alignment(host_rows) % align:
         raise InvalidArgument(f"the row table is not {align}-byte aligned (or {align} invalid)")

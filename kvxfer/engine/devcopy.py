@@ -288,21 +288,25 @@ class DeviceLane:
         rptrs, ridx)`` of that group's descriptors. Their run tables are concatenated
         (uploaded once per combination of patterns and kept like a single pattern's), each
         item pair naming its pattern's rows (:func:`~kvxfer.kernels.pattern_copy.
-        class_items`). One live part, no native launcher, or a table the native kernel
-        refuses: :meth:`launch_pattern` per part. Returns the CUDA event of the last launch
-        (the lane's stream orders them)."""
+        class_items`).
+
+        Every part of the first live part's group is launched; a part of another group joins
+        only where it leaves the launch as it is (:func:`joins_launch`: no more rows than
+        the widest class, no longer vector block, no narrower alignment) and a native
+        launcher exists, else it is returned to the caller, whose PUTs are cheaper than a
+        widened or separate launch (bench/results/tp-pattern-h200.md). One part to launch,
+        or a table the native kernel refuses: :meth:`launch_pattern` per part. Returns
+        ``(event, rest)``: the CUDA event of the last launch (None when none was made; the
+        lane's stream orders them) and the parts not launched."""
         live = [p for p in parts if len(p[1])]
-        if len(live) < 2 or self._tasks is None:
-            ev = None
-            for pattern, src, dst, group in parts:
-                ev = self.launch_pattern(pattern, *bases[group], src, dst)
-            return ev
-        from kvxfer.kernels.pattern_copy import (
-            checked_shape,
-            class_items,
-            copy_pattern_native,
-            row_alignment,
-        )
+        if not live:
+            return None, []
+        if self._tasks is None:  # Triton's launches, one per part: other groups go as PUTs
+            main = live[0][3]
+            rest = [p for p in live if p[3] != main]
+            live = [p for p in live if p[3] == main]
+            return self._one_by_one(live, bases), rest
+        from kvxfer.kernels.pattern_copy import class_items, copy_pattern_native
 
         prof = self.profile
         t0 = time.perf_counter()
@@ -314,25 +318,15 @@ class DeviceLane:
             if prof is not None:
                 prof["misses"] = prof.get("misses", 0) + 1
             tables = [self._pattern_rows(p, *bases[g]) for p, _, _, g in live]
-            bounds = np.cumsum([0] + [len(t) for t in tables]).tolist()
-            host = np.ascontiguousarray(np.concatenate(tables))
-            span = max(b - a for a, b in zip(bounds, bounds[1:]))
-            rows = self._upload_rows(host)
-            align = row_alignment(host)
             # the patterns are held so that their ids are not reused while cached
-            entry = (
-                tuple(p for p, _, _, _ in live),
-                local,
-                host,
-                rows,
-                align,
-                checked_shape(host, align),
-                bounds,
-                span,
-            )
+            entry = (tuple(p for p, _, _, _ in live), local, *self._combined(live, tables))
             self._evict()
         self._patterns[key] = entry
-        _, _, host, rows, align, shape, bounds, span = entry
+        _, _, joined, host, rows, align, shape, bounds, span = entry
+        rest = [p for p, j in zip(live, joined) if not j]
+        live = [p for p, j in zip(live, joined) if j]
+        if host is None:  # one part to launch
+            return self._one_by_one(live, bases), rest
         t1 = time.perf_counter()
         ev = None
         stamps: Optional[List[float]] = [] if prof is not None else None
@@ -350,11 +344,37 @@ class DeviceLane:
                 stamps,
             )
         if ev is None:  # refused natively (or no rows): one launch per part
-            for pattern, src, dst, group in live:
-                ev = self.launch_pattern(pattern, *bases[group], src, dst)
+            ev = self._one_by_one(live, bases)
         elif prof is not None:
             t4 = time.perf_counter()
             self._profile(prof, c0, t0, t1, t1, t1, t4, t4, native=[t1, *(stamps or ())])
+        return ev, rest
+
+    def _combined(self, live, tables) -> tuple:
+        """``(joined, host rows, device rows, align, launch shape, row bounds, widest range)``
+        of a combined launch of the ``live`` parts with row tables ``tables``: ``joined[k]``
+        whether part ``k`` is in it (:meth:`launch_patterns`' rule); the rest None when
+        fewer than two parts are."""
+        from kvxfer.kernels.pattern_copy import checked_shape, joins_launch, row_alignment
+
+        main = [t for p, t in zip(live, tables) if p[3] == live[0][3]]
+        base, span = np.concatenate(main), max(len(t) for t in main)
+        joined = [p[3] == live[0][3] or joins_launch(base, span, t) for p, t in zip(live, tables)]
+        tables = [t for t, j in zip(tables, joined) if j]
+        if len(tables) < 2:
+            return (joined, None, None, 0, None, None, 0)
+        bounds = np.cumsum([0] + [len(t) for t in tables]).tolist()
+        host = np.ascontiguousarray(np.concatenate(tables))
+        span = max(b - a for a, b in zip(bounds, bounds[1:]))
+        align = row_alignment(host)
+        shape = checked_shape(host, align)
+        return (joined, host, self._upload_rows(host), align, shape, bounds, span)
+
+    def _one_by_one(self, parts, bases):
+        """:meth:`launch_pattern` per part; the last event (None for no part)."""
+        ev = None
+        for pattern, src, dst, group in parts:
+            ev = self.launch_pattern(pattern, *bases[group], src, dst)
         return ev
 
     def _pattern_rows(self, pattern, lptrs, rptrs, ridx: np.ndarray) -> np.ndarray:

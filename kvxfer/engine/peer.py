@@ -473,6 +473,37 @@ class Peer:
         deadline = self._loop.time() + timeout
         launched = None
         cfg = self._config
+        if patterned:  # ONE launch for the PatternWrites of the write (kv, and state with it)
+            assert self._dev is not None
+            parts, bases = [], {}
+            for group, src, dst, pattern in patterned:
+                parts.append((pattern, src, dst, group))
+                if group not in bases:
+                    bases[group] = (
+                        self._groups.groups[group].ptrs,
+                        self._remote.groups[group].ptrs,
+                        self._remote.desc_region[group],
+                    )
+            t_l = time.perf_counter()
+            ev, rest = self._dev.launch_patterns(parts, bases)
+            stats.launch_s += time.perf_counter() - t_l
+            launched = ev if ev is not None else launched
+            left = {id(p) for p in rest}
+            for pattern, src, _, _ in (p for p in parts if id(p) not in left):
+                n = pattern.runs_per_item * int(src.size)
+                b = pattern.bytes_per_item * int(src.size)
+                stats.ops += n
+                stats.device_ops += n
+                stats.bytes += b
+                stats.device_bytes += b
+            if rest:  # parts that would widen the launch: PUTs with the others
+                cols = self._planner.expanded([(g, s, d, p) for p, s, d, g in rest])
+                laddr, raddr, nbytes, lmemh, ridx = (
+                    np.concatenate([a, c])
+                    for a, c in zip((laddr, raddr, nbytes, lmemh, ridx), cols)
+                )
+                stats.ops += int(cols[0].size)
+                stats.bytes += int(cols[2].sum(dtype=_U64))
         on_dev = (
             None
             if self._dev is None
@@ -494,8 +525,8 @@ class Peer:
                 t_l = time.perf_counter()
                 launched = self._dev.launch(laddr, raddr, nbytes, ridx)
                 stats.launch_s += time.perf_counter() - t_l
-                stats.device_ops = int(laddr.size)
-                stats.device_bytes = int(nbytes.sum(dtype=_U64))
+                stats.device_ops += int(laddr.size)
+                stats.device_bytes += int(nbytes.sum(dtype=_U64))
                 laddr, raddr, nbytes, lmemh, ridx = (
                     c[:0] for c in (laddr, raddr, nbytes, lmemh, ridx)
                 )
@@ -505,8 +536,8 @@ class Peer:
                     laddr[on_dev], raddr[on_dev], nbytes[on_dev], ridx[on_dev]
                 )
                 stats.launch_s += time.perf_counter() - t_l
-                stats.device_ops = int(on_dev.sum())
-                stats.device_bytes = int(nbytes[on_dev].sum(dtype=_U64))
+                stats.device_ops += int(on_dev.sum())
+                stats.device_bytes += int(nbytes[on_dev].sum(dtype=_U64))
                 keep = ~on_dev
                 laddr, raddr, nbytes, lmemh, ridx = (
                     laddr[keep],
@@ -515,26 +546,6 @@ class Peer:
                     lmemh[keep],
                     ridx[keep],
                 )
-        if patterned:  # ONE launch for every PatternWrite of the write, of any group
-            assert self._dev is not None
-            parts, bases = [], {}
-            for group, src, dst, pattern in patterned:
-                parts.append((pattern, src, dst, group))
-                if group not in bases:
-                    bases[group] = (
-                        self._groups.groups[group].ptrs,
-                        self._remote.groups[group].ptrs,
-                        self._remote.desc_region[group],
-                    )
-                n = pattern.runs_per_item * int(src.size)
-                b = pattern.bytes_per_item * int(src.size)
-                stats.ops += n
-                stats.device_ops += n
-                stats.bytes += b
-                stats.device_bytes += b
-            t_l = time.perf_counter()
-            launched = self._dev.launch_patterns(parts, bases)
-            stats.launch_s += time.perf_counter() - t_l
         gate_prev, gate = self._note_turn() if notify is not None else (None, None)
         chunks: List[Chunk] = []  # staged chunks whose plans are out: given up on failure
         promised = False  # the notify was handed over: it vouches for every chunk

@@ -119,18 +119,17 @@ class WritePlanner:
                 part = self._pattern_part(w, lg, rg)
                 if patterns and self._can_pattern(w.group):
                     patterned.append(part)
-                    continue
-                d, so, do, nb = part[3].expand(part[1], part[2])
-                ops = plan.plan_raw(lg, rg, d, so, do, nb)
-            else:
-                raw = self._raw.get(w.group)
-                if raw is None:
-                    raw = self._raw[w.group] = fastplan.RawPair.make(
-                        lg, rg, self._local.desc_memh[w.group], self._remote.desc_region[w.group]
-                    )
-                if fastplan.plan_raw_small(raw, w.desc, w.src_off, w.dst_off, w.nbytes, small):
-                    continue
-                ops = plan.plan_raw(lg, rg, w.desc, w.src_off, w.dst_off, w.nbytes)
+                else:
+                    blocks.append(self._expanded(part, lg, rg))
+                continue
+            raw = self._raw.get(w.group)
+            if raw is None:
+                raw = self._raw[w.group] = fastplan.RawPair.make(
+                    lg, rg, self._local.desc_memh[w.group], self._remote.desc_region[w.group]
+                )
+            if fastplan.plan_raw_small(raw, w.desc, w.src_off, w.dst_off, w.nbytes, small):
+                continue
+            ops = plan.plan_raw(lg, rg, w.desc, w.src_off, w.dst_off, w.nbytes)
             d = ops.desc.astype(np.intp)
             blocks.append(
                 (
@@ -159,6 +158,27 @@ class WritePlanner:
                     for i in range(5)
                 )
         return laddr, raddr, nbytes, lmemh, ridx, staged, sliced, patterned, total
+
+    def expanded(self, parts: List[PatternPart]) -> Tuple[np.ndarray, ...]:
+        """The direct PUTs ``(laddr, raddr, nbytes, lmemh, ridx)`` of validated pattern parts
+        (from :meth:`plan`) that go unlaunched after all (the device lane left them: see
+        :meth:`~kvxfer.engine.devcopy.DeviceLane.launch_patterns`), as :meth:`plan` expands
+        a PatternWrite the lane does not take."""
+        blocks = [self._expanded(part, *self._layouts(part[0])) for part in parts]
+        return tuple(np.concatenate([b[i] for b in blocks]).astype(_U64) for i in range(5))
+
+    def _expanded(self, part: PatternPart, lg: GroupLayout, rg: GroupLayout) -> tuple:
+        """One pattern part's runs as direct PUTs: the five columns of :meth:`plan`."""
+        group, src, dst, runs = part
+        ops = plan.plan_raw(lg, rg, *runs.expand(src, dst))
+        d = ops.desc.astype(np.intp)
+        return (
+            ops.laddr,
+            ops.raddr,
+            ops.nbytes,
+            self._local.desc_memh[group][d],
+            self._remote.desc_region[group][d],
+        )
 
     def _layouts(self, group: str) -> Tuple[GroupLayout, GroupLayout]:
         """Both sides' layouts of ``group`` (UnknownGroup naming the side that lacks it)."""

@@ -133,7 +133,7 @@ def test_piece_classes_go_in_one_launch_with_the_bytes_of_one_by_one(native):
     for p, s, d, _ in parts:  # the patterns one by one, into the reference copy
         ref.launch_pattern(p, *_args(src, want), s, d)
     lane = HostLane(dst)
-    assert lane.launch_patterns(parts, _bases(src, dst)) == "event"
+    assert lane.launch_patterns(parts, _bases(src, dst)) == ("event", [])
     assert np.array_equal(dst, want)
     ((pairs, span),) = native
     assert pairs.shape == (13, 4) and not lane.singles
@@ -155,7 +155,7 @@ def test_the_patterns_of_two_groups_go_in_one_launch(native):
     another remote region) in one launch, each part's rows between its own group's
     descriptors."""
     pats = _patterns()
-    state = PatternRuns.make([([8], [40], [16]), ([0], [0], [4])], [ITEM_S] * 2, [ITEM_D] * 2)
+    state = PatternRuns.make([([8], [40], [16]), ([0], [0], [8])], [ITEM_S] * 2, [ITEM_D] * 2)
     parts = _parts(pats[:2]) + [(state, np.array([0, 5]), np.array([3, 1]), "state")]
     src, dst = _buffers(5)
     s_src, s_dst = _buffers(6)  # the state group's buffers: remote region 1
@@ -170,22 +170,60 @@ def test_the_patterns_of_two_groups_go_in_one_launch(native):
     for p, s, d, g in parts:  # one by one, into the reference copies
         ref.launch_pattern(p, *bases(want, want_s)[g], s, d)
     lane = HostLane(dst, s_dst)
-    assert lane.launch_patterns(parts, bases(dst, s_dst)) == "event"
+    assert lane.launch_patterns(parts, bases(dst, s_dst)) == ("event", [])
     assert np.array_equal(dst, want) and np.array_equal(s_dst, want_s)
     assert not np.array_equal(s_dst, before_s)  # the state's bytes did move
     ((pairs, _),) = native
     assert pairs.shape == (6, 4) and not lane.singles
 
 
-def test_one_part_and_empty_parts_go_pattern_by_pattern(native):
+def test_one_part_goes_alone_and_empty_parts_not_at_all(native):
     pats = _patterns()
     src, dst = _buffers(2)
     lane = HostLane(dst)
     one = [(pats[0], np.array([1, 2]), np.array([0, 3]), "kv")]
-    assert lane.launch_patterns(one, _bases(src, dst)) == "single"
+    assert lane.launch_patterns(one, _bases(src, dst)) == ("single", [])
     empty = np.zeros(0, dtype=np.int64)
     lane.launch_patterns(one + [(pats[1], empty, empty, "kv")], _bases(src, dst))
-    assert lane.singles == [2, 2, 0] and not native  # one live part: no combined launch
+    assert lane.singles == [2, 2] and not native  # one live part: no combined launch
+
+
+@pytest.mark.parametrize("why", ["alignment", "block", "rows"])
+def test_another_groups_part_that_would_widen_the_launch_is_left(native, why):
+    """A state part whose rows would narrow the launch's alignment, lengthen its vector
+    block or outnumber its widest class is returned, not launched (nothing of it is
+    written); the kv classes still go in one launch."""
+    pats = _patterns()[:2]
+    item, big = [ITEM_S] * 2, [4096] * 2
+    state = {
+        "alignment": lambda: PatternRuns.make([([8], [40], [4]), ([0], [0], [8])], item, item),
+        # 1 KiB rows: a 1024-byte block, the kv's 8-byte rows run in 512-byte blocks
+        "block": lambda: PatternRuns.make([([0], [0], [1024]), ([], [], [])], big, big),
+        "rows": lambda: PatternRuns.make(
+            [(np.arange(5) * 8, np.arange(5) * 8, np.full(5, 8))] * 2, item, item
+        ),  # 10 rows, the widest kv class 8
+    }[why]()
+    st = (state, np.array([0]), np.array([0]), "state")
+    src, dst = _buffers(7)
+    s_src, s_dst = _buffers(8)
+    before_s = s_dst.copy()
+    ls, rs, _ = _args(s_src, s_dst)
+    bases = {"kv": _args(src, dst), "state": (ls, rs, np.ones(2, dtype=np.int64))}
+    lane = HostLane(dst, s_dst)
+    ev, rest = lane.launch_patterns(_parts(pats) + [st], bases)
+    assert ev == "event" and rest == [st] and np.array_equal(s_dst, before_s)
+    ((pairs, _),) = native
+    assert pairs.shape == (4, 4) and not lane.singles  # the kv classes' pairs only
+
+
+def test_no_native_launcher_leaves_other_groups():
+    pats = _patterns()
+    src, dst = _buffers(9)
+    lane = HostLane(dst)
+    lane._tasks = None
+    st = (pats[0], np.array([1]), np.array([2]), "state")
+    ev, rest = lane.launch_patterns(_parts(pats[:2]) + [st], _bases(src, dst))
+    assert ev == "single" and rest == [st] and lane.singles == [3, 1]
 
 
 def test_a_refused_native_launch_falls_back_to_one_launch_per_part(monkeypatch):
@@ -198,7 +236,7 @@ def test_a_refused_native_launch_falls_back_to_one_launch_per_part(monkeypatch):
     for p, s, d, _ in parts:
         ref.launch_pattern(p, *_args(src, want), s, d)
     lane = HostLane(dst)
-    assert lane.launch_patterns(parts, _bases(src, dst)) == "single"
+    assert lane.launch_patterns(parts, _bases(src, dst)) == ("single", [])
     assert lane.singles == [3, 3, 3, 3, 1] and np.array_equal(dst, want)
 
 

@@ -130,6 +130,22 @@ def test_bad_tables_are_refused():
     assert pattern_copy.checked_shape(wide, 16) == (4096, 2, 4)
 
 
+def test_joins_launch_only_where_the_launch_stays_as_it_is():
+    def table(rows, length, align=16):
+        t = np.zeros((rows, 5), dtype=np.int64)
+        t[:, 0] = t[:, 1] = np.arange(rows) * 4096 + align
+        t[:, 2], t[:, 3], t[:, 4] = length, 8192, 8192
+        return t
+
+    base = table(8, 256)  # the widest class 8 rows, 512-byte block, 16-byte aligned
+    assert pattern_copy.joins_launch(base, 8, table(8, 512))
+    assert pattern_copy.joins_launch(base, 8, table(0, 4096))  # nothing to add
+    assert not pattern_copy.joins_launch(base, 8, table(9, 256))  # a wider span
+    assert not pattern_copy.joins_launch(base, 8, table(2, 1024))  # a longer block
+    assert not pattern_copy.joins_launch(base, 8, table(2, 256, align=8))  # narrower
+    assert pattern_copy.joins_launch(table(8, 4096), 8, table(2, 60000))  # both 4096
+
+
 def test_several_patterns_in_one_launch():
     """Piece classes of a 16 -> 64 write: each pattern its own runs and its own pairs, one
     launch over the concatenated rows (items ``(s, t, lo, hi)``); the same bytes as the
