@@ -325,6 +325,8 @@ class DeviceLane:
         _, _, joined, host, rows, align, shape, bounds, span = entry
         rest = [p for p, j in zip(live, joined) if not j]
         live = [p for p, j in zip(live, joined) if j]
+        if prof is not None and rest:
+            prof["left"] = prof.get("left", 0) + len(rest)
         if host is None:  # one part to launch
             return self._one_by_one(live, bases), rest
         t1 = time.perf_counter()
@@ -491,6 +493,7 @@ class DeviceLane:
             f"{len(prof.get('total', []))} pattern launches, p50 µs: "
             + ", ".join(parts)
             + f"; table misses {prof.get('misses', 0)}"
+            + f"; parts left to PUTs {prof.get('left', 0)}"
         )
 
     def _upload(self, table: np.ndarray):
