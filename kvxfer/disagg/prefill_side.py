@@ -440,22 +440,11 @@ class PrefillSide:
             return
         items = list(kv) if isinstance(kv, list) else [kv] if kv is not None else []
         tp = link.tp
-        if last and tp is not None:  # this pair's rows of the state; the aux row from one
-            # in the kv pages' device-lane launch when they take one (a pattern of the state
-            # slices instead of its runs as PUTs)
-            from kvxfer.engine.types import PatternWrite
-
-            launch = any(isinstance(w, PatternWrite) for w in items)
-            pattern = launch and self._pattern(link, "state")
-            st = (
-                tp.write("state", src_state, r.dst_state, r.room, pattern=pattern)
-                if len(r.dst_state)
-                else None
-            )
-            items += [st] if st is not None else []
+        if last and tp is not None and len(r.dst_state):  # this pair's rows of the state
+            items += self._state_part(r, link, items, src_state)
         elif last and len(r.dst_state):
             items.append(ItemWrite("state", src_state, r.dst_state))
-        if last and (tp is None or tp.writes_aux(r.room)):
+        if last and (tp is None or tp.writes_aux(r.room)):  # the aux row (from one rank)
             assert r.aux_index is not None  # init() came before the last chunk
             mgr.aux.stamp(r.aux_index, r.room)
             items.append(ItemWrite("aux", [r.aux_index], [r.dst_aux]))
@@ -502,6 +491,31 @@ class PrefillSide:
             mgr.release(r)
         else:
             mgr.arm(r)  # lease renewed by progress
+
+    def _state_part(self, r: Room, link: Link, kv: list, src_state: Any) -> list:
+        """The write of this pair's rows of the state (heterogeneous TP): in the kv pages'
+        device-lane launch where they take one and the state's slices fit it
+        (``Peer.joins_launch``: a pattern of its slices instead of its runs as PUTs), else
+        its runs."""
+        from kvxfer.engine.types import PatternWrite
+
+        tp = link.tp
+        assert tp is not None
+        launch = [w for w in kv if isinstance(w, PatternWrite)]
+        st = tp.write(
+            "state",
+            src_state,
+            r.dst_state,
+            r.room,
+            pattern=bool(launch) and self._pattern(link, "state"),
+        )
+        if (
+            isinstance(st, PatternWrite)
+            and self.mgr.tp_pattern != "always"
+            and not link.peer.joins_launch(launch, st)
+        ):
+            st = tp.write("state", src_state, r.dst_state, r.room)
+        return [st] if st is not None else []
 
     def leg_succeeded(self, leg: Room) -> None:
         """A leg of a room with several decode peers succeeded (the manager's hook)."""

@@ -173,6 +173,8 @@ class DeviceLane:
         #: (:func:`~kvxfer.kernels.pattern_copy.checked_shape`); the patterns are held so
         #: that their ids are not reused while cached
         self._patterns: Dict[Any, tuple] = {}
+        #: (ids of the main runs, id of the other) -> (whether it joins, the runs held)
+        self._joins: Dict[Any, tuple] = {}
         #: host-time parts of each pattern launch ($KVXFER_LANE_PROFILE, diagnostics)
         self.profile: Optional[Dict[str, Any]] = {} if os.environ.get(PROFILE_ENV) else None
 
@@ -351,6 +353,32 @@ class DeviceLane:
             t4 = time.perf_counter()
             self._profile(prof, c0, t0, t1, t1, t1, t4, t4, native=[t1, *(stamps or ())])
         return ev, rest
+
+    def joins(self, main, extra, bases) -> bool:
+        """Whether pattern ``extra`` = ``(group, runs)`` of another group would join a launch
+        of ``main`` = ``[(group, runs)]`` (the piece classes of one group) in
+        :meth:`launch_patterns` (:func:`~kvxfer.kernels.pattern_copy.joins_launch` on their
+        row tables; ``bases`` as there); cached per combination. False without a native
+        launcher (where every part of another group is left)."""
+        if self._tasks is None:
+            return False
+        key = (tuple(id(r) for _, r in main), id(extra[1]))
+        got = self._joins.get(key)
+        if got is None:
+            from kvxfer.kernels.pattern_copy import joins_launch
+
+            tables = [self._pattern_rows(r, *bases[g]) for g, r in main]
+            rows = self._pattern_rows(extra[1], *bases[extra[0]])
+            span = max(len(t) for t in tables)
+            while len(self._joins) >= PATTERN_CACHE:
+                self._joins.pop(next(iter(self._joins)))
+            # the runs are held so that their ids are not reused while cached
+            got = self._joins[key] = (
+                joins_launch(np.concatenate(tables), span, rows),
+                tuple(main),
+                extra,
+            )
+        return got[0]
 
     def _combined(self, live, tables) -> tuple:
         """``(joined, host rows, device rows, align, launch shape, row bounds, widest range)``

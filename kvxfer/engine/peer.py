@@ -40,7 +40,18 @@ import asyncio
 import functools
 import logging
 import time
-from typing import Any, Coroutine, Dict, Iterable, List, Optional, Tuple, TypeVar, Union
+from typing import (
+    Any,
+    Coroutine,
+    Dict,
+    Iterable,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+    TypeVar,
+    Union,
+)
 
 import numpy as np
 
@@ -53,6 +64,7 @@ from kvxfer.engine.host import PeerHost, resolved
 from kvxfer.engine.landing import Chunk
 from kvxfer.engine.notes import NoteBox, chainable
 from kvxfer.engine.peer_staged import Reclaim, SliceScatter, StagedPath
+from kvxfer.engine.slices import PatternRuns
 from kvxfer.engine.staged_send import StagedLink
 from kvxfer.engine.types import ItemWrite, PatternWrite, RawWrite, SliceWrite, TransferStats
 from kvxfer.engine.writeplan import WritePlanner
@@ -349,6 +361,32 @@ class Peer:
             self._pattern_ok[group] = ok
         return ok and self._dev is not None and self._dev.active
 
+    def joins_launch(self, main: Sequence[PatternWrite], extra: PatternWrite) -> bool:
+        """Whether PatternWrite ``extra`` (another group's: a request's state slices) would
+        go in the same device-lane launch as ``main`` (one write's PatternWrites of one
+        group: its kv piece classes) instead of being left to PUTs
+        (:meth:`~kvxfer.engine.devcopy.DeviceLane.launch_patterns`' rule, cached per
+        combination); False where a group has no pattern launch or a plan is not a
+        validated :class:`~kvxfer.engine.slices.PatternRuns`. A caller with the choice
+        writes a part that would be left another way (its runs: a cheaper plan)."""
+        if not main or not self.can_pattern(main[0].group) or not self.can_pattern(extra.group):
+            return False
+        parts = [(w.group, w.runs) for w in (*main, extra)]
+        if not all(isinstance(r, PatternRuns) for _, r in parts):
+            return False
+        assert self._dev is not None
+        groups = {g for g, _ in parts}
+        return self._dev.joins(parts[:-1], parts[-1], {g: self._lane_bases(g) for g in groups})
+
+    def _lane_bases(self, group: str) -> Tuple[Tuple[int, ...], Tuple[int, ...], np.ndarray]:
+        """``(local ptrs, remote ptrs, remote regions)`` of ``group``'s descriptors, as the
+        device lane's pattern launches take them."""
+        return (
+            self._groups.groups[group].ptrs,
+            self._remote.groups[group].ptrs,
+            self._remote.desc_region[group],
+        )
+
     def plan(self, writes: Iterable[Union[ItemWrite, RawWrite, PatternWrite]]):
         """Validate and plan ``writes`` (nothing is posted), all unstaged and as PUTs (a
         PatternWrite expanded). Returns the native arrays ``(laddr, raddr, nbytes, lmemh,
@@ -479,11 +517,7 @@ class Peer:
             for group, src, dst, pattern in patterned:
                 parts.append((pattern, src, dst, group))
                 if group not in bases:
-                    bases[group] = (
-                        self._groups.groups[group].ptrs,
-                        self._remote.groups[group].ptrs,
-                        self._remote.desc_region[group],
-                    )
+                    bases[group] = self._lane_bases(group)
             t_l = time.perf_counter()
             ev, rest = self._dev.launch_patterns(parts, bases)
             stats.launch_s += time.perf_counter() - t_l

@@ -304,3 +304,36 @@ def test_pattern_parts_the_lane_leaves_go_as_puts():
                 await e.close()
 
     asyncio.run(main())
+
+
+def test_joins_launch_asks_the_lane_only_for_two_launchable_patterns():
+    """``Peer.joins_launch``: False without a lane for both groups or for plans that are
+    not validated PatternRuns; else the lane's answer, given both groups' descriptors."""
+    from kvxfer.engine.slices import PatternRuns
+    from kvxfer.engine.types import PatternWrite
+
+    async def main():
+        engines, peer, bufs, _ = await _pair(device_min_ops=10**6, state=True)
+        try:
+            half = ITEM // 2
+            runs = PatternRuns.make([([half], [0], [half])] * 2, [ITEM] * 2, [ITEM] * 2)
+            st_runs = PatternRuns.make([([0], [16], [16])], [ITEM], [ITEM])
+            kv, st = PatternWrite("kv", [1], [2], runs), PatternWrite("state", [3], [4], st_runs)
+            assert not peer.joins_launch([kv], st)  # no lane
+            lane = peer._dev = StandInLane(peer, after=1)
+            asked = []
+            lane.joins = lambda main, extra, bases: asked.append((main, extra, bases)) or True
+            assert not peer.joins_launch([kv], st)  # the lane does not cover the groups
+            peer._pattern_ok.update(kv=True, state=True)
+            assert peer.joins_launch([kv], st)
+            raw = PatternWrite("state", [3], [4], [([0], [16], [16])])
+            assert not peer.joins_launch([kv], raw) and not peer.joins_launch([], st)
+            ((main, extra, bases),) = asked
+            assert main == [("kv", runs)] and extra == ("state", st_runs)
+            assert bases["state"][0] == (bufs["a-state"].ctypes.data,)
+            assert bases["kv"][1] == tuple(b.ctypes.data for b in bufs["b"])
+        finally:
+            for e in engines.values():
+                await e.close()
+
+    asyncio.run(main())

@@ -37,6 +37,7 @@ class HostLane(devcopy.DeviceLane):
         self._rbase = np.array(bases, dtype=np.uint64)
         self._rlen = np.array([d.nbytes for d in dst], dtype=np.uint64)
         self._patterns = {}
+        self._joins = {}
         self.profile = None
         self._tasks = SimpleNamespace(ring="ring")
         self._stream_h = 7
@@ -214,6 +215,34 @@ def test_another_groups_part_that_would_widen_the_launch_is_left(native, why):
     assert ev == "event" and rest == [st] and np.array_equal(s_dst, before_s)
     ((pairs, _),) = native
     assert pairs.shape == (4, 4) and not lane.singles  # the kv classes' pairs only
+
+
+def test_joins_answers_as_the_launch_decides(native):
+    """``DeviceLane.joins`` (what ``Peer.joins_launch`` asks before a write is made) says
+    what ``launch_patterns`` would do with the state part, from a cache after the first
+    question."""
+    pats = _patterns()[:2]
+    item = [ITEM_S] * 2
+    fits = PatternRuns.make([([8], [40], [16]), ([0], [0], [8])], item, [ITEM_D] * 2)
+    narrow = PatternRuns.make([([8], [40], [4]), ([0], [0], [8])], item, item)
+    src, dst = _buffers(10)
+    s_src, s_dst = _buffers(11)
+    ls, rs, _ = _args(s_src, s_dst)
+    bases = {"kv": _args(src, dst), "state": (ls, rs, np.ones(2, dtype=np.int64))}
+    lane = HostLane(dst, s_dst)
+    main = [("kv", p) for p in pats]
+    for runs, want in ((fits, True), (narrow, False)):
+        assert lane.joins(main, ("state", runs), bases) is want
+        st = (runs, np.array([0]), np.array([0]), "state")
+        _, rest = lane.launch_patterns(_parts(pats) + [st], bases)
+        assert (rest == []) is want
+    lane._pattern_rows = None  # cached: no table is built again
+    assert lane.joins(main, ("state", fits), bases) and not lane.joins(
+        main, ("state", narrow), bases
+    )
+    bare = HostLane(dst, s_dst)  # no native launcher: every other group's part is left
+    bare._tasks = None
+    assert not bare.joins(main, ("state", fits), bases)
 
 
 def test_no_native_launcher_leaves_other_groups():
