@@ -301,8 +301,8 @@ class DeviceLane:
         ``(event, rest)``: the CUDA event of the last launch (None when none was made; the
         lane's stream orders them) and the parts not launched."""
         live = [p for p in parts if len(p[1])]
-        if not live:
-            return None, []
+        if len(live) < 2:  # the usual single pattern: no combination to look up
+            return self._one_by_one(live, bases), []
         if self._tasks is None:  # Triton's launches, one per part: other groups go as PUTs
             main = live[0][3]
             rest = [p for p in live if p[3] != main]
