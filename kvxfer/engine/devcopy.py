@@ -293,7 +293,8 @@ class DeviceLane:
         class_items`).
 
         Every part of the first live part's group is launched; a part of another group joins
-        only where it leaves the launch as it is (:func:`joins_launch`: no more rows than
+        only where it leaves the launch as it is (:func:`~kvxfer.kernels.pattern_copy.
+        joins_launch`: no more rows than
         the widest class, no longer vector block, no narrower alignment) and a native
         launcher exists, else it is returned to the caller, whose PUTs are cheaper than a
         widened or separate launch (bench/results/tp-pattern-h200.md). One part to launch,
@@ -365,31 +366,35 @@ class DeviceLane:
         key = (tuple(id(r) for _, r in main), id(extra[1]))
         got = self._joins.get(key)
         if got is None:
-            from kvxfer.kernels.pattern_copy import joins_launch
-
-            tables = [self._pattern_rows(r, *bases[g]) for g, r in main]
-            rows = self._pattern_rows(extra[1], *bases[extra[0]])
-            span = max(len(t) for t in tables)
+            fits = self._joiner([self._pattern_rows(r, *bases[g]) for g, r in main])
             while len(self._joins) >= PATTERN_CACHE:
                 self._joins.pop(next(iter(self._joins)))
             # the runs are held so that their ids are not reused while cached
             got = self._joins[key] = (
-                joins_launch(np.concatenate(tables), span, rows),
+                fits(self._pattern_rows(extra[1], *bases[extra[0]])),
                 tuple(main),
                 extra,
             )
         return got[0]
+
+    @staticmethod
+    def _joiner(main_tables):
+        """:meth:`launch_patterns`' rule for another group's row table against the main
+        group's ``main_tables``: a function of the table, True where it joins."""
+        from kvxfer.kernels.pattern_copy import joins_launch
+
+        base, span = np.concatenate(main_tables), max(len(t) for t in main_tables)
+        return lambda rows: joins_launch(base, span, rows)
 
     def _combined(self, live, tables) -> tuple:
         """``(joined, host rows, device rows, align, launch shape, row bounds, widest range)``
         of a combined launch of the ``live`` parts with row tables ``tables``: ``joined[k]``
         whether part ``k`` is in it (:meth:`launch_patterns`' rule); the rest None when
         fewer than two parts are."""
-        from kvxfer.kernels.pattern_copy import checked_shape, joins_launch, row_alignment
+        from kvxfer.kernels.pattern_copy import checked_shape, row_alignment
 
-        main = [t for p, t in zip(live, tables) if p[3] == live[0][3]]
-        base, span = np.concatenate(main), max(len(t) for t in main)
-        joined = [p[3] == live[0][3] or joins_launch(base, span, t) for p, t in zip(live, tables)]
+        fits = self._joiner([t for p, t in zip(live, tables) if p[3] == live[0][3]])
+        joined = [p[3] == live[0][3] or fits(t) for p, t in zip(live, tables)]
         tables = [t for t, j in zip(tables, joined) if j]
         if len(tables) < 2:
             return (joined, None, None, 0, None, None, 0)

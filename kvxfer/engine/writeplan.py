@@ -130,16 +130,7 @@ class WritePlanner:
             if fastplan.plan_raw_small(raw, w.desc, w.src_off, w.dst_off, w.nbytes, small):
                 continue
             ops = plan.plan_raw(lg, rg, w.desc, w.src_off, w.dst_off, w.nbytes)
-            d = ops.desc.astype(np.intp)
-            blocks.append(
-                (
-                    ops.laddr,
-                    ops.raddr,
-                    ops.nbytes,
-                    self._local.desc_memh[w.group][d],
-                    self._remote.desc_region[w.group][d],
-                )
-            )
+            blocks.append(self._columns(w.group, ops))
         total = sum(small[2])
         if not blocks:  # one array for the five columns: each row is a contiguous column
             cols = np.array(small, dtype=_U64)
@@ -170,7 +161,10 @@ class WritePlanner:
     def _expanded(self, part: PatternPart, lg: GroupLayout, rg: GroupLayout) -> tuple:
         """One pattern part's runs as direct PUTs: the five columns of :meth:`plan`."""
         group, src, dst, runs = part
-        ops = plan.plan_raw(lg, rg, *runs.expand(src, dst))
+        return self._columns(group, plan.plan_raw(lg, rg, *runs.expand(src, dst)))
+
+    def _columns(self, group: str, ops) -> tuple:
+        """The five columns of :meth:`plan` of ``group``'s planned ops."""
         d = ops.desc.astype(np.intp)
         return (
             ops.laddr,
