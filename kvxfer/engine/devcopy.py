@@ -292,23 +292,18 @@ class DeviceLane:
         item pair naming its pattern's rows (:func:`~kvxfer.kernels.pattern_copy.
         class_items`).
 
-        Every part of the first live part's group is launched; a part of another group joins
+        Every part of the first live part's group goes in; a part of another group joins
         only where it leaves the launch as it is (:func:`~kvxfer.kernels.pattern_copy.
-        joins_launch`: no more rows than
-        the widest class, no longer vector block, no narrower alignment) and a native
-        launcher exists, else it is returned to the caller, whose PUTs are cheaper than a
-        widened or separate launch (bench/results/tp-pattern-h200.md). One part to launch,
-        or a table the native kernel refuses: :meth:`launch_pattern` per part. Returns
-        ``(event, rest)``: the CUDA event of the last launch (None when none was made; the
-        lane's stream orders them) and the parts not launched."""
+        joins_launch`: no more rows than the widest class, no longer vector block, no
+        narrower alignment: joined, a short-row kv launch took several times the GPU time,
+        bench/results/tp-pattern-h200.md); the others go in launches of their own, one per
+        group, by the same rule (:meth:`joins` tells a caller beforehand). One part, no
+        native launcher, or a table the native kernel refuses: :meth:`launch_pattern` per
+        part. Returns the CUDA event of the last launch (the lane's stream orders them;
+        None for no live part)."""
         live = [p for p in parts if len(p[1])]
-        if len(live) < 2:  # the usual single pattern: no combination to look up
-            return self._one_by_one(live, bases), []
-        if self._tasks is None:  # Triton's launches, one per part: other groups go as PUTs
-            main = live[0][3]
-            rest = [p for p in live if p[3] != main]
-            live = [p for p in live if p[3] == main]
-            return self._one_by_one(live, bases), rest
+        if len(live) < 2 or self._tasks is None:
+            return self._one_by_one(live, bases)
         from kvxfer.kernels.pattern_copy import class_items, copy_pattern_native
 
         prof = self.profile
@@ -326,41 +321,44 @@ class DeviceLane:
             self._evict()
         self._patterns[key] = entry
         _, _, joined, host, rows, align, shape, bounds, span = entry
-        rest = [p for p, j in zip(live, joined) if not j]
+        apart = [p for p, j in zip(live, joined) if not j]
         live = [p for p, j in zip(live, joined) if j]
-        if prof is not None and rest:
-            prof["left"] = prof.get("left", 0) + len(rest)
-        if host is None:  # one part to launch
-            return self._one_by_one(live, bases), rest
-        t1 = time.perf_counter()
         ev = None
-        stamps: Optional[List[float]] = [] if prof is not None else None
-        if span:
-            items = class_items([(s, d) for _, s, d, _ in live], bounds)
-            ev = copy_pattern_native(
-                self._tasks.ring,
-                rows.data_ptr(),
-                host,
-                items,
-                align,
-                self._stream_h,
-                span,
-                shape,
-                stamps,
-            )
-        if ev is None:  # refused natively (or no rows): one launch per part
+        if host is None:  # one part in this launch
             ev = self._one_by_one(live, bases)
-        elif prof is not None:
-            t4 = time.perf_counter()
-            self._profile(prof, c0, t0, t1, t1, t1, t4, t4, native=[t1, *(stamps or ())])
-        return ev, rest
+        else:
+            t1 = time.perf_counter()
+            stamps: Optional[List[float]] = [] if prof is not None else None
+            if span:
+                items = class_items([(s, d) for _, s, d, _ in live], bounds)
+                ev = copy_pattern_native(
+                    self._tasks.ring,
+                    rows.data_ptr(),
+                    host,
+                    items,
+                    align,
+                    self._stream_h,
+                    span,
+                    shape,
+                    stamps,
+                )
+            if ev is None:  # refused natively (or no rows): one launch per part
+                ev = self._one_by_one(live, bases)
+            elif prof is not None:
+                t4 = time.perf_counter()
+                self._profile(prof, c0, t0, t1, t1, t1, t4, t4, native=[t1, *(stamps or ())])
+        if apart:  # other groups' parts that would widen it: launches of their own
+            if prof is not None:
+                prof["apart"] = prof.get("apart", 0) + len(apart)
+            ev = self.launch_patterns(apart, bases)
+        return ev
 
     def joins(self, main, extra, bases) -> bool:
         """Whether pattern ``extra`` = ``(group, runs)`` of another group would join a launch
         of ``main`` = ``[(group, runs)]`` (the piece classes of one group) in
         :meth:`launch_patterns` (:func:`~kvxfer.kernels.pattern_copy.joins_launch` on their
         row tables; ``bases`` as there); cached per combination. False without a native
-        launcher (where every part of another group is left)."""
+        launcher (where every part is a launch of its own)."""
         if self._tasks is None:
             return False
         key = (tuple(id(r) for _, r in main), id(extra[1]))
@@ -526,7 +524,7 @@ class DeviceLane:
             f"{len(prof.get('total', []))} pattern launches, p50 µs: "
             + ", ".join(parts)
             + f"; table misses {prof.get('misses', 0)}"
-            + f"; parts left to PUTs {prof.get('left', 0)}"
+            + f"; parts launched apart {prof.get('apart', 0)}"
         )
 
     def _upload(self, table: np.ndarray):

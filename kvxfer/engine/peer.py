@@ -364,11 +364,11 @@ class Peer:
     def joins_launch(self, main: Sequence[PatternWrite], extra: PatternWrite) -> bool:
         """Whether PatternWrite ``extra`` (another group's: a request's state slices) would
         go in the same device-lane launch as ``main`` (one write's PatternWrites of one
-        group: its kv piece classes) instead of being left to PUTs
+        group: its kv piece classes) instead of a launch of its own
         (:meth:`~kvxfer.engine.devcopy.DeviceLane.launch_patterns`' rule, cached per
         combination); False where a group has no pattern launch or a plan is not a
         validated :class:`~kvxfer.engine.slices.PatternRuns`. A caller with the choice
-        writes a part that would be left another way (its runs: a cheaper plan)."""
+        writes such a part another way (its runs as PUTs: cheaper than a launch for a few)."""
         if not main or not self.can_pattern(main[0].group) or not self.can_pattern(extra.group):
             return False
         parts = [(w.group, w.runs) for w in (*main, extra)]
@@ -511,33 +511,6 @@ class Peer:
         deadline = self._loop.time() + timeout
         launched = None
         cfg = self._config
-        if patterned:  # ONE launch for the PatternWrites of the write (kv, and state with it)
-            assert self._dev is not None
-            parts, bases = [], {}
-            for group, src, dst, pattern in patterned:
-                parts.append((pattern, src, dst, group))
-                if group not in bases:
-                    bases[group] = self._lane_bases(group)
-            t_l = time.perf_counter()
-            ev, rest = self._dev.launch_patterns(parts, bases)
-            stats.launch_s += time.perf_counter() - t_l
-            launched = ev if ev is not None else launched
-            left = {id(p) for p in rest}
-            for pattern, src, _, _ in (p for p in parts if id(p) not in left):
-                n = pattern.runs_per_item * int(src.size)
-                b = pattern.bytes_per_item * int(src.size)
-                stats.ops += n
-                stats.device_ops += n
-                stats.bytes += b
-                stats.device_bytes += b
-            if rest:  # parts that would widen the launch: PUTs with the others
-                cols = self._planner.expanded([(g, s, d, p) for p, s, d, g in rest])
-                laddr, raddr, nbytes, lmemh, ridx = (
-                    np.concatenate([a, c])
-                    for a, c in zip((laddr, raddr, nbytes, lmemh, ridx), cols)
-                )
-                stats.ops += int(cols[0].size)
-                stats.bytes += int(cols[2].sum(dtype=_U64))
         on_dev = (
             None
             if self._dev is None
@@ -559,8 +532,8 @@ class Peer:
                 t_l = time.perf_counter()
                 launched = self._dev.launch(laddr, raddr, nbytes, ridx)
                 stats.launch_s += time.perf_counter() - t_l
-                stats.device_ops += int(laddr.size)
-                stats.device_bytes += int(nbytes.sum(dtype=_U64))
+                stats.device_ops = int(laddr.size)
+                stats.device_bytes = int(nbytes.sum(dtype=_U64))
                 laddr, raddr, nbytes, lmemh, ridx = (
                     c[:0] for c in (laddr, raddr, nbytes, lmemh, ridx)
                 )
@@ -570,8 +543,8 @@ class Peer:
                     laddr[on_dev], raddr[on_dev], nbytes[on_dev], ridx[on_dev]
                 )
                 stats.launch_s += time.perf_counter() - t_l
-                stats.device_ops += int(on_dev.sum())
-                stats.device_bytes += int(nbytes[on_dev].sum(dtype=_U64))
+                stats.device_ops = int(on_dev.sum())
+                stats.device_bytes = int(nbytes[on_dev].sum(dtype=_U64))
                 keep = ~on_dev
                 laddr, raddr, nbytes, lmemh, ridx = (
                     laddr[keep],
@@ -580,6 +553,22 @@ class Peer:
                     lmemh[keep],
                     ridx[keep],
                 )
+        if patterned:  # ONE launch for the PatternWrites of the write (kv; state that fits)
+            assert self._dev is not None
+            parts, bases = [], {}
+            for group, src, dst, pattern in patterned:
+                parts.append((pattern, src, dst, group))
+                if group not in bases:
+                    bases[group] = self._lane_bases(group)
+                n = pattern.runs_per_item * int(src.size)
+                b = pattern.bytes_per_item * int(src.size)
+                stats.ops += n
+                stats.device_ops += n
+                stats.bytes += b
+                stats.device_bytes += b
+            t_l = time.perf_counter()
+            launched = self._dev.launch_patterns(parts, bases)
+            stats.launch_s += time.perf_counter() - t_l
         gate_prev, gate = self._note_turn() if notify is not None else (None, None)
         chunks: List[Chunk] = []  # staged chunks whose plans are out: given up on failure
         promised = False  # the notify was handed over: it vouches for every chunk

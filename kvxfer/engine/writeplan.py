@@ -150,14 +150,6 @@ class WritePlanner:
                 )
         return laddr, raddr, nbytes, lmemh, ridx, staged, sliced, patterned, total
 
-    def expanded(self, parts: List[PatternPart]) -> Tuple[np.ndarray, ...]:
-        """The direct PUTs ``(laddr, raddr, nbytes, lmemh, ridx)`` of validated pattern parts
-        (from :meth:`plan`) that go unlaunched after all (the device lane left them: see
-        :meth:`~kvxfer.engine.devcopy.DeviceLane.launch_patterns`), as :meth:`plan` expands
-        a PatternWrite the lane does not take."""
-        blocks = [self._expanded(part, *self._layouts(part[0])) for part in parts]
-        return tuple(np.concatenate([b[i] for b in blocks]).astype(_U64) for i in range(5))
-
     def _expanded(self, part: PatternPart, lg: GroupLayout, rg: GroupLayout) -> tuple:
         """One pattern part's runs as direct PUTs: the five columns of :meth:`plan`."""
         group, src, dst, runs = part

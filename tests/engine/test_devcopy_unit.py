@@ -75,11 +75,11 @@ def test_lane_profile_parts_and_summary():
         "event",
         "total",
     }
-    prof["misses"], prof["left"] = 2, 1
+    prof["misses"], prof["apart"] = 2, 1
     text = DeviceLane.profile_summary(types.SimpleNamespace(profile=prof))
     assert text.startswith("3 pattern launches, p50 µs: ")
     assert "kernel launch 4.0" in text and "event 5.0" in text
-    assert text.endswith("table misses 2; parts left to PUTs 1")
+    assert text.endswith("table misses 2; parts launched apart 1")
 
 
 class _FakeEvent:

@@ -55,23 +55,6 @@ class StandInLane(devcopy.DeviceLane):
         self.launched: list = []
         self.waits = 0
 
-    def launch_patterns(self, parts, bases):
-        """Copies the first group's parts (their runs, item by item); the other groups' are
-        left to the caller, as when they would widen the launch."""
-        main = parts[0][3]
-        for pattern, src, dst, group in parts:
-            if group != main:
-                continue
-            lptrs, rptrs, _ = bases[group]
-            for d, (so, do, n) in enumerate(zip(pattern.src, pattern.dst, pattern.lens)):
-                si, di = pattern.src_item_lens[d], pattern.dst_item_lens[d]
-                for s, t in zip(src.tolist(), dst.tolist()):
-                    for a, b, k in zip(so.tolist(), do.tolist(), n.tolist()):
-                        ctypes.memmove(rptrs[d] + t * di + b, lptrs[d] + s * si + a, k)
-        ev = StandInEvent(self.after)
-        self.launched.append(("patterns", ev))
-        return ev, [p for p in parts if p[3] != main]
-
     def launch(self, laddr, raddr, nbytes, ridx):
         for s, d, n in zip(laddr.tolist(), raddr.tolist(), nbytes.tolist()):
             ctypes.memmove(d, s, n)
@@ -264,41 +247,6 @@ def test_write_not_inline_suspends_at_the_copy(inline):
             for s, d in zip(src, dst):
                 assert np.array_equal(b[:, d], a[:, s])
             await _until(lambda: notes == [b"legs"], "the notification")
-        finally:
-            for e in engines.values():
-                await e.close()
-
-    asyncio.run(main())
-
-
-def test_pattern_parts_the_lane_leaves_go_as_puts():
-    """A write's PatternWrites of two groups: the lane launches the kv part and leaves the
-    state part (as it does one that would widen the launch); that part's runs go as UCX
-    PUTs of the same write, before its notification: every byte of both groups lands, the
-    stats count the kv runs as device ops and the state's as PUTs."""
-    from kvxfer.engine.types import PatternWrite
-
-    async def main():
-        engines, peer, bufs, notes = await _pair(device_min_ops=10**6, state=True)
-        try:
-            lane = peer._dev = StandInLane(peer, after=1)
-            peer._pattern_ok.update(kv=True, state=True)
-            half = ITEM // 2  # kv: the second half of each row, state: two 16-byte runs
-            kv = PatternWrite("kv", [1, 2, 3], [4, 5, 6], [([half], [0], [half])] * 2)
-            st = PatternWrite("state", [7], [9], [([0, 32], [16, 48], [16, 16])])
-            stats = await peer.write([kv, st], notify=b"done", timeout=10)
-            a, b = np.stack(bufs["a"]), np.stack(bufs["b"])
-            for s, d in zip([1, 2, 3], [4, 5, 6]):
-                assert np.array_equal(b[:, d, :half], a[:, s, half:])
-                assert (b[:, d, half:] == 2).all()
-            sa, sb = bufs["a-state"], bufs["b-state"]
-            assert np.array_equal(sb[9, 16:32], sa[7, 0:16])
-            assert np.array_equal(sb[9, 48:64], sa[7, 32:48])
-            assert (sb[9, :16] == 6).all() and (sb[9, 32:48] == 6).all() and (sb[8] == 6).all()
-            assert [k for k, _ in lane.launched] == ["patterns"]
-            assert stats.device_ops == 6 and stats.ops == 6 + 2
-            assert stats.device_bytes == 6 * half and stats.bytes == 6 * half + 32
-            await _until(lambda: notes == [b"done"], "the notification")
         finally:
             for e in engines.values():
                 await e.close()

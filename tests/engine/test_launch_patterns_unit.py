@@ -134,7 +134,7 @@ def test_piece_classes_go_in_one_launch_with_the_bytes_of_one_by_one(native):
     for p, s, d, _ in parts:  # the patterns one by one, into the reference copy
         ref.launch_pattern(p, *_args(src, want), s, d)
     lane = HostLane(dst)
-    assert lane.launch_patterns(parts, _bases(src, dst)) == ("event", [])
+    assert lane.launch_patterns(parts, _bases(src, dst)) == "event"
     assert np.array_equal(dst, want)
     ((pairs, span),) = native
     assert pairs.shape == (13, 4) and not lane.singles
@@ -171,7 +171,7 @@ def test_the_patterns_of_two_groups_go_in_one_launch(native):
     for p, s, d, g in parts:  # one by one, into the reference copies
         ref.launch_pattern(p, *bases(want, want_s)[g], s, d)
     lane = HostLane(dst, s_dst)
-    assert lane.launch_patterns(parts, bases(dst, s_dst)) == ("event", [])
+    assert lane.launch_patterns(parts, bases(dst, s_dst)) == "event"
     assert np.array_equal(dst, want) and np.array_equal(s_dst, want_s)
     assert not np.array_equal(s_dst, before_s)  # the state's bytes did move
     ((pairs, _),) = native
@@ -183,17 +183,17 @@ def test_one_part_goes_alone_and_empty_parts_not_at_all(native):
     src, dst = _buffers(2)
     lane = HostLane(dst)
     one = [(pats[0], np.array([1, 2]), np.array([0, 3]), "kv")]
-    assert lane.launch_patterns(one, _bases(src, dst)) == ("single", [])
+    assert lane.launch_patterns(one, _bases(src, dst)) == "single"
     empty = np.zeros(0, dtype=np.int64)
     lane.launch_patterns(one + [(pats[1], empty, empty, "kv")], _bases(src, dst))
     assert lane.singles == [2, 2] and not native  # one live part: no combined launch
 
 
 @pytest.mark.parametrize("why", ["alignment", "block", "rows"])
-def test_another_groups_part_that_would_widen_the_launch_is_left(native, why):
+def test_another_groups_part_that_would_widen_the_launch_goes_apart(native, why):
     """A state part whose rows would narrow the launch's alignment, lengthen its vector
-    block or outnumber its widest class is returned, not launched (nothing of it is
-    written); the kv classes still go in one launch."""
+    block or outnumber its widest class goes in a launch of its own; the kv classes still
+    go in one launch; every byte as the patterns one by one."""
     pats = _patterns()[:2]
     item, big = [ITEM_S] * 2, [4096] * 2
     state = {
@@ -204,17 +204,23 @@ def test_another_groups_part_that_would_widen_the_launch_is_left(native, why):
             [(np.arange(5) * 8, np.arange(5) * 8, np.full(5, 8))] * 2, item, item
         ),  # 10 rows, the widest kv class 8
     }[why]()
-    st = (state, np.array([0]), np.array([0]), "state")
+    parts = _parts(pats) + [(state, np.array([0]), np.array([0]), "state")]
     src, dst = _buffers(7)
     s_src, s_dst = _buffers(8)
-    before_s = s_dst.copy()
-    ls, rs, _ = _args(s_src, s_dst)
-    bases = {"kv": _args(src, dst), "state": (ls, rs, np.ones(2, dtype=np.int64))}
+
+    def bases(d, s_d):
+        ls, rs, _ = _args(s_src, s_d)
+        return {"kv": _args(src, d), "state": (ls, rs, np.ones(2, dtype=np.int64))}
+
+    want, want_s = dst.copy(), s_dst.copy()
+    ref = HostLane(want, want_s)
+    for p, s, d, g in parts:
+        ref.launch_pattern(p, *bases(want, want_s)[g], s, d)
     lane = HostLane(dst, s_dst)
-    ev, rest = lane.launch_patterns(_parts(pats) + [st], bases)
-    assert ev == "event" and rest == [st] and np.array_equal(s_dst, before_s)
+    assert lane.launch_patterns(parts, bases(dst, s_dst)) == "single"  # the state's, last
+    assert np.array_equal(dst, want) and np.array_equal(s_dst, want_s)
     ((pairs, _),) = native
-    assert pairs.shape == (4, 4) and not lane.singles  # the kv classes' pairs only
+    assert pairs.shape == (4, 4) and lane.singles == [1]  # the kv classes, then the state
 
 
 def test_joins_answers_as_the_launch_decides(native):
@@ -234,25 +240,27 @@ def test_joins_answers_as_the_launch_decides(native):
     for runs, want in ((fits, True), (narrow, False)):
         assert lane.joins(main, ("state", runs), bases) is want
         st = (runs, np.array([0]), np.array([0]), "state")
-        _, rest = lane.launch_patterns(_parts(pats) + [st], bases)
-        assert (rest == []) is want
+        lane.singles.clear()
+        lane.launch_patterns(_parts(pats) + [st], bases)
+        assert lane.singles == ([] if want else [1])  # not joined: a launch of its own
     lane._pattern_rows = None  # cached: no table is built again
     assert lane.joins(main, ("state", fits), bases) and not lane.joins(
         main, ("state", narrow), bases
     )
-    bare = HostLane(dst, s_dst)  # no native launcher: every other group's part is left
+    bare = HostLane(dst, s_dst)  # no native launcher: every part a launch of its own
     bare._tasks = None
     assert not bare.joins(main, ("state", fits), bases)
 
 
-def test_no_native_launcher_leaves_other_groups():
+def test_no_native_launcher_goes_part_by_part_of_every_group():
     pats = _patterns()
     src, dst = _buffers(9)
     lane = HostLane(dst)
     lane._tasks = None
     st = (pats[0], np.array([1]), np.array([2]), "state")
-    ev, rest = lane.launch_patterns(_parts(pats[:2]) + [st], _bases(src, dst))
-    assert ev == "single" and rest == [st] and lane.singles == [3, 1]
+    bases = {**_bases(src, dst), "state": _args(src, dst)}
+    assert lane.launch_patterns(_parts(pats[:2]) + [st], bases) == "single"
+    assert lane.singles == [3, 1, 1]
 
 
 def test_a_refused_native_launch_falls_back_to_one_launch_per_part(monkeypatch):
@@ -265,7 +273,7 @@ def test_a_refused_native_launch_falls_back_to_one_launch_per_part(monkeypatch):
     for p, s, d, _ in parts:
         ref.launch_pattern(p, *_args(src, want), s, d)
     lane = HostLane(dst)
-    assert lane.launch_patterns(parts, _bases(src, dst)) == ("single", [])
+    assert lane.launch_patterns(parts, _bases(src, dst)) == "single"
     assert lane.singles == [3, 3, 3, 3, 1] and np.array_equal(dst, want)
 
 
