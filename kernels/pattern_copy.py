@@ -37,7 +37,7 @@ Invariants:
 from __future__ import annotations
 
 import time
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -174,18 +174,23 @@ def _block(rows: np.ndarray) -> int:
     return min(4096, max(512, 1 << (longest - 1).bit_length()))
 
 
-def joins_launch(base_rows: np.ndarray, span: int, rows: np.ndarray) -> bool:
-    """Whether a pattern with row table ``rows`` can join a launch over ``base_rows``
-    (several classes: their tables concatenated, the widest of ``span`` rows) without
-    widening it: no more rows than ``span`` (the grid spans the widest class, for every
-    item), a vector block no longer (the block follows the longest row) and an alignment no
-    narrower (the whole launch takes the narrowest)."""
-    if not rows.size:
-        return True
-    return (
-        len(rows) <= span
-        and _block(rows) <= _block(base_rows)
-        and row_alignment(rows) >= row_alignment(base_rows)
+def launch_stats(rows: np.ndarray) -> Tuple[int, int, int]:
+    """``(rows, vector block, alignment)`` of one pattern's row table: what it brings to the
+    shape of a launch it is part of (see :func:`joins_launch`)."""
+    return int(rows.shape[0]), _block(rows), row_alignment(rows)
+
+
+def joins_launch(main: Sequence[Tuple[int, int, int]], extra: Tuple[int, int, int]) -> bool:
+    """Whether a pattern of :func:`launch_stats` ``extra`` can join a launch of patterns
+    ``main`` (their stats) without widening it: no more rows than the widest (the grid
+    spans the widest pattern, for every item), a vector block no longer (the block follows
+    the longest row) and an alignment no narrower (the launch takes the narrowest). A
+    pattern without rows joins anything."""
+    rows, block, align = extra
+    return not rows or (
+        rows <= max(m[0] for m in main)
+        and block <= max(m[1] for m in main)
+        and align >= min(m[2] for m in main)
     )
 
 

@@ -173,8 +173,9 @@ class DeviceLane:
         #: (:func:`~kvxfer.kernels.pattern_copy.checked_shape`); the patterns are held so
         #: that their ids are not reused while cached
         self._patterns: Dict[Any, tuple] = {}
-        #: (ids of the main runs, id of the other) -> (whether it joins, the runs held)
-        self._joins: Dict[Any, tuple] = {}
+        #: (group, id(runs)) -> (launch stats of its row table, the runs held so that
+        #: the id is not reused while cached): what :meth:`joins` compares
+        self._stats: Dict[Any, tuple] = {}
         #: host-time parts of each pattern launch ($KVXFER_LANE_PROFILE, diagnostics)
         self.profile: Optional[Dict[str, Any]] = {} if os.environ.get(PROFILE_ENV) else None
 
@@ -356,43 +357,45 @@ class DeviceLane:
     def joins(self, main, extra, bases) -> bool:
         """Whether pattern ``extra`` = ``(group, runs)`` of another group would join a launch
         of ``main`` = ``[(group, runs)]`` (the piece classes of one group) in
-        :meth:`launch_patterns` (:func:`~kvxfer.kernels.pattern_copy.joins_launch` on their
-        row tables; ``bases`` as there); cached per combination. False without a native
-        launcher (where every part is a launch of its own)."""
+        :meth:`launch_patterns` (:func:`~kvxfer.kernels.pattern_copy.joins_launch`;
+        ``bases`` as there). Each pattern's table is measured once (cached). False without
+        a native launcher (where every part is a launch of its own)."""
         if self._tasks is None:
             return False
-        key = (tuple(id(r) for _, r in main), id(extra[1]))
-        got = self._joins.get(key)
-        if got is None:
-            fits = self._joiner([self._pattern_rows(r, *bases[g]) for g, r in main])
-            while len(self._joins) >= PATTERN_CACHE:
-                self._joins.pop(next(iter(self._joins)))
-            # the runs are held so that their ids are not reused while cached
-            got = self._joins[key] = (
-                fits(self._pattern_rows(extra[1], *bases[extra[0]])),
-                tuple(main),
-                extra,
-            )
-        return got[0]
-
-    @staticmethod
-    def _joiner(main_tables):
-        """:meth:`launch_patterns`' rule for another group's row table against the main
-        group's ``main_tables``: a function of the table, True where it joins."""
         from kvxfer.kernels.pattern_copy import joins_launch
 
-        base, span = np.concatenate(main_tables), max(len(t) for t in main_tables)
-        return lambda rows: joins_launch(base, span, rows)
+        return joins_launch([self._stats_of(p, bases) for p in main], self._stats_of(extra, bases))
+
+    def _stats_of(self, part, bases) -> tuple:
+        """:func:`~kvxfer.kernels.pattern_copy.launch_stats` of ``part`` = ``(group, runs)``
+        between ``bases[group]``, cached."""
+        group, runs = part
+        got = self._stats.get((group, id(runs)))
+        if got is None:
+            from kvxfer.kernels.pattern_copy import launch_stats
+
+            while len(self._stats) >= 4 * PATTERN_CACHE:
+                self._stats.pop(next(iter(self._stats)))
+            rows = self._pattern_rows(runs, *bases[group])
+            got = self._stats[(group, id(runs))] = (launch_stats(rows), runs)
+        return got[0]
 
     def _combined(self, live, tables) -> tuple:
         """``(joined, host rows, device rows, align, launch shape, row bounds, widest range)``
         of a combined launch of the ``live`` parts with row tables ``tables``: ``joined[k]``
         whether part ``k`` is in it (:meth:`launch_patterns`' rule); the rest None when
         fewer than two parts are."""
-        from kvxfer.kernels.pattern_copy import checked_shape, row_alignment
+        from kvxfer.kernels.pattern_copy import (
+            checked_shape,
+            joins_launch,
+            launch_stats,
+            row_alignment,
+        )
 
-        fits = self._joiner([t for p, t in zip(live, tables) if p[3] == live[0][3]])
-        joined = [p[3] == live[0][3] or fits(t) for p, t in zip(live, tables)]
+        main = [launch_stats(t) for p, t in zip(live, tables) if p[3] == live[0][3]]
+        joined = [
+            p[3] == live[0][3] or joins_launch(main, launch_stats(t)) for p, t in zip(live, tables)
+        ]
         tables = [t for t, j in zip(tables, joined) if j]
         if len(tables) < 2:
             return (joined, None, None, 0, None, None, 0)

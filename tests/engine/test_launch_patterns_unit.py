@@ -37,7 +37,7 @@ class HostLane(devcopy.DeviceLane):
         self._rbase = np.array(bases, dtype=np.uint64)
         self._rlen = np.array([d.nbytes for d in dst], dtype=np.uint64)
         self._patterns = {}
-        self._joins = {}
+        self._stats = {}
         self.profile = None
         self._tasks = SimpleNamespace(ring="ring")
         self._stream_h = 7

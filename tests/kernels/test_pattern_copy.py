@@ -137,13 +137,23 @@ def test_joins_launch_only_where_the_launch_stays_as_it_is():
         t[:, 2], t[:, 3], t[:, 4] = length, 8192, 8192
         return t
 
-    base = table(8, 256)  # the widest class 8 rows, 512-byte block, 16-byte aligned
-    assert pattern_copy.joins_launch(base, 8, table(8, 512))
-    assert pattern_copy.joins_launch(base, 8, table(0, 4096))  # nothing to add
-    assert not pattern_copy.joins_launch(base, 8, table(9, 256))  # a wider span
-    assert not pattern_copy.joins_launch(base, 8, table(2, 1024))  # a longer block
-    assert not pattern_copy.joins_launch(base, 8, table(2, 256, align=8))  # narrower
-    assert pattern_copy.joins_launch(table(8, 4096), 8, table(2, 60000))  # both 4096
+    def joins(main, extra):
+        stats = pattern_copy.launch_stats
+        return pattern_copy.joins_launch([stats(t) for t in main], stats(extra))
+
+    assert pattern_copy.launch_stats(table(8, 256)) == (8, 512, 16)
+    base = [table(8, 256), table(3, 128)]  # the widest 8 rows, 512-byte block, 16-aligned
+    assert joins(base, table(8, 512))
+    assert joins(base, table(0, 4096))  # nothing to add
+    assert not joins(base, table(9, 256))  # a wider span
+    assert not joins(base, table(2, 1024))  # a longer block
+    assert not joins(base, table(2, 256, align=8))  # narrower
+    assert joins([table(8, 4096)], table(2, 60000))  # both 4096
+    assert not joins([table(8, 256), table(2, 256, align=4)], table(1, 16, align=2))
+    assert joins([table(8, 256), table(2, 2048, align=4)], table(1, 1024, align=4))
+    # the stats of a concatenation are those the launch takes: widest, longest, narrowest
+    both = np.concatenate([table(8, 256), table(2, 2048, align=4)])
+    assert pattern_copy.launch_stats(both)[1:] == (2048, 4)
 
 
 def test_several_patterns_in_one_launch():
