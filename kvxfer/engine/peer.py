@@ -365,8 +365,8 @@ class Peer:
         """Whether PatternWrite ``extra`` (another group's: a request's state slices) would
         go in the same device-lane launch as ``main`` (one write's PatternWrites of one
         group: its kv piece classes) instead of a launch of its own
-        (:meth:`~kvxfer.engine.devcopy.DeviceLane.launch_patterns`' rule, cached per
-        combination); False where a group has no pattern launch or a plan is not a
+        (:meth:`~kvxfer.engine.devcopy.DeviceLane.launch_patterns`' rule; each pattern's
+        table measured once: :meth:`~kvxfer.engine.devcopy.DeviceLane.joins`); False where a group has no pattern launch or a plan is not a
         validated :class:`~kvxfer.engine.slices.PatternRuns`. A caller with the choice
         writes such a part another way (its runs as PUTs: cheaper than a launch for a few)."""
         if not main or not self.can_pattern(main[0].group) or not self.can_pattern(extra.group):
