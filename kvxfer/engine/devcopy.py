@@ -174,7 +174,7 @@ class DeviceLane:
         #: that their ids are not reused while cached
         self._patterns: Dict[Any, tuple] = {}
         #: (group, id(runs)) -> (launch stats of its row table, the runs held so that
-        #: the id is not reused while cached): what :meth:`joins` compares
+        #: the id is not reused while cached, the local bases): what :meth:`joins` compares
         self._stats: Dict[Any, tuple] = {}
         #: host-time parts of each pattern launch ($KVXFER_LANE_PROFILE, diagnostics)
         self.profile: Optional[Dict[str, Any]] = {} if os.environ.get(PROFILE_ENV) else None
@@ -371,13 +371,13 @@ class DeviceLane:
         between ``bases[group]``, cached."""
         group, runs = part
         got = self._stats.get((group, id(runs)))
-        if got is None:
+        if got is None or got[2] != bases[group][0]:  # (local bases: as _patterns checks)
             from kvxfer.kernels.pattern_copy import launch_stats
 
             while len(self._stats) >= 4 * PATTERN_CACHE:
                 self._stats.pop(next(iter(self._stats)))
             rows = self._pattern_rows(runs, *bases[group])
-            got = self._stats[(group, id(runs))] = (launch_stats(rows), runs)
+            got = self._stats[(group, id(runs))] = (launch_stats(rows), runs, bases[group][0])
         return got[0]
 
     def _combined(self, live, tables) -> tuple:
