@@ -501,7 +501,7 @@ class PrefillSide:
 
         tp = link.tp
         assert tp is not None
-        launch = [w for w in kv if isinstance(w, PatternWrite)]
+        launch = [w for w in kv if isinstance(w, PatternWrite) and len(w.src_items)]
         st = tp.write(
             "state",
             src_state,
