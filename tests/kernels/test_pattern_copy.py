@@ -202,3 +202,30 @@ def test_several_patterns_in_one_launch():
     assert torch.equal(dst.cpu(), want)
     with pytest.raises(InvalidArgument):  # the widest range must be given
         copy_pattern(t_rows, t_items, row_alignment(rows), host_rows=rows)
+
+
+def test_native_launch_reads_the_clock_only_for_stamps(monkeypatch):
+    """``copy_pattern_native``'s diagnostics: five stamps when asked, no clock read at all
+    on the launch path otherwise (the driver stood in for: a ring, a kernel)."""
+    from types import SimpleNamespace
+
+    reads = []
+    monkeypatch.setattr(
+        pattern_copy, "time", SimpleNamespace(perf_counter=lambda: reads.append(1) or len(reads))
+    )
+    launched = []
+    kernel = SimpleNamespace(launch=lambda *a, **k: launched.append(a))
+    monkeypatch.setattr(pattern_copy, "_native_kernel", lambda *a: kernel)
+    ring = SimpleNamespace(
+        ordinal=0,
+        ctx=SimpleNamespace(enter=lambda: False, leave=lambda pushed: None),
+        take=lambda n: (0, np.zeros(n, np.int64), 4096),
+        done=lambda slot, stream: "event",
+    )
+    rows = np.array([[0, 0, 64, 64, 64], [64, 64, 64, 64, 64]], dtype=np.int64)
+    pairs = np.array([[0, 1], [2, 3]], dtype=np.int64)
+    assert pattern_copy.copy_pattern_native(ring, 8, rows, pairs, 16, 7) == "event"
+    assert reads == [] and len(launched) == 1
+    stamps: list = []
+    pattern_copy.copy_pattern_native(ring, 8, rows, pairs, 16, 7, stamps=stamps)
+    assert stamps == [1, 2, 3, 4, 5] and len(pattern_copy.NATIVE_PARTS) == 5
