@@ -11,7 +11,8 @@
  *   rkey_pack / rkey_unpack / rkey_destroy
  *   put_batch                 one C loop of ucp_put_nbx over arrays; every op is bounds-checked
  *                             against its remote region BEFORE any is posted; GIL released
- *                             while posting
+ *                             while posting; on an owned endpoint a PUT's failure is kept
+ *                             and fails the endpoint's later flush chains
  *   CompletionQueue           ep/worker flush whose completion (token, status, time) is queued
  *                             and signalled on an eventfd that asyncio watches (loop.add_reader).
  *                             Callbacks run on the thread that progresses the endpoint's
@@ -241,7 +242,7 @@ static int get_u64_array(PyObject *o, Py_buffer *b, const char *name)
 }
 
 /*
- * put_batch(ep, laddr, raddr, nbytes, lmemh, ridx, rbase, rlen, rkeys, keep_gil=False)
+ * put_batch(ep, laddr, raddr, nbytes, lmemh, ridx, rbase, rlen, rkeys, keep_gil=False, ctx=0)
  * -> ops posted
  *
  * Per op i: PUT nbytes[i] bytes from local laddr[i] (registration lmemh[i], 0 = let UCX
@@ -251,7 +252,21 @@ static int get_u64_array(PyObject *o, Py_buffer *b, const char *name)
  * (ep_create on a queue with an own worker): no thread that holds that worker's lock ever
  * waits for the GIL (its callbacks are native), while UCXX's progress thread holds its
  * worker's lock when it runs Python callbacks. The caller keeps such batches short.
+ * ctx: the endpoint's error-handler context (ep_create), or 0. With one, every PUT that
+ * does not complete at once gets a callback that records a failure in the context; a
+ * later flush + notify chain on the endpoint then fails instead of succeeding (see
+ * put_cb). The batch holds one context reference until its last such callback ran.
+ * Without one a pending PUT's request is freed at once and its status is never seen.
  */
+struct ep_ctx;
+typedef struct {
+    struct ep_ctx *x;
+    long left; /* pending PUTs + the poster's own hold (atomic) */
+} put_batch_t;
+static void put_cb(void *request, ucs_status_t status, void *user);
+static void put_batch_drop(put_batch_t *pb, long n);
+static void ep_ctx_add(struct ep_ctx *x, int n);
+
 static PyObject *py_put_batch(PyObject *self, PyObject *args)
 {
     PyObject *ep_o, *objs[8];
@@ -263,11 +278,15 @@ static PyObject *py_put_batch(PyObject *self, PyObject *args)
     ucs_status_t st = UCS_OK;
     PyObject *result = NULL;
     int keep = 0;
+    unsigned long long ctx = 0;
+    put_batch_t *pb = NULL;
+    Py_ssize_t pending = 0;
     PyThreadState *ts;
 
-    if (!PyArg_ParseTuple(args, "OOOOOOOOO|p", &ep_o, &objs[0], &objs[1], &objs[2], &objs[3],
-                          &objs[4], &objs[5], &objs[6], &objs[7], &keep))
+    if (!PyArg_ParseTuple(args, "OOOOOOOOO|pK", &ep_o, &objs[0], &objs[1], &objs[2], &objs[3],
+                          &objs[4], &objs[5], &objs[6], &objs[7], &keep, &ctx))
         return NULL;
+
     if (get_handle(ep_o, (void **)&ep, "endpoint") < 0)
         return NULL;
     for (i = 0; i < 8; i++, nb++)
@@ -308,24 +327,43 @@ static PyObject *py_put_batch(PyObject *self, PyObject *args)
                 goto out;
             }
         }
+        if (ctx != 0) {
+            pb = malloc(sizeof(*pb));
+            if (pb == NULL) {
+                PyErr_NoMemory();
+                goto out;
+            }
+            pb->x    = (struct ep_ctx *)(uintptr_t)ctx;
+            pb->left = (long)n + 1; /* every op may pend; the unused ones dropped below */
+            ep_ctx_add(pb->x, 1);
+        }
         ts = keep ? NULL : PyEval_SaveThread();
         for (k = 0; k < n; k++) {
             ucp_request_param_t p;
             ucs_status_ptr_t sp;
             p.op_attr_mask = lmemh[k] ? UCP_OP_ATTR_FIELD_MEMH : 0;
             p.memh         = (ucp_mem_h)(uintptr_t)lmemh[k];
+            if (pb != NULL) {
+                p.op_attr_mask |= UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+                p.cb.send   = put_cb;
+                p.user_data = pb;
+            }
             sp = ucp_put_nbx(ep, (void *)(uintptr_t)laddr[k], (size_t)len[k], raddr[k],
                              (ucp_rkey_h)(uintptr_t)rkeys[ridx[k]], &p);
             if (UCS_PTR_IS_ERR(sp)) {
                 st = UCS_PTR_STATUS(sp);
                 break;
             }
-            if (sp != NULL)
+            if (sp != NULL && pb != NULL)
+                pending++; /* put_cb frees it */
+            else if (sp != NULL)
                 ucp_request_free(sp); /* completes in the background; tracked by flush */
             posted++;
         }
         if (ts != NULL)
             PyEval_RestoreThread(ts);
+        if (pb != NULL)
+            put_batch_drop(pb, (long)(n - pending) + 1);
     }
     if (st != UCS_OK) {
         raise_ucx(st, "ucp_put_nbx", posted);
@@ -923,11 +961,13 @@ static PyObject *cq_worker_flush(CompletionQueue *self, PyObject *args) { return
  * process, which is what happens to NONE-mode endpoints without a handler (UCXX creates its
  * error-handling-off endpoints without one). The handler queues (err_token, status).
  */
-typedef struct {
+typedef struct ep_ctx {
     cq_core_t *core;
     uint64_t err_token;
-    int refs;    /* ep_create's (dropped by ep_ctx_free) + chains in flight; under core->mu */
+    int refs;    /* ep_create's (dropped by ep_ctx_free) + chains and PUT batches in
+                  * flight; under core->mu */
     int closing; /* ep_close was called: a chain completing later sends no notification */
+    int put_err; /* the first failure a PUT on the endpoint reported (put_cb; atomic) */
 } ep_ctx_t;
 
 /* Drop one reference of an endpoint context; caller holds x->core->mu. Returns whether
@@ -940,6 +980,50 @@ static int ep_ctx_unref_locked(ep_ctx_t *x)
         free(x);
     }
     return free_core;
+}
+
+/* Take (n = 1) or drop (n = -1) a reference of x; the caller holds no lock. */
+static void ep_ctx_add(ep_ctx_t *x, int n)
+{
+    cq_core_t *c  = x->core;
+    int free_core = 0;
+    pthread_mutex_lock(&c->mu);
+    if (n > 0)
+        x->refs++;
+    else
+        free_core = ep_ctx_unref_locked(x);
+    pthread_mutex_unlock(&c->mu);
+    if (free_core)
+        cq_core_free(c);
+}
+
+/* n of a PUT batch's holds are done; the last one drops the batch's context reference. */
+static void put_batch_drop(put_batch_t *pb, long n)
+{
+    if (__atomic_sub_fetch(&pb->left, n, __ATOMIC_ACQ_REL) == 0) {
+        ep_ctx_add(pb->x, -1);
+        free(pb);
+    }
+}
+
+/*
+ * A pending PUT on an owned endpoint completed (any thread; never touches Python).
+ * A failure is recorded, and every later chain on the endpoint fails (chain_post_am):
+ * a transport whose flush does not wait for earlier operations' outcome (cma: its flush
+ * marker completes OK after a PUT before it failed, ESRCH from a dead peer) would
+ * otherwise report a write into a dead peer as done. UCX also fails the endpoint and
+ * calls ep_err_cb, but from a deferred callback: after the flush has completed.
+ */
+static void put_cb(void *request, ucs_status_t status, void *user)
+{
+    put_batch_t *pb = (put_batch_t *)user;
+    ucp_request_free(request);
+    if (status != UCS_OK) {
+        int expect = UCS_OK;
+        __atomic_compare_exchange_n(&pb->x->put_err, &expect, (int)status, 0, __ATOMIC_ACQ_REL,
+                                    __ATOMIC_ACQUIRE);
+    }
+    put_batch_drop(pb, 1);
 }
 
 static void ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
@@ -981,6 +1065,7 @@ static PyObject *cq_ep_create(CompletionQueue *self, PyObject *args)
     x->err_token = token;
     x->refs      = 1;
     x->closing   = 0;
+    x->put_err   = UCS_OK;
     pthread_mutex_lock(&c->mu);
     c->refs++; /* held by the endpoint context until ep_ctx_free */
     pthread_mutex_unlock(&c->mu);
@@ -1349,23 +1434,29 @@ static void chain_am_cb(void *request, ucs_status_t st, void *user)
     chain_end((chain_t *)user, st);
 }
 
-/* Post the notification. Returns 1 if pending (chain_am_cb releases the chain), else 0
- * with *st set (the caller releases it). Runs with the worker lock held (inside a flush
+/* Post the notification (none for a plain flush). Returns 1 if pending (chain_am_cb
+ * releases the chain), else 0 with *st set (the caller releases it): an owned endpoint
+ * on which a PUT failed (put_cb) fails the chain, a plain flush included. Runs with the worker lock held (inside a flush
  * callback) or on the thread that started the chain; ep_close runs on that thread too and
  * needs the worker lock, so `closing` cannot change between the check and the post. */
 static int chain_post_am(chain_t *ch, ucs_status_t *st)
 {
     ucp_request_param_t p;
     ucs_status_ptr_t sp;
-    int closing = 0;
+    int closing = 0, put_failed = 0;
+    if (ch->x != NULL) {
+        pthread_mutex_lock(&ch->core->mu);
+        closing    = ch->x->closing;
+        put_failed = __atomic_load_n(&ch->x->put_err, __ATOMIC_ACQUIRE) != UCS_OK;
+        pthread_mutex_unlock(&ch->core->mu);
+    }
+    if (put_failed) { /* UCX fails the endpoint (and calls its handler, later): so does the chain */
+        *st = UCS_ERR_CONNECTION_RESET;
+        return 0;
+    }
     if (ch->hdr == 0) { /* a plain flush: nothing to send */
         *st = UCS_OK;
         return 0;
-    }
-    if (ch->x != NULL) {
-        pthread_mutex_lock(&ch->core->mu);
-        closing = ch->x->closing;
-        pthread_mutex_unlock(&ch->core->mu);
     }
     if (closing) {
         *st = UCS_ERR_CANCELED;
@@ -1848,8 +1939,10 @@ static PyMethodDef methods[] = {
     {"rkey_unpack", py_rkey_unpack, METH_VARARGS, "rkey_unpack(ep, packed) -> rkey handle"},
     {"rkey_destroy", py_rkey_destroy, METH_VARARGS, "rkey_destroy(rkey)"},
     {"put_batch", py_put_batch, METH_VARARGS,
-     "put_batch(ep, laddr, raddr, nbytes, lmemh, ridx, rbase, rlen, rkeys) -> ops posted\n"
-     "All arrays are 1-D 64-bit integer buffers; every op is bounds-checked first."},
+     "put_batch(ep, laddr, raddr, nbytes, lmemh, ridx, rbase, rlen, rkeys, keep_gil=False, "
+     "ctx=0) -> ops posted\n"
+     "All arrays are 1-D 64-bit integer buffers; every op is bounds-checked first. ctx: the "
+     "endpoint's ep_create context (a failed PUT then fails the endpoint's later chains)."},
     {"ep_ctx_free", py_ep_ctx_free, METH_VARARGS,
      "ep_ctx_free(ctx): release an ep_create context after its endpoint closed"},
     {"ep_info", py_ep_info, METH_VARARGS, "ep_info(ep) -> ucp_ep_print_info text"},

@@ -168,6 +168,7 @@ class UcxRma(RmaEndpoint):
                 self._rlen,
                 self._rkey_arr,
                 keep,
+                self._raw[1] if self._raw is not None else 0,
             )
         except IndexError as exc:
             raise IndexOutOfRange(f"native bounds check: {exc}") from None
@@ -178,6 +179,14 @@ class UcxRma(RmaEndpoint):
             raise err from None
 
     async def flush(self, timeout: float, spin: bool = False) -> float:
+        """Flush the endpoint. An owned endpoint flushes through its chain (note token 0),
+        which also fails when a PUT on it failed before (``_rma`` put_cb): some transports'
+        flushes complete after a failed PUT (cma, to a dead peer)."""
+        if self._raw is not None:
+            try:
+                return await asyncio.wait_for(self.flush_future(spin), timeout)
+            except asyncio.TimeoutError:
+                raise TransferTimeout(f"ucp_ep_flush not complete after {timeout:.3g} s") from None
         return await self._t.flush_ep(self._handle(), timeout, spin)
 
     def flush_future(self, spin: bool = False):
