@@ -22,6 +22,12 @@ Invariants:
   the wait ends), so that it runs there. The gate is never waited for
   by a guest (a busy loop means "hand it over as usual"), and once the loop ended its
   thread keeps it (no guest runs on a stopped loop).
+* a coroutine given to :meth:`LoopThread.submit_here` runs its first step (up to its first
+  real suspension, :func:`kvxfer.eager.start`) as such a guest run, and the loop continues
+  it from there; one that finishes within that step (a write whose flush ended inline)
+  costs no thread hop at all. Where no guest run is possible the first step runs on the
+  loop, in the order of :meth:`LoopThread.call` (the first steps of coroutines submitted so
+  run in submission order, either way);
 * calls handed over by :meth:`LoopThread.call` run in call order; those handed over before
   the loop took them share one wake-up (a queue drained by one callback), so a burst of
   calls while the loop is busy costs one self-pipe write, not one each
@@ -32,12 +38,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import selectors
 import threading
 import time
 from asyncio import events
 from typing import Any, Awaitable, Callable, Coroutine, List, Mapping, Optional, Tuple, TypeVar
 
+from kvxfer import eager
 from kvxfer.errors import Closed, TransferTimeout
 
 T = TypeVar("T")
@@ -88,6 +96,23 @@ class _GatedSelector(selectors.BaseSelector):
 
 #: per thread: set while that thread runs a guest run (any LoopThread's)
 _local = threading.local()
+
+
+def _settle(out: concurrent.futures.Future, fut: "asyncio.Future[Any]") -> None:
+    """Copy an asyncio future's outcome into a concurrent one."""
+    if fut.cancelled():
+        out.cancel()
+        return
+    exc = fut.exception()
+    if exc is not None:
+        out.set_exception(exc)
+    else:
+        out.set_result(fut.result())
+
+
+def _retrieve(task: "asyncio.Task[Any]") -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def in_guest() -> bool:
@@ -256,6 +281,44 @@ class LoopThread:
                 except RuntimeError:  # closed meanwhile: nothing left to run it
                     pass
         return done
+
+    def submit_here(self, coro: Coroutine[Any, Any, T]) -> "concurrent.futures.Future[T]":
+        """As :meth:`submit`, but ``coro``'s first step (up to its first real suspension,
+        :func:`kvxfer.eager.start`) runs now on the calling thread as the loop's guest when
+        :meth:`call` would run a direct call (the loop waits for events and every call
+        handed over before has started); else it runs on the loop, handed over through
+        :meth:`call` (so first steps run in submission order). The loop continues the
+        coroutine from its suspension in a task. The returned future is already done when
+        the coroutine finished within a guest first step (no thread hop either way).
+
+        Runs on: any thread but the loop's (there, use ``create_task``)."""
+        if self._stopped or self._thread is None:
+            coro.close()
+            raise Closed(f"{self!r} is not running")
+        out: "concurrent.futures.Future[T]" = concurrent.futures.Future()
+        try:
+            self.call(self._first_step, coro, out, direct=True)
+        except BaseException:
+            coro.close()
+            raise
+        return out
+
+    def _first_step(self, coro: Coroutine[Any, Any, Any], out: concurrent.futures.Future) -> None:
+        """:meth:`submit_here`'s first step. Runs on: the calling thread as the loop's guest,
+        or the loop's thread (the outcome's copy into ``out``: then, or on the loop's
+        thread when the coroutine ends)."""
+        fut = eager.start(self._own_task, coro)
+        if fut.done():
+            _settle(out, fut)
+        else:
+            fut.add_done_callback(functools.partial(_settle, out))
+
+    def _own_task(self, coro: Coroutine[Any, Any, Any]) -> "asyncio.Task[Any]":
+        """A continuation's task (:func:`kvxfer.eager.start`'s ``spawn``); its outcome is
+        always retrieved (the caller sees it through :meth:`submit_here`'s future)."""
+        task = self.loop.create_task(coro)
+        task.add_done_callback(_retrieve)
+        return task
 
     def take_completions(self, transport: Any) -> bool:
         """``transport.take_completions()`` (:class:`kvxfer.transport.base.Transport`) now, as

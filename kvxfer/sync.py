@@ -4,8 +4,12 @@ schedulers that are not async.
 Every method is thread-safe and bounded: blocking calls wait at most their timeout (plus a
 small margin); ``write_async`` returns a :class:`Pending` whose ``poll()`` never blocks.
 Methods run on the caller's thread and hand the work to the loop thread (a
-:class:`kvxfer.loop_thread.LoopThread`, via ``run_coroutine_threadsafe``); handlers registered
-here run on the loop thread (the threads table in docs/engine.md). Alternatively
+:class:`kvxfer.loop_thread.LoopThread`, via ``run_coroutine_threadsafe``), except writes:
+a write starts on the caller's thread as the loop's guest when the loop waits for events
+(:meth:`LoopThread.submit_here`: planned, posted and, when its flush ends inline, finished
+there, with no thread hop), else it is handed over in order (writes start in call order
+either way: their notifications leave in that order). Handlers registered here run on
+the loop thread (the threads table in docs/engine.md). Alternatively
 ``poll_messages()`` drains the messages received so far (non-blocking).
 """
 
@@ -63,7 +67,7 @@ class SyncPeer:
         self, writes: Sequence, notify: Optional[bytes] = None, timeout: Optional[float] = None
     ) -> Pending:
         t = self._owner.engine.config.transfer_timeout_s if timeout is None else timeout
-        return Pending(self._owner._submit(self._peer.write(list(writes), notify, t)), t)
+        return Pending(self._owner._start(self._peer.write(list(writes), notify, t)), t)
 
     def write(
         self, writes: Sequence, notify: Optional[bytes] = None, timeout: Optional[float] = None
@@ -97,6 +101,14 @@ class SyncEngine:
             coro.close()
             raise Closed("SyncEngine closed")
         return self._lt.submit(coro)
+
+    def _start(self, coro) -> concurrent.futures.Future:
+        """Start ``coro`` here as the loop's guest, else on the loop, in call order
+        (LoopThread.submit_here)."""
+        if self._closed:
+            coro.close()
+            raise Closed("SyncEngine closed")
+        return self._lt.submit_here(coro)
 
     def _run(self, coro, timeout: float):
         if self._closed:

@@ -392,6 +392,19 @@ class KVManager:
         self._thread.stop(timeout)
         self._thread = None
 
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> "concurrent.futures.Future[Any]":
+        """Run ``coro`` (e.g. a ``Peer.write`` of :attr:`engine`) on the manager's loop from
+        another thread; returns a future of its outcome. On the manager's own loop thread
+        (:meth:`start_background`) its first step runs right here as the loop's guest when
+        the loop waits for events (:meth:`LoopThread.submit_here`: a write whose flush ends
+        inline finishes before this returns), else on the loop, in submission order; on a
+        foreign loop it is handed over (``run_coroutine_threadsafe``).
+        Runs on: any thread but the loop's."""
+        lt = self._thread
+        if lt is not None:
+            return lt.submit_here(coro)
+        return asyncio.run_coroutine_threadsafe(coro, self._running_loop())
+
     def loop_cpu_seconds(self) -> float:
         """CPU time the background loop's thread has used so far (callable from any thread);
         0.0 unless :meth:`start_background` started it (``LoopThread.cpu_seconds``)."""

@@ -421,13 +421,18 @@ class Peer:
         if self._dead.done():
             fut.cancel()
             self._check_open()
-        timer = self._loop.call_later(timeout, _wake, fut, _TIMEOUT)
-        self._waiters.add(fut)
-        try:
-            res = await fut
-        finally:
-            timer.cancel()
-            self._waiters.discard(fut)
+        if fut.done():  # ended inline (a flush in the starting call): no timer to arm
+            res = fut.result()
+        else:
+            # (a cancelled timer stays in the loop's heap: armed for every write, it made a
+            # guest's write wake the idle loop for nothing: LoopThread.run_here)
+            timer = self._loop.call_later(timeout, _wake, fut, _TIMEOUT)
+            self._waiters.add(fut)
+            try:
+                res = await fut
+            finally:
+                timer.cancel()
+                self._waiters.discard(fut)
         if res is _DEAD:
             self._check_open()
         if res is _TIMEOUT:

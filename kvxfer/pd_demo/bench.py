@@ -82,7 +82,6 @@ protocol and the transfer, not the synthetic compute.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import socket
@@ -256,7 +255,9 @@ class BenchWorker(PDWorker):
     def _raw_write(self, res: dict, dst: dict, notify: bool = False) -> tuple:
         """The engine alone: the request's kv pages, state slot and aux row written to
         decode's ``dst`` ids over the manager's connection (no protocol; with ``notify`` a
-        Ping that decode's manager drops, as the notification). Returns (seconds until the
+        Ping that decode's manager drops, as the notification), from this thread as a
+        scheduler would (``KVManager.submit``: started here when the loop idles, as the
+        PD sends are). Returns (seconds until the
         flush completed and any notification was handed to UCX, TransferStats, the Ping's
         seq or None, monotonic_ns at the start)."""
         from kvxfer.disagg.messages import Ping
@@ -273,13 +274,12 @@ class BenchWorker(PDWorker):
             seq, self._raw_seq = self._raw_seq, self._raw_seq + 1
         t0_ns = time.monotonic_ns()
         t0 = time.monotonic()
-        stats = asyncio.run_coroutine_threadsafe(
+        stats = self.mgr.submit(  # as a scheduler would: started here when the loop idles
             peer.write(
                 items,
                 notify=None if seq is None else Ping(seq=seq).encode(),
                 timeout=self.mgr.t.transfer_s,
-            ),
-            self.mgr.loop,
+            )
         ).result(120)
         return time.monotonic() - t0, stats, seq, t0_ns
 

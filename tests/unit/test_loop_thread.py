@@ -221,6 +221,108 @@ def test_run_here_refuses_a_busy_stopped_or_foreign_loop():
     assert lt.run_here(lambda: True) is False  # stopped
 
 
+def test_submit_here_finishes_a_coroutine_that_never_suspends_on_the_caller():
+    """No thread hop: the coroutine runs on the calling thread with the loop as its running
+    loop, and the future is done when submit_here returns."""
+    lt = _started("kvxfer-test-start-sync")
+    try:
+        _idle(lt)
+
+        async def body(x):
+            done = lt.loop.create_future()  # awaited already resolved (a flush ended inline)
+            done.set_result(x)
+            return threading.get_ident(), asyncio.get_running_loop(), await done
+
+        fut = lt.submit_here(body(5))
+        assert fut.done() and fut.result() == (threading.get_ident(), lt.loop, 5)
+
+        async def fails():
+            raise KeyError("sync")
+
+        with pytest.raises(KeyError):
+            lt.submit_here(fails()).result(5.0)  # raised in the first step: through the future
+    finally:
+        lt.stop(5.0)
+
+
+def test_submit_here_continues_a_suspended_coroutine_on_the_loop():
+    """The first step on the caller, the rest (after the awaited future resolved) on the
+    loop's thread; its result and exceptions reach the returned future."""
+    lt = _started("kvxfer-test-start-async")
+    try:
+        _idle(lt)
+        seen = {}
+        gate = {}
+
+        async def body():
+            seen["first"] = threading.get_ident()
+            gate["fut"] = asyncio.get_running_loop().create_future()
+            value = await gate["fut"]
+            seen["rest"] = threading.get_ident()
+            if value == "boom":
+                raise ValueError(value)
+            return value
+
+        fut = lt.submit_here(body())
+        assert not fut.done() and seen["first"] == threading.get_ident()
+        lt.loop.call_soon_threadsafe(gate["fut"].set_result, 11)
+        assert fut.result(5.0) == 11
+        assert seen["rest"] == lt.loop._thread_id != threading.get_ident()
+
+        fut = lt.submit_here(body())
+        lt.loop.call_soon_threadsafe(gate["fut"].set_result, "boom")
+        with pytest.raises(ValueError):
+            fut.result(5.0)
+    finally:
+        lt.stop(5.0)
+
+
+def test_submit_here_keeps_submission_order_when_the_loop_is_busy():
+    """Deterministic: while the loop is busy the first coroutine's first step is handed
+    over; once the loop idles, later ones may start as guests, but never before the ones
+    handed over before them (their first steps run in submission order: a write takes its
+    notification's turn there). Then hammered: many submissions, some handed over."""
+    lt = _started("kvxfer-test-start-order")
+    hold, holding = threading.Event(), threading.Event()
+    order = []
+
+    async def step(i):
+        order.append((i, threading.get_ident()))
+        return i
+
+    try:
+        lt.call_soon(lambda: (holding.set(), hold.wait(10.0)))
+        assert holding.wait(5.0)
+        first = lt.submit_here(step(0))  # busy: handed over, not waited for
+        assert order == [] and not first.done()
+        hold.set()
+        second = lt.submit_here(step(1))  # the loop may idle by now: still after step 0
+        assert first.result(5.0) == 0 and second.result(5.0) == 1
+        assert [i for i, _ in order] == [0, 1]
+        assert order[0][1] == lt.loop._thread_id  # ran on the loop
+
+        order.clear()
+        futs = []
+        for i in range(300):
+            if i % 50 == 0:  # the loop busy while the next 10 are submitted: handed over
+                hold.clear(), holding.clear()
+                lt.call_soon(lambda: (holding.set(), hold.wait(10.0)))
+                assert holding.wait(5.0)
+            if i % 50 == 10:
+                hold.set()  # the rest: guests once the loop idles, or handed over behind
+            futs.append(lt.submit_here(step(i)))
+        hold.set()
+        assert [f.result(5.0) for f in futs] == list(range(300))
+        assert [i for i, _ in order] == list(range(300))
+        here = sum(1 for _, t in order if t == threading.get_ident())
+        assert here <= 240, here  # at least the 60 submitted while busy were handed over
+    finally:
+        hold.set()
+        lt.stop(5.0)
+    with pytest.raises(Closed):
+        lt.submit_here(step(9))  # stopped
+
+
 def test_guest_runs_and_the_loop_never_overlap():
     """Hammer: a thread keeps running guests that flip a shared flag while the loop runs
     callbacks that check it; no callback ever sees a guest inside."""
