@@ -168,6 +168,8 @@ class LoopThread:
         self._inbox: List[Tuple[Callable[..., Any], Tuple[Any, ...]]] = []
         #: how many of :meth:`call`'s calls ran direct (counted under the gate)
         self.direct_calls = 0
+        #: how many guest runs woke the loop afterwards (counted under the gate)
+        self.guest_wakes = 0
 
     def __repr__(self) -> str:
         return f"LoopThread({self.name})"
@@ -273,6 +275,7 @@ class LoopThread:
                 self._guest = None
                 events._set_running_loop(None)
                 wake = _must_wake(self.loop, self._sel)
+                self.guest_wakes += wake
         finally:
             self._gate.release()
             if wake:  # also when fn raised: what it scheduled before still runs

@@ -256,6 +256,14 @@ class KVManager:
         """How many calls ran direct, as the loop's guest (``stats["direct_calls"]``)."""
         return self.stats["direct_calls"]
 
+    @property
+    def guest_wakes(self) -> int:
+        """How many guest runs on the manager's own loop thread woke it afterwards
+        (``LoopThread.guest_wakes``: they left it callbacks or an earlier timer); 0 without
+        :meth:`start_background`."""
+        lt = self._thread
+        return 0 if lt is None else lt.guest_wakes
+
     def __repr__(self) -> str:
         return f"KVManager({self.name}, rooms={len(self.rooms)}, peers={len(self.links)})"
 

@@ -87,8 +87,14 @@ class Outboxes(Generic[T]):
         return Ticket(key)
 
     def watch(self, ticket: Optional[Ticket], fut: "asyncio.Future[Any]") -> None:
-        """Settle ``ticket`` when ``fut`` is done."""
-        if ticket is not None:
+        """Settle ``ticket`` when ``fut`` is done: now if it is (a write that ended on its
+        starter's stack: a done callback would be one more loop callback, and after a guest
+        run a wake-up of the idle loop, LoopThread.run_here)."""
+        if ticket is None:
+            return
+        if fut.done():
+            self.settle(ticket)
+        else:
             fut.add_done_callback(lambda _f: self.settle(ticket))
 
     def track(self, key: Hashable, fut: "asyncio.Future[Any]") -> Optional[Ticket]:

@@ -526,6 +526,8 @@ def format_stages(rows: List[dict]) -> str:
             f"| prefill calls run as the loop's guest per request (≤ 3), sequential / "
             f"concurrent | {r.get('direct_calls_1page', float('nan')):.2f} / "
             f"{r.get('direct_calls_tput', float('nan')):.2f} | | |",
+            f"| … of them, sequential, after which prefill's loop had to be woken "
+            f"| {r.get('guest_wakes_1page', float('nan')):.2f} | | |",
             f"| decode polls that took the Done themselves per request (--poll-scheduler) "
             f"| {r.get('poll_takes_1page', float('nan')):.2f} | | |",
             f"| prefill writes per request, concurrent (rooms per coalesced write) "
@@ -629,6 +631,7 @@ def bench_mode(args, mode: str, integrity: bool = False, coalesce: Optional[int]
         # only bootstrap_s before its KVSender must exist), prefill sends one at a time
         rooms = _ids(1000, args.latency_requests)
         p_rooms, d_rooms, ops, direct, lat_coalesced, takes = {}, {}, 0, 0, 0, 0
+        wakes = 0
         for lo in range(0, len(rooms), LATENCY_BATCH):
             batch = rooms[lo : lo + LATENCY_BATCH]
             pair.decode.announce(batch, 1)
@@ -637,6 +640,7 @@ def bench_mode(args, mode: str, integrity: bool = False, coalesce: Optional[int]
             d_rooms.update(d["rooms"])
             ops += p["stats"]["ops"]
             direct += p["stats"].get("direct_calls", 0)
+            wakes += p["stats"].get("guest_wakes", 0)
             lat_coalesced += p["stats"].get("coalesced_rooms", 0)
             takes += d["stats"].get("poll_takes", 0)
         ok = [r for r in rooms if d_rooms[r]["state"] == "Success"]
@@ -652,6 +656,8 @@ def bench_mode(args, mode: str, integrity: bool = False, coalesce: Optional[int]
             # prefill's calls that ran as its loop's guest, per request (its adoption, init
             # and send: at most 3)
             direct_calls_1page=direct / len(rooms),
+            # of them, those after which prefill's loop had to be woken (LoopThread.run_here)
+            guest_wakes_1page=wakes / len(rooms),
             # decode's polls that handled an arrived Done themselves (KVManager.take_arrived:
             # only with --poll-scheduler), per request
             poll_takes_1page=takes / len(rooms),

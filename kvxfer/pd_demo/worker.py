@@ -195,6 +195,7 @@ class PDWorker:
     def _begin(self) -> None:
         self.finished = {}
         self._stats0 = {k: v for k, v in self.mgr.stats.items() if k != "lanes"}
+        self._stats0["guest_wakes"] = self.mgr.guest_wakes
 
     def _finish(self) -> dict:
         """Settle every open room; stats are this command's (deltas of the manager's)."""
@@ -202,6 +203,7 @@ class PDWorker:
             self._settle(self._next_done(True))
         st = {k: v - self._stats0.get(k, 0) for k, v in self.mgr.stats.items() if k != "lanes"}
         st["lanes"] = sorted(self.mgr.stats["lanes"])
+        st["guest_wakes"] = self.mgr.guest_wakes - self._stats0["guest_wakes"]
         return {
             "rooms": self.finished,
             "stats": st,
