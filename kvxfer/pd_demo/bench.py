@@ -10,7 +10,9 @@ error mode (lane configuration). Three measurements per mode:
   visible, completion received, aux stamp checked) minus prefill's ``send()``, both on
   CLOCK_MONOTONIC. p50 / p99 over ``--latency-requests``; next to it the prefill-side p50
   (``send()`` to prefill's own ``Success``: write flushed) and the engine alone: the same
-  bytes (page, state slot, aux row) by a raw ``Peer.write`` + flush, one at a time.
+  bytes (page, state slot, aux row) by a raw ``Peer.write`` + flush, one at a time, started
+  from the bench's thread as a scheduler's would be (``KVManager.submit``: as the loop's
+  guest when it idles, like the PD sends).
 * **throughput**: ``--throughput-requests`` 1-page requests announced by decode, all senders
   ``WaitingForInput``, then prefill sends them back to back; requests/s = requests / (last
   decode ``Success`` - first ``send()``).
