@@ -18,8 +18,10 @@ class ChainNode:
     def ordering(self, error_mode: str, rounds: int, mib: int, spin: bool) -> dict:
         return self.loop.run_until_complete(_ordering(error_mode, rounds, mib, spin))
 
-    def many(self, error_mode: str, n: int, inline_us: float = -1.0) -> dict:
-        return self.loop.run_until_complete(_many(error_mode, n, inline_us))
+    def many(
+        self, error_mode: str, n: int, inline_us: float = -1.0, yield_idle: bool = False
+    ) -> dict:
+        return self.loop.run_until_complete(_many(error_mode, n, inline_us, yield_idle))
 
     def cancelled_by_close(self, mib: int) -> dict:
         return self.loop.run_until_complete(_cancelled_by_close(mib))
@@ -103,14 +105,17 @@ async def _ordering(error_mode: str, rounds: int, mib: int, spin: bool) -> dict:
     return out
 
 
-async def _many(error_mode: str, n: int, inline_us: float = -1.0) -> dict:
+async def _many(error_mode: str, n: int, inline_us: float = -1.0, yield_idle: bool = False) -> dict:
     """``n`` chains started back to back on one endpoint before any is awaited: every one
     completes, the notifications arrive each once and in order, nothing is left behind.
     ``inline_us`` >= 0: the starters' inline wait (``UcxTransport.chain_inline_us``; a short
-    one leaves most chains to the worker's thread, woken only after the starting call)."""
+    one leaves most chains to the worker's thread, woken only after the starting call);
+    ``yield_idle``: the inline wait yields the CPU after idle progress calls
+    (``UcxTransport.inline_yield``)."""
     t, client, server, rma, src, dst, rs, rd = await _setup(error_mode, 1 << 20)
     if inline_us >= 0:
         t.chain_inline_us = inline_us
+    t.inline_yield = yield_idle
     got: list = []
     done = asyncio.get_running_loop().create_future()
 

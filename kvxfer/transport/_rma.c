@@ -1485,7 +1485,8 @@ static void chain_flush_cb(void *request, ucs_status_t st, void *user)
 }
 
 /*
- * flush_notify(ep, token, spin, ctx, note_token, payload, inline_us=0, noflush=0) -> None if pending
+ * flush_notify(ep, token, spin, ctx, note_token, payload, inline_us=0, noflush=0, keep=0,
+ *              yield_idle=0) -> None if pending
  * (token appears in drain() once the notification completed locally or the chain failed),
  * else the final ucs status (the chain ended within the call). inline_us: wait on the
  * calling thread (GIL released) for up to that long first, signalling the worker every
@@ -1495,6 +1496,9 @@ static void chain_flush_cb(void *request, ucs_status_t st, void *user)
  * note_token 0: a plain flush (nothing is sent), with the same inline wait.
  * noflush: send the notification now, without flushing first (a channel frame: UcxChannel;
  * the AM is still ordered after earlier AMs on the endpoint).
+ * yield_idle: while waiting inline on the own worker, sched_yield() after every progress
+ * call that did nothing (on a host of few CPUs the threads this one waits for — the own
+ * worker's, the peer's — get the CPU instead of a spinning starter).
  */
 static PyObject *cq_flush_notify(CompletionQueue *self, PyObject *args)
 {
@@ -1512,10 +1516,11 @@ static PyObject *cq_flush_notify(CompletionQueue *self, PyObject *args)
     int noflush      = 0;
     int wake         = 0;
     int keep         = 0;
+    int yield_idle   = 0;
     PyThreadState *ts;
     cq_core_t *c    = cq_core(self);
-    if (c == NULL || !PyArg_ParseTuple(args, "OKpKKy*|dpp", &ep_o, &token, &spin, &ctx, &note,
-                                       &pl, &inline_us, &noflush, &keep))
+    if (c == NULL || !PyArg_ParseTuple(args, "OKpKKy*|dppp", &ep_o, &token, &spin, &ctx, &note,
+                                       &pl, &inline_us, &noflush, &keep, &yield_idle))
         return NULL;
     if (get_handle(ep_o, &ep, "endpoint") < 0) {
         PyBuffer_Release(&pl);
@@ -1597,7 +1602,8 @@ static PyObject *cq_flush_notify(CompletionQueue *self, PyObject *args)
         double until = mono_now() + 1e-6 * inline_us;
         while (__atomic_load_n(&ch->state, __ATOMIC_ACQUIRE) == CH_STARTER &&
                mono_now() < until)
-            ucp_worker_progress(c->own);
+            if (!ucp_worker_progress(c->own) && yield_idle)
+                sched_yield();
     } else if (pending && inline_us > 0 && c->worker != NULL) {
         /* UCXX's worker: wait here (never progress it here: see cq_poller_main), waking
          * UCXX's progress thread every signal_ns meanwhile */
@@ -1797,11 +1803,13 @@ static PyMethodDef cq_methods[] = {
      "ep_close(ep, token, force, ctx=0) -> None if pending, else ucs status; ctx: the "
      "endpoint's ep_create context (no chain sends a notification on it afterwards)"},
     {"flush_notify", (PyCFunction)cq_flush_notify, METH_VARARGS,
-     "flush_notify(ep, token, spin, ctx, note_token, payload, inline_us=0, noflush=0) -> None if "
+     "flush_notify(ep, token, spin, ctx, note_token, payload, inline_us=0, noflush=0, keep=0, "
+     "yield_idle=0) -> None if "
      "pending, else ucs status: flush ep, then (from the flush's completion callback, no "
      "Python) send payload as an active message to the receiver's note_token; ctx: "
      "ep_create's context or 0; inline_us: wait here that long first (signalling the worker); "
-     "noflush: send without the flush"},
+     "noflush: send without the flush; yield_idle: yield the CPU after idle progress calls "
+     "of an inline wait on the own worker"},
     {"note_listen", (PyCFunction)cq_note_listen, METH_VARARGS,
      "note_listen(token, max_len=0): queue notifications carrying token as (token, NOTE, t, "
      "payload); one longer than max_len (0: no limit) as (token, NOTE_OVERSIZE, t, None), "

@@ -165,6 +165,10 @@ class UcxTransport(Transport):
         #: the same, for a chain on kvxfer's own worker started by a loop's guest
         #: (kvxfer.loop_thread.in_guest: a scheduler's thread) (KVXFER_GUEST_INLINE_US)
         self.guest_inline_us = guest_inline_us()
+        #: an inline wait on the own worker yields the CPU after each progress call that did
+        #: nothing (KVXFER_INLINE_YIELD=1; off by default: measured on the 2-core box only,
+        #: bench/results/guest-writes-cpu.md)
+        self.inline_yield = os.environ.get("KVXFER_INLINE_YIELD", "0") not in ("", "0")
         #: chains and short PUT batches on kvxfer's own worker keep the GIL (the native side
         #: honours it only for that worker's endpoints; kvxfer.transport.ucx_rma.
         #: KEEP_GIL_MAX_OPS); not with ``$KVXFER_NATIVE_GIL=release``
@@ -313,7 +317,16 @@ class UcxTransport(Transport):
             wait_us = 0.0
         return self._started(
             lambda token: self._cq.flush_notify(
-                ep_handle, token, spin, ctx, note_token, payload, wait_us, False, self.keep_gil
+                ep_handle,
+                token,
+                spin,
+                ctx,
+                note_token,
+                payload,
+                wait_us,
+                False,
+                self.keep_gil,
+                self.inline_yield,
             ),
             "flush + notify" if note_token else "ucp_ep_flush",
         )

@@ -27,12 +27,20 @@ def test_notify_never_before_bytes(node, mode, spin):
 
 
 @pytest.mark.parametrize(
-    "mode,inline_us", [("peer", -1.0), ("none", -1.0), ("none", 0.0), ("none", 1.0)]
+    "mode,inline_us,yield_idle",
+    [
+        ("peer", -1.0, False),
+        ("none", -1.0, False),
+        ("none", 0.0, False),
+        ("none", 1.0, False),
+        ("none", 50.0, True),
+    ],
 )
-def test_many_concurrent_chains(node, mode, inline_us):
+def test_many_concurrent_chains(node, mode, inline_us, yield_idle):
     """Also with the starters' inline wait off or 1 µs: chains ended by the own worker's
-    thread, which a starter wakes only after its call (_rma.c cq_req_wake) — none is lost."""
-    out = node.many(mode, 300, inline_us)
+    thread, which a starter wakes only after its call (_rma.c cq_req_wake) — none is lost;
+    and with an inline wait that yields the CPU when the worker is idle (KVXFER_INLINE_YIELD)."""
+    out = node.many(mode, 300, inline_us, yield_idle)
     assert out["errors"] == [] and out["count"] == 300 and out["order_ok"], out
     assert out["bytes_ok"], out
     # every chain released its queue reference, no spin flush left, no future left
