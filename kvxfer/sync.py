@@ -96,12 +96,6 @@ class SyncEngine:
         self.engine.on_message(lambda peer, payload: self._messages.append((peer.id, payload)))
 
     # -- plumbing
-    def _submit(self, coro) -> concurrent.futures.Future:
-        if self._closed:
-            coro.close()
-            raise Closed("SyncEngine closed")
-        return self._lt.submit(coro)
-
     def _start(self, coro) -> concurrent.futures.Future:
         """Start ``coro`` here as the loop's guest, else on the loop, in call order
         (LoopThread.submit_here)."""

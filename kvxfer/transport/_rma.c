@@ -286,7 +286,6 @@ static PyObject *py_put_batch(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "OOOOOOOOO|pK", &ep_o, &objs[0], &objs[1], &objs[2], &objs[3],
                           &objs[4], &objs[5], &objs[6], &objs[7], &keep, &ctx))
         return NULL;
-
     if (get_handle(ep_o, (void **)&ep, "endpoint") < 0)
         return NULL;
     for (i = 0; i < 8; i++, nb++)
@@ -1436,9 +1435,10 @@ static void chain_am_cb(void *request, ucs_status_t st, void *user)
 
 /* Post the notification (none for a plain flush). Returns 1 if pending (chain_am_cb
  * releases the chain), else 0 with *st set (the caller releases it): an owned endpoint
- * on which a PUT failed (put_cb) fails the chain, a plain flush included. Runs with the worker lock held (inside a flush
- * callback) or on the thread that started the chain; ep_close runs on that thread too and
- * needs the worker lock, so `closing` cannot change between the check and the post. */
+ * on which a PUT failed (put_cb) fails the chain, a plain flush included. Runs with the
+ * worker lock held (inside a flush callback) or on the thread that started the chain;
+ * ep_close runs on that thread too and needs the worker lock, so `closing` cannot change
+ * between the check and the post. */
 static int chain_post_am(chain_t *ch, ucs_status_t *st)
 {
     ucp_request_param_t p;
