@@ -21,7 +21,11 @@ Invariants:
   scheduled what the loop's wait would not see in time (ready callbacks, a timer due before
   the wait ends), so that it runs there. The gate is never waited for
   by a guest (a busy loop means "hand it over as usual"), and once the loop ended its
-  thread keeps it (no guest runs on a stopped loop).
+  thread keeps it (no guest runs on a stopped loop). A guest that asked
+  (:func:`settle_after`) first runs, still holding the gate, a few passes of what the loop
+  would run on waking (a transport's arrived completions, the ready callbacks): work its
+  caller waits for then ends on the caller's thread, with no wake-up and no hand-over back;
+  a cancelled timer at the head of the loop's heap wakes nothing;
 * a coroutine given to :meth:`LoopThread.submit_here` runs its first step (up to its first
   real suspension, :func:`kvxfer.eager.start`) as such a guest run, and the loop continues
   it from there; one that finishes within that step (a write whose flush ended inline)
@@ -39,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import heapq
 import selectors
 import threading
 import time
@@ -138,7 +143,33 @@ def _must_wake(loop: asyncio.AbstractEventLoop, sel: _GatedSelector) -> bool:
         return True
     if ready:
         return True
+    _drop_cancelled(loop, timers)
     return bool(timers) and timers[0] is not sel.first and timers[0].when() < sel.until
+
+
+def _drop_cancelled(loop: asyncio.AbstractEventLoop, timers: List[Any]) -> None:
+    """Pop the cancelled timers at the head of the loop's heap, as its next iteration would
+    (CPython's ``BaseEventLoop._run_once``): a bounded wait that ended before its timer (a
+    write's deadline, cancelled) must not wake the loop for nothing. Runs on: a guest,
+    holding the gate."""
+    if not hasattr(loop, "_timer_cancelled_count"):
+        return
+    while timers and timers[0]._cancelled:
+        handle = heapq.heappop(timers)
+        handle._scheduled = False
+        loop._timer_cancelled_count -= 1  # type: ignore[attr-defined]
+
+
+def settle_after(transport: Any) -> None:
+    """Ask the guest run in progress on this thread, if any (:meth:`LoopThread.run_here`),
+    to run, once its function returned, what the loop's wake-up would run first: the
+    completions that reached ``transport`` meanwhile (``take_completions``) and the ready
+    callbacks they and the guest left (:meth:`LoopThread._settle_ready`). For a guest that
+    left work whose end its caller waits for (a room's earlier decode legs:
+    :func:`kvxfer.disagg.tp_rooms.prefill_send`). Elsewhere (on the loop's own thread) a
+    no-op: the loop runs them next anyway. Runs on: any thread."""
+    if getattr(_local, "guest", False):
+        _local.settle = transport
 
 
 class LoopThread:
@@ -170,6 +201,8 @@ class LoopThread:
         self.direct_calls = 0
         #: how many guest runs woke the loop afterwards (counted under the gate)
         self.guest_wakes = 0
+        #: callbacks run by guests at their end (:func:`settle_after`)
+        self.guest_settled = 0
 
     def __repr__(self) -> str:
         return f"LoopThread({self.name})"
@@ -270,7 +303,11 @@ class LoopThread:
             _local.guest = True
             try:
                 done = bool(fn(*args))
+                settle = getattr(_local, "settle", None)
+                if settle is not None:
+                    self.guest_settled += self._settle_ready(settle)
             finally:
+                _local.settle = None
                 _local.guest = False
                 self._guest = None
                 events._set_running_loop(None)
@@ -284,6 +321,29 @@ class LoopThread:
                 except RuntimeError:  # closed meanwhile: nothing left to run it
                     pass
         return done
+
+    def _settle_ready(self, transport: Any, passes: int = 4) -> int:
+        """:func:`settle_after`'s work, at the end of a guest run (holding the gate): up to
+        ``passes`` times, take ``transport``'s completions and run the loop's ready callbacks
+        as they stand (what its next iteration would run first, minus timers and file
+        events, which stay the loop's); returns how many ran. Reads ``BaseEventLoop``'s
+        ready queue (CPython 3.8-3.13, as :func:`_must_wake`); a loop without one runs
+        nothing here. Runs on: the guest's thread."""
+        ready = getattr(self.loop, "_ready", None)
+        if ready is None:
+            return 0
+        ran = 0
+        for _ in range(passes):
+            transport.take_completions()
+            n = len(ready)
+            if not n:
+                break
+            for _ in range(n):
+                handle = ready.popleft()
+                if not handle._cancelled:
+                    handle._run()  # (a callback's exception goes to the loop's handler)
+                    ran += 1
+        return ran
 
     def submit_here(self, coro: Coroutine[Any, Any, T]) -> "concurrent.futures.Future[T]":
         """As :meth:`submit`, but ``coro``'s first step (up to its first real suspension,

@@ -4,7 +4,7 @@
 # KVXFER_LANE_PROFILE), once per value, in the order given (repeat values to alternate).
 # Writes $OUT/env_ab.md (+ JSON per run, numbered).
 #   AB_VAR=KVXFER_NOTE_SPIN AB_VALUES="0 1 0 1" AB_RATIOS="1:2 2:4" bash bench/gpu/run_all.sh env_ab
-# Env AB_LAYOUTS (default hnd), AB_RATIOS (prefill:decode TP, default "2:1"), AB_ITERS
+# Env AB_LAYOUTS (default hnd), AB_TOKENS (default 16000), AB_RATIOS (prefill:decode TP, default "2:1"), AB_ITERS
 # (default 5), AB_1PAGE (default 1; 0 skips the 1-page run), AB_FLAGS (more `kvxfer bench pd`
 # flags for every run, e.g. --poll-scheduler). Candidates tried for the slow
 # pattern-launch host time (bench/results/tp-pattern-h200.md): KVXFER_FLUSH_PROGRESS,
@@ -28,9 +28,9 @@ for v in ${AB_VALUES:?}; do
     fi
     for r in ${AB_RATIOS:-2:1}; do
         p=${r%:*}; d=${r#*:}
-        echo; echo "## $n. $VAR=$v kvxfer bench pd --device cuda --modes none --prefill-tp $p --decode-tp $d --kv-layout ${AB_LAYOUTS:-hnd} --shape-tokens 16000 --iters ${AB_ITERS:-5} --stages ${AB_FLAGS:-}"
+        echo; echo "## $n. $VAR=$v kvxfer bench pd --device cuda --modes none --prefill-tp $p --decode-tp $d --kv-layout ${AB_LAYOUTS:-hnd} --shape-tokens ${AB_TOKENS:-16000} --iters ${AB_ITERS:-5} --stages ${AB_FLAGS:-}"
         env "$VAR=$v" timeout 110 python3 -m kvxfer bench pd --device cuda --modes none \
-            --prefill-tp "$p" --decode-tp "$d" --kv-layout "${AB_LAYOUTS:-hnd}" --shape-tokens 16000 \
+            --prefill-tp "$p" --decode-tp "$d" --kv-layout "${AB_LAYOUTS:-hnd}" --shape-tokens ${AB_TOKENS:-16000} \
             --iters "${AB_ITERS:-5}" --stages ${AB_FLAGS:-} --json-out "$OUT/ab-$n-$v-tp$p$d.json" 2>&1 \
             | tee "$OUT/ab-$n-$v-tp$p$d.log" | grep -v "UCX  WARN\|WARNING\|lane-profile" | tail -14 || rc=1
         grep "lane-profile" "$OUT/ab-$n-$v-tp$p$d.log" | head -4

@@ -56,6 +56,7 @@ from kvxfer.disagg.tp_plan import (
 )
 from kvxfer.disagg.tp_shape import groups_of
 from kvxfer.disagg.tp_tokens import plan_of
+from kvxfer.loop_thread import in_guest, settle_after
 
 #: how a room's decode legs' writes start (:func:`prefill_send`): 1, back to back, each but
 #: the last waiting for its copy and flush in its task; 2, every leg so, the last too; 0,
@@ -67,6 +68,13 @@ if _OVERLAP_ENV not in ("", "0", "1", "2"):
     logging.getLogger(__name__).warning(
         "KVXFER_OVERLAP_LEGS=%r is not 0, 1 or 2: using 1", _OVERLAP_ENV
     )
+
+#: whether a send run as the manager loop's guest (a scheduler's thread) ends by running,
+#: on that thread, what its earlier legs left for the loop: their completions that arrived
+#: meanwhile and the steps those make ready (:func:`kvxfer.loop_thread.settle_after`), so
+#: that the room's Success does not wait for the loop thread's wake-up and a hand-over back
+#: (bench/results/tp-pattern-h200.md, eleventh session). ``$KVXFER_SETTLE_LEGS=0``: off (A/B)
+SETTLE_LEGS = os.environ.get("KVXFER_SETTLE_LEGS", "1").strip() != "0"
 
 #: the prefill / decode protocol object calling in (PrefillSide / DecodeSide; typed loosely:
 #: they import this module)
@@ -517,7 +525,9 @@ def prefill_send(side: PrefillSide, r: Room, chunk: Chunk) -> None:
     Every leg's write but the last starts with ``inline=False`` (:data:`OVERLAP_LEGS`):
     it plans, launches and posts on this stack, then waits for its copy and flush in its
     task instead of spinning here, so the next leg's host work overlaps them; the last leg
-    waits inline as a single write does (bench/results/tp-pattern-h200.md)."""
+    waits inline as a single write does (bench/results/tp-pattern-h200.md). Run as the
+    loop's guest, the send then finishes on this thread what those earlier legs left
+    (:data:`SETTLE_LEGS`)."""
     legs: Legs = r.legs
     if legs.history is not None:
         legs.history.append(chunk)
@@ -527,6 +537,10 @@ def prefill_send(side: PrefillSide, r: Room, chunk: Chunk) -> None:
     for i, leg in enumerate(todo):
         inline = OVERLAP_LEGS == 0 or (OVERLAP_LEGS == 1 and i == len(todo) - 1)
         side.send(leg, *chunk, inline=inline)
+    if SETTLE_LEGS and OVERLAP_LEGS and len(todo) > 1 and in_guest():
+        engine = side.mgr.engine
+        if engine is not None:
+            settle_after(engine.transport)
 
 
 def prefill_fail_pending(side: PrefillSide, p: Room, exc: BaseException) -> None:

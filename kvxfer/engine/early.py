@@ -25,9 +25,13 @@ Invariants (tests/unit/test_early.py, tests/engine/test_lane_standin.py)
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any, Callable, List, Optional
 
-__all__ = ["EarlyNote", "EarlyNotes"]
+__all__ = ["ON", "EarlyNote", "EarlyNotes"]
+
+#: whether writes leave early notes (``Peer.write``); ``$KVXFER_EARLY_NOTES=0``: off (A/B)
+ON = os.environ.get("KVXFER_EARLY_NOTES", "1").strip() != "0"
 
 
 class EarlyNote:

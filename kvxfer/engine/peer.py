@@ -58,6 +58,7 @@ import numpy as np
 from kvxfer import wire
 from kvxfer.config import DEVICE_MIN_OPS, spin_flushes
 from kvxfer.engine import devcopy
+from kvxfer.engine import early as early_notes
 from kvxfer.engine import messages as m
 from kvxfer.engine.groups import RemoteGroups
 from kvxfer.engine.host import PeerHost, resolved
@@ -591,6 +592,7 @@ class Peer:
                 if launched is not None and not self._dev.settled(launched, spin):
                     if (
                         not inline
+                        and early_notes.ON
                         and not (staged or sliced)
                         and (gate_prev is None or gate_prev.done())
                         and chainable(self._note_to, notify, False, True)

@@ -194,6 +194,78 @@ def test_run_here_wakes_the_loop_only_when_its_wait_would_miss_something(monkeyp
         lt.stop(5.0)
 
 
+class _Completions:
+    """A transport whose completion queue resolves one future (a flush that completed
+    natively while the guest ran)."""
+
+    def __init__(self) -> None:
+        self.fut = None
+        self.taken = 0
+
+    def take_completions(self) -> bool:
+        self.taken += 1
+        if self.fut is not None and not self.fut.done():
+            self.fut.set_result("flushed")
+            return True
+        return False
+
+
+async def _leg(tr, seen):
+    """A write's continuation: suspends on its completion under a deadline timer, then one
+    more step."""
+    loop = asyncio.get_running_loop()
+    tr.fut = loop.create_future()
+    deadline = loop.call_later(30.0, lambda: None)
+    try:
+        seen["result"] = await tr.fut
+    finally:
+        deadline.cancel()
+    await asyncio.sleep(0)
+    seen["thread"] = threading.get_ident()
+
+
+@pytest.mark.parametrize("ask", [True, False])
+def test_a_guest_that_asks_settles_what_it_left_on_its_own_thread(monkeypatch, ask):
+    """``settle_after(transport)`` in a guest run: once the guest's function returned, the
+    transport's completions are taken and the ready callbacks run on the guest's thread, a
+    few passes deep (a task's first step, its resumption on the completion, its step after
+    a bare yield), and the cancelled deadline timer left at the heap's head wakes nothing.
+    Without asking, the same work goes to the loop's thread, which is woken for it; on the
+    loop's own thread the request is a no-op."""
+    import kvxfer.loop_thread as lt_mod
+
+    wakes: list = []
+    monkeypatch.setattr(lt_mod, "_wake", lambda: wakes.append(1))
+    lt = _started("kvxfer-test-settle")
+    try:
+        tr, seen = _Completions(), {}
+
+        def guest():
+            asyncio.get_running_loop().create_task(_leg(tr, seen))
+            if ask:
+                lt_mod.settle_after(tr)
+            return True
+
+        _idle(lt)
+        assert lt.run_here(guest) is True
+        if ask:
+            assert seen == {"result": "flushed", "thread": threading.get_ident()}
+            assert lt.guest_settled == 3 and tr.taken == 4 and lt.guest_wakes == 0
+        else:
+            _idle(lt)  # woken for the task's first step, which then waits for ever
+            assert "result" not in seen and lt.guest_settled == 0 and lt.guest_wakes == 1
+            assert tr.taken == 0
+        lt.run(_settle_on_loop(lt_mod, tr), 5.0)
+        assert lt.guest_settled == (3 if ask else 0) and tr.taken == (4 if ask else 0)
+        assert len(wakes) == lt.guest_wakes
+    finally:
+        lt.stop(5.0)
+
+
+async def _settle_on_loop(lt_mod, tr):
+    lt_mod.settle_after(tr)  # not a guest: nothing recorded, nothing run
+
+
 async def _mark(seen):
     seen["task"] = threading.get_ident()
 
