@@ -7,11 +7,10 @@ touches nothing else of the engine. Everything in it is used on the asyncio loop
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Coroutine, Generic, Optional, TypeVar
 
 from kvxfer.config import EngineConfig
-from kvxfer.engine.early import EarlyNotes
 from kvxfer.engine.groups import LocalGroups
 from kvxfer.errors import InvalidArgument
 
@@ -32,9 +31,6 @@ class PeerHost(Generic[P]):
     - ``dispatch_now(peer, payload)``: the same, synchronously: returns None once every
       handler ran, or a coroutine to await for the rest (a handler returned an awaitable:
       it and the handlers after it).
-    - ``early``: notifications of the engine's writes that wait for their device copy,
-      handed over by any of its peers' later writes once the copy is done
-      (:mod:`kvxfer.engine.early`).
     """
 
     config: EngineConfig
@@ -43,7 +39,6 @@ class PeerHost(Generic[P]):
     peer_gone: Callable[[P, Exception], None]
     dispatch: Callable[[P, bytes], Awaitable[None]]
     dispatch_now: Callable[[P, bytes], Optional[Coroutine[Any, Any, None]]]
-    early: EarlyNotes = field(default_factory=EarlyNotes)
 
     @property
     def transfer_timeout_s(self) -> float:

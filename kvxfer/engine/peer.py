@@ -58,7 +58,6 @@ import numpy as np
 from kvxfer import wire
 from kvxfer.config import DEVICE_MIN_OPS, spin_flushes
 from kvxfer.engine import devcopy
-from kvxfer.engine import early as early_notes
 from kvxfer.engine import messages as m
 from kvxfer.engine.groups import RemoteGroups
 from kvxfer.engine.host import PeerHost, resolved
@@ -578,30 +577,14 @@ class Peer:
         gate_prev, gate = self._note_turn() if notify is not None else (None, None)
         chunks: List[Chunk] = []  # staged chunks whose plans are out: given up on failure
         promised = False  # the notify was handed over: it vouches for every chunk
-        early = None  # our notification, for a later write's stack to hand over
-        notes = self._host.early
         try:
             try:
                 if laddr.size:
                     self._rma.put(laddr, raddr, nbytes, lmemh, ridx)
                 t1, m1 = time.perf_counter(), time.monotonic()
                 stats.posted_ns = int(m1 * 1e9)
-                if notes:  # earlier writes waiting for their copy (kvxfer.engine.early)
-                    notes.drain()
                 spin = devcopy.WAIT_SPIN_S if inline else 0.0
                 if launched is not None and not self._dev.settled(launched, spin):
-                    if (
-                        not inline
-                        and early_notes.ON
-                        and not (staged or sliced)
-                        and (gate_prev is None or gate_prev.done())
-                        and chainable(self._note_to, notify, False, True)
-                    ):
-                        assert notify is not None
-                        early = notes.add(
-                            functools.partial(self._dev.settled, launched),
-                            functools.partial(self._early_chain, bytes(notify)),
-                        )
                     await self._bounded(self._dev.wait(launched, 0.0), timeout, "device copy")
                 for group, src, dst, direct_ops in staged:
                     chunks += await self._staged.write(group, src, dst, deadline, stats)
@@ -617,14 +600,9 @@ class Peer:
                         "notify order",
                     )
                 chain = None
-                if early is not None:  # posted by a later write's stack meanwhile?
-                    chain = early.take()
-                    promised = chain is not None
-                if notes:  # (a copy launched before ours is likely done by now)
-                    notes.drain()
                 # a device launch counts as posted: its bytes are visible (awaited above), the
                 # flush of an idle endpoint completes at once and sends the notification natively
-                if chain is None and chainable(
+                if chainable(
                     self._note_to,
                     notify,
                     bool(staged or sliced),
@@ -671,16 +649,8 @@ class Peer:
                 self._staged.abandon(chunks)
             raise
         finally:
-            if early is not None:
-                early.retire()
             if gate is not None and not gate.done():
                 gate.set_result(None)
-
-    def _early_chain(self, notify: bytes) -> Optional[asyncio.Future]:
-        """A waiting write's flush + notify chain, handed to UCX by another write's stack
-        (:class:`~kvxfer.engine.early.EarlyNote`): no inline wait there."""
-        self._check_open()
-        return self._rma.flush_notify_future(self._note_to, notify, self.spin, False)
 
     def _left(self, deadline: float, what: str) -> float:
         left = deadline - self._loop.time()
