@@ -1,7 +1,8 @@
 """Medians per source tree of heterogeneous-TP bench rows (``bench/gpu/trees.sh`` with TP
 argument sets): ``python3 tp_compare.py DIR TREE...`` reads ``DIR/<tree>-*.json`` (``kvxfer
 bench pd --json-out``) and prints, per row shape (layout, TP, page sizes, prefix), each
-tree's median request µs over its runs, its medians of × N:N and × M:M (each run's row
+tree's median request µs over its runs (decode's side; and prefill's, where the rows have
+it), its medians of × N:N and × M:M (each run's row
 against the equal-TP rows of the same run), the first tree's µs over the others', and the
 prefill rank 0 stage stamps of the heterogeneous rows' legs and decode's (µs after the send, medians of the
 runs' p50s).
@@ -61,7 +62,7 @@ def _med(xs: List[float]) -> float:
 
 
 def table(root: str, trees: List[str]) -> str:
-    got: Dict[str, Dict[Tuple, List[Tuple[float, float, float, dict]]]] = {}
+    got: Dict[str, Dict[Tuple, List[Tuple[float, float, float, dict, float]]]] = {}
     for t in trees:
         for path in sorted(glob.glob(os.path.join(root, f"{t}-*.json"))):
             with open(path) as f:
@@ -70,12 +71,17 @@ def table(root: str, trees: List[str]) -> str:
             for r in rows:
                 k = _key(r)
                 got.setdefault(t, {}).setdefault(k, []).append(
-                    (r["us_median"], *ratios[k], r.get("stages") or {})
+                    (
+                        r["us_median"],
+                        *ratios[k],
+                        r.get("stages") or {},
+                        r.get("prefill_us_median", float("nan")),
+                    )
                 )
     keys = sorted({k for per in got.values() for k in per})
     head = ["layout", "TP", "pages, prefix"]
     for t in trees:
-        head += [f"{t} µs (runs)", f"{t} × N:N / × M:M"]
+        head += [f"{t} µs (runs)", f"{t} prefill-side µs", f"{t} × N:N / × M:M"]
     head.append(f"{trees[0]} / {trees[1]} µs" if len(trees) > 1 else "")
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     notes = []
@@ -88,6 +94,7 @@ def table(root: str, trees: List[str]) -> str:
             meds.append(us)
             cells += [
                 f"{us:.0f} ({len(runs)})",
+                f"{_med([x[4] for x in runs]):.0f}",
                 f"{_med([x[1] for x in runs]):.2f} / {_med([x[2] for x in runs]):.2f}",
             ]
             st = {s: _med([x[3][s] for x in runs if s in x[3]]) for s in STAGES}

@@ -942,7 +942,7 @@ def bench_tp(
         t_up = time.perf_counter()
         stages: Dict[str, float] = {}
         try:
-            times, skews, nbytes, ops, lanes = [], [], 0, 0, []
+            times, p_times, skews, nbytes, ops, lanes = [], [], [], 0, 0, []
             for i in range(args.iters + 1):
                 room = 10**6 + i
                 pair.each(None, ("announce_tokens", [room], tokens))
@@ -957,6 +957,8 @@ def bench_tp(
                 if i:  # i == 0: warm-up (connects)
                     sends = [x["rooms"][room]["t_send"] for x in p]
                     times.append(max(x["rooms"][room]["t_done"] for x in d) - min(sends))
+                    # prefill's side: every prefill rank's scheduler saw its room succeed
+                    p_times.append(max(x["rooms"][room]["t_done"] for x in p) - min(sends))
                     skews.append(max(sends) - min(sends))
             if "trace" in opts:
                 stages = tp_stages(
@@ -981,6 +983,7 @@ def bench_tp(
             "bytes": nbytes,
             "ops": ops,
             "us_median": statistics.median(times) * 1e6,
+            "prefill_us_median": statistics.median(p_times) * 1e6,
             "gbps_best": nbytes / min(times) / 1e9,
             "gbps_median": nbytes / statistics.median(times) / 1e9,
             # prefill ranks' send() spread (fire(): one start time for all), max over requests
@@ -1051,10 +1054,10 @@ def format_tp_stages(rows: List[dict]) -> str:
 
 TP_HEADER = (
     "| lanes (mode) | KV layout | prefill TP → decode TP | path | page prefill → decode "
-    "| decode prefix | tokens | MiB | ops/request | µs median | GB/s best (median) "
-    "| × N:N (median) | × M:M (median) | × equal shape (median) | send skew µs (max) "
-    "| s: workers up / requests |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| decode prefix | tokens | MiB | ops/request | µs median | prefill-side µs median "
+    "| GB/s best (median) | × N:N (median) | × M:M (median) | × equal shape (median) "
+    "| send skew µs (max) | s: workers up / requests |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -1096,6 +1099,7 @@ def format_tp_row(r: dict, rows: List[dict]) -> str:
         f"{r.get('prefill_page_size')} → {r.get('decode_page_size')} | "
         f"{r.get('decode_prefix', 0)} | {r['tokens']} | "
         f"{r['bytes'] / 2**20:.1f} | {r['ops']} | {r['us_median']:.0f} | "
+        f"{r.get('prefill_us_median', float('nan')):.0f} | "
         f"{r['gbps_best']:.2f} ({r['gbps_median']:.2f}) | {ratios[0]:.2f} | "
         f"{ratios[1]:.2f} | {ratios[2]:.2f} | {r.get('send_skew_us', float('nan')):.0f} | "
         f"{r.get('workers_up_s', float('nan')):.1f} / {r.get('requests_s', float('nan')):.1f} |"

@@ -42,6 +42,7 @@ def _rows():
                     "bytes": 8 << 20,
                     "ops": 20,
                     "us_median": 1000.0,
+                    "prefill_us_median": 900.0,
                     "gbps_best": gbps,
                     "gbps_median": gbps,
                     "send_skew_us": 12.0,
@@ -58,9 +59,10 @@ def test_streamed_rows_equal_the_final_table():
     assert "\n".join([TP_HEADER] + streamed) == format_tp(rows)
     for line in streamed:  # every ratio found its reference row
         cells = [c.strip() for c in line.strip("|").split("|")]
-        assert not any(math.isnan(float(c)) for c in cells[11:14]), line
-        assert cells[14] == "12"
-        assert cells[15] == "5.0 / 1.0"
+        assert cells[10] == "900"  # prefill's side
+        assert not any(math.isnan(float(c)) for c in cells[12:15]), line
+        assert cells[15] == "12"
+        assert cells[16] == "5.0 / 1.0"
 
 
 def test_tp_stages_per_rank_after_the_first_send():

@@ -508,7 +508,7 @@ def test_pd_bench_tp_smoke(tmp_path):
     assert bench.main(argv + ["--json-out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["prefill_tp"], r["decode_tp"]) for r in rows] == [(2, 2), (1, 1), (2, 1)]
-    assert all(r["us_median"] > 0 for r in rows)
+    assert all(r["us_median"] > 0 and r["prefill_us_median"] > 0 for r in rows)
     # the same kv and state bytes; one aux row per decode rank (2 -> 2: one more)
     assert rows[2]["bytes"] == rows[1]["bytes"] and 0 < rows[0]["bytes"] - rows[1]["bytes"] <= 256
     assert rows[1]["send_skew_us"] == 0  # one prefill rank
