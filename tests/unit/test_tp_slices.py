@@ -286,3 +286,40 @@ def test_legs_start_back_to_back_the_last_waits_inline(monkeypatch, k, overlap):
     want = {1: [i == k - 1 for i in range(k)], 2: [False] * k, 0: [True] * k}[overlap]
     assert [s[2] for s in sent] == want
     assert parent.legs.history == [chunk]  # kept for legs that attach later
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("guest", [True, False])
+@pytest.mark.parametrize("settle", [True, False])
+def test_a_guest_send_of_several_legs_asks_to_settle_them(monkeypatch, k, guest, settle):
+    """tp_rooms.prefill_send run as the loop's guest with several legs asks the guest run to
+    finish what the earlier legs left (``settle_after(the engine's transport)``, after every
+    leg was sent); not for one leg, not on the loop's own thread, not with SETTLE_LEGS off."""
+    from kvxfer.disagg import tp_rooms
+    from kvxfer.disagg.poll import KVPoll
+    from kvxfer.disagg.roles import RoomRole
+    from kvxfer.disagg.rooms import Room
+
+    asked, sent = [], []
+    monkeypatch.setattr(tp_rooms, "OVERLAP_LEGS", 1)
+    monkeypatch.setattr(tp_rooms, "SETTLE_LEGS", settle)
+    monkeypatch.setattr(tp_rooms, "in_guest", lambda: guest)
+    monkeypatch.setattr(tp_rooms, "settle_after", lambda t: asked.append((t, len(sent))))
+    parent = Room(7, RoomRole.SENDER, None)
+    parent.state = KVPoll.Transferring
+    parent.legs = tp_rooms.Legs(parent, k)
+    for rank in range(k):
+        parent.legs.by_rank[rank] = Room(7, RoomRole.SENDER, None)
+    transport = object()
+
+    class Side:
+        class mgr:
+            class engine:
+                pass
+
+        def send(self, leg, src, state, last, inline=True):
+            sent.append(leg)
+
+    Side.mgr.engine.transport = transport
+    tp_rooms.prefill_send(Side(), parent, (np.arange(3), np.array([1]), True))
+    assert asked == ([(transport, k)] if guest and settle and k > 1 else [])
