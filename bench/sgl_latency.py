@@ -13,6 +13,12 @@ loopback, CPU pools). Figures (µs):
 - requests/s: every room of a batch (200) sent back to back, first send → decode's last
   Success.
 
+``--decode-tp 2``: heterogeneous TP instead (4 KV heads, one prefill rank into two decode
+ranks, the backend's 1 → 2 PatternWrites of each rank's heads; CPU pools, so PUTs), one
+request at a time: prefill's send → the last decode rank's Success, and → prefill's own
+Success (its scheduler may free the pages), plus the share of sends run as the engine
+loop's guest. No raw or throughput rows there.
+
 Run in the SGLang environment (``make test-sglang`` builds it):
 
     .venv-sglang/bin/python bench/sgl_latency.py [--requests 500] [--throughput 500]
@@ -56,8 +62,11 @@ def main(argv=None) -> int:
     ap.add_argument("--pages", type=int, default=1, help="pages per request (1..60)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=None, help="also write the table to this file")
+    ap.add_argument("--decode-tp", type=int, default=1, choices=(1, 2), help="2: 1 → 2 TP")
     args = ap.parse_args(argv)
     _paths()
+    if args.decode_tp == 2:
+        return _tp_main(args)
     import sgl_latency_nodes as B
     import sgl_nodes as N
     from sgl_harness import ENV
@@ -159,6 +168,97 @@ def main(argv=None) -> int:
             f"| raw write + notify p99 µs | {row['raw_notify_p99_us']:.1f} |",
             f"| SGLang p50 / (raw + notify) p50 | {row['sgl_over_raw_notify']:.2f} |",
             f"| requests/s (back to back until decode's last Success, median of batches) | {row['req_per_s']:.0f} |",
+            f"| share of the timed sends run direct (loop's guest) | {row['direct_share']:.2f} |",
+        ]
+    )
+    print(json.dumps(row) if args.json else table)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(table + "\n")
+    return 0
+
+
+def _tp_main(args) -> int:
+    """``--decode-tp 2``: one prefill rank (TP 1) into two decode ranks (TP 2), 4 KV heads."""
+    import sgl_latency_nodes as B
+    import sgl_nodes as N
+    from sgl_harness import ENV
+
+    from kvxfer.pd_demo.run import percentile as pct
+    from kvxfer.procs import Worker
+
+    workers = [
+        Worker(N.BootstrapServers, 1, name="bootstrap", env=ENV),
+        Worker(B.bench_node, "prefill", name="prefill", env=ENV, timeout=300),
+        Worker(B.bench_node, "decode", name="decode-0", env=ENV, timeout=300),
+        Worker(B.bench_node, "decode", name="decode-1", env=ENV, timeout=300),
+    ]
+    try:
+        for w in workers:
+            w.launch()
+        for w in workers:
+            w.ready(300)
+        (port,) = workers[0].proxy(N.BootstrapServers).ports()
+        pf = workers[1].proxy(B.BenchPrefill)
+        dcs = [w.proxy(B.BenchDecode) for w in workers[2:]]
+        pf.add("p1d2", "mha", port, tp=(1, 0), heads=4, timeout=120)
+        for r, dc in enumerate(dcs):
+            dc.add("p1d2", "mha", port, tp=(2, r), heads=4, timeout=120)
+        pf.setup("p1d2")
+        for dc in dcs:
+            dc.setup("p1d2")
+        next_room = [1]
+
+        def run(n):
+            out = []
+            while n > 0:
+                rooms = list(range(next_room[0], next_room[0] + min(n, args.batch)))
+                next_room[0] += len(rooms)
+                pf.open_many("p1d2", rooms, port)
+                for dc in dcs:
+                    dc.open_many("p1d2", rooms, port, args.pages)
+                pf.arm_many("p1d2", rooms, pages=args.pages)
+                sent = pf.latency(rooms, pages=args.pages)
+                got = [dc.wait_all(rooms) for dc in dcs]
+                mine = pf.success_stamps(rooms)
+                for r in rooms:
+                    if min(g[r] for g in got) <= 0 or mine[r] <= 0:
+                        raise RuntimeError(f"room {r} did not succeed everywhere")
+                    out.append(
+                        ((max(g[r] for g in got) - sent[r]) / 1e3, (mine[r] - sent[r]) / 1e3)
+                    )
+                pf.clear_many(rooms)
+                for dc in dcs:
+                    dc.clear_many(rooms)
+                n -= len(rooms)
+            return out
+
+        run(2 * args.batch)  # warm-up
+        pf.direct_sends()
+        got = run(args.requests)
+        direct = pf.direct_sends()
+    finally:
+        for w in reversed(workers):
+            w.close()
+    dec, pre = [g[0] for g in got], [g[1] for g in got]
+    row = dict(
+        pages=args.pages,
+        requests=len(got),
+        tp="1->2",
+        sgl_p50_us=pct(dec, 50),
+        sgl_p99_us=pct(dec, 99),
+        prefill_p50_us=pct(pre, 50),
+        prefill_p99_us=pct(pre, 99),
+        direct_share=direct / max(1, len(got)),
+    )
+    table = "\n".join(
+        [
+            "| figure (SGLang backend, TP 1 → 2, 4 KV heads) | value |",
+            "|---|---|",
+            f"| {args.pages}-page send → last decode rank's Success p50 µs | {row['sgl_p50_us']:.1f} |",
+            f"| … p99 µs | {row['sgl_p99_us']:.1f} |",
+            f"| send → prefill's Success p50 µs | {row['prefill_p50_us']:.1f} |",
+            f"| … p99 µs | {row['prefill_p99_us']:.1f} |",
             f"| share of the timed sends run direct (loop's guest) | {row['direct_share']:.2f} |",
         ]
     )

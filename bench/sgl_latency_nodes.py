@@ -99,6 +99,11 @@ class BenchPrefill(N.PrefillNode):
         self.direct += getattr(eng, "direct_calls", 0) - d0
         return out
 
+    def success_stamps(self, rooms: List[int]) -> Dict[int, int]:
+        """This rank's terminal stamps of ``rooms`` (ns; negative: Failed; 0: none yet)."""
+        with self.cv:
+            return {r: self.stamps.get(r, 0) for r in rooms}
+
     def throughput(self, rooms: List[int], timeout: float = 60.0, pages: int = 1) -> Dict[str, int]:
         """Every room sent back to back; returns the first send's stamp (ns) and how many
         rooms failed or did not end here within ``timeout``."""
