@@ -80,11 +80,7 @@ def main(argv=None) -> int:
         Worker(B.bench_node, "decode", name="decode", env=ENV, timeout=300),
     ]
     try:
-        for w in workers:
-            w.launch()
-        for w in workers:
-            w.ready(300)
-        (port,) = workers[0].proxy(N.BootstrapServers).ports()
+        port = _launch(workers)
         pf = workers[1].proxy(B.BenchPrefill)
         dc = workers[2].proxy(B.BenchDecode)
         pf.add("mha", "mha", port, timeout=120)
@@ -156,7 +152,9 @@ def main(argv=None) -> int:
     finally:
         for w in reversed(workers):
             w.close()
-    table = "\n".join(
+    return _emit(
+        args,
+        row,
         [
             "| figure | value |",
             "|---|---|",
@@ -169,13 +167,31 @@ def main(argv=None) -> int:
             f"| SGLang p50 / (raw + notify) p50 | {row['sgl_over_raw_notify']:.2f} |",
             f"| requests/s (back to back until decode's last Success, median of batches) | {row['req_per_s']:.0f} |",
             f"| share of the timed sends run direct (loop's guest) | {row['direct_share']:.2f} |",
-        ]
+        ],
     )
+
+
+def _emit(args, row: dict, lines) -> int:
+    """Print ``row`` (``--json``) or its table ``lines``; append the table to ``--out``."""
+    table = "\n".join(lines)
     print(json.dumps(row) if args.json else table)
     if args.out:
         with open(args.out, "a") as f:
             f.write(table + "\n")
     return 0
+
+
+def _launch(workers) -> int:
+    """Start the workers (bootstrap first in the list), wait until each is built; returns
+    the bootstrap server's port."""
+    import sgl_nodes as N
+
+    for w in workers:
+        w.launch()
+    for w in workers:
+        w.ready(300)
+    (port,) = workers[0].proxy(N.BootstrapServers).ports()
+    return port
 
 
 def _tp_main(args) -> int:
@@ -194,11 +210,7 @@ def _tp_main(args) -> int:
         Worker(B.bench_node, "decode", name="decode-1", env=ENV, timeout=300),
     ]
     try:
-        for w in workers:
-            w.launch()
-        for w in workers:
-            w.ready(300)
-        (port,) = workers[0].proxy(N.BootstrapServers).ports()
+        port = _launch(workers)
         pf = workers[1].proxy(B.BenchPrefill)
         dcs = [w.proxy(B.BenchDecode) for w in workers[2:]]
         pf.add("p1d2", "mha", port, tp=(1, 0), heads=4, timeout=120)
@@ -251,7 +263,9 @@ def _tp_main(args) -> int:
         prefill_p99_us=pct(pre, 99),
         direct_share=direct / max(1, len(got)),
     )
-    table = "\n".join(
+    return _emit(
+        args,
+        row,
         [
             "| figure (SGLang backend, TP 1 → 2, 4 KV heads) | value |",
             "|---|---|",
@@ -260,13 +274,8 @@ def _tp_main(args) -> int:
             f"| send → prefill's Success p50 µs | {row['prefill_p50_us']:.1f} |",
             f"| … p99 µs | {row['prefill_p99_us']:.1f} |",
             f"| share of the timed sends run direct (loop's guest) | {row['direct_share']:.2f} |",
-        ]
+        ],
     )
-    print(json.dumps(row) if args.json else table)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(table + "\n")
-    return 0
 
 
 if __name__ == "__main__":
