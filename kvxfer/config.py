@@ -11,6 +11,8 @@ always wins.
 - ``KVXFER_FLUSH_PROGRESS`` = ``auto`` | ``spin`` | ``event`` — default of
   :attr:`EngineConfig.flush_progress`.
 - ``KVXFER_DEVICE_COPY`` = ``auto`` | ``off`` — default of :attr:`EngineConfig.device_copy`.
+- ``KVXFER_HOST_COPY`` = ``auto`` | ``off`` — default of :attr:`EngineConfig.host_copy`.
+- ``KVXFER_HOST_MIN_OPS`` = an int — default of :attr:`EngineConfig.host_min_ops`.
 - ``KVXFER_OWN_WORKER`` = ``auto`` (``1``) | ``off`` (``0``) — default of
   :attr:`EngineConfig.own_worker`.
 - ``KVXFER_DEVICE_MIN_OPS`` = an int — default of :attr:`EngineConfig.device_min_ops`.
@@ -70,6 +72,16 @@ FLUSH_PROGRESS = ("auto", "spin", "event")
 #: few copy-engine memcpys) instead of one UCX PUT per run; ``off``: always UCX.
 DEVICE_COPY = ("auto", "off")
 
+#: Same-host host-memory writes of many runs (kvxfer.engine.hostcopy). ``auto``: a peer on
+#: this host that offered it (and proved it is the process it claims) gets a write's runs as
+#: a few process_vm_writev calls on a host-lane thread instead of one UCX PUT (one cma
+#: system call) per run; ``off``: always UCX, and this engine offers no lane to its peers.
+HOST_COPY = ("auto", "off")
+
+#: Default of EngineConfig.host_min_ops (kvxfer.engine.hostcopy.lane_wanted; lane vs PUTs by
+#: runs: bench/results/host-lane-cpu.md).
+HOST_MIN_OPS = 64
+
 #: Default of EngineConfig.device_min_bytes: 0 (off): a write of few large runs is faster as
 #: cuda_ipc PUTs than through the lane's launch path (bench/results/lane-copy-h200.md).
 DEVICE_MIN_BYTES = 0
@@ -104,6 +116,10 @@ def env_defaults() -> dict:
         out["own_worker"] = {"1": "auto", "on": "auto", "0": "off"}.get(raw, raw)
     if env.get("KVXFER_DEVICE_COPY"):
         out["device_copy"] = env["KVXFER_DEVICE_COPY"].strip().lower()
+    if env.get("KVXFER_HOST_COPY"):
+        out["host_copy"] = env["KVXFER_HOST_COPY"].strip().lower()
+    if env.get("KVXFER_HOST_MIN_OPS"):
+        out["host_min_ops"] = int(env["KVXFER_HOST_MIN_OPS"])
     if env.get("KVXFER_DEVICE_MIN_OPS"):
         out["device_min_ops"] = int(env["KVXFER_DEVICE_MIN_OPS"])
     if env.get("KVXFER_DEVICE_SMALL_OPS"):
@@ -263,6 +279,13 @@ class EngineConfig:
     #: engine exports IPC handles of its CUDA regions to peers (after authentication, like
     #: its memory keys). None -> env KVXFER_DEVICE_COPY or "auto".
     device_copy: Optional[str] = None
+    #: same-host host-memory writes of many runs by process_vm_writev (see HOST_COPY); also
+    #: whether this engine offers the lane to its peers (after authentication, like its
+    #: memory keys). None -> env KVXFER_HOST_COPY or "auto".
+    host_copy: Optional[str] = None
+    #: a write takes the host lane only from this many runs up (one hop to a host-lane
+    #: thread costs more than a few PUTs). None -> env KVXFER_HOST_MIN_OPS or HOST_MIN_OPS
+    host_min_ops: Optional[int] = None
     #: where RMA runs (see OWN_WORKER). None -> env KVXFER_OWN_WORKER (0 = off) or "auto"
     own_worker: Optional[str] = None
     #: a write takes the device lane only from this many runs (PUTs) up: one lane launch
@@ -352,6 +375,14 @@ class EngineConfig:
             raise InvalidArgument(
                 f"EngineConfig.device_copy={self.device_copy!r}; expected one of {DEVICE_COPY}"
             )
+        if self.host_copy is None:
+            self.host_copy = env.get("host_copy", "auto")
+        if self.host_copy not in HOST_COPY:
+            raise InvalidArgument(
+                f"EngineConfig.host_copy={self.host_copy!r}; expected one of {HOST_COPY}"
+            )
+        if self.host_min_ops is None:
+            self.host_min_ops = env.get("host_min_ops", HOST_MIN_OPS)
         if self.device_min_ops is None:
             self.device_min_ops = env.get("device_min_ops", DEVICE_MIN_OPS)
         if self.device_small_ops is None:
@@ -382,6 +413,7 @@ class EngineConfig:
                 raise InvalidArgument(f"EngineConfig.{name}={v!r} must be > 0")
         for name, low in (
             ("device_min_ops", 1),
+            ("host_min_ops", 1),
             ("device_small_ops", 0),
             ("device_min_bytes", 0),
             ("stage_min_ops", 0),

@@ -29,8 +29,9 @@ from kvxfer.errors import ProtocolError, VersionMismatch
 #: the bootstrap's seals cover it. Bump it with any change an older build cannot take (a
 #: message field added or retyped, a frame changed): peers of two versions then fail at once
 #: with :class:`VersionMismatch` naming both. 1: up to the unversioned channel opening;
-#: 2: versioned opening (version and channel wait mode), SglRoom.slices.
-PROTOCOL_VERSION = 2
+#: 2: versioned opening (version and channel wait mode), SglRoom.slices; 3: Layout.host_lane
+#: (kvxfer.engine.hostcopy).
+PROTOCOL_VERSION = 3
 
 #: Upper bound of one encoded message; larger input is rejected before unpacking.
 MAX_MESSAGE_BYTES = 64 << 20

@@ -213,6 +213,7 @@ class EngineNode:
             st = p.write(self._writes(parts), notify, timeout)
             return {
                 "device_lane": getattr(p, "_peer", p).device_lane,
+                "host_lane": getattr(p, "_peer", p).host_lane,
                 "bytes": st.bytes,
                 "ops": st.ops,
                 "lanes": st.lanes,
@@ -221,6 +222,8 @@ class EngineNode:
                 "flush_s": st.flush_s,
                 "device_bytes": st.device_bytes,
                 "device_ops": st.device_ops,
+                "host_bytes": st.host_bytes,
+                "host_ops": st.host_ops,
             }
 
         return _result(go)

@@ -236,6 +236,7 @@ class TransferEngine:
                 note_token=notes.token,
                 bulk_only=transport.own_rma,
                 peer_errors=cfg.error_mode == "peer",
+                host_lane=cfg.host_copy == "auto" and "host" in self._groups.mem_types,
             )
             # a bulk endpoint in error_mode "none", and whenever either side's keys are
             # valid only there (kvxfer's own UCP context: Layout.bulk_only)
@@ -265,9 +266,13 @@ class TransferEngine:
                 res.granted,
                 notes,
                 shares,
+                res.host,
+                res.host_why,
             )
         except BaseException:
             vmm_share.close_shares(shares)  # mapped for a Peer that never came to be
+            if res is not None and res.host is not None:  # the host lane's pidfd (Peer takes it)
+                res.host.close()
             if notes is not None:
                 notes.close()
             self._groups.release_landing(res.granted if res is not None else {})

@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import numpy as np
 
 from kvxfer import plan
+from kvxfer.engine.hostcopy import parse_offer
 from kvxfer.engine.staging import GroupStage
 from kvxfer.errors import Closed, InvalidArgument, ProtocolError
 from kvxfer.transport.base import Region, Transport
@@ -328,6 +329,8 @@ class RemoteGroups:
     bulk_only: bool = False
     #: the peer's error_mode is "peer" (messages.Layout.peer_errors)
     peer_errors: bool = False
+    #: the peer's host-lane offer (messages.Layout.host_lane, validated), None: none
+    host_lane: Optional[dict] = None
 
     def vmm_covers(self, group: str) -> bool:
         """Whether a same-host device lane can map every CUDA region of ``group``, one of
@@ -402,6 +405,7 @@ def parse_remote(msg) -> RemoteGroups:
         note,
         msg.bulk_only,
         msg.peer_errors,
+        parse_offer(msg.host_lane),
     )
 
 

@@ -33,11 +33,12 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 import msgpack
 
 from kvxfer import plan, wire
-from kvxfer.engine import ipc
+from kvxfer.engine import hostcopy, ipc
 from kvxfer.engine import messages as m
 from kvxfer.engine.groups import LocalGroups, RemoteGroups, parse_remote
 from kvxfer.errors import (
@@ -67,6 +68,10 @@ class HandshakeResult:
     remote: RemoteGroups
     #: landing slots we granted the peer (Layout.landing form); the caller owns them now
     granted: dict = field(default_factory=dict)
+    #: the peer checked for a host lane (kvxfer.engine.hostcopy.verify; the caller owns its
+    #: pidfd now), or None and why not
+    host: Optional[hostcopy.Verified] = None
+    host_why: str = ""
 
 
 def _proof(secret: bytes, role: bytes, binding: bytes, hello: m.Hello, ack: m.HelloAck) -> bytes:
@@ -182,6 +187,7 @@ def _layout(
     note_token: int = 0,
     bulk_only: bool = False,
     peer_errors: bool = False,
+    host_lane: Optional[dict] = None,
 ) -> bytes:
     bases, lens, keys, types = local.region_table()
     return m.Layout(
@@ -197,6 +203,7 @@ def _layout(
         note_token=note_token,
         bulk_only=bulk_only,
         peer_errors=peer_errors,
+        host_lane=host_lane,
     ).encode()
 
 
@@ -236,6 +243,7 @@ async def connect_side(
     note_token: int = 0,
     bulk_only: bool = False,
     peer_errors: bool = False,
+    host_lane: bool = False,
 ) -> HandshakeResult:
     dl = _Deadline(timeout)
     hello = m.Hello(
@@ -265,15 +273,28 @@ async def connect_side(
         _check_ipc(local, layout, remote, ack.hostname, refuse_emulated)
         if ack.stage:
             grant.update(local.grant_landing())
-        await ch.send(_layout(local, address, grant, note_token, bulk_only, peer_errors), dl.left())
+        checked.append(hostcopy.verify(remote.host_lane, hello.nonce, ack.hostname, host_lane))
+        # the peer reads its nonce back from our offer before it answers Ready: the offer
+        # lives in this frame until then
+        offer = hostcopy.Offer(ack.nonce) if host_lane else None
+        wired = None if offer is None else offer.wire()
+        await ch.send(
+            _layout(local, address, grant, note_token, bulk_only, peer_errors, wired), dl.left()
+        )
         await _recv(ch, dl, m.Ready, wire.MAX_MESSAGE_BYTES)
-        return HandshakeResult(ack.engine_id, ack.name, ack.hostname, remote, dict(grant))
+        del offer
+        host, why = checked.pop()
+        return HandshakeResult(
+            ack.engine_id, ack.name, ack.hostname, remote, dict(grant), host, why
+        )
 
     grant: dict = {}
+    checked: list = []  # hostcopy.verify's answer until the result carries it
     try:
         return await _with_timeout(_guarded(ch, dl, steps()), dl)
     except BaseException:
         local.release_landing(grant)
+        _close_checked(checked)
         raise
 
 
@@ -289,6 +310,7 @@ async def accept_side(
     note_token: int = 0,
     bulk_only: bool = False,
     peer_errors: bool = False,
+    host_lane: bool = False,
 ) -> HandshakeResult:
     dl = _Deadline(timeout)
 
@@ -317,20 +339,40 @@ async def accept_side(
         ch.trusted(wire.MAX_MESSAGE_BYTES)
         if hello.stage:
             grant.update(local.grant_landing())
-        await ch.send(_layout(local, address, grant, note_token, bulk_only, peer_errors), dl.left())
+        # the peer reads its nonce back from our offer before it sends its Layout: the
+        # offer lives in this frame until then
+        offer = hostcopy.Offer(hello.nonce) if host_lane else None
+        wired = None if offer is None else offer.wire()
+        await ch.send(
+            _layout(local, address, grant, note_token, bulk_only, peer_errors, wired), dl.left()
+        )
         layout = await _recv(ch, dl, m.Layout, wire.MAX_MESSAGE_BYTES)
+        del offer
         remote = parse_remote(layout)
         check_groups(local, remote)
         _check_ipc(local, layout, remote, hello.hostname, refuse_emulated)
+        checked.append(hostcopy.verify(remote.host_lane, ack.nonce, hello.hostname, host_lane))
         await ch.send(m.Ready().encode(), dl.left())
-        return HandshakeResult(hello.engine_id, hello.name, hello.hostname, remote, dict(grant))
+        host, why = checked.pop()
+        return HandshakeResult(
+            hello.engine_id, hello.name, hello.hostname, remote, dict(grant), host, why
+        )
 
     grant: dict = {}
+    checked: list = []  # hostcopy.verify's answer until the result carries it
     try:
         return await _with_timeout(_guarded(ch, dl, steps()), dl)
     except BaseException:
         local.release_landing(grant)
+        _close_checked(checked)
         raise
+
+
+def _close_checked(checked: list) -> None:
+    """Close the pidfd of a host-lane check whose handshake did not finish."""
+    for host, _ in checked:
+        if host is not None:
+            host.close()
 
 
 async def _with_timeout(coro, dl: _Deadline):

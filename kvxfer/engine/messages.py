@@ -103,6 +103,9 @@ class Layout(wire.Message):
     #: peer error handling on both ends (UCX matches the two endpoints of a worker pair, and
     #: ends of different error modes reset each other), otherwise error mode NONE on both
     peer_errors: bool = False
+    #: the sender's offer of host lanes into its host memory (kvxfer.engine.hostcopy:
+    #: {"pid", "ns", "addr", "cookie"}); None: none offered
+    host_lane: Optional[dict] = None
 
 
 @wire.register

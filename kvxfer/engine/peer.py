@@ -56,8 +56,8 @@ from typing import (
 import numpy as np
 
 from kvxfer import wire
-from kvxfer.config import DEVICE_MIN_OPS, spin_flushes
-from kvxfer.engine import devcopy
+from kvxfer.config import DEVICE_MIN_OPS, HOST_MIN_OPS, spin_flushes
+from kvxfer.engine import devcopy, hostcopy
 from kvxfer.engine import messages as m
 from kvxfer.engine.groups import RemoteGroups
 from kvxfer.engine.host import PeerHost, resolved
@@ -109,9 +109,13 @@ class Peer:
         granted: Optional[dict] = None,
         notes: Optional[NoteBox] = None,
         shares: Optional[list] = None,
+        verified: Optional[hostcopy.Verified] = None,
+        unverified_why: str = "",
     ):
         """``shares``: the peer's VMM regions mapped for the device lane
-        (:func:`kvxfer.engine.devcopy.fetch_shares`; the lane owns them)."""
+        (:func:`kvxfer.engine.devcopy.fetch_shares`; the lane owns them); ``verified``: the
+        peer checked for a host lane at the handshake (:func:`kvxfer.engine.hostcopy.verify`;
+        the lane owns its pidfd), or None and ``unverified_why`` why not."""
         self._host = host
         self._config = config = host.config
         self._groups = groups = host.groups
@@ -152,6 +156,8 @@ class Peer:
         )
         #: the same-host device lane (kvxfer.engine.devcopy) and why there is / is not one
         self._dev, self.device_lane = devcopy.open_lane(config, groups, hostname, remote, shares)
+        #: the same-host host lane (kvxfer.engine.hostcopy) and why there is / is not one
+        self._hostl, self.host_lane = hostcopy.open_lane(groups, remote, verified, unverified_why)
         # staged path: slots we granted the peer (target role) and slots it granted us
         self._granted_raw = granted or {}
         self._staged = StagedPath(
@@ -574,6 +580,23 @@ class Peer:
             t_l = time.perf_counter()
             launched = self._dev.launch_patterns(parts, bases)
             stats.launch_s += time.perf_counter() - t_l
+        hosted = None  # the host lane's copy of the runs it took
+        if self._hostl is not None and hostcopy.lane_wanted(
+            laddr.size, cfg.host_min_ops or HOST_MIN_OPS
+        ):
+            on_host = self._hostl.select(lmemh, ridx)
+            if on_host.any():
+                t_l = time.perf_counter()
+                sel = slice(None) if on_host.all() else on_host
+                name = self.name or self.id
+                hosted = self._hostl.start(laddr[sel], raddr[sel], nbytes[sel], ridx[sel], name)
+                stats.launch_s += time.perf_counter() - t_l
+                stats.host_ops = int(on_host.sum())
+                stats.host_bytes = int(nbytes[sel].sum(dtype=_U64))
+                keep = ~on_host
+                laddr, raddr, nbytes, lmemh, ridx = (
+                    c[keep] for c in (laddr, raddr, nbytes, lmemh, ridx)
+                )
         gate_prev, gate = self._note_turn() if notify is not None else (None, None)
         chunks: List[Chunk] = []  # staged chunks whose plans are out: given up on failure
         promised = False  # the notify was handed over: it vouches for every chunk
@@ -586,6 +609,8 @@ class Peer:
                 spin = devcopy.WAIT_SPIN_S if inline else 0.0
                 if launched is not None and not self._dev.settled(launched, spin):
                     await self._bounded(self._dev.wait(launched, 0.0), timeout, "device copy")
+                if hosted is not None:
+                    await self._bounded_future(hosted, timeout, "host copy")
                 for group, src, dst, direct_ops in staged:
                     chunks += await self._staged.write(group, src, dst, deadline, stats)
                     stats.staged_direct_ops += direct_ops
@@ -606,7 +631,7 @@ class Peer:
                     self._note_to,
                     notify,
                     bool(staged or sliced),
-                    bool(laddr.size) or launched is not None,
+                    bool(laddr.size) or launched is not None or hosted is not None,
                 ):
                     assert notify is not None
                     promised = True
@@ -642,6 +667,8 @@ class Peer:
             stats.post_s, stats.complete_s = t1 - t0, time.perf_counter() - t1
             return stats
         except BaseException:
+            if hosted is not None:  # given up on: its outcome is retrieved when it ends
+                hosted.add_done_callback(_retrieve)
             # cancelled, timed out or failed before a notify vouched for the chunks: the peer
             # drops what it has not scattered yet and gives the landing slots back
             # (kvxfer.engine.peer_staged); after it, they are scattered before the notify
@@ -722,6 +749,8 @@ class Peer:
         # quiesce both lanes first (the device lane's close waits for its stream): the
         # channel's close tells the peer that nothing more comes from us
         await self._rma.close(grace)
+        if self._hostl is not None:
+            await self._hostl.close(grace)
         if self._dev is not None:
             self._dev.close()
         await self._channel.close(grace)
@@ -736,6 +765,11 @@ _DONE, _DEAD, _TIMEOUT = "done", "dead", "timeout"
 
 async def _all(futures: List[asyncio.Future]) -> None:
     await asyncio.gather(*futures)
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _wake(waiter: asyncio.Future, why: str) -> None:

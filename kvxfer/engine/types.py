@@ -94,6 +94,10 @@ class TransferStats:
     staged_bytes: int = 0
     staged_direct_ops: int = 0
     posted_ns: int = 0
+    #: of ``ops`` / ``bytes``, the runs copied by the same-host host lane
+    #: (kvxfer.engine.hostcopy: process_vm_writev on a host-lane thread) instead of UCX
+    host_ops: int = 0
+    host_bytes: int = 0
 
     @property
     def total_s(self) -> float:

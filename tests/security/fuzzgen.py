@@ -14,12 +14,13 @@ part of the mix: they must be refused by the checks behind decoding.
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Callable, Dict, List
 
 import msgpack
 
-V = 2  # kvxfer.wire.PROTOCOL_VERSION (asserted by the tests)
+V = 3  # kvxfer.wire.PROTOCOL_VERSION (asserted by the tests)
 
 _BAD_VERSIONS = [True, False, 2.0, "2", b"\x02", 0, 1, 3, -1, None, [2], {"v": 2}, (1 << 64) - 1]
 
@@ -202,6 +203,18 @@ def layout_body(r: random.Random, keys=None) -> dict:
         ),
         "non_ipc": r.choice([None, ["kv"], ["zz"]]),
         "region_ipc": r.choice([None, [b""] * n, [b"x"] * n]),
+        # a host-lane offer: none, one naming this process or pid 1 (never a lane: the
+        # nonce does not read back), malformed ones
+        "host_lane": r.choice(
+            [
+                None,
+                {"pid": os.getpid(), "ns": 0, "addr": 0x1000},
+                {"pid": 1, "ns": 1, "addr": r.getrandbits(64)},
+                {"pid": 0, "ns": 0, "addr": 0},
+                {"pid": 1},
+                [1, 2, 3],
+            ]
+        ),
     }
 
 

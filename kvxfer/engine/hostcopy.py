@@ -1,0 +1,389 @@
+"""Host lane: same-host host-memory writes of many runs as a few ``process_vm_writev`` calls.
+
+Over UCX's cma lane every run of a write is one PUT, and cma copies each PUT with one
+``process_vm_writev`` system call, so a write of thousands of small runs (head slices of
+heterogeneous TP, scattered pages) pays the call's fixed cost per run: 16000 runs of 8 KiB
+took 2.4× the time of the same bytes in 10 runs (bench/results/host-lane-cpu.md). UCP's
+``ucp_put_nbx`` takes contiguous buffers only. When both engines share a host, this lane
+hands the runs to the kernel :data:`IOV_BATCH` at a time (one call copies them all), on a
+host-lane thread, so the engine's loop never blocks on the copy.
+
+Invariants
+- A lane exists only to a peer that offered it in its Layout (:class:`Offer`: its pid, its pid
+  namespace, and the address of a buffer of its memory holding the nonce *this* side sent
+  in the handshake; the Layout travels only after both sides proved the secret), on this
+  host (same hostname and pid namespace), with ``EngineConfig.host_copy == "auto"`` and
+  host registrations on this side, and only once this process read its own nonce back from
+  that pid at that address (:func:`verify`, ``process_vm_readv``, during the handshake):
+  the pid is the process this handshake talks to, not a stranger's or a reused one (no
+  other process holds this handshake's fresh nonce). A pidfd of the peer, opened before the
+  check, is asked before every call whether the process is still the same (a reused pid
+  fails it), so bytes never go to another process.
+- A write uses the lane from ``host_min_ops`` runs up (:func:`lane_wanted`), for the runs
+  whose local registration is host memory and whose remote region is host memory
+  (:meth:`HostLane.select`); every run was validated by the planner against the peer's
+  descriptors and is checked again here against its remote region before anything moves.
+- The bytes are in the peer's memory when the job's future resolves; only then does the
+  write flush / notify, exactly as after PUTs. A job that failed (the peer exited: PeerClosed;
+  an address not mapped, a permission refused: TransportError) may have copied a prefix of
+  its runs, as a failed PUT batch may have.
+- :meth:`HostLane.close` stops jobs between batches and waits (bounded) until none runs: after
+  it, nothing of this lane writes into the peer.
+- Where it runs: :meth:`HostLane.start` and the future's resolution on the engine's loop
+  thread (or a guest of it); the copies on the process's host-lane threads
+  (``kvxfer-host-lane``, at most :data:`MAX_THREADS`, made at first use).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import ctypes
+import errno as errno_mod
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from kvxfer.errors import IndexOutOfRange, PeerClosed, ProtocolError, TransportError
+
+log = logging.getLogger(__name__)
+_U64 = np.uint64
+
+#: runs handed to the kernel per ``process_vm_writev`` (Linux's IOV_MAX)
+IOV_BATCH = 1024
+#: at most this many bytes per call (unless one run is larger): a closing lane stops its
+#: writes between calls, so this bounds how long a close waits
+BATCH_BYTES = 64 << 20
+#: host-lane threads per process (fewer on a host of fewer CPUs)
+MAX_THREADS = 4
+COOKIE_BYTES = 16
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _libc_calls():
+    """``(process_vm_readv, process_vm_writev)`` through ctypes (the GIL is released for the
+    call), or None where the C library has none (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        calls = (libc.process_vm_readv, libc.process_vm_writev)
+    except (OSError, AttributeError):
+        return None
+    for fn in calls:
+        fn.restype = ctypes.c_ssize_t
+        fn.argtypes = [
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_ulong,
+            ctypes.c_void_p,
+            ctypes.c_ulong,
+            ctypes.c_ulong,
+        ]
+    return calls
+
+
+_CALLS = _libc_calls()
+_pool_lock = threading.Lock()
+_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+_pool_pid = 0
+
+
+def _threads() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's host-lane threads (made at first use; again in a forked child, where
+    the parent's threads do not exist)."""
+    global _pool, _pool_pid
+    with _pool_lock:
+        if _pool is None or _pool_pid != os.getpid():
+            n = max(1, min(MAX_THREADS, os.cpu_count() or 1))
+            _pool = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="kvxfer-host-lane")
+            _pool_pid = os.getpid()
+        return _pool
+
+
+def batches(nbytes: np.ndarray, max_runs: int = IOV_BATCH, max_bytes: int = BATCH_BYTES):
+    """``[(start, end)]`` cutting runs of ``nbytes`` into consecutive calls of at most
+    ``max_runs`` runs and ``max_bytes`` bytes (a run larger than that is a call of its own)."""
+    n = int(nbytes.size)
+    ends = np.cumsum(nbytes, dtype=np.uint64)
+    out, s, done = [], 0, 0
+    while s < n:
+        e = int(np.searchsorted(ends, done + max_bytes, side="right"))
+        e = min(max(e, s + 1), s + max_runs, n)
+        out.append((s, e))
+        done = int(ends[e - 1])
+        s = e
+    return out
+
+
+def _pid_ns() -> int:
+    """This process's pid namespace (the inode of ``/proc/self/ns/pid``), 0 if unknown."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def lane_wanted(ops: int, min_ops: int) -> bool:
+    """Whether a write of ``ops`` direct runs should take the host lane (where it is open):
+    from ``min_ops`` runs up; a write of few runs is faster as PUTs (no thread hop)."""
+    return ops > 0 and ops >= min_ops
+
+
+class Offer:
+    """This side's offer in one handshake (``Layout.host_lane``): its pid, its pid namespace
+    and the address of a buffer of its memory holding the nonce the *peer* sent in that
+    handshake. The peer reads it back to check that the pid is the process it is talking
+    to (:func:`verify`); the buffer lives as long as this object, which the handshake keeps
+    until its end (the peer checks before it sends its last message)."""
+
+    def __init__(self, peer_nonce: bytes) -> None:
+        self._buf = ctypes.create_string_buffer(bytes(peer_nonce), len(peer_nonce))
+
+    def wire(self) -> Dict[str, int]:
+        return {"pid": os.getpid(), "ns": _pid_ns(), "addr": ctypes.addressof(self._buf)}
+
+
+def parse_offer(raw) -> Optional[Dict[str, int]]:
+    """Validate ``Layout.host_lane`` (None, or the dict of :meth:`Offer.wire`)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or set(raw) != {"pid", "ns", "addr"}:
+        raise ProtocolError("layout: host_lane is malformed")
+    for k in ("pid", "ns", "addr"):
+        v = raw[k]
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 1 << 64:
+            raise ProtocolError(f"layout: host_lane.{k} must be an unsigned 64-bit int")
+    if not 0 < raw["pid"] < 1 << 31:
+        raise ProtocolError("layout: host_lane.pid is not a pid")
+    return dict(raw)
+
+
+def _read_back(pid: int, addr: int, n: int) -> bytes:
+    """``n`` bytes at ``addr`` of process ``pid`` (``process_vm_readv``); raises OSError."""
+    assert _CALLS is not None
+    buf = ctypes.create_string_buffer(n)
+    liov = _Iovec(ctypes.addressof(buf), n)
+    riov = _Iovec(addr, n)
+    got = _CALLS[0](pid, ctypes.byref(liov), 1, ctypes.byref(riov), 1, 0)
+    if got != n:
+        e = ctypes.get_errno() if got < 0 else errno_mod.EFAULT
+        raise OSError(e, os.strerror(e))
+    return buf.raw
+
+
+class Verified:
+    """A peer process checked by :func:`verify`: its pid and a pidfd of it (owned: closed by
+    :meth:`close`, or by the :class:`HostLane` that takes it)."""
+
+    __slots__ = ("pid", "pidfd")
+
+    def __init__(self, pid: int, pidfd: int) -> None:
+        self.pid, self.pidfd = pid, pidfd
+
+    def close(self) -> None:
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+
+def verify(
+    offer: Optional[Dict[str, int]], our_nonce: bytes, hostname: str, want: bool
+) -> Tuple[Optional[Verified], str]:
+    """Check a peer's offer (``RemoteGroups.host_lane``) during the handshake: ``want`` (this
+    side uses host lanes: ``host_copy="auto"`` and host registrations), the peer on this host
+    (``hostname``) and pid namespace, then a pidfd of its pid and ``our_nonce`` (the nonce
+    this side sent in the handshake) read back from that pid at the offered address. Returns
+    ``(Verified, "")`` or ``(None, why not)``. Runs on: the engine's loop thread."""
+    if not want:
+        return None, "off (host_copy='off', or no host registrations here)"
+    if _CALLS is None:
+        return None, f"off (no process_vm_writev on {sys.platform})"
+    if offer is None:
+        return None, "off (the peer offered none)"
+    if hostname != socket.gethostname():
+        return None, f"off (peer on host {hostname!r})"
+    if offer["ns"] != _pid_ns() or offer["pid"] == os.getpid():
+        return None, "off (the peer is in another pid namespace, or is this process)"
+    try:
+        pidfd = os.pidfd_open(offer["pid"])
+    except (OSError, AttributeError) as exc:
+        return None, f"off (pidfd_open: {exc})"
+    try:
+        seen = _read_back(offer["pid"], offer["addr"], len(our_nonce))
+    except OSError as exc:
+        os.close(pidfd)
+        return None, f"off (process_vm_readv: {exc})"
+    if seen != our_nonce:
+        os.close(pidfd)
+        return None, "off (the offer did not read back this handshake's nonce: not the peer)"
+    return Verified(offer["pid"], pidfd), ""
+
+
+def open_lane(
+    groups, remote, verified: Optional[Verified], why: str
+) -> Tuple[Optional["HostLane"], str]:
+    """``(lane or None, status text)`` for the host lane to a peer checked by :func:`verify`
+    (``verified``, or None and ``why`` not): ``groups`` is the engine's LocalGroups, ``remote``
+    the peer's RemoteGroups. The lane takes ``verified``'s pidfd; without a lane it is
+    closed here."""
+    if verified is None:
+        return None, why or "off"
+    if "host" not in groups.mem_types or "host" not in remote.types:
+        verified.close()
+        return None, "off (no host memory on both sides)"
+    local = np.array(
+        sorted({int(r.handle) for r in groups.regions if r.mem_type == "host"}), dtype=_U64
+    )
+    lane = HostLane(verified.pid, verified.pidfd, local, remote.bases, remote.lens, remote.types)
+    verified.pidfd = -1  # the lane's now
+    return lane, f"active (pid {lane.pid})"
+
+
+class _Job:
+    """One write's runs for the host-lane threads; ``stop`` ends it between batches."""
+
+    __slots__ = ("pid", "pidfd", "liov", "riov", "stop")
+
+    def __init__(self, pid: int, pidfd: int, liov: np.ndarray, riov: np.ndarray, stop) -> None:
+        self.pid, self.pidfd, self.liov, self.riov, self.stop = pid, pidfd, liov, riov, stop
+
+    def run(self) -> None:
+        """Copy every run (on a host-lane thread). Raises OSError (errno ESRCH: the peer
+        exited or its pid is another process now) or InterruptedError (the lane closed)."""
+        assert _CALLS is not None
+        pvw = _CALLS[1]
+        lp, rp = self.liov.ctypes.data, self.riov.ctypes.data
+        sizes = self.liov[:, 1]
+        for s, e in batches(sizes):
+            if self.stop.is_set():
+                raise InterruptedError("host lane closed")
+            signal.pidfd_send_signal(self.pidfd, 0)  # ProcessLookupError once it is gone
+            k = e - s
+            want = int(sizes[s:e].sum(dtype=_U64))
+            got = pvw(self.pid, lp + 16 * s, k, rp + 16 * s, k, 0)
+            if got != want:
+                e = ctypes.get_errno() if got < 0 else errno_mod.EFAULT
+                raise OSError(e, f"process_vm_writev: {os.strerror(e)} (copied {got} B)")
+
+
+def _error(exc: BaseException, name: str) -> BaseException:
+    if isinstance(exc, ProcessLookupError) or getattr(exc, "errno", None) == errno_mod.ESRCH:
+        return PeerClosed(f"host lane to {name}: the peer process is gone")
+    if isinstance(exc, InterruptedError):
+        return PeerClosed(f"host lane to {name} closed")
+    return TransportError(f"host lane to {name}: {exc}")
+
+
+class HostLane:
+    """A same-host peer's host regions, written by ``process_vm_writev`` (see the module)."""
+
+    def __init__(
+        self,
+        pid: int,
+        pidfd: int,
+        local: np.ndarray,
+        rbases: List[int],
+        rlens: List[int],
+        rtypes: List[str],
+    ) -> None:
+        self.pid = pid
+        self._pidfd = pidfd
+        self._local = local  # sorted handles of our host registrations
+        self._rbase = np.asarray(rbases, dtype=_U64)
+        self._rlen = np.asarray(rlens, dtype=_U64)
+        self._usable = np.array([t == "host" for t in rtypes], dtype=bool)
+        self._stop = threading.Event()
+        #: jobs handed to the threads and not settled yet (touched on the loop thread only)
+        self._jobs: "set[concurrent.futures.Future]" = set()
+        self.closed = False
+        #: writes and runs this lane copied (for stats and tests)
+        self.writes = 0
+        self.runs = 0
+
+    def select(self, lmemh: np.ndarray, ridx: np.ndarray) -> np.ndarray:
+        """Boolean mask of the ops this lane copies (local and remote host memory)."""
+        from kvxfer.engine.devcopy import member
+
+        if self.closed or ridx.size == 0:
+            return np.zeros(ridx.size, dtype=bool)
+        return self._usable[ridx.astype(np.intp)] & member(lmemh, self._local)
+
+    def start(
+        self,
+        laddr: np.ndarray,
+        raddr: np.ndarray,
+        nbytes: np.ndarray,
+        ridx: np.ndarray,
+        name: str,
+    ) -> asyncio.Future:
+        """Check every run against its remote region (IndexOutOfRange: nothing moves), then
+        hand the runs to a host-lane thread; the returned future (of the running loop)
+        resolves once every byte is in the peer's memory, or fails with PeerClosed /
+        TransportError. Runs on: the engine's loop thread (or a guest of it)."""
+        if self.closed:
+            raise PeerClosed(f"host lane to {name} closed")
+        r = ridx.astype(np.intp)
+        off = raddr - self._rbase[r]
+        if (
+            (raddr < self._rbase[r]) | (off > self._rlen[r]) | (nbytes > self._rlen[r] - off)
+        ).any():
+            raise IndexOutOfRange("host lane: an op falls outside its remote region")
+        n = int(laddr.size)
+        liov = np.empty((n, 2), dtype=_U64)
+        riov = np.empty((n, 2), dtype=_U64)
+        liov[:, 0], liov[:, 1] = laddr, nbytes
+        riov[:, 0], riov[:, 1] = raddr, nbytes
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        job = _Job(self.pid, self._pidfd, liov, riov, self._stop)
+        cf = _threads().submit(job.run)
+        self._jobs.add(cf)
+        self.writes += 1
+        self.runs += n
+
+        def done(c: concurrent.futures.Future) -> None:  # on the host-lane thread
+            try:
+                loop.call_soon_threadsafe(_settle, fut, c, name, self._jobs)
+            except RuntimeError:  # the loop closed: nobody waits any more
+                pass
+
+        cf.add_done_callback(done)
+        return fut
+
+    async def close(self, timeout: float) -> None:
+        """Stop the jobs between batches and wait (up to ``timeout``) until none runs; then
+        close the pidfd. Idempotent. Runs on: the engine's loop thread."""
+        if self.closed:
+            return
+        self.closed = True
+        self._stop.set()
+        jobs = [asyncio.wrap_future(c) for c in self._jobs]
+        if jobs:
+            _, pending = await asyncio.wait(jobs, timeout=timeout)
+            if pending:  # the pidfd stays open: a running job still asks it
+                log.warning("host lane to pid %d: %d copies still running", self.pid, len(pending))
+                return
+        os.close(self._pidfd)
+
+
+def _settle(fut: asyncio.Future, c: concurrent.futures.Future, name: str, jobs: set) -> None:
+    """Resolve a write's future from its job (on the loop thread); a future already done
+    (the write gave up: timeout, the peer's death) only has the job's outcome retrieved."""
+    jobs.discard(c)
+    exc = c.exception()
+    if fut.done():
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(_error(exc, name))

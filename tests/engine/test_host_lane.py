@@ -1,0 +1,350 @@
+"""The same-host host lane (kvxfer.engine.hostcopy): writes of many runs between host memory
+of two processes as batched process_vm_writev calls.
+
+Two parts: the lane against a real child process (no UCX: what it refuses, what it writes,
+how it fails), and engines in separate processes over real UCX on loopback, where the
+lane carries the scattered writes byte-exact next to engines that keep UCX PUTs.
+"""
+
+import asyncio
+import ctypes
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from testenv import DEVICE
+
+from kvxfer.bench.engine_node import EngineNode
+from kvxfer.engine import hostcopy
+from kvxfer.errors import IndexOutOfRange, PeerClosed, ProtocolError
+from kvxfer.procs import Worker
+
+pytestmark = pytest.mark.timeout(90)
+
+BUF = 1 << 16
+
+NONCE = bytes(range(32))  # "this side's" nonce: the child's offer holds it, as a peer's would
+
+#: a child that offers a host lane (holding NONCE) and has a BUF-byte buffer of its own;
+#: prints the offer and the buffer's address, then on each stdin line prints the buffer's
+#: sha256 (or exits on "q")
+CHILD = textwrap.dedent(
+    f"""
+    import ctypes, hashlib, sys
+    from kvxfer.engine.hostcopy import Offer
+    offer = Offer(bytes.fromhex(sys.argv[1]))
+    buf = ctypes.create_string_buffer({BUF})
+    o = offer.wire()
+    print(o["pid"], o["ns"], o["addr"], ctypes.addressof(buf), flush=True)
+    for line in sys.stdin:
+        if line.strip() == "q":
+            break
+        print(hashlib.sha256(buf.raw).hexdigest(), flush=True)
+    """
+)
+
+
+class Child:
+    def __init__(self):
+        self.p = subprocess.Popen(
+            [sys.executable, "-c", CHILD, NONCE.hex()],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        pid, ns, addr, buf = self.p.stdout.readline().split()
+        self.offer = {"pid": int(pid), "ns": int(ns), "addr": int(addr)}
+        self.buf = int(buf)
+
+    def digest(self) -> str:
+        self.p.stdin.write("d\n")
+        self.p.stdin.flush()
+        return self.p.stdout.readline().strip()
+
+    def stop(self):
+        if self.p.poll() is None:
+            self.p.stdin.write("q\n")
+            self.p.stdin.flush()
+        self.p.wait(10)
+
+
+@pytest.fixture
+def child():
+    c = Child()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+HOST = socket.gethostname()
+
+
+def _sides(child, types=("host",), local=b"x" * BUF):
+    src = ctypes.create_string_buffer(local, BUF)
+    groups = SimpleNamespace(
+        mem_types={"host"}, regions=[SimpleNamespace(handle=7, mem_type="host")]
+    )
+    remote = SimpleNamespace(types=list(types), bases=[child.buf], lens=[BUF])
+    return src, groups, remote
+
+
+def _open(child, offer=None, nonce=NONCE, want=True, types=("host",), local=b"x" * BUF):
+    src, groups, remote = _sides(child, types, local)
+    ok, why = hostcopy.verify(child.offer if offer is None else offer, nonce, HOST, want)
+    lane, why = hostcopy.open_lane(groups, remote, ok, why)
+    return src, lane, why
+
+
+def _runs(src, child, pieces):
+    """Columns of runs ``(src offset, dst offset, bytes)``, handle 7, region 0."""
+    a = np.array(pieces, dtype=np.uint64).reshape(-1, 3)
+    base = np.uint64(ctypes.addressof(src))
+    laddr = a[:, 0] + base
+    raddr = a[:, 1] + np.uint64(child.buf)
+    lmemh = np.full(len(a), 7, dtype=np.uint64)
+    ridx = np.zeros(len(a), dtype=np.uint64)
+    return laddr, raddr, a[:, 2].copy(), lmemh, ridx
+
+
+def _expected(pieces, local: bytes) -> str:
+    import hashlib
+
+    out = bytearray(BUF)
+    for s, d, n in pieces:
+        out[d : d + n] = local[s : s + n]
+    return hashlib.sha256(bytes(out)).hexdigest()
+
+
+def test_the_lane_writes_every_run_and_nothing_else(child):
+    local = bytes(np.random.default_rng(3).integers(0, 256, BUF, dtype=np.uint8))
+    src, lane, why = _open(child, local=local)
+    assert lane is not None, why
+    assert why.startswith("active")
+    # 3000 runs of 8 B at every 16th byte (three batches of the kernel's iovec limit), from
+    # scattered source offsets
+    pieces = [((i * 40) % (BUF - 8), 16 * i + 8, 8) for i in range(3000)]
+    laddr, raddr, nbytes, lmemh, ridx = _runs(src, child, pieces)
+    assert lane.select(lmemh, ridx).all()
+
+    async def go():
+        await lane.start(laddr, raddr, nbytes, ridx, "child")
+        await lane.close(5.0)
+
+    asyncio.run(go())
+    assert child.digest() == _expected(pieces, local)
+    assert (lane.writes, lane.runs) == (1, 3000)
+
+
+def test_a_run_outside_the_remote_region_moves_nothing(child):
+    src, lane, _ = _open(child)
+    before = child.digest()
+    pieces = [(0, 0, 64), (0, BUF - 32, 64)]  # the second one ends 32 B past the region
+    laddr, raddr, nbytes, _, ridx = _runs(src, child, pieces)
+
+    async def go():
+        with pytest.raises(IndexOutOfRange):
+            lane.start(laddr, raddr, nbytes, ridx, "child")
+        await lane.close(5.0)
+
+    asyncio.run(go())
+    assert child.digest() == before
+
+
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        ({}, "did not read back this handshake's nonce"),  # another nonce (below)
+        ({"pid": os.getpid()}, "this process"),
+        ({"ns": 1}, "pid namespace"),
+        ({"addr": 8}, "process_vm_readv"),
+    ],
+)
+def test_an_offer_that_does_not_check_out_gets_no_lane(child, change, why):
+    other = NONCE[::-1] if not change else NONCE
+    src, lane, text = _open(child, offer={**child.offer, **change}, nonce=other)
+    assert lane is None and why in text, text
+
+
+def test_no_lane_when_unwanted_elsewhere_or_not_host_memory(child):
+    assert _open(child, want=False)[1] is None
+    _, lane, why = _open(child, types=("cuda",))
+    assert lane is None and "no host memory" in why
+    assert hostcopy.verify(child.offer, NONCE, "another-host", True)[1] == (
+        "off (peer on host 'another-host')"
+    )
+    assert hostcopy.verify(None, NONCE, HOST, True) == (None, "off (the peer offered none)")
+
+
+def test_a_checked_peer_that_gets_no_lane_has_its_pidfd_closed(child):
+    ok, _ = hostcopy.verify(child.offer, NONCE, HOST, True)
+    fd = ok.pidfd
+    os.fstat(fd)  # open
+    _, groups, remote = _sides(child, types=("cuda",))
+    assert hostcopy.open_lane(groups, remote, ok, "")[0] is None
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
+def test_a_peer_that_exited_fails_the_write_with_peer_closed(child):
+    src, lane, _ = _open(child)
+    child.stop()  # the process is gone (reaped): its pidfd says so before any byte moves
+    laddr, raddr, nbytes, _, ridx = _runs(src, child, [(0, 0, 64)] * 100)
+
+    async def go():
+        with pytest.raises(PeerClosed, match="gone"):
+            await lane.start(laddr, raddr, nbytes, ridx, "child")
+        await lane.close(5.0)
+
+    asyncio.run(go())
+
+
+def test_a_closed_lane_takes_no_write(child):
+    src, lane, _ = _open(child)
+    laddr, raddr, nbytes, _, ridx = _runs(src, child, [(0, 0, 64)])
+
+    async def go():
+        await lane.close(5.0)
+        with pytest.raises(PeerClosed):
+            lane.start(laddr, raddr, nbytes, ridx, "child")
+        assert not lane.select(np.array([7], np.uint64), np.zeros(1, np.uint64)).any()
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        [],
+        {"pid": 1, "ns": 1},
+        {"pid": 1, "ns": 1, "addr": 1, "cookie": b"c"},
+        {"pid": 0, "ns": 1, "addr": 1},
+        {"pid": 1 << 40, "ns": 1, "addr": 1},
+        {"pid": True, "ns": 1, "addr": 1},
+        {"pid": 5, "ns": -1, "addr": 1},
+        {"pid": 5, "ns": 1, "addr": "1"},
+    ],
+)
+def test_a_malformed_offer_is_a_protocol_error(raw):
+    with pytest.raises(ProtocolError):
+        hostcopy.parse_offer(raw)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_batches_cover_every_run_in_greedy_calls_within_both_limits(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(0, 300))
+    sizes = rng.integers(1, 5000, n).astype(np.uint64)
+    if seed % 3 == 0 and n:
+        sizes[rng.integers(0, n, 3)] = 40000  # runs larger than a call's byte bound
+    max_runs, max_bytes = int(rng.integers(1, 50)), int(rng.integers(1, 20000))
+    got = hostcopy.batches(sizes, max_runs, max_bytes)
+    assert [s for s, _ in got] == ([0] + [e for _, e in got[:-1]] if n else [])
+    assert (got[-1][1] if got else 0) == n
+    for s, e in got:
+        b = int(sizes[s:e].sum())
+        assert e - s <= max_runs and (b <= max_bytes or e - s == 1)
+        if e < n:  # greedy: the next run would break a limit
+            assert e - s == max_runs or b + int(sizes[e]) > max_bytes
+
+
+def test_lane_wanted():
+    assert not hostcopy.lane_wanted(0, 1)
+    assert not hostcopy.lane_wanted(63, 64)
+    assert hostcopy.lane_wanted(64, 64)
+
+
+# ------------------------------------------------------------------ engines over UCX
+
+SECRET = b"host-lane-secret"
+L, ITEM, ITEMS = 3, 256, 64
+
+
+def _groups():
+    return {"kv": {"item_lens": [ITEM] * (2 * L), "items": ITEMS, "contiguous": True}}
+
+
+def _eng(name, mode="none", **kw):
+    cfg = dict(secret=SECRET, name=name, error_mode=mode, transfer_timeout_s=10.0, **kw)
+    return {"config": cfg, "groups": _groups(), "device": DEVICE}
+
+
+@pytest.fixture(scope="module")
+def engines():
+    if DEVICE != "cpu":
+        pytest.skip("host memory only")
+    a = Worker(
+        EngineNode,
+        {"engines": {"main": _eng("A"), "closed": _eng("A-off", host_copy="off")}},
+        name="A",
+    )
+    b = Worker(
+        EngineNode,
+        {
+            "engines": {
+                "none": _eng("B"),
+                "peer": _eng("B-peer", mode="peer"),
+                "off": _eng("B-off", host_copy="off"),
+            }
+        },
+        name="B",
+    )
+    try:
+        ports = a.start().proxy(EngineNode).ports()
+        b.start()
+        bp = b.proxy(EngineNode)
+        ids = {}
+        for key in ("none", "peer", "off"):
+            ids[key] = bp.connect(key, "127.0.0.1", ports["main"])["ok"]
+        ids["to-closed"] = bp.connect("none", "127.0.0.1", ports["closed"])["ok"]
+        yield a.proxy(EngineNode), bp, ids
+    finally:
+        b.close()
+        a.close()
+
+
+def _write(engines, key, peer, target, ids, seed):
+    a, b, _ = engines
+    b.fill(key, "kv", seed)
+    a.zero(target, "kv")
+    res = b.write(key, peer, [("kv", ids, ids[::-1])], b"n")
+    assert "ok" in res, res
+    assert [p for _, p in a.messages(target, 1, 10.0)] == [b"n"]
+    assert a.items(target, "kv", ids[::-1]) == b.items(key, "kv", ids)
+    rest = sorted(set(range(ITEMS)) - set(ids))
+    assert not any(a.items(target, "kv", rest)), "bytes outside the destination written"
+    return res["ok"]
+
+
+@pytest.mark.parametrize("key", ["none", "peer"])
+def test_engines_on_one_host_write_scattered_pages_through_the_lane(engines, key):
+    ids = [int(i) for i in np.random.default_rng(5).permutation(ITEMS)[:40]]
+    st = _write(engines, key, engines[2][key], "main", ids, 11)
+    assert st["host_lane"].startswith("active"), st["host_lane"]
+    assert st["host_ops"] == st["ops"] >= 64  # adjacent pages' runs merged
+    assert st["host_bytes"] == st["bytes"] == 40 * 2 * L * ITEM
+
+
+def test_few_runs_stay_on_ucx_puts(engines):
+    st = _write(engines, "none", engines[2]["none"], "main", [3, 9], 12)
+    assert st["host_lane"].startswith("active")
+    assert (st["host_ops"], st["ops"]) == (0, 2 * 2 * L)
+
+
+@pytest.mark.parametrize(
+    "key, peer, target, why",
+    [
+        ("off", "off", "main", "host_copy='off'"),
+        ("none", "to-closed", "closed", "the peer offered none"),
+    ],
+)
+def test_without_the_lane_the_same_writes_go_as_puts(engines, key, peer, target, why):
+    ids = [int(i) for i in np.random.default_rng(6).permutation(ITEMS)[:40]]
+    st = _write(engines, key, engines[2][peer], target, ids, 13)
+    assert why in st["host_lane"], st["host_lane"]
+    assert st["host_ops"] == 0 and st["ops"] >= 64
