@@ -126,14 +126,18 @@ class KVManager:
         direct_pages: Optional[int] = None,
         coalesce_after: Optional[int] = None,
         poll_takes: Optional[bool] = None,
+        host_copy: Optional[str] = None,
     ) -> None:
         """``mode``: :class:`DisaggMode`, SGLang's ``DisaggregationMode`` or
         ``"prefill"`` / ``"decode"``. ``trace``: record per-request stage timestamps
         (:mod:`kvxfer.disagg.trace`; None: ``$KVXFER_TRACE``), read by :meth:`drain_trace`.
         ``tp_stage_min_ops``: with a TP shape, a kv write to a peer of another TP size whose
         direct plan needs more PUTs than this (head slices inside token rows) goes staged
-        as a :class:`~kvxfer.engine.types.SliceWrite` (docs/shapes.md "The staged path");
-        0: always direct. Both sides need it > 0 (it gives the kv group staging memory).
+        as a :class:`~kvxfer.engine.types.SliceWrite` (docs/shapes.md "The staged path"),
+        unless the peer's host lane takes the kv group's runs (host memory on one host: a
+        few system calls for all of them beat the gather and scatter); 0: always direct.
+        Both sides need it > 0 (it gives the kv group staging memory). ``host_copy``: the
+        engine's :attr:`~kvxfer.config.EngineConfig.host_copy` (None: its default, "auto").
         ``tp_pattern``: where the kv pages are split, the write goes as
         :class:`~kvxfer.engine.types.PatternWrite` s before any of the above is considered:
         with a TP shape, a share that is not whole pages is one; at any TP (equal too), the
@@ -195,6 +199,8 @@ class KVManager:
             # bench/results/stages-h200.md). KVXFER_NOTIFY_ORDER still decides when set.
             notify_order=env_defaults().get("notify_order", False),
         )
+        if host_copy is not None:  # else EngineConfig's default ($KVXFER_HOST_COPY, "auto")
+            self._engine_kw["host_copy"] = host_copy
         self.tp_stage_min_ops = (
             as_int(tp_stage_min_ops, "tp_stage_min_ops", 0) if args.tp_shape else 0
         )
@@ -235,6 +241,7 @@ class KVManager:
             "bytes": 0,
             "ops": 0,
             "device_bytes": 0,  # of "bytes": copied by the same-host device lane
+            "host_bytes": 0,  # of "bytes": copied by the same-host host lane
             "writes": 0,
             "direct_calls": 0,  # calls that ran as the loop's guest (:meth:`call`)
             # polls that handled arrived completions as the loop's guest (:meth:`take_arrived`)
@@ -527,6 +534,7 @@ class KVManager:
         st["bytes"] += int(getattr(stats, "bytes", 0))
         st["ops"] += int(getattr(stats, "ops", 0))
         st["device_bytes"] += int(getattr(stats, "device_bytes", 0))
+        st["host_bytes"] += int(getattr(stats, "host_bytes", 0))
         st["lanes"].update(getattr(stats, "lanes", ()) or ())
         if rooms:
             st["coalesced_writes"] += 1

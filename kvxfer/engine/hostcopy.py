@@ -30,8 +30,10 @@ Invariants
 - :meth:`HostLane.close` stops jobs between batches and waits (bounded) until none runs: after
   it, nothing of this lane writes into the peer.
 - Where it runs: :meth:`HostLane.start` and the future's resolution on the engine's loop
-  thread (or a guest of it); the copies on the process's host-lane threads
-  (``kvxfer-host-lane``, at most :data:`MAX_THREADS`, made at first use).
+  thread (or a guest of it); a write of at most :data:`INLINE_BYTES` is copied right there
+  (less time than a hand-over), larger ones on the process's host-lane threads
+  (``kvxfer-host-lane``, at most :data:`MAX_THREADS`, made at first use), so the loop never
+  blocks on a large copy.
 """
 
 from __future__ import annotations
@@ -62,6 +64,12 @@ IOV_BATCH = 1024
 BATCH_BYTES = 64 << 20
 #: host-lane threads per process (fewer on a host of fewer CPUs)
 MAX_THREADS = 4
+#: a write of at most this many bytes is copied on the thread that starts it (the loop's, or
+#: a guest's): its copy takes less than handing it to a host-lane thread and back
+#: (bench/results/host-lane-cpu.md)
+INLINE_BYTES = 1 << 20
+#: a larger write takes the lane only when its runs are at most this long on average
+MAX_RUN_BYTES = 32 << 10
 COOKIE_BYTES = 16
 
 
@@ -133,10 +141,14 @@ def _pid_ns() -> int:
         return 0
 
 
-def lane_wanted(ops: int, min_ops: int) -> bool:
-    """Whether a write of ``ops`` direct runs should take the host lane (where it is open):
-    from ``min_ops`` runs up; a write of few runs is faster as PUTs (no thread hop)."""
-    return ops > 0 and ops >= min_ops
+def lane_wanted(ops: int, nbytes: int, min_ops: int) -> bool:
+    """Whether a write of ``ops`` direct runs of ``nbytes`` bytes in all should take the host
+    lane (where it is open): from ``min_ops`` runs up (fewer are as fast as PUTs, and a
+    write that ends on its starter's stack keeps coalescing from batching small requests),
+    when it is copied inline (at most :data:`INLINE_BYTES`) or its runs are short (at most
+    :data:`MAX_RUN_BYTES` on average): long runs cost cma little per system call, so they
+    gain less than a hand-over costs (bench/results/host-lane-cpu.md)."""
+    return ops > 0 and ops >= min_ops and (nbytes <= INLINE_BYTES or nbytes <= ops * MAX_RUN_BYTES)
 
 
 class Offer:
@@ -306,9 +318,10 @@ class HostLane:
         #: jobs handed to the threads and not settled yet (touched on the loop thread only)
         self._jobs: "set[concurrent.futures.Future]" = set()
         self.closed = False
-        #: writes and runs this lane copied (for stats and tests)
+        #: writes and runs this lane copied, writes copied on the starting thread
         self.writes = 0
         self.runs = 0
+        self.inline = 0
 
     def select(self, lmemh: np.ndarray, ridx: np.ndarray) -> np.ndarray:
         """Boolean mask of the ops this lane copies (local and remote host memory)."""
@@ -327,8 +340,9 @@ class HostLane:
         name: str,
     ) -> asyncio.Future:
         """Check every run against its remote region (IndexOutOfRange: nothing moves), then
-        hand the runs to a host-lane thread; the returned future (of the running loop)
-        resolves once every byte is in the peer's memory, or fails with PeerClosed /
+        copy the runs: here when they are at most :data:`INLINE_BYTES` (the returned future
+        is then done), else on a host-lane thread. The returned future (of the running
+        loop) resolves once every byte is in the peer's memory, or fails with PeerClosed /
         TransportError. Runs on: the engine's loop thread (or a guest of it)."""
         if self.closed:
             raise PeerClosed(f"host lane to {name} closed")
@@ -346,10 +360,19 @@ class HostLane:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         job = _Job(self.pid, self._pidfd, liov, riov, self._stop)
-        cf = _threads().submit(job.run)
-        self._jobs.add(cf)
         self.writes += 1
         self.runs += n
+        if int(nbytes.sum(dtype=_U64)) <= INLINE_BYTES:  # copied here: no hop, no wake-up
+            self.inline += 1
+            try:
+                job.run()
+            except Exception as exc:  # noqa: BLE001 - handed to the write as its error
+                fut.set_exception(_error(exc, name))
+            else:
+                fut.set_result(None)
+            return fut
+        cf = _threads().submit(job.run)
+        self._jobs.add(cf)
 
         def done(c: concurrent.futures.Future) -> None:  # on the host-lane thread
             try:

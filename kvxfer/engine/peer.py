@@ -367,6 +367,19 @@ class Peer:
             self._pattern_ok[group] = ok
         return ok and self._dev is not None and self._dev.active
 
+    def host_lane_covers(self, group: str) -> bool:
+        """Whether the same-host host lane (:mod:`kvxfer.engine.hostcopy`) takes the runs of
+        ``group`` to this peer: it is open and every descriptor of the group is host memory
+        on both sides (a write of many short runs then costs a few system calls, not one
+        per run: the disagg layer writes such a group's head slices and byte runs as runs,
+        not staged)."""
+        if self._hostl is None or self._hostl.closed:
+            return False
+        memh, rg = self._groups.desc_memh.get(group), self._remote.desc_region.get(group)
+        if memh is None or rg is None:
+            return False
+        return bool(self._hostl.select(np.asarray(memh, dtype=_U64), rg).all())
+
     def joins_launch(self, main: Sequence[PatternWrite], extra: PatternWrite) -> bool:
         """Whether PatternWrite ``extra`` (another group's: a request's state slices) would
         go in the same device-lane launch as ``main`` (one write's PatternWrites of one
@@ -582,7 +595,7 @@ class Peer:
             stats.launch_s += time.perf_counter() - t_l
         hosted = None  # the host lane's copy of the runs it took
         if self._hostl is not None and hostcopy.lane_wanted(
-            laddr.size, cfg.host_min_ops or HOST_MIN_OPS
+            laddr.size, int(nbytes.sum(dtype=_U64)), cfg.host_min_ops or HOST_MIN_OPS
         ):
             on_host = self._hostl.select(lmemh, ridx)
             if on_host.any():

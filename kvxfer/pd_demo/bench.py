@@ -50,8 +50,9 @@ heads split over both TP sizes. With ``--decode-page-size B`` / ``--decode-prefi
 the three run first with equal page sizes and no prefix (the equal shape), then with the
 asked shape (decode at B holding the first K tokens), and a last ratio gives each row's GB/s
 over the equal shape's of the same TP sizes. With ``--tp-paths`` the ``N:M`` pair runs twice,
-the kv head slices ``direct`` (``KVManager(tp_stage_min_ops=0)``: one PUT per run) and
-``staged`` (``tp_stage_min_ops=1``: every slice write gathered, one PUT per chunk, scattered
+the kv head slices ``direct`` (``KVManager(tp_stage_min_ops=0)``: one PUT per run; host
+memory on one host: the host lane's few calls) and ``staged`` (``tp_stage_min_ops=1``,
+``host_copy="off"``: every slice write gathered, one PUT per chunk, scattered
 by decode; layouts whose slices are already one run per page, HND, stay direct on host
 memory), both without the device lane's pattern launch, and on CUDA a third time ``pattern``
 (``KVManager(tp_pattern="auto")``, the default: one PatternWrite launch per kv write); on
@@ -935,6 +936,8 @@ def bench_tp(
             # pattern: one device-lane launch per write (the others, equal-runs too, without)
             opts["tp_stage_min_ops"] = {"direct": 0, "staged": 1}.get(path, TP_STAGE_MIN_OPS)
             opts["tp_pattern"] = "auto" if path == "pattern" else "off"
+            if path == "staged":  # else host memory on one host goes direct (the host lane)
+                opts["host_copy"] = "off"
         if getattr(args, "stages", False):
             opts["trace"] = True
         t_start = time.perf_counter()

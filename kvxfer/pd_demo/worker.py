@@ -62,7 +62,7 @@ class PDWorker:
             trace=opts.get("trace"),  # None: $KVXFER_TRACE
             **{
                 k: opts[k]
-                for k in ("tp_stage_min_ops", "tp_pattern", "coalesce_after")
+                for k in ("tp_stage_min_ops", "tp_pattern", "coalesce_after", "host_copy")
                 if k in opts
             },
             name=f"demo-{role}",

@@ -164,6 +164,7 @@ class Node:
         tp_pattern: str = "auto",
         coalesce_after: Optional[int] = None,
         inline_wait_us: Optional[float] = None,
+        host_copy: Optional[str] = None,
     ) -> None:
         """``inline_wait_us``: how long a write's flush + notify may be waited for on the
         thread that posted it ($KVXFER_CHAIN_INLINE_US / $KVXFER_GUEST_INLINE_US, set for
@@ -229,6 +230,7 @@ class Node:
             **({} if tp_stage_min_ops is None else {"tp_stage_min_ops": tp_stage_min_ops}),
             tp_pattern=tp_pattern,
             coalesce_after=coalesce_after,
+            host_copy=host_copy,
         ).start_background()
         self._direct_pages = self.mgr.direct_pages
         #: exceptions the manager's loop caught in callbacks and tasks (``loop_errors``)

@@ -254,9 +254,14 @@ def test_batches_cover_every_run_in_greedy_calls_within_both_limits(seed):
 
 
 def test_lane_wanted():
-    assert not hostcopy.lane_wanted(0, 1)
-    assert not hostcopy.lane_wanted(63, 64)
-    assert hostcopy.lane_wanted(64, 64)
+    big, run = hostcopy.INLINE_BYTES, hostcopy.MAX_RUN_BYTES
+    assert not hostcopy.lane_wanted(0, 0, 1)
+    assert not hostcopy.lane_wanted(63, 63, 64)
+    assert hostcopy.lane_wanted(64, 64, 64)
+    assert hostcopy.lane_wanted(64, big, 64)  # copied inline, whatever its runs
+    assert hostcopy.lane_wanted(100, 100 * run, 64)  # short runs: worth a hand-over
+    assert not hostcopy.lane_wanted(100, 100 * run + 1, 64)  # 3.2 MiB of long runs
+    assert not hostcopy.lane_wanted(64, 64 * 65536, 64)  # long runs stay PUTs
 
 
 # ------------------------------------------------------------------ engines over UCX
