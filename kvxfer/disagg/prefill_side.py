@@ -337,12 +337,13 @@ class PrefillSide:
                 # a same-host CUDA peer: one pattern launch on the device lane, whatever the
                 # layout; else head slices inside token rows are staged, one-run-per-page
                 # slices (HND) stay direct (bench/results/tp-pd-h200.md)
-                # (host memory on one host: the host lane copies the runs in a few calls,
-                # faster than staging them, bench/results/host-lane-cpu.md)
+                # (host memory on one host, each decode item getting one whole share: the
+                # host lane copies the runs in a few calls, faster than staging them,
+                # bench/results/host-lane-cpu.md)
                 pattern = self._pattern(link)
                 peer = link.peer
-                staged = peer.can_slice("kv") and not peer.host_lane_covers("kv")
-                stage = self.mgr.tp_stage_min_ops if staged else 0
+                lane = peer.host_lane_covers("kv") and link.tp.dst_lands_whole("kv", r.room)
+                stage = self.mgr.tp_stage_min_ops if peer.can_slice("kv") and not lane else 0
                 return link.tp.write("kv", s, d, r.room, stage_min_ops=stage, pattern=pattern)
             return _item_write()("kv", s, d) if len(s) else None
         link = r.link

@@ -56,6 +56,7 @@ from kvxfer.disagg.tp_plan import (
 )
 from kvxfer.disagg.tp_shape import groups_of
 from kvxfer.disagg.tp_tokens import plan_of
+from kvxfer.engine.hostcopy import lands_whole
 from kvxfer.loop_thread import in_guest, settle_after
 
 #: how a room's decode legs' writes start (:func:`prefill_send`): 1, back to back, each but
@@ -264,6 +265,13 @@ class TpPair:
                 for side in (self.src[group], self.dst[group])
             )
         return self.__dict__[key]
+
+    def dst_lands_whole(self, group: str, salt: int) -> bool:
+        """Whether decode's runs of this pair's share of each item of ``group`` follow each
+        other (:func:`kvxfer.engine.hostcopy.lands_whole`: one-to-many head slices), so the
+        host lane writes them as long segments."""
+        sides = self.slice_sides(group, salt, src=False)
+        return sides is not None and lands_whole(sides)
 
     def slice_sides(self, group: str, salt: int, src: bool) -> Optional[List[Tuple[Any, Any]]]:
         """One side's item-relative runs ``(offs, lens)`` per descriptor of what this pair

@@ -27,7 +27,7 @@ Invariants
   write flush / notify, exactly as after PUTs. A job that failed (the peer exited: PeerClosed;
   an address not mapped, a permission refused: TransportError) may have copied a prefix of
   its runs, as a failed PUT batch may have.
-- :meth:`HostLane.close` stops jobs between batches and waits (bounded) until none runs: after
+- :meth:`HostLane.close` stops jobs between calls and waits (bounded) until none runs: after
   it, nothing of this lane writes into the peer.
 - Where it runs: :meth:`HostLane.start` and the future's resolution on the engine's loop
   thread (or a guest of it); a write of at most :data:`INLINE_BYTES` is copied right there
@@ -118,19 +118,75 @@ def _threads() -> concurrent.futures.ThreadPoolExecutor:
         return _pool
 
 
-def batches(nbytes: np.ndarray, max_runs: int = IOV_BATCH, max_bytes: int = BATCH_BYTES):
-    """``[(start, end)]`` cutting runs of ``nbytes`` into consecutive calls of at most
-    ``max_runs`` runs and ``max_bytes`` bytes (a run larger than that is a call of its own)."""
+def calls(
+    laddr: np.ndarray,
+    raddr: np.ndarray,
+    nbytes: np.ndarray,
+    max_iov: int = IOV_BATCH,
+    max_bytes: int = BATCH_BYTES,
+) -> List[Tuple[np.ndarray, np.ndarray, int]]:
+    """The ``process_vm_writev`` calls copying runs ``laddr[i] -> raddr[i]`` of ``nbytes[i]``
+    (in order): ``[(local iovecs, remote iovecs, bytes)]``, each iovec array ``(k, 2)`` uint64
+    rows ``(address, length)``. A call copies its local iovecs' bytes, as one stream, into
+    its remote iovecs'; so runs adjacent on one side are one iovec of that side whatever the
+    other side does (head slices of heterogeneous TP: strided on one side, contiguous on the
+    other), and a call covers whole runs, at most ``max_iov`` iovecs on each side and
+    ``max_bytes`` bytes (a run longer than that is a call of its own)."""
     n = int(nbytes.size)
-    ends = np.cumsum(nbytes, dtype=np.uint64)
-    out, s, done = [], 0, 0
+    if n == 0:
+        return []
+    la, ra = laddr.astype(_U64), raddr.astype(_U64)
+    nb = nbytes.astype(_U64)
+    lbreak = np.ones(n, dtype=bool)
+    rbreak = np.ones(n, dtype=bool)
+    lbreak[1:] = la[1:] != la[:-1] + nb[:-1]
+    rbreak[1:] = ra[1:] != ra[:-1] + nb[:-1]
+    lcum, rcum = np.cumsum(lbreak), np.cumsum(rbreak)  # segments up to and including run i
+    bcum = np.cumsum(nb, dtype=_U64)
+    out: List[Tuple[np.ndarray, np.ndarray, int]] = []
+    s = 0
     while s < n:
-        e = int(np.searchsorted(ends, done + max_bytes, side="right"))
-        e = min(max(e, s + 1), s + max_runs, n)
-        out.append((s, e))
-        done = int(ends[e - 1])
+        before = int(bcum[s - 1]) if s else 0
+        e = min(
+            int(np.searchsorted(lcum, lcum[s] + max_iov - 1, side="right")),
+            int(np.searchsorted(rcum, rcum[s] + max_iov - 1, side="right")),
+            int(np.searchsorted(bcum, before + max_bytes, side="right")),
+        )
+        e = max(e, s + 1)
+        liov, riov = _segments(la, bcum, lbreak, s, e), _segments(ra, bcum, rbreak, s, e)
+        out.append((liov, riov, int(bcum[e - 1]) - before))
         s = e
     return out
+
+
+def _segments(addr: np.ndarray, bcum: np.ndarray, brk: np.ndarray, s: int, e: int) -> np.ndarray:
+    """The iovecs of runs ``[s, e)`` of one side: a new one where a run does not continue the
+    previous one (``brk``), each as long as its runs together."""
+    starts = np.flatnonzero(brk[s + 1 : e]) + (s + 1)
+    starts = np.concatenate(([s], starts))
+    ends = np.empty_like(starts)
+    ends[:-1] = starts[1:]
+    ends[-1] = e
+    first = bcum[np.maximum(starts - 1, 0)]  # bytes before each segment's first run
+    first[starts == 0] = 0
+    iov = np.empty((starts.size, 2), dtype=_U64)
+    iov[:, 0] = addr[starts]
+    iov[:, 1] = bcum[ends - 1] - first
+    return iov
+
+
+def lands_whole(sides) -> bool:
+    """Whether one side's item-relative runs ``[(offs, lens)]`` (per descriptor) follow each
+    other in every item: they then merge into one segment per item and descriptor, which
+    the lane writes as few long iovecs. Where the *destination* side does not (many-to-one
+    head slices: each item gets a strided share), the kernel takes each short remote iovec
+    separately, and staging (decode scatters its own pages) is faster on host memory
+    (bench/results/host-lane-cpu.md)."""
+    for offs, lens in sides:
+        o, n = np.asarray(offs, dtype=np.int64), np.asarray(lens, dtype=np.int64)
+        if o.size > 1 and not bool(np.all(o[1:] == o[:-1] + n[:-1])):
+            return False
+    return True
 
 
 def _pid_ns() -> int:
@@ -262,27 +318,24 @@ def open_lane(
 
 
 class _Job:
-    """One write's runs for the host-lane threads; ``stop`` ends it between batches."""
+    """One write's runs for the host-lane threads; ``stop`` ends it between calls."""
 
-    __slots__ = ("pid", "pidfd", "liov", "riov", "stop")
+    __slots__ = ("pid", "pidfd", "laddr", "raddr", "nbytes", "stop")
 
-    def __init__(self, pid: int, pidfd: int, liov: np.ndarray, riov: np.ndarray, stop) -> None:
-        self.pid, self.pidfd, self.liov, self.riov, self.stop = pid, pidfd, liov, riov, stop
+    def __init__(self, pid: int, pidfd: int, laddr, raddr, nbytes, stop) -> None:
+        self.pid, self.pidfd, self.stop = pid, pidfd, stop
+        self.laddr, self.raddr, self.nbytes = laddr, raddr, nbytes
 
     def run(self) -> None:
-        """Copy every run (on a host-lane thread). Raises OSError (errno ESRCH: the peer
-        exited or its pid is another process now) or InterruptedError (the lane closed)."""
+        """Copy every run (:func:`calls`). Raises OSError (errno ESRCH: the peer exited or
+        its pid is another process now) or InterruptedError (the lane closed)."""
         assert _CALLS is not None
         pvw = _CALLS[1]
-        lp, rp = self.liov.ctypes.data, self.riov.ctypes.data
-        sizes = self.liov[:, 1]
-        for s, e in batches(sizes):
+        for liov, riov, want in calls(self.laddr, self.raddr, self.nbytes):
             if self.stop.is_set():
                 raise InterruptedError("host lane closed")
             signal.pidfd_send_signal(self.pidfd, 0)  # ProcessLookupError once it is gone
-            k = e - s
-            want = int(sizes[s:e].sum(dtype=_U64))
-            got = pvw(self.pid, lp + 16 * s, k, rp + 16 * s, k, 0)
+            got = pvw(self.pid, liov.ctypes.data, liov.shape[0], riov.ctypes.data, riov.shape[0], 0)
             if got != want:
                 e = ctypes.get_errno() if got < 0 else errno_mod.EFAULT
                 raise OSError(e, f"process_vm_writev: {os.strerror(e)} (copied {got} B)")
@@ -353,13 +406,9 @@ class HostLane:
         ).any():
             raise IndexOutOfRange("host lane: an op falls outside its remote region")
         n = int(laddr.size)
-        liov = np.empty((n, 2), dtype=_U64)
-        riov = np.empty((n, 2), dtype=_U64)
-        liov[:, 0], liov[:, 1] = laddr, nbytes
-        riov[:, 0], riov[:, 1] = raddr, nbytes
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        job = _Job(self.pid, self._pidfd, liov, riov, self._stop)
+        job = _Job(self.pid, self._pidfd, laddr, raddr, nbytes, self._stop)
         self.writes += 1
         self.runs += n
         if int(nbytes.sum(dtype=_U64)) <= INLINE_BYTES:  # copied here: no hop, no wake-up
@@ -384,7 +433,7 @@ class HostLane:
         return fut
 
     async def close(self, timeout: float) -> None:
-        """Stop the jobs between batches and wait (up to ``timeout``) until none runs; then
+        """Stop the jobs between calls and wait (up to ``timeout``) until none runs; then
         close the pidfd. Idempotent. Runs on: the engine's loop thread."""
         if self.closed:
             return

@@ -30,8 +30,10 @@ DEPLOY = {
     "st41": ("mha", 4, 4, 1),
     "st24": ("page_major", 4, 2, 4),
     # staging asked for (tp_stage_min_ops=1) with the host lane on: host memory on one host
-    # goes direct over the lane instead (on CUDA: the device lane's pattern launch)
+    # goes direct over the lane where each decode page gets one whole share (1:2), staged
+    # where it gets strided ones (2:1) (on CUDA: the device lane's pattern launch)
     "ln12": ("mha", 4, 1, 2),
+    "ln21": ("mha", 4, 2, 1),
     # PatternWrite forced (tp_pattern="always", PATTERN): one launch on a CUDA lane; on CPU
     # the engine posts the expanded runs
     "pat12": ("mha", 4, 1, 2),
@@ -94,7 +96,9 @@ def tpc():
                     name=f"{name}-{role[0]}{r}",
                     tp=(r, tp, heads),
                     integrity=name in INTEGRITY,
-                    tp_stage_min_ops=1 if name in STAGED or name in ("int12", "ln12") else 0,
+                    tp_stage_min_ops=1
+                    if name in STAGED or name in ("int12", "ln12", "ln21")
+                    else 0,
                     # the staged deployments without the host lane (with it, host memory
                     # on one host goes direct: its runs in a few calls)
                     host_copy="off" if name in STAGED or name == "int12" else None,
@@ -226,11 +230,13 @@ def test_one_to_many_large_send_every_byte_lands(tpc, room):
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="host memory: on CUDA the device lane takes them")
-def test_head_slices_in_host_memory_go_over_the_host_lane(tpc, room):
-    """NHD 1:2 on one host, host memory, staging asked for: the head slices (one run per
-    token row) are not staged but copied by the host lane (kvxfer.engine.hostcopy: a few
-    system calls for all the runs), every byte exact; the forced-staged deployments
-    (host_copy="off") keep the staged path (test_staged_ops_per_chunk_not_per_token)."""
+def test_head_slices_in_host_memory_go_over_the_host_lane_one_to_many(tpc, room):
+    """NHD on one host, host memory, staging asked for. 1:2: each decode page gets one whole
+    share, so the head slices (one run per token row) are not staged but copied by the host
+    lane (kvxfer.engine.hostcopy: a few system calls for all the runs, each decode page one
+    segment). 2:1: each decode page gets strided shares, staged as before (decode scatters
+    its own pages). Every byte exact; the forced-staged deployments (host_copy="off") keep
+    the staged path (test_staged_ops_per_chunk_not_per_token)."""
     p, _ = _ranks(tpc, "ln12")
     before = p[0].stats()
     moved = _request(tpc, "ln12", room(), pages=20)
@@ -238,6 +244,13 @@ def test_head_slices_in_host_memory_go_over_the_host_lane(tpc, room):
     host = after["host_bytes"] - before["host_bytes"]
     assert 0 < host <= moved[0], (host, moved)
     assert after["ops"] - before["ops"] > 20 * 4, "not one run per token row and head range"
+    p, _ = _ranks(tpc, "ln21")
+    before = [n.stats() for n in p]
+    _request(tpc, "ln21", room(), pages=20)
+    for n, b in zip(p, before):
+        a = n.stats()
+        assert a["host_bytes"] == b["host_bytes"], "many-to-one slices went over the lane"
+        assert a["ops"] - b["ops"] <= 4, "not staged: one PUT per chunk (two) and the aux row"
 
 
 @pytest.mark.parametrize("dname", list(REFUSED))

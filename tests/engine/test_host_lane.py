@@ -235,22 +235,61 @@ def test_a_malformed_offer_is_a_protocol_error(raw):
         hostcopy.parse_offer(raw)
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_batches_cover_every_run_in_greedy_calls_within_both_limits(seed):
+def _runs_of(rng, n, adjacent):
+    """``n`` runs on each side (inside 64 KiB): lengths 1-40, with probability
+    ``adjacent`` a run continues the previous one on its side (merging), else it starts
+    at a random gap; destinations never overlap (they are laid out in order)."""
+    lens = rng.integers(1, 41, n)
+    out = []
+    for _ in range(2):
+        addr, pos = [], int(rng.integers(0, 50))
+        for i in range(n):
+            if i and rng.random() >= adjacent:
+                pos += int(rng.integers(1, 60))
+            addr.append(pos)
+            pos += int(lens[i])
+        out.append(np.array(addr, dtype=np.uint64))
+    if rng.random() < 0.5:  # the local side in any order (sources may repeat / overlap)
+        out[0] = rng.permutation(out[0])
+    return out[0], out[1], lens.astype(np.uint64)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_calls_copy_every_run_as_streams_within_the_limits(seed):
     rng = np.random.default_rng(seed)
-    n = int(rng.integers(0, 300))
-    sizes = rng.integers(1, 5000, n).astype(np.uint64)
-    if seed % 3 == 0 and n:
-        sizes[rng.integers(0, n, 3)] = 40000  # runs larger than a call's byte bound
-    max_runs, max_bytes = int(rng.integers(1, 50)), int(rng.integers(1, 20000))
-    got = hostcopy.batches(sizes, max_runs, max_bytes)
-    assert [s for s, _ in got] == ([0] + [e for _, e in got[:-1]] if n else [])
-    assert (got[-1][1] if got else 0) == n
-    for s, e in got:
-        b = int(sizes[s:e].sum())
-        assert e - s <= max_runs and (b <= max_bytes or e - s == 1)
-        if e < n:  # greedy: the next run would break a limit
-            assert e - s == max_runs or b + int(sizes[e]) > max_bytes
+    n = int(rng.integers(0, 400))
+    la, ra, nb = _runs_of(rng, n, [0.0, 0.5, 0.95][seed % 3])
+    max_iov, max_bytes = int(rng.integers(1, 40)), int(rng.integers(1, 3000))
+    src = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
+    want = np.zeros(1 << 16, dtype=np.uint8)
+    for a, b, k in zip(la.tolist(), ra.tolist(), nb.tolist()):
+        want[b : b + k] = src[a : a + k]
+    got = np.zeros_like(want)
+    out = hostcopy.calls(la, ra, nb, max_iov, max_bytes)
+    total, longest = 0, int(nb.max()) if n else 0
+    for liov, riov, nbytes in out:
+        assert 1 <= liov.shape[0] <= max_iov and 1 <= riov.shape[0] <= max_iov
+        assert int(liov[:, 1].sum()) == int(riov[:, 1].sum()) == nbytes
+        assert nbytes <= max(max_bytes, longest)
+        stream = np.concatenate([src[int(a) : int(a) + int(k)] for a, k in liov])
+        at = 0
+        for b, k in riov.tolist():
+            got[b : b + k] = stream[at : at + k]
+            at += k
+        total += nbytes
+    assert total == int(nb.sum())
+    assert np.array_equal(got, want)
+    if n and max_iov >= n and max_bytes >= total:  # one call, maximally merged
+        assert len(out) == 1
+        assert out[0][1].shape[0] == 1 + int(np.count_nonzero(ra[1:] != ra[:-1] + nb[:-1]))
+
+
+def test_lands_whole():
+    a = np.array
+    assert hostcopy.lands_whole([])
+    assert hostcopy.lands_whole([(a([0]), a([8])), (a([0, 8, 24]), a([8, 16, 4]))])
+    assert not hostcopy.lands_whole([(a([0, 16]), a([8, 8]))])  # a gap: strided shares
+    assert not hostcopy.lands_whole([(a([0]), a([8])), (a([8, 0]), a([8, 8]))])  # not in order
 
 
 def test_lane_wanted():

@@ -56,7 +56,8 @@ STAGED = {"s2d1", "s1d2"}
 
 @pytest.fixture(scope="module")
 def cluster():
-    forced = {"KVXFER_SGL_TP_STAGE_MIN_OPS": "1"}
+    # (without the host lane: with it, 1:2 in host memory on one host goes direct over it)
+    forced = {"KVXFER_SGL_TP_STAGE_MIN_OPS": "1", "KVXFER_HOST_COPY": "off"}
     with H.hetero_cluster(SCENARIOS, 2, 2, extra=2, scenario_env={s: forced for s in STAGED}) as c:
         pfs, dcs, port = c["pf"], c["dc"], c["spare"][0]
         # a decode (TP 1) of a model with 2 KV heads against prefill TP 2 of 4 heads

@@ -12,12 +12,26 @@ from kvxfer.errors import InvalidArgument, ProtocolError
 from kvxfer.integrations.sglang import messages as m
 from kvxfer.integrations.sglang.settings import (
     TP_STAGE_MIN_OPS,
+    host_copy,
     release_risk,
     resolve_secret,
     tp_stage_min_ops,
 )
 
 pytestmark = pytest.mark.timeout(30)
+
+
+def test_host_copy_is_read_per_manager():
+    from kvxfer.config import EngineConfig
+
+    assert host_copy({}) is None
+    assert host_copy({"KVXFER_HOST_COPY": " OFF "}) == "off"
+    assert (
+        EngineConfig(secret=b"s", host_copy=host_copy({"KVXFER_HOST_COPY": "off"})).host_copy
+        == "off"
+    )
+    with pytest.raises(InvalidArgument):
+        EngineConfig(secret=b"s", host_copy=host_copy({"KVXFER_HOST_COPY": "sometimes"}))
 
 
 def test_secret_from_env_then_file(tmp_path):

@@ -41,6 +41,7 @@ from kvxfer.integrations.sglang.messages import STATUS_TAG
 from kvxfer.integrations.sglang.regions import check_regions
 from kvxfer.integrations.sglang.settings import (
     TP_STAGE_ENGINE,
+    host_copy,
     release_risk,
     resolve_secret,
     tp_stage_min_ops,
@@ -174,6 +175,7 @@ class KvxferKVManager(CommonKVManager):
                 host=self.local_ip,
                 port=0,
                 name=f"sglang-{role}@{self.local_ip}:{self.rank_port}",
+                host_copy=host_copy(),
                 **stage,
             )
         )

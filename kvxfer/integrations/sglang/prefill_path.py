@@ -36,6 +36,7 @@ from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification
 
 from kvxfer import config, eager
 from kvxfer.disagg.errors import TpShapeMismatch
+from kvxfer.engine.hostcopy import lands_whole
 from kvxfer.errors import (
     IncompatiblePeer,
     KvxferError,
@@ -520,16 +521,20 @@ class PrefillPath:
     def _staged(self, info: RoomInfo, plan: PairPlan, peer) -> int:
         """The PUT count above which this room's head-slice chunks to ``peer`` go staged
         (0: never): only where the pair splits pages, the peer has no device lane for them
-        (another host) nor a host lane (host memory on one host: it copies the runs in a few
-        calls), it granted us landing slots, and decode registered this room's slices from
-        us (its SglRoom names our endpoint)."""
+        (another host) nor a host lane that writes each decode item's share as one segment
+        (host memory on one host, one-to-many: its few calls beat staging), it granted us
+        landing slots, and decode registered this room's slices from us (its SglRoom names
+        our endpoint)."""
         mgr = self.mgr
         if not mgr.tp_stage_min_ops or plan.src_sides is None:
             return 0
         if f"{mgr.local_ip}:{mgr.rank_port}" not in info.slices:
             return 0
-        if peer.can_pattern("kv") or peer.host_lane_covers("kv") or not peer.can_slice("kv"):
+        if peer.can_pattern("kv") or not peer.can_slice("kv"):
             return 0
+        if plan.dst_sides is not None and lands_whole(plan.dst_sides):
+            if peer.host_lane_covers("kv"):
+                return 0
         return int(mgr.tp_stage_min_ops)
 
     def _writes(self, room: int, chunk: Chunk, info: RoomInfo, plan: PairPlan, stage: int = 0):

@@ -9,6 +9,9 @@
   (another host): a chunk's head-slice write of more PUTs than this goes staged (gather into
   registered staging memory, one PUT per landing-slot chunk, scatter at decode); default
   :data:`TP_STAGE_MIN_OPS`, 0: never (then no staging memory is allocated either).
+- ``KVXFER_HOST_COPY``: ``auto`` | ``off``, the engines' host lane
+  (:attr:`kvxfer.config.EngineConfig.host_copy`), read when a manager is built
+  (:func:`host_copy`).
 
 SGLang's own settings that bound what kvxfer can promise are read by the manager (from
 ``sglang.srt.environ.envs``) and judged here: :func:`release_risk`.
@@ -50,6 +53,15 @@ def tp_stage_min_ops(env: Optional[Mapping[str, str]] = None) -> int:
     if value < 0:
         raise InvalidArgument(f"{TP_STAGE_ENV}={raw!r}: expected an integer >= 0")
     return value
+
+
+def host_copy(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """``KVXFER_HOST_COPY`` from ``env`` (default ``os.environ``), read per manager (the
+    engine config's own default is read once per process); None when unset. EngineConfig
+    validates the value."""
+    env = os.environ if env is None else env
+    raw = env.get("KVXFER_HOST_COPY", "").strip().lower()
+    return raw or None
 
 
 def resolve_secret(env: Optional[Mapping[str, str]] = None) -> bytes:
