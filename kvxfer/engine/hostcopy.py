@@ -147,10 +147,11 @@ def calls(
     s = 0
     while s < n:
         before = int(bcum[s - 1]) if s else 0
+        # (keys of the arrays' own dtypes: a mixed one makes searchsorted convert the array)
         e = min(
-            int(np.searchsorted(lcum, lcum[s] + max_iov - 1, side="right")),
-            int(np.searchsorted(rcum, rcum[s] + max_iov - 1, side="right")),
-            int(np.searchsorted(bcum, before + max_bytes, side="right")),
+            int(np.searchsorted(lcum, lcum[s] + (max_iov - 1), side="right")),
+            int(np.searchsorted(rcum, rcum[s] + (max_iov - 1), side="right")),
+            int(np.searchsorted(bcum, _U64(before + max_bytes), side="right")),
         )
         e = max(e, s + 1)
         liov, riov = _segments(la, bcum, lbreak, s, e), _segments(ra, bcum, rbreak, s, e)
