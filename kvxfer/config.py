@@ -74,8 +74,9 @@ DEVICE_COPY = ("auto", "off")
 
 #: Same-host host-memory writes of many runs (kvxfer.engine.hostcopy). ``auto``: a peer on
 #: this host that offered it (and proved it is the process it claims) gets a write's runs as
-#: a few process_vm_writev calls on a host-lane thread instead of one UCX PUT (one cma
-#: system call) per run; ``off``: always UCX, and this engine offers no lane to its peers.
+#: a few process_vm_writev calls (inline up to 1 MiB, else on a host-lane thread) instead of
+#: one UCX PUT (one cma system call) per run; ``off``: always UCX, and this engine offers no
+#: lane to its peers.
 HOST_COPY = ("auto", "off")
 
 #: Default of EngineConfig.host_min_ops (kvxfer.engine.hostcopy.lane_wanted; lane vs PUTs by
@@ -283,8 +284,9 @@ class EngineConfig:
     #: whether this engine offers the lane to its peers (after authentication, like its
     #: memory keys). None -> env KVXFER_HOST_COPY or "auto".
     host_copy: Optional[str] = None
-    #: a write takes the host lane only from this many runs up (one hop to a host-lane
-    #: thread costs more than a few PUTs). None -> env KVXFER_HOST_MIN_OPS or HOST_MIN_OPS
+    #: a write takes the host lane only from this many runs up (fewer are as fast as PUTs,
+    #: and a write that ends inline is never in flight, which keeps the disagg layer from
+    #: coalescing small requests). None -> env KVXFER_HOST_MIN_OPS or HOST_MIN_OPS
     host_min_ops: Optional[int] = None
     #: where RMA runs (see OWN_WORKER). None -> env KVXFER_OWN_WORKER (0 = off) or "auto"
     own_worker: Optional[str] = None

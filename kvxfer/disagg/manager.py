@@ -134,8 +134,9 @@ class KVManager:
         ``tp_stage_min_ops``: with a TP shape, a kv write to a peer of another TP size whose
         direct plan needs more PUTs than this (head slices inside token rows) goes staged
         as a :class:`~kvxfer.engine.types.SliceWrite` (docs/shapes.md "The staged path"),
-        unless the peer's host lane takes the kv group's runs (host memory on one host: a
-        few system calls for all of them beat the gather and scatter); 0: always direct.
+        unless the peer's host lane takes the kv group's runs and each decode page gets one
+        whole share (host memory on one host, one-to-many: a few system calls for all the
+        runs beat the gather and scatter); 0: always direct.
         Both sides need it > 0 (it gives the kv group staging memory). ``host_copy``: the
         engine's :attr:`~kvxfer.config.EngineConfig.host_copy` (None: its default, "auto").
         ``tp_pattern``: where the kv pages are split, the write goes as

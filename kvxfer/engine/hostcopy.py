@@ -5,8 +5,8 @@ Over UCX's cma lane every run of a write is one PUT, and cma copies each PUT wit
 heterogeneous TP, scattered pages) pays the call's fixed cost per run: 16000 runs of 8 KiB
 took 2.4× the time of the same bytes in 10 runs (bench/results/host-lane-cpu.md). UCP's
 ``ucp_put_nbx`` takes contiguous buffers only. When both engines share a host, this lane
-hands the runs to the kernel :data:`IOV_BATCH` at a time (one call copies them all), on a
-host-lane thread, so the engine's loop never blocks on the copy.
+hands the runs to the kernel up to :data:`IOV_BATCH` iovecs per side at a time (one call
+copies them all; runs adjacent on one side are one iovec: :func:`calls`).
 
 Invariants
 - A lane exists only to a peer that offered it in its Layout (:class:`Offer`: its pid, its pid
@@ -18,7 +18,8 @@ Invariants
   the pid is the process this handshake talks to, not a stranger's or a reused one (no
   other process holds this handshake's fresh nonce). A pidfd of the peer, opened before the
   check, is asked before every call whether the process is still the same (a reused pid
-  fails it), so bytes never go to another process.
+  fails it), so bytes never go to another process (short of a pid reused between that
+  question and the call, microseconds later).
 - A write uses the lane from ``host_min_ops`` runs up (:func:`lane_wanted`), for the runs
   whose local registration is host memory and whose remote region is host memory
   (:meth:`HostLane.select`); every run was validated by the planner against the peer's
@@ -70,7 +71,6 @@ MAX_THREADS = 4
 INLINE_BYTES = 1 << 20
 #: a larger write takes the lane only when its runs are at most this long on average
 MAX_RUN_BYTES = 32 << 10
-COOKIE_BYTES = 16
 
 
 class _Iovec(ctypes.Structure):

@@ -371,7 +371,7 @@ class Peer:
         """Whether the same-host host lane (:mod:`kvxfer.engine.hostcopy`) takes the runs of
         ``group`` to this peer: it is open and every descriptor of the group is host memory
         on both sides (a write of many short runs then costs a few system calls, not one
-        per run: the disagg layer writes such a group's head slices and byte runs as runs,
+        per run: the disagg layer writes one-to-many head slices of such a group as runs,
         not staged)."""
         if self._hostl is None or self._hostl.closed:
             return False
@@ -594,8 +594,11 @@ class Peer:
             launched = self._dev.launch_patterns(parts, bases)
             stats.launch_s += time.perf_counter() - t_l
         hosted = None  # the host lane's copy of the runs it took
-        if self._hostl is not None and hostcopy.lane_wanted(
-            laddr.size, int(nbytes.sum(dtype=_U64)), cfg.host_min_ops or HOST_MIN_OPS
+        min_ops = cfg.host_min_ops or HOST_MIN_OPS
+        if (
+            self._hostl is not None
+            and laddr.size >= min_ops  # (no sum for the 1-page writes)
+            and hostcopy.lane_wanted(laddr.size, int(nbytes.sum(dtype=_U64)), min_ops)
         ):
             on_host = self._hostl.select(lmemh, ridx)
             if on_host.any():

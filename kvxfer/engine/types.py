@@ -95,7 +95,8 @@ class TransferStats:
     staged_direct_ops: int = 0
     posted_ns: int = 0
     #: of ``ops`` / ``bytes``, the runs copied by the same-host host lane
-    #: (kvxfer.engine.hostcopy: process_vm_writev on a host-lane thread) instead of UCX
+    #: (kvxfer.engine.hostcopy: process_vm_writev) instead of UCX; a copy done inline (up to
+    #: 1 MiB) counts in ``post_s`` and ``launch_s``
     host_ops: int = 0
     host_bytes: int = 0
 
