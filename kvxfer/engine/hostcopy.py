@@ -198,14 +198,25 @@ def _pid_ns() -> int:
         return 0
 
 
-def lane_wanted(ops: int, nbytes: int, min_ops: int) -> bool:
+#: UCX transports that copy host memory between processes of one host directly (a PUT is
+#: one copy); without one (error mode "peer": tcp) every byte goes through sockets
+SHM_LANES = ("cma", "knem", "xpmem", "posix", "sysv")
+
+
+def lane_wanted(ops: int, nbytes: int, min_ops: int, shm: bool = True) -> bool:
     """Whether a write of ``ops`` direct runs of ``nbytes`` bytes in all should take the host
     lane (where it is open): from ``min_ops`` runs up (fewer are as fast as PUTs, and a
     write that ends on its starter's stack keeps coalescing from batching small requests),
     when it is copied inline (at most :data:`INLINE_BYTES`) or its runs are short (at most
     :data:`MAX_RUN_BYTES` on average): long runs cost cma little per system call, so they
-    gain less than a hand-over costs (bench/results/host-lane-cpu.md)."""
-    return ops > 0 and ops >= min_ops and (nbytes <= INLINE_BYTES or nbytes <= ops * MAX_RUN_BYTES)
+    gain less than a hand-over costs. Without a shared-memory UCX lane (``shm`` False: tcp)
+    also any write larger than :data:`INLINE_BYTES`, whatever its runs
+    (bench/results/host-lane-cpu.md)."""
+    if ops <= 0:
+        return False
+    if not shm and nbytes > INLINE_BYTES:
+        return True
+    return ops >= min_ops and (nbytes <= INLINE_BYTES or nbytes <= ops * MAX_RUN_BYTES or not shm)
 
 
 class Offer:
@@ -299,12 +310,13 @@ def verify(
 
 
 def open_lane(
-    groups, remote, verified: Optional[Verified], why: str
+    groups, remote, verified: Optional[Verified], why: str, shm: bool = True
 ) -> Tuple[Optional["HostLane"], str]:
     """``(lane or None, status text)`` for the host lane to a peer checked by :func:`verify`
     (``verified``, or None and ``why`` not): ``groups`` is the engine's LocalGroups, ``remote``
-    the peer's RemoteGroups. The lane takes ``verified``'s pidfd; without a lane it is
-    closed here."""
+    the peer's RemoteGroups, ``shm`` whether UCX reaches it over a shared-memory lane
+    (:data:`SHM_LANES`). The lane takes ``verified``'s pidfd; without a lane it is closed
+    here."""
     if verified is None:
         return None, why or "off"
     if "host" not in groups.mem_types or "host" not in remote.types:
@@ -314,6 +326,7 @@ def open_lane(
         sorted({int(r.handle) for r in groups.regions if r.mem_type == "host"}), dtype=_U64
     )
     lane = HostLane(verified.pid, verified.pidfd, local, remote.bases, remote.lens, remote.types)
+    lane.shm = shm
     verified.pidfd = -1  # the lane's now
     return lane, f"active (pid {lane.pid})"
 
@@ -372,6 +385,8 @@ class HostLane:
         #: jobs handed to the threads and not settled yet (touched on the loop thread only)
         self._jobs: "set[concurrent.futures.Future]" = set()
         self.closed = False
+        #: UCX reaches the peer over a shared-memory lane (else tcp: :func:`lane_wanted`)
+        self.shm = True
         #: writes and runs this lane copied, writes copied on the starting thread
         self.writes = 0
         self.runs = 0

@@ -157,7 +157,13 @@ class Peer:
         #: the same-host device lane (kvxfer.engine.devcopy) and why there is / is not one
         self._dev, self.device_lane = devcopy.open_lane(config, groups, hostname, remote, shares)
         #: the same-host host lane (kvxfer.engine.hostcopy) and why there is / is not one
-        self._hostl, self.host_lane = hostcopy.open_lane(groups, remote, verified, unverified_why)
+        self._hostl, self.host_lane = hostcopy.open_lane(
+            groups,
+            remote,
+            verified,
+            unverified_why,
+            shm=any(lane.startswith(hostcopy.SHM_LANES) for lane in self.lanes),
+        )
         # staged path: slots we granted the peer (target role) and slots it granted us
         self._granted_raw = granted or {}
         self._staged = StagedPath(
@@ -595,17 +601,18 @@ class Peer:
             stats.launch_s += time.perf_counter() - t_l
         hosted = None  # the host lane's copy of the runs it took
         min_ops = cfg.host_min_ops or HOST_MIN_OPS
+        hl = self._hostl
         if (
-            self._hostl is not None
-            and laddr.size >= min_ops  # (no sum for the 1-page writes)
-            and hostcopy.lane_wanted(laddr.size, int(nbytes.sum(dtype=_U64)), min_ops)
+            hl is not None
+            and (laddr.size >= min_ops or not hl.shm)  # (no sum for cma's 1-page writes)
+            and hostcopy.lane_wanted(laddr.size, int(nbytes.sum(dtype=_U64)), min_ops, hl.shm)
         ):
-            on_host = self._hostl.select(lmemh, ridx)
+            on_host = hl.select(lmemh, ridx)
             if on_host.any():
                 t_l = time.perf_counter()
                 sel = slice(None) if on_host.all() else on_host
                 name = self.name or self.id
-                hosted = self._hostl.start(laddr[sel], raddr[sel], nbytes[sel], ridx[sel], name)
+                hosted = hl.start(laddr[sel], raddr[sel], nbytes[sel], ridx[sel], name)
                 stats.launch_s += time.perf_counter() - t_l
                 stats.host_ops = int(on_host.sum())
                 stats.host_bytes = int(nbytes[sel].sum(dtype=_U64))

@@ -301,16 +301,26 @@ def test_lane_wanted():
     assert hostcopy.lane_wanted(100, 100 * run, 64)  # short runs: worth a hand-over
     assert not hostcopy.lane_wanted(100, 100 * run + 1, 64)  # 3.2 MiB of long runs
     assert not hostcopy.lane_wanted(64, 64 * 65536, 64)  # long runs stay PUTs
+    # without a shared-memory UCX lane (tcp): long runs too, and any write above 1 MiB
+    assert hostcopy.lane_wanted(64, 64 * 65536, 64, shm=False)
+    assert hostcopy.lane_wanted(2, big + 1, 64, shm=False)
+    assert not hostcopy.lane_wanted(2, big, 64, shm=False)  # small and few: PUTs
 
 
 # ------------------------------------------------------------------ engines over UCX
 
 SECRET = b"host-lane-secret"
+#: the target engine each initiator engine talks to (error modes match: "peer" runs RMA over
+#: tcp only when both ends are in it)
+TARGET = {"none": "main", "peer": "peer", "off": "main"}
 L, ITEM, ITEMS = 3, 256, 64
 
 
 def _groups():
-    return {"kv": {"item_lens": [ITEM] * (2 * L), "items": ITEMS, "contiguous": True}}
+    return {
+        "kv": {"item_lens": [ITEM] * (2 * L), "items": ITEMS, "contiguous": True},
+        "big": {"item_lens": [1 << 20], "items": 4},
+    }
 
 
 def _eng(name, mode="none", **kw):
@@ -324,7 +334,14 @@ def engines():
         pytest.skip("host memory only")
     a = Worker(
         EngineNode,
-        {"engines": {"main": _eng("A"), "closed": _eng("A-off", host_copy="off")}},
+        {
+            "engines": {
+                "main": _eng("A"),
+                "closed": _eng("A-off", host_copy="off"),
+                # both ends in error mode "peer": RMA over tcp (no shared-memory lane)
+                "peer": _eng("A-peer", mode="peer"),
+            }
+        },
         name="A",
     )
     b = Worker(
@@ -344,7 +361,7 @@ def engines():
         bp = b.proxy(EngineNode)
         ids = {}
         for key in ("none", "peer", "off"):
-            ids[key] = bp.connect(key, "127.0.0.1", ports["main"])["ok"]
+            ids[key] = bp.connect(key, "127.0.0.1", ports[TARGET[key]])["ok"]
         ids["to-closed"] = bp.connect("none", "127.0.0.1", ports["closed"])["ok"]
         yield a.proxy(EngineNode), bp, ids
     finally:
@@ -368,7 +385,7 @@ def _write(engines, key, peer, target, ids, seed):
 @pytest.mark.parametrize("key", ["none", "peer"])
 def test_engines_on_one_host_write_scattered_pages_through_the_lane(engines, key):
     ids = [int(i) for i in np.random.default_rng(5).permutation(ITEMS)[:40]]
-    st = _write(engines, key, engines[2][key], "main", ids, 11)
+    st = _write(engines, key, engines[2][key], TARGET[key], ids, 11)
     assert st["host_lane"].startswith("active"), st["host_lane"]
     assert st["host_ops"] == st["ops"] >= 64  # adjacent pages' runs merged
     assert st["host_bytes"] == st["bytes"] == 40 * 2 * L * ITEM
@@ -392,3 +409,19 @@ def test_without_the_lane_the_same_writes_go_as_puts(engines, key, peer, target,
     st = _write(engines, key, engines[2][peer], target, ids, 13)
     assert why in st["host_lane"], st["host_lane"]
     assert st["host_ops"] == 0 and st["ops"] >= 64
+
+
+@pytest.mark.parametrize("key, lane", [("peer", True), ("none", False)])
+def test_a_large_write_of_few_runs_takes_the_lane_only_over_tcp(engines, key, lane):
+    """Two 1 MiB runs: over tcp (error mode "peer") the lane copies them; over cma they stay
+    PUTs (cma copies long runs as fast). Byte-exact either way."""
+    a, b, ids = engines
+    b.fill(key, "big", 21)
+    a.zero(TARGET[key], "big")
+    res = b.write(key, ids[key], [("big", [0, 1], [3, 2])], b"n")
+    assert "ok" in res, res
+    assert [p for _, p in a.messages(TARGET[key], 1, 10.0)] == [b"n"]
+    assert a.items(TARGET[key], "big", [3, 2]) == b.items(key, "big", [0, 1])
+    assert not any(a.items(TARGET[key], "big", [0, 1]))
+    assert any(x.startswith("tcp") for x in res["ok"]["lanes"]) == lane, res["ok"]["lanes"]
+    assert res["ok"]["host_ops"] == (2 if lane else 0), (res["ok"]["lanes"], res["ok"])
