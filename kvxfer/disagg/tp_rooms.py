@@ -270,8 +270,11 @@ class TpPair:
         """Whether decode's runs of this pair's share of each item of ``group`` follow each
         other (:func:`kvxfer.engine.hostcopy.lands_whole`: one-to-many head slices), so the
         host lane writes them as long segments."""
-        sides = self.slice_sides(group, salt, src=False)
-        return sides is not None and lands_whole(sides)
+        key = f"_lands/{group}/{int(salt) % self.prefill_tp}"
+        if key not in self.__dict__:  # (frozen: cached by hand, as slice_sides)
+            sides = self.slice_sides(group, salt, src=False)
+            self.__dict__[key] = sides is not None and lands_whole(sides)
+        return self.__dict__[key]
 
     def slice_sides(self, group: str, salt: int, src: bool) -> Optional[List[Tuple[Any, Any]]]:
         """One side's item-relative runs ``(offs, lens)`` per descriptor of what this pair

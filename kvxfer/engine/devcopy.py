@@ -86,6 +86,18 @@ def member(values: np.ndarray, table: np.ndarray) -> np.ndarray:
     return table[at] == values
 
 
+def check_inside(
+    raddr: np.ndarray, nbytes: np.ndarray, ridx: np.ndarray, rbase, rlen, lane: str
+) -> None:
+    """Raise IndexOutOfRange unless every op ``[raddr, +nbytes)`` lies inside its remote
+    region ``ridx`` (``rbase`` / ``rlen`` per region): a same-host lane's second check, as
+    ``put_batch``'s is for PUTs, before anything moves."""
+    r = ridx.astype(np.intp)
+    off = raddr - rbase[r]
+    if ((raddr < rbase[r]) | (off > rlen[r]) | (nbytes > rlen[r] - off)).any():
+        raise IndexOutOfRange(f"{lane}: an op falls outside its remote region")
+
+
 def lane_wanted(ops: int, nbytes: np.ndarray, min_ops: int, small_ops: int, min_bytes: int) -> bool:
     """Whether a write of ``ops`` direct runs of ``nbytes`` bytes each should go to the
     device lane (where it is open): from ``min_ops`` runs up (one launch beats many PUTs),
@@ -218,13 +230,9 @@ class DeviceLane:
     def launch(self, laddr: np.ndarray, raddr: np.ndarray, nbytes: np.ndarray, ridx: np.ndarray):
         """Translate, check and launch the copy of these ops; returns the CUDA event that
         completes with it (see :meth:`wait`)."""
+        check_inside(raddr, nbytes, ridx, self._rbase, self._rlen, "device lane")
         r = ridx.astype(np.intp)
-        off = raddr - self._rbase[r]
-        if (
-            (raddr < self._rbase[r]) | (off > self._rlen[r]) | (nbytes > self._rlen[r] - off)
-        ).any():
-            raise IndexOutOfRange("device lane: an op falls outside its remote region")
-        dst = self.mapped[r] + off
+        dst = self.mapped[r] + (raddr - self._rbase[r])
         if self._tasks is not None:
             ev = self._launch_native(laddr, dst, nbytes)
             if ev is not None:

@@ -53,7 +53,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from kvxfer.errors import IndexOutOfRange, PeerClosed, ProtocolError, TransportError
+from kvxfer.engine.devcopy import check_inside, member
+from kvxfer.errors import PeerClosed, ProtocolError, TransportError
 
 log = logging.getLogger(__name__)
 _U64 = np.uint64
@@ -394,8 +395,6 @@ class HostLane:
 
     def select(self, lmemh: np.ndarray, ridx: np.ndarray) -> np.ndarray:
         """Boolean mask of the ops this lane copies (local and remote host memory)."""
-        from kvxfer.engine.devcopy import member
-
         if self.closed or ridx.size == 0:
             return np.zeros(ridx.size, dtype=bool)
         return self._usable[ridx.astype(np.intp)] & member(lmemh, self._local)
@@ -415,12 +414,7 @@ class HostLane:
         TransportError. Runs on: the engine's loop thread (or a guest of it)."""
         if self.closed:
             raise PeerClosed(f"host lane to {name} closed")
-        r = ridx.astype(np.intp)
-        off = raddr - self._rbase[r]
-        if (
-            (raddr < self._rbase[r]) | (off > self._rlen[r]) | (nbytes > self._rlen[r] - off)
-        ).any():
-            raise IndexOutOfRange("host lane: an op falls outside its remote region")
+        check_inside(raddr, nbytes, ridx, self._rbase, self._rlen, "host lane")
         n = int(laddr.size)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()

@@ -183,6 +183,7 @@ class Peer:
             remote.landing or {},
         )
         self._pattern_ok: Dict[str, bool] = {}  # can_pattern per group, resolved once
+        self._host_ok: Dict[str, bool] = {}  # host_lane_covers per group, resolved once
         self._planner = WritePlanner(
             groups, remote, name or engine_id, self._staged.can_stage, self.can_pattern
         )
@@ -381,10 +382,16 @@ class Peer:
         not staged)."""
         if self._hostl is None or self._hostl.closed:
             return False
-        memh, rg = self._groups.desc_memh.get(group), self._remote.desc_region.get(group)
-        if memh is None or rg is None:
-            return False
-        return bool(self._hostl.select(np.asarray(memh, dtype=_U64), rg).all())
+        ok = self._host_ok.get(group)
+        if ok is None:  # (the layouts are fixed for the peer's life: resolved once)
+            memh, rg = self._groups.desc_memh.get(group), self._remote.desc_region.get(group)
+            ok = (
+                memh is not None
+                and rg is not None
+                and bool(self._hostl.select(np.asarray(memh, dtype=_U64), rg).all())
+            )
+            self._host_ok[group] = ok
+        return ok
 
     def joins_launch(self, main: Sequence[PatternWrite], extra: PatternWrite) -> bool:
         """Whether PatternWrite ``extra`` (another group's: a request's state slices) would

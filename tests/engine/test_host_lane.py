@@ -425,3 +425,14 @@ def test_a_large_write_of_few_runs_takes_the_lane_only_over_tcp(engines, key, la
     assert not any(a.items(TARGET[key], "big", [0, 1]))
     assert any(x.startswith("tcp") for x in res["ok"]["lanes"]) == lane, res["ok"]["lanes"]
     assert res["ok"]["host_ops"] == (2 if lane else 0), (res["ok"]["lanes"], res["ok"])
+
+
+def test_check_inside_is_exact_at_both_ends():
+    from kvxfer.engine.devcopy import check_inside
+
+    base, ln = np.array([1000, 5000], np.uint64), np.array([100, 10], np.uint64)
+    u = lambda *v: np.array(v, np.uint64)  # noqa: E731
+    check_inside(u(1000, 5000), u(100, 10), u(0, 1), base, ln, "lane")  # both exactly fill
+    for raddr, nb, ridx in [(999, 1, 0), (1000, 101, 0), (1099, 2, 0), (5010, 1, 1), (1000, 11, 1)]:
+        with pytest.raises(IndexOutOfRange, match="lane: an op falls outside"):
+            check_inside(u(raddr), u(nb), u(ridx), base, ln, "lane")
