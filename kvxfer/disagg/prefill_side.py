@@ -339,10 +339,11 @@ class PrefillSide:
                 # slices (HND) stay direct (bench/results/tp-pd-h200.md)
                 # (host memory on one host, each decode item getting one whole share: the
                 # host lane copies the runs in a few calls, faster than staging them,
-                # bench/results/host-lane-cpu.md)
-                pattern = self._pattern(link)
+                # bench/results/host-lane-cpu.md; as a PatternWrite, whose runs the planner
+                # expands once for every descriptor alike)
                 peer = link.peer
                 lane = peer.host_lane_covers("kv") and link.tp.dst_lands_whole("kv", r.room)
+                pattern = self._pattern(link) or (lane and self.mgr.tp_pattern != "never")
                 stage = self.mgr.tp_stage_min_ops if peer.can_slice("kv") and not lane else 0
                 return link.tp.write("kv", s, d, r.room, stage_min_ops=stage, pattern=pattern)
             return _item_write()("kv", s, d) if len(s) else None

@@ -49,7 +49,7 @@ import signal
 import socket
 import sys
 import threading
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -72,6 +72,16 @@ MAX_THREADS = 4
 INLINE_BYTES = 1 << 20
 #: a larger write takes the lane only when its runs are at most this long on average
 MAX_RUN_BYTES = 32 << 10
+#: a write whose local side is many short pieces (at most this long on average, and at least
+#: twice as many as the remote side's: head slices of a strided source going to whole
+#: destination pages) is packed first: its runs are copied back to back into a buffer of
+#: the copying thread (:func:`_gather`, one memcpy per run in native code) that then goes
+#: as one local iovec per call, rather than one local iovec per run for the kernel to walk
+#: (measured both ways by run size: bench/results/host-lane-cpu.md, "Packed local runs").
+#: ``$KVXFER_HOST_PACK_BYTES`` (read at import) sets it; 0: never pack
+PACK_RUN_BYTES = int(os.environ.get("KVXFER_HOST_PACK_BYTES", "2048"))
+#: the packing buffer of each thread that packs (at most this many bytes per call then)
+BOUNCE_BYTES = 2 << 20
 
 
 class _Iovec(ctypes.Structure):
@@ -119,44 +129,68 @@ def _threads() -> concurrent.futures.ThreadPoolExecutor:
         return _pool
 
 
+class Call(NamedTuple):
+    """One ``process_vm_writev`` of runs ``[first, end)``: ``liov`` its local iovecs, or None
+    when the runs are to be packed first (:func:`_gather`) and go as one local iovec."""
+
+    first: int
+    end: int
+    liov: Optional[np.ndarray]
+    riov: np.ndarray
+    nbytes: int
+
+
 def calls(
     laddr: np.ndarray,
     raddr: np.ndarray,
     nbytes: np.ndarray,
     max_iov: int = IOV_BATCH,
     max_bytes: int = BATCH_BYTES,
-) -> List[Tuple[np.ndarray, np.ndarray, int]]:
+    pack: Optional[bool] = None,
+    bounce: int = BOUNCE_BYTES,
+) -> List[Call]:
     """The ``process_vm_writev`` calls copying runs ``laddr[i] -> raddr[i]`` of ``nbytes[i]``
-    (in order): ``[(local iovecs, remote iovecs, bytes)]``, each iovec array ``(k, 2)`` uint64
-    rows ``(address, length)``. A call copies its local iovecs' bytes, as one stream, into
-    its remote iovecs'; so runs adjacent on one side are one iovec of that side whatever the
-    other side does (head slices of heterogeneous TP: strided on one side, contiguous on the
-    other), and a call covers whole runs, at most ``max_iov`` iovecs on each side and
-    ``max_bytes`` bytes (a run longer than that is a call of its own)."""
+    (in order), each iovec array ``(k, 2)`` uint64 rows ``(address, length)``. A call copies
+    its local iovecs' bytes, as one stream, into its remote iovecs'; so runs adjacent on one
+    side are one iovec of that side whatever the other side does (head slices of
+    heterogeneous TP: strided on one side, contiguous on the other), and a call covers whole
+    runs, at most ``max_iov`` iovecs on each side and ``max_bytes`` bytes (a run longer than
+    that is a call of its own).
+
+    ``pack``: the local runs are packed into a buffer of ``bounce`` bytes before each call
+    (None: when :data:`PACK_RUN_BYTES` says so); then only the remote side counts iovecs,
+    a call carries at most ``bounce`` bytes, and its ``liov`` is None, except for a single
+    run longer than ``bounce`` (its own local iovec)."""
     n = int(nbytes.size)
     if n == 0:
         return []
-    la, ra = laddr.astype(_U64), raddr.astype(_U64)
-    nb = nbytes.astype(_U64)
+    la, ra = laddr.astype(_U64, copy=False), raddr.astype(_U64, copy=False)
+    nb = nbytes.astype(_U64, copy=False)
     lbreak = np.ones(n, dtype=bool)
     rbreak = np.ones(n, dtype=bool)
     lbreak[1:] = la[1:] != la[:-1] + nb[:-1]
     rbreak[1:] = ra[1:] != ra[:-1] + nb[:-1]
     lcum, rcum = np.cumsum(lbreak), np.cumsum(rbreak)  # segments up to and including run i
     bcum = np.cumsum(nb, dtype=_U64)
-    out: List[Tuple[np.ndarray, np.ndarray, int]] = []
+    if pack is None:
+        lsegs, rsegs = int(lcum[-1]), int(rcum[-1])
+        pack = lsegs >= 2 * rsegs and int(bcum[-1]) <= lsegs * PACK_RUN_BYTES
+    if pack:
+        max_bytes = min(max_bytes, bounce)
+    out: List[Call] = []
     s = 0
     while s < n:
         before = int(bcum[s - 1]) if s else 0
         # (keys of the arrays' own dtypes: a mixed one makes searchsorted convert the array)
         e = min(
-            int(np.searchsorted(lcum, lcum[s] + (max_iov - 1), side="right")),
+            n if pack else int(np.searchsorted(lcum, lcum[s] + (max_iov - 1), side="right")),
             int(np.searchsorted(rcum, rcum[s] + (max_iov - 1), side="right")),
             int(np.searchsorted(bcum, _U64(before + max_bytes), side="right")),
         )
         e = max(e, s + 1)
-        liov, riov = _segments(la, bcum, lbreak, s, e), _segments(ra, bcum, rbreak, s, e)
-        out.append((liov, riov, int(bcum[e - 1]) - before))
+        packed = pack and (e > s + 1 or int(nb[s]) <= bounce)
+        liov = None if packed else _segments(la, bcum, lbreak, s, e)
+        out.append(Call(s, e, liov, _segments(ra, bcum, rbreak, s, e), int(bcum[e - 1]) - before))
         s = e
     return out
 
@@ -332,26 +366,69 @@ def open_lane(
     return lane, f"active (pid {lane.pid})"
 
 
+_GATHER: Any = None  # kvxfer.transport._rma.gather once loaded; False: not available
+_bounces = threading.local()
+
+
+def _gather() -> Any:
+    """The native run packer (``_rma.gather``), or None where the extension is missing
+    (then nothing is packed). Loaded at first use: a lane exists only once UCX is up."""
+    global _GATHER
+    if _GATHER is None:
+        try:
+            from kvxfer.transport.ucx_lib import load_ucx
+
+            _GATHER = load_ucx()[1].gather
+        except (ImportError, AttributeError, TransportError):
+            _GATHER = False
+    return _GATHER or None
+
+
+def _bounce() -> np.ndarray:
+    """This thread's packing buffer (:data:`BOUNCE_BYTES`, made at its first packed call)."""
+    buf = getattr(_bounces, "buf", None)
+    if buf is None:
+        buf = _bounces.buf = np.empty(BOUNCE_BYTES, dtype=np.uint8)
+    return buf
+
+
 class _Job:
     """One write's runs for the host-lane threads; ``stop`` ends it between calls."""
 
-    __slots__ = ("pid", "pidfd", "laddr", "raddr", "nbytes", "stop")
+    __slots__ = ("pid", "pidfd", "laddr", "raddr", "nbytes", "stop", "packed")
 
     def __init__(self, pid: int, pidfd: int, laddr, raddr, nbytes, stop) -> None:
         self.pid, self.pidfd, self.stop = pid, pidfd, stop
-        self.laddr, self.raddr, self.nbytes = laddr, raddr, nbytes
+        self.laddr = np.ascontiguousarray(laddr, dtype=_U64)
+        self.raddr = np.ascontiguousarray(raddr, dtype=_U64)
+        self.nbytes = np.ascontiguousarray(nbytes, dtype=_U64)
+        #: calls whose local runs were packed
+        self.packed = 0
 
     def run(self) -> None:
-        """Copy every run (:func:`calls`). Raises OSError (errno ESRCH: the peer exited or
-        its pid is another process now) or InterruptedError (the lane closed)."""
+        """Copy every run (:func:`calls`; packed first where that says so). Raises OSError
+        (errno ESRCH: the peer exited or its pid is another process now) or
+        InterruptedError (the lane closed)."""
         assert _CALLS is not None
         pvw = _CALLS[1]
-        for liov, riov, want in calls(self.laddr, self.raddr, self.nbytes):
+        gather = _gather()
+        buf = _bounce() if gather is not None else None  # (no memory touched until used)
+        la, nb = self.laddr, self.nbytes
+        pack = None if buf is not None else False
+        for c in calls(la, self.raddr, nb, pack=pack, bounce=buf.size if buf is not None else 0):
             if self.stop.is_set():
                 raise InterruptedError("host lane closed")
+            liov = c.liov
+            if liov is None:  # the local runs, packed back to back
+                assert buf is not None
+                addr = buf.ctypes.data
+                gather(addr, buf.size, la[c.first : c.end], nb[c.first : c.end])
+                liov = np.array([[addr, c.nbytes]], dtype=_U64)
+                self.packed += 1
+            riov = c.riov
             signal.pidfd_send_signal(self.pidfd, 0)  # ProcessLookupError once it is gone
             got = pvw(self.pid, liov.ctypes.data, liov.shape[0], riov.ctypes.data, riov.shape[0], 0)
-            if got != want:
+            if got != c.nbytes:
                 e = ctypes.get_errno() if got < 0 else errno_mod.EFAULT
                 raise OSError(e, f"process_vm_writev: {os.strerror(e)} (copied {got} B)")
 
@@ -388,10 +465,12 @@ class HostLane:
         self.closed = False
         #: UCX reaches the peer over a shared-memory lane (else tcp: :func:`lane_wanted`)
         self.shm = True
-        #: writes and runs this lane copied, writes copied on the starting thread
+        #: writes and runs this lane copied, writes copied on the starting thread, calls
+        #: whose local runs were packed first (:data:`PACK_RUN_BYTES`; settled writes only)
         self.writes = 0
         self.runs = 0
         self.inline = 0
+        self.packed = 0
 
     def select(self, lmemh: np.ndarray, ridx: np.ndarray) -> np.ndarray:
         """Boolean mask of the ops this lane copies (local and remote host memory)."""
@@ -429,13 +508,14 @@ class HostLane:
                 fut.set_exception(_error(exc, name))
             else:
                 fut.set_result(None)
+            self.packed += job.packed
             return fut
         cf = _threads().submit(job.run)
         self._jobs.add(cf)
 
         def done(c: concurrent.futures.Future) -> None:  # on the host-lane thread
             try:
-                loop.call_soon_threadsafe(_settle, fut, c, name, self._jobs)
+                loop.call_soon_threadsafe(self._settle, fut, c, name, job)
             except RuntimeError:  # the loop closed: nobody waits any more
                 pass
 
@@ -457,15 +537,18 @@ class HostLane:
                 return
         os.close(self._pidfd)
 
-
-def _settle(fut: asyncio.Future, c: concurrent.futures.Future, name: str, jobs: set) -> None:
-    """Resolve a write's future from its job (on the loop thread); a future already done
-    (the write gave up: timeout, the peer's death) only has the job's outcome retrieved."""
-    jobs.discard(c)
-    exc = c.exception()
-    if fut.done():
-        return
-    if exc is None:
-        fut.set_result(None)
-    else:
-        fut.set_exception(_error(exc, name))
+    def _settle(
+        self, fut: asyncio.Future, c: concurrent.futures.Future, name: str, job: _Job
+    ) -> None:
+        """Resolve a write's future from its job (on the loop thread); a future already
+        done (the write gave up: timeout, the peer's death) only has the job's outcome
+        retrieved."""
+        self._jobs.discard(c)
+        self.packed += job.packed
+        exc = c.exception()
+        if fut.done():
+            return
+        if exc is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(_error(exc, name))

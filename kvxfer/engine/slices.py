@@ -31,6 +31,7 @@ Invariants (tests/unit/test_tp_slices.py checks them exhaustively)
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -298,16 +299,59 @@ class PatternRuns:
         for d, (so, do, n) in enumerate(zip(self.src, self.dst, self.lens)):
             if not n.size or not si.size:
                 continue
-            s = (si[:, None] * self.src_item_lens[d] + so[None, :]).reshape(-1)
-            t = (di[:, None] * self.dst_item_lens[d] + do[None, :]).reshape(-1)
-            nb = np.tile(n, si.size)
-            cont = np.zeros(s.size, dtype=bool)
-            cont[1:] = (s[1:] == s[:-1] + nb[:-1]) & (t[1:] == t[:-1] + nb[:-1])
-            first = np.flatnonzero(~cont)
-            if first.size != s.size:
-                s, t, nb = s[first], t[first], np.add.reduceat(nb, first)
+            s, t, nb = _merged(si, di, so, do, n, self.src_item_lens[d], self.dst_item_lens[d])
             parts.append((np.full(s.size, d, dtype=_I64), s, t, nb))
         if not parts:
             z = np.zeros(0, dtype=_I64)
             return z, z, z, z
         return tuple(np.concatenate([p[i] for p in parts]) for i in range(4))  # type: ignore[return-value]
+
+    @functools.cached_property
+    def uniform(self) -> bool:
+        """Every descriptor has the same runs and item sizes (every layer's K and V of a
+        head slice do): :meth:`expand_one` then holds for all of them."""
+        return (
+            len(set(self.src_item_lens)) == 1
+            and len(set(self.dst_item_lens)) == 1
+            and all(
+                np.array_equal(a, self.src[0])
+                and np.array_equal(b, self.dst[0])
+                and np.array_equal(n, self.lens[0])
+                for a, b, n in zip(self.src, self.dst, self.lens)
+            )
+        )
+
+    def expand_one(
+        self, src_items: np.ndarray, dst_items: np.ndarray, d: int = 0
+    ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Descriptor ``d``'s part of :meth:`expand`: ``(src offs, dst offs, lens)``."""
+        si = np.asarray(src_items, dtype=_I64).reshape(-1)
+        di = np.asarray(dst_items, dtype=_I64).reshape(-1)
+        so, do, n = self.src[d], self.dst[d], self.lens[d]
+        if not n.size or not si.size:
+            z = np.zeros(0, dtype=_I64)
+            return z, z, z
+        return _merged(si, di, so, do, n, self.src_item_lens[d], self.dst_item_lens[d])
+
+
+def _merged(
+    si: np.ndarray,
+    di: np.ndarray,
+    so: np.ndarray,
+    do: np.ndarray,
+    n: np.ndarray,
+    sil: int,
+    dil: int,
+) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Runs ``(so, do, n)`` of every item pair ``si[k] -> di[k]`` (items of ``sil`` / ``dil``
+    bytes) as byte offsets, item then run, those that continue the previous one on both
+    sides merged."""
+    s = (si[:, None] * sil + so[None, :]).reshape(-1)
+    t = (di[:, None] * dil + do[None, :]).reshape(-1)
+    nb = np.tile(n, si.size)
+    cont = np.zeros(s.size, dtype=bool)
+    cont[1:] = (s[1:] == s[:-1] + nb[:-1]) & (t[1:] == t[:-1] + nb[:-1])
+    first = np.flatnonzero(~cont)
+    if first.size != s.size:
+        s, t, nb = s[first], t[first], np.add.reduceat(nb, first)
+    return s, t, nb

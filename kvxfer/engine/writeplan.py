@@ -151,8 +151,29 @@ class WritePlanner:
         return laddr, raddr, nbytes, lmemh, ridx, staged, sliced, patterned, total
 
     def _expanded(self, part: PatternPart, lg: GroupLayout, rg: GroupLayout) -> tuple:
-        """One pattern part's runs as direct PUTs: the five columns of :meth:`plan`."""
+        """One pattern part's runs as direct PUTs: the five columns of :meth:`plan`. A
+        uniform pattern (every descriptor the same runs: head slices of every layer's K and
+        V) is expanded once and offset by each descriptor's base, its ids and runs being
+        already checked (:meth:`_pattern_part`) and its extent checked here against every
+        descriptor; any other through :func:`kvxfer.plan.plan_raw`, run by run."""
         group, src, dst, runs = part
+        if runs.uniform and src.size:
+            s, t, nb = runs.expand_one(src, dst)
+            if (
+                s.size
+                and int((s + nb).max()) <= min(lg.lens)
+                and int((t + nb).max()) <= min(rg.lens)
+            ):
+                k = s.size
+                lptr = np.asarray(lg.ptrs, dtype=_U64)[:, None]
+                rptr = np.asarray(rg.ptrs, dtype=_U64)[:, None]
+                return (
+                    (lptr + s.astype(_U64)[None, :]).reshape(-1),
+                    (rptr + t.astype(_U64)[None, :]).reshape(-1),
+                    np.tile(nb.astype(_U64), lg.count),
+                    np.repeat(self._local.desc_memh[group].astype(_U64, copy=False), k),
+                    np.repeat(self._remote.desc_region[group].astype(_U64, copy=False), k),
+                )
         return self._columns(group, plan.plan_raw(lg, rg, *runs.expand(src, dst)))
 
     def _columns(self, group: str, ops) -> tuple:

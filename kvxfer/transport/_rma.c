@@ -31,6 +31,8 @@
  *                             never signal that fd: without the poller every CUDA flush
  *                             completed on the next 1 ms tick.
  *   ep_info                   ucp_ep_print_info captured as a string (lanes / transports)
+ *   gather                    memcpy of a list of local runs into one buffer (the host lane's
+ *                             packing of short strided runs; no UCX involved)
  *   CompletionQueue.ep_create bulk endpoint (error mode NONE + error handler, see there)
  *
  * Invariants
@@ -372,6 +374,73 @@ static PyObject *py_put_batch(PyObject *self, PyObject *args)
 out:
     for (i = 0; i < nb; i++)
         PyBuffer_Release(&b[i]);
+    return result;
+}
+
+/* ---------------------------------------------------------------- gather */
+
+/*
+ * gather(dst, capacity, laddr, nbytes) -> bytes copied
+ *
+ * Copies the runs laddr[i] of nbytes[i] bytes of this process, in order and back to back,
+ * to dst (this process's memory, at least `capacity` bytes): the host lane packs short
+ * strided runs this way before handing them to process_vm_writev as one local iovec
+ * (kvxfer.engine.hostcopy). Nothing is copied (ValueError) when the runs add up to more
+ * than capacity. The caller vouches for every source address (runs the engine's planner
+ * checked inside this process's registrations). The GIL is released while a copy above
+ * 64 KiB runs.
+ */
+static PyObject *py_gather(PyObject *self, PyObject *args)
+{
+    unsigned long long dst, cap;
+    PyObject *lo, *no;
+    Py_buffer lb, nbuf;
+    Py_ssize_t n, k;
+    uint64_t total = 0;
+    PyObject *result = NULL;
+
+    if (!PyArg_ParseTuple(args, "KKOO", &dst, &cap, &lo, &no))
+        return NULL;
+    if (get_u64_array(lo, &lb, "laddr") < 0)
+        return NULL;
+    if (get_u64_array(no, &nbuf, "nbytes") < 0) {
+        PyBuffer_Release(&lb);
+        return NULL;
+    }
+    n = lb.len / 8;
+    if (nbuf.len / 8 != n) {
+        PyErr_Format(PyExc_ValueError, "nbytes has %zd entries, laddr has %zd", nbuf.len / 8, n);
+        goto out;
+    }
+    {
+        const uint64_t *laddr = lb.buf, *len = nbuf.buf;
+        char *d = (char *)(uintptr_t)dst;
+        for (k = 0; k < n; k++) {
+            if (len[k] > cap - total) {
+                PyErr_Format(PyExc_ValueError, "runs exceed the %llu-byte buffer at run %zd", cap,
+                             k);
+                goto out;
+            }
+            total += len[k];
+        }
+        if (total > (64u << 10)) {
+            Py_BEGIN_ALLOW_THREADS
+            for (k = 0; k < n; k++) {
+                memcpy(d, (const void *)(uintptr_t)laddr[k], (size_t)len[k]);
+                d += len[k];
+            }
+            Py_END_ALLOW_THREADS
+        } else {
+            for (k = 0; k < n; k++) {
+                memcpy(d, (const void *)(uintptr_t)laddr[k], (size_t)len[k]);
+                d += len[k];
+            }
+        }
+    }
+    result = PyLong_FromUnsignedLongLong((unsigned long long)total);
+out:
+    PyBuffer_Release(&lb);
+    PyBuffer_Release(&nbuf);
     return result;
 }
 
@@ -1951,6 +2020,10 @@ static PyMethodDef methods[] = {
      "ctx=0) -> ops posted\n"
      "All arrays are 1-D 64-bit integer buffers; every op is bounds-checked first. ctx: the "
      "endpoint's ep_create context (a failed PUT then fails the endpoint's later chains)."},
+    {"gather", py_gather, METH_VARARGS,
+     "gather(dst, capacity, laddr, nbytes) -> bytes: copy this process's runs laddr[i] of "
+     "nbytes[i] bytes back to back to dst (at most capacity bytes; the caller vouches for the "
+     "addresses)"},
     {"ep_ctx_free", py_ep_ctx_free, METH_VARARGS,
      "ep_ctx_free(ctx): release an ep_create context after its endpoint closed"},
     {"ep_info", py_ep_info, METH_VARARGS, "ep_info(ep) -> ucp_ep_print_info text"},

@@ -273,6 +273,36 @@ def test_pattern_ids_are_validated_as_before():
     assert group == "kv" and s.tolist() == list(range(5)) and d.tolist() == list(range(7, 12))
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_a_uniform_pattern_expands_as_run_by_run(seed):
+    """Expanded for the direct path (no device lane), a pattern whose descriptors all have
+    the same runs is offset from one expansion; the columns equal plan_raw's of
+    PatternRuns.expand, run for run and in order; a non-uniform one takes plan_raw."""
+    from kvxfer.engine import slices
+
+    rng = np.random.default_rng(seed)
+    planner, local, remote = _planner(can_pattern=False)
+    k = int(rng.integers(1, 5))
+    starts = np.sort(rng.choice(np.arange(0, 240, 16), k, replace=False))
+    one = (starts, rng.permutation(starts), np.full(k, int(rng.integers(1, 17))))
+    descs = [one] * 8
+    if seed % 3 == 2:  # one descriptor differs: not uniform
+        descs = [one] * 7 + [([], [], [])]
+    runs = slices.PatternRuns.make(descs, [256] * 8, [256] * 8)
+    assert runs.uniform == (seed % 3 != 2)
+    n = int(rng.integers(1, 60))
+    src = np.arange(n) if seed % 2 else rng.choice(120, n, replace=False)
+    dst = rng.choice(130, n, replace=False)
+    got = planner.plan([PatternWrite("kv", src, dst, runs)])
+    lg, rg = local.groups["kv"], remote.groups["kv"]
+    ops = plan.plan_raw(lg, rg, *runs.expand(src, dst))
+    d = ops.desc.astype(np.intp)
+    want = (ops.laddr, ops.raddr, ops.nbytes, local.desc_memh["kv"][d], remote.desc_region["kv"][d])
+    for a, b in zip(got[:5], want):
+        assert a.dtype == np.uint64 and a.tolist() == b.tolist()
+    assert got[8] == int(ops.nbytes.sum())
+
+
 def _raw_cases(rng):
     """RawWrites of the 'st' group (2 descriptors of 16 x 64 B on both sides): valid and
     invalid, as ints, lists, tuples and arrays, scalars broadcast."""

@@ -23,6 +23,7 @@ from kvxfer.bench.engine_node import EngineNode
 from kvxfer.engine import hostcopy
 from kvxfer.errors import IndexOutOfRange, PeerClosed, ProtocolError
 from kvxfer.procs import Worker
+from kvxfer.transport.ucx_lib import load_ucx
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -141,6 +142,30 @@ def test_the_lane_writes_every_run_and_nothing_else(child):
     assert (lane.writes, lane.runs) == (1, 3000)
 
 
+@pytest.mark.parametrize("inline", [True, False])
+def test_short_strided_local_runs_are_packed_and_land_exactly(child, monkeypatch, inline):
+    """Head slices: 1000 runs of 24 B taken from every 64 B of the source (in a scrambled
+    page order) into consecutive destination bytes. Packed into the copying thread's buffer
+    (here 4 KiB: several calls) on the starting thread or a host-lane thread."""
+    monkeypatch.setattr(hostcopy, "BOUNCE_BYTES", 4096)
+    monkeypatch.setattr(hostcopy, "INLINE_BYTES", 1 << 20 if inline else 0)
+    monkeypatch.setattr(hostcopy._bounces, "buf", None, raising=False)
+    local = bytes(np.random.default_rng(4).integers(0, 256, BUF, dtype=np.uint8))
+    src, lane, why = _open(child, local=local)
+    assert lane is not None, why
+    order = np.random.default_rng(6).permutation(1000)
+    pieces = [(64 * int(p) + 8, 100 + 24 * i, 24) for i, p in enumerate(order)]
+    laddr, raddr, nbytes, _, ridx = _runs(src, child, pieces)
+
+    async def go():
+        await lane.start(laddr, raddr, nbytes, ridx, "child")
+        await lane.close(5.0)
+
+    asyncio.run(go())
+    assert child.digest() == _expected(pieces, local)
+    assert lane.packed == -(-24000 // 4080) and lane.inline == int(inline)
+
+
 def test_a_run_outside_the_remote_region_moves_nothing(child):
     src, lane, _ = _open(child)
     before = child.digest()
@@ -254,34 +279,86 @@ def _runs_of(rng, n, adjacent):
     return out[0], out[1], lens.astype(np.uint64)
 
 
-@pytest.mark.parametrize("seed", range(60))
+@pytest.mark.parametrize("seed", range(90))
 def test_calls_copy_every_run_as_streams_within_the_limits(seed):
     rng = np.random.default_rng(seed)
     n = int(rng.integers(0, 400))
     la, ra, nb = _runs_of(rng, n, [0.0, 0.5, 0.95][seed % 3])
     max_iov, max_bytes = int(rng.integers(1, 40)), int(rng.integers(1, 3000))
+    pack = [False, True, None][(seed // 3) % 3]
+    bounce = int(rng.integers(1, 3000))
     src = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
     want = np.zeros(1 << 16, dtype=np.uint8)
     for a, b, k in zip(la.tolist(), ra.tolist(), nb.tolist()):
         want[b : b + k] = src[a : a + k]
     got = np.zeros_like(want)
-    out = hostcopy.calls(la, ra, nb, max_iov, max_bytes)
-    total, longest = 0, int(nb.max()) if n else 0
-    for liov, riov, nbytes in out:
-        assert 1 <= liov.shape[0] <= max_iov and 1 <= riov.shape[0] <= max_iov
-        assert int(liov[:, 1].sum()) == int(riov[:, 1].sum()) == nbytes
-        assert nbytes <= max(max_bytes, longest)
-        stream = np.concatenate([src[int(a) : int(a) + int(k)] for a, k in liov])
+    out = hostcopy.calls(la, ra, nb, max_iov, max_bytes, pack=pack, bounce=bounce)
+    total, longest, end = 0, int(nb.max()) if n else 0, 0
+    cap = min(max_bytes, bounce) if pack else max_bytes
+    for c in out:
+        assert c.first == end < c.end  # every run once, in order
+        end = c.end
+        assert 1 <= c.riov.shape[0] <= max_iov
+        assert int(c.riov[:, 1].sum()) == c.nbytes == int(nb[c.first : c.end].sum())
+        assert c.nbytes <= max(cap, longest)
+        if c.liov is None:  # packed: the runs back to back (what _rma.gather does)
+            assert pack is not False and c.nbytes <= bounce
+            stream = np.concatenate(
+                [
+                    src[int(a) : int(a) + int(k)]
+                    for a, k in zip(la[c.first : c.end], nb[c.first : c.end])
+                ]
+            )
+        else:
+            assert 1 <= c.liov.shape[0] <= max_iov and int(c.liov[:, 1].sum()) == c.nbytes
+            assert not pack or (c.end == c.first + 1 and c.nbytes > bounce)
+            stream = np.concatenate([src[int(a) : int(a) + int(k)] for a, k in c.liov])
         at = 0
-        for b, k in riov.tolist():
+        for b, k in c.riov.tolist():
             got[b : b + k] = stream[at : at + k]
             at += k
-        total += nbytes
-    assert total == int(nb.sum())
+        total += c.nbytes
+    assert end == n and total == int(nb.sum())
     assert np.array_equal(got, want)
-    if n and max_iov >= n and max_bytes >= total:  # one call, maximally merged
+    if n and max_iov >= n and cap >= total and not pack:  # one call, maximally merged
         assert len(out) == 1
-        assert out[0][1].shape[0] == 1 + int(np.count_nonzero(ra[1:] != ra[:-1] + nb[:-1]))
+        assert out[0].riov.shape[0] == 1 + int(np.count_nonzero(ra[1:] != ra[:-1] + nb[:-1]))
+
+
+def test_calls_pack_many_short_local_pieces_only():
+    """Auto: packed when the local side has at least twice the remote side's iovecs and
+    they average at most PACK_RUN_BYTES; head slices of a strided source going to whole
+    pages are; the same runs the other way round (strided destinations) are not."""
+    k, run = 64, 512
+    strided = np.arange(k, dtype=np.uint64) * (2 * run)
+    whole = np.arange(k, dtype=np.uint64) * run
+    nb = np.full(k, run, dtype=np.uint64)
+    assert [c.liov for c in hostcopy.calls(strided, whole, nb)] == [None]
+    assert hostcopy.calls(whole, strided, nb)[0].liov is not None
+    long = np.full(k, 2 * hostcopy.PACK_RUN_BYTES, dtype=np.uint64)
+    assert hostcopy.calls(strided * 8, whole * 4, long)[0].liov is not None  # long pieces
+    assert hostcopy.calls(strided, strided, nb)[0].liov is not None  # as many remote pieces
+
+
+def test_gather_packs_runs_back_to_back_and_refuses_an_overflow():
+    _rma = load_ucx()[1]
+    rng = np.random.default_rng(5)
+    src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)  # above 64 KiB: the GIL-free copy too
+    offs = rng.permutation(np.arange(0, src.size - 4096, 4096))[:200].astype(np.uint64)
+    lens = rng.integers(1, 4097, offs.size).astype(np.uint64)
+    out = np.zeros(int(lens.sum()), dtype=np.uint8)
+    la = offs + np.uint64(src.ctypes.data)
+    assert _rma.gather(out.ctypes.data, out.size, la, lens) == out.size
+    want = np.concatenate([src[int(o) : int(o + n)] for o, n in zip(offs, lens)])
+    assert np.array_equal(out, want)
+    out[:] = 0
+    with pytest.raises(ValueError, match="exceed"):
+        _rma.gather(out.ctypes.data, out.size - 1, la, lens)
+    assert not out.any()  # nothing copied
+    with pytest.raises(ValueError, match="entries"):
+        _rma.gather(out.ctypes.data, out.size, la, lens[:-1])
+    with pytest.raises(TypeError):
+        _rma.gather(out.ctypes.data, out.size, la.astype(np.int32), lens)
 
 
 def test_lands_whole():
