@@ -24,6 +24,10 @@ Invariants
   whose local registration is host memory and whose remote region is host memory
   (:meth:`HostLane.select`); every run was validated by the planner against the peer's
   descriptors and is checked again here against its remote region before anything moves.
+- A call's local runs are either its local iovecs or, packed (:data:`PACK_RUN_BYTES`), first
+  copied back to back into the copying thread's buffer by :func:`_gather`: read in this
+  process, as a PUT's source is, inside registrations the planner checked; the bytes that
+  reach the peer are the same stream either way (:func:`calls`).
 - The bytes are in the peer's memory when the job's future resolves; only then does the
   write flush / notify, exactly as after PUTs. A job that failed (the peer exited: PeerClosed;
   an address not mapped, a permission refused: TransportError) may have copied a prefix of
@@ -79,7 +83,7 @@ MAX_RUN_BYTES = 32 << 10
 #: as one local iovec per call, rather than one local iovec per run for the kernel to walk
 #: (measured both ways by run size: bench/results/host-lane-cpu.md, "Packed local runs").
 #: ``$KVXFER_HOST_PACK_BYTES`` (read at import) sets it; 0: never pack
-PACK_RUN_BYTES = int(os.environ.get("KVXFER_HOST_PACK_BYTES", "2048"))
+PACK_RUN_BYTES = int(os.environ.get("KVXFER_HOST_PACK_BYTES", "1024"))
 #: the packing buffer of each thread that packs (at most this many bytes per call then)
 BOUNCE_BYTES = 2 << 20
 
