@@ -50,12 +50,16 @@ def main() -> None:
 
     def job(i: int, run: int, pack: bool) -> float:
         n = size // run
-        la = np.uint64(src.ctypes.data + i * run) + np.arange(n, dtype=np.uint64) * np.uint64(2 * run)
+        la = np.uint64(src.ctypes.data + i * run) + np.arange(n, dtype=np.uint64) * np.uint64(
+            2 * run
+        )
         ra = np.uint64(addrs[i]) + np.arange(n, dtype=np.uint64) * np.uint64(run)
         if a.segment:
             per = max(1, a.segment // run)
             segs = n // per
-            pos = np.random.default_rng(i).permutation(segs).astype(np.uint64) * np.uint64(per * run)
+            pos = np.random.default_rng(i).permutation(segs).astype(np.uint64) * np.uint64(
+                per * run
+            )
             ra = np.uint64(addrs[i]) + np.repeat(pos, per)
             ra += np.tile(np.arange(per, dtype=np.uint64) * np.uint64(run), segs)
         nb = np.full(n, run, dtype=np.uint64)
@@ -70,9 +74,13 @@ def main() -> None:
             assert got == c.nbytes, got
         return time.perf_counter() - t
 
-    print(f"{a.mib} MiB per target, destination {'segments of %d B' % a.segment if a.segment else 'one range'}, best of {a.reps}")
+    print(
+        f"{a.mib} MiB per target, destination {'segments of %d B' % a.segment if a.segment else 'one range'}, best of {a.reps}"
+    )
     print()
-    print("| run B | iovecs, 1 thread | packed, 1 thread | iovecs, 2 threads | packed, 2 threads | packed / iovecs (1 / 2 threads) |")
+    print(
+        "| run B | iovecs, 1 thread | packed, 1 thread | iovecs, 2 threads | packed, 2 threads | packed / iovecs (1 / 2 threads) |"
+    )
     print("|---|---|---|---|---|---|")
     for run in (int(x) for x in a.runs.split(",")):
         res = {}
@@ -94,7 +102,9 @@ def main() -> None:
                 two.append(time.perf_counter() - t)
             res[pack] = (min(one) * 1e3, min(two) * 1e3)
         (i1, i2), (p1, p2) = res[False], res[True]
-        print(f"| {run} | {i1:.1f} | {p1:.1f} | {i2:.1f} | {p2:.1f} | {p1 / i1:.2f} / {p2 / i2:.2f} |")
+        print(
+            f"| {run} | {i1:.1f} | {p1:.1f} | {i2:.1f} | {p2:.1f} | {p1 / i1:.2f} / {p2 / i2:.2f} |"
+        )
     for ev in evs:
         ev.set()
     for p in procs:

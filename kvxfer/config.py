@@ -26,6 +26,8 @@ always wins.
 - ``KVXFER_LEG_DIRECT_PAGES`` = an int >= 0 — a lower guest bound for sends to several
   decode peers (unset: none, :data:`LEG_DIRECT_PAGES`; read by :func:`direct_limit` per
   send, for A/B runs).
+- ``KVXFER_MALLOC`` = ``keep`` | ``default`` — whether a process that starts an engine keeps
+  freed heap memory for reuse (:func:`malloc_policy`, :mod:`kvxfer.memtune`; opt-in).
 - ``KVXFER_SECRET`` — the shared secret of a ``KVManager``, ``BootstrapServer`` or bootstrap
   client built without ``secret=``, read when it is built (:func:`resolve_secret`; never part
   of :func:`env_defaults`, which ``kvxfer info`` prints). There is no built-in default:
@@ -218,6 +220,21 @@ def poll_takes(value: Optional[int] = None) -> bool:
     """``value``, else ``$KVXFER_POLL_TAKES``, else :data:`POLL_TAKES`, as a bool (an int
     >= 0 is accepted; InvalidArgument otherwise). Read when a manager is built."""
     return bool(_setting(value, POLL_TAKES_ENV, POLL_TAKES, "poll_takes"))
+
+
+#: values of ``$KVXFER_MALLOC`` (:func:`malloc_policy`)
+MALLOC = ("default", "keep")
+MALLOC_ENV = "KVXFER_MALLOC"
+
+
+def malloc_policy() -> str:
+    """``$KVXFER_MALLOC`` (``keep``: :func:`kvxfer.memtune.keep_heap` when an engine
+    starts), else ``default`` (the C library's own policy); InvalidArgument for another
+    value. Read when an engine starts."""
+    value = os.environ.get(MALLOC_ENV, "default").strip().lower() or "default"
+    if value not in MALLOC:
+        raise InvalidArgument(f"{MALLOC_ENV}={value!r}; expected one of {MALLOC}")
+    return value
 
 
 #: environment variable holding the shared secret (see :func:`resolve_secret`)

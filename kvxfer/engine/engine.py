@@ -15,7 +15,8 @@ import socket
 import uuid
 from typing import Any, Callable, Coroutine, Dict, List, Optional, Sequence, Set, Tuple
 
-from kvxfer.config import EngineConfig, own_worker
+from kvxfer import memtune
+from kvxfer.config import EngineConfig, malloc_policy, own_worker
 from kvxfer.engine import devcopy, handshake, vmm_share
 from kvxfer.engine.groups import LocalGroups
 from kvxfer.engine.host import PeerHost, resolved
@@ -142,6 +143,8 @@ class TransferEngine:
     async def start(self) -> Tuple[str, int]:
         if self._state != "new":
             raise Closed(f"engine already {self._state}")
+        if malloc_policy() == "keep":  # (a bad value raises before anything starts)
+            memtune.keep_heap()
         self._state = "started"
         cfg = self.config
         if self._transport is None:
