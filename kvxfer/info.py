@@ -29,6 +29,19 @@ def _channel_wait() -> str:
         return f"invalid ({exc})"
 
 
+def _malloc() -> str:
+    """What an engine started in this environment does to the C library's heap policy."""
+    from kvxfer.config import malloc_policy
+
+    try:
+        policy = malloc_policy()
+    except Exception as exc:  # InvalidArgument: reported, not fatal
+        return f"invalid ({exc})"
+    if policy == "keep":
+        return "keep (KVXFER_MALLOC): freed heap memory kept for reuse (kvxfer.memtune)"
+    return "default (the C library's own; KVXFER_MALLOC=keep keeps freed heap memory)"
+
+
 def collect() -> dict:
     import kvxfer
     from kvxfer.config import env_defaults
@@ -66,6 +79,7 @@ def collect() -> dict:
     except Exception as exc:
         out["native_extension"] = f"unavailable: {exc}"
     out["env_defaults"] = env_defaults()
+    out["malloc"] = _malloc()
     out["RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY"] = os.environ.get(
         "RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY", "<unset> (wheel libucx: no verbs/rdmacm)"
     )

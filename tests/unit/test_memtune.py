@@ -79,3 +79,14 @@ def test_an_engine_refuses_a_bad_value_before_it_starts(monkeypatch):
     with pytest.raises(InvalidArgument, match="KVXFER_MALLOC"):
         asyncio.run(eng.start())
     assert eng.transport is None and eng._state == "new"
+
+
+def test_info_says_what_an_engine_would_do(monkeypatch):
+    from kvxfer.info import _malloc
+
+    monkeypatch.delenv("KVXFER_MALLOC", raising=False)
+    assert _malloc().startswith("default")
+    monkeypatch.setenv("KVXFER_MALLOC", "keep")
+    assert _malloc().startswith("keep")
+    monkeypatch.setenv("KVXFER_MALLOC", "bad")
+    assert _malloc().startswith("invalid")
