@@ -26,6 +26,8 @@ always wins.
 - ``KVXFER_LEG_DIRECT_PAGES`` = an int >= 0 — a lower guest bound for sends to several
   decode peers (unset: none, :data:`LEG_DIRECT_PAGES`; read by :func:`direct_limit` per
   send, for A/B runs).
+- ``KVXFER_HOST_PACK_BYTES`` = an int >= 0 — the host lane's packing threshold
+  (:func:`host_pack_bytes`; read when the host lane's module is imported; 0: never pack).
 - ``KVXFER_MALLOC`` = ``keep`` | ``default`` — whether a process that starts an engine keeps
   freed heap memory for reuse (:func:`malloc_policy`, :mod:`kvxfer.memtune`; opt-in).
 - ``KVXFER_SECRET`` — the shared secret of a ``KVManager``, ``BootstrapServer`` or bootstrap
@@ -220,6 +222,18 @@ def poll_takes(value: Optional[int] = None) -> bool:
     """``value``, else ``$KVXFER_POLL_TAKES``, else :data:`POLL_TAKES`, as a bool (an int
     >= 0 is accepted; InvalidArgument otherwise). Read when a manager is built."""
     return bool(_setting(value, POLL_TAKES_ENV, POLL_TAKES, "poll_takes"))
+
+
+#: default of :data:`kvxfer.engine.hostcopy.PACK_RUN_BYTES` (the host lane packs a write's
+#: local runs when they average at most this many bytes; bench/results/host-lane-cpu.md)
+HOST_PACK_BYTES = 1024
+HOST_PACK_BYTES_ENV = "KVXFER_HOST_PACK_BYTES"
+
+
+def host_pack_bytes() -> int:
+    """``$KVXFER_HOST_PACK_BYTES``, else :data:`HOST_PACK_BYTES`: an int >= 0 (0: never
+    pack; InvalidArgument otherwise). Read when :mod:`kvxfer.engine.hostcopy` is imported."""
+    return _setting(None, HOST_PACK_BYTES_ENV, HOST_PACK_BYTES, HOST_PACK_BYTES_ENV)
 
 
 #: values of ``$KVXFER_MALLOC`` (:func:`malloc_policy`)

@@ -57,6 +57,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
+from kvxfer.config import host_pack_bytes
 from kvxfer.engine.devcopy import check_inside, member
 from kvxfer.errors import PeerClosed, ProtocolError, TransportError
 
@@ -82,8 +83,9 @@ MAX_RUN_BYTES = 32 << 10
 #: the copying thread (:func:`_gather`, one memcpy per run in native code) that then goes
 #: as one local iovec per call, rather than one local iovec per run for the kernel to walk
 #: (measured both ways by run size: bench/results/host-lane-cpu.md, "Packed local runs").
-#: ``$KVXFER_HOST_PACK_BYTES`` (read at import) sets it; 0: never pack
-PACK_RUN_BYTES = int(os.environ.get("KVXFER_HOST_PACK_BYTES", "1024"))
+#: ``$KVXFER_HOST_PACK_BYTES`` (read at import: :func:`kvxfer.config.host_pack_bytes`) sets
+#: it; 0: never pack
+PACK_RUN_BYTES = host_pack_bytes()
 #: the packing buffer of each thread that packs (at most this many bytes per call then)
 BOUNCE_BYTES = 2 << 20
 

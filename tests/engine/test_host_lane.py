@@ -21,7 +21,7 @@ from testenv import DEVICE
 
 from kvxfer.bench.engine_node import EngineNode
 from kvxfer.engine import hostcopy
-from kvxfer.errors import IndexOutOfRange, PeerClosed, ProtocolError
+from kvxfer.errors import IndexOutOfRange, InvalidArgument, PeerClosed, ProtocolError
 from kvxfer.procs import Worker
 from kvxfer.transport.ucx_lib import load_ucx
 
@@ -513,3 +513,16 @@ def test_check_inside_is_exact_at_both_ends():
     for raddr, nb, ridx in [(999, 1, 0), (1000, 101, 0), (1099, 2, 0), (5010, 1, 1), (1000, 11, 1)]:
         with pytest.raises(IndexOutOfRange, match="lane: an op falls outside"):
             check_inside(u(raddr), u(nb), u(ridx), base, ln, "lane")
+
+
+def test_host_pack_bytes_setting(monkeypatch):
+    from kvxfer.config import HOST_PACK_BYTES, host_pack_bytes
+
+    monkeypatch.delenv("KVXFER_HOST_PACK_BYTES", raising=False)
+    assert host_pack_bytes() == HOST_PACK_BYTES
+    monkeypatch.setenv("KVXFER_HOST_PACK_BYTES", "0")
+    assert host_pack_bytes() == 0
+    for bad in ("x", "-1"):
+        monkeypatch.setenv("KVXFER_HOST_PACK_BYTES", bad)
+        with pytest.raises(InvalidArgument, match="KVXFER_HOST_PACK_BYTES"):
+            host_pack_bytes()
