@@ -778,7 +778,7 @@ def gather_items(
     if v is None:
         offs = (items[:, None] * item_bytes + ro[None, :]).ravel()
         return gather_runs(buf, offs, np.tile(rn, items.size), out)
-    np.take(v, items, axis=0, out=out[:total].reshape(items.size, *v.shape[1:]), mode="clip")
+    out[:total].reshape(items.size, *v.shape[1:])[...] = v[items]  # (np.take would copy all of v)
     return total
 
 

@@ -182,13 +182,15 @@ def gather_host(
 ) -> int:
     """Pack the runs ``(offs, lens)`` of every item ``items[k]`` of descriptor bytes ``buf``
     (uint8) into ``out`` item-major; returns the bytes packed. One strided copy when the runs
-    are regular, else one fancy-indexed copy per distinct run size. Ids must be valid."""
+    are regular, else one fancy-indexed copy per distinct run size. Ids must be valid.
+    (Not ``np.take``: it makes its non-contiguous source contiguous first, a copy of every
+    item's runs per call: 14x slower for a 256-item chunk of a 4000-item descriptor.)"""
     items = np.asarray(items, dtype=_I64)
     total = int(lens.sum()) * items.size
     shape = regular(offs, lens)
     if shape is not None:
         v = _strided(buf, item_bytes, shape)
-        np.take(v, items, axis=0, out=out[:total].reshape(items.size, *v.shape[1:]), mode="clip")
+        out[:total].reshape(items.size, *v.shape[1:])[...] = v[items]
         return total
     o = (items[:, None] * item_bytes + offs[None, :]).reshape(-1)
     n = np.tile(lens, items.size)
