@@ -28,6 +28,9 @@ always wins.
   send, for A/B runs).
 - ``KVXFER_HOST_PACK_BYTES`` = an int >= 0 — the host lane's packing threshold
   (:func:`host_pack_bytes`; read when the host lane's module is imported; 0: never pack).
+- ``KVXFER_HOST_SPLIT_BYTES`` = an int >= 0 — the least bytes of each part a large host-lane
+  write is cut into, one part per host-lane thread (:func:`host_split_bytes`; read when the
+  host lane's module is imported; 0: never cut).
 - ``KVXFER_MALLOC`` = ``keep`` | ``default`` — whether a process that starts an engine keeps
   freed heap memory for reuse (:func:`malloc_policy`, :mod:`kvxfer.memtune`; opt-in).
 - ``KVXFER_SECRET`` — the shared secret of a ``KVManager``, ``BootstrapServer`` or bootstrap
@@ -234,6 +237,18 @@ def host_pack_bytes() -> int:
     """``$KVXFER_HOST_PACK_BYTES``, else :data:`HOST_PACK_BYTES`: an int >= 0 (0: never
     pack; InvalidArgument otherwise). Read when :mod:`kvxfer.engine.hostcopy` is imported."""
     return _setting(None, HOST_PACK_BYTES_ENV, HOST_PACK_BYTES, HOST_PACK_BYTES_ENV)
+
+
+#: default of :data:`kvxfer.engine.hostcopy.SPLIT_BYTES` (a host-lane write is cut into parts
+#: of at least this many bytes, one per host-lane thread; bench/results/host-lane-cpu.md)
+HOST_SPLIT_BYTES = 16 << 20
+HOST_SPLIT_BYTES_ENV = "KVXFER_HOST_SPLIT_BYTES"
+
+
+def host_split_bytes() -> int:
+    """``$KVXFER_HOST_SPLIT_BYTES``, else :data:`HOST_SPLIT_BYTES`: an int >= 0 (0: never
+    cut; InvalidArgument otherwise). Read when :mod:`kvxfer.engine.hostcopy` is imported."""
+    return _setting(None, HOST_SPLIT_BYTES_ENV, HOST_SPLIT_BYTES, HOST_SPLIT_BYTES_ENV)
 
 
 #: values of ``$KVXFER_MALLOC`` (:func:`malloc_policy`)

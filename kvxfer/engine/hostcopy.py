@@ -38,7 +38,9 @@ Invariants
   thread (or a guest of it); a write of at most :data:`INLINE_BYTES` is copied right there
   (less time than a hand-over), larger ones on the process's host-lane threads
   (``kvxfer-host-lane``, at most :data:`MAX_THREADS`, made at first use), so the loop never
-  blocks on a large copy.
+  blocks on a large copy; a large one is cut into parts at run boundaries, one per thread
+  (:data:`SPLIT_BYTES`), and its future resolves only once every part ended, also when
+  one failed.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import asyncio
 import concurrent.futures
 import ctypes
 import errno as errno_mod
+import functools
 import logging
 import os
 import signal
@@ -57,7 +60,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from kvxfer.config import host_pack_bytes
+from kvxfer.config import host_pack_bytes, host_split_bytes
 from kvxfer.engine.devcopy import check_inside, member
 from kvxfer.errors import PeerClosed, ProtocolError, TransportError
 
@@ -88,6 +91,13 @@ MAX_RUN_BYTES = 32 << 10
 PACK_RUN_BYTES = host_pack_bytes()
 #: the packing buffer of each thread that packs (at most this many bytes per call then)
 BOUNCE_BYTES = 2 << 20
+#: a write handed to the host-lane threads is cut at run boundaries into parts of at least
+#: this many bytes, at most one per thread (:func:`split_parts`), copied at once: one
+#: thread's copy (packing included) is what bounds a large write where cores are spare
+#: (bench/results/host-lane-cpu.md, "Parts on several threads").
+#: ``$KVXFER_HOST_SPLIT_BYTES`` (read at import: :func:`kvxfer.config.host_split_bytes`)
+#: sets it; 0: never cut
+SPLIT_BYTES = host_split_bytes()
 
 
 class _Iovec(ctypes.Structure):
@@ -123,13 +133,35 @@ _pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
 _pool_pid = 0
 
 
+@functools.lru_cache(maxsize=None)
+def _cpus() -> int:
+    """The CPUs this process may run on (asked once)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def thread_count() -> int:
+    """How many host-lane threads this process has: :data:`MAX_THREADS`, fewer where it
+    may run on fewer CPUs."""
+    return max(1, min(MAX_THREADS, _cpus()))
+
+
+def split_parts() -> int:
+    """Into how many parts a large write may be cut (:data:`SPLIT_BYTES`): one per
+    host-lane thread, at most half the CPUs (the peer, and other ranks of this host, copy
+    too: on two CPUs cutting made many-to-one rows 8-30 % slower; host-lane-cpu.md)."""
+    return max(1, min(thread_count(), _cpus() // 2))
+
+
 def _threads() -> concurrent.futures.ThreadPoolExecutor:
     """The process's host-lane threads (made at first use; again in a forked child, where
     the parent's threads do not exist)."""
     global _pool, _pool_pid
     with _pool_lock:
         if _pool is None or _pool_pid != os.getpid():
-            n = max(1, min(MAX_THREADS, os.cpu_count() or 1))
+            n = thread_count()
             _pool = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="kvxfer-host-lane")
             _pool_pid = os.getpid()
         return _pool
@@ -201,6 +233,31 @@ def calls(
     return out
 
 
+def cut_worth(nbytes: int) -> bool:
+    """Whether a write of ``nbytes`` is cut into several parts (:func:`split_points`)."""
+    return SPLIT_BYTES > 0 and nbytes >= 2 * SPLIT_BYTES and split_parts() > 1
+
+
+def split_points(nbytes: np.ndarray, parts: int, min_bytes: int) -> np.ndarray:
+    """Run indices ``[0, c1, ..., n]`` cutting a write of runs of ``nbytes`` into at most
+    ``parts`` parts of about equal bytes, at most ``total // min_bytes`` of them: each cut
+    at the run boundary nearest to ``i * total / k`` (a run is never cut, so parts can be
+    uneven and fewer); ``[0, n]`` when it is not cut (``parts`` or ``min_bytes`` below 1,
+    or too few bytes). Every part is non-empty and the parts keep the runs' order."""
+    n = int(nbytes.size)
+    total = int(nbytes.sum(dtype=_U64)) if n else 0
+    k = min(parts, total // min_bytes, n) if min_bytes > 0 else 1
+    if k <= 1:
+        return np.array([0, n], dtype=np.int64)
+    cum = np.cumsum(nbytes, dtype=np.int64)
+    targets = total * np.arange(1, k, dtype=np.int64) // k
+    held = np.searchsorted(cum, targets, side="left")  # the run holding each target
+    before = np.where(held > 0, cum[np.maximum(held - 1, 0)], 0)
+    cuts = np.where(targets - before <= cum[held] - targets, held, held + 1)  # nearer edge
+    inner = np.unique(cuts[(cuts > 0) & (cuts < n)])
+    return np.concatenate(([0], inner, [n])).astype(np.int64)
+
+
 def _segments(addr: np.ndarray, bcum: np.ndarray, brk: np.ndarray, s: int, e: int) -> np.ndarray:
     """The iovecs of runs ``[s, e)`` of one side: a new one where a run does not continue the
     previous one (``brk``), each as long as its runs together."""
@@ -251,11 +308,12 @@ def lane_wanted(ops: int, nbytes: int, min_ops: int, shm: bool = True) -> bool:
     when it is copied inline (at most :data:`INLINE_BYTES`) or its runs are short (at most
     :data:`MAX_RUN_BYTES` on average): long runs cost cma little per system call, so they
     gain less than a hand-over costs. Without a shared-memory UCX lane (``shm`` False: tcp)
-    also any write larger than :data:`INLINE_BYTES`, whatever its runs
+    also any write larger than :data:`INLINE_BYTES`, whatever its runs, and on a host of
+    spare CPUs any write the threads copy in parts (:func:`cut_worth`), whatever its runs
     (bench/results/host-lane-cpu.md)."""
     if ops <= 0:
         return False
-    if not shm and nbytes > INLINE_BYTES:
+    if (not shm and nbytes > INLINE_BYTES) or cut_worth(nbytes):
         return True
     return ops >= min_ops and (nbytes <= INLINE_BYTES or nbytes <= ops * MAX_RUN_BYTES or not shm)
 
@@ -398,13 +456,28 @@ def _bounce() -> np.ndarray:
     return buf
 
 
+class _Halted(InterruptedError):
+    """A part of a write stopped because another part of it failed."""
+
+
 class _Job:
-    """One write's runs for the host-lane threads; ``stop`` ends it between calls."""
+    """One write's runs (or a part of them) for the host-lane threads; ``stop`` (the
+    lane's) ends it between calls, as does ``halt`` (its write's, set when another part
+    of the write failed)."""
 
-    __slots__ = ("pid", "pidfd", "laddr", "raddr", "nbytes", "stop", "packed")
+    __slots__ = ("pid", "pidfd", "laddr", "raddr", "nbytes", "stop", "halt", "packed")
 
-    def __init__(self, pid: int, pidfd: int, laddr, raddr, nbytes, stop) -> None:
-        self.pid, self.pidfd, self.stop = pid, pidfd, stop
+    def __init__(
+        self,
+        pid: int,
+        pidfd: int,
+        laddr,
+        raddr,
+        nbytes,
+        stop,
+        halt: Optional[threading.Event] = None,
+    ) -> None:
+        self.pid, self.pidfd, self.stop, self.halt = pid, pidfd, stop, halt
         self.laddr = np.ascontiguousarray(laddr, dtype=_U64)
         self.raddr = np.ascontiguousarray(raddr, dtype=_U64)
         self.nbytes = np.ascontiguousarray(nbytes, dtype=_U64)
@@ -414,7 +487,16 @@ class _Job:
     def run(self) -> None:
         """Copy every run (:func:`calls`; packed first where that says so). Raises OSError
         (errno ESRCH: the peer exited or its pid is another process now) or
-        InterruptedError (the lane closed)."""
+        InterruptedError (the lane closed; :class:`_Halted`: another part failed); a part
+        that fails sets its write's ``halt``."""
+        try:
+            self._run()
+        except BaseException:
+            if self.halt is not None:
+                self.halt.set()
+            raise
+
+    def _run(self) -> None:
         assert _CALLS is not None
         pvw = _CALLS[1]
         gather = _gather()
@@ -424,6 +506,8 @@ class _Job:
         for c in calls(la, self.raddr, nb, pack=pack, bounce=buf.size if buf is not None else 0):
             if self.stop.is_set():
                 raise InterruptedError("host lane closed")
+            if self.halt is not None and self.halt.is_set():
+                raise _Halted("another part of the write failed")
             liov = c.liov
             if liov is None:  # the local runs, packed back to back
                 assert buf is not None
@@ -472,11 +556,13 @@ class HostLane:
         #: UCX reaches the peer over a shared-memory lane (else tcp: :func:`lane_wanted`)
         self.shm = True
         #: writes and runs this lane copied, writes copied on the starting thread, calls
-        #: whose local runs were packed first (:data:`PACK_RUN_BYTES`; settled writes only)
+        #: whose local runs were packed first (:data:`PACK_RUN_BYTES`; settled parts only)
         self.writes = 0
         self.runs = 0
         self.inline = 0
         self.packed = 0
+        #: writes cut into parts copied on several threads at once (:data:`SPLIT_BYTES`)
+        self.split = 0
 
     def select(self, lmemh: np.ndarray, ridx: np.ndarray) -> np.ndarray:
         """Boolean mask of the ops this lane copies (local and remote host memory)."""
@@ -494,19 +580,22 @@ class HostLane:
     ) -> asyncio.Future:
         """Check every run against its remote region (IndexOutOfRange: nothing moves), then
         copy the runs: here when they are at most :data:`INLINE_BYTES` (the returned future
-        is then done), else on a host-lane thread. The returned future (of the running
-        loop) resolves once every byte is in the peer's memory, or fails with PeerClosed /
-        TransportError. Runs on: the engine's loop thread (or a guest of it)."""
+        is then done), else on the host-lane threads, cut into parts (:func:`split_points`,
+        :data:`SPLIT_BYTES`) copied at once. The returned future (of the running loop)
+        resolves once every byte is in the peer's memory, or fails with PeerClosed /
+        TransportError once every part stopped (a failed part halts the others between
+        calls; none writes after the failure is reported). Runs on: the engine's loop thread
+        (or a guest of it)."""
         if self.closed:
             raise PeerClosed(f"host lane to {name} closed")
         check_inside(raddr, nbytes, ridx, self._rbase, self._rlen, "host lane")
         n = int(laddr.size)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        job = _Job(self.pid, self._pidfd, laddr, raddr, nbytes, self._stop)
         self.writes += 1
         self.runs += n
         if int(nbytes.sum(dtype=_U64)) <= INLINE_BYTES:  # copied here: no hop, no wake-up
+            job = _Job(self.pid, self._pidfd, laddr, raddr, nbytes, self._stop)
             self.inline += 1
             try:
                 job.run()
@@ -516,16 +605,17 @@ class HostLane:
                 fut.set_result(None)
             self.packed += job.packed
             return fut
-        cf = _threads().submit(job.run)
-        self._jobs.add(cf)
-
-        def done(c: concurrent.futures.Future) -> None:  # on the host-lane thread
-            try:
-                loop.call_soon_threadsafe(self._settle, fut, c, name, job)
-            except RuntimeError:  # the loop closed: nobody waits any more
-                pass
-
-        cf.add_done_callback(done)
+        cut = split_points(nbytes, split_parts(), SPLIT_BYTES)
+        halt = threading.Event() if cut.size > 2 else None
+        if halt is not None:
+            self.split += 1
+        w = _Write(fut, name, cut.size - 1)
+        pool = _threads()
+        for a, b in zip(cut[:-1].tolist(), cut[1:].tolist()):
+            job = _Job(self.pid, self._pidfd, laddr[a:b], raddr[a:b], nbytes[a:b], self._stop, halt)
+            cf = pool.submit(job.run)
+            self._jobs.add(cf)
+            cf.add_done_callback(functools.partial(_on_done, loop, self._settle, w, job))
         return fut
 
     async def close(self, timeout: float) -> None:
@@ -543,18 +633,39 @@ class HostLane:
                 return
         os.close(self._pidfd)
 
-    def _settle(
-        self, fut: asyncio.Future, c: concurrent.futures.Future, name: str, job: _Job
-    ) -> None:
-        """Resolve a write's future from its job (on the loop thread); a future already
-        done (the write gave up: timeout, the peer's death) only has the job's outcome
-        retrieved."""
+    def _settle(self, w: "_Write", job: _Job, c: concurrent.futures.Future) -> None:
+        """Count a part of a write in (on the loop thread); the write's future resolves
+        when its last part did, with the first error of a part that failed itself (not one
+        halted by it). A future already done (the write gave up: timeout, the peer's death)
+        only has the parts' outcomes retrieved."""
         self._jobs.discard(c)
         self.packed += job.packed
         exc = c.exception()
-        if fut.done():
+        if exc is not None and (w.exc is None or isinstance(w.exc, _Halted)):
+            w.exc = exc
+        w.left -= 1
+        if w.left or w.fut.done():
             return
-        if exc is None:
-            fut.set_result(None)
+        if w.exc is None:
+            w.fut.set_result(None)
         else:
-            fut.set_exception(_error(exc, name))
+            w.fut.set_exception(_error(w.exc, w.name))
+
+
+class _Write:
+    """A write handed to the host-lane threads: its future and how many of its parts are
+    still running (touched on the loop thread only)."""
+
+    __slots__ = ("fut", "name", "left", "exc")
+
+    def __init__(self, fut: asyncio.Future, name: str, parts: int) -> None:
+        self.fut, self.name, self.left = fut, name, parts
+        self.exc: Optional[BaseException] = None
+
+
+def _on_done(loop, settle, w: _Write, job: _Job, c: concurrent.futures.Future) -> None:
+    """A part's job ended (on its host-lane thread): count it in on the loop thread."""
+    try:
+        loop.call_soon_threadsafe(settle, w, job, c)
+    except RuntimeError:  # the loop closed: nobody waits any more
+        pass

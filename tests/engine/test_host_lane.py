@@ -21,7 +21,13 @@ from testenv import DEVICE
 
 from kvxfer.bench.engine_node import EngineNode
 from kvxfer.engine import hostcopy
-from kvxfer.errors import IndexOutOfRange, InvalidArgument, PeerClosed, ProtocolError
+from kvxfer.errors import (
+    IndexOutOfRange,
+    InvalidArgument,
+    PeerClosed,
+    ProtocolError,
+    TransportError,
+)
 from kvxfer.procs import Worker
 from kvxfer.transport.ucx_lib import load_ucx
 
@@ -164,6 +170,128 @@ def test_short_strided_local_runs_are_packed_and_land_exactly(child, monkeypatch
     asyncio.run(go())
     assert child.digest() == _expected(pieces, local)
     assert lane.packed == -(-24000 // 4080) and lane.inline == int(inline)
+
+
+def test_a_large_write_is_cut_into_parts_on_several_threads_and_lands_exactly(child, monkeypatch):
+    """SPLIT_BYTES 4 KiB, nothing inline, 4 parts: 3000 scattered runs of 8-20 B go as parts
+    on the host-lane threads (queued where there are fewer), every byte where it belongs."""
+    monkeypatch.setattr(hostcopy, "SPLIT_BYTES", 4096)
+    monkeypatch.setattr(hostcopy, "INLINE_BYTES", 0)
+    monkeypatch.setattr(hostcopy, "split_parts", lambda: 4)
+    local = bytes(np.random.default_rng(8).integers(0, 256, BUF, dtype=np.uint8))
+    src, lane, why = _open(child, local=local)
+    assert lane is not None, why
+    rng = np.random.default_rng(9)
+    pieces = [
+        (int(rng.integers(0, BUF - 64)), 20 * i, int(rng.integers(8, 21))) for i in range(3000)
+    ]
+    laddr, raddr, nbytes, _, ridx = _runs(src, child, pieces)
+    parts = []
+    real = hostcopy._Job.run
+    monkeypatch.setattr(
+        hostcopy._Job, "run", lambda job: (parts.append(job.laddr.size), real(job))[1]
+    )
+
+    async def go():
+        await lane.start(laddr, raddr, nbytes, ridx, "child")
+        await lane.close(5.0)
+
+    asyncio.run(go())
+    assert child.digest() == _expected(pieces, local)
+    assert lane.split == 1 and len(parts) == 4 and sum(parts) == 3000
+
+
+def test_a_failed_part_halts_the_others_and_the_write_fails_after_the_last_one(child, monkeypatch):
+    """Forced interleaving: part 0 fails at once while part 1 is held before its first call;
+    the write's future stays pending until part 1 ran (and stopped at the halt, copying
+    nothing), then fails with part 0's error (a TransportError), not part 1's halt."""
+    import threading
+
+    monkeypatch.setattr(hostcopy, "SPLIT_BYTES", 1000)
+    monkeypatch.setattr(hostcopy, "INLINE_BYTES", 0)
+    monkeypatch.setattr(hostcopy, "split_parts", lambda: 2)
+    src, lane, _ = _open(child)
+    before = child.digest()
+    laddr, raddr, nbytes, _, ridx = _runs(src, child, [(64 * i, 64 * i, 64) for i in range(40)])
+    first = int(laddr[0])
+    hold, held = threading.Event(), threading.Event()
+    real = hostcopy._Job._run
+
+    def run(job):
+        if int(job.laddr[0]) == first:
+            raise OSError(14, "Bad address")
+        held.set()
+        assert hold.wait(10)
+        real(job)
+
+    monkeypatch.setattr(hostcopy._Job, "_run", run)
+    settled, counted = [], []
+    real_settle = hostcopy.HostLane._settle
+
+    def settle(self, w, job, c):  # on the loop thread
+        real_settle(self, w, job, c)
+        settled.append((type(c.exception()).__name__, w.fut.done()))
+        counted[0].set()
+
+    monkeypatch.setattr(hostcopy.HostLane, "_settle", settle)
+
+    async def go():
+        counted.append(asyncio.Event())
+        fut = lane.start(laddr, raddr, nbytes, ridx, "child")
+        await asyncio.wait_for(counted[0].wait(), 10)  # part 0's failure counted in
+        assert settled == [("OSError", False)] and not fut.done()
+        hold.set()
+        with pytest.raises(TransportError, match="Bad address"):
+            await fut
+        assert settled[1] == ("_Halted", True)
+        await lane.close(5.0)
+
+    asyncio.run(go())
+    assert child.digest() == before  # part 1 stopped at the halt
+
+
+def test_split_points():
+    def parts(sizes, k, least):
+        cut = hostcopy.split_points(np.array(sizes, dtype=np.uint64), k, least)
+        assert cut[0] == 0 and cut[-1] == len(sizes) and (np.diff(cut) > 0).all()
+        return [int(sum(sizes[a:b])) for a, b in zip(cut[:-1], cut[1:])]
+
+    assert parts([10] * 100, 4, 100) == [250] * 4
+    assert parts([10] * 100, 4, 300) == [330, 340, 330]  # 1000 // 300 = 3 parts
+    assert parts([10] * 100, 4, 0) == [1000]  # 0: never cut
+    assert parts([10] * 100, 1, 100) == [1000]
+    assert parts([10] * 100, 4, 1001) == [1000]
+    assert parts([1000, 1, 1, 1], 4, 1) == [1000, 3]  # a run is never cut
+    assert parts([1, 1, 1, 1000], 4, 1) == [3, 1000]
+    assert parts([100, 100, 100, 100], 2, 1) == [200, 200]
+    assert parts([5], 4, 1) == [5]
+    assert hostcopy.split_points(np.zeros(0, np.uint64), 4, 1).tolist() == [0, 0]
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        sizes = rng.integers(1, 5000, int(rng.integers(1, 300))).tolist()
+        k, least = int(rng.integers(1, 9)), int(rng.integers(1, 20000))
+        got = parts(sizes, k, least)
+        assert sum(got) == sum(sizes) and len(got) <= max(1, min(k, sum(sizes) // least))
+
+
+def test_split_parts_leave_half_the_cpus(monkeypatch):
+    for cpus, want in ((1, 1), (2, 1), (3, 1), (4, 2), (6, 3), (8, 4), (64, hostcopy.MAX_THREADS)):
+        monkeypatch.setattr(hostcopy, "_cpus", lambda c=cpus: c)
+        assert hostcopy.split_parts() == want
+        assert hostcopy.thread_count() == min(cpus, hostcopy.MAX_THREADS)
+
+
+def test_host_split_bytes_setting(monkeypatch):
+    from kvxfer.config import HOST_SPLIT_BYTES, host_split_bytes
+
+    monkeypatch.delenv("KVXFER_HOST_SPLIT_BYTES", raising=False)
+    assert host_split_bytes() == HOST_SPLIT_BYTES
+    monkeypatch.setenv("KVXFER_HOST_SPLIT_BYTES", "0")
+    assert host_split_bytes() == 0
+    for bad in ("-1", "x"):
+        monkeypatch.setenv("KVXFER_HOST_SPLIT_BYTES", bad)
+        with pytest.raises(InvalidArgument, match="KVXFER_HOST_SPLIT_BYTES"):
+            host_split_bytes()
 
 
 def test_a_run_outside_the_remote_region_moves_nothing(child):
@@ -369,7 +497,8 @@ def test_lands_whole():
     assert not hostcopy.lands_whole([(a([0]), a([8])), (a([8, 0]), a([8, 8]))])  # not in order
 
 
-def test_lane_wanted():
+def test_lane_wanted(monkeypatch):
+    monkeypatch.setattr(hostcopy, "split_parts", lambda: 1)  # two CPUs: nothing is cut
     big, run = hostcopy.INLINE_BYTES, hostcopy.MAX_RUN_BYTES
     assert not hostcopy.lane_wanted(0, 0, 1)
     assert not hostcopy.lane_wanted(63, 63, 64)
@@ -382,6 +511,13 @@ def test_lane_wanted():
     assert hostcopy.lane_wanted(64, 64 * 65536, 64, shm=False)
     assert hostcopy.lane_wanted(2, big + 1, 64, shm=False)
     assert not hostcopy.lane_wanted(2, big, 64, shm=False)  # small and few: PUTs
+    cut = 2 * hostcopy.SPLIT_BYTES
+    assert not hostcopy.lane_wanted(2, cut, 64)
+    # spare CPUs: a write the threads copy in parts, whatever its runs
+    monkeypatch.setattr(hostcopy, "split_parts", lambda: 2)
+    assert hostcopy.lane_wanted(2, cut, 64) and not hostcopy.lane_wanted(2, cut - 1, 64)
+    monkeypatch.setattr(hostcopy, "SPLIT_BYTES", 0)  # never cut
+    assert not hostcopy.lane_wanted(2, cut, 64)
 
 
 # ------------------------------------------------------------------ engines over UCX
