@@ -31,6 +31,8 @@ always wins.
 - ``KVXFER_HOST_SPLIT_BYTES`` = an int >= 0 — the least bytes of each part a large host-lane
   write is cut into, one part per host-lane thread (:func:`host_split_bytes`; read when the
   host lane's module is imported; 0: never cut).
+- ``KVXFER_HOST_SPLIT_PARTS`` = an int >= 0 — into how many parts at most (0, the default:
+  half the CPUs, at most the host-lane threads; :func:`host_split_parts`).
 - ``KVXFER_MALLOC`` = ``keep`` | ``default`` — whether a process that starts an engine keeps
   freed heap memory for reuse (:func:`malloc_policy`, :mod:`kvxfer.memtune`; opt-in).
 - ``KVXFER_SECRET`` — the shared secret of a ``KVManager``, ``BootstrapServer`` or bootstrap
@@ -249,6 +251,16 @@ def host_split_bytes() -> int:
     """``$KVXFER_HOST_SPLIT_BYTES``, else :data:`HOST_SPLIT_BYTES`: an int >= 0 (0: never
     cut; InvalidArgument otherwise). Read when :mod:`kvxfer.engine.hostcopy` is imported."""
     return _setting(None, HOST_SPLIT_BYTES_ENV, HOST_SPLIT_BYTES, HOST_SPLIT_BYTES_ENV)
+
+
+HOST_SPLIT_PARTS_ENV = "KVXFER_HOST_SPLIT_PARTS"
+
+
+def host_split_parts() -> int:
+    """``$KVXFER_HOST_SPLIT_PARTS``: at most this many parts per host-lane write (0, the
+    default: chosen from the CPUs, :func:`kvxfer.engine.hostcopy.split_parts`); an int >= 0
+    (InvalidArgument otherwise). Read when :mod:`kvxfer.engine.hostcopy` is imported."""
+    return _setting(None, HOST_SPLIT_PARTS_ENV, 0, HOST_SPLIT_PARTS_ENV)
 
 
 #: values of ``$KVXFER_MALLOC`` (:func:`malloc_policy`)

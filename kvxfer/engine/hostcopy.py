@@ -60,7 +60,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from kvxfer.config import host_pack_bytes, host_split_bytes
+from kvxfer.config import host_pack_bytes, host_split_bytes, host_split_parts
 from kvxfer.engine.devcopy import check_inside, member
 from kvxfer.errors import PeerClosed, ProtocolError, TransportError
 
@@ -98,6 +98,8 @@ BOUNCE_BYTES = 2 << 20
 #: ``$KVXFER_HOST_SPLIT_BYTES`` (read at import: :func:`kvxfer.config.host_split_bytes`)
 #: sets it; 0: never cut
 SPLIT_BYTES = host_split_bytes()
+#: at most this many parts (``$KVXFER_HOST_SPLIT_PARTS``); 0: :func:`split_parts` chooses
+SPLIT_PARTS = host_split_parts()
 
 
 class _Iovec(ctypes.Structure):
@@ -149,9 +151,12 @@ def thread_count() -> int:
 
 
 def split_parts() -> int:
-    """Into how many parts a large write may be cut (:data:`SPLIT_BYTES`): one per
-    host-lane thread, at most half the CPUs (the peer, and other ranks of this host, copy
-    too: on two CPUs cutting made many-to-one rows 8-30 % slower; host-lane-cpu.md)."""
+    """Into how many parts a large write may be cut (:data:`SPLIT_BYTES`): :data:`SPLIT_PARTS`
+    where set, else one per host-lane thread, at most half the CPUs (the peer, and other
+    ranks of this host, copy too: on two CPUs cutting made many-to-one rows 8-30 % slower;
+    host-lane-cpu.md)."""
+    if SPLIT_PARTS:
+        return SPLIT_PARTS
     return max(1, min(thread_count(), _cpus() // 2))
 
 
@@ -233,9 +238,14 @@ def calls(
     return out
 
 
+def may_cut() -> bool:
+    """Whether this process cuts large writes into parts at all."""
+    return SPLIT_BYTES > 0 and split_parts() > 1
+
+
 def cut_worth(nbytes: int) -> bool:
     """Whether a write of ``nbytes`` is cut into several parts (:func:`split_points`)."""
-    return SPLIT_BYTES > 0 and nbytes >= 2 * SPLIT_BYTES and split_parts() > 1
+    return nbytes >= 2 * SPLIT_BYTES and may_cut()
 
 
 def split_points(nbytes: np.ndarray, parts: int, min_bytes: int) -> np.ndarray:

@@ -611,7 +611,8 @@ class Peer:
         hl = self._hostl
         if (
             hl is not None
-            and (laddr.size >= min_ops or not hl.shm)  # (no sum for cma's 1-page writes)
+            # (no sum for cma's 1-page writes where no write is cut into parts)
+            and (laddr.size >= min_ops or not hl.shm or hostcopy.may_cut())
             and hostcopy.lane_wanted(laddr.size, int(nbytes.sum(dtype=_U64)), min_ops, hl.shm)
         ):
             on_host = hl.select(lmemh, ridx)

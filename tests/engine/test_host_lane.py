@@ -275,14 +275,25 @@ def test_split_points():
 
 
 def test_split_parts_leave_half_the_cpus(monkeypatch):
+    monkeypatch.setattr(hostcopy, "SPLIT_PARTS", 0)
     for cpus, want in ((1, 1), (2, 1), (3, 1), (4, 2), (6, 3), (8, 4), (64, hostcopy.MAX_THREADS)):
         monkeypatch.setattr(hostcopy, "_cpus", lambda c=cpus: c)
         assert hostcopy.split_parts() == want
         assert hostcopy.thread_count() == min(cpus, hostcopy.MAX_THREADS)
+    monkeypatch.setattr(hostcopy, "SPLIT_PARTS", 3)  # KVXFER_HOST_SPLIT_PARTS
+    assert hostcopy.split_parts() == 3
 
 
 def test_host_split_bytes_setting(monkeypatch):
-    from kvxfer.config import HOST_SPLIT_BYTES, host_split_bytes
+    from kvxfer.config import HOST_SPLIT_BYTES, host_split_bytes, host_split_parts
+
+    monkeypatch.delenv("KVXFER_HOST_SPLIT_PARTS", raising=False)
+    assert host_split_parts() == 0
+    monkeypatch.setenv("KVXFER_HOST_SPLIT_PARTS", "3")
+    assert host_split_parts() == 3
+    monkeypatch.setenv("KVXFER_HOST_SPLIT_PARTS", "-2")
+    with pytest.raises(InvalidArgument, match="KVXFER_HOST_SPLIT_PARTS"):
+        host_split_parts()
 
     monkeypatch.delenv("KVXFER_HOST_SPLIT_BYTES", raising=False)
     assert host_split_bytes() == HOST_SPLIT_BYTES
@@ -638,6 +649,37 @@ def test_a_large_write_of_few_runs_takes_the_lane_only_over_tcp(engines, key, la
     assert not any(a.items(TARGET[key], "big", [0, 1]))
     assert any(x.startswith("tcp") for x in res["ok"]["lanes"]) == lane, res["ok"]["lanes"]
     assert res["ok"]["host_ops"] == (2 if lane else 0), (res["ok"]["lanes"], res["ok"])
+
+
+def test_large_writes_cut_into_parts_land_exactly_between_engines():
+    """An initiator told to cut (KVXFER_HOST_SPLIT_PARTS=3, parts of >= 4 KiB: what a host of
+    spare CPUs does from 32 MiB): a 3 MiB write of three 1 MiB runs (few, long: PUTs
+    otherwise) goes over the lane in parts, byte-exact, nothing else written; a scattered
+    kv write in the same engine too."""
+    if DEVICE != "cpu":
+        pytest.skip("host memory only")
+    env = {"KVXFER_HOST_SPLIT_PARTS": "3", "KVXFER_HOST_SPLIT_BYTES": "4096"}
+    a = Worker(EngineNode, {"engines": {"main": _eng("A")}}, name="A")
+    b = Worker(EngineNode, {"engines": {"none": _eng("B")}}, name="B", env=env)
+    try:
+        port = a.start().proxy(EngineNode).ports()["main"]
+        b.start()
+        pa, pb = a.proxy(EngineNode), b.proxy(EngineNode)
+        peer = pb.connect("none", "127.0.0.1", port)["ok"]
+        pb.fill("none", "big", 31)
+        pa.zero("main", "big")
+        res = pb.write("none", peer, [("big", [0, 1, 2], [3, 1, 0])], b"n")
+        assert "ok" in res, res
+        assert [p for _, p in pa.messages("main", 1, 10.0)] == [b"n"]
+        assert pa.items("main", "big", [3, 1, 0]) == pb.items("none", "big", [0, 1, 2])
+        assert not any(pa.items("main", "big", [2]))
+        assert res["ok"]["host_ops"] == 3, res["ok"]
+        ids = list(range(0, ITEMS, 2))
+        got = _write((pa, pb, None), "none", peer, "main", ids, 32)
+        assert got["host_ops"] > 0, got
+    finally:
+        b.close()
+        a.close()
 
 
 def test_check_inside_is_exact_at_both_ends():
