@@ -621,9 +621,18 @@ class HostLane:
             self.split += 1
         w = _Write(fut, name, cut.size - 1)
         pool = _threads()
-        for a, b in zip(cut[:-1].tolist(), cut[1:].tolist()):
+        for i, (a, b) in enumerate(zip(cut[:-1].tolist(), cut[1:].tolist())):
             job = _Job(self.pid, self._pidfd, laddr[a:b], raddr[a:b], nbytes[a:b], self._stop, halt)
-            cf = pool.submit(job.run)
+            try:
+                cf = pool.submit(job.run)
+            except RuntimeError as exc:  # the interpreter is exiting: no part from this one
+                if halt is not None:
+                    halt.set()
+                w.exc = exc
+                w.left = i  # (no part settled yet: settling runs on this thread)
+                if not w.left:
+                    fut.set_exception(_error(exc, name))
+                break
             self._jobs.add(cf)
             cf.add_done_callback(functools.partial(_on_done, loop, self._settle, w, job))
         return fut

@@ -250,6 +250,34 @@ def test_a_failed_part_halts_the_others_and_the_write_fails_after_the_last_one(c
     assert child.digest() == before  # part 1 stopped at the halt
 
 
+def test_a_write_whose_later_parts_cannot_start_fails_after_its_first_part(child, monkeypatch):
+    """The lane threads refuse work (the interpreter exiting) after the first part: the
+    write fails with that, once the first part ended, and no job is left behind."""
+    monkeypatch.setattr(hostcopy, "SPLIT_BYTES", 1000)
+    monkeypatch.setattr(hostcopy, "INLINE_BYTES", 0)
+    monkeypatch.setattr(hostcopy, "split_parts", lambda: 3)
+    src, lane, _ = _open(child)
+    laddr, raddr, nbytes, _, ridx = _runs(src, child, [(64 * i, 64 * i, 64) for i in range(60)])
+    real, taken = hostcopy._threads(), []
+
+    class Pool:
+        def submit(self, fn):
+            if taken:
+                raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+            taken.append(fn)
+            return real.submit(fn)
+
+    monkeypatch.setattr(hostcopy, "_threads", lambda: Pool())
+
+    async def go():
+        with pytest.raises(TransportError, match="cannot schedule"):
+            await lane.start(laddr, raddr, nbytes, ridx, "child")
+        assert not lane._jobs and len(taken) == 1
+        await lane.close(5.0)
+
+    asyncio.run(go())
+
+
 def test_split_points():
     def parts(sizes, k, least):
         cut = hostcopy.split_points(np.array(sizes, dtype=np.uint64), k, least)
