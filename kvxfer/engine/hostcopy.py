@@ -248,15 +248,21 @@ def cut_worth(nbytes: int) -> bool:
     return nbytes >= 2 * SPLIT_BYTES and may_cut()
 
 
-def split_points(nbytes: np.ndarray, parts: int, min_bytes: int) -> np.ndarray:
-    """Run indices ``[0, c1, ..., n]`` cutting a write of runs of ``nbytes`` into at most
-    ``parts`` parts of about equal bytes, at most ``total // min_bytes`` of them: each cut
-    at the run boundary nearest to ``i * total / k`` (a run is never cut, so parts can be
-    uneven and fewer); ``[0, n]`` when it is not cut (``parts`` or ``min_bytes`` below 1,
-    or too few bytes). Every part is non-empty and the parts keep the runs' order."""
+def split_points(
+    nbytes: np.ndarray, parts: int, min_bytes: int, total: Optional[int] = None
+) -> np.ndarray:
+    """Run indices ``[0, c1, ..., n]`` cutting a write of runs of ``nbytes`` (``total``
+    bytes, summed here when not given) into at most ``parts`` parts of about equal bytes,
+    at most ``total // min_bytes`` of them: each cut at the run boundary nearest to
+    ``i * total / k`` (a run is never cut, so parts can be uneven and fewer); ``[0, n]``
+    when it is not cut (``parts`` or ``min_bytes`` below 2 / 1, or too few bytes). Every
+    part is non-empty and the parts keep the runs' order."""
     n = int(nbytes.size)
-    total = int(nbytes.sum(dtype=_U64)) if n else 0
-    k = min(parts, total // min_bytes, n) if min_bytes > 0 else 1
+    if parts <= 1 or min_bytes <= 0 or n <= 1:  # (no pass over the runs)
+        return np.array([0, n], dtype=np.int64)
+    if total is None:
+        total = int(nbytes.sum(dtype=_U64))
+    k = min(parts, total // min_bytes, n)
     if k <= 1:
         return np.array([0, n], dtype=np.int64)
     cum = np.cumsum(nbytes, dtype=np.int64)
@@ -604,7 +610,8 @@ class HostLane:
         fut = loop.create_future()
         self.writes += 1
         self.runs += n
-        if int(nbytes.sum(dtype=_U64)) <= INLINE_BYTES:  # copied here: no hop, no wake-up
+        total = int(nbytes.sum(dtype=_U64))
+        if total <= INLINE_BYTES:  # copied here: no hop, no wake-up
             job = _Job(self.pid, self._pidfd, laddr, raddr, nbytes, self._stop)
             self.inline += 1
             try:
@@ -615,7 +622,7 @@ class HostLane:
                 fut.set_result(None)
             self.packed += job.packed
             return fut
-        cut = split_points(nbytes, split_parts(), SPLIT_BYTES)
+        cut = split_points(nbytes, split_parts(), SPLIT_BYTES, total)
         halt = threading.Event() if cut.size > 2 else None
         if halt is not None:
             self.split += 1
