@@ -33,6 +33,9 @@ always wins.
   host lane's module is imported; 0: never cut).
 - ``KVXFER_HOST_SPLIT_PARTS`` = an int >= 0 — into how many parts at most (0, the default:
   half the CPUs, at most the host-lane threads; :func:`host_split_parts`).
+- ``KVXFER_HOST_PATTERNS`` = ``1`` | ``0`` — whether the host lane copies a PatternWrite
+  from its pattern (1, the default) or the planner expands it into runs first (0, the A/B);
+  :func:`host_patterns`, read when the host lane's module is imported.
 - ``KVXFER_MALLOC`` = ``keep`` | ``default`` — whether a process that starts an engine keeps
   freed heap memory for reuse (:func:`malloc_policy`, :mod:`kvxfer.memtune`; opt-in).
 - ``KVXFER_SECRET`` — the shared secret of a ``KVManager``, ``BootstrapServer`` or bootstrap
@@ -261,6 +264,20 @@ def host_split_parts() -> int:
     default: chosen from the CPUs, :func:`kvxfer.engine.hostcopy.split_parts`); an int >= 0
     (InvalidArgument otherwise). Read when :mod:`kvxfer.engine.hostcopy` is imported."""
     return _setting(None, HOST_SPLIT_PARTS_ENV, 0, HOST_SPLIT_PARTS_ENV)
+
+
+HOST_PATTERNS_ENV = "KVXFER_HOST_PATTERNS"
+
+
+def host_patterns() -> bool:
+    """``$KVXFER_HOST_PATTERNS`` (``1``, the default, or ``0``; InvalidArgument otherwise):
+    whether the host lane copies PatternWrites from their pattern
+    (:meth:`kvxfer.engine.hostcopy.HostLane.start_patterns`) instead of having the planner
+    expand them. Read when :mod:`kvxfer.engine.hostcopy` is imported."""
+    value = os.environ.get(HOST_PATTERNS_ENV, "1").strip() or "1"
+    if value not in ("0", "1"):
+        raise InvalidArgument(f"{HOST_PATTERNS_ENV}={value!r}; expected 1 or 0")
+    return value == "1"
 
 
 #: values of ``$KVXFER_MALLOC`` (:func:`malloc_policy`)

@@ -211,7 +211,9 @@ class EngineNode:
         def go():
             p = self._peer(key, peer_id)
             st = p.write(self._writes(parts), notify, timeout)
+            lane = getattr(getattr(p, "_peer", p), "_hostl", None)
             return {
+                "host_patterns": 0 if lane is None else lane.patterns,
                 "device_lane": getattr(p, "_peer", p).device_lane,
                 "host_lane": getattr(p, "_peer", p).host_lane,
                 "bytes": st.bytes,

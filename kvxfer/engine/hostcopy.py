@@ -24,6 +24,10 @@ Invariants
   whose local registration is host memory and whose remote region is host memory
   (:meth:`HostLane.select`); every run was validated by the planner against the peer's
   descriptors and is checked again here against its remote region before anything moves.
+  A PatternWrite (heterogeneous TP's head slices) comes as its pattern, item ids and
+  descriptors (:meth:`HostLane.start_patterns`): the planner validated the ids and the runs
+  inside the items, each remote descriptor is checked here against its region, and each
+  descriptor's runs are expanded on the copying thread, never the whole write's at once.
 - A call's local runs are either its local iovecs or, packed (:data:`PACK_RUN_BYTES`), first
   copied back to back into the copying thread's buffer by :func:`_gather`: read in this
   process, as a PUT's source is, inside registrations the planner checked; the bytes that
@@ -60,7 +64,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from kvxfer.config import host_pack_bytes, host_split_bytes, host_split_parts
+from kvxfer.config import host_pack_bytes, host_patterns, host_split_bytes, host_split_parts
 from kvxfer.engine.devcopy import check_inside, member
 from kvxfer.errors import PeerClosed, ProtocolError, TransportError
 
@@ -100,6 +104,9 @@ BOUNCE_BYTES = 2 << 20
 SPLIT_BYTES = host_split_bytes()
 #: at most this many parts (``$KVXFER_HOST_SPLIT_PARTS``); 0: :func:`split_parts` chooses
 SPLIT_PARTS = host_split_parts()
+#: PatternWrites are copied from their patterns (:meth:`HostLane.start_patterns`), not
+#: expanded into runs by the planner first (``$KVXFER_HOST_PATTERNS``, read at import)
+PATTERNS = host_patterns()
 
 
 class _Iovec(ctypes.Structure):
@@ -512,31 +519,97 @@ class _Job:
                 self.halt.set()
             raise
 
+    def _stretches(self, pack: Optional[bool], bounce: int):
+        """``(local runs, run lengths, calls, local shift, remote shift)`` of each stretch
+        of runs to copy: the calls' addresses and the local runs are relative to the
+        shifts. Here one stretch, the job's runs as they are."""
+        c = calls(self.laddr, self.raddr, self.nbytes, pack=pack, bounce=bounce)
+        yield self.laddr, self.nbytes, c, 0, 0
+
     def _run(self) -> None:
         assert _CALLS is not None
         pvw = _CALLS[1]
         gather = _gather()
         buf = _bounce() if gather is not None else None  # (no memory touched until used)
-        la, nb = self.laddr, self.nbytes
-        pack = None if buf is not None else False
-        for c in calls(la, self.raddr, nb, pack=pack, bounce=buf.size if buf is not None else 0):
-            if self.stop.is_set():
-                raise InterruptedError("host lane closed")
-            if self.halt is not None and self.halt.is_set():
-                raise _Halted("another part of the write failed")
-            liov = c.liov
-            if liov is None:  # the local runs, packed back to back
-                assert buf is not None
-                addr = buf.ctypes.data
-                gather(addr, buf.size, la[c.first : c.end], nb[c.first : c.end])
-                liov = np.array([[addr, c.nbytes]], dtype=_U64)
-                self.packed += 1
-            riov = c.riov
-            signal.pidfd_send_signal(self.pidfd, 0)  # ProcessLookupError once it is gone
-            got = pvw(self.pid, liov.ctypes.data, liov.shape[0], riov.ctypes.data, riov.shape[0], 0)
-            if got != c.nbytes:
-                e = ctypes.get_errno() if got < 0 else errno_mod.EFAULT
-                raise OSError(e, f"process_vm_writev: {os.strerror(e)} (copied {got} B)")
+        pack, bounce = (None, buf.size) if buf is not None else (False, 0)
+        for la, nb, cs, lshift, rshift in self._stretches(pack, bounce):
+            for c in cs:
+                if self.stop.is_set():
+                    raise InterruptedError("host lane closed")
+                if self.halt is not None and self.halt.is_set():
+                    raise _Halted("another part of the write failed")
+                liov = c.liov
+                if liov is None:  # the local runs, packed back to back
+                    assert buf is not None
+                    addr = buf.ctypes.data
+                    runs = la[c.first : c.end]
+                    gather(
+                        addr, buf.size, runs + _U64(lshift) if lshift else runs, nb[c.first : c.end]
+                    )
+                    liov = np.array([[addr, c.nbytes]], dtype=_U64)
+                    self.packed += 1
+                elif lshift:
+                    liov = liov.copy()
+                    liov[:, 0] += _U64(lshift)
+                riov = c.riov
+                if rshift:
+                    riov = riov.copy()
+                    riov[:, 0] += _U64(rshift)
+                signal.pidfd_send_signal(self.pidfd, 0)  # ProcessLookupError once it is gone
+                got = pvw(
+                    self.pid, liov.ctypes.data, liov.shape[0], riov.ctypes.data, riov.shape[0], 0
+                )
+                if got != c.nbytes:
+                    e = ctypes.get_errno() if got < 0 else errno_mod.EFAULT
+                    raise OSError(e, f"process_vm_writev: {os.strerror(e)} (copied {got} B)")
+
+
+class _Template:
+    """One descriptor's runs of a pattern write, as offsets from the descriptor's base on
+    each side, and their calls: made by the first job that needs them (on its host-lane
+    thread), shared by every descriptor of a uniform pattern and by the write's parts."""
+
+    __slots__ = ("runs", "src", "dst", "d", "_lock", "_got")
+
+    def __init__(self, runs, src: np.ndarray, dst: np.ndarray, d: int) -> None:
+        self.runs, self.src, self.dst, self.d = runs, src, dst, d
+        self._lock = threading.Lock()
+        self._got: Optional[tuple] = None
+
+    def get(self, pack: Optional[bool], bounce: int) -> tuple:
+        """``(local offsets, run lengths, calls)`` (uint64; the calls' addresses offsets)."""
+        with self._lock:
+            if self._got is None:
+                s, t, nb = (
+                    a.astype(_U64) for a in self.runs.expand_one(self.src, self.dst, self.d)
+                )
+                self._got = (s, nb, calls(s, t, nb, pack=pack, bounce=bounce))
+            return self._got
+
+
+class _PatternJob(_Job):
+    """Descriptors of pattern writes (or a part of them) for the host-lane threads:
+    ``units`` = ``[(template, local base, remote base)]``, one per descriptor, copied in
+    order; no array of the whole write's runs is ever made."""
+
+    __slots__ = ("units",)
+
+    def __init__(
+        self,
+        pid: int,
+        pidfd: int,
+        units: List[Tuple[_Template, int, int]],
+        stop,
+        halt: Optional[threading.Event] = None,
+    ) -> None:
+        self.pid, self.pidfd, self.stop, self.halt = pid, pidfd, stop, halt
+        self.units = units
+        self.packed = 0
+
+    def _stretches(self, pack: Optional[bool], bounce: int):
+        for template, lbase, rbase in self.units:
+            la, nb, cs = template.get(pack, bounce)
+            yield la, nb, cs, lbase, rbase
 
 
 def _error(exc: BaseException, name: str) -> BaseException:
@@ -579,6 +652,8 @@ class HostLane:
         self.packed = 0
         #: writes cut into parts copied on several threads at once (:data:`SPLIT_BYTES`)
         self.split = 0
+        #: writes copied from their patterns (:meth:`start_patterns`)
+        self.patterns = 0
 
     def select(self, lmemh: np.ndarray, ridx: np.ndarray) -> np.ndarray:
         """Boolean mask of the ops this lane copies (local and remote host memory)."""
@@ -605,31 +680,98 @@ class HostLane:
         if self.closed:
             raise PeerClosed(f"host lane to {name} closed")
         check_inside(raddr, nbytes, ridx, self._rbase, self._rlen, "host lane")
-        n = int(laddr.size)
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
         self.writes += 1
-        self.runs += n
+        self.runs += int(laddr.size)
         total = int(nbytes.sum(dtype=_U64))
         if total <= INLINE_BYTES:  # copied here: no hop, no wake-up
-            job = _Job(self.pid, self._pidfd, laddr, raddr, nbytes, self._stop)
-            self.inline += 1
-            try:
-                job.run()
-            except Exception as exc:  # noqa: BLE001 - handed to the write as its error
-                fut.set_exception(_error(exc, name))
-            else:
-                fut.set_result(None)
-            self.packed += job.packed
-            return fut
+            return self._inline(_Job(self.pid, self._pidfd, laddr, raddr, nbytes, self._stop), name)
         cut = split_points(nbytes, split_parts(), SPLIT_BYTES, total)
         halt = threading.Event() if cut.size > 2 else None
+        return self._submit(
+            [
+                _Job(self.pid, self._pidfd, laddr[a:b], raddr[a:b], nbytes[a:b], self._stop, halt)
+                for a, b in zip(cut[:-1].tolist(), cut[1:].tolist())
+            ],
+            halt,
+            name,
+        )
+
+    def start_patterns(self, parts, name: str) -> asyncio.Future:
+        """Copy PatternWrites from their patterns. ``parts`` = ``[(runs, src ids, dst ids,
+        local descriptor ptrs, remote descriptor ptrs, remote descriptor lens, remote
+        regions)]``: ``runs`` a :class:`~kvxfer.engine.slices.PatternRuns` and the ids as
+        the planner validated them (in range on both sides, every run inside its item: so
+        inside its descriptor on both sides); every remote descriptor is checked here to lie
+        in its region (IndexOutOfRange: nothing moves). Each descriptor's runs are expanded
+        on the copying thread, once per distinct descriptor pattern (a uniform one: once per
+        write), and shifted to each descriptor's bases call by call, so no array of the
+        whole write's runs is ever made (planning those faulted ~25 MiB in per 1 -> 2 NHD
+        leg, bench/results/host-lane-cpu.md). Copied as :meth:`start` copies runs: here up to
+        :data:`INLINE_BYTES`, else on the threads, cut into parts of whole descriptors. The
+        ids are copied: a job never reads its caller's arrays after this returns. Runs on:
+        the engine's loop thread (or a guest of it)."""
+        if self.closed:
+            raise PeerClosed(f"host lane to {name} closed")
+        units: List[Tuple[_Template, int, int]] = []
+        sizes: List[int] = []
+        runs_n = 0
+        for runs, src, dst, lptrs, rptrs, rlens, ridx in parts:
+            if not len(src):
+                continue
+            rp = np.asarray(rptrs, dtype=_U64)
+            check_inside(
+                rp, np.asarray(rlens, dtype=_U64), ridx, self._rbase, self._rlen, "host lane"
+            )
+            si, di = np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64)
+            shared = _Template(runs, si, di, 0) if runs.uniform else None
+            for d, (lp, r) in enumerate(zip(lptrs, rp.tolist())):
+                size = int(runs.lens[d].sum()) * si.size
+                if size:
+                    units.append((shared or _Template(runs, si, di, d), int(lp), r))
+                    sizes.append(size)
+            runs_n += runs.runs_per_item * si.size
+        self.writes += 1
+        self.patterns += 1
+        self.runs += runs_n
+        total = sum(sizes)
+        if total <= INLINE_BYTES:
+            return self._inline(_PatternJob(self.pid, self._pidfd, units, self._stop), name)
+        cut = split_points(np.array(sizes, dtype=_U64), split_parts(), SPLIT_BYTES, total)
+        halt = threading.Event() if cut.size > 2 else None
+        return self._submit(
+            [
+                _PatternJob(self.pid, self._pidfd, units[a:b], self._stop, halt)
+                for a, b in zip(cut[:-1].tolist(), cut[1:].tolist())
+            ],
+            halt,
+            name,
+        )
+
+    def _inline(self, job: _Job, name: str) -> asyncio.Future:
+        """Run ``job`` on this thread; its future, done."""
+        fut = asyncio.get_running_loop().create_future()
+        self.inline += 1
+        try:
+            job.run()
+        except Exception as exc:  # noqa: BLE001 - handed to the write as its error
+            fut.set_exception(_error(exc, name))
+        else:
+            fut.set_result(None)
+        self.packed += job.packed
+        return fut
+
+    def _submit(
+        self, jobs: List[_Job], halt: Optional[threading.Event], name: str
+    ) -> asyncio.Future:
+        """Hand the parts ``jobs`` of one write (sharing ``halt`` when several) to the
+        threads; the write's future (see :meth:`start`)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
         if halt is not None:
             self.split += 1
-        w = _Write(fut, name, cut.size - 1)
+        w = _Write(fut, name, len(jobs))
         pool = _threads()
-        for i, (a, b) in enumerate(zip(cut[:-1].tolist(), cut[1:].tolist())):
-            job = _Job(self.pid, self._pidfd, laddr[a:b], raddr[a:b], nbytes[a:b], self._stop, halt)
+        for i, job in enumerate(jobs):
             try:
                 cf = pool.submit(job.run)
             except RuntimeError as exc:  # the interpreter is exiting: no part from this one

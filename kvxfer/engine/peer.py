@@ -185,7 +185,12 @@ class Peer:
         self._pattern_ok: Dict[str, bool] = {}  # can_pattern per group, resolved once
         self._host_ok: Dict[str, bool] = {}  # host_lane_covers per group, resolved once
         self._planner = WritePlanner(
-            groups, remote, name or engine_id, self._staged.can_stage, self.can_pattern
+            groups,
+            remote,
+            name or engine_id,
+            self._staged.can_stage,
+            self.can_pattern,
+            self._host_pattern,
         )
 
     # ------------------------------------------------------------ properties
@@ -393,6 +398,12 @@ class Peer:
             self._host_ok[group] = ok
         return ok
 
+    def _host_pattern(self, group: str) -> bool:
+        """Whether a PatternWrite of ``group`` goes to the host lane as its pattern
+        (:meth:`~kvxfer.engine.hostcopy.HostLane.start_patterns`, unless
+        ``$KVXFER_HOST_PATTERNS=0``) instead of expanded into runs."""
+        return hostcopy.PATTERNS and self.host_lane_covers(group)
+
     def joins_launch(self, main: Sequence[PatternWrite], extra: PatternWrite) -> bool:
         """Whether PatternWrite ``extra`` (another group's: a request's state slices) would
         go in the same device-lane launch as ``main`` (one write's PatternWrites of one
@@ -533,8 +544,8 @@ class Peer:
         timeout = self._timeout if timeout is None else timeout
         if notify is not None and not isinstance(notify, (bytes, bytearray, memoryview)):
             raise InvalidArgument(f"notify must be bytes, got {type(notify).__name__}")
-        laddr, raddr, nbytes, lmemh, ridx, staged, sliced, patterned, nb = self._planner.plan(
-            writes, self._config.stage_min_ops
+        (laddr, raddr, nbytes, lmemh, ridx, staged, sliced, patterned, host_patterned, nb) = (
+            self._planner.plan(writes, self._config.stage_min_ops)
         )
         for group, _, _, runs, _ in sliced:
             cap = self._staged.slice_cap(group)
@@ -606,28 +617,35 @@ class Peer:
             t_l = time.perf_counter()
             launched = self._dev.launch_patterns(parts, bases)
             stats.launch_s += time.perf_counter() - t_l
-        hosted = None  # the host lane's copy of the runs it took
-        min_ops = cfg.host_min_ops or HOST_MIN_OPS
-        hl = self._hostl
-        if (
-            hl is not None
-            # (no sum for cma's 1-page writes where no write is cut into parts)
-            and (laddr.size >= min_ops or not hl.shm or hostcopy.may_cut())
-            and hostcopy.lane_wanted(laddr.size, int(nbytes.sum(dtype=_U64)), min_ops, hl.shm)
-        ):
-            on_host = hl.select(lmemh, ridx)
-            if on_host.any():
-                t_l = time.perf_counter()
-                sel = slice(None) if on_host.all() else on_host
-                name = self.name or self.id
-                hosted = hl.start(laddr[sel], raddr[sel], nbytes[sel], ridx[sel], name)
-                stats.launch_s += time.perf_counter() - t_l
-                stats.host_ops = int(on_host.sum())
-                stats.host_bytes = int(nbytes[sel].sum(dtype=_U64))
-                keep = ~on_host
-                laddr, raddr, nbytes, lmemh, ridx = (
-                    c[keep] for c in (laddr, raddr, nbytes, lmemh, ridx)
-                )
+        hosted: List[asyncio.Future] = []  # the host lane's copies (patterns, runs it took)
+        try:
+            if host_patterned:
+                hosted.append(self._host_patterns(host_patterned, stats))
+            min_ops = cfg.host_min_ops or HOST_MIN_OPS
+            hl = self._hostl
+            if (
+                hl is not None
+                # (no sum for cma's 1-page writes where no write is cut into parts)
+                and (laddr.size >= min_ops or not hl.shm or hostcopy.may_cut())
+                and hostcopy.lane_wanted(laddr.size, int(nbytes.sum(dtype=_U64)), min_ops, hl.shm)
+            ):
+                on_host = hl.select(lmemh, ridx)
+                if on_host.any():
+                    t_l = time.perf_counter()
+                    sel = slice(None) if on_host.all() else on_host
+                    name = self.name or self.id
+                    hosted.append(hl.start(laddr[sel], raddr[sel], nbytes[sel], ridx[sel], name))
+                    stats.launch_s += time.perf_counter() - t_l
+                    stats.host_ops += int(on_host.sum())
+                    stats.host_bytes += int(nbytes[sel].sum(dtype=_U64))
+                    keep = ~on_host
+                    laddr, raddr, nbytes, lmemh, ridx = (
+                        c[keep] for c in (laddr, raddr, nbytes, lmemh, ridx)
+                    )
+        except BaseException:
+            for h in hosted:  # started, given up on: retrieved when it ends
+                h.add_done_callback(_retrieve)
+            raise
         gate_prev, gate = self._note_turn() if notify is not None else (None, None)
         chunks: List[Chunk] = []  # staged chunks whose plans are out: given up on failure
         promised = False  # the notify was handed over: it vouches for every chunk
@@ -640,8 +658,8 @@ class Peer:
                 spin = devcopy.WAIT_SPIN_S if inline else 0.0
                 if launched is not None and not self._dev.settled(launched, spin):
                     await self._bounded(self._dev.wait(launched, 0.0), timeout, "device copy")
-                if hosted is not None:
-                    await self._bounded_future(hosted, timeout, "host copy")
+                for h in hosted:
+                    await self._bounded_future(h, timeout, "host copy")
                 for group, src, dst, direct_ops in staged:
                     chunks += await self._staged.write(group, src, dst, deadline, stats)
                     stats.staged_direct_ops += direct_ops
@@ -662,7 +680,7 @@ class Peer:
                     self._note_to,
                     notify,
                     bool(staged or sliced),
-                    bool(laddr.size) or launched is not None or hosted is not None,
+                    bool(laddr.size) or launched is not None or bool(hosted),
                 ):
                     assert notify is not None
                     promised = True
@@ -698,8 +716,8 @@ class Peer:
             stats.post_s, stats.complete_s = t1 - t0, time.perf_counter() - t1
             return stats
         except BaseException:
-            if hosted is not None:  # given up on: its outcome is retrieved when it ends
-                hosted.add_done_callback(_retrieve)
+            for h in hosted:  # given up on: its outcome is retrieved when it ends
+                h.add_done_callback(_retrieve)
             # cancelled, timed out or failed before a notify vouched for the chunks: the peer
             # drops what it has not scattered yet and gives the landing slots back
             # (kvxfer.engine.peer_staged); after it, they are scattered before the notify
@@ -709,6 +727,35 @@ class Peer:
         finally:
             if gate is not None and not gate.done():
                 gate.set_result(None)
+
+    def _host_patterns(self, parts, stats: TransferStats) -> asyncio.Future:
+        """Start the host lane's copy of the planned PatternWrite ``parts`` (``(group, src,
+        dst, runs)``) from their patterns, counted in ``stats``; its future."""
+        hl = self._hostl
+        assert hl is not None  # (host_lane_covers said so on this stack)
+        todo = []
+        for group, src, dst, runs in parts:
+            rg = self._remote.groups[group]
+            todo.append(
+                (
+                    runs,
+                    src,
+                    dst,
+                    self._groups.groups[group].ptrs,
+                    rg.ptrs,
+                    rg.lens,
+                    self._remote.desc_region[group],
+                )
+            )
+            n, b = runs.runs_per_item * int(src.size), runs.bytes_per_item * int(src.size)
+            stats.ops += n
+            stats.host_ops += n
+            stats.bytes += b
+            stats.host_bytes += b
+        t_l = time.perf_counter()
+        fut = hl.start_patterns(todo, self.name or self.id)
+        stats.launch_s += time.perf_counter() - t_l
+        return fut
 
     def _left(self, deadline: float, what: str) -> float:
         left = deadline - self._loop.time()

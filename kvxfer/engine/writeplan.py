@@ -31,9 +31,9 @@ StagedPart = Tuple[str, np.ndarray, np.ndarray, int]
 SlicePart = Tuple[str, np.ndarray, np.ndarray, slices.SliceRuns, int]
 #: a validated PatternWrite for the device lane: (group, source ids, destination ids, runs)
 PatternPart = Tuple[str, np.ndarray, np.ndarray, slices.PatternRuns]
-#: ``(laddr, raddr, nbytes, lmemh, ridx, staged parts, slice parts, pattern parts, bytes)``:
-#: uint64 columns of the direct PUTs, then the staged parts, then the device-lane patterns,
-#: then the direct PUTs' total bytes
+#: ``(laddr, raddr, nbytes, lmemh, ridx, staged parts, slice parts, pattern parts, host
+#: pattern parts, bytes)``: uint64 columns of the direct PUTs, then the staged parts, then
+#: the device lane's patterns, then the host lane's, then the direct PUTs' total bytes
 Planned = Tuple[
     np.ndarray,
     np.ndarray,
@@ -43,6 +43,7 @@ Planned = Tuple[
     List[StagedPart],
     List[SlicePart],
     List[PatternPart],
+    List[PatternPart],
     int,
 ]
 
@@ -50,7 +51,8 @@ Planned = Tuple[
 class WritePlanner:
     """Plans writes from ``local`` groups to one peer's ``remote`` groups. ``can_stage(group)``:
     whether the peer granted us landing slots for ``group`` (the staged path);
-    ``can_pattern(group)``: whether the device lane copies PatternWrites of ``group``."""
+    ``can_pattern(group)``: whether the device lane copies PatternWrites of ``group``;
+    ``host_pattern(group)``: whether the host lane does (from the pattern: no expansion)."""
 
     def __init__(
         self,
@@ -59,11 +61,13 @@ class WritePlanner:
         peer_name: str,
         can_stage: Callable[[str], bool],
         can_pattern: Callable[[str], bool] = lambda group: False,
+        host_pattern: Callable[[str], bool] = lambda group: False,
     ):
         self._local, self._remote = local, remote
         self._peer_name = peer_name
         self._can_stage = can_stage
         self._can_pattern = can_pattern
+        self._host_pattern = host_pattern
         self._pairs: Dict[str, fastplan.GroupPair] = {}  # static layout per group, resolved once
         self._raw: Dict[str, fastplan.RawPair] = {}  # the same for RawWrites
 
@@ -72,8 +76,9 @@ class WritePlanner:
         for the direct PUTs and ``staged = [(group, src ids, dst ids)]`` for the ItemWrite
         parts that need more than ``stage_min_ops`` PUTs (0: none) and can be staged; then
         the SliceWrite parts, then the PatternWrite parts the device lane copies (with
-        ``patterns`` and ``can_pattern``; the others are expanded into direct PUTs), then
-        the direct PUTs' total bytes. ItemWrite parts are planned by
+        ``patterns`` and ``can_pattern``), then those the host lane copies (``patterns`` and
+        ``host_pattern``; the others are expanded into direct PUTs), then the direct PUTs'
+        total bytes. ItemWrite parts are planned by
         :mod:`kvxfer.engine.fastplan` (same validation as :func:`kvxfer.plan.plan_items`;
         plans of a few ops in Python ints, collected into one array per column at the end);
         the rest by :mod:`kvxfer.plan`."""
@@ -85,6 +90,7 @@ class WritePlanner:
         staged: List[StagedPart] = []
         sliced: List[SlicePart] = []
         patterned: List[PatternPart] = []
+        hosted: List[PatternPart] = []
         for w in writes:
             if isinstance(w, ItemWrite):  # the hot path: no other lookups once the pair is known
                 pair = self._pairs.get(w.group)
@@ -119,6 +125,8 @@ class WritePlanner:
                 part = self._pattern_part(w, lg, rg)
                 if patterns and self._can_pattern(w.group):
                     patterned.append(part)
+                elif patterns and self._host_pattern(w.group):
+                    hosted.append(part)
                 else:
                     blocks.append(self._expanded(part, lg, rg))
                 continue
@@ -148,7 +156,7 @@ class WritePlanner:
                     np.concatenate([b[i] for b in blocks]).astype(_U64, copy=False)
                     for i in range(5)
                 )
-        return laddr, raddr, nbytes, lmemh, ridx, staged, sliced, patterned, total
+        return laddr, raddr, nbytes, lmemh, ridx, staged, sliced, patterned, hosted, total
 
     def _expanded(self, part: PatternPart, lg: GroupLayout, rg: GroupLayout) -> tuple:
         """One pattern part's runs as direct PUTs: the five columns of :meth:`plan`. A

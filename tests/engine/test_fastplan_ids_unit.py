@@ -154,7 +154,7 @@ def _group(name, d, items, il, base):
     )
 
 
-def _planner(can_stage=False, can_pattern=False):
+def _planner(can_stage=False, can_pattern=False, host_pattern=False):
     local = _Side(
         {
             "kv": _group("kv", 8, 120, 256, 1 << 30),
@@ -172,7 +172,14 @@ def _planner(can_stage=False, can_pattern=False):
         0,
     )
     return (
-        WritePlanner(local, remote, "peer", lambda g: can_stage, lambda g: can_pattern),
+        WritePlanner(
+            local,
+            remote,
+            "peer",
+            lambda g: can_stage,
+            lambda g: can_pattern,
+            lambda g: host_pattern,
+        ),
         local,
         remote,
     )
@@ -223,8 +230,8 @@ def test_planner_matches_reference_on_mixed_writes():
             else:
                 writes.append(RawWrite("aux", rng.randrange(64), rng.randrange(64), 8, 0))
         cols = planner.plan(writes)
-        laddr, raddr, nbytes, memh, ridx, staged, sliced, patterned, total = cols
-        assert not staged and not sliced and not patterned
+        laddr, raddr, nbytes, memh, ridx, staged, sliced, patterned, hosted, total = cols
+        assert not staged and not sliced and not patterned and not hosted
         for c in cols[:5]:
             assert c.dtype == np.uint64 and c.ndim == 1 and c.flags.c_contiguous
         got = sorted(zip(*(c.tolist() for c in cols[:5])))
@@ -235,7 +242,7 @@ def test_planner_matches_reference_on_mixed_writes():
 def test_planner_empty_and_errors_before_anything():
     planner, local, remote = _planner()
     cols = planner.plan([])
-    assert all(c.size == 0 and c.dtype == np.uint64 for c in cols[:5]) and cols[8] == 0
+    assert all(c.size == 0 and c.dtype == np.uint64 for c in cols[:5]) and cols[9] == 0
     with pytest.raises(IndexOutOfRange):
         planner.plan([ItemWrite("kv", [0], [0]), ItemWrite("kv", np.arange(200), np.arange(200))])
     with pytest.raises(InvalidArgument, match="appears"):
@@ -273,6 +280,33 @@ def test_pattern_ids_are_validated_as_before():
     assert group == "kv" and s.tolist() == list(range(5)) and d.tolist() == list(range(7, 12))
 
 
+@pytest.mark.parametrize(
+    "device, host, patterns, where",
+    [
+        (True, True, True, 7),  # the device lane first
+        (False, True, True, 8),  # the host lane, from the pattern
+        (False, False, True, None),  # expanded into direct runs
+        (False, True, False, None),  # Peer.plan: always expanded
+    ],
+)
+def test_pattern_parts_go_to_the_lane_that_copies_them(device, host, patterns, where):
+    """A PatternWrite is handed to the device lane where it copies the group, else to the
+    host lane (validated the same way: nothing expanded), else expanded into runs."""
+    from kvxfer.engine import slices
+
+    planner, _, _ = _planner(can_pattern=device, host_pattern=host)
+    runs = slices.PatternRuns.make([([0], [16], [16])] * 8, [256] * 8, [256] * 8)
+    with pytest.raises(IndexOutOfRange, match="source: item id 120"):
+        planner.plan([PatternWrite("kv", np.array([120]), np.array([1]), runs)], 0, patterns)
+    cols = planner.plan([PatternWrite("kv", np.arange(5), np.arange(7, 12), runs)], 0, patterns)
+    if where is None:
+        assert not cols[7] and not cols[8] and cols[0].size == 5 * 8
+        return
+    assert cols[0].size == 0 and not cols[15 - where]
+    ((group, s, d, r),) = cols[where]
+    assert (group, s.tolist(), d.tolist(), r) == ("kv", list(range(5)), list(range(7, 12)), runs)
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_a_uniform_pattern_expands_as_run_by_run(seed):
     """Expanded for the direct path (no device lane), a pattern whose descriptors all have
@@ -300,7 +334,7 @@ def test_a_uniform_pattern_expands_as_run_by_run(seed):
     want = (ops.laddr, ops.raddr, ops.nbytes, local.desc_memh["kv"][d], remote.desc_region["kv"][d])
     for a, b in zip(got[:5], want):
         assert a.dtype == np.uint64 and a.tolist() == b.tolist()
-    assert got[8] == int(ops.nbytes.sum())
+    assert got[9] == int(ops.nbytes.sum())
 
 
 def _raw_cases(rng):
@@ -353,4 +387,4 @@ def test_short_raw_writes_match_plan_raw():
             got_rows = sorted(zip(*(c.tolist() for c in cols[:5])))
             aux = _reference_plan(local, remote, [ItemWrite("aux", [1], [2])])
             assert got_rows == sorted(_reference_plan(local, remote, [w]) + aux)
-            assert cols[8] == sum(cols[2].tolist())
+            assert cols[9] == sum(cols[2].tolist())

@@ -278,6 +278,134 @@ def test_a_write_whose_later_parts_cannot_start_fails_after_its_first_part(child
     asyncio.run(go())
 
 
+#: the direct pattern tests' descriptors: 4 of 32 items of 256 B on each side
+PD, PITEMS, PITEM = 4, 32, 256
+PDESC = PITEMS * PITEM
+
+
+def _pattern(uniform=True):
+    from kvxfer.engine.slices import PatternRuns
+
+    one = ([8, 72, 136, 200], [0, 16, 32, 48], [16] * 4)  # head slices: strided -> whole
+    other = ([8, 100], [16, 240], [80, 16])
+    descs = [one] * PD if uniform else [one, other, one, ([], [], [])]
+    return PatternRuns.make(descs, [PITEM] * PD, [PITEM] * PD)
+
+
+def _pattern_part(src, child, runs, si, di, shift=0):
+    base = ctypes.addressof(src)
+    lptrs = [base + d * PDESC for d in range(PD)]
+    rptrs = [child.buf + d * PDESC + shift for d in range(PD)]
+    return (runs, si, di, lptrs, rptrs, [PDESC] * PD, np.zeros(PD, dtype=np.uint64))
+
+
+def _pattern_pieces(runs, si, di):
+    desc, s, t, n = runs.expand(si, di)
+    return list(zip((desc * PDESC + s).tolist(), (desc * PDESC + t).tolist(), n.tolist()))
+
+
+@pytest.mark.parametrize("uniform", [True, False])
+@pytest.mark.parametrize("threads", [False, True])
+def test_pattern_writes_are_copied_from_their_pattern_exactly(child, monkeypatch, uniform, threads):
+    """A PatternWrite's descriptors copied from the pattern (each descriptor's runs expanded
+    once, on the copying thread, then shifted to the descriptor's bases): every byte where
+    the expanded runs put it, nothing else written; inline, or on the threads cut into parts
+    of whole descriptors (3 here), short runs packed (a 1 KiB buffer: several calls)."""
+    monkeypatch.setattr(hostcopy, "BOUNCE_BYTES", 1024)
+    monkeypatch.setattr(hostcopy._bounces, "buf", None, raising=False)
+    if threads:
+        monkeypatch.setattr(hostcopy, "SPLIT_BYTES", 1000)
+        monkeypatch.setattr(hostcopy, "INLINE_BYTES", 0)
+        monkeypatch.setattr(hostcopy, "split_parts", lambda: 3)
+    local = bytes(np.random.default_rng(21).integers(0, 256, BUF, dtype=np.uint8))
+    src, lane, why = _open(child, local=local)
+    assert lane is not None, why
+    rng = np.random.default_rng(22)
+    si, di = rng.permutation(PITEMS)[:20], rng.permutation(PITEMS)[:20]
+    runs = _pattern(uniform)
+    parts = []
+    real = hostcopy._PatternJob.run
+    monkeypatch.setattr(
+        hostcopy._PatternJob, "run", lambda job: (parts.append(len(job.units)), real(job))[1]
+    )
+
+    async def go():
+        await lane.start_patterns([_pattern_part(src, child, runs, si, di)], "child")
+        await lane.close(5.0)
+
+    asyncio.run(go())
+    assert child.digest() == _expected(_pattern_pieces(runs, si, di), local)
+    units = PD if uniform else PD - 1  # (a descriptor that moves nothing is no unit)
+    assert sorted(parts) == ([1, 1, units - 2] if threads else [units])
+    assert (lane.writes, lane.patterns, lane.inline) == (1, 1, int(not threads))
+    assert lane.runs == runs.runs_per_item * 20 and lane.packed > 0
+
+
+def test_a_pattern_job_reads_the_ids_as_they_were_when_it_started(child, monkeypatch):
+    """Forced interleaving: the job is held on its thread while the caller reuses its id
+    arrays; the bytes land where the ids said when the write started."""
+    import threading
+
+    monkeypatch.setattr(hostcopy, "INLINE_BYTES", 0)
+    local = bytes(np.random.default_rng(23).integers(0, 256, BUF, dtype=np.uint8))
+    src, lane, _ = _open(child, local=local)
+    si, di = np.arange(10), np.arange(10)[::-1].copy()
+    want = _expected(_pattern_pieces(_pattern(), si, di), local)
+    hold = threading.Event()
+    real = hostcopy._PatternJob._run
+    monkeypatch.setattr(hostcopy._PatternJob, "_run", lambda job: (hold.wait(10), real(job))[1])
+
+    async def go():
+        fut = lane.start_patterns([_pattern_part(src, child, _pattern(), si, di)], "child")
+        si[:], di[:] = 20, np.arange(20, 30)  # the caller's arrays, reused
+        hold.set()
+        await fut
+        await lane.close(5.0)
+
+    asyncio.run(go())
+    assert child.digest() == want
+
+
+def test_a_pattern_descriptor_outside_the_remote_region_moves_nothing(child):
+    src, lane, _ = _open(child)
+    before = child.digest()
+    shift = BUF - PD * PDESC + 8  # the last descriptor ends 8 B past the region
+    part = _pattern_part(src, child, _pattern(), np.arange(3), np.arange(3), shift=shift)
+
+    async def go():
+        with pytest.raises(IndexOutOfRange, match="host lane"):
+            lane.start_patterns([part], "child")
+        await lane.close(5.0)
+
+    asyncio.run(go())
+    assert child.digest() == before and lane.writes == 0
+
+
+def test_a_pattern_write_to_a_peer_that_exited_fails_with_peer_closed(child):
+    src, lane, _ = _open(child)
+    child.stop()
+    part = _pattern_part(src, child, _pattern(), np.arange(5), np.arange(5))
+
+    async def go():
+        with pytest.raises(PeerClosed, match="gone"):
+            await lane.start_patterns([part], "child")
+        await lane.close(5.0)
+
+    asyncio.run(go())
+
+
+def test_host_patterns_setting(monkeypatch):
+    from kvxfer.config import host_patterns
+
+    monkeypatch.delenv("KVXFER_HOST_PATTERNS", raising=False)
+    assert host_patterns() is True
+    monkeypatch.setenv("KVXFER_HOST_PATTERNS", "0")
+    assert host_patterns() is False
+    monkeypatch.setenv("KVXFER_HOST_PATTERNS", "yes")
+    with pytest.raises(InvalidArgument, match="KVXFER_HOST_PATTERNS"):
+        host_patterns()
+
+
 def test_split_points():
     def parts(sizes, k, least):
         cut = hostcopy.split_points(np.array(sizes, dtype=np.uint64), k, least)
@@ -641,6 +769,40 @@ def test_engines_on_one_host_write_scattered_pages_through_the_lane(engines, key
     assert st["host_lane"].startswith("active"), st["host_lane"]
     assert st["host_ops"] == st["ops"] >= 64  # adjacent pages' runs merged
     assert st["host_bytes"] == st["bytes"] == 40 * 2 * L * ITEM
+
+
+def _kv_pieces(runs, si, di):
+    desc, s, t, n = runs.expand(si, di)
+    block = ITEMS * ITEM
+    return zip((desc * block + s).tolist(), (desc * block + t).tolist(), n.tolist())
+
+
+@pytest.mark.parametrize("key", ["none", "off"])
+def test_pattern_writes_between_engines_land_exactly_with_the_lane_or_as_puts(engines, key):
+    """A PatternWrite of head-slice-like runs (few items: below the lane's run count for
+    expanded runs) goes to the host lane as its pattern where the lane is open, as expanded
+    PUTs where it is not; byte-exact and nothing else written either way."""
+    from kvxfer.engine.slices import PatternRuns
+
+    a, b, ids = engines
+    one = ([0, 128], [128, 0], [64, 64])
+    runs = PatternRuns.make([one] * (2 * L), [ITEM] * (2 * L), [ITEM] * (2 * L))
+    si, di = [5, 9, 2], [40, 3, 17]
+    b.fill(key, "kv", 41)
+    a.zero(TARGET[key], "kv")
+    res = b.write(key, ids[key], [("kv", si, di, [one] * (2 * L))], b"n")
+    assert "ok" in res, res
+    assert [p for _, p in a.messages(TARGET[key], 1, 10.0)] == [b"n"]
+    source = b.items(key, "kv", range(ITEMS))
+    want = bytearray(len(source))
+    for s, t, n in _kv_pieces(runs, np.array(si), np.array(di)):
+        want[t : t + n] = source[s : s + n]
+    assert a.items(TARGET[key], "kv", range(ITEMS)) == bytes(want)
+    st = res["ok"]
+    assert st["bytes"] == 3 * 2 * L * 128
+    lane = key == "none"
+    assert st["host_ops"] == (3 * 2 * L * 2 if lane else 0), st
+    assert (st["host_patterns"] > 0) == lane, st
 
 
 def test_few_runs_stay_on_ucx_puts(engines):
