@@ -14,7 +14,9 @@ Rules:
   in time raises :class:`TimeoutError` (a late answer is discarded, never mistaken for the next);
 - an exception in the child comes back as one :class:`~kvxfer.errors.RemoteError` carrying the
   child's exception type name, message and traceback; the child keeps serving;
-- a child that dies raises :class:`~kvxfer.errors.WorkerDied` at the next wait;
+- a child that dies raises :class:`~kvxfer.errors.WorkerDied` at the next wait; one killed by a
+  fatal signal (SIGSEGV, SIGABRT, ...) first writes every thread's Python stack to its stderr
+  (:mod:`faulthandler`, enabled when the child starts), so a native crash names where it was;
 - :func:`post` starts a call without waiting (two workers at once), :class:`Pending` collects it;
 - ports are never fixed here: hosted objects bind port 0 and report what they got.
 
@@ -24,6 +26,7 @@ until the call in progress has been answered (e.g. before it stops its own proce
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import signal
@@ -86,6 +89,8 @@ def _close_all(objects: Dict[str, Any]) -> None:
 def _child_main(conn, build: Callable[..., Any], args: tuple) -> None:
     """Build the hosted objects, report ready, then serve ``(seq, name, method, args, kwargs)``
     until ``exit`` (or the parent's end of the pipe closes)."""
+    if not faulthandler.is_enabled():  # a fatal signal dumps every thread's stack to stderr
+        faulthandler.enable(all_threads=True)
     try:
         hosted = build(*args)
     except BaseException as exc:

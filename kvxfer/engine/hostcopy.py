@@ -82,8 +82,12 @@ MAX_THREADS = 4
 #: a guest's): its copy takes less than handing it to a host-lane thread and back
 #: (bench/results/host-lane-cpu.md)
 INLINE_BYTES = 1 << 20
-#: a larger write takes the lane only when its runs are at most this long on average
-MAX_RUN_BYTES = 32 << 10
+#: a larger write (copied on a host-lane thread) takes the lane from this many runs,
+#: whatever their length: over cma each run is a system call, each iovec costs the kernel
+#: ~1 µs, a hand-over ~0.1-0.3 ms; measured by runs x bytes per run (32 KiB-256 KiB runs:
+#: 0.78-0.99x the PUTs' time from 256 runs, 1.03-1.40x below; bench/results/host-lane-cpu.md,
+#: "Long runs")
+THREAD_MIN_OPS = 256
 #: a write whose local side is many short pieces (at most this long on average, and at least
 #: twice as many as the remote side's: head slices of a strided source going to whole
 #: destination pages) is packed first: its runs are copied back to back into a buffer of
@@ -327,18 +331,18 @@ SHM_LANES = ("cma", "knem", "xpmem", "posix", "sysv")
 def lane_wanted(ops: int, nbytes: int, min_ops: int, shm: bool = True) -> bool:
     """Whether a write of ``ops`` direct runs of ``nbytes`` bytes in all should take the host
     lane (where it is open): from ``min_ops`` runs up (fewer are as fast as PUTs, and a
-    write that ends on its starter's stack keeps coalescing from batching small requests),
-    when it is copied inline (at most :data:`INLINE_BYTES`) or its runs are short (at most
-    :data:`MAX_RUN_BYTES` on average): long runs cost cma little per system call, so they
-    gain less than a hand-over costs. Without a shared-memory UCX lane (``shm`` False: tcp)
-    also any write larger than :data:`INLINE_BYTES`, whatever its runs, and on a host of
-    spare CPUs any write the threads copy in parts (:func:`cut_worth`), whatever its runs
+    write that ends on its starter's stack keeps coalescing from batching small requests)
+    when it is copied inline (at most :data:`INLINE_BYTES`); a larger one, handed to a
+    thread, from :data:`THREAD_MIN_OPS` runs up, whatever their length (fewer gain less than
+    the hand-over costs). Without a shared-memory UCX lane (``shm`` False: tcp) any write
+    larger than :data:`INLINE_BYTES`, whatever its runs, and on a host of spare CPUs any
+    write the threads copy in parts (:func:`cut_worth`), whatever its runs
     (bench/results/host-lane-cpu.md)."""
     if ops <= 0:
         return False
     if (not shm and nbytes > INLINE_BYTES) or cut_worth(nbytes):
         return True
-    return ops >= min_ops and (nbytes <= INLINE_BYTES or nbytes <= ops * MAX_RUN_BYTES or not shm)
+    return ops >= min_ops and (nbytes <= INLINE_BYTES or ops >= THREAD_MIN_OPS)
 
 
 class Offer:

@@ -666,14 +666,17 @@ def test_lands_whole():
 
 def test_lane_wanted(monkeypatch):
     monkeypatch.setattr(hostcopy, "split_parts", lambda: 1)  # two CPUs: nothing is cut
-    big, run = hostcopy.INLINE_BYTES, hostcopy.MAX_RUN_BYTES
+    big, many = hostcopy.INLINE_BYTES, hostcopy.THREAD_MIN_OPS
     assert not hostcopy.lane_wanted(0, 0, 1)
     assert not hostcopy.lane_wanted(63, 63, 64)
     assert hostcopy.lane_wanted(64, 64, 64)
     assert hostcopy.lane_wanted(64, big, 64)  # copied inline, whatever its runs
-    assert hostcopy.lane_wanted(100, 100 * run, 64)  # short runs: worth a hand-over
-    assert not hostcopy.lane_wanted(100, 100 * run + 1, 64)  # 3.2 MiB of long runs
-    assert not hostcopy.lane_wanted(64, 64 * 65536, 64)  # long runs stay PUTs
+    # handed to a thread: from THREAD_MIN_OPS runs, whatever their length
+    assert not hostcopy.lane_wanted(many - 1, big + 1, 64)  # (short runs too)
+    assert hostcopy.lane_wanted(many, big + 1, 64)
+    assert hostcopy.lane_wanted(many, many * (256 << 10), 64)  # 64 MiB of 256 KiB runs
+    assert not hostcopy.lane_wanted(64, 64 * 65536, 64)  # few long runs stay PUTs
+    assert not hostcopy.lane_wanted(many, big + 1, many + 1)  # (and never below min_ops)
     # without a shared-memory UCX lane (tcp): long runs too, and any write above 1 MiB
     assert hostcopy.lane_wanted(64, 64 * 65536, 64, shm=False)
     assert hostcopy.lane_wanted(2, big + 1, 64, shm=False)

@@ -49,3 +49,28 @@ def test_a_gone_process_is_not_stopped():
     pid = w.pid
     w.close()
     assert not procs._all_threads_stopped(pid)
+
+
+class Crasher:
+    """Hosted in the worker: a method that dies of SIGSEGV in native code."""
+
+    def crash(self) -> None:
+        import ctypes
+
+        ctypes.string_at(0)  # reads address 0: SIGSEGV
+
+
+def test_a_worker_that_dies_of_a_fatal_signal_leaves_its_python_stack(capfd):
+    """A native crash in a worker is WorkerDied in the parent, and the child's stderr (the
+    parent's, inherited) holds every thread's Python stack, down to the crashing call."""
+    from kvxfer.errors import WorkerDied
+
+    w = Worker(Crasher, name="crasher").start()
+    try:
+        with pytest.raises(WorkerDied, match="exitcode=-11"):
+            w.proxy(Crasher).crash(timeout=30)
+    finally:
+        w.close()
+    err = capfd.readouterr().err
+    assert "Fatal Python error: Segmentation fault" in err, err
+    assert "in crash" in err, err
