@@ -29,7 +29,7 @@ Writes = Union[Write, Iterable[Write]]
 StagedPart = Tuple[str, np.ndarray, np.ndarray, int]
 #: a validated SliceWrite: (group, source ids, destination ids, source runs, key)
 SlicePart = Tuple[str, np.ndarray, np.ndarray, slices.SliceRuns, int]
-#: a validated PatternWrite for the device lane: (group, source ids, destination ids, runs)
+#: a validated PatternWrite for a lane (device or host): (group, source ids, destination ids, runs)
 PatternPart = Tuple[str, np.ndarray, np.ndarray, slices.PatternRuns]
 #: ``(laddr, raddr, nbytes, lmemh, ridx, staged parts, slice parts, pattern parts, host
 #: pattern parts, bytes)``: uint64 columns of the direct PUTs, then the staged parts, then

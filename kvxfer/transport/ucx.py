@@ -32,6 +32,7 @@ import asyncio
 import itertools
 import logging
 import os
+import threading
 import time
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -118,6 +119,39 @@ def _binding(ch: UcxChannel) -> str:
         return "?"
 
 
+#: bound on :func:`_prime_progress_start` (an import and, with a GPU, a context)
+PRIME_TIMEOUT_S = 60.0
+
+
+def _prime_progress_start() -> None:
+    """Run, once and to its end, what UCXX's progress thread does first when it starts
+    (``ucxx._lib_async.continuous_ucx_progress._create_context``: import ``cuda.core``, which
+    loads a dozen extension modules and readline, and make device 0's primary context current
+    where there is a GPU), on a helper thread joined here, before ``ucxx.init`` starts that
+    thread. Left to that thread, the work loaded libraries while this thread went on to make
+    kvxfer's UCP context, registrations and worker, and UCX installs its memory hooks by
+    patching the loaded libraries: a worker died with SIGSEGV in the completion queue's
+    worker creation while UCXX's thread was loading readline, about once in 1000 worker
+    starts on the 2-CPU box (bench/results/host-lane-cpu.md, "A crash seen on the way").
+    UCXX's thread then finds the modules loaded (and the context made). Errors (no GPU, no
+    cuda.core, another UCXX) are left to UCXX's thread, which meets them as before. Runs on:
+    a helper thread; joined (bounded) by the caller."""
+    try:
+        from ucxx._lib_async.continuous_ucx_progress import _create_context
+    except ImportError:
+        return
+
+    def run() -> None:
+        try:
+            _create_context()
+        except Exception as exc:  # noqa: BLE001 - UCXX's thread meets the same
+            log.debug("priming UCXX's progress-thread start: %s", exc)
+
+    th = threading.Thread(target=run, name="kvxfer-ucxx-prime", daemon=True)
+    th.start()
+    th.join(PRIME_TIMEOUT_S)
+
+
 class UcxTransport(Transport):
     """One per engine; all engines of a process share UCXX's context and worker."""
 
@@ -131,6 +165,7 @@ class UcxTransport(Transport):
         from ucxx import core as _core
 
         if _core._ctx is None:
+            _prime_progress_start()
             self.ucxx.init(options=dict(ucx_options or {}), progress_mode=progress_mode)
         elif ucx_options:
             log.warning(

@@ -108,6 +108,14 @@ def _open(child, offer=None, nonce=NONCE, want=True, types=("host",), local=b"x"
     return src, lane, why
 
 
+def _cut(monkeypatch, split_bytes, parts):
+    """Every lane write on the threads (none inline), cut into at most ``parts`` parts of at
+    least ``split_bytes``."""
+    monkeypatch.setattr(hostcopy, "SPLIT_BYTES", split_bytes)
+    monkeypatch.setattr(hostcopy, "INLINE_BYTES", 0)
+    monkeypatch.setattr(hostcopy, "split_parts", lambda: parts)
+
+
 def _runs(src, child, pieces):
     """Columns of runs ``(src offset, dst offset, bytes)``, handle 7, region 0."""
     a = np.array(pieces, dtype=np.uint64).reshape(-1, 3)
@@ -175,9 +183,7 @@ def test_short_strided_local_runs_are_packed_and_land_exactly(child, monkeypatch
 def test_a_large_write_is_cut_into_parts_on_several_threads_and_lands_exactly(child, monkeypatch):
     """SPLIT_BYTES 4 KiB, nothing inline, 4 parts: 3000 scattered runs of 8-20 B go as parts
     on the host-lane threads (queued where there are fewer), every byte where it belongs."""
-    monkeypatch.setattr(hostcopy, "SPLIT_BYTES", 4096)
-    monkeypatch.setattr(hostcopy, "INLINE_BYTES", 0)
-    monkeypatch.setattr(hostcopy, "split_parts", lambda: 4)
+    _cut(monkeypatch, 4096, 4)
     local = bytes(np.random.default_rng(8).integers(0, 256, BUF, dtype=np.uint8))
     src, lane, why = _open(child, local=local)
     assert lane is not None, why
@@ -207,9 +213,7 @@ def test_a_failed_part_halts_the_others_and_the_write_fails_after_the_last_one(c
     nothing), then fails with part 0's error (a TransportError), not part 1's halt."""
     import threading
 
-    monkeypatch.setattr(hostcopy, "SPLIT_BYTES", 1000)
-    monkeypatch.setattr(hostcopy, "INLINE_BYTES", 0)
-    monkeypatch.setattr(hostcopy, "split_parts", lambda: 2)
+    _cut(monkeypatch, 1000, 2)
     src, lane, _ = _open(child)
     before = child.digest()
     laddr, raddr, nbytes, _, ridx = _runs(src, child, [(64 * i, 64 * i, 64) for i in range(40)])
@@ -253,9 +257,7 @@ def test_a_failed_part_halts_the_others_and_the_write_fails_after_the_last_one(c
 def test_a_write_whose_later_parts_cannot_start_fails_after_its_first_part(child, monkeypatch):
     """The lane threads refuse work (the interpreter exiting) after the first part: the
     write fails with that, once the first part ended, and no job is left behind."""
-    monkeypatch.setattr(hostcopy, "SPLIT_BYTES", 1000)
-    monkeypatch.setattr(hostcopy, "INLINE_BYTES", 0)
-    monkeypatch.setattr(hostcopy, "split_parts", lambda: 3)
+    _cut(monkeypatch, 1000, 3)
     src, lane, _ = _open(child)
     laddr, raddr, nbytes, _, ridx = _runs(src, child, [(64 * i, 64 * i, 64) for i in range(60)])
     real, taken = hostcopy._threads(), []
@@ -314,9 +316,7 @@ def test_pattern_writes_are_copied_from_their_pattern_exactly(child, monkeypatch
     monkeypatch.setattr(hostcopy, "BOUNCE_BYTES", 1024)
     monkeypatch.setattr(hostcopy._bounces, "buf", None, raising=False)
     if threads:
-        monkeypatch.setattr(hostcopy, "SPLIT_BYTES", 1000)
-        monkeypatch.setattr(hostcopy, "INLINE_BYTES", 0)
-        monkeypatch.setattr(hostcopy, "split_parts", lambda: 3)
+        _cut(monkeypatch, 1000, 3)
     local = bytes(np.random.default_rng(21).integers(0, 256, BUF, dtype=np.uint8))
     src, lane, why = _open(child, local=local)
     assert lane is not None, why

@@ -184,3 +184,42 @@ def test_note_spin_keeps_the_thread_progressing(node, mode):
     assert out["payload"] == b"done" and out["landed"], out
     assert out["arrival_in_order"] and out["arrival_outside"] == 0.0, out
     assert out["poller_after_close"] is False, out
+
+
+PRIME_CHECK = """
+import sys, threading
+import ucxx
+import kvxfer.transport.ucx as u
+
+seen = []
+orig = ucxx.init
+
+
+def init(*a, **k):  # what UCXX's progress thread will find when ucxx.init starts it
+    seen.append(("cuda.core" in sys.modules, [t.name for t in threading.enumerate()]))
+    return orig(*a, **k)
+
+
+ucxx.init = init
+t = u.UcxTransport()
+print(seen)
+"""
+
+
+def test_ucxx_progress_thread_start_work_is_done_before_ucxx_starts_it():
+    """The imports UCXX's progress thread starts with (cuda.core and what it loads) are done,
+    and the helper that did them has ended, before ``ucxx.init`` starts that thread: they no
+    longer load libraries while this process creates its UCP context and worker (a start-up
+    SIGSEGV seen there). A fresh interpreter: UCX initialises once per process."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("cuda.core") is None:
+        pytest.skip("no cuda.core: UCXX's thread imports nothing here")
+    out = subprocess.run(
+        [sys.executable, "-c", PRIME_CHECK], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    ((loaded, threads),) = eval(out.stdout.strip().splitlines()[-1])
+    assert loaded and "kvxfer-ucxx-prime" not in threads, (loaded, threads)
