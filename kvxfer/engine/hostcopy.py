@@ -60,7 +60,7 @@ import signal
 import socket
 import sys
 import threading
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -689,14 +689,12 @@ class HostLane:
         total = int(nbytes.sum(dtype=_U64))
         if total <= INLINE_BYTES:  # copied here: no hop, no wake-up
             return self._inline(_Job(self.pid, self._pidfd, laddr, raddr, nbytes, self._stop), name)
-        cut = split_points(nbytes, split_parts(), SPLIT_BYTES, total)
-        halt = threading.Event() if cut.size > 2 else None
-        return self._submit(
-            [
-                _Job(self.pid, self._pidfd, laddr[a:b], raddr[a:b], nbytes[a:b], self._stop, halt)
-                for a, b in zip(cut[:-1].tolist(), cut[1:].tolist())
-            ],
-            halt,
+        return self._on_threads(
+            nbytes,
+            total,
+            lambda a, b, halt: _Job(
+                self.pid, self._pidfd, laddr[a:b], raddr[a:b], nbytes[a:b], self._stop, halt
+            ),
             name,
         )
 
@@ -740,14 +738,10 @@ class HostLane:
         total = sum(sizes)
         if total <= INLINE_BYTES:
             return self._inline(_PatternJob(self.pid, self._pidfd, units, self._stop), name)
-        cut = split_points(np.array(sizes, dtype=_U64), split_parts(), SPLIT_BYTES, total)
-        halt = threading.Event() if cut.size > 2 else None
-        return self._submit(
-            [
-                _PatternJob(self.pid, self._pidfd, units[a:b], self._stop, halt)
-                for a, b in zip(cut[:-1].tolist(), cut[1:].tolist())
-            ],
-            halt,
+        return self._on_threads(
+            np.array(sizes, dtype=_U64),
+            total,
+            lambda a, b, halt: _PatternJob(self.pid, self._pidfd, units[a:b], self._stop, halt),
             name,
         )
 
@@ -764,11 +758,21 @@ class HostLane:
         self.packed += job.packed
         return fut
 
-    def _submit(
-        self, jobs: List[_Job], halt: Optional[threading.Event], name: str
+    def _on_threads(
+        self,
+        sizes: np.ndarray,
+        total: int,
+        make: Callable[[int, int, Optional[threading.Event]], _Job],
+        name: str,
     ) -> asyncio.Future:
-        """Hand the parts ``jobs`` of one write (sharing ``halt`` when several) to the
-        threads; the write's future (see :meth:`start`)."""
+        """Cut a write of units (runs, or a pattern's descriptors) of ``sizes`` bytes,
+        ``total`` in all, into parts (:func:`split_points`, :data:`SPLIT_BYTES`) and hand
+        each to the threads as ``make(first, end, halt)`` (the job of units ``[first, end)``;
+        ``halt`` shared by the parts when there are several); the write's future (see
+        :meth:`start`)."""
+        cut = split_points(sizes, split_parts(), SPLIT_BYTES, total)
+        halt = threading.Event() if cut.size > 2 else None
+        jobs = [make(a, b, halt) for a, b in zip(cut[:-1].tolist(), cut[1:].tolist())]
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         if halt is not None:
