@@ -232,6 +232,14 @@ def poll_takes(value: Optional[int] = None) -> bool:
     return bool(_setting(value, POLL_TAKES_ENV, POLL_TAKES, "poll_takes"))
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity; the CPU count where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
 #: default of :data:`kvxfer.engine.hostcopy.PACK_RUN_BYTES` (the host lane packs a write's
 #: local runs when they average at most this many bytes; bench/results/host-lane-cpu.md)
 HOST_PACK_BYTES = 1024

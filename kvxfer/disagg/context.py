@@ -162,6 +162,11 @@ class PrefillContext(SideContext, Protocol):
         write's rooms)."""
 
     @property
+    def polled_at(self) -> float:
+        """``time.monotonic()`` of the scheduler's latest poll of one of this manager's
+        rooms (0.0: none yet; kvxfer.disagg.coalesce, bursts)."""
+
+    @property
     def coalesce_after(self) -> int:
         """A last chunk waits for a coalesced write once this many writes of ours are in
         flight to its decode peer (0: never; kvxfer.disagg.coalesce)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from typing import Callable, Optional
 
 import numpy as np
@@ -70,6 +71,7 @@ class RoomHandle:
         arrived for its manager handled (``KVManager.take_arrived``, as the loop's guest).
         Runs on: any thread (the scheduler's)."""
         r = self._r
+        self.mgr.polled_at = time.monotonic()
         if not is_terminal(r.state):
             self.mgr.take_arrived()
         if r.trace is not None and r.state == KVPoll.Success:

@@ -154,8 +154,8 @@ class KVManager:
         posted there, its flush + notification chained natively, without the wake-up of
         the loop thread in between; the call then takes as long as that (the plan and the
         post; on kvxfer's own worker the transport waits inline for the flush only
-        ``KVXFER_GUEST_INLINE_US`` on such a thread: 50 µs, 0 on hosts of fewer than 4
-        CPUs). 0: every call is
+        ``KVXFER_GUEST_INLINE_US`` on such a thread: 50 µs; not for a polling scheduler's
+        burst, :mod:`kvxfer.disagg.coalesce`). 0: every call is
         handed to the loop. None: ``$KVXFER_DIRECT_PAGES``, else :data:`kvxfer.config.DIRECT_PAGES`.
         Figures: bench/results/direct-cpu.md; docs/engine.md, "Guest runs".
         ``coalesce_after`` (prefill): a room's last chunk that finds this many writes of
@@ -233,6 +233,9 @@ class KVManager:
         self._loop_tid: Optional[int] = None
         self._thread: Optional[LoopThread] = None
         self._direct_lock = threading.Lock()  # stats["direct_calls"] (scheduler threads)
+        #: time.monotonic() of the latest poll of one of this manager's rooms
+        #: (``RoomHandle.poll``, on the scheduler's thread); 0.0: none yet
+        self.polled_at = 0.0
         self._tasks: Set[asyncio.Task] = set()
         self._closed = False
         self._idle: Optional[asyncio.Future] = None  # close(): resolved when no room is left
@@ -252,6 +255,8 @@ class KVManager:
             "coalesced_writes": 0,
             "coalesced_rooms": 0,
             "coalesce_refused": 0,  # coalesced writes refused, then written room by room
+            # prefill: writes a polling scheduler's burst started with no inline flush wait
+            "burst_writes": 0,
             "lanes": set(),
         }
         #: the role-specific protocol; it sees this manager as a Prefill/DecodeContext

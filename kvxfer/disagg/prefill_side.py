@@ -401,6 +401,9 @@ class PrefillSide:
             return
         # counted in flight to its link (kvxfer.disagg.coalesce) until it returned
         ticket = self.coalesce.begin(r.link) if r.link is not None else None
+        if not self.coalesce.inline_ok(r) and inline:  # a burst: in flight, the next coalesce
+            inline = False
+            mgr.stats["burst_writes"] += 1
         # started on this stack (kvxfer.eager): no loop iteration before the write is
         # planned and posted; a write waiting for the previous chunk's continues in a task
         r.chain = eager.start(

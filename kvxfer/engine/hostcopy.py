@@ -64,7 +64,13 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from kvxfer.config import host_pack_bytes, host_patterns, host_split_bytes, host_split_parts
+from kvxfer.config import (
+    host_pack_bytes,
+    host_patterns,
+    host_split_bytes,
+    host_split_parts,
+    usable_cpus,
+)
 from kvxfer.engine.devcopy import check_inside, member
 from kvxfer.errors import PeerClosed, ProtocolError, TransportError
 
@@ -149,10 +155,7 @@ _pool_pid = 0
 @functools.lru_cache(maxsize=None)
 def _cpus() -> int:
     """The CPUs this process may run on (asked once)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
+    return usable_cpus()
 
 
 def thread_count() -> int:

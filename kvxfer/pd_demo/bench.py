@@ -535,7 +535,9 @@ def format_stages(rows: List[dict]) -> str:
             f"| {r.get('poll_takes_1page', float('nan')):.2f} | | |",
             f"| prefill writes per request, concurrent (rooms per coalesced write) "
             f"| {r.get('tput_writes_per_req', float('nan')):.3f} "
-            f"({r.get('tput_rooms_per_coalesced', float('nan')):.1f}) | | |",
+            f"({r.get('tput_rooms_per_coalesced', float('nan')):.1f}); "
+            f"of them started without an inline wait (a burst): "
+            f"{r.get('tput_burst_writes', 0)} | | |",
         ]
         out += _large_stage_lines(r)
     return "\n".join(out)
@@ -634,7 +636,7 @@ def bench_mode(args, mode: str, integrity: bool = False, coalesce: Optional[int]
         # only bootstrap_s before its KVSender must exist), prefill sends one at a time
         rooms = _ids(1000, args.latency_requests)
         p_rooms, d_rooms, ops, direct, lat_coalesced, takes = {}, {}, 0, 0, 0, 0
-        wakes = 0
+        wakes = bursts = 0
         for lo in range(0, len(rooms), LATENCY_BATCH):
             batch = rooms[lo : lo + LATENCY_BATCH]
             pair.decode.announce(batch, 1)
@@ -645,6 +647,7 @@ def bench_mode(args, mode: str, integrity: bool = False, coalesce: Optional[int]
             direct += p["stats"].get("direct_calls", 0)
             wakes += p["stats"].get("guest_wakes", 0)
             lat_coalesced += p["stats"].get("coalesced_rooms", 0)
+            bursts += p["stats"].get("burst_writes", 0)
             takes += d["stats"].get("poll_takes", 0)
         ok = [r for r in rooms if d_rooms[r]["state"] == "Success"]
         lat = [(d_rooms[r]["t_done"] - p_rooms[r]["t_send"]) * 1e6 for r in ok]
@@ -666,6 +669,8 @@ def bench_mode(args, mode: str, integrity: bool = False, coalesce: Optional[int]
             poll_takes_1page=takes / len(rooms),
             # sequential requests that went in a coalesced write (should be none)
             lat_coalesced_rooms=lat_coalesced,
+            # ... or started without an inline wait as a burst's (should be none)
+            lat_burst_writes=bursts,
             lanes=p["stats"]["lanes"],
         )
         if args.stages:
@@ -705,6 +710,8 @@ def bench_mode(args, mode: str, integrity: bool = False, coalesce: Optional[int]
             tput_writes_per_req=p["stats"].get("writes", 0) / len(rooms),
             tput_rooms_per_coalesced=p["stats"].get("coalesced_rooms", 0)
             / max(1, p["stats"].get("coalesced_writes", 0)),
+            # of them, started with no inline wait: the burst rule (kvxfer.disagg.coalesce)
+            tput_burst_writes=p["stats"].get("burst_writes", 0),
         )
         # bandwidth vs raw
         if args.stages:  # only the large requests' records

@@ -36,6 +36,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from kvxfer.config import usable_cpus
 from kvxfer.errors import (
     Closed,
     IncompatiblePeer,
@@ -72,26 +73,28 @@ log = logging.getLogger(__name__)
 #: for UCXX's progress thread's next wake-up (up to its 1 ms epoll timeout); figures in
 #: bench/results/latency-cpu.md
 CHAIN_INLINE_US = 50.0
-#: the same for a chain on kvxfer's own worker started on a scheduler's thread running a
-#: loop's guest call, on a host where this process may use at least GUEST_INLINE_MIN_CPUS
-#: CPUs; on a smaller one none (the chain is left to the own worker's thread): there the
-#: scheduler's thread progressing the worker put multi-ms stalls into the p99, while on the
-#: 16-core H200 host leaving it to the own worker's thread did (bench/results/direct-cpu.md)
-GUEST_INLINE_MIN_CPUS = 4
+#: an inline wait on kvxfer's own worker by a scheduler's thread (a loop's guest) yields
+#: the CPU after each progress call that did nothing where this process may use fewer CPUs
+#: than this: on the 2-core box spinning there put multi-ms stalls into the p99, yielding
+#: took them away and kept the p50 gain; on the 16-core H200 host yielding cost requests/s
+#: (bench/results/guest-writes-cpu.md, issue15-status.md)
+YIELD_BELOW_CPUS = 4
 
 
 def guest_inline_us() -> float:
     """The default of :attr:`UcxTransport.guest_inline_us`: ``$KVXFER_GUEST_INLINE_US``,
-    else :data:`CHAIN_INLINE_US` with at least :data:`GUEST_INLINE_MIN_CPUS` usable CPUs,
-    else 0."""
+    else :data:`CHAIN_INLINE_US`."""
     env = os.environ.get("KVXFER_GUEST_INLINE_US")
+    return CHAIN_INLINE_US if env is None else float(env)
+
+
+def inline_yield() -> bool:
+    """The default of :attr:`UcxTransport.inline_yield`: ``$KVXFER_INLINE_YIELD`` (0 or
+    1), else whether this process may use fewer than :data:`YIELD_BELOW_CPUS` CPUs."""
+    env = os.environ.get("KVXFER_INLINE_YIELD")
     if env is not None:
-        return float(env)
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return CHAIN_INLINE_US if cpus >= GUEST_INLINE_MIN_CPUS else 0.0
+        return env not in ("", "0")
+    return usable_cpus() < YIELD_BELOW_CPUS
 
 
 #: opt-in, read when a transport makes its completion queue: set to 1, the queue holds one
@@ -201,9 +204,8 @@ class UcxTransport(Transport):
         #: (kvxfer.loop_thread.in_guest: a scheduler's thread) (KVXFER_GUEST_INLINE_US)
         self.guest_inline_us = guest_inline_us()
         #: an inline wait on the own worker yields the CPU after each progress call that did
-        #: nothing (KVXFER_INLINE_YIELD=1; off by default: measured on the 2-core box only,
-        #: bench/results/guest-writes-cpu.md)
-        self.inline_yield = os.environ.get("KVXFER_INLINE_YIELD", "0") not in ("", "0")
+        #: nothing (KVXFER_INLINE_YIELD; default: on hosts of fewer than YIELD_BELOW_CPUS)
+        self.inline_yield = inline_yield()
         #: chains and short PUT batches on kvxfer's own worker keep the GIL (the native side
         #: honours it only for that worker's endpoints; kvxfer.transport.ucx_rma.
         #: KEEP_GIL_MAX_OPS); not with ``$KVXFER_NATIVE_GIL=release``

@@ -4,6 +4,7 @@ MAX_ROOMS per write) and the DoneMany message (the ``coalesce_after`` setting:
 test_direct_calls.py). The interleavings with real UCX are in test_pd_coalesce.py."""
 
 import asyncio
+import time
 import types
 
 import numpy as np
@@ -228,6 +229,31 @@ def test_a_burst_of_returned_but_unsettled_writes_is_busy():
         assert box.unsettled == {"a": 1} and box.inflight == {"a": 1}  # the batch's write
 
     asyncio.run(main())
+
+
+def test_inline_wait_left_out_only_in_a_polling_schedulers_burst():
+    """``Coalescer.inline_ok``: a write may wait inline for its flush unless the last write
+    started was another room's and the scheduler, which polls, has not polled since; a
+    scheduler that never polls, or not for ``POLLER_S`` (``on_done`` only), keeps it."""
+    c = _coalescer()
+    mgr = c.mgr
+    link = _link()
+    a, b, c2 = (_room(link, room=n) for n in (1, 2, 3))
+    mgr.polled_at = 0.0  # never polled: every write waits inline, back to back or not
+    assert [c.inline_ok(r) for r in (a, b, c2, a)] == [True] * 4
+    mgr.polled_at = time.monotonic()  # a poll since the last write
+    assert c.inline_ok(a)
+    assert c.inline_ok(a)  # the same room again (its next chunk, another decode leg)
+    assert not c.inline_ok(b)  # another room, no poll between: a burst
+    assert not c.inline_ok(c2)
+    mgr.polled_at += 1e-6  # the scheduler looked at its rooms
+    assert c.inline_ok(a)
+    assert not c.inline_ok(b)
+    mgr.polled_at += 1e-6
+    assert c.inline_ok(b)
+    mgr.polled_at = time.monotonic() - coalesce.POLLER_S - 0.1  # polled long ago
+    assert c.inline_ok(a)
+    assert c.inline_ok(b) and c.inline_ok(c2)  # no longer a poller: back to back is fine
 
 
 def test_done_many_message():

@@ -227,6 +227,36 @@ def test_decode_killed_while_rooms_wait(pair):
     c.room(1)
 
 
+def test_a_polling_schedulers_burst_leaves_its_writes_in_flight(pair):
+    """Eight rooms sent back to back by a scheduler that polled them before (not between
+    these sends): every room but the first either starts its write without the inline
+    flush wait, or waits in the outbox for a coalesced write (kvxfer.disagg.coalesce,
+    bursts). Sent one at a time with a poll before each send, none is a burst. Every byte
+    lands either way."""
+    c = pair
+
+    def counts():
+        s = c.p[K].stats()
+        return s["burst_writes"], s["coalesced_rooms"]
+
+    b0, c0 = counts()
+    ids = open_rooms(c, [1] * 8)  # polled until WaitingForInput
+    for r in ids:
+        c.p[K].p_send(r, 0, 1)
+    for r in ids:
+        assert c.p[K].wait(r)["state"] == "Success"
+        assert c.d[K].wait(r)["state"] == "Success" and c.d[K].verify(r) == 0, r
+    b1, c1 = counts()
+    assert (b1 - b0) + (c1 - c0) == len(ids) - 1, (b1 - b0, c1 - c0)
+    for _ in range(4):  # one at a time, polled before its send
+        (r,) = open_rooms(c, [1])
+        c.p[K].p_send(r, 0, 1)
+        assert c.p[K].wait(r)["state"] == "Success"
+        assert c.d[K].wait(r)["state"] == "Success" and c.d[K].verify(r) == 0, r
+    assert counts()[0] == b1
+    clean(c.p[K], c.d[K])
+
+
 @pytest.mark.parametrize("aborts", [False, True], ids=["sends", "sends+aborts"])
 def test_hammer_many_senders(pair, aborts):
     """56 rooms (the pool's state slots bound them) sent whole from four scheduler threads at random pacing (decode aborting
