@@ -31,14 +31,11 @@ Invariants
   range, two rooms naming one destination) is split: every room is written on its own, so
   only the offending room fails. A failure after the bytes started moving (timeout, peer
   gone) fails every room of it, as it would each room's own write.
-- A polling scheduler's burst does not serialise on inline waits: a write started for a
-  room right after one for another room, with no poll of this manager's rooms between
-  them, starts without the transport's inline flush wait (:meth:`Coalescer.inline_ok`).
-  Writes that end inline are never in flight when the next send looks, so a burst of them
-  would never find its link busy and every room would pay its own write and wait; left in
-  flight, that write makes the sends behind it coalesce. A scheduler that polls between
-  sends (one request at a time), or has not polled for :data:`POLLER_S` (``on_done``
-  only), keeps the inline wait.
+- A polling scheduler's burst (:mod:`kvxfer.disagg.bursts`) does not serialise on inline
+  waits: a write that a burst starts goes without the transport's inline flush wait
+  (:meth:`Coalescer.inline_ok`). Writes that end inline are never in flight when the next
+  send looks, so a burst of them would never find its link busy and every room would pay
+  its own write and wait; left in flight, that write makes the sends behind it coalesce.
 - At most :data:`MAX_ROOMS` rooms per write (the DoneMany stays far below a chained
   notification's size limit); more wait for the next completion.
 
@@ -56,6 +53,7 @@ import numpy as np
 
 from kvxfer import eager
 from kvxfer.disagg import messages as m
+from kvxfer.disagg.bursts import Bursts
 from kvxfer.disagg.context import PrefillContext
 from kvxfer.disagg.link import Link
 from kvxfer.disagg.outbox import MAX_WAIT_S, Outboxes, Ticket
@@ -73,9 +71,6 @@ from kvxfer.errors import (
 
 #: rooms in one coalesced write at most (a DoneMany of this many rooms is ~10 KB)
 MAX_ROOMS = m.DONE_MANY_MAX
-#: a scheduler whose latest poll is older than this (s) does not poll between its batches
-#: (``on_done`` only): its back-to-back sends are not told from sequential ones (inline_ok)
-POLLER_S = 1.0
 #: what the engine raises for a write's parts before any byte moves
 _REFUSED = (IndexOutOfRange, InvalidArgument, UnknownGroup)
 
@@ -110,8 +105,7 @@ class Coalescer:
         self._item_cls: Any = None
         #: per link (kvxfer.disagg.link.Link): writes in flight, last chunks waiting
         self.boxes: Outboxes[Pending] = Outboxes(after, self._start, MAX_ROOMS, max_wait_s)
-        #: ``mgr.polled_at`` and the room number when the last write started (inline_ok)
-        self._polled_then, self._room_then = -1.0, -1
+        self._bursts = Bursts()  # of the writes started here (inline_ok)
 
     def _item_write(self) -> Any:
         """``ItemWrite``, imported on first use (the engine pulls in UCX)."""
@@ -134,19 +128,10 @@ class Coalescer:
         self.boxes.end(ticket)
 
     def inline_ok(self, r: Room) -> bool:
-        """Whether the write room ``r`` starts now may wait inline for its flush: not when
-        the last write started was another room's and the scheduler, which polls its rooms
-        (within :data:`POLLER_S`), has not polled one since (a burst; module docstring).
-        Call once per write started."""
-        at = self.mgr.polled_at
-        burst = (
-            at == self._polled_then
-            and r.room != self._room_then
-            and at > 0.0
-            and time.monotonic() - at < POLLER_S
-        )
-        self._polled_then, self._room_then = at, r.room
-        return not burst
+        """Whether the write room ``r`` starts now may wait inline for its flush: not in a
+        burst of writes (:class:`~kvxfer.disagg.bursts.Bursts`; module docstring). Call
+        once per write started."""
+        return not self._bursts.burst(r.room, self.mgr.polled_at)
 
     def wants(self, r: Room, kv: Any, prev: Optional[asyncio.Future]) -> bool:
         """Whether room ``r``'s last chunk (its kv write ``kv``) should wait for a coalesced

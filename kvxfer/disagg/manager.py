@@ -155,7 +155,7 @@ class KVManager:
         the loop thread in between; the call then takes as long as that (the plan and the
         post; on kvxfer's own worker the transport waits inline for the flush only
         ``KVXFER_GUEST_INLINE_US`` on such a thread: 50 µs; not for a polling scheduler's
-        burst, :mod:`kvxfer.disagg.coalesce`). 0: every call is
+        burst, :mod:`kvxfer.disagg.bursts`). 0: every call is
         handed to the loop. None: ``$KVXFER_DIRECT_PAGES``, else :data:`kvxfer.config.DIRECT_PAGES`.
         Figures: bench/results/direct-cpu.md; docs/engine.md, "Guest runs".
         ``coalesce_after`` (prefill): a room's last chunk that finds this many writes of
@@ -255,7 +255,8 @@ class KVManager:
             "coalesced_writes": 0,
             "coalesced_rooms": 0,
             "coalesce_refused": 0,  # coalesced writes refused, then written room by room
-            # prefill: writes a polling scheduler's burst started with no inline flush wait
+            # prefill: writes of a polling scheduler's bursts (kvxfer.disagg.bursts) started
+            # with no inline flush wait
             "burst_writes": 0,
             "lanes": set(),
         }

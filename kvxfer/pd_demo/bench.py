@@ -705,6 +705,11 @@ def bench_mode(args, mode: str, integrity: bool = False, coalesce: Optional[int]
             tput_ok=len(ok),
             tput_n=len(rooms),
             req_per_s=len(ok) / span,
+            # the scheduler's send loop alone (first to last send) and prefill's last Success
+            tput_sends_s=max(p["rooms"][r]["t_send"] for r in ok)
+            - min(p["rooms"][r]["t_send"] for r in ok),
+            tput_prefill_s=max(p["rooms"][r]["t_done"] for r in ok)
+            - min(p["rooms"][r]["t_send"] for r in ok),
             direct_calls_tput=p["stats"].get("direct_calls", 0) / len(rooms),
             # prefill's writes per request and rooms per coalesced write (kvxfer.disagg.coalesce)
             tput_writes_per_req=p["stats"].get("writes", 0) / len(rooms),

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvxfer import wire
-from kvxfer.disagg import coalesce
+from kvxfer.disagg import bursts, coalesce
 from kvxfer.disagg import messages as m
 from kvxfer.disagg.decode_side import DecodeSide
 from kvxfer.disagg.link import Link
@@ -251,7 +251,7 @@ def test_inline_wait_left_out_only_in_a_polling_schedulers_burst():
     assert not c.inline_ok(b)
     mgr.polled_at += 1e-6
     assert c.inline_ok(b)
-    mgr.polled_at = time.monotonic() - coalesce.POLLER_S - 0.1  # polled long ago
+    mgr.polled_at = time.monotonic() - bursts.POLLER_S - 0.1  # polled long ago
     assert c.inline_ok(a)
     assert c.inline_ok(b) and c.inline_ok(c2)  # no longer a poller: back to back is fine
 
