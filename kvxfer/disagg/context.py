@@ -164,7 +164,7 @@ class PrefillContext(SideContext, Protocol):
     @property
     def polled_at(self) -> float:
         """``time.monotonic()`` of the scheduler's latest poll of one of this manager's
-        rooms (0.0: none yet; kvxfer.disagg.coalesce, bursts)."""
+        rooms (0.0: none yet; kvxfer.disagg.bursts)."""
 
     @property
     def coalesce_after(self) -> int:

@@ -715,7 +715,7 @@ def bench_mode(args, mode: str, integrity: bool = False, coalesce: Optional[int]
             tput_writes_per_req=p["stats"].get("writes", 0) / len(rooms),
             tput_rooms_per_coalesced=p["stats"].get("coalesced_rooms", 0)
             / max(1, p["stats"].get("coalesced_writes", 0)),
-            # of them, started with no inline wait: the burst rule (kvxfer.disagg.coalesce)
+            # of them, started with no inline wait: a burst's (kvxfer.disagg.bursts)
             tput_burst_writes=p["stats"].get("burst_writes", 0),
         )
         # bandwidth vs raw
