@@ -173,3 +173,21 @@ def test_a_room_adopted_at_once_already_has_its_trace_record(bound, monkeypatch)
     assert mgr.direct_calls == 1  # adopted on this stack, as the guest
     assert seen and seen[0] is not None and seen[0]["room"] == 42
     assert [r["room"] for r in mgr.drain_trace()] == [42]
+
+
+def test_a_poll_marks_the_managers_latest_poll(bound):
+    """``RoomHandle.poll`` stamps ``KVManager.polled_at`` (what tells a polling scheduler's
+    bursts apart, kvxfer.disagg.bursts), whatever the room's state."""
+    import time
+
+    from kvxfer.disagg import KVSender
+
+    mgr, lt = bound
+    assert mgr.polled_at == 0.0
+    s = KVSender(mgr, None, 41)
+    t0 = time.monotonic()
+    s.poll()
+    first = mgr.polled_at
+    assert first >= t0
+    s.poll()
+    assert mgr.polled_at >= first
