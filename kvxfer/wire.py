@@ -130,7 +130,26 @@ def _checker(tp: Any, where: str) -> Callable[[Any], None]:
                 raise ProtocolError(f"{where}: expected {label}, got {type(value).__name__}")
 
         return check_simple
+    item = typing.get_args(tp)[0] if typing.get_origin(tp) in (list, typing.List) else None
+    if item in _EXACT:  # a list of ints (DoneMany's rooms): one C-level pass when all is well
+        exact = _EXACT[item]
+
+        def check_list(value: Any) -> None:
+            if type(value) is not list or not exact.issuperset(map(type, value)):
+                _check_type(value, tp, where)  # the element that fails, named as ever
+
+        return check_list
     return lambda value: _check_type(value, tp, where)
+
+
+#: list element types whose elements of exactly these types pass (anything else is left to
+#: :func:`_check_type`, which accepts a subclass where the generic test does)
+_EXACT: Dict[Any, frozenset] = {
+    int: frozenset((int,)),
+    str: frozenset((str,)),
+    bytes: frozenset((bytes, bytearray)),
+    bool: frozenset((bool,)),
+}
 
 
 def _check_type_supported(tp: Any, where: str) -> None:
