@@ -130,7 +130,8 @@ def _checker(tp: Any, where: str) -> Callable[[Any], None]:
                 raise ProtocolError(f"{where}: expected {label}, got {type(value).__name__}")
 
         return check_simple
-    item = typing.get_args(tp)[0] if typing.get_origin(tp) in (list, typing.List) else None
+    args = typing.get_args(tp) if typing.get_origin(tp) in (list, typing.List) else ()
+    item = args[0] if args else None
     if item in _EXACT:  # a list of ints (DoneMany's rooms): one C-level pass when all is well
         exact = _EXACT[item]
 

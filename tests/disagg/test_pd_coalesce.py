@@ -230,9 +230,9 @@ def test_decode_killed_while_rooms_wait(pair):
 def test_a_polling_schedulers_burst_leaves_its_writes_in_flight(pair):
     """Eight rooms sent back to back by a scheduler that polled them before (not between
     these sends): every room but the first either starts its write without the inline
-    flush wait, or waits in the outbox for a coalesced write (kvxfer.disagg.coalesce,
-    bursts). Sent one at a time with a poll before each send, none is a burst. Every byte
-    lands either way."""
+    flush wait, or waits in the outbox for a coalesced write (kvxfer.disagg.bursts). Sent
+    one at a time with a poll before each send, none is a burst. Every byte lands either
+    way."""
     c = pair
 
     def counts():
