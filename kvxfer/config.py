@@ -23,6 +23,8 @@ always wins.
   SGLang backend's direct sends (:func:`direct_pages`; read when a manager is built).
 - ``KVXFER_POLL_TAKES`` = ``1`` | ``0`` — default of ``KVManager(poll_takes=)``
   (:func:`poll_takes`; read when a manager is built).
+- ``KVXFER_NATIVE_TAKES`` = ``1`` | ``0`` — default of ``KVManager(native_takes=)``
+  (:func:`native_takes`; read when a manager is built).
 - ``KVXFER_LEG_DIRECT_PAGES`` = an int >= 0 — a lower guest bound for sends to several
   decode peers (unset: none, :data:`LEG_DIRECT_PAGES`; read by :func:`direct_limit` per
   send, for A/B runs).
@@ -230,6 +232,21 @@ def poll_takes(value: Optional[int] = None) -> bool:
     """``value``, else ``$KVXFER_POLL_TAKES``, else :data:`POLL_TAKES`, as a bool (an int
     >= 0 is accepted; InvalidArgument otherwise). Read when a manager is built."""
     return bool(_setting(value, POLL_TAKES_ENV, POLL_TAKES, "poll_takes"))
+
+
+#: default of ``KVManager(native_takes=)``: 1, the transport's native receive thread (its
+#: completion queue's thread on kvxfer's own worker) handles the Done and flush completions
+#: it just received as the manager loop's guest when that loop waits for events, instead of
+#: waking the loop for them (the thread hop of every request's receipt);
+#: ``$KVXFER_NATIVE_TAKES`` overrides it, 0: never (bench/results/issue15-status.md)
+NATIVE_TAKES = 1
+NATIVE_TAKES_ENV = "KVXFER_NATIVE_TAKES"
+
+
+def native_takes(value: Optional[int] = None) -> bool:
+    """``value``, else ``$KVXFER_NATIVE_TAKES``, else :data:`NATIVE_TAKES`, as a bool (an
+    int >= 0 is accepted; InvalidArgument otherwise). Read when a manager is built."""
+    return bool(_setting(value, NATIVE_TAKES_ENV, NATIVE_TAKES, "native_takes"))
 
 
 def usable_cpus() -> int:

@@ -16,9 +16,11 @@ from kvxfer.errors import IndexOutOfRange, InvalidArgument, TransferAborted, Tra
 
 #: ``on_done(state: KVPoll, exc: Exception | None)``: called once, when the room is terminal
 #: AND no transfer can touch its pages any more — release them there.
-#: Runs on: the manager's loop thread, or the scheduler's thread while it runs a call as the
-#: loop's guest (a ``send()`` whose write finished inline; never beside the loop: the guest
-#: holds its gate, docs/engine.md "Guest runs"). Keep it short; hand work to the scheduler.
+#: Runs on: the manager's loop thread, or a thread running as the loop's guest: the
+#: scheduler's (a ``send()`` whose write finished inline, a ``poll()`` that took what
+#: arrived) or the transport's native receive thread (``KVManager.take_natively``); never
+#: beside the loop: the guest holds its gate, docs/engine.md "Guest runs". Keep it short;
+#: hand work to the scheduler.
 OnDone = Callable[[KVPoll, Optional[BaseException]], None]
 
 

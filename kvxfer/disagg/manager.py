@@ -45,6 +45,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+import weakref
 from typing import Any, Callable, Coroutine, Dict, List, Optional, Set, Tuple, Union
 
 from kvxfer import config, wire
@@ -102,8 +103,9 @@ class KVManager:
     #: an interleaving deterministically (block there while another thread acts, or freeze
     #: the process). None in production.
     #: Runs on: the manager's loop thread, or a scheduler thread running a direct call or a
-    #: poll's take as the loop's guest (:meth:`call`, :meth:`take_arrived`; set
-    #: ``direct_pages = 0`` and ``poll_takes = False`` to keep hooks on the loop).
+    #: poll's take, or the transport's native receive thread, as the loop's guest
+    #: (:meth:`call`, :meth:`take_arrived`, :meth:`take_natively`; set ``direct_pages = 0``,
+    #: ``poll_takes = False`` and ``take_natively(False)`` to keep hooks on the loop).
     test_hook: Optional[Callable[[str, int], None]] = None
 
     def __init__(
@@ -126,6 +128,7 @@ class KVManager:
         direct_pages: Optional[int] = None,
         coalesce_after: Optional[int] = None,
         poll_takes: Optional[bool] = None,
+        native_takes: Optional[bool] = None,
         host_copy: Optional[str] = None,
     ) -> None:
         """``mode``: :class:`DisaggMode`, SGLang's ``DisaggregationMode`` or
@@ -168,7 +171,12 @@ class KVManager:
         completion: :meth:`take_arrived`), so that a scheduler polling its rooms sees the
         new state without waiting for the loop thread to wake; only with the manager's own
         loop thread while it waits for events. None: ``$KVXFER_POLL_TAKES``, else
-        :data:`kvxfer.config.POLL_TAKES` (on)."""
+        :data:`kvxfer.config.POLL_TAKES` (on).
+        ``native_takes``: with the manager's own loop thread (:meth:`start_background`)
+        and a transport on kvxfer's own worker, that worker's receive thread handles what it
+        just received (a Done, a flush completion) as the loop's guest when the loop waits
+        for events, instead of waking the loop for it (:meth:`take_natively`); None:
+        ``$KVXFER_NATIVE_TAKES``, else :data:`kvxfer.config.NATIVE_TAKES` (on)."""
         from kvxfer.config import resolve_secret
 
         if not isinstance(args, KVArgs):
@@ -213,6 +221,7 @@ class KVManager:
         self.direct_pages = config.direct_pages(direct_pages)
         self.coalesce_after = config.coalesce_after(coalesce_after)
         self.poll_takes = config.poll_takes(poll_takes)
+        self.native_takes = config.native_takes(native_takes)
         self.fingerprint: Dict[str, Any] = args.fingerprint()
         #: end-to-end checksums of every item (kvxfer.disagg.integrity); None when off
         self.integrity: Optional[IntegrityOps] = None
@@ -250,6 +259,9 @@ class KVManager:
             "direct_calls": 0,  # calls that ran as the loop's guest (:meth:`call`)
             # polls that handled arrived completions as the loop's guest (:meth:`take_arrived`)
             "poll_takes": 0,
+            # receipts handled by the transport's native receive thread as the loop's guest
+            # (:meth:`take_natively`)
+            "native_takes": 0,
             # prefill: coalesced last-chunk writes and the rooms they carried
             # (kvxfer.disagg.coalesce; each also counts in "writes")
             "coalesced_writes": 0,
@@ -355,7 +367,35 @@ class KVManager:
         lt = LoopThread(f"kvxfer-{self.name}")
         lt.start(self.start(), timeout)
         self._thread = lt
+        if self.native_takes:
+            self.call_wait(self.take_natively, True, timeout=timeout)
         return self
+
+    def take_natively(self, on: bool) -> bool:
+        """Whether (``on``) the transport's native receive thread hands what it received
+        to this manager as the loop's guest (:meth:`kvxfer.transport.base.Transport.
+        take_natively`, :meth:`kvxfer.loop_thread.LoopThread.take_completions`): a Done
+        then reaches its room, its ``on_done`` and the hooks on that thread with no wake-up
+        of the loop, when the loop waits for events (else the loop handles it, as always).
+        Returns whether the transport has such a thread. Needs :meth:`start_background`.
+        Runs on: the loop thread."""
+        lt, engine = self._thread, self.engine
+        if lt is None or engine is None:
+            return False
+        if not on:
+            return bool(engine.transport.take_natively(None))
+        me = weakref.ref(self)  # (the native queue holds the callable: no cycle through it)
+
+        def take() -> None:  # Runs on: the native receive thread, holding the GIL
+            mgr = me()
+            if mgr is None or mgr._closed:
+                return
+            lt, engine = mgr._thread, mgr.engine
+            if lt is not None and engine is not None and lt.take_completions(engine.transport):
+                with mgr._direct_lock:
+                    mgr.stats["native_takes"] += 1
+
+        return bool(engine.transport.take_natively(take))
 
     async def close(self) -> None:
         """Fail every live room (Closed) and tell its peer; wait up to ``abort_ack_s`` for

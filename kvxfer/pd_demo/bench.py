@@ -533,6 +533,9 @@ def format_stages(rows: List[dict]) -> str:
             f"| {r.get('guest_wakes_1page', float('nan')):.2f} | | |",
             f"| decode polls that took the Done themselves per request (--poll-scheduler) "
             f"| {r.get('poll_takes_1page', float('nan')):.2f} | | |",
+            f"| receipts handled on the native receive thread per request, decode / prefill "
+            f"| {r.get('native_takes_1page', float('nan')):.2f} / "
+            f"{r.get('p_native_takes_1page', float('nan')):.2f} | | |",
             f"| prefill writes per request, concurrent (rooms per coalesced write) "
             f"| {r.get('tput_writes_per_req', float('nan')):.3f} "
             f"({r.get('tput_rooms_per_coalesced', float('nan')):.1f}); "
@@ -636,6 +639,7 @@ def bench_mode(args, mode: str, integrity: bool = False, coalesce: Optional[int]
         # only bootstrap_s before its KVSender must exist), prefill sends one at a time
         rooms = _ids(1000, args.latency_requests)
         p_rooms, d_rooms, ops, direct, lat_coalesced, takes = {}, {}, 0, 0, 0, 0
+        native = p_native = 0
         wakes = bursts = 0
         for lo in range(0, len(rooms), LATENCY_BATCH):
             batch = rooms[lo : lo + LATENCY_BATCH]
@@ -649,6 +653,8 @@ def bench_mode(args, mode: str, integrity: bool = False, coalesce: Optional[int]
             lat_coalesced += p["stats"].get("coalesced_rooms", 0)
             bursts += p["stats"].get("burst_writes", 0)
             takes += d["stats"].get("poll_takes", 0)
+            native += d["stats"].get("native_takes", 0)
+            p_native += p["stats"].get("native_takes", 0)
         ok = [r for r in rooms if d_rooms[r]["state"] == "Success"]
         lat = [(d_rooms[r]["t_done"] - p_rooms[r]["t_send"]) * 1e6 for r in ok]
         p_lat = [(p_rooms[r]["t_done"] - p_rooms[r]["t_send"]) * 1e6 for r in ok]
@@ -667,6 +673,11 @@ def bench_mode(args, mode: str, integrity: bool = False, coalesce: Optional[int]
             # decode's polls that handled an arrived Done themselves (KVManager.take_arrived:
             # only with --poll-scheduler), per request
             poll_takes_1page=takes / len(rooms),
+            # receipts handled by the native receive thread as the loop's guest
+            # (KVManager.take_natively), per request: decode's (its Done), prefill's (its
+            # flush completions: none when the write ended inline)
+            native_takes_1page=native / len(rooms),
+            p_native_takes_1page=p_native / len(rooms),
             # sequential requests that went in a coalesced write (should be none)
             lat_coalesced_rooms=lat_coalesced,
             # ... or started without an inline wait as a burst's (should be none)

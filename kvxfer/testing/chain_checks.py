@@ -29,6 +29,9 @@ class ChainNode:
     def unknown_token(self) -> dict:
         return self.loop.run_until_complete(_unknown_token())
 
+    def native_deliver(self, error_mode: str, n: int, how: str) -> dict:
+        return self.loop.run_until_complete(_native_deliver(error_mode, n, how))
+
     def close(self) -> None:
         self.loop.close()
 
@@ -213,4 +216,73 @@ async def _unknown_token() -> dict:
     out = {"got": [p.decode() for p in got], "ok": isinstance(r1, float) and isinstance(r2, float)}
     t.note_unlisten(token2)
     await _teardown(t, client, server, rma, rs, rd)
+    return out
+
+
+async def _native_deliver(error_mode: str, n: int, how: str) -> dict:
+    """The own worker's thread hands what it queued to a deliver callable
+    (``UcxTransport.take_natively``, ``_rma`` ``set_deliver``) instead of signalling the
+    eventfd. ``how="raise"``: the callable raises every time (reported as unraisable), and
+    the eventfd is signalled for what it left, so the loop still takes every notification,
+    once and in order. ``how="close"``: the callable closes the completion queue from the
+    own worker's thread (which then is not joined but ends after the call), and nothing
+    hangs or crashes. The chains end on the own worker's thread (no inline wait), so their
+    notifications are queued there."""
+    import sys
+    import threading
+
+    t, client, server, rma, src, dst, rs, rd = await _setup(error_mode, 1 << 20)
+    t.chain_inline_us = 0.0  # chains (and their notifications) end on the own worker's thread
+    calls: list = []
+    raised: list = []
+    got: list = []
+    threads: set = set()
+    done = asyncio.get_running_loop().create_future()
+    cq = t._cq
+
+    def deliver() -> None:
+        calls.append(threading.current_thread().ident)
+        if how == "raise":
+            raise RuntimeError("deliver failed")
+        cq.close()
+
+    def on_note(payload: bytes) -> None:
+        got.append(int(payload))
+        threads.add(threading.current_thread().ident)
+        if len(got) == n and not done.done():
+            done.set_result(None)
+
+    hook, sys.unraisablehook = sys.unraisablehook, lambda u: raised.append(repr(u.exc_value))
+    try:
+        token = t.note_listen(on_note)
+        assert t.take_natively(deliver)
+        src[:] = 3
+        futs = []
+        for i in range(n):
+            _put_all(rma, src, rs, rd, 1 << 16)
+            futs.append(rma.flush_notify_future(token, b"%d" % i, False))
+        if how == "raise":
+            res = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 30.0)
+            await asyncio.wait_for(done, 10.0)
+        else:
+            end = asyncio.get_running_loop().time() + 10.0
+            while not calls and asyncio.get_running_loop().time() < end:
+                await asyncio.sleep(0.001)
+            res = []
+    finally:
+        sys.unraisablehook = hook
+    me = threading.get_ident()
+    out = {
+        "calls": len(calls),
+        "native_thread": bool(calls) and me not in calls,
+        "raised": raised[:1],
+        "errors": [repr(r) for r in res if isinstance(r, BaseException)],
+        "order_ok": got == list(range(len(got))),
+        "count": len(got),
+        "notes_on_loop": threads <= {me},
+    }
+    if how == "raise":
+        t.take_natively(None)
+        t.note_unlisten(token)
+        await _teardown(t, client, server, rma, rs, rd)
     return out

@@ -514,7 +514,16 @@ typedef struct {
     int stop, thread_live;
     pthread_t thread;
     pthread_cond_t cv;
+    /* deliver (set_deliver): a Python callable the own worker's thread calls, holding the
+     * GIL, after its progress queued something (set and cleared holding the GIL); its
+     * pushes then signal the eventfd only for what the call left queued (`deferred`: such a
+     * push happened since the last call) */
+    PyObject *deliver;
+    int deferred;
 } cq_core_t;
+
+/* the queue whose own worker this thread progresses (its thread: cq_own_main) */
+static __thread cq_core_t *tl_own_core;
 
 typedef struct {
     cq_core_t *core;
@@ -595,9 +604,19 @@ static void cq_core_free(cq_core_t *c)
 
 /* Queue (token, status, payload) and signal the eventfd; caller holds c->mu. The queue
  * owns `data` (malloc'd or NULL) from here on: freed if it cannot be queued. */
-static void cq_push_data_locked(cq_core_t *c, uint64_t token, int status, void *data, size_t len)
+static void cq_signal_locked(cq_core_t *c)
 {
     uint64_t one = 1;
+    if (tl_own_core == c && __atomic_load_n(&c->deliver, __ATOMIC_ACQUIRE) != NULL) {
+        __atomic_store_n(&c->deferred, 1, __ATOMIC_RELEASE); /* cq_own_deliver signals */
+        return;
+    }
+    if (write(c->fd, &one, sizeof(one)) < 0) { /* counter overflow only: ignore */
+    }
+}
+
+static void cq_push_data_locked(cq_core_t *c, uint64_t token, int status, void *data, size_t len)
+{
     if (c->fd < 0) {
         free(data);
         return;
@@ -621,14 +640,12 @@ static void cq_push_data_locked(cq_core_t *c, uint64_t token, int status, void *
     } else {
         free(data);
     }
-    if (write(c->fd, &one, sizeof(one)) < 0) { /* counter overflow only: ignore */
-    }
+    cq_signal_locked(c);
 }
 
 /* Queue (token, status) and signal the eventfd; caller holds c->mu. */
 static void cq_push_locked(cq_core_t *c, uint64_t token, ucs_status_t status)
 {
-    uint64_t one = 1;
     if (c->fd < 0)
         return;
     if (c->n == c->cap) {
@@ -647,8 +664,7 @@ static void cq_push_locked(cq_core_t *c, uint64_t token, ucs_status_t status)
         c->items[c->n].len    = 0;
         c->n++;
     }
-    if (write(c->fd, &one, sizeof(one)) < 0) { /* counter overflow only: ignore */
-    }
+    cq_signal_locked(c);
 }
 
 /* Called by UCX (any thread); never touches Python. */
@@ -719,11 +735,56 @@ static void *cq_poller_main(void *arg)
  * request is in flight (an idle engine costs no CPU), else for at most 1 ms (completions
  * over shared memory signal nothing either). cq_req_begin_locked and cq_spin_begin_locked
  * wake it (ucp_worker_signal) when that changes; close() sets stop and wakes it. */
+/* What this thread's progress queued with a deliver callable set (`deferred`): call it,
+ * holding the GIL (a few passes while the call's own work queues more); then signal the
+ * eventfd if anything is still queued (the callable handles nothing when the loop is busy:
+ * the loop then takes it, as without one). Called by cq_own_main between progress calls,
+ * never inside one, holding no lock. Returns whether the queue is stopping. */
+static int cq_own_deliver(cq_core_t *c)
+{
+    PyGILState_STATE g;
+    uint64_t one = 1;
+    int pass, free_it = 0;
+    if (!__atomic_load_n(&c->deferred, __ATOMIC_ACQUIRE))
+        return __atomic_load_n(&c->stop, __ATOMIC_ACQUIRE);
+    pthread_mutex_lock(&c->mu);
+    c->refs++; /* a close from inside the call must not free the core under this thread */
+    pthread_mutex_unlock(&c->mu);
+    g = PyGILState_Ensure(); /* (ends this thread if the interpreter is finalizing) */
+    for (pass = 0; pass < 4; pass++) {
+        PyObject *h = c->deliver, *r;
+        __atomic_store_n(&c->deferred, 0, __ATOMIC_RELEASE);
+        if (h == NULL || __atomic_load_n(&c->stop, __ATOMIC_ACQUIRE))
+            break;
+        Py_INCREF(h);
+        r = PyObject_CallNoArgs(h);
+        if (r == NULL)
+            PyErr_WriteUnraisable(h);
+        Py_XDECREF(r);
+        Py_DECREF(h);
+        if (!__atomic_load_n(&c->deferred, __ATOMIC_ACQUIRE))
+            break;
+    }
+    PyGILState_Release(g);
+    pthread_mutex_lock(&c->mu);
+    __atomic_store_n(&c->deferred, 0, __ATOMIC_RELEASE);
+    if (c->n > 0 && c->fd >= 0 && write(c->fd, &one, sizeof(one)) < 0) { /* overflow only */
+    }
+    cq_core_unref_locked(c, &free_it);
+    pthread_mutex_unlock(&c->mu);
+    if (free_it) { /* closed from inside the call (the thread was detached there) */
+        cq_core_free(c);
+        return 1;
+    }
+    return __atomic_load_n(&c->stop, __ATOMIC_ACQUIRE);
+}
+
 static void *cq_own_main(void *arg)
 {
     cq_core_t *c   = (cq_core_t *)arg;
     ucp_worker_h w = c->own;
     (void)prctl(PR_SET_TIMERSLACK, 1000UL);
+    tl_own_core = c;
     while (!__atomic_load_n(&c->stop, __ATOMIC_ACQUIRE)) {
         if (__atomic_load_n(&c->spinning, __ATOMIC_ACQUIRE) > 0) {
             double t0 = mono_now(); /* last time progress did something */
@@ -731,6 +792,8 @@ static void *cq_own_main(void *arg)
                    !__atomic_load_n(&c->stop, __ATOMIC_ACQUIRE)) {
                 double idle;
                 if (ucp_worker_progress(w) != 0) {
+                    if (cq_own_deliver(c))
+                        return NULL;
                     t0 = mono_now();
                     continue;
                 }
@@ -744,6 +807,8 @@ static void *cq_own_main(void *arg)
         }
         while (ucp_worker_progress(w) != 0)
             ;
+        if (cq_own_deliver(c))
+            return NULL;
         {
             int busy = __atomic_load_n(&c->inflight, __ATOMIC_ACQUIRE) > 0;
             if (c->own_efd >= 0) {
@@ -914,9 +979,26 @@ static void cq_release(CompletionQueue *self)
         if (c->own != NULL)
             (void)ucp_worker_signal(c->own);
         pthread_mutex_unlock(&c->mu);
-        Py_BEGIN_ALLOW_THREADS
-        pthread_join(th, NULL);
-        Py_END_ALLOW_THREADS
+        if (pthread_equal(th, pthread_self())) {
+            /* released inside its own deliver call (the last reference dropped there): not
+             * joined (cq_own_deliver holds a core reference; the thread ends when the call
+             * returns), and its worker is left to the process's end, as whatever is still
+             * in flight on it (destroying a worker from under its own thread's call
+             * stack, with requests pending, aborts inside UCX) */
+            pthread_detach(th);
+            c->own = NULL;
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            pthread_join(th, NULL);
+            Py_END_ALLOW_THREADS
+        }
+        pthread_mutex_lock(&c->mu);
+    }
+    {
+        PyObject *h = c->deliver; /* (holding the GIL, as set_deliver) */
+        __atomic_store_n(&c->deliver, NULL, __ATOMIC_RELEASE);
+        pthread_mutex_unlock(&c->mu);
+        Py_XDECREF(h);
         pthread_mutex_lock(&c->mu);
     }
     if (c->own != NULL) {
@@ -1749,6 +1831,40 @@ static PyObject *cq_fileno(CompletionQueue *self, PyObject *noargs)
     return c == NULL ? NULL : PyLong_FromLong(c->fd);
 }
 
+/* set_deliver(fn or None): see cq_core_t.deliver. Only queues made with a context (an
+ * own worker) have the thread that calls it. */
+static PyObject *cq_set_deliver(CompletionQueue *self, PyObject *fn)
+{
+    PyObject *old;
+    cq_core_t *c = cq_core(self);
+    if (c == NULL)
+        return NULL;
+    if (fn != Py_None && !PyCallable_Check(fn)) {
+        PyErr_SetString(PyExc_TypeError, "set_deliver takes a callable or None");
+        return NULL;
+    }
+    if (fn != Py_None && c->own == NULL) {
+        PyErr_SetString(PyExc_ValueError, "set_deliver needs a queue with an own worker");
+        return NULL;
+    }
+    old = c->deliver;
+    if (fn == Py_None) {
+        __atomic_store_n(&c->deliver, NULL, __ATOMIC_RELEASE);
+    } else {
+        Py_INCREF(fn);
+        __atomic_store_n(&c->deliver, fn, __ATOMIC_RELEASE);
+    }
+    Py_XDECREF(old);
+    if (fn == Py_None) { /* what a deferred push left: the loop takes it */
+        uint64_t one = 1;
+        pthread_mutex_lock(&c->mu);
+        if (c->n > 0 && c->fd >= 0 && write(c->fd, &one, sizeof(one)) < 0) {
+        }
+        pthread_mutex_unlock(&c->mu);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *cq_close(CompletionQueue *self, PyObject *noargs)
 {
     cq_release(self);
@@ -1895,6 +2011,10 @@ static PyMethodDef cq_methods[] = {
      "address() -> bytes: the own worker's address (queues made with context=)"},
     {"spin_hold", (PyCFunction)cq_spin_hold, METH_VARARGS,
      "spin_hold(on): test hook; count (True) or uncount (False) a spinner with no flush"},
+    {"set_deliver", (PyCFunction)cq_set_deliver, METH_O,
+     "set_deliver(fn or None): the own worker's thread calls fn() (no arguments, holding the "
+     "GIL) after its progress queued completions, and signals the eventfd only for what "
+     "the call left queued"},
     {"fileno", (PyCFunction)cq_fileno, METH_NOARGS, "the eventfd to watch for readability"},
     {"close", (PyCFunction)cq_close, METH_NOARGS,
      "close the eventfd; late callbacks are dropped safely"},

@@ -22,7 +22,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import threading
-from typing import Awaitable, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Awaitable, Callable, List, Optional, Sequence, Tuple
 
 _arrival = threading.local()
 
@@ -231,6 +231,16 @@ class Transport(abc.ABC):
         resolved, notification callbacks run); returns whether anything was handled.
         Runs on: the loop thread or a thread running as its guest
         (:meth:`kvxfer.loop_thread.LoopThread.run_here`)."""
+        return False
+
+    def take_natively(self, take: Optional[Callable[[], Any]]) -> bool:
+        """Have the transport's native receive thread call ``take()`` (no arguments)
+        right after it queued completions or notifications, instead of only waking the
+        loop: ``take`` handles them as the loop's guest when the loop waits for events
+        (:meth:`kvxfer.loop_thread.LoopThread.take_completions`), and the loop is woken
+        only for what it left. ``None`` stops it. Returns whether this transport has such a
+        thread (False: nothing changes, the loop takes everything). Runs on: the loop
+        thread."""
         return False
 
     @abc.abstractmethod

@@ -192,6 +192,8 @@ class UcxTransport(Transport):
             self.context_handle = self._app.context.handle
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._cq: Any = None  # _rma.CompletionQueue, made on the loop that first needs it
+        #: what the own worker's thread calls after queueing completions (take_natively)
+        self._native_take: Optional[Callable[[], Any]] = None
         self._tokens = itertools.count(1)
         self._waiters: Dict[int, asyncio.Future] = {}  # token -> (status, t) future
         self._flushes: Dict[int, asyncio.Future] = {}  # token -> t future (flush_future)
@@ -249,7 +251,22 @@ class UcxTransport(Transport):
             q = self.rma.CompletionQueue(worker=self.worker_handle, signal_us=signal_us)
         if os.environ.get(NOTE_SPIN_ENV, "") not in ("", "0"):
             q.spin_hold(True)  # see NOTE_SPIN_ENV
+        if self._native_take is not None and self.own_rma:
+            q.set_deliver(self._native_take)
         return q
+
+    def take_natively(self, take: Optional[Callable[[], Any]]) -> bool:
+        """See :meth:`Transport.take_natively`: with kvxfer's own worker (:attr:`own_rma`),
+        whose completion queue's thread receives notifications and flush completions.
+        ``take`` runs on that thread holding the GIL, between its progress calls (never
+        inside one), and should hold no reference to this transport (a closure over a weak
+        one): the native queue keeps it until set to None or closed."""
+        if not self.own_rma:
+            return False
+        self._native_take = take
+        if self._cq is not None:
+            self._cq.set_deliver(take)
+        return True
 
     def _on_completions(self) -> None:
         """Resolve the futures of completed native requests and report endpoint errors.
@@ -606,6 +623,7 @@ class UcxTransport(Transport):
         self._waiters.clear()
         self._flushes.clear()
         self._notes.clear()
+        self._native_take = None
         if self._cq is not None:
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.remove_reader(self._cq.fileno())

@@ -215,6 +215,7 @@ class Node:
         self.hooks_fired: list = []
         self.hooks_cv = threading.Condition()
         self._gate = threading.Event()
+        self._hold = threading.Event()  # hold_loop
         self.widened: Optional[tuple] = None
         self.in_window: Optional[int] = None
         self._thread = None
@@ -383,6 +384,7 @@ class Node:
         written for the loop's (the scheduler's call must return while the hook holds): a
         node with hooks hands every call to its loop (no direct calls)."""
         self.mgr.direct_pages = 0
+        self.mgr.call_wait(self.mgr.take_natively, False)
         self.mgr.test_hook = self._hook
 
     def widen(self, point: Optional[str], seconds: float) -> None:
@@ -395,6 +397,7 @@ class Node:
         self._loop_hooks()
         if point is None and not self.hooks:  # nothing holds the loop: direct calls again
             self.mgr.direct_pages = self._direct_pages
+            self.mgr.call_wait(self.mgr.take_natively, self.mgr.native_takes)
 
     def hammer_open(self, rooms, seed: int, jitter: float) -> None:
         """Hammer, prefill's scheduler: create a KVSender for every room of ``rooms``
@@ -590,6 +593,7 @@ class Node:
                 "state": state.name,
                 "exc": type(exc).__name__ if exc else None,
                 "msg": str(exc) if exc else "",
+                "thread": threading.current_thread().name,
             }
             if self.role == "prefill" or state.name != "Success":
                 self._free(rec)
@@ -909,17 +913,50 @@ class Node:
                 return s
             time.sleep(0.0005)
 
-    def deaf(self, on: bool) -> None:
+    def deaf(self, on: bool, keep_native: bool = False) -> None:
         """Test hook: the manager's loop stops (``on``) or resumes watching its transport's
-        completion queue, so that meanwhile only ``poll()``'s take
-        (``KVManager.take_arrived``) handles what arrives there (Done, flush completions)."""
+        completion queue, and (unless ``keep_native``) its native receive thread stops
+        handing it over (``KVManager.take_natively``), so that meanwhile only ``poll()``'s
+        take (``KVManager.take_arrived``) handles what arrives there (Done, flush
+        completions)."""
         tr = self.mgr.engine.transport
         fd = tr._cq.fileno()
-        loop = self.mgr.loop
+        loop, mgr = self.mgr.loop, self.mgr
         if on:
-            self.mgr.call_wait(lambda: loop.remove_reader(fd))
+            if not keep_native:
+                mgr.call_wait(mgr.take_natively, False)
+            mgr.call_wait(lambda: loop.remove_reader(fd))
         else:
-            self.mgr.call_wait(lambda: loop.add_reader(fd, tr._on_completions))
+            mgr.call_wait(lambda: loop.add_reader(fd, tr._on_completions))
+            mgr.call_wait(mgr.take_natively, mgr.native_takes)
+
+    def hold_loop(self, on: bool) -> None:
+        """Test hook: the manager's loop runs (``on``) a callback that waits (bounded, 30 s)
+        until ``hold_loop(False)``, so that meanwhile the loop's gate is held (no guest run:
+        the native receive thread and polls leave what arrives queued). Returns once the
+        loop is inside it."""
+        if not on:
+            self._hold.set()
+            return
+        self._hold.clear()
+        inside = threading.Event()
+
+        def hold() -> None:
+            inside.set()
+            self._hold.wait(30)
+
+        self.mgr.loop.call_soon_threadsafe(hold)
+        assert inside.wait(10), "the loop did not run the holding callback"
+
+    def loop_thread_name(self) -> str:
+        return self.mgr._thread.name
+
+    def toggle_native_takes(self, times: int) -> None:
+        """Switch the native take off and on ``times`` times (a scheduler-side thread,
+        while rooms arrive); on at the end."""
+        for _ in range(times):
+            self.mgr.call_wait(self.mgr.take_natively, False)
+            self.mgr.call_wait(self.mgr.take_natively, True)
 
     def set_poll_takes(self, on: bool) -> None:
         self.mgr.poll_takes = on

@@ -63,3 +63,29 @@ def test_close_cancels_pending_chain(node):
 def test_unknown_token_dropped(node):
     out = node.unknown_token()
     assert out["got"] == ["2:live"] and out["ok"], out
+
+
+def test_native_deliver_that_raises_leaves_everything_to_the_loop(node):
+    """The own worker's thread calls a deliver callable instead of signalling the eventfd
+    (``UcxTransport.take_natively``): one that raises is reported (unraisable) and what it
+    left is signalled, so the loop still takes every notification, once and in order."""
+    out = node.native_deliver("none", 50, "raise")
+    assert out["calls"] >= 1 and out["native_thread"], out
+    assert out["raised"] and "deliver failed" in out["raised"][0], out
+    assert out["errors"] == [] and out["count"] == 50 and out["order_ok"], out
+    assert out["notes_on_loop"], out
+
+
+def test_native_deliver_that_closes_the_queue():
+    """A deliver callable that closes the completion queue from the own worker's thread
+    (the last reference dropped there): the thread is not joined (it would wait for itself),
+    it ends once the call returns, and the process goes on: nothing hangs or aborts (its
+    own process: the transport is left without a queue, its worker to the process's end)."""
+    w = Worker(ChainNode, name="chain-close").start()
+    try:
+        node = w.proxy(ChainNode, timeout=60.0)
+        out = node.native_deliver("none", 50, "close")
+        assert out["calls"] == 1 and out["native_thread"], out
+        assert w.alive()
+    finally:
+        w.close()
