@@ -522,8 +522,21 @@ typedef struct {
     int deferred;
 } cq_core_t;
 
-/* the queue whose own worker this thread progresses (its thread: cq_own_main) */
+/* the queue whose own worker this thread progresses (its thread: cq_own_main), and the
+ * Python thread state it keeps for its deliver calls (cq_own_deliver; released when the
+ * thread ends: cq_own_exit) */
 static __thread cq_core_t *tl_own_core;
+static __thread PyThreadState *tl_tstate;
+static __thread PyGILState_STATE tl_gstate;
+
+static void cq_own_exit(void)
+{
+    if (tl_tstate != NULL) {
+        PyEval_RestoreThread(tl_tstate);
+        PyGILState_Release(tl_gstate); /* deletes the thread state */
+        tl_tstate = NULL;
+    }
+}
 
 typedef struct {
     cq_core_t *core;
@@ -750,7 +763,16 @@ static int cq_own_deliver(cq_core_t *c)
     pthread_mutex_lock(&c->mu);
     c->refs++; /* a close from inside the call must not free the core under this thread */
     pthread_mutex_unlock(&c->mu);
-    g = PyGILState_Ensure(); /* (ends this thread if the interpreter is finalizing) */
+    /* this thread's Python thread state, made once and kept (a new one per call cost
+     * more than the call itself); taking the GIL ends this thread if the interpreter is
+     * finalizing */
+    if (tl_tstate == NULL) {
+        g             = PyGILState_Ensure();
+        tl_gstate     = g;
+        tl_tstate     = PyThreadState_Get();
+    } else {
+        PyEval_RestoreThread(tl_tstate);
+    }
     for (pass = 0; pass < 4; pass++) {
         PyObject *h = c->deliver, *r;
         __atomic_store_n(&c->deferred, 0, __ATOMIC_RELEASE);
@@ -765,7 +787,7 @@ static int cq_own_deliver(cq_core_t *c)
         if (!__atomic_load_n(&c->deferred, __ATOMIC_ACQUIRE))
             break;
     }
-    PyGILState_Release(g);
+    (void)PyEval_SaveThread();
     pthread_mutex_lock(&c->mu);
     __atomic_store_n(&c->deferred, 0, __ATOMIC_RELEASE);
     if (c->n > 0 && c->fd >= 0 && write(c->fd, &one, sizeof(one)) < 0) { /* overflow only */
@@ -792,8 +814,10 @@ static void *cq_own_main(void *arg)
                    !__atomic_load_n(&c->stop, __ATOMIC_ACQUIRE)) {
                 double idle;
                 if (ucp_worker_progress(w) != 0) {
-                    if (cq_own_deliver(c))
+                    if (cq_own_deliver(c)) {
+                        cq_own_exit();
                         return NULL;
+                    }
                     t0 = mono_now();
                     continue;
                 }
@@ -806,9 +830,10 @@ static void *cq_own_main(void *arg)
             continue;
         }
         while (ucp_worker_progress(w) != 0)
-            ;
-        if (cq_own_deliver(c))
-            return NULL;
+            if (cq_own_deliver(c)) { /* (what one call queued: handed over at once) */
+                cq_own_exit();
+                return NULL;
+            }
         {
             int busy = __atomic_load_n(&c->inflight, __ATOMIC_ACQUIRE) > 0;
             if (c->own_efd >= 0) {
@@ -826,6 +851,7 @@ static void *cq_own_main(void *arg)
             }
         }
     }
+    cq_own_exit();
     return NULL;
 }
 
