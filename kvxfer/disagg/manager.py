@@ -367,7 +367,7 @@ class KVManager:
         lt = LoopThread(f"kvxfer-{self.name}")
         lt.start(self.start(), timeout)
         self._thread = lt
-        if self.native_takes:
+        if self.native_takes:  # on the loop: ordered with its completion queue's making
             self.call_wait(self.take_natively, True, timeout=timeout)
         return self
 
@@ -378,7 +378,9 @@ class KVManager:
         then reaches its room, its ``on_done`` and the hooks on that thread with no wake-up
         of the loop, when the loop waits for events (else the loop handles it, as always).
         Returns whether the transport has such a thread. Needs :meth:`start_background`.
-        Runs on: the loop thread."""
+        Runs on: the loop thread, or any thread once the transport's completion queue
+        exists (a pointer swap under the GIL; a test switches it while a hook holds the
+        loop)."""
         lt, engine = self._thread, self.engine
         if lt is None or engine is None:
             return False

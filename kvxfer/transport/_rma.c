@@ -615,8 +615,9 @@ static void cq_core_free(cq_core_t *c)
     free(c);
 }
 
-/* Queue (token, status, payload) and signal the eventfd; caller holds c->mu. The queue
- * owns `data` (malloc'd or NULL) from here on: freed if it cannot be queued. */
+/* Signal the eventfd; caller holds c->mu. Not for a push by the queue's own worker thread
+ * while a deliver callable is set: that thread calls it first (cq_own_deliver) and
+ * signals only what the call left. */
 static void cq_signal_locked(cq_core_t *c)
 {
     uint64_t one = 1;
@@ -628,6 +629,8 @@ static void cq_signal_locked(cq_core_t *c)
     }
 }
 
+/* Queue (token, status, payload) and signal the eventfd; caller holds c->mu. The queue
+ * owns `data` (malloc'd or NULL) from here on: freed if it cannot be queued. */
 static void cq_push_data_locked(cq_core_t *c, uint64_t token, int status, void *data, size_t len)
 {
     if (c->fd < 0) {
@@ -741,13 +744,6 @@ static void *cq_poller_main(void *arg)
     return NULL;
 }
 
-/* The own worker's thread (queues made with a context): the only thread besides a chain's
- * starter that progresses the own worker. While spin flushes are in flight it progresses
- * it back to back (CUDA events signal nothing), backing off like the poller; otherwise it
- * progresses until idle, arms the worker's event fd and sleeps on it: indefinitely when no
- * request is in flight (an idle engine costs no CPU), else for at most 1 ms (completions
- * over shared memory signal nothing either). cq_req_begin_locked and cq_spin_begin_locked
- * wake it (ucp_worker_signal) when that changes; close() sets stop and wakes it. */
 /* What this thread's progress queued with a deliver callable set (`deferred`): call it,
  * holding the GIL (a few passes while the call's own work queues more); then signal the
  * eventfd if anything is still queued (the callable handles nothing when the loop is busy:
@@ -801,6 +797,15 @@ static int cq_own_deliver(cq_core_t *c)
     return __atomic_load_n(&c->stop, __ATOMIC_ACQUIRE);
 }
 
+/* The own worker's thread (queues made with a context): the only thread besides a chain's
+ * starter that progresses the own worker. While spin flushes are in flight it progresses
+ * it back to back (CUDA events signal nothing), backing off like the poller; otherwise it
+ * progresses until idle, arms the worker's event fd and sleeps on it: indefinitely when no
+ * request is in flight (an idle engine costs no CPU), else for at most 1 ms (completions
+ * over shared memory signal nothing either). cq_req_begin_locked and cq_spin_begin_locked
+ * wake it (ucp_worker_signal) when that changes; close() sets stop and wakes it. After
+ * every progress call that queued something (whatever it returned), a deliver callable
+ * (if set) is called (cq_own_deliver) before the next one. */
 static void *cq_own_main(void *arg)
 {
     cq_core_t *c   = (cq_core_t *)arg;
@@ -813,11 +818,13 @@ static void *cq_own_main(void *arg)
             while (__atomic_load_n(&c->spinning, __ATOMIC_ACQUIRE) > 0 &&
                    !__atomic_load_n(&c->stop, __ATOMIC_ACQUIRE)) {
                 double idle;
-                if (ucp_worker_progress(w) != 0) {
-                    if (cq_own_deliver(c)) {
-                        cq_own_exit();
-                        return NULL;
-                    }
+                unsigned got = ucp_worker_progress(w);
+                /* (a callback may queue in a call that reports no progress) */
+                if (cq_own_deliver(c)) {
+                    cq_own_exit();
+                    return NULL;
+                }
+                if (got != 0) {
                     t0 = mono_now();
                     continue;
                 }
@@ -829,11 +836,15 @@ static void *cq_own_main(void *arg)
             }
             continue;
         }
-        while (ucp_worker_progress(w) != 0)
-            if (cq_own_deliver(c)) { /* (what one call queued: handed over at once) */
+        for (;;) { /* what each call queued is handed over at once (cq_own_deliver) */
+            unsigned got = ucp_worker_progress(w);
+            if (cq_own_deliver(c)) {
                 cq_own_exit();
                 return NULL;
             }
+            if (got == 0)
+                break;
+        }
         {
             int busy = __atomic_load_n(&c->inflight, __ATOMIC_ACQUIRE) > 0;
             if (c->own_efd >= 0) {

@@ -240,7 +240,8 @@ class Transport(abc.ABC):
         (:meth:`kvxfer.loop_thread.LoopThread.take_completions`), and the loop is woken
         only for what it left. ``None`` stops it. Returns whether this transport has such a
         thread (False: nothing changes, the loop takes everything). Runs on: the loop
-        thread."""
+        thread, or any thread once the transport's completion queue exists (the switch is
+        atomic under the GIL)."""
         return False
 
     @abc.abstractmethod

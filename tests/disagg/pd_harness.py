@@ -384,7 +384,7 @@ class Node:
         written for the loop's (the scheduler's call must return while the hook holds): a
         node with hooks hands every call to its loop (no direct calls)."""
         self.mgr.direct_pages = 0
-        self.mgr.call_wait(self.mgr.take_natively, False)
+        self.mgr.take_natively(False)  # (not through the loop: a hook may hold it now)
         self.mgr.test_hook = self._hook
 
     def widen(self, point: Optional[str], seconds: float) -> None:
@@ -397,7 +397,7 @@ class Node:
         self._loop_hooks()
         if point is None and not self.hooks:  # nothing holds the loop: direct calls again
             self.mgr.direct_pages = self._direct_pages
-            self.mgr.call_wait(self.mgr.take_natively, self.mgr.native_takes)
+            self.mgr.take_natively(self.mgr.native_takes)
 
     def hammer_open(self, rooms, seed: int, jitter: float) -> None:
         """Hammer, prefill's scheduler: create a KVSender for every room of ``rooms``
@@ -924,11 +924,11 @@ class Node:
         loop, mgr = self.mgr.loop, self.mgr
         if on:
             if not keep_native:
-                mgr.call_wait(mgr.take_natively, False)
+                mgr.take_natively(False)
             mgr.call_wait(lambda: loop.remove_reader(fd))
         else:
             mgr.call_wait(lambda: loop.add_reader(fd, tr._on_completions))
-            mgr.call_wait(mgr.take_natively, mgr.native_takes)
+            mgr.take_natively(mgr.native_takes)
 
     def hold_loop(self, on: bool) -> None:
         """Test hook: the manager's loop runs (``on``) a callback that waits (bounded, 30 s)
@@ -955,8 +955,8 @@ class Node:
         """Switch the native take off and on ``times`` times (a scheduler-side thread,
         while rooms arrive); on at the end."""
         for _ in range(times):
-            self.mgr.call_wait(self.mgr.take_natively, False)
-            self.mgr.call_wait(self.mgr.take_natively, True)
+            self.mgr.take_natively(False)
+            self.mgr.take_natively(True)
 
     def set_poll_takes(self, on: bool) -> None:
         self.mgr.poll_takes = on
