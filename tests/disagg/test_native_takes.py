@@ -57,12 +57,24 @@ def pair():
 _ids = itertools.count(7_000_000, 7)
 
 
+def _opened(p, d, pages: int) -> int:
+    """A fresh room opened on both sides, prefill at WaitingForInput."""
+    a = next(_ids)
+    d.d_open(a, pages)
+    p.p_open(a, pages)
+    assert p.poll_until(a, ["WaitingForInput"]) == "WaitingForInput"
+    return a
+
+
+def _clean(p, d) -> None:
+    assert d.loop_errors() == [] and p.loop_errors() == []
+    for n in (p, d):
+        assert n.leaks() == CLEAN
+
+
 def test_the_native_thread_completes_the_room_without_the_loop(pair):
     p, d = pair.p, pair.d
-    a = next(_ids)
-    d.d_open(a, 3)
-    p.p_open(a, 3)
-    assert p.poll_until(a, ["WaitingForInput"]) == "WaitingForInput"
+    a = _opened(p, d, 3)
     takes0 = d.stats()["native_takes"]
     d.deaf(True, keep_native=True)
     try:
@@ -76,17 +88,12 @@ def test_the_native_thread_completes_the_room_without_the_loop(pair):
         d.deaf(False)
     assert p.wait(a) is not None
     assert d.verify(a) == 0
-    assert d.loop_errors() == [] and p.loop_errors() == []
-    for n in (p, d):
-        assert n.leaks() == CLEAN
+    _clean(p, d)
 
 
 def test_a_busy_loop_keeps_what_the_native_thread_could_not_take(pair):
     p, d = pair.p, pair.d
-    a = next(_ids)
-    d.d_open(a, 2)
-    p.p_open(a, 2)
-    assert p.poll_until(a, ["WaitingForInput"]) == "WaitingForInput"
+    a = _opened(p, d, 2)
     takes0 = d.stats()["native_takes"]
     d.hold_loop(True)  # the loop runs a callback that waits: its gate is held
     try:
@@ -102,9 +109,7 @@ def test_a_busy_loop_keeps_what_the_native_thread_could_not_take(pair):
     assert res["thread"] == d.loop_thread_name(), res  # the loop, woken by the eventfd
     assert d.stats()["native_takes"] == takes0
     assert d.verify(a) == 0
-    assert d.loop_errors() == [] and p.loop_errors() == []
-    for n in (p, d):
-        assert n.leaks() == CLEAN
+    _clean(p, d)
 
 
 def test_bursts_with_the_native_take_switched_meanwhile(pair):
@@ -125,6 +130,4 @@ def test_bursts_with_the_native_take_switched_meanwhile(pair):
         assert sum(d.batch([(Node.verify, r) for r in rooms], timeout=60)) == 0
     print(f"native takes: {d.stats()['native_takes'] - takes0}", end=" ")
     assert d.stats()["native_takes"] > takes0
-    assert d.loop_errors() == [] and p.loop_errors() == []
-    for n in (p, d):
-        assert n.leaks() == CLEAN
+    _clean(p, d)
