@@ -23,6 +23,9 @@
  *                             worker per queue made with context=: bulk endpoints live there
  *                             and only kvxfer's threads progress it (nothing of UCXX runs
  *                             there); the queue's thread sleeps on its event fd when idle.
+ *                             With set_deliver(fn), that thread calls fn (taking the GIL)
+ *                             between progress calls after one queued something, and
+ *                             signals the eventfd only for what fn left (cq_own_deliver).
  *   poller                    while a flush started with spin=True is in flight, a native
  *                             thread of the queue wakes UCXX's progress thread every
  *                             signal_us (ucp_worker_signal), then sleeps on a condition

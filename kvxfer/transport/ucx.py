@@ -14,7 +14,9 @@ Facts this module relies on (where each callback runs: the threads table in docs
   docs/engine.md "Own worker") is progressed by its completion queue's thread and a chain's
   starter. Flush and close completions arrive on those threads;
   ``_rma.CompletionQueue`` queues them and signals an eventfd that the event loop watches
-  (``loop.add_reader``): every completion is handled on the loop thread. While a ``spin``
+  (``loop.add_reader``): every completion is handled on the loop thread, or as the loop's
+  guest by the own worker's thread that received it (:meth:`UcxTransport.take_natively`:
+  a manager's native takes, docs/engine.md "Native takes"). While a ``spin``
   flush is in flight the queue's native poller thread wakes UCXX's progress thread every
   :data:`POLL_SIGNAL_US` (``ucp_worker_signal``): cuda_ipc completions never signal the
   worker fd, so they would otherwise wait for UCXX's next timeout tick (event vs spin:
