@@ -754,7 +754,6 @@ static void *cq_poller_main(void *arg)
  * never inside one, holding no lock. Returns whether the queue is stopping. */
 static int cq_own_deliver(cq_core_t *c)
 {
-    PyGILState_STATE g;
     uint64_t one = 1;
     int pass, free_it = 0;
     if (!__atomic_load_n(&c->deferred, __ATOMIC_ACQUIRE))
@@ -766,9 +765,8 @@ static int cq_own_deliver(cq_core_t *c)
      * more than the call itself); taking the GIL ends this thread if the interpreter is
      * finalizing */
     if (tl_tstate == NULL) {
-        g             = PyGILState_Ensure();
-        tl_gstate     = g;
-        tl_tstate     = PyThreadState_Get();
+        tl_gstate = PyGILState_Ensure();
+        tl_tstate = PyThreadState_Get();
     } else {
         PyEval_RestoreThread(tl_tstate);
     }
