@@ -460,22 +460,15 @@ def open_lane(
     return lane, f"active (pid {lane.pid})"
 
 
-_GATHER: Any = None  # kvxfer.transport._rma.gather once loaded; False: not available
 _bounces = threading.local()
 
 
 def _gather() -> Any:
     """The native run packer (``_rma.gather``), or None where the extension is missing
     (then nothing is packed). Loaded at first use: a lane exists only once UCX is up."""
-    global _GATHER
-    if _GATHER is None:
-        try:
-            from kvxfer.transport.ucx_lib import load_ucx
+    from kvxfer.transport.ucx_lib import native_helper
 
-            _GATHER = load_ucx()[1].gather
-        except (ImportError, AttributeError, TransportError):
-            _GATHER = False
-    return _GATHER or None
+    return native_helper("gather")
 
 
 def _bounce() -> np.ndarray:

@@ -77,6 +77,7 @@ from kvxfer.errors import (
     TransferTimeout,
 )
 from kvxfer.transport.base import Channel, RmaEndpoint
+from kvxfer.transport.ucx_lib import native_helper
 
 log = logging.getLogger(__name__)
 _U64 = np.uint64
@@ -191,6 +192,7 @@ class Peer:
             self._staged.can_stage,
             self.can_pattern,
             self._host_pattern,
+            native_helper("plan_items"),
         )
 
     # ------------------------------------------------------------ properties

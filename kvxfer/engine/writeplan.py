@@ -3,14 +3,18 @@ split it into direct PUTs (the native batch's columns) and staged parts. No I/O 
 state but a per-group layout cache: a :class:`~kvxfer.engine.peer.Peer` owns one
 :class:`WritePlanner` and posts what it returns.
 
-ItemWrite parts and short RawWrites are planned by :mod:`kvxfer.engine.fastplan` (same
-validation as :func:`kvxfer.plan.plan_items` / :func:`kvxfer.plan.plan_raw`, a fixed cost of
-a few µs); long RawWrites and expanded PatternWrites by :mod:`kvxfer.plan`. Costs: bench/plan_cost.py, bench/results/plan-cpu.md.
+A write made only of ItemWrites of a few ids each is planned in one native call
+(``_rma.plan_items``, when the extension has it), which returns None for anything else and
+for bad input; then ItemWrite parts and short RawWrites are planned by
+:mod:`kvxfer.engine.fastplan` (same validation as :func:`kvxfer.plan.plan_items` /
+:func:`kvxfer.plan.plan_raw`, a fixed cost of a few µs); long RawWrites and expanded
+PatternWrites by :mod:`kvxfer.plan`. Costs: bench/plan_cost.py, bench/results/plan-cpu.md.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, List, Tuple, Union
+import functools
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -52,7 +56,10 @@ class WritePlanner:
     """Plans writes from ``local`` groups to one peer's ``remote`` groups. ``can_stage(group)``:
     whether the peer granted us landing slots for ``group`` (the staged path);
     ``can_pattern(group)``: whether the device lane copies PatternWrites of ``group``;
-    ``host_pattern(group)``: whether the host lane does (from the pattern: no expansion)."""
+    ``host_pattern(group)``: whether the host lane does (from the pattern: no expansion);
+    ``native``: the extension's ``plan_items`` (``kvxfer.transport._rma``), which plans a
+    write of a few item ids per part in one call and hands anything else back (None: the
+    Python planners only; both give the same plan, tests/engine/test_native_plan.py)."""
 
     def __init__(
         self,
@@ -62,6 +69,7 @@ class WritePlanner:
         can_stage: Callable[[str], bool],
         can_pattern: Callable[[str], bool] = lambda group: False,
         host_pattern: Callable[[str], bool] = lambda group: False,
+        native: Optional[Callable[..., Any]] = None,
     ):
         self._local, self._remote = local, remote
         self._peer_name = peer_name
@@ -70,6 +78,21 @@ class WritePlanner:
         self._host_pattern = host_pattern
         self._pairs: Dict[str, fastplan.GroupPair] = {}  # static layout per group, resolved once
         self._raw: Dict[str, fastplan.RawPair] = {}  # the same for RawWrites
+        #: group -> (descs, local items, remote items) of its pair: what ``native`` reads
+        self._native_pairs: Dict[str, Tuple[Any, int, int]] = {}
+        #: ``native`` bound to all but the write (``plan_items(..., writes)``)
+        self._native = (
+            None
+            if native is None
+            else functools.partial(
+                native,
+                ItemWrite,
+                np.ndarray,
+                self._native_pairs,
+                fastplan.SMALL_IDS,
+                fastplan.SMALL_OPS,
+            )
+        )
 
     def plan(self, writes: Writes, stage_min_ops: int = 0, patterns: bool = True) -> Planned:
         """Validate every part, then split: ``(laddr, raddr, nbytes, lmemh, ridx, staged)``
@@ -82,6 +105,12 @@ class WritePlanner:
         :mod:`kvxfer.engine.fastplan` (same validation as :func:`kvxfer.plan.plan_items`;
         plans of a few ops in Python ints, collected into one array per column at the end);
         the rest by :mod:`kvxfer.plan`."""
+        native = self._native
+        if native is not None and not stage_min_ops:  # (a staged part: Python decides)
+            got = native(writes)
+            if got is not None:  # a list of ItemWrites of a few valid ids: one call
+                laddr, raddr, nbytes, lmemh, ridx = np.frombuffer(got[0], _U64).reshape(5, -1)
+                return laddr, raddr, nbytes, lmemh, ridx, [], [], [], [], got[1]
         if isinstance(writes, (ItemWrite, RawWrite, SliceWrite, PatternWrite)):
             writes = [writes]
         # laddr, raddr, nbytes, memh, ridx of the parts planned in Python ints
@@ -214,6 +243,7 @@ class WritePlanner:
         pair = self._pairs[w.group] = fastplan.GroupPair.make(
             lg, rg, self._local.desc_memh[w.group], self._remote.desc_region[w.group]
         )
+        self._native_pairs[w.group] = (pair.descs, pair.local_items, pair.remote_items)
         return pair
 
     def _pattern_part(self, w: PatternWrite, lg: GroupLayout, rg: GroupLayout) -> PatternPart:

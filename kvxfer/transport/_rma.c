@@ -34,6 +34,9 @@
  *                             never signal that fd: without the poller every CUDA flush
  *                             completed on the next 1 ms tick.
  *   ep_info                   ucp_ep_print_info captured as a string (lanes / transports)
+ *   plan_items                the engine planner's happy path for writes of a few item ids
+ *                             (kvxfer.engine.writeplan): one call instead of ~50 Python
+ *                             calls; anything unusual or bad is left to the Python planner
  *   gather                    memcpy of a list of local runs into one buffer (the host lane's
  *                             packing of short strided runs; no UCX involved)
  *   CompletionQueue.ep_create bulk endpoint (error mode NONE + error handler, see there)
@@ -445,6 +448,248 @@ out:
     PyBuffer_Release(&lb);
     PyBuffer_Release(&nbuf);
     return result;
+}
+
+/* ------------------------------------------------------------- plan_items */
+
+/*
+ * plan_items(item_write_type, ndarray_type, pairs, max_ids, max_ops, writes)
+ *     -> (columns: bytearray, total_bytes) or None
+ *
+ * The happy path of kvxfer.engine.writeplan.WritePlanner.plan for a write made only of
+ * ItemWrites of a few ids each (a request's small write: its pages, a state slot, an aux
+ * row), in one call instead of ~50 Python calls. `pairs` maps a group name to
+ * (descs, local_items, remote_items), descs a tuple of (lptr, rptr, item_len, memh, ridx)
+ * (fastplan.GroupPair.descs). Returns the five op columns (laddr, raddr, nbytes, memh,
+ * ridx; uint64, row after row, n ops each) and the bytes they move, ops in exactly the
+ * order of fastplan.plan_small: part after part, descriptor-major, runs maximal and
+ * ordered by (source, destination) id.
+ *
+ * Returns None, having planned nothing, for anything it does not take: `writes` not a list
+ * or tuple; a part not exactly of item_write_type; a group missing from `pairs`; ids that
+ * are not an int, a list/tuple of at most max_ids exact ints, or a 1-D int64 ndarray
+ * (exactly ndarray_type) of at most max_ids; ids out of range, counts that differ,
+ * duplicate destinations; a part of more than max_ops ops. The caller then plans the write
+ * in Python, which raises the precise error where the input is bad: this function never
+ * raises for bad input (only MemoryError).
+ */
+#define PLAN_MAX_IDS 64
+
+typedef struct {
+    long long s, d;
+} plan_pair_t;
+
+/* ids of `o` into out (at most max_ids); returns the count, or -1: not taken */
+static Py_ssize_t plan_ids(PyObject *o, PyTypeObject *nd, Py_ssize_t max_ids, long long *out)
+{
+    Py_ssize_t k, i;
+    if (PyLong_CheckExact(o)) {
+        int overflow = 0;
+        out[0] = PyLong_AsLongLongAndOverflow(o, &overflow);
+        if (overflow || (out[0] == -1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            return -1;
+        }
+        return 1;
+    }
+    if (PyList_CheckExact(o) || PyTuple_CheckExact(o)) {
+        k = PySequence_Fast_GET_SIZE(o);
+        if (k > max_ids)
+            return -1;
+        for (i = 0; i < k; i++) {
+            PyObject *v = PySequence_Fast_GET_ITEM(o, i);
+            int overflow = 0;
+            if (!PyLong_CheckExact(v))
+                return -1;
+            out[i] = PyLong_AsLongLongAndOverflow(v, &overflow);
+            if (overflow || (out[i] == -1 && PyErr_Occurred())) {
+                PyErr_Clear();
+                return -1;
+            }
+        }
+        return k;
+    }
+    if (Py_TYPE(o) == nd) {
+        Py_buffer b;
+        if (PyObject_GetBuffer(o, &b, PyBUF_RECORDS_RO) < 0) {
+            PyErr_Clear();
+            return -1;
+        }
+        k = -1;
+        if (b.ndim == 1 && b.itemsize == 8 && b.format != NULL &&
+            (strcmp(b.format, "l") == 0 || strcmp(b.format, "q") == 0 ||
+             strcmp(b.format, "<l") == 0 || strcmp(b.format, "<q") == 0 ||
+             strcmp(b.format, "=l") == 0 || strcmp(b.format, "=q") == 0) &&
+            b.shape[0] <= max_ids) {
+            k = b.shape[0];
+            for (i = 0; i < k; i++)
+                out[i] = *(const long long *)((const char *)b.buf + i * b.strides[0]);
+        }
+        PyBuffer_Release(&b);
+        return k;
+    }
+    return -1;
+}
+
+static int plan_pair_cmp(const void *a, const void *b)
+{
+    const plan_pair_t *x = a, *y = b;
+    if (x->s != y->s)
+        return x->s < y->s ? -1 : 1;
+    return x->d < y->d ? -1 : (x->d > y->d);
+}
+
+static int plan_ll_cmp(const void *a, const void *b)
+{
+    long long x = *(const long long *)a, y = *(const long long *)b;
+    return x < y ? -1 : (x > y);
+}
+
+static PyObject *py_plan_items(PyObject *self, PyObject *args)
+{
+    PyObject *writes, *iw_type, *nd_type, *pairs, *fast = NULL, *out = NULL;
+    Py_ssize_t max_ids, max_ops, n_parts, p, n = 0, cap = 0;
+    uint64_t *ops = NULL; /* 5 per op, op after op */
+    uint64_t total = 0;
+    long long src[PLAN_MAX_IDS], dst[PLAN_MAX_IDS], sorted_d[PLAN_MAX_IDS];
+    plan_pair_t pr[PLAN_MAX_IDS];
+    long long runs[PLAN_MAX_IDS][3];
+
+    static PyObject *s_group, *s_src, *s_dst;
+    if (s_group == NULL) {
+        s_group = PyUnicode_InternFromString("group");
+        s_src = PyUnicode_InternFromString("src_items");
+        s_dst = PyUnicode_InternFromString("dst_items");
+        if (s_group == NULL || s_src == NULL || s_dst == NULL)
+            return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "OO!O!nnO", &iw_type, &PyType_Type, &nd_type, &PyDict_Type,
+                          &pairs, &max_ids, &max_ops, &writes))
+        return NULL;
+    if (max_ids > PLAN_MAX_IDS)
+        max_ids = PLAN_MAX_IDS;
+    if (!PyList_CheckExact(writes) && !PyTuple_CheckExact(writes))
+        Py_RETURN_NONE;
+    n_parts = PySequence_Fast_GET_SIZE(writes);
+    for (p = 0; p < n_parts; p++) {
+        PyObject *w = PySequence_Fast_GET_ITEM(writes, p);
+        PyObject *group, *pair, *descs, *so, *dobj;
+        Py_ssize_t k, kd, i, nr, nd, j;
+        long long n_local, n_remote;
+        if ((PyObject *)Py_TYPE(w) != iw_type)
+            goto not_taken;
+        group = PyObject_GetAttr(w, s_group);
+        if (group == NULL)
+            goto not_taken_err;
+        pair = PyDict_GetItemWithError(pairs, group); /* borrowed */
+        Py_DECREF(group);
+        if (pair == NULL || !PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 3)
+            goto not_taken_err;
+        descs = PyTuple_GET_ITEM(pair, 0);
+        n_local = PyLong_AsLongLong(PyTuple_GET_ITEM(pair, 1));
+        n_remote = PyLong_AsLongLong(PyTuple_GET_ITEM(pair, 2));
+        if (!PyTuple_CheckExact(descs) || PyErr_Occurred())
+            goto not_taken_err;
+        so = PyObject_GetAttr(w, s_src);
+        if (so == NULL)
+            goto not_taken_err;
+        k = plan_ids(so, (PyTypeObject *)nd_type, max_ids, src);
+        Py_DECREF(so);
+        if (k < 0)
+            goto not_taken;
+        dobj = PyObject_GetAttr(w, s_dst);
+        if (dobj == NULL)
+            goto not_taken_err;
+        kd = plan_ids(dobj, (PyTypeObject *)nd_type, max_ids, dst);
+        Py_DECREF(dobj);
+        if (kd != k)
+            goto not_taken;
+        if (k == 0)
+            continue;
+        for (i = 0; i < k; i++) {
+            if (src[i] < 0 || src[i] >= n_local || dst[i] < 0 || dst[i] >= n_remote)
+                goto not_taken;
+            pr[i].s = src[i];
+            pr[i].d = dst[i];
+            sorted_d[i] = dst[i];
+        }
+        if (k > 1) {
+            qsort(sorted_d, (size_t)k, sizeof(long long), plan_ll_cmp);
+            for (i = 1; i < k; i++)
+                if (sorted_d[i] == sorted_d[i - 1])
+                    goto not_taken; /* a duplicate destination */
+            qsort(pr, (size_t)k, sizeof(plan_pair_t), plan_pair_cmp);
+        }
+        nr = 0;
+        runs[0][0] = pr[0].s;
+        runs[0][1] = pr[0].d;
+        runs[0][2] = 1;
+        for (i = 1; i < k; i++) {
+            if (pr[i].s == runs[nr][0] + runs[nr][2] && pr[i].d == runs[nr][1] + runs[nr][2]) {
+                runs[nr][2]++;
+            } else {
+                nr++;
+                runs[nr][0] = pr[i].s;
+                runs[nr][1] = pr[i].d;
+                runs[nr][2] = 1;
+            }
+        }
+        nr++;
+        nd = PyTuple_GET_SIZE(descs);
+        if (nr * nd > max_ops)
+            goto not_taken;
+        if (n + nr * nd > cap) {
+            Py_ssize_t want = (n + nr * nd) * 2 + 8;
+            uint64_t *grown = PyMem_Realloc(ops, (size_t)want * 5 * sizeof(uint64_t));
+            if (grown == NULL) {
+                PyErr_NoMemory();
+                goto fail;
+            }
+            ops = grown;
+            cap = want;
+        }
+        for (j = 0; j < nd; j++) {
+            PyObject *dsc = PyTuple_GET_ITEM(descs, j);
+            unsigned long long v[5];
+            if (!PyTuple_CheckExact(dsc) || PyTuple_GET_SIZE(dsc) != 5)
+                goto not_taken;
+            for (i = 0; i < 5; i++) {
+                v[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(dsc, i));
+                if (v[i] == (unsigned long long)-1 && PyErr_Occurred())
+                    goto not_taken_err;
+            }
+            for (i = 0; i < nr; i++) {
+                uint64_t *o = ops + 5 * n++;
+                o[0] = v[0] + (uint64_t)runs[i][0] * v[2];
+                o[1] = v[1] + (uint64_t)runs[i][1] * v[2];
+                o[2] = (uint64_t)runs[i][2] * v[2];
+                o[3] = v[3];
+                o[4] = v[4];
+                total += o[2];
+            }
+        }
+    }
+    fast = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)(5 * n * sizeof(uint64_t)));
+    if (fast == NULL)
+        goto fail;
+    {
+        uint64_t *col = (uint64_t *)PyByteArray_AS_STRING(fast);
+        Py_ssize_t i, c;
+        for (c = 0; c < 5; c++)
+            for (i = 0; i < n; i++)
+                col[c * n + i] = ops[5 * i + c];
+    }
+    out = Py_BuildValue("(NK)", fast, (unsigned long long)total);
+    PyMem_Free(ops);
+    return out;
+not_taken_err:
+    PyErr_Clear();
+not_taken:
+    PyMem_Free(ops);
+    Py_RETURN_NONE;
+fail:
+    PyMem_Free(ops);
+    return NULL;
 }
 
 /* ------------------------------------------------------------ ep_info etc. */
@@ -2182,6 +2427,10 @@ static PyMethodDef methods[] = {
      "gather(dst, capacity, laddr, nbytes) -> bytes: copy this process's runs laddr[i] of "
      "nbytes[i] bytes back to back to dst (at most capacity bytes; the caller vouches for the "
      "addresses)"},
+    {"plan_items", py_plan_items, METH_VARARGS,
+     "plan_items(item_write_type, ndarray_type, pairs, max_ids, max_ops, writes) -> "
+     "(columns, total_bytes) or None: a write of small ItemWrites planned in one call (None: "
+     "not taken, plan it in Python)"},
     {"ep_ctx_free", py_ep_ctx_free, METH_VARARGS,
      "ep_ctx_free(ctx): release an ep_create context after its endpoint closed"},
     {"ep_info", py_ep_info, METH_VARARGS, "ep_info(ep) -> ucp_ep_print_info text"},

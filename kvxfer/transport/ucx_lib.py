@@ -5,7 +5,7 @@ libucp) and mapping UCX failures to kvxfer's error hierarchy. The rest of the UC
 from __future__ import annotations
 
 import os
-from typing import Tuple, Type
+from typing import Any, Callable, Dict, Optional, Tuple, Type
 
 from kvxfer.errors import PeerClosed, TransportError
 
@@ -31,6 +31,21 @@ def load_ucx():
             "`python setup.py build_ext --inplace` or `pip install --no-build-isolation -e .`"
         ) from exc
     return ucxx, _rma
+
+
+_NATIVE: Dict[str, Any] = {}  # name -> the extension's function, or None: not available
+
+
+def native_helper(name: str) -> Optional[Callable[..., Any]]:
+    """The native extension's function ``name`` (UCX loaded first, as :func:`load_ucx`), or
+    None where UCX or the extension (or that function, an older build) is missing: its
+    callers then keep to their Python path. Resolved once per name."""
+    if name not in _NATIVE:
+        try:
+            _NATIVE[name] = getattr(load_ucx()[1], name)
+        except (ImportError, AttributeError, TransportError):
+            _NATIVE[name] = None
+    return _NATIVE[name]
 
 
 def status_error(rma, status: int, what: str) -> TransportError:

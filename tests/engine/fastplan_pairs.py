@@ -6,8 +6,11 @@ write's ops as a set sort them).
 Addresses are fake (nothing is registered): each descriptor's local base is ``stride * (i + 1)``,
 its remote base ``0x90 * stride + stride * i``."""
 
+import numpy as np
+
 from kvxfer import plan
 from kvxfer.engine import fastplan
+from kvxfer.engine.writeplan import WritePlanner
 
 
 def group_pair(item_lens=(64, 32, 16), n_local=12, n_remote=9, stride=0x10000):
@@ -44,4 +47,53 @@ def reference_ops(lg, rg, memh, ridx, src, dst):
             [memh[i] for i in d],
             [ridx[i] for i in d],
         )
+    )
+
+
+class _Side:
+    def __init__(self, groups, base):
+        self.groups = {n: g for n, g in groups.items()}
+        self.desc_memh = {n: np.arange(g.count, dtype=np.uint64) + base for n, g in groups.items()}
+        self.desc_region = {
+            n: np.arange(g.count, dtype=np.uint64) + base for n, g in groups.items()
+        }
+
+
+def _group(name, d, items, il, base):
+    return plan.make_group(
+        name, [base + i * items * il for i in range(d)], [items * il] * d, [il] * d
+    )
+
+
+def planner_of_three(can_stage=False, can_pattern=False, host_pattern=False, native=None):
+    """(WritePlanner, local side, remote side) of three groups (kv: 8 descriptors of 256-byte
+    items, st: 2 of 64, aux: 1 of 32) at fake addresses; ``native``: its ``plan_items``."""
+    local = _Side(
+        {
+            "kv": _group("kv", 8, 120, 256, 1 << 30),
+            "st": _group("st", 2, 16, 64, 1 << 36),
+            "aux": _group("aux", 1, 8, 32, 1 << 38),
+        },
+        10,
+    )
+    remote = _Side(
+        {
+            "kv": _group("kv", 8, 130, 256, 1 << 31),
+            "st": _group("st", 2, 16, 64, 1 << 37),
+            "aux": _group("aux", 1, 8, 32, 1 << 39),
+        },
+        0,
+    )
+    return (
+        WritePlanner(
+            local,
+            remote,
+            "peer",
+            lambda g: can_stage,
+            lambda g: can_pattern,
+            lambda g: host_pattern,
+            native,
+        ),
+        local,
+        remote,
     )

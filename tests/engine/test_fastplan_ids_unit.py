@@ -7,12 +7,11 @@ import random
 
 import numpy as np
 import pytest
-from fastplan_pairs import group_pair, reference_ops
+from fastplan_pairs import group_pair, planner_of_three, reference_ops
 
 from kvxfer import plan
 from kvxfer.engine import fastplan
 from kvxfer.engine.types import ItemWrite, PatternWrite, RawWrite
-from kvxfer.engine.writeplan import WritePlanner
 from kvxfer.errors import IndexOutOfRange, InvalidArgument
 
 pytestmark = pytest.mark.timeout(120)
@@ -139,52 +138,6 @@ def test_check_ids_reports_increasing(ids):
 
 
 # ------------------------------------------------------------------ the planner, end to end
-class _Side:
-    def __init__(self, groups, base):
-        self.groups = {n: g for n, g in groups.items()}
-        self.desc_memh = {n: np.arange(g.count, dtype=np.uint64) + base for n, g in groups.items()}
-        self.desc_region = {
-            n: np.arange(g.count, dtype=np.uint64) + base for n, g in groups.items()
-        }
-
-
-def _group(name, d, items, il, base):
-    return plan.make_group(
-        name, [base + i * items * il for i in range(d)], [items * il] * d, [il] * d
-    )
-
-
-def _planner(can_stage=False, can_pattern=False, host_pattern=False):
-    local = _Side(
-        {
-            "kv": _group("kv", 8, 120, 256, 1 << 30),
-            "st": _group("st", 2, 16, 64, 1 << 36),
-            "aux": _group("aux", 1, 8, 32, 1 << 38),
-        },
-        10,
-    )
-    remote = _Side(
-        {
-            "kv": _group("kv", 8, 130, 256, 1 << 31),
-            "st": _group("st", 2, 16, 64, 1 << 37),
-            "aux": _group("aux", 1, 8, 32, 1 << 39),
-        },
-        0,
-    )
-    return (
-        WritePlanner(
-            local,
-            remote,
-            "peer",
-            lambda g: can_stage,
-            lambda g: can_pattern,
-            lambda g: host_pattern,
-        ),
-        local,
-        remote,
-    )
-
-
 def _reference_plan(local, remote, writes):
     rows = []
     for w in writes:
@@ -213,7 +166,7 @@ def _reference_plan(local, remote, writes):
 
 
 def test_planner_matches_reference_on_mixed_writes():
-    planner, local, remote = _planner()
+    planner, local, remote = planner_of_three()
     rng = random.Random(2)
     for _ in range(300):
         writes = []
@@ -240,7 +193,7 @@ def test_planner_matches_reference_on_mixed_writes():
 
 
 def test_planner_empty_and_errors_before_anything():
-    planner, local, remote = _planner()
+    planner, local, remote = planner_of_three()
     cols = planner.plan([])
     assert all(c.size == 0 and c.dtype == np.uint64 for c in cols[:5]) and cols[9] == 0
     with pytest.raises(IndexOutOfRange):
@@ -250,7 +203,7 @@ def test_planner_empty_and_errors_before_anything():
 
 
 def test_planner_stages_large_item_parts():
-    planner, local, remote = _planner(can_stage=True)
+    planner, local, remote = planner_of_three(can_stage=True)
     src, dst = np.arange(0, 100, 2), np.arange(0, 100, 2)
     cols = planner.plan([ItemWrite("kv", src, dst), ItemWrite("st", [1], [2])], stage_min_ops=64)
     staged = cols[5]
@@ -265,7 +218,7 @@ def test_planner_stages_large_item_parts():
 def test_pattern_ids_are_validated_as_before():
     from kvxfer.engine import slices
 
-    planner, local, remote = _planner(can_pattern=True)
+    planner, local, remote = planner_of_three(can_pattern=True)
     runs = slices.PatternRuns.make([([0], [0], [16])] * 8, [256] * 8, [256] * 8)
     for src, dst, err, text in (
         ([0, 1], [0, 0], InvalidArgument, "duplicate destination items"),
@@ -294,7 +247,7 @@ def test_pattern_parts_go_to_the_lane_that_copies_them(device, host, patterns, w
     host lane (validated the same way: nothing expanded), else expanded into runs."""
     from kvxfer.engine import slices
 
-    planner, _, _ = _planner(can_pattern=device, host_pattern=host)
+    planner, _, _ = planner_of_three(can_pattern=device, host_pattern=host)
     runs = slices.PatternRuns.make([([0], [16], [16])] * 8, [256] * 8, [256] * 8)
     with pytest.raises(IndexOutOfRange, match="source: item id 120"):
         planner.plan([PatternWrite("kv", np.array([120]), np.array([1]), runs)], 0, patterns)
@@ -315,7 +268,7 @@ def test_a_uniform_pattern_expands_as_run_by_run(seed):
     from kvxfer.engine import slices
 
     rng = np.random.default_rng(seed)
-    planner, local, remote = _planner(can_pattern=False)
+    planner, local, remote = planner_of_three(can_pattern=False)
     k = int(rng.integers(1, 5))
     starts = np.sort(rng.choice(np.arange(0, 240, 16), k, replace=False))
     one = (starts, rng.permutation(starts), np.full(k, int(rng.integers(1, 17))))
@@ -375,7 +328,7 @@ def _raw_cases(rng):
 
 
 def test_short_raw_writes_match_plan_raw():
-    planner, local, remote = _planner()
+    planner, local, remote = planner_of_three()
     rng = random.Random(9)
     for desc, so, do, nb in _raw_cases(rng):
         w = RawWrite("st", so, do, nb, desc)
