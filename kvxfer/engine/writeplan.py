@@ -3,9 +3,9 @@ split it into direct PUTs (the native batch's columns) and staged parts. No I/O 
 state but a per-group layout cache: a :class:`~kvxfer.engine.peer.Peer` owns one
 :class:`WritePlanner` and posts what it returns.
 
-A write made only of ItemWrites of a few ids each is planned in one native call
-(``_rma.plan_items``, when the extension has it), which returns None for anything else and
-for bad input; then ItemWrite parts and short RawWrites are planned by
+A write made only of ItemWrites (of at most :data:`NATIVE_MAX_IDS` ids a part) is planned
+in one native call (``_rma.plan_items``, when the extension has it), which returns None for
+anything else and for bad input; then ItemWrite parts and short RawWrites are planned by
 :mod:`kvxfer.engine.fastplan` (same validation as :func:`kvxfer.plan.plan_items` /
 :func:`kvxfer.plan.plan_raw`, a fixed cost of a few µs); long RawWrites and expanded
 PatternWrites by :mod:`kvxfer.plan`. Costs: bench/plan_cost.py, bench/results/plan-cpu.md.
@@ -26,6 +26,8 @@ from kvxfer.errors import InvalidArgument, UnknownGroup, UnsupportedOperation
 from kvxfer.plan import GroupLayout
 
 _U64 = np.uint64
+#: most ids in one ItemWrite part that the native planner takes (a larger part: numpy)
+NATIVE_MAX_IDS = 1 << 22
 
 Write = Union[ItemWrite, RawWrite, SliceWrite, PatternWrite]
 Writes = Union[Write, Iterable[Write]]
@@ -58,8 +60,8 @@ class WritePlanner:
     ``can_pattern(group)``: whether the device lane copies PatternWrites of ``group``;
     ``host_pattern(group)``: whether the host lane does (from the pattern: no expansion);
     ``native``: the extension's ``plan_items`` (``kvxfer.transport._rma``), which plans a
-    write of a few item ids per part in one call and hands anything else back (None: the
-    Python planners only; both give the same plan, tests/engine/test_native_plan.py)."""
+    write of ItemWrites in one call and hands anything else back (None: the Python
+    planners only; both give the same plan, tests/engine/test_native_plan.py)."""
 
     def __init__(
         self,
@@ -89,7 +91,7 @@ class WritePlanner:
                 ItemWrite,
                 np.ndarray,
                 self._native_pairs,
-                fastplan.SMALL_IDS,
+                NATIVE_MAX_IDS,
                 fastplan.SMALL_OPS,
             )
         )
@@ -108,7 +110,7 @@ class WritePlanner:
         native = self._native
         if native is not None and not stage_min_ops:  # (a staged part: Python decides)
             got = native(writes)
-            if got is not None:  # a list of ItemWrites of a few valid ids: one call
+            if got is not None:  # a list of ItemWrites of valid ids: one call
                 laddr, raddr, nbytes, lmemh, ridx = np.frombuffer(got[0], _U64).reshape(5, -1)
                 return laddr, raddr, nbytes, lmemh, ridx, [], [], [], [], got[1]
         if isinstance(writes, (ItemWrite, RawWrite, SliceWrite, PatternWrite)):

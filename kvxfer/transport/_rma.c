@@ -34,9 +34,9 @@
  *                             never signal that fd: without the poller every CUDA flush
  *                             completed on the next 1 ms tick.
  *   ep_info                   ucp_ep_print_info captured as a string (lanes / transports)
- *   plan_items                the engine planner's happy path for writes of a few item ids
- *                             (kvxfer.engine.writeplan): one call instead of ~50 Python
- *                             calls; anything unusual or bad is left to the Python planner
+ *   plan_items                the engine planner's happy path for writes of ItemWrites
+ *                             (kvxfer.engine.writeplan): one call instead of tens of Python
+ *                             and numpy calls; anything unusual or bad is left to Python
  *   gather                    memcpy of a list of local runs into one buffer (the host lane's
  *                             packing of short strided runs; no UCX involved)
  *   CompletionQueue.ep_create bulk endpoint (error mode NONE + error handler, see there)
@@ -453,49 +453,144 @@ out:
 /* ------------------------------------------------------------- plan_items */
 
 /*
- * plan_items(item_write_type, ndarray_type, pairs, max_ids, max_ops, writes)
+ * plan_items(item_write_type, ndarray_type, pairs, max_ids, small_ops, writes)
  *     -> (columns: bytearray, total_bytes) or None
  *
- * The happy path of kvxfer.engine.writeplan.WritePlanner.plan for a write made only of
- * ItemWrites of a few ids each (a request's small write: its pages, a state slot, an aux
- * row), in one call instead of ~50 Python calls. `pairs` maps a group name to
- * (descs, local_items, remote_items), descs a tuple of (lptr, rptr, item_len, memh, ridx)
- * (fastplan.GroupPair.descs). Returns the five op columns (laddr, raddr, nbytes, memh,
- * ridx; uint64, row after row, n ops each) and the bytes they move, ops in exactly the
- * order of fastplan.plan_small: part after part, descriptor-major, runs maximal and
- * ordered by (source, destination) id.
+ * kvxfer.engine.writeplan.WritePlanner.plan for a write made only of ItemWrites (a
+ * request's pages, state slots, aux row), in one call instead of tens of Python and numpy
+ * calls. `pairs` maps a group name to (descs, local_items, remote_items), descs a tuple of
+ * (lptr, rptr, item_len, memh, ridx) (fastplan.GroupPair.descs). Returns the five op
+ * columns (laddr, raddr, nbytes, memh, ridx; uint64, row after row, n ops each) and the
+ * bytes they move, in exactly the Python planner's order: every part's ops descriptor-major,
+ * runs maximal (consecutive on both sides) and ordered by (source, destination) id; the
+ * parts of at most `small_ops` ops first, in write order, then the others in write order.
  *
  * Returns None, having planned nothing, for anything it does not take: `writes` not a list
  * or tuple; a part not exactly of item_write_type; a group missing from `pairs`; ids that
- * are not an int, a list/tuple of at most max_ids exact ints, or a 1-D int64 ndarray
- * (exactly ndarray_type) of at most max_ids; ids out of range, counts that differ,
- * duplicate destinations; a part of more than max_ops ops. The caller then plans the write
- * in Python, which raises the precise error where the input is bad: this function never
- * raises for bad input (only MemoryError).
+ * are not an int, a list/tuple of exact ints, or a 1-D int64/int32 ndarray (exactly
+ * ndarray_type); more than max_ids ids in a part; ids out of range, counts that differ,
+ * duplicate destinations. The caller then plans the write in Python, which raises the
+ * precise error where the input is bad: this function never raises for bad input (only
+ * MemoryError).
  */
-#define PLAN_MAX_IDS 64
+typedef struct {
+    long long s, d, n; /* a run: n items from source s to destination d */
+} plan_run_t;
 
 typedef struct {
-    long long s, d;
-} plan_pair_t;
+    PyObject *descs; /* borrowed from the pairs dict (alive for the call) */
+    Py_ssize_t first, runs, ops;
+} plan_part_t;
 
-/* ids of `o` into out (at most max_ids); returns the count, or -1: not taken */
-static Py_ssize_t plan_ids(PyObject *o, PyTypeObject *nd, Py_ssize_t max_ids, long long *out)
+typedef struct {
+    long long *src, *dst;
+    uint64_t *keys;
+    unsigned char *seen;
+    Py_ssize_t cap, seen_cap;
+    plan_run_t *run; /* every part's runs, part after part */
+    Py_ssize_t n_run, run_cap;
+    plan_part_t *part;
+    Py_ssize_t n_part, part_cap;
+} plan_buf_t;
+
+static void plan_buf_free(plan_buf_t *b)
 {
-    Py_ssize_t k, i;
-    if (PyLong_CheckExact(o)) {
+    PyMem_Free(b->src);
+    PyMem_Free(b->dst);
+    PyMem_Free(b->keys);
+    PyMem_Free(b->seen);
+    PyMem_Free(b->run);
+    PyMem_Free(b->part);
+}
+
+static int plan_ids_reserve(plan_buf_t *b, Py_ssize_t k)
+{
+    if (k <= b->cap)
+        return 0;
+    PyMem_Free(b->src);
+    PyMem_Free(b->dst);
+    PyMem_Free(b->keys);
+    b->src = PyMem_Malloc((size_t)k * sizeof(long long));
+    b->dst = PyMem_Malloc((size_t)k * sizeof(long long));
+    b->keys = PyMem_Malloc((size_t)k * sizeof(uint64_t));
+    if (!b->src || !b->dst || !b->keys) {
+        b->cap = 0;
+        PyErr_NoMemory();
+        return -1;
+    }
+    b->cap = k;
+    return 0;
+}
+
+static int plan_grow(void **v, Py_ssize_t *cap, Py_ssize_t need, size_t size)
+{
+    if (need > *cap) {
+        Py_ssize_t want = need * 2 + 16;
+        void *grown = PyMem_Realloc(*v, (size_t)want * size);
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        *v = grown;
+        *cap = want;
+    }
+    return 0;
+}
+
+/* How many ids `o` holds (-1: not taken), without reading them. For an ndarray, `b` is
+ * filled (the caller releases it) and *is32 says its width. */
+static Py_ssize_t plan_count(PyObject *o, PyTypeObject *nd, Py_buffer *b, int *is32)
+{
+    b->obj = NULL;
+    if (PyLong_CheckExact(o))
+        return 1;
+    if (PyList_CheckExact(o) || PyTuple_CheckExact(o))
+        return PySequence_Fast_GET_SIZE(o);
+    if (Py_TYPE(o) == nd) {
+        const char *f;
+        if (PyObject_GetBuffer(o, b, PyBUF_RECORDS_RO) < 0) {
+            PyErr_Clear();
+            b->obj = NULL;
+            return -1;
+        }
+        f = b->format == NULL ? "" : b->format;
+        if (f[0] == '<' || f[0] == '=')
+            f++;
+        if (b->ndim == 1 && b->itemsize == 8 && (strcmp(f, "l") == 0 || strcmp(f, "q") == 0)) {
+            *is32 = 0;
+            return b->shape[0];
+        }
+        if (b->ndim == 1 && b->itemsize == 4 && strcmp(f, "i") == 0) {
+            *is32 = 1;
+            return b->shape[0];
+        }
+        PyBuffer_Release(b);
+        b->obj = NULL;
+    }
+    return -1;
+}
+
+/* The k ids of `o` (counted by plan_count) into out; 0, or -1: not taken (not exact ints,
+ * out of [0, limit)); *up: strictly increasing. */
+static int plan_read(PyObject *o, Py_buffer *b, int is32, Py_ssize_t k, long long limit,
+                     long long *out, int *up)
+{
+    Py_ssize_t i;
+    *up = 1;
+    if (b->obj != NULL) {
+        const char *base = b->buf;
+        Py_ssize_t st = b->strides[0];
+        for (i = 0; i < k; i++)
+            out[i] = is32 ? (long long)*(const int32_t *)(base + i * st)
+                          : *(const long long *)(base + i * st);
+    } else if (PyLong_CheckExact(o)) {
         int overflow = 0;
         out[0] = PyLong_AsLongLongAndOverflow(o, &overflow);
         if (overflow || (out[0] == -1 && PyErr_Occurred())) {
             PyErr_Clear();
             return -1;
         }
-        return 1;
-    }
-    if (PyList_CheckExact(o) || PyTuple_CheckExact(o)) {
-        k = PySequence_Fast_GET_SIZE(o);
-        if (k > max_ids)
-            return -1;
+    } else {
         for (i = 0; i < k; i++) {
             PyObject *v = PySequence_Fast_GET_ITEM(o, i);
             int overflow = 0;
@@ -507,55 +602,160 @@ static Py_ssize_t plan_ids(PyObject *o, PyTypeObject *nd, Py_ssize_t max_ids, lo
                 return -1;
             }
         }
-        return k;
     }
-    if (Py_TYPE(o) == nd) {
-        Py_buffer b;
-        if (PyObject_GetBuffer(o, &b, PyBUF_RECORDS_RO) < 0) {
-            PyErr_Clear();
+    for (i = 0; i < k; i++) {
+        if (out[i] < 0 || out[i] >= limit)
             return -1;
-        }
-        k = -1;
-        if (b.ndim == 1 && b.itemsize == 8 && b.format != NULL &&
-            (strcmp(b.format, "l") == 0 || strcmp(b.format, "q") == 0 ||
-             strcmp(b.format, "<l") == 0 || strcmp(b.format, "<q") == 0 ||
-             strcmp(b.format, "=l") == 0 || strcmp(b.format, "=q") == 0) &&
-            b.shape[0] <= max_ids) {
-            k = b.shape[0];
-            for (i = 0; i < k; i++)
-                out[i] = *(const long long *)((const char *)b.buf + i * b.strides[0]);
-        }
-        PyBuffer_Release(&b);
-        return k;
+        if (i && out[i] <= out[i - 1])
+            *up = 0;
     }
-    return -1;
+    return 0;
 }
 
-static int plan_pair_cmp(const void *a, const void *b)
+/* ascending uint64 keys: quicksort (median of three) down to insertion sort, no callback */
+static void plan_sort(uint64_t *a, Py_ssize_t n)
 {
-    const plan_pair_t *x = a, *y = b;
-    if (x->s != y->s)
-        return x->s < y->s ? -1 : 1;
-    return x->d < y->d ? -1 : (x->d > y->d);
+    while (n > 16) {
+        uint64_t x = a[0], y = a[n / 2], z = a[n - 1], piv, t;
+        Py_ssize_t i = 0, j = n - 1;
+        piv = x < y ? (y < z ? y : (x < z ? z : x)) : (x < z ? x : (y < z ? z : y));
+        for (;;) {
+            while (a[i] < piv)
+                i++;
+            while (a[j] > piv)
+                j--;
+            if (i >= j)
+                break;
+            t = a[i];
+            a[i] = a[j];
+            a[j] = t;
+            i++;
+            j--;
+        }
+        /* [0, j] <= piv <= [j + 1, n): recurse into the smaller side */
+        if (j + 1 < n - j - 1) {
+            plan_sort(a, j + 1);
+            a += j + 1;
+            n -= j + 1;
+        } else {
+            plan_sort(a + j + 1, n - j - 1);
+            n = j + 1;
+        }
+    }
+    for (Py_ssize_t i = 1; i < n; i++) {
+        uint64_t v = a[i];
+        Py_ssize_t j = i;
+        while (j > 0 && a[j - 1] > v) {
+            a[j] = a[j - 1];
+            j--;
+        }
+        a[j] = v;
+    }
 }
 
-static int plan_ll_cmp(const void *a, const void *b)
+/* Whether the k destinations (in [0, limit)) are distinct; -1: no memory (error set) */
+static int plan_distinct(plan_buf_t *b, Py_ssize_t k, long long limit)
 {
-    long long x = *(const long long *)a, y = *(const long long *)b;
-    return x < y ? -1 : (x > y);
+    Py_ssize_t i, bytes = (Py_ssize_t)((limit + 7) / 8);
+    if (bytes <= 4096 || bytes <= 16 * k) { /* a bitmap of the destination items */
+        if (plan_grow((void **)&b->seen, &b->seen_cap, bytes, 1) < 0)
+            return -1;
+        memset(b->seen, 0, (size_t)bytes);
+        for (i = 0; i < k; i++) {
+            long long d = b->dst[i];
+            unsigned char bit = (unsigned char)(1u << (d & 7));
+            if (b->seen[d >> 3] & bit)
+                return 0;
+            b->seen[d >> 3] |= bit;
+        }
+        return 1;
+    }
+    for (i = 0; i < k; i++)
+        b->keys[i] = (uint64_t)b->dst[i];
+    plan_sort(b->keys, k);
+    for (i = 1; i < k; i++)
+        if (b->keys[i] == b->keys[i - 1])
+            return 0;
+    return 1;
+}
+
+/* Append one part's maximal runs, ordered by (source, destination), to b->run: 0, -1 not
+ * taken (ids too large to sort as one key), -2 error set */
+static int plan_runs(plan_buf_t *b, Py_ssize_t k, int s_up)
+{
+    Py_ssize_t i, first = b->n_run;
+    plan_run_t *r;
+    if (plan_grow((void **)&b->run, &b->run_cap, b->n_run + k, sizeof(plan_run_t)) < 0)
+        return -2;
+    if (!s_up && k > 1) { /* sort (s, d) as one key: both below 2^31 */
+        for (i = 0; i < k; i++) {
+            if (b->src[i] >= (1LL << 31) || b->dst[i] >= (1LL << 31))
+                return -1;
+            b->keys[i] = ((uint64_t)b->src[i] << 32) | (uint64_t)b->dst[i];
+        }
+        plan_sort(b->keys, k);
+        for (i = 0; i < k; i++) {
+            b->src[i] = (long long)(b->keys[i] >> 32);
+            b->dst[i] = (long long)(b->keys[i] & 0xffffffffu);
+        }
+    }
+    r = b->run + first;
+    for (i = 0; i < k; i++) {
+        if (r > b->run + first && b->src[i] == r[-1].s + r[-1].n && b->dst[i] == r[-1].d + r[-1].n) {
+            r[-1].n++;
+        } else {
+            r->s = b->src[i];
+            r->d = b->dst[i];
+            r->n = 1;
+            r++;
+        }
+    }
+    b->n_run = r - b->run;
+    return 0;
+}
+
+/* Write the ops of `p` into the five columns (n rows each) at row `at`; -1: a descriptor
+ * that is not five ints (not taken) */
+static int plan_emit(const plan_buf_t *b, const plan_part_t *p, uint64_t *col, Py_ssize_t n,
+                     Py_ssize_t at, uint64_t *total)
+{
+    Py_ssize_t j, r, nd = PyTuple_GET_SIZE(p->descs);
+    const plan_run_t *run = b->run + p->first;
+    for (j = 0; j < nd; j++) {
+        PyObject *dsc = PyTuple_GET_ITEM(p->descs, j);
+        unsigned long long v[5];
+        int i;
+        if (!PyTuple_CheckExact(dsc) || PyTuple_GET_SIZE(dsc) != 5)
+            return -1;
+        for (i = 0; i < 5; i++) {
+            v[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(dsc, i));
+            if (v[i] == (unsigned long long)-1 && PyErr_Occurred()) {
+                PyErr_Clear();
+                return -1;
+            }
+        }
+        for (r = 0; r < p->runs; r++, at++) {
+            uint64_t nb = (uint64_t)run[r].n * v[2];
+            col[at] = v[0] + (uint64_t)run[r].s * v[2];
+            col[n + at] = v[1] + (uint64_t)run[r].d * v[2];
+            col[2 * n + at] = nb;
+            col[3 * n + at] = v[3];
+            col[4 * n + at] = v[4];
+            *total += nb;
+        }
+    }
+    return 0;
 }
 
 static PyObject *py_plan_items(PyObject *self, PyObject *args)
 {
-    PyObject *writes, *iw_type, *nd_type, *pairs, *fast = NULL, *out = NULL;
-    Py_ssize_t max_ids, max_ops, n_parts, p, n = 0, cap = 0;
-    uint64_t *ops = NULL; /* 5 per op, op after op */
+    PyObject *writes, *iw_type, *nd_type, *pairs, *cols = NULL, *out = NULL;
+    Py_ssize_t max_ids, small_ops, n_parts, p, n_small = 0, n_big = 0;
+    plan_buf_t b;
     uint64_t total = 0;
-    long long src[PLAN_MAX_IDS], dst[PLAN_MAX_IDS], sorted_d[PLAN_MAX_IDS];
-    plan_pair_t pr[PLAN_MAX_IDS];
-    long long runs[PLAN_MAX_IDS][3];
-
+    int rc = 0;
     static PyObject *s_group, *s_src, *s_dst;
+
     if (s_group == NULL) {
         s_group = PyUnicode_InternFromString("group");
         s_src = PyUnicode_InternFromString("src_items");
@@ -564,132 +764,105 @@ static PyObject *py_plan_items(PyObject *self, PyObject *args)
             return NULL;
     }
     if (!PyArg_ParseTuple(args, "OO!O!nnO", &iw_type, &PyType_Type, &nd_type, &PyDict_Type,
-                          &pairs, &max_ids, &max_ops, &writes))
+                          &pairs, &max_ids, &small_ops, &writes))
         return NULL;
-    if (max_ids > PLAN_MAX_IDS)
-        max_ids = PLAN_MAX_IDS;
     if (!PyList_CheckExact(writes) && !PyTuple_CheckExact(writes))
         Py_RETURN_NONE;
+    memset(&b, 0, sizeof(b));
     n_parts = PySequence_Fast_GET_SIZE(writes);
-    for (p = 0; p < n_parts; p++) {
+    if (plan_grow((void **)&b.part, &b.part_cap, n_parts, sizeof(plan_part_t)) < 0)
+        rc = -2;
+    for (p = 0; p < n_parts && rc == 0; p++) {
         PyObject *w = PySequence_Fast_GET_ITEM(writes, p);
-        PyObject *group, *pair, *descs, *so, *dobj;
-        Py_ssize_t k, kd, i, nr, nd, j;
+        PyObject *group, *pair, *descs, *so = NULL, *dobj = NULL;
+        Py_buffer sb, db;
+        int s32 = 0, d32 = 0, s_up, d_up;
+        Py_ssize_t k, kd;
         long long n_local, n_remote;
-        if ((PyObject *)Py_TYPE(w) != iw_type)
-            goto not_taken;
+
+        sb.obj = db.obj = NULL;
+        if ((PyObject *)Py_TYPE(w) != iw_type) {
+            rc = -1;
+            break;
+        }
         group = PyObject_GetAttr(w, s_group);
-        if (group == NULL)
-            goto not_taken_err;
-        pair = PyDict_GetItemWithError(pairs, group); /* borrowed */
-        Py_DECREF(group);
-        if (pair == NULL || !PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 3)
-            goto not_taken_err;
+        pair = group == NULL ? NULL : PyDict_GetItemWithError(pairs, group); /* borrowed */
+        Py_XDECREF(group);
+        if (pair == NULL || !PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 3) {
+            PyErr_Clear();
+            rc = -1;
+            break;
+        }
         descs = PyTuple_GET_ITEM(pair, 0);
         n_local = PyLong_AsLongLong(PyTuple_GET_ITEM(pair, 1));
         n_remote = PyLong_AsLongLong(PyTuple_GET_ITEM(pair, 2));
-        if (!PyTuple_CheckExact(descs) || PyErr_Occurred())
-            goto not_taken_err;
+        if (!PyTuple_CheckExact(descs) || PyErr_Occurred()) {
+            PyErr_Clear();
+            rc = -1;
+            break;
+        }
         so = PyObject_GetAttr(w, s_src);
-        if (so == NULL)
-            goto not_taken_err;
-        k = plan_ids(so, (PyTypeObject *)nd_type, max_ids, src);
-        Py_DECREF(so);
-        if (k < 0)
-            goto not_taken;
-        dobj = PyObject_GetAttr(w, s_dst);
-        if (dobj == NULL)
-            goto not_taken_err;
-        kd = plan_ids(dobj, (PyTypeObject *)nd_type, max_ids, dst);
-        Py_DECREF(dobj);
-        if (kd != k)
-            goto not_taken;
-        if (k == 0)
-            continue;
-        for (i = 0; i < k; i++) {
-            if (src[i] < 0 || src[i] >= n_local || dst[i] < 0 || dst[i] >= n_remote)
-                goto not_taken;
-            pr[i].s = src[i];
-            pr[i].d = dst[i];
-            sorted_d[i] = dst[i];
-        }
-        if (k > 1) {
-            qsort(sorted_d, (size_t)k, sizeof(long long), plan_ll_cmp);
-            for (i = 1; i < k; i++)
-                if (sorted_d[i] == sorted_d[i - 1])
-                    goto not_taken; /* a duplicate destination */
-            qsort(pr, (size_t)k, sizeof(plan_pair_t), plan_pair_cmp);
-        }
-        nr = 0;
-        runs[0][0] = pr[0].s;
-        runs[0][1] = pr[0].d;
-        runs[0][2] = 1;
-        for (i = 1; i < k; i++) {
-            if (pr[i].s == runs[nr][0] + runs[nr][2] && pr[i].d == runs[nr][1] + runs[nr][2]) {
-                runs[nr][2]++;
-            } else {
-                nr++;
-                runs[nr][0] = pr[i].s;
-                runs[nr][1] = pr[i].d;
-                runs[nr][2] = 1;
+        dobj = so == NULL ? NULL : PyObject_GetAttr(w, s_dst);
+        if (dobj == NULL) {
+            PyErr_Clear();
+            rc = -1;
+        } else {
+            k = plan_count(so, (PyTypeObject *)nd_type, &sb, &s32);
+            kd = k < 0 ? -1 : plan_count(dobj, (PyTypeObject *)nd_type, &db, &d32);
+            if (kd < 0 || kd != k || k > max_ids)
+                rc = -1;
+            else if (plan_ids_reserve(&b, k) < 0)
+                rc = -2;
+            else if (plan_read(so, &sb, s32, k, n_local, b.src, &s_up) < 0 ||
+                     plan_read(dobj, &db, d32, k, n_remote, b.dst, &d_up) < 0)
+                rc = -1;
+            else {
+                int distinct = d_up || k < 2 ? 1 : plan_distinct(&b, k, n_remote);
+                Py_ssize_t first = b.n_run;
+                if (distinct < 0)
+                    rc = -2;
+                else if (!distinct)
+                    rc = -1;
+                else if ((rc = plan_runs(&b, k, s_up)) == 0) {
+                    plan_part_t *pt = &b.part[b.n_part++];
+                    pt->descs = descs;
+                    pt->first = first;
+                    pt->runs = b.n_run - first;
+                    pt->ops = pt->runs * PyTuple_GET_SIZE(descs);
+                    if (pt->ops <= small_ops)
+                        n_small += pt->ops;
+                    else
+                        n_big += pt->ops;
+                }
             }
         }
-        nr++;
-        nd = PyTuple_GET_SIZE(descs);
-        if (nr * nd > max_ops)
-            goto not_taken;
-        if (n + nr * nd > cap) {
-            Py_ssize_t want = (n + nr * nd) * 2 + 8;
-            uint64_t *grown = PyMem_Realloc(ops, (size_t)want * 5 * sizeof(uint64_t));
-            if (grown == NULL) {
-                PyErr_NoMemory();
-                goto fail;
-            }
-            ops = grown;
-            cap = want;
-        }
-        for (j = 0; j < nd; j++) {
-            PyObject *dsc = PyTuple_GET_ITEM(descs, j);
-            unsigned long long v[5];
-            if (!PyTuple_CheckExact(dsc) || PyTuple_GET_SIZE(dsc) != 5)
-                goto not_taken;
-            for (i = 0; i < 5; i++) {
-                v[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(dsc, i));
-                if (v[i] == (unsigned long long)-1 && PyErr_Occurred())
-                    goto not_taken_err;
-            }
-            for (i = 0; i < nr; i++) {
-                uint64_t *o = ops + 5 * n++;
-                o[0] = v[0] + (uint64_t)runs[i][0] * v[2];
-                o[1] = v[1] + (uint64_t)runs[i][1] * v[2];
-                o[2] = (uint64_t)runs[i][2] * v[2];
-                o[3] = v[3];
-                o[4] = v[4];
-                total += o[2];
-            }
-        }
+        if (sb.obj != NULL)
+            PyBuffer_Release(&sb);
+        if (db.obj != NULL)
+            PyBuffer_Release(&db);
+        Py_XDECREF(so);
+        Py_XDECREF(dobj);
     }
-    fast = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)(5 * n * sizeof(uint64_t)));
-    if (fast == NULL)
-        goto fail;
-    {
-        uint64_t *col = (uint64_t *)PyByteArray_AS_STRING(fast);
-        Py_ssize_t i, c;
-        for (c = 0; c < 5; c++)
-            for (i = 0; i < n; i++)
-                col[c * n + i] = ops[5 * i + c];
+    if (rc == 0) { /* the parts of at most small_ops ops first, then the others */
+        Py_ssize_t n = n_small + n_big, at_small = 0, at_big = n_small;
+        cols = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)(5 * n * sizeof(uint64_t)));
+        if (cols == NULL)
+            rc = -2;
+        for (p = 0; p < b.n_part && rc == 0; p++) {
+            plan_part_t *pt = &b.part[p];
+            Py_ssize_t *at = pt->ops <= small_ops ? &at_small : &at_big;
+            rc = plan_emit(&b, pt, (uint64_t *)PyByteArray_AS_STRING(cols), n, *at, &total);
+            *at += pt->ops;
+        }
+        if (rc == 0)
+            out = Py_BuildValue("(NK)", cols, (unsigned long long)total);
+        else
+            Py_XDECREF(cols);
     }
-    out = Py_BuildValue("(NK)", fast, (unsigned long long)total);
-    PyMem_Free(ops);
-    return out;
-not_taken_err:
-    PyErr_Clear();
-not_taken:
-    PyMem_Free(ops);
-    Py_RETURN_NONE;
-fail:
-    PyMem_Free(ops);
-    return NULL;
+    plan_buf_free(&b);
+    if (rc == -1)
+        Py_RETURN_NONE;
+    return out; /* NULL with an error set: MemoryError */
 }
 
 /* ------------------------------------------------------------ ep_info etc. */
@@ -2428,9 +2601,9 @@ static PyMethodDef methods[] = {
      "nbytes[i] bytes back to back to dst (at most capacity bytes; the caller vouches for the "
      "addresses)"},
     {"plan_items", py_plan_items, METH_VARARGS,
-     "plan_items(item_write_type, ndarray_type, pairs, max_ids, max_ops, writes) -> "
-     "(columns, total_bytes) or None: a write of small ItemWrites planned in one call (None: "
-     "not taken, plan it in Python)"},
+     "plan_items(item_write_type, ndarray_type, pairs, max_ids, small_ops, writes) -> "
+     "(columns, total_bytes) or None: a write of ItemWrites planned in one call (None: not "
+     "taken, plan it in Python)"},
     {"ep_ctx_free", py_ep_ctx_free, METH_VARARGS,
      "ep_ctx_free(ctx): release an ep_create context after its endpoint closed"},
     {"ep_info", py_ep_info, METH_VARARGS, "ep_info(ep) -> ucp_ep_print_info text"},
