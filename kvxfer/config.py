@@ -25,6 +25,9 @@ always wins.
   (:func:`poll_takes`; read when a manager is built).
 - ``KVXFER_NATIVE_TAKES`` = ``1`` | ``0`` — default of ``KVManager(native_takes=)``
   (:func:`native_takes`; read when a manager is built).
+- ``KVXFER_NATIVE_PLAN`` = ``1`` | ``0`` — whether a peer plans writes of ItemWrites in the
+  native extension (1, the default) or in Python only (0, the A/B; :func:`native_plan`, read
+  when a peer is made).
 - ``KVXFER_LEG_DIRECT_PAGES`` = an int >= 0 — a lower guest bound for sends to several
   decode peers (unset: none, :data:`LEG_DIRECT_PAGES`; read by :func:`direct_limit` per
   send, for A/B runs).
@@ -247,6 +250,19 @@ def native_takes(value: Optional[int] = None) -> bool:
     """``value``, else ``$KVXFER_NATIVE_TAKES``, else :data:`NATIVE_TAKES`, as a bool (an
     int >= 0 is accepted; InvalidArgument otherwise). Read when a manager is built."""
     return bool(_setting(value, NATIVE_TAKES_ENV, NATIVE_TAKES, "native_takes"))
+
+
+#: whether a peer's planner plans a write made only of ItemWrites in one native call
+#: (``_rma.plan_items``; kvxfer.engine.writeplan): 1; ``$KVXFER_NATIVE_PLAN`` 0: Python
+#: planners only, the same plan (bench/results/native-plan-cpu.md)
+NATIVE_PLAN = 1
+NATIVE_PLAN_ENV = "KVXFER_NATIVE_PLAN"
+
+
+def native_plan() -> bool:
+    """``$KVXFER_NATIVE_PLAN``, else :data:`NATIVE_PLAN`, as a bool (an int >= 0 is
+    accepted; InvalidArgument otherwise). Read when a peer is made."""
+    return bool(_setting(None, NATIVE_PLAN_ENV, NATIVE_PLAN, "native_plan"))
 
 
 def usable_cpus() -> int:

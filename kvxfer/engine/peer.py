@@ -56,7 +56,7 @@ from typing import (
 import numpy as np
 
 from kvxfer import wire
-from kvxfer.config import DEVICE_MIN_OPS, HOST_MIN_OPS, spin_flushes
+from kvxfer.config import DEVICE_MIN_OPS, HOST_MIN_OPS, native_plan, spin_flushes
 from kvxfer.engine import devcopy, hostcopy
 from kvxfer.engine import messages as m
 from kvxfer.engine.groups import RemoteGroups
@@ -192,7 +192,7 @@ class Peer:
             self._staged.can_stage,
             self.can_pattern,
             self._host_pattern,
-            native_helper("plan_items"),
+            native_helper("plan_items") if native_plan() else None,
         )
 
     # ------------------------------------------------------------ properties

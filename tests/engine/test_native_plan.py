@@ -196,3 +196,17 @@ def test_distinct_destinations_in_a_large_pool(native):
         assert _direct(native, fast, [ItemWrite("kv", src, dst)]) is None
         with pytest.raises(InvalidArgument, match="appears"):
             fast.plan([ItemWrite("kv", src, dst)])
+
+
+def test_env_switch(monkeypatch):
+    """``KVXFER_NATIVE_PLAN`` (read when a peer is made): 1 by default, 0 keeps the Python
+    planners, anything else is refused by name."""
+    from kvxfer import config
+
+    monkeypatch.delenv("KVXFER_NATIVE_PLAN", raising=False)
+    assert config.native_plan() is True
+    monkeypatch.setenv("KVXFER_NATIVE_PLAN", "0")
+    assert config.native_plan() is False
+    monkeypatch.setenv("KVXFER_NATIVE_PLAN", "yes")
+    with pytest.raises(InvalidArgument, match="KVXFER_NATIVE_PLAN"):
+        config.native_plan()
