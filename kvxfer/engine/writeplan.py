@@ -103,7 +103,9 @@ class WritePlanner:
         the SliceWrite parts, then the PatternWrite parts the device lane copies (with
         ``patterns`` and ``can_pattern``), then those the host lane copies (``patterns`` and
         ``host_pattern``; the others are expanded into direct PUTs), then the direct PUTs'
-        total bytes. ItemWrite parts are planned by
+        total bytes. A list of ItemWrites only (``stage_min_ops`` 0) is planned natively
+        when ``native`` takes it (the same columns in the same order: the parts of at most
+        ``fastplan.SMALL_OPS`` ops first); otherwise ItemWrite parts are planned by
         :mod:`kvxfer.engine.fastplan` (same validation as :func:`kvxfer.plan.plan_items`;
         plans of a few ops in Python ints, collected into one array per column at the end);
         the rest by :mod:`kvxfer.plan`."""
