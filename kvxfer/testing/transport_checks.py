@@ -54,6 +54,9 @@ class TransportNode:
     def note_spin(self, error_mode: str) -> dict:
         return self.loop.run_until_complete(_TransportChecks.note_spin(error_mode))
 
+    def spin_linger(self, linger_us: float) -> dict:
+        return self.loop.run_until_complete(_TransportChecks.spin_linger(linger_us))
+
     def native_gil(self, error_mode: str, value: str) -> dict:
         return self.loop.run_until_complete(_TransportChecks.native_gil(error_mode, value))
 
@@ -118,42 +121,124 @@ class _TransportChecks:
         dst = np.zeros(64, dtype=np.uint8)
         rs, rd = t.register(src.ctypes.data, src.nbytes), t.register(dst.ctypes.data, dst.nbytes)
         rma.add_remote_regions([rd.addr], [rd.length], [rd.packed_key()])
-        got = asyncio.get_running_loop().create_future()
-
-        def on_note(payload):
-            if not got.done():
-                got.set_result((payload, note_arrival(), time.monotonic()))
-
-        token = t.note_listen(on_note)
-        u = np.uint64
         t0 = time.monotonic()
-        rma.put(
-            np.array([src.ctypes.data], u),
-            np.array([rd.addr], u),
-            np.array([64], u),
-            np.array([rs.handle], u),
-            np.array([0], u),
-        )
-        fut = rma.flush_notify_future(token, b"done")
-        if fut is None:  # this endpoint cannot chain: flush, then send it natively
-            await asyncio.wait_for(rma.flush_future(), 5.0)
-            fut = rma.note_future(token, b"done")
-        await asyncio.wait_for(fut, 5.0)
-        payload, arrived, handled = await asyncio.wait_for(got, 5.0)
+        payload, arrived, handled = await _TransportChecks._put_note(t, rma, src, rs, rd)
         out.update(
             payload=payload,
             landed=bool((dst == src).all()),
             arrival_in_order=t0 <= arrived <= handled,
             arrival_outside=note_arrival(),
         )
-        t.note_unlisten(token)
+        q = await _TransportChecks._close_pair(t, client, server, rma, rs, rd)
+        out["poller_after_close"] = q.poller_live
+        return out
+
+    @staticmethod
+    async def _put_note(t, rma, src, rs, rd, payload=b"done"):
+        """PUT ``src`` (registered as ``rs``) into ``rd`` and chain a notification to a
+        listener of ``t``; returns what the listener saw: (payload, its native arrival
+        stamp, when it ran)."""
+        import time
+
+        import numpy as np
+
+        from kvxfer.transport.base import note_arrival
+
+        got = asyncio.get_running_loop().create_future()
+
+        def on_note(p):
+            if not got.done():
+                got.set_result((p, note_arrival(), time.monotonic()))
+
+        token = t.note_listen(on_note)
+        u = np.uint64
+        rma.put(
+            np.array([src.ctypes.data], u),
+            np.array([rd.addr], u),
+            np.array([src.nbytes], u),
+            np.array([rs.handle], u),
+            np.array([0], u),
+        )
+        fut = rma.flush_notify_future(token, payload)
+        if fut is None:  # this endpoint cannot chain: flush, then send it natively
+            await asyncio.wait_for(rma.flush_future(), 5.0)
+            fut = rma.note_future(token, payload)
+        await asyncio.wait_for(fut, 5.0)
+        try:
+            return await asyncio.wait_for(got, 5.0)
+        finally:
+            t.note_unlisten(token)
+
+    @staticmethod
+    async def _close_pair(t, client, server, rma, *regions):
+        """Close what :meth:`_pair` made and release ``regions``; returns the transport's
+        completion queue (closed)."""
+        await rma.close(1.0)
+        await asyncio.gather(client.close(1.0), server.close(1.0))
+        for r in regions:
+            r.release()
+        q = t._cq
+        await t.close()
+        return q
+
+    @staticmethod
+    async def spin_linger(linger_us):
+        """Two transports on their own workers (error mode "none"), the receiver made with
+        ``$KVXFER_SPIN_LINGER_US=linger_us``: its setting; how often the receiver's own
+        thread (which takes the notifications) went to sleep between a first PUT +
+        notification and a second one made right after it; then, with its linger set to
+        1 ms, whether that thread sleeps again once traffic stops (waited for, bounded)."""
+        import os
+        import time
+
+        import numpy as np
+
+        from kvxfer.transport.ucx import SPIN_LINGER_ENV, UcxTransport
+
+        old = os.environ.get(SPIN_LINGER_ENV)
+        os.environ[SPIN_LINGER_ENV] = str(linger_us)
+        try:
+            rx = UcxTransport(own_rma=True)
+        finally:
+            if old is None:
+                os.environ.pop(SPIN_LINGER_ENV, None)
+            else:
+                os.environ[SPIN_LINGER_ENV] = old
+        tx = UcxTransport(own_rma=True)
+        accepted = asyncio.get_running_loop().create_future()
+
+        async def on_accept(ch):
+            accepted.set_result(ch)
+
+        _, port = await rx.listen("127.0.0.1", 0, on_accept)
+        client = await tx.connect("127.0.0.1", port, 10.0)
+        await client.send(b"hello", 5.0)
+        server = await asyncio.wait_for(accepted, 10.0)
+        assert await server.recv(5.0) == b"hello"
+        rma = await tx.rma_endpoint(client, rx.local_address(), 10.0)
+        out: dict = {"setting": rx.spin_linger_us}
+        src = np.arange(256, dtype=np.uint8)
+        dst = np.zeros(256, dtype=np.uint8)
+        rs = tx.register(src.ctypes.data, src.nbytes)
+        rd = rx.register(dst.ctypes.data, dst.nbytes)
+        rma.add_remote_regions([rd.addr], [rd.length], [rd.packed_key()])
+        out["first"] = (await _TransportChecks._put_note(rx, rma, src, rs, rd))[0]
+        q = rx._cq
+        before = q.sleeps
+        src[:] = src[::-1]
+        out["second"] = (await _TransportChecks._put_note(rx, rma, src, rs, rd, b"again"))[0]
+        out["sleeps_between"] = q.sleeps - before
+        out["landed"] = bool((dst == src).all())
+        q.set_linger(1000.0)
+        before, deadline = q.sleeps, time.monotonic() + 5.0
+        while q.sleeps == before and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)  # polls a condition, bounded
+        out["slept_after"] = q.sleeps > before
         await rma.close(1.0)
         await asyncio.gather(client.close(1.0), server.close(1.0))
         rs.release()
         rd.release()
-        q = t._cq
-        await t.close()
-        out["poller_after_close"] = q.poller_live
+        await asyncio.gather(tx.close(), rx.close())
         return out
 
     @staticmethod

@@ -941,6 +941,11 @@ typedef struct {
      * push happened since the last call) */
     PyObject *deliver;
     int deferred;
+    /* linger (set_linger): how long the own worker's thread keeps progressing back to back
+     * after its last activity (a progress call that did something, or a request in flight)
+     * before it arms the worker and sleeps; 0 = sleep at once. `sleeps` counts its sleeps. */
+    long linger_ns;
+    unsigned long sleeps;
 } cq_core_t;
 
 /* the queue whose own worker this thread progresses (its thread: cq_own_main), and the
@@ -964,6 +969,16 @@ typedef struct {
     uint64_t token;
     int spin;
 } cq_req_t;
+
+/* a spin-wait hint (the core's sibling thread and power state), nothing elsewhere */
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
 
 static double mono_now(void)
 {
@@ -1227,8 +1242,10 @@ static int cq_own_deliver(cq_core_t *c)
  * (if set) is called (cq_own_deliver) before the next one. */
 static void *cq_own_main(void *arg)
 {
-    cq_core_t *c   = (cq_core_t *)arg;
-    ucp_worker_h w = c->own;
+    cq_core_t *c       = (cq_core_t *)arg;
+    ucp_worker_h w     = c->own;
+    int active         = 0;   /* progress did something since last_active was set */
+    double last_active = 0.0; /* (linger) the last time it did, or a request was in flight */
     (void)prctl(PR_SET_TIMERSLACK, 1000UL);
     tl_own_core = c;
     while (!__atomic_load_n(&c->stop, __ATOMIC_ACQUIRE)) {
@@ -1253,6 +1270,7 @@ static void *cq_own_main(void *arg)
                     nanosleep(&ts, NULL);
                 }
             }
+            active = 1; /* a spin flush just ended */
             continue;
         }
         for (;;) { /* what each call queued is handed over at once (cq_own_deliver) */
@@ -1263,9 +1281,22 @@ static void *cq_own_main(void *arg)
             }
             if (got == 0)
                 break;
+            active = 1;
         }
         {
             int busy = __atomic_load_n(&c->inflight, __ATOMIC_ACQUIRE) > 0;
+            long linger = __atomic_load_n(&c->linger_ns, __ATOMIC_RELAXED);
+            if (linger > 0) { /* keep progressing while active and for `linger` after */
+                double now = mono_now();
+                if (active || busy) {
+                    last_active = now;
+                    active      = 0;
+                }
+                if (now - last_active < 1e-9 * (double)linger) {
+                    cpu_relax();
+                    continue;
+                }
+            }
             if (c->own_efd >= 0) {
                 struct pollfd pfd = {c->own_efd, POLLIN, 0};
                 ucs_status_t st   = ucp_worker_arm(w);
@@ -1274,9 +1305,11 @@ static void *cq_own_main(void *arg)
                 if (__atomic_load_n(&c->stop, __ATOMIC_ACQUIRE) ||
                     __atomic_load_n(&c->spinning, __ATOMIC_ACQUIRE) > 0)
                     continue;
+                __atomic_fetch_add(&c->sleeps, 1, __ATOMIC_RELAXED);
                 (void)poll(&pfd, 1, busy ? 1 : -1);
             } else {
                 struct timespec ts = {0, busy ? 20000 : 1000000};
+                __atomic_fetch_add(&c->sleeps, 1, __ATOMIC_RELAXED);
                 nanosleep(&ts, NULL);
             }
         }
@@ -2362,6 +2395,35 @@ static PyObject *cq_spinning(CompletionQueue *self, void *closure)
     return PyLong_FromLong(n);
 }
 
+static PyObject *cq_sleeps(CompletionQueue *self, void *closure)
+{
+    unsigned long n = 0;
+    if (self->core != NULL)
+        n = __atomic_load_n(&self->core->sleeps, __ATOMIC_RELAXED);
+    return PyLong_FromUnsignedLong(n);
+}
+
+/* set_linger(us): how long the own worker's thread keeps progressing back to back after its
+ * last activity before it sleeps (0: at once, the default). Takes effect at its next idle
+ * check; ValueError without an own worker or for a negative / non-finite value. */
+static PyObject *cq_set_linger(CompletionQueue *self, PyObject *arg)
+{
+    double us      = PyFloat_AsDouble(arg);
+    cq_core_t *c   = cq_core(self);
+    if (c == NULL || (us == -1.0 && PyErr_Occurred()))
+        return NULL;
+    if (c->own == NULL) {
+        PyErr_SetString(PyExc_ValueError, "set_linger on a CompletionQueue without an own worker");
+        return NULL;
+    }
+    if (!(us >= 0.0 && us <= 1e9)) {
+        PyErr_Format(PyExc_ValueError, "set_linger(%R): expected 0 <= us <= 1e9", arg);
+        return NULL;
+    }
+    __atomic_store_n(&c->linger_ns, (long)(us * 1e3), __ATOMIC_RELAXED);
+    Py_RETURN_NONE;
+}
+
 /* spin_hold(on): a test hook. True counts one spinner with no flush behind it (the poller
  * runs as during a spin flush that never completes); False takes it back. */
 static PyObject *cq_spin_hold(CompletionQueue *self, PyObject *args)
@@ -2465,6 +2527,9 @@ static PyMethodDef cq_methods[] = {
      "(status NOTE), else None); clears the eventfd"},
     {"address", (PyCFunction)cq_address, METH_NOARGS,
      "address() -> bytes: the own worker's address (queues made with context=)"},
+    {"set_linger", (PyCFunction)cq_set_linger, METH_O,
+     "set_linger(us): the own worker's thread progresses back to back for us after its last "
+     "activity before it sleeps (0: at once)"},
     {"spin_hold", (PyCFunction)cq_spin_hold, METH_VARARGS,
      "spin_hold(on): test hook; count (True) or uncount (False) a spinner with no flush"},
     {"set_deliver", (PyCFunction)cq_set_deliver, METH_O,
@@ -2485,6 +2550,8 @@ static PyGetSetDef cq_getset[] = {
     {"own_worker", (getter)cq_own_worker, NULL,
      "the own worker's handle (context= given), else 0", NULL},
     {"inflight", (getter)cq_inflight, NULL, "flushes / chains / closes in flight", NULL},
+    {"sleeps", (getter)cq_sleeps, NULL,
+     "how often the own worker's thread went to sleep (armed wait or nap)", NULL},
     {"queued", (getter)cq_queued, NULL, "completions waiting for drain()", NULL},
     {NULL}};
 

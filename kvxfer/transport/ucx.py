@@ -42,6 +42,7 @@ from kvxfer.config import usable_cpus
 from kvxfer.errors import (
     Closed,
     IncompatiblePeer,
+    InvalidArgument,
     PeerClosed,
     ProtocolError,
     TransferTimeout,
@@ -110,6 +111,37 @@ def inline_yield() -> bool:
 #: 2-core CPU box it takes the other threads' core (1-page PD 6-7x slower). Off by
 #: default (bench/results/tp-pattern-h200.md, sixth session)
 NOTE_SPIN_ENV = "KVXFER_NOTE_SPIN"
+
+#: how long (µs) the own worker's thread keeps progressing back to back after its last
+#: activity (a progress call that did something, a request in flight) before it arms the
+#: worker's event fd and sleeps, where this process may use at least
+#: :data:`LINGER_FROM_CPUS` CPUs; ``$KVXFER_SPIN_LINGER_US`` overrides (0 = sleep at once).
+#: A notification or completion that comes within the window needs no thread woken (the
+#: cost KVXFER_NOTE_SPIN removes, without spinning a core while traffic has stopped); one
+#: core per transport is busy for the window after each activity. Figures in
+#: bench/results/ (spin-linger-*.md)
+SPIN_LINGER_US = 1000.0
+SPIN_LINGER_ENV = "KVXFER_SPIN_LINGER_US"
+#: the linger is on by default from this many usable CPUs (on the 2-core box a spinning
+#: thread takes the core the other threads need; KVXFER_NOTE_SPIN there: PD 6-7x slower)
+LINGER_FROM_CPUS = 8
+
+
+def spin_linger_us() -> float:
+    """The own worker's thread's linger (µs): ``$KVXFER_SPIN_LINGER_US`` (a number ≥ 0),
+    else :data:`SPIN_LINGER_US` where this process may use at least
+    :data:`LINGER_FROM_CPUS` CPUs, else 0."""
+    env = os.environ.get(SPIN_LINGER_ENV)
+    if env is None or env.strip() == "":
+        return SPIN_LINGER_US if usable_cpus() >= LINGER_FROM_CPUS else 0.0
+    try:
+        us = float(env)
+    except ValueError:
+        us = -1.0
+    if not 0.0 <= us <= 1e9:
+        raise InvalidArgument(f"${SPIN_LINGER_ENV}={env!r}: expected a number of µs, 0 to 1e9")
+    return us
+
 
 #: how often the native poller (and a chain's inline wait) wakes UCXX's progress thread while
 #: a spin flush is in flight (KVXFER_POLL_SIGNAL_US)
@@ -210,6 +242,10 @@ class UcxTransport(Transport):
         #: an inline wait on the own worker yields the CPU after each progress call that did
         #: nothing (KVXFER_INLINE_YIELD; default: on hosts of fewer than YIELD_BELOW_CPUS)
         self.inline_yield = inline_yield()
+        #: how long the own worker's thread keeps progressing after its last activity before
+        #: it sleeps (KVXFER_SPIN_LINGER_US; default: SPIN_LINGER_US from LINGER_FROM_CPUS
+        #: usable CPUs, else 0); read when the completion queue is made
+        self.spin_linger_us = spin_linger_us() if own_rma else 0.0
         #: chains and short PUT batches on kvxfer's own worker keep the GIL (the native side
         #: honours it only for that worker's endpoints; kvxfer.transport.ucx_rma.
         #: KEEP_GIL_MAX_OPS); not with ``$KVXFER_NATIVE_GIL=release``
@@ -253,6 +289,8 @@ class UcxTransport(Transport):
             q = self.rma.CompletionQueue(worker=self.worker_handle, signal_us=signal_us)
         if os.environ.get(NOTE_SPIN_ENV, "") not in ("", "0"):
             q.spin_hold(True)  # see NOTE_SPIN_ENV
+        if self.own_rma and self.spin_linger_us > 0:
+            q.set_linger(self.spin_linger_us)  # see SPIN_LINGER_US
         if self._native_take is not None and self.own_rma:
             q.set_deliver(self._native_take)
         return q

@@ -186,6 +186,50 @@ def test_note_spin_keeps_the_thread_progressing(node, mode):
     assert out["poller_after_close"] is False, out
 
 
+def test_spin_linger_keeps_the_own_thread_awake_between_requests(node):
+    # KVXFER_SPIN_LINGER_US: after a notification the receiver's own thread keeps
+    # progressing for the window instead of sleeping on the event fd, so the next one
+    # within it wakes no thread (without a linger it sleeps between the two: once here);
+    # once traffic stops and a 1 ms window has passed it sleeps again
+    out = node.spin_linger(1e7)
+    assert out["setting"] == 1e7, out
+    assert out["first"] == b"done" and out["second"] == b"again" and out["landed"], out
+    assert out["sleeps_between"] == 0, out
+    assert out["slept_after"] is True, out
+    off = node.spin_linger(0)
+    assert off["setting"] == 0.0 and off["second"] == b"again" and off["landed"], off
+
+
+def test_spin_linger_default_and_bad_values(monkeypatch):
+    import kvxfer.transport.ucx as u
+    from kvxfer.errors import InvalidArgument
+
+    monkeypatch.delenv(u.SPIN_LINGER_ENV, raising=False)
+    monkeypatch.setattr(u, "usable_cpus", lambda: u.LINGER_FROM_CPUS)
+    assert u.spin_linger_us() == u.SPIN_LINGER_US
+    monkeypatch.setattr(u, "usable_cpus", lambda: u.LINGER_FROM_CPUS - 1)
+    assert u.spin_linger_us() == 0.0
+    monkeypatch.setenv(u.SPIN_LINGER_ENV, "250")
+    assert u.spin_linger_us() == 250.0
+    monkeypatch.setenv(u.SPIN_LINGER_ENV, "0")
+    assert u.spin_linger_us() == 0.0
+    for bad in ("-1", "soon", "nan", "inf"):
+        monkeypatch.setenv(u.SPIN_LINGER_ENV, bad)
+        with pytest.raises(InvalidArgument, match="KVXFER_SPIN_LINGER_US"):
+            u.spin_linger_us()
+
+
+def test_set_linger_refuses_bad_values():
+    from kvxfer.transport.ucx_lib import load_ucx
+
+    q = load_ucx()[1].CompletionQueue()  # no worker: no own thread to linger
+    try:
+        with pytest.raises(ValueError, match="own worker"):
+            q.set_linger(10.0)
+    finally:
+        q.close()
+
+
 PRIME_CHECK = """
 import sys, threading
 import ucxx
