@@ -945,6 +945,7 @@ typedef struct {
      * after its last activity (a progress call that did something, or a request in flight)
      * before it arms the worker and sleeps; 0 = sleep at once. `sleeps` counts its sleeps. */
     long linger_ns;
+    int linger_yield; /* sched_yield() between idle progress calls of the linger */
     unsigned long sleeps;
 } cq_core_t;
 
@@ -1293,7 +1294,10 @@ static void *cq_own_main(void *arg)
                     active      = 0;
                 }
                 if (now - last_active < 1e-9 * (double)linger) {
-                    cpu_relax();
+                    if (__atomic_load_n(&c->linger_yield, __ATOMIC_RELAXED))
+                        sched_yield(); /* the core may be needed (small hosts) */
+                    else
+                        cpu_relax();
                     continue;
                 }
             }
@@ -2403,14 +2407,21 @@ static PyObject *cq_sleeps(CompletionQueue *self, void *closure)
     return PyLong_FromUnsignedLong(n);
 }
 
-/* set_linger(us): how long the own worker's thread keeps progressing back to back after its
- * last activity before it sleeps (0: at once, the default). Takes effect at its next idle
- * check; ValueError without an own worker or for a negative / non-finite value. */
-static PyObject *cq_set_linger(CompletionQueue *self, PyObject *arg)
+/* set_linger(us, yield_idle=False): how long the own worker's thread keeps progressing back
+ * to back after its last activity before it sleeps (0: at once, the default); yield_idle:
+ * sched_yield() after each idle progress call of the linger instead of a pause hint. Takes
+ * effect at its next idle check; ValueError without an own worker or for a negative /
+ * non-finite value. */
+static PyObject *cq_set_linger(CompletionQueue *self, PyObject *args)
 {
-    double us      = PyFloat_AsDouble(arg);
+    double us;
+    int yield_idle = 0;
     cq_core_t *c   = cq_core(self);
-    if (c == NULL || (us == -1.0 && PyErr_Occurred()))
+    PyObject *arg;
+    if (c == NULL || !PyArg_ParseTuple(args, "O|p", &arg, &yield_idle))
+        return NULL;
+    us = PyFloat_AsDouble(arg);
+    if (us == -1.0 && PyErr_Occurred())
         return NULL;
     if (c->own == NULL) {
         PyErr_SetString(PyExc_ValueError, "set_linger on a CompletionQueue without an own worker");
@@ -2420,6 +2431,7 @@ static PyObject *cq_set_linger(CompletionQueue *self, PyObject *arg)
         PyErr_Format(PyExc_ValueError, "set_linger(%R): expected 0 <= us <= 1e9", arg);
         return NULL;
     }
+    __atomic_store_n(&c->linger_yield, yield_idle, __ATOMIC_RELAXED);
     __atomic_store_n(&c->linger_ns, (long)(us * 1e3), __ATOMIC_RELAXED);
     Py_RETURN_NONE;
 }
@@ -2527,9 +2539,10 @@ static PyMethodDef cq_methods[] = {
      "(status NOTE), else None); clears the eventfd"},
     {"address", (PyCFunction)cq_address, METH_NOARGS,
      "address() -> bytes: the own worker's address (queues made with context=)"},
-    {"set_linger", (PyCFunction)cq_set_linger, METH_O,
-     "set_linger(us): the own worker's thread progresses back to back for us after its last "
-     "activity before it sleeps (0: at once)"},
+    {"set_linger", (PyCFunction)cq_set_linger, METH_VARARGS,
+     "set_linger(us, yield_idle=False): the own worker's thread progresses back to back for us "
+     "after its last activity before it sleeps (0: at once); yield_idle: sched_yield() between "
+     "its idle progress calls"},
     {"spin_hold", (PyCFunction)cq_spin_hold, METH_VARARGS,
      "spin_hold(on): test hook; count (True) or uncount (False) a spinner with no flush"},
     {"set_deliver", (PyCFunction)cq_set_deliver, METH_O,

@@ -290,7 +290,7 @@ class UcxTransport(Transport):
         if os.environ.get(NOTE_SPIN_ENV, "") not in ("", "0"):
             q.spin_hold(True)  # see NOTE_SPIN_ENV
         if self.own_rma and self.spin_linger_us > 0:
-            q.set_linger(self.spin_linger_us)  # see SPIN_LINGER_US
+            q.set_linger(self.spin_linger_us, self.inline_yield)  # see SPIN_LINGER_US
         if self._native_take is not None and self.own_rma:
             q.set_deliver(self._native_take)
         return q
