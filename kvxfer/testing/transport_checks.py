@@ -54,8 +54,8 @@ class TransportNode:
     def note_spin(self, error_mode: str) -> dict:
         return self.loop.run_until_complete(_TransportChecks.note_spin(error_mode))
 
-    def spin_linger(self, linger_us: float) -> dict:
-        return self.loop.run_until_complete(_TransportChecks.spin_linger(linger_us))
+    def spin_linger(self, linger_us: float, inline_yield: str = "1") -> dict:
+        return self.loop.run_until_complete(_TransportChecks.spin_linger(linger_us, inline_yield))
 
     def native_gil(self, error_mode: str, value: str) -> dict:
         return self.loop.run_until_complete(_TransportChecks.native_gil(error_mode, value))
@@ -182,9 +182,10 @@ class _TransportChecks:
         return q
 
     @staticmethod
-    async def spin_linger(linger_us):
+    async def spin_linger(linger_us, inline_yield="1"):
         """Two transports on their own workers (error mode "none"), the receiver made with
-        ``$KVXFER_SPIN_LINGER_US=linger_us``: its setting; how often the receiver's own
+        ``$KVXFER_SPIN_LINGER_US=linger_us`` and ``$KVXFER_INLINE_YIELD=inline_yield`` (its
+        linger yields between idle progress calls, or not): its settings; how often the receiver's own
         thread (which takes the notifications) went to sleep between a first PUT +
         notification and a second one made right after it; then, with its linger set to
         1 ms, whether that thread sleeps again once traffic stops (waited for, bounded)."""
@@ -195,15 +196,17 @@ class _TransportChecks:
 
         from kvxfer.transport.ucx import SPIN_LINGER_ENV, UcxTransport
 
-        old = os.environ.get(SPIN_LINGER_ENV)
-        os.environ[SPIN_LINGER_ENV] = str(linger_us)
+        env = {SPIN_LINGER_ENV: str(linger_us), "KVXFER_INLINE_YIELD": inline_yield}
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
             rx = UcxTransport(own_rma=True)
         finally:
-            if old is None:
-                os.environ.pop(SPIN_LINGER_ENV, None)
-            else:
-                os.environ[SPIN_LINGER_ENV] = old
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         tx = UcxTransport(own_rma=True)
         accepted = asyncio.get_running_loop().create_future()
 
@@ -216,7 +219,7 @@ class _TransportChecks:
         server = await asyncio.wait_for(accepted, 10.0)
         assert await server.recv(5.0) == b"hello"
         rma = await tx.rma_endpoint(client, rx.local_address(), 10.0)
-        out: dict = {"setting": rx.spin_linger_us}
+        out: dict = {"setting": rx.spin_linger_us, "yield": rx.inline_yield}
         src = np.arange(256, dtype=np.uint8)
         dst = np.zeros(256, dtype=np.uint8)
         rs = tx.register(src.ctypes.data, src.nbytes)

@@ -118,8 +118,9 @@ NOTE_SPIN_ENV = "KVXFER_NOTE_SPIN"
 #: :data:`LINGER_FROM_CPUS` CPUs; ``$KVXFER_SPIN_LINGER_US`` overrides (0 = sleep at once).
 #: A notification or completion that comes within the window needs no thread woken (the
 #: cost KVXFER_NOTE_SPIN removes, without spinning a core while traffic has stopped); one
-#: core per transport is busy for the window after each activity. Figures in
-#: bench/results/ (spin-linger-*.md)
+#: core per transport is busy for the window after each activity; it yields that core
+#: between idle progress calls where inline waits yield (:func:`inline_yield`). Figures:
+#: bench/results/spin-linger-*.md
 SPIN_LINGER_US = 1000.0
 SPIN_LINGER_ENV = "KVXFER_SPIN_LINGER_US"
 #: the linger is on by default from this many usable CPUs (on the 2-core box a spinning

@@ -186,13 +186,15 @@ def test_note_spin_keeps_the_thread_progressing(node, mode):
     assert out["poller_after_close"] is False, out
 
 
-def test_spin_linger_keeps_the_own_thread_awake_between_requests(node):
+@pytest.mark.parametrize("inline_yield", ["1", "0"], ids=["yield", "pause"])
+def test_spin_linger_keeps_the_own_thread_awake_between_requests(node, inline_yield):
     # KVXFER_SPIN_LINGER_US: after a notification the receiver's own thread keeps
     # progressing for the window instead of sleeping on the event fd, so the next one
     # within it wakes no thread (without a linger it sleeps between the two: once here);
-    # once traffic stops and a 1 ms window has passed it sleeps again
-    out = node.spin_linger(1e7)
-    assert out["setting"] == 1e7, out
+    # once traffic stops and a 1 ms window has passed it sleeps again. Between idle
+    # progress calls it yields the CPU where inline waits do (KVXFER_INLINE_YIELD)
+    out = node.spin_linger(1e7, inline_yield)
+    assert out["setting"] == 1e7 and out["yield"] is (inline_yield == "1"), out
     assert out["first"] == b"done" and out["second"] == b"again" and out["landed"], out
     assert out["sleeps_between"] == 0, out
     assert out["slept_after"] is True, out
