@@ -6,6 +6,8 @@ worker, real loopback endpoints); ``tests/transport`` hosts a :class:`TransportN
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 
 
 class TransportNode:
@@ -64,41 +66,51 @@ class TransportNode:
         self.loop.close()
 
 
+@contextlib.contextmanager
+def _env(values: dict):
+    """The environment variables ``values`` set for the block, restored afterwards (the
+    transport's variables are read when it is made)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 class _TransportChecks:
     @staticmethod
-    async def _pair(error_mode="peer"):
+    async def _pair(error_mode="peer", rx=None):
+        """A transport, a channel pair and an RMA endpoint: the new transport connects to
+        ``rx`` (default: itself) and its endpoint writes to ``rx`` (with error mode "none",
+        to ``rx``'s own worker)."""
         from kvxfer.transport.ucx import UcxTransport
 
         t = UcxTransport(own_rma=error_mode == "none")
+        rx = t if rx is None else rx
         accepted = asyncio.get_running_loop().create_future()
 
         async def on_accept(ch):
             accepted.set_result(ch)
 
-        _, port = await t.listen("127.0.0.1", 0, on_accept)
+        _, port = await rx.listen("127.0.0.1", 0, on_accept)
         client = await t.connect("127.0.0.1", port, 10.0)
         await client.send(b"hello", 5.0)
         server = await asyncio.wait_for(accepted, 10.0)
         assert await server.recv(5.0) == b"hello"
-        addr = t.local_address() if error_mode == "none" else None
+        addr = rx.local_address() if error_mode == "none" else None
         rma = await t.rma_endpoint(client, addr, 10.0)
         return t, client, server, rma
 
     @staticmethod
     async def _pair_with_env(error_mode, name, value):
-        """:meth:`_pair` made while ``$name`` is ``value`` (restored afterwards: such
-        variables are read when the transport is made)."""
-        import os
-
-        old = os.environ.get(name)
-        os.environ[name] = value
-        try:
+        """:meth:`_pair` made while ``$name`` is ``value``."""
+        with _env({name: value}):
             return await _TransportChecks._pair(error_mode)
-        finally:
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
 
     @staticmethod
     async def note_spin(error_mode):
@@ -189,36 +201,15 @@ class _TransportChecks:
         thread (which takes the notifications) went to sleep between a first PUT +
         notification and a second one made right after it; then, with its linger set to
         1 ms, whether that thread sleeps again once traffic stops (waited for, bounded)."""
-        import os
         import time
 
         import numpy as np
 
         from kvxfer.transport.ucx import SPIN_LINGER_ENV, UcxTransport
 
-        env = {SPIN_LINGER_ENV: str(linger_us), "KVXFER_INLINE_YIELD": inline_yield}
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with _env({SPIN_LINGER_ENV: str(linger_us), "KVXFER_INLINE_YIELD": inline_yield}):
             rx = UcxTransport(own_rma=True)
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-        tx = UcxTransport(own_rma=True)
-        accepted = asyncio.get_running_loop().create_future()
-
-        async def on_accept(ch):
-            accepted.set_result(ch)
-
-        _, port = await rx.listen("127.0.0.1", 0, on_accept)
-        client = await tx.connect("127.0.0.1", port, 10.0)
-        await client.send(b"hello", 5.0)
-        server = await asyncio.wait_for(accepted, 10.0)
-        assert await server.recv(5.0) == b"hello"
-        rma = await tx.rma_endpoint(client, rx.local_address(), 10.0)
+        tx, client, server, rma = await _TransportChecks._pair("none", rx)
         out: dict = {"setting": rx.spin_linger_us, "yield": rx.inline_yield}
         src = np.arange(256, dtype=np.uint8)
         dst = np.zeros(256, dtype=np.uint8)
