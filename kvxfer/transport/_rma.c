@@ -1237,7 +1237,10 @@ static int cq_own_deliver(cq_core_t *c)
  * it back to back (CUDA events signal nothing), backing off like the poller; otherwise it
  * progresses until idle, arms the worker's event fd and sleeps on it: indefinitely when no
  * request is in flight (an idle engine costs no CPU), else for at most 1 ms (completions
- * over shared memory signal nothing either). cq_req_begin_locked and cq_spin_begin_locked
+ * over shared memory signal nothing either) - with a linger (set_linger), only once
+ * nothing was in flight and no progress call did anything for the linger, progressing back
+ * to back until then (a pause hint or sched_yield between idle calls), so what arrives
+ * within it needs no wake-up. cq_req_begin_locked and cq_spin_begin_locked
  * wake it (ucp_worker_signal) when that changes; close() sets stop and wakes it. After
  * every progress call that queued something (whatever it returned), a deliver callable
  * (if set) is called (cq_own_deliver) before the next one. */
