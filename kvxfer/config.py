@@ -52,6 +52,7 @@ always wins.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
@@ -266,11 +267,81 @@ def native_plan() -> bool:
 
 
 def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity; the CPU count where there is none)."""
+    """The CPUs this process may use: its affinity (the CPU count where there is none),
+    capped by its cgroup's CPU bandwidth limit rounded up (:func:`cgroup_cpu_limit`: a
+    container's CPU limit), at least 1."""
     try:
-        return len(os.sched_getaffinity(0))
+        n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
+        n = os.cpu_count() or 1
+    limit = cgroup_cpu_limit()
+    if limit is not None:
+        n = min(n, max(1, math.ceil(limit)))
+    return n
+
+
+def parse_cpu_max(text: str) -> Optional[float]:
+    """cgroup v2 ``cpu.max`` (``"<quota> <period>"`` or ``"max <period>"``) in CPUs, or
+    None for no limit or text that is not that."""
+    parts = text.split()
+    if len(parts) != 2 or parts[0] == "max":
+        return None
+    return parse_cfs(parts[0], parts[1])
+
+
+def parse_cfs(quota: str, period: str) -> Optional[float]:
+    """cgroup v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` in CPUs, or None for no
+    limit (a quota of -1) or values that are not positive integers."""
+    try:
+        q, p = int(quota), int(period)
+    except ValueError:
+        return None
+    return q / p if q > 0 and p > 0 else None
+
+
+def cgroup_cpu_limit(
+    root: str = "/sys/fs/cgroup", self_cgroup: str = "/proc/self/cgroup"
+) -> Optional[float]:
+    """This process's CPU bandwidth limit in CPUs (the smallest found), or None: cgroup v2's
+    ``cpu.max`` and v1's CFS quota, looked up under ``root`` at the process's cgroup path
+    (``self_cgroup``) and at the hierarchy's top (what a container sees as its own)."""
+    try:
+        with open(self_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    found = []
+    for line in lines:
+        hier, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        path = path.strip("/")
+        if hier == "0" and controllers == "":  # v2
+            for d in {os.path.join(root, path), root}:
+                text = _read(os.path.join(d, "cpu.max"))
+                limit = None if text is None else parse_cpu_max(text)
+                if limit is not None:
+                    found.append(limit)
+        elif "cpu" in controllers.split(","):  # v1
+            for d in {
+                os.path.join(root, controllers, path),
+                os.path.join(root, "cpu", path),
+                os.path.join(root, "cpu"),
+            }:
+                q = _read(os.path.join(d, "cpu.cfs_quota_us"))
+                p = _read(os.path.join(d, "cpu.cfs_period_us"))
+                limit = None if q is None or p is None else parse_cfs(q, p)
+                if limit is not None:
+                    found.append(limit)
+    return min(found) if found else None
+
+
+def _read(path: str) -> Optional[str]:
+    """A small file's text, or None where it cannot be read."""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 #: default of :data:`kvxfer.engine.hostcopy.PACK_RUN_BYTES` (the host lane packs a write's

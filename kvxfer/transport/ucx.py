@@ -123,8 +123,9 @@ NOTE_SPIN_ENV = "KVXFER_NOTE_SPIN"
 #: bench/results/spin-linger-*.md
 SPIN_LINGER_US = 1000.0
 SPIN_LINGER_ENV = "KVXFER_SPIN_LINGER_US"
-#: the linger is on by default from this many usable CPUs (on the 2-core box a spinning
-#: thread takes the core the other threads need; KVXFER_NOTE_SPIN there: PD 6-7x slower)
+#: the linger is on by default from this many usable CPUs (kvxfer.config.usable_cpus: the
+#: affinity, capped by a container's CPU limit, which a spinning thread would eat into);
+#: on the 2-core box it cost the 1-page p99 1.35x (spin-linger-cpu.md)
 LINGER_FROM_CPUS = 8
 
 

@@ -95,3 +95,105 @@ def test_device_min_bytes(monkeypatch):
     finally:
         monkeypatch.undo()
         config.env_defaults.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "text,cpus",
+    [
+        ("max 100000", None),
+        ("200000 100000", 2.0),
+        ("150000 100000", 1.5),
+        ("50000 100000", 0.5),
+        ("", None),
+        ("max", None),
+        ("x 100000", None),
+        ("-1 100000", None),
+        ("100 0", None),
+    ],
+)
+def test_parse_cpu_max(text, cpus):
+    from kvxfer.config import parse_cpu_max
+
+    assert parse_cpu_max(text) == cpus
+
+
+@pytest.mark.parametrize(
+    "quota,period,cpus",
+    [
+        ("-1", "100000", None),
+        ("400000", "100000", 4.0),
+        ("25000", "100000", 0.25),
+        ("0", "100000", None),
+        ("x", "100000", None),
+        ("100000", "0", None),
+    ],
+)
+def test_parse_cfs(quota, period, cpus):
+    from kvxfer.config import parse_cfs
+
+    assert parse_cfs(quota, period) == cpus
+
+
+def _cgroup_tree(tmp_path, self_lines, files):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    proc = tmp_path / "self_cgroup"
+    proc.write_text("\n".join(self_lines) + "\n")
+    root = tmp_path / "cg"
+    for rel, text in files.items():
+        f = root / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+    return str(root), str(proc)
+
+
+def test_cgroup_cpu_limit_v2_own_path_and_top(tmp_path):
+    from kvxfer.config import cgroup_cpu_limit
+
+    # the process's own cgroup limited to 3 CPUs, the top unlimited: 3
+    root, proc = _cgroup_tree(
+        tmp_path, ["0::/pods/a"], {"pods/a/cpu.max": "300000 100000", "cpu.max": "max 100000"}
+    )
+    assert cgroup_cpu_limit(root, proc) == 3.0
+    # a container's namespace: its cgroup appears as the top
+    root, proc = _cgroup_tree(tmp_path / "ns", ["0::/"], {"cpu.max": "250000 100000"})
+    assert cgroup_cpu_limit(root, proc) == 2.5
+    # none anywhere, or no such files, or no /proc/self/cgroup
+    root, proc = _cgroup_tree(tmp_path / "free", ["0::/x"], {"x/cpu.max": "max 100000"})
+    assert cgroup_cpu_limit(root, proc) is None
+    assert cgroup_cpu_limit(str(tmp_path / "nothing"), proc) is None
+    assert cgroup_cpu_limit(root, str(tmp_path / "no_such_file")) is None
+
+
+def test_cgroup_cpu_limit_v1(tmp_path):
+    from kvxfer.config import cgroup_cpu_limit
+
+    root, proc = _cgroup_tree(
+        tmp_path,
+        ["4:memory:/m", "2:cpu,cpuacct:/docker/c1", "1:name=systemd:/"],
+        {
+            "cpu,cpuacct/docker/c1/cpu.cfs_quota_us": "600000",
+            "cpu,cpuacct/docker/c1/cpu.cfs_period_us": "100000",
+        },
+    )
+    assert cgroup_cpu_limit(root, proc) == 6.0
+    # the box's own layout: "cpu" mounted alone, quota -1 (no limit)
+    root, proc = _cgroup_tree(
+        tmp_path / "box",
+        ["1:cpu:/", "0::/"],
+        {"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"},
+    )
+    assert cgroup_cpu_limit(root, proc) is None
+
+
+def test_usable_cpus_capped_by_the_cgroup_limit(monkeypatch):
+    import kvxfer.config as c
+
+    monkeypatch.setattr(c.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(c, "cgroup_cpu_limit", lambda: None)
+    assert c.usable_cpus() == 16
+    monkeypatch.setattr(c, "cgroup_cpu_limit", lambda: 2.5)
+    assert c.usable_cpus() == 3
+    monkeypatch.setattr(c, "cgroup_cpu_limit", lambda: 0.25)
+    assert c.usable_cpus() == 1
+    monkeypatch.setattr(c, "cgroup_cpu_limit", lambda: 64.0)
+    assert c.usable_cpus() == 16
