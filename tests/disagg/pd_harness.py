@@ -961,6 +961,10 @@ class Node:
     def set_poll_takes(self, on: bool) -> None:
         self.mgr.poll_takes = on
 
+    def spin_linger_us(self) -> float:
+        """The linger of the transport's own-worker thread (µs)."""
+        return self.mgr.engine.transport.spin_linger_us
+
     def wait_queued(self, n: int, within: float = 10.0) -> int:
         """Wait (bounded) until ``n`` completions wait in the transport's queue; returns how
         many do."""
@@ -1110,14 +1114,15 @@ def build_nodes(nodes_spec: dict) -> Dict[str, Node]:
 
 
 class Worker(procs.Worker):
-    """A spawned worker process hosting ``nodes_spec`` ({name: Node kwargs}); ``w[name]`` is
-    a proxy typed as :class:`Node`."""
+    """A spawned worker process hosting ``nodes_spec`` ({name: Node kwargs}) with ``env``
+    added to its environment; ``w[name]`` is a proxy typed as :class:`Node`."""
 
-    def __init__(self, nodes_spec: dict) -> None:
+    def __init__(self, nodes_spec: dict, env: Optional[Dict[str, str]] = None) -> None:
         super().__init__(
             build_nodes,
             nodes_spec,
             name="+".join(f"{kw.get('role', '')}-{n}" for n, kw in nodes_spec.items()),
+            env=env,
         )
         self._nodes: Dict[str, Node] = {}
         self.launch()

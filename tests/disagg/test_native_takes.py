@@ -8,7 +8,9 @@ stays on, and nobody polls: the room still succeeds, on a thread that is neither
 nor the scheduler's. Forced the other way: decode's loop is held busy, so the native thread
 cannot take the loop's gate; the Done waits in the queue (polls cannot take it either) and
 the loop handles it once released. Hammered: hundreds of rooms in bursts with the native
-take on, every byte verified, nothing leaked; and the take switched off and on meanwhile."""
+take on, every byte verified, nothing leaked; and the take switched off and on meanwhile.
+Every test runs twice: at this host's default, and with the own worker's thread lingering
+after activity (``KVXFER_SPIN_LINGER_US=1000``: on by default from 8 CPUs, off on the CI box)."""
 
 import itertools
 
@@ -26,13 +28,14 @@ class Pair:
     kvxfer's own worker, whose thread receives the Done (in mode "peer" on host memory,
     UCXX's worker receives it and the loop takes it, as before)."""
 
-    def __init__(self) -> None:
+    def __init__(self, env=None) -> None:
         from kvxfer.disagg import BootstrapServer
 
+        self.linger = bool(env and "KVXFER_SPIN_LINGER_US" in env)
         self.bs = BootstrapServer(port=0).start_in_thread()
         node = dict(kind="mha", timeouts=FAST, bootstrap=self.bs.address, error_mode="none")
-        self.pw = Worker({"n": dict(node, role="prefill", device=DEVICE)})
-        self.dw = Worker({"n": dict(node, role="decode", device=DEVICE)})
+        self.pw = Worker({"n": dict(node, role="prefill", device=DEVICE)}, env=env)
+        self.dw = Worker({"n": dict(node, role="decode", device=DEVICE)}, env=env)
         for w in (self.pw, self.dw):
             w.ready()
         self.p, self.d = self.pw["n"], self.dw["n"]
@@ -45,9 +48,9 @@ class Pair:
         self.bs.stop_thread()
 
 
-@pytest.fixture(scope="module")
-def pair():
-    c = Pair()
+@pytest.fixture(scope="module", params=[None, "1000"], ids=["default", "linger"])
+def pair(request):
+    c = Pair(None if request.param is None else {"KVXFER_SPIN_LINGER_US": request.param})
     try:
         yield c
     finally:
@@ -131,3 +134,13 @@ def test_bursts_with_the_native_take_switched_meanwhile(pair):
     print(f"native takes: {d.stats()['native_takes'] - takes0}", end=" ")
     assert d.stats()["native_takes"] > takes0
     _clean(p, d)
+    # the setting reached both processes' transports (the default: off below 8 CPUs)
+    for n in (p, d):
+        linger = n.spin_linger_us()
+        assert linger == (1000.0 if pair.linger else default_linger()), linger
+
+
+def default_linger() -> float:
+    from kvxfer.transport.ucx import spin_linger_us
+
+    return spin_linger_us()
