@@ -796,6 +796,10 @@ class _TransportChecks:
                 rma.put(one(src.ctypes.data), one(rd.addr), one(src.nbytes), one(rs.handle), one(0))
                 await rma.flush(5.0, True)
                 rounds[0] += 1
+                # a flush that completed inline returns without suspending (with the own
+                # worker's thread lingering, nearly all do): without this yield the pump
+                # would hold the loop and no accept could run, whatever the threads do
+                await asyncio.sleep(0)
 
         pump = asyncio.ensure_future(flushes()) if hammer else None
         if not hammer:
