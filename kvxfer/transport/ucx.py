@@ -112,30 +112,26 @@ def inline_yield() -> bool:
 #: default (bench/results/tp-pattern-h200.md, sixth session)
 NOTE_SPIN_ENV = "KVXFER_NOTE_SPIN"
 
-#: how long (µs) the own worker's thread keeps progressing back to back after its last
-#: activity (a progress call that did something, a request in flight) before it arms the
-#: worker's event fd and sleeps, where this process may use at least
-#: :data:`LINGER_FROM_CPUS` CPUs; ``$KVXFER_SPIN_LINGER_US`` overrides (0 = sleep at once).
-#: A notification or completion that comes within the window needs no thread woken (the
-#: cost KVXFER_NOTE_SPIN removes, without spinning a core while traffic has stopped); one
-#: core per transport is busy for the window after each activity; it yields that core
-#: between idle progress calls where inline waits yield (:func:`inline_yield`). Figures:
-#: bench/results/spin-linger-*.md
-SPIN_LINGER_US = 1000.0
+#: opt-in, read when a transport makes its completion queue: how long (µs) the own worker's
+#: thread keeps progressing back to back after its last activity (a progress call that did
+#: something, a request in flight) before it arms the worker's event fd and sleeps (0, the
+#: default: at once). A notification or completion that comes within the window needs no
+#: thread woken (the cost KVXFER_NOTE_SPIN removes, without spinning a core once traffic
+#: has stopped); between idle progress calls it yields the core where inline waits yield
+#: (:func:`inline_yield`). Off by default: it removed the receiving thread's wake-up (the
+#: flush + notify -> decode stage 40-51 -> 13-22 µs on an H100 host, 50-64 -> 26-28 on the
+#: 2-CPU box), but spinning on the worker while requests are in flight cost concurrent
+#: 1-page requests/s (6.1k / 12.6k against 22.4k / 14.6k) and the p99 there, and the p99
+#: on the 2-CPU box (bench/results/spin-linger-cpu.md, spin-linger-h100.md)
 SPIN_LINGER_ENV = "KVXFER_SPIN_LINGER_US"
-#: the linger is on by default from this many usable CPUs (kvxfer.config.usable_cpus: the
-#: affinity, capped by a container's CPU limit, which a spinning thread would eat into);
-#: on the 2-core box it cost the 1-page p99 1.35x (spin-linger-cpu.md)
-LINGER_FROM_CPUS = 8
 
 
 def spin_linger_us() -> float:
     """The own worker's thread's linger (µs): ``$KVXFER_SPIN_LINGER_US`` (a number ≥ 0),
-    else :data:`SPIN_LINGER_US` where this process may use at least
-    :data:`LINGER_FROM_CPUS` CPUs, else 0."""
+    else 0 (off); :class:`InvalidArgument` for anything else."""
     env = os.environ.get(SPIN_LINGER_ENV)
     if env is None or env.strip() == "":
-        return SPIN_LINGER_US if usable_cpus() >= LINGER_FROM_CPUS else 0.0
+        return 0.0
     try:
         us = float(env)
     except ValueError:
@@ -245,8 +241,8 @@ class UcxTransport(Transport):
         #: nothing (KVXFER_INLINE_YIELD; default: on hosts of fewer than YIELD_BELOW_CPUS)
         self.inline_yield = inline_yield()
         #: how long the own worker's thread keeps progressing after its last activity before
-        #: it sleeps (KVXFER_SPIN_LINGER_US; default: SPIN_LINGER_US from LINGER_FROM_CPUS
-        #: usable CPUs, else 0); read when the completion queue is made
+        #: it sleeps (KVXFER_SPIN_LINGER_US, opt-in; 0: at once); read when the completion
+        #: queue is made
         self.spin_linger_us = spin_linger_us() if own_rma else 0.0
         #: chains and short PUT batches on kvxfer's own worker keep the GIL (the native side
         #: honours it only for that worker's endpoints; kvxfer.transport.ucx_rma.
@@ -292,7 +288,7 @@ class UcxTransport(Transport):
         if os.environ.get(NOTE_SPIN_ENV, "") not in ("", "0"):
             q.spin_hold(True)  # see NOTE_SPIN_ENV
         if self.own_rma and self.spin_linger_us > 0:
-            q.set_linger(self.spin_linger_us, self.inline_yield)  # see SPIN_LINGER_US
+            q.set_linger(self.spin_linger_us, self.inline_yield)  # see SPIN_LINGER_ENV
         if self._native_take is not None and self.own_rma:
             q.set_deliver(self._native_take)
         return q
