@@ -941,11 +941,12 @@ typedef struct {
      * push happened since the last call) */
     PyObject *deliver;
     int deferred;
-    /* linger (set_linger): how long the own worker's thread keeps progressing back to back
-     * after its last activity (a progress call that did something, or a request in flight)
-     * before it arms the worker and sleeps; 0 = sleep at once. `sleeps` counts its sleeps. */
+    /* linger (set_linger): how long after its last productive progress call the own
+     * worker's thread, with nothing in flight, waits on its armed event fd without sleeping
+     * (poll with a zero timeout) before it sleeps on it; 0 = sleep at once. `sleeps` counts
+     * its sleeps. */
     long linger_ns;
-    int linger_yield; /* sched_yield() between idle progress calls of the linger */
+    int linger_yield; /* sched_yield() between the linger's polls */
     unsigned long sleeps;
 } cq_core_t;
 
@@ -970,16 +971,6 @@ typedef struct {
     uint64_t token;
     int spin;
 } cq_req_t;
-
-/* a spin-wait hint (the core's sibling thread and power state), nothing elsewhere */
-static inline void cpu_relax(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
 
 static double mono_now(void)
 {
@@ -1237,10 +1228,10 @@ static int cq_own_deliver(cq_core_t *c)
  * it back to back (CUDA events signal nothing), backing off like the poller; otherwise it
  * progresses until idle, arms the worker's event fd and sleeps on it: indefinitely when no
  * request is in flight (an idle engine costs no CPU), else for at most 1 ms (completions
- * over shared memory signal nothing either) - with a linger (set_linger), only once
- * nothing was in flight and no progress call did anything for the linger, progressing back
- * to back until then (a pause hint or sched_yield between idle calls), so what arrives
- * within it needs no wake-up. cq_req_begin_locked and cq_spin_begin_locked
+ * over shared memory signal nothing either) - with a linger (set_linger) and nothing in
+ * flight, it first polls the armed fd without sleeping until the linger has passed since
+ * its last productive progress call, so what arrives within it needs no wake-up (no worker
+ * lock is taken meanwhile). cq_req_begin_locked and cq_spin_begin_locked
  * wake it (ucp_worker_signal) when that changes; close() sets stop and wakes it. After
  * every progress call that queued something (whatever it returned), a deliver callable
  * (if set) is called (cq_own_deliver) before the next one. */
@@ -1289,20 +1280,10 @@ static void *cq_own_main(void *arg)
         }
         {
             int busy = __atomic_load_n(&c->inflight, __ATOMIC_ACQUIRE) > 0;
-            long linger = __atomic_load_n(&c->linger_ns, __ATOMIC_RELAXED);
-            if (linger > 0) { /* keep progressing while active and for `linger` after */
-                double now = mono_now();
-                if (active || busy) {
-                    last_active = now;
-                    active      = 0;
-                }
-                if (now - last_active < 1e-9 * (double)linger) {
-                    if (__atomic_load_n(&c->linger_yield, __ATOMIC_RELAXED))
-                        sched_yield(); /* the core may be needed (small hosts) */
-                    else
-                        cpu_relax();
-                    continue;
-                }
+            double linger = 1e-9 * (double)__atomic_load_n(&c->linger_ns, __ATOMIC_RELAXED);
+            if (active) {
+                last_active = mono_now();
+                active      = 0;
             }
             if (c->own_efd >= 0) {
                 struct pollfd pfd = {c->own_efd, POLLIN, 0};
@@ -1312,6 +1293,24 @@ static void *cq_own_main(void *arg)
                 if (__atomic_load_n(&c->stop, __ATOMIC_ACQUIRE) ||
                     __atomic_load_n(&c->spinning, __ATOMIC_ACQUIRE) > 0)
                     continue;
+                if (linger > 0.0 && !busy && mono_now() - last_active < linger) {
+                    /* the linger: wait on the armed event fd without sleeping and without
+                     * the worker's lock (the loop thread posts on this worker meanwhile);
+                     * a new request in flight signals it too (cq_req_begin_locked) */
+                    int ready = 0;
+                    while (!ready &&
+                           mono_now() - last_active <
+                               1e-9 * (double)__atomic_load_n(&c->linger_ns, __ATOMIC_RELAXED) &&
+                           !__atomic_load_n(&c->stop, __ATOMIC_ACQUIRE) &&
+                           __atomic_load_n(&c->spinning, __ATOMIC_ACQUIRE) == 0) {
+                        ready = poll(&pfd, 1, 0) > 0;
+                        if (!ready && __atomic_load_n(&c->linger_yield, __ATOMIC_RELAXED))
+                            sched_yield(); /* the core may be needed (small hosts) */
+                    }
+                    if (ready || __atomic_load_n(&c->stop, __ATOMIC_ACQUIRE) ||
+                        __atomic_load_n(&c->spinning, __ATOMIC_ACQUIRE) > 0)
+                        continue;
+                }
                 __atomic_fetch_add(&c->sleeps, 1, __ATOMIC_RELAXED);
                 (void)poll(&pfd, 1, busy ? 1 : -1);
             } else {
@@ -2410,10 +2409,10 @@ static PyObject *cq_sleeps(CompletionQueue *self, void *closure)
     return PyLong_FromUnsignedLong(n);
 }
 
-/* set_linger(us, yield_idle=False): how long the own worker's thread keeps progressing back
- * to back after its last activity before it sleeps (0: at once, the default); yield_idle:
- * sched_yield() after each idle progress call of the linger instead of a pause hint. Takes
- * effect at its next idle check; ValueError without an own worker or for a negative /
+/* set_linger(us, yield_idle=False): how long after its last productive progress call the own
+ * worker's thread, with nothing in flight, polls its armed event fd without sleeping before
+ * it sleeps on it (0: at once, the default); yield_idle: sched_yield() between those polls.
+ * Takes effect at its next idle check; ValueError without an own worker or for a negative /
  * non-finite value. */
 static PyObject *cq_set_linger(CompletionQueue *self, PyObject *args)
 {
@@ -2543,9 +2542,9 @@ static PyMethodDef cq_methods[] = {
     {"address", (PyCFunction)cq_address, METH_NOARGS,
      "address() -> bytes: the own worker's address (queues made with context=)"},
     {"set_linger", (PyCFunction)cq_set_linger, METH_VARARGS,
-     "set_linger(us, yield_idle=False): the own worker's thread progresses back to back for us "
-     "after its last activity before it sleeps (0: at once); yield_idle: sched_yield() between "
-     "its idle progress calls"},
+     "set_linger(us, yield_idle=False): the own worker's thread polls its armed event fd "
+     "without sleeping for us after its last activity before it sleeps (0: at once); "
+     "yield_idle: sched_yield() between those polls"},
     {"spin_hold", (PyCFunction)cq_spin_hold, METH_VARARGS,
      "spin_hold(on): test hook; count (True) or uncount (False) a spinner with no flush"},
     {"set_deliver", (PyCFunction)cq_set_deliver, METH_O,

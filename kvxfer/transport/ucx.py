@@ -112,26 +112,27 @@ def inline_yield() -> bool:
 #: default (bench/results/tp-pattern-h200.md, sixth session)
 NOTE_SPIN_ENV = "KVXFER_NOTE_SPIN"
 
-#: opt-in, read when a transport makes its completion queue: how long (µs) the own worker's
-#: thread keeps progressing back to back after its last activity (a progress call that did
-#: something, a request in flight) before it arms the worker's event fd and sleeps (0, the
-#: default: at once). A notification or completion that comes within the window needs no
-#: thread woken (the cost KVXFER_NOTE_SPIN removes, without spinning a core once traffic
-#: has stopped); between idle progress calls it yields the core where inline waits yield
-#: (:func:`inline_yield`). Off by default: it removed the receiving thread's wake-up (the
-#: flush + notify -> decode stage 40-51 -> 13-22 µs on an H100 host, 50-64 -> 26-28 on the
-#: 2-CPU box), but spinning on the worker while requests are in flight cost concurrent
-#: 1-page requests/s (6.1k / 12.6k against 22.4k / 14.6k) and the p99 there, and the p99
-#: on the 2-CPU box (bench/results/spin-linger-cpu.md, spin-linger-h100.md)
+#: read when a transport makes its completion queue: how long (µs) after its last
+#: productive progress call the own worker's thread, with nothing in flight, polls its armed
+#: event fd without sleeping before it sleeps on it (``$KVXFER_SPIN_LINGER_US``; 0: at
+#: once). A notification that comes within the window needs no thread woken, and no worker
+#: lock is taken meanwhile; where inline waits yield (:func:`inline_yield`) it yields the
+#: core between polls. A first version progressed the worker back to back instead (also
+#: while requests were in flight): it removed the wake-up too but cost concurrent
+#: requests/s and the p99 on an H100 host (its lock and CUDA event polls against the
+#: posting loop thread, not isolated) and the p99 on the 2-CPU box; this one, on that box:
+#: 1-page PD p50 0.74x, p99 0.90x, requests/s 1.12x (bench/results/spin-linger-cpu.md,
+#: spin-linger-h100.md)
+SPIN_LINGER_US = 1000.0
 SPIN_LINGER_ENV = "KVXFER_SPIN_LINGER_US"
 
 
 def spin_linger_us() -> float:
     """The own worker's thread's linger (µs): ``$KVXFER_SPIN_LINGER_US`` (a number ≥ 0),
-    else 0 (off); :class:`InvalidArgument` for anything else."""
+    else :data:`SPIN_LINGER_US`; :class:`InvalidArgument` for anything else."""
     env = os.environ.get(SPIN_LINGER_ENV)
     if env is None or env.strip() == "":
-        return 0.0
+        return SPIN_LINGER_US
     try:
         us = float(env)
     except ValueError:
@@ -240,9 +241,9 @@ class UcxTransport(Transport):
         #: an inline wait on the own worker yields the CPU after each progress call that did
         #: nothing (KVXFER_INLINE_YIELD; default: on hosts of fewer than YIELD_BELOW_CPUS)
         self.inline_yield = inline_yield()
-        #: how long the own worker's thread keeps progressing after its last activity before
-        #: it sleeps (KVXFER_SPIN_LINGER_US, opt-in; 0: at once); read when the completion
-        #: queue is made
+        #: how long the own worker's thread waits on its event fd without sleeping after its
+        #: last activity (KVXFER_SPIN_LINGER_US, SPIN_LINGER_US; 0: it sleeps at once); read
+        #: when the completion queue is made
         self.spin_linger_us = spin_linger_us() if own_rma else 0.0
         #: chains and short PUT batches on kvxfer's own worker keep the GIL (the native side
         #: honours it only for that worker's endpoints; kvxfer.transport.ucx_rma.

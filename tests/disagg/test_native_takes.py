@@ -9,8 +9,8 @@ nor the scheduler's. Forced the other way: decode's loop is held busy, so the na
 cannot take the loop's gate; the Done waits in the queue (polls cannot take it either) and
 the loop handles it once released. Hammered: hundreds of rooms in bursts with the native
 take on, every byte verified, nothing leaked; and the take switched off and on meanwhile.
-Every test runs twice: at this host's default, and with the own worker's thread lingering
-after activity (``KVXFER_SPIN_LINGER_US=1000``, opt-in)."""
+Every test runs twice: with the own worker's thread lingering after activity (the default)
+and without (``KVXFER_SPIN_LINGER_US=0``)."""
 
 import itertools
 
@@ -31,7 +31,7 @@ class Pair:
     def __init__(self, env=None) -> None:
         from kvxfer.disagg import BootstrapServer
 
-        self.linger = bool(env and "KVXFER_SPIN_LINGER_US" in env)
+        self.no_linger = bool(env and env.get("KVXFER_SPIN_LINGER_US") == "0")
         self.bs = BootstrapServer(port=0).start_in_thread()
         node = dict(kind="mha", timeouts=FAST, bootstrap=self.bs.address, error_mode="none")
         self.pw = Worker({"n": dict(node, role="prefill", device=DEVICE)}, env=env)
@@ -48,7 +48,7 @@ class Pair:
         self.bs.stop_thread()
 
 
-@pytest.fixture(scope="module", params=[None, "1000"], ids=["default", "linger"])
+@pytest.fixture(scope="module", params=[None, "0"], ids=["default", "no-linger"])
 def pair(request):
     c = Pair(None if request.param is None else {"KVXFER_SPIN_LINGER_US": request.param})
     try:
@@ -134,7 +134,9 @@ def test_bursts_with_the_native_take_switched_meanwhile(pair):
     print(f"native takes: {d.stats()['native_takes'] - takes0}", end=" ")
     assert d.stats()["native_takes"] > takes0
     _clean(p, d)
-    # the setting reached both processes' transports (the default: off)
+    # the setting reached both processes' transports (the default: SPIN_LINGER_US)
+    from kvxfer.transport.ucx import SPIN_LINGER_US
+
     for n in (p, d):
         linger = n.spin_linger_us()
-        assert linger == (1000.0 if pair.linger else 0.0), linger
+        assert linger == (0.0 if pair.no_linger else SPIN_LINGER_US), linger

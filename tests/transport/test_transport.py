@@ -207,9 +207,9 @@ def test_spin_linger_default_and_bad_values(monkeypatch):
     from kvxfer.errors import InvalidArgument
 
     monkeypatch.delenv(u.SPIN_LINGER_ENV, raising=False)
-    assert u.spin_linger_us() == 0.0  # opt-in on every host
+    assert u.spin_linger_us() == u.SPIN_LINGER_US > 0  # on by default, every host
     monkeypatch.setenv(u.SPIN_LINGER_ENV, " ")
-    assert u.spin_linger_us() == 0.0
+    assert u.spin_linger_us() == u.SPIN_LINGER_US
     monkeypatch.setenv(u.SPIN_LINGER_ENV, "250")
     assert u.spin_linger_us() == 250.0
     monkeypatch.setenv(u.SPIN_LINGER_ENV, "0")
