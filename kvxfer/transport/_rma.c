@@ -1240,7 +1240,7 @@ static void *cq_own_main(void *arg)
     cq_core_t *c       = (cq_core_t *)arg;
     ucp_worker_h w     = c->own;
     int active         = 0;   /* progress did something since last_active was set */
-    double last_active = 0.0; /* (linger) the last time it did, or a request was in flight */
+    double last_active = 0.0; /* (linger) the last time it did */
     (void)prctl(PR_SET_TIMERSLACK, 1000UL);
     tl_own_core = c;
     while (!__atomic_load_n(&c->stop, __ATOMIC_ACQUIRE)) {
