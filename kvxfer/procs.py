@@ -26,6 +26,7 @@ until the call in progress has been answered (e.g. before it stops its own proce
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing as mp
 import os
@@ -33,7 +34,7 @@ import signal
 import threading
 import time
 import traceback
-from typing import Any, Callable, Dict, Generic, Optional, Type, TypeVar, cast
+from typing import Any, Callable, Dict, Generic, Iterator, Optional, Type, TypeVar, cast
 
 from kvxfer.errors import RemoteError, WorkerDied
 
@@ -72,6 +73,22 @@ def _all_threads_stopped(pid: int) -> bool:
 
 
 # ====================================================================== child side
+@contextlib.contextmanager
+def scoped_env(values: Dict[str, str]) -> Iterator[None]:
+    """The environment variables ``values`` set for the block (a child started or an object
+    made there reads them), restored afterwards."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _error(exc: BaseException) -> tuple:
     return ("err", type(exc).__name__, str(exc), traceback.format_exc())
 
@@ -152,16 +169,8 @@ class Worker:
     # -- life cycle --
     def launch(self) -> "Worker":
         """Start the process without waiting for it (boot several at once, then :meth:`ready`)."""
-        saved = {k: os.environ.get(k) for k in self._env}
-        os.environ.update(self._env)
-        try:
+        with scoped_env(self._env):
             self.proc.start()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         self._child_end.close()
         return self
 

@@ -6,8 +6,8 @@ worker, real loopback endpoints); ``tests/transport`` hosts a :class:`TransportN
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
+
+from kvxfer.procs import scoped_env
 
 
 class TransportNode:
@@ -66,22 +66,6 @@ class TransportNode:
         self.loop.close()
 
 
-@contextlib.contextmanager
-def _env(values: dict):
-    """The environment variables ``values`` set for the block, restored afterwards (the
-    transport's variables are read when it is made)."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 class _TransportChecks:
     @staticmethod
     async def _pair(error_mode="peer", rx=None):
@@ -109,7 +93,7 @@ class _TransportChecks:
     @staticmethod
     async def _pair_with_env(error_mode, name, value):
         """:meth:`_pair` made while ``$name`` is ``value``."""
-        with _env({name: value}):
+        with scoped_env({name: value}):
             return await _TransportChecks._pair(error_mode)
 
     @staticmethod
@@ -207,7 +191,7 @@ class _TransportChecks:
 
         from kvxfer.transport.ucx import SPIN_LINGER_ENV, UcxTransport
 
-        with _env({SPIN_LINGER_ENV: str(linger_us), "KVXFER_INLINE_YIELD": inline_yield}):
+        with scoped_env({SPIN_LINGER_ENV: str(linger_us), "KVXFER_INLINE_YIELD": inline_yield}):
             rx = UcxTransport(own_rma=True)
         tx, client, server, rma = await _TransportChecks._pair("none", rx)
         out: dict = {"setting": rx.spin_linger_us, "yield": rx.inline_yield}

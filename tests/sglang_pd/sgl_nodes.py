@@ -20,6 +20,8 @@ from __future__ import annotations
 import os
 import time
 
+from kvxfer.procs import scoped_env
+
 PAGE = 4
 LAYERS = 3
 HEADS, DIM = 2, 8
@@ -296,16 +298,8 @@ class Node:
         scoped = dict(env or {})
         if secret is not None:
             scoped["KVXFER_SECRET"] = secret
-        saved = {k: os.environ.get(k) for k in scoped}
-        os.environ.update(scoped)  # this manager only (read at construction)
-        try:
+        with scoped_env(scoped):  # this manager only (read at construction)
             mgr = get_kv_class(backend, KVClassType.MANAGER)(kv_args, mode, server_args, mla)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         head_bytes = DIM * 2  # bfloat16
         self.scen[name] = dict(
             kind=kind,
