@@ -44,6 +44,7 @@ Invariants (tests/unit/test_tp_plan.py checks them exhaustively against a brute 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
@@ -68,6 +69,7 @@ __all__ = [
     "gather_runs",
     "hnd_item",
     "item_runs",
+    "item_salt_period",
     "kv_geometries",
     "local_units",
     "nhd_item",
@@ -79,6 +81,7 @@ __all__ = [
     "plan_pages",
     "prefill_peers",
     "replicated_item",
+    "salt_period",
     "scatter_items",
     "scatter_runs",
     "state_geometries",
@@ -195,11 +198,31 @@ class AxisPlan:
         return tuple(sorted({d for d, _ in self.sends(prefill_rank)}))
 
 
+def salt_period(total: int, prefill_tp: int, decode_tp: int) -> int:
+    """How many salts give different plans of an axis of ``total`` units: the replicas of a
+    unit among one decode rank's peers (``ps`` of the module rules). 1 — the salt does not
+    matter — unless prefill has more ranks than decode *and* than units; then ``min(k, r)``
+    (``k = Tp/Td`` peers, ``r = Tp/total`` replicas of a unit: aligned blocks of ranks, so
+    the ones a decode rank's peers hold number the smaller). Divides ``prefill_tp``.
+    Meaningful for shapes :func:`plan_axis` accepts (checked there)."""
+    total, prefill_tp, decode_tp = (
+        _pos("total", total),
+        _pos("prefill tp", prefill_tp),
+        _pos("decode tp", decode_tp),
+    )
+    if prefill_tp <= decode_tp or prefill_tp <= total:
+        return 1
+    return min(prefill_tp // decode_tp, prefill_tp // total)
+
+
 def plan_axis(total: int, prefill_tp: int, decode_tp: int, salt: int = 0) -> AxisPlan:
     """The slices of an axis of ``total`` units between ``prefill_tp`` and ``decode_tp``
     ranks (module rules). TpShapeMismatch names both shapes when they cannot be joined.
-    Cached; ``salt`` only matters modulo ``prefill_tp`` (replica counts divide it)."""
-    return _plan_axis(total, prefill_tp, decode_tp, int(salt) % _pos("prefill tp", prefill_tp))
+    Cached; ``salt`` only matters modulo :func:`salt_period` (1 without replicas to pick
+    from: every salt is the same plan, the same object)."""
+    return _plan_axis(
+        total, prefill_tp, decode_tp, int(salt) % salt_period(total, prefill_tp, decode_tp)
+    )
 
 
 @lru_cache(maxsize=512)
@@ -576,9 +599,20 @@ def item_runs(
     """``(src_off, dst_off, nbytes)`` int64 runs, relative to one item on each side, of what
     ``prefill_rank`` writes into ``decode_rank``'s item (empty: it sends nothing). Raises
     TpShapeMismatch naming both geometries when they cannot be joined. Cached (read-only
-    arrays)."""
-    salt = int(salt) % _pos("prefill tp", prefill_tp)  # as plan_axis: bounded cache keys
+    arrays; every salt of one class of :func:`item_salt_period` gets the same arrays)."""
+    salt = int(salt) % item_salt_period(src, dst, prefill_tp, decode_tp)
     return _item_runs_cached(src, dst, prefill_rank, decode_rank, prefill_tp, decode_tp, salt)
+
+
+@lru_cache(maxsize=1024)
+def item_salt_period(src: ItemGeometry, dst: ItemGeometry, prefill_tp: int, decode_tp: int) -> int:
+    """How many salts give different runs of an item pair: the least common multiple of its
+    segments' :func:`salt_period` (1 when no segment has replicas to pick from; divides
+    ``prefill_tp``). TpShapeMismatch when the geometries cannot be joined."""
+    out = 1
+    for s, _ in _pair(src, dst, prefill_tp, decode_tp):
+        out = math.lcm(out, salt_period(s.total, prefill_tp, decode_tp))
+    return out
 
 
 @dataclass(frozen=True, eq=False)

@@ -33,6 +33,7 @@ not the room's sender) still sends Chunk/Done, writing no byte.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
@@ -51,6 +52,7 @@ from kvxfer.disagg.tp_plan import (
     PagePlan,
     decode_peers,
     item_runs,
+    item_salt_period,
     page_plan,
     prefill_peers,
 )
@@ -199,11 +201,29 @@ class TpPair:
         runs = self.page_plan(group, salt).runs(src_items, dst_items)
         return runs.raw_write(group) if len(runs) else None
 
+    def salt_class(self, group: str, salt: int) -> int:
+        """``salt`` reduced to its class for ``group``: salts of one class give the same runs
+        (the least common multiple of the descriptors'
+        :func:`~kvxfer.disagg.tp_plan.item_salt_period`; every salt is class 0 where no unit
+        has replicas to pick from). The caches below keep one entry per class, so a pair
+        without replicas plans once, and the device lane, which keeps its run table per
+        pattern object, builds it once."""
+        key = f"_period/{group}"
+        period = self.__dict__.get(key)
+        if period is None:  # (frozen: cached by hand)
+            period = 1
+            for s, t in zip(self.src[group], self.dst[group]):
+                p = item_salt_period(s, t, self.prefill_tp, self.decode_tp)
+                period = math.lcm(period, p)
+            self.__dict__[key] = period
+        return int(salt) % period
+
     def page_plan(self, group: str, salt: int) -> PagePlan:
         """The :class:`~kvxfer.disagg.tp_plan.PagePlan` of this pair's share of ``group``
         (what :func:`~kvxfer.disagg.tp_plan.plan_pages` computes per request), resolved once
-        per ``salt % prefill_tp``."""
-        key = f"_pages/{group}/{int(salt) % self.prefill_tp}"
+        per :meth:`salt_class`."""
+        salt = self.salt_class(group, salt)
+        key = f"_pages/{group}/{salt}"
         plan = self.__dict__.get(key)
         if plan is None:  # (frozen: cached by hand)
             plan = self.__dict__[key] = page_plan(
@@ -220,9 +240,10 @@ class TpPair:
     def pattern_runs(self, group: str, salt: int) -> Any:
         """The validated :class:`~kvxfer.engine.slices.PatternRuns` of this pair's share of
         one item of ``group`` (both sides' runs), None when it moves nothing or whole items
-        (those go as ItemWrites). Cached per ``salt % prefill_tp`` (the same object each
+        (those go as ItemWrites). Cached per :meth:`salt_class` (the same object each
         time: the device lane keeps its run table per pattern object)."""
-        key = f"_pattern/{group}/{int(salt) % self.prefill_tp}"
+        salt = self.salt_class(group, salt)
+        key = f"_pattern/{group}/{salt}"
         if key not in self.__dict__:  # (frozen: cached by hand)
             from kvxfer.engine.slices import PatternRuns
 
@@ -255,8 +276,9 @@ class TpPair:
 
     def _moves_whole(self, group: str, salt: int) -> bool:
         """Whether this pair moves whole pages of ``group`` on both sides (replicated: MLA;
-        then as equal TP), cached per ``salt % prefill_tp``."""
-        key = f"_whole/{group}/{int(salt) % self.prefill_tp}"
+        then as equal TP), cached per :meth:`salt_class`."""
+        salt = self.salt_class(group, salt)
+        key = f"_whole/{group}/{salt}"
         if key not in self.__dict__:  # (frozen: cached by hand)
             sides = self.slice_sides(group, salt, src=True)
             moved = 0 if sides is None else sum(int(n.sum()) for _, n in sides)
@@ -270,7 +292,8 @@ class TpPair:
         """Whether decode's runs of this pair's share of each item of ``group`` follow each
         other (:func:`kvxfer.engine.hostcopy.lands_whole`: one-to-many head slices), so the
         host lane writes them as long segments."""
-        key = f"_lands/{group}/{int(salt) % self.prefill_tp}"
+        salt = self.salt_class(group, salt)
+        key = f"_lands/{group}/{salt}"
         if key not in self.__dict__:  # (frozen: cached by hand, as slice_sides)
             sides = self.slice_sides(group, salt, src=False)
             self.__dict__[key] = sides is not None and lands_whole(sides)
@@ -280,7 +303,8 @@ class TpPair:
         """One side's item-relative runs ``(offs, lens)`` per descriptor of what this pair
         moves of each item of ``group`` (prefill's with ``src``, else decode's: both sides
         derive them from the geometries validated at the handshake), None if nothing."""
-        key = f"_sides/{group}/{int(salt) % self.prefill_tp}/{bool(src)}"
+        salt = self.salt_class(group, salt)
+        key = f"_sides/{group}/{salt}/{bool(src)}"
         if key in self.__dict__:  # (frozen: cached by hand; the runs are read-only)
             return self.__dict__[key]
         out = []

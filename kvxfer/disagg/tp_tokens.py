@@ -31,6 +31,7 @@ contiguous on both sides are merged (equal page sizes, whole pages and equal TP 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from functools import lru_cache
 from typing import Any, Dict, List, Sequence, Tuple
@@ -40,7 +41,7 @@ import numpy as np
 from kvxfer.disagg.errors import TpShapeMismatch
 from kvxfer.disagg.page_map import class_token, piece_classes, pieces
 from kvxfer.disagg.runs import Runs
-from kvxfer.disagg.tp_plan import ItemGeometry, Segment, _pair, plan_axis
+from kvxfer.disagg.tp_plan import ItemGeometry, Segment, _pair, item_salt_period, plan_axis
 from kvxfer.errors import IndexOutOfRange, InvalidArgument
 
 __all__ = [
@@ -164,6 +165,21 @@ class TokenPlan:
             object.__setattr__(self, "_hash", h)
         return h
 
+    def salt_class(self, salt: int) -> int:
+        """``salt`` reduced to its class: salts of one class give the same runs (the least
+        common multiple of the descriptors' per-token
+        :func:`~kvxfer.disagg.tp_plan.item_salt_period`; 0 for every salt where no head has
+        replicas to pick from), so :func:`piece_runs` keeps one pattern per class."""
+        period = self.__dict__.get("_period")
+        if period is None:
+            period = 1
+            for s, t in zip(self.src, self.dst):
+                a = per_token_item(s, self.src_page_size)
+                b = per_token_item(t, self.dst_page_size)
+                period = math.lcm(period, item_salt_period(a, b, self.prefill_tp, self.decode_tp))
+            object.__setattr__(self, "_period", period)
+        return int(salt) % period
+
     def runs(
         self,
         src_pages: Any,
@@ -237,7 +253,7 @@ class TokenPlan:
         src, dst = self._window(src_pages, dst_pages, start, end, src_first_page)
         out = []
         for (a, b, n), s, d in piece_classes(src, dst, ps, pd, start, end, src_first_page):
-            runs = piece_runs(self, a, b, n, int(salt) % self.prefill_tp)
+            runs = piece_runs(self, a, b, n, self.salt_class(salt))
             if runs is not None:
                 out.append((s, d, runs))
         return out

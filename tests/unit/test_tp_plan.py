@@ -92,6 +92,44 @@ def test_replicated_senders_rotate_with_salt(tp_p, tp_d):
     assert plan_axis(1, tp_p, tp_d, 10**12 + 1) == plan_axis(1, tp_p, tp_d, (10**12 + 1) % tp_p)
 
 
+@pytest.mark.parametrize("tp_p,tp_d", list(itertools.product(TPS, TPS)))
+def test_salt_period_is_exactly_when_plans_differ(tp_p, tp_d):
+    """Two salts give the same plan iff they agree modulo salt_period (the raw, uncanonical
+    plans compared): 1 unless a decode rank's peers hold replicas of a unit; it divides
+    tp_p, and plan_axis hands every salt of a class the same object."""
+    for total in HEADS:
+        try:
+            plan_axis(total, tp_p, tp_d)
+        except TpShapeMismatch:
+            continue
+        period = tp.salt_period(total, tp_p, tp_d)
+        assert tp_p % period == 0
+        raw = [tp._plan_axis(total, tp_p, tp_d, s).by_decode for s in range(tp_p)]
+        for a, b in itertools.product(range(tp_p), repeat=2):
+            assert (raw[a] == raw[b]) == (a % period == b % period), (total, a, b, period)
+        for salt in (0, 1, 7, 10**12 + 3):
+            assert plan_axis(total, tp_p, tp_d, salt) is plan_axis(total, tp_p, tp_d, salt % period)
+        if tp_p <= total or tp_p <= tp_d:
+            assert period == 1
+
+
+def test_item_salt_period_is_the_segments_lcm():
+    """An item's period is the lcm of its segments' (state parts of different head counts);
+    item_runs of salts in one class are the same arrays; a pair of items that cannot be
+    joined is refused as item_runs refuses it."""
+    s2, s4 = tp.Segment(0, 1, 8, 1, 8, 2), tp.Segment(8, 1, 8, 1, 8, 4)
+    src = tp.ItemGeometry(16, (s2, s4))
+    dst = tp.ItemGeometry(48, (tp.Segment(0, 1, 16, 2, 8, 2), tp.Segment(16, 1, 32, 4, 8, 4)))
+    # prefill 8 ranks over 2 / 4 units, decode 1: replicas 4 and 2, peers 8: lcm 4
+    assert [tp.salt_period(n, 8, 1) for n in (2, 4)] == [4, 2]
+    assert tp.item_salt_period(src, dst, 8, 1) == 4
+    for p in range(8):
+        got = [tp.item_runs(src, dst, p, 0, 8, 1, salt) for salt in range(8)]
+        assert all(got[salt] is got[salt % 4] for salt in range(8))
+    with pytest.raises(TpShapeMismatch):
+        tp.item_salt_period(src, tp.ItemGeometry(16, (s2,)), 8, 1)
+
+
 @pytest.mark.parametrize(
     "total,tp_p,tp_d",
     [(6, 4, 2), (8, 3, 1), (8, 2, 3), (3, 2, 2), (12, 8, 4)],

@@ -254,6 +254,33 @@ def test_tp_pair_pattern_moves_what_the_direct_plan_moves(tp_p, tp_d, salt):
     assert w is None or isinstance(w, RawWrite)
 
 
+@pytest.mark.parametrize("heads,period", [(8, 1), (2, 2), (1, 4)])
+def test_tp_pair_plans_once_per_salt_class(heads, period):
+    """4 prefill ranks → 1 decode rank: with a head per rank or more every room (salt) gets
+    the same pattern object, page plan and slice sides (the device lane builds its run
+    table once); with replicas to pick from, one per class of salt_class, and across a
+    class's salts each replica sends once."""
+    from kvxfer.disagg.tp_rooms import TpPair
+
+    senders = []
+    for p in range(4):
+        pr = TpPair(
+            p, 4, 0, 1, {"kv": [tp.hnd_item(4, 2, heads, 4)]}, {"kv": [tp.hnd_item(4, 2, heads, 1)]}
+        )
+        assert [pr.salt_class("kv", r) for r in (0, 1, 5, 10**9 + 7)] == [
+            r % period for r in (0, 1, 5, 10**9 + 7)
+        ]
+        runs = [pr.pattern_runs("kv", r) for r in range(8)]
+        assert all(runs[r] is runs[r % period] for r in range(8))
+        assert all(pr.page_plan("kv", r) is pr.page_plan("kv", r % period) for r in range(8))
+        sides = [pr.slice_sides("kv", r, src=True) for r in range(8)]
+        assert all(sides[r] is sides[r % period] for r in range(8))
+        senders.append([sides[r] is not None for r in range(period)])
+    # per salt class, the ranks that send cover the decode rank's heads once
+    moved = [sum(s[c] for s in senders) for c in range(period)]
+    assert moved == [min(4, heads)] * period
+
+
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("overlap", [1, 2, 0])
 def test_legs_start_back_to_back_the_last_waits_inline(monkeypatch, k, overlap):

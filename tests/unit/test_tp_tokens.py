@@ -339,3 +339,21 @@ def test_plan_hash_is_computed_once_and_equal_plans_share_patterns():
         b.patterns(np.arange(64), np.arange(16), 3, 250),
     )
     assert [x[2] for x in pa] and all(x[2] is y[2] for x, y in zip(pa, pb))
+
+
+def test_patterns_are_shared_by_the_salts_of_one_class():
+    """Two page sizes and heterogeneous TP: every room (salt) of a pair without replicas gets
+    the same pattern objects; MLA over 2 prefill ranks alternates its sender (2 classes)."""
+    kw = dict(src_first_page=0)
+    hnd = TokenPlan(
+        tuple(layouts(4, 2, 4)["hnd"]), tuple(layouts(4, 1, 16)["hnd"]), 4, 16, 1, 0, 2, 1
+    )
+    assert [hnd.salt_class(r) for r in (0, 1, 3)] == [0, 0, 0]
+    got = [hnd.patterns(np.arange(64), np.arange(16), 3, 250, salt=r, **kw) for r in range(3)]
+    assert got[0] and all(x[2] is y[2] for g in got[1:] for x, y in zip(got[0], g))
+    mla = TokenPlan(
+        tuple(layouts(4, 2, 4)["mla"]), tuple(layouts(4, 1, 16)["mla"]), 4, 16, 1, 0, 2, 1
+    )
+    assert [mla.salt_class(r) for r in (0, 1, 3)] == [0, 1, 1]
+    sends = [bool(mla.patterns(np.arange(64), np.arange(16), 3, 250, salt=r)) for r in (0, 1, 3)]
+    assert sends[1] == sends[2] != sends[0]
