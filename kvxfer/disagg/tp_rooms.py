@@ -174,7 +174,9 @@ class TpPair:
         pattern: bool = False,
     ) -> Any:
         """The RawWrite moving this pair's share of items ``src_items[k] -> dst_items[k]``
-        of ``group``, or None when this prefill rank moves no byte of them. With
+        of ``group``, or None when this prefill rank moves no byte of them; an ItemWrite
+        when that share is every whole item (a replicated MLA latent, equal shares: what
+        equal TP sends, planned as it is, without a run per item here). With
         ``pattern`` (the peer's device lane copies PatternWrites: ``peer.can_pattern``), a
         share that is not whole items is one PatternWrite (one launch, however many runs).
         Else with ``stage_min_ops > 0``, a plan of more runs than that which costs more than
@@ -183,6 +185,10 @@ class TpPair:
         side expects it: :meth:`dst_slice_sides`)."""
         if group not in self.src or not len(src_items):
             return None
+        if self.page_plan(group, salt).whole:
+            from kvxfer.engine.types import ItemWrite
+
+            return ItemWrite(group, src_items, dst_items)
         if pattern:
             runs = self.pattern_runs(group, salt)
             if runs is not None:

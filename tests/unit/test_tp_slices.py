@@ -179,7 +179,7 @@ def test_tp_pair_write_picks_the_staged_path(tp_p, tp_d):
     stage_blocks (device memory); replicated MLA pages never; below the threshold or with 0,
     the direct RawWrite."""
     from kvxfer.disagg.tp_rooms import TpPair
-    from kvxfer.engine.types import RawWrite, SliceWrite
+    from kvxfer.engine.types import ItemWrite, RawWrite, SliceWrite
 
     def pair(make, heads=8):
         p, d = (0, 0)
@@ -207,7 +207,7 @@ def test_tp_pair_write_picks_the_staged_path(tp_p, tp_d):
     assert isinstance(hnd.write("kv", src, dst, 0, stage_min_ops=1, stage_blocks=True), SliceWrite)
     mla = pair(lambda h, t: tp.replicated_item(64), heads=1)
     w = mla.write("kv", src, dst, 0, stage_min_ops=1, stage_blocks=True)
-    assert w is None or isinstance(w, RawWrite)
+    assert isinstance(w, ItemWrite) and (w.src_items, w.dst_items) == (src, dst)
 
 
 @pytest.mark.parametrize("tp_p,tp_d", [(1, 2), (2, 1), (1, 4), (4, 1), (2, 4)])
@@ -217,7 +217,7 @@ def test_tp_pair_pattern_moves_what_the_direct_plan_moves(tp_p, tp_d, salt):
     PatternWrite whose expanded runs are exactly the direct plan's, for every rank pair;
     replicated MLA pages stay ItemWrite-like (RawWrite/None); the pattern object is cached."""
     from kvxfer.disagg.tp_rooms import TpPair
-    from kvxfer.engine.types import PatternWrite, RawWrite
+    from kvxfer.engine.types import ItemWrite, PatternWrite, RawWrite
 
     src, dst = np.array([4, 0, 7, 8, 9]), np.array([1, 2, 3, 30, 12])
     makes = {
@@ -247,11 +247,19 @@ def test_tp_pair_pattern_moves_what_the_direct_plan_moves(tp_p, tp_d, salt):
                     (nb, direct.nbytes),
                 ):
                     assert np.array_equal(x, y), (name, p, d)
-    mla = TpPair(
-        0, tp_p, 0, tp_d, {"kv": [tp.replicated_item(64)] * 2}, {"kv": [tp.replicated_item(64)] * 2}
-    )
-    w = mla.write("kv", src, dst, 0, pattern=True)
-    assert w is None or isinstance(w, RawWrite)
+    for p in range(tp_p):  # replicated pages: the sending replica's ItemWrite, else None
+        mla = TpPair(
+            p,
+            tp_p,
+            0,
+            tp_d,
+            {"kv": [tp.replicated_item(64)] * 2},
+            {"kv": [tp.replicated_item(64)] * 2},
+        )
+        w = mla.write("kv", src, dst, salt, pattern=True)
+        sends = mla.page_plan("kv", salt).runs(src, dst)
+        assert (w is None) == (len(sends) == 0)
+        assert w is None or isinstance(w, ItemWrite)
 
 
 @pytest.mark.parametrize("heads,period", [(8, 1), (2, 2), (1, 4)])
