@@ -969,7 +969,8 @@ def bench_tp(
         stages: Dict[str, float] = {}
         try:
             times, p_times, skews, nbytes, ops, lanes = [], [], [], 0, 0, []
-            for i in range(args.iters + 1):
+            warm = tp_warm_rooms(pair_tp[0])
+            for i in range(warm + args.iters):
                 room = 10**6 + i
                 pair.each(None, ("announce_tokens", [room], tokens))
                 pair.each(("arm_tokens", room, tokens), None)
@@ -980,7 +981,7 @@ def bench_tp(
                 nbytes = sum(x["stats"]["bytes"] for x in p)
                 ops = sum(x["stats"]["ops"] for x in p)
                 lanes = sorted({ln for x in p for ln in x["stats"]["lanes"]})
-                if i:  # i == 0: warm-up (connects)
+                if i >= warm:
                     sends = [x["rooms"][room]["t_send"] for x in p]
                     times.append(max(x["rooms"][room]["t_done"] for x in d) - min(sends))
                     # prefill's side: every prefill rank's scheduler saw its room succeed
@@ -990,7 +991,7 @@ def bench_tp(
                 stages = tp_stages(
                     [x.drain_trace() for x in pair.prefills],
                     [x.drain_trace() for x in pair.decodes],
-                    [10**6 + i for i in range(1, args.iters + 1)],
+                    [10**6 + i for i in range(warm, warm + args.iters)],
                 )
         finally:
             t_req = time.perf_counter()
@@ -1025,6 +1026,13 @@ def bench_tp(
         if on_row is not None:
             on_row(row)
     return rows
+
+
+def tp_warm_rooms(prefill_tp: int) -> int:
+    """Warm-up rooms of a TP row: the first connects; ``prefill_tp`` consecutive rooms plan
+    every salt class of a heterogeneous pair once (``tp_plan.salt_period`` divides it), so
+    the timed rooms measure a server's steady state, not each class's first room."""
+    return max(1, int(prefill_tp))
 
 
 def tp_stages(prefill: List[List[dict]], decode: List[List[dict]], rooms: List[int]) -> dict:

@@ -118,3 +118,22 @@ def test_run_list_order_and_paths():
         ((2, 2), (16, 0), None),
         ((1, 2), (16, 0), None),
     ]
+
+
+def test_tp_warm_up_plans_every_salt_class():
+    """The TP rows' warm-up rooms (numbered from 10**6, as the bench numbers them) reach every
+    salt class of every shape, so no timed room plans a class for the first time."""
+    import itertools
+
+    from kvxfer.disagg.errors import TpShapeMismatch
+    from kvxfer.disagg.tp_plan import plan_axis, salt_period
+    from kvxfer.pd_demo.bench import tp_warm_rooms
+
+    for tp_p, tp_d, total in itertools.product((1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8, 16)):
+        try:
+            plan_axis(total, tp_p, tp_d)
+        except TpShapeMismatch:
+            continue
+        period = salt_period(total, tp_p, tp_d)
+        warm = range(10**6, 10**6 + tp_warm_rooms(tp_p))
+        assert {r % period for r in warm} == set(range(period)), (tp_p, tp_d, total)
