@@ -45,7 +45,8 @@ sends at one agreed monotonic time, :meth:`BenchWorker.fire`, as the ranks of a 
 instance finish a forward pass together; ``send_skew_us`` in the rows is the largest
 spread of their sends); bytes and ops are
 summed over the prefill ranks (ops per request: the RMA ops every rank posted); the ratios
-are the GB/s of ``N:M`` over that of ``N:N`` and of ``M:M``. The model's KV heads (``--tp-heads``) and Mamba
+are the GB/s of ``N:M`` over that of ``N:N`` and of ``M:M``. Each pair's timed requests come
+after prefill's TP of warm-up rooms (:func:`tp_warm_rooms`: every salt class planned once). The model's KV heads (``--tp-heads``) and Mamba
 heads split over both TP sizes. With ``--decode-page-size B`` / ``--decode-prefix K`` as well,
 the three run first with equal page sizes and no prefix (the equal shape), then with the
 asked shape (decode at B holding the first K tokens), and a last ratio gives each row's GB/s
@@ -132,7 +133,6 @@ class BenchWorker(PDWorker):
         self._raw_seq = RAW_SEQ
         #: cProfile of the latency runs' and the TP rows' sends ($KVXFER_BENCH_PROFILE)
         self._prof: Any = None
-        self._fired = 0  # fire() calls: the first is the warm-up
         #: decode: Ping seq -> monotonic_ns its arrival was handled (raw write + notify)
         self._raw_recv: Dict[int, int] = {}
         if role == "decode":
@@ -319,14 +319,14 @@ class BenchWorker(PDWorker):
         ((_, h, res),) = self._senders([room], self.model.pages_for(tokens))
         self._armed = (room, h, res)
 
-    def fire(self, t_at: float) -> dict:
+    def fire(self, t_at: float, timed: bool = True) -> dict:
         """Prefill: send the armed room at ``time.monotonic() >= t_at`` (the last 2 ms
         spinning), then settle it. The TP bench gives every prefill rank the same ``t_at``: the
         ranks of one prefill instance end a forward pass together, so their sends start
-        together too, not a command round trip apart."""
+        together too, not a command round trip apart. ``timed=False``: a warm-up room (left
+        out of ``$KVXFER_BENCH_PROFILE``'s profile)."""
         room, h, res = self._armed
-        self._fired += 1
-        prof = self._profiler() if self._fired > 1 else None  # not the warm-up
+        prof = self._profiler() if timed else None
         time.sleep(max(0.0, t_at - time.monotonic() - 0.002))  # the last 2 ms spinning
         while time.monotonic() < t_at:
             pass
@@ -334,7 +334,7 @@ class BenchWorker(PDWorker):
             prof.enable()
         self._send(room, h, res)
         self._settle(self._next_done(True))
-        if prof is not None:  # every request so far but the warm-up
+        if prof is not None:  # every timed request so far
             prof.disable()
             prof.dump_stats(f"{os.environ['KVXFER_BENCH_PROFILE']}.{os.getpid()}.prof")
         return self._finish()
@@ -974,7 +974,7 @@ def bench_tp(
                 room = 10**6 + i
                 pair.each(None, ("announce_tokens", [room], tokens))
                 pair.each(("arm_tokens", room, tokens), None)
-                p, d = pair.each(("fire", time.monotonic() + FIRE_LEAD_S), ("settle",))
+                p, d = pair.each(("fire", time.monotonic() + FIRE_LEAD_S, i >= warm), ("settle",))
                 bad = [x["rooms"][room] for x in d if x["rooms"][room]["state"] != "Success"]
                 if bad:
                     raise RuntimeError(f"request failed: {bad[0]}")
