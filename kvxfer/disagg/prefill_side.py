@@ -345,7 +345,15 @@ class PrefillSide:
                 lane = peer.host_lane_covers("kv") and link.tp.dst_lands_whole("kv", r.room)
                 pattern = self._pattern(link) or (lane and self.mgr.tp_pattern != "never")
                 stage = self.mgr.tp_stage_min_ops if peer.can_slice("kv") and not lane else 0
-                return link.tp.write("kv", s, d, r.room, stage_min_ops=stage, pattern=pattern)
+                # replicated whole pages (MLA at more prefill ranks): each replica sends its
+                # blocks of the room's pages (not under the integrity check, whose sums
+                # cover one sender's pages)
+                split = None
+                if self.mgr.integrity is None:
+                    split = (first + len(src) - len(s), len(r.dst_kv))
+                return link.tp.write(
+                    "kv", s, d, r.room, stage_min_ops=stage, pattern=pattern, split=split
+                )
             return _item_write()("kv", s, d) if len(s) else None
         link = r.link
         if link is not None and self._pattern(link):

@@ -20,7 +20,9 @@ Rank rules (SGLang's, so a mixed deployment pairs the same ranks)
     unit it needs send it; where several peers own the *same* units (replication: MLA,
     ``Tp > total``), exactly one of them sends — the replica ``salt % replicas`` (salt: e.g.
     the room id, which spreads the load over requests; ``0`` picks the first, as SGLang
-    does) — and the others take part without moving bytes.
+    does) — and the others take part without moving bytes. (Per item: where whole items are
+    replicated, the disagg layer cuts the room's pages into blocks and applies this rule per
+    block, ``salt + block``: :meth:`kvxfer.disagg.tp_rooms.TpPair.replica_blocks`.)
 
 Item geometry
     A transfer item (one page of one descriptor, or one state slot) holds one or more

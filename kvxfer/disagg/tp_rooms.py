@@ -172,11 +172,16 @@ class TpPair:
         stage_min_ops: int = 0,
         stage_blocks: bool = False,
         pattern: bool = False,
+        split: Optional[Tuple[int, int]] = None,
     ) -> Any:
         """The RawWrite moving this pair's share of items ``src_items[k] -> dst_items[k]``
         of ``group``, or None when this prefill rank moves no byte of them; an ItemWrite
         when that share is every whole item (a replicated MLA latent, equal shares: what
-        equal TP sends, planned as it is, without a run per item here). With
+        equal TP sends, planned as it is, without a run per item here). ``split = (first,
+        pages)``: the items are the room's destination pages ``first, first + 1, ...`` of
+        ``pages``; where the group's items are whole and held by several of the decode
+        rank's peers (:meth:`replicas`), each of those replicas sends its blocks of the
+        room's pages (:meth:`replica_blocks`) instead of one replica sending them all. With
         ``pattern`` (the peer's device lane copies PatternWrites: ``peer.can_pattern``), a
         share that is not whole items is one PatternWrite (one launch, however many runs).
         Else with ``stage_min_ops > 0``, a plan of more runs than that which costs more than
@@ -185,6 +190,13 @@ class TpPair:
         side expects it: :meth:`dst_slice_sides`)."""
         if group not in self.src or not len(src_items):
             return None
+        if split is not None and self.replicas(group) > 1:
+            from kvxfer.engine.types import ItemWrite
+
+            mine = self.replica_blocks(group, salt, split[0], len(src_items), split[1])
+            if not mine.any():
+                return None
+            return ItemWrite(group, np.asarray(src_items)[mine], np.asarray(dst_items)[mine])
         if self.page_plan(group, salt).whole:
             from kvxfer.engine.types import ItemWrite
 
@@ -207,13 +219,36 @@ class TpPair:
         runs = self.page_plan(group, salt).runs(src_items, dst_items)
         return runs.raw_write(group) if len(runs) else None
 
-    def salt_class(self, group: str, salt: int) -> int:
-        """``salt`` reduced to its class for ``group``: salts of one class give the same runs
-        (the least common multiple of the descriptors'
-        :func:`~kvxfer.disagg.tp_plan.item_salt_period`; every salt is class 0 where no unit
-        has replicas to pick from). The caches below keep one entry per class, so a pair
-        without replicas plans once, and the device lane, which keeps its run table per
-        pattern object, builds it once."""
+    def replicas(self, group: str) -> int:
+        """How many of a decode rank's peers hold this pair's items of ``group`` whole, as
+        replicas (the MLA latent at more prefill than decode ranks): the group's salt
+        period when every salt class's plan is every whole item or nothing, else 1."""
+        key = f"_replicas/{group}"
+        got = self.__dict__.get(key)
+        if got is None:  # (frozen: cached by hand)
+            period = self._period(group)
+            plans = [self.page_plan(group, c) for c in range(period)]
+            got = period if all(p.whole or not p.classes for p in plans) else 1
+            self.__dict__[key] = got
+        return got
+
+    def replica_blocks(
+        self, group: str, salt: int, first: int, count: int, pages: int
+    ) -> np.ndarray:
+        """Which of the room's destination pages ``first .. first + count - 1`` (of
+        ``pages``) this prefill rank sends, as a mask, where :meth:`replicas` ``R > 1``: the
+        room's pages are cut into ``R`` blocks of ``ceil(pages / R)``, and block ``b`` goes
+        from the replica whose salt class is ``(salt + b) % R`` — one replica per page (the
+        plans of one class have exactly one sender), the replicas copying at once."""
+        r = self.replicas(group)
+        j = np.arange(first, first + count, dtype=np.int64)
+        block = max(1, -(-int(pages) // r))
+        cls = (int(salt) + j // block) % r
+        sends = [c for c in range(r) if self.page_plan(group, c).whole]
+        return np.isin(cls, sends)
+
+    def _period(self, group: str) -> int:
+        """The group's salt period (:meth:`salt_class`)."""
         key = f"_period/{group}"
         period = self.__dict__.get(key)
         if period is None:  # (frozen: cached by hand)
@@ -222,7 +257,16 @@ class TpPair:
                 p = item_salt_period(s, t, self.prefill_tp, self.decode_tp)
                 period = math.lcm(period, p)
             self.__dict__[key] = period
-        return int(salt) % period
+        return period
+
+    def salt_class(self, group: str, salt: int) -> int:
+        """``salt`` reduced to its class for ``group``: salts of one class give the same runs
+        (the least common multiple of the descriptors'
+        :func:`~kvxfer.disagg.tp_plan.item_salt_period`; every salt is class 0 where no unit
+        has replicas to pick from). The caches below keep one entry per class, so a pair
+        without replicas plans once, and the device lane, which keeps its run table per
+        pattern object, builds it once."""
+        return int(salt) % self._period(group)
 
     def page_plan(self, group: str, salt: int) -> PagePlan:
         """The :class:`~kvxfer.disagg.tp_plan.PagePlan` of this pair's share of ``group``

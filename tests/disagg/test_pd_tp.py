@@ -17,7 +17,7 @@ DEPLOY = {
     "hnd21": ("mha_hnd", 4, 2, 1),  # HND, decode joins two prefill ranks
     "pm14": ("page_major", 4, 1, 4),
     "mla14": ("mla", 1, 1, 4),  # latent replicated: every decode rank gets it
-    "mla41": ("mla", 1, 4, 1),  # one of four prefill ranks sends, the others only Done
+    "mla41": ("mla", 1, 4, 1),  # the four replicas send a block of the pages each
     "hyb24": ("hybrid_per_layer", 4, 2, 4),  # KV heads + Mamba conv x|B|C parts, temporal
     "env21": ("hybrid_envelope", 4, 2, 1),  # page-major KV + envelope state slot
     "rep14": ("mha", 2, 1, 4),  # 2 heads over 4 decode ranks: decode replicates
@@ -188,12 +188,15 @@ def test_hetero_tp_byte_exact(tpc, room, name):
             assert all(d > 0 for d, b in zip(dev, moved) if b > 64), (dev, moved, lanes)
         elif DEVICE != "cuda":
             assert not any(dev), dev
-        if tp_p > tp_d and heads < tp_p:
-            # replicated units: of each group of replicas one sends (the room picks it), the
-            # others take part moving nothing (at most the 64-byte aux row)
-            assert sum(1 for b in moved if b > 64) == heads, moved
         if kind == "mla" and tp_p > tp_d:
-            assert sum(1 for b in moved if b) == 1, moved
+            # the replicated latent (whole pages): the replicas cut the room's pages into
+            # blocks of ceil(pages / replicas), each block from one of them
+            block = -(-pages // (tp_p // tp_d))
+            assert sum(1 for b in moved if b > 64) == -(-pages // block), moved
+        elif tp_p > tp_d and heads < tp_p:
+            # replicated units inside items: of each group of replicas one sends (the room
+            # picks it), the others take part moving nothing (at most the 64-byte aux row)
+            assert sum(1 for b in moved if b > 64) == heads, moved
 
 
 def test_ops_proportional_to_pages_not_tokens(tpc, room):

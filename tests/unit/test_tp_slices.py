@@ -289,6 +289,55 @@ def test_tp_pair_plans_once_per_salt_class(heads, period):
     assert moved == [min(4, heads)] * period
 
 
+@pytest.mark.parametrize("tp_p,tp_d", [(2, 1), (4, 1), (4, 2), (8, 2), (1, 2), (2, 2)])
+def test_replicas_split_the_rooms_pages(tp_p, tp_d):
+    """Whole replicated items (the MLA latent): with ``split`` every page of the room is sent
+    by exactly one of a decode rank's peers, in contiguous blocks, however the room is cut
+    into chunks; a group with heads to slice (HND) is not split (one replica per room)."""
+    from kvxfer.disagg.tp_plan import decode_peers
+    from kvxfer.disagg.tp_rooms import TpPair
+    from kvxfer.engine.types import ItemWrite
+
+    rng = np.random.default_rng(tp_p * 10 + tp_d)
+    reps = max(1, tp_p // tp_d)
+    for d in range(tp_d):
+        peers = decode_peers(d, tp_p, tp_d)
+        pairs = [
+            TpPair(
+                p, tp_p, d, tp_d, {"kv": [tp.replicated_item(64)]}, {"kv": [tp.replicated_item(64)]}
+            )
+            for p in peers
+        ]
+        assert all(pr.replicas("kv") == reps for pr in pairs)
+        for salt, pages in ((0, 7), (5, 13), (10**9 + 3, 1), (2, 64)):
+            src = rng.permutation(1000)[:pages]
+            dst = rng.permutation(1000)[:pages]
+            cuts = sorted({0, pages, *rng.integers(0, pages + 1, 3).tolist()})
+            seen = np.zeros(pages, dtype=np.int64)
+            senders = 0
+            for pr in pairs:
+                got = []
+                for a, b in zip(cuts, cuts[1:]):
+                    w = pr.write("kv", src[a:b], dst[a:b], salt, split=(a, pages))
+                    if w is not None:
+                        assert isinstance(w, ItemWrite)
+                        got += [int(np.flatnonzero(dst == x)[0]) for x in w.dst_items]
+                        assert [int(np.flatnonzero(src == x)[0]) for x in w.src_items] == got[
+                            -len(w.src_items) :
+                        ]
+                seen[got] += 1
+                senders += bool(got)
+                if got:  # one contiguous stretch per block it sends
+                    block = -(-pages // reps)
+                    assert len({g // block for g in got}) * block >= len(got)
+            assert (seen == 1).all(), (d, salt, pages, seen)
+            assert senders == -(-pages // -(-pages // reps))  # one replica per block
+    hnd = TpPair(
+        0, tp_p, 0, tp_d, {"kv": [tp.hnd_item(4, 2, 8, tp_p)]}, {"kv": [tp.hnd_item(4, 2, 8, tp_d)]}
+    )
+    assert hnd.replicas("kv") == 1
+
+
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("overlap", [1, 2, 0])
 def test_legs_start_back_to_back_the_last_waits_inline(monkeypatch, k, overlap):
