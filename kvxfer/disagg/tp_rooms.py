@@ -27,7 +27,10 @@ On prefill, decode's metadata comes once per decode peer; metadata that arrives 
 KVSender exists waits in one 'pending' record holding every peer's part (``Legs.pending``);
 chunks sent before every peer's metadata arrived are kept (``Legs.history``) and replayed to
 each leg as it attaches. A prefill rank with no units for a decode rank (a replica that is
-not the room's sender) still sends Chunk/Done, writing no byte.
+not the room's sender) still sends Chunk/Done, writing no byte. Whole replicated items (the
+MLA latent) are shared out instead: each replica writes its blocks of the room's pages
+(:meth:`TpPair.replica_blocks`), so one whose blocks hold none of a chunk's pages writes no
+byte of it.
 """
 
 from __future__ import annotations

@@ -46,8 +46,8 @@ instance finish a forward pass together; ``send_skew_us`` in the rows is the lar
 spread of their sends); bytes and ops are
 summed over the prefill ranks (ops per request: the RMA ops every rank posted); the ratios
 are the GB/s of ``N:M`` over that of ``N:N`` and of ``M:M``. Each pair's timed requests come
-after prefill's TP of warm-up rooms (:func:`tp_warm_rooms`: every salt class planned once). The model's KV heads (``--tp-heads``) and Mamba
-heads split over both TP sizes. With ``--decode-page-size B`` / ``--decode-prefix K`` as well,
+after prefill's TP of warm-up rooms (:func:`tp_warm_rooms`: every salt class planned once).
+The model's KV heads (``--tp-heads``) and Mamba heads split over both TP sizes. With ``--decode-page-size B`` / ``--decode-prefix K`` as well,
 the three run first with equal page sizes and no prefix (the equal shape), then with the
 asked shape (decode at B holding the first K tokens), and a last ratio gives each row's GB/s
 over the equal shape's of the same TP sizes. With ``--tp-paths`` the ``N:M`` pair runs twice,
