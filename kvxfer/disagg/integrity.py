@@ -318,7 +318,10 @@ class Integrity:
             parts += [("state", [] if src_state is None else src_state), ("aux", [r.aux_index])]
         try:
             tp = r.link.tp if r.link is not None else None
-            got = self._pair(r, tp, parts, True) if tp is not None else await self._compute(parts)
+            if tp is not None:  # (the chunk's first page: the pages of the chunks before it)
+                got = self._pair(r, tp, parts, True, first=r.pages_done)
+            else:
+                got = await self._compute(parts)
         except Exception as exc:  # a device or driver error
             self.mgr.fail(
                 r,
@@ -333,16 +336,32 @@ class Integrity:
             return None
         return np.concatenate(st.kv + got[1:]).astype("<u4").tobytes()
 
-    def _pair(self, r, tp, parts, prefill_side: bool) -> List[np.ndarray]:
+    def _pair(self, r, tp, parts, prefill_side: bool, first: int = 0) -> List[np.ndarray]:
         """:func:`pair_sums` of ``parts`` (the aux row: its item sum from the peer that
-        writes it, 0 from the others). Runs on: the loop thread."""
+        writes it, 0 from the others; kv pages that replicas share out, each page's sum from
+        the replica whose block holds it, 0 from the others: ``first``, the index of the
+        first of the kv ids among the room's pages). Runs on: the loop thread."""
         out = []
         for g, ids in parts:
             if g == "aux":
                 writes = tp.writes_aux(r.room)
                 out.append(self._sums([(g, ids)])[0] if writes else np.zeros(1, np.uint32))
+            elif g == "kv" and tp.replicas(g) > 1:
+                out.append(self._replica_sums(r, tp, ids, prefill_side, first))
             else:
                 out.append(pair_sums(self.groups[g], tp, g, ids, prefill_side, r.room))
+        return out
+
+    def _replica_sums(self, r, tp, ids, prefill_side: bool, first: int) -> np.ndarray:
+        """:meth:`_pair` of kv pages the replicas share out
+        (:meth:`~kvxfer.disagg.tp_rooms.TpPair.replica_blocks`): the whole page's sum where
+        this pair sends it, 0 elsewhere (as a pair that moves nothing of a page)."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        out = np.zeros(ids.size, dtype=np.uint32)
+        mine = tp.replica_blocks("kv", r.room, first, ids.size, len(r.dst_kv))
+        sends = [c for c in range(tp.replicas("kv")) if tp.page_plan("kv", c).whole]
+        if sends and mine.any():  # (the class in which this pair sends every whole page)
+            out[mine] = pair_sums(self.groups["kv"], tp, "kv", ids[mine], prefill_side, sends[0])
         return out
 
     def sent(self, r) -> None:

@@ -346,11 +346,8 @@ class PrefillSide:
                 pattern = self._pattern(link) or (lane and self.mgr.tp_pattern != "never")
                 stage = self.mgr.tp_stage_min_ops if peer.can_slice("kv") and not lane else 0
                 # replicated whole pages (MLA at more prefill ranks): each replica sends its
-                # blocks of the room's pages (not under the integrity check, whose sums
-                # cover one sender's pages)
-                split = None
-                if self.mgr.integrity is None:
-                    split = (first + len(src) - len(s), len(r.dst_kv))
+                # blocks of the room's pages
+                split = (first + len(src) - len(s), len(r.dst_kv))
                 return link.tp.write(
                     "kv", s, d, r.room, stage_min_ops=stage, pattern=pattern, split=split
                 )
