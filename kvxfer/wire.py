@@ -30,8 +30,10 @@ from kvxfer.errors import ProtocolError, VersionMismatch
 #: message field added or retyped, a frame changed): peers of two versions then fail at once
 #: with :class:`VersionMismatch` naming both. 1: up to the unversioned channel opening;
 #: 2: versioned opening (version and channel wait mode), SglRoom.slices; 3: Layout.host_lane
-#: (kvxfer.engine.hostcopy).
-PROTOCOL_VERSION = 3
+#: (kvxfer.engine.hostcopy); 4: heterogeneous TP's replicated whole pages written by every
+#: replica a block each (who writes which page, and the integrity check's pair sums:
+#: kvxfer.disagg.tp_rooms.TpPair.replica_blocks).
+PROTOCOL_VERSION = 4
 
 #: Upper bound of one encoded message; larger input is rejected before unpacking.
 MAX_MESSAGE_BYTES = 64 << 20
