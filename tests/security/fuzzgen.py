@@ -20,9 +20,9 @@ from typing import Callable, Dict, List
 
 import msgpack
 
-V = 3  # kvxfer.wire.PROTOCOL_VERSION (asserted by the tests)
+V = 4  # kvxfer.wire.PROTOCOL_VERSION (asserted by the tests)
 
-_BAD_VERSIONS = [True, False, 2.0, "2", b"\x02", 0, 1, 3, -1, None, [2], {"v": 2}, (1 << 64) - 1]
+_BAD_VERSIONS = [True, False, 4.0, "4", b"\x04", 0, 1, 3, 5, -1, None, [4], {"v": 4}, (1 << 64) - 1]
 
 
 def _ints(rng: random.Random) -> int:
