@@ -359,7 +359,7 @@ class Integrity:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         out = np.zeros(ids.size, dtype=np.uint32)
         mine = tp.replica_blocks("kv", r.room, first, ids.size, len(r.dst_kv))
-        sends = [c for c in range(tp.replicas("kv")) if tp.page_plan("kv", c).whole]
+        sends = tp.sending_classes("kv")
         if sends and mine.any():  # (the class in which this pair sends every whole page)
             out[mine] = pair_sums(self.groups["kv"], tp, "kv", ids[mine], prefill_side, sends[0])
         return out

@@ -247,8 +247,12 @@ class TpPair:
         j = np.arange(first, first + count, dtype=np.int64)
         block = max(1, -(-int(pages) // r))
         cls = (int(salt) + j // block) % r
-        sends = [c for c in range(r) if self.page_plan(group, c).whole]
-        return np.isin(cls, sends)
+        return np.isin(cls, self.sending_classes(group))
+
+    def sending_classes(self, group: str) -> List[int]:
+        """The salt classes in which this pair sends every whole item of ``group`` (one per
+        replica where :meth:`replicas` > 1)."""
+        return [c for c in range(self._period(group)) if self.page_plan(group, c).whole]
 
     def _period(self, group: str) -> int:
         """The group's salt period (:meth:`salt_class`)."""

@@ -400,52 +400,34 @@ def test_decode_peers_arrive_apart(tpc, room):
     _clean(p + d)
 
 
-@pytest.mark.parametrize("name", ["int12", "int21"])
+@pytest.mark.parametrize("name", sorted(INTEGRITY))
 def test_integrity_per_pair(tpc, room, name):
     """Integrity mode: each pair's bytes checksummed on both ends (byte-exact rooms pass);
-    one flipped byte in a decode page fails the room on decode and on every prefill rank."""
-    _request(tpc, name, room())
+    one flipped byte in a decode page fails the room on decode and on every prefill rank.
+    MLA 4:1: the replicas share the room's pages out (each page summed on both ends from the
+    replica whose block holds it, 0 from the others), the page's sender's leg finds it."""
+    _request(tpc, name, room())  # two chunks, every rank sending: Success, exact
     p, d = _ranks(tpc, name)
     r = room()
     for n in p:
         n.p_open_tp(r, 4)
     for n in d:
         n.d_open(r, 4)
-    # byte 3 of a page: head 0, which prefill rank 0 sends; only rank 0 sends (a byte the
-    # hook flips before its writer's bytes landed would be overwritten: no corruption)
+    # byte 3 of page 1: head 0, which prefill rank 0 sends; with MLA 4:1 (4 pages over 4
+    # replicas) block 1, sent by the rank of salt class (r + 1) % 4 (of decode's peers
+    # [0, 1, 2, 3], class c picks rank c). Only that rank sends (a byte the hook flips
+    # before its writer's bytes landed would be overwritten: no corruption)
+    sender = (r + 1) % 4 if name == "intmla41" else 0
     d[0].corrupt_before_check(r, "kv", index=1, entry=0, byte=3)
-    p[0].p_send(r, 0, 4)
+    p[sender].p_send(r, 0, 4)
     res = d[0].wait(r)
     assert res["state"] == "Failed" and res["exc"] == "IntegrityError", res
-    for n in p:  # rank 0 from decode's verdict, the others from decode's Abort
+    for n in p:  # the sender from decode's verdict, the others from decode's Abort
         res = n.wait(r)
         assert res["state"] == "Failed", res
     for n in d[1:]:
         if n.wait(r)["state"] == "Success":
             assert n.verify_tp(r) == {"kv": 0, "state": 0, "aux": 0}
-    _clean(p + d)
-
-
-def test_integrity_with_the_latent_shared_by_replicas(tpc, room):
-    """Integrity mode, MLA 4:1: the replicas share the room's pages out (each page summed on
-    both ends from the replica whose block holds it, 0 from the others), so a byte-exact
-    room passes; a byte flipped in a page fails the room on the leg of that page's sender."""
-    _request(tpc, "intmla41", room())  # two chunks, every replica sending: Success, exact
-    p, d = _ranks(tpc, "intmla41")
-    r = room()
-    for n in p:
-        n.p_open_tp(r, 4)
-    for n in d:
-        n.d_open(r, 4)
-    # 4 pages over 4 replicas: page 1 is block 1, sent by the rank of salt class (r + 1) % 4
-    # (of decode's peers [0, 1, 2, 3], class c picks rank c); only it sends, so its bytes
-    # have landed when the hook flips one before decode's check of its leg
-    d[0].corrupt_before_check(r, "kv", index=1, entry=0, byte=3)
-    p[(r + 1) % 4].p_send(r, 0, 4)
-    res = d[0].wait(r)
-    assert res["state"] == "Failed" and res["exc"] == "IntegrityError", res
-    for n in p:
-        assert n.wait(r)["state"] == "Failed"
     _clean(p + d)
 
 
