@@ -12,8 +12,8 @@ Measured (median of ``--iters`` calls, µs, each call timed on its own):
   aux row: the disagg form, numpy ids of the kv/state and lists for aux), a 1000-page
   ItemWrite request (kv contiguous on both sides, + state + aux: 10 PUTs), the same with
   scattered pages, a 1000-page PatternWrite request (2 -> 1 NHD, as the device lane
-  takes it: validated, not expanded) and the RawWrite a 2 -> 1 MLA room's sender plans for
-  1000 pages (whole latent pages, one run per descriptor; group ``mla``);
+  takes it: validated, not expanded) and the ItemWrite a 2 -> 1 MLA room's sending replica
+  plans for 1000 pages (whole latent pages; group ``mla``);
 * ``write.1page.pre_post``: a real ``Peer.write`` of the 1-page request with notify; its
   ``write -> planned`` part as the stage trace computes it (call -> ``t0``);
 * ``disagg.*``: prefill's per-chunk work before ``Peer.write`` (``loop -> plan`` and the
@@ -178,14 +178,14 @@ def engine_cases(a: argparse.Namespace, peer: Any, stage_min_ops: int) -> Dict[s
     while mla.write("kv", src, dst, salt) is None:  # the salt whose replica is rank 0
         salt += 1
     kv = mla.write("kv", src, dst, salt)
-    mla_raw = [type(kv)("mla", kv.src_off, kv.dst_off, kv.nbytes, kv.desc)] + tail
+    mla_item = [ItemWrite("mla", kv.src_items, kv.dst_items)] + tail
     out = timed(
         {
             "engine.1page": lambda: planner.plan(one_page(), stage_min_ops),
             f"engine.item{n}.contig": lambda: planner.plan(contig, stage_min_ops),
             f"engine.item{n}.scattered": lambda: planner.plan(scattered, stage_min_ops),
             f"engine.pattern{n}.device": lambda: patterned.plan(pattern, stage_min_ops),
-            f"engine.mla{n}.raw": lambda: planner.plan(mla_raw, stage_min_ops),
+            f"engine.mla{n}.item": lambda: planner.plan(mla_item, stage_min_ops),
         },
         it,
         a.rounds,
