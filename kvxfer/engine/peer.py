@@ -617,7 +617,16 @@ class Peer:
                 stats.bytes += b
                 stats.device_bytes += b
             t_l = time.perf_counter()
-            launched = self._dev.launch_patterns(parts, bases)
+            # several writes started on this stack (a room's decode legs): one launch for
+            # all of them, fired by the one that waits inline or at the batch's end
+            batch = devcopy.joining() if launched is None else None
+            joined = None if batch is None else batch.join(self._dev, parts, bases)
+            if joined is None:
+                launched = self._dev.launch_patterns(parts, bases)
+            else:
+                launched = joined
+                if inline:
+                    batch.fire()
             stats.launch_s += time.perf_counter() - t_l
         hosted: List[asyncio.Future] = []  # the host lane's copies (patterns, runs it took)
         try:

@@ -10,6 +10,7 @@ real code."""
 
 import asyncio
 import ctypes
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -53,6 +54,9 @@ class StandInLane(devcopy.DeviceLane):
         self.emulated[list(emulated)] = True
         self._any_emulated = bool(self.emulated.any())
         self.launched: list = []
+        self.joined: list = []
+        self.after_events: list = []
+        self.refuse: Optional[Exception] = None
         self.waits = 0
 
     def launch(self, laddr, raddr, nbytes, ridx):
@@ -66,22 +70,75 @@ class StandInLane(devcopy.DeviceLane):
         self.waits += 1
         await devcopy.DeviceLane.wait(ev, spin_s, poll_s)
 
+    # the pattern launches (PatternWrites): each part's runs moved with memmove; a launch
+    # that joins several lanes' parts (LaunchBatch) is recorded on the first lane
+    device = 0
+    _tasks = None  # no native launcher: writes never join a LaunchBatch (joined tests set it)
+
+    def launch_patterns(self, parts, bases):
+        self.launched.append((_move(parts, bases), ev := StandInEvent(self.after)))
+        return ev
+
+    def _launch_joined(self, live):
+        if self.refuse:
+            raise self.refuse
+        moved = sum(_move([p], b) for _, p, b in live)
+        self.joined.append((len(live), moved, ev := StandInEvent(self.after)))
+        return ev
+
+    def _after(self, ev):
+        self.after_events.append(ev)
+        return AfterEvent(ev)
+
+
+class AfterEvent:
+    """Another lane's event recorded after ``ev``: done when it is."""
+
+    def __init__(self, ev) -> None:
+        self.ev = ev
+
+    def query(self) -> bool:
+        return self.ev.query()
+
+    def synchronize(self) -> None:
+        self.ev.synchronize()
+
+
+def _move(parts, bases) -> int:
+    """Copy PatternWrite parts ``(pattern, src, dst, group)`` between the descriptors of
+    ``bases[group]`` (both sides in this process); the runs moved."""
+    n = 0
+    for pattern, src, dst, group in parts:
+        lptrs, rptrs, _ = bases[group]
+        for d, so, do, nb in zip(*(a.tolist() for a in pattern.expand(src, dst))):
+            ctypes.memmove(rptrs[d] + do, lptrs[d] + so, nb)
+            n += 1
+    return n
+
     def close(self) -> None:
         self.closed = True
 
 
 async def _pair(device_min_ops: int, state: bool = False):
+    """Engine ``a`` connected to engine ``b``: ``(engines, peer, bufs, b's notifications)``."""
+    engines, peers, bufs, notes = await _engines(device_min_ops, state)
+    return engines, peers["b"], bufs, notes["b"]
+
+
+async def _engines(device_min_ops: int, state: bool = False, sides: str = "ab"):
+    """Engine ``a`` connected to each other side's: ``(engines, peers, bufs, notes)``, the
+    last two keyed by side."""
     from kvxfer.engine import EngineConfig, TransferEngine
 
     # two descriptors per side, two separate allocations (two registrations): an item is
     # one ITEM-byte row in each
     bufs = {
-        s: [np.full((ITEMS, ITEM), i + 1, np.uint8) for _ in range(2)] for i, s in enumerate("ab")
+        s: [np.full((ITEMS, ITEM), i + 1, np.uint8) for _ in range(2)] for i, s in enumerate(sides)
     }
     for k, buf in enumerate(bufs["a"]):
         buf[:] = (np.arange(ITEMS * ITEM) * (k + 3) % 251).reshape(ITEMS, ITEM)
-    engines, notes = {}, []
-    for side in "ab":
+    engines, notes, peers = {}, {s: [] for s in sides[1:]}, {}
+    for side in sides:
         e = TransferEngine(
             EngineConfig(
                 secret=SECRET,
@@ -96,15 +153,16 @@ async def _pair(device_min_ops: int, state: bool = False):
         b = bufs[side]
         e.register("kv", [b[0].ctypes.data, b[1].ctypes.data], [ITEMS * ITEM] * 2, [ITEM] * 2)
         if state:  # a second group: one descriptor of ITEMS rows
-            bufs[f"{side}-state"] = st = np.full((ITEMS, ITEM), 5 + (side == "b"), np.uint8)
+            bufs[f"{side}-state"] = st = np.full((ITEMS, ITEM), 5 + (side != "a"), np.uint8)
             if side == "a":
                 st[:] = (np.arange(ITEMS * ITEM) * 7 % 253).reshape(ITEMS, ITEM)
             e.register("state", [st.ctypes.data], [ITEMS * ITEM], [ITEM])
         await e.start()
         engines[side] = e
-    engines["b"].on_message(lambda p, payload: notes.append(bytes(payload)))
-    peer = await engines["a"].connect(*engines["b"].address)
-    return engines, peer, bufs, notes
+    for side in sides[1:]:
+        engines[side].on_message(lambda p, payload, got=notes[side]: got.append(bytes(payload)))
+        peers[side] = await engines["a"].connect(*engines[side].address)
+    return engines, peers, bufs, notes
 
 
 async def _until(cond, what: str, timeout: float = 10.0) -> None:
@@ -285,3 +343,147 @@ def test_joins_launch_asks_the_lane_only_for_two_launchable_patterns():
                 await e.close()
 
     asyncio.run(main())
+
+
+def _leg_writes(sides: str):
+    """One PatternWrite per decode side, each moving its share of every item's row (its
+    half: the head slices of a one-to-many room's legs), items 1, 2, 5 -> 4, 9, 12."""
+    from kvxfer.engine.slices import PatternRuns
+    from kvxfer.engine.types import PatternWrite
+
+    half = ITEM // 2
+    out = {}
+    for k, side in enumerate(sides):
+        runs = PatternRuns.make([([k * half], [k * half], [half])] * 2, [ITEM] * 2, [ITEM] * 2)
+        out[side] = PatternWrite("kv", [1, 2, 5], [4, 9, 12], runs)
+    return out
+
+
+def _joinable(peers) -> dict:
+    """A native-looking stand-in lane on every peer, its kv PatternWrites on the lane."""
+    lanes = {}
+    for side, peer in peers.items():
+        lanes[side] = peer._dev = StandInLane(peer, after=3)
+        lanes[side]._tasks = object()
+        peer._pattern_ok["kv"] = True
+    return lanes
+
+
+@pytest.mark.parametrize("last_inline", [True, False])
+def test_writes_in_a_batch_share_one_launch(last_inline):
+    """Pattern writes to two peers started on one stack inside ``devcopy.batch_launches``
+    (a room's decode legs): nothing is launched until the batch fires — at the write that
+    waits inline (the last leg), else at the batch's end — then ONE launch on the first
+    write's lane copies both writes' parts and the second lane records its event after it;
+    every byte lands, each peer gets its notification, nothing else is touched."""
+    from kvxfer import eager
+
+    async def main():
+        engines, peers, bufs, notes = await _engines(1, sides="abc")
+        try:
+            lanes, writes = _joinable(peers), _leg_writes("bc")
+            loop = asyncio.get_running_loop()
+            futs = []
+            with devcopy.batch_launches() as batch:
+                for side, inline in (("b", False), ("c", last_inline)):
+                    futs.append(
+                        eager.start(
+                            loop.create_task,
+                            peers[side].write(
+                                [writes[side]], notify=side.encode(), timeout=10, inline=inline
+                            ),
+                        )
+                    )
+                    if side == "b":  # joined: not launched, waiting
+                        assert not lanes["b"].joined and not futs[0].done()
+                assert batch.fired == last_inline
+            assert batch.fired
+            ((parts, moved, _),) = lanes["b"].joined
+            assert parts == 2 and moved == 2 * 2 * 3  # 2 writes x 2 descriptors x 3 items
+            assert not lanes["c"].joined and len(lanes["c"].after_events) == 1
+            assert not lanes["b"].launched and not lanes["c"].launched
+            for stats in await asyncio.wait_for(asyncio.gather(*futs), 10):
+                assert stats.device_ops == 6
+            a, half = np.stack(bufs["a"]), ITEM // 2
+            for k, side in enumerate("bc"):
+                got, cols = np.stack(bufs[side]), slice(k * half, (k + 1) * half)
+                for s, d in zip([1, 2, 5], [4, 9, 12]):
+                    assert np.array_equal(got[:, d, cols], a[:, s, cols])
+                    got[:, d, cols] = k + 2  # (what the side held before)
+                assert (got == k + 2).all()
+                await _until(lambda side=side: notes[side] == [side.encode()], "notifications")
+        finally:
+            for e in engines.values():
+                await e.close()
+
+    asyncio.run(main())
+
+
+def test_a_batch_launch_that_fails_fails_every_joined_write():
+    """The joined launch raises (a refused table, a driver error): each joined write raises
+    it where it waits, no byte moved and no notification sent; the peers stay usable — a
+    write outside a batch launches on its own lane."""
+    from kvxfer import eager
+    from kvxfer.errors import UnsupportedOperation
+
+    async def main():
+        engines, peers, bufs, notes = await _engines(1, sides="abc")
+        try:
+            lanes, writes = _joinable(peers), _leg_writes("bc")
+            lanes["b"].refuse = UnsupportedOperation("stand-in launch refused")
+            loop = asyncio.get_running_loop()
+            with devcopy.batch_launches():
+                futs = [
+                    eager.start(
+                        loop.create_task,
+                        peers[side].write([writes[side]], notify=b"x", timeout=10, inline=False),
+                    )
+                    for side in "bc"
+                ]
+            for fut in futs:
+                with pytest.raises(UnsupportedOperation, match="stand-in launch refused"):
+                    await asyncio.wait_for(fut, 10)
+            assert all((np.stack(bufs[s]) == k + 2).all() for k, s in enumerate("bc"))
+            assert notes == {"b": [], "c": []}
+            await peers["c"].write([writes["c"]], notify=b"alone", timeout=10)
+            assert len(lanes["c"].launched) == 1 and not lanes["c"].joined
+            await _until(lambda: notes["c"] == [b"alone"], "the notification")
+        finally:
+            for e in engines.values():
+                await e.close()
+
+    asyncio.run(main())
+
+
+def test_launch_batch_joins_only_what_one_launch_can_take():
+    """``LaunchBatch.join`` declines (the write launches itself) a lane without the native
+    launcher, a closed lane, another device's lane, parts of two groups, and anything
+    once fired; a joined launch is not done before its batch fired, and waiting on it then
+    is an error, not a hang. Outside ``batch_launches`` (or with ``on=False``) nothing
+    joins."""
+    from kvxfer.errors import UnsupportedOperation
+
+    class Lane:
+        def __init__(self, device=0, native=True, closed=False):
+            self.device, self.closed = device, closed
+            self._tasks = object() if native else None
+
+    kv, state = (None, [1], [2], "kv"), (None, [1], [2], "state")
+    assert devcopy.joining() is None
+    with devcopy.batch_launches(False) as off:
+        assert off is None and devcopy.joining() is None
+    batch = devcopy.LaunchBatch()
+    assert batch.join(Lane(native=False), [kv], {}) is None
+    assert batch.join(Lane(closed=True), [kv], {}) is None
+    assert batch.join(Lane(), [kv, state], {}) is None
+    slot = batch.join(Lane(), [kv], {})
+    assert slot is not None and not slot.query()
+    with pytest.raises(UnsupportedOperation):
+        slot.synchronize()
+    assert batch.join(Lane(device=1), [kv], {}) is None
+    assert batch.join(Lane(), [state], {}) is not None  # one group per write, any group
+    with devcopy.batch_launches() as outer:
+        assert devcopy.joining() is outer
+    assert devcopy.joining() is None and outer.fired
+    batch.fired = True
+    assert batch.join(Lane(), [kv], {}) is None
