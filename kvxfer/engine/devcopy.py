@@ -39,8 +39,9 @@ Invariants
   (:meth:`DeviceLane.covers`), so every byte a program writes is inside a descriptor the
   peer registered (the planner checked ids and runs against both layouts).
 - Several writes started on one stack, each to its own peer (a one-to-many room's legs),
-  may join a :class:`LaunchBatch` (:func:`batch_launches`): their PatternWrites of one
-  group, on lanes of one device, go in ONE launch on the first lane's stream
+  may join a :class:`LaunchBatch` (:func:`batch_launches`): their PatternWrites (another
+  group's where they would join a lane's launch: :meth:`DeviceLane.joins`), on lanes of
+  one device, go in ONE launch on the first lane's stream
   (:func:`launch_joined`); every other lane's stream waits for it and records an event of
   its own, so each write waits on, and each lane's :meth:`DeviceLane.close` synchronises
   with, its own stream. A joined write's copy starts when the batch fires, on the same
@@ -717,12 +718,16 @@ class LaunchBatch:
         """Take one write's ``parts`` (as :meth:`DeviceLane.launch_patterns` takes them) for
         the batch's launch: its :class:`Joined` stand-in for the event, or None — the
         write launches them itself — once fired, for a lane without the native launcher or
-        on another device than the batch's first, or parts of more than one group."""
+        on another device than the batch's first, or parts of another group than the
+        first part's that :meth:`DeviceLane.launch_patterns` would launch apart
+        (:meth:`DeviceLane.joins`)."""
         if self.fired or lane._tasks is None or lane.closed:
             return None
-        if len({p[3] for p in parts}) != 1:
-            return None
         if self._entries and self._entries[0][0].device != lane.device:
+            return None
+        first = parts[0][3] if parts else None
+        main = [(p[3], p[0]) for p in parts if p[3] == first]
+        if any(p[3] != first and not lane.joins(main, (p[3], p[0]), bases) for p in parts):
             return None
         slot = Joined()
         self._entries.append((lane, parts, bases, slot))
@@ -778,8 +783,8 @@ def joining() -> Optional[LaunchBatch]:
 
 def launch_joined(entries) -> List[Any]:
     """Launch ``entries`` = ``[(lane, parts, bases)]`` (each as
-    :meth:`DeviceLane.launch_patterns` takes them; the lanes native, of one device, every
-    part of one group): their live parts in ONE launch on the first lane's stream
+    :meth:`DeviceLane.launch_patterns` takes them; the lanes native, of one device, as
+    :meth:`LaunchBatch.join` takes them): their live parts in ONE launch on the first lane's stream
     (:meth:`DeviceLane._launch_joined`), each other lane's event recorded after it
     (:meth:`DeviceLane._after`); one event per entry. One entry, one live part, or a table
     refused natively: each entry's own :meth:`DeviceLane.launch_patterns`."""

@@ -90,6 +90,9 @@ class StandInLane(devcopy.DeviceLane):
         self.after_events.append(ev)
         return AfterEvent(ev)
 
+    def joins(self, main, extra, bases) -> bool:
+        return True
+
 
 class AfterEvent:
     """Another lane's event recorded after ``ev``: done when it is."""
@@ -360,12 +363,13 @@ def _leg_writes(sides: str):
 
 
 def _joinable(peers) -> dict:
-    """A native-looking stand-in lane on every peer, its kv PatternWrites on the lane."""
+    """A native-looking stand-in lane on every peer, its kv and state PatternWrites on
+    the lane."""
     lanes = {}
     for side, peer in peers.items():
         lanes[side] = peer._dev = StandInLane(peer, after=3)
         lanes[side]._tasks = object()
-        peer._pattern_ok["kv"] = True
+        peer._pattern_ok.update(kv=True, state=True)
     return lanes
 
 
@@ -374,14 +378,19 @@ def test_writes_in_a_batch_share_one_launch(last_inline):
     """Pattern writes to two peers started on one stack inside ``devcopy.batch_launches``
     (a room's decode legs): nothing is launched until the batch fires — at the write that
     waits inline (the last leg), else at the batch's end — then ONE launch on the first
-    write's lane copies both writes' parts and the second lane records its event after it;
-    every byte lands, each peer gets its notification, nothing else is touched."""
+    write's lane copies both writes' parts (the second's state slices too) and the second
+    lane records its event after it; every byte lands, each peer gets its notification,
+    nothing else is touched."""
     from kvxfer import eager
+    from kvxfer.engine.slices import PatternRuns
+    from kvxfer.engine.types import PatternWrite
 
     async def main():
-        engines, peers, bufs, notes = await _engines(1, sides="abc")
+        engines, peers, bufs, notes = await _engines(1, state=True, sides="abc")
         try:
             lanes, writes = _joinable(peers), _leg_writes("bc")
+            st_runs = PatternRuns.make([([0], [16], [16])], [ITEM], [ITEM])
+            state = PatternWrite("state", [3, 7], [4, 8], st_runs)
             loop = asyncio.get_running_loop()
             futs = []
             with devcopy.batch_launches() as batch:
@@ -390,7 +399,10 @@ def test_writes_in_a_batch_share_one_launch(last_inline):
                         eager.start(
                             loop.create_task,
                             peers[side].write(
-                                [writes[side]], notify=side.encode(), timeout=10, inline=inline
+                                [writes[side]] + ([state] if side == "c" else []),
+                                notify=side.encode(),
+                                timeout=10,
+                                inline=inline,
                             ),
                         )
                     )
@@ -399,11 +411,16 @@ def test_writes_in_a_batch_share_one_launch(last_inline):
                 assert batch.fired == last_inline
             assert batch.fired
             ((parts, moved, _),) = lanes["b"].joined
-            assert parts == 2 and moved == 2 * 2 * 3  # 2 writes x 2 descriptors x 3 items
+            # 2 writes x 2 descriptors x 3 items, then the state's 2 items
+            assert parts == 3 and moved == 2 * 2 * 3 + 2
             assert not lanes["c"].joined and len(lanes["c"].after_events) == 1
             assert not lanes["b"].launched and not lanes["c"].launched
-            for stats in await asyncio.wait_for(asyncio.gather(*futs), 10):
-                assert stats.device_ops == 6
+            done = await asyncio.wait_for(asyncio.gather(*futs), 10)
+            assert [st.device_ops for st in done] == [6, 6 + 2]
+            a_st, c_st = bufs["a-state"], bufs["c-state"]
+            assert np.array_equal(c_st[[4, 8], 16:32], a_st[[3, 7], 0:16])
+            c_st[[4, 8], 16:32] = 6
+            assert (c_st == 6).all() and (bufs["b-state"] == 6).all()
             a, half = np.stack(bufs["a"]), ITEM // 2
             for k, side in enumerate("bc"):
                 got, cols = np.stack(bufs[side]), slice(k * half, (k + 1) * half)
@@ -457,16 +474,21 @@ def test_a_batch_launch_that_fails_fails_every_joined_write():
 
 def test_launch_batch_joins_only_what_one_launch_can_take():
     """``LaunchBatch.join`` declines (the write launches itself) a lane without the native
-    launcher, a closed lane, another device's lane, parts of two groups, and anything
-    once fired; a joined launch is not done before its batch fired, and waiting on it then
-    is an error, not a hang. Outside ``batch_launches`` (or with ``on=False``) nothing
-    joins."""
+    launcher, a closed lane, another device's lane, another group's part that the lane
+    would launch apart, and anything once fired; a joined launch is not done before its
+    batch fired, and waiting on it then is an error, not a hang. Outside
+    ``batch_launches`` (or with ``on=False``) nothing joins."""
     from kvxfer.errors import UnsupportedOperation
 
     class Lane:
-        def __init__(self, device=0, native=True, closed=False):
-            self.device, self.closed = device, closed
+        def __init__(self, device=0, native=True, closed=False, joins=True):
+            self.device, self.closed, self.asked = device, closed, []
             self._tasks = object() if native else None
+            self._joins = joins
+
+        def joins(self, main, extra, bases):
+            self.asked.append((main, extra))
+            return self._joins
 
     kv, state = (None, [1], [2], "kv"), (None, [1], [2], "state")
     assert devcopy.joining() is None
@@ -475,7 +497,10 @@ def test_launch_batch_joins_only_what_one_launch_can_take():
     batch = devcopy.LaunchBatch()
     assert batch.join(Lane(native=False), [kv], {}) is None
     assert batch.join(Lane(closed=True), [kv], {}) is None
-    assert batch.join(Lane(), [kv, state], {}) is None
+    apart = Lane(joins=False)
+    assert batch.join(apart, [kv, state], {}) is None
+    assert apart.asked == [([("kv", None)], ("state", None))]
+    assert batch.join(Lane(), [kv, state], {}) is not None
     slot = batch.join(Lane(), [kv], {})
     assert slot is not None and not slot.query()
     with pytest.raises(UnsupportedOperation):
