@@ -232,7 +232,8 @@ class TableRing:
         self._events = [cuda_driver.Event(ordinal) for _ in range(int(slots))]
         self._words = -(-int(words) // 2) * 2  # slots start 16-byte aligned
         # one page-locked block for every slot at first: a page-locked allocation costs
-        # hundreds of µs, far more than a launch (a slot outgrown gets its own block)
+        # hundreds of µs, far more than a launch (a larger table regrows the idle slots
+        # together: _grow)
         host, flat, dev = self._alloc(int(slots) * self._words)
         w = self._words
         self._tables: List[Optional[Tuple[Any, np.ndarray, int]]] = [
@@ -240,7 +241,7 @@ class TableRing:
         ]
         self._next = 0
         self.waits = 0  # takes that found their slot's launch still running
-        self.grown = 0  # slots that got a block of their own (a larger table)
+        self.grown = 0  # slots given a larger table (:meth:`_grow`)
 
     def _alloc(self, words: int) -> Tuple[Any, np.ndarray, int]:
         import torch
@@ -268,9 +269,30 @@ class TableRing:
             return k, _EMPTY, 0
         t = self._tables[k]
         if t is None or t[1].shape[0] < words:
-            self.grown += 1
-            t = self._tables[k] = self._alloc(max(int(words), 2 * self._words))
+            t = self._grow(k, int(words))
         return k, t[1], t[2]
+
+    def _grow(self, k: int, words: int) -> Tuple[Any, np.ndarray, int]:
+        """Give slot ``k`` (its launch done) a table of at least ``words``, and with it, in
+        the same page-locked block, every other slot whose launch is done and whose table
+        is smaller: one allocation (hundreds of µs) when a larger table first comes, not
+        one per slot as each is taken (a one-to-many room's joined launch outgrew every
+        slot: bench/results/join-legs-h100.md). A slot still in flight keeps its table
+        until it is taken again."""
+        w = -(-words // 2) * 2  # (slots start 16-byte aligned)
+        if w > self._words:  # a larger table than any before: at least double
+            self._words = max(w, 2 * self._words)
+        w = self._words
+        idle = [
+            j
+            for j, t in enumerate(self._tables)
+            if j == k or ((t is None or t[1].shape[0] < w) and self._events[j].query())
+        ]
+        host, flat, dev = self._alloc(len(idle) * w)
+        for i, j in enumerate(idle):
+            self._tables[j] = (host, flat[i * w : (i + 1) * w], dev + 8 * i * w)
+        self.grown += len(idle)
+        return self._tables[k]
 
     def done(self, slot: int, stream: int) -> "cuda_driver.Event":
         """Record slot ``slot``'s event on ``stream`` after the launches that read it; returns

@@ -382,3 +382,29 @@ def test_short_driver_calls_keep_the_gil(monkeypatch):
     s.synchronize()
     assert ev.query()
     ev.close()
+
+
+def test_ring_regrows_every_idle_slot_in_one_block():
+    """A table larger than the slots regrows every slot whose launch is done, in one
+    page-locked block (one allocation, not one per slot as each is taken); a slot whose
+    launch is still running keeps its table until it is taken again; every slot's table is
+    its own (disjoint words)."""
+    ring = native_launch.TableRing(torch.cuda.current_device(), slots=4, words=16)
+    stream = torch.cuda.Stream()
+    try:
+        busy, _, _ = ring.take(8)
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(50_000_000)  # slot 0's launch still running below
+        ring.done(busy, stream.cuda_stream)
+        k, words, _ = ring.take(1000)  # slot 1 outgrows: slots 1-3 regrown with it
+        assert k == 1 and words.shape[0] >= 1000 and ring.grown == 3
+        tables = [words] + [ring.take(1000)[1] for _ in range(2)]  # slots 2, 3: no allocation
+        assert ring.grown == 3
+        ptrs = sorted(t.ctypes.data for t in tables)
+        assert all(b - a >= 8 * 1000 for a, b in zip(ptrs, ptrs[1:]))
+        stream.synchronize()
+        k, words, _ = ring.take(1000)  # slot 0, done now, grows when taken
+        assert k == 0 and words.shape[0] >= 1000 and ring.grown == 4
+    finally:
+        stream.synchronize()
+        ring.close()
