@@ -399,6 +399,9 @@ class Event:
         self._h = int(self._ev)  # the CUevent handle, for the ctypes calls
         self._query = _event_fn("cuEventQuery", ctypes.c_void_p)
         self._record = _event_fn("cuEventRecord", ctypes.c_void_p, ctypes.c_void_p)
+        self._wait = _event_fn(
+            "cuStreamWaitEvent", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, version=3020
+        )
 
     def record(self, stream) -> None:
         """Record on ``stream`` (its work queued so far)."""
@@ -432,11 +435,18 @@ class Event:
             raise CudaError("cuEventSynchronize", int(err), error_text(err))
 
     def wait(self, stream) -> None:
-        """Make ``stream``'s later work wait (device-side) for the recorded work."""
+        """Make ``stream``'s later work wait (device-side) for the recorded work (the host
+        does not wait: the GIL is kept, as for :meth:`record`)."""
         s = getattr(stream, "cuda_stream", stream)
-        (err,) = bindings().cuStreamWaitEvent(s, self._ev, 0)
-        if err != _OK:
-            raise CudaError("cuStreamWaitEvent", int(err), error_text(err))
+        if self._wait is not None:
+            err = self._wait(s, self._h, 0)
+            if err == _INVALID_CONTEXT:
+                bind_context(self.ordinal)
+                err = self._wait(s, self._h, 0)
+        else:
+            err = int(bindings().cuStreamWaitEvent(s, self._ev, 0)[0])
+        if err:
+            raise CudaError("cuStreamWaitEvent", int(err), error_text(bindings().CUresult(err)))
 
     def close(self) -> None:
         """Destroy the event (idempotent)."""
@@ -508,11 +518,12 @@ def proc(name: str, version: int, *argtypes: Any, keep_gil: bool = False) -> Any
 _event_fns: dict = {}
 
 
-def _event_fn(name: str, *argtypes: Any) -> Any:
-    """``cuEventQuery`` / ``cuEventRecord`` through :func:`proc`, keeping the GIL; None when
-    the driver does not give them (then :class:`Event` uses cuda-bindings)."""
+def _event_fn(name: str, *argtypes: Any, version: int = 2000) -> Any:
+    """``cuEventQuery`` / ``cuEventRecord`` / ``cuStreamWaitEvent`` through :func:`proc`,
+    keeping the GIL; None when the driver does not give them (then :class:`Event` uses
+    cuda-bindings)."""
     if name not in _event_fns:
-        _event_fns[name] = proc(name, 2000, *argtypes, keep_gil=True)
+        _event_fns[name] = proc(name, version, *argtypes, keep_gil=True)
     return _event_fns[name]
 
 

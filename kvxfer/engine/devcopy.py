@@ -789,13 +789,19 @@ def launch_joined(entries) -> List[Any]:
     (:meth:`DeviceLane._after`); one event per entry. One entry, one live part, or a table
     refused natively: each entry's own :meth:`DeviceLane.launch_patterns`."""
     live = [(ln, p, bases) for ln, parts, bases in entries for p in parts if len(p[1])]
-    ev = None
+    lane0, ev = entries[0][0], None
+    t0 = time.perf_counter()
     if len(entries) > 1 and len(live) > 1:
-        ev = entries[0][0]._launch_joined(live)
+        ev = lane0._launch_joined(live)
     if ev is None:
         return [ln.launch_patterns(parts, bases) for ln, parts, bases in entries]
-    lane0 = entries[0][0]
-    return [ev if ln is lane0 else ln._after(ev) for ln, _, _ in entries]
+    t1 = time.perf_counter()
+    out = [ev if ln is lane0 else ln._after(ev) for ln, _, _ in entries]
+    prof = lane0.profile
+    if prof is not None:  # (diagnostics: $KVXFER_LANE_PROFILE)
+        prof.setdefault("joined launch", []).append((t1 - t0) * 1e6)
+        prof.setdefault("joined: other lanes' events", []).append((time.perf_counter() - t1) * 1e6)
+    return out
 
 
 def _lane_device(config, groups, hostname: str) -> Optional[int]:

@@ -74,6 +74,7 @@ class StandInLane(devcopy.DeviceLane):
     # that joins several lanes' parts (LaunchBatch) is recorded on the first lane
     device = 0
     _tasks = None  # no native launcher: writes never join a LaunchBatch (joined tests set it)
+    profile = None
 
     def launch_patterns(self, parts, bases):
         self.launched.append((_move(parts, bases), ev := StandInEvent(self.after)))
