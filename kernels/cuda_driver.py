@@ -435,16 +435,24 @@ class Event:
             raise CudaError("cuEventSynchronize", int(err), error_text(err))
 
     def wait(self, stream) -> None:
-        """Make ``stream``'s later work wait (device-side) for the recorded work (the host
-        does not wait: the GIL is kept, as for :meth:`record`)."""
+        """Make ``stream``'s later work wait (device-side) for the recorded work."""
         s = getattr(stream, "cuda_stream", stream)
-        if self._wait is not None:
+        (err,) = bindings().cuStreamWaitEvent(s, self._ev, 0)
+        if err != _OK:
+            raise CudaError("cuStreamWaitEvent", int(err), error_text(err))
+
+    def wait_held(self, stream) -> None:
+        """:meth:`wait` through ctypes, keeping the GIL as :meth:`record` does (the host does
+        not wait): for a caller whose thread must not hand the GIL over mid-launch (the
+        device lane's joined launches). Not yet measured on a GPU; :meth:`wait` where the
+        driver does not give the call."""
+        if self._wait is None:
+            return self.wait(stream)
+        s = getattr(stream, "cuda_stream", stream)
+        err = self._wait(s, self._h, 0)
+        if err == _INVALID_CONTEXT:
+            bind_context(self.ordinal)
             err = self._wait(s, self._h, 0)
-            if err == _INVALID_CONTEXT:
-                bind_context(self.ordinal)
-                err = self._wait(s, self._h, 0)
-        else:
-            err = int(bindings().cuStreamWaitEvent(s, self._ev, 0)[0])
         if err:
             raise CudaError("cuStreamWaitEvent", int(err), error_text(bindings().CUresult(err)))
 

@@ -85,9 +85,11 @@ SETTLE_LEGS = os.environ.get("KVXFER_SETTLE_LEGS", "1").strip() != "0"
 
 #: whether the legs' pattern copies on same-host CUDA peers go in ONE device-lane launch
 #: (:func:`kvxfer.engine.devcopy.batch_launches`: the legs' tables joined, the copies
-#: started at the last leg's launch) instead of one launch per leg.
-#: ``$KVXFER_JOIN_LEGS=0``: off (A/B)
-JOIN_LEGS = os.environ.get("KVXFER_JOIN_LEGS", "1").strip() != "0"
+#: started at the last leg's launch) instead of one launch per leg. Opt-in
+#: (``$KVXFER_JOIN_LEGS=1``): on an H100 it took the earlier legs' launches off their path
+#: (~110-230 µs each) but the joined launch cost as much or more (bench/results/
+#: join-legs-h100.md); the stream waits it makes now keep the GIL, not yet measured.
+JOIN_LEGS = os.environ.get("KVXFER_JOIN_LEGS", "0").strip() not in ("", "0")
 
 #: the prefill / decode protocol object calling in (PrefillSide / DecodeSide; typed loosely:
 #: they import this module)
@@ -203,10 +205,15 @@ class TpPair:
         if split is not None and self.replicas(group) > 1:
             from kvxfer.engine.types import ItemWrite
 
-            mine = self.replica_blocks(group, salt, split[0], len(src_items), split[1])
-            if not mine.any():
+            ranges = self.replica_ranges(group, salt, split[0], len(src_items), split[1])
+            if not ranges:
                 return None
-            return ItemWrite(group, np.asarray(src_items)[mine], np.asarray(dst_items)[mine])
+            s, d = np.asarray(src_items), np.asarray(dst_items)
+            if len(ranges) == 1:  # (the usual case: one block of the chunk, as views)
+                ((lo, hi),) = ranges
+                return ItemWrite(group, s[lo:hi], d[lo:hi])
+            take = np.concatenate([np.arange(lo, hi) for lo, hi in ranges])
+            return ItemWrite(group, s[take], d[take])
         if self.page_plan(group, salt).whole:
             from kvxfer.engine.types import ItemWrite
 
@@ -250,16 +257,39 @@ class TpPair:
         room's pages are cut into ``R`` blocks of ``ceil(pages / R)``, and block ``b`` goes
         from the replica whose salt class is ``(salt + b) % R`` — one replica per page (the
         plans of one class have exactly one sender), the replicas copying at once."""
-        r = self.replicas(group)
-        j = np.arange(first, first + count, dtype=np.int64)
-        block = max(1, -(-int(pages) // r))
-        cls = (int(salt) + j // block) % r
-        return np.isin(cls, self.sending_classes(group))
+        mine = np.zeros(int(count), dtype=bool)
+        for lo, hi in self.replica_ranges(group, salt, first, count, pages):
+            mine[lo:hi] = True
+        return mine
 
-    def sending_classes(self, group: str) -> List[int]:
+    def replica_ranges(
+        self, group: str, salt: int, first: int, count: int, pages: int
+    ) -> List[Tuple[int, int]]:
+        """:meth:`replica_blocks` as sorted chunk-relative ``[lo, hi)`` ranges: block ``b``
+        is this rank's where ``(salt + b) % R`` is one of its :meth:`sending_classes`, so
+        each such class gives the one block ``(class - salt) % R`` (the room has at most
+        ``R`` blocks), cut to the chunk."""
+        r = self.replicas(group)
+        block = max(1, -(-int(pages) // r))
+        first, end = int(first), int(first) + int(count)
+        out = []
+        for c in self.sending_classes(group):
+            b = (c - int(salt)) % r
+            lo, hi = max(b * block, first), min((b + 1) * block, end)
+            if lo < hi:
+                out.append((lo - first, hi - first))
+        return sorted(out)
+
+    def sending_classes(self, group: str) -> Tuple[int, ...]:
         """The salt classes in which this pair sends every whole item of ``group`` (one per
-        replica where :meth:`replicas` > 1)."""
-        return [c for c in range(self._period(group)) if self.page_plan(group, c).whole]
+        replica where :meth:`replicas` > 1); resolved once."""
+        key = f"_sends/{group}"
+        got = self.__dict__.get(key)
+        if got is None:  # (frozen: cached by hand)
+            period = self._period(group)
+            got = tuple(c for c in range(period) if self.page_plan(group, c).whole)
+            self.__dict__[key] = got
+        return got
 
     def _period(self, group: str) -> int:
         """The group's salt period (:meth:`salt_class`)."""
@@ -624,9 +654,9 @@ def prefill_send(side: PrefillSide, r: Room, chunk: Chunk) -> None:
     Every leg's write but the last starts with ``inline=False`` (:data:`OVERLAP_LEGS`):
     it plans, launches and posts on this stack, then waits for its copy and flush in its
     task instead of spinning here, so the next leg's host work overlaps them; the last leg
-    waits inline as a single write does (bench/results/tp-pattern-h200.md). The legs'
-    pattern copies on a same-host GPU are one launch, at the last leg's (:data:`JOIN_LEGS`).
-    Run as the loop's guest, the send then finishes on this thread what those earlier legs
+    waits inline as a single write does (bench/results/tp-pattern-h200.md). With
+    :data:`JOIN_LEGS` the legs' pattern copies on a same-host GPU are one launch, at the
+    last leg's. Run as the loop's guest, the send then finishes on this thread what those earlier legs
     left (:data:`SETTLE_LEGS`)."""
     legs: Legs = r.legs
     if legs.history is not None:

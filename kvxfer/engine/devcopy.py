@@ -476,8 +476,8 @@ class DeviceLane:
         which synchronises this stream, waits for that launch too."""
         assert self._tasks is not None
         pushed = self._tasks.ctx.enter()
-        try:
-            ev.wait(self._stream_h)
+        try:  # (the GIL kept, as for the launch's other driver calls)
+            ev.wait_held(self._stream_h)
         finally:
             self._tasks.ctx.leave(pushed)
         return self._tasks.record(self._stream_h)

@@ -380,7 +380,7 @@ def test_short_driver_calls_keep_the_gil(monkeypatch):
         x.fill_(1)
     ev.record(s)
     after = torch.cuda.Stream()
-    ev.wait(after)  # the driver's stream wait, GIL kept: ``after``'s work follows ``s``'s
+    ev.wait_held(after)  # the driver's stream wait, GIL kept: ``after``'s work follows ``s``'s
     with torch.cuda.stream(after):
         y = x[:16].clone()
     after.synchronize()

@@ -338,6 +338,32 @@ def test_replicas_split_the_rooms_pages(tp_p, tp_d):
     assert hnd.replicas("kv") == 1
 
 
+@pytest.mark.parametrize("tp_p,tp_d", [(2, 1), (4, 1), (8, 2), (8, 1)])
+def test_replica_ranges_are_the_blocks_of_the_salt_rule(tp_p, tp_d):
+    """``TpPair.replica_ranges`` / ``replica_blocks`` against the rule they implement, for
+    every chunk of rooms of 1-12 pages and every salt class: page ``j`` of the room is this
+    rank's iff ``(salt + j // ceil(pages / R)) % R`` is one of its sending classes."""
+    from kvxfer.disagg.tp_plan import decode_peers
+    from kvxfer.disagg.tp_rooms import TpPair
+
+    item = [tp.replicated_item(64)]
+    for d in range(tp_d):
+        for p in decode_peers(d, tp_p, tp_d):
+            pr = TpPair(p, tp_p, d, tp_d, {"kv": item}, {"kv": item})
+            r, sends = pr.replicas("kv"), pr.sending_classes("kv")
+            assert r == tp_p // tp_d and len(sends) == 1
+            for salt in range(2 * r + 1):
+                for pages in range(1, 13):
+                    block = -(-pages // r)
+                    rule = np.isin((salt + np.arange(pages) // block) % r, sends)
+                    for first in range(pages):
+                        for count in range(1, pages - first + 1):
+                            got = pr.replica_blocks("kv", salt, first, count, pages)
+                            assert np.array_equal(got, rule[first : first + count])
+                            ranges = pr.replica_ranges("kv", salt, first, count, pages)
+                            assert len(ranges) <= 1 and all(lo < hi for lo, hi in ranges)
+
+
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("overlap", [1, 2, 0])
 def test_legs_start_back_to_back_the_last_waits_inline(monkeypatch, k, overlap):
