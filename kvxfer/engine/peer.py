@@ -626,6 +626,7 @@ class Peer:
             else:
                 launched = joined
                 if inline:
+                    assert batch is not None
                     batch.fire()
             stats.launch_s += time.perf_counter() - t_l
         hosted: List[asyncio.Future] = []  # the host lane's copies (patterns, runs it took)
