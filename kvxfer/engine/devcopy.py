@@ -684,12 +684,23 @@ class Joined:
     then its lane's event (None: nothing to copy); ``query`` / ``synchronize`` like one,
     raising what the batch's launch raised."""
 
-    __slots__ = ("event", "exc", "fired")
+    __slots__ = ("event", "exc", "fired", "batch")
 
-    def __init__(self) -> None:
+    def __init__(self, batch: Optional["LaunchBatch"] = None) -> None:
         self.event: Any = None
         self.exc: Optional[BaseException] = None
         self.fired = False
+        self.batch = batch
+
+    def withdraw(self) -> bool:
+        """Take the write's parts out of its batch before it fires (the write failed after
+        joining: none of its bytes will be copied); False once fired (its copy was launched
+        with the others)."""
+        if self.fired or self.batch is None:
+            return False
+        self.batch._entries = [e for e in self.batch._entries if e[3] is not self]
+        self.exc, self.fired = UnsupportedOperation("withdrawn from its launch batch"), True
+        return True
 
     def query(self) -> bool:
         if self.exc is not None:
@@ -729,7 +740,7 @@ class LaunchBatch:
         main = [(p[3], p[0]) for p in parts if p[3] == first]
         if any(p[3] != first and not lane.joins(main, (p[3], p[0]), bases) for p in parts):
             return None
-        slot = Joined()
+        slot = Joined(self)
         self._entries.append((lane, parts, bases, slot))
         return slot
 

@@ -657,6 +657,8 @@ class Peer:
         except BaseException:
             for h in hosted:  # started, given up on: retrieved when it ends
                 h.add_done_callback(_retrieve)
+            if isinstance(launched, devcopy.Joined):
+                launched.withdraw()  # (its batch not fired yet: nothing of it is copied)
             raise
         gate_prev, gate = self._note_turn() if notify is not None else (None, None)
         chunks: List[Chunk] = []  # staged chunks whose plans are out: given up on failure
@@ -730,6 +732,8 @@ class Peer:
         except BaseException:
             for h in hosted:  # given up on: its outcome is retrieved when it ends
                 h.add_done_callback(_retrieve)
+            if isinstance(launched, devcopy.Joined):
+                launched.withdraw()  # (its batch not fired yet: nothing of it is copied)
             # cancelled, timed out or failed before a notify vouched for the chunks: the peer
             # drops what it has not scattered yet and gives the landing slots back
             # (kvxfer.engine.peer_staged); after it, they are scattered before the notify

@@ -94,6 +94,9 @@ class StandInLane(devcopy.DeviceLane):
     def joins(self, main, extra, bases) -> bool:
         return True
 
+    def close(self) -> None:
+        self.closed = True
+
 
 class AfterEvent:
     """Another lane's event recorded after ``ev``: done when it is."""
@@ -118,9 +121,6 @@ def _move(parts, bases) -> int:
             ctypes.memmove(rptrs[d] + do, lptrs[d] + so, nb)
             n += 1
     return n
-
-    def close(self) -> None:
-        self.closed = True
 
 
 async def _pair(device_min_ops: int, state: bool = False):
@@ -513,3 +513,51 @@ def test_launch_batch_joins_only_what_one_launch_can_take():
     assert devcopy.joining() is None and outer.fired
     batch.fired = True
     assert batch.join(Lane(), [kv], {}) is None
+
+
+def test_a_joined_write_that_fails_before_the_batch_fires_is_withdrawn():
+    """A write joins the batch, then fails before it fires (the PUT of its host-memory rest
+    finds the endpoint gone): its parts are taken out — none of its bytes is copied after
+    its failure was reported — and the batch launches the other write's alone."""
+    from kvxfer import eager
+    from kvxfer.engine.types import ItemWrite
+    from kvxfer.errors import PeerClosed
+
+    async def main():
+        engines, peers, bufs, notes = await _engines(1, state=True, sides="abc")
+        try:
+            lanes, writes = _joinable(peers), _leg_writes("bc")
+            peers["b"]._pattern_ok["state"] = False  # b's state rows go as PUTs ...
+
+            def gone(*_):  # ... which find the endpoint gone
+                raise PeerClosed("stand-in: endpoint gone")
+
+            peers["b"]._rma.put = gone
+            loop = asyncio.get_running_loop()
+            with devcopy.batch_launches() as batch:
+                fb = eager.start(
+                    loop.create_task,
+                    peers["b"].write(
+                        [writes["b"], ItemWrite("state", [3], [4])], notify=b"b", inline=False
+                    ),
+                )
+                assert not batch.fired  # b joined, then failed: withdrawn
+                fc = eager.start(
+                    loop.create_task, peers["c"].write([writes["c"]], notify=b"c", inline=True)
+                )
+            with pytest.raises(PeerClosed, match="endpoint gone"):
+                await asyncio.wait_for(fb, 10)
+            await asyncio.wait_for(fc, 10)
+            assert not lanes["b"].joined and not lanes["c"].joined  # c's parts alone
+            assert len(lanes["c"].launched) == 1 and not lanes["b"].launched
+            assert (np.stack(bufs["b"]) == 2).all()  # nothing of b's copied
+            a, half = np.stack(bufs["a"]), ITEM // 2
+            got = np.stack(bufs["c"])
+            assert np.array_equal(got[:, [4, 9, 12], half:], a[:, [1, 2, 5], half:])
+            await _until(lambda: notes["c"] == [b"c"], "c's notification")
+            assert notes["b"] == []
+        finally:
+            for e in engines.values():
+                await e.close()
+
+    asyncio.run(main())
