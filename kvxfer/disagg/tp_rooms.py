@@ -656,8 +656,8 @@ def prefill_send(side: PrefillSide, r: Room, chunk: Chunk) -> None:
     task instead of spinning here, so the next leg's host work overlaps them; the last leg
     waits inline as a single write does (bench/results/tp-pattern-h200.md). With
     :data:`JOIN_LEGS` the legs' pattern copies on a same-host GPU are one launch, at the
-    last leg's. Run as the loop's guest, the send then finishes on this thread what those earlier legs
-    left (:data:`SETTLE_LEGS`)."""
+    last leg's. Run as the loop's guest, the send then finishes on this thread what those
+    earlier legs left (:data:`SETTLE_LEGS`)."""
     legs: Legs = r.legs
     if legs.history is not None:
         legs.history.append(chunk)

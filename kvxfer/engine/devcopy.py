@@ -698,7 +698,7 @@ class Joined:
         with the others)."""
         if self.fired or self.batch is None:
             return False
-        self.batch._entries = [e for e in self.batch._entries if e[3] is not self]
+        self.batch.drop(self)
         self.exc, self.fired = UnsupportedOperation("withdrawn from its launch batch"), True
         return True
 
@@ -743,6 +743,10 @@ class LaunchBatch:
         slot = Joined(self)
         self._entries.append((lane, parts, bases, slot))
         return slot
+
+    def drop(self, slot: Joined) -> None:
+        """Forget the write that ``slot`` stands for (:meth:`Joined.withdraw`)."""
+        self._entries = [e for e in self._entries if e[3] is not slot]
 
     def fire(self) -> None:
         """Launch what joined (idempotent): each joined write's stand-in gets its lane's
