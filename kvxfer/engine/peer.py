@@ -654,11 +654,10 @@ class Peer:
                     laddr, raddr, nbytes, lmemh, ridx = (
                         c[keep] for c in (laddr, raddr, nbytes, lmemh, ridx)
                     )
-        except BaseException:
+        except BaseException as exc:
             for h in hosted:  # started, given up on: retrieved when it ends
                 h.add_done_callback(_retrieve)
-            if isinstance(launched, devcopy.Joined):
-                launched.withdraw()  # (its batch not fired yet: nothing of it is copied)
+            await self._settle_copy(launched, deadline, exc)
             raise
         gate_prev, gate = self._note_turn() if notify is not None else (None, None)
         chunks: List[Chunk] = []  # staged chunks whose plans are out: given up on failure
@@ -729,11 +728,10 @@ class Peer:
                 await self._bounded(_all([c.drained for c in chunks]), t, "scatter at the peer")
             stats.post_s, stats.complete_s = t1 - t0, time.perf_counter() - t1
             return stats
-        except BaseException:
+        except BaseException as exc:
             for h in hosted:  # given up on: its outcome is retrieved when it ends
                 h.add_done_callback(_retrieve)
-            if isinstance(launched, devcopy.Joined):
-                launched.withdraw()  # (its batch not fired yet: nothing of it is copied)
+            await self._settle_copy(launched, deadline, exc)
             # cancelled, timed out or failed before a notify vouched for the chunks: the peer
             # drops what it has not scattered yet and gives the landing slots back
             # (kvxfer.engine.peer_staged); after it, they are scattered before the notify
@@ -743,6 +741,40 @@ class Peer:
         finally:
             if gate is not None and not gate.done():
                 gate.set_result(None)
+
+    async def _settle_copy(self, launched: Any, deadline: float, exc: BaseException) -> None:
+        """A write failing after its device-lane copy was launched: until that copy
+        completed (bounded by the write's deadline), so that the failure is reported only
+        once none of its bytes can still land in the peer's pages (their release may
+        follow at once). A joined copy whose batch has not fired is withdrawn instead
+        (nothing of it is launched). Not for a cancellation, nor a timeout (the caller
+        fences the write's pages, the copy maybe still running); a copy still running at
+        the deadline raises :class:`TransferTimeout` from ``exc`` (fenced the same way).
+        A lane closed meanwhile synchronised its stream first: the copy is done."""
+        if launched is None or isinstance(exc, (asyncio.CancelledError, TransferTimeout)):
+            if isinstance(launched, devcopy.Joined):
+                launched.withdraw()
+            return
+        if isinstance(launched, devcopy.Joined) and launched.withdraw():
+            return
+        dev = self._dev
+        try:
+            if dev is None or dev.closed or launched.query():
+                return
+            left = deadline - self._loop.time()
+            if left > 0:
+                await asyncio.wait_for(dev.wait(launched, 0.0), left)
+                return
+        except asyncio.TimeoutError:
+            pass
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the launch itself failed (nothing in flight), or its lane
+            return  # closed meanwhile (its stream synchronised: the copy is done)
+        raise TransferTimeout(
+            f"write to {self.name or self.id} failed ({exc}) with its device copy still "
+            f"running at its deadline"
+        ) from exc
 
     def _host_patterns(self, parts, stats: TransferStats) -> asyncio.Future:
         """Start the host lane's copy of the planned PatternWrite ``parts`` (``(group, src,

@@ -561,3 +561,60 @@ def test_a_joined_write_that_fails_before_the_batch_fires_is_withdrawn():
                 await e.close()
 
     asyncio.run(main())
+
+
+class StuckEvent:
+    """A copy that does not complete: never done when queried; ``synchronize`` returns
+    after ``hold`` seconds without completing it (a wedged copy seen from the executor)."""
+
+    def __init__(self, hold: float) -> None:
+        self.hold, self.queries = hold, 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return False
+
+    def synchronize(self) -> None:
+        import threading
+
+        threading.Event().wait(self.hold)
+
+
+@pytest.mark.parametrize("copy", ["completes", "stuck"])
+def test_a_write_failing_after_its_lane_copy_waits_for_the_copy(copy):
+    """The write's device-lane copy is launched, then the PUT of its host-memory rest finds
+    the endpoint gone: the failure is raised only once the copy completed (its bytes can no
+    longer land after the room's failure is reported and its pages are released); a copy
+    still running at the write's deadline turns the failure into a TransferTimeout (the
+    disagg layer fences the pages, as for any timed-out write), from the PUT's error."""
+    from kvxfer.errors import PeerClosed, TransferTimeout
+
+    async def main():
+        engines, peer, bufs, notes = await _pair(device_min_ops=1, state=True)
+        try:
+            lane = peer._dev = StandInLane(peer, after=5)
+            if copy == "stuck":
+                stuck = StuckEvent(hold=0.5)
+                lane.launch = lambda *a: (lane.launched.append((len(a[0]), stuck)), stuck)[1]
+
+            def gone(*_):
+                raise PeerClosed("stand-in: endpoint gone")
+
+            peer._rma.put = gone  # the state rows (host memory, not the lane's) go as PUTs
+            writes = [ItemWrite("kv", [1, 2], [4, 9]), ItemWrite("state", [3], [4])]
+            if copy == "completes":
+                with pytest.raises(PeerClosed, match="endpoint gone"):
+                    await peer.write(writes, notify=b"x", timeout=10)
+                ((_, ev),) = lane.launched
+                assert ev.queries >= 5  # polled until it completed, then the failure
+            else:
+                with pytest.raises(TransferTimeout, match="device copy still running") as ei:
+                    await peer.write(writes, notify=b"x", timeout=0.2)
+                assert isinstance(ei.value.__cause__, PeerClosed)
+                assert stuck.queries >= 1
+            assert notes == []
+        finally:
+            for e in engines.values():
+                await e.close()
+
+    asyncio.run(main())
