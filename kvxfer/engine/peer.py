@@ -731,12 +731,14 @@ class Peer:
         except BaseException as exc:
             for h in hosted:  # given up on: its outcome is retrieved when it ends
                 h.add_done_callback(_retrieve)
-            await self._settle_copy(launched, deadline, exc)
             # cancelled, timed out or failed before a notify vouched for the chunks: the peer
             # drops what it has not scattered yet and gives the landing slots back
             # (kvxfer.engine.peer_staged); after it, they are scattered before the notify
             if chunks and not promised and not self._dead.done():
                 self._staged.abandon(chunks)
+            if gate is not None and not gate.done():  # (later notifications go on)
+                gate.set_result(None)
+            await self._settle_copy(launched, deadline, exc)
             raise
         finally:
             if gate is not None and not gate.done():
