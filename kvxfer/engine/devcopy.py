@@ -403,12 +403,7 @@ class DeviceLane:
         of a combined launch of the ``live`` parts with row tables ``tables``: ``joined[k]``
         whether part ``k`` is in it (:meth:`launch_patterns`' rule); the rest None when
         fewer than two parts are."""
-        from kvxfer.kernels.pattern_copy import (
-            checked_shape,
-            joins_launch,
-            launch_stats,
-            row_alignment,
-        )
+        from kvxfer.kernels.pattern_copy import joins_launch, launch_stats
 
         main = [launch_stats(t) for p, t in zip(live, tables) if p[3] == live[0][3]]
         joined = [
@@ -417,12 +412,20 @@ class DeviceLane:
         tables = [t for t, j in zip(tables, joined) if j]
         if len(tables) < 2:
             return (joined, None, None, 0, None, None, 0)
+        return (joined, *self._joint(tables))
+
+    def _joint(self, tables) -> tuple:
+        """``(host rows, device rows, align, launch shape, row bounds, widest range)`` of one
+        launch over the row tables ``tables`` concatenated (each part's rows
+        ``[bounds[k], bounds[k + 1])``), checked and uploaded once."""
+        from kvxfer.kernels.pattern_copy import checked_shape, row_alignment
+
         bounds = np.cumsum([0] + [len(t) for t in tables]).tolist()
         host = np.ascontiguousarray(np.concatenate(tables))
         span = max(b - a for a, b in zip(bounds, bounds[1:]))
         align = row_alignment(host)
         shape = checked_shape(host, align)
-        return (joined, host, self._upload_rows(host), align, shape, bounds, span)
+        return (host, self._upload_rows(host), align, shape, bounds, span)
 
     def _one_by_one(self, parts, bases):
         """:meth:`launch_pattern` per part; the last event (None for no part)."""
@@ -438,12 +441,7 @@ class DeviceLane:
         (uploaded once per combination and kept like :meth:`launch_patterns`' tables, the
         lanes and patterns held so that their ids are not reused while cached). Returns the
         event, or None — nothing launched — where the table cannot be launched natively."""
-        from kvxfer.kernels.pattern_copy import (
-            checked_shape,
-            class_items,
-            copy_pattern_native,
-            row_alignment,
-        )
+        from kvxfer.kernels.pattern_copy import class_items, copy_pattern_native
 
         key = ("joined",) + tuple((id(ln), p[3], id(p[0])) for ln, p, _ in live)
         local = tuple(b[p[3]][0] for _, p, b in live)  # (tuples: compared by identity)
@@ -452,13 +450,8 @@ class DeviceLane:
             if self.profile is not None:
                 self.profile["misses"] = self.profile.get("misses", 0) + 1
             tables = [ln._pattern_rows(p[0], *b[p[3]]) for ln, p, b in live]
-            bounds = np.cumsum([0] + [len(t) for t in tables]).tolist()
-            host = np.ascontiguousarray(np.concatenate(tables))
-            align = row_alignment(host)
             held = tuple((ln, p[0]) for ln, p, _ in live)
-            span = max(b - a for a, b in zip(bounds, bounds[1:]))
-            shape = checked_shape(host, align)
-            entry = (held, local, host, self._upload_rows(host), align, shape, bounds, span)
+            entry = (held, local, *self._joint(tables))
             self._evict()
         self._patterns[key] = entry
         _, _, host, rows, align, shape, bounds, span = entry

@@ -753,11 +753,9 @@ class Peer:
         fences the write's pages, the copy maybe still running); a copy still running at
         the deadline raises :class:`TransferTimeout` from ``exc`` (fenced the same way).
         A lane closed meanwhile synchronised its stream first: the copy is done."""
-        if launched is None or isinstance(exc, (asyncio.CancelledError, TransferTimeout)):
-            if isinstance(launched, devcopy.Joined):
-                launched.withdraw()
-            return
         if isinstance(launched, devcopy.Joined) and launched.withdraw():
+            return  # (its batch had not fired: nothing of it was launched)
+        if launched is None or isinstance(exc, (asyncio.CancelledError, TransferTimeout)):
             return
         dev = self._dev
         try:
