@@ -17,6 +17,11 @@ Rules:
 - a child that dies raises :class:`~kvxfer.errors.WorkerDied` at the next wait; one killed by a
   fatal signal (SIGSEGV, SIGABRT, ...) first writes every thread's Python stack to its stderr
   (:mod:`faulthandler`, enabled when the child starts), so a native crash names where it was;
+- a call not answered in time names where the child is: the :class:`TimeoutError` carries
+  every thread's Python stack of the child (:meth:`Worker.stacks`: :data:`STACKS_SIGNAL`, which
+  :mod:`faulthandler` answers from its C handler, so a child deadlocked in Python or native code
+  answers too); :func:`live_workers` lists the workers of this process that may still run (a
+  test harness dumps them before its own timeout kills the test);
 - :func:`post` starts a call without waiting (two workers at once), :class:`Pending` collects it;
 - ports are never fixed here: hosted objects bind port 0 and report what they got.
 
@@ -30,15 +35,27 @@ import contextlib
 import faulthandler
 import multiprocessing as mp
 import os
+import secrets
 import signal
+import tempfile
 import threading
 import time
 import traceback
+import weakref
 from typing import Any, Callable, Dict, Generic, Iterator, Optional, Type, TypeVar, cast
 
 from kvxfer.errors import RemoteError, WorkerDied
 
-__all__ = ["Worker", "Pending", "post", "wait_idle", "RemoteError", "WorkerDied"]
+__all__ = [
+    "Worker",
+    "Pending",
+    "post",
+    "wait_idle",
+    "live_workers",
+    "RemoteError",
+    "WorkerDied",
+    "STACKS_SIGNAL",
+]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -47,6 +64,13 @@ _CTX = mp.get_context("spawn")
 #: child side: set while no call is being served (the last reply has been sent)
 _IDLE = threading.Event()
 _IDLE.set()
+#: the signal on which a child writes every thread's Python stack to its stacks file
+#: (:meth:`Worker.stacks`)
+STACKS_SIGNAL = signal.SIGUSR1
+#: child side: the open stacks file (faulthandler writes to its descriptor; kept open)
+_STACKS_FILE: Any = None
+#: parent side: the workers launched by this process (weakly held; :func:`live_workers`)
+_LAUNCHED: "weakref.WeakSet[Worker]" = weakref.WeakSet()
 
 
 def wait_idle(timeout: float) -> bool:
@@ -89,6 +113,11 @@ def scoped_env(values: Dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def _unlink(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
 def _error(exc: BaseException) -> tuple:
     return ("err", type(exc).__name__, str(exc), traceback.format_exc())
 
@@ -103,11 +132,16 @@ def _close_all(objects: Dict[str, Any]) -> None:
                 pass
 
 
-def _child_main(conn, build: Callable[..., Any], args: tuple) -> None:
+def _child_main(conn, build: Callable[..., Any], args: tuple, stacks_path: str = "") -> None:
     """Build the hosted objects, report ready, then serve ``(seq, name, method, args, kwargs)``
-    until ``exit`` (or the parent's end of the pipe closes)."""
+    until ``exit`` (or the parent's end of the pipe closes). ``stacks_path``: where
+    :data:`STACKS_SIGNAL` makes it write every thread's stack (:meth:`Worker.stacks`)."""
+    global _STACKS_FILE
     if not faulthandler.is_enabled():  # a fatal signal dumps every thread's stack to stderr
         faulthandler.enable(all_threads=True)
+    if stacks_path:
+        _STACKS_FILE = open(stacks_path, "w")  # noqa: SIM115 (open for the process's life)
+        faulthandler.register(STACKS_SIGNAL, file=_STACKS_FILE, all_threads=True)
     try:
         hosted = build(*args)
     except BaseException as exc:
@@ -159,8 +193,16 @@ class Worker:
         self._env = dict(env or {})
         self._conn, child = _CTX.Pipe()
         self._child_end = child
+        # made by the child when it starts; removed with the worker (kill, or collected)
+        self._stacks_path = os.path.join(
+            tempfile.gettempdir(), f"kvxfer-stacks-{os.getpid()}-{secrets.token_hex(8)}.txt"
+        )
+        weakref.finalize(self, _unlink, self._stacks_path)
         self.proc = _CTX.Process(
-            target=_child_main, args=(child, build, args), name=self.name, daemon=True
+            target=_child_main,
+            args=(child, build, args, self._stacks_path),
+            name=self.name,
+            daemon=True,
         )
         self._seq = 0
         self._replies: Dict[int, tuple] = {}
@@ -172,6 +214,7 @@ class Worker:
         with scoped_env(self._env):
             self.proc.start()
         self._child_end.close()
+        _LAUNCHED.add(self)
         return self
 
     def ready(self, timeout: float = 120.0) -> "Worker":
@@ -231,6 +274,7 @@ class Worker:
             if left <= 0:
                 raise TimeoutError(
                     f"{self.name}: no answer to {what} within {timeout} s ({self._exit_text()})"
+                    + self._stacks_text()
                 )
             if not self._conn.poll(min(left, 0.5)):
                 if not self.proc.is_alive() and not self._conn.poll(0):
@@ -253,12 +297,47 @@ class Worker:
 
     # -- signals --
     def kill(self) -> None:
-        """SIGKILL and reap (a no-op when it never started or is gone)."""
-        if self.proc.pid is None:
-            return
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(10)
+        """SIGKILL and reap (a no-op when it never started or is gone); its stacks file is
+        removed."""
+        if self.proc.pid is not None:
+            if self.proc.is_alive():
+                self.proc.kill()
+            self.proc.join(10)
+        _unlink(self._stacks_path)
+
+    def stacks(self, timeout: float = 5.0) -> str:
+        """Every thread's Python stack in the child now, as :mod:`faulthandler` writes it
+        ("" when it is not running, stopped, or wrote nothing within ``timeout``). The
+        child's handler runs in C, whatever its threads hold; what it wrote is taken once
+        it has stopped growing (two polls 20 ms apart)."""
+        if self.proc.pid is None or not self.proc.is_alive() or _all_threads_stopped(self.pid):
+            return ""
+        try:
+            start = os.path.getsize(self._stacks_path)
+            os.kill(self.pid, STACKS_SIGNAL)
+        except OSError:
+            return ""
+        end, last = time.monotonic() + timeout, start
+        while time.monotonic() < end:
+            time.sleep(0.02)  # polling a file another process writes; bounded
+            try:
+                size = os.path.getsize(self._stacks_path)
+            except OSError:
+                return ""
+            if size > start and size == last:
+                break
+            last = size
+        try:
+            with open(self._stacks_path, "rb") as f:
+                f.seek(start)
+                return f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def _stacks_text(self) -> str:
+        """For an error: the child's stacks under a heading, or ""."""
+        text = self.stacks()
+        return f"\n{self.name}'s threads now (faulthandler):\n{text}" if text else ""
 
     def signal(self, sig: int) -> float:
         """Send ``sig``; returns the CLOCK_MONOTONIC time it was sent (comparable with the
@@ -311,6 +390,11 @@ class Worker:
                 pass
             self.proc.join(10)
         self.kill()
+
+
+def live_workers() -> "list[Worker]":
+    """The workers this process launched whose process is still running."""
+    return [w for w in list(_LAUNCHED) if w.proc.pid is not None and w.proc.is_alive()]
 
 
 class Pending(Generic[R]):

@@ -930,6 +930,30 @@ class Node:
             mgr.call_wait(lambda: loop.add_reader(fd, tr._on_completions))
             mgr.take_natively(mgr.native_takes)
 
+    def quiet(self, within: float = 10.0) -> None:
+        """Test hook: wait (bounded) until nothing of this manager is in flight on its loop
+        (no spawned task but the heartbeat's, e.g. a message whose send has not completed,
+        and nothing queued in its transport's completion queue) and its loop waits for
+        events again (its gate free): what arrives next finds the loop idle, unless a
+        timer wakes it."""
+        mgr = self.mgr
+        cq = mgr.engine.transport._cq
+        lt = mgr._thread
+        end = time.monotonic() + within
+
+        def busy() -> list:  # (the heartbeat's task runs for the manager's life)
+            names = [t.get_coro().__qualname__ for t in mgr._tasks]
+            return [n for n in names if not n.endswith("._heartbeat")] + ["queued"] * cq.queued
+
+        while True:
+            left = mgr.call_wait(busy)
+            if not left:
+                break
+            assert time.monotonic() < end, f"still in flight: {left}"
+            time.sleep(0.001)  # polling another thread's state; bounded
+        assert lt._gate.acquire(timeout=within), "the loop did not go back to its wait"
+        lt._gate.release()
+
     def hold_loop(self, on: bool) -> None:
         """Test hook: the manager's loop runs (``on``) a callback that waits (bounded, 30 s)
         until ``hold_loop(False)``, so that meanwhile the loop's gate is held (no guest run:

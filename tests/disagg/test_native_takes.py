@@ -10,7 +10,12 @@ cannot take the loop's gate; the Done waits in the queue (polls cannot take it e
 the loop handles it once released. Hammered: hundreds of rooms in bursts with the native
 take on, every byte verified, nothing leaked; and the take switched off and on meanwhile.
 Every test runs twice: with the own worker's thread lingering after activity (the default)
-and without (``KVXFER_SPIN_LINGER_US=0``)."""
+and without (``KVXFER_SPIN_LINGER_US=0``).
+
+The native thread takes only while the loop waits for events (else the loop does, woken by
+the queue's eventfd, which a deaf loop ignores): the first test makes sure decode's loop is
+idle before the Done can arrive (``quiet``: its earlier sends completed) and that no timer
+wakes it meanwhile (heartbeats every 30 s here, not FAST's 0.2 s)."""
 
 import itertools
 
@@ -33,7 +38,9 @@ class Pair:
 
         self.no_linger = bool(env and env.get("KVXFER_SPIN_LINGER_US") == "0")
         self.bs = BootstrapServer(port=0).start_in_thread()
-        node = dict(kind="mha", timeouts=FAST, bootstrap=self.bs.address, error_mode="none")
+        # (no heartbeat during a test: a loop woken by it could not be the native thread's)
+        t = dict(FAST, heartbeat_interval_s=30.0, heartbeat_timeout_s=60.0)
+        node = dict(kind="mha", timeouts=t, bootstrap=self.bs.address, error_mode="none")
         self.pw = Worker({"n": dict(node, role="prefill", device=DEVICE)}, env=env)
         self.dw = Worker({"n": dict(node, role="decode", device=DEVICE)}, env=env)
         for w in (self.pw, self.dw):
@@ -81,6 +88,7 @@ def test_the_native_thread_completes_the_room_without_the_loop(pair):
     takes0 = d.stats()["native_takes"]
     d.deaf(True, keep_native=True)
     try:
+        d.quiet()  # idle when the Done arrives: only the native thread can take it
         p.p_send(a, 0, 3)
         res = d.wait(a)  # no poll: only on_done, which the native thread runs
         assert res is not None and res["state"] == "Success", res

@@ -377,6 +377,7 @@ def test_short_driver_calls_keep_the_gil(monkeypatch):
     x = torch.empty(1 << 26, dtype=torch.uint8, device="cuda")
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
+        torch.cuda._sleep(50_000_000)  # (the fill lands well after ``after`` could copy)
         x.fill_(1)
     ev.record(s)
     after = torch.cuda.Stream()

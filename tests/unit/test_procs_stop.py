@@ -74,3 +74,45 @@ def test_a_worker_that_dies_of_a_fatal_signal_leaves_its_python_stack(capfd):
     err = capfd.readouterr().err
     assert "Fatal Python error: Segmentation fault" in err, err
     assert "in crash" in err, err
+
+
+class Wedged:
+    """Hosted in the worker: a call that never returns."""
+
+    def wedged_here(self) -> None:
+        threading.Event().wait()
+
+
+def test_a_call_not_answered_in_time_names_where_the_child_is():
+    """The TimeoutError of an unanswered call carries the child's Python stacks (its
+    faulthandler answers STACKS_SIGNAL whatever the thread holds); the worker serves on."""
+    import os
+
+    w = Worker(Wedged, name="wedged").start()
+    try:
+        p = w.proxy(Wedged)
+        assert w in procs.live_workers()
+        with pytest.raises(TimeoutError) as exc:
+            p.wedged_here(timeout=1)
+        text = str(exc.value)
+        assert "wedged's threads now (faulthandler)" in text, text
+        assert "in wedged_here" in text and "_child_main" in text, text
+        again = w.stacks()  # a second dump: only what it wrote this time
+        assert again.count("in wedged_here") == 1, again
+        assert os.path.exists(w._stacks_path)
+    finally:
+        w.kill()  # (close() would wait for the wedged call first)
+    assert not os.path.exists(w._stacks_path)  # removed with the worker
+    assert w not in procs.live_workers() and w.stacks() == ""
+
+
+def test_a_stopped_worker_is_not_asked_for_its_stacks():
+    """A frozen child cannot answer the signal: stacks() says so at once ("")."""
+    w = Worker(Spinner, name="frozen").start()
+    try:
+        w.freeze()
+        assert w.stacks(timeout=30) == ""
+        w.resume()
+        assert "in _child_main" in w.stacks()
+    finally:
+        w.close()
