@@ -655,9 +655,7 @@ class Peer:
                         c[keep] for c in (laddr, raddr, nbytes, lmemh, ridx)
                     )
         except BaseException as exc:
-            for h in hosted:  # started, given up on: retrieved when it ends
-                h.add_done_callback(_retrieve)
-            await self._settle_copy(launched, deadline, exc)
+            await self._settle_copies(launched, hosted, deadline, exc)
             raise
         gate_prev, gate = self._note_turn() if notify is not None else (None, None)
         chunks: List[Chunk] = []  # staged chunks whose plans are out: given up on failure
@@ -672,7 +670,7 @@ class Peer:
                 if launched is not None and not self._dev.settled(launched, spin):
                     await self._bounded(self._dev.wait(launched, 0.0), timeout, "device copy")
                 for h in hosted:
-                    await self._bounded_future(h, timeout, "host copy")
+                    await self._host_copy(h, timeout)
                 for group, src, dst, direct_ops in staged:
                     chunks += await self._staged.write(group, src, dst, deadline, stats)
                     stats.staged_direct_ops += direct_ops
@@ -729,8 +727,6 @@ class Peer:
             stats.post_s, stats.complete_s = t1 - t0, time.perf_counter() - t1
             return stats
         except BaseException as exc:
-            for h in hosted:  # given up on: its outcome is retrieved when it ends
-                h.add_done_callback(_retrieve)
             # cancelled, timed out or failed before a notify vouched for the chunks: the peer
             # drops what it has not scattered yet and gives the landing slots back
             # (kvxfer.engine.peer_staged); after it, they are scattered before the notify
@@ -738,43 +734,78 @@ class Peer:
                 self._staged.abandon(chunks)
             if gate is not None and not gate.done():  # (later notifications go on)
                 gate.set_result(None)
-            await self._settle_copy(launched, deadline, exc)
+            await self._settle_copies(launched, hosted, deadline, exc)
             raise
         finally:
             if gate is not None and not gate.done():
                 gate.set_result(None)
 
-    async def _settle_copy(self, launched: Any, deadline: float, exc: BaseException) -> None:
-        """A write failing after its device-lane copy was launched: until that copy
-        completed (bounded by the write's deadline), so that the failure is reported only
-        once none of its bytes can still land in the peer's pages (their release may
-        follow at once). A joined copy whose batch has not fired is withdrawn instead
-        (nothing of it is launched). Not for a cancellation, nor a timeout (the caller
-        fences the write's pages, the copy maybe still running); a copy still running at
-        the deadline raises :class:`TransferTimeout` from ``exc`` (fenced the same way).
-        A lane closed meanwhile synchronised its stream first: the copy is done."""
+    async def _host_copy(self, copy: asyncio.Future, timeout: float) -> None:
+        """Await a host-lane copy's future, bounded by ``timeout`` and the peer's death,
+        through a waiter of its own: the copy's future is never completed here, so it
+        resolves only once each of its parts stopped copying (what
+        :meth:`_settle_copies` waits for when the write fails). Raises what the copy
+        raised (PeerClosed / TransportError), or TransferTimeout / PeerClosed."""
+        if not copy.done():
+            waiter = self._loop.create_future()
+            copy.add_done_callback(functools.partial(_task_done, waiter))
+            await self._bounded_future(waiter, timeout, "host copy")
+        copy.result()
+
+    async def _settle_copies(
+        self,
+        launched: Any,
+        hosted: List[asyncio.Future],
+        deadline: float,
+        exc: BaseException,
+    ) -> None:
+        """A write failing after its device-lane copy was launched or its host-lane copies
+        started: until those copies ended (bounded by the write's deadline), so that the
+        failure is reported only once none of its bytes can still land in the peer's pages
+        (their release may follow at once). A joined copy whose batch has not fired is
+        withdrawn instead (nothing of it is launched). Not for a cancellation, nor a timeout
+        (the caller fences the write's pages, the copies maybe still running; the host
+        lane's close stops its copies and waits for them); a copy still running at the
+        deadline raises :class:`TransferTimeout` from ``exc`` (fenced the same way). A
+        device lane closed meanwhile synchronised its stream first: the copy is done; a
+        host-lane copy's future resolves only once each of its parts stopped copying."""
+        for h in hosted:  # given up on: its outcome is retrieved when it ends
+            h.add_done_callback(_retrieve)
         if isinstance(launched, devcopy.Joined) and launched.withdraw():
-            return  # (its batch had not fired: nothing of it was launched)
-        if launched is None or isinstance(exc, (asyncio.CancelledError, TransferTimeout)):
+            launched = None  # (its batch had not fired: nothing of it was launched)
+        if isinstance(exc, (asyncio.CancelledError, TransferTimeout)):
             return
+        running = []
+        if not await self._device_copy_ended(launched, deadline):
+            running.append("device copy")
+        if not await _ended(hosted, deadline - self._loop.time()):
+            running.append("host-lane copy")
+        if running:
+            raise TransferTimeout(
+                f"write to {self.name or self.id} failed ({exc}) with its "
+                f"{' and '.join(running)} still running at its deadline"
+            ) from exc
+
+    async def _device_copy_ended(self, launched: Any, deadline: float) -> bool:
+        """:meth:`_settle_copies`' wait for the device-lane copy: whether it ended by
+        ``deadline`` (True also without one, or when it can no longer write)."""
         dev = self._dev
+        if launched is None:
+            return True
         try:
             if dev is None or dev.closed or launched.query():
-                return
+                return True
             left = deadline - self._loop.time()
             if left > 0:
                 await asyncio.wait_for(dev.wait(launched, 0.0), left)
-                return
+                return True
         except asyncio.TimeoutError:
             pass
         except asyncio.CancelledError:
             raise
         except Exception:  # the launch itself failed (nothing in flight), or its lane
-            return  # closed meanwhile (its stream synchronised: the copy is done)
-        raise TransferTimeout(
-            f"write to {self.name or self.id} failed ({exc}) with its device copy still "
-            f"running at its deadline"
-        ) from exc
+            return True  # closed meanwhile (its stream synchronised: the copy is done)
+        return False
 
     def _host_patterns(self, parts, stats: TransferStats) -> asyncio.Future:
         """Start the host lane's copy of the planned PatternWrite ``parts`` (``(group, src,
@@ -896,6 +927,16 @@ async def _all(futures: List[asyncio.Future]) -> None:
 def _retrieve(fut: asyncio.Future) -> None:
     if not fut.cancelled():
         fut.exception()
+
+
+async def _ended(futs: List[asyncio.Future], timeout: float) -> bool:
+    """Whether every one of ``futs`` is done within ``timeout`` s (their outcomes left to
+    their callbacks)."""
+    running = [f for f in futs if not f.done()]
+    if running and timeout > 0:
+        _, pending = await asyncio.wait(running, timeout=timeout)
+        return not pending
+    return not running
 
 
 def _wake(waiter: asyncio.Future, why: str) -> None:

@@ -618,3 +618,75 @@ def test_a_write_failing_after_its_lane_copy_waits_for_the_copy(copy):
                 await e.close()
 
     asyncio.run(main())
+
+
+class StandInHostLane:
+    """A host lane taking every op of a write (both sides host memory, in this process):
+    ``start`` records the runs and returns a pending future; :meth:`finish` copies them
+    (memmove) and resolves it — a host-lane copy still running until the test says."""
+
+    shm = False  # (the lane then takes a write of any run count: Peer.write's rule)
+    closed = False
+
+    def __init__(self) -> None:
+        self.jobs: list = []
+
+    def select(self, lmemh, ridx):
+        return np.ones(ridx.size, dtype=bool)
+
+    def start(self, laddr, raddr, nbytes, ridx, name):
+        fut = asyncio.get_running_loop().create_future()
+        self.jobs.append((laddr.copy(), raddr.copy(), nbytes.copy(), fut))
+        return fut
+
+    def finish(self) -> None:
+        for la, ra, nb, fut in self.jobs:
+            for s, d, n in zip(la.tolist(), ra.tolist(), nb.tolist()):
+                ctypes.memmove(d, s, n)
+            fut.set_result(None)
+
+    async def close(self, timeout: float) -> None:  # (the teardown's; the copy goes on)
+        self.closed = True
+
+
+@pytest.mark.parametrize("copy", ["completes", "stuck"])
+def test_a_write_failing_while_its_host_lane_copy_runs_waits_for_the_copy(copy, monkeypatch):
+    """The write's runs go to the host lane (copied on its threads); the peer dies while the
+    copy runs: ``PeerClosed`` is raised only once the copy ended (no byte of the write lands
+    after its failure is reported); a copy still running at the write's deadline turns the
+    failure into a TransferTimeout from the PeerClosed."""
+    from kvxfer.engine import hostcopy
+    from kvxfer.errors import PeerClosed, TransferTimeout
+
+    monkeypatch.setattr(hostcopy, "lane_wanted", lambda *a, **k: True)
+
+    async def main():
+        engines, peer, bufs, notes = await _pair(device_min_ops=10**6)
+        try:
+            lane = peer._hostl = StandInHostLane()
+            timeout = 10 if copy == "completes" else 0.3
+            t = asyncio.create_task(
+                peer.write([ItemWrite("kv", [1, 2, 5], [4, 9, 30])], notify=b"x", timeout=timeout)
+            )
+            await _until(lambda: lane.jobs, "the host-lane copy to start")
+            peer._mark_dead(PeerClosed("stand-in: endpoint gone"))  # (as UCX's error handler)
+            for _ in range(20):  # the write's failure path runs; it must not end yet
+                await asyncio.sleep(0)
+            assert not t.done()
+            if copy == "completes":
+                lane.finish()
+                with pytest.raises(PeerClosed, match="endpoint gone"):
+                    await t
+                a, b = np.stack(bufs["a"]), np.stack(bufs["b"])
+                assert (b[:, [4, 9, 30]] == a[:, [1, 2, 5]]).all()  # all of it, before
+            else:
+                with pytest.raises(TransferTimeout, match="host-lane copy still running") as ei:
+                    await t
+                assert isinstance(ei.value.__cause__, PeerClosed)
+                lane.finish()
+            assert notes == []
+        finally:
+            for e in engines.values():
+                await e.close()
+
+    asyncio.run(main())
