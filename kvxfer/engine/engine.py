@@ -353,7 +353,7 @@ class TransferEngine:
             except Exception:
                 log.exception("%r: handler %r failed", self, h)
                 continue
-            if inspect.isawaitable(res):
+            if res is not None and inspect.isawaitable(res):  # (most return None)
                 return self._dispatch_rest(res, handlers[i + 1 :], peer, payload)
         return None
 

@@ -118,6 +118,8 @@ def raw_ping_seq(payload: bytes) -> Optional[int]:
     from kvxfer.disagg.messages import Ping
     from kvxfer.errors import ProtocolError
 
+    if Ping.TAG.encode() not in payload:  # (every PD message comes here too: no decode;
+        return None  # msgpack writes the tag's UTF-8 bytes as they are)
     try:
         msg = wire.decode(payload)
     except ProtocolError:

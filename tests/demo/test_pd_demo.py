@@ -355,6 +355,18 @@ def test_pools_mode(capsys):
 
 
 @pytest.mark.timeout(150)
+def test_raw_ping_seq_takes_only_raw_notifications():
+    """The bench's decode handler sees every message: it names a raw write's Ping (seq from
+    RAW_SEQ) and nothing else, decoding only payloads that hold the Ping's tag."""
+    from kvxfer.disagg.messages import Done, Ping
+    from kvxfer.pd_demo.bench import RAW_SEQ, raw_ping_seq
+
+    assert raw_ping_seq(Ping(seq=RAW_SEQ + 5).encode()) == RAW_SEQ + 5
+    assert raw_ping_seq(Ping(seq=5).encode()) is None  # a heartbeat
+    assert raw_ping_seq(Done(room=5, pages=1, sums=None).encode()) is None
+    assert raw_ping_seq(b"not msgpack, but pd.ping") is None
+
+
 def test_pd_bench_smoke(tmp_path, capsys):
     """The PD benchmark (demo workers) end to end, tiny: every request succeeds, the raw
     comparison moves exactly the PD request's bytes, 1-page requests cost 3 ops."""
