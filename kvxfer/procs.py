@@ -35,7 +35,6 @@ import contextlib
 import faulthandler
 import multiprocessing as mp
 import os
-import secrets
 import signal
 import tempfile
 import threading
@@ -113,9 +112,35 @@ def scoped_env(values: Dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _unlink(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)
+class _StacksFile:
+    """Parent side: the file a worker's child writes its stacks to (:meth:`Worker.stacks`),
+    read through the parent's own descriptor. Made here; its path is unlinked once the child
+    holds it open (so a parent that dies abruptly leaves no file behind) and at the latest
+    by :meth:`close` (idempotent; also when the worker is collected)."""
+
+    def __init__(self) -> None:
+        self.fd, self.path = tempfile.mkstemp(prefix="kvxfer-stacks-", suffix=".txt")
+
+    def unlink(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size if self.fd >= 0 else -1
+
+    def read(self, start: int) -> str:
+        size = self.size()
+        return (
+            ""
+            if size <= start
+            else os.pread(self.fd, size - start, start).decode("utf-8", "replace")
+        )
+
+    def close(self) -> None:
+        self.unlink()
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 def _error(exc: BaseException) -> tuple:
@@ -139,9 +164,11 @@ def _child_main(conn, build: Callable[..., Any], args: tuple, stacks_path: str =
     global _STACKS_FILE
     if not faulthandler.is_enabled():  # a fatal signal dumps every thread's stack to stderr
         faulthandler.enable(all_threads=True)
-    if stacks_path:
-        _STACKS_FILE = open(stacks_path, "w")  # noqa: SIM115 (open for the process's life)
+    if stacks_path:  # (the parent made it, and unlinks it once this process is ready)
+        _STACKS_FILE = open(stacks_path, "a")  # noqa: SIM115 (open for the process's life)
         faulthandler.register(STACKS_SIGNAL, file=_STACKS_FILE, all_threads=True)
+        _STACKS_FILE.write(f"(pid {os.getpid()}: stacks on {STACKS_SIGNAL.name})\n")
+        _STACKS_FILE.flush()  # (the parent signals only once this line is there)
     try:
         hosted = build(*args)
     except BaseException as exc:
@@ -193,14 +220,11 @@ class Worker:
         self._env = dict(env or {})
         self._conn, child = _CTX.Pipe()
         self._child_end = child
-        # made by the child when it starts; removed with the worker (kill, or collected)
-        self._stacks_path = os.path.join(
-            tempfile.gettempdir(), f"kvxfer-stacks-{os.getpid()}-{secrets.token_hex(8)}.txt"
-        )
-        weakref.finalize(self, _unlink, self._stacks_path)
+        self._stacks = _StacksFile()
+        weakref.finalize(self, self._stacks.close)
         self.proc = _CTX.Process(
             target=_child_main,
-            args=(child, build, args, self._stacks_path),
+            args=(child, build, args, self._stacks.path),
             name=self.name,
             daemon=True,
         )
@@ -222,6 +246,7 @@ class Worker:
         if not self._ready:
             self._wait(0, timeout, "start-up")
             self._ready = True
+            self._stacks.unlink()  # the child holds it open by now
         return self
 
     def start(self, timeout: float = 120.0) -> "Worker":
@@ -303,34 +328,29 @@ class Worker:
             if self.proc.is_alive():
                 self.proc.kill()
             self.proc.join(10)
-        _unlink(self._stacks_path)
+        self._stacks.close()
 
     def stacks(self, timeout: float = 5.0) -> str:
         """Every thread's Python stack in the child now, as :mod:`faulthandler` writes it
-        ("" when it is not running, stopped, or wrote nothing within ``timeout``). The
+        ("" when it is not running, stopped, not yet past registering its handler, or wrote
+        nothing within ``timeout``). The
         child's handler runs in C, whatever its threads hold; what it wrote is taken once
         it has stopped growing (two polls 20 ms apart)."""
         if self.proc.pid is None or not self.proc.is_alive() or _all_threads_stopped(self.pid):
             return ""
         try:
-            start = os.path.getsize(self._stacks_path)
-            os.kill(self.pid, STACKS_SIGNAL)
-        except OSError:
-            return ""
-        end, last = time.monotonic() + timeout, start
-        while time.monotonic() < end:
-            time.sleep(0.02)  # polling a file another process writes; bounded
-            try:
-                size = os.path.getsize(self._stacks_path)
-            except OSError:
+            start = self._stacks.size()
+            if start <= 0:  # closed, or the child has not registered its handler yet
                 return ""
-            if size > start and size == last:
-                break
-            last = size
-        try:
-            with open(self._stacks_path, "rb") as f:
-                f.seek(start)
-                return f.read().decode("utf-8", "replace")
+            os.kill(self.pid, STACKS_SIGNAL)
+            end, last = time.monotonic() + timeout, start
+            while time.monotonic() < end:
+                time.sleep(0.02)  # polling a file another process writes; bounded
+                size = self._stacks.size()
+                if size > start and size == last:
+                    break
+                last = size
+            return self._stacks.read(start)
         except OSError:
             return ""
 

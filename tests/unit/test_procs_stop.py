@@ -99,10 +99,10 @@ def test_a_call_not_answered_in_time_names_where_the_child_is():
         assert "in wedged_here" in text and "_child_main" in text, text
         again = w.stacks()  # a second dump: only what it wrote this time
         assert again.count("in wedged_here") == 1, again
-        assert os.path.exists(w._stacks_path)
+        assert not os.path.exists(w._stacks.path)  # unlinked once the child held it open
     finally:
         w.kill()  # (close() would wait for the wedged call first)
-    assert not os.path.exists(w._stacks_path)  # removed with the worker
+    assert w._stacks.fd == -1  # the parent's descriptor closed with the worker
     assert w not in procs.live_workers() and w.stacks() == ""
 
 
