@@ -230,6 +230,56 @@ class EngineNode:
 
         return _result(go)
 
+    def write_peer_dies_mid_copy(self, key, peer_id, parts, timeout=10.0):
+        """Test hook: a write whose host-lane copy runs on the lane's threads, held at its
+        start (a barrier in ``hostcopy._Job.run``) while the peer is marked dead (as UCX's
+        error handler does) and the loop runs on; then released. Returns ``{"error": type
+        name of what the write raised, "done_while_held": whether the write had already
+        ended while its copy was held, "jobs_at_raise": the lane's copies still running
+        when it raised}``. The peer is gone afterwards. Runs the write on the engine's loop."""
+        import asyncio
+        import threading
+
+        from kvxfer.engine import hostcopy
+        from kvxfer.errors import PeerClosed
+
+        peer = self._peer(key, peer_id)._peer
+        held, release = threading.Event(), threading.Event()
+        real = hostcopy._Job.run
+
+        def run(job):  # on a host-lane thread
+            held.set()
+            release.wait(30)
+            real(job)
+
+        async def go():
+            lane = peer._hostl
+            t = asyncio.ensure_future(peer.write(self._writes(parts), b"n", timeout))
+            # (the copy on a lane thread, at the barrier; a thread waits for it, not the loop)
+            if not await asyncio.get_running_loop().run_in_executor(None, held.wait, 20):
+                return {"error": f"the write's copy never started ({t})"}
+            peer._mark_dead(PeerClosed("engine_node: peer marked dead mid-copy"))
+            for _ in range(50):  # the write's failure path runs meanwhile
+                await asyncio.sleep(0)
+            done_while_held = t.done()
+            release.set()
+            try:
+                await t
+            except Exception as exc:  # noqa: BLE001 - reported
+                return {
+                    "error": type(exc).__name__,
+                    "done_while_held": done_while_held,
+                    "jobs_at_raise": len(lane._jobs),
+                }
+            return {"error": None, "done_while_held": done_while_held}
+
+        hostcopy._Job.run = run  # type: ignore[method-assign]
+        try:
+            return self.engines[key]._run(go(), 60.0)
+        finally:
+            hostcopy._Job.run = real  # type: ignore[method-assign]
+            release.set()
+
     def write_many(self, key, peer_id, batches, timeout=None):
         """Submit every batch before waiting for any: ``batches`` = [(parts, notify)]."""
         peer = self._peer(key, peer_id)

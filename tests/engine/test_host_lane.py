@@ -897,3 +897,31 @@ def test_host_pack_bytes_setting(monkeypatch):
         monkeypatch.setenv("KVXFER_HOST_PACK_BYTES", bad)
         with pytest.raises(InvalidArgument, match="KVXFER_HOST_PACK_BYTES"):
             host_pack_bytes()
+
+
+def test_a_write_whose_peer_dies_mid_copy_fails_only_after_the_copy():
+    """Forced interleaving over real UCX and a real lane: a 4 MiB write of 2 KiB runs goes
+    to the host lane's threads, held at its start while the peer is marked dead (as UCX's
+    error handler does); the write must not end while its copy is held, and it fails
+    (PeerClosed) only once no copy of it runs: none of its bytes lands after its failure
+    is reported."""
+    if DEVICE != "cpu":
+        pytest.skip("host memory only")
+    groups = {"wide": {"item_lens": [2048] * 8, "items": 512}}
+    spec = lambda name: {  # noqa: E731
+        "engines": {"e": dict(_eng(name), groups=groups)}
+    }
+    a = Worker(EngineNode, spec("A-wide"), name="A")
+    b = Worker(EngineNode, spec("B-wide"), name="B")
+    try:
+        port = a.start().proxy(EngineNode).ports()["e"]
+        bp = b.start().proxy(EngineNode)
+        peer = bp.connect("e", "127.0.0.1", port)["ok"]
+        ids = list(range(0, 512, 2))  # 256 items x 8 runs of 2 KiB: nothing merges
+        res = bp.write_peer_dies_mid_copy("e", peer, [("wide", ids, ids)])
+        assert res["error"] == "PeerClosed", res
+        assert res["done_while_held"] is False, res
+        assert res["jobs_at_raise"] == 0, res
+    finally:
+        b.close()
+        a.close()
