@@ -23,11 +23,13 @@ echo "# vCPUs kept awake A/B ($(nvidia-smi --query-gpu=name --format=csv,noheade
 echo; echo "cpuidle: $(cat /sys/devices/system/cpu/cpuidle/current_driver 2>&1), guest_halt_poll_ns: $(cat /sys/module/haltpoll/parameters/guest_halt_poll_ns 2>&1)"
 echo "cmdline: $(tr ' ' '\n' < /proc/cmdline | grep -E 'halt|idle|vcpu|isolcpus|nohz' | tr '\n' ' ')"
 if [ "$(nproc)" -lt 4 ]; then echo "!! fewer than 4 CPUs: the yields would hand the spinners the CPU; not run"; exit 0; fi
+SPIN="chrt -i 0"; command -v chrt > /dev/null || SPIN="nice -n 19"  # (SCHED_IDLE, else the lowest nice)
+echo "spinners: $SPIN"
 for round in $(seq 1 "${AWAKE_ROUNDS:-2}"); do
     for v in off on; do
         pids=""
         if [ $v = on ]; then
-            for _ in $(seq 1 "$(nproc)"); do chrt -i 0 sh -c 'while :; do :; done' & pids="$pids $!"; done
+            for _ in $(seq 1 "$(nproc)"); do $SPIN sh -c 'while :; do :; done' & pids="$pids $!"; done
         fi
         read -r idle0 steal0 < <(stat_line)
         echo; echo "## round $round, spinners $v: kvxfer bench pd --device cuda --stages --modes none --latency-requests 300 --throughput-requests 600 --large-pages 256 --iters 2"
