@@ -11,6 +11,7 @@ the same bytes into local memory; then the time until each completes. Medians of
 ``--iters``.
 
     python3 bench/gpu/lane_post.py [--iters 20] [--sizes-mib 1,16,64,125,256] [--runs 1,10]
+        [--gap-ms 2]    # idle before each enqueue: its host time after the thread slept
 """
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sizes-mib", default="1,16,64,125,256")
     ap.add_argument("--runs", default="1,10")
+    ap.add_argument(
+        "--gap-ms",
+        type=float,
+        default=0.0,
+        help="idle this long before each timed enqueue (the thread, and on a VM its vCPU, "
+        "go to sleep as between requests; bench/gpu/awake_ab.sh)",
+    )
     a = ap.parse_args()
     sizes = [int(float(s) * MIB) for s in a.sizes_mib.split(",")]
     top = max(sizes)
@@ -70,6 +78,8 @@ def main() -> None:
         enq, done = [], []
         for i in range(a.iters + 2):
             torch.cuda.synchronize()
+            if a.gap_ms > 0:
+                time.sleep(a.gap_ms / 1e3)  # (the idle gap under test, not a synchronisation)
             t0 = time.perf_counter()
             ev = fn()
             t1 = time.perf_counter()
