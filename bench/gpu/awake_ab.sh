@@ -6,8 +6,9 @@
 # the vCPU again, then runs on cold caches. This A/B keeps every vCPU busy without changing a
 # setting: one SCHED_IDLE spinner per CPU ("on"; any thread of ours preempts it at once),
 # against none ("off"), alternating, each run the 1-page PD stage breakdown, the host time of
-# one process's device-lane and copy_ enqueues made after 2 ms idle (bench/gpu/lane_post.py
-# --gap-ms), and a TP row with its stages on request, with /proc/stat's steal and idle deltas. Only on hosts of >= 4 CPUs: below that
+# one process's device-lane and copy_ enqueues back to back and after 2 ms idle
+# (bench/gpu/lane_post.py --gap-ms), and a TP row with its stages on request, with
+# /proc/stat's steal and idle deltas. Only on hosts of >= 4 CPUs: below that
 # kvxfer's waits yield the CPU (ucx.YIELD_BELOW_CPUS), and a yield hands it to the spinner
 # for a whole slice (on the 2-core CPU box the flush + notify stage went 33 -> 90-190 µs:
 # bench/results/awake-cpu.md).
@@ -37,9 +38,11 @@ for round in $(seq 1 "${AWAKE_ROUNDS:-2}"); do
         echo; echo "## round $round, spinners $v: kvxfer bench pd --device cuda --stages --modes none --latency-requests 300 --throughput-requests 600 --large-pages 256 --iters 2"
         timeout 120 python3 -m kvxfer bench pd --device cuda --stages --modes none \
             --latency-requests 300 --throughput-requests 600 --large-pages 256 --iters 2 \
-            --json-out "$OUT/awake-$round-$v-1page.json" 2>&1 | grep -v "UCX  WARN" | grep -E "^\|" | head -30 || rc=1
-        echo; echo "## round $round, spinners $v: python3 bench/gpu/lane_post.py --iters 20 --sizes-mib 1,125 --runs 1 --gap-ms 2 (one process; each enqueue after 2 ms idle)"
-        timeout 90 python3 bench/gpu/lane_post.py --iters 20 --sizes-mib 1,125 --runs 1 --gap-ms 2 2>&1 | grep -E "^\||^#" || rc=1
+            --json-out "$OUT/awake-$round-$v-1page.json" 2>&1 | grep -v "UCX  WARN" | grep -E "^\|" | head -60 || rc=1
+        for gap in 0 2; do
+            echo; echo "## round $round, spinners $v: python3 bench/gpu/lane_post.py --iters 10 --sizes-mib 1,125 --runs 1 --gap-ms $gap (one process; each enqueue after $gap ms idle)"
+            timeout 90 python3 bench/gpu/lane_post.py --iters 10 --sizes-mib 1,125 --runs 1 --gap-ms $gap 2>&1 | grep -E "^\||^#" || rc=1
+        done
         if [ -n "${AWAKE_TP:-}" ]; then
             tp=$AWAKE_TP; p=${tp%:*}; d=${tp#*:}
             echo; echo "## round $round, spinners $v: kvxfer bench pd --device cuda --modes none --prefill-tp $p --decode-tp $d --kv-layout ${AWAKE_LAYOUT:-hnd} --shape-tokens 16000 --iters ${AWAKE_ITERS:-5} --stages"
