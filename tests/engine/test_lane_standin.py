@@ -690,3 +690,39 @@ def test_a_write_failing_while_its_host_lane_copy_runs_waits_for_the_copy(copy, 
                 await e.close()
 
     asyncio.run(main())
+
+
+def test_a_failed_write_with_both_lanes_still_copying_at_its_deadline_names_both(monkeypatch):
+    """A write split between the device lane (the first buffer's ops) and the host lane (the
+    rest); the device copy is wedged and the host copy never ends; the peer dies: the
+    failure waits out the deadline for both, then is a TransferTimeout naming both copies,
+    from the PeerClosed (the disagg layer fences the pages)."""
+    from kvxfer.engine import hostcopy
+    from kvxfer.errors import PeerClosed, TransferTimeout
+
+    monkeypatch.setattr(hostcopy, "lane_wanted", lambda *a, **k: True)
+
+    async def main():
+        engines, peer, bufs, notes = await _pair(device_min_ops=1)
+        try:
+            dev = peer._dev = StandInLane(peer, after=1, first_only=True)
+            stuck = StuckEvent(hold=0.8)  # (past the write's deadline)
+            dev.launch = lambda *a: (dev.launched.append((len(a[0]), stuck)), stuck)[1]
+            dev.close = lambda: None  # (not closed by the teardown: a closed lane's stream
+            # was synchronised, its copy done; here it stays wedged)
+            host = peer._hostl = StandInHostLane()
+            t = asyncio.create_task(
+                peer.write([ItemWrite("kv", [1, 2, 5], [4, 9, 30])], notify=b"x", timeout=0.4)
+            )
+            await _until(lambda: host.jobs and dev.launched, "both copies to start")
+            peer._mark_dead(PeerClosed("stand-in: endpoint gone"))
+            with pytest.raises(TransferTimeout, match="device copy and host-lane copy") as ei:
+                await t
+            assert isinstance(ei.value.__cause__, PeerClosed)
+            assert notes == []
+            host.finish()
+        finally:
+            for e in engines.values():
+                await e.close()
+
+    asyncio.run(main())
