@@ -669,8 +669,10 @@ class Peer:
                 spin = devcopy.WAIT_SPIN_S if inline else 0.0
                 if launched is not None and not self._dev.settled(launched, spin):
                     await self._bounded(self._dev.wait(launched, 0.0), timeout, "device copy")
-                for h in hosted:
-                    await self._host_copy(h, timeout)
+                for h in hosted:  # (waited through a task: the copy's own future resolves
+                    if not h.done():  # only once its parts stopped, _settle_copies' wait)
+                        await self._bounded(asyncio.wait([h]), timeout, "host copy")
+                    h.result()
                 for group, src, dst, direct_ops in staged:
                     chunks += await self._staged.write(group, src, dst, deadline, stats)
                     stats.staged_direct_ops += direct_ops
@@ -739,18 +741,6 @@ class Peer:
         finally:
             if gate is not None and not gate.done():
                 gate.set_result(None)
-
-    async def _host_copy(self, copy: asyncio.Future, timeout: float) -> None:
-        """Await a host-lane copy's future, bounded by ``timeout`` and the peer's death,
-        through a waiter of its own: the copy's future is never completed here, so it
-        resolves only once each of its parts stopped copying (what
-        :meth:`_settle_copies` waits for when the write fails). Raises what the copy
-        raised (PeerClosed / TransportError), or TransferTimeout / PeerClosed."""
-        if not copy.done():
-            waiter = self._loop.create_future()
-            copy.add_done_callback(functools.partial(_task_done, waiter))
-            await self._bounded_future(waiter, timeout, "host copy")
-        copy.result()
 
     async def _settle_copies(
         self,
