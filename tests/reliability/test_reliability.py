@@ -60,6 +60,16 @@ def test_soak_quick():
     assert s["succeeded"] + s["aborted"] == 300 and s["pages_verified"] > 0
 
 
+@pytest.mark.timeout(120)
+def test_soak_makes_up_its_secret(monkeypatch):
+    """``python -m kvxfer.testing.reliability soak`` from a shell without ``KVXFER_SECRET``:
+    the run makes one up before its bootstrap server needs it (it raised InvalidArgument)."""
+    monkeypatch.delenv("KVXFER_SECRET")
+    s = run_soak(requests=20, seed=3)
+    assert s["ok"], _show(s)
+    assert s["succeeded"] + s["aborted"] == 20
+
+
 @pytest.mark.timeout(300)
 def test_kill_matrix_quick():
     """A prefill SIGKILLed with a room in each state; restarted under the same key."""

@@ -18,7 +18,7 @@ import time
 from typing import Optional
 
 from kvxfer import procs
-from kvxfer.testing.reliability.cluster import SOAK_SPEC, Worker
+from kvxfer.testing.reliability.cluster import SOAK_SPEC, Worker, ensure_secret
 from kvxfer.testing.reliability.plan import make_plan
 
 SOAK_TIMEOUTS = dict(
@@ -48,6 +48,7 @@ def run_soak(
     into each worker's options; a prefill with ``serve_bootstrap`` hosts the bootstrap server.
     """
     t0 = time.monotonic()
+    ensure_secret()  # before the bootstrap server below, which needs it as the workers do
     placement = placement or {}
     opts = dict(timeouts=dict(timeouts or SOAK_TIMEOUTS), error_mode=error_mode)
     p_opts = dict(opts, **placement.get("prefill", {}))
