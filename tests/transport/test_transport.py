@@ -268,3 +268,98 @@ def test_ucxx_progress_thread_start_work_is_done_before_ucxx_starts_it():
     assert out.returncode == 0, out.stderr
     ((loaded, threads),) = eval(out.stdout.strip().splitlines()[-1])
     assert loaded and "kvxfer-ucxx-prime" not in threads, (loaded, threads)
+
+
+KEEP_AWAKE_CHECK = """
+import asyncio, os
+import kvxfer.transport.ucx as u
+
+def awake():  # (tid, scheduling policy) of this process's keep-awake threads
+    out = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            name = open(f"/proc/self/task/{tid}/comm").read().strip()
+            if name == "kvxfer-awake":
+                out.append(os.sched_getscheduler(int(tid)))
+        except OSError:
+            pass
+    return out
+
+async def main():
+    before = awake()
+    t = u.UcxTransport(own_rma=True)
+    await t.listen("127.0.0.1", 0, lambda ch: None)  # binds the loop: the completion queue
+    t2 = u.UcxTransport()
+    await t2.listen("127.0.0.1", 0, lambda ch: None)  # a second transport starts no more
+    running = awake()
+    await t.close(); await t2.close()
+    after_close = awake()  # (the process's: not the transport's)
+    stopped = t.rma.keep_awake(0)
+    print(repr((before, running, after_close, stopped, awake(), os.SCHED_IDLE)))
+
+asyncio.run(main())
+"""
+
+
+def _keep_awake_run(value, ok=True):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, KVXFER_KEEP_AWAKE=value, UCX_WARN_UNUSED_ENV_VARS="n")
+    out = subprocess.run(
+        [sys.executable, "-c", KEEP_AWAKE_CHECK],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    if not ok:
+        return out
+    assert out.returncode == 0, out.stderr
+    return eval(out.stdout.strip().splitlines()[-1])
+
+
+def test_keep_awake_threads_spin_at_idle_priority_once_per_process():
+    """``KVXFER_KEEP_AWAKE=2``: the process's first transport starts two native threads at
+    SCHED_IDLE (the policy that lets any other thread preempt them), a second transport
+    none more; they live for the process (``keep_awake(0)`` stops and joins them). A fresh
+    interpreter: the threads are process-wide."""
+    before, running, after_close, stopped, after_stop, idle = _keep_awake_run("2")
+    assert before == [] and running == [idle, idle], (before, running)
+    assert after_close == [idle, idle] and stopped == 0 and after_stop == []
+    _, running, *_ = _keep_awake_run("0")  # off: none
+    assert running == []
+    bad = _keep_awake_run("two", ok=False)  # refused when the transport is made
+    assert bad.returncode != 0 and "InvalidArgument" in bad.stderr, bad.stderr
+    assert "KVXFER_KEEP_AWAKE='two'" in bad.stderr, bad.stderr
+
+
+def test_keep_awake_values(monkeypatch):
+    import kvxfer.transport.ucx as u
+    from kvxfer.config import usable_cpus
+    from kvxfer.errors import InvalidArgument
+
+    for unset in (None, "", " ", "0"):
+        if unset is None:
+            monkeypatch.delenv(u.KEEP_AWAKE_ENV, raising=False)
+        else:
+            monkeypatch.setenv(u.KEEP_AWAKE_ENV, unset)
+        assert u.keep_awake_threads() == 0  # off by default
+    monkeypatch.setenv(u.KEEP_AWAKE_ENV, "3")
+    assert u.keep_awake_threads() == 3
+    monkeypatch.setenv(u.KEEP_AWAKE_ENV, "all")
+    assert u.keep_awake_threads() == usable_cpus()
+    for bad in ("-1", "4097", "two", "1.5"):
+        monkeypatch.setenv(u.KEEP_AWAKE_ENV, bad)
+        with pytest.raises(InvalidArgument, match="KVXFER_KEEP_AWAKE"):
+            u.keep_awake_threads()
+
+
+def test_keep_awake_native_refuses_bad_counts():
+    from kvxfer.transport.ucx_lib import load_ucx
+
+    rma = load_ucx()[1]
+    for bad in (-1, 4097):
+        with pytest.raises(ValueError, match="0 to 4096"):
+            rma.keep_awake(bad)
