@@ -951,6 +951,15 @@ static void awake_stop_locked(void)
     g_awake_n       = 0;
 }
 
+/* a forked child has none of the parent's threads: forget them (never joined there) */
+static void awake_atfork_child(void)
+{
+    pthread_mutex_init(&g_awake_mu, NULL);
+    g_awake_on      = 0;
+    g_awake_n       = 0;
+    g_awake_threads = NULL; /* (the parent's array: left to the child's exit) */
+}
+
 static PyObject *py_keep_awake(PyObject *self, PyObject *args)
 {
     int n, started = 0;
@@ -2780,6 +2789,7 @@ PyMODINIT_FUNC PyInit__rma(void)
     PyObject *m;
     if (PyType_Ready(&CompletionQueueType) < 0)
         return NULL;
+    pthread_atfork(NULL, NULL, awake_atfork_child);
     m = PyModule_Create(&moddef);
     if (m == NULL)
         return NULL;

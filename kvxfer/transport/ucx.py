@@ -172,6 +172,14 @@ def keep_awake_threads() -> int:
     return n
 
 
+def _awake_forked() -> None:  # a forked child has none of its parent's threads
+    global _awake_started
+    _awake_started = None
+
+
+os.register_at_fork(after_in_child=_awake_forked)
+
+
 def start_keep_awake(rma: Any, n: int) -> int:
     """Start ``n`` keep-awake threads (:func:`keep_awake_threads`), once per process: later
     calls return the first call's count. Runs on: any thread."""

@@ -363,3 +363,33 @@ def test_keep_awake_native_refuses_bad_counts():
     for bad in (-1, 4097):
         with pytest.raises(ValueError, match="0 to 4096"):
             rma.keep_awake(bad)
+
+
+KEEP_AWAKE_FORK_CHECK = """
+import os
+import kvxfer.transport.ucx as u
+from kvxfer.transport.ucx_lib import load_ucx
+
+rma = load_ucx()[1]
+assert u.start_keep_awake(rma, 2) == 2
+pid = os.fork()
+if pid == 0:  # the child: none of the parent's threads; its own start works and stops
+    ok = u.start_keep_awake(rma, 1) == 1 and rma.keep_awake(0) == 0
+    os._exit(0 if ok else 3)
+_, status = os.waitpid(pid, 0)
+print(repr((os.waitstatus_to_exitcode(status), rma.keep_awake(0))))
+"""
+
+
+def test_keep_awake_after_fork():
+    """A child forked after the threads started has none of them: it starts its own (not
+    the parent's count) and stopping them joins only its own (joining the parent's
+    threads there would hang)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", KEEP_AWAKE_FORK_CHECK], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert eval(out.stdout.strip().splitlines()[-1]) == (0, 0)
