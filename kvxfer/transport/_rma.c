@@ -962,7 +962,7 @@ static void awake_atfork_child(void)
 
 static PyObject *py_keep_awake(PyObject *self, PyObject *args)
 {
-    int n, started = 0;
+    int n, started = 0, nomem = 0;
     if (!PyArg_ParseTuple(args, "i", &n))
         return NULL;
     if (n < 0 || n > 4096) {
@@ -980,11 +980,13 @@ static PyObject *py_keep_awake(PyObject *self, PyObject *args)
                 if (pthread_create(&g_awake_threads[started], NULL, awake_main, NULL) != 0)
                     break;
             g_awake_n = started;
+        } else {
+            nomem = 1;
         }
     }
     pthread_mutex_unlock(&g_awake_mu);
     Py_END_ALLOW_THREADS
-    if (n > 0 && g_awake_threads == NULL)
+    if (nomem)
         return PyErr_NoMemory();
     return PyLong_FromLong(started);
 }

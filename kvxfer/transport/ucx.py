@@ -172,9 +172,10 @@ def keep_awake_threads() -> int:
     return n
 
 
-def _awake_forked() -> None:  # a forked child has none of its parent's threads
-    global _awake_started
-    _awake_started = None
+def _awake_forked() -> None:
+    """A forked child has none of its parent's threads (nor a thread holding the lock)."""
+    global _awake_started, _awake_lock
+    _awake_started, _awake_lock = None, threading.Lock()
 
 
 os.register_at_fork(after_in_child=_awake_forked)
