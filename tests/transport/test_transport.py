@@ -274,7 +274,7 @@ KEEP_AWAKE_CHECK = """
 import asyncio, os
 import kvxfer.transport.ucx as u
 
-def awake():  # (tid, scheduling policy) of this process's keep-awake threads
+def awake():  # the scheduling policy of each of this process's keep-awake threads
     out = []
     for tid in os.listdir("/proc/self/task"):
         try:
