@@ -623,14 +623,20 @@ class KVManager:
         bound, the newest), as plain dicts; [] when tracing is off. Runs on: any thread."""
         return [] if self.trace is None else self.trace.drain()
 
-    def advance(self, r: Room, state: KVPoll, exc: Optional[BaseException] = None) -> bool:
-        """Move ``r`` forward (or to Failed), re-arm its deadline, wake waiters on terminal."""
+    def advance(
+        self, r: Room, state: KVPoll, exc: Optional[BaseException] = None, arm: bool = True
+    ) -> bool:
+        """Move ``r`` forward (or to Failed), re-arm its deadline, wake waiters on terminal.
+        ``arm=False`` (a non-terminal ``state`` only): the caller arms the new state's deadline
+        itself before the loop runs again, unless the room moved on by then (the old
+        deadline, still armed, cannot fire in between)."""
         if not can_advance(r.state, state):
             return False
         r.state = state if type(state) is KVPoll else KVPoll(state)
         if exc is not None:
             r.exc = exc
-        self.arm(r)
+        if arm or is_terminal(state):
+            self.arm(r)
         if is_terminal(state):
             if r.parent is None:  # a leg counts through its room
                 self.stats["succeeded" if state == KVPoll.Success else "failed"] += 1

@@ -398,11 +398,15 @@ class PrefillSide:
             )
             return
         r.pages_queued += len(src)
-        if r.state != KVPoll.Transferring:
-            mgr.advance(r, KVPoll.Transferring)
+        # the Transferring lease is armed once the write is under way (below): a write that
+        # ends on this stack (most small ones) takes the room to Success first, and neither
+        # makes nor cancels a timer for it
+        fresh = r.state != KVPoll.Transferring and mgr.advance(r, KVPoll.Transferring, arm=False)
         prev = r.chain
         if last and kv_part is None and self.coalesce.wants(r, kv, prev):
             r.chain = self.coalesce.add(r, src, kv, src_state)  # its link is busy
+            if fresh:
+                mgr.arm(r)
             return
         # counted in flight to its link (kvxfer.disagg.coalesce) until it returned
         ticket = self.coalesce.begin(r.link) if r.link is not None else None
@@ -415,6 +419,8 @@ class PrefillSide:
             mgr.spawn, self._write(r, prev, src, kv, src_state, last, ticket, inline)
         )
         self.coalesce.watch(ticket, r.chain)
+        if fresh and r.state == KVPoll.Transferring and not r.chain.done():
+            mgr.arm(r)  # (a write that ended here armed or ended the room itself)
 
     def _write_alone(
         self, r: Room, src: np.ndarray, kv: Any, src_state: Optional[np.ndarray]

@@ -9,7 +9,9 @@ Deadlines are at most one loop timer per room (``Room.timer``) and the room's cu
 deadline (``Room.due``): no task per room, nothing polls. A transition moves ``due``; the timer
 is replaced only when the new deadline is earlier than the armed one, else it fires early
 and re-arms itself for what is left (``KVManager.arm``): most rooms make one timer in their
-life, not one per transition. Tombstones remember the last ``max_tombstones`` cleared or aborted
+life, not one per transition. Prefill arms a chunk's Transferring lease only once its write
+is under way: a write that ends on the sending stack (most small requests) takes the room to
+Success without a timer of that state. Tombstones remember the last ``max_tombstones`` cleared or aborted
 rooms so a late message never brings a cleared room back and a reused id is refused.
 
 Hand-over of decode's metadata (prefill): a 'pending' record holds it until the KVSender
