@@ -399,9 +399,6 @@ class Event:
         self._h = int(self._ev)  # the CUevent handle, for the ctypes calls
         self._query = _event_fn("cuEventQuery", ctypes.c_void_p)
         self._record = _event_fn("cuEventRecord", ctypes.c_void_p, ctypes.c_void_p)
-        self._wait = _event_fn(
-            "cuStreamWaitEvent", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, version=3020
-        )
 
     def record(self, stream) -> None:
         """Record on ``stream`` (its work queued so far)."""
@@ -440,21 +437,6 @@ class Event:
         (err,) = bindings().cuStreamWaitEvent(s, self._ev, 0)
         if err != _OK:
             raise CudaError("cuStreamWaitEvent", int(err), error_text(err))
-
-    def wait_held(self, stream) -> None:
-        """:meth:`wait` through ctypes, keeping the GIL as :meth:`record` does (the host does
-        not wait): for a caller whose thread must not hand the GIL over mid-launch (the
-        device lane's joined launches). Not yet measured on a GPU; :meth:`wait` where the
-        driver does not give the call."""
-        if self._wait is None:
-            return self.wait(stream)
-        s = getattr(stream, "cuda_stream", stream)
-        err = self._wait(s, self._h, 0)
-        if err == _INVALID_CONTEXT:
-            bind_context(self.ordinal)
-            err = self._wait(s, self._h, 0)
-        if err:
-            raise CudaError("cuStreamWaitEvent", int(err), error_text(bindings().CUresult(err)))
 
     def close(self) -> None:
         """Destroy the event (idempotent)."""
@@ -526,12 +508,11 @@ def proc(name: str, version: int, *argtypes: Any, keep_gil: bool = False) -> Any
 _event_fns: dict = {}
 
 
-def _event_fn(name: str, *argtypes: Any, version: int = 2000) -> Any:
-    """``cuEventQuery`` / ``cuEventRecord`` / ``cuStreamWaitEvent`` through :func:`proc`,
-    keeping the GIL; None when the driver does not give them (then :class:`Event` uses
-    cuda-bindings)."""
+def _event_fn(name: str, *argtypes: Any) -> Any:
+    """``cuEventQuery`` / ``cuEventRecord`` through :func:`proc`, keeping the GIL; None when
+    the driver does not give them (then :class:`Event` uses cuda-bindings)."""
     if name not in _event_fns:
-        _event_fns[name] = proc(name, version, *argtypes, keep_gil=True)
+        _event_fns[name] = proc(name, 2000, *argtypes, keep_gil=True)
     return _event_fns[name]
 
 

@@ -276,8 +276,8 @@ class TableRing:
         """Give slot ``k`` (its launch done) a table of at least ``words``, and with it, in
         the same page-locked block, every other slot whose launch is done and whose table
         is smaller: one allocation (hundreds of µs) when a larger table first comes, not
-        one per slot as each is taken (a one-to-many room's joined launch outgrew every
-        slot: bench/results/join-legs-h100.md). A slot still in flight keeps its table
+        one per slot as each is taken (a large table outgrew every slot:
+        bench/results/join-legs-h100.md). A slot still in flight keeps its table
         until it is taken again."""
         w = -(-words // 2) * 2  # (slots start 16-byte aligned)
         if w > self._words:  # a larger table than any before: at least double

@@ -61,7 +61,6 @@ from kvxfer.disagg.tp_plan import (
 )
 from kvxfer.disagg.tp_shape import groups_of
 from kvxfer.disagg.tp_tokens import plan_of
-from kvxfer.engine.devcopy import batch_launches
 from kvxfer.engine.hostcopy import lands_whole
 from kvxfer.loop_thread import in_guest, settle_after
 
@@ -82,14 +81,6 @@ if _OVERLAP_ENV not in ("", "0", "1", "2"):
 #: that the room's Success does not wait for the loop thread's wake-up and a hand-over back
 #: (bench/results/tp-pattern-h200.md, eleventh session). ``$KVXFER_SETTLE_LEGS=0``: off (A/B)
 SETTLE_LEGS = os.environ.get("KVXFER_SETTLE_LEGS", "1").strip() != "0"
-
-#: whether the legs' pattern copies on same-host CUDA peers go in ONE device-lane launch
-#: (:func:`kvxfer.engine.devcopy.batch_launches`: the legs' tables joined, the copies
-#: started at the last leg's launch) instead of one launch per leg. Opt-in
-#: (``$KVXFER_JOIN_LEGS=1``): on an H100 it took the earlier legs' launches off their path
-#: (~110-230 µs each) but the joined launch cost as much or more (bench/results/
-#: join-legs-h100.md); the stream waits it makes now keep the GIL, not yet measured.
-JOIN_LEGS = os.environ.get("KVXFER_JOIN_LEGS", "0").strip() not in ("", "0")
 
 #: the prefill / decode protocol object calling in (PrefillSide / DecodeSide; typed loosely:
 #: they import this module)
@@ -654,9 +645,8 @@ def prefill_send(side: PrefillSide, r: Room, chunk: Chunk) -> None:
     Every leg's write but the last starts with ``inline=False`` (:data:`OVERLAP_LEGS`):
     it plans, launches and posts on this stack, then waits for its copy and flush in its
     task instead of spinning here, so the next leg's host work overlaps them; the last leg
-    waits inline as a single write does (bench/results/tp-pattern-h200.md). With
-    :data:`JOIN_LEGS` the legs' pattern copies on a same-host GPU are one launch, at the
-    last leg's. Run as the loop's guest, the send then finishes on this thread what those
+    waits inline as a single write does (bench/results/tp-pattern-h200.md). Run as the
+    loop's guest, the send then finishes on this thread what those
     earlier legs left (:data:`SETTLE_LEGS`)."""
     legs: Legs = r.legs
     if legs.history is not None:
@@ -664,10 +654,9 @@ def prefill_send(side: PrefillSide, r: Room, chunk: Chunk) -> None:
     if legs.complete and r.state != KVPoll.Transferring:
         side.mgr.advance(r, KVPoll.Transferring)
     todo = legs.legs()
-    with batch_launches(JOIN_LEGS and len(todo) > 1):
-        for i, leg in enumerate(todo):
-            inline = OVERLAP_LEGS == 0 or (OVERLAP_LEGS == 1 and i == len(todo) - 1)
-            side.send(leg, *chunk, inline=inline)
+    for i, leg in enumerate(todo):
+        inline = OVERLAP_LEGS == 0 or (OVERLAP_LEGS == 1 and i == len(todo) - 1)
+        side.send(leg, *chunk, inline=inline)
     if SETTLE_LEGS and OVERLAP_LEGS and len(todo) > 1 and in_guest():
         engine = side.mgr.engine
         if engine is not None:

@@ -38,34 +38,24 @@ Invariants
   the group is local CUDA memory and lies whole inside a mapped remote region
   (:meth:`DeviceLane.covers`), so every byte a program writes is inside a descriptor the
   peer registered (the planner checked ids and runs against both layouts).
-- Several writes started on one stack, each to its own peer (a one-to-many room's legs),
-  may join a :class:`LaunchBatch` (:func:`batch_launches`): their PatternWrites (another
-  group's where they would join a lane's launch: :meth:`DeviceLane.joins`), on lanes of
-  one device, go in ONE launch on the first lane's stream
-  (:func:`launch_joined`); every other lane's stream waits for it and records an event of
-  its own, so each write waits on, and each lane's :meth:`DeviceLane.close` synchronises
-  with, its own stream. A joined write's copy starts when the batch fires, on the same
-  stack before any loop iteration (the last leg's launch, or the batch's end).
 - :meth:`DeviceLane.close` waits for the stream, then unmaps every imported region.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import contextvars
 import logging
 import os
 import socket
 import statistics
 import sys
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from kvxfer.engine import vmm_share
-from kvxfer.errors import IndexOutOfRange, UnsupportedOperation
+from kvxfer.errors import IndexOutOfRange
 
 log = logging.getLogger(__name__)
 _U64 = np.uint64
@@ -434,47 +424,6 @@ class DeviceLane:
             ev = self.launch_pattern(pattern, *bases[group], src, dst)
         return ev
 
-    def _launch_joined(self, live):
-        """ONE native launch, on this lane's stream, of ``live`` = ``[(lane, (pattern, src,
-        dst, group), bases)]``: parts of several lanes (this one first), each part's rows
-        built by its own lane (its peer's mapped bases), concatenated into one table
-        (uploaded once per combination and kept like :meth:`launch_patterns`' tables, the
-        lanes and patterns held so that their ids are not reused while cached). Returns the
-        event, or None — nothing launched — where the table cannot be launched natively."""
-        from kvxfer.kernels.pattern_copy import class_items, copy_pattern_native
-
-        key = ("joined",) + tuple((id(ln), p[3], id(p[0])) for ln, p, _ in live)
-        local = tuple(b[p[3]][0] for _, p, b in live)  # (tuples: compared by identity)
-        entry = self._patterns.pop(key, None)
-        if entry is None or entry[1] != local:
-            if self.profile is not None:
-                self.profile["misses"] = self.profile.get("misses", 0) + 1
-            tables = [ln._pattern_rows(p[0], *b[p[3]]) for ln, p, b in live]
-            held = tuple((ln, p[0]) for ln, p, _ in live)
-            entry = (held, local, *self._joint(tables))
-            self._evict()
-        self._patterns[key] = entry
-        _, _, host, rows, align, shape, bounds, span = entry
-        if self.profile is not None:
-            self.profile["joined"] = self.profile.get("joined", 0) + len(live)
-        items = class_items([(p[1], p[2]) for _, p, _ in live], bounds)
-        assert self._tasks is not None  # (LaunchBatch.join takes native lanes only)
-        return copy_pattern_native(
-            self._tasks.ring, rows.data_ptr(), host, items, align, self._stream_h, span, shape
-        )
-
-    def _after(self, ev):
-        """An event of this lane's stream that completes after ``ev`` (another lane's launch
-        that wrote into this lane's peer): this lane's write waits on it, and :meth:`close`,
-        which synchronises this stream, waits for that launch too."""
-        assert self._tasks is not None
-        pushed = self._tasks.ctx.enter()
-        try:  # (the GIL kept, as for the launch's other driver calls)
-            ev.wait_held(self._stream_h)
-        finally:
-            self._tasks.ctx.leave(pushed)
-        return self._tasks.record(self._stream_h)
-
     def _pattern_rows(self, pattern, lptrs, rptrs, ridx: np.ndarray) -> np.ndarray:
         """The host row table of ``pattern`` between these descriptors (see
         :meth:`launch_pattern`)."""
@@ -590,7 +539,6 @@ class DeviceLane:
             + ", ".join(parts)
             + f"; table misses {prof.get('misses', 0)}"
             + f"; parts launched apart {prof.get('apart', 0)}"
-            + f"; parts joined across lanes {prof.get('joined', 0)}"
         )
 
     def _upload(self, table: np.ndarray):
@@ -670,146 +618,6 @@ class DeviceLane:
         self._usable[:] = False
         self.emulated[:] = False
         self._any_emulated = False
-
-
-class Joined:
-    """A joined write's launch (:meth:`LaunchBatch.join`): not done until its batch fired,
-    then its lane's event (None: nothing to copy); ``query`` / ``synchronize`` like one,
-    raising what the batch's launch raised."""
-
-    __slots__ = ("event", "exc", "fired", "batch")
-
-    def __init__(self, batch: Optional["LaunchBatch"] = None) -> None:
-        self.event: Any = None
-        self.exc: Optional[BaseException] = None
-        self.fired = False
-        self.batch = batch
-
-    def withdraw(self) -> bool:
-        """Take the write's parts out of its batch before it fires (the write failed after
-        joining: none of its bytes will be copied); False once fired (its copy was launched
-        with the others)."""
-        if self.fired or self.batch is None:
-            return False
-        self.batch.drop(self)
-        self.exc, self.fired = UnsupportedOperation("withdrawn from its launch batch"), True
-        return True
-
-    def query(self) -> bool:
-        if self.exc is not None:
-            raise self.exc
-        return self.fired and (self.event is None or self.event.query())
-
-    def synchronize(self) -> None:
-        if self.exc is not None:
-            raise self.exc
-        if not self.fired:  # (its batch fires on the stack that joined it: never seen)
-            raise UnsupportedOperation("a joined device-lane launch waited on before it fired")
-        if self.event is not None:
-            self.event.synchronize()
-
-
-class LaunchBatch:
-    """The PatternWrite launches of several writes started on one stack, each into its own
-    peer's lane, fired as one (:func:`launch_joined`). Runs on: the thread that opened it
-    (:func:`batch_launches`); ``Peer.write`` joins it at its launch, before any await."""
-
-    def __init__(self) -> None:
-        self._entries: List[tuple] = []  # (lane, parts, bases, Joined)
-        self.fired = False
-
-    def join(self, lane: "DeviceLane", parts, bases) -> Optional[Joined]:
-        """Take one write's ``parts`` (as :meth:`DeviceLane.launch_patterns` takes them) for
-        the batch's launch: its :class:`Joined` stand-in for the event, or None — the
-        write launches them itself — once fired, for a lane without the native launcher or
-        on another device than the batch's first, or parts of another group than the
-        first part's that :meth:`DeviceLane.launch_patterns` would launch apart
-        (:meth:`DeviceLane.joins`)."""
-        if self.fired or lane._tasks is None or lane.closed:
-            return None
-        if self._entries and self._entries[0][0].device != lane.device:
-            return None
-        first = parts[0][3] if parts else None
-        main = [(p[3], p[0]) for p in parts if p[3] == first]
-        if any(p[3] != first and not lane.joins(main, (p[3], p[0]), bases) for p in parts):
-            return None
-        slot = Joined(self)
-        self._entries.append((lane, parts, bases, slot))
-        return slot
-
-    def drop(self, slot: Joined) -> None:
-        """Forget the write that ``slot`` stands for (:meth:`Joined.withdraw`)."""
-        self._entries = [e for e in self._entries if e[3] is not slot]
-
-    def fire(self) -> None:
-        """Launch what joined (idempotent): each joined write's stand-in gets its lane's
-        event, or the launch's exception (raised where the write waits; never here)."""
-        if self.fired:
-            return
-        self.fired = True
-        entries, self._entries = self._entries, []
-        if not entries:
-            return
-        try:
-            events = launch_joined([(ln, parts, bases) for ln, parts, bases, _ in entries])
-        except Exception as exc:  # noqa: BLE001 - each joined write fails with it
-            for *_, slot in entries:
-                slot.exc, slot.fired = exc, True
-            return
-        for (*_, slot), ev in zip(entries, events):
-            slot.event, slot.fired = ev, True
-
-
-#: the LaunchBatch open on this stack (:func:`batch_launches`), if any
-_BATCH: "contextvars.ContextVar[Optional[LaunchBatch]]" = contextvars.ContextVar(
-    "kvxfer_lane_batch", default=None
-)
-
-
-@contextlib.contextmanager
-def batch_launches(on: bool = True) -> Iterator[Optional[LaunchBatch]]:
-    """Inside, the pattern launches of writes started on this stack join one
-    :class:`LaunchBatch` (``Peer.write``: unless the write already launched on its lane, or
-    waits inline — the last of them, which fires the batch at its launch); fired at the
-    exit whatever happened. ``on=False``: nothing joins."""
-    if not on:
-        yield None
-        return
-    batch = LaunchBatch()
-    token = _BATCH.set(batch)
-    try:
-        yield batch
-    finally:
-        _BATCH.reset(token)
-        batch.fire()
-
-
-def joining() -> Optional[LaunchBatch]:
-    """The :class:`LaunchBatch` open on this stack, None outside :func:`batch_launches`."""
-    return _BATCH.get()
-
-
-def launch_joined(entries) -> List[Any]:
-    """Launch ``entries`` = ``[(lane, parts, bases)]`` (each as
-    :meth:`DeviceLane.launch_patterns` takes them; the lanes native, of one device, as
-    :meth:`LaunchBatch.join` takes them): their live parts in ONE launch on the first lane's stream
-    (:meth:`DeviceLane._launch_joined`), each other lane's event recorded after it
-    (:meth:`DeviceLane._after`); one event per entry. One entry, one live part, or a table
-    refused natively: each entry's own :meth:`DeviceLane.launch_patterns`."""
-    live = [(ln, p, bases) for ln, parts, bases in entries for p in parts if len(p[1])]
-    lane0, ev = entries[0][0], None
-    t0 = time.perf_counter()
-    if len(entries) > 1 and len(live) > 1:
-        ev = lane0._launch_joined(live)
-    if ev is None:
-        return [ln.launch_patterns(parts, bases) for ln, parts, bases in entries]
-    t1 = time.perf_counter()
-    out = [ev if ln is lane0 else ln._after(ev) for ln, _, _ in entries]
-    prof = lane0.profile
-    if prof is not None:  # (diagnostics: $KVXFER_LANE_PROFILE)
-        prof.setdefault("joined launch", []).append((t1 - t0) * 1e6)
-        prof.setdefault("joined: other lanes' events", []).append((time.perf_counter() - t1) * 1e6)
-    return out
 
 
 def _lane_device(config, groups, hostname: str) -> Optional[int]:

@@ -617,17 +617,7 @@ class Peer:
                 stats.bytes += b
                 stats.device_bytes += b
             t_l = time.perf_counter()
-            # several writes started on this stack (a room's decode legs): one launch for
-            # all of them, fired by the one that waits inline or at the batch's end
-            batch = devcopy.joining() if launched is None else None
-            joined = None if batch is None else batch.join(self._dev, parts, bases)
-            if joined is None:
-                launched = self._dev.launch_patterns(parts, bases)
-            else:
-                launched = joined
-                if inline:
-                    assert batch is not None
-                    batch.fire()
+            launched = self._dev.launch_patterns(parts, bases)
             stats.launch_s += time.perf_counter() - t_l
         hosted: List[asyncio.Future] = []  # the host lane's copies (patterns, runs it took)
         try:
@@ -752,8 +742,7 @@ class Peer:
         """A write failing after its device-lane copy was launched or its host-lane copies
         started: until those copies ended (bounded by the write's deadline), so that the
         failure is reported only once none of its bytes can still land in the peer's pages
-        (their release may follow at once). A joined copy whose batch has not fired is
-        withdrawn instead (nothing of it is launched). Not for a cancellation, nor a timeout
+        (their release may follow at once). Not for a cancellation, nor a timeout
         (the caller fences the write's pages, the copies maybe still running; the host
         lane's close stops its copies and waits for them); a copy still running at the
         deadline raises :class:`TransferTimeout` from ``exc`` (fenced the same way). A
@@ -761,8 +750,6 @@ class Peer:
         host-lane copy's future resolves only once each of its parts stopped copying."""
         for h in hosted:  # given up on: its outcome is retrieved when it ends
             h.add_done_callback(_retrieve)
-        if isinstance(launched, devcopy.Joined) and launched.withdraw():
-            launched = None  # (its batch had not fired: nothing of it was launched)
         if isinstance(exc, (asyncio.CancelledError, TransferTimeout)):
             return
         running = []

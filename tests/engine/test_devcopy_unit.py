@@ -75,12 +75,11 @@ def test_lane_profile_parts_and_summary():
         "event",
         "total",
     }
-    prof["misses"], prof["apart"], prof["joined"] = 2, 1, 6
-    prof["joined launch"] = [30.0, 10.0, 20.0]  # (launch_joined's own timings)
+    prof["misses"], prof["apart"] = 2, 1
     text = DeviceLane.profile_summary(types.SimpleNamespace(profile=prof))
     assert text.startswith("3 pattern launches, p50 µs: ")
-    assert "kernel launch 4.0" in text and "event 5.0" in text and "joined launch 20.0" in text
-    assert text.endswith("table misses 2; parts launched apart 1; parts joined across lanes 6")
+    assert "kernel launch 4.0" in text and "event 5.0" in text
+    assert text.endswith("table misses 2; parts launched apart 1")
 
 
 class _FakeEvent:

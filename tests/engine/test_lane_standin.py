@@ -10,7 +10,6 @@ real code."""
 
 import asyncio
 import ctypes
-from typing import Optional
 
 import numpy as np
 import pytest
@@ -54,9 +53,6 @@ class StandInLane(devcopy.DeviceLane):
         self.emulated[list(emulated)] = True
         self._any_emulated = bool(self.emulated.any())
         self.launched: list = []
-        self.joined: list = []
-        self.after_events: list = []
-        self.refuse: Optional[Exception] = None
         self.waits = 0
 
     def launch(self, laddr, raddr, nbytes, ridx):
@@ -70,45 +66,18 @@ class StandInLane(devcopy.DeviceLane):
         self.waits += 1
         await devcopy.DeviceLane.wait(ev, spin_s, poll_s)
 
-    # the pattern launches (PatternWrites): each part's runs moved with memmove; a launch
-    # that joins several lanes' parts (LaunchBatch) is recorded on the first lane
-    device = 0
-    _tasks = None  # no native launcher: writes never join a LaunchBatch (joined tests set it)
+    # the pattern launches (PatternWrites): each part's runs moved with memmove
     profile = None
 
     def launch_patterns(self, parts, bases):
         self.launched.append((_move(parts, bases), ev := StandInEvent(self.after)))
         return ev
 
-    def _launch_joined(self, live):
-        if self.refuse:
-            raise self.refuse
-        moved = sum(_move([p], b) for _, p, b in live)
-        self.joined.append((len(live), moved, ev := StandInEvent(self.after)))
-        return ev
-
-    def _after(self, ev):
-        self.after_events.append(ev)
-        return AfterEvent(ev)
-
     def joins(self, main, extra, bases) -> bool:
         return True
 
     def close(self) -> None:
         self.closed = True
-
-
-class AfterEvent:
-    """Another lane's event recorded after ``ev``: done when it is."""
-
-    def __init__(self, ev) -> None:
-        self.ev = ev
-
-    def query(self) -> bool:
-        return self.ev.query()
-
-    def synchronize(self) -> None:
-        self.ev.synchronize()
 
 
 def _move(parts, bases) -> int:
@@ -342,220 +311,6 @@ def test_joins_launch_asks_the_lane_only_for_two_launchable_patterns():
             assert main == [("kv", runs)] and extra == ("state", st_runs)
             assert bases["state"][0] == (bufs["a-state"].ctypes.data,)
             assert bases["kv"][1] == tuple(b.ctypes.data for b in bufs["b"])
-        finally:
-            for e in engines.values():
-                await e.close()
-
-    asyncio.run(main())
-
-
-def _leg_writes(sides: str):
-    """One PatternWrite per decode side, each moving its share of every item's row (its
-    half: the head slices of a one-to-many room's legs), items 1, 2, 5 -> 4, 9, 12."""
-    from kvxfer.engine.slices import PatternRuns
-    from kvxfer.engine.types import PatternWrite
-
-    half = ITEM // 2
-    out = {}
-    for k, side in enumerate(sides):
-        runs = PatternRuns.make([([k * half], [k * half], [half])] * 2, [ITEM] * 2, [ITEM] * 2)
-        out[side] = PatternWrite("kv", [1, 2, 5], [4, 9, 12], runs)
-    return out
-
-
-def _joinable(peers) -> dict:
-    """A native-looking stand-in lane on every peer, its kv and state PatternWrites on
-    the lane."""
-    lanes = {}
-    for side, peer in peers.items():
-        lanes[side] = peer._dev = StandInLane(peer, after=3)
-        lanes[side]._tasks = object()
-        peer._pattern_ok.update(kv=True, state=True)
-    return lanes
-
-
-@pytest.mark.parametrize("last_inline", [True, False])
-def test_writes_in_a_batch_share_one_launch(last_inline):
-    """Pattern writes to two peers started on one stack inside ``devcopy.batch_launches``
-    (a room's decode legs): nothing is launched until the batch fires — at the write that
-    waits inline (the last leg), else at the batch's end — then ONE launch on the first
-    write's lane copies both writes' parts (the second's state slices too) and the second
-    lane records its event after it; every byte lands, each peer gets its notification,
-    nothing else is touched."""
-    from kvxfer import eager
-    from kvxfer.engine.slices import PatternRuns
-    from kvxfer.engine.types import PatternWrite
-
-    async def main():
-        engines, peers, bufs, notes = await _engines(1, state=True, sides="abc")
-        try:
-            lanes, writes = _joinable(peers), _leg_writes("bc")
-            st_runs = PatternRuns.make([([0], [16], [16])], [ITEM], [ITEM])
-            state = PatternWrite("state", [3, 7], [4, 8], st_runs)
-            loop = asyncio.get_running_loop()
-            futs = []
-            with devcopy.batch_launches() as batch:
-                for side, inline in (("b", False), ("c", last_inline)):
-                    futs.append(
-                        eager.start(
-                            loop.create_task,
-                            peers[side].write(
-                                [writes[side]] + ([state] if side == "c" else []),
-                                notify=side.encode(),
-                                timeout=10,
-                                inline=inline,
-                            ),
-                        )
-                    )
-                    if side == "b":  # joined: not launched, waiting
-                        assert not lanes["b"].joined and not futs[0].done()
-                assert batch.fired == last_inline
-            assert batch.fired
-            ((parts, moved, _),) = lanes["b"].joined
-            # 2 writes x 2 descriptors x 3 items, then the state's 2 items
-            assert parts == 3 and moved == 2 * 2 * 3 + 2
-            assert not lanes["c"].joined and len(lanes["c"].after_events) == 1
-            assert not lanes["b"].launched and not lanes["c"].launched
-            done = await asyncio.wait_for(asyncio.gather(*futs), 10)
-            assert [st.device_ops for st in done] == [6, 6 + 2]
-            a_st, c_st = bufs["a-state"], bufs["c-state"]
-            assert np.array_equal(c_st[[4, 8], 16:32], a_st[[3, 7], 0:16])
-            c_st[[4, 8], 16:32] = 6
-            assert (c_st == 6).all() and (bufs["b-state"] == 6).all()
-            a, half = np.stack(bufs["a"]), ITEM // 2
-            for k, side in enumerate("bc"):
-                got, cols = np.stack(bufs[side]), slice(k * half, (k + 1) * half)
-                for s, d in zip([1, 2, 5], [4, 9, 12]):
-                    assert np.array_equal(got[:, d, cols], a[:, s, cols])
-                    got[:, d, cols] = k + 2  # (what the side held before)
-                assert (got == k + 2).all()
-                await _until(lambda side=side: notes[side] == [side.encode()], "notifications")
-        finally:
-            for e in engines.values():
-                await e.close()
-
-    asyncio.run(main())
-
-
-def test_a_batch_launch_that_fails_fails_every_joined_write():
-    """The joined launch raises (a refused table, a driver error): each joined write raises
-    it where it waits, no byte moved and no notification sent; the peers stay usable — a
-    write outside a batch launches on its own lane."""
-    from kvxfer import eager
-    from kvxfer.errors import UnsupportedOperation
-
-    async def main():
-        engines, peers, bufs, notes = await _engines(1, sides="abc")
-        try:
-            lanes, writes = _joinable(peers), _leg_writes("bc")
-            lanes["b"].refuse = UnsupportedOperation("stand-in launch refused")
-            loop = asyncio.get_running_loop()
-            with devcopy.batch_launches():
-                futs = [
-                    eager.start(
-                        loop.create_task,
-                        peers[side].write([writes[side]], notify=b"x", timeout=10, inline=False),
-                    )
-                    for side in "bc"
-                ]
-            for fut in futs:
-                with pytest.raises(UnsupportedOperation, match="stand-in launch refused"):
-                    await asyncio.wait_for(fut, 10)
-            assert all((np.stack(bufs[s]) == k + 2).all() for k, s in enumerate("bc"))
-            assert notes == {"b": [], "c": []}
-            await peers["c"].write([writes["c"]], notify=b"alone", timeout=10)
-            assert len(lanes["c"].launched) == 1 and not lanes["c"].joined
-            await _until(lambda: notes["c"] == [b"alone"], "the notification")
-        finally:
-            for e in engines.values():
-                await e.close()
-
-    asyncio.run(main())
-
-
-def test_launch_batch_joins_only_what_one_launch_can_take():
-    """``LaunchBatch.join`` declines (the write launches itself) a lane without the native
-    launcher, a closed lane, another device's lane, another group's part that the lane
-    would launch apart, and anything once fired; a joined launch is not done before its
-    batch fired, and waiting on it then is an error, not a hang. Outside
-    ``batch_launches`` (or with ``on=False``) nothing joins."""
-    from kvxfer.errors import UnsupportedOperation
-
-    class Lane:
-        def __init__(self, device=0, native=True, closed=False, joins=True):
-            self.device, self.closed, self.asked = device, closed, []
-            self._tasks = object() if native else None
-            self._joins = joins
-
-        def joins(self, main, extra, bases):
-            self.asked.append((main, extra))
-            return self._joins
-
-    kv, state = (None, [1], [2], "kv"), (None, [1], [2], "state")
-    assert devcopy.joining() is None
-    with devcopy.batch_launches(False) as off:
-        assert off is None and devcopy.joining() is None
-    batch = devcopy.LaunchBatch()
-    assert batch.join(Lane(native=False), [kv], {}) is None
-    assert batch.join(Lane(closed=True), [kv], {}) is None
-    apart = Lane(joins=False)
-    assert batch.join(apart, [kv, state], {}) is None
-    assert apart.asked == [([("kv", None)], ("state", None))]
-    assert batch.join(Lane(), [kv, state], {}) is not None
-    slot = batch.join(Lane(), [kv], {})
-    assert slot is not None and not slot.query()
-    with pytest.raises(UnsupportedOperation):
-        slot.synchronize()
-    assert batch.join(Lane(device=1), [kv], {}) is None
-    assert batch.join(Lane(), [state], {}) is not None  # one group per write, any group
-    with devcopy.batch_launches() as outer:
-        assert devcopy.joining() is outer
-    assert devcopy.joining() is None and outer.fired
-    batch.fired = True
-    assert batch.join(Lane(), [kv], {}) is None
-
-
-def test_a_joined_write_that_fails_before_the_batch_fires_is_withdrawn():
-    """A write joins the batch, then fails before it fires (the PUT of its host-memory rest
-    finds the endpoint gone): its parts are taken out — none of its bytes is copied after
-    its failure was reported — and the batch launches the other write's alone."""
-    from kvxfer import eager
-    from kvxfer.engine.types import ItemWrite
-    from kvxfer.errors import PeerClosed
-
-    async def main():
-        engines, peers, bufs, notes = await _engines(1, state=True, sides="abc")
-        try:
-            lanes, writes = _joinable(peers), _leg_writes("bc")
-            peers["b"]._pattern_ok["state"] = False  # b's state rows go as PUTs ...
-
-            def gone(*_):  # ... which find the endpoint gone
-                raise PeerClosed("stand-in: endpoint gone")
-
-            peers["b"]._rma.put = gone
-            loop = asyncio.get_running_loop()
-            with devcopy.batch_launches() as batch:
-                fb = eager.start(
-                    loop.create_task,
-                    peers["b"].write(
-                        [writes["b"], ItemWrite("state", [3], [4])], notify=b"b", inline=False
-                    ),
-                )
-                assert not batch.fired  # b joined, then failed: withdrawn
-                fc = eager.start(
-                    loop.create_task, peers["c"].write([writes["c"]], notify=b"c", inline=True)
-                )
-            with pytest.raises(PeerClosed, match="endpoint gone"):
-                await asyncio.wait_for(fb, 10)
-            await asyncio.wait_for(fc, 10)
-            assert not lanes["b"].joined and not lanes["c"].joined  # c's parts alone
-            assert len(lanes["c"].launched) == 1 and not lanes["b"].launched
-            assert (np.stack(bufs["b"]) == 2).all()  # nothing of b's copied
-            a, half = np.stack(bufs["a"]), ITEM // 2
-            got = np.stack(bufs["c"])
-            assert np.array_equal(got[:, [4, 9, 12], half:], a[:, [1, 2, 5], half:])
-            await _until(lambda: notes["c"] == [b"c"], "c's notification")
-            assert notes["b"] == []
         finally:
             for e in engines.values():
                 await e.close()
