@@ -646,8 +646,8 @@ def prefill_send(side: PrefillSide, r: Room, chunk: Chunk) -> None:
     it plans, launches and posts on this stack, then waits for its copy and flush in its
     task instead of spinning here, so the next leg's host work overlaps them; the last leg
     waits inline as a single write does (bench/results/tp-pattern-h200.md). Run as the
-    loop's guest, the send then finishes on this thread what those
-    earlier legs left (:data:`SETTLE_LEGS`)."""
+    loop's guest, the send then finishes on this thread what those earlier legs left
+    (:data:`SETTLE_LEGS`)."""
     legs: Legs = r.legs
     if legs.history is not None:
         legs.history.append(chunk)
