@@ -206,6 +206,9 @@ class PrefillSide:
             return
         r.link, r.dst_kv, r.dst_state, r.dst_aux = link, dst_kv, dst_state, dst_aux
         r.dst_span = dst_span
+        # the Done goes with the last chunk; encoded here, off the send's path (without the
+        # integrity mode's checksums, which only the write knows)
+        r.done_note = m.Done(room=r.room, pages=len(dst_kv)).encode()
         link.rooms.add(r)
         if r.num_kv is not None and not self._check_counts(r):
             return
@@ -473,7 +476,9 @@ class PrefillSide:
             sums = await mgr.integrity.source(r, src, src_state, last)
             if is_terminal(r.state) or r.link is None or r.link.dead:
                 return
-        if last:
+        if last and sums is None and r.done_note is not None:
+            notify = r.done_note  # (_attach)
+        elif last:
             notify = m.Done(room=r.room, pages=len(r.dst_kv), sums=sums).encode()
         else:
             done = r.pages_map.dst_pages_done(r.pages_done + len(src))

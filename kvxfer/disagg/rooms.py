@@ -69,6 +69,7 @@ class Room:
         "pages_queued",
         "pages_done",
         "dst_span",
+        "done_note",
         "pages_map",
         "chain",
         "queued",
@@ -126,6 +127,9 @@ class Room:
         self.pages_done = 0
         #: decode's (prefix_len, num_tokens or None), from its TransferInfo
         self.dst_span: Tuple[int, Optional[int]] = (0, None)
+        #: the last chunk's Done, encoded when decode's destination came (kvxfer.disagg.
+        #: prefill_side): bytes that depend only on the room and decode's page count
+        self.done_note: Optional[bytes] = None
         #: how the room's tokens travel (kvxfer.disagg.page_map.RoomPages), once both sides'
         #: page counts are known
         self.pages_map: Any = None
