@@ -40,8 +40,6 @@
  *   gather                    memcpy of a list of local runs into one buffer (the host lane's
  *                             packing of short strided runs; no UCX involved)
  *   CompletionQueue.ep_create bulk endpoint (error mode NONE + error handler, see there)
- *   keep_awake                SCHED_IDLE spinning threads that keep the host's vCPUs from
- *                             halting (opt-in, $KVXFER_KEEP_AWAKE; see there)
  *
  * Invariants
  *   - Every call into libucp releases the GIL: UCXX's progress thread holds the worker lock
@@ -905,90 +903,6 @@ static PyObject *py_ucx_version(PyObject *self, PyObject *noargs)
     unsigned major, minor, release;
     ucp_get_version(&major, &minor, &release);
     return Py_BuildValue("(III)", major, minor, release);
-}
-
-/* ----------------------------------------------------------- keep awake
- * keep_awake(n) -> int: run n native threads that spin at SCHED_IDLE priority (any other
- * thread of the host preempts them on wake-up) so that no vCPU of this process's host
- * halts while it is idle; n = 0 stops them (joined, GIL released). Returns how many run.
- * Why: on the lent GPU machines (microVMs whose idle vCPUs exit to the hypervisor at once,
- * cpuidle haltpoll with guest_halt_poll_ns=0) a thread woken on a halted vCPU waits for the
- * host to run that vCPU again (bench/results/awake-*.md). The threads never touch Python
- * or UCX; they cost CPU time the host would otherwise idle (or lend elsewhere).
- */
-static pthread_mutex_t g_awake_mu = PTHREAD_MUTEX_INITIALIZER;
-static int g_awake_on;
-static int g_awake_n;
-static pthread_t *g_awake_threads;
-
-static void *awake_main(void *arg)
-{
-    struct sched_param sp;
-    (void)arg;
-    memset(&sp, 0, sizeof(sp));
-    /* (this thread only, on Linux; unprivileged) */
-    (void)sched_setscheduler(0, SCHED_IDLE, &sp);
-    prctl(PR_SET_NAME, "kvxfer-awake", 0, 0, 0);
-    while (__atomic_load_n(&g_awake_on, __ATOMIC_RELAXED)) {
-        for (int i = 0; i < 64; i++) {
-#if defined(__x86_64__) || defined(__i386__)
-            __builtin_ia32_pause();
-#elif defined(__aarch64__)
-            __asm__ __volatile__("yield");
-#endif
-        }
-    }
-    return NULL;
-}
-
-static void awake_stop_locked(void)
-{
-    __atomic_store_n(&g_awake_on, 0, __ATOMIC_RELAXED);
-    for (int i = 0; i < g_awake_n; i++)
-        pthread_join(g_awake_threads[i], NULL);
-    free(g_awake_threads);
-    g_awake_threads = NULL;
-    g_awake_n       = 0;
-}
-
-/* a forked child has none of the parent's threads: forget them (never joined there) */
-static void awake_atfork_child(void)
-{
-    pthread_mutex_init(&g_awake_mu, NULL);
-    g_awake_on      = 0;
-    g_awake_n       = 0;
-    g_awake_threads = NULL; /* (the parent's array: left to the child's exit) */
-}
-
-static PyObject *py_keep_awake(PyObject *self, PyObject *args)
-{
-    int n, started = 0, nomem = 0;
-    if (!PyArg_ParseTuple(args, "i", &n))
-        return NULL;
-    if (n < 0 || n > 4096) {
-        PyErr_Format(PyExc_ValueError, "keep_awake: %d threads (0 to 4096)", n);
-        return NULL;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&g_awake_mu);
-    awake_stop_locked();
-    if (n > 0) {
-        g_awake_threads = calloc((size_t)n, sizeof(pthread_t));
-        if (g_awake_threads != NULL) {
-            __atomic_store_n(&g_awake_on, 1, __ATOMIC_RELAXED);
-            for (; started < n; started++)
-                if (pthread_create(&g_awake_threads[started], NULL, awake_main, NULL) != 0)
-                    break;
-            g_awake_n = started;
-        } else {
-            nomem = 1;
-        }
-    }
-    pthread_mutex_unlock(&g_awake_mu);
-    Py_END_ALLOW_THREADS
-    if (nomem)
-        return PyErr_NoMemory();
-    return PyLong_FromLong(started);
 }
 
 /* ----------------------------------------------------------- completions */
@@ -2777,9 +2691,6 @@ static PyMethodDef methods[] = {
     {"ep_info", py_ep_info, METH_VARARGS, "ep_info(ep) -> ucp_ep_print_info text"},
     {"status_string", py_status_string, METH_VARARGS, "status_string(code) -> str"},
     {"ucx_version", py_ucx_version, METH_NOARGS, "libucp version (major, minor, release)"},
-    {"keep_awake", py_keep_awake, METH_VARARGS,
-     "keep_awake(n) -> threads running: n native threads spinning at SCHED_IDLE priority "
-     "(0 stops them)"},
     {NULL}};
 
 static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_rma",
@@ -2791,7 +2702,6 @@ PyMODINIT_FUNC PyInit__rma(void)
     PyObject *m;
     if (PyType_Ready(&CompletionQueueType) < 0)
         return NULL;
-    pthread_atfork(NULL, NULL, awake_atfork_child);
     m = PyModule_Create(&moddef);
     if (m == NULL)
         return NULL;

@@ -142,57 +142,6 @@ def spin_linger_us() -> float:
     return us
 
 
-#: opt-in, read when the process's first transport makes its completion queue: that many
-#: native threads (``all``: one per usable CPU) spin at SCHED_IDLE priority for the
-#: process's life (``_rma.keep_awake``), so the host's vCPUs never halt while our threads
-#: sleep: a thread woken on a halted vCPU of a microVM waits for the hypervisor to run it
-#: again. Any other thread preempts them on wake-up; they cost the CPU time the host would
-#: otherwise idle. Unset or 0: off (bench/results/awake-*.md)
-KEEP_AWAKE_ENV = "KVXFER_KEEP_AWAKE"
-_awake_lock = threading.Lock()
-_awake_started: Optional[int] = None
-
-
-def keep_awake_threads() -> int:
-    """``$KVXFER_KEEP_AWAKE`` as a thread count: unset, empty or 0 → 0; ``all`` → one per
-    usable CPU; else an integer 0 to 4096; :class:`InvalidArgument` for anything else."""
-    env = os.environ.get(KEEP_AWAKE_ENV, "").strip()
-    if env in ("", "0"):
-        return 0
-    if env == "all":
-        return usable_cpus()
-    try:
-        n = int(env)
-    except ValueError:
-        n = -1
-    if not 0 <= n <= 4096:
-        raise InvalidArgument(
-            f"${KEEP_AWAKE_ENV}={env!r}: expected a thread count (0 to 4096) or 'all'"
-        )
-    return n
-
-
-def _awake_forked() -> None:
-    """A forked child has none of its parent's threads (nor a thread holding the lock)."""
-    global _awake_started, _awake_lock
-    _awake_started, _awake_lock = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_awake_forked)
-
-
-def start_keep_awake(rma: Any, n: int) -> int:
-    """Start ``n`` keep-awake threads (:func:`keep_awake_threads`), once per process: later
-    calls return the first call's count. Runs on: any thread."""
-    global _awake_started
-    with _awake_lock:
-        if _awake_started is None:
-            _awake_started = rma.keep_awake(n) if n else 0
-            if n:
-                log.info("keep-awake: %d SCHED_IDLE spinning threads", _awake_started)
-        return _awake_started
-
-
 #: how often the native poller (and a chain's inline wait) wakes UCXX's progress thread while
 #: a spin flush is in flight (KVXFER_POLL_SIGNAL_US)
 POLL_SIGNAL_US = 5.0
@@ -296,9 +245,6 @@ class UcxTransport(Transport):
         #: last activity (KVXFER_SPIN_LINGER_US, SPIN_LINGER_US; 0: it sleeps at once); read
         #: when the completion queue is made
         self.spin_linger_us = spin_linger_us() if own_rma else 0.0
-        #: native SCHED_IDLE spinning threads this process runs from the first completion
-        #: queue on (KVXFER_KEEP_AWAKE, KEEP_AWAKE_ENV; 0: none)
-        self.keep_awake = keep_awake_threads()
         #: chains and short PUT batches on kvxfer's own worker keep the GIL (the native side
         #: honours it only for that worker's endpoints; kvxfer.transport.ucx_rma.
         #: KEEP_GIL_MAX_OPS); not with ``$KVXFER_NATIVE_GIL=release``
@@ -334,7 +280,6 @@ class UcxTransport(Transport):
         where every RMA endpoint lives, else on UCXX's worker alone (the poller then only
         signals UCXX's progress thread)."""
         signal_us = float(os.environ.get("KVXFER_POLL_SIGNAL_US", POLL_SIGNAL_US))
-        start_keep_awake(self.rma, self.keep_awake)  # (once per process)
         if self.own_rma:
             q = self.rma.CompletionQueue(
                 worker=self.worker_handle, signal_us=signal_us, context=self.context_handle
