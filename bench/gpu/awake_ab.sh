@@ -12,6 +12,8 @@
 # kvxfer's waits yield the CPU (ucx.YIELD_BELOW_CPUS), and a yield hands it to the spinner
 # for a whole slice (on the 2-core CPU box the flush + notify stage went 33 -> 90-190 µs:
 # bench/results/awake-cpu.md).
+# Measured on an H100 host in stop 59 (bench/results/awake-h100.md): no cheaper with the
+# spinners, p99 4-5x worse; the in-process knob that came from this hypothesis is removed.
 #   bash bench/gpu/run_all.sh awake_ab
 # Env: AWAKE_ROUNDS (2), AWAKE_TP (e.g. "1:4": also that TP row with its stages, ~1.5 min a
 # run on the H100; unset: the 1-page runs only, ~40 s each), AWAKE_LAYOUT (hnd), AWAKE_ITERS
