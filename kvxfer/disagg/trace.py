@@ -12,9 +12,11 @@ names (prefill stamps the last chunk only; decode its Done):
 * prefill: ``send`` (``KVSender.send`` on the scheduler thread), ``loop`` (picked up on the
   loop thread), ``plan`` (page map done), ``write`` (``Peer.write`` called, after the task
   hop), then from the engine's :class:`~kvxfer.engine.types.TransferStats`: ``planned``
-  (its planning done: the post starts), ``launched`` (its device-lane launches returned, when
-  it had any), ``posted`` (native post, with any device launch,
-  returned), ``flushed`` (UCX reported the flush), ``woken`` (the loop resumed after it), ``notified``
+  (its planning done: the post starts), ``launched`` (its lane launches returned — the
+  device lane's, the host lane's start — when it had any; "planned → launched" includes the
+  lane pick before them), ``put`` (its UCX PUTs start being posted: after the launches, the
+  lane masks and the notification's turn), ``posted`` (the native post returned),
+  ``flushed`` (UCX reported the flush), ``woken`` (the loop resumed after it), ``notified``
   (the notification handed to UCX and ``Peer.write`` returned).
 * decode: ``arrived`` (the Done's notification taken by the transport's native receive
   callback, :func:`kvxfer.transport.base.note_arrival`; absent when the Done was not
@@ -79,9 +81,15 @@ def mark_write(rec: Record, t_call: int, t_ret: int, stats: Any) -> None:
         woken=posted + int(stats.wake_s * 1e9),
         notified=t_ret,
     )
+    # (the end of the lane launches and the start of the PUTs, where the engine measured
+    # them; else "launched" derived as the launches' time after "planned")
+    launched = int(getattr(stats, "launched_ns", 0))
     launch_s = getattr(stats, "launch_s", 0.0)
-    if launch_s:
-        rec["launched"] = planned + int(launch_s * 1e9)
+    if launched or launch_s:
+        rec["launched"] = launched or planned + int(launch_s * 1e9)
+    put = int(getattr(stats, "put_ns", 0))
+    if put:
+        rec["put"] = put
 
 
 class StageTrace:

@@ -647,11 +647,14 @@ class Peer:
         except BaseException as exc:
             await self._settle_copies(launched, hosted, deadline, exc)
             raise
+        if stats.launch_s:
+            stats.launched_ns = time.monotonic_ns()
         gate_prev, gate = self._note_turn() if notify is not None else (None, None)
         chunks: List[Chunk] = []  # staged chunks whose plans are out: given up on failure
         promised = False  # the notify was handed over: it vouches for every chunk
         try:
             try:
+                stats.put_ns = time.monotonic_ns()
                 if laddr.size:
                     self._rma.put(laddr, raddr, nbytes, lmemh, ridx)
                 t1, m1 = time.perf_counter(), time.monotonic()

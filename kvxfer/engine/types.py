@@ -78,7 +78,10 @@ class TransferStats:
     landing-slot chunk → scatter at the target); ``staged_bytes`` of ``bytes`` did, and
     ``staged_direct_ops`` is how many PUTs those parts would have needed unstaged; ``ops``
     counts the PUTs actually posted. ``posted_ns``: ``time.monotonic_ns()`` at the end of
-    posting (0: not measured), the origin of the durations above."""
+    posting (0: not measured), the origin of the durations above; ``launched_ns``: at the
+    end of the write's lane launches (0: none), ``put_ns``: where its UCX PUTs started being
+    posted (after the launches, the lane masks and the notification's turn; 0: not
+    measured) — stage stamps (kvxfer.disagg.trace)."""
 
     bytes: int = 0
     ops: int = 0
@@ -94,6 +97,8 @@ class TransferStats:
     staged_bytes: int = 0
     staged_direct_ops: int = 0
     posted_ns: int = 0
+    launched_ns: int = 0
+    put_ns: int = 0
     #: of ``ops`` / ``bytes``, the runs copied by the same-host host lane
     #: (kvxfer.engine.hostcopy: process_vm_writev) instead of UCX; a copy done inline (up to
     #: 1 MiB) counts in ``post_s`` and ``launch_s``

@@ -165,6 +165,8 @@ def test_lane_write_moves_every_byte_then_notifies(after, first_only):
             on_lane = runs if first_only else 2 * runs
             assert len(lane.launched) == 1 and lane.launched[0][0] == stats.device_ops == on_lane
             assert stats.ops == 2 * runs  # the rest went as UCX PUTs
+            # stage stamps: the launch ended, then the PUTs were posted (one clock)
+            assert 0 < stats.launched_ns <= stats.put_ns <= stats.posted_ns, stats
             assert lane.waits == (0 if after == 1 else 1)
             a, b = np.stack(bufs["a"]), np.stack(bufs["b"])
             for s, d in zip(src, dst):
