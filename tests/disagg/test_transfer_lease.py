@@ -2,7 +2,10 @@
 chunk whose write ends on the sender's stack takes the room to Success without a deadline
 timer of its own (nothing made, nothing cancelled), while one whose write suspends — forced
 here by a write that yields once before it starts — has its room under the Transferring
-lease (``transfer_s``) until it ends. Both managers in one child process, real UCX loopback."""
+lease (``transfer_s``) until it ends. Whether an unforced 1-page write ends on the stack
+depends on the host (its flush may outlast the inline wait on a loaded one), so for that
+room the test asserts that any lease was armed while its write was under way (the old code
+armed it before the write existed). Both managers in one child process, real UCX loopback."""
 
 import asyncio
 
@@ -21,11 +24,13 @@ T = Timeouts(bootstrap_s=5, waiting_s=30, transfer_s=7, heartbeat_interval_s=0.2
 def test_transferring_lease_only_for_a_write_under_way():
     got = run_in_child(_lease_main)
     inline, suspended = got["inline"], got["suspended"]
-    # a write that ended on the stack: Success with no Transferring deadline ever set
-    assert inline["state"] == "Success" and inline["arms"] == [], inline
+    # an unforced write: Success, and a Transferring deadline only if the write was under
+    # way when it was set (none at all when the write ended on the stack, the usual case)
+    assert inline["state"] == "Success", inline
+    assert all(under_way for _, _, under_way in inline["arms"]), inline
     # a write that suspended: its room was under the 7 s lease while it ran
     assert suspended["state"] == "Success", suspended
-    assert suspended["arms"] == [("Transferring", 7.0)], suspended
+    assert suspended["arms"] == [("Transferring", 7.0, True)], suspended
     assert suspended["during"] == ("Transferring", 7.0), suspended
     assert got["bytes_ok"]
 
@@ -48,7 +53,8 @@ async def _lease():
     def arm(r, seconds=None):
         real_arm(r, seconds)
         if r.due is not None and r.state == KVPoll.Transferring:
-            arms.append((r.room, r.due[1].name, r.due[2]))
+            under_way = r.chain is not None and not r.chain.done()
+            arms.append((r.room, r.due[1].name, r.due[2], under_way))
 
     p.arm = arm  # type: ignore[method-assign]
     out: dict = {}
@@ -82,7 +88,7 @@ async def _lease():
                 Peer.write = real_write  # type: ignore[method-assign]
             out[name] = {
                 "state": state.name,
-                "arms": [(s, sec) for rm, s, sec in arms if rm == room],
+                "arms": [(s, sec, u) for rm, s, sec, u in arms if rm == room],
             }
             if name == "suspended":
                 out[name]["during"] = during[0]
