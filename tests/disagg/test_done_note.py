@@ -8,9 +8,9 @@ import asyncio
 
 import numpy as np
 import pytest
-from test_pd_api import Side
+from test_pd_api import Side, one_page_room, pd_pair
 
-from kvxfer import BootstrapServer, KVManager, KVPoll, KVReceiver, KVSender, Timeouts
+from kvxfer import Timeouts
 from kvxfer.procs import run_in_child
 
 pytestmark = pytest.mark.timeout(60)
@@ -32,11 +32,7 @@ def _main():
 async def _run():
     from kvxfer.disagg import messages as m
 
-    bs = BootstrapServer(port=0)
-    await bs.start()
     P, D = Side(21), Side(22)
-    p = await KVManager(P.args, "prefill", bootstrap_addr=bs.address, timeouts=T).start()
-    d = await KVManager(D.args, "decode", timeouts=T).start()
     real_encode = m.Done.encode
     calls = [0]
 
@@ -44,14 +40,8 @@ async def _run():
         calls[0] += 1
         raise AssertionError("a Done was encoded on the send's path")
 
-    try:
-        recv = KVReceiver(d, bs.address, 5)
-        recv.init()
-        send = KVSender(p, bs.address, 5)
-        send.init(1, 0)
-        recv.send_metadata([17], 5)
-        while send.poll() != KVPoll.WaitingForInput:
-            await asyncio.sleep(0.001)
+    async with pd_pair(P, D, T) as (bs, p, d):
+        send, recv = await one_page_room(bs, p, d, 5, 17)
         m.Done.encode = refuse  # type: ignore[method-assign]
         try:
             send.send([6])
@@ -63,7 +53,3 @@ async def _run():
             "encodes_during_send": calls[0],
             "bytes_ok": bool(np.array_equal(D.page(17), P.page(6))),
         }
-    finally:
-        await d.close()
-        await p.close()
-        await bs.close()

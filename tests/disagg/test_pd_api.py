@@ -3,9 +3,11 @@ scheduler over background-loop managers (non-blocking ``poll()``, ``wait_blockin
 from a foreign event loop) — with both managers in this process on real UCX loopback."""
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -55,6 +57,37 @@ class Side:
 
     def page(self, p):
         return self.kv[:, p * ITEM : (p + 1) * ITEM]
+
+
+@contextlib.asynccontextmanager
+async def pd_pair(P, D, timeouts):
+    """A bootstrap server and started prefill (side ``P``) and decode (side ``D``) managers
+    on this loop, closed on exit: ``(bs, p, d)``."""
+    bs = BootstrapServer(port=0)
+    await bs.start()
+    p = await KVManager(P.args, "prefill", bootstrap_addr=bs.address, timeouts=timeouts).start()
+    d = await KVManager(D.args, "decode", timeouts=timeouts).start()
+    try:
+        yield bs, p, d
+    finally:
+        await d.close()
+        await p.close()
+        await bs.close()
+
+
+async def one_page_room(bs, p, d, room, dst_page, within=10.0):
+    """A 1-page room's KVReceiver and KVSender (``init(1, 0)``, decode's page
+    ``dst_page``), returned once the sender waits for input: ``(send, recv)``."""
+    recv = KVReceiver(d, bs.address, room)
+    recv.init()
+    send = KVSender(p, bs.address, room)
+    send.init(1, 0)
+    recv.send_metadata([dst_page], room)
+    end = time.monotonic() + within
+    while send.poll() != KVPoll.WaitingForInput:
+        assert time.monotonic() < end, f"room {room}: sender never waited for input"
+        await asyncio.sleep(0.001)
+    return send, recv
 
 
 T = Timeouts(bootstrap_s=5, waiting_s=5, transfer_s=5, heartbeat_interval_s=0.2)

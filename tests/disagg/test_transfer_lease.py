@@ -11,9 +11,9 @@ import asyncio
 
 import numpy as np
 import pytest
-from test_pd_api import Side
+from test_pd_api import Side, one_page_room, pd_pair
 
-from kvxfer import BootstrapServer, KVManager, KVPoll, KVReceiver, KVSender, Timeouts
+from kvxfer import KVPoll, Timeouts
 from kvxfer.procs import run_in_child
 
 pytestmark = pytest.mark.timeout(60)
@@ -42,41 +42,31 @@ def _lease_main():
 async def _lease():
     from kvxfer.engine.peer import Peer
 
-    bs = BootstrapServer(port=0)
-    await bs.start()
     P, D = Side(11), Side(12)
-    p = await KVManager(P.args, "prefill", bootstrap_addr=bs.address, timeouts=T).start()
-    d = await KVManager(D.args, "decode", timeouts=T).start()
-    arms: list = []
-    real_arm = p.arm
+    async with pd_pair(P, D, T) as (bs, p, d):
+        arms: list = []
+        real_arm = p.arm
 
-    def arm(r, seconds=None):
-        real_arm(r, seconds)
-        if r.due is not None and r.state == KVPoll.Transferring:
-            under_way = r.chain is not None and not r.chain.done()
-            arms.append((r.room, r.due[1].name, r.due[2], under_way))
+        def arm(r, seconds=None):
+            real_arm(r, seconds)
+            if r.due is not None and r.state == KVPoll.Transferring:
+                under_way = r.chain is not None and not r.chain.done()
+                arms.append((r.room, r.due[1].name, r.due[2], under_way))
 
-    p.arm = arm  # type: ignore[method-assign]
-    out: dict = {}
-    real_write = Peer.write
-    during: list = []
-    room_now = [0]
+        p.arm = arm  # type: ignore[method-assign]
+        out: dict = {}
+        real_write = Peer.write
+        during: list = []
+        room_now = [0]
 
-    async def yielding_write(self, *args, **kw):
-        await asyncio.sleep(0)  # the write suspends before it starts
-        r = p.rooms.get(room_now[0])
-        during.append((r.due[1].name, r.due[2]) if r is not None and r.due else None)
-        return await real_write(self, *args, **kw)
+        async def yielding_write(self, *args, **kw):
+            await asyncio.sleep(0)  # the write suspends before it starts
+            r = p.rooms.get(room_now[0])
+            during.append((r.due[1].name, r.due[2]) if r is not None and r.due else None)
+            return await real_write(self, *args, **kw)
 
-    try:
         for name, room, page, dst in (("inline", 1, 3, 20), ("suspended", 2, 4, 21)):
-            recv = KVReceiver(d, bs.address, room)
-            recv.init()
-            send = KVSender(p, bs.address, room)
-            send.init(1, 0)
-            recv.send_metadata([dst], room)
-            while send.poll() != KVPoll.WaitingForInput:
-                await asyncio.sleep(0.001)
+            send, recv = await one_page_room(bs, p, d, room, dst)
             room_now[0] = room
             if name == "suspended":
                 Peer.write = yielding_write  # type: ignore[method-assign]
@@ -96,7 +86,3 @@ async def _lease():
             np.array_equal(D.page(20), P.page(3)) and np.array_equal(D.page(21), P.page(4))
         )
         return out
-    finally:
-        await d.close()
-        await p.close()
-        await bs.close()
